@@ -1,0 +1,40 @@
+"""minivllm: a small, fast, readable LLM inference engine for teaching.
+
+The public names are imported lazily so that ``import minivllm`` stays fast
+(transformers and the model code load on first use).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "minivllm.llm",
+    "SamplingParams": "minivllm.sampling_params",
+    "RequestOutput": "minivllm.outputs",
+    "CompletionOutput": "minivllm.outputs",
+    "RequestMetrics": "minivllm.outputs",
+    "EngineArgs": "minivllm.config",
+    "LLMEngine": "minivllm.engine.llm_engine",
+    "StepResult": "minivllm.engine.llm_engine",
+    "StepRecord": "minivllm.telemetry.step_record",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from minivllm.config import EngineArgs
+    from minivllm.engine.llm_engine import LLMEngine, StepResult
+    from minivllm.llm import LLM
+    from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.telemetry.step_record import StepRecord
