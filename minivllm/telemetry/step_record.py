@@ -1,0 +1,107 @@
+"""What one engine step did, measured: the unit the widgets and benchmarks draw from."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class ScheduledEntry:
+    """One request's share of a step.
+
+    Attributes:
+        request_id: the request.
+        num_tokens: tokens it contributed to the forward pass this step.
+        is_prefill: True for a prefill chunk (prompt, or prompt + output being
+            recomputed after a preemption), False for a decode token.
+        first_position: absolute position of its first token this step.
+        sampled: True when a token was sampled for it at the end of the step
+            (a prefill chunk that does not reach the end of the prompt samples nothing).
+    """
+
+    request_id: str
+    num_tokens: int
+    is_prefill: bool
+    first_position: int
+    sampled: bool
+
+
+@dataclass
+class StepRecord:
+    """Measured facts about one ``LLMEngine.step()``.
+
+    Times are ``time.perf_counter`` seconds (``start_time``, ``end_time``) and
+    milliseconds (``*_ms``). On CPU the model time is taken around a synchronous
+    forward; on CUDA the step is synchronised before ``end_time`` is read, so
+    ``wall_ms`` is real device time plus host overhead.
+
+    Attributes:
+        index: 0-based step number since the engine started.
+        num_prefill_tokens / num_decode_tokens: tokens of each phase in the forward pass.
+        num_seqs: sequences in the forward pass.
+        num_prefill_chunks: prefill entries this step (a whole prompt counts as one chunk).
+        scheduled: per-request entries, decodes first, then prefill chunks.
+        preempted / finished: request ids preempted (recompute) or finished this step.
+        kv_blocks_used / kv_blocks_free / kv_blocks_cached: block pool state after the
+            step. ``free`` includes cached blocks that no request references (they are
+            reusable); ``cached`` counts blocks holding a registered prefix hash.
+        prefix_cache_hit_tokens: prompt tokens whose KV was reused from the prefix
+            cache by requests admitted this step.
+        attention_backend: name of the backend that ran the step.
+        schedule_ms / prepare_ms / model_ms / sample_ms / postprocess_ms: where the
+            time went (scheduling, building input tensors and metadata, the forward
+            pass incl. logits, sampling, stop checks + detokenisation + outputs).
+        flops / bytes_moved / mfu / mbu: roofline figures for the step, filled by
+            ``minivllm.telemetry.roofline`` when peaks are known (else None).
+    """
+
+    index: int
+    start_time: float
+    end_time: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    num_prefill_chunks: int
+    scheduled: list[ScheduledEntry]
+    preempted: list[str]
+    finished: list[str]
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    prefix_cache_hit_tokens: int
+    attention_backend: str
+    schedule_ms: float = 0.0
+    prepare_ms: float = 0.0
+    model_ms: float = 0.0
+    sample_ms: float = 0.0
+    postprocess_ms: float = 0.0
+    flops: float | None = None
+    bytes_moved: float | None = None
+    mfu: float | None = None
+    mbu: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def wall_ms(self) -> float:
+        """Step wall time in milliseconds."""
+        return (self.end_time - self.start_time) * 1e3
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def phase(self) -> str:
+        """"prefill", "decode", "mixed" or "idle" (no tokens)."""
+        if self.num_prefill_tokens and self.num_decode_tokens:
+            return "mixed"
+        if self.num_prefill_tokens:
+            return "prefill"
+        if self.num_decode_tokens:
+            return "decode"
+        return "idle"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["wall_ms"] = self.wall_ms
+        d["phase"] = self.phase
+        return d
