@@ -1,0 +1,132 @@
+"""The reference attention backend: paged KV gathered through the block table, then SDPA.
+
+Plain PyTorch, any device and dtype. Every other backend is tested against this one.
+
+Per step (:meth:`TorchAttentionBackend.prepare`, once, shared by all layers) the batch is
+split into two groups, decodes (one query token) and prefills (several query tokens:
+whole prompts, chunks, prompts after a prefix-cache hit), so one long prefill does not pad
+hundreds of decodes to its length. For each group of ``G`` sequences it builds
+
+* ``k_index [G, max_k]``: flat cache slot of key ``j`` of sequence ``b``,
+  ``block_tables[b, j // block_size] * block_size + j % block_size`` (0 past the end);
+* ``q_src [n]`` / ``q_dst [n]``: where the group's ``n`` query tokens are in the step's
+  token dimension and where they go in the padded ``[G * max_q]`` layout;
+* ``mask [G, 1, max_q, max_k]`` (bool, True = attend): query ``i`` of sequence ``b`` sits
+  at absolute position ``context_lens[b] - q_lens[b] + i`` and sees keys ``j <= `` that
+  position (causal over the cached prefix plus the new tokens). Padded query rows are
+  allowed key 0 only, so no row is ever fully masked (a fully masked row gives NaN).
+
+Each layer then: writes the new K/V at ``slot_mapping`` (slot -1 writes nothing), gathers
+``K, V [G, kv_heads, max_k, d]`` and pads ``Q [G, heads, max_q, d]``, calls
+``torch.nn.functional.scaled_dot_product_attention`` (grouped-query heads through
+``enable_gqa``), and scatters the real rows back. Low-precision inputs are upcast so the
+softmax runs in fp32; the output is cast back to ``q.dtype``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.layers.attention.backend import AttentionBackend
+from minivllm.layers.attention.metadata import AttentionMetadata
+
+_EXTRAS_KEY = "torch_backend_plan"
+
+
+@dataclass
+class _GroupPlan:
+    """Gather/scatter indices for one group of sequences (see module docstring)."""
+
+    num_seqs: int
+    max_q: int
+    max_k: int
+    q_src: torch.Tensor  # int64 [n]: token index in the step
+    q_dst: torch.Tensor  # int64 [n]: row in the padded [G * max_q] layout
+    k_index: torch.Tensor  # int64 [G, max_k]: flat cache slot
+    mask: torch.Tensor  # bool [G, 1, max_q, max_k]
+
+
+@dataclass
+class _StepPlan:
+    write_tokens: torch.Tensor  # int64 [m]: tokens whose slot is not -1
+    write_slots: torch.Tensor  # int64 [m]: their cache slots
+    groups: list[_GroupPlan]
+
+
+def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.device) -> _GroupPlan:
+    q_lens_l = [meta.q_lens_cpu[i] for i in seq_ids]
+    k_lens_l = [meta.context_lens_cpu[i] for i in seq_ids]
+    g, max_q, max_k = len(seq_ids), max(q_lens_l), max(k_lens_l)
+    seq_t = torch.tensor(seq_ids, dtype=torch.int64, device=device)
+    q_lens = torch.tensor(q_lens_l, dtype=torch.int64, device=device)
+    k_lens = torch.tensor(k_lens_l, dtype=torch.int64, device=device)
+    q_starts = meta.cu_seqlens_q.to(device=device, dtype=torch.int64)[seq_t]  # [G]
+
+    # Query scatter: row i of sequence b is token q_starts[b] + i, padded row b * max_q + i.
+    i = torch.arange(max_q, device=device)
+    q_valid = i[None, :] < q_lens[:, None]  # [G, max_q]
+    q_src = (q_starts[:, None] + i[None, :])[q_valid]
+    q_dst = (torch.arange(g, device=device)[:, None] * max_q + i[None, :])[q_valid]
+
+    # Key gather through the block table.
+    j = torch.arange(max_k, device=device)
+    k_valid = j[None, :] < k_lens[:, None]  # [G, max_k]
+    bs = meta.block_size
+    n_blk_cols = -(-max_k // bs)
+    tables = meta.block_tables.to(device=device, dtype=torch.int64)[seq_t][:, :n_blk_cols]  # [G, nb]
+    blocks = tables.gather(1, (j // bs)[None, :].expand(g, -1))
+    k_index = torch.where(k_valid, blocks * bs + j % bs, 0)
+
+    # Causal mask over absolute positions.
+    q_pos = (k_lens - q_lens)[:, None] + i[None, :]  # [G, max_q]
+    mask = (j[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+    pad_rows = ~q_valid
+    mask[:, :, 0] |= pad_rows  # padded query rows see key 0: never a fully masked row
+    return _GroupPlan(g, max_q, max_k, q_src, q_dst, k_index, mask.unsqueeze(1))
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Reference paged attention in plain PyTorch (see module docstring)."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build the step plan once and store it in ``meta.extras`` (called lazily by
+        :meth:`forward` if the model runner did not call it)."""
+        device = meta.slot_mapping.device
+        slots = meta.slot_mapping.to(torch.int64)
+        # One host sync per step (not per layer): which tokens write to the cache.
+        write_tokens = torch.nonzero(slots >= 0).flatten()
+        decode_ids = [s for s, n in enumerate(meta.q_lens_cpu) if n == 1]
+        prefill_ids = [s for s, n in enumerate(meta.q_lens_cpu) if n > 1]
+        groups = [_plan_group(meta, ids, device) for ids in (decode_ids, prefill_ids) if ids]
+        meta.extras[_EXTRAS_KEY] = _StepPlan(write_tokens, slots[write_tokens], groups)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        plan: _StepPlan | None = meta.extras.get(_EXTRAS_KEY)
+        if plan is None:
+            self.prepare(meta)
+            plan = meta.extras[_EXTRAS_KEY]
+        num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        k_flat = k_cache.view(num_blocks * block_size, kv_heads, head_dim)
+        v_flat = v_cache.view(num_blocks * block_size, kv_heads, head_dim)
+        k_flat[plan.write_slots] = k[plan.write_tokens].to(k_cache.dtype)
+        v_flat[plan.write_slots] = v[plan.write_tokens].to(v_cache.dtype)
+
+        num_heads = q.shape[1]
+        compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        # Tokens not in any sequence (padding) get zeros.
+        out = torch.zeros(q.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
+        for gp in plan.groups:  # at most two: decodes, prefills
+            qp = q.new_zeros(gp.num_seqs * gp.max_q, num_heads, head_dim, dtype=compute_dtype)
+            qp[gp.q_dst] = q[gp.q_src].to(compute_dtype)
+            qp = qp.view(gp.num_seqs, gp.max_q, num_heads, head_dim).transpose(1, 2)
+            kg = k_flat[gp.k_index].to(compute_dtype).transpose(1, 2)  # [G, kvh, max_k, d]
+            vg = v_flat[gp.k_index].to(compute_dtype).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=gp.mask, scale=scale,
+                                               enable_gqa=num_heads != kv_heads)
+            o = o.transpose(1, 2).reshape(gp.num_seqs * gp.max_q, num_heads, head_dim)
+            out[gp.q_src] = o[gp.q_dst].to(q.dtype)
+        return out

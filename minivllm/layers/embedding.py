@@ -1,0 +1,83 @@
+"""Token embedding and LM head with the vocabulary split across tensor-parallel ranks.
+
+The vocabulary is padded up to a multiple of the tp size, ``V_pad = ceil(V / tp) * tp``,
+and rank r owns rows ``[r * V_pad/tp, (r + 1) * V_pad/tp)`` of the ``[V, hidden]`` table.
+Padding rows are zero and are never returned as logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, \
+    tensor_model_parallel_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``input_ids int64 [T] -> [T, embedding_dim]`` (full embeddings on every rank).
+
+    Each rank looks up the ids in its vocab range (others give zeros) and an all-reduce
+    sums the parts.
+
+    Args:
+        num_embeddings: vocabulary size ``V`` (unpadded, as in the config).
+        embedding_dim: hidden size.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_padded = -(-num_embeddings // self.tp_size) * self.tp_size
+        self.shard_size = self.num_embeddings_padded // self.tp_size
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.vocab_end = self.vocab_start + self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.full_shape = (num_embeddings, embedding_dim)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's rows of the full ``[V, hidden]`` table; zero the padding rows."""
+        if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"{type(self).__name__}: checkpoint tensor has shape "
+                             f"{tuple(loaded_weight.shape)}, expected {(self.num_embeddings, self.embedding_dim)}")
+        n_real = max(0, min(self.vocab_end, self.num_embeddings) - self.vocab_start)
+        param.data[n_real:].zero_()
+        param.data[:n_real].copy_(loaded_weight[self.vocab_start:self.vocab_start + n_real])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
+        y = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(y)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings} (padded {self.num_embeddings_padded}), "
+                f"embedding_dim={self.embedding_dim}, tp_size={self.tp_size}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection ``hidden -> logits``, vocab-sharded like the embedding.
+
+    With tied embeddings the model points ``lm_head.weight`` at ``embed_tokens.weight``
+    (same shard layout, so tying works at any tp size).
+    """
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - guard
+        raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits(hidden)")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size] -> fp32 logits [N, vocab_size]``.
+
+        Every rank returns the full logits (all-gather over the vocab shards, padding
+        columns dropped), so the sampler may run on any rank with identical results.
+        """
+        logits = F.linear(hidden, self.weight)  # [N, V_pad / tp]
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[:, : self.num_embeddings].float()

@@ -1,0 +1,55 @@
+"""RMSNorm (Zhang & Sennrich, 2019, "Root Mean Square Layer Normalization").
+
+    y = x / sqrt(mean(x**2, dim=-1) + eps) * weight
+
+computed in fp32 and cast back before multiplying by ``weight``, the same order as
+Hugging Face's ``Qwen3RMSNorm``, so bf16 results match it bit for bit in spirit.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, with an optional fused residual add.
+
+    Args:
+        hidden_size: size of the normalised (last) dimension.
+        eps: added to the mean square (``rms_norm_eps``).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.full_shape = (hidden_size,)
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if tuple(loaded_weight.shape) != tuple(param.shape):
+            raise ValueError(f"RMSNorm: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.data.copy_(loaded_weight)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise ``x [..., hidden_size]``.
+
+        Without ``residual``: returns ``norm(x)``.
+        With ``residual`` (same shape): returns ``(norm(x + residual), x + residual)``; the
+        sum (in ``x.dtype``, as in the unfused model) is the residual stream for the next block.
+        """
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
