@@ -1,0 +1,55 @@
+"""The ``triton`` attention backend: our own kernels (see ``triton_kernels.py``).
+
+Each layer: store the new tokens' K/V through ``slot_mapping``, then the paged decode
+kernel when every sequence has one query token, else the paged prefill kernel (which
+also serves the one-token rows of a mixed prefill+decode step).
+
+The forward reads only device tensors (no per-step Python planning), so it can be
+captured in a CUDA graph for decode.
+"""
+from __future__ import annotations
+
+import torch
+
+from minivllm.layers.attention.backend import AttentionBackend
+from minivllm.layers.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention with our Triton kernels (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+    #: forward depends only on device tensors of fixed shape: safe to capture in a CUDA graph
+    supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        # Imported here so that importing the package never imports triton.
+        from minivllm.layers.attention import triton_kernels
+
+        self._kernels = triton_kernels
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.forward``: ``q [T, H, D]``, ``k/v [T, Hk, D]`` -> ``[T, H, D]``."""
+        kern = self._kernels
+        kern.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode_only:
+            return kern.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+            )
+        out = None
+        if sum(meta.q_lens_cpu) != q.shape[0]:
+            # trailing padding tokens belong to no sequence: give them zeros, not garbage
+            out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        return kern.paged_prefill_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
+            meta.block_tables, meta.max_seqlen_q, scale, out=out,
+        )

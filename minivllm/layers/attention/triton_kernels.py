@@ -1,0 +1,382 @@
+"""Our own Triton kernels for paged attention: KV store, paged decode, paged prefill.
+
+Layouts (see ``backend.py``): new tokens ``q [T, H, D]``, ``k/v [T, Hk, D]``; per-layer
+caches ``[num_blocks, block_size, Hk, D]``; ``block_tables [S, max_blocks]`` int32 padded
+with -1. Sequence ``i`` owns query rows ``cu_seqlens_q[i] .. cu_seqlens_q[i+1]-1`` at
+absolute positions ``context_lens[i] - q_len_i .. context_lens[i] - 1`` and attends
+causally to its ``context_lens[i]`` cached keys.
+
+Both attention kernels use the online softmax of FlashAttention (Dao et al., 2022,
+"FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness", Alg. 1):
+keep a running row max ``m``, a running denominator ``l`` and an unnormalised accumulator,
+rescale them by ``exp(m_old - m_new)`` whenever the max grows, divide once at the end.
+Exponentials use ``exp2`` with the scale pre-multiplied by ``log2(e)``.
+
+Keys are gathered token by token through the block table (``block = table[t // block_size]``,
+``slot = block * block_size + t % block_size``), so a KV tile never has to align with a
+cache block and any block size works (16 for the widgets, 256 for flash-attn layouts).
+
+``tl.dot`` operands are cast to fp32 and accumulate in fp32: the Triton interpreter
+computes low-precision ``tl.dot`` wrongly, and fp32 accumulation is what we want anyway.
+On a GPU, fp16/bf16 inputs use TF32 tensor cores (exact for bf16/fp16 inputs, whose
+mantissas fit in TF32's 10 bits); fp32 inputs use full IEEE fp32 so fp32 runs match the
+torch reference closely.
+
+On a machine without a GPU the kernels run under the Triton interpreter, which must be
+enabled (``TRITON_INTERPRET=1``) *before* this module is imported.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET`` is set to a true value in the environment now."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def kernels_interpreted() -> bool:
+    """True when this module's kernels were decorated in interpreter mode (CPU tensors OK)."""
+    return type(_store_kv_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not kernels_interpreted():
+        raise RuntimeError(
+            f"Triton kernels got a tensor on {t.device}; on a machine without a GPU set "
+            "TRITON_INTERPRET=1 before minivllm.layers.attention.triton_kernels is imported"
+        )
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # The interpreter computes in numpy fp32 whatever we ask; on a GPU TF32 is exact for
+    # products of fp16/bf16 values, IEEE keeps fp32 models bit-close to the reference.
+    if dtype == torch.float32 or kernels_interpreted():
+        return "ieee"
+    return "tf32"
+
+
+# --------------------------------------------------------------------------------------
+# (1) KV store
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_co, stride_ch,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # padding token: writes nothing
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    tok64 = tok.to(tl.int64)
+    kv = tl.load(k_ptr + tok64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    vv = tl.load(v_ptr + tok64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    dst = blk * stride_cb + off * stride_co + h[:, None] * stride_ch + d[None, :]
+    tl.store(k_cache_ptr + dst, kv, mask=mask)
+    tl.store(v_cache_ptr + dst, vv, mask=mask)
+
+
+def store_kvcache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each new token's K and V to its cache slot (in place).
+
+    Args:
+        k, v: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype, last dim contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same strides.
+        slot_mapping: int ``[num_tokens]``, ``block_id * block_size + offset``; ``-1`` skips.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _check_device(k)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides with a contiguous last dim")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"k/v dtype {k.dtype} does not match the cache dtype {k_cache.dtype}")
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# (2) paged decode attention: one query token per sequence
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qs, stride_qh, stride_os, stride_oh,
+    stride_cb, stride_co, stride_ch,
+    stride_bt,
+    block_size,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # One program per (sequence, kv head): all GROUP query heads that share this kv head
+    # are handled together, so each K/V tile is read from memory once (GQA).
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ctx_len = tl.load(context_lens_ptr + seq)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    seq64 = seq.to(tl.int64)
+    q = tl.load(
+        q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    ).to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq64 * stride_bt
+    for start in range(0, ctx_len, BLOCK_N):
+        t = start + n
+        t_mask = t < ctx_len
+        blk = tl.load(bt_row + t // block_size, mask=t_mask, other=0).to(tl.int64)
+        base = blk * stride_cb + (t % block_size) * stride_co + kvh * stride_ch
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+    # A sequence with no keys (context_len 0) yields zeros instead of 0/0.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged KV.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]`` (fp32/fp16/bf16), last dim contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the query's
+            own K/V must already be stored.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]`` (padded with -1; only the
+            first ``ceil(context_len / block_size)`` entries of a row are read).
+        context_lens: int32 ``[num_seqs]``: keys per sequence, including the new token.
+            A row with 0 keys gets an all-zero output.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        out: optional ``[num_seqs, num_heads, head_dim]`` output buffer.
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    _check_device(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    # tl.dot needs every dimension >= 16; the spare query-head rows are masked out.
+    block_g = max(16, triton.next_power_of_2(group))
+    block_n = 64 if block_d <= 64 else 32
+    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, context_lens,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        k_cache.shape[1],
+        GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        PRECISION=_dot_precision(q.dtype),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# (3) prefill attention over paged KV: causal, variable-length, prefix + new chunk
+# --------------------------------------------------------------------------------------
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_co, stride_ch,
+    stride_bt,
+    block_size,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # One program per (sequence, tile of BLOCK_M query rows, query head).
+    seq = tl.program_id(0)
+    m_blk = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m_blk * BLOCK_M >= q_len:  # grid is sized for the longest query of the step
+        return
+    ctx_len = tl.load(context_lens_ptr + seq)
+    kvh = head // GROUP
+    first_pos = ctx_len - q_len  # absolute position of this sequence's first new token
+
+    m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    m_mask = m < q_len
+    d_mask = d < HEAD_DIM
+    q_pos = first_pos + m
+    rows = (q_start + m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    ).to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Causality: the last row of this tile sees keys up to its own position, no further.
+    kv_end = tl.minimum(ctx_len, first_pos + (m_blk + 1) * BLOCK_M)
+    for start in range(0, kv_end, BLOCK_N):
+        t = start + n
+        t_mask = t < ctx_len
+        blk = tl.load(bt_row + t // block_size, mask=t_mask, other=0).to(tl.int64)
+        base = blk * stride_cb + (t % block_size) * stride_co + kvh * stride_ch
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        keep = t_mask[None, :] & (t[None, :] <= q_pos[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        # Every valid row sees key 0 in the first tile, so m_new is finite from then on;
+        # padding rows (m >= q_len) have q_pos >= ctx_len and see every key: no NaN either.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal variable-length attention of new query tokens over paged KV.
+
+    Covers whole prompts, prompts with a prefix-cache hit, later chunks of a chunked
+    prefill and decode rows (``q_len == 1``) mixed in the same call.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` (fp32/fp16/bf16), last dim contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the new
+            tokens' K/V must already be stored.
+        cu_seqlens_q: int32 ``[num_seqs + 1]``: prefix sums of query lengths.
+        context_lens: int32 ``[num_seqs]``: keys per sequence (cached + new); sequence
+            ``i``'s queries sit at positions ``context_lens[i] - q_len_i .. context_lens[i]-1``.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]`` padded with -1.
+        max_seqlen_q: longest query length (sizes the launch grid).
+        scale: softmax scale.
+        out: optional ``[num_tokens, num_heads, head_dim]`` output buffer.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    _check_device(q)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    if kernels_interpreted():
+        block_m, block_n = 16, 16  # the interpreter's cost grows with tile size
+    else:
+        block_m, block_n = (64, 64) if block_d <= 64 else (64, 32)
+    grid = (num_seqs, triton.cdiv(max(int(max_seqlen_q), 1), block_m), num_heads)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        k_cache.shape[1],
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=_dot_precision(q.dtype),
+    )
+    return out
