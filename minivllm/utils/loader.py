@@ -1,0 +1,166 @@
+"""Fill a model's parameters from a Hugging Face safetensors checkpoint, or at random.
+
+Checkpoint layouts accepted: one ``model.safetensors``; several files listed in
+``model.safetensors.index.json`` (``{"weight_map": {tensor_name: file_name}}``); or, failing
+both, every ``*.safetensors`` file in the directory.
+
+Tensor names: Hugging Face's (``model.layers.0.self_attn.q_proj.weight``), mapped to our
+packed parameters through ``model.packed_modules_mapping`` (q/k/v -> ``qkv_proj`` with shard
+``"q"``/``"k"``/``"v"``, gate/up -> ``gate_up_proj`` with shard 0/1); names that are already
+ours (``...qkv_proj.weight``) load as the full packed tensor. Tensors are read one at a time
+(``safetensors.safe_open``) and each parameter's ``weight_loader`` copies this rank's slice,
+converting to the parameter's dtype and device.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_ALL = "__all__"  # marker: the whole (packed) parameter was loaded at once
+
+
+def checkpoint_files(checkpoint_dir) -> list[Path]:
+    """The safetensors files of a checkpoint directory, in load order.
+
+    Raises:
+        FileNotFoundError: the directory does not exist or holds no safetensors file
+            (the message names the path).
+    """
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {str(path)!r}")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{str(index)!r} lists {f.name!r}, which does not exist in {str(path)!r}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights found in {str(path)!r}")
+    return files
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _packed_parts(model: nn.Module) -> dict[str, list[tuple[str, object]]]:
+    """our packed module name -> [(checkpoint module name, shard id), ...]."""
+    parts: dict[str, list[tuple[str, object]]] = {}
+    for ckpt_name, (packed, shard) in getattr(model, "packed_modules_mapping", {}).items():
+        parts.setdefault(packed, []).append((ckpt_name, shard))
+    return parts
+
+
+def _resolve(name: str, params: dict[str, nn.Parameter], mapping: dict) -> tuple[str, object] | None:
+    """Checkpoint tensor name -> (our parameter name, shard id or None)."""
+    if name in params:
+        return name, None
+    for ckpt_module, (packed, shard) in mapping.items():
+        needle = f".{ckpt_module}."
+        if needle in name:
+            candidate = name.replace(needle, f".{packed}.")
+            if candidate in params:
+                return candidate, shard
+    return None
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, checkpoint_dir) -> None:
+    """Load every parameter of ``model`` from the safetensors checkpoint in ``checkpoint_dir``.
+
+    With tied embeddings (``model.tie_word_embeddings``) a checkpoint ``lm_head.weight`` is
+    not needed and, if present, ignored (the head shares ``embed_tokens.weight``). Tensors
+    the model has no parameter for are skipped with a log line.
+
+    Raises:
+        FileNotFoundError: no checkpoint directory / no safetensors files (names the path).
+        ValueError: tensors missing from the checkpoint (lists them by checkpoint name), or
+            a tensor whose shape does not match.
+    """
+    files = checkpoint_files(checkpoint_dir)
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    loaded: dict[str, set] = {}
+    unexpected: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = _resolve(name, params, mapping)
+                if target is None:
+                    if not (tied and name == "lm_head.weight"):
+                        unexpected.append(name)
+                    continue
+                pname, shard = target
+                param = params[pname]
+                loader = getattr(param, "weight_loader", _default_loader)
+                try:
+                    if shard is None:
+                        loader(param, f.get_tensor(name))
+                    else:
+                        loader(param, f.get_tensor(name), shard)
+                except ValueError as e:
+                    raise ValueError(f"{name} (from {file.name}): {e}") from None
+                loaded.setdefault(pname, set()).add(_ALL if shard is None else shard)
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensors the model does not use: %s%s", len(unexpected),
+                       unexpected[:10], " ..." if len(unexpected) > 10 else "")
+
+    parts = _packed_parts(model)
+    missing: list[str] = []
+    for pname in params:
+        got = loaded.get(pname, set())
+        if _ALL in got:
+            continue
+        module_path, _, leaf = pname.rpartition(".")
+        owner, _, module = module_path.rpartition(".")
+        if module in parts:
+            for ckpt_module, shard in parts[module]:
+                if shard not in got:
+                    missing.append(f"{owner}.{ckpt_module}.{leaf}")
+        elif not got:
+            missing.append("lm_head.weight" if pname == "lm_head.weight" else pname)
+    if missing:
+        shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
+        raise ValueError(f"checkpoint {str(checkpoint_dir)!r} is missing tensors: {shown}")
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int) -> None:
+    """Deterministic random weights, for ``random:<preset>`` models (real shapes, no checkpoint).
+
+    Each parameter gets its own generator seeded from ``(seed, parameter name)``, so the
+    values do not depend on parameter order. Norm weights are ``1 + 0.05 * N(0, 1)``; every
+    other weight and bias is ``0.02 * N(0, 1)`` (the usual ``initializer_range``). Values are
+    drawn at the FULL (unsharded) shape and passed through the parameter's ``weight_loader``,
+    so every tensor-parallel size builds the same model.
+    """
+    if not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    for name, param in model.named_parameters():
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        shape = tuple(getattr(param, "full_shape", param.shape))
+        values = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            values = 1.0 + 0.05 * values
+        else:
+            values *= 0.02
+        getattr(param, "weight_loader", _default_loader)(param, values)
