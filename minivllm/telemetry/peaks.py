@@ -1,0 +1,244 @@
+"""Measured ceilings of this machine: matmul FLOP/s and copy bandwidth.
+
+The roofline needs two numbers per device: how many FLOP/s a dense matmul
+reaches, and how many bytes per second memory moves. Data-sheet figures are
+not what a learner's laptop (or a shared CI box) delivers, so both are
+measured by a short microbenchmark (a few hundred ms) and cached per machine,
+device, dtype, thread count and torch version in
+``$MINIVLLM_CACHE_DIR/peaks.json`` (default ``~/.cache/minivllm/peaks.json``).
+
+* FLOP/s: a square ``(n, n) @ (n, n)`` matmul costs ``2 n^3`` FLOPs; the best
+  of several timed runs after a warm-up.
+* Bandwidth: ``dst.copy_(src)`` on tensors far larger than the last-level
+  cache reads ``nbytes`` and writes ``nbytes``, so it counts ``2 * nbytes``
+  per copy (the STREAM "copy" convention, McCalpin 1995); best of several.
+
+Timing: ``time.perf_counter`` on CPU; CUDA events around the work, after a
+``torch.cuda.synchronize()``, on CUDA.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Peaks", "measure_peaks", "get_peaks", "cache_dir", "peaks_cache_key"]
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """Measured ceilings of one device.
+
+    Attributes:
+        flops_per_s: dense matmul FLOP/s in ``dtype``.
+        bytes_per_s: bytes read + written per second by a large copy.
+        device / dtype: where and in what it was measured ("cpu", "cuda:0"; "float32").
+        info: how (sizes, best times in seconds, device name, when).
+    """
+
+    flops_per_s: float
+    bytes_per_s: float
+    device: str = ""
+    dtype: str = ""
+    info: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def ridge_intensity(self) -> float:
+        """FLOPs/byte where the roofline turns: below it a kernel is memory-bound."""
+        return self.flops_per_s / self.bytes_per_s
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Peaks":
+        return cls(float(d["flops_per_s"]), float(d["bytes_per_s"]), d.get("device", ""),
+                   d.get("dtype", ""), dict(d.get("info", {})))
+
+
+def cache_dir() -> Path:
+    """``$MINIVLLM_CACHE_DIR`` if set, else ``~/.cache/minivllm``."""
+    env = os.environ.get("MINIVLLM_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "minivllm"
+
+
+def _resolve(device: Any, dtype: Any):
+    import torch
+
+    if device is None or str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dtype is None or str(dtype) == "auto":
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        dt = getattr(torch, name, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        dtype = dt
+    return dev, dtype
+
+
+def _device_name(dev) -> str:
+    import torch
+
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return name
+
+
+def peaks_cache_key(device: Any = None, dtype: Any = None) -> str:
+    """The cache key: host, device name, dtype, CPU threads (on CPU), torch version."""
+    import torch
+
+    dev, dt = _resolve(device, dtype)
+    threads = f"|threads={torch.get_num_threads()}" if dev.type == "cpu" else ""
+    return (f"{platform.node()}|{dev}|{_device_name(dev)}|{str(dt).removeprefix('torch.')}"
+            f"{threads}|torch={torch.__version__}")
+
+
+def _timer(dev):
+    """Return ``time_it(fn) -> seconds`` for the device."""
+    import torch
+
+    if dev.type == "cuda":
+        def time_it(fn):
+            torch.cuda.synchronize(dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+    else:
+        def time_it(fn):
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+    return time_it
+
+
+def measure_peaks(
+    device: Any = None,
+    dtype: Any = None,
+    *,
+    matmul_size: int | None = None,
+    copy_bytes: int | None = None,
+    repeats: int = 5,
+) -> Peaks:
+    """Run the microbenchmark now (no cache).
+
+    Args:
+        device: "cpu", "cuda", "cuda:1", a ``torch.device`` or None/"auto".
+        dtype: matmul dtype (default: bf16 on CUDA, fp32 on CPU).
+        matmul_size: ``n`` of the square matmul (default 1024 on CPU, 8192 on CUDA).
+        copy_bytes: size of the copied tensor (default 256 MiB on CPU, 1 GiB on
+            CUDA: far beyond any last-level cache).
+        repeats: timed runs per measurement; the best one counts.
+    """
+    import torch
+
+    dev, dt = _resolve(device, dtype)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats!r}")
+    cuda = dev.type == "cuda"
+    n = matmul_size or (8192 if cuda else 1024)
+    nbytes = copy_bytes or ((1 << 30) if cuda else (256 << 20))
+    if n < 1 or nbytes < 1:
+        raise ValueError(f"matmul_size and copy_bytes must be positive, got {n!r}, {nbytes!r}")
+    time_it = _timer(dev)
+
+    # Matmul: 2 n^3 FLOPs (n^2 outputs, n multiply-adds each). Several matmuls per
+    # timed run on CUDA so launch latency does not count.
+    a = torch.randn(n, n, device=dev, dtype=torch.float32).to(dt)
+    b = torch.randn(n, n, device=dev, dtype=torch.float32).to(dt)
+    out = torch.empty(n, n, device=dev, dtype=dt)
+    inner = 10 if cuda else 1
+
+    def mm():
+        for _ in range(inner):
+            torch.matmul(a, b, out=out)
+
+    mm()  # warm-up (kernel selection, page faults)
+    t_mm = min(time_it(mm) for _ in range(repeats))
+    flops = 2.0 * n ** 3 * inner / t_mm
+    del a, b, out
+
+    # Copy: reads and writes nbytes each.
+    numel = max(1, nbytes // 4)
+    src = torch.ones(numel, device=dev, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copy_inner = 5 if cuda else 1
+
+    def cp():
+        for _ in range(copy_inner):
+            dst.copy_(src)
+
+    cp()  # warm-up touches dst's pages
+    t_cp = min(time_it(cp) for _ in range(repeats))
+    bw = 2.0 * src.numel() * src.element_size() * copy_inner / t_cp
+    del src, dst
+
+    info = {
+        "device_name": _device_name(dev),
+        "matmul_size": n,
+        "matmul_best_s": t_mm / inner,
+        "copy_bytes": numel * 4,
+        "copy_best_s": t_cp / copy_inner,
+        "repeats": repeats,
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return Peaks(flops, bw, str(dev), str(dt).removeprefix("torch."), info)
+
+
+def _load_cache(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # missing or corrupt: measure again
+
+
+def get_peaks(device: Any = None, dtype: Any = None, refresh: bool = False, **measure_kwargs) -> Peaks:
+    """Cached :func:`measure_peaks`: measured once per machine / device / dtype /
+    threads / torch version, then read from ``cache_dir() / "peaks.json"``.
+    ``refresh=True`` measures again and overwrites the entry. ``measure_kwargs``
+    go to :func:`measure_peaks` when it runs."""
+    key = peaks_cache_key(device, dtype)
+    path = cache_dir() / "peaks.json"
+    cache = _load_cache(path)
+    if not refresh and key in cache:
+        try:
+            return Peaks.from_dict(cache[key])
+        except (KeyError, TypeError, ValueError):
+            pass
+    peaks = measure_peaks(device, dtype, **measure_kwargs)
+    cache = _load_cache(path)  # re-read: another process may have written meanwhile
+    cache[key] = peaks.to_dict()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home must not break measurement
+    return peaks

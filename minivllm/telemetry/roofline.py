@@ -1,0 +1,334 @@
+"""Roofline accounting: FLOPs and bytes moved by one engine step, and MFU / MBU.
+
+The numbers are computed from the model config and the step's shape, not
+measured by counters. They are the *work the step must do* (an idealised
+minimum), which is what utilisation figures are defined against:
+
+* FLOPs. A dense matmul ``(t, k) @ (k, n)`` costs ``2 t k n`` FLOPs (one
+  multiply and one add per weight per token), so the linear layers cost
+  ``2 N`` FLOPs per token for ``N`` non-embedding matmul parameters (Kaplan et
+  al. 2020, "Scaling Laws for Neural Language Models", sec. 2.1, ``C ~ 2N``
+  per token forward). Attention adds ``QK^T`` and ``PV``: ``2 d`` FLOPs each
+  per (query head, key) pair, i.e. ``4 d H`` per query token per key attended,
+  with causal masking (a token at position ``p`` attends to ``p + 1`` keys).
+  The LM head costs ``2 D V`` per row whose logits are computed (one per
+  sampled sequence).
+* Bytes. Every weight matrix is read from memory once per step, whatever the
+  batch (that is why batching decode is cheap); the embedding table is only
+  read for the rows looked up. The KV cache is read for every key/value the
+  step's tokens attend to (each cached position once per sequence per layer)
+  and written for every new token.
+* Arithmetic intensity ``I = FLOPs / bytes``. The roofline model (Williams,
+  Waterman & Patterson 2009, "Roofline: an insightful visual performance model
+  for multicore architectures", CACM 52(4)) bounds attainable FLOP/s by
+  ``min(peak_flops, I * peak_bandwidth)``: below the ridge point
+  ``peak_flops / peak_bandwidth`` a step is memory-bound, above it compute-bound.
+* MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM", sec. 4.1 and
+  appendix B) = model FLOPs per second achieved / peak FLOP/s. MBU (model
+  bandwidth utilisation) is the same ratio for bytes: bytes / s / peak bytes/s.
+  Both use the step's wall time, so host overhead lowers them, as it should.
+
+What is ignored (documented so nobody reads more into the numbers):
+activations (hidden states, MLP intermediates, attention scores, logits) are
+assumed to stay in cache/SRAM or to be small next to weights and KV; norms,
+rotary, SiLU and softmax FLOPs (O(D) per token against O(D^2)); re-reads of KV
+by tiled attention kernels beyond the first read; sampling. Sliding-window
+attention is not modelled (Qwen3 dense checkpoints ship
+``use_sliding_window=false``); mixture-of-experts configs are refused.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from minivllm.telemetry.peaks import Peaks
+
+__all__ = [
+    "ModelCost",
+    "Peaks",
+    "step_cost",
+    "entries_from_record",
+    "fill_step_record",
+    "arithmetic_intensity",
+    "attended_keys",
+    "dtype_nbytes",
+]
+
+_DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "float16": 2, "fp16": 2, "half": 2,
+    "bfloat16": 2, "bf16": 2,
+    "float64": 8, "fp64": 8, "double": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1, "uint8": 1,
+}
+
+
+def dtype_nbytes(dtype: Any) -> int:
+    """Bytes per element of ``dtype``: a ``torch.dtype``, a name ("bfloat16",
+    "fp32", "torch.float16", ...) or a positive int (taken as the byte count)."""
+    if isinstance(dtype, bool):
+        raise ValueError(f"dtype must be a torch dtype, a dtype name or a byte count, got {dtype!r}")
+    if isinstance(dtype, int):
+        if dtype <= 0:
+            raise ValueError(f"dtype byte count must be positive, got {dtype!r}")
+        return dtype
+    itemsize = getattr(dtype, "itemsize", None)  # torch.dtype has .itemsize (torch >= 2.1)
+    if isinstance(itemsize, int) and not isinstance(dtype, str):
+        return itemsize
+    name = str(dtype).lower().removeprefix("torch.")
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected e.g. 'float32', 'bfloat16' or a torch.dtype")
+    return _DTYPE_BYTES[name]
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Static cost figures of a Qwen3-style dense decoder, per tensor-parallel rank.
+
+    With ``tp_size > 1`` the attention heads, MLP columns and vocabulary are
+    split across ranks (Megatron-style), so every figure here is what *one*
+    rank computes and moves (KV heads are replicated when ``num_kv_heads <
+    tp_size``); compare it with one device's peaks.
+
+    Attributes (counts are elements, bytes are bytes):
+        hidden_size (D), intermediate_size (F), num_layers (L), num_heads (H),
+        num_kv_heads (Hkv), head_dim (d), vocab_size (V): from the config, with
+            H, Hkv, F, V already divided by ``tp_size``.
+        tie_word_embeddings: LM head shares the embedding matrix.
+        weight_bytes / kv_dtype_bytes: bytes per weight element / per KV element.
+        layer_matmul_params: ``D*(H*d) + 2*D*(Hkv*d) + (H*d)*D + 3*D*F``
+            (+ biases when ``attention_bias``): q, k, v, o, gate, up, down.
+        matmul_params: ``L * layer_matmul_params`` (the "N" of 2N per token).
+        norm_params: ``L * (2*D + 2*d) + D`` (input/post-attention RMSNorm, q/k
+            RMSNorm per head, final norm); read but not counted as FLOPs.
+        lm_head_params: ``D * V``; embedding_params: ``V * D``.
+        kv_bytes_per_token: ``2 * L * Hkv * d * kv_dtype_bytes`` (K and V, every layer).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    weight_bytes: int
+    kv_dtype_bytes: int
+    tp_size: int = 1
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        dtype: Any = "float32",
+        tp_size: int = 1,
+        kv_dtype: Any = None,
+    ) -> "ModelCost":
+        """Build from a ``transformers`` Qwen3 config (or any object / dict with
+        the same attribute names). ``dtype``: weight dtype (torch dtype, name or
+        byte count); ``kv_dtype`` defaults to ``dtype``."""
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+        if _get(config, "num_experts") or _get(config, "num_local_experts"):
+            raise ValueError("mixture-of-experts configs are not modelled by ModelCost")
+        D = _get(config, "hidden_size")
+        F = _get(config, "intermediate_size")
+        L = _get(config, "num_hidden_layers")
+        H = _get(config, "num_attention_heads")
+        Hkv = _get(config, "num_key_value_heads") or H
+        V = _get(config, "vocab_size")
+        for name, val in (("hidden_size", D), ("intermediate_size", F), ("num_hidden_layers", L),
+                          ("num_attention_heads", H), ("num_key_value_heads", Hkv), ("vocab_size", V)):
+            if not isinstance(val, int) or val <= 0:
+                raise ValueError(f"config.{name} must be a positive int, got {val!r}")
+        d = _get(config, "head_dim") or D // H
+        if H % tp_size:
+            raise ValueError(f"num_attention_heads={H} is not divisible by tp_size={tp_size}")
+        wb = dtype_nbytes(dtype)
+        kvb = dtype_nbytes(kv_dtype) if kv_dtype is not None else wb
+        return cls(
+            hidden_size=D,
+            intermediate_size=-(-F // tp_size),
+            num_layers=L,
+            num_heads=H // tp_size,
+            num_kv_heads=max(1, Hkv // tp_size),
+            head_dim=d,
+            vocab_size=-(-V // tp_size),
+            tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)),
+            attention_bias=bool(_get(config, "attention_bias", False)),
+            weight_bytes=wb,
+            kv_dtype_bytes=kvb,
+            tp_size=tp_size,
+        )
+
+    # --- parameter counts (elements, per rank) ---
+    @property
+    def layer_matmul_params(self) -> int:
+        D, F, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        n = D * q + 2 * D * kv + q * D + 3 * D * F
+        if self.attention_bias:
+            n += q + 2 * kv  # bias adds are O(1) per output; counted as weights to read
+        return n
+
+    @property
+    def matmul_params(self) -> int:
+        return self.num_layers * self.layer_matmul_params
+
+    @property
+    def norm_params(self) -> int:
+        return self.num_layers * (2 * self.hidden_size + 2 * self.head_dim) + self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """All parameters of this rank (the tied matrix counted once)."""
+        n = self.matmul_params + self.norm_params + self.embedding_params
+        return n if self.tie_word_embeddings else n + self.lm_head_params
+
+    # --- bytes ---
+    @property
+    def body_weight_bytes(self) -> int:
+        """Bytes of the decoder layers + final norm, read once by every step."""
+        return (self.matmul_params + self.norm_params) * self.weight_bytes
+
+    @property
+    def lm_head_bytes(self) -> int:
+        """Bytes of the LM head matrix, read once by a step that computes any logits."""
+        return self.lm_head_params * self.weight_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("layer_matmul_params", "matmul_params", "norm_params", "lm_head_params",
+                  "embedding_params", "num_params", "body_weight_bytes", "lm_head_bytes",
+                  "kv_bytes_per_token"):
+            d[k] = getattr(self, k)
+        return d
+
+
+def attended_keys(num_new_tokens: int, context_len_after: int) -> int:
+    """Sum over the step's new tokens of the number of keys each attends to (causal).
+
+    The new tokens sit at positions ``c - n .. c - 1`` (``c`` = context length
+    after the step, ``n`` = new tokens), and the token at position ``p`` attends
+    to ``p + 1`` keys, so the sum is ``sum_{p=c-n}^{c-1} (p + 1) = n*c - n*(n-1)/2``.
+    """
+    n, c = num_new_tokens, context_len_after
+    return n * c - n * (n - 1) // 2
+
+
+def _check_entries(entries: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+    out = []
+    for i, e in enumerate(entries):
+        try:
+            n, c = int(e[0]), int(e[1])
+        except (TypeError, IndexError, ValueError):
+            raise ValueError(f"entry {i} must be (num_new_tokens, context_len_after), got {e!r}") from None
+        if n < 0 or c < n:
+            raise ValueError(
+                f"entry {i}: need 0 <= num_new_tokens <= context_len_after, got {e!r}")
+        out.append((n, c))
+    return out
+
+
+def step_cost(cost: ModelCost, entries: Iterable[Sequence[int]], num_sampled: int) -> tuple[float, float]:
+    """FLOPs and bytes moved by one forward step, for one rank.
+
+    Args:
+        cost: the model's static figures.
+        entries: one ``(num_new_tokens, context_len_after)`` per sequence in the
+            step (a decode is ``(1, c)``; a prefill chunk ``(n, c)`` with ``c - n``
+            tokens already in the cache, e.g. from a prefix-cache hit or earlier chunks).
+        num_sampled: rows whose logits are computed (sequences sampled this step).
+
+    Returns ``(flops, bytes)``, with (T = total new tokens, A = sum of
+    :func:`attended_keys`, K = sum of context_len_after, S = num_sampled)::
+
+        flops = 2 * matmul_params * T                  # Kaplan et al. 2020: 2N per token
+              + 4 * d * H * L * A                      # QK^T and PV, causal
+              + 2 * D * V * S                          # LM head
+        bytes = body_weight_bytes                      # every layer weight read once
+              + lm_head_bytes * (S > 0)
+              + T * D * weight_bytes                   # embedding rows looked up
+              + K * kv_bytes_per_token                 # KV read: every cached position once per sequence
+              + T * kv_bytes_per_token                 # KV written for the new tokens
+
+    Activations are ignored (see the module docstring).
+    """
+    if not isinstance(num_sampled, int) or isinstance(num_sampled, bool) or num_sampled < 0:
+        raise ValueError(f"num_sampled must be a non-negative int, got {num_sampled!r}")
+    ents = _check_entries(entries)
+    if num_sampled > len(ents):
+        raise ValueError(f"num_sampled={num_sampled} exceeds the number of sequences {len(ents)}")
+    T = sum(n for n, _ in ents)
+    A = sum(attended_keys(n, c) for n, c in ents if n)
+    K = sum(c for n, c in ents if n)
+    c = cost
+    flops = (2 * c.matmul_params * T
+             + 4 * c.head_dim * c.num_heads * c.num_layers * A
+             + 2 * c.hidden_size * c.vocab_size * num_sampled)
+    nbytes = 0
+    if T:
+        nbytes = (c.body_weight_bytes
+                  + (c.lm_head_bytes if num_sampled else 0)
+                  + T * c.hidden_size * c.weight_bytes
+                  + K * c.kv_bytes_per_token
+                  + T * c.kv_bytes_per_token)
+    return float(flops), float(nbytes)
+
+
+def arithmetic_intensity(flops: float, nbytes: float) -> float:
+    """FLOPs per byte moved (Williams et al. 2009). ``inf`` when nothing is moved."""
+    if nbytes < 0 or flops < 0:
+        raise ValueError(f"flops and bytes must be non-negative, got {flops!r}, {nbytes!r}")
+    return float("inf") if nbytes == 0 else flops / nbytes
+
+
+def entries_from_record(record: Any) -> tuple[list[tuple[int, int]], int]:
+    """``(entries, num_sampled)`` of a ``StepRecord``: each scheduled entry gives
+    ``(num_tokens, first_position + num_tokens)``."""
+    entries = [(e.num_tokens, e.first_position + e.num_tokens) for e in record.scheduled]
+    num_sampled = sum(1 for e in record.scheduled if e.sampled)
+    return entries, num_sampled
+
+
+def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
+                     seconds: float | None = None) -> Any:
+    """Set ``record.flops`` and ``record.bytes_moved`` from its scheduled entries,
+    and ``record.mfu`` / ``record.mbu`` when ``peaks`` is given::
+
+        mfu = flops / seconds / peaks.flops_per_s     # PaLM's MFU (Chowdhery et al. 2022)
+        mbu = bytes / seconds / peaks.bytes_per_s
+
+    ``seconds`` defaults to the step's wall time (``record.wall_ms / 1e3``).
+    Returns the record (modified in place).
+    """
+    entries, num_sampled = entries_from_record(record)
+    flops, nbytes = step_cost(cost, entries, num_sampled)
+    record.flops = flops
+    record.bytes_moved = nbytes
+    if seconds is None:
+        seconds = record.wall_ms / 1e3
+    if peaks is not None and seconds > 0 and flops > 0:
+        record.mfu = flops / seconds / peaks.flops_per_s
+        record.mbu = nbytes / seconds / peaks.bytes_per_s
+    return record

@@ -1,0 +1,257 @@
+"""Background sampling of device utilisation, on the same clock as the step records.
+
+``UtilisationSampler`` runs a daemon thread that samples every ``period_s``
+seconds, stamping each sample with ``time.perf_counter()`` (the clock of
+``StepRecord.start_time`` / ``end_time``), so samples and steps can be drawn on
+one time axis.
+
+* CPU (always): busy percentage per core and overall, computed from the deltas
+  of ``psutil.cpu_times(percpu=True)`` between samples (so other callers of
+  ``psutil.cpu_percent`` do not disturb it); this process's CPU percentage (can
+  exceed 100 with several threads) and resident memory (RSS).
+* CUDA (when the device is a GPU and ``nvidia-ml-py`` is installed): NVML's SM
+  utilisation and memory-controller utilisation (percent), memory used
+  (bytes), power draw (W) and SM clock (MHz).
+
+NVML's utilisation rates are the fraction of time *over a sample window of
+between 1/6 s and 1 s* (depending on the product) during which one or more
+kernels ran / device memory was read or written (NVML API reference,
+``nvmlDeviceGetUtilizationRates``). A step lasts milliseconds, so these figures
+are context over time and must never be read as a per-step figure; per-step
+compute and bandwidth use come from the roofline (``minivllm.telemetry.roofline``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["UtilisationSample", "UtilisationSampler"]
+
+
+@dataclass
+class UtilisationSample:
+    """One sample. ``time`` is ``time.perf_counter()`` seconds; the GPU fields are
+    None on CPU or when NVML is unavailable.
+
+    Attributes:
+        time: when the sample was taken (perf_counter seconds).
+        cpu_percent: mean busy percent over all cores since the previous sample (0..100).
+        per_cpu_percent: busy percent per core since the previous sample.
+        process_cpu_percent: this process's CPU use since the previous sample
+            (100 = one core fully busy).
+        rss_bytes: this process's resident memory.
+        gpu_util_percent: NVML SM utilisation (windowed average, see module doc).
+        mem_util_percent: NVML memory-controller utilisation (windowed average).
+        mem_used_bytes: device memory in use (all processes).
+        power_w: board power draw in watts.
+        sm_clock_mhz: current SM clock.
+    """
+
+    time: float
+    cpu_percent: float
+    per_cpu_percent: list[float] = field(default_factory=list)
+    process_cpu_percent: float | None = None
+    rss_bytes: int | None = None
+    gpu_util_percent: float | None = None
+    mem_util_percent: float | None = None
+    mem_used_bytes: int | None = None
+    power_w: float | None = None
+    sm_clock_mhz: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _busy(prev, cur) -> float:
+    """Busy percent of one core between two ``psutil`` cpu_times tuples."""
+    idle_fields = ("idle", "iowait")
+    total = sum(cur) - sum(prev)
+    if total <= 0:
+        return 0.0
+    idle = sum(getattr(cur, f, 0.0) - getattr(prev, f, 0.0) for f in idle_fields)
+    return max(0.0, min(100.0, 100.0 * (total - idle) / total))
+
+
+class UtilisationSampler:
+    """Sample utilisation in a background thread while a workload runs.
+
+    Args:
+        period_s: seconds between samples (default 0.1).
+        device: "cpu", "cuda", "cuda:N", a ``torch.device``, or None / "auto"
+            (CUDA when available). On CUDA the GPU is sampled through NVML in
+            addition to the CPU.
+
+    Use as a context manager (``with sampler: run()``) or call ``start()`` /
+    ``stop()``. ``stop()`` takes a final sample, so even a workload shorter
+    than one period yields at least one sample; samples accumulate across
+    start/stop cycles until ``clear()``.
+    """
+
+    def __init__(self, period_s: float = 0.1, device: Any = None):
+        if not isinstance(period_s, (int, float)) or isinstance(period_s, bool) or not period_s > 0:
+            raise ValueError(f"period_s must be a positive number of seconds, got {period_s!r}")
+        self.period_s = float(period_s)
+        self.device = self._resolve_device(device)
+        self.nvml_error: str | None = None
+        self._samples: list[UtilisationSample] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml = None
+        self._nvml_handle = None
+        self._proc = None
+        self._prev_times = None
+
+    @staticmethod
+    def _resolve_device(device: Any) -> str:
+        if device is None or str(device) == "auto":
+            try:
+                import torch
+
+                return "cuda" if torch.cuda.is_available() else "cpu"
+            except ImportError:
+                return "cpu"
+        s = str(device)
+        if s != "cpu" and not s.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        return s
+
+    # --- lifecycle ---
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "UtilisationSampler":
+        if self.running:
+            return self
+        import psutil
+
+        self._proc = psutil.Process(os.getpid())
+        self._proc.cpu_percent(None)  # prime: the next call measures from here
+        self._prev_times = psutil.cpu_times(percpu=True)
+        if self.device.startswith("cuda"):
+            self._init_nvml()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="minivllm-utilisation", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._take()  # final sample covers the tail of the workload
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001 - shutdown failure must not mask the workload's result
+                pass
+            self._nvml = self._nvml_handle = None
+
+    def __enter__(self) -> "UtilisationSampler":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self):
+        # A forgotten sampler must not keep a thread alive forever.
+        try:
+            self._stop.set()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # --- samples ---
+    @property
+    def samples(self) -> list[UtilisationSample]:
+        """A copy of the samples taken so far, oldest first."""
+        with self._lock:
+            return list(self._samples)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._samples.clear()
+
+    # --- internals ---
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._take()
+
+    def _init_nvml(self) -> None:
+        try:
+            import pynvml  # from nvidia-ml-py
+
+            pynvml.nvmlInit()
+        except Exception as e:  # noqa: BLE001 - missing library or driver: CPU samples only
+            self.nvml_error = f"NVML unavailable: {e}"
+            return
+        self._nvml = pynvml
+        try:
+            self._nvml_handle = self._nvml_handle_for(pynvml)
+        except Exception as e:  # noqa: BLE001
+            self.nvml_error = f"NVML device lookup failed: {e}"
+            pynvml.nvmlShutdown()
+            self._nvml = None
+
+    def _nvml_handle_for(self, pynvml):
+        # NVML numbers GPUs physically; torch numbers them after CUDA_VISIBLE_DEVICES.
+        # The UUID identifies the same board in both.
+        index = int(self.device.split(":")[1]) if ":" in self.device else 0
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                if ":" not in self.device:
+                    index = torch.cuda.current_device()
+                uuid = str(torch.cuda.get_device_properties(index).uuid)
+                if uuid:
+                    if not uuid.startswith("GPU-"):
+                        uuid = "GPU-" + uuid
+                    return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        except Exception:  # noqa: BLE001 - fall back to the visible-device list below
+            pass
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if ids and index < len(ids) and ids[index].isdigit():
+            index = int(ids[index])
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+    def _take(self) -> None:
+        import psutil
+
+        now = time.perf_counter()
+        times = psutil.cpu_times(percpu=True)
+        per = [_busy(p, c) for p, c in zip(self._prev_times, times)]
+        self._prev_times = times
+        try:
+            proc_cpu = self._proc.cpu_percent(None)
+            rss = self._proc.memory_info().rss
+        except psutil.Error:
+            proc_cpu, rss = None, None
+        s = UtilisationSample(
+            time=now,
+            cpu_percent=sum(per) / len(per) if per else 0.0,
+            per_cpu_percent=per,
+            process_cpu_percent=proc_cpu,
+            rss_bytes=rss,
+        )
+        if self._nvml is not None:
+            nv, h = self._nvml, self._nvml_handle
+            for attr, fn in (
+                ("gpu_util_percent", lambda: float(nv.nvmlDeviceGetUtilizationRates(h).gpu)),
+                ("mem_util_percent", lambda: float(nv.nvmlDeviceGetUtilizationRates(h).memory)),
+                ("mem_used_bytes", lambda: int(nv.nvmlDeviceGetMemoryInfo(h).used)),
+                ("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1e3),
+                ("sm_clock_mhz", lambda: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))),
+            ):
+                try:
+                    setattr(s, attr, fn())
+                except Exception:  # noqa: BLE001 - some boards do not report every field
+                    pass
+        with self._lock:
+            self._samples.append(s)

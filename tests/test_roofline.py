@@ -1,0 +1,143 @@
+"""Roofline FLOP/byte accounting checked against a hand computation and against
+torch's FlopCounterMode on a real transformers Qwen3 model of the same config."""
+import pytest
+import torch
+
+from minivllm.telemetry.peaks import Peaks
+from minivllm.telemetry.roofline import (
+    ModelCost, arithmetic_intensity, attended_keys, dtype_nbytes, fill_step_record, step_cost)
+from minivllm.telemetry.step_record import ScheduledEntry, StepRecord
+
+# D=8, F=16, L=2, H=4, Hkv=2, d=4, V=32, untied, fp32.
+SMALL = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=4, vocab_size=32, tie_word_embeddings=False,
+             attention_bias=False)
+
+
+def small_cost(**kw):
+    return ModelCost.from_config(SMALL, dtype="float32", **kw)
+
+
+def test_static_counts_by_hand():
+    c = small_cost()
+    # per layer: q 8*16=128, k 8*8=64, v 64, o 16*8=128, gate+up+down 3*8*16=384 -> 768
+    assert c.layer_matmul_params == 128 + 64 + 64 + 128 + 384 == 768
+    assert c.matmul_params == 2 * 768 == 1536
+    # norms: 2 layers * (input 8 + post-attn 8 + q_norm 4 + k_norm 4) + final 8
+    assert c.norm_params == 2 * (8 + 8 + 4 + 4) + 8 == 56
+    assert c.lm_head_params == c.embedding_params == 8 * 32 == 256
+    assert c.num_params == 1536 + 56 + 256 + 256
+    assert c.body_weight_bytes == (1536 + 56) * 4 == 6368
+    assert c.lm_head_bytes == 256 * 4 == 1024
+    # K and V * 2 layers * 2 kv heads * head_dim 4 * 4 bytes
+    assert c.kv_bytes_per_token == 2 * 2 * 2 * 4 * 4 == 128
+
+
+def test_param_count_matches_transformers_model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    for tie in (False, True):
+        model = Qwen3ForCausalLM(Qwen3Config(**{**SMALL, "tie_word_embeddings": tie}))
+        n = sum(p.numel() for p in model.parameters())  # tied matrix counted once
+        assert ModelCost.from_config(model.config).num_params == n
+
+
+def test_attended_keys_causal():
+    # positions 2,3,4 attend to 3,4,5 keys
+    assert attended_keys(3, 5) == 3 + 4 + 5
+    assert attended_keys(1, 7) == 7
+    assert attended_keys(4, 4) == 1 + 2 + 3 + 4
+    assert attended_keys(0, 9) == 0
+
+
+def test_step_cost_by_hand():
+    c = small_cost()
+    # a prefill chunk of 3 tokens after a 2-token prefix hit, and a decode at context 7
+    flops, nbytes = step_cost(c, [(3, 5), (1, 7)], num_sampled=2)
+    T, A, K = 4, (3 + 4 + 5) + 7, 5 + 7
+    linear = 2 * 1536 * T                   # 12288
+    attn = 4 * 4 * 4 * 2 * A                # 4 * d * H * L * A = 2432
+    head = 2 * 8 * 32 * 2                   # 1024
+    assert flops == linear + attn + head == 15744
+    expect_bytes = (6368                    # layer weights + norms, once
+                    + 1024                  # LM head, once
+                    + T * 8 * 4             # 4 embedding rows = 128
+                    + K * 128               # KV read = 1536
+                    + T * 128)              # KV written = 512
+    assert nbytes == expect_bytes == 9568
+
+
+def test_step_cost_no_sampling_and_empty():
+    c = small_cost()
+    flops, nbytes = step_cost(c, [(4, 4)], num_sampled=0)  # a chunk that samples nothing
+    assert flops == 2 * 1536 * 4 + 4 * 4 * 4 * 2 * 10
+    assert nbytes == 6368 + 4 * 8 * 4 + 4 * 128 + 4 * 128
+    assert step_cost(c, [], 0) == (0.0, 0.0)
+
+
+def test_flops_match_flop_counter_on_transformers_model():
+    """Independent check: torch's FlopCounterMode on HF's eager Qwen3. Eager attention
+    computes the full n x n score matrix (masked afterwards) and logits for every row,
+    so for a prompt of n tokens it counts n*n keys and n LM-head rows; ours is causal."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(**SMALL, attn_implementation="eager")).eval()
+    c = small_cost()
+    for n in (1, 5):
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            model(torch.arange(n)[None])
+        ours, _ = step_cost(c, [(n, n)], num_sampled=1)
+        extra_keys = n * n - attended_keys(n, n)
+        extra = 4 * c.head_dim * c.num_heads * c.num_layers * extra_keys + 2 * 8 * 32 * (n - 1)
+        assert fc.get_total_flops() == ours + extra
+
+
+def test_tensor_parallel_halves_per_rank_work():
+    c1, c2 = small_cost(), small_cost(tp_size=2)
+    assert c2.num_heads == 2 and c2.num_kv_heads == 1 and c2.intermediate_size == 8
+    assert c2.matmul_params * 2 == c1.matmul_params
+    f1, _ = step_cost(c1, [(3, 5)], 1)
+    f2, _ = step_cost(c2, [(3, 5)], 1)
+    assert f2 * 2 == f1
+    with pytest.raises(ValueError, match="tp_size"):
+        small_cost(tp_size=3)
+
+
+def test_bad_inputs_raise():
+    c = small_cost()
+    with pytest.raises(ValueError, match="entry 1"):
+        step_cost(c, [(1, 1), (5, 2)], 1)
+    with pytest.raises(ValueError, match="num_sampled"):
+        step_cost(c, [(1, 1)], 2)
+    with pytest.raises(ValueError, match="dtype"):
+        dtype_nbytes("float13")
+    assert dtype_nbytes(torch.bfloat16) == 2 and dtype_nbytes("torch.float32") == 4
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelCost.from_config({**SMALL, "hidden_size": 0})
+
+
+def test_arithmetic_intensity_decode_vs_prefill():
+    c = small_cost()
+    i_dec = arithmetic_intensity(*step_cost(c, [(1, 8)], 1))
+    i_pre = arithmetic_intensity(*step_cost(c, [(64, 64)], 1))
+    assert i_pre > 10 * i_dec  # prefill reuses each weight across 64 tokens
+    assert arithmetic_intensity(5.0, 0.0) == float("inf")
+    assert arithmetic_intensity(6.0, 3.0) == 2.0
+
+
+def test_fill_step_record():
+    rec = StepRecord(
+        index=0, start_time=1.0, end_time=1.5, num_prefill_tokens=3, num_decode_tokens=1,
+        num_seqs=2, num_prefill_chunks=1,
+        scheduled=[ScheduledEntry("b", 1, False, 6, True), ScheduledEntry("a", 3, True, 2, True)],
+        preempted=[], finished=[], kv_blocks_used=2, kv_blocks_free=6, kv_blocks_cached=1,
+        prefix_cache_hit_tokens=2, attention_backend="torch")
+    c = small_cost()
+    peaks = Peaks(flops_per_s=1e5, bytes_per_s=1e4)
+    fill_step_record(rec, c, peaks)
+    assert rec.flops == 15744 and rec.bytes_moved == 9568  # same step as test_step_cost_by_hand
+    assert rec.mfu == pytest.approx(15744 / 0.5 / 1e5)
+    assert rec.mbu == pytest.approx(9568 / 0.5 / 1e4)
+    fill_step_record(rec, c, peaks, seconds=0.25)
+    assert rec.mfu == pytest.approx(15744 / 0.25 / 1e5)

@@ -1,0 +1,204 @@
+"""Utilisation sampler, peaks microbenchmark cache, and run export."""
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from minivllm.telemetry import peaks as peaks_mod
+from minivllm.telemetry.export import load_run_json, run_to_dataframes, run_to_json, save_run_json
+from minivllm.telemetry.peaks import Peaks, get_peaks, measure_peaks
+from minivllm.telemetry.step_record import ScheduledEntry, StepRecord
+from minivllm.telemetry.utilisation import UtilisationSample, UtilisationSampler
+
+TINY = dict(matmul_size=32, copy_bytes=1 << 16, repeats=1)
+
+
+def _busy(seconds):
+    t0 = time.perf_counter()
+    x = 0
+    while time.perf_counter() - t0 < seconds:
+        x += 1
+    return x
+
+
+def test_sampler_samples_on_perf_counter_clock_and_stops():
+    s = UtilisationSampler(period_s=0.02, device="cpu")
+    t0 = time.perf_counter()
+    with s:
+        assert s.running
+        _busy(0.2)
+    t1 = time.perf_counter()
+    assert not s.running
+    assert not any(t.name == "minivllm-utilisation" for t in threading.enumerate())
+    samples = s.samples
+    assert len(samples) >= 2
+    times = [x.time for x in samples]
+    assert times == sorted(times)
+    assert t0 <= times[0] and times[-1] <= t1  # perf_counter clock, inside the workload
+    for x in samples:
+        assert 0.0 <= x.cpu_percent <= 100.0
+        assert len(x.per_cpu_percent) >= 1
+        assert x.rss_bytes > 0
+        assert x.gpu_util_percent is None  # CPU device: no NVML fields
+    n = len(samples)
+    time.sleep(0.06)
+    assert len(s.samples) == n  # nothing sampled after stop
+    s.start()
+    s.stop()
+    assert len(s.samples) >= n + 1  # accumulates across cycles
+    s.clear()
+    assert s.samples == []
+
+
+def test_sampler_rejects_bad_args():
+    with pytest.raises(ValueError, match="period_s"):
+        UtilisationSampler(period_s=0)
+    with pytest.raises(ValueError, match="device"):
+        UtilisationSampler(device="tpu")
+
+
+def test_measure_peaks_tiny():
+    p = measure_peaks("cpu", "float32", **TINY)
+    assert p.flops_per_s > 0 and p.bytes_per_s > 0
+    assert p.device == "cpu" and p.dtype == "float32"
+    assert p.info["matmul_size"] == 32 and p.info["copy_bytes"] == 1 << 16
+    assert p.ridge_intensity == pytest.approx(p.flops_per_s / p.bytes_per_s)
+    with pytest.raises(ValueError, match="dtype"):
+        measure_peaks("cpu", "float13", **TINY)
+
+
+def test_peaks_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    first = get_peaks("cpu", "float32", **TINY)
+    path = tmp_path / "peaks.json"
+    assert path.exists()
+    on_disk = json.loads(path.read_text())
+    assert len(on_disk) == 1
+    (key, entry), = on_disk.items()
+    assert "float32" in key and "torch=" in key
+    assert entry["flops_per_s"] == first.flops_per_s
+
+    def no_measure(*a, **k):
+        raise AssertionError("cached peaks must not be re-measured")
+
+    monkeypatch.setattr(peaks_mod, "measure_peaks", no_measure)
+    again = get_peaks("cpu", "float32")
+    assert again == first and again.info["matmul_size"] == 32
+
+    calls = []
+    monkeypatch.setattr(peaks_mod, "measure_peaks",
+                        lambda *a, **k: calls.append(1) or Peaks(1.0, 2.0, "cpu", "float32"))
+    refreshed = get_peaks("cpu", "float32", refresh=True)
+    assert calls == [1] and refreshed.flops_per_s == 1.0
+    assert json.loads(path.read_text())[key]["bytes_per_s"] == 2.0
+
+
+def test_peaks_cache_survives_corrupt_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    (tmp_path / "peaks.json").write_text("{not json")
+    p = get_peaks("cpu", "float32", **TINY)
+    assert p.flops_per_s > 0
+    assert json.loads((tmp_path / "peaks.json").read_text())
+
+
+@dataclass
+class _Metrics:
+    arrival_time: float
+    first_scheduled_time: float
+    first_token_time: float
+    finished_time: float
+    token_times: list = field(default_factory=list)
+
+    @property
+    def ttft_ms(self):
+        return (self.first_token_time - self.arrival_time) * 1e3
+
+    @property
+    def itl_ms(self):
+        return [(b - a) * 1e3 for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class _Completion:
+    token_ids: list
+    finish_reason: str
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list
+    outputs: list
+    metrics: _Metrics
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+def _run():
+    steps = [
+        StepRecord(index=0, start_time=10.0, end_time=10.02, num_prefill_tokens=5,
+                   num_decode_tokens=0, num_seqs=1, num_prefill_chunks=1,
+                   scheduled=[ScheduledEntry("r0", 5, True, 0, True)], preempted=[], finished=[],
+                   kv_blocks_used=1, kv_blocks_free=7, kv_blocks_cached=0,
+                   prefix_cache_hit_tokens=0, attention_backend="torch", flops=123.0,
+                   extra={"note": "x"}),
+        StepRecord(index=1, start_time=10.02, end_time=10.03, num_prefill_tokens=0,
+                   num_decode_tokens=1, num_seqs=1, num_prefill_chunks=0,
+                   scheduled=[ScheduledEntry("r0", 1, False, 5, True)], preempted=[],
+                   finished=["r0"], kv_blocks_used=1, kv_blocks_free=7, kv_blocks_cached=0,
+                   prefix_cache_hit_tokens=0, attention_backend="torch"),
+    ]
+    req = _Request("r0", [1, 2, 3, 4, 5], [_Completion([7, 8], "length")],
+                   _Metrics(9.99, 10.0, 10.02, 10.03, [10.02, 10.03]))
+    samples = [UtilisationSample(time=10.01, cpu_percent=50.0, per_cpu_percent=[40.0, 60.0],
+                                 rss_bytes=1000)]
+    return steps, [req], samples
+
+
+def test_export_json_round_trip(tmp_path):
+    steps, reqs, samples = _run()
+    data = run_to_json(steps, reqs, samples, meta={"model": "tiny"})
+    path = save_run_json(tmp_path / "run.json", steps, reqs, samples, meta={"model": "tiny"})
+    loaded = load_run_json(path)
+    assert loaded == data
+    assert loaded["meta"] == {"model": "tiny"}
+    s0 = loaded["steps"][0]
+    assert s0["phase"] == "prefill" and s0["wall_ms"] == pytest.approx(20.0)
+    assert s0["scheduled"][0] == {"request_id": "r0", "num_tokens": 5, "is_prefill": True,
+                                  "first_position": 0, "sampled": True}
+    r = loaded["requests"][0]
+    assert r["num_prompt_tokens"] == 5 and r["num_output_tokens"] == 2
+    assert r["ttft_ms"] == pytest.approx(30.0) and r["itl_ms"] == [pytest.approx(10.0)]
+    assert r["tpot_ms"] is None  # not provided by this metrics object
+    assert loaded["samples"][0]["per_cpu_percent"] == [40.0, 60.0]
+    with pytest.raises(ValueError, match="run export"):
+        (tmp_path / "bad.json").write_text("[]")
+        load_run_json(tmp_path / "bad.json")
+
+
+def test_export_dataframes_columns(tmp_path):
+    pytest.importorskip("pandas")
+    steps, reqs, samples = _run()
+    dfs = run_to_dataframes(steps, reqs, samples)
+    assert set(dfs) == {"steps", "scheduled", "requests", "samples"}
+    st = dfs["steps"]
+    assert list(st["phase"]) == ["prefill", "decode"]
+    assert list(st["num_finished"]) == [0, 1]
+    for col in ("wall_ms", "num_prefill_tokens", "kv_blocks_used", "model_ms", "flops", "mfu",
+                "extra.note"):
+        assert col in st.columns
+    assert list(dfs["scheduled"]["step"]) == [0, 1]
+    assert list(dfs["scheduled"]["is_prefill"]) == [True, False]
+    rq = dfs["requests"]
+    for col in ("request_id", "ttft_ms", "e2e_ms", "queue_ms", "num_output_tokens"):
+        assert col in rq.columns
+    sm = dfs["samples"]
+    assert list(sm["cpu1_percent"]) == [60.0]
+    # from the JSON file: same frames
+    path = save_run_json(tmp_path / "run.json", steps, reqs, samples)
+    again = run_to_dataframes(**load_run_json(path))
+    assert again["steps"].equals(st)
+    empty = run_to_dataframes()
+    assert "wall_ms" in empty["steps"].columns and len(empty["steps"]) == 0
