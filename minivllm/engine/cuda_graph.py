@@ -1,0 +1,354 @@
+"""CUDA graphs for decode steps.
+
+A decode step of a small model is dominated by kernel-launch overhead on the host (a
+0.6B model launches several hundred small kernels per step). A CUDA graph records the
+launches of one forward pass once and replays them with a single call, so a step costs
+roughly its GPU time. A graph is recorded for fixed tensor shapes and fixed addresses, so:
+
+* graphs are captured for a list of batch-size *buckets*; a step of ``n`` sequences runs
+  the smallest bucket ``>= n``, its extra rows padded (``select_bucket``,
+  ``pad_decode_batch``); a batch larger than the largest bucket runs eagerly;
+* inputs are copied into *static* buffers the graph reads (ids, positions, slot mapping,
+  context lengths, block tables sized for ``max_model_len``) and the output is read from
+  a static buffer the graph writes;
+* padded rows write no KV (slot ``-1``) and attend to one key (context length 1 through
+  physical block 0), so every kernel sees well-formed, finite input.
+
+Graphs are captured largest bucket first and share one memory pool, so the smaller
+graphs reuse the larger one's activation memory (PyTorch docs, "CUDA Graphs",
+``torch.cuda.graph(pool=...)``). Only backends whose decode forward reads nothing but
+device tensors (``supports_cuda_graphs = True``: triton, flash_attn) can be captured.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from minivllm.layers.attention.backend import AttentionBackend
+from minivllm.layers.attention.context import ForwardContext
+from minivllm.layers.attention.metadata import AttentionMetadata
+
+#: largest batch size a graph is captured for by default (bigger decode batches are
+#: compute-heavy enough that launch overhead no longer matters)
+DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
+def capture_batch_sizes(max_num_seqs: int, max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
+    """Batch-size buckets to capture: 1, 2, 4, 8, then every multiple of 8 up to
+    ``min(max_num_seqs, max_capture_size)``, which is always the last bucket.
+
+    Returns:
+        Sorted, distinct sizes, e.g. ``[1, 2, 4, 8, 16, 24, 32]`` for 32 and
+        ``[1, 2, 4, 8, 16, 20]`` for 20.
+    """
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if max_capture_size < 1:
+        raise ValueError(f"max_capture_size must be >= 1, got {max_capture_size}")
+    top = min(max_num_seqs, max_capture_size)
+    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 8))
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+def select_bucket(batch_size: int, buckets: list[int]) -> int | None:
+    """The smallest bucket ``>= batch_size``, or ``None`` when the batch is larger than
+    every bucket (the caller then runs the step eagerly).
+
+    Args:
+        batch_size: number of sequences in the decode step (>= 1).
+        buckets: captured batch sizes, in any order.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ordered = sorted(buckets)
+    i = bisect.bisect_left(ordered, batch_size)
+    return ordered[i] if i < len(ordered) else None
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step's inputs padded to a bucket (all on one device).
+
+    Attributes:
+        input_ids: int64 ``[bucket]`` (padded rows: 0).
+        positions: int64 ``[bucket]`` (padded rows: 0).
+        slot_mapping: int64 ``[bucket]`` (padded rows: -1, nothing written).
+        context_lens: int32 ``[bucket]`` (padded rows: 1).
+        block_tables: int32 ``[bucket, max_blocks_per_seq]`` (-1 past each row's blocks;
+            padded rows: ``[0, -1, ...]``, i.e. their single key is slot 0 of block 0).
+        cu_seqlens_q: int32 ``[bucket + 1]``: ``0, 1, ..., bucket``.
+        cu_seqlens_k: int32 ``[bucket + 1]``: prefix sums of ``context_lens``.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+
+    @classmethod
+    def allocate(cls, bucket: int, max_blocks_per_seq: int, device: torch.device | str) -> "DecodeBatch":
+        """Buffers for ``bucket`` rows, every row padding."""
+        dev = torch.device(device)
+        b = cls(
+            input_ids=torch.zeros(bucket, dtype=torch.int64, device=dev),
+            positions=torch.zeros(bucket, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((bucket,), -1, dtype=torch.int64, device=dev),
+            context_lens=torch.ones(bucket, dtype=torch.int32, device=dev),
+            block_tables=torch.full((bucket, max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
+            cu_seqlens_k=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
+        )
+        b.block_tables[:, 0] = 0
+        return b
+
+    def rows(self, n: int) -> "DecodeBatch":
+        """Views of the first ``n`` rows (``n + 1`` for the prefix sums)."""
+        return DecodeBatch(self.input_ids[:n], self.positions[:n], self.slot_mapping[:n],
+                           self.context_lens[:n], self.block_tables[:n],
+                           self.cu_seqlens_q[: n + 1], self.cu_seqlens_k[: n + 1])
+
+
+def pad_decode_batch(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    bucket: int,
+    max_blocks_per_seq: int,
+    out: DecodeBatch | None = None,
+) -> DecodeBatch:
+    """Pad a decode step of ``n`` sequences to ``bucket`` rows.
+
+    Args:
+        input_ids, positions: int64 ``[n]``.
+        slot_mapping: int64 ``[n]``.
+        context_lens: int32 ``[n]``.
+        block_tables: int32 ``[n, w]`` with ``w <= max_blocks_per_seq``.
+        bucket: rows to pad to (``>= n``).
+        max_blocks_per_seq: block-table width of the result, ``ceil(max_model_len /
+            block_size)``, so any sequence up to ``max_model_len`` fits.
+        out: static buffers with at least ``bucket`` rows and ``max_blocks_per_seq``
+            columns to write into (the CUDA-graph inputs); fresh tensors when ``None``.
+
+    Returns:
+        A ``DecodeBatch`` of ``bucket`` rows (views of ``out`` when given).
+    """
+    n = int(input_ids.shape[0])
+    if n > bucket:
+        raise ValueError(f"batch of {n} sequences does not fit bucket {bucket}")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping),
+                    ("context_lens", context_lens), ("block_tables", block_tables)):
+        if int(t.shape[0]) != n:
+            raise ValueError(f"{name} has {t.shape[0]} rows, input_ids has {n}")
+    if block_tables.dim() != 2 or block_tables.shape[1] > max_blocks_per_seq:
+        raise ValueError(
+            f"block_tables of shape {tuple(block_tables.shape)} is wider than "
+            f"max_blocks_per_seq={max_blocks_per_seq}"
+        )
+    if out is None:
+        out = DecodeBatch.allocate(bucket, max_blocks_per_seq, input_ids.device)
+    elif out.input_ids.shape[0] < bucket or out.block_tables.shape[1] != max_blocks_per_seq:
+        raise ValueError(
+            f"static buffers of {out.input_ids.shape[0]} rows x {out.block_tables.shape[1]} "
+            f"blocks cannot hold bucket {bucket} x {max_blocks_per_seq}"
+        )
+    b = out.rows(bucket)
+    w = int(block_tables.shape[1])
+    b.input_ids[:n].copy_(input_ids)
+    b.input_ids[n:].zero_()
+    b.positions[:n].copy_(positions)
+    b.positions[n:].zero_()
+    b.slot_mapping[:n].copy_(slot_mapping)
+    b.slot_mapping[n:].fill_(-1)
+    b.context_lens[:n].copy_(context_lens)
+    b.context_lens[n:].fill_(1)
+    b.block_tables[:n, :w].copy_(block_tables)
+    b.block_tables[:n, w:].fill_(-1)
+    b.block_tables[n:].fill_(-1)
+    b.block_tables[n:, 0] = 0
+    b.cu_seqlens_k[0] = 0
+    torch.cumsum(b.context_lens, dim=0, dtype=torch.int32, out=b.cu_seqlens_k[1:])
+    return b
+
+
+class _EagerReplay:
+    """Stands in for ``torch.cuda.CUDAGraph`` when emulating on CPU: replay re-runs the
+    recorded function on the same static buffers (tests the buffer plumbing)."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self._fn = fn
+
+    def replay(self) -> None:
+        self._fn()
+
+
+class CudaGraphDecodeRunner:
+    """Captures and replays decode forwards of ``model`` for a set of batch-size buckets.
+
+    Args:
+        model: called as ``model(input_ids, positions, ForwardContext) -> hidden [n, H]``.
+        kv_caches: per-layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hk, D]``.
+        backend: the attention backend; must have ``supports_cuda_graphs = True``.
+        max_num_seqs: largest decode batch the scheduler forms (largest bucket, capped
+            at ``max_capture_size``).
+        max_blocks_per_seq: ``ceil(max_model_len / block_size)``: static block-table width.
+        hidden_size: model width ``H`` (the static output is ``[max_bucket, H]``).
+        device, dtype: of the model.
+        max_capture_size: cap on the largest bucket.
+        emulate: record nothing and re-run the forward eagerly on replay; lets the
+            padding and buffer logic be tested without a GPU.
+
+    Usage::
+
+        runner = CudaGraphDecodeRunner(model, kv_caches, backend, 256, max_blocks, H, dev, dt)
+        runner.capture()
+        if runner.can_run(meta):
+            hidden = runner.run(input_ids, positions, meta)   # [n, H], a view: use before the next run
+    """
+
+    def __init__(
+        self,
+        model: Callable[..., torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        hidden_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE,
+        emulate: bool = False,
+    ) -> None:
+        self.device = torch.device(device)
+        if not emulate and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        if not getattr(backend, "supports_cuda_graphs", False):
+            raise ValueError(
+                f"attention backend {getattr(backend, 'name', backend)!r} cannot be captured in a "
+                "CUDA graph (it plans each step on the host); use triton or flash_attn, "
+                "or enforce_eager=True"
+            )
+        if max_blocks_per_seq < 1:
+            raise ValueError(f"max_blocks_per_seq must be >= 1, got {max_blocks_per_seq}")
+        if not kv_caches:
+            raise ValueError("kv_caches is empty")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = int(kv_caches[0][0].shape[1])
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.emulate = emulate
+        self.buckets = capture_batch_sizes(max_num_seqs, max_capture_size)
+        self._graphs: dict[int, object] = {}
+        self._pool = None
+        top = self.buckets[-1]
+        self._buf = DecodeBatch.allocate(top, max_blocks_per_seq, self.device)
+        self._hidden = torch.zeros(top, hidden_size, dtype=dtype, device=self.device)
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        """Metadata whose tensors are views of the static buffers (what the graph reads)."""
+        b = self._buf.rows(bs)
+        return AttentionMetadata(
+            cu_seqlens_q=b.cu_seqlens_q,
+            cu_seqlens_k=b.cu_seqlens_k,
+            context_lens=b.context_lens,
+            slot_mapping=b.slot_mapping,
+            block_tables=b.block_tables,
+            max_seqlen_q=1,
+            max_seqlen_k=self.max_blocks_per_seq * self.block_size,
+            block_size=self.block_size,
+            is_decode_only=True,
+            q_lens_cpu=[1] * bs,
+            # host-side lengths are unknown at replay; kernels used in graphs never read them
+            context_lens_cpu=[1] * bs,
+        )
+
+    def _forward_into_static(self, bs: int) -> Callable[[], None]:
+        meta = self._meta(bs)
+        ctx = ForwardContext(meta, self.backend, self.kv_caches)
+        ids, pos = self._buf.input_ids[:bs], self._buf.positions[:bs]
+        out = self._hidden[:bs]
+
+        def fn() -> None:
+            meta.extras.clear()
+            self.backend.prepare(meta)
+            out.copy_(self.model(ids, pos, ctx))
+
+        return fn
+
+    @torch.inference_mode()
+    def capture(self, warmup_iters: int = 2) -> None:
+        """Capture one graph per bucket, largest first, sharing one memory pool.
+
+        Each bucket first runs ``warmup_iters`` eager forwards on the all-padding static
+        buffers (compiles Triton kernels, sets up cuBLAS workspaces; writes no KV).
+        """
+        for bs in reversed(self.buckets):
+            fn = self._forward_into_static(bs)
+            if self.emulate:
+                self._graphs[bs] = _EagerReplay(fn)
+                continue
+            for _ in range(warmup_iters):
+                fn()
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                fn()
+            if self._pool is None:
+                self._pool = graph.pool()
+            self._graphs[bs] = graph
+        if not self.emulate:
+            torch.cuda.synchronize(self.device)
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        """True when this step can replay a graph: captured, decode-only, fits a bucket,
+        same block size, block table no wider than the static one."""
+        return (
+            self.captured
+            and meta.is_decode_only
+            and meta.num_tokens == meta.num_seqs
+            and select_bucket(max(meta.num_seqs, 1), self.buckets) is not None
+            and meta.num_seqs >= 1
+            and meta.block_size == self.block_size
+            and meta.block_tables.shape[1] <= self.max_blocks_per_seq
+        )
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the bucket's graph for this decode step.
+
+        Args:
+            input_ids, positions: int64 ``[n]``, one token per sequence.
+            meta: the step's metadata (decode-only, ``n`` sequences).
+
+        Returns:
+            ``hidden [n, hidden_size]``: a view of the static output, valid until the
+            next ``run``.
+        """
+        if not self.can_run(meta):
+            raise ValueError(
+                f"this step cannot run in a CUDA graph (decode_only={meta.is_decode_only}, "
+                f"num_seqs={meta.num_seqs}, buckets up to {self.buckets[-1]}, "
+                f"captured={self.captured})"
+            )
+        n = meta.num_seqs
+        bs = select_bucket(n, self.buckets)
+        pad_decode_batch(input_ids, positions, meta.slot_mapping, meta.context_lens,
+                         meta.block_tables, bs, self.max_blocks_per_seq, out=self._buf)
+        self._graphs[bs].replay()
+        return self._hidden[:n]

@@ -1,0 +1,29 @@
+"""Sizing and allocating the paged KV cache."""
+from __future__ import annotations
+
+import torch
+
+from minivllm.models.hf_config import get_head_dim
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of K and V one token occupies across all layers on one rank:
+    ``2 x num_layers x (num_kv_heads / tp) x head_dim x dtype bytes``."""
+    kv_heads = hf_config.num_key_value_heads // tp_size
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * hf_config.num_hidden_layers * kv_heads * get_head_dim(hf_config) * elem
+
+
+def num_blocks_for_bytes(budget_bytes: int, hf_config, dtype: torch.dtype, block_size: int, tp_size: int = 1) -> int:
+    return budget_bytes // (kv_bytes_per_token(hf_config, dtype, tp_size) * block_size)
+
+
+def allocate_kv_cache(hf_config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                      tp_size: int = 1) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One zeroed tensor ``[2, num_layers, num_blocks, block_size, kv_heads/tp, head_dim]``
+    and per-layer ``(k_cache, v_cache)`` views into it. Zeroed, not empty: reference
+    attention gathers padding slots before masking them, and 0 x NaN would be NaN."""
+    kv_heads = hf_config.num_key_value_heads // tp_size
+    cache = torch.zeros(2, hf_config.num_hidden_layers, num_blocks, block_size, kv_heads,
+                        get_head_dim(hf_config), dtype=dtype, device=device)
+    return cache, [(cache[0, i], cache[1, i]) for i in range(hf_config.num_hidden_layers)]

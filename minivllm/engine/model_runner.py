@@ -1,0 +1,262 @@
+"""Runs one scheduled step on the model: build inputs, forward, logits, sample.
+
+The runner owns the model weights, the KV cache tensors, the attention backend and
+the sampler. ``run(plan)`` turns a ``SchedulerOutput`` into flat input tensors
+(every scheduled sequence's new tokens back to back), an ``AttentionMetadata``
+describing where each token's K/V goes and what it attends to, runs the model, and
+samples one token for each sequence whose step reached its last known token.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from minivllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_blocks_for_bytes
+from minivllm.engine.scheduler import SchedulerOutput
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.attention import get_attention_backend
+from minivllm.layers.attention.context import ForwardContext
+from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.layers.sampler import Sampler, SamplingBatch
+from minivllm.models.registry import get_model_class
+from minivllm.utils.model_source import ModelSource
+
+logger = logging.getLogger("minivllm")
+
+
+@dataclass
+class ModelInput:
+    """Flat inputs of one step.
+
+    Attributes:
+        input_ids: int64 ``[num_tokens]``.
+        positions: int64 ``[num_tokens]``.
+        meta: the step's ``AttentionMetadata``.
+        logits_indices: int64 ``[num_sampling]``: rows of the hidden states to sample from.
+        sampling_seqs: the sequences those rows belong to, in the same order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_seqs: list[Sequence]
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled token per sampling sequence (same order as ``ModelInput.sampling_seqs``), and timings in ms."""
+
+    sampled: list[tuple[Sequence, int]]
+    prepare_ms: float
+    model_ms: float
+    sample_ms: float
+
+
+class ModelRunner:
+    """Holds the model, KV cache, attention backend and sampler for one process.
+
+    Args:
+        source: the resolved model.
+        device, dtype: where and in which precision the model runs.
+        backend_name: attention backend name (resolved).
+        block_size: tokens per KV block.
+        num_kvcache_blocks / kv_cache_memory_bytes / gpu_memory_utilization: pool size,
+            first given wins (see ``EngineArgs``).
+        max_num_batched_tokens: largest step, used for the GPU warm-up measurement.
+        seed: sampler and random-weight seed.
+    """
+
+    def __init__(self, source: ModelSource, device: torch.device, dtype: torch.dtype, backend_name: str,
+                 block_size: int, num_kvcache_blocks: int | None, kv_cache_memory_bytes: int | None,
+                 gpu_memory_utilization: float, max_num_batched_tokens: int, seed: int | None):
+        self.source = source
+        self.hf_config = source.hf_config
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.model = self._build_model(source, device, dtype, seed)
+        self.backend = get_attention_backend(backend_name, device, block_size)
+        self.sampler = Sampler(seed, device)
+        self.num_kv_blocks = self._size_kv_cache(num_kvcache_blocks, kv_cache_memory_bytes,
+                                                 gpu_memory_utilization, max_num_batched_tokens)
+        self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, block_size,
+                                                          dtype, device)
+
+    # -- set-up ---------------------------------------------------------------------------
+    @staticmethod
+    def _build_model(source: ModelSource, device, dtype, seed) -> torch.nn.Module:
+        from minivllm.utils.loader import init_random_weights, load_weights
+
+        cls = get_model_class(source.hf_config)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = cls(source.hf_config)
+        finally:
+            torch.set_default_dtype(previous)
+        if source.checkpoint_dir is None:
+            init_random_weights(model, seed or 0)
+        else:
+            load_weights(model, source.checkpoint_dir)
+        return model.eval()
+
+    def _size_kv_cache(self, num_blocks, memory_bytes, gpu_util, max_tokens) -> int:
+        cfg, bs, dtype = self.hf_config, self.block_size, self.dtype
+        if num_blocks is not None:
+            return num_blocks
+        if memory_bytes is not None:
+            blocks = num_blocks_for_bytes(memory_bytes, cfg, dtype, bs)
+        elif self.device.type == "cuda":
+            blocks = self._blocks_from_gpu_memory(gpu_util, max_tokens)
+        else:
+            blocks = num_blocks_for_bytes(DEFAULT_CPU_KV_CACHE_BYTES, cfg, dtype, bs)
+        if blocks < 1:
+            raise ValueError(f"KV cache budget too small for one block of {bs} tokens "
+                             f"({kv_bytes_per_token(cfg, dtype) * bs} bytes)")
+        return blocks
+
+    def _blocks_from_gpu_memory(self, gpu_util: float, max_tokens: int) -> int:
+        """Blocks that fit in ``gpu_util`` of device memory after weights and the peak
+        activation memory of a warm-up forward of ``max_tokens`` tokens."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(max_tokens, 8192)
+        # Warm-up: one sequence of n tokens, KV written to a scratch block table
+        # over a small temporary cache.
+        scratch_blocks = -(-n // self.block_size)
+        _, scratch = allocate_kv_cache(self.hf_config, scratch_blocks, self.block_size, self.dtype, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        meta = self._metadata([n], [n], (np.arange(n) // self.block_size * self.block_size
+                                         + np.arange(n) % self.block_size).tolist(),
+                              [list(range(scratch_blocks))])
+        with torch.inference_mode():
+            self.backend.prepare(meta)
+            hidden = self.model(ids, pos, ForwardContext(meta, self.backend, scratch))
+            self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_for_kv = total * gpu_util - peak
+        blocks = int(free_for_kv // (kv_bytes_per_token(self.hf_config, self.dtype) * self.block_size))
+        logger.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f, peak activation+weights %.2f GiB",
+                    blocks, blocks * self.block_size * kv_bytes_per_token(self.hf_config, self.dtype) / 2**30,
+                    gpu_util, peak / 2**30)
+        return blocks
+
+    # -- one step ---------------------------------------------------------------------------
+    def _metadata(self, q_lens: list[int], context_lens: list[int], slots: list[int],
+                  tables: list[list[int]]) -> AttentionMetadata:
+        dev = self.device
+        width = max(len(t) for t in tables)
+        table_arr = np.full((len(tables), width), -1, dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_arr[i, :len(t)] = t
+        cu_q = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu_q[1:])
+        cu_k = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(context_lens, out=cu_k[1:])
+        return AttentionMetadata(
+            cu_seqlens_q=torch.from_numpy(cu_q).to(dev),
+            cu_seqlens_k=torch.from_numpy(cu_k).to(dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.from_numpy(table_arr).to(dev),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens), block_size=self.block_size,
+            is_decode_only=max(q_lens) == 1, q_lens_cpu=q_lens, context_lens_cpu=context_lens)
+
+    def prepare_input(self, plan: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_lens, context_lens, tables, logits_rows, sampling = [], [], [], [], []
+        for entry in plan.scheduled:
+            seq, start, n = entry.seq, entry.start_pos, entry.num_tokens
+            table = seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:start + n])
+                pos = np.arange(start, start + n)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+            q_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(table)
+            if entry.samples:
+                logits_rows.append(len(input_ids) - 1)
+                sampling.append(seq)
+        dev = self.device
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=self._metadata(q_lens, context_lens, slots, tables),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            sampling_seqs=sampling)
+
+    @torch.inference_mode()
+    def forward_logits(self, inp: ModelInput) -> torch.Tensor:
+        """fp32 logits ``[num_sampling, vocab_size]`` for the rows that sample."""
+        self.backend.prepare(inp.meta)
+        ctx = ForwardContext(inp.meta, self.backend, self.kv_caches)
+        hidden = self.model(inp.input_ids, inp.positions, ctx)
+        if not inp.sampling_seqs:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden[inp.logits_indices]).float()
+
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        dev = self.device
+        params = [s.params for s in seqs]
+        gens = []
+        for s in seqs:
+            if s.params.seed is not None and s.generator is None:
+                s.generator = torch.Generator(device=dev)
+                s.generator.manual_seed(s.params.seed)
+            gens.append(s.generator)
+        penalties = [p.repetition_penalty for p in params]
+        return SamplingBatch(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
+            repetition_penalties=torch.tensor(penalties, dtype=torch.float32, device=dev),
+            seen_token_ids=[s.token_ids if p != 1.0 else None for s, p in zip(seqs, penalties)],
+            generators=gens,
+            all_greedy=all(p.temperature == 0 for p in params),
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+            any_penalty=any(p != 1.0 for p in penalties))
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self, plan: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        inp = self.prepare_input(plan)
+        t1 = time.perf_counter()
+        logits = self.forward_logits(inp)
+        self._sync()
+        t2 = time.perf_counter()
+        sampled: list[tuple[Sequence, int]] = []
+        if inp.sampling_seqs:
+            with torch.inference_mode():
+                tokens = self.sampler(logits, self.sampling_batch(inp.sampling_seqs)).tolist()
+            sampled = list(zip(inp.sampling_seqs, tokens))
+        t3 = time.perf_counter()
+        return RunnerOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        self.kv_cache = None
+        self.model = None

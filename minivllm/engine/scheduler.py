@@ -1,0 +1,194 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step has a token budget (``max_num_batched_tokens``). Running sequences go
+first, oldest first: decodes (one token each), then prompts still being prefilled.
+Waiting requests are then admitted while the budget, ``max_num_seqs`` and the KV
+pool allow; with chunked prefill a prompt that does not fit the remaining budget is
+split, so a long prompt shares steps with other requests' decodes instead of
+stalling them. When a running sequence needs a block and none is free, the most
+recently admitted running sequence is preempted: its blocks are released and it
+goes back to the front of the queue, to be recomputed (prompt + output so far)
+when there is room again.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work this step: tokens ``start_pos .. start_pos + num_tokens - 1``."""
+
+    seq: Sequence
+    num_tokens: int
+    start_pos: int
+    is_prefill: bool
+    #: True when this step computes the sequence's last known token, so a new one is
+    #: sampled (fixed at planning time: the sequence grows after the step).
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start_pos + self.num_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step (decodes first, then prefill chunks)."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; decides every step's batch."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self._admission_counter = itertools.count()
+
+    # -- queue management ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_sequences(self) -> list[Sequence]:
+        return list(self.running) + list(self.waiting)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End ``seq`` (from either queue) and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.metrics.finished_time = time.perf_counter()
+
+    # -- the step plan -----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        planned: dict[int, ScheduledSequence] = {}  # id(seq) -> entry
+        bm = self.block_manager
+
+        # 1. Running sequences, oldest first: decodes, then unfinished prefills.
+        order = [s for s in self.running if not s.is_prefilling] + [s for s in self.running if s.is_prefilling]
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget == 0:
+                break
+            if seq.is_prefilling:
+                n = min(seq.prefill_target - seq.num_computed_tokens, budget)
+            else:
+                n = 1
+            total = seq.num_computed_tokens + n
+            while not bm.can_grow(seq, total):
+                victim = self.running[-1]  # most recently admitted
+                budget += self._preempt(victim, planned, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            bm.grow(seq, total)
+            planned[id(seq)] = ScheduledSequence(seq, n, seq.num_computed_tokens, seq.is_prefilling)
+            budget -= n
+
+        # 2. Admit waiting requests (not in a step that had to preempt).
+        if not out.preempted:
+            budget = self._admit(budget, planned, out)
+
+        decodes = [e for e in planned.values() if not e.is_prefill]
+        prefills = [e for e in planned.values() if e.is_prefill]
+        out.scheduled = decodes + prefills
+        return out
+
+    def _admit(self, budget: int, planned: dict, out: SchedulerOutput) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit_ids, hit_hashes = bm.match_prefix(seq)
+            cached = len(hit_ids) * bm.block_size
+            remaining = len(seq) - cached
+            if remaining <= budget:
+                n = remaining
+            elif self.config.enable_chunked_prefill:
+                n = budget
+            else:
+                break  # without chunking a prompt is scheduled whole
+            if bm.num_blocks_to_admit(hit_ids, cached + n) > bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            bm.admit(seq, hit_ids, hit_hashes)
+            bm.grow(seq, cached + n)
+            first_time = seq.metrics.first_scheduled_time is None
+            if first_time:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+                seq.num_cached_tokens = cached
+            seq.num_computed_tokens = cached
+            seq.prefill_target = len(seq)
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_order = next(self._admission_counter)
+            self.running.append(seq)
+            planned[id(seq)] = ScheduledSequence(seq, n, cached, True)
+            out.prefix_cache_hit_tokens += cached
+            budget -= n
+        return budget
+
+    def _preempt(self, victim: Sequence, planned: dict, out: SchedulerOutput) -> int:
+        """Recompute preemption of ``victim``; returns budget given back by unplanning it."""
+        refund = 0
+        entry = planned.pop(id(victim), None)
+        if entry is not None:
+            refund = entry.num_tokens
+        self.running.remove(victim)
+        self.block_manager.release(victim)
+        victim.num_computed_tokens = 0
+        victim.prefill_target = 0
+        victim.status = SequenceStatus.WAITING
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        return refund
+
+    # -- after the forward pass ----------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts and make newly completed blocks hittable."""
+        for entry in out.scheduled:
+            seq = entry.seq
+            seq.num_computed_tokens += entry.num_tokens
+            self.block_manager.register_computed_blocks(seq)

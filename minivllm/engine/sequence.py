@@ -1,0 +1,79 @@
+"""A request as the engine tracks it: its tokens, its KV blocks, its progress."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minivllm.outputs import RequestMetrics
+from minivllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued (new, or preempted and waiting to be recomputed)
+    RUNNING = "running"      # holds KV blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's token sequence (prompt + generated) and its place in the KV pool.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache. A sequence is
+    *prefilling* while ``num_computed_tokens < prefill_target`` (the prompt, or after a
+    recompute preemption the prompt plus everything generated so far), and *decoding*
+    afterwards, one token per step.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_ids: list[int] = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    prefill_target: int = 0
+    num_cached_tokens: int = 0           # prompt tokens served by the prefix cache (first admission)
+    block_table: list[int] = field(default_factory=list)
+    # Hash of each full block in block_table that has been registered (prefix chain).
+    block_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    admitted_order: int = -1             # admission counter: preemption victim = highest
+    generator: object = None             # torch.Generator for a seeded request (made by the runner)
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    # -- sizes ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.token_times.append(now)

@@ -1,0 +1,136 @@
+"""Turns one row of logits per sampling sequence into the next token ids.
+
+Order of operations (vLLM's): repetition penalty, then temperature, top-k, top-p,
+min-p, then a draw. Greedy rows (temperature 0) take the argmax after the penalty.
+
+The draw uses the exponential race (the Gumbel-max trick in another guise): with
+``E_i ~ Exp(1)`` independent, ``argmax_i p_i / E_i`` is distributed as ``p``.
+It needs no cumulative sums, and a request with its own seed draws its own ``E``
+from its own generator, so its tokens do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step (all tensors on the logits' device).
+
+    Attributes:
+        temperatures: fp32 ``[N]``; 0 marks a greedy row.
+        top_k: int64 ``[N]``; 0 disables.
+        top_p: fp32 ``[N]``; 1 disables.
+        min_p: fp32 ``[N]``; 0 disables.
+        repetition_penalties: fp32 ``[N]``; 1 disables.
+        seen_token_ids: per row, the prompt + output token ids (only needed where the
+            penalty is not 1; None elsewhere).
+        generators: per row, a seeded ``torch.Generator`` or None (engine-wide stream).
+        all_greedy / any_top_k / any_top_p / any_min_p / any_penalty: fast paths.
+    """
+
+    temperatures: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalties: torch.Tensor
+    seen_token_ids: list[list[int] | None]
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+
+
+def apply_repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """vLLM/CTRL repetition penalty: seen tokens' logits are divided by the penalty if
+    positive, multiplied if negative. ``logits``: fp32 ``[N, V]``, modified in place."""
+    for row, seen in enumerate(batch.seen_token_ids):
+        penalty = float(batch.repetition_penalties[row])
+        if seen is None or penalty == 1.0:
+            continue
+        idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
+        vals = logits[row, idx]
+        logits[row, idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (fp32 ``[N, V]``).
+
+    Greedy rows are given temperature 1 here; their result is not used.
+    """
+    temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
+    logits = logits / temps.unsqueeze(1)
+    if batch.any_top_k or batch.any_top_p:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if batch.any_top_k:
+            k = batch.top_k.clamp(min=0)
+            k = torch.where(k > 0, k, torch.full_like(k, logits.shape[-1]))
+            ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+            mask |= ranks >= k.unsqueeze(1)
+        if batch.any_top_p:
+            sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+            probs = sorted_logits.softmax(dim=-1)
+            # Drop a token when the mass strictly before it already reaches top_p
+            # (so the first token is always kept).
+            mass_before = probs.cumsum(dim=-1) - probs
+            mask |= mass_before >= batch.top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if batch.any_min_p:
+        threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
+                     default: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of ``probs`` (fp32 ``[N, V]``) -> int64 ``[N]``."""
+    noise = torch.empty_like(probs)
+    shared_rows = [i for i, g in enumerate(generators) if g is None]
+    if shared_rows:
+        if len(shared_rows) == len(generators):
+            noise.exponential_(generator=default)
+        else:
+            idx = torch.tensor(shared_rows, device=probs.device)
+            noise[idx] = torch.empty((len(shared_rows), probs.shape[1]), device=probs.device,
+                                     dtype=probs.dtype).exponential_(generator=default)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    """Samples the next token for each row of logits.
+
+    Args:
+        seed: seeds the engine-wide generator used by requests without their own seed.
+        device: where the generator lives (the logits' device).
+    """
+
+    def __init__(self, seed: int | None, device: torch.device):
+        self.generator = torch.Generator(device=device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """``logits``: fp32 ``[N, V]`` (not modified). Returns int64 ``[N]`` token ids."""
+        logits = logits.float().clone()
+        if batch.any_penalty:
+            apply_repetition_penalty(logits, batch)
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy
+        probs = filtered_probs(logits, batch)
+        sampled = exponential_race(probs, batch.generators, self.generator)
+        return torch.where(batch.temperatures > 0, sampled, greedy)

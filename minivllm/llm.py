@@ -1,0 +1,160 @@
+"""``LLM``: the offline facade (vLLM's shape): generate, stream, chat."""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence as Seq
+
+from minivllm.config import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (str, list[int], dict) or a list of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # a single prompt of token ids
+        return list(prompts)
+    raise ValueError(f"prompts {prompts!r}: expected a str, list[int], dict, or a list of them")
+
+
+class LLM:
+    """Generate text with minivllm.
+
+    Args:
+        model: None (the embedded ``minivllm-tiny``, or ``$MINIVLLM_MODEL``),
+            ``"minivllm-tiny"``, a local Hugging Face checkpoint directory, or
+            ``"random:<preset>"`` (random weights at a real model's shape, e.g.
+            ``"random:qwen3-0.6b"``, with the embedded tokenizer).
+        **engine_args: any ``EngineArgs`` field (``max_num_seqs``, ``block_size``,
+            ``enable_prefix_caching``, ``device``, ...).
+
+    Use as a context manager, or call ``shutdown()``, to free the KV cache at once.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, engine_args))
+        self._ids = itertools.count()
+
+    # -- helpers --------------------------------------------------------------------------
+    @property
+    def engine(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise RuntimeError("this LLM has been shut down")
+        return self.llm_engine
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def _submit(self, prompts, sampling_params, stream: bool) -> list[str]:
+        """Validate every prompt, then queue them all; returns their request ids in order."""
+        plist = _as_prompt_list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(plist):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(plist)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params or SamplingParams()] * len(plist)
+        for i, (prompt, p) in enumerate(zip(plist, params)):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}]={p!r} is not a SamplingParams")
+            try:
+                self.engine.encode_prompt(prompt)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = []
+        for prompt, p in zip(plist, params):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, p, stream=stream)
+            ids.append(rid)
+        return ids
+
+    def _abort(self, request_ids) -> None:
+        if self.llm_engine is not None:
+            for rid in request_ids:
+                self.llm_engine.abort_request(rid)
+
+    # -- public API ------------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; returns one ``RequestOutput`` per prompt, in prompt order.
+
+        Raises:
+            ValueError: a bad prompt or parameter (naming its index and value), before
+                anything is scheduled.
+        """
+        ids = self._submit(prompts, sampling_params, stream=False)
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                for out in self.engine.step().outputs:
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            self._abort(pending)  # on an exception (e.g. KeyboardInterrupt) leave the engine clean
+        return [results[i] for i in ids]
+
+    def stream(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield one delta ``RequestOutput`` per new token of any request (vLLM's DELTA kind):
+        ``outputs[0].text`` / ``.token_ids`` hold only what is new; ``finished`` is True on a
+        request's last item. Closing the iterator early aborts the unfinished requests."""
+        ids = self._submit(prompts, sampling_params, stream=True)
+        pending = set(ids)
+        try:
+            while pending:
+                for out in self.engine.step().outputs:
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            self._abort(pending)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             **template_kwargs) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (a list of
+        ``{"role", "content"}`` dicts) or a list of conversations, then ``generate``.
+
+        Raises:
+            ValueError: the tokenizer has no chat template.
+        """
+        tok = self.get_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"model {self.engine.source.name!r}: its tokenizer has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **template_kwargs)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def shutdown(self) -> None:
+        """Free the engine (KV cache, model). Safe to call twice."""
+        if self.llm_engine is not None:
+            self.llm_engine.shutdown()
+            self.llm_engine = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,100 @@
+"""What the engine returns per request: vLLM's ``RequestOutput`` shape, plus measured timings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request, in seconds on the ``time.perf_counter`` clock.
+
+    The derived figures are milliseconds:
+      * TTFT (time to first token) = first_token_time - arrival_time
+      * TPOT (time per output token) = (last token time - first token time) / (tokens - 1)
+      * ITL (inter-token latencies) = gaps between consecutive output tokens
+      * e2e = finished_time - arrival_time; queue = first_scheduled_time - arrival_time
+    A figure that is not defined yet (no first token, a single token) is ``None``.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return (self.first_token_time - self.arrival_time) * 1e3
+
+    @property
+    def itl_ms(self) -> list[float]:
+        t = self.token_times
+        return [(b - a) * 1e3 for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot_ms(self) -> float | None:
+        t = self.token_times
+        if len(t) < 2:
+            return None
+        return (t[-1] - t[0]) * 1e3 / (len(t) - 1)
+
+    @property
+    def e2e_ms(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return (self.finished_time - self.arrival_time) * 1e3
+
+    @property
+    def queue_ms(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return (self.first_scheduled_time - self.arrival_time) * 1e3
+
+
+@dataclass
+class CompletionOutput:
+    """One generated completion.
+
+    Attributes:
+        index: completion index within the request (always 0: one completion per request).
+        text: generated text (for streamed outputs: only the new part).
+        token_ids: generated token ids (for streamed outputs: only the new ones).
+        finish_reason: None while running, else "stop" (eos, stop string or stop token),
+            "length" (max_tokens or max_model_len reached) or "abort".
+        stop_reason: the stop string or stop token id that ended it, else None
+            (None also when eos ended it, as in vLLM).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request, as returned by ``LLM.generate`` / ``LLM.stream`` / ``LLMEngine.step``.
+
+    Attributes:
+        request_id: the id given at ``add_request`` (``LLM`` uses "0", "1", ... per call).
+        prompt: the prompt text, or None when the prompt was given as token ids.
+        prompt_token_ids: the prompt's token ids.
+        outputs: one ``CompletionOutput``.
+        finished: True once the request has ended.
+        num_cached_tokens: prompt tokens whose KV came from the prefix cache.
+        metrics: the request's ``RequestMetrics``.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

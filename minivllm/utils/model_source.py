@@ -1,0 +1,85 @@
+"""Where a model comes from: the embedded checkpoint, a local directory, or a random preset."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+EMBEDDED_MODEL_NAME = "minivllm-tiny"
+EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / EMBEDDED_MODEL_NAME
+RANDOM_PREFIX = "random:"
+
+
+@dataclass
+class ModelSource:
+    """A resolved model.
+
+    Attributes:
+        name: what the user asked for (display name).
+        hf_config: the transformers config.
+        checkpoint_dir: directory holding safetensors, or None for random weights.
+        tokenizer_dir: directory holding the tokenizer files.
+        eos_token_ids: end-of-sequence ids from generation_config.json, else the tokenizer's.
+    """
+
+    name: str
+    hf_config: object
+    checkpoint_dir: Path | None
+    tokenizer_dir: Path
+    eos_token_ids: list[int]
+
+    @property
+    def is_random(self) -> bool:
+        return self.checkpoint_dir is None
+
+
+def _eos_ids(directory: Path, tokenizer_dir: Path) -> list[int]:
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    tok_cfg = tokenizer_dir / "tokenizer_config.json"
+    tok_json = tokenizer_dir / "tokenizer.json"
+    if tok_cfg.is_file() and tok_json.is_file():
+        eos_tok = json.loads(tok_cfg.read_text()).get("eos_token")
+        if isinstance(eos_tok, dict):
+            eos_tok = eos_tok.get("content")
+        for added in json.loads(tok_json.read_text()).get("added_tokens", []):
+            if added.get("content") == eos_tok:
+                return [added["id"]]
+    return []
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+    """Resolve ``LLM(model=...)``.
+
+    ``None`` -> ``$MINIVLLM_MODEL`` if set, else the embedded model; ``"minivllm-tiny"``
+    -> the embedded model; ``"random:<preset>"`` -> a packaged config with random weights
+    and the embedded tokenizer; anything else must be a local Hugging Face checkpoint
+    directory (nothing is downloaded at run time).
+
+    Raises:
+        FileNotFoundError: the path does not exist or has no config.json.
+        ValueError: an unknown random preset.
+    """
+    from transformers import AutoConfig
+
+    if model is None:
+        model = os.environ.get("MINIVLLM_MODEL") or EMBEDDED_MODEL_NAME
+    name = str(model)
+    if name.startswith(RANDOM_PREFIX):
+        from minivllm.models.presets import load_preset_config
+
+        cfg = load_preset_config(name[len(RANDOM_PREFIX):])
+        return ModelSource(name, cfg, None, EMBEDDED_MODEL_DIR, _eos_ids(EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_DIR))
+    directory = EMBEDDED_MODEL_DIR if name == EMBEDDED_MODEL_NAME else Path(name).expanduser()
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {name!r}: no config.json in {str(directory)!r}. Give a local Hugging Face checkpoint "
+            f"directory, {EMBEDDED_MODEL_NAME!r}, or 'random:<preset>' (nothing is downloaded at run time).")
+    cfg = AutoConfig.from_pretrained(directory)
+    tokenizer_dir = directory if (directory / "tokenizer_config.json").is_file() or \
+        (directory / "tokenizer.json").is_file() else EMBEDDED_MODEL_DIR
+    return ModelSource(name, cfg, directory, tokenizer_dir, _eos_ids(directory, tokenizer_dir))
