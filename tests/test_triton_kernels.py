@@ -104,6 +104,24 @@ def test_paged_decode_wide_table_and_empty_row():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@pytest.mark.parametrize("splits,dtype", [(3, torch.float32), (4, torch.float16)])
+def test_paged_decode_split_kv_matches_reference(splits, dtype):
+    # Flash-decoding path (chosen automatically on a GPU for small batches): contexts
+    # long enough for several splits, short ones that leave some splits empty, a 0-key row.
+    case = make_case([(150, 1), (2, 1), (70, 1)], 8, 1, 64, 16, dtype, seed=11, table_width=12)
+    tk.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    ctx = case.meta.context_lens.clone()
+    out = tk.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
+                                    ctx, case.scale, num_splits=splits)
+    ref = naive_attention(case)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=0)
+    ctx[1] = 0
+    out0 = tk.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables,
+                                     ctx, case.scale, num_splits=splits)
+    assert torch.equal(out0[1], torch.zeros_like(out0[1]))
+    torch.testing.assert_close(out0[[0, 2]].float(), ref[[0, 2]], atol=TOL[dtype], rtol=0)
+
+
 # ---------------------------------------------------------------------------- prefill
 PREFILL_CASES = [
     # (seqs as (context_len, q_len), H, Hk, D, block_size, dtype, pad_tokens)

@@ -43,7 +43,8 @@ class TritonAttentionBackend(AttentionBackend):
         kern.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return kern.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                max_seqlen_k=meta.max_seqlen_k,
             )
         out = None
         if sum(meta.q_lens_cpu) != q.shape[0]:

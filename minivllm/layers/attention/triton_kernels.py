@@ -128,25 +128,39 @@ def store_kvcache(
 
 
 # --------------------------------------------------------------------------------------
-# (2) paged decode attention: one query token per sequence
+# (2) paged decode attention: one query token per sequence, optionally split over the KV
 # --------------------------------------------------------------------------------------
+# With few sequences the grid (sequences x kv heads) leaves most SMs idle while each
+# program walks a long context alone. The kernel can then split each sequence's keys
+# into NUM_SPLITS equal parts handled by separate programs, each writing an unnormalised
+# partial result with its running max and denominator; a second kernel merges them
+# (the "Flash-Decoding" scheme, Dao et al., 2023, "Flash-Decoding for long-context
+# inference"). The split count depends only on the batch size and the longest possible
+# context, never on this step's lengths, so the launch is the same on every CUDA-graph
+# replay.
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr,
+    part_acc_ptr, part_ml_ptr,  # [S, H, NUM_SPLITS, D] fp32 and [S, H, NUM_SPLITS, 2] fp32
     qk_scale,  # softmax scale * log2(e)
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_co, stride_ch,
     stride_bt,
     block_size,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # One program per (sequence, kv head): all GROUP query heads that share this kv head
-    # are handled together, so each K/V tile is read from memory once (GQA).
+    # One program per (sequence, kv head, split): all GROUP query heads that share this
+    # kv head are handled together, so each K/V tile is read from memory once (GQA).
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + seq)
+    num_tiles = tl.cdiv(ctx_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_split)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -164,8 +178,8 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq64 * stride_bt
-    for start in range(0, ctx_len, BLOCK_N):
-        t = start + n
+    for tile in range(tile_lo, tile_hi):
+        t = tile * BLOCK_N + n
         t_mask = t < ctx_len
         blk = tl.load(bt_row + t // block_size, mask=t_mask, other=0).to(tl.int64)
         base = blk * stride_cb + (t % block_size) * stride_co + kvh * stride_ch
@@ -174,20 +188,75 @@ def _paged_decode_kernel(
         v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
+        # each tile has at least one valid key, so m_new is finite
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m_i = m_new
-    # A sequence with no keys (context_len 0) yields zeros instead of 0/0.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    tl.store(
-        out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
-    )
+
+    gd_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        # A sequence with no keys (context_len 0) yields zeros instead of 0/0.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + seq64 * stride_os + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=gd_mask,
+        )
+    else:
+        # Partial result of this split; an empty split leaves m = -inf, l = 0, acc = 0.
+        row = (seq64 * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=gd_mask)
+        tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr,
+    stride_os, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # out = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j, M = max_j m_j (log2 domain)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = sp < NUM_SPLITS
+    d_mask = d < HEAD_DIM
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + sp
+    m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no keys at all: weights 0
+    w = tl.exp2(m - m_max)
+    l_tot = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_tot > 0, l_tot, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_k: int | None,
+                block_n: int) -> int:
+    """Splits per sequence so that about two programs run per SM, at most 16, and never
+    more than the longest possible context has KV tiles. 1 under the interpreter."""
+    if kernels_interpreted() or q.device.type != "cuda":
+        return 1
+    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    want = -(-2 * _SM_COUNT[idx] // max(1, num_seqs * num_kv_heads))
+    if max_seqlen_k is not None:
+        want = min(want, max(1, -(-int(max_seqlen_k) // (4 * block_n))))  # >= 4 tiles per split
+    return int(max(1, min(16, want)))
 
 
 def paged_decode_attention(
@@ -198,6 +267,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV.
 
@@ -211,6 +282,10 @@ def paged_decode_attention(
             A row with 0 keys gets an all-zero output.
         scale: softmax scale (usually ``head_dim ** -0.5``).
         out: optional ``[num_seqs, num_heads, head_dim]`` output buffer.
+        max_seqlen_k: upper bound on ``context_lens`` (for CUDA graphs: ``max_model_len``),
+            used only to choose the number of KV splits; ``None``: no bound.
+        num_splits: force the number of KV splits per sequence (default: chosen from the
+            batch size and the GPU's SM count; always 1 under the interpreter).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
@@ -219,6 +294,8 @@ def paged_decode_attention(
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     _check_device(q)
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -231,17 +308,29 @@ def paged_decode_attention(
     # tl.dot needs every dimension >= 16; the spare query-head rows are masked out.
     block_g = max(16, triton.next_power_of_2(group))
     block_n = 64 if block_d <= 64 else 32
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, context_lens,
+    splits = num_splits or _num_splits(q, num_seqs, num_kv_heads, max_seqlen_k, block_n)
+    if splits > 1:
+        part_acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, block_tables, context_lens, part_acc, part_ml,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         k_cache.shape[1],
-        GROUP=group, HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        PRECISION=_dot_precision(q.dtype),
+        NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype),
     )
+    if splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        )
     return out
 
 
