@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
+from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.layers.attention.torch_backend import TorchAttentionBackend
+from minivllm.models.registry import get_model_class
+from minivllm.utils.loader import init_random_weights, load_weights
 
 # A tiny Qwen3 whose head_dim (16) differs from hidden / heads (48 / 4 = 12), GQA 4:2.
 SMALL_QWEN3 = dict(
@@ -129,3 +133,39 @@ def build_metadata(seqs: list[tuple[int, int]], block_size: int, block_tables: l
         q_lens_cpu=q_lens,
         context_lens_cpu=ctx_lens,
     )
+
+
+class PagedRunner:
+    """A minimal stand-in for the engine's model runner: a KV pool and one step at a time."""
+
+    NUM_BLOCKS = 48
+    BLOCK_SIZE = 4
+
+    def __init__(self, path, random_seed: int | None = None):
+        """Load the checkpoint at ``path`` (or, with ``random_seed``, only its config and
+        random weights)."""
+        from transformers import AutoConfig  # imported late: slow, and only needed here
+
+        config = AutoConfig.from_pretrained(path)
+        self.model = get_model_class(config)(config).eval()
+        if random_seed is None:
+            load_weights(self.model, path)
+        else:
+            init_random_weights(self.model, random_seed)
+        m = self.model
+        shape = (self.NUM_BLOCKS, self.BLOCK_SIZE, m.num_kv_heads_per_rank, m.head_dim)
+        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(m.num_layers)]
+        self.backend = TorchAttentionBackend()
+
+    @torch.no_grad()
+    def step(self, tokens_per_seq: list[list[int]], cached: list[int], tables: list[list[int]]):
+        """Run the new tokens of each sequence (after ``cached`` tokens); returns one logits
+        tensor ``[num_new, vocab]`` per sequence."""
+        seqs = [(c, len(t)) for c, t in zip(cached, tokens_per_seq)]
+        meta = build_metadata(seqs, self.BLOCK_SIZE, tables)
+        ids = torch.tensor([x for t in tokens_per_seq for x in t], dtype=torch.int64)
+        pos = torch.tensor([c + i for c, t in zip(cached, tokens_per_seq) for i in range(len(t))], dtype=torch.int64)
+        ctx = ForwardContext(meta=meta, backend=self.backend, kv_caches=self.kv)
+        logits = self.model.compute_logits(self.model(ids, pos, ctx))
+        assert logits.dtype == torch.float32
+        return list(logits.split([len(t) for t in tokens_per_seq]))

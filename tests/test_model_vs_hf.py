@@ -5,43 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig
 
-from helpers_models import allocate_block_tables, build_metadata, load_hf_model, make_hf_checkpoint
-from minivllm.layers.attention.context import ForwardContext
-from minivllm.layers.attention.torch_backend import TorchAttentionBackend
-from minivllm.models.registry import get_model_class
-from minivllm.utils.loader import load_weights
+from helpers_models import PagedRunner, allocate_block_tables, load_hf_model, make_hf_checkpoint
 
 ATOL = 1e-4
-NUM_BLOCKS = 48
-BLOCK_SIZE = 4
-
-
-class PagedRunner:
-    """A minimal stand-in for the engine's model runner: a KV pool and one step at a time."""
-
-    def __init__(self, path):
-        config = AutoConfig.from_pretrained(path)
-        self.model = get_model_class(config)(config).eval()
-        load_weights(self.model, path)
-        m = self.model
-        shape = (NUM_BLOCKS, BLOCK_SIZE, m.num_kv_heads_per_rank, m.head_dim)
-        self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(m.num_layers)]
-        self.backend = TorchAttentionBackend()
-
-    @torch.no_grad()
-    def step(self, tokens_per_seq: list[list[int]], cached: list[int], tables: list[list[int]]):
-        """Run the new tokens of each sequence (after ``cached`` tokens); returns one logits
-        tensor ``[num_new, vocab]`` per sequence."""
-        seqs = [(c, len(t)) for c, t in zip(cached, tokens_per_seq)]
-        meta = build_metadata(seqs, BLOCK_SIZE, tables)
-        ids = torch.tensor([x for t in tokens_per_seq for x in t], dtype=torch.int64)
-        pos = torch.tensor([c + i for c, t in zip(cached, tokens_per_seq) for i in range(len(t))], dtype=torch.int64)
-        ctx = ForwardContext(meta=meta, backend=self.backend, kv_caches=self.kv)
-        logits = self.model.compute_logits(self.model(ids, pos, ctx))
-        assert logits.dtype == torch.float32
-        return list(logits.split([len(t) for t in tokens_per_seq]))
+NUM_BLOCKS = PagedRunner.NUM_BLOCKS
+BLOCK_SIZE = PagedRunner.BLOCK_SIZE
 
 
 @torch.no_grad()
