@@ -22,6 +22,8 @@ from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import default_block_size, resolve_backend_name
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.telemetry.peaks import Peaks, get_peaks
+from minivllm.telemetry.roofline import ModelCost, fill_step_record
 from minivllm.telemetry.step_record import ScheduledEntry, StepRecord
 from minivllm.utils.model_source import resolve_model
 
@@ -74,6 +76,10 @@ class LLMEngine:
         self.vocab_size = hf.vocab_size
         self.requests: dict[str, RequestState] = {}
         self.step_index = 0
+        # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
+        # once peaks are measured (``measure_peaks``), since that takes a moment.
+        self.model_cost = ModelCost.from_config(hf, dtype)
+        self.peaks: Peaks | None = None
         logger.info("minivllm engine: model=%s device=%s dtype=%s attention_backend=%s block_size=%d "
                     "kv_blocks=%d max_model_len=%d max_num_batched_tokens=%d", self.source.name, device,
                     dtype, self.config.attention_backend, block_size, self.runner.num_kv_blocks,
@@ -103,6 +109,10 @@ class LLMEngine:
                 raise ValueError(f"prompt dict {prompt!r} needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:  # a tokenizer larger than the model (e.g. a random model with a small vocab)
+                raise ValueError(f"prompt text {prompt[:40]!r} encodes to token id {bad[0]}, outside the "
+                                 f"model's vocabulary [0, {self.vocab_size})")
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             for t in ids:
@@ -203,7 +213,7 @@ class LLMEngine:
         bm = self.block_manager
         entries = [ScheduledEntry(e.seq.request_id, e.num_tokens, e.is_prefill, e.start_pos, e.samples)
                    for e in plan.scheduled]
-        return StepRecord(
+        record = StepRecord(
             index=self.step_index, start_time=start, end_time=end,
             num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
             num_seqs=len(plan.scheduled), num_prefill_chunks=sum(1 for e in plan.scheduled if e.is_prefill),
@@ -212,6 +222,15 @@ class LLMEngine:
             kv_blocks_cached=bm.num_cached_blocks, prefix_cache_hit_tokens=plan.prefix_cache_hit_tokens,
             attention_backend=self.config.attention_backend, schedule_ms=schedule_ms, prepare_ms=prepare_ms,
             model_ms=model_ms, sample_ms=sample_ms, postprocess_ms=post_ms)
+        if entries:
+            fill_step_record(record, self.model_cost, self.peaks)
+        return record
+
+    def measure_peaks(self, refresh: bool = False) -> Peaks:
+        """Measure (or read from the per-machine cache) this device's peak matmul FLOP/s and
+        copy bandwidth, so later ``StepRecord``s carry MFU and MBU."""
+        self.peaks = get_peaks(self.config.device, self.config.dtype, refresh=refresh)
+        return self.peaks
 
     # -- maintenance -------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -1,0 +1,75 @@
+"""Command line: ``python -m minivllm generate "prompt"`` and ``python -m minivllm bench``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minivllm generate",
+                                     description="Stream a completion and print measured TTFT, TPOT and tokens/s.")
+    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory, 'minivllm-tiny' (default) or 'random:<preset>'")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args(argv)
+
+    from minivllm import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed,
+                                max_tokens=args.max_tokens)
+        t0 = time.perf_counter()
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)
+        load_s = time.perf_counter() - t0
+        engine = llm.llm_engine
+        print(f"# model={engine.source.name} device={engine.config.device} dtype={engine.config.dtype} "
+              f"attention={engine.config.attention_backend} (loaded in {load_s:.2f} s)", file=sys.stderr)
+        sys.stdout.write(args.prompt)
+        last = None
+        for out in llm.stream(args.prompt, params):
+            sys.stdout.write(out.outputs[0].text)
+            sys.stdout.flush()
+            last = out
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    m = last.metrics
+    n = len(m.token_times)
+    tps = n / ((m.finished_time - m.first_scheduled_time) or float("nan"))
+    tpot = f"{m.tpot_ms:.2f} ms" if m.tpot_ms is not None else "n/a (1 token)"
+    print(f"# {n} tokens ({last.outputs[0].finish_reason}); TTFT {m.ttft_ms:.2f} ms; TPOT {tpot}; "
+          f"{tps:.1f} tokens/s (measured on {engine.config.device})", file=sys.stderr)
+    llm.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"generate": _generate}
+    if argv and argv[0] == "bench":
+        from minivllm.bench import main as bench_main
+
+        return bench_main(argv[1:]) or 0
+    if not argv or argv[0] not in commands:
+        print("usage: python -m minivllm {generate,bench} ...\n"
+              "  generate PROMPT [--model PATH] [--max-tokens N] ...   stream a completion\n"
+              "  bench [--model M] [--sweep] [--overhead] ...          offline benchmark vs transformers",
+              file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
