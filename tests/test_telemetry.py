@@ -89,10 +89,15 @@ def test_peaks_cache_round_trip(tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(peaks_mod, "measure_peaks",
-                        lambda *a, **k: calls.append(1) or Peaks(1.0, 2.0, "cpu", "float32"))
+                        lambda *a, **k: calls.append(1) or Peaks(1.0, 2e30, "cpu", "float32"))
+    # refresh keeps the best of old and new per figure (a loaded machine measures low)
     refreshed = get_peaks("cpu", "float32", refresh=True)
-    assert calls == [1] and refreshed.flops_per_s == 1.0
-    assert json.loads(path.read_text())[key]["bytes_per_s"] == 2.0
+    assert calls == [1]
+    assert refreshed.flops_per_s == first.flops_per_s and refreshed.bytes_per_s == 2e30
+    assert json.loads(path.read_text())[key]["bytes_per_s"] == 2e30
+    overwritten = get_peaks("cpu", "float32", refresh=True, keep_best=False)
+    assert calls == [1, 1] and overwritten.flops_per_s == 1.0
+    assert json.loads(path.read_text())[key]["flops_per_s"] == 1.0
 
 
 def test_peaks_cache_survives_corrupt_file(tmp_path, monkeypatch):
