@@ -35,7 +35,11 @@ def naive_attention(q, k, v, k_cache, v_cache, seqs, block_tables, block_size, s
     return out
 
 
-def run_case(seqs, block_size, dtype, heads=4, kv_heads=2, head_dim=16, num_pad=0, seed=0):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def run_case(seqs, block_size, dtype, heads=4, kv_heads=2, head_dim=16, num_pad=0, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
     tables = allocate_block_tables([c + n for c, n in seqs], block_size, num_blocks, seed=seed)
@@ -50,20 +54,26 @@ def run_case(seqs, block_size, dtype, heads=4, kv_heads=2, head_dim=16, num_pad=
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     meta.extras["test_original_k_cache"] = k_cache.clone()
     scale = head_dim ** -0.5
-    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    if device != "cpu":  # the naive reference runs on CPU on the same values
+        dmeta = build_metadata(seqs, block_size, tables, device=device, num_pad_tokens=num_pad)
+        kc, vc = k_cache.to(device), v_cache.to(device)
+        out = TorchAttentionBackend().forward(q.to(device), k.to(device), v.to(device), kc, vc, dmeta, scale)
+        out, k_cache, v_cache = out.cpu(), kc.cpu(), vc.cpu()
+    else:
+        out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
     ref = naive_attention(q, k, v, k_ref, v_ref, seqs, tables, block_size, meta.slot_mapping.tolist(), scale)
     return out, ref, (k_cache, v_cache), (k_ref, v_ref), meta
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
-def test_mixed_batch_matches_naive(block_size, dtype, heads, kv_heads):
-    out, ref, cache, cache_ref, _ = run_case(MIXED, block_size, dtype, heads, kv_heads)
+def test_mixed_batch_matches_naive(block_size, dtype, heads, kv_heads, device):
+    out, ref, cache, cache_ref, _ = run_case(MIXED, block_size, dtype, heads, kv_heads, device=device)
     assert out.dtype == dtype and out.shape == ref.shape
     assert not torch.isnan(out).any()
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=0)
     assert torch.equal(cache[0], cache_ref[0]) and torch.equal(cache[1], cache_ref[1])
 
 

@@ -166,7 +166,9 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
     """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    pool32 = 0.02 * torch.randn(_POOL_SIZE, generator=torch.Generator().manual_seed(seed % (2**63)))
+    # Everything is drawn on the CPU (explicit device: callers may hold a torch.device context).
+    pool32 = 0.02 * torch.randn(_POOL_SIZE, generator=torch.Generator().manual_seed(seed % (2**63)),
+                                device="cpu")
     pools: dict[torch.dtype, torch.Tensor] = {}
     for name, param in model.named_parameters():
         gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
@@ -175,14 +177,14 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
         for d in shape:
             numel *= d
         if numel <= _FRESH_MAX:
-            z = torch.randn(shape, generator=gen)
+            z = torch.randn(shape, generator=gen, device="cpu")
             values = 1.0 + 0.05 * z if name.endswith("norm.weight") else 0.02 * z
         else:
             if name.endswith("norm.weight"):
                 raise ValueError(f"norm weight {name} has {numel} elements; the pool is for matrices")
             # pool converted once to the parameter dtype, so loading is a plain copy
             pool = pools.setdefault(param.dtype, pool32.to(param.dtype))
-            offset = int(torch.randint(0, pool.numel(), (1,), generator=gen))
+            offset = int(torch.randint(0, pool.numel(), (1,), generator=gen, device="cpu"))
             reps = -(-(numel + offset) // pool.numel())
             values = pool.repeat(reps)[offset:offset + numel].view(shape)
         getattr(param, "weight_loader", _default_loader)(param, values)

@@ -91,6 +91,8 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference paged attention in plain PyTorch (see module docstring)."""
 
     name = "torch"
+    #: prepare() reads host-side lengths and syncs once per step: not capturable in a CUDA graph
+    supports_cuda_graphs = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build the step plan once and store it in ``meta.extras`` (called lazily by
