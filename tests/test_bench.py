@@ -1,0 +1,124 @@
+"""Smoke runs of every benchmark mode at toy sizes, plus the workload and weight-copy helpers."""
+import json
+
+import pytest
+import torch
+
+from minivllm import bench
+from minivllm.bench import make_workload, run_overhead, run_sweep, run_throughput
+
+
+def _quiet(*a, **k):
+    pass
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    """A tiny random Qwen3 (vocab 97) with its own small byte-level BPE tokenizer, so these
+    tests need neither the embedded model nor the network."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from helpers_models import make_hf_checkpoint
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path = make_hf_checkpoint(tmp_path_factory.mktemp("bench"), seed=0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the list of numbers is sorted in place"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+    return path
+
+
+def test_make_workload_is_reproducible_and_in_range():
+    a = make_workload("cpu", vocab_size=97, seed=3)
+    b = make_workload("cpu", vocab_size=97, seed=3)
+    assert a.prompts == b.prompts and a.output_lens == b.output_lens
+    assert a.num_requests == 32
+    assert all(16 <= len(p) <= 256 for p in a.prompts)
+    assert all(16 <= n <= 128 for n in a.output_lens)
+    assert all(0 <= t < 97 for p in a.prompts for t in p)
+    nano = make_workload("nano", vocab_size=151936, scale=0.25)
+    assert nano.num_requests == 64
+    assert all(100 <= len(p) <= 1024 and 100 <= n <= 1024 for p, n in zip(nano.prompts, nano.output_lens))
+    assert max(t for p in nano.prompts for t in p) < 10000  # nano-vllm draws ids below 10000
+    short = make_workload("nano", num_requests=20, max_model_len=1100)
+    assert all(len(p) + n <= 1100 for p, n in zip(short.prompts, short.output_lens))
+    for bad in (dict(name="gpu"), dict(scale=0), dict(input_len=(5, 2)), dict(num_requests=0)):
+        with pytest.raises(ValueError):
+            make_workload(**{"name": "cpu", **bad})
+
+
+def test_percentiles_and_agreement():
+    q = bench._percentiles([1.0, 2.0, 3.0, 4.0, None])
+    assert q["p50"] == 2.5 and q["mean"] == 2.5 and q["p99"] == pytest.approx(3.97)
+    a = bench._agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    assert a["identical_requests"] == 1 and a["mean_matching_prefix"] == pytest.approx((0.5 + 1.0) / 2)
+
+
+def test_hf_state_from_ours_matches_checkpoint(tiny_ckpt):
+    from transformers import AutoModelForCausalLM
+
+    from minivllm import LLM
+
+    with LLM(str(tiny_ckpt), num_kvcache_blocks=8) as llm:
+        sd = bench._hf_state_from_ours(llm.llm_engine.runner.model, llm.llm_engine.source.hf_config)
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt)).state_dict()
+    assert set(sd) == set(ref)
+    for name, t in ref.items():
+        torch.testing.assert_close(sd[name], t, atol=0, rtol=0, msg=name)
+
+
+def test_throughput_smoke_with_peers(tiny_ckpt):
+    r = run_throughput(str(tiny_ckpt), num_requests=4, input_len=(4, 12), output_len=(2, 6), hf_batch_size=2,
+                       log=_quiet, num_kvcache_blocks=64)
+    w = r["workload"]
+    mine = r["minivllm"]
+    assert w["num_requests"] == 4
+    assert mine["output_tokens_per_s"] == pytest.approx(w["num_output_tokens"] / mine["seconds"])
+    assert mine["ttft_ms"]["p50"] > 0 and mine["roofline"]["flops"] > 0
+    assert mine["utilisation"]["num_samples"] >= 1
+    gen = r["peers"]["hf_generate"]
+    assert gen["available"], gen
+    assert gen["speedup"] == pytest.approx(gen["seconds"] / mine["seconds"])
+    # fp32 greedy on the same weights: the same tokens as transformers
+    assert gen["agreement"]["identical_requests"] == 4
+    cb = r["peers"]["hf_generate_batch"]
+    assert cb["available"] is False or cb["agreement"]["num_requests"] == 4
+
+
+def test_sweep_smoke(tiny_ckpt, tmp_path):
+    pytest.importorskip("plotly")
+    html = tmp_path / "roof.html"
+    r = run_sweep(str(tiny_ckpt), batch_sizes=[1, 4], prompt_lens=[8, 32], context_len=8, decode_steps=2,
+                  warmup_steps=1, repeats=1, html=html, log=_quiet)
+    assert [p["batch_size"] for p in r["decode"]] == [1, 4]
+    assert [p["prompt_len"] for p in r["prefill"]] == [8, 32]
+    for p in r["decode"] + r["prefill"]:
+        assert p["step_ms"] > 0 and p["flops"] > 0 and p["bytes"] > 0
+    # batching decode reuses every weight read: intensity grows with the batch
+    assert r["decode"][1]["intensity"] > 2 * r["decode"][0]["intensity"]
+    assert r["prefill"][1]["intensity"] > r["prefill"][0]["intensity"]
+    assert html.exists() and "plotly" in html.read_text()[:5000].lower()
+
+
+def test_overhead_smoke(tiny_ckpt):
+    r = run_overhead(str(tiny_ckpt), batch_sizes=(1, 4), prompt_len=16, decode_steps=4, warmup_steps=2, log=_quiet)
+    assert [row["batch_size"] for row in r["rows"]] == [1, 4]
+    for row in r["rows"]:
+        assert row["us_per_seq_step"] > 0 and row["step_ms_mean"] > 0
+
+
+def test_main_writes_json(tiny_ckpt, tmp_path):
+    out = tmp_path / "bench.json"
+    res = bench.main(["--model", str(tiny_ckpt), "--no-peers", "--num-requests", "2", "--input-len", "3", "5",
+                      "--output-len", "2", "3", "--json", str(out), "--quiet"])
+    data = json.loads(out.read_text())
+    assert data["throughput"]["workload"]["num_requests"] == 2
+    assert data["throughput"]["peers"] == {}
+    assert res["throughput"]["minivllm"]["seconds"] > 0
