@@ -1,0 +1,411 @@
+"""Headless tests of the course widgets: buttons pressed through ``Button.click()``, sliders
+moved through their ``value``, against the real engine (embedded model; a tiny random model
+with the same tokenizer when the embedded one is absent)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+
+from minivllm import LLM  # noqa: E402
+from minivllm.utils.model_source import EMBEDDED_MODEL_DIR  # noqa: E402
+
+BLOCK = 16
+
+
+def _model_path(tmp_path_factory) -> str:
+    if (EMBEDDED_MODEL_DIR / "config.json").is_file():
+        return "minivllm-tiny"
+    tok_dir = Path(os.environ.get("TMPTOK", EMBEDDED_MODEL_DIR))
+    if not (tok_dir / "tokenizer.json").is_file():
+        pytest.skip("neither the embedded model nor a tokenizer ($TMPTOK) is available")
+    import shutil
+
+    from helpers_models import make_hf_checkpoint
+
+    tok = json.loads((tok_dir / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
+    ckpt = make_hf_checkpoint(tmp_path_factory.mktemp("widgets"), vocab_size=vocab, max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, ckpt / name)
+    return str(ckpt)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return _model_path(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def shared_llm(model_path):
+    llm = LLM(model_path, block_size=BLOCK, num_kvcache_blocks=64, max_num_batched_tokens=64, max_num_seqs=8)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def llm(shared_llm):
+    """The module's LLM, left idle and consistent after each test."""
+    yield shared_llm
+    engine = shared_llm.llm_engine
+    engine.check_invariants()
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    engine.reset_prefix_cache()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def ids(n: int, start: int = 5) -> list[int]:
+    """``n`` distinct-ish token ids (no eos risk with ignore_eos)."""
+    return [start + (i * 7) % 50 for i in range(n)]
+
+
+def chart_points(stepper) -> int:
+    return sum(len(t.x) for t in stepper.chart.data)
+
+
+# -- EngineStepper ---------------------------------------------------------------------------
+
+
+def test_stepper_step_button_runs_prefill_then_decodes(llm):
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm)
+    engine = llm.llm_engine
+    s.prompt_box.value = "[" + ", ".join(map(str, ids(20))) + "]"
+    s.max_tokens_box.value = 5
+    s.add_button.click()
+    assert s.request_ids == ["step-0"], s.last_message
+    seq = s.sequence("step-0")
+    assert seq.num_prompt_tokens == 20
+    assert s.generated_token_count == 0 and s.kv_blocks_used == 0
+
+    s.step_button.click()  # the whole prompt fits the 64-token budget: one prefill step
+    first = s.steps[-1]
+    assert first.phase == "prefill" and first.num_prefill_tokens == 20
+    assert s.processed_prompt_tokens == 20
+    assert s.generated_token_count == 1
+    assert s.kv_blocks_used == 2 == -(-20 // BLOCK)
+    assert chart_points(s) == 1
+    assert "mv-tok-chunk" in s.requests_pane.value  # this step's chunk is highlighted
+    engine.check_invariants()
+
+    s.step_button.click()
+    assert s.steps[-1].phase == "decode" and s.steps[-1].num_decode_tokens == 1
+    assert s.generated_token_count == 2
+    assert chart_points(s) == 2
+    assert "<span class='mv-generated-count'>2</span>" in s.step_pane.value
+    assert s.steps[-1].mfu is not None and s.steps[-1].mfu > 0  # roofline figures filled
+    engine.check_invariants()
+
+
+def test_stepper_chunks_a_long_prompt_and_mixes_decodes(llm):
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    s.add_request(ids(10), max_tokens=8, ignore_eos=True)
+    s.step()                                             # short prompt's prefill
+    s.add_request(ids(100, start=9), max_tokens=2, ignore_eos=True)
+    r = s.step()
+    assert r.phase == "mixed"
+    assert r.num_decode_tokens == 1 and r.num_prefill_tokens == 63  # budget 64 = 1 decode + 63 chunk
+    assert s.sequence("step-1").num_computed_tokens == 63
+    assert s.generated_token_count == 2  # the chunk samples nothing
+    llm.llm_engine.check_invariants()
+
+
+def test_run_to_end_generates_every_token_and_reset_frees_blocks(llm):
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm)
+    s.add_request(ids(30), max_tokens=7, ignore_eos=True)
+    s.add_request(ids(12, start=3), max_tokens=4, ignore_eos=True)
+    s.run_button.click()  # no event loop here: runs to the end synchronously
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert s.generated_token_count == 11
+    assert not s.is_running and "done" in s.last_message
+    assert chart_points(s) == len(s.steps)
+    engine.check_invariants()
+    assert engine.block_manager.num_cached_blocks > 0  # finished prompts stay in the prefix cache
+    s.reset_button.click()
+    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_manager.num_cached_blocks == 0
+    assert s.steps == [] and s.generated_token_count == 0 and chart_points(s) == 0
+
+
+def test_reset_mid_flight_aborts_everything(llm):
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    s.add_request(ids(40), max_tokens=20, ignore_eos=True)
+    s.add_request(ids(25, start=2), max_tokens=20, ignore_eos=True)
+    s.step()
+    s.step()
+    engine = llm.llm_engine
+    assert engine.block_manager.num_used_blocks > 0
+    s.reset_button.click()
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0
+    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+    engine.check_invariants()
+
+
+def test_out_of_order_presses_never_raise(llm):
+    from widgets import EngineStepper
+
+    engine = llm.llm_engine
+    s = EngineStepper(llm)
+    presses = [s.step_button, s.run_button, s.stop_button, s.reset_button, s.reset_button]
+    for b in presses:  # nothing queued yet
+        b.click()
+        engine.check_invariants()
+    assert s.steps == []
+    s.add_request(ids(8), max_tokens=2, ignore_eos=True)
+    for b in (s.run_button, s.run_button, s.step_button, s.stop_button, s.run_button):  # run, then finished
+        b.click()
+        engine.check_invariants()
+    assert s.generated_token_count == 2
+    assert "finished" in s.last_message or "nothing" in s.last_message
+    s.reset_button.click()
+    s.reset_button.click()
+    engine.check_invariants()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_bad_input_is_reported_not_raised(llm):
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    s.prompt_box.value = ""
+    s.add_button.click()
+    assert s.request_ids == [] and s.last_message.startswith("not added") and "empty prompt" in s.last_message
+    s.prompt_box.value = "[1, 2, 99999999]"
+    s.add_button.click()
+    assert s.request_ids == [] and "outside the vocabulary" in s.last_message
+    with pytest.raises(ValueError, match="max_tokens"):
+        s.add_request("hello", max_tokens=0)
+    llm.llm_engine.check_invariants()
+
+
+def test_stop_halts_run_between_steps(llm):
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    s.add_request(ids(10), max_tokens=10, ignore_eos=True)
+    s.on_step(lambda st, rec: st.stop() if rec is not None and len(st.steps) == 3 else None)
+    taken = s.run_to_end()
+    assert taken == 3 and len(s.steps) == 3 and not s.is_running
+    assert llm.llm_engine.has_unfinished_requests()
+    llm.llm_engine.check_invariants()
+    s._observers.clear()
+    s.run_to_end()
+    assert s.generated_token_count == 10
+
+
+def test_kernel_interrupt_halts_run_between_steps(llm):
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    s.add_request(ids(10), max_tokens=10, ignore_eos=True)
+    s.on_step(lambda st, rec: os.kill(os.getpid(), signal.SIGINT) if len(st.steps) == 2 else None)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        s.run_to_end()
+    assert len(s.steps) == 2 and not s.is_running
+    assert signal.getsignal(signal.SIGINT) is before  # handler restored
+    llm.llm_engine.check_invariants()
+    assert llm.llm_engine.has_unfinished_requests()
+
+
+def test_async_run_button_and_stop_button(llm):
+    """Inside a running event loop (as in a kernel) "Run to end" steps in the background and
+    "Stop" takes effect between steps."""
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    s.add_request(ids(10), max_tokens=40, ignore_eos=True)
+
+    async def scenario():
+        s.run_button.click()
+        assert s.is_running
+        s.run_button.click()  # a second press while running is ignored
+        while len(s.steps) < 3:
+            await asyncio.sleep(0.001)
+        s.stop_button.click()
+        while s.is_running:
+            await asyncio.sleep(0.001)
+
+    asyncio.run(scenario())
+    assert 3 <= len(s.steps) < 40
+    assert "stopped" in s.last_message
+    llm.llm_engine.check_invariants()
+
+    async def reset_while_running():
+        s.run_button.click()
+        await asyncio.sleep(0.01)
+        s.reset_button.click()
+        await asyncio.sleep(0.01)
+
+    asyncio.run(reset_while_running())
+    assert not s.is_running
+    assert llm.llm_engine.block_manager.num_used_blocks == 0
+    llm.llm_engine.check_invariants()
+
+
+# -- KVCacheView ---------------------------------------------------------------------------------
+
+
+def _used_cells(view) -> int:
+    return len(re.findall(r"class='mv-kv mv-kv-used", view.grid.value))
+
+
+def test_kv_view_follows_the_stepper_and_shows_sharing(llm):
+    from widgets import EngineStepper, KVCacheView
+
+    s = EngineStepper(llm, show_chart=False)
+    kv = KVCacheView(llm, stepper=s)
+    assert _used_cells(kv) == 0
+    prompt = ids(40)
+    s.add_request(prompt, max_tokens=6, ignore_eos=True)
+    s.step()
+    assert kv.num_used_blocks == 3 == _used_cells(kv)
+    assert set(kv.block_owners) == set(s.sequence("step-0").block_table)
+    # hover text holds the block's tokens; the table shows block table and slot mapping
+    first = s.sequence("step-0").block_table[0]
+    assert f"tokens {prompt[:BLOCK]}" in kv.grid.value
+    assert f"{first * BLOCK}–{first * BLOCK + BLOCK - 1}" in kv.tables.value
+    # the same prompt again: its two full blocks are prefix-cache hits, shared by both
+    s.add_request(prompt, max_tokens=2, ignore_eos=True)
+    s.step()
+    assert kv.num_shared_blocks == 2
+    assert kv.grid.value.count("mv-kv-shared") == 2 and "×2" in kv.grid.value
+    assert s.sequence("step-1").num_cached_tokens == 32
+    assert "mv-tok-cached" in s.requests_pane.value
+    llm.llm_engine.check_invariants()
+    s.reset()
+    assert kv.num_used_blocks == 0 == _used_cells(kv) and kv.num_cached_blocks == 0
+
+
+def test_kv_view_marks_cached_free_blocks(llm):
+    from widgets import EngineStepper, KVCacheView
+
+    s = EngineStepper(llm, show_chart=False)
+    kv = KVCacheView(llm, stepper=s)
+    s.add_request(ids(35), max_tokens=1, ignore_eos=True)
+    s.run_to_end()
+    assert kv.num_used_blocks == 0
+    assert kv.grid.value.count("mv-kv-cachedfree") == 2  # two full prompt blocks stay cached
+    count = kv.refresh_count
+    kv.refresh()
+    assert kv.refresh_count == count + 1
+
+
+# -- latency model and calculator -------------------------------------------------------------
+
+
+def test_latency_model_recovers_a_known_linear_cost_and_replays_scheduling():
+    from widgets import LatencyModel
+
+    truth = dict(prefill_base_ms=2.0, decode_base_ms=1.5, per_tok=0.01, per_seq=0.25)
+    rows = [dict(phase="prefill", tokens=n, wall_ms=truth["prefill_base_ms"] + truth["per_tok"] * n)
+            for n in (16, 64, 256)]
+    rows += [dict(phase="decode", batch=b, wall_ms=truth["decode_base_ms"] + truth["per_seq"] * b) for b in (1, 4)]
+    m = LatencyModel.fit(rows)
+    assert m.prefill_base_ms == pytest.approx(2.0) and m.ms_per_prefill_token == pytest.approx(0.01)
+    assert m.decode_base_ms == pytest.approx(1.5) and m.ms_per_decode_seq == pytest.approx(0.25)
+    assert m.r2 == pytest.approx(1.0)
+    p = m.predict(prompt_len=100, max_tokens=5, batch=1, budget=1000)
+    assert p["ttft_ms"] == pytest.approx(2.0 + 1.0)
+    assert p["tpot_ms"] == pytest.approx(1.75)
+    assert p["e2e_ms"] == pytest.approx(3.0 + 4 * 1.75)
+    # budget 60: a 100-token prompt takes two chunks (60 + 40)
+    assert m.predict(100, 1, 1, budget=60)["ttft_ms"] == pytest.approx((2 + 0.6) + (2 + 0.4))
+    with pytest.raises(ValueError, match="batch"):
+        m.predict(10, 10, 0)
+    with pytest.raises(ValueError, match="prefill"):
+        LatencyModel.fit(rows[3:])
+
+
+def test_latency_calculator_sliders_and_measure_button(llm):
+    from widgets import LatencyCalculator
+
+    calc = LatencyCalculator(llm, prompt_lens=(8, 16, 32), batch_sizes=(1, 2))
+    engine = llm.llm_engine
+    name = next(iter(calc.models))
+    assert {r["phase"] for r in calc.sweeps[name]} >= {"prefill", "decode"}
+    calc.prompt_slider.value, calc.response_slider.value, calc.batch_slider.value = 20, 3, 1
+    p1 = dict(calc.prediction)
+    calc.response_slider.value = 6
+    p2 = dict(calc.prediction)
+    assert p2["e2e_ms"] != p1["e2e_ms"] and p2["ttft_ms"] == p1["ttft_ms"]
+    assert list(calc.chart.data[0].y)[2] == pytest.approx(p2["e2e_ms"])
+    assert all(v is None for v in calc.chart.data[1].y)  # nothing measured yet
+    calc.measure_button.click()
+    assert len(calc.measurements) == 1
+    m = calc.measurements[0]
+    assert m["point"] == (name, 20, 6, 1) and m["ttft_ms"] > 0 and m["tpot_ms"] > 0 and m["steps"] == 6
+    assert list(calc.chart.data[1].y) == pytest.approx([m["ttft_ms"], m["tpot_ms"], m["e2e_ms"]])
+    calc.batch_slider.value = 2  # a point not measured: the measured bars clear
+    assert all(v is None for v in calc.chart.data[1].y)
+    engine.check_invariants()
+    assert not engine.has_unfinished_requests()
+
+
+# -- quiz -------------------------------------------------------------------------------------
+
+
+def test_quiz_explains_wrong_answers():
+    from widgets import Question, Quiz
+
+    q = Quiz([Question("2 + 2?", ["3", "4"], 1, ["off by one", "yes"]),
+              dict(prompt="Sky?", choices=["blue", "green"], correct=0, explanations=["right", "no: grass"])])
+    assert q.check(0) is None and "Pick" in q.feedback[0].value
+    q.radios[0].value = 0
+    q.buttons[0].click()
+    assert "Not quite" in q.feedback[0].value and "off by one" in q.feedback[0].value
+    assert q.check(0, 1) is True and q.score == 1
+    assert q.check(1, 1) is False and "grass" in q.feedback[1].value and q.score == 1
+    with pytest.raises(ValueError, match="correct=5"):
+        Question("x", ["a", "b"], 5, ["", ""])
+    with pytest.raises(ValueError, match="explanations"):
+        Question("x", ["a", "b"], 0, [""])
+
+
+# -- static snapshots ---------------------------------------------------------------------------
+
+
+def test_mimebundle_carries_a_static_snapshot(llm):
+    from widgets import EngineStepper, KVCacheView
+
+    s = EngineStepper(llm, show_chart=False)
+    kv = KVCacheView(llm, stepper=s)
+    s.add_request(ids(20), max_tokens=3, ignore_eos=True)
+    s.step()
+    for w in (s, kv):
+        bundle = w._repr_mimebundle_()
+        assert "application/vnd.jupyter.widget-view+json" in bundle
+        assert "<style>" in bundle["text/html"]
+    assert "mv-generated-count'>1<" in s._repr_mimebundle_()["text/html"]
+    assert "mv-kv-used" in kv._repr_mimebundle_()["text/html"]
+
+
+@pytest.mark.slow
+def test_static_chart_is_a_png_when_chromium_exists(llm):
+    from widgets import EngineStepper
+    from widgets._static import find_chrome
+
+    if find_chrome() is None:
+        pytest.skip("no Chrome/Chromium for kaleido")
+    s = EngineStepper(llm)
+    s.add_request(ids(8), max_tokens=2, ignore_eos=True)
+    s.run_to_end()
+    assert "data:image/png;base64," in s.static_html()

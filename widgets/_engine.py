@@ -1,0 +1,73 @@
+"""Small helpers the widgets share to read the live engine (no engine state is copied or faked)."""
+from __future__ import annotations
+
+import html
+import re
+
+_IDS_RE = re.compile(r"^\s*\[\s*(\d+\s*(,\s*\d+\s*)*)?,?\s*\]\s*$")
+
+
+def engine_of(llm):
+    """The ``LLMEngine`` behind an ``LLM`` (or the engine itself).
+
+    Raises:
+        ValueError: ``llm`` is neither, or it has been shut down.
+    """
+    engine = getattr(llm, "llm_engine", llm)
+    if engine is None or not hasattr(engine, "step") or not hasattr(engine, "block_manager"):
+        raise ValueError(f"expected a minivllm LLM or LLMEngine, got {llm!r}")
+    if getattr(engine, "runner", None) is None:
+        raise ValueError(f"{llm!r} has been shut down")
+    return engine
+
+
+def parse_prompt(text: str):
+    """A prompt typed into a text box: ``"[1, 2, 3]"`` (brackets required) means token ids,
+    anything else is text. Returns ``str`` or ``list[int]``."""
+    if _IDS_RE.match(text or ""):
+        inner = text.strip()[1:-1]
+        return [int(t) for t in inner.replace(" ", "").split(",") if t]
+    return text
+
+
+def token_piece(tokenizer, token_id: int) -> str:
+    """Printable text of one token: spaces as '·', newlines as '↵', tabs as '→'.
+
+    A byte-level BPE token can hold part of a UTF-8 character; it then decodes to '�'.
+    """
+    s = tokenizer.decode([int(token_id)])
+    return s.replace(" ", "·").replace("\n", "↵").replace("\t", "→") or "∅"
+
+
+def tok_span(tokenizer, token_id: int, cls: str, extra_title: str = "") -> str:
+    piece = html.escape(token_piece(tokenizer, token_id))
+    title = html.escape(f"id {token_id}{extra_title}")
+    return f"<span class='mv-tok {cls}' title='{title}'>{piece}</span>"
+
+
+def fmt_ms(ms: float | None) -> str:
+    if ms is None:
+        return "–"
+    return f"{ms:.2f} ms" if ms < 100 else f"{ms:.0f} ms"
+
+
+def fmt_si(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "–"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
+
+
+def slot_ranges(block_table: list[int], num_tokens: int, block_size: int) -> list[tuple[int, int]]:
+    """Slot mapping of a sequence's first ``num_tokens`` tokens as inclusive (first, last)
+    slot ranges, one per block: token ``p`` lives in slot ``table[p // bs] * bs + p % bs``."""
+    out = []
+    for i, b in enumerate(block_table):
+        first_pos = i * block_size
+        if first_pos >= num_tokens:
+            break
+        last_pos = min(num_tokens, first_pos + block_size) - 1
+        out.append((b * block_size, b * block_size + (last_pos - first_pos)))
+    return out

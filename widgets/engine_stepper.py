@@ -1,0 +1,526 @@
+"""``EngineStepper``: drive the real engine one step at a time and see what each step did."""
+from __future__ import annotations
+
+import asyncio
+import html
+import signal
+import threading
+import time
+from typing import Callable
+
+import ipywidgets as W
+
+from minivllm.sampling_params import SamplingParams
+from minivllm.telemetry.step_record import StepRecord
+
+from ._base import PALETTE, STYLE, CourseWidget
+from ._engine import engine_of, fmt_ms, fmt_si, parse_prompt, tok_span
+
+PHASE_COLOURS = {"prefill": "#e4572e", "decode": "#f0a202", "mixed": "#8f5ea2", "idle": "#999999"}
+
+
+class EngineStepper(CourseWidget):
+    """Add requests, then press "Step" to run exactly one ``LLMEngine.step()`` and see it.
+
+    What it shows, and where each number comes from:
+
+    * Each request's prompt tokens: processed in earlier steps (blue), in *this* step's
+      prefill chunk (red), served by the prefix cache (green), still waiting (grey);
+      from the engine's ``Sequence`` (``num_computed_tokens``, ``num_cached_tokens``) and
+      the step's ``StepRecord.scheduled`` entries (``first_position``, ``num_tokens``).
+    * Generated tokens, one more per decode step (the newest in orange): the sequence's
+      ``output_token_ids``, decoded by the model's tokenizer one token at a time.
+    * The step's composition (prefill vs decode tokens against the token budget
+      ``max_num_batched_tokens``) and measured wall time with its breakdown
+      (``StepRecord.wall_ms``, ``schedule_ms`` ... ``postprocess_ms``: ``perf_counter``
+      around the step; on CUDA the step is synchronised first).
+    * MFU and MBU bars: the step's FLOPs and bytes from the roofline model
+      (``minivllm.telemetry.roofline``: 2 FLOPs per weight per token plus attention;
+      every weight read once) divided by the measured wall time and by this machine's
+      measured peaks (``minivllm.telemetry.peaks``: a matmul and a large copy). On a GPU,
+      NVML's SM / memory utilisation is shown beside them as *windowed* context (NVML
+      averages over 1/6 s to 1 s, far longer than a step).
+    * A live chart of every step's wall time, coloured by phase.
+
+    Buttons: "Add request", "Step", "Run to end" (steps until the engine is idle, in
+    small increments: "Stop" or a kernel interrupt halts it *between* steps, so the
+    engine stays consistent), "Stop", "Reset" (aborts every request, clears the prefix
+    cache and this widget's history: every KV block is free afterwards).
+
+    Args:
+        llm: a ``minivllm.LLM`` (or its ``LLMEngine``). Use a small ``block_size`` (16)
+            and a small ``num_kvcache_blocks`` so paging is visible.
+        prompt / max_tokens / temperature: initial values of the request form.
+        peaks: measured ``Peaks`` to use for MFU/MBU (default: ``get_peaks()`` for the
+            engine's device and dtype, measured once per machine and cached).
+        show_chart: include the live step-time chart.
+        max_run_steps: "Run to end" gives up after this many steps.
+
+    State for code and tests: ``steps`` (the ``StepRecord`` of every step taken through
+    this widget), ``request_ids``, ``generated_token_count``, ``processed_prompt_tokens``,
+    ``kv_blocks_used``, ``is_running``, ``last_message``.
+    """
+
+    def __init__(self, llm, *, prompt: str = "The function returns", max_tokens: int = 16,
+                 temperature: float = 0.0, peaks=None, show_chart: bool = True, max_run_steps: int = 10_000):
+        super().__init__()
+        self.engine = engine_of(llm)
+        self.tokenizer = self.engine.tokenizer
+        self.steps: list[StepRecord] = []
+        self.request_ids: list[str] = []
+        self.last_message = ""
+        self.max_run_steps = max_run_steps
+        self._seqs = {}              # request id -> engine Sequence (kept after it finishes)
+        self._arrival_step: dict[str, int] = {}
+        self._colour: dict[str, str] = {}
+        self._observers: list[Callable] = []
+        self._stop_requested = False
+        self._running = False
+        self._task = None
+        self._peaks = peaks
+        self._cost = None
+        self._sampler = None
+        self._next_id = 0
+
+        # -- controls ---------------------------------------------------------------
+        self.prompt_box = W.Text(value=prompt, description="prompt",
+                                 placeholder="text, or token ids like [1, 2, 3]",
+                                 layout=W.Layout(width="430px"))
+        self.max_tokens_box = W.BoundedIntText(value=max_tokens, min=1, max=4096, description="max_tokens",
+                                               layout=W.Layout(width="170px"))
+        self.temperature_box = W.BoundedFloatText(value=temperature, min=0.0, max=5.0, step=0.1,
+                                                  description="temperature", layout=W.Layout(width="170px"))
+        self.add_button = W.Button(description="Add request", icon="plus")
+        self.step_button = W.Button(description="Step", button_style="primary", icon="step-forward")
+        self.run_button = W.Button(description="Run to end", button_style="success", icon="forward")
+        self.stop_button = W.Button(description="Stop", button_style="warning", icon="stop")
+        self.reset_button = W.Button(description="Reset", button_style="danger", icon="undo")
+        for b, fn in ((self.add_button, self._on_add), (self.step_button, self._on_step),
+                      (self.run_button, self._on_run), (self.stop_button, self._on_stop),
+                      (self.reset_button, self._on_reset)):
+            b.add_class("mv-" + b.description.lower().replace(" ", "-"))
+            b.on_click(fn)
+        self.status = W.HTML()
+        self.step_pane = W.HTML()
+        self.requests_pane = W.HTML()
+        self.chart = self._make_chart() if show_chart else None
+        self.add_class("mv-engine-stepper")
+        children = [W.HTML(STYLE),
+                    W.HBox([self.prompt_box, self.max_tokens_box, self.temperature_box, self.add_button]),
+                    W.HBox([self.step_button, self.run_button, self.stop_button, self.reset_button]),
+                    self.status, self.step_pane, self.requests_pane]
+        if self.chart is not None:
+            children.append(self.chart)
+        self.children = children
+        self.render()
+
+    # -- public API ----------------------------------------------------------------------
+    def add_request(self, prompt, max_tokens: int = 16, temperature: float = 0.0, **sampling) -> str:
+        """Queue a request (``str`` or ``list[int]``) on the engine; returns its id.
+
+        ``sampling`` takes any other ``SamplingParams`` field (top_k, seed, ignore_eos, ...).
+
+        Raises:
+            ValueError: a bad prompt or sampling value (the engine's message).
+        """
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling)
+        while f"step-{self._next_id}" in self.engine.requests:
+            self._next_id += 1
+        rid = f"step-{self._next_id}"
+        self._next_id += 1
+        self.engine.add_request(rid, prompt, params)
+        self._seqs[rid] = self.engine.requests[rid].seq
+        self._arrival_step[rid] = len(self.steps)
+        self._colour[rid] = PALETTE[len(self.request_ids) % len(PALETTE)]
+        self.request_ids.append(rid)
+        self._message(f"added {rid}: {len(self._seqs[rid].prompt_token_ids)} prompt tokens, "
+                      f"max_tokens={max_tokens}, temperature={temperature}")
+        self._notify(None)
+        self.render()
+        return rid
+
+    def step(self) -> StepRecord | None:
+        """Run one engine step (when the engine has work); returns its record, else None."""
+        if self._running:
+            self._message("a run is in progress: press Stop first")
+            return None
+        return self._step_once(render=True)
+
+    def run_to_end(self, block: bool = True) -> int:
+        """Step until the engine is idle, "Stop" is pressed, or the kernel is interrupted.
+
+        ``block=True`` runs here and returns the number of steps taken (a kernel
+        interrupt stops it between steps, then re-raises ``KeyboardInterrupt``).
+        ``block=False`` (what the button does inside a running kernel) schedules the run
+        on the kernel's event loop one step per tick, so button clicks keep arriving.
+        """
+        if self._running:
+            self._message("already running")
+            return 0
+        if not self.engine.has_unfinished_requests():
+            self._message("nothing to run: add a request first" if not self.steps else "all requests finished")
+            self.render()
+            return 0
+        if not block:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                self._running = True
+                self._task = loop.create_task(self._run_async())
+                return 0
+        return self._run_blocking()
+
+    def stop(self) -> None:
+        """Ask a running "Run to end" to halt after the current step (no-op when idle)."""
+        if self._running:
+            self._stop_requested = True
+            self._message("stopping after this step")
+        else:
+            self._message("idle: nothing to stop")
+
+    def reset(self) -> None:
+        """Abort every request on the engine, clear the prefix cache and this widget's history."""
+        if self._running:
+            self._stop_requested = True
+            if self._task is not None:
+                self._task.cancel()  # cancellation lands at an await, i.e. between steps
+            self._running = False
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+        self.engine.reset_prefix_cache()
+        self.steps.clear()
+        self.request_ids.clear()
+        self._seqs.clear()
+        self._arrival_step.clear()
+        self._colour.clear()
+        self._message(f"reset: all requests aborted, prefix cache cleared; "
+                      f"{self.engine.block_manager.num_free_blocks} of {self.engine.block_manager.num_blocks} "
+                      "KV blocks free")
+        self._notify(None)
+        self.render()
+
+    def on_step(self, callback: Callable) -> None:
+        """Call ``callback(stepper, record)`` after every step (``record`` None after add/reset)."""
+        self._observers.append(callback)
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    @property
+    def generated_token_count(self) -> int:
+        """Tokens generated so far by this widget's requests (finished ones included)."""
+        return sum(self._seqs[r].num_output_tokens for r in self.request_ids)
+
+    @property
+    def processed_prompt_tokens(self) -> int:
+        """Prompt tokens whose KV is in the cache (or was, for finished requests)."""
+        return sum(min(s.num_computed_tokens, s.num_prompt_tokens) for s in self._seqs.values())
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.engine.block_manager.num_used_blocks
+
+    def sequence(self, request_id: str):
+        """The engine's ``Sequence`` of one of this widget's requests."""
+        return self._seqs[request_id]
+
+    def arrival_step(self, request_id: str) -> int:
+        """Number of steps taken (through this widget) before the request was added."""
+        return self._arrival_step[request_id]
+
+    def colour(self, request_id: str) -> str:
+        return self._colour.get(request_id, "#888888")
+
+    # -- stepping ---------------------------------------------------------------------------
+    def _step_once(self, render: bool) -> StepRecord | None:
+        if not self.engine.has_unfinished_requests():
+            self._message("nothing to run: add a request first" if not self.steps else
+                          "all requests finished: add another or press Reset")
+            if render:
+                self.render()
+            return None
+        self._ensure_sampler()
+        record = self.engine.step().record
+        self._fill_roofline(record)
+        self.steps.append(record)
+        self._message(f"step {record.index}: {record.phase}, {record.num_prefill_tokens} prefill + "
+                      f"{record.num_decode_tokens} decode tokens in {fmt_ms(record.wall_ms)}")
+        self._notify(record)
+        if render:
+            self.render()
+        return record
+
+    def _run_blocking(self) -> int:
+        self._running, self._stop_requested = True, False
+        interrupted = False
+        previous = None
+
+        def on_sigint(signum, frame):
+            nonlocal interrupted
+            interrupted = True
+            self._stop_requested = True
+
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, on_sigint)
+        taken, last_render = 0, time.perf_counter()
+        try:
+            while not self._stop_requested and taken < self.max_run_steps:
+                if self._step_once(render=False) is None:
+                    break
+                taken += 1
+                if time.perf_counter() - last_render > 0.2:
+                    self.render()
+                    last_render = time.perf_counter()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            self._running = False
+            self._finish_run(taken, interrupted)
+        if interrupted:
+            raise KeyboardInterrupt
+        return taken
+
+    async def _run_async(self) -> None:
+        self._stop_requested = False
+        interrupted = False
+        previous = None
+
+        def on_sigint(signum, frame):
+            nonlocal interrupted
+            interrupted = True
+            self._stop_requested = True
+
+        try:
+            previous = signal.signal(signal.SIGINT, on_sigint)
+        except ValueError:  # not the main thread
+            previous = None
+        taken, last_render = 0, time.perf_counter()
+        try:
+            while self._running and not self._stop_requested and taken < self.max_run_steps:
+                if self._step_once(render=False) is None:
+                    break
+                taken += 1
+                if time.perf_counter() - last_render > 0.1:
+                    self.render()
+                    last_render = time.perf_counter()
+                await asyncio.sleep(0.001)  # let Stop / Reset clicks in between steps
+        except asyncio.CancelledError:
+            pass
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            self._running = False
+            self._task = None
+            self._finish_run(taken, interrupted)
+
+    def _finish_run(self, taken: int, interrupted: bool) -> None:
+        how = "interrupted" if interrupted else "stopped" if self._stop_requested else "done"
+        idle = "" if self.engine.has_unfinished_requests() else "; engine idle"
+        self._stop_requested = False
+        self._message(f"run {how} after {taken} steps{idle}")
+        self.render()
+
+    # -- measurement helpers ------------------------------------------------------------------
+    def _ensure_sampler(self) -> None:
+        """On CUDA, sample NVML in the background (windowed context, not per-step figures)."""
+        if self._sampler is None and self.engine.config.device.type == "cuda":
+            from minivllm.telemetry.utilisation import UtilisationSampler
+
+            self._sampler = UtilisationSampler(period_s=0.2, device=str(self.engine.config.device)).start()
+
+    def _fill_roofline(self, record: StepRecord) -> None:
+        """Fill FLOPs / bytes / MFU / MBU when the engine has not (from the roofline model and
+        this machine's measured peaks)."""
+        if record.mfu is not None or record.num_tokens == 0:
+            return
+        from minivllm.telemetry.peaks import get_peaks
+        from minivllm.telemetry.roofline import ModelCost, fill_step_record
+
+        if self._cost is None:
+            self._cost = ModelCost.from_config(self.engine.source.hf_config, dtype=self.engine.config.dtype)
+        if self._peaks is None:
+            self._peaks = get_peaks(self.engine.config.device, self.engine.config.dtype)
+        fill_step_record(record, self._cost, self._peaks)
+
+    # -- events -------------------------------------------------------------------------------
+    def _message(self, text: str, error: bool = False) -> None:
+        self.last_message = text
+        colour = "#b00" if error else "#333"
+        self.status.value = f"<div class='mv-box' style='color:{colour}'>{html.escape(text)}</div>"
+
+    def _notify(self, record) -> None:
+        for cb in self._observers:
+            cb(self, record)
+
+    def _on_add(self, _):
+        try:
+            self.add_request(parse_prompt(self.prompt_box.value), int(self.max_tokens_box.value),
+                             float(self.temperature_box.value))
+        except ValueError as e:
+            self._message(f"not added: {e}", error=True)
+
+    def _on_step(self, _):
+        self.step()
+
+    def _on_run(self, _):
+        try:
+            self.run_to_end(block=False)
+        except KeyboardInterrupt:
+            pass  # halted between steps; the engine is consistent
+
+    def _on_stop(self, _):
+        self.stop()
+
+    def _on_reset(self, _):
+        self.reset()
+
+    # -- drawing ------------------------------------------------------------------------------
+    def _make_chart(self):
+        import plotly.graph_objects as go
+
+        fig = go.FigureWidget()
+        for phase in ("prefill", "decode", "mixed"):
+            fig.add_bar(x=[], y=[], name=phase, marker_color=PHASE_COLOURS[phase], hovertext=[])
+        fig.update_layout(title="Measured wall time of each step", xaxis_title="engine step",
+                          yaxis_title="ms", height=260, width=760, margin=dict(l=50, r=10, t=40, b=40),
+                          barmode="overlay", legend=dict(orientation="h", y=1.12, x=0.5))
+        return fig
+
+    def _update_chart(self) -> None:
+        if self.chart is None:
+            return
+        with self.chart.batch_update():
+            for trace in self.chart.data:
+                recs = [r for r in self.steps if r.phase == trace.name]
+                trace.x = [r.index for r in recs]
+                trace.y = [r.wall_ms for r in recs]
+                trace.hovertext = [f"{r.num_prefill_tokens} prefill + {r.num_decode_tokens} decode tokens, "
+                                   f"{r.num_seqs} seqs" for r in recs]
+
+    def render(self) -> None:
+        """Redraw the panes and the chart from the engine's current state."""
+        self.step_pane.value = self._step_html()
+        self.requests_pane.value = self._requests_html()
+        self._update_chart()
+
+    def _bar(self, fraction: float, colour: str) -> str:
+        pct = max(0.0, min(1.0, fraction)) * 100
+        return f"<span class='mv-bar' style='width:{pct:.1f}%;background:{colour}'></span>"
+
+    def _step_html(self) -> str:
+        bm = self.engine.block_manager
+        summary = (f"<div class='mv-box'><b>steps</b> <span class='mv-step-count'>{len(self.steps)}</span> · "
+                   f"<b>generated tokens</b> <span class='mv-generated-count'>{self.generated_token_count}</span> · "
+                   f"<b>KV blocks used</b> <span class='mv-kv-used'>{bm.num_used_blocks}</span> / {bm.num_blocks} "
+                   f"(block_size {bm.block_size})</div>")
+        if not self.steps:
+            return summary + "<div class='mv-box mv-small'>No step yet. Add a request, then press Step.</div>"
+        r = self.steps[-1]
+        budget = self.engine.config.max_num_batched_tokens
+        comp = (f"<span class='mv-bartrack' title='token budget {budget}' style='width:300px'>"
+                f"{self._bar(r.num_prefill_tokens / budget, PHASE_COLOURS['prefill'])}"
+                f"{self._bar(r.num_decode_tokens / budget, PHASE_COLOURS['decode'])}</span>")
+        lines = [
+            summary,
+            f"<div class='mv-box'><b>step {r.index}</b> "
+            f"<span class='mv-badge' style='background:{PHASE_COLOURS[r.phase]}'>{r.phase}</span>"
+            f"{r.num_prefill_tokens} prefill + {r.num_decode_tokens} decode tokens, {r.num_seqs} sequences "
+            f"{comp} of the {budget}-token budget</div>",
+            f"<div class='mv-box'><b>measured wall time</b> {fmt_ms(r.wall_ms)} "
+            f"<span class='mv-small'>(schedule {r.schedule_ms:.2f}, prepare inputs {r.prepare_ms:.2f}, "
+            f"model {r.model_ms:.2f}, sample {r.sample_ms:.2f}, postprocess {r.postprocess_ms:.2f} ms)</span></div>",
+        ]
+        if r.mfu is not None:
+            p = self._peaks
+            peak_note = (f"peaks measured here: {fmt_si(p.flops_per_s, 'FLOP/s')}, {fmt_si(p.bytes_per_s, 'B/s')}"
+                         if p is not None else "")
+            lines.append(
+                f"<div class='mv-box'><b>MFU</b><span class='mv-bartrack'>{self._bar(r.mfu, '#4c78a8')}</span>"
+                f"{100 * r.mfu:.2f} % <span class='mv-small'>({fmt_si(r.flops, 'FLOP')} in the step)</span><br>"
+                f"<b>MBU</b><span class='mv-bartrack'>{self._bar(r.mbu, '#54a24b')}</span>"
+                f"{100 * r.mbu:.2f} % <span class='mv-small'>({fmt_si(r.bytes_moved, 'B')} moved; "
+                f"{peak_note})</span></div>")
+        if self._sampler is not None:
+            samples = self._sampler.samples
+            if samples and samples[-1].gpu_util_percent is not None:
+                s = samples[-1]
+                lines.append(f"<div class='mv-box mv-small'>NVML (average over its last ~1/6-1 s window, not "
+                             f"this step): SM busy {s.gpu_util_percent:.0f} %, memory busy "
+                             f"{s.mem_util_percent:.0f} %</div>")
+        return "".join(lines)
+
+    def _request_state(self, rid: str, entry) -> tuple[str, str]:
+        from minivllm.engine.sequence import SequenceStatus
+
+        seq = self._seqs[rid]
+        last = self.steps[-1] if self.steps else None
+        if seq.status is SequenceStatus.FINISHED:
+            return f"finished ({seq.finish_reason})", "#555"
+        if seq.status is SequenceStatus.WAITING:
+            if last is not None and rid in last.preempted:
+                return "preempted", "#b00"
+            return "waiting", "#999"
+        if entry is not None and entry.is_prefill:
+            return ("prefill chunk" if seq.is_prefilling else "prefill (done)"), PHASE_COLOURS["prefill"]
+        if seq.is_prefilling:
+            return "prefilling", PHASE_COLOURS["prefill"]
+        return "decoding", PHASE_COLOURS["decode"]
+
+    def _requests_html(self) -> str:
+        if not self.request_ids:
+            return ""
+        last = self.steps[-1] if self.steps else None
+        entries = {e.request_id: e for e in last.scheduled} if last else {}
+        rows = []
+        tok = self.tokenizer
+        for rid in self.request_ids:
+            seq = self._seqs[rid]
+            entry = entries.get(rid)
+            state, colour = self._request_state(rid, entry)
+            n_prompt = seq.num_prompt_tokens
+            finished = seq.is_finished
+            spans = []
+            chunk = range(0)
+            if entry is not None and entry.is_prefill:
+                chunk = range(entry.first_position, entry.first_position + entry.num_tokens)
+            for pos, t in enumerate(seq.prompt_token_ids[:512]):
+                if pos in chunk:
+                    cls = "mv-tok-chunk"
+                elif finished or pos < seq.num_computed_tokens:
+                    cls = "mv-tok-cached" if pos < seq.num_cached_tokens else "mv-tok-done"
+                else:
+                    cls = "mv-tok-wait"
+                spans.append(tok_span(tok, t, cls, f", position {pos}"))
+            if n_prompt > 512:
+                spans.append(f"<span class='mv-small'>… {n_prompt - 512} more</span>")
+            outs = seq.output_token_ids
+            new_sampled = entry is not None and entry.sampled
+            gen = [tok_span(tok, t, "mv-tok-new" if (i == len(outs) - 1 and new_sampled) else "mv-tok-gen",
+                            f", output {i}") for i, t in enumerate(outs)]
+            processed = n_prompt if finished else min(seq.num_computed_tokens, n_prompt)
+            cached = f", {seq.num_cached_tokens} from prefix cache" if seq.num_cached_tokens else ""
+            rows.append(
+                f"<div class='mv-box mv-request' data-request='{rid}' style='border-left:4px solid "
+                f"{self.colour(rid)};padding-left:6px;margin:4px 0'>"
+                f"<b>{rid}</b> <span class='mv-badge' style='background:{colour}'>{html.escape(state)}</span>"
+                f"<span class='mv-small'>prompt {processed}/{n_prompt} processed{cached} · generated "
+                f"{len(outs)}/{seq.params.max_tokens}</span><br>{''.join(spans)}"
+                f"<br><span class='mv-small'>output:</span> {''.join(gen) or '<i class=mv-small>none yet</i>'}"
+                f"</div>")
+        legend = ("<div class='mv-small'>prompt tokens: <span class='mv-tok mv-tok-done'>processed</span>"
+                  "<span class='mv-tok mv-tok-chunk'>this step</span><span class='mv-tok mv-tok-cached'>"
+                  "prefix-cache hit</span><span class='mv-tok mv-tok-wait'>waiting</span> · output: "
+                  "<span class='mv-tok mv-tok-new'>new this step</span></div>")
+        return legend + "".join(rows)
+
+    def static_html(self) -> str:
+        from ._static import figure_html
+
+        parts = [self.status.value, self.step_pane.value, self.requests_pane.value]
+        if self.chart is not None and self.steps:
+            parts.append(figure_html(self.chart))
+        return "<div class='mv-box'>" + "".join(parts) + "</div>"

@@ -1,0 +1,135 @@
+"""``LatencyCalculator``: predicted TTFT / TPOT / total from a cost model fitted here, and
+measured points beside the predictions."""
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+
+from ._base import STYLE, CourseWidget
+from ._engine import engine_of, fmt_ms
+from .latency_model import LatencyModel
+from .measure import measure_decode_batch, measure_request_latency, measure_step_latency
+
+
+class LatencyCalculator(CourseWidget):
+    """Sliders for prompt length, response length and batch size (and a model menu when
+    several are given) predict TTFT, TPOT and total time.
+
+    Where the numbers come from: at construction (or from ``sweeps`` you pass) the engine
+    runs a short sweep on this machine: prefill steps for several prompt lengths and
+    decode steps for several batch sizes (:mod:`widgets.measure`). A
+    :class:`~widgets.latency_model.LatencyModel` is fitted to those measured steps and
+    replays the scheduler for the sliders' point. "Measure this point" runs exactly that
+    workload on the engine (random prompts, greedy, ``ignore_eos``) and plots the measured
+    means (``RequestMetrics.ttft_ms`` / ``tpot_ms`` / ``e2e_ms``) beside the prediction.
+
+    Args:
+        llms: an ``LLM``, or a dict ``{name: LLM}`` to choose between.
+        prompt_lens / batch_sizes: the sweep's points (keep them short on CPU).
+        sweeps: ``{name: rows}`` already measured (skips the sweep for those models).
+
+    State for code and tests: ``models`` (name -> fitted ``LatencyModel``), ``sweeps``,
+    ``prediction`` (the current point's dict), ``measurements`` (list of dicts, one per
+    press of "measure this point").
+    """
+
+    def __init__(self, llms, *, prompt_lens=(16, 32, 64, 128), batch_sizes=(1, 2, 4, 8),
+                 max_prompt_len: int | None = None, sweeps: dict | None = None):
+        super().__init__()
+        if not isinstance(llms, dict):
+            llms = {getattr(engine_of(llms).source, "name", "model"): llms}
+        if not llms:
+            raise ValueError("llms: give at least one LLM")
+        self.llms = llms
+        self.sweeps: dict[str, list[dict]] = dict(sweeps or {})
+        self.models: dict[str, LatencyModel] = {}
+        for name, llm in llms.items():
+            if name not in self.sweeps:
+                self.sweeps[name] = (measure_step_latency(llm, prompt_lens, decode_steps=3, repeats=1)
+                                     + measure_decode_batch(llm, batch_sizes, decode_steps=3))
+            self.models[name] = LatencyModel.fit(self.sweeps[name])
+        self.measurements: list[dict] = []
+        self.prediction: dict = {}
+        first = next(iter(llms.values()))
+        cfg = engine_of(first).config
+        top = max_prompt_len or min(1024, cfg.max_model_len - 130)
+        self.model_menu = W.Dropdown(options=list(llms), description="model", layout=W.Layout(width="320px"))
+        self.prompt_slider = W.IntSlider(value=min(128, top), min=1, max=top, description="prompt tokens",
+                                         continuous_update=False, style={"description_width": "110px"},
+                                         layout=W.Layout(width="420px"))
+        self.response_slider = W.IntSlider(value=32, min=1, max=128, description="response tokens",
+                                           continuous_update=False, style={"description_width": "110px"},
+                                           layout=W.Layout(width="420px"))
+        self.batch_slider = W.IntSlider(value=1, min=1, max=min(16, cfg.args.max_num_seqs), description="batch",
+                                        continuous_update=False, style={"description_width": "110px"},
+                                        layout=W.Layout(width="420px"))
+        self.measure_button = W.Button(description="measure this point", icon="stopwatch", button_style="info")
+        self.measure_button.add_class("mv-measure")
+        self.measure_button.on_click(lambda _: self.measure())
+        self.readout = W.HTML()
+        import plotly.graph_objects as go
+
+        self.chart = go.FigureWidget()
+        self.chart.add_bar(name="predicted", x=["TTFT", "TPOT", "total"], y=[0, 0, 0], marker_color="#9ecae9")
+        self.chart.add_bar(name="measured", x=["TTFT", "TPOT", "total"], y=[None, None, None],
+                           marker_color="#4c78a8")
+        self.chart.update_layout(title="Predicted vs measured (ms)", yaxis_title="ms", barmode="group", height=300,
+                                 width=560, margin=dict(l=50, r=10, t=40, b=30), yaxis_type="log")
+        for w in (self.model_menu, self.prompt_slider, self.response_slider, self.batch_slider):
+            w.observe(lambda _c: self.update(), names="value")
+        self.add_class("mv-latency-calculator")
+        controls = [self.prompt_slider, self.response_slider, self.batch_slider, self.measure_button]
+        if len(llms) > 1:
+            controls.insert(0, self.model_menu)
+        self.children = [W.HTML(STYLE), W.HBox([W.VBox(controls), self.readout]), self.chart]
+        self.update()
+
+    @property
+    def point(self) -> tuple[str, int, int, int]:
+        return (self.model_menu.value, self.prompt_slider.value, self.response_slider.value, self.batch_slider.value)
+
+    def _budget(self, name: str) -> int:
+        return engine_of(self.llms[name]).config.max_num_batched_tokens
+
+    def update(self) -> None:
+        """Recompute the prediction for the sliders' point and redraw."""
+        name, p, r, b = self.point
+        model = self.models[name]
+        self.prediction = model.predict(p, r, b, self._budget(name))
+        measured = next((m for m in reversed(self.measurements) if m["point"] == self.point), None)
+        pr = self.prediction
+        rows = [("TTFT", pr["ttft_ms"], measured and measured["ttft_ms"]),
+                ("TPOT", pr["tpot_ms"], measured and measured["tpot_ms"]),
+                ("total", pr["e2e_ms"], measured and measured["e2e_ms"])]
+        table = "".join(f"<tr><td>{k}</td><td class='mv-pred-{k.lower()}'>{fmt_ms(v)}</td>"
+                        f"<td>{fmt_ms(m) if measured else '–'}</td></tr>" for k, v, m in rows)
+        self.readout.value = (
+            f"<div class='mv-box'><table class='mv-table'><tr><th></th><th>predicted</th><th>measured</th></tr>"
+            f"{table}</table><div class='mv-small' style='max-width:360px'>cost model fitted to steps measured "
+            f"on this machine: {html.escape(model.describe())}</div></div>")
+        with self.chart.batch_update():
+            self.chart.data[0].y = [v if v is not None else 0 for _, v, _ in rows]
+            self.chart.data[1].y = [m if (measured and m is not None) else None for _, _, m in rows]
+
+    def measure(self) -> dict:
+        """Run the current point on the engine and record the measured means."""
+        name, p, r, b = self.point
+        self.measure_button.disabled = True
+        try:
+            m = measure_request_latency(self.llms[name], p, r, b)
+        except ValueError as e:
+            self.readout.value += f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>"
+            return {}
+        finally:
+            self.measure_button.disabled = False
+        m["point"] = self.point
+        m["predicted"] = dict(self.prediction)
+        self.measurements.append(m)
+        self.update()
+        return m
+
+    def static_html(self) -> str:
+        from ._static import figure_html
+
+        return "<div class='mv-box'>" + self.readout.value + figure_html(self.chart) + "</div>"

@@ -1,0 +1,170 @@
+"""Measurement sweeps on the live engine: step latency by phase, and end-to-end request latency.
+
+Every figure is a ``StepRecord.wall_ms`` or a ``RequestMetrics`` value from real engine
+steps on this machine. Prompts are random token ids (seeded), so the prefix cache never
+hits by accident (it is also reset before each point), and ``ignore_eos`` keeps the
+number of decode steps exact.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import weakref
+
+from minivllm.sampling_params import SamplingParams
+
+from ._engine import engine_of
+
+_counter = [0]
+
+
+def _new_id(prefix: str) -> str:
+    _counter[0] += 1
+    return f"{prefix}-{_counter[0]}"
+
+
+def _require_idle(engine) -> None:
+    if engine.has_unfinished_requests():
+        raise ValueError(f"the engine has {engine.get_num_unfinished_requests()} unfinished request(s); "
+                         "measurements need it to themselves (finish or reset them first)")
+
+
+def random_prompt(engine, length: int, rng: random.Random) -> list[int]:
+    """``length`` random token ids in ``[1, vocab_size)`` avoiding the eos ids."""
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"prompt length {length!r} must be a positive int")
+    eos = set(engine.eos_token_ids)
+    out = []
+    while len(out) < length:
+        t = rng.randrange(1, engine.vocab_size)
+        if t not in eos:
+            out.append(t)
+    return out
+
+
+def run_requests(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, list]:
+    """Add all ``prompts`` at once (greedy, ``ignore_eos``), step until done.
+
+    Returns (final ``RequestOutput`` per prompt in order, every ``StepRecord``).
+    """
+    engine = engine_of(llm)
+    _require_idle(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = []
+    for p in prompts:
+        rid = _new_id("measure")
+        engine.add_request(rid, p, params)
+        ids.append(rid)
+    final, records = {}, []
+    try:
+        while engine.has_unfinished_requests():
+            res = engine.step()
+            records.append(res.record)
+            for out in res.outputs:
+                if out.finished:
+                    final[out.request_id] = out
+    finally:
+        for rid in ids:  # an interrupt leaves nothing behind
+            if rid not in final:
+                engine.abort_request(rid)
+    return [final[i] for i in ids], records
+
+
+_cost_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> (cost, peaks)
+
+
+def _roofline(engine, record, row: dict) -> None:
+    """Add the roofline figures of ``record`` to ``row`` (engine-filled when present)."""
+    from minivllm.telemetry.peaks import get_peaks
+    from minivllm.telemetry.roofline import ModelCost, arithmetic_intensity, fill_step_record
+
+    if record.mfu is None:
+        if engine not in _cost_cache:
+            _cost_cache[engine] = (ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype),
+                                get_peaks(engine.config.device, engine.config.dtype))
+        cost, peaks = _cost_cache[engine]
+        fill_step_record(record, cost, peaks)
+    row.update(flops=record.flops, bytes=record.bytes_moved,
+               intensity=arithmetic_intensity(record.flops, record.bytes_moved), mfu=record.mfu, mbu=record.mbu)
+
+
+def warm_up(llm, seed: int = 0) -> None:
+    """One short request, so first-call costs (allocation, kernel selection) are not measured."""
+    engine = engine_of(llm)
+    run_requests(llm, [random_prompt(engine, 8, random.Random(seed))], 2)
+    engine.reset_prefix_cache()
+
+
+def measure_step_latency(llm, prompt_lens=(16, 32, 64, 128), decode_steps: int = 4, repeats: int = 2,
+                         seed: int = 0, roofline: bool = True) -> list[dict]:
+    """Step wall time by phase for a range of prompt lengths (batch 1).
+
+    For each prompt length, ``repeats`` times: one request of that many random tokens,
+    ``decode_steps + 1`` output tokens. Each step yields one row:
+    ``{"prompt_len", "phase" ("prefill"/"decode"/"mixed"), "tokens" (in the step),
+    "context_len" (tokens attended to by the step's last token), "wall_ms", "model_ms",
+    "repeat"}``, and with ``roofline`` the step's ``flops``, ``bytes``, ``intensity``
+    (FLOPs per byte) from ``minivllm.telemetry.roofline`` and ``mfu`` / ``mbu`` against
+    this machine's measured peaks. A prompt longer than ``max_num_batched_tokens`` is prefilled in chunks
+    (one row per chunk).
+    """
+    engine = engine_of(llm)
+    _require_idle(engine)
+    rng = random.Random(seed)
+    warm_up(llm, seed)
+    rows = []
+    for rep in range(repeats):
+        for n in prompt_lens:
+            if n >= engine.config.max_model_len - decode_steps - 1:
+                raise ValueError(f"prompt length {n} does not fit max_model_len={engine.config.max_model_len}")
+            engine.reset_prefix_cache()
+            _, records = run_requests(llm, [random_prompt(engine, n, rng)], decode_steps + 1)
+            for r in records:
+                e = r.scheduled[0]
+                row = dict(prompt_len=n, phase=r.phase, tokens=r.num_tokens,
+                           context_len=e.first_position + e.num_tokens, wall_ms=r.wall_ms,
+                           model_ms=r.model_ms, repeat=rep)
+                if roofline:
+                    _roofline(engine, r, row)
+                rows.append(row)
+    engine.reset_prefix_cache()
+    return rows
+
+
+def measure_decode_batch(llm, batch_sizes=(1, 2, 4, 8), prompt_len: int = 16, decode_steps: int = 4,
+                         seed: int = 1) -> list[dict]:
+    """Decode step wall time against batch size: ``B`` requests of ``prompt_len`` random
+    tokens, ``decode_steps + 1`` output tokens each; one row per decode-only step:
+    ``{"batch", "phase": "decode", "tokens", "wall_ms", "model_ms"}``."""
+    engine = engine_of(llm)
+    _require_idle(engine)
+    rng = random.Random(seed)
+    rows = []
+    for b in batch_sizes:
+        if b > engine.config.args.max_num_seqs:
+            raise ValueError(f"batch size {b} exceeds max_num_seqs={engine.config.args.max_num_seqs}")
+        engine.reset_prefix_cache()
+        _, records = run_requests(llm, [random_prompt(engine, prompt_len, rng) for _ in range(b)],
+                                  decode_steps + 1)
+        for r in records:
+            if r.phase == "decode" and r.num_seqs == b:
+                rows.append(dict(batch=b, phase="decode", tokens=r.num_tokens, wall_ms=r.wall_ms,
+                                 model_ms=r.model_ms))
+    engine.reset_prefix_cache()
+    return rows
+
+
+def measure_request_latency(llm, prompt_len: int, max_tokens: int, batch: int, seed: int = 2) -> dict:
+    """Run ``batch`` requests of ``prompt_len`` random tokens and ``max_tokens`` outputs,
+    submitted together. Returns the means over requests of ``RequestMetrics``:
+    ``{"ttft_ms", "tpot_ms" (None when max_tokens == 1), "e2e_ms", "steps"}``."""
+    engine = engine_of(llm)
+    rng = random.Random(seed * 1_000_003 + prompt_len * 1009 + max_tokens * 31 + batch)
+    engine.reset_prefix_cache()
+    outs, records = run_requests(llm, [random_prompt(engine, prompt_len, rng) for _ in range(batch)],
+                                 max_tokens)
+    engine.reset_prefix_cache()
+    tpots = [o.metrics.tpot_ms for o in outs if o.metrics.tpot_ms is not None]
+    return dict(ttft_ms=statistics.fmean(o.metrics.ttft_ms for o in outs),
+                tpot_ms=statistics.fmean(tpots) if tpots else None,
+                e2e_ms=statistics.fmean(o.metrics.e2e_ms for o in outs), steps=len(records))

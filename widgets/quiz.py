@@ -1,0 +1,101 @@
+"""``Quiz``: multiple-choice questions whose wrong answers explain the slip in reasoning."""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+import ipywidgets as W
+
+from ._base import STYLE, CourseWidget
+
+
+@dataclass
+class Question:
+    """One question.
+
+    Attributes:
+        prompt: the question text (HTML allowed).
+        choices: the answers, in display order.
+        correct: index of the right answer in ``choices``.
+        explanations: one per choice: for a wrong one, where the reasoning went wrong;
+            for the right one, why it is right.
+    """
+
+    prompt: str
+    choices: list[str]
+    correct: int
+    explanations: list[str]
+
+    def __post_init__(self) -> None:
+        if len(self.choices) < 2:
+            raise ValueError(f"question {self.prompt[:40]!r}: needs at least 2 choices, got {len(self.choices)}")
+        if len(self.explanations) != len(self.choices):
+            raise ValueError(f"question {self.prompt[:40]!r}: {len(self.explanations)} explanations for "
+                             f"{len(self.choices)} choices")
+        if not 0 <= self.correct < len(self.choices):
+            raise ValueError(f"question {self.prompt[:40]!r}: correct={self.correct} is not a choice index")
+
+
+class Quiz(CourseWidget):
+    """Questions with radio buttons and a "Check" button per question.
+
+    Nothing is measured here: the feedback is the question author's explanation of the
+    chosen answer. State for code and tests: ``answers`` (question index -> chosen
+    index), ``score`` (right answers among those checked).
+
+    Args:
+        questions: ``Question`` objects, or dicts with the same fields.
+    """
+
+    def __init__(self, questions):
+        super().__init__()
+        self.questions = [q if isinstance(q, Question) else Question(**q) for q in questions]
+        if not self.questions:
+            raise ValueError("Quiz needs at least one question")
+        self.answers: dict[int, int] = {}
+        self.radios, self.feedback, self.buttons = [], [], []
+        blocks = [W.HTML(STYLE)]
+        for i, q in enumerate(self.questions):
+            radio = W.RadioButtons(options=[(c, j) for j, c in enumerate(q.choices)], value=None,
+                                   layout=W.Layout(width="auto"))
+            button = W.Button(description="Check", icon="check")
+            button.add_class("mv-quiz-check")
+            fb = W.HTML()
+            button.on_click(lambda _b, i=i: self.check(i))
+            self.radios.append(radio)
+            self.buttons.append(button)
+            self.feedback.append(fb)
+            blocks.append(W.VBox([W.HTML(f"<div class='mv-box'><b>Q{i + 1}.</b> {q.prompt}</div>"), radio,
+                                  button, fb], layout=W.Layout(margin="0 0 12px 0")))
+        self.add_class("mv-quiz")
+        self.children = blocks
+
+    def check(self, i: int, choice: int | None = None) -> bool | None:
+        """Check question ``i`` (with ``choice``, or the selected radio); returns right/wrong,
+        or None when nothing is selected."""
+        q = self.questions[i]
+        if choice is not None:
+            if not 0 <= choice < len(q.choices):
+                raise ValueError(f"choice={choice!r} is not an answer index of question {i}")
+            self.radios[i].value = choice
+        chosen = self.radios[i].value
+        if chosen is None:
+            self.feedback[i].value = "<div class='mv-box mv-small'>Pick an answer first.</div>"
+            return None
+        self.answers[i] = chosen
+        right = chosen == q.correct
+        colour, word = ("#2a7a2a", "Right.") if right else ("#b00", "Not quite.")
+        self.feedback[i].value = (f"<div class='mv-box' style='color:{colour}'><b>{word}</b> "
+                                  f"{q.explanations[chosen]}</div>")
+        return right
+
+    @property
+    def score(self) -> int:
+        return sum(1 for i, c in self.answers.items() if c == self.questions[i].correct)
+
+    def static_html(self) -> str:
+        parts = []
+        for i, q in enumerate(self.questions):
+            opts = "".join(f"<li>{html.escape(c)}</li>" for c in q.choices)
+            parts.append(f"<div class='mv-box'><b>Q{i + 1}.</b> {q.prompt}<ol type='a'>{opts}</ol></div>")
+        return "".join(parts) + "<div class='mv-small'>(run the notebook to check answers)</div>"
