@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Workload", "make_workload", "run_throughput", "run_sweep", "run_overhead", "main", "WORKLOADS"]
+__all__ = ["Workload", "make_workload", "run_throughput", "run_sweep", "run_overhead", "run_cli", "main", "WORKLOADS"]
 
 WORKLOADS = {
     "nano": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024)),
@@ -836,8 +836,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Entry point of ``python -m minivllm bench``; returns the results dict."""
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m minivllm bench``: prints the results, returns exit status 0."""
+    run_cli(argv)
+    return 0
+
+
+def run_cli(argv: list[str] | None = None) -> dict:
+    """Parse ``python -m minivllm bench`` arguments, run the chosen mode(s), return the results dict."""
     args = build_parser().parse_args(argv)
     log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
     engine_args = {k: getattr(args, k) for k in ("device", "dtype", "attention_backend", "max_num_seqs",
@@ -871,4 +877,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

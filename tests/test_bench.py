@@ -116,9 +116,17 @@ def test_overhead_smoke(tiny_ckpt):
 
 def test_main_writes_json(tiny_ckpt, tmp_path):
     out = tmp_path / "bench.json"
-    res = bench.main(["--model", str(tiny_ckpt), "--no-peers", "--num-requests", "2", "--input-len", "3", "5",
-                      "--output-len", "2", "3", "--json", str(out), "--quiet"])
+    res = bench.run_cli(["--model", str(tiny_ckpt), "--no-peers", "--num-requests", "2", "--input-len", "3", "5",
+                         "--output-len", "2", "3", "--json", str(out), "--quiet"])
     data = json.loads(out.read_text())
     assert data["throughput"]["workload"]["num_requests"] == 2
     assert data["throughput"]["peers"] == {}
     assert res["throughput"]["minivllm"]["seconds"] > 0
+
+
+def test_cli_exit_status(tiny_ckpt, capsys):
+    from minivllm.__main__ import main as cli
+
+    rc = cli(["bench", "--model", str(tiny_ckpt), "--overhead", "--batch-sizes", "2", "--decode-steps", "2"])
+    assert rc == 0
+    assert "us/seq/step" in capsys.readouterr().out
