@@ -70,21 +70,25 @@ class ModelRunner:
             first given wins (see ``EngineArgs``).
         max_num_batched_tokens: largest step, used for the GPU warm-up measurement.
         seed: sampler and random-weight seed.
+        tp_size: tensor-parallel ranks the model is sharded over (this runner holds one
+            shard: ``num_kv_heads / tp_size`` KV heads per layer in its cache).
     """
 
     def __init__(self, source: ModelSource, device: torch.device, dtype: torch.dtype, backend_name: str,
                  block_size: int, num_kvcache_blocks: int | None, kv_cache_memory_bytes: int | None,
-                 gpu_memory_utilization: float, max_num_batched_tokens: int, seed: int | None):
+                 gpu_memory_utilization: float, max_num_batched_tokens: int, seed: int | None,
+                 tp_size: int = 1):
         self.source = source
         self.hf_config = source.hf_config
         self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.tp_size = tp_size
         self.model = self._build_model(source, device, dtype, seed)
         self.backend = get_attention_backend(backend_name, device, block_size)
         self.sampler = Sampler(seed, device)
         self.num_kv_blocks = self._size_kv_cache(num_kvcache_blocks, kv_cache_memory_bytes,
                                                  gpu_memory_utilization, max_num_batched_tokens)
         self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, block_size,
-                                                          dtype, device)
+                                                          dtype, device, tp_size)
 
     # -- set-up ---------------------------------------------------------------------------
     @staticmethod
@@ -110,14 +114,14 @@ class ModelRunner:
         if num_blocks is not None:
             return num_blocks
         if memory_bytes is not None:
-            blocks = num_blocks_for_bytes(memory_bytes, cfg, dtype, bs)
+            blocks = num_blocks_for_bytes(memory_bytes, cfg, dtype, bs, self.tp_size)
         elif self.device.type == "cuda":
             blocks = self._blocks_from_gpu_memory(gpu_util, max_tokens)
         else:
-            blocks = num_blocks_for_bytes(DEFAULT_CPU_KV_CACHE_BYTES, cfg, dtype, bs)
+            blocks = num_blocks_for_bytes(DEFAULT_CPU_KV_CACHE_BYTES, cfg, dtype, bs, self.tp_size)
         if blocks < 1:
             raise ValueError(f"KV cache budget too small for one block of {bs} tokens "
-                             f"({kv_bytes_per_token(cfg, dtype) * bs} bytes)")
+                             f"({kv_bytes_per_token(cfg, dtype, self.tp_size) * bs} bytes)")
         return blocks
 
     def _blocks_from_gpu_memory(self, gpu_util: float, max_tokens: int) -> int:
@@ -129,7 +133,8 @@ class ModelRunner:
         # Warm-up: one sequence of n tokens, KV written to a scratch block table
         # over a small temporary cache.
         scratch_blocks = -(-n // self.block_size)
-        _, scratch = allocate_kv_cache(self.hf_config, scratch_blocks, self.block_size, self.dtype, self.device)
+        _, scratch = allocate_kv_cache(self.hf_config, scratch_blocks, self.block_size, self.dtype, self.device,
+                                       self.tp_size)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         meta = self._metadata([n], [n], (np.arange(n) // self.block_size * self.block_size
@@ -144,9 +149,10 @@ class ModelRunner:
         del scratch, hidden
         total = torch.cuda.get_device_properties(self.device).total_memory
         free_for_kv = total * gpu_util - peak
-        blocks = int(free_for_kv // (kv_bytes_per_token(self.hf_config, self.dtype) * self.block_size))
+        per_token = kv_bytes_per_token(self.hf_config, self.dtype, self.tp_size)
+        blocks = int(free_for_kv // (per_token * self.block_size))
         logger.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f, peak activation+weights %.2f GiB",
-                    blocks, blocks * self.block_size * kv_bytes_per_token(self.hf_config, self.dtype) / 2**30,
+                    blocks, blocks * self.block_size * per_token / 2**30,
                     gpu_util, peak / 2**30)
         return blocks
 
