@@ -1,8 +1,23 @@
-"""Tensor parallelism: shard layouts, and a real 2-process (gloo, CPU) run against HF."""
+"""Tensor parallelism: shard layouts, a real 2-process (gloo, CPU) run against HF, and the
+engine at tensor_parallel_size=2: same tokens as tp=1, preemption, prefix caching, two
+engines at once, worker failures, no orphan workers, and a torchrun launch.
+
+Engine tests run the workers on CPU with gloo (NCCL needs one GPU per rank).
+"""
 from __future__ import annotations
 
+import gc
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from helpers_models import PagedRunner, allocate_block_tables, load_hf_model, make_hf_checkpoint
-from minivllm.distributed import get_tp_rank, get_tp_size, set_tp
+from helpers_engine import greedy, make_llm, prompts_of, run_to_end, token_lists
+from minivllm import LLM, SamplingParams
+from minivllm.distributed import get_tp_rank, get_tp_size, set_tp, tp_scope
 from minivllm.layers.embedding import VocabParallelEmbedding
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -115,3 +132,278 @@ def test_two_ranks_match_hf_and_single_rank(tmp_path):
         # random weights are drawn at full shape, so tp=2 builds the same model as tp=1
         for got, want in zip(res["random"], [torch.cat([s1[0], s2[0]]), torch.cat([s1[1], s2[1]])]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_tp_scope_is_per_thread_and_nests():
+    seen = {}
+    with tp_scope(1, 2):
+        with tp_scope(0, 4):
+            assert (get_tp_rank(), get_tp_size()) == (0, 4)
+        assert (get_tp_rank(), get_tp_size()) == (1, 2)
+        t = threading.Thread(target=lambda: seen.update(other=(get_tp_rank(), get_tp_size())))
+        t.start()
+        t.join()
+    assert seen["other"] == (0, 1)  # another thread keeps the process-wide state
+    assert (get_tp_rank(), get_tp_size()) == (0, 1)
+
+
+# -- the engine at tensor_parallel_size=2 ---------------------------------------------------------
+# Workers are real processes (python -m minivllm.distributed.worker) talking gloo over 127.0.0.1.
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_gone(pids, timeout: float = 10.0) -> float:
+    start = time.monotonic()
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() - start < timeout, f"workers {[p for p in pids if _alive(p)]} still running"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+pytestmark_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@pytest.fixture(scope="module")
+def ckpt_1001(tmp_path_factory) -> Path:
+    """A random Qwen3 with vocabulary 1001: odd, so at tp=2 the vocab shards are padded to 1002."""
+    from conftest import add_tokenizer
+
+    return add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("v1001"), seed=3, vocab_size=1001))
+
+
+@pytest.fixture(scope="module")
+def tp2_tiny(tiny_ckpt):
+    llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp2_1001(ckpt_1001):
+    llm = make_llm(ckpt_1001, tensor_parallel_size=2)
+    yield llm
+    llm.shutdown()
+
+
+def test_indivisible_heads_refused_at_start(tiny_ckpt):
+    # tiny: 4 heads, 2 kv heads, intermediate 80; refused before any worker starts
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        make_llm(tiny_ckpt, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        make_llm(tiny_ckpt, tensor_parallel_size=4)
+
+
+def test_tp2_greedy_matches_tp1_default_model(request):
+    """``LLM()`` (the embedded model) at tp=2 generates the same greedy tokens as at tp=1.
+    Until the embedded checkpoint exists, the tiny random checkpoint stands in for it."""
+    from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
+
+    if (EMBEDDED_MODEL_DIR / "config.json").is_file() and not os.environ.get("MINIVLLM_MODEL"):
+        model, prompts = None, ["def main():", "The built-in function", "Return a new list", "x"]
+    else:
+        model, prompts = str(request.getfixturevalue("tiny_ckpt")), prompts_of([5, 17, 9, 30], seed=1)
+    params = greedy(16)
+    args = dict(num_kvcache_blocks=64, block_size=16)
+    want = token_lists(LLM(model, **args).generate(prompts, params, use_tqdm=False))
+    with LLM(model, tensor_parallel_size=2, **args) as llm:
+        got = token_lists(llm.generate(prompts, params, use_tqdm=False))
+    assert got == want
+
+
+def test_tp2_vocab_1001_matches_tp1_and_never_samples_padding(ckpt_1001, tp2_1001):
+    prompts = prompts_of([4, 11, 23, 6], seed=2, vocab=1001)
+    want = token_lists(make_llm(ckpt_1001).generate(prompts, greedy(12), use_tqdm=False))
+    runner = tp2_1001.llm_engine.runner
+    assert runner.model.lm_head.num_embeddings_padded == 1002  # this rank's shard: rows 0..500
+    widths = []
+    sampler = runner.sampler
+    runner.sampler = lambda logits, batch: (widths.append(logits.shape[-1]), sampler(logits, batch))[1]
+    try:
+        assert token_lists(tp2_1001.generate(prompts, greedy(12), use_tqdm=False)) == want
+        # random sampling at a high temperature over many steps: every token is a real one
+        hot = SamplingParams(temperature=5.0, max_tokens=64, ignore_eos=True, seed=7)
+        tokens = [t for o in tp2_1001.generate(prompts, hot, use_tqdm=False) for t in o.outputs[0].token_ids]
+    finally:
+        runner.sampler = sampler
+    assert set(widths) == {1001}
+    assert max(tokens) < 1001 and len(tokens) == 4 * 64
+
+
+def test_tp2_preemption_matches_tp1(tiny_ckpt):
+    """A pool of 8 blocks forces recompute preemption; the workers see the recomputed tokens."""
+    prompts = prompts_of([7, 7, 7], seed=3)
+    args = dict(num_kvcache_blocks=8, max_model_len=32)
+    results = []
+    for tp in (1, 2):
+        llm = make_llm(tiny_ckpt, tensor_parallel_size=tp, **args)
+        engine = llm.llm_engine
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, greedy(10))
+        final, records = run_to_end(engine)
+        assert any(r.preempted for r in records), f"tp={tp}: the pool of 8 blocks should force a preemption"
+        results.append([final[str(i)].outputs[0].token_ids for i in range(3)])
+        llm.shutdown()
+    assert results[0] == results[1]
+    assert all(len(t) == 10 for t in results[1])
+
+
+def test_tp2_prefix_caching_matches_tp1(tiny_ckpt, tp2_tiny):
+    prefix = prompts_of([13], seed=4)[0]
+    first, second = prefix + [5, 6], prefix + [7, 8, 9]
+    ref = make_llm(tiny_ckpt, enable_prefix_caching=False)
+    want = [token_lists(ref.generate([p], greedy(6), use_tqdm=False))[0] for p in (first, second)]
+    tp2_tiny.llm_engine.reset_prefix_cache()
+    a = tp2_tiny.generate([first], greedy(6), use_tqdm=False)[0]
+    b = tp2_tiny.generate([second], greedy(6), use_tqdm=False)[0]
+    assert b.num_cached_tokens == 12  # three full blocks of 4 of the shared 13-token prefix
+    assert [a.outputs[0].token_ids, b.outputs[0].token_ids] == want
+
+
+def test_two_tp2_engines_alive_at_once(tiny_ckpt, ckpt_1001, tp2_tiny, tp2_1001):
+    """Two tp=2 engines (and tp=1 ones) in one process, stepped alternately, each still right."""
+    r_tiny, r_1001 = tp2_tiny.llm_engine.runner, tp2_1001.llm_engine.runner
+    assert r_tiny.conn.store.port != r_1001.conn.store.port
+    assert not set(r_tiny.worker_pids) & set(r_1001.worker_pids)
+    p_tiny, p_1001 = prompts_of([9, 3], seed=5), prompts_of([6, 14], seed=6, vocab=1001)
+    want_tiny = token_lists(make_llm(tiny_ckpt).generate(p_tiny, greedy(8), use_tqdm=False))
+    want_1001 = token_lists(make_llm(ckpt_1001).generate(p_1001, greedy(8), use_tqdm=False))
+    engines = [tp2_tiny.llm_engine, tp2_1001.llm_engine]
+    for engine, prompts in zip(engines, (p_tiny, p_1001)):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"both-{i}", p, greedy(8))
+    finals = [{}, {}]
+    while any(e.has_unfinished_requests() for e in engines):
+        for engine, final in zip(engines, finals):
+            if engine.has_unfinished_requests():
+                for out in engine.step().outputs:
+                    if out.finished:
+                        final[out.request_id] = out.outputs[0].token_ids
+    assert [finals[0][f"both-{i}"] for i in range(2)] == want_tiny
+    assert [finals[1][f"both-{i}"] for i in range(2)] == want_1001
+
+
+@pytestmark_linux
+def test_killed_worker_makes_generate_raise_within_seconds(tiny_ckpt):
+    llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+    (pid,) = llm.llm_engine.runner.worker_pids
+    killed_at = []
+
+    def kill():
+        killed_at.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    try:
+        with pytest.raises(RuntimeError, match="signal 9"):
+            llm.generate(prompts_of([20, 30], seed=7), greedy(200), use_tqdm=False)  # outlasts the timer
+        raised_at = time.monotonic()
+    finally:
+        timer.cancel()
+    assert killed_at and raised_at - killed_at[0] < 5.0
+    with pytest.raises(RuntimeError, match="create a new LLM"):
+        llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
+    llm.shutdown()
+    assert not _alive(pid)
+
+
+def test_exception_in_worker_surfaces_in_caller(tiny_ckpt, monkeypatch):
+    from minivllm.distributed.worker import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 raises at its 4th step
+    llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+    proc = llm.llm_engine.runner.conn.procs[0]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate(prompts_of([6], seed=8), greedy(10), use_tqdm=False)
+    assert time.monotonic() - start < 5.0
+    assert proc.wait(timeout=5) == 1  # the worker exited on its own, reporting failure
+    llm.shutdown()
+
+
+@pytestmark_linux
+def test_no_orphan_after_shutdown_or_garbage_collection(tiny_ckpt):
+    llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+    pids = llm.llm_engine.runner.worker_pids
+    llm.generate([[3, 4, 5]], greedy(2), use_tqdm=False)
+    del llm
+    gc.collect()
+    _wait_gone(pids, timeout=10.0)
+
+    with make_llm(tiny_ckpt, tensor_parallel_size=2) as llm:
+        pids = llm.llm_engine.runner.worker_pids
+    _wait_gone(pids, timeout=10.0)
+
+
+_PARENT = """
+import json, sys, time
+sys.path.insert(0, {tests!r})
+from helpers_engine import greedy, make_llm
+llm = make_llm({ckpt!r}, tensor_parallel_size=2)
+llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
+print(json.dumps(llm.llm_engine.runner.worker_pids), flush=True)
+if {mode!r} == "hang":
+    time.sleep(600)
+# mode "exit": leave without shutdown(); interpreter exit must stop the workers
+"""
+
+
+@pytestmark_linux
+@pytest.mark.parametrize("mode", ["hang", "exit"])
+def test_no_orphan_when_parent_is_killed_or_exits(tiny_ckpt, mode):
+    script = _PARENT.format(tests=str(Path(__file__).parent), ckpt=str(tiny_ckpt), mode=mode)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = parent.stdout.readline()
+        assert line, "the parent process did not start its engine"
+        pids = json.loads(line)
+        assert pids and all(_alive(p) for p in pids) or mode == "exit"
+        if mode == "hang":
+            parent.send_signal(signal.SIGKILL)  # what a Jupyter kernel restart does
+        parent.wait(timeout=60)
+        _wait_gone(pids, timeout=10.0)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys
+from minivllm import LLM, SamplingParams
+ckpt, out, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+# every rank runs this; on rank 1 LLM(...) serves as the worker and then exits the process
+llm = LLM(ckpt, tensor_parallel_size=2, block_size=4, num_kvcache_blocks=256)
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+with open(out, "w") as f:
+    json.dump([o.outputs[0].token_ids for o in outs], f)
+llm.shutdown()
+"""
+
+
+def test_torchrun_two_processes_match_tp1(tiny_ckpt, tmp_path):
+    prompts = prompts_of([8, 19], seed=9)
+    want = token_lists(make_llm(tiny_ckpt).generate(prompts, greedy(10), use_tqdm=False))
+    script, out = tmp_path / "run.py", tmp_path / "tokens.json"
+    script.write_text(_TORCHRUN_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(script), str(tiny_ckpt), str(out), json.dumps(prompts)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text()) == want

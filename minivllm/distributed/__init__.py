@@ -1,4 +1,5 @@
-"""Tensor-parallel state and collectives (no-ops when running on one rank)."""
+"""Tensor parallelism: per-process rank state and collectives (no-ops on one rank), the
+rank-0 runner (``tp_runner``), the worker loop (``worker``) and process launch (``launch``)."""
 from minivllm.distributed.parallel_state import (
     get_tp_group,
     get_tp_rank,
@@ -7,6 +8,7 @@ from minivllm.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
     tensor_model_parallel_gather,
+    tp_scope,
 )
 
 __all__ = [
@@ -17,4 +19,5 @@ __all__ = [
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_gather",
+    "tp_scope",
 ]

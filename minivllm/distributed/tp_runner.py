@@ -1,0 +1,222 @@
+"""Rank 0 of a tensor-parallel engine: the model runner the engine talks to when
+``tensor_parallel_size > 1``.
+
+``TPModelRunner`` is a ``ModelRunner`` (same ``run(plan) -> RunnerOutput``,
+``num_kv_blocks``, ``backend``, ``shutdown()``) whose model is one shard of ``tp``. One
+step, as the engine sees it, is unchanged::
+
+    run(plan): prepare_input(plan)          # rank 0 only: the scheduler lives here
+               forward_logits(inp):
+                   broadcast the inputs     # -> every worker rebuilds the same ModelInput
+                   model forward            # all ranks, all-reduces inside the layers
+                   compute_logits           # all-gather over the vocabulary shards
+               sampler(logits)              # rank 0 only
+
+Where the other ranks come from (``launch.py``): on one machine they are started here, as
+fresh ``python -m minivllm.distributed.worker`` processes; across machines (or under
+``torchrun``) every rank is started outside and the engine joins the process group.
+
+Failure handling: a worker that dies closes its sockets and the next collective raises at
+once (gloo); rank 0 then reports which worker failed and how (its traceback when it
+raised), stops the others and refuses further steps. Workers exit by themselves when rank
+0 goes away, however it goes (see ``worker._watch_parent``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+from minivllm.distributed import launch
+from minivllm.distributed.launch import Connection
+from minivllm.distributed.parallel_state import tp_scope
+from minivllm.distributed.worker import HEADER_LEN, SHUTDOWN, ShardRunner, WorkerConfig, pack_step, serve
+from minivllm.engine.model_runner import ModelInput
+from minivllm.utils.model_source import ModelSource
+
+logger = logging.getLogger("minivllm")
+
+
+def check_tp_config(hf_config, tp_size: int) -> None:
+    """Refuse a model that cannot be split ``tp_size`` ways.
+
+    Raises:
+        ValueError: attention heads, KV heads or the MLP width not divisible by ``tp_size``
+            (names the field and its value).
+    """
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(hf_config, name)
+        if value % tp_size != 0:
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {name}={value}: "
+                             f"each rank must hold a whole number of them")
+
+
+class _Closer:
+    """Stops the workers of one engine; idempotent. Holds no reference to the runner, so it
+    can run from ``weakref.finalize`` (garbage collection, interpreter exit)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.closed = False
+
+    def close(self, graceful: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        conn = self.conn
+        if graceful and all(p.poll() is None for p in conn.procs):
+            try:
+                header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+                header[0] = SHUTDOWN
+                launch.broadcast(conn.ctrl, header)
+            except Exception:  # a worker already gone: nothing to tell it
+                graceful = False
+        launch.kill_workers(conn.procs, grace_s=5.0 if graceful else 0.0)
+        conn.model = conn.ctrl = conn.store = None
+
+
+class TPModelRunner(ShardRunner):
+    """The engine's model runner for ``tensor_parallel_size > 1`` (rank 0).
+
+    Args (as ``ModelRunner``, plus):
+        tp_size: number of ranks (>= 2).
+        init_method: ``torch.distributed`` init method for an externally launched job
+            (e.g. ``"tcp://10.0.0.1:29500"``). None: join ``torchrun``'s job when its
+            environment says so (``WORLD_SIZE`` > 1, ``init_method="env://"``), else start
+            the workers locally.
+
+    On a rank > 0 of an external launch the constructor does not return: it serves as
+    that rank's worker until rank 0 shuts down, then raises ``SystemExit(0)``.
+
+    Raises:
+        ValueError: the model does not split ``tp_size`` ways, or (CUDA) fewer GPUs than ranks.
+        RuntimeError: a worker failed to start or to load its shard (with its error).
+    """
+
+    def __init__(self, source: ModelSource, device: torch.device, dtype: torch.dtype, backend_name: str,
+                 block_size: int, num_kvcache_blocks: int | None, kv_cache_memory_bytes: int | None,
+                 gpu_memory_utilization: float, max_num_batched_tokens: int, seed: int | None,
+                 tp_size: int, init_method: str | None = None):
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 2:
+            raise ValueError(f"tensor_parallel_size={tp_size!r}: TPModelRunner needs at least 2 ranks")
+        check_tp_config(source.hf_config, tp_size)
+        external = launch.external_launch(init_method, tp_size)
+        base_index = 0
+        if device.type == "cuda" and not external:
+            base_index = device.index if device.index is not None else torch.cuda.current_device()
+            available = torch.cuda.device_count()
+            if base_index + tp_size > available:
+                raise ValueError(f"tensor_parallel_size={tp_size} on {device}: needs one GPU per rank, "
+                                 f"cuda:{base_index}..cuda:{base_index + tp_size - 1}, but this machine has "
+                                 f"{available} GPU(s)")
+        conn = launch.connect_external(init_method, tp_size) if external else launch.start_local(tp_size)
+        if conn.rank != 0:
+            serve(conn)
+            raise SystemExit(0)
+        if device.type == "cuda":
+            device = torch.device("cuda", conn.local_rank if external else base_index)
+        self.conn = conn  # ShardRunner sets it too; the guard below needs it first
+        self._closer = _Closer(conn)
+        self._finalizer = weakref.finalize(self, self._closer.close)
+        self._failure: str | None = None
+        try:
+            cfg = WorkerConfig(source, device.type, base_index, dtype, backend_name, block_size, num_kvcache_blocks,
+                               kv_cache_memory_bytes, gpu_memory_utilization, max_num_batched_tokens, seed,
+                               "nccl" if device.type == "cuda" else "gloo",
+                               max(1, torch.get_num_threads() // tp_size), conn.tag)
+            launch.broadcast_object(conn.ctrl, cfg, 0)
+            conn.model = launch.create_model_group(conn, cfg.dist_backend, device)
+            with self._guard("while starting"), tp_scope(0, tp_size, conn.model):
+                super().__init__(conn, source, device, dtype, backend_name, block_size, num_kvcache_blocks,
+                                 kv_cache_memory_bytes, gpu_memory_utilization, max_num_batched_tokens, seed)
+        except BaseException:
+            self._closer.close(graceful=False)
+            raise
+        logger.info("tensor parallel: %d ranks (%s, %s launch), KV cache %d blocks per rank", tp_size,
+                    cfg.dist_backend, "external" if external else "local", self.num_kv_blocks)
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the locally started workers (ranks 1..tp-1); empty for external launches."""
+        return [p.pid for p in self.conn.procs]
+
+    # -- one step ----------------------------------------------------------------------------------
+    def forward_logits(self, inp: ModelInput) -> torch.Tensor:
+        """Send the step to the workers, then run rank 0's shard; fp32 logits ``[num_sampling, vocab_size]``."""
+        self._check_usable()
+        header, payload = pack_step(inp)
+        with self._guard("during a step"):
+            launch.broadcast(self.conn.ctrl, header)
+            launch.broadcast(self.conn.ctrl, payload)
+            with tp_scope(0, self.conn.world_size, self.conn.model):
+                return super().forward_logits(inp)
+
+    def _sync(self) -> None:
+        """Wait for the device; on CUDA poll, so that a dead worker (whose NCCL peer would
+        otherwise block the stream until the collective times out) is noticed."""
+        if self.device.type != "cuda":
+            return
+        with self._guard("during a step"):
+            done = torch.cuda.Event()
+            done.record()
+            last_check = time.monotonic()
+            while not done.query():
+                time.sleep(5e-5)
+                if time.monotonic() - last_check > 0.05:
+                    last_check = time.monotonic()
+                    if self._dead_worker() is not None:
+                        abort = getattr(self.conn.model, "abort", None)
+                        if abort is not None:
+                            abort()
+                        raise RuntimeError("a tensor-parallel worker exited during the step")
+
+    def _dead_worker(self) -> str | None:
+        if self._closer.closed:
+            return "the workers have been stopped"
+        if any(p.poll() is not None for p in self.conn.procs):
+            return launch.worker_failure(self.conn.store, self.conn.procs)
+        return None
+
+    def _check_usable(self) -> None:
+        if self._failure is None:
+            dead = self._dead_worker()
+            if dead is not None:
+                self._fail(f"tensor-parallel worker failed: {dead}")
+        if self._failure is not None:
+            raise RuntimeError(f"{self._failure}\n(this engine cannot run further steps; create a new LLM)")
+
+    def _fail(self, message: str) -> None:
+        self._failure = message
+        self._closer.close(graceful=False)
+
+    @contextmanager
+    def _guard(self, when: str):
+        """Any exception inside a collective leaves the ranks out of step: stop the workers,
+        refuse further steps, and say which worker failed if one did."""
+        try:
+            yield
+        except BaseException as e:
+            if self._failure is not None:
+                raise
+            described = None
+            if not self.conn.external and isinstance(e, RuntimeError):
+                deadline = time.monotonic() + 3.0  # let a dying worker finish its report and exit
+                while described is None and time.monotonic() < deadline:
+                    described = launch.worker_failure(self.conn.store, self.conn.procs)
+                    if described is None:
+                        time.sleep(0.02)
+            self._fail(f"tensor-parallel worker failed {when}: {described}" if described
+                       else f"tensor-parallel engine failed {when}: {type(e).__name__}: {e}")
+            if described or (self.conn.external and isinstance(e, RuntimeError)):
+                raise RuntimeError(self._failure) from e
+            raise
+
+    # -- shutdown -----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the workers (SHUTDOWN message, then wait, then terminate) and free this shard."""
+        self._finalizer()
+        super().shutdown()
