@@ -52,8 +52,6 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         from transformers import AutoTokenizer
 
-        if args.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: not supported yet")
         self.args = args
         self.source = resolve_model(args.model)
         hf = self.source.hf_config
@@ -63,8 +61,15 @@ class LLMEngine:
         block_size = args.block_size or default_block_size(backend_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
         budget_hint = args.max_num_batched_tokens or 8192
-        self.runner = ModelRunner(self.source, device, dtype, backend_name, block_size, args.num_kvcache_blocks,
-                                  args.kv_cache_memory_bytes, args.gpu_memory_utilization, budget_hint, args.seed)
+        runner_args = (self.source, device, dtype, backend_name, block_size, args.num_kvcache_blocks,
+                       args.kv_cache_memory_bytes, args.gpu_memory_utilization, budget_hint, args.seed)
+        if args.tensor_parallel_size > 1:  # rank 0 of a sharded model; see minivllm/distributed/tp_runner.py
+            from minivllm.distributed.tp_runner import TPModelRunner
+
+            self.runner = TPModelRunner(*runner_args, tp_size=args.tensor_parallel_size,
+                                        init_method=getattr(args, "init_method", None))
+        else:
+            self.runner = ModelRunner(*runner_args)
         max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
                                                 block_size)
         self.config = EngineConfig(args, device, dtype, self.runner.backend.name, block_size,
