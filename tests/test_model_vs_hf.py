@@ -24,6 +24,7 @@ CONFIGS = {
                          tie_word_embeddings=True),
     "mha_tied_headdim_equal": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=12,
                                    tie_word_embeddings=True, rope_theta=1e6),
+    "attention_bias": dict(attention_bias=True),
 }
 
 
