@@ -53,7 +53,7 @@ class RequestMetrics:
         return (self.first_scheduled_time - self.arrival_time) * 1e3
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated completion.
 
@@ -77,7 +77,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request, as returned by ``LLM.generate`` / ``LLM.stream`` / ``LLMEngine.step``.
 

@@ -1,14 +1,73 @@
 """Incremental detokenisation: new token ids -> new text, never half a UTF-8 character.
 
-Byte-level BPE tokens can end in the middle of a multi-byte character; decoding such
-a prefix yields U+FFFD. We decode a short sliding window (a few tokens of context
-plus the unread tokens) and only release text once it no longer ends in U+FFFD.
+Byte-level BPE tokenizers (GPT-2 style, as Qwen's) map every token to a fixed byte
+string, so the fast path is a table lookup per token followed by an incremental UTF-8
+decoder that holds back an incomplete trailing character until its last byte arrives.
+
+Other tokenizers take the general path: decode a short sliding window (a few tokens
+of context plus the unread tokens) and release text only once it no longer ends in
+U+FFFD (the replacement character a partial character decodes to).
 """
 from __future__ import annotations
+
+import codecs
+import weakref
 
 # Tokens of left context kept in the window: some tokenizers (SentencePiece-style)
 # decode a token differently at the start of a string than after another token.
 _CONTEXT_TOKENS = 5
+
+_BYTE_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes->unicode map (Radford et al. 2019, the byte-level BPE
+    alphabet): printable bytes map to themselves, the rest to code points from 256 up."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def byte_table(tokenizer, skip_special_tokens: bool = True) -> list[bytes] | None:
+    """Token id -> bytes for a byte-level BPE tokenizer, or None for any other kind."""
+    key = (skip_special_tokens,)
+    cached = _BYTE_TABLES.get(tokenizer, {}).get(key, False)
+    if cached is not False:
+        return cached
+    table = _build_byte_table(tokenizer, skip_special_tokens)
+    _BYTE_TABLES.setdefault(tokenizer, {})[key] = table
+    return table
+
+
+def _build_byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None  # the wrapper post-edits text; only the general path reproduces it
+    to_byte = _gpt2_unicode_to_byte()
+    vocab = backend.get_vocab(with_added_tokens=True)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    table = [b""] * (max(vocab.values()) + 1)
+    for token, idx in vocab.items():
+        special = idx in added and added[idx].special
+        if special and skip_special_tokens:
+            continue
+        if idx in added:
+            table[idx] = added[idx].content.encode("utf-8")
+            continue
+        try:
+            table[idx] = bytes(to_byte[c] for c in token)
+        except KeyError:
+            return None  # not a pure byte-level vocabulary
+    return table
 
 
 class IncrementalDetokenizer:
@@ -17,15 +76,20 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.table = byte_table(tokenizer, skip_special_tokens)
+        if self.table is not None:
+            self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            return
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
     def step(self, new_token_ids: list[int], final: bool = False) -> str:
         """Add tokens; return text that became readable (all of it when ``final``)."""
+        if self.table is not None:
+            table, n = self.table, len(self.table)
+            data = b"".join([table[t] if t < n else b"" for t in new_token_ids])
+            return self.utf8.decode(data, final)
         self.ids.extend(new_token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset:])
@@ -34,3 +98,6 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return full_text[len(prefix_text):]
         return ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

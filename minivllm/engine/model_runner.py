@@ -157,27 +157,38 @@ class ModelRunner:
         return blocks
 
     # -- one step ---------------------------------------------------------------------------
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Host array -> tensor on the model's device (zero-copy on CPU)."""
+        t = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
     def _metadata(self, q_lens: list[int], context_lens: list[int], slots: list[int],
                   tables: list[list[int]]) -> AttentionMetadata:
-        dev = self.device
+        num_seqs = len(q_lens)
         width = max(len(t) for t in tables)
-        table_arr = np.full((len(tables), width), -1, dtype=np.int32)
+        table_arr = np.full((num_seqs, width), -1, dtype=np.int32)
         for i, t in enumerate(tables):
             table_arr[i, :len(t)] = t
-        cu_q = np.zeros(len(q_lens) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=cu_q[1:])
-        cu_k = np.zeros(len(q_lens) + 1, dtype=np.int32)
-        np.cumsum(context_lens, out=cu_k[1:])
+        # One int32 host buffer: [cu_seqlens_q | cu_seqlens_k | context_lens].
+        lens = np.zeros(3 * num_seqs + 2, dtype=np.int32)
+        np.cumsum(q_lens, out=lens[1:num_seqs + 1])
+        np.cumsum(context_lens, out=lens[num_seqs + 2:2 * num_seqs + 2])
+        lens[2 * num_seqs + 2:] = context_lens
+        lens_t = self._to_device(lens)
         return AttentionMetadata(
-            cu_seqlens_q=torch.from_numpy(cu_q).to(dev),
-            cu_seqlens_k=torch.from_numpy(cu_k).to(dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.from_numpy(table_arr).to(dev),
+            cu_seqlens_q=lens_t[:num_seqs + 1],
+            cu_seqlens_k=lens_t[num_seqs + 1:2 * num_seqs + 2],
+            context_lens=lens_t[2 * num_seqs + 2:],
+            slot_mapping=self._to_device(np.asarray(slots, dtype=np.int64)),
+            block_tables=self._to_device(table_arr),
             max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens), block_size=self.block_size,
             is_decode_only=max(q_lens) == 1, q_lens_cpu=q_lens, context_lens_cpu=context_lens)
 
     def prepare_input(self, plan: SchedulerOutput) -> ModelInput:
+        """Flatten the plan: each sequence's new tokens back to back, with their positions
+        and cache slots (``block_table[p // block_size] * block_size + p % block_size``)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -201,12 +212,11 @@ class ModelRunner:
             if entry.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
-        dev = self.device
         return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            input_ids=self._to_device(np.asarray(input_ids, dtype=np.int64)),
+            positions=self._to_device(np.asarray(positions, dtype=np.int64)),
             meta=self._metadata(q_lens, context_lens, slots, tables),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            logits_indices=self._to_device(np.asarray(logits_rows, dtype=np.int64)),
             sampling_seqs=sampling)
 
     @torch.inference_mode()
@@ -220,28 +230,31 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inp.logits_indices]).float()
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        dev = self.device
+        """Per-row sampling settings; tensors are only built when some row is not greedy."""
         params = [s.params for s in seqs]
+        if all(p.temperature == 0 and p.repetition_penalty == 1.0 for p in params):
+            return SamplingBatch.greedy(len(seqs))
+        dev = self.device
         gens = []
         for s in seqs:
             if s.params.seed is not None and s.generator is None:
                 s.generator = torch.Generator(device=dev)
                 s.generator.manual_seed(s.params.seed)
             gens.append(s.generator)
-        penalties = [p.repetition_penalty for p in params]
+        table = np.array([(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) for p in params],
+                         dtype=np.float32)
+        cols = self._to_device(table)
+        penalties = table[:, 4]
         return SamplingBatch(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
-            repetition_penalties=torch.tensor(penalties, dtype=torch.float32, device=dev),
+            temperatures=cols[:, 0], top_k=cols[:, 1].long(), top_p=cols[:, 2], min_p=cols[:, 3],
+            repetition_penalties=cols[:, 4],
             seen_token_ids=[s.token_ids if p != 1.0 else None for s, p in zip(seqs, penalties)],
             generators=gens,
-            all_greedy=all(p.temperature == 0 for p in params),
-            any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-            any_penalty=any(p != 1.0 for p in penalties))
+            all_greedy=bool((table[:, 0] == 0).all()),
+            any_top_k=bool((table[:, 1] > 0).any()),
+            any_top_p=bool((table[:, 2] < 1.0).any()),
+            any_min_p=bool((table[:, 3] > 0).any()),
+            any_penalty=bool((penalties != 1.0).any()))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

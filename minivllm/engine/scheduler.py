@@ -29,7 +29,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """One sequence's work this step: tokens ``start_pos .. start_pos + num_tokens - 1``."""
 

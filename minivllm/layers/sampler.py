@@ -44,6 +44,12 @@ class SamplingBatch:
     any_min_p: bool
     any_penalty: bool
 
+    @classmethod
+    def greedy(cls, num_rows: int) -> "SamplingBatch":
+        """All rows greedy with no penalty: only ``all_greedy`` is read, no tensors needed."""
+        return cls(None, None, None, None, None, [None] * num_rows, [None] * num_rows,
+                   all_greedy=True, any_top_k=False, any_top_p=False, any_min_p=False, any_penalty=False)
+
 
 def apply_repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """vLLM/CTRL repetition penalty: seen tokens' logits are divided by the penalty if
@@ -125,6 +131,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """``logits``: fp32 ``[N, V]`` (not modified). Returns int64 ``[N]`` token ids."""
+        if batch.all_greedy and not batch.any_penalty:
+            return logits.argmax(dim=-1)
         logits = logits.float().clone()
         if batch.any_penalty:
             apply_repetition_penalty(logits, batch)
