@@ -1,0 +1,36 @@
+"""One line saying where a measurement came from: machine, device, model, dtype."""
+from __future__ import annotations
+
+import os
+import platform
+
+
+def machine_summary() -> str:
+    """CPU model and core count, RAM, and the GPU name when CUDA is available."""
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    parts = [f"{cpu}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"]
+    if torch.cuda.is_available():
+        parts.append(f"GPU {torch.cuda.get_device_name()}")
+    return "; ".join(parts)
+
+
+def describe(llm) -> str:
+    """``machine | device | model | dtype | attention backend | torch version`` of a live ``LLM``."""
+    import torch
+
+    engine = llm.llm_engine
+    cfg = engine.config
+    return (f"machine: {machine_summary()} | device: {cfg.device} | model: {engine.source.name} | "
+            f"dtype: {str(cfg.dtype).replace('torch.', '')} | attention: {cfg.attention_backend} | "
+            f"torch {torch.__version__}")
