@@ -130,3 +130,32 @@ def test_cli_exit_status(tiny_ckpt, capsys):
     rc = cli(["bench", "--model", str(tiny_ckpt), "--overhead", "--batch-sizes", "2", "--decode-steps", "2"])
     assert rc == 0
     assert "us/seq/step" in capsys.readouterr().out
+
+
+def test_export_of_a_real_engine_run(tiny_ckpt, tmp_path):
+    """Step records, request outputs and samples from a real run survive JSON and become DataFrames."""
+    pytest.importorskip("pandas")
+    from minivllm import LLM
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.telemetry.export import load_run_json, run_to_dataframes, save_run_json
+    from minivllm.telemetry.utilisation import UtilisationSampler
+
+    with LLM(str(tiny_ckpt), num_kvcache_blocks=32) as llm:
+        eng = llm.llm_engine
+        for i, p in enumerate(([1, 2, 3, 4, 5], [6, 7, 8])):
+            eng.add_request(f"x{i}", p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        steps, finals = [], []
+        with UtilisationSampler(0.02, device="cpu") as sampler:
+            while eng.has_unfinished_requests():
+                res = eng.step()
+                steps.append(res.record)
+                finals += [o for o in res.outputs if o.finished]
+    path = save_run_json(tmp_path / "run.json", steps, finals, sampler.samples)
+    dfs = run_to_dataframes(**load_run_json(path))
+    st, rq = dfs["steps"], dfs["requests"]
+    assert len(st) == len(steps) and st["num_prefill_tokens"].sum() == 8
+    assert st["num_decode_tokens"].sum() == 2 * 2  # 3 tokens each: one from prefill, two decodes
+    assert sorted(rq["request_id"]) == ["x0", "x1"]
+    assert (rq["num_output_tokens"] == 3).all() and (rq["ttft_ms"] > 0).all() and (rq["e2e_ms"] >= rq["ttft_ms"]).all()
+    assert len(dfs["scheduled"]) == sum(len(s.scheduled) for s in steps)
+    assert len(dfs["samples"]) >= 1

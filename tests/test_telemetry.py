@@ -207,3 +207,63 @@ def test_export_dataframes_columns(tmp_path):
     assert again["steps"].equals(st)
     empty = run_to_dataframes()
     assert "wall_ms" in empty["steps"].columns and len(empty["steps"]) == 0
+
+
+class _FakeNVML:
+    """Stands in for ``pynvml`` so the GPU sampling path runs without a GPU."""
+
+    NVML_CLOCK_SM = 1
+
+    def __init__(self):
+        self.calls = []
+
+    def nvmlInit(self):
+        self.calls.append("init")
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("handle", i)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return ("handle", uuid)
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return type("U", (), {"gpu": 87, "memory": 41})()
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("M", (), {"used": 5 << 30})()
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 312_500  # milliwatts
+
+    def nvmlDeviceGetClockInfo(self, h, which):
+        assert which == self.NVML_CLOCK_SM
+        return 1980
+
+
+def test_sampler_nvml_path_with_fake_library(monkeypatch):
+    import sys
+
+    fake = _FakeNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    s = UtilisationSampler(period_s=0.02, device="cuda:0")
+    with s:
+        _busy(0.05)
+    assert s.nvml_error is None
+    assert fake.calls[0] == "init" and fake.calls[-1] == "shutdown"
+    x = s.samples[-1]
+    assert x.gpu_util_percent == 87.0 and x.mem_util_percent == 41.0
+    assert x.mem_used_bytes == 5 << 30 and x.power_w == 312.5 and x.sm_clock_mhz == 1980.0
+
+
+def test_sampler_without_nvml_reports_why(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    s = UtilisationSampler(period_s=0.02, device="cuda")
+    with s:
+        pass
+    assert "NVML unavailable" in s.nvml_error
+    assert s.samples and s.samples[-1].gpu_util_percent is None
