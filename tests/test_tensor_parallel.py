@@ -407,3 +407,34 @@ def test_torchrun_two_processes_match_tp1(tiny_ckpt, tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(out.read_text()) == want
+
+
+def test_init_method_with_the_worker_entry_point(tiny_ckpt):
+    """The multi-machine recipe on one machine: rank 1 started by hand with
+    ``python -m minivllm.distributed.worker --init-method tcp://...``, the engine given the
+    same ``init_method`` (it needs no model arguments: rank 0 sends them)."""
+    from minivllm.config import EngineArgs
+    from minivllm.engine.llm_engine import LLMEngine
+
+    prompts = prompts_of([10, 4], seed=10)
+    want = token_lists(make_llm(tiny_ckpt).generate(prompts, greedy(8), use_tqdm=False))
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    worker = subprocess.Popen([sys.executable, "-m", "minivllm.distributed.worker", "--init-method", init,
+                               "--rank", "1", "--world-size", "2"], env=env)
+    try:
+        args = EngineArgs(model=str(tiny_ckpt), tensor_parallel_size=2, block_size=4, num_kvcache_blocks=256)
+        args.init_method = init  # an EngineArgs field (set as an attribute so this also runs before it exists)
+        engine = LLMEngine(args)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, greedy(8))
+        final, _ = run_to_end(engine)
+        assert [final[str(i)].outputs[0].token_ids for i in range(2)] == want
+        engine.shutdown()
+        assert worker.wait(timeout=30) == 0
+        assert not dist.is_initialized()  # the engine created the default group, and destroyed it
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

@@ -72,6 +72,9 @@ class Connection:
             for external launches.
         external: True when the ranks were started by torchrun / the user.
         tag: a name unique to this engine (used for NCCL group names).
+        owns_default_group: this engine created the default process group (external
+            launch), so it destroys it at shutdown.
+        procs: the locally started worker processes (rank 0 of a local launch).
     """
 
     rank: int
@@ -82,6 +85,7 @@ class Connection:
     external: bool
     tag: str
     model: object | None = None
+    owns_default_group: bool = False
     procs: list = field(default_factory=list)
 
 
@@ -109,7 +113,8 @@ def connect_external(init_method: str | None, tp_size: int, rank: int | None = N
     says otherwise). A default group that already exists is reused.
     """
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group("gloo", init_method=init_method or "env://", rank=rank, world_size=tp_size,
                                 timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
     if dist.get_world_size() != tp_size:
@@ -118,7 +123,8 @@ def connect_external(init_method: str | None, tp_size: int, rank: int | None = N
     rank = dist.get_rank()
     ctrl = dist.new_group(backend="gloo", timeout=CTRL_TIMEOUT)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return Connection(rank, tp_size, local_rank, ctrl, None, True, tag="minivllm-external")
+    return Connection(rank, tp_size, local_rank, ctrl, None, True, tag="minivllm-external",
+                      owns_default_group=owns)
 
 
 # -- local launch (rank 0 side) -----------------------------------------------------------------

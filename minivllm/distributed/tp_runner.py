@@ -29,6 +29,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from minivllm.distributed import launch
 from minivllm.distributed.launch import Connection
@@ -76,6 +77,11 @@ class _Closer:
                 graceful = False
         launch.kill_workers(conn.procs, grace_s=5.0 if graceful else 0.0)
         conn.model = conn.ctrl = conn.store = None
+        if conn.owns_default_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # at interpreter exit torch may already be tearing down
+                pass
 
 
 class TPModelRunner(ShardRunner):
