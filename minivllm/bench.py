@@ -649,6 +649,10 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                   "peaks": {"flops_per_s": peaks.flops_per_s, "bytes_per_s": peaks.bytes_per_s,
                             "ridge_intensity": peaks.ridge_intensity},
                   "model_cost": cost.to_dict(), "decode": decode, "prefill": prefill}
+        one = next((q for q in decode if q["batch_size"] == 1), None)
+        if one is not None:
+            log(f"decode at batch 1 moves {one['bytes_per_s'] / 1e9:.2f} GB/s = {one['mbu']:.0%} of the measured copy "
+                f"bandwidth (project target >= 70% on a model of >= 200 MB)")
         log(f"ridge point: {peaks.ridge_intensity:.1f} FLOPs/byte (peaks {peaks.flops_per_s / 1e9:.1f} GFLOP/s, "
             f"{peaks.bytes_per_s / 1e9:.1f} GB/s); weights {cost.body_weight_bytes / 2**20:.1f} MiB")
         if html:
