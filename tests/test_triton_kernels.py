@@ -76,6 +76,9 @@ DECODE_CASES = [
     ([255, 257, 3], 8, 1, 64, 256, torch.float16),
     ([33, 2], 8, 1, 128, 16, torch.bfloat16),
     ([16, 40], 4, 2, 64, 256, torch.float32),
+    # head_dim padded to a power of two (80 -> 128) and to tl.dot's minimum (8 -> 16), MHA 1:1
+    ([9, 30], 2, 2, 80, 16, torch.float32),
+    ([9], 2, 2, 8, 16, torch.float32),
 ]
 
 
@@ -135,6 +138,8 @@ PREFILL_CASES = [
     ([(40, 8), (3, 3)], 4, 2, 128, 256, torch.float32, 2),
     # bf16: a query longer than one kernel tile with a prefix
     ([(40, 20), (1, 1)], 4, 2, 64, 16, torch.bfloat16, 0),
+    # head_dim 80 (masked up to 128), prefix + chunk
+    ([(20, 6), (3, 3)], 2, 1, 80, 16, torch.float32, 0),
 ]
 
 

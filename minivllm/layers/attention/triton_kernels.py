@@ -304,7 +304,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs >= 16
     # tl.dot needs every dimension >= 16; the spare query-head rows are masked out.
     block_g = max(16, triton.next_power_of_2(group))
     block_n = 64 if block_d <= 64 else 32
@@ -451,7 +451,7 @@ def paged_prefill_attention(
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs >= 16
     if kernels_interpreted():
         block_m, block_n = 16, 16  # the interpreter's cost grows with tile size
     else:
@@ -467,5 +467,7 @@ def paged_prefill_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=_dot_precision(q.dtype),
+        # fp32 tiles of a 128-wide head need the registers of 8 warps
+        num_warps=8 if block_d >= 128 else 4,
     )
     return out
