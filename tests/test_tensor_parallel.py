@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -168,7 +167,7 @@ def _wait_gone(pids, timeout: float = 10.0) -> float:
     return time.monotonic() - start
 
 
-pytestmark_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +289,7 @@ def test_two_tp2_engines_alive_at_once(tiny_ckpt, ckpt_1001, tp2_tiny, tp2_1001)
     assert [finals[1][f"both-{i}"] for i in range(2)] == want_1001
 
 
-@pytestmark_linux
+@linux_only
 def test_killed_worker_makes_generate_raise_within_seconds(tiny_ckpt):
     llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
     (pid,) = llm.llm_engine.runner.worker_pids
@@ -329,7 +328,7 @@ def test_exception_in_worker_surfaces_in_caller(tiny_ckpt, monkeypatch):
     llm.shutdown()
 
 
-@pytestmark_linux
+@linux_only
 def test_no_orphan_after_shutdown_or_garbage_collection(tiny_ckpt):
     llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
     pids = llm.llm_engine.runner.worker_pids
@@ -356,7 +355,7 @@ if {mode!r} == "hang":
 """
 
 
-@pytestmark_linux
+@linux_only
 @pytest.mark.parametrize("mode", ["hang", "exit"])
 def test_no_orphan_when_parent_is_killed_or_exits(tiny_ckpt, mode):
     script = _PARENT.format(tests=str(Path(__file__).parent), ckpt=str(tiny_ckpt), mode=mode)
