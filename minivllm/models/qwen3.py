@@ -78,6 +78,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
+    """One pre-norm transformer block. The residual stream is carried separately so each
+    residual add is fused into the following RMSNorm (``RMSNorm.forward(x, residual)``)."""
+
     def __init__(self, config, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = Qwen3Attention(config, rotary)
@@ -98,6 +101,8 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
+    """Embedding, decoder layers and final norm: ``input_ids [T] -> hidden [T, hidden_size]``."""
+
     def __init__(self, config):
         super().__init__()
         if getattr(config, "use_sliding_window", False):
