@@ -292,22 +292,21 @@ def test_two_tp2_engines_alive_at_once(tiny_ckpt, ckpt_1001, tp2_tiny, tp2_1001)
 @linux_only
 def test_killed_worker_makes_generate_raise_within_seconds(tiny_ckpt):
     llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
-    (pid,) = llm.llm_engine.runner.worker_pids
-    killed_at = []
+    engine = llm.llm_engine
+    (pid,) = engine.runner.worker_pids
+    step, killed_at = engine.step, []
 
-    def kill():
-        killed_at.append(time.monotonic())
-        os.kill(pid, signal.SIGKILL)
+    def step_then_kill():  # SIGKILL the worker in the middle of a generation, after its 5th step
+        result = step()
+        if len(killed_at) == 0 and engine.step_index == 5:
+            killed_at.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+        return result
 
-    timer = threading.Timer(1.0, kill)
-    timer.start()
-    try:
-        with pytest.raises(RuntimeError, match="signal 9"):
-            llm.generate(prompts_of([20, 30], seed=7), greedy(200), use_tqdm=False)  # outlasts the timer
-        raised_at = time.monotonic()
-    finally:
-        timer.cancel()
-    assert killed_at and raised_at - killed_at[0] < 5.0
+    engine.step = step_then_kill
+    with pytest.raises(RuntimeError, match="signal 9"):
+        llm.generate(prompts_of([20, 30], seed=7), greedy(50), use_tqdm=False)
+    assert killed_at and time.monotonic() - killed_at[0] < 5.0
     with pytest.raises(RuntimeError, match="create a new LLM"):
         llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
     llm.shutdown()
