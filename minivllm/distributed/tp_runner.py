@@ -87,7 +87,9 @@ class _Closer:
 class TPModelRunner(ShardRunner):
     """The engine's model runner for ``tensor_parallel_size > 1`` (rank 0).
 
-    Args (as ``ModelRunner``, plus):
+    Args:
+        source, device, *runner_args, **runner_kwargs: as ``ModelRunner`` (sent unchanged
+            to every rank; on CUDA each rank uses its own GPU).
         tp_size: number of ranks (>= 2).
         init_method: ``torch.distributed`` init method for an externally launched job
             (e.g. ``"tcp://10.0.0.1:29500"``). None: join ``torchrun``'s job when its
@@ -102,10 +104,8 @@ class TPModelRunner(ShardRunner):
         RuntimeError: a worker failed to start or to load its shard (with its error).
     """
 
-    def __init__(self, source: ModelSource, device: torch.device, dtype: torch.dtype, backend_name: str,
-                 block_size: int, num_kvcache_blocks: int | None, kv_cache_memory_bytes: int | None,
-                 gpu_memory_utilization: float, max_num_batched_tokens: int, seed: int | None,
-                 tp_size: int, init_method: str | None = None):
+    def __init__(self, source: ModelSource, device: torch.device, *runner_args, tp_size: int,
+                 init_method: str | None = None, **runner_kwargs):
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 2:
             raise ValueError(f"tensor_parallel_size={tp_size!r}: TPModelRunner needs at least 2 ranks")
         check_tp_config(source.hf_config, tp_size)
@@ -129,15 +129,13 @@ class TPModelRunner(ShardRunner):
         self._finalizer = weakref.finalize(self, self._closer.close)
         self._failure: str | None = None
         try:
-            cfg = WorkerConfig(source, device.type, base_index, dtype, backend_name, block_size, num_kvcache_blocks,
-                               kv_cache_memory_bytes, gpu_memory_utilization, max_num_batched_tokens, seed,
+            cfg = WorkerConfig(source, device.type, base_index, runner_args, runner_kwargs,
                                "nccl" if device.type == "cuda" else "gloo",
                                max(1, torch.get_num_threads() // tp_size), conn.tag)
             launch.broadcast_object(conn.ctrl, cfg, 0)
             conn.model = launch.create_model_group(conn, cfg.dist_backend, device)
             with self._guard("while starting"), tp_scope(0, tp_size, conn.model):
-                super().__init__(conn, source, device, dtype, backend_name, block_size, num_kvcache_blocks,
-                                 kv_cache_memory_bytes, gpu_memory_utilization, max_num_batched_tokens, seed)
+                super().__init__(conn, source, device, *runner_args, **runner_kwargs)
         except BaseException:
             self._closer.close(graceful=False)
             raise

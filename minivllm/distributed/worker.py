@@ -49,19 +49,14 @@ FAULT_ENV = "MINIVLLM_TP_TEST_FAULT"
 
 @dataclass
 class WorkerConfig:
-    """What rank 0 sends every worker before the model is built (mirrors ``ModelRunner``'s arguments)."""
+    """What rank 0 sends every worker before the model is built: ``ModelRunner``'s
+    arguments (all but the device, which is per rank) and how to reach the other ranks."""
 
     source: ModelSource
     device_type: str            # "cpu" or "cuda"
     device_base_index: int      # local launch on CUDA: rank r uses cuda:(base + r)
-    dtype: torch.dtype
-    backend_name: str
-    block_size: int
-    num_kvcache_blocks: int | None
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float
-    max_num_batched_tokens: int
-    seed: int | None
+    runner_args: tuple          # ModelRunner's positional arguments after (source, device)
+    runner_kwargs: dict         # ... and its keyword arguments (tp_size excepted)
     dist_backend: str           # "gloo" or "nccl"
     num_threads: int            # torch intra-op threads per worker on CPU
     tag: str
@@ -155,9 +150,7 @@ class Worker:
             torch.set_num_threads(cfg.num_threads)
         conn.model = launch.create_model_group(conn, cfg.dist_backend, self.device)
         set_tp(conn.rank, conn.world_size, conn.model)
-        self.runner = ShardRunner(conn, cfg.source, self.device, cfg.dtype, cfg.backend_name, cfg.block_size,
-                                  cfg.num_kvcache_blocks, cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization,
-                                  cfg.max_num_batched_tokens, cfg.seed)
+        self.runner = ShardRunner(conn, cfg.source, self.device, *cfg.runner_args, **cfg.runner_kwargs)
         fault = os.environ.get(FAULT_ENV, "")
         rank, _, step = fault.partition(":")
         self.fault_step = int(step) if fault and int(rank) == conn.rank else None
