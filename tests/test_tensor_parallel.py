@@ -222,6 +222,11 @@ def test_tp2_vocab_1001_matches_tp1_and_never_samples_padding(ckpt_1001, tp2_100
     want = token_lists(make_llm(ckpt_1001).generate(prompts, greedy(12), use_tqdm=False))
     runner = tp2_1001.llm_engine.runner
     assert runner.model.lm_head.num_embeddings_padded == 1002  # this rank's shard: rows 0..500
+    layer = runner.model.model.layers[0]  # rank 0 holds half of every sharded weight
+    assert runner.model.lm_head.weight.shape == (501, 48)
+    assert layer.self_attn.qkv_proj.weight.shape == ((4 + 2 + 2) * 16 // 2, 48)
+    assert layer.mlp.down_proj.weight.shape == (48, 40)
+    assert runner.kv_caches[0][0].shape[-2:] == (1, 16)  # one of the two KV heads
     widths = []
     sampler = runner.sampler
     runner.sampler = lambda logits, batch: (widths.append(logits.shape[-1]), sampler(logits, batch))[1]
