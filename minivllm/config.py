@@ -37,6 +37,9 @@ class EngineArgs:
         attention_backend: "auto", "torch", "triton", "flash_attn".
         seed: seed of the engine-wide sampling generator (and of random weights).
         compile: torch.compile the small fused ops; None = on for CUDA, off on CPU.
+        init_method: torch.distributed rendezvous for tensor parallelism across machines
+            (e.g. ``"env://"`` under torchrun, ``"tcp://host:port"``); None = the engine
+            starts its workers on this machine.
     """
 
     model: str | None = None
@@ -56,6 +59,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     seed: int | None = 0
     compile: bool | None = None
+    init_method: str | None = None
 
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "tensor_parallel_size"]

@@ -67,13 +67,14 @@ class LLMEngine:
             from minivllm.distributed.tp_runner import TPModelRunner
 
             self.runner = TPModelRunner(*runner_args, tp_size=args.tensor_parallel_size,
-                                        init_method=getattr(args, "init_method", None))
+                                        init_method=args.init_method)
         else:
             self.runner = ModelRunner(*runner_args)
         max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
                                                 block_size)
         self.config = EngineConfig(args, device, dtype, self.runner.backend.name, block_size,
                                    self.runner.num_kv_blocks, max_model_len, budget)
+        self._optimise(args, device)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, budget, max_model_len,
                                                    args.enable_chunked_prefill), self.block_manager)
@@ -89,6 +90,19 @@ class LLMEngine:
                     "kv_blocks=%d max_model_len=%d max_num_batched_tokens=%d", self.source.name, device,
                     dtype, self.config.attention_backend, block_size, self.runner.num_kv_blocks,
                     max_model_len, budget)
+
+    def _optimise(self, args: EngineArgs, device: torch.device) -> None:
+        """torch.compile of the small fused ops (default: on CUDA only, where it pays for its
+        start-up time) and decode CUDA graphs (CUDA, ``enforce_eager=False``, tp=1)."""
+        if args.compile if args.compile is not None else device.type == "cuda":
+            self.runner.enable_compile()
+        if device.type != "cuda" or args.enforce_eager:
+            return
+        if args.tensor_parallel_size > 1 or not getattr(self.runner.backend, "supports_cuda_graphs", False):
+            logger.info("CUDA graphs off: attention backend %s / tensor_parallel_size=%d",
+                        self.runner.backend.name, args.tensor_parallel_size)
+            return
+        self.runner.enable_cuda_graphs(args.max_num_seqs, self.config.max_model_len)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":

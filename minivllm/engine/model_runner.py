@@ -89,6 +89,7 @@ class ModelRunner:
                                                  gpu_memory_utilization, max_num_batched_tokens)
         self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, block_size,
                                                           dtype, device, tp_size)
+        self.graph_runner = None  # decode CUDA graphs, see enable_cuda_graphs
 
     # -- set-up ---------------------------------------------------------------------------
     @staticmethod
@@ -156,6 +157,31 @@ class ModelRunner:
                     gpu_util, peak / 2**30)
         return blocks
 
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, emulate: bool = False) -> None:
+        """Capture decode CUDA graphs for batch-size buckets up to ``max_num_seqs``, with block
+        tables wide enough for ``max_model_len`` (see ``minivllm/engine/cuda_graph.py``).
+        ``emulate=True`` replays eagerly through the same static buffers (tests on CPU)."""
+        from minivllm.engine.cuda_graph import CudaGraphDecodeRunner
+
+        t0 = time.perf_counter()
+        self.graph_runner = CudaGraphDecodeRunner(
+            self.model, self.kv_caches, self.backend, max_num_seqs, -(-max_model_len // self.block_size),
+            self.hf_config.hidden_size, self.device, self.dtype, emulate=emulate)
+        self.graph_runner.capture()
+        logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graph_runner.buckets,
+                    time.perf_counter() - t0)
+
+    def enable_compile(self) -> None:
+        """``torch.compile`` the small elementwise-heavy ops (RMSNorm + residual, SiLU-and-mul,
+        rotary embedding), where kernel fusion saves memory round trips."""
+        from minivllm.layers.activation import SiluAndMul
+        from minivllm.layers.norm import RMSNorm
+        from minivllm.layers.rotary import RotaryEmbedding
+
+        for module in self.model.modules():
+            if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+                module.forward = torch.compile(module.forward, dynamic=True)
+
     # -- one step ---------------------------------------------------------------------------
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array -> tensor on the model's device (zero-copy on CPU)."""
@@ -222,9 +248,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, inp: ModelInput) -> torch.Tensor:
         """fp32 logits ``[num_sampling, vocab_size]`` for the rows that sample."""
-        self.backend.prepare(inp.meta)
-        ctx = ForwardContext(inp.meta, self.backend, self.kv_caches)
-        hidden = self.model(inp.input_ids, inp.positions, ctx)
+        if self.graph_runner is not None and self.graph_runner.can_run(inp.meta):
+            hidden = self.graph_runner.run(inp.input_ids, inp.positions, inp.meta)
+        else:
+            self.backend.prepare(inp.meta)
+            ctx = ForwardContext(inp.meta, self.backend, self.kv_caches)
+            hidden = self.model(inp.input_ids, inp.positions, ctx)
         if not inp.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden[inp.logits_indices]).float()
@@ -276,6 +305,7 @@ class ModelRunner:
         return RunnerOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
 
     def shutdown(self) -> None:
+        self.graph_runner = None
         self.kv_caches = []
         self.kv_cache = None
         self.model = None
