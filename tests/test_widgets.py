@@ -409,3 +409,136 @@ def test_static_chart_is_a_png_when_chromium_exists(llm):
     s.add_request(ids(8), max_tokens=2, ignore_eos=True)
     s.run_to_end()
     assert "data:image/png;base64," in s.static_html()
+
+
+# -- scheduler timeline ---------------------------------------------------------------------------
+
+
+def test_scheduler_timeline_shows_chunks_preemption_and_finish(model_path):
+    from widgets import EngineStepper, SchedulerTimeline
+
+    small = LLM(model_path, block_size=BLOCK, num_kvcache_blocks=4, max_model_len=64, max_num_batched_tokens=32)
+    try:
+        s = EngineStepper(small, show_chart=False)
+        tl = SchedulerTimeline(stepper=s)
+        for k in range(3):
+            s.add_request(ids(20, start=3 + k), max_tokens=20, ignore_eos=True)
+        s.run_to_end()
+        engine = small.llm_engine
+        engine.check_invariants()
+        assert tl.num_steps == len(s.steps) and set(tl.states) == set(s.request_ids)
+        flat = [st for row in tl.states.values() for st in row]
+        assert "preempted" in flat  # 4 blocks cannot hold three growing sequences
+        assert "prefill" in flat and "decode" in flat and "waiting" in flat
+        for rid, row in tl.states.items():
+            assert [x for x in row if x][-1] == "finished" and row.count("finished") == 1, rid
+        assert list(tl.chart.data[0].z[0]) == [["", "waiting", "prefill", "decode", "preempted", "finished"].index(x)
+                                               for x in tl.states[s.request_ids[0]]]
+        assert list(tl.chart.data[-2].y) == [r.num_prefill_tokens for r in s.steps]
+        assert list(tl.chart.data[-1].y) == [r.num_decode_tokens for r in s.steps]
+        assert s.generated_token_count == 60  # preemption loses no token
+        s.reset()
+        assert tl.num_steps == 0
+    finally:
+        small.shutdown()
+
+
+# -- sampling explorer --------------------------------------------------------------------------
+
+
+def test_sampling_explorer_real_distribution_filters_and_draws(llm):
+    import torch
+
+    from minivllm import SamplingParams
+    from widgets import SamplingExplorer
+
+    prompt = "[" + ", ".join(map(str, ids(12))) + "]"
+    ex = SamplingExplorer(llm, prompt=prompt, top_n=10)
+    greedy = llm.generate(ids(12), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert int(ex.logits.argmax()) == greedy.outputs[0].token_ids[0]  # the engine's own logits
+    assert float(ex.model_probs.sum()) == pytest.approx(1.0, abs=1e-5)
+    assert ex.kept == ex.probs.numel()  # T=1, no filter: nothing removed
+    ex.top_k.value = 5
+    assert ex.kept == 5
+    assert set(torch.nonzero(ex.probs).flatten().tolist()) == set(ex.order[:5])
+    ex.top_k.value, ex.temperature.value = 0, 0.0
+    assert ex.kept == 1 and float(ex.probs[int(ex.logits.argmax())]) == 1.0
+    ex.temperature.value, ex.min_p.value = 1.0, 0.2
+    assert all(float(ex.probs[t]) == 0 or float(ex.model_probs[t]) >= 0.2 * float(ex.model_probs.max()) - 1e-7
+               for t in range(ex.probs.numel()))
+    ex.min_p.value, ex.top_p.value = 0.0, 0.5
+    ex.n_draws.value = 4000
+    ex.draw_button.click()
+    assert ex.num_draws == 4000 and sum(ex.counts.values()) == 4000
+    assert all(float(ex.probs[t]) > 0 for t in ex.counts)  # never a filtered-out token
+    tv = 0.5 * sum(abs(ex.counts.get(t, 0) / 4000 - float(ex.probs[t])) for t in range(ex.probs.numel()))
+    assert tv < 0.06, tv
+    assert len(ex.chart.data[2].y) == 10
+    ex.temperature.value = 0.7  # new settings: old draws are cleared
+    assert ex.num_draws == 0 and len(ex.chart.data[2].y) == 0
+    llm.llm_engine.check_invariants()
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+# -- prefix cache view ----------------------------------------------------------------------------
+
+
+def test_prefix_cache_view_counts_hits_per_block(llm):
+    from widgets import PrefixCacheView
+
+    system = ids(48)  # three full blocks
+    view = PrefixCacheView(llm, system, [ids(10, start=11), ids(7, start=13), ids(20, start=17)], repeats=1)
+    r0, r1, r2 = view.results
+    assert r0["hit_blocks"] == 0 and r0["miss_blocks"] == 4
+    assert r1["hit_blocks"] == 3 and r1["cached_tokens"] == 48 and r1["miss_blocks"] == 1
+    assert r2["hit_blocks"] == 3 and r2["miss_blocks"] == 2
+    assert all(r["ttft_cold_ms"] > 0 and r["ttft_warm_ms"] > 0 for r in view.results)
+    assert r1["saved_ms"] == pytest.approx(r1["ttft_cold_ms"] - r1["ttft_warm_ms"])
+    assert view.grid.value.count(">hit<") == 6
+    assert len(view.chart.data[1].y) == 3
+    llm.llm_engine.check_invariants()
+    with pytest.raises(ValueError, match="at least 2"):
+        PrefixCacheView(llm, system, [ids(3)], run=False)
+
+
+# -- chunked prefill demo --------------------------------------------------------------------------
+
+
+def test_chunked_prefill_demo_measures_both_engines(model_path):
+    from widgets import ChunkedPrefillDemo
+
+    demo = ChunkedPrefillDemo.from_model(model_path, budget=32, max_model_len=256, long_prompt_len=100,
+                                         num_decoders=2, decode_tokens=12)
+    try:
+        c, w = demo.results["chunked"], demo.results["whole"]
+        assert c["prefill_steps"] == 4  # 30 + 30 + 30 + 10: two decode tokens share every 32-token step
+        assert w["prefill_steps"] == 1
+        for r in (c, w):
+            assert [len(x) for x in r["itl_ms"]] == [11, 11]
+            assert r["long_ttft_ms"] > 0 and r["max_itl_ms"] == max(max(x) for x in r["itl_ms"])
+        assert len(demo.chart.data[0].x) == 22 == len(demo.chart.data[1].y)
+        for llm in demo.llms.values():
+            llm.llm_engine.check_invariants()
+            assert llm.llm_engine.block_manager.num_used_blocks == 0
+    finally:
+        for llm in demo.llms.values():
+            llm.shutdown()
+
+
+# -- utilisation monitor -------------------------------------------------------------------------
+
+
+def test_utilisation_monitor_runs_a_workload(llm):
+    from widgets import UtilisationMonitor
+
+    mon = UtilisationMonitor(llm, num_requests=2, prompt_len=24, max_tokens=4, period_s=0.02)
+    assert mon.records == []
+    mon.run_button.click()
+    assert len(mon.records) >= 4 and len(mon.samples) >= 1
+    assert sum(r.num_decode_tokens for r in mon.records) == 2 * 3
+    pts = sum(len(t.x) for t in mon.roofline.data[1:])
+    assert pts == sum(1 for r in mon.records if r.flops)
+    assert len(mon.roofline.data[0].x) == 3
+    assert len(mon.series.data[0].x) == len(mon.samples)
+    llm.llm_engine.check_invariants()
+    assert llm.llm_engine.block_manager.num_used_blocks == 0

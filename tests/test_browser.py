@@ -1,0 +1,176 @@
+"""Real-browser test: JupyterLab + headless Chromium run notebook 06 and press the stepper's buttons.
+
+Starts JupyterLab on localhost (token auth, no browser, a free port) serving a temporary copy of
+the notebook with its outputs cleared, opens it in Debian's Chromium through Playwright, runs all
+cells, then clicks "Add request" and "Step" in the rendered page and checks that the displayed
+generated-token count and the KV cache view change; "Run to end" and "Reset" follow. Screenshots
+go to docs/screenshots/.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "06_prefill_vs_decode.ipynb"
+SHOTS = ROOT / "docs" / "screenshots"
+COUNT = ".mv-engine-stepper .mv-generated-count"
+KV = ".mv-kv-cache-view .mv-kv-summary"
+STATUS = ".mv-engine-stepper .mv-status"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                       reason=f"{CHROMIUM} not found: apt-get install --no-install-recommends chromium"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _strip_outputs(src: Path, dst: Path) -> None:
+    nb = json.loads(src.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    nb["metadata"].pop("widgets", None)
+    dst.write_text(json.dumps(nb))
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    """A JupyterLab server on a free localhost port serving a copy of notebook 06."""
+    if not NOTEBOOK.is_file():
+        pytest.skip(f"{NOTEBOOK} not built yet")
+    work = tmp_path / "lab"
+    work.mkdir()
+    _strip_outputs(NOTEBOOK, work / NOTEBOOK.name)
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
+               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"))
+    # No virtual scrolling of cells (widgets stay in the DOM), no news prompt.
+    settings = tmp_path / "settings"
+    (settings / "@jupyterlab" / "notebook-extension").mkdir(parents=True)
+    (settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings").write_text(
+        json.dumps({"windowingMode": "none"}))
+    (settings / "@jupyterlab" / "apputils-extension").mkdir(parents=True)
+    (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false"}))
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--ServerApp.port_retries=0",
+         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         "--LabApp.extension_manager=readonly"] + (["--allow-root"] if os.geteuid() == 0 else []),
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except Exception:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                log.close()
+                pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
+            time.sleep(0.5)
+    yield url, token, work
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _text(locator) -> str:
+    return (locator.first.text_content(timeout=10_000) or "").strip()
+
+
+def test_notebook_06_in_jupyterlab(jupyterlab):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    url, token, _ = jupyterlab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--disable-background-networking", "--disable-extensions", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{url}/lab/tree/{NOTEBOOK.name}?token={token}", wait_until="domcontentloaded")
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+            select = page.locator(".jp-Dialog button", has_text="Select")
+            try:  # JupyterLab may ask which kernel to start
+                select.first.click(timeout=10_000)
+            except sync_api.TimeoutError:
+                pass
+            page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=60_000)
+
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+            stepper = page.locator(".mv-engine-stepper").first
+            stepper.wait_for(timeout=90_000)
+            quiz = page.locator(".mv-quiz").first
+            quiz.wait_for(timeout=150_000)  # the last widget: every cell has run
+            page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=60_000)
+            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] "
+                                  ":text('Traceback')")
+            assert errors.count() == 0, "a cell raised"
+
+            count = page.locator(COUNT)
+            kv_summary = page.locator(KV)
+            count0, kv0 = int(_text(count)), _text(kv_summary)
+            assert count0 == 2  # the notebook ran the prefill and one decode step
+            assert page.locator(".mv-kv-cache-view .mv-kv-used").count() > 0
+
+            stepper.scroll_into_view_if_needed()
+            stepper.locator("button.mv-add-request").click()
+            stepper.locator("button.mv-step").click()
+            # widgets replace their HTML on update, so wait on selectors, not element handles
+            page.wait_for_function(f"n => parseInt(document.querySelector('{COUNT}').textContent) > n",
+                                   arg=count0, timeout=30_000)
+            count1 = int(_text(count))
+            assert count1 >= count0 + 2  # one decode token for the first request, one first token for the new one
+            page.wait_for_function(f"t => document.querySelector('{KV}').textContent !== t", arg=kv0,
+                                   timeout=30_000)
+            assert _text(kv_summary) != kv0
+            assert stepper.locator(".js-plotly-plot").count() >= 1  # the live FigureWidget rendered
+            stepper.screenshot(path=str(SHOTS / "engine_stepper.png"))
+            page.locator(".mv-kv-cache-view").first.screenshot(path=str(SHOTS / "kv_cache_view.png"))
+
+            stepper.locator("button.mv-run-to-end").click()
+            page.wait_for_function(f"() => document.querySelector('{STATUS}').textContent.includes('engine idle')",
+                                   timeout=60_000)
+            assert int(_text(count)) > count1
+            stepper.locator("button.mv-reset").click()
+            page.wait_for_function(f"() => document.querySelector('{KV}').textContent.startsWith('0 used')",
+                                   timeout=30_000)
+            page.wait_for_function(f"() => document.querySelector('{COUNT}').textContent.trim() === '0'",
+                                   timeout=30_000)
+            calc = page.locator(".mv-latency-calculator").first
+            calc.scroll_into_view_if_needed()
+            calc.screenshot(path=str(SHOTS / "latency_calculator.png"))
+        except Exception:
+            page.screenshot(path=str(SHOTS / "browser_failure.png"), full_page=False)
+            raise
+        finally:
+            browser.close()

@@ -1,0 +1,157 @@
+"""``ChunkedPrefillDemo``: decoding requests' inter-token latency when a long prompt arrives,
+with and without chunked prefill, measured."""
+from __future__ import annotations
+
+import random
+
+import ipywidgets as W
+
+from minivllm.sampling_params import SamplingParams
+
+from ._base import STYLE, CourseWidget
+from ._engine import engine_of, fmt_ms
+from .measure import random_prompt
+
+
+def itl_around_long_prompt(llm, num_decoders: int = 3, decoder_prompt_len: int = 16, decode_tokens: int = 24,
+                           long_prompt_len: int = 256, arrive_after: int = 4, seed: int = 0) -> dict:
+    """Run the scenario once on ``llm`` and return what was measured.
+
+    ``num_decoders`` requests (random prompts of ``decoder_prompt_len`` tokens, greedy,
+    ``ignore_eos``, ``decode_tokens`` outputs) start together; after ``arrive_after`` engine
+    steps a ``long_prompt_len``-token request (2 outputs) arrives; the engine runs until all
+    finish. Returns ``{"itl_ms": per decoder the gaps between its tokens (RequestMetrics.itl_ms),
+    "token_times_ms": per decoder each token's time since the long prompt arrived,
+    "long_ttft_ms", "prefill_steps": steps that carried part of the long prompt,
+    "max_itl_ms"}``.
+
+    Raises:
+        ValueError: the engine is busy, or a length does not fit the engine.
+    """
+    import time
+
+    engine = engine_of(llm)
+    if engine.has_unfinished_requests():
+        raise ValueError("the engine is busy with other requests; finish or reset them first")
+    rng = random.Random(seed)
+    engine.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    ids = [f"chunk-demo-dec-{i}" for i in range(num_decoders)]
+    for rid in ids:
+        engine.add_request(rid, random_prompt(engine, decoder_prompt_len, rng), params)
+    seqs = {rid: engine.requests[rid].seq for rid in ids}
+    long_id = "chunk-demo-long"
+    arrival = None
+    prefill_steps = 0
+    try:
+        step = 0
+        while engine.has_unfinished_requests():
+            if step == arrive_after:
+                engine.add_request(long_id, random_prompt(engine, long_prompt_len, rng),
+                                   SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+                long_seq = engine.requests[long_id].seq
+                arrival = time.perf_counter()
+            rec = engine.step().record
+            if any(e.request_id == long_id and e.is_prefill for e in rec.scheduled):
+                prefill_steps += 1
+            step += 1
+    finally:
+        for rid in ids + [long_id]:
+            engine.abort_request(rid)
+        engine.reset_prefix_cache()
+    if arrival is None:
+        raise ValueError(f"arrive_after={arrive_after}: the decoders finished before the long prompt arrived")
+    itl = [seqs[r].metrics.itl_ms for r in ids]
+    times = [[(t - arrival) * 1e3 for t in seqs[r].metrics.token_times] for r in ids]
+    return dict(itl_ms=itl, token_times_ms=times, long_ttft_ms=long_seq.metrics.ttft_ms,
+                prefill_steps=prefill_steps, max_itl_ms=max(max(x) for x in itl if x))
+
+
+class ChunkedPrefillDemo(CourseWidget):
+    """A long prompt arrives while other requests decode: their inter-token latency with and
+    without chunked prefill, measured on two engines, on one chart.
+
+    Each run is :func:`itl_around_long_prompt` on an engine with
+    ``enable_chunked_prefill=True`` (the long prompt is split into budget-sized chunks that
+    share steps with the decodes) and one with it off (the whole prompt in one step; the
+    decoders wait for it). The chart plots every decoder token's gap to its previous token
+    (``RequestMetrics.itl_ms``) against when it arrived relative to the long prompt.
+
+    Args:
+        chunked_llm / whole_llm: the two engines (same model); build both with
+            :meth:`from_model`.
+        long_prompt_len, num_decoders, decode_tokens: the scenario.
+        run: measure at construction (else press "Run").
+
+    State for code and tests: ``results`` (``{"chunked": dict, "whole": dict}`` as returned by
+    :func:`itl_around_long_prompt`).
+    """
+
+    def __init__(self, chunked_llm, whole_llm, long_prompt_len: int = 256, num_decoders: int = 3,
+                 decode_tokens: int = 24, run: bool = True):
+        super().__init__()
+        if not engine_of(chunked_llm).config.args.enable_chunked_prefill:
+            raise ValueError("chunked_llm has enable_chunked_prefill=False")
+        if engine_of(whole_llm).config.args.enable_chunked_prefill:
+            raise ValueError("whole_llm has enable_chunked_prefill=True")
+        self.llms = {"chunked": chunked_llm, "whole": whole_llm}
+        self.scenario = dict(long_prompt_len=long_prompt_len, num_decoders=num_decoders,
+                             decode_tokens=decode_tokens)
+        self.results: dict[str, dict] = {}
+        self.run_button = W.Button(description="Run both", icon="play", button_style="primary")
+        self.run_button.add_class("mv-run")
+        self.run_button.on_click(lambda _: self.run())
+        self.readout = W.HTML()
+        import plotly.graph_objects as go
+
+        self.chart = go.FigureWidget()
+        self.chart.add_scatter(name="chunked prefill", x=[], y=[], mode="markers+lines",
+                               marker=dict(color="#4c78a8"), line=dict(width=1))
+        self.chart.add_scatter(name="whole prompt in one step", x=[], y=[], mode="markers+lines",
+                               marker=dict(color="#e4572e"), line=dict(width=1))
+        self.chart.update_layout(title="Decoding requests' inter-token latency around a long prompt",
+                                 xaxis_title="token time relative to the long prompt's arrival (ms)",
+                                 yaxis_title="gap to previous token (ms)", height=340, width=760,
+                                 margin=dict(l=50, r=10, t=40, b=40))
+        self.add_class("mv-chunked-prefill-demo")
+        self.children = [W.HTML(STYLE), self.run_button, self.readout, self.chart]
+        if run:
+            self.run()
+
+    @classmethod
+    def from_model(cls, model=None, budget: int = 64, max_model_len: int = 512, block_size: int = 16, **kwargs):
+        """Build the two engines for ``model`` (chunked with a ``budget``-token step budget;
+        unchunked with ``max_model_len`` tokens per step, as scheduling whole prompts needs)."""
+        from minivllm import LLM
+
+        common = dict(block_size=block_size, max_model_len=max_model_len, num_kvcache_blocks=4 * max_model_len // block_size)
+        chunked = LLM(model, enable_chunked_prefill=True, max_num_batched_tokens=budget, **common)
+        whole = LLM(model, enable_chunked_prefill=False, max_num_batched_tokens=max_model_len, **common)
+        return cls(chunked, whole, **kwargs)
+
+    def run(self) -> dict:
+        """Measure both engines on the same scenario (same seed, same prompts)."""
+        for name, llm in self.llms.items():
+            self.results[name] = itl_around_long_prompt(llm, **self.scenario)
+        with self.chart.batch_update():
+            for trace, name in zip(self.chart.data, ("chunked", "whole")):
+                r = self.results[name]
+                xs, ys = [], []
+                for times, gaps in zip(r["token_times_ms"], r["itl_ms"]):
+                    xs += times[1:]
+                    ys += gaps
+                order = sorted(range(len(xs)), key=xs.__getitem__)
+                trace.x, trace.y = [xs[i] for i in order], [ys[i] for i in order]
+        c, w = self.results["chunked"], self.results["whole"]
+        self.readout.value = (
+            f"<div class='mv-box'>long prompt {self.scenario['long_prompt_len']} tokens · "
+            f"<b>chunked</b>: {c['prefill_steps']} prefill steps, worst gap {fmt_ms(c['max_itl_ms'])}, long "
+            f"prompt's TTFT {fmt_ms(c['long_ttft_ms'])} · <b>whole</b>: {w['prefill_steps']} prefill step, worst "
+            f"gap {fmt_ms(w['max_itl_ms'])}, long prompt's TTFT {fmt_ms(w['long_ttft_ms'])}</div>")
+        return self.results
+
+    def static_html(self) -> str:
+        from ._static import figure_html
+
+        return "<div class='mv-box'>" + self.readout.value + (figure_html(self.chart) if self.results else "") + \
+            "</div>"

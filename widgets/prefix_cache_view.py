@@ -1,0 +1,119 @@
+"""``PrefixCacheView``: requests sharing a system prompt, which blocks hit, and the TTFT saved."""
+from __future__ import annotations
+
+import statistics
+
+import ipywidgets as W
+
+from ._base import STYLE, CourseWidget
+from ._engine import engine_of, fmt_ms
+from .measure import run_requests
+
+
+class PrefixCacheView(CourseWidget):
+    """Several requests that start with the same system prompt, run one after another.
+
+    For each request, each KV block of its prompt is shown as a hit (reused from the prefix
+    cache: ``RequestOutput.num_cached_tokens`` / ``block_size`` leading blocks) or a miss
+    (computed). TTFT is measured twice per request, each the median of ``repeats`` runs:
+    *warm* (the system prompt's blocks are in the cache, put there by running the first
+    request) and *cold* (the prefix cache cleared with ``reset_prefix_cache()`` first). The
+    difference is the TTFT the cache saved, measured, not estimated.
+
+    Args:
+        llm: a ``minivllm.LLM`` or ``LLMEngine`` with prefix caching on (idle while it runs).
+        system_prompt: shared prefix (text or token ids).
+        user_prompts: the differing suffixes (text or token ids), at least two.
+        repeats: runs per measurement (the median is kept).
+        run: measure at construction (else press "Run").
+
+    State for code and tests: ``results``: one dict per request with ``prompt_tokens``,
+    ``hit_blocks``, ``miss_blocks``, ``cached_tokens``, ``ttft_warm_ms``, ``ttft_cold_ms``,
+    ``saved_ms``.
+    """
+
+    def __init__(self, llm, system_prompt, user_prompts, repeats: int = 3, run: bool = True):
+        super().__init__()
+        self.llm = llm
+        self.engine = engine_of(llm)
+        if not self.engine.block_manager.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching=False: this LLM never reuses blocks")
+        if len(user_prompts) < 2:
+            raise ValueError(f"user_prompts: give at least 2, got {len(user_prompts)}")
+        if repeats < 1:
+            raise ValueError(f"repeats={repeats!r} must be >= 1")
+        self.system_prompt, self.user_prompts, self.repeats = system_prompt, list(user_prompts), repeats
+        self.results: list[dict] = []
+        self.run_button = W.Button(description="Run", icon="play", button_style="primary")
+        self.run_button.add_class("mv-run")
+        self.run_button.on_click(lambda _: self.run())
+        self.grid = W.HTML()
+        import plotly.graph_objects as go
+
+        self.chart = go.FigureWidget()
+        self.chart.add_bar(name="cold (cache cleared)", x=[], y=[], marker_color="#bbbbbb")
+        self.chart.add_bar(name="warm (system prompt cached)", x=[], y=[], marker_color="#54a24b")
+        self.chart.update_layout(title="Measured TTFT per request", yaxis_title="ms", barmode="group", height=300,
+                                 width=620, margin=dict(l=50, r=10, t=40, b=40))
+        self.add_class("mv-prefix-cache-view")
+        self.children = [W.HTML(STYLE), self.run_button, self.grid, self.chart]
+        if run:
+            self.run()
+
+    def _ids(self, prompt) -> list[int]:
+        return list(prompt) if isinstance(prompt, (list, tuple)) else self.engine.tokenizer.encode(prompt)
+
+    def _ttft(self, ids: list[int], cold: bool, prime: list[int] | None) -> tuple[float, int]:
+        times, cached = [], 0
+        for _ in range(self.repeats):
+            self.engine.reset_prefix_cache()
+            if not cold and prime is not None:
+                run_requests(self.llm, [prime], 1)
+            outs, _ = run_requests(self.llm, [ids], 1)
+            times.append(outs[0].metrics.ttft_ms)
+            cached = outs[0].num_cached_tokens
+        return statistics.median(times), cached
+
+    def run(self) -> list[dict]:
+        """Measure every request (see the class docstring); returns ``results``."""
+        sys_ids = self._ids(self.system_prompt)
+        prompts = [sys_ids + self._ids(u) for u in self.user_prompts]
+        bs = self.engine.block_manager.block_size
+        self.results = []
+        for i, ids in enumerate(prompts):
+            warm, cached = self._ttft(ids, cold=False, prime=prompts[0] if i else None)
+            cold, _ = self._ttft(ids, cold=True, prime=None)
+            n_blocks = -(-len(ids) // bs)
+            hits = cached // bs
+            self.results.append(dict(prompt_tokens=len(ids), hit_blocks=hits, miss_blocks=n_blocks - hits,
+                                     cached_tokens=cached, ttft_warm_ms=warm, ttft_cold_ms=cold,
+                                     saved_ms=cold - warm))
+        self.engine.reset_prefix_cache()
+        self._redraw(len(sys_ids))
+        return self.results
+
+    def _redraw(self, sys_len: int) -> None:
+        rows = []
+        for i, r in enumerate(self.results):
+            cells = "".join(
+                f"<div class='mv-kv' style='background:{'#54a24b' if b < r['hit_blocks'] else '#e4572e'};"
+                f"color:#fff' title='block {b}: {'hit (reused)' if b < r['hit_blocks'] else 'miss (computed)'}'>"
+                f"{'hit' if b < r['hit_blocks'] else 'miss'}</div>" for b in range(r["hit_blocks"] + r["miss_blocks"]))
+            rows.append(f"<tr><td>request {i}</td><td>{r['prompt_tokens']}</td><td><div class='mv-kv-grid'>{cells}"
+                        f"</div></td><td>{fmt_ms(r['ttft_cold_ms'])}</td><td>{fmt_ms(r['ttft_warm_ms'])}</td>"
+                        f"<td>{fmt_ms(r['saved_ms'])}</td></tr>")
+        self.grid.value = (
+            f"<div class='mv-box'>system prompt: {sys_len} tokens, shared by every request. Request 0 runs "
+            f"first and fills the cache (its own warm run has nothing to reuse).</div>"
+            "<table class='mv-table'><tr><th></th><th>prompt tokens</th><th>KV blocks (hit / miss)</th>"
+            "<th>TTFT cold</th><th>TTFT warm</th><th>saved</th></tr>" + "".join(rows) + "</table>")
+        names = [f"request {i}" for i in range(len(self.results))]
+        with self.chart.batch_update():
+            self.chart.data[0].x, self.chart.data[0].y = names, [r["ttft_cold_ms"] for r in self.results]
+            self.chart.data[1].x, self.chart.data[1].y = names, [r["ttft_warm_ms"] for r in self.results]
+
+    def static_html(self) -> str:
+        from ._static import figure_html
+
+        return "<div class='mv-box'>" + self.grid.value + (
+            figure_html(self.chart) if self.results else "") + "</div>"

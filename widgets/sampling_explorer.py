@@ -1,0 +1,186 @@
+"""``SamplingExplorer``: the model's real next-token distribution, reshaped by sampling filters."""
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+import torch
+
+from minivllm.layers.sampler import SamplingBatch, exponential_race, filtered_probs
+from minivllm.sampling_params import SamplingParams
+
+from ._base import STYLE, CourseWidget
+from ._engine import engine_of, parse_prompt, token_piece
+
+
+def next_token_logits(llm, prompt) -> torch.Tensor:
+    """fp32 logits ``[vocab_size]`` of the token after ``prompt``, from a real engine step.
+
+    The request runs through the engine as usual (prefill, one sampled token); the runner's
+    ``forward_logits`` is wrapped for that step only, to keep the row it computed.
+
+    Raises:
+        ValueError: a bad prompt, or the engine is busy with other requests.
+    """
+    engine = engine_of(llm)
+    if engine.has_unfinished_requests():
+        raise ValueError("the engine is busy with other requests; finish or reset them first")
+    runner = engine.runner
+    original = runner.forward_logits
+    captured = {}
+
+    def capture(inp):
+        logits = original(inp)
+        for row, seq in enumerate(inp.sampling_seqs):
+            if seq.request_id == "sampling-explorer":
+                captured["logits"] = logits[row].detach().float().cpu().clone()
+        return logits
+
+    engine.add_request("sampling-explorer", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    runner.forward_logits = capture
+    try:
+        while "logits" not in captured and engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        runner.forward_logits = original
+        engine.abort_request("sampling-explorer")
+    return captured["logits"]
+
+
+def sampling_batch(temperature: float, top_k: int, top_p: float, min_p: float, rows: int = 1) -> SamplingBatch:
+    """A ``SamplingBatch`` of ``rows`` identical rows (CPU tensors), as the runner builds it."""
+    return SamplingBatch(
+        temperatures=torch.full((rows,), float(temperature)), top_k=torch.full((rows,), int(top_k)),
+        top_p=torch.full((rows,), float(top_p)), min_p=torch.full((rows,), float(min_p)),
+        repetition_penalties=torch.ones(rows), seen_token_ids=[None] * rows, generators=[None] * rows,
+        all_greedy=temperature == 0, any_top_k=top_k > 0, any_top_p=top_p < 1.0, any_min_p=min_p > 0,
+        any_penalty=False)
+
+
+class SamplingExplorer(CourseWidget):
+    """The next-token distribution the model really computes for a prompt, and what the
+    sampling filters make of it.
+
+    Where the numbers come from: the logits are captured from a real engine step
+    (:func:`next_token_logits`); "model" is their softmax; "after filters" is the engine's
+    own :func:`minivllm.layers.sampler.filtered_probs` (temperature, then top-k, top-p,
+    min-p, vLLM's order); "drawn" are the frequencies of tokens drawn with the engine's
+    own :func:`~minivllm.layers.sampler.exponential_race` from that distribution (seeded).
+    Temperature 0 is greedy: all mass on the argmax.
+
+    Args:
+        llm: a ``minivllm.LLM`` or ``LLMEngine`` (must be idle when the prompt changes).
+        prompt: initial prompt (text, or token ids like ``[1, 2, 3]`` in the text box).
+        top_n: tokens shown (the most likely under the model).
+
+    State for code and tests: ``logits``, ``model_probs``, ``probs`` (after filters),
+    ``counts`` (token id -> draws), ``num_draws``, ``kept`` (tokens with non-zero probability).
+    """
+
+    def __init__(self, llm, prompt: str = "The function returns", top_n: int = 20, seed: int = 0):
+        super().__init__()
+        self.llm = llm
+        self.engine = engine_of(llm)
+        self.tokenizer = self.engine.tokenizer
+        self.top_n = top_n
+        self.generator = torch.Generator().manual_seed(seed)
+        self.counts: dict[int, int] = {}
+        self.num_draws = 0
+        style = {"description_width": "90px"}
+        self.prompt_box = W.Text(value=prompt, description="prompt", layout=W.Layout(width="460px"))
+        self.load_button = W.Button(description="Next-token distribution", icon="refresh")
+        self.temperature = W.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.05, description="temperature",
+                                         style=style, continuous_update=False)
+        self.top_k = W.IntSlider(value=0, min=0, max=100, description="top_k (0=off)", style=style,
+                                 continuous_update=False)
+        self.top_p = W.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05, description="top_p", style=style,
+                                   continuous_update=False)
+        self.min_p = W.FloatSlider(value=0.0, min=0.0, max=0.5, step=0.01, description="min_p", style=style,
+                                   continuous_update=False)
+        self.n_draws = W.BoundedIntText(value=500, min=1, max=100_000, description="draws",
+                                        layout=W.Layout(width="170px"))
+        self.draw_button = W.Button(description="Draw samples", icon="random", button_style="info")
+        self.readout = W.HTML()
+        import plotly.graph_objects as go
+
+        self.chart = go.FigureWidget()
+        self.chart.add_bar(name="model (T=1, no filter)", x=[], y=[], marker_color="#c6dbef")
+        self.chart.add_bar(name="after filters", x=[], y=[], marker_color="#4c78a8")
+        self.chart.add_scatter(name="drawn (frequency)", x=[], y=[], mode="markers",
+                               marker=dict(color="#e4572e", size=9, symbol="diamond"))
+        self.chart.update_layout(title="Next-token probabilities", yaxis_title="probability", barmode="group",
+                                 height=340, width=760, margin=dict(l=50, r=10, t=40, b=80),
+                                 legend=dict(orientation="h", y=1.1))
+        self.load_button.on_click(lambda _: self.load())
+        self.draw_button.on_click(lambda _: self.draw())
+        for w in (self.temperature, self.top_k, self.top_p, self.min_p):
+            w.observe(lambda _c: self.update(), names="value")
+        self.add_class("mv-sampling-explorer")
+        self.children = [W.HTML(STYLE), W.HBox([self.prompt_box, self.load_button]),
+                         W.HBox([W.VBox([self.temperature, self.top_k]), W.VBox([self.top_p, self.min_p])]),
+                         W.HBox([self.n_draws, self.draw_button]), self.readout, self.chart]
+        self.load()
+
+    def load(self) -> None:
+        """Run the prompt through the engine and take its next-token logits."""
+        try:
+            self.logits = next_token_logits(self.llm, parse_prompt(self.prompt_box.value))
+        except ValueError as e:
+            self.readout.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>"
+            return
+        self.model_probs = torch.softmax(self.logits, dim=-1)
+        self.order = torch.argsort(self.model_probs, descending=True)[:self.top_n].tolist()
+        self.update()
+
+    def _filtered(self) -> torch.Tensor:
+        t = float(self.temperature.value)
+        if t == 0:
+            probs = torch.zeros_like(self.model_probs)
+            probs[int(self.logits.argmax())] = 1.0
+            return probs
+        batch = sampling_batch(t, self.top_k.value, self.top_p.value, self.min_p.value)
+        return filtered_probs(self.logits.unsqueeze(0).clone(), batch)[0]
+
+    def update(self) -> None:
+        """Re-apply the filters; drawn frequencies are cleared (they belong to the old settings)."""
+        self.probs = self._filtered()
+        self.counts, self.num_draws = {}, 0
+        self.kept = int((self.probs > 0).sum())
+        self._redraw()
+
+    def draw(self, n: int | None = None) -> dict[int, int]:
+        """Draw ``n`` tokens (default: the "draws" box) from the filtered distribution."""
+        n = int(n if n is not None else self.n_draws.value)
+        if n < 1:
+            raise ValueError(f"n={n!r}: draw at least one sample")
+        probs = self.probs.unsqueeze(0).expand(n, -1).contiguous()
+        tokens = exponential_race(probs, [None] * n, self.generator).tolist()
+        for t in tokens:
+            self.counts[t] = self.counts.get(t, 0) + 1
+        self.num_draws += n
+        self._redraw()
+        return self.counts
+
+    def _redraw(self) -> None:
+        ids = self.order
+        labels = [f"{token_piece(self.tokenizer, t)} ({t})" for t in ids]
+        with self.chart.batch_update():
+            self.chart.data[0].x, self.chart.data[0].y = labels, [float(self.model_probs[t]) for t in ids]
+            self.chart.data[1].x, self.chart.data[1].y = labels, [float(self.probs[t]) for t in ids]
+            if self.num_draws:
+                self.chart.data[2].x = labels
+                self.chart.data[2].y = [self.counts.get(t, 0) / self.num_draws for t in ids]
+            else:
+                self.chart.data[2].x, self.chart.data[2].y = [], []
+        shown = float(self.probs[ids].sum())
+        outside = sum(c for t, c in self.counts.items() if t not in set(ids))
+        self.readout.value = (
+            f"<div class='mv-box'>{self.kept} of {self.probs.numel()} tokens keep non-zero probability; the "
+            f"{len(ids)} shown hold {100 * shown:.1f} % of it. "
+            + (f"{self.num_draws} draws, {outside} outside the shown tokens." if self.num_draws else "")
+            + "</div>")
+
+    def static_html(self) -> str:
+        from ._static import figure_html
+
+        return "<div class='mv-box'>" + self.readout.value + figure_html(self.chart) + "</div>"

@@ -1,0 +1,178 @@
+"""``UtilisationMonitor``: utilisation over time during a workload, and a per-step roofline."""
+from __future__ import annotations
+
+import random
+import time
+
+import ipywidgets as W
+
+from minivllm.sampling_params import SamplingParams
+
+from ._base import STYLE, CourseWidget
+from ._engine import engine_of, fmt_si
+from .engine_stepper import PHASE_COLOURS
+from .measure import random_prompt
+
+
+class UtilisationMonitor(CourseWidget):
+    """Runs a workload on the engine while ``minivllm.telemetry.utilisation.UtilisationSampler``
+    samples the machine, and draws:
+
+    * the sampler's series over time (CPU busy % always; on a GPU, NVML's SM and memory
+      busy %, which are averages over NVML's 1/6 s to 1 s window: context, not per-step
+      figures), with each engine step drawn as a tick coloured by phase on the same clock
+      (``time.perf_counter``);
+    * a roofline: one point per step at (arithmetic intensity, achieved FLOP/s), the
+      step's FLOPs and bytes from ``minivllm.telemetry.roofline`` over its measured wall
+      time, under the ceilings ``min(peak FLOP/s, intensity x peak bytes/s)`` measured on
+      this machine by ``minivllm.telemetry.peaks``.
+
+    Args:
+        llm: a ``minivllm.LLM`` or ``LLMEngine`` (idle while the workload runs).
+        num_requests / prompt_len / max_tokens: the workload (random prompts, greedy,
+            ``ignore_eos``), all submitted at once.
+        period_s: sampling period.
+        peaks: measured ``Peaks`` (default ``get_peaks()`` for the engine's device/dtype).
+
+    State for code and tests: ``records`` (the workload's step records, roofline filled),
+    ``samples`` (the sampler's samples).
+    """
+
+    def __init__(self, llm, num_requests: int = 4, prompt_len: int = 64, max_tokens: int = 16,
+                 period_s: float = 0.05, peaks=None):
+        super().__init__()
+        self.llm = llm
+        self.engine = engine_of(llm)
+        self.period_s = period_s
+        self._peaks = peaks
+        self.records: list = []
+        self.samples: list = []
+        self.num_requests = W.BoundedIntText(value=num_requests, min=1, max=256, description="requests",
+                                             layout=W.Layout(width="170px"))
+        self.prompt_len = W.BoundedIntText(value=prompt_len, min=1, max=8192, description="prompt len",
+                                           layout=W.Layout(width="170px"))
+        self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=4096, description="max_tokens",
+                                           layout=W.Layout(width="170px"))
+        self.run_button = W.Button(description="Run workload", icon="play", button_style="primary")
+        self.run_button.add_class("mv-run")
+        self.run_button.on_click(lambda _: self.run())
+        self.readout = W.HTML()
+        import plotly.graph_objects as go
+
+        self.series = go.FigureWidget()
+        for name, colour in (("CPU busy %", "#4c78a8"), ("GPU SM busy % (NVML window)", "#e4572e"),
+                             ("GPU memory busy % (NVML window)", "#54a24b")):
+            self.series.add_scatter(name=name, x=[], y=[], mode="lines", line=dict(color=colour))
+        for phase in ("prefill", "decode", "mixed"):
+            self.series.add_scatter(name=f"{phase} step", x=[], y=[], mode="markers",
+                                    marker=dict(symbol="line-ns-open", size=12, color=PHASE_COLOURS[phase]))
+        self.series.update_layout(title="Utilisation during the workload", xaxis_title="time (s)",
+                                  yaxis_title="%", yaxis_range=[0, 110], height=300, width=760,
+                                  margin=dict(l=50, r=10, t=40, b=40))
+        self.roofline = go.FigureWidget()
+        self.roofline.add_scatter(name="ceiling", x=[], y=[], mode="lines", line=dict(color="#333"))
+        for phase in ("prefill", "decode", "mixed"):
+            self.roofline.add_scatter(name=phase, x=[], y=[], mode="markers",
+                                      marker=dict(color=PHASE_COLOURS[phase], size=8))
+        self.roofline.update_layout(title="Roofline: one point per step", xaxis_type="log", yaxis_type="log",
+                                    xaxis_title="arithmetic intensity (FLOP/byte)",
+                                    yaxis_title="achieved FLOP/s", height=340, width=760,
+                                    margin=dict(l=60, r=10, t=40, b=40))
+        self.add_class("mv-utilisation-monitor")
+        self.children = [W.HTML(STYLE), W.HBox([self.num_requests, self.prompt_len, self.max_tokens,
+                                                self.run_button]), self.readout, self.series, self.roofline]
+
+    @property
+    def peaks(self):
+        if self._peaks is None:
+            from minivllm.telemetry.peaks import get_peaks
+
+            self._peaks = get_peaks(self.engine.config.device, self.engine.config.dtype)
+        return self._peaks
+
+    def run(self) -> list:
+        """Run the workload, sampling all along; returns the step records."""
+        from minivllm.telemetry.roofline import ModelCost, fill_step_record
+        from minivllm.telemetry.utilisation import UtilisationSampler
+
+        engine = self.engine
+        if engine.has_unfinished_requests():
+            self.readout.value = "<div class='mv-box' style='color:#b00'>the engine is busy; reset it first</div>"
+            return []
+        cost = ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype)
+        peaks = self.peaks
+        rng = random.Random(0)
+        engine.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=int(self.max_tokens.value), ignore_eos=True)
+        ids = [f"util-{i}" for i in range(int(self.num_requests.value))]
+        for rid in ids:
+            engine.add_request(rid, random_prompt(engine, int(self.prompt_len.value), rng), params)
+        sampler = UtilisationSampler(period_s=self.period_s, device=str(engine.config.device))
+        self.records = []
+        t0 = time.perf_counter()
+        last = t0
+        sampler.start()
+        try:
+            while engine.has_unfinished_requests():
+                rec = engine.step().record
+                if rec.mfu is None and rec.num_tokens:
+                    fill_step_record(rec, cost, peaks)
+                self.records.append(rec)
+                if time.perf_counter() - last > 0.25:  # live update while it runs
+                    self.samples = sampler.samples
+                    self._redraw(t0)
+                    last = time.perf_counter()
+        finally:
+            sampler.stop()
+            for rid in ids:
+                engine.abort_request(rid)
+            engine.reset_prefix_cache()
+        self.samples = sampler.samples
+        self._redraw(t0)
+        return self.records
+
+    def _redraw(self, t0: float) -> None:
+        from minivllm.telemetry.roofline import arithmetic_intensity
+
+        s = self.samples
+        peaks = self.peaks
+        with self.series.batch_update():
+            xs = [x.time - t0 for x in s]
+            self.series.data[0].x, self.series.data[0].y = xs, [x.cpu_percent for x in s]
+            gpu = [x.gpu_util_percent for x in s]
+            if any(g is not None for g in gpu):
+                self.series.data[1].x, self.series.data[1].y = xs, gpu
+                self.series.data[2].x, self.series.data[2].y = xs, [x.mem_util_percent for x in s]
+            for trace in self.series.data[3:]:
+                phase = trace.name.split()[0]
+                recs = [r for r in self.records if r.phase == phase]
+                trace.x = [(r.start_time + r.end_time) / 2 - t0 for r in recs]
+                trace.y = [104] * len(recs)
+        pts = [r for r in self.records if r.flops]
+        with self.roofline.batch_update():
+            for trace in self.roofline.data[1:]:
+                recs = [r for r in pts if r.phase == trace.name]
+                trace.x = [arithmetic_intensity(r.flops, r.bytes_moved) for r in recs]
+                trace.y = [r.flops / (r.wall_ms / 1e3) for r in recs]
+            if pts:
+                lo = min(arithmetic_intensity(r.flops, r.bytes_moved) for r in pts) / 2
+                hi = max(arithmetic_intensity(r.flops, r.bytes_moved) for r in pts) * 2
+                hi = max(hi, peaks.ridge_intensity * 2)
+                xs = [lo, peaks.ridge_intensity, hi]
+                self.roofline.data[0].x = xs
+                self.roofline.data[0].y = [min(peaks.flops_per_s, x * peaks.bytes_per_s) for x in xs]
+        if pts:
+            best = max(pts, key=lambda r: r.mfu or 0)
+            self.readout.value = (
+                f"<div class='mv-box'>{len(self.records)} steps, {len(s)} samples · peaks measured here: "
+                f"{fmt_si(peaks.flops_per_s, 'FLOP/s')}, {fmt_si(peaks.bytes_per_s, 'B/s')} (ridge at "
+                f"{peaks.ridge_intensity:.1f} FLOP/byte) · best MFU {100 * (best.mfu or 0):.2f} % "
+                f"({best.phase} step)</div>")
+
+    def static_html(self) -> str:
+        from ._static import figure_html
+
+        if not self.records:
+            return "<i>no workload run yet</i>"
+        return "<div class='mv-box'>" + self.readout.value + figure_html(self.series) + \
+            figure_html(self.roofline) + "</div>"
