@@ -60,7 +60,7 @@ def cache_ptrs(dt):
 I32 = "i32"
 results = {}
 for dt in ("bf16", "fp32"):
-    prec = "ieee" if dt == "fp32" else "tf32"
+    prec = "ieee" if dt == "fp32" else "tf32"  # as tk._dot_precision picks on a GPU
     store = dict(k_ptr="*" + dt, v_ptr="*" + dt, slot_ptr="*i64", **cache_ptrs(dt),
                  **{n: I32 for n in ("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cb",
                                      "stride_co", "stride_ch", "block_size")})
@@ -73,7 +73,7 @@ for dt in ("bf16", "fp32"):
     for d, group, splits in ((128, 2, 1), (128, 2, 16), (64, 8, 4)):
         results[f"decode {dt} d{d} g{group} s{splits}"] = compile_one(tk._paged_decode_kernel, dec, dict(
             NUM_HEADS=8 * group, GROUP=group, HEAD_DIM=d, BLOCK_G=16, BLOCK_D=d,
-            BLOCK_N=64 if d <= 64 else 32, NUM_SPLITS=splits, PRECISION=prec))
+            BLOCK_N=tk.decode_block_n(d), NUM_SPLITS=splits, PRECISION=prec))
     merge = dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + dt, stride_os=I32, stride_oh=I32)
     results["merge " + dt] = compile_one(tk._merge_splits_kernel, merge,
                                          dict(NUM_HEADS=16, HEAD_DIM=128, NUM_SPLITS=16, BLOCK_S=16, BLOCK_D=128))
@@ -82,9 +82,9 @@ for dt in ("bf16", "fp32"):
                **{n: I32 for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
                                    "stride_co", "stride_ch", "stride_bt", "block_size")})
     for d, group in ((128, 2), (64, 8)):
+        bm, bn, warps = tk.prefill_launch_config(d, prec)  # what the wrapper launches
         results[f"prefill {dt} d{d} g{group}"] = compile_one(tk._paged_prefill_kernel, pre, dict(
-            GROUP=group, HEAD_DIM=d, BLOCK_M=64, BLOCK_N=64 if d <= 64 else 32, BLOCK_D=d, PRECISION=prec),
-            num_warps=8 if d >= 128 else 4)
+            GROUP=group, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, PRECISION=prec), num_warps=warps)
 print("RESULTS" + json.dumps(results))
 '''
 

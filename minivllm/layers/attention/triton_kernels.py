@@ -307,7 +307,7 @@ def paged_decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs >= 16
     # tl.dot needs every dimension >= 16; the spare query-head rows are masked out.
     block_g = max(16, triton.next_power_of_2(group))
-    block_n = 64 if block_d <= 64 else 32
+    block_n = decode_block_n(block_d)
     splits = num_splits or _num_splits(q, num_seqs, num_kv_heads, max_seqlen_k, block_n)
     if splits > 1:
         part_acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -408,6 +408,24 @@ def _paged_prefill_kernel(
     )
 
 
+def prefill_launch_config(block_d: int, precision: str) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the prefill kernel on a GPU.
+
+    The q tile, the accumulator and the dot operands are fp32; with 128-wide heads, or
+    with IEEE fp32 dots (done with FMAs, not tensor cores), 64x64 tiles on 4 warps spill
+    registers on sm_90, so those use 32-key tiles on 8 warps (checked by
+    ``tests/test_triton_aot_compile.py``, which compiles these configurations for sm_90).
+    """
+    if block_d >= 128 or precision == "ieee":
+        return 64, 32, 8
+    return 64, 64, 4
+
+
+def decode_block_n(block_d: int) -> int:
+    """Keys per tile of the decode kernel (64 for heads up to 64 wide, else 32)."""
+    return 64 if block_d <= 64 else 32
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -452,10 +470,10 @@ def paged_prefill_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs >= 16
+    precision = _dot_precision(q.dtype)
+    block_m, block_n, num_warps = prefill_launch_config(block_d, precision)
     if kernels_interpreted():
         block_m, block_n = 16, 16  # the interpreter's cost grows with tile size
-    else:
-        block_m, block_n = (64, 64) if block_d <= 64 else (64, 32)
     grid = (num_seqs, triton.cdiv(max(int(max_seqlen_q), 1), block_m), num_heads)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
@@ -466,8 +484,7 @@ def paged_prefill_attention(
         k_cache.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=_dot_precision(q.dtype),
-        # fp32 tiles of a 128-wide head need the registers of 8 warps
-        num_warps=8 if block_d >= 128 else 4,
+        PRECISION=precision,
+        num_warps=num_warps,
     )
     return out
