@@ -12,6 +12,13 @@ def _quiet(*a, **k):
     pass
 
 
+@pytest.fixture(autouse=True)
+def _private_peaks_cache(tmp_path, monkeypatch):
+    """Peaks go to a throw-away cache, measured with a toy microbenchmark."""
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(bench, "PEAK_MEASURE_KWARGS", dict(matmul_size=64, copy_bytes=1 << 20, repeats=2))
+
+
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     """A tiny random Qwen3 (vocab 97) with its own small byte-level BPE tokenizer, so these
