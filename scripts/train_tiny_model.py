@@ -1,0 +1,690 @@
+#!/usr/bin/env python
+"""Train the embedded default model ``minivllm-tiny`` on CPU, from text that ships with CPython.
+
+What it does, top to bottom:
+
+1. Corpus (about 2 MB): every topic of ``pydoc_data.topics`` plus the docstrings of a fixed list of
+   standard-library modules, read with ``ast`` from the ``.py`` files under
+   ``sysconfig.get_paths()["stdlib"]`` (nothing is imported, so no module side effects run). Modules
+   and topics are visited in sorted order. Documents are rendered like ``help()`` output: a header,
+   the module docstring, then ``class``/``def`` signature lines each followed by its indented docstring.
+   About 5% of the bytes, as whole documents spread over that order, are held out for evaluation.
+2. Tokenizer: byte-level BPE (``tokenizers``), vocab 4096, one special token ``<|endoftext|>`` (eos, bos
+   and pad), trained on the training documents only. Byte-level, so any Unicode text round-trips.
+3. Model: ``transformers.Qwen3ForCausalLM`` (hidden 256, 4 layers, 4 query heads / 2 kv heads of dim 64,
+   MLP 768, tied embeddings, ~4.2M parameters, fp32), trained with AdamW on random 256-token windows of
+   the training token stream (documents joined by ``<|endoftext|>``), batch 4, linear warmup then cosine
+   decay. Training is bounded by wall clock (``--minutes``); the cosine schedule runs over training time
+   (evaluation time excluded), so a run on a faster machine takes more steps. ``--steps N`` instead runs
+   exactly N steps with the schedule over steps, which replays a recorded run's step count
+   deterministically (same versions and thread count).
+4. Output in Hugging Face layout: config.json, model.safetensors, generation_config.json, tokenizer.json,
+   tokenizer_config.json (with a ChatML-style chat template; the model never saw chat data) and
+   training_record.json (hyperparameters, corpus hash, versions, loss curve, samples).
+   With ``--doc`` it also renders the training record as Markdown (docs/tiny_model.md).
+
+Usage::
+
+    python scripts/train_tiny_model.py --minutes 20 --threads 1          # the committed checkpoint
+    python scripts/train_tiny_model.py --minutes 0.5 --out /tmp/tiny --doc ""   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "minivllm" / "assets" / "minivllm-tiny"
+DEFAULT_DOC = REPO_ROOT / "docs" / "tiny_model.md"
+
+EOS = "<|endoftext|>"
+HELDOUT_FRACTION = 0.05  # share of corpus bytes held out for evaluation (whole documents)
+
+# Public top-level standard-library modules/packages whose source ships as .py files in every CPython
+# 3.11 Linux build. Left out on purpose: GUI/terminal or optional-C-library ones (tkinter, turtle,
+# turtledemo, idlelib, curses, ctypes, dbm, sqlite3, crypt), deprecated trees (distutils, lib2to3),
+# bundles and generated tables (ensurepip, encodings, pydoc_data — whose topics we use directly),
+# the test suite, and jokes (this, antigravity). Four private modules are in because they hold the
+# pure-Python reference docs of decimal, io, collections.abc and threading.local. Packages contribute
+# all their submodules (sorted), except test directories.
+STDLIB_MODULES = (
+    "_collections_abc _pydecimal _pyio _threading_local "
+    "abc aifc argparse ast asynchat asyncio asyncore base64 bdb bisect bz2 cProfile calendar cgi cgitb "
+    "chunk cmd code codecs codeop collections colorsys compileall concurrent configparser contextlib "
+    "contextvars copy copyreg csv dataclasses datetime decimal difflib dis doctest email enum filecmp "
+    "fileinput fnmatch fractions ftplib functools genericpath getopt getpass gettext glob graphlib gzip "
+    "hashlib heapq hmac html http imaplib imghdr imp importlib inspect io ipaddress json keyword "
+    "linecache locale logging lzma mailbox mailcap mimetypes modulefinder multiprocessing netrc nntplib "
+    "ntpath nturl2path numbers opcode operator optparse os pathlib pdb pickle pickletools pipes pkgutil "
+    "platform plistlib poplib posixpath pprint profile pstats pty py_compile pyclbr pydoc queue quopri "
+    "random re reprlib rlcompleter runpy sched secrets selectors shelve shlex shutil signal site smtpd "
+    "smtplib sndhdr socket socketserver sre_compile sre_constants sre_parse ssl stat statistics string "
+    "stringprep struct subprocess sunau symtable sysconfig tabnanny tarfile telnetlib tempfile textwrap "
+    "threading timeit token tokenize tomllib trace traceback tracemalloc tty types typing unittest "
+    "urllib uu uuid venv warnings wave weakref webbrowser wsgiref xdrlib xml xmlrpc zipapp zipfile "
+    "zipimport zoneinfo"
+).split()
+
+MODEL_CONFIG = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=768,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    attention_bias=False,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+)
+
+SAMPLE_PROMPTS = ("The list type", "def ", "Return the")
+SAMPLE_NEW_TOKENS = 48
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Corpus
+# ----------------------------------------------------------------------------------------------------
+
+def _module_files(stdlib: Path) -> list[tuple[str, Path]]:
+    """(dotted module name, source path) for every module of STDLIB_MODULES, sorted by name."""
+    out: list[tuple[str, Path]] = []
+    for top in STDLIB_MODULES:
+        single = stdlib / f"{top}.py"
+        package = stdlib / top
+        if single.is_file():
+            out.append((top, single))
+        elif (package / "__init__.py").is_file():
+            for path in package.rglob("*.py"):
+                rel = path.relative_to(stdlib).with_suffix("")
+                parts = rel.parts
+                if any(p in ("test", "tests", "__pycache__") for p in parts):
+                    continue
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                out.append((".".join(parts), path))
+        else:
+            raise FileNotFoundError(f"stdlib module {top!r} has no source under {stdlib}")
+    return sorted(out)
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line if line.strip() else "" for line in text.splitlines())
+
+
+def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    kw = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+    sig = f"{kw} {node.name}({ast.unparse(node.args)})"
+    if node.returns is not None:
+        sig += f" -> {ast.unparse(node.returns)}"
+    return sig
+
+
+def _public(name: str) -> bool:
+    return not name.startswith("_") or (name.startswith("__") and name.endswith("__"))
+
+
+def render_module(name: str, source: str) -> str:
+    """Render a module's docstrings the way ``help()`` lays them out (no import, ``ast`` only)."""
+    tree = ast.parse(source)
+    header = f"Module {name}"
+    parts = [f"{header}\n{'=' * len(header)}"]
+    doc = ast.get_docstring(tree)
+    if doc:
+        parts.append(doc)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _public(node.name):
+            d = ast.get_docstring(node)
+            if d:
+                parts.append(f"{_signature(node)}\n{_indent(d, '    ')}")
+        elif isinstance(node, ast.ClassDef) and _public(node.name):
+            bases = ", ".join(ast.unparse(b) for b in node.bases)
+            block = [f"class {node.name}({bases})" if bases else f"class {node.name}"]
+            d = ast.get_docstring(node)
+            if d:
+                block.append(_indent(d, "    "))
+            methods = []
+            for sub in node.body:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and _public(sub.name):
+                    sd = ast.get_docstring(sub)
+                    if sd:
+                        methods.append(f"    {_signature(sub)}\n{_indent(sd, '        ')}")
+            if d or methods:
+                parts.append("\n\n".join(["\n".join(block)] + methods))
+    return "\n\n".join(parts) + "\n"
+
+
+def collect_corpus() -> list[tuple[str, str]]:
+    """All documents as (name, text), in a fixed order: pydoc topics (sorted), then modules (sorted)."""
+    from pydoc_data.topics import topics
+
+    docs = [(f"topic:{key}", f"Topic {key}\n\n{topics[key].strip()}\n") for key in sorted(topics)]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name, path in _module_files(stdlib):
+        text = render_module(name, path.read_text(encoding="utf-8"))
+        if text.count("\n") > 3:  # skip modules with no docstrings at all
+            docs.append((f"module:{name}", text))
+    return docs
+
+
+def split_corpus(docs):
+    """Hold out whole documents, spread over the corpus: walking the fixed order, a document is held
+    out when the held-out bytes so far are below HELDOUT_FRACTION of all bytes so far."""
+    train, held = [], []
+    seen = held_bytes = 0
+    for doc in docs:
+        size = len(doc[1].encode("utf-8"))
+        if held_bytes < HELDOUT_FRACTION * seen:
+            held.append(doc)
+            held_bytes += size
+        else:
+            train.append(doc)
+        seen += size
+    return train, held
+
+
+def corpus_sha256(docs) -> str:
+    h = hashlib.sha256()
+    for name, text in docs:
+        h.update(name.encode("utf-8") + b"\0" + text.encode("utf-8") + b"\0")
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------------
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    # No normalizer and byte-level pre-tokenization/decoding: decode(encode(s)) == s for any string.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer vocab is {tok.get_vocab_size()}, wanted {vocab_size}")
+    return tok
+
+
+def save_tokenizer(tok, out: Path, max_len: int) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    # Written by hand (not by transformers' save_pretrained) so the chat template sits inside
+    # tokenizer_config.json and the class name loads in transformers 4.x and 5.x alike.
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def encode_docs(tok, docs, eos_id: int) -> list[int]:
+    """Token stream: each document's ids followed by <|endoftext|>. Shape: flat list of ints."""
+    ids: list[int] = []
+    for enc in tok.encode_batch([text for _, text in docs]):
+        ids.extend(enc.ids)
+        ids.append(eos_id)
+    return ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------
+
+def lr_at(step: int, progress: float, peak: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine from `peak` to `min_ratio * peak` over progress 0..1."""
+    progress = min(max(progress, 0.0), 1.0)
+    cos = min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return peak * cos * min(1.0, (step + 1) / warmup)
+
+
+def evaluate(model, ids, seq_len: int, batch: int) -> float:
+    """Mean next-token cross-entropy (nats/token) over non-overlapping windows of the held-out stream."""
+    import torch
+    import torch.nn.functional as F
+
+    data = torch.tensor(ids, dtype=torch.long)
+    n_full = (len(data) - 1) // seq_len
+    windows = [data[i * seq_len : i * seq_len + seq_len + 1] for i in range(n_full)]
+    tail = data[n_full * seq_len :]
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        groups = [torch.stack(windows[i : i + batch]) for i in range(0, len(windows), batch)]
+        if len(tail) >= 2:
+            groups.append(tail[None])
+        for x in groups:
+            logits = model(input_ids=x[:, :-1]).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+            total += loss.item()
+            count += x[:, 1:].numel()
+    model.train()
+    return total / count
+
+
+def generate_samples(model_dir: Path) -> list[dict]:
+    """Greedy (and greedy with repetition_penalty 1.3) continuations with transformers' generate."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    samples = []
+    for prompt in SAMPLE_PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        for penalty in (1.0, 1.3):
+            with torch.no_grad():
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=SAMPLE_NEW_TOKENS,
+                    repetition_penalty=penalty,
+                    pad_token_id=tok.pad_token_id,
+                )
+            new = out[0, ids.shape[1] :].tolist()
+            samples.append(
+                {
+                    "prompt": prompt,
+                    "prompt_token_ids": ids[0].tolist(),
+                    "repetition_penalty": penalty,
+                    "max_new_tokens": SAMPLE_NEW_TOKENS,
+                    "token_ids": new,
+                    "text": tok.decode(new, skip_special_tokens=False),
+                }
+            )
+    return samples
+
+
+def train(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+    import tokenizers
+    import transformers
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(args.threads)
+    except RuntimeError:  # already set once in this process
+        pass
+    torch.manual_seed(args.seed)
+    wall0 = time.perf_counter()
+
+    docs = collect_corpus()
+    train_docs, held_docs = split_corpus(docs)
+    sha = corpus_sha256(docs)
+    chars = sum(len(t) for _, t in docs)
+    nbytes = sum(len(t.encode("utf-8")) for _, t in docs)
+    held_bytes = sum(len(t.encode("utf-8")) for _, t in held_docs)
+    print(f"corpus: {len(docs)} docs, {nbytes / 1e6:.2f} MB, sha256 {sha[:16]}..; "
+          f"held out {len(held_docs)} docs ({held_bytes / nbytes:.1%} of bytes)", flush=True)
+
+    tok = train_tokenizer([t for _, t in train_docs], MODEL_CONFIG["vocab_size"])
+    eos_id = tok.token_to_id(EOS)
+    train_ids = encode_docs(tok, train_docs, eos_id)
+    held_ids = encode_docs(tok, held_docs, eos_id)
+    print(f"tokens: train {len(train_ids)}, held-out {len(held_ids)}; "
+          f"{nbytes / (len(train_ids) + len(held_ids)):.2f} bytes/token", flush=True)
+
+    config = Qwen3Config(**MODEL_CONFIG, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    model = Qwen3ForCausalLM(config).float()
+    n_params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    print(f"model: {n_params / 1e6:.3f}M parameters", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    data = torch.tensor(train_ids, dtype=torch.long)
+    gen = torch.Generator().manual_seed(args.seed)
+    B, T = args.batch_size, args.seq_len
+    budget_s = args.minutes * 60.0
+
+    curve = []
+    next_eval = 0  # evaluate when progress crosses next_eval / args.evals
+    train_time = 0.0
+    step = 0
+    ema = None
+    last_print = time.perf_counter()
+    model.train()
+    while True:
+        progress = step / args.steps if args.steps else train_time / budget_s
+        if progress >= next_eval / args.evals or progress >= 1.0:
+            t_eval = time.perf_counter()
+            held = evaluate(model, held_ids, T, batch=8)
+            curve.append({
+                "step": step,
+                "tokens_seen": step * B * T,
+                "train_time_s": round(train_time, 1),
+                "wall_s": round(time.perf_counter() - wall0, 1),
+                "lr": lr_at(step, progress, args.lr, args.warmup_steps, args.min_lr_ratio),
+                "train_loss_ema": None if ema is None else round(ema, 4),
+                "heldout_loss": round(held, 4),
+            })
+            print(f"[eval] step {step} train_time {train_time:.0f}s held-out {held:.4f} "
+                  f"(eval took {time.perf_counter() - t_eval:.1f}s)", flush=True)
+            next_eval = math.floor(progress * args.evals) + 1
+        if progress >= 1.0:
+            break
+
+        t0 = time.perf_counter()
+        lr = lr_at(step, progress, args.lr, args.warmup_steps, args.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, len(data) - T - 1, (B,), generator=gen)
+        x = torch.stack([data[s : s + T + 1] for s in starts.tolist()])
+        logits = model(input_ids=x[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        train_time += time.perf_counter() - t0
+        if time.perf_counter() - last_print > 30:
+            last_print = time.perf_counter()
+            print(f"step {step} loss(ema) {ema:.4f} lr {lr:.2e} "
+                  f"{step * B * T / train_time:.0f} tok/s", flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    # transformers 5 writes "dtype" and "rope_parameters"; add the keys real Qwen3 checkpoints (and
+    # transformers 4.x) use, so any loader finds them. Both spellings carry the same values.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["torch_dtype"] = "float32"
+    cfg["rope_theta"] = MODEL_CONFIG["rope_theta"]
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
+    ).save_pretrained(out)
+    save_tokenizer(tok, out, MODEL_CONFIG["max_position_embeddings"])
+
+    samples = generate_samples(out)
+    for s in samples:
+        print(f"[sample] {s['prompt']!r} rp={s['repetition_penalty']}: {s['text']!r}", flush=True)
+
+    record = {
+        "model": "minivllm-tiny",
+        "script": "scripts/train_tiny_model.py",
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "seed": args.seed,
+        "threads": args.threads,
+        "note_threads": "trained with torch.set_num_threads(threads) on a CPU machine shared with other work",
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+            "platform": platform.platform(),
+        },
+        "corpus": {
+            "sources": "pydoc_data.topics + docstrings (via ast) of the stdlib modules listed in the script",
+            "sha256": sha,
+            "num_docs": len(docs),
+            "num_topic_docs": sum(name.startswith("topic:") for name, _ in docs),
+            "num_module_docs": sum(name.startswith("module:") for name, _ in docs),
+            "num_train_docs": len(train_docs),
+            "num_heldout_docs": len(held_docs),
+            "heldout_rule": (f"whole documents, in order (topics sorted, then modules sorted); a document is held out "
+                             f"when held-out bytes so far < {HELDOUT_FRACTION} x all bytes so far"),
+            "chars": chars,
+            "bytes": nbytes,
+            "heldout_bytes": held_bytes,
+            "train_tokens": len(train_ids),
+            "heldout_tokens": len(held_ids),
+            "heldout_docs": [name for name, _ in held_docs],
+        },
+        "tokenizer": {
+            "type": "byte-level BPE (tokenizers)",
+            "vocab_size": tok.get_vocab_size(),
+            "special_tokens": {EOS: eos_id},
+            "trained_on": "training documents only",
+            "sha256": hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest(),
+        },
+        "model_config": MODEL_CONFIG,
+        "num_parameters": n_params,
+        "hyperparameters": {
+            "optimizer": "AdamW(betas=(0.9, 0.95), eps=1e-8)",
+            "peak_lr": args.lr,
+            "warmup_steps": args.warmup_steps,
+            "min_lr_ratio": args.min_lr_ratio,
+            "schedule": ("linear warmup, cosine over training time (--minutes)" if not args.steps
+                         else "linear warmup, cosine over steps (--steps)"),
+            "weight_decay": args.weight_decay,
+            "grad_clip": args.grad_clip,
+            "batch_size": B,
+            "seq_len": T,
+            "minutes": None if args.steps else args.minutes,
+            "steps": args.steps,
+        },
+        "steps": step,
+        "tokens_seen": step * B * T,
+        "train_time_s": round(train_time, 1),
+        "wall_time_s": round(time.perf_counter() - wall0, 1),
+        "heldout_loss": curve[-1]["heldout_loss"],
+        "heldout_perplexity": round(math.exp(curve[-1]["heldout_loss"]), 2),
+        "heldout_bits_per_byte": round(
+            curve[-1]["heldout_loss"] * (len(held_ids) - 1) / math.log(2) / held_bytes, 4),
+        "loss_curve": curve,
+        "samples": samples,
+    }
+    (out / "training_record.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    record["files"] = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    (out / "training_record.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------
+# Markdown training record
+# ----------------------------------------------------------------------------------------------------
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_doc(r: dict) -> str:
+    v, c, h = r["versions"], r["corpus"], r["hyperparameters"]
+    rows = "\n".join(
+        f"| {p['step']} | {p['tokens_seen']:,} | {p['train_time_s']:.0f} | {p['lr']:.2e} | "
+        f"{'' if p['train_loss_ema'] is None else format(p['train_loss_ema'], '.3f')} | {p['heldout_loss']:.3f} |"
+        for p in r["loss_curve"]
+    )
+    samples = "\n".join(
+        f"| `` {s['prompt']!r} `` | {s['repetition_penalty']} | `` {_cell(json.dumps(s['text'], ensure_ascii=False))} `` |"
+        for s in r["samples"]
+    )
+    total = sum(r["files"].values())
+    files = ", ".join(f"`{k}` {v / 1e6:.2f} MB" if v > 1e5 else f"`{k}` {v / 1e3:.1f} kB" for k, v in r["files"].items())
+    minutes = r["train_time_s"] / 60
+    curve = r["loss_curve"]
+    still_falling = len(curve) >= 2 and curve[-1]["heldout_loss"] < curve[-2]["heldout_loss"]
+    trend = ("The held-out loss was still falling when the time budget ran out" if still_falling
+             else "The held-out loss had stopped falling by the end")
+    return f"""# minivllm-tiny: the embedded default model
+
+`LLM()` with no model loads this checkpoint from `minivllm/assets/minivllm-tiny/` (no network needed).
+It is a real Qwen3-architecture model trained by `scripts/train_tiny_model.py`; the file
+`training_record.json` next to the weights holds everything below in machine-readable form.
+
+## What it is, honestly
+
+A {r['num_parameters'] / 1e6:.1f}M-parameter model trained for {minutes:.{0 if minutes >= 10 else 1}f} minutes on
+{r['threads']} CPU thread(s), on {c['bytes'] / 1e6:.1f} MB of Python's own documentation. It has learned the *shape* of Python's
+docs (English words, `def` lines, indentation, reStructuredText markup, which words follow which), not
+their meaning: its continuations are fluent-looking, often repetitive, and usually wrong. Greedy decoding
+falls into loops quickly; a repetition penalty helps a little. It is a stand-in with real weights, a real
+tokenizer and real shapes so that the engine, the tests and the course have something to run anywhere,
+and so that outputs can be compared token for token against Hugging Face `generate`. Use a real
+checkpoint (Qwen3-0.6B and up) for anything where the text matters.
+
+The tokenizer carries a ChatML-style `chat_template` (`<|im_start|>role\\n...<|im_end|>`) so that
+`LLM.chat` can be demonstrated, but **the model was never trained on chat data**, and `<|im_start|>` /
+`<|im_end|>` are not special tokens here (they are spelled out in bytes); expect a docs-like continuation,
+not an answer.
+
+## Model
+
+Qwen3 (`Qwen3ForCausalLM`): hidden 256, 4 layers, 4 query heads and 2 KV heads of dim 64 (GQA),
+SwiGLU MLP 768, RMSNorm eps 1e-6 (also on q and k per head, as Qwen3 does), RoPE theta 10000,
+max positions 2048, vocab 4096, tied input/output embeddings (so `model.safetensors` holds
+`model.embed_tokens.weight` and no `lm_head.weight`; loaders must tie them), fp32 weights.
+Files: {files}; total {total / 1e6:.1f} MB
+(the fp32 weights alone are {r['num_parameters'] * 4 / 1e6:.1f} MB).
+
+## Data
+
+- Sources: all {c['num_topic_docs']} topics of `pydoc_data.topics` and the docstrings of
+  {c['num_module_docs']} standard-library modules (a fixed list in the script, submodules of packages
+  included), read with `ast` from the source files (no imports) and rendered like `help()` output
+  (module docstring, then `class`/`def` signature lines with indented docstrings).
+- {c['num_docs']} documents, {c['bytes']:,} bytes, corpus sha256
+  `{c['sha256']}`
+  (Python {v['python']}; another CPython patch release gives a slightly different corpus and hash).
+- Held out for evaluation: {c['num_heldout_docs']} whole documents, {c['heldout_bytes']:,} bytes
+  ({c['heldout_bytes'] / c['bytes']:.1%}), {c['heldout_tokens']:,} tokens: {', '.join(f'`{n}`' for n in c['heldout_docs'])}.
+  Rule: {c['heldout_rule']}. Training: {c['train_tokens']:,} tokens.
+- Tokenizer: byte-level BPE trained with `tokenizers` on the training documents, vocab {r['tokenizer']['vocab_size']},
+  one special token `<|endoftext|>` (id {r['tokenizer']['special_tokens']['<|endoftext|>']}) used as eos, bos and pad.
+  No BOS is prepended when encoding. Documents are joined with `<|endoftext|>` for training. Any Unicode
+  text round-trips (`decode(encode(s)) == s`).
+
+## Training
+
+AdamW (betas 0.9/0.95, weight decay {h['weight_decay']} on matrices), peak lr {h['peak_lr']}, {h['warmup_steps']} warmup
+steps, cosine decay to {h['min_lr_ratio']}x peak over the {'training time' if h['minutes'] else 'steps'}, grad clip {h['grad_clip']},
+batch {h['batch_size']} x {h['seq_len']} tokens drawn uniformly at random from the training stream, seed {r['seed']}.
+Command: `{r['command']}`.
+`torch.set_num_threads({r['threads']})`: the machine was shared with other developers' work, so
+throughput (and hence the number of steps reached in the time budget) depends on the load at the time.
+{r['steps']:,} steps, {r['tokens_seen']:,} tokens seen ({r['tokens_seen'] / c['train_tokens']:.1f} passes over the training
+tokens), training time {r['train_time_s']:.0f} s, wall time {r['wall_time_s']:.0f} s including corpus, tokenizer,
+evaluations and saving. To replay this run's step count exactly (same versions and thread count), pass
+`--steps {r['steps']}` (the schedule then runs over steps rather than time, so the learning rate at each
+step differs slightly from this time-scheduled run).
+
+Versions: Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, tokenizers {v['tokenizers']}
+({v['platform']}).
+
+**Held-out loss: {r['heldout_loss']:.3f} nats/token** (perplexity {r['heldout_perplexity']},
+about {r['heldout_bits_per_byte']:.2f} bits per byte). For scale: a uniform guess over 4096 tokens is 8.32 nats.
+Train loss is an exponential moving average (factor 0.98) of the per-batch loss; it ends
+{curve[-1]['heldout_loss'] - (curve[-1]['train_loss_ema'] or 0):.2f} nats below the held-out loss, because after
+{r['tokens_seen'] / c['train_tokens']:.1f} passes the model has partly memorised its training documents and the
+held-out documents are different modules and topics. {trend}.
+
+| step | tokens seen | train time (s) | lr | train loss (EMA) | held-out loss |
+|---:|---:|---:|---:|---:|---:|
+{rows}
+
+## Samples
+
+Produced with transformers `generate` from the saved checkpoint, greedy (`do_sample=False`),
+{SAMPLE_NEW_TOKENS} new tokens, with and without `repetition_penalty=1.3`. The token ids are in
+`training_record.json` (`samples`), so the engine's greedy output can be compared with them exactly.
+The prompt `'def '` ends in a lone space token (`Ġ`); in training text the space is almost always merged
+into the next word's token (`Ġget`), so that prompt is out of distribution and the greedy continuation
+degenerates: a small, real example of why prompts should not end in a space with BPE tokenizers.
+
+| prompt | repetition penalty | continuation |
+|---|---:|---|
+{samples}
+
+## Reproduce
+
+```
+python scripts/train_tiny_model.py --minutes 20 --threads 1
+```
+writes the checkpoint into `minivllm/assets/minivllm-tiny/` and re-renders this file.
+`tests/test_tiny_model_assets.py` checks the committed files.
+"""
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (Hugging Face layout)")
+    p.add_argument("--doc", default=str(DEFAULT_DOC), help="Markdown training record to write ('' to skip)")
+    p.add_argument("--minutes", type=float, default=20.0, help="training-time budget in minutes")
+    p.add_argument("--steps", type=int, default=None, help="run exactly this many steps instead of --minutes")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: shared machine)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--evals", type=int, default=20, help="number of held-out evaluations over the run")
+    p.add_argument("--render-doc", metavar="RECORD", default=None,
+                   help="only re-render --doc from an existing training_record.json, no training")
+    args = p.parse_args(argv)
+    if args.render_doc:
+        if not args.doc:
+            raise ValueError("--render-doc needs --doc to name the Markdown file to write")
+        record = json.loads(Path(args.render_doc).read_text())
+        Path(args.doc).write_text(render_doc(record))
+        print(f"wrote {args.doc}", flush=True)
+        return
+    if not args.minutes > 0:
+        raise ValueError(f"--minutes must be > 0, got {args.minutes}")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    for name in ("threads", "batch_size", "seq_len", "evals", "warmup_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq_len > MODEL_CONFIG["max_position_embeddings"]:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds max_position_embeddings")
+
+    record = train(args)
+    print(f"held-out loss {record['heldout_loss']:.4f} nats/token after {record['steps']} steps; "
+          f"files: {record['files']}", flush=True)
+    if args.doc:
+        Path(args.doc).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.doc).write_text(render_doc(record))
+        print(f"wrote {args.doc}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
