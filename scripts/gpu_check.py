@@ -19,7 +19,8 @@ flash-attn; nvidia-ml-py is used when present). Sections, in order:
                 and the same requests through transformers ``generate`` for a ratio.
 7. nvml         utilisation samples taken during the offline run (when NVML is available).
 
-Prints one summary table and writes every number to JSON (``--out``). Each section is
+Sections 4-6 share one engine with CUDA graphs (start-up paid once); it is shut down
+before transformers runs. Prints one summary table and writes every number to JSON (``--out``). Each section is
 guarded: an error is recorded and the next section runs. Exit status 1 if any check failed.
 """
 from __future__ import annotations
@@ -379,8 +380,9 @@ def check_embedded(args) -> list[Row]:
     prompts: list = []
     for backend in ("torch", "triton"):
         model = None if not args.smoke else args.model
+        # eager, no torch.compile: this section compares attention backends, not speed
         llm = LLM(model, device=args.device, dtype="float32", attention_backend=backend, enforce_eager=True,
-                  num_kvcache_blocks=2048, seed=args.seed, **_compile_kw(args))
+                  num_kvcache_blocks=2048, seed=args.seed, compile=False)
         if not prompts:
             cfg = llm.llm_engine.runner.hf_config
             longest = max(8, min(300 if not args.smoke else 12, cfg.max_position_embeddings - 64))
@@ -419,6 +421,25 @@ def _engine(args, enforce_eager, **kw):
                enforce_eager=enforce_eager, seed=args.seed, **_compile_kw(args), **kw)
 
 
+_SHARED: dict = {}
+
+
+def _graph_engine(args):
+    """One bf16 engine with CUDA graphs (engine defaults otherwise), shared by the TPOT,
+    prefill and offline sections so start-up (compile, capture) is paid once."""
+    if "llm" not in _SHARED:
+        _SHARED["llm"] = _engine(args, False)
+    return _SHARED["llm"]
+
+
+def _release_graph_engine():
+    llm = _SHARED.pop("llm", None)
+    if llm is not None:
+        llm.shutdown()
+        del llm
+        _free_gpu()
+
+
 def _engine_uses_graphs(llm) -> bool:
     from minivllm.engine.cuda_graph import CudaGraphDecodeRunner
 
@@ -433,7 +454,7 @@ def check_tpot(args) -> list[Row]:
     rng = random.Random(args.seed + 2)
     result = {}
     for eager in (True, False):
-        llm = _engine(args, eager, max_num_seqs=64)
+        llm = _engine(args, True, max_num_seqs=64) if eager else _graph_engine(args)
         label = "eager" if eager else "cuda graphs"
         uses = _engine_uses_graphs(llm)
         backend = llm.llm_engine.config.attention_backend
@@ -452,9 +473,10 @@ def check_tpot(args) -> list[Row]:
                 target, status = "<= 1.5 ms", status_of(tpot <= 1.5)
             rows.append(Row("tpot", f"batch {batch} {label} ({backend}, graphs used: {uses})", fmt_ms(tpot),
                             target, status, {"tpot_ms": tpot, "graphs_used": uses, "backend": backend}))
-        llm.shutdown()
-        del llm
-        _free_gpu()
+        if eager:
+            llm.shutdown()
+            del llm
+            _free_gpu()
     return rows
 
 
@@ -462,7 +484,7 @@ def check_prefill(args) -> list[Row]:
     from minivllm import SamplingParams
 
     rng = random.Random(args.seed + 3)
-    llm = _engine(args, True)
+    llm = _graph_engine(args)  # prefill steps never use graphs
     vocab = llm.llm_engine.runner.hf_config.vocab_size
     llm.generate([[rng.randrange(vocab) for _ in range(512 if not args.smoke else 8)]],
                  SamplingParams(max_tokens=1), use_tqdm=False)
@@ -474,9 +496,7 @@ def check_prefill(args) -> list[Row]:
     llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
     _sync()
     dt = time.perf_counter() - t0
-    llm.shutdown()
-    del llm
-    _free_gpu()
+    llm.llm_engine.reset_prefix_cache()
     tps = n_prompts * plen / dt
     return [Row("prefill", f"prefill {n_prompts} x {plen} tokens", f"{tps:,.0f} tok/s", "", "info",
                 {"tokens_per_s": tps})]
@@ -533,7 +553,7 @@ def check_offline(args, sampler_box: dict) -> list[Row]:
     else:
         n = max(1, round(256 * args.scale))
         work = nanovllm_workload(n, seed=args.seed)
-    llm = _engine(args, False)
+    llm = _graph_engine(args)
     uses = _engine_uses_graphs(llm)
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     prompts = [p for p, _ in work]
@@ -545,9 +565,8 @@ def check_offline(args, sampler_box: dict) -> list[Row]:
     _sync()
     dt = time.perf_counter() - t0
     sampler_box["samples"] = _stop_sampler(sampler)
-    llm.shutdown()
     del llm
-    _free_gpu()
+    _release_graph_engine()  # transformers needs the memory the KV pool holds
     out_tokens = sum(len(r.outputs[0].token_ids) for r in res)
     ours = out_tokens / dt
     rows = [Row("offline", f"minivllm {n} req (graphs used: {uses})", f"{ours:,.0f} out tok/s ({dt:.1f} s)",
@@ -660,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row(name, "section", f"{type(e).__name__}: {str(e)[:80]}", "", "error"))
             _free_gpu()
         timings[name] = time.perf_counter() - t0
+        if name == args.sections[-1]:
+            _release_graph_engine()
         print(f"[gpu_check] {name} done in {timings[name]:.1f} s", flush=True)
     if "offline" in args.sections:
         rows += nvml_rows(box.get("samples"))
