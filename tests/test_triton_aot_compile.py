@@ -67,16 +67,17 @@ for dt in ("bf16", "fp32"):
     results["store " + dt] = compile_one(tk._store_kv_kernel, store,
                                          dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128))
     dec = dict(q_ptr="*" + dt, out_ptr="*" + dt, block_tables_ptr="*i32", context_lens_ptr="*i32",
-               part_acc_ptr="*fp32", part_ml_ptr="*fp32", qk_scale="fp32", **cache_ptrs(dt),
+               part_acc_ptr="*fp32", part_ml_ptr="*fp32", num_splits=I32, qk_scale="fp32", **cache_ptrs(dt),
                **{n: I32 for n in ("stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb",
                                    "stride_co", "stride_ch", "stride_bt", "block_size")})
-    for d, group, splits in ((128, 2, 1), (128, 2, 16), (64, 8, 4)):
-        results[f"decode {dt} d{d} g{group} s{splits}"] = compile_one(tk._paged_decode_kernel, dec, dict(
+    for d, group, split in ((128, 2, False), (128, 2, True), (64, 8, True)):
+        results[f"decode {dt} d{d} g{group} split={split}"] = compile_one(tk._paged_decode_kernel, dec, dict(
             NUM_HEADS=8 * group, GROUP=group, HEAD_DIM=d, BLOCK_G=16, BLOCK_D=d,
-            BLOCK_N=tk.decode_block_n(d), NUM_SPLITS=splits, PRECISION=prec))
-    merge = dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + dt, stride_os=I32, stride_oh=I32)
-    results["merge " + dt] = compile_one(tk._merge_splits_kernel, merge,
-                                         dict(NUM_HEADS=16, HEAD_DIM=128, NUM_SPLITS=16, BLOCK_S=16, BLOCK_D=128))
+            BLOCK_N=tk.decode_block_n(d), SPLIT=split, PRECISION=prec))
+    merge = dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + dt, stride_os=I32, stride_oh=I32,
+                 num_splits=I32)
+    results["merge " + dt] = compile_one(tk._merge_splits_kernel, merge, dict(
+        NUM_HEADS=16, HEAD_DIM=128, BLOCK_S=tk.MAX_SPLITS, BLOCK_D=128))
     pre = dict(q_ptr="*" + dt, out_ptr="*" + dt, cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32",
                block_tables_ptr="*i32", qk_scale="fp32", **cache_ptrs(dt),
                **{n: I32 for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",

@@ -188,6 +188,15 @@ def test_kernels_reject_bad_gqa_ratio():
         )
 
 
+def test_decode_rejects_bad_split_count():
+    q = torch.zeros(1, 2, 64)
+    cache = torch.zeros(1, 16, 2, 64)
+    for bad in (0, tk.MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match=f"got {bad}"):
+            tk.paged_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                      torch.ones(1, dtype=torch.int32), 1.0, num_splits=bad)
+
+
 # ---------------------------------------------------------------------------- vs torch backend
 def _torch_backend():
     mod = pytest.importorskip("minivllm.layers.attention.torch_backend")

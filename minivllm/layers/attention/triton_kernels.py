@@ -132,16 +132,19 @@ def store_kvcache(
 # --------------------------------------------------------------------------------------
 # With few sequences the grid (sequences x kv heads) leaves most SMs idle while each
 # program walks a long context alone. The kernel can then split each sequence's keys
-# into NUM_SPLITS equal parts handled by separate programs, each writing an unnormalised
+# into ``num_splits`` equal parts handled by separate programs, each writing an unnormalised
 # partial result with its running max and denominator; a second kernel merges them
 # (the "Flash-Decoding" scheme, Dao et al., 2023, "Flash-Decoding for long-context
 # inference"). The split count depends only on the batch size and the longest possible
 # context, never on this step's lengths, so the launch is the same on every CUDA-graph
 # replay.
-@triton.jit
+# num_splits is a runtime argument (not specialised), so every split count shares one
+# compiled kernel: no JIT compile in the middle of serving when the batch size changes.
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr,
-    part_acc_ptr, part_ml_ptr,  # [S, H, NUM_SPLITS, D] fp32 and [S, H, NUM_SPLITS, 2] fp32
+    part_acc_ptr, part_ml_ptr,  # [S, H, num_splits, D] fp32 and [S, H, num_splits, 2] fp32
+    num_splits,
     qk_scale,  # softmax scale * log2(e)
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_co, stride_ch,
@@ -149,7 +152,7 @@ def _paged_decode_kernel(
     block_size,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # One program per (sequence, kv head, split): all GROUP query heads that share this
     # kv head are handled together, so each K/V tile is read from memory once (GQA).
@@ -158,7 +161,7 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + seq)
     num_tiles = tl.cdiv(ctx_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_split)
 
@@ -197,7 +200,7 @@ def _paged_decode_kernel(
         m_i = m_new
 
     gd_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # A sequence with no keys (context_len 0) yields zeros instead of 0/0.
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
@@ -207,27 +210,28 @@ def _paged_decode_kernel(
         )
     else:
         # Partial result of this split; an empty split leaves m = -inf, l = 0, acc = 0.
-        row = (seq64 * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        row = (seq64 * NUM_HEADS + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=gd_mask)
         tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr,
     stride_os, stride_oh,
+    num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # out = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) l_j, M = max_j m_j (log2 domain)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = sp < NUM_SPLITS
+    s_mask = sp < num_splits
     d_mask = d < HEAD_DIM
-    row = (seq * NUM_HEADS + head) * NUM_SPLITS + sp
+    row = (seq * NUM_HEADS + head) * num_splits + sp
     m = tl.load(part_ml_ptr + row * 2, mask=s_mask, other=float("-inf"))
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
@@ -241,12 +245,14 @@ def _merge_splits_kernel(
              mask=d_mask)
 
 
+#: most KV splits per sequence (the merge kernel reduces over this many lanes)
+MAX_SPLITS = 16
 _SM_COUNT: dict[int, int] = {}
 
 
 def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_k: int | None,
                 block_n: int) -> int:
-    """Splits per sequence so that about two programs run per SM, at most 16, and never
+    """Splits per sequence so that about two programs run per SM, at most MAX_SPLITS, and never
     more than the longest possible context has KV tiles. 1 under the interpreter."""
     if kernels_interpreted() or q.device.type != "cuda":
         return 1
@@ -256,7 +262,7 @@ def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_k:
     want = -(-2 * _SM_COUNT[idx] // max(1, num_seqs * num_kv_heads))
     if max_seqlen_k is not None:
         want = min(want, max(1, -(-int(max_seqlen_k) // (4 * block_n))))  # >= 4 tiles per split
-    return int(max(1, min(16, want)))
+    return int(max(1, min(MAX_SPLITS, want)))
 
 
 def paged_decode_attention(
@@ -294,8 +300,8 @@ def paged_decode_attention(
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     _check_device(q)
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -315,7 +321,7 @@ def paged_decode_attention(
     else:
         part_acc = part_ml = out  # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, block_tables, context_lens, part_acc, part_ml,
+        q, k_cache, v_cache, out, block_tables, context_lens, part_acc, part_ml, splits,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -323,13 +329,12 @@ def paged_decode_attention(
         k_cache.shape[1],
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype),
+        SPLIT=splits > 1, PRECISION=_dot_precision(q.dtype),
     )
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+            part_acc, part_ml, out, out.stride(0), out.stride(1), splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d,
         )
     return out
 
