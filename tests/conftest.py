@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random checkpoints, and the block-invariant check after every engine test."""
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers_*.py
+
+from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
+from minivllm.utils.model_source import EMBEDDED_MODEL_DIR  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(autouse=True)
+def engine_invariants(monkeypatch):
+    """Every engine built during a test is checked afterwards: block bookkeeping is
+    consistent, and once no request is unfinished every block is free (possibly
+    still cached) with reference count zero."""
+    engines: list[weakref.ref] = []
+    original_init = LLMEngine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        engines.append(weakref.ref(self))
+
+    monkeypatch.setattr(LLMEngine, "__init__", tracking_init)
+    yield
+    for ref in engines:
+        engine = ref()
+        if engine is None or engine.runner is None:
+            continue
+        engine.check_invariants()
+        if not engine.has_unfinished_requests():
+            bm = engine.block_manager
+            assert bm.num_used_blocks == 0, f"{bm.num_used_blocks} blocks still referenced with no request left"
+            assert all(b.ref_count == 0 for b in bm.blocks)
+    engines.clear()
+    gc.collect()
+
+
+def add_tokenizer(checkpoint: Path) -> Path:
+    """Give a random checkpoint the embedded model's tokenizer files."""
+    for name in TOKENIZER_FILES:
+        shutil.copy(EMBEDDED_MODEL_DIR / name, checkpoint / name)
+    return checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 (vocab 97, 2 layers, head_dim 16 != 48/4, GQA 4:2) with a tokenizer."""
+    from helpers_models import make_hf_checkpoint
+
+    return add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def text_ckpt(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 whose vocabulary covers the embedded tokenizer (text prompts work)."""
+    from helpers_models import make_hf_checkpoint
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR))
+    return add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("text"), vocab_size=vocab))
+
+
+def set_generation_eos(checkpoint: Path, eos_id: int) -> Path:
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+    return checkpoint

@@ -1,0 +1,42 @@
+"""Helpers for engine-level tests."""
+from __future__ import annotations
+
+from minivllm import LLM, SamplingParams
+from minivllm.engine.llm_engine import LLMEngine
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, **{**GREEDY, **kw})
+
+
+def make_llm(ckpt, **engine_args) -> LLM:
+    engine_args.setdefault("block_size", 4)
+    engine_args.setdefault("num_kvcache_blocks", 256)
+    return LLM(str(ckpt), **engine_args)
+
+
+def run_to_end(engine: LLMEngine, max_steps: int = 10_000):
+    """Step until idle; returns (final outputs by request id, step records)."""
+    final, records = {}, []
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return final, records
+        result = engine.step()
+        records.append(result.record)
+        for out in result.outputs:
+            if out.finished:
+                final[out.request_id] = out
+    raise AssertionError(f"engine did not finish within {max_steps} steps")
+
+
+def token_lists(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def prompts_of(lengths, seed: int = 0, vocab: int = 97) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]

@@ -1,0 +1,157 @@
+"""The public API contract: LLM.generate / stream / chat, SamplingParams validation, outputs, metrics."""
+from __future__ import annotations
+
+import pytest
+
+from helpers_engine import greedy, make_llm, prompts_of
+from minivllm import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("repetition_penalty", 0.0), ("max_tokens", 0), ("temperature", float("nan")), ("stop", [""]),
+    ("stop_token_ids", [-1]), ("seed", 1.5),
+])
+def test_sampling_params_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (1.0, 1.0, 0, 0.0, 1.0, 16)
+    assert SamplingParams(stop="x").stop_strings == ["x"]
+    assert SamplingParams(top_k=-1).uses_top_k is False
+
+
+def test_prompt_forms_and_order(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    ids = prompts_of([5, 9, 3], seed=11)
+    outs = llm.generate([ids[0], {"prompt_token_ids": ids[1]}, ids[2]], greedy(3), use_tqdm=False)
+    singles = [llm.generate(p, greedy(3), use_tqdm=False)[0] for p in ids]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in singles]
+    assert [o.prompt_token_ids for o in outs] == ids
+
+
+def test_text_prompt(text_ckpt, tiny_ckpt):
+    llm = make_llm(text_ckpt)
+    out = llm.generate("The list", greedy(3), use_tqdm=False)[0]
+    assert out.prompt == "The list" and out.prompt_token_ids == llm.get_tokenizer().encode("The list")
+    assert len(out.outputs[0].token_ids) == 3 and isinstance(out.outputs[0].text, str)
+    small = make_llm(tiny_ckpt)  # vocabulary of 97: most text encodes outside it
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        small.generate("The list type", greedy(3), use_tqdm=False)
+
+
+def test_unknown_engine_argument_and_bad_model_path(tmp_path):
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(str(tmp_path), max_num_seq=3)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLM(str(tmp_path / "nowhere"))
+
+
+def test_stream_deltas_join_to_final_text(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    prompts = prompts_of([4, 7], seed=12)
+    finals = llm.generate(prompts, greedy(12), use_tqdm=False)
+    joined = {o.request_id: ("", []) for o in []}
+    texts, tokens, finished = {}, {}, set()
+    for out in llm.stream(prompts, greedy(12)):
+        assert out.request_id not in finished
+        texts[out.request_id] = texts.get(out.request_id, "") + out.outputs[0].text
+        tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        if out.finished:
+            finished.add(out.request_id)
+    del joined
+    got = [texts[k] for k in sorted(texts, key=int)]
+    got_tokens = [tokens[k] for k in sorted(tokens, key=int)]
+    assert got == [f.outputs[0].text for f in finals]
+    assert got_tokens == [f.outputs[0].token_ids for f in finals]
+    assert len(finished) == 2
+
+
+def test_stream_with_stop_string_never_leaks_the_stop(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    full = llm.generate([11, 12, 13], greedy(12), use_tqdm=False)[0].outputs[0].text
+    stop = full[5:7]
+    final = llm.generate([11, 12, 13], greedy(12, stop=stop), use_tqdm=False)[0].outputs[0]
+    pieces = [o.outputs[0].text for o in llm.stream([11, 12, 13], greedy(12, stop=stop))]
+    assert "".join(pieces) == final.text == full[:full.find(stop)]
+
+
+def test_closing_a_stream_early_aborts_its_requests(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    it = llm.stream([[1, 2, 3], [4, 5, 6]], greedy(20))
+    next(it)
+    it.close()
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.block_manager.num_used_blocks == 0
+
+
+def test_metrics_are_measured_and_consistent(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    out = llm.generate([1, 2, 3, 4], greedy(5), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert len(m.token_times) == 5 and len(m.itl_ms) == 4
+    assert m.ttft_ms > 0 and m.e2e_ms >= m.ttft_ms and m.queue_ms >= 0
+    assert m.tpot_ms == pytest.approx(sum(m.itl_ms) / 4)
+
+
+def test_step_records_describe_the_step(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    engine.add_request("a", [1, 2, 3, 4, 5, 6], greedy(2))
+    rec = engine.step().record
+    assert (rec.index, rec.num_prefill_tokens, rec.num_decode_tokens, rec.num_seqs) == (0, 6, 0, 1)
+    assert rec.phase == "prefill" and rec.kv_blocks_used == 2 and rec.attention_backend == "torch"
+    assert rec.wall_ms > 0 and rec.flops > 0 and rec.bytes_moved > 0 and rec.mfu is None
+    rec2 = engine.step().record
+    assert rec2.phase == "decode" and rec2.num_decode_tokens == 1 and rec2.finished == ["a"]
+    assert rec2.kv_blocks_free == engine.block_manager.num_blocks
+
+
+def test_mixed_step_has_decodes_and_a_prefill_chunk(tiny_ckpt):
+    llm = make_llm(tiny_ckpt, max_num_batched_tokens=6)
+    engine = llm.llm_engine
+    engine.add_request("a", [1, 2, 3], greedy(5))
+    engine.step()
+    engine.add_request("b", list(range(1, 15)), greedy(2))
+    rec = engine.step().record
+    assert rec.phase == "mixed"
+    assert [(e.request_id, e.is_prefill, e.num_tokens) for e in rec.scheduled] == [("a", False, 1), ("b", True, 5)]
+    engine.abort_request("a")
+    engine.abort_request("b")
+
+
+def test_context_manager_and_shutdown(tiny_ckpt):
+    with make_llm(tiny_ckpt) as llm:
+        llm.generate([1, 2], greedy(1), use_tqdm=False)
+    assert llm.llm_engine is None
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([1, 2], greedy(1), use_tqdm=False)
+
+
+def test_chat_applies_the_template(text_ckpt):
+    llm = make_llm(text_ckpt)
+    tok = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "What is a list?"}]
+    out = llm.chat(messages, greedy(3), use_tqdm=False)
+    expected = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert len(out) == 1 and out[0].prompt_token_ids == expected and len(out[0].outputs[0].token_ids) == 3
+    assert len(llm.chat([messages, messages], greedy(1), use_tqdm=False)) == 2
+
+
+def test_chat_without_template_is_a_clear_error(text_ckpt, tmp_path):
+    import json
+    import shutil
+
+    ckpt = shutil.copytree(text_ckpt, tmp_path / "no-template")
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (ckpt / "chat_template.jinja").unlink(missing_ok=True)
+    llm = make_llm(ckpt)
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], greedy(2))
