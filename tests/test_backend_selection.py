@@ -44,6 +44,14 @@ def test_auto_on_cuda_prefers_flash_attn_when_block_size_allows(with_flash):
     assert resolve_backend_name("auto", CUDA, 16) == "triton"
 
 
+def test_auto_skips_flash_attn_for_fp32(with_flash):
+    assert resolve_backend_name("auto", CUDA, None, dtype=torch.float32) == "triton"
+    assert resolve_backend_name("auto", CUDA, None, dtype=torch.bfloat16) == "flash_attn"
+    assert resolve_backend_name("auto", CUDA, 256, dtype=torch.float16) == "flash_attn"
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        resolve_backend_name("flash_attn", CUDA, 256, dtype=torch.float32)
+
+
 def test_auto_on_cuda_without_flash_attn_is_triton(no_flash):
     assert resolve_backend_name("auto", CUDA, None) == "triton"
     assert resolve_backend_name("auto", "cuda:0", 256) == "triton"

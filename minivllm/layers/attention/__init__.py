@@ -59,19 +59,24 @@ def default_block_size(backend_name: str) -> int:
 
 
 def resolve_backend_name(
-    name: str, device: torch.device | str, block_size: int | None = None
+    name: str,
+    device: torch.device | str,
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> str:
     """Turn an ``attention_backend`` engine arg into a concrete backend name.
 
-    ``"auto"``: flash_attn when it is importable, the device is CUDA and ``block_size`` is
-    a multiple of 256 (or not chosen yet: ``None``); else triton on CUDA; else torch.
-    An explicit name is honoured or refused with a clear error.
+    ``"auto"``: flash_attn when it is importable, the device is CUDA, ``block_size`` is
+    a multiple of 256 (or not chosen yet: ``None``) and ``dtype`` is fp16/bf16 (or not
+    given); else triton on CUDA; else torch. An explicit name is honoured or refused with
+    a clear error.
 
     Args:
         name: ``"auto"``, ``"torch"``, ``"triton"`` or ``"flash_attn"``.
         device: where the model runs.
         block_size: KV block size in tokens, or ``None`` when the caller will use
             ``default_block_size`` of the result.
+        dtype: the model's dtype, when known (flash-attn computes only fp16/bf16).
     """
     device = torch.device(device)
     if name not in ("auto",) + BACKEND_NAMES:
@@ -81,8 +86,9 @@ def resolve_backend_name(
     if block_size is not None and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     on_cuda = device.type == "cuda"
+    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        if on_cuda and flash_attn_available() and (
+        if on_cuda and half and flash_attn_available() and (
             block_size is None or block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0
         ):
             return "flash_attn"
@@ -104,6 +110,10 @@ def resolve_backend_name(
             raise ValueError(
                 "attention_backend='flash_attn' but flash-attn is not installed "
                 "(pip install flash-attn --no-build-isolation, see environment.yml)"
+            )
+        if not half:
+            raise ValueError(
+                f"attention_backend='flash_attn' computes only float16/bfloat16, got dtype={dtype}"
             )
         if block_size is not None and block_size % FLASH_ATTN_BLOCK_MULTIPLE != 0:
             raise ValueError(
