@@ -124,7 +124,7 @@ def resolve_backend_name(
 
 
 def get_attention_backend(
-    name: str, device: torch.device | str, block_size: int
+    name: str, device: torch.device | str, block_size: int, dtype: torch.dtype | None = None
 ) -> AttentionBackend:
     """Build the backend ``resolve_backend_name(name, device, block_size)`` picks.
 
@@ -132,8 +132,9 @@ def get_attention_backend(
         name: ``"auto"`` or a backend name (see ``resolve_backend_name``).
         device: where the model runs.
         block_size: KV block size in tokens (flash_attn refuses sizes not a multiple of 256).
+        dtype: the model's dtype, when known (see ``resolve_backend_name``).
     """
-    resolved = resolve_backend_name(name, device, block_size)
+    resolved = resolve_backend_name(name, device, block_size, dtype)
     if resolved == "torch":
         from minivllm.layers.attention.torch_backend import TorchAttentionBackend
 
