@@ -188,7 +188,7 @@ def _cost_and_peaks(engine, log=None):
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
         if load > 0.75 * cores:
             log(f"note: load average {load:.1f} on {cores} cores: other processes compete for the CPU, "
-                f"so every figure below reads low")
+                f"so every figure below reads low (--threads 1 suffers least)")
     return cost, peaks
 
 
@@ -851,6 +851,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="for --sweep")
     p.add_argument("--overhead", action="store_true", help="engine overhead with the model stubbed out")
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps for --sweep / --overhead")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (torch.set_num_threads) for minivllm and the peers alike; on a CPU "
+                        "shared with other work, 1 avoids OpenMP threads waiting on each other")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true")
     e = p.add_argument_group("engine arguments")
@@ -873,6 +876,12 @@ def main(argv: list[str] | None = None) -> int:
 def run_cli(argv: list[str] | None = None) -> dict:
     """Parse ``python -m minivllm bench`` arguments, run the chosen mode(s), return the results dict."""
     args = build_parser().parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads}: must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
     log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
     engine_args = {k: getattr(args, k) for k in ("device", "dtype", "attention_backend", "max_num_seqs",
                                                  "max_num_batched_tokens", "block_size", "enforce_eager")
