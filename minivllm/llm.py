@@ -49,7 +49,7 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def _submit(self, prompts, sampling_params, stream: bool) -> list[str]:
+    def _submit(self, prompts, sampling_params, output_kind: str) -> list[str]:
         """Validate every prompt, then queue them all; returns their request ids in order."""
         plist = _as_prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
@@ -68,7 +68,7 @@ class LLM:
         ids = []
         for prompt, p in zip(plist, params):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p, stream=stream)
+            self.engine.add_request(rid, prompt, p, output_kind=output_kind)
             ids.append(rid)
         return ids
 
@@ -86,7 +86,7 @@ class LLM:
             ValueError: a bad prompt or parameter (naming its index and value), before
                 anything is scheduled.
         """
-        ids = self._submit(prompts, sampling_params, stream=False)
+        ids = self._submit(prompts, sampling_params, "final_only")
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -113,7 +113,7 @@ class LLM:
         """Yield one delta ``RequestOutput`` per new token of any request (vLLM's DELTA kind):
         ``outputs[0].text`` / ``.token_ids`` hold only what is new; ``finished`` is True on a
         request's last item. Closing the iterator early aborts the unfinished requests."""
-        ids = self._submit(prompts, sampling_params, stream=True)
+        ids = self._submit(prompts, sampling_params, "delta")
         pending = set(ids)
         try:
             while pending:

@@ -79,6 +79,40 @@ def test_stream_with_stop_string_never_leaks_the_stop(tiny_ckpt):
     assert "".join(pieces) == final.text == full[:full.find(stop)]
 
 
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+def test_output_kinds(tiny_ckpt, kind):
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    engine.add_request("r", [1, 2, 3], greedy(4), output_kind=kind)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += engine.step().outputs
+    final = llm.generate([1, 2, 3], greedy(4), use_tqdm=False)[0].outputs[0]
+    if kind == "final_only":
+        assert len(seen) == 1 and seen[0].outputs[0].token_ids == final.token_ids
+    elif kind == "cumulative":
+        assert [len(o.outputs[0].token_ids) for o in seen] == [1, 2, 3, 4]
+        assert seen[-1].outputs[0].text == final.text
+    else:
+        assert [len(o.outputs[0].token_ids) for o in seen] == [1, 1, 1, 1]
+        assert "".join(o.outputs[0].text for o in seen) == final.text
+    assert [o.finished for o in seen][-1] is True
+    with pytest.raises(ValueError, match="output_kind"):
+        engine.add_request("x", [1], greedy(1), output_kind="sometimes")
+
+
+def test_abort_of_a_final_only_request_returns_its_text(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    engine.add_request("r", [1, 2, 3], greedy(10), output_kind="final_only")
+    for _ in range(4):
+        engine.step()
+    out = engine.abort_request("r")
+    full = llm.generate([1, 2, 3], greedy(4), use_tqdm=False)[0].outputs[0]  # 4 steps: prefill + 3 decodes
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == full.token_ids
+    assert out.outputs[0].text == full.text
+
+
 def test_closing_a_stream_early_aborts_its_requests(tiny_ckpt):
     llm = make_llm(tiny_ckpt)
     it = llm.stream([[1, 2, 3], [4, 5, 6]], greedy(20))

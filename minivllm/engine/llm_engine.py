@@ -16,7 +16,7 @@ from minivllm.config import EngineArgs, EngineConfig, resolve_device, resolve_dt
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.output_processor import RequestState, make_output, update_text
+from minivllm.engine.output_processor import OutputKind, RequestState, make_output, update_text
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import default_block_size, resolve_backend_name
@@ -147,11 +147,17 @@ class LLMEngine:
         return text, ids
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    *, stream: bool = False) -> None:
+                    *, output_kind: OutputKind | str = OutputKind.CUMULATIVE) -> None:
         """Validate and queue a request (raises ``ValueError`` at once on bad input).
 
-        ``stream=True`` makes its outputs deltas (only what is new), as ``LLM.stream`` uses.
+        ``output_kind``: "cumulative" (default: every step returns all text so far),
+        "delta" (only what is new, as ``LLM.stream`` uses) or "final_only" (one output when
+        finished, as ``LLM.generate`` uses).
         """
+        try:
+            kind = OutputKind(output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -161,7 +167,7 @@ class LLMEngine:
         text, ids = self.encode_prompt(prompt)
         seq = Sequence(request_id, text, ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, ids)
-        self.requests[request_id] = RequestState(seq, detok, delta=stream)
+        self.requests[request_id] = RequestState(seq, detok, kind)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -173,6 +179,7 @@ class LLMEngine:
         if state is None:
             return None
         self.scheduler.finish(state.seq, "abort")
+        update_text(state)  # final flush (a final-only request has not been decoded yet)
         return make_output(state)
 
     def has_unfinished_requests(self) -> bool:
@@ -196,20 +203,24 @@ class LLMEngine:
             post_start = time.perf_counter()
             self.scheduler.postprocess(plan)
             now = time.perf_counter()
+            requests = self.requests
             for seq, token in result.sampled:
                 seq.append_token(token, now)
                 self._check_stop(seq, token)
-                state = self.requests[seq.request_id]
-                stop = update_text(state)
-                if stop is not None:
-                    if seq.is_finished:  # the stop string showed up in the last token's text
-                        seq.finish_reason, seq.stop_reason = "stop", stop
-                    else:
-                        self.scheduler.finish(seq, "stop", stop)
-                outputs.append(make_output(state))
+                state = requests[seq.request_id]
+                if state.text_every_step or seq.is_finished:
+                    stop = update_text(state)
+                    if stop is not None:
+                        if seq.is_finished:  # the stop string showed up in the last token's text
+                            seq.finish_reason, seq.stop_reason = "stop", stop
+                        else:
+                            self.scheduler.finish(seq, "stop", stop)
                 if seq.is_finished:
+                    outputs.append(make_output(state))
                     finished.append(seq.request_id)
-                    del self.requests[seq.request_id]
+                    del requests[seq.request_id]
+                elif state.kind is not OutputKind.FINAL_ONLY:
+                    outputs.append(make_output(state))
         else:
             post_start = time.perf_counter()
         end = time.perf_counter()

@@ -1,11 +1,20 @@
 """From sampled tokens to user-facing results: detokenise, apply stop strings, build outputs."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.sequence import Sequence
 from minivllm.outputs import CompletionOutput, RequestOutput
+
+
+class OutputKind(enum.Enum):
+    """What ``LLMEngine.step()`` returns for a request (vLLM's ``RequestOutputKind``)."""
+
+    CUMULATIVE = "cumulative"  # every step: all text and tokens so far
+    DELTA = "delta"            # every step: only what is new (LLM.stream)
+    FINAL_ONLY = "final_only"  # once, when finished (LLM.generate): no per-step work
 
 
 @dataclass
@@ -15,20 +24,26 @@ class RequestState:
     Attributes:
         seq: the scheduled sequence.
         detokenizer: incremental decoder of its output tokens.
-        delta: return only what is new each time (``LLM.stream``), else cumulative.
-        text: all output text so far (truncated before a stop string once one appears).
+        kind: which outputs the request returns.
+        text: output text so far (truncated before a stop string once one appears).
         num_detokenized: output tokens already fed to the detokenizer.
         sent_text / sent_tokens: how much of ``text`` / output tokens delta outputs have returned.
     """
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
-    delta: bool = False
+    kind: OutputKind = OutputKind.CUMULATIVE
     text: str = ""
     num_detokenized: int = 0
     sent_text: int = 0
     sent_tokens: int = 0
     stop_hit: str | None = field(default=None)
+
+    @property
+    def text_every_step(self) -> bool:
+        """Detokenise every step (outputs carry text, or stop strings must be watched);
+        a final-only request without stop strings decodes once, at the end."""
+        return self.kind is not OutputKind.FINAL_ONLY or bool(self.seq.params.stop_strings)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -47,7 +62,7 @@ def update_text(state: RequestState) -> str | None:
     seq = state.seq
     if state.detokenizer is None:
         return None
-    new_ids = seq.output_token_ids[state.num_detokenized:]
+    new_ids = seq.token_ids[seq.num_prompt_tokens + state.num_detokenized:]
     if not new_ids and not seq.is_finished:
         return None
     state.num_detokenized += len(new_ids)
@@ -72,7 +87,7 @@ def make_output(state: RequestState) -> RequestOutput:
     seq = state.seq
     finished = seq.is_finished
     out_ids = seq.output_token_ids
-    if state.delta:
+    if state.kind is OutputKind.DELTA:
         visible = len(state.text) if finished else len(state.text) - _held_back(state.text, seq.params.stop_strings)
         visible = max(visible, state.sent_text)
         text = state.text[state.sent_text:visible]
