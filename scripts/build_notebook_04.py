@@ -291,7 +291,7 @@ for key, name, dash in (("contiguous_max_len", f"contiguous, max_model_len ({MAX
                         ("paged", "paged: blocks allocated x 16", "solid"),
                         ("used", "slots holding KV", "solid")):
     fig.add_scatter(x=steps, y=[s[key] for s in samples], mode="lines", name=name, line=dict(dash=dash))
-fig.update_layout(title="KV slots per engine step, mixed workload of 24 requests (measured on the live block manager)",
+fig.update_layout(title="KV slots held per step: 24 mixed requests, read from the live block manager",
                   xaxis_title="engine step", yaxis_title="token slots", height=420,
                   yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.25))
 show_figure(fig)
