@@ -59,7 +59,8 @@ md("""
 The parameters cell chooses the model: the embedded `minivllm-tiny` (a 4M-parameter Qwen3-shaped
 model that ships with the repo) unless the environment variable `MINIVLLM_MODEL` names another one
 (a Qwen3 checkpoint directory, or `random:qwen3-0.6b`). KV blocks of 16 tokens and a small pool of
-64 blocks keep the paging visible.
+64 blocks keep the paging visible. `MINIVLLM_THREADS` sets torch's CPU threads (the stored outputs
+were produced with 1 thread on a CPU shared with other work).
 """)
 
 code("""
@@ -73,6 +74,11 @@ from minivllm import LLM, SamplingParams
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
 BLOCK_SIZE = 16                            # tokens per KV block
+# CPU threads for torch; 0 keeps torch's default. On a machine shared with other busy
+# processes, 1 avoids threads waiting on each other and makes timings far steadier.
+THREADS = int(os.environ.get("MINIVLLM_THREADS", "0"))
+if THREADS > 0:
+    torch.set_num_threads(THREADS)
 """)
 
 code("""
@@ -82,7 +88,8 @@ engine = llm.llm_engine
 cfg, hf = engine.config, engine.source.hf_config
 n_params = sum(p.numel() for p in engine.runner.model.parameters())
 gpu = f" ({torch.cuda.get_device_name(cfg.device)})" if cfg.device.type == "cuda" else ""
-print(f"machine : {platform.machine()} {platform.system()}, {os.cpu_count()} CPU threads, torch {torch.__version__}")
+print(f"machine : {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+      f"using {torch.get_num_threads()} thread(s)")
 print(f"device  : {cfg.device}{gpu}")
 print(f"model   : {engine.source.name}: {n_params / 1e6:.2f} M parameters, {hf.num_hidden_layers} layers, "
       f"hidden size {hf.hidden_size}, vocabulary {hf.vocab_size}")
@@ -186,7 +193,7 @@ from widgets import measure_step_latency
 bench = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=256,
             max_num_batched_tokens=1024, max_num_seqs=16)
 PROMPT_LENS = [16, 64, 128, 256, 512]
-rows = measure_step_latency(bench, PROMPT_LENS, decode_steps=4, repeats=3)
+rows = measure_step_latency(bench, PROMPT_LENS, decode_steps=3, repeats=3)
 df = pd.DataFrame(rows)
 steps = df[df.phase.isin(["prefill", "decode"])]
 table = steps.groupby(["phase", "prompt_len"])[["wall_ms", "intensity", "mfu", "mbu"]].median()
@@ -261,9 +268,9 @@ point** to run that exact workload on the engine and plot the measurement beside
 code("""
 from widgets import LatencyCalculator, measure_decode_batch
 
-decode_rows = measure_decode_batch(bench, batch_sizes=[1, 2, 4, 8], prompt_len=32, decode_steps=6)
+decode_rows = measure_decode_batch(bench, batch_sizes=[1, 2, 4, 8], prompt_len=32, decode_steps=5)
 calc = LatencyCalculator({engine.source.name: bench}, sweeps={engine.source.name: rows + decode_rows})
-calc.prompt_slider.value, calc.response_slider.value, calc.batch_slider.value = 256, 16, 4
+calc.prompt_slider.value, calc.response_slider.value, calc.batch_slider.value = 128, 12, 4
 calc.measure()
 calc.display()
 """)
@@ -345,8 +352,7 @@ Quiz([
     Question(
         "Why does a decode step for 8 sequences take little longer than one for a single sequence?",
         ["Decode uses a different, faster kernel for batches",
-         "Every weight is read once per step whatever the batch, and with so few rows the step is paying for "
-         "that read (and fixed overhead), not for arithmetic",
+         "Each weight is read once per step, whatever the batch; 8 rows of arithmetic add little to that",
          "The KV cache is empty during decode",
          "The sequences run one after another, and each is very short"],
         1,
@@ -358,8 +364,8 @@ Quiz([
     ),
     Question(
         "With chunked prefill, who benefits when a long prompt arrives?",
-        ["The long prompt's own TTFT drops a lot", "Requests already decoding: they keep getting a token "
-         "every step", "Nobody; it only changes memory use", "It is what enforce_eager=False turns on"],
+        ["The long prompt's own TTFT drops a lot", "Requests already decoding: a token every step",
+         "Nobody; it only changes memory use", "It is what enforce_eager=False turns on"],
         1,
         ["The long prompt still needs every chunk computed before its first token, so its TTFT stays about "
          "the same (slightly longer, as it shares steps).",

@@ -106,7 +106,7 @@ def _text(locator) -> str:
 
 def test_notebook_06_in_jupyterlab(jupyterlab):
     sync_api = pytest.importorskip("playwright.sync_api")
-    url, token, _ = jupyterlab
+    url, token, work = jupyterlab
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(
@@ -170,7 +170,9 @@ def test_notebook_06_in_jupyterlab(jupyterlab):
             calc.scroll_into_view_if_needed()
             calc.screenshot(path=str(SHOTS / "latency_calculator.png"))
         except Exception:
-            page.screenshot(path=str(SHOTS / "browser_failure.png"), full_page=False)
+            shot = work.parent / "browser_failure.png"
+            page.screenshot(path=str(shot), full_page=False)
+            print(f"failure screenshot: {shot}")
             raise
         finally:
             browser.close()

@@ -387,7 +387,7 @@ class EngineStepper(CourseWidget):
         for phase in ("prefill", "decode", "mixed"):
             fig.add_bar(x=[], y=[], name=phase, marker_color=PHASE_COLOURS[phase], hovertext=[])
         fig.update_layout(title="Measured wall time of each step", xaxis_title="engine step",
-                          yaxis_title="ms", height=260, width=760, xaxis_tickformat="d", margin=dict(l=50, r=10, t=40, b=40),
+                          yaxis_title="ms", height=260, width=760, xaxis_type="category", margin=dict(l=50, r=10, t=40, b=40),
                           barmode="overlay", legend=dict(orientation="h", y=1.12, x=0.5))
         return fig
 

@@ -64,7 +64,8 @@ class LatencyCalculator(CourseWidget):
         self.batch_slider = W.IntSlider(value=1, min=1, max=min(16, cfg.args.max_num_seqs), description="batch",
                                         continuous_update=False, style={"description_width": "110px"},
                                         layout=W.Layout(width="420px"))
-        self.measure_button = W.Button(description="measure this point", icon="stopwatch", button_style="info")
+        self.measure_button = W.Button(description="measure this point", icon="stopwatch", button_style="info",
+                                        layout=W.Layout(width="200px"))
         self.measure_button.add_class("mv-measure")
         self.measure_button.on_click(lambda _: self.measure())
         self.readout = W.HTML()

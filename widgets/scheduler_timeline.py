@@ -71,7 +71,8 @@ class SchedulerTimeline(CourseWidget):
         base.add_bar(x=[], y=[], name="decode tokens", marker_color="#f0a202", row=2, col=1)
         base.update_layout(barmode="stack", height=380, width=760, margin=dict(l=70, r=10, t=40, b=40),
                            title="Scheduler timeline", legend=dict(orientation="h", y=-0.18),
-                           xaxis2_title="engine step", yaxis2_title="tokens", xaxis2_tickformat="d")
+                           xaxis2_title="engine step", yaxis2_title="tokens", xaxis2_tickformat="d",
+                           xaxis_tickformat="d")
         self.chart = go.FigureWidget(base)
         self.states: dict[str, list[str]] = {}
         self.num_steps = 0
