@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -828,6 +829,20 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
 
 
 # ----------------------------------------------------------------------------------- CLI
+def _resolve_threads(value: str) -> int | None:
+    """``--threads``: an int >= 1, or "auto" (1 on an overloaded CPU, else None = leave torch's default)."""
+    if value == "auto":
+        load = _loadavg()
+        return 1 if load is not None and load[0] > (os.cpu_count() or 1) else None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--threads {value!r}: expected 'auto' or an int >= 1")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minivllm bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -851,9 +866,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="for --sweep")
     p.add_argument("--overhead", action="store_true", help="engine overhead with the model stubbed out")
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps for --sweep / --overhead")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (torch.set_num_threads) for minivllm and the peers alike; on a CPU "
-                        "shared with other work, 1 avoids OpenMP threads waiting on each other")
+    p.add_argument("--threads", default="auto",
+                   help="torch CPU threads (torch.set_num_threads) for minivllm and the peers alike. 'auto' "
+                        "(default): 1 when the load average already exceeds the core count (other work shares "
+                        "the CPU and OpenMP threads would wait on each other, ~10x slower), else torch's default")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true")
     e = p.add_argument_group("engine arguments")
@@ -876,17 +892,31 @@ def main(argv: list[str] | None = None) -> int:
 def run_cli(argv: list[str] | None = None) -> dict:
     """Parse ``python -m minivllm bench`` arguments, run the chosen mode(s), return the results dict."""
     args = build_parser().parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads}: must be >= 1")
-        import torch
-
-        torch.set_num_threads(args.threads)
     log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
+    import torch
+
+    threads = _resolve_threads(args.threads)
+    if args.threads == "auto" and (_wants_cuda({"device": args.device}) or threads is None):
+        threads = None  # GPU runs and idle CPUs keep torch's default
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+        if args.threads == "auto":
+            log(f"load average {_loadavg()[0]:.1f} exceeds the {os.cpu_count()} cores: running with 1 torch "
+                f"thread (pass --threads N to override)")
+    try:
+        return _run_modes(args, log)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_modes(args, log) -> dict:
+    import torch
+
     engine_args = {k: getattr(args, k) for k in ("device", "dtype", "attention_backend", "max_num_seqs",
                                                  "max_num_batched_tokens", "block_size", "enforce_eager")
                    if getattr(args, k) is not None}
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
     if args.sweep:
         kw = {"decode_steps": args.decode_steps} if args.decode_steps else {}
         results["sweep"] = run_sweep(args.model, batch_sizes=args.batch_sizes, prompt_lens=args.prompt_lens,

@@ -61,6 +61,14 @@ def test_make_workload_is_reproducible_and_in_range():
             make_workload(**{"name": "cpu", **bad})
 
 
+def test_threads_option():
+    assert bench._resolve_threads("3") == 3
+    assert bench._resolve_threads("auto") in (None, 1)
+    for bad in ("0", "many"):
+        with pytest.raises(ValueError, match="--threads"):
+            bench._resolve_threads(bad)
+
+
 def test_percentiles_and_agreement():
     q = bench._percentiles([1.0, 2.0, 3.0, 4.0, None])
     assert q["p50"] == 2.5 and q["mean"] == 2.5 and q["p99"] == pytest.approx(3.97)
@@ -123,9 +131,12 @@ def test_overhead_smoke(tiny_ckpt):
 
 def test_main_writes_json(tiny_ckpt, tmp_path):
     out = tmp_path / "bench.json"
+    before = torch.get_num_threads()
     res = bench.run_cli(["--model", str(tiny_ckpt), "--no-peers", "--num-requests", "2", "--input-len", "3", "5",
-                         "--output-len", "2", "3", "--json", str(out), "--quiet"])
+                         "--output-len", "2", "3", "--json", str(out), "--quiet", "--threads", "1"])
+    assert torch.get_num_threads() == before  # restored after the run
     data = json.loads(out.read_text())
+    assert data["torch_threads"] == 1
     assert data["throughput"]["workload"]["num_requests"] == 2
     assert data["throughput"]["peers"] == {}
     assert res["throughput"]["minivllm"]["seconds"] > 0
