@@ -282,17 +282,25 @@ def step_cost(cost: ModelCost, entries: Iterable[Sequence[int]], num_sampled: in
     T = sum(n for n, _ in ents)
     A = sum(attended_keys(n, c) for n, c in ents if n)
     K = sum(c for n, c in ents if n)
-    c = cost
-    flops = (2 * c.matmul_params * T
-             + 4 * c.head_dim * c.num_heads * c.num_layers * A
-             + 2 * c.hidden_size * c.vocab_size * num_sampled)
-    nbytes = 0
-    if T:
-        nbytes = (c.body_weight_bytes
-                  + (c.lm_head_bytes if num_sampled else 0)
-                  + T * c.hidden_size * c.weight_bytes
-                  + K * c.kv_bytes_per_token
-                  + T * c.kv_bytes_per_token)
+    return _cost_from_sums(cost, T, A, K, num_sampled)
+
+
+def _coefficients(cost: ModelCost) -> tuple[int, ...]:
+    """Per-unit constants of :func:`step_cost`, computed once per ModelCost (steps are hot)."""
+    coef = cost.__dict__.get("_coef")
+    if coef is None:
+        coef = (2 * cost.matmul_params, 4 * cost.head_dim * cost.num_heads * cost.num_layers,
+                2 * cost.hidden_size * cost.vocab_size, cost.body_weight_bytes, cost.lm_head_bytes,
+                cost.hidden_size * cost.weight_bytes, cost.kv_bytes_per_token)
+        object.__setattr__(cost, "_coef", coef)  # a cache on a frozen dataclass
+    return coef
+
+
+def _cost_from_sums(cost: ModelCost, T: int, A: int, K: int, S: int) -> tuple[float, float]:
+    """The formulas of :func:`step_cost` from its sums T, A, K, S."""
+    lin, att, head, body, lm, emb, kv = _coefficients(cost)
+    flops = lin * T + att * A + head * S
+    nbytes = (body + (lm if S else 0) + emb * T + kv * (K + T)) if T else 0
     return float(flops), float(nbytes)
 
 
@@ -322,8 +330,18 @@ def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
     ``seconds`` defaults to the step's wall time (``record.wall_ms / 1e3``).
     Returns the record (modified in place).
     """
-    entries, num_sampled = entries_from_record(record)
-    flops, nbytes = step_cost(cost, entries, num_sampled)
+    # One pass over the entries (this runs every engine step): the sums of step_cost.
+    T = A = K = S = 0
+    for e in record.scheduled:
+        n = e.num_tokens
+        if n:
+            c = e.first_position + n
+            T += n
+            K += c
+            A += c if n == 1 else n * c - n * (n - 1) // 2
+        if e.sampled:
+            S += 1
+    flops, nbytes = _cost_from_sums(cost, T, A, K, S)
     record.flops = flops
     record.bytes_moved = nbytes
     if seconds is None:
