@@ -335,6 +335,7 @@ def test_latency_model_recovers_a_known_linear_cost_and_replays_scheduling():
         LatencyModel.fit(rows[3:])
 
 
+@pytest.mark.slow
 def test_latency_calculator_sliders_and_measure_button(llm):
     from widgets import LatencyCalculator
 
@@ -423,7 +424,7 @@ def test_scheduler_timeline_shows_chunks_preemption_and_finish(model_path):
         s = EngineStepper(small, show_chart=False)
         tl = SchedulerTimeline(stepper=s)
         for k in range(3):
-            s.add_request(ids(20, start=3 + k), max_tokens=12, ignore_eos=True)
+            s.add_request(ids(12, start=3 + k), max_tokens=12, ignore_eos=True)  # 1 block, growing to 2
         s.run_to_end()
         engine = small.llm_engine
         engine.check_invariants()

@@ -53,7 +53,7 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, 
     ids = []
     for p in prompts:
         rid = _new_id("measure")
-        engine.add_request(rid, p, params)
+        engine.add_request(rid, p, params, output_kind="final_only")  # as LLM.generate does
         ids.append(rid)
     final, records = {}, []
     try:

@@ -106,7 +106,8 @@ class UtilisationMonitor(CourseWidget):
         params = SamplingParams(temperature=0.0, max_tokens=int(self.max_tokens.value), ignore_eos=True)
         ids = [f"util-{i}" for i in range(int(self.num_requests.value))]
         for rid in ids:
-            engine.add_request(rid, random_prompt(engine, int(self.prompt_len.value), rng), params)
+            engine.add_request(rid, random_prompt(engine, int(self.prompt_len.value), rng), params,
+                               output_kind="final_only")
         sampler = UtilisationSampler(period_s=self.period_s, device=str(engine.config.device))
         self.records = []
         t0 = time.perf_counter()
