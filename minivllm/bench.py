@@ -784,7 +784,7 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
         log(f"engine overhead, model stubbed (fixed token), {prompt_len}-token prompts, "
             f"{decode_steps} decode steps per batch size")
         log(f"{'batch':>6}{'us/seq/step':>13}{'(median)':>10}{'step ms':>9}{'sched':>8}{'prep':>8}{'post':>8}"
-            f"{'nano-vllm':>11}")
+            f"{'other':>8}{'nano-vllm':>11}")
         for b in batch_sizes:
             tag = next(_ids)
             rids = [f"ovh{tag}-{i}" for i in range(b)]
@@ -818,10 +818,13 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
                    "prepare_ms": statistics.fmean(r.prepare_ms for r in recs),
                    "postprocess_ms": statistics.fmean(r.postprocess_ms for r in recs),
                    "nano_vllm_target_us": OVERHEAD_TARGETS_US.get(b)}
+            # the rest of step(): building the StepRecord (with its roofline figures), bookkeeping
+            row["other_ms"] = row["step_ms_mean"] - row["schedule_ms"] - row["prepare_ms"] - row["postprocess_ms"]
             rows.append(row)
             tgt = f"{row['nano_vllm_target_us']:.1f}" if row["nano_vllm_target_us"] else "-"
             log(f"{b:>6}{mean_us:>13.2f}{row['us_per_seq_step_median']:>10.2f}{row['step_ms_mean']:>9.3f}"
-                f"{row['schedule_ms']:>8.3f}{row['prepare_ms']:>8.3f}{row['postprocess_ms']:>8.3f}{tgt:>11}")
+                f"{row['schedule_ms']:>8.3f}{row['prepare_ms']:>8.3f}{row['postprocess_ms']:>8.3f}"
+                f"{row['other_ms']:>8.3f}{tgt:>11}")
         return {"mode": "overhead", "model": engine.source.name, "device": _device_label(engine.config.device),
                 "prompt_len": prompt_len, "decode_steps": decode_steps, "rows": rows, "loadavg": _loadavg()}
     finally:
