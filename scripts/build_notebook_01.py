@@ -213,7 +213,10 @@ print("engine text:", repr(out.outputs[0].text), "| finish_reason:", out.outputs
 
 md("""
 Identical, token for token. The engine is not doing anything different in kind from the loop
-above: it runs the same model on the same tokens and takes the same argmax. What it changes is
+above: it runs the same model on the same tokens and takes the same argmax. (The two routes add
+up numbers in a different order, so their logits can differ in the last bits; in fp32 that never
+flips a greedy choice here, while in bf16 on a GPU a near-tie between two candidates can, rarely,
+go the other way.) What it changes is
 *how much work* each step does, which the timings show.
 
 ## 5. Time per token

@@ -69,7 +69,9 @@ DEVICE = "auto"                            # CUDA when available, else CPU (fp32
 """)
 
 code("""
-llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64)
+# enforce_eager: every step runs the model eagerly (on a GPU, no CUDA-graph replay), so the
+# hooks and tracers below see every pass. On a CPU it changes nothing.
+llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64, enforce_eager=True)
 engine = llm.llm_engine
 model = engine.runner.model
 hf = model.config

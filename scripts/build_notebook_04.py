@@ -216,10 +216,11 @@ with torch.inference_mode():
 print(f"request B: {n} tokens in blocks {seq.block_table}")
 print("keys computed by hand:", list(k.shape), "| keys read from the engine's cache via the block table:",
       list(from_cache.shape))
-print("equal (to float rounding):", torch.allclose(k, from_cache, atol=1e-4, rtol=1e-3))
+tol = dict(atol=1e-4, rtol=1e-3) if runner.dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)  # bf16/fp16
+print("equal (to float rounding):", torch.allclose(k, from_cache, **tol))
 wrong = k_cache[table.roll(1)[pos // BLOCK_SIZE], pos % BLOCK_SIZE] if len(seq.block_table) > 1 else None
 if wrong is not None:
-    print("and with the block table scrambled:", torch.allclose(k, wrong, atol=1e-4, rtol=1e-3))
+    print("and with the block table scrambled:", torch.allclose(k, wrong, **tol))
 """)
 
 md("""
