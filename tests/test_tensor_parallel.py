@@ -178,9 +178,23 @@ def ckpt_1001(tmp_path_factory) -> Path:
     return add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("v1001"), seed=3, vocab_size=1001))
 
 
+DEFAULT_ARGS = dict(num_kvcache_blocks=64, block_size=16)
+
+
 @pytest.fixture(scope="module")
-def tp2_tiny(tiny_ckpt):
-    llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+def default_model(request):
+    """``(model, prompts)``: ``None`` (what ``LLM()`` loads: the embedded model) with text
+    prompts; before the embedded checkpoint exists, the tiny random one with token ids."""
+    from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
+
+    if (EMBEDDED_MODEL_DIR / "config.json").is_file() and not os.environ.get("MINIVLLM_MODEL"):
+        return None, ["def main():", "The built-in function", "Return a new list", "x"]
+    return str(request.getfixturevalue("tiny_ckpt")), prompts_of([5, 17, 9, 30], seed=1)
+
+
+@pytest.fixture(scope="module")
+def tp2_default(default_model):
+    llm = LLM(default_model[0], tensor_parallel_size=2, **DEFAULT_ARGS)
     yield llm
     llm.shutdown()
 
@@ -200,21 +214,11 @@ def test_indivisible_heads_refused_at_start(tiny_ckpt):
         make_llm(tiny_ckpt, tensor_parallel_size=4)
 
 
-def test_tp2_greedy_matches_tp1_default_model(request):
-    """``LLM()`` (the embedded model) at tp=2 generates the same greedy tokens as at tp=1.
-    Until the embedded checkpoint exists, the tiny random checkpoint stands in for it."""
-    from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
-
-    if (EMBEDDED_MODEL_DIR / "config.json").is_file() and not os.environ.get("MINIVLLM_MODEL"):
-        model, prompts = None, ["def main():", "The built-in function", "Return a new list", "x"]
-    else:
-        model, prompts = str(request.getfixturevalue("tiny_ckpt")), prompts_of([5, 17, 9, 30], seed=1)
-    params = greedy(16)
-    args = dict(num_kvcache_blocks=64, block_size=16)
-    want = token_lists(LLM(model, **args).generate(prompts, params, use_tqdm=False))
-    with LLM(model, tensor_parallel_size=2, **args) as llm:
-        got = token_lists(llm.generate(prompts, params, use_tqdm=False))
-    assert got == want
+def test_tp2_greedy_matches_tp1_default_model(default_model, tp2_default):
+    """``LLM()`` (the embedded model) at tp=2 generates the same greedy tokens as at tp=1."""
+    model, prompts = default_model
+    want = token_lists(LLM(model, **DEFAULT_ARGS).generate(prompts, greedy(16), use_tqdm=False))
+    assert token_lists(tp2_default.generate(prompts, greedy(16), use_tqdm=False)) == want
 
 
 def test_tp2_vocab_1001_matches_tp1_and_never_samples_padding(ckpt_1001, tp2_1001):
@@ -233,54 +237,62 @@ def test_tp2_vocab_1001_matches_tp1_and_never_samples_padding(ckpt_1001, tp2_100
     try:
         assert token_lists(tp2_1001.generate(prompts, greedy(12), use_tqdm=False)) == want
         # random sampling at a high temperature over many steps: every token is a real one
-        hot = SamplingParams(temperature=5.0, max_tokens=64, ignore_eos=True, seed=7)
+        hot = SamplingParams(temperature=5.0, max_tokens=24, ignore_eos=True, seed=7)
         tokens = [t for o in tp2_1001.generate(prompts, hot, use_tqdm=False) for t in o.outputs[0].token_ids]
     finally:
         runner.sampler = sampler
     assert set(widths) == {1001}
-    assert max(tokens) < 1001 and len(tokens) == 4 * 64
+    assert max(tokens) < 1001 and len(tokens) == 4 * 24
 
 
-def test_tp2_preemption_matches_tp1(tiny_ckpt):
-    """A pool of 8 blocks forces recompute preemption; the workers see the recomputed tokens."""
+def test_tp2_preemption_matches_tp1(tiny_ckpt, monkeypatch):
+    """A pool of 8 blocks forces recompute preemption; the workers see the recomputed tokens.
+    (The tp=2 engine also runs with ``compile=True``: the COMPILE message reaches the worker,
+    whose torch.compile is made a no-op by TORCHDYNAMO_DISABLE to keep this test fast.)"""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or fn)
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # read by the worker when torch starts
     prompts = prompts_of([7, 7, 7], seed=3)
     args = dict(num_kvcache_blocks=8, max_model_len=32)
     results = []
     for tp in (1, 2):
-        llm = make_llm(tiny_ckpt, tensor_parallel_size=tp, **args)
+        llm = make_llm(tiny_ckpt, tensor_parallel_size=tp, compile=tp == 2, **args)
         engine = llm.llm_engine
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, greedy(10))
         final, records = run_to_end(engine)
         assert any(r.preempted for r in records), f"tp={tp}: the pool of 8 blocks should force a preemption"
         results.append([final[str(i)].outputs[0].token_ids for i in range(3)])
+        pids = engine.runner.worker_pids if tp > 1 else []
         llm.shutdown()
+        _wait_gone(pids, timeout=10.0)  # no orphan after shutdown()
     assert results[0] == results[1]
     assert all(len(t) == 10 for t in results[1])
+    assert compiled  # rank 0 compiled its ops after telling the worker to
 
 
-def test_tp2_prefix_caching_matches_tp1(tiny_ckpt, tp2_tiny):
-    prefix = prompts_of([13], seed=4)[0]
+def test_tp2_prefix_caching_matches_tp1(default_model, tp2_default):
+    prefix = prompts_of([37], seed=4)[0]
     first, second = prefix + [5, 6], prefix + [7, 8, 9]
-    ref = make_llm(tiny_ckpt, enable_prefix_caching=False)
+    ref = LLM(default_model[0], enable_prefix_caching=False, **DEFAULT_ARGS)
     want = [token_lists(ref.generate([p], greedy(6), use_tqdm=False))[0] for p in (first, second)]
-    tp2_tiny.llm_engine.reset_prefix_cache()
-    a = tp2_tiny.generate([first], greedy(6), use_tqdm=False)[0]
-    b = tp2_tiny.generate([second], greedy(6), use_tqdm=False)[0]
-    assert b.num_cached_tokens == 12  # three full blocks of 4 of the shared 13-token prefix
+    tp2_default.llm_engine.reset_prefix_cache()
+    a = tp2_default.generate([first], greedy(6), use_tqdm=False)[0]
+    b = tp2_default.generate([second], greedy(6), use_tqdm=False)[0]
+    assert b.num_cached_tokens == 32  # two full blocks of 16 of the shared 37-token prefix
     assert [a.outputs[0].token_ids, b.outputs[0].token_ids] == want
 
 
-def test_two_tp2_engines_alive_at_once(tiny_ckpt, ckpt_1001, tp2_tiny, tp2_1001):
+def test_two_tp2_engines_alive_at_once(default_model, ckpt_1001, tp2_default, tp2_1001):
     """Two tp=2 engines (and tp=1 ones) in one process, stepped alternately, each still right."""
-    r_tiny, r_1001 = tp2_tiny.llm_engine.runner, tp2_1001.llm_engine.runner
-    assert r_tiny.conn.store.port != r_1001.conn.store.port
-    assert not set(r_tiny.worker_pids) & set(r_1001.worker_pids)
-    p_tiny, p_1001 = prompts_of([9, 3], seed=5), prompts_of([6, 14], seed=6, vocab=1001)
-    want_tiny = token_lists(make_llm(tiny_ckpt).generate(p_tiny, greedy(8), use_tqdm=False))
-    want_1001 = token_lists(make_llm(ckpt_1001).generate(p_1001, greedy(8), use_tqdm=False))
-    engines = [tp2_tiny.llm_engine, tp2_1001.llm_engine]
-    for engine, prompts in zip(engines, (p_tiny, p_1001)):
+    r_a, r_b = tp2_default.llm_engine.runner, tp2_1001.llm_engine.runner
+    assert r_a.conn.store.port != r_b.conn.store.port
+    assert not set(r_a.worker_pids) & set(r_b.worker_pids)
+    p_a, p_b = prompts_of([9, 3], seed=5), prompts_of([6, 14], seed=6, vocab=1001)
+    want_a = token_lists(LLM(default_model[0], **DEFAULT_ARGS).generate(p_a, greedy(8), use_tqdm=False))
+    want_b = token_lists(make_llm(ckpt_1001).generate(p_b, greedy(8), use_tqdm=False))
+    engines = [tp2_default.llm_engine, tp2_1001.llm_engine]
+    for engine, prompts in zip(engines, (p_a, p_b)):
         for i, p in enumerate(prompts):
             engine.add_request(f"both-{i}", p, greedy(8))
     finals = [{}, {}]
@@ -290,8 +302,8 @@ def test_two_tp2_engines_alive_at_once(tiny_ckpt, ckpt_1001, tp2_tiny, tp2_1001)
                 for out in engine.step().outputs:
                     if out.finished:
                         final[out.request_id] = out.outputs[0].token_ids
-    assert [finals[0][f"both-{i}"] for i in range(2)] == want_tiny
-    assert [finals[1][f"both-{i}"] for i in range(2)] == want_1001
+    assert [finals[0][f"both-{i}"] for i in range(2)] == want_a
+    assert [finals[1][f"both-{i}"] for i in range(2)] == want_b
 
 
 @linux_only
@@ -333,16 +345,12 @@ def test_exception_in_worker_surfaces_in_caller(tiny_ckpt, monkeypatch):
 
 
 @linux_only
-def test_no_orphan_after_shutdown_or_garbage_collection(tiny_ckpt):
+def test_no_orphan_after_garbage_collection(tiny_ckpt):
     llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
     pids = llm.llm_engine.runner.worker_pids
     llm.generate([[3, 4, 5]], greedy(2), use_tqdm=False)
     del llm
     gc.collect()
-    _wait_gone(pids, timeout=10.0)
-
-    with make_llm(tiny_ckpt, tensor_parallel_size=2) as llm:
-        pids = llm.llm_engine.runner.worker_pids
     _wait_gone(pids, timeout=10.0)
 
 

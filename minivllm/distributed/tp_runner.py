@@ -34,7 +34,7 @@ import torch.distributed as dist
 from minivllm.distributed import launch
 from minivllm.distributed.launch import Connection
 from minivllm.distributed.parallel_state import tp_scope
-from minivllm.distributed.worker import HEADER_LEN, SHUTDOWN, ShardRunner, WorkerConfig, pack_step, serve
+from minivllm.distributed.worker import COMPILE, HEADER_LEN, SHUTDOWN, ShardRunner, WorkerConfig, pack_step, serve
 from minivllm.engine.model_runner import ModelInput
 from minivllm.utils.model_source import ModelSource
 
@@ -147,6 +147,20 @@ class TPModelRunner(ShardRunner):
     def worker_pids(self) -> list[int]:
         """Process ids of the locally started workers (ranks 1..tp-1); empty for external launches."""
         return [p.pid for p in self.conn.procs]
+
+    # -- optimisations ------------------------------------------------------------------------------
+    def enable_compile(self) -> None:
+        """``torch.compile`` the small fused ops on every rank (replicated ops such as the norms
+        must compute the same values everywhere)."""
+        self._check_usable()
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0] = COMPILE
+        with self._guard("enabling torch.compile"):
+            launch.broadcast(self.conn.ctrl, header)
+        super().enable_compile()
+
+    def enable_cuda_graphs(self, *args, **kwargs) -> None:
+        raise NotImplementedError("CUDA graphs are not supported with tensor_parallel_size > 1")
 
     # -- one step ----------------------------------------------------------------------------------
     def forward_logits(self, inp: ModelInput) -> torch.Tensor:

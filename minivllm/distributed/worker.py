@@ -18,7 +18,8 @@ Entry points:
 Protocol (control group, gloo, CPU int64 tensors), one step:
 ``header = [cmd, num_tokens, num_seqs, num_sampling, table_width, payload_len]`` then, for
 ``cmd == STEP``, a payload of ``input_ids | positions | slot_mapping | q_lens |
-context_lens | block_tables (row-major) | logits_indices``.
+context_lens | block_tables (row-major) | logits_indices``. ``COMPILE`` makes the worker
+``torch.compile`` the same ops as rank 0 (``ModelRunner.enable_compile``); ``SHUTDOWN`` ends it.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from minivllm.utils.model_source import ModelSource
 
 logger = logging.getLogger("minivllm")
 
-STEP, SHUTDOWN = 1, 2
+STEP, SHUTDOWN, COMPILE = 1, 2, 3
 HEADER_LEN = 6
 #: Test hook: ``"<rank>:<step>"`` makes that worker raise at that step (exercises error reporting).
 FAULT_ENV = "MINIVLLM_TP_TEST_FAULT"
@@ -95,7 +96,7 @@ def unpack_step(runner: ModelRunner, header: torch.Tensor, payload: torch.Tensor
     ids, pos, slots, q_lens, ctx_lens, tables, rows = payload.split(
         [n_tok, n_tok, n_tok, n_seqs, n_seqs, n_seqs * width, n_sample])
     dev = runner.device
-    meta = runner._metadata(q_lens.tolist(), ctx_lens.tolist(), slots.tolist(),
+    meta = runner._metadata(q_lens.tolist(), ctx_lens.tolist(), slots.to(dev),
                             tables.view(n_seqs, width).tolist())
     return ModelInput(input_ids=ids.to(dev), positions=pos.to(dev), meta=meta, logits_indices=rows.to(dev),
                       sampling_seqs=[None] * n_sample)
@@ -164,6 +165,9 @@ class Worker:
             cmd = int(header[0])
             if cmd == SHUTDOWN:
                 return
+            if cmd == COMPILE:
+                self.runner.enable_compile()
+                continue
             if cmd != STEP:
                 raise RuntimeError(f"worker rank {self.conn.rank}: unknown command {cmd}")
             payload = launch.broadcast(ctrl, torch.empty(int(header[5]), dtype=torch.int64))
