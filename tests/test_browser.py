@@ -64,6 +64,7 @@ def jupyterlab(tmp_path):
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
                JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"))
+    env.setdefault("MINIVLLM_THREADS", "1")  # the notebook's thread parameter: steadier on a shared CPU
     # No virtual scrolling of cells (widgets stay in the DOM), no news prompt.
     settings = tmp_path / "settings"
     (settings / "@jupyterlab" / "notebook-extension").mkdir(parents=True)

@@ -546,3 +546,22 @@ def test_utilisation_monitor_runs_a_workload(llm):
     assert len(mon.series.data[0].x) == len(mon.samples)
     llm.llm_engine.check_invariants()
     assert llm.llm_engine.block_manager.num_used_blocks == 0
+
+
+def test_static_fallback_without_chrome_is_an_svg(monkeypatch, llm):
+    import plotly.graph_objects as go
+
+    from widgets import SchedulerTimeline
+    from widgets import _static
+
+    monkeypatch.setattr(_static, "_disabled", True)  # as on a machine without Chrome
+    fig = go.Figure()
+    fig.add_bar(x=["TTFT", "TPOT", "total"], y=[30.0, 2.0, 60.0], name="predicted")
+    fig.add_scatter(x=["TTFT", "TPOT", "total"], y=[28.0, 2.5, 55.0], mode="markers", name="measured")
+    fig.update_layout(title="latency", yaxis_type="log")
+    out = _static.figure_html(fig)
+    assert out.count("<svg") == 1 and out.count("<rect x=") >= 3 + 1 and out.count("<circle") == 3
+    assert "predicted" in out and "latency" in out
+    tl = SchedulerTimeline()  # heatmap + subplots: not drawable as SVG, a text note instead
+    assert _static.figure_svg(tl.chart) is None
+    assert "static image unavailable" in _static.figure_html(tl.chart)

@@ -81,12 +81,16 @@ def figure_png(fig, width: int = 760, height: int | None = None) -> bytes | None
 
 
 def figure_html(fig, width: int = 760, height: int | None = None) -> str:
-    """An ``<img>`` of the figure (base64 PNG), or a short text note when export is unavailable."""
+    """An ``<img>`` of the figure (base64 PNG); without Chrome, an SVG drawn by
+    :func:`figure_svg` (bar and scatter charts), else a short text note."""
     png = figure_png(fig, width, height)
     title = ""
     if fig.layout.title is not None and fig.layout.title.text:
         title = fig.layout.title.text
     if png is None:
+        svg = figure_svg(fig, width, height)
+        if svg is not None:
+            return f"<div class='mv-static-chart'>{svg}</div>"
         n = sum(len(t.x) if getattr(t, "x", None) is not None else 0 for t in fig.data)
         return (f"<div class='mv-static-chart'><i>[chart: {html.escape(title)}; {n} points; "
                 "static image unavailable (no Chrome for kaleido)]</i></div>")
@@ -122,3 +126,114 @@ def show_figure(fig, width: int = 760, height: int | None = None) -> None:
     from IPython.display import display
 
     display(StaticFigure(fig, width, height))
+
+
+_SVG_COLOURS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2"]
+
+
+def _trace_colour(trace, i: int) -> str:
+    for attr in ("marker", "line"):
+        c = getattr(getattr(trace, attr, None), "color", None)
+        if isinstance(c, str):
+            return c
+    return _SVG_COLOURS[i % len(_SVG_COLOURS)]
+
+
+def figure_svg(fig, width: int = 760, height: int | None = None) -> str | None:
+    """A plain SVG of a single-panel figure made of bar and scatter traces (the fallback
+    when no Chrome is available for kaleido). Returns None for anything else (heatmaps,
+    subplots), so the caller can fall back further."""
+    import math
+
+    traces = [t for t in fig.data if t.x is not None and t.y is not None and len(t.x)]
+    if not traces or any(t.type not in ("bar", "scatter") for t in fig.data):
+        return None
+    if any(getattr(t, "xaxis", "x") not in (None, "x") for t in fig.data):
+        return None
+    h = height or fig.layout.height or 360
+    w = width
+    left, right, top, bottom = 60, 170, 40, 45
+    pw, ph = w - left - right, h - top - bottom
+    logy = fig.layout.yaxis.type == "log"
+    categorical = any(isinstance(x, str) for t in traces for x in t.x)
+    cats: list = []
+    if categorical:
+        for t in traces:
+            for x in t.x:
+                if x not in cats:
+                    cats.append(x)
+    ys = [float(y) for t in traces for y in t.y if y is not None and (not logy or y > 0)]
+    if not ys:
+        return None
+    fy = (lambda v: math.log10(v)) if logy else (lambda v: v)
+    y0, y1 = min(fy(v) for v in ys), max(fy(v) for v in ys)
+    y0 = math.floor(y0) if logy else min(0.0, y0)  # bars need a baseline below the smallest value
+    if y1 == y0:
+        y1 = y0 + 1
+    if categorical:
+        xpos = {c: i + 0.5 for i, c in enumerate(cats)}
+        x0, x1 = 0.0, float(len(cats))
+    else:
+        xs = [float(x) for t in traces for x in t.x]
+        x0, x1 = min(xs), max(xs)
+        pad = (x1 - x0) * 0.05 or 0.5
+        x0, x1 = x0 - pad, x1 + pad
+
+    def sx(x):
+        v = xpos[x] if categorical else float(x)
+        return left + (v - x0) / (x1 - x0) * pw
+
+    def sy(y):
+        return top + ph - (fy(float(y)) - y0) / (y1 - y0) * ph
+
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' "
+           f"font-size='11'><rect width='{w}' height='{h}' fill='white'/>",
+           f"<rect x='{left}' y='{top}' width='{pw}' height='{ph}' fill='#f3f5f9'/>"]
+    title = fig.layout.title.text if fig.layout.title is not None else None
+    if title:
+        out.append(f"<text x='{left}' y='22' font-size='15'>{html.escape(title)}</text>")
+    for k in range(5):  # y grid and labels
+        v = y0 + (y1 - y0) * k / 4
+        yy = top + ph - ph * k / 4
+        label = 10 ** v if logy else v
+        out.append(f"<line x1='{left}' x2='{left + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='white'/>"
+                   f"<text x='{left - 6}' y='{yy + 4:.1f}' text-anchor='end'>{label:.3g}</text>")
+    ticks = cats if categorical else [x0 + (x1 - x0) * k / 5 for k in range(6)]
+    step = max(1, len(ticks) // 10)
+    for x in ticks[::step]:
+        label = html.escape(str(x)) if categorical else f"{x:.3g}"
+        out.append(f"<text x='{sx(x):.1f}' y='{top + ph + 15}' text-anchor='middle'>{label}</text>")
+    for axis, anchor in ((fig.layout.xaxis, "x"), (fig.layout.yaxis, "y")):
+        t = axis.title.text if axis.title is not None else None
+        if t and anchor == "x":
+            out.append(f"<text x='{left + pw / 2}' y='{h - 8}' text-anchor='middle'>{html.escape(t)}</text>")
+        elif t:
+            out.append(f"<text transform='translate(14,{top + ph / 2}) rotate(-90)' text-anchor='middle'>"
+                       f"{html.escape(t)}</text>")
+    bars = [t for t in traces if t.type == "bar"]
+    slot = (pw / (len(cats) if categorical else max(len(traces[0].x), 1))) * 0.8
+    bw = slot / max(len(bars), 1) if fig.layout.barmode in (None, "group") else slot
+    base = sy(10 ** y0) if logy else sy(0)
+    for i, t in enumerate(traces):
+        colour = _trace_colour(t, i)
+        if t.type == "bar":
+            j = bars.index(t)
+            off = (j - (len(bars) - 1) / 2) * bw if fig.layout.barmode in (None, "group") else 0
+            for x, y in zip(t.x, t.y):
+                if y is None or (logy and y <= 0):
+                    continue
+                top_y = sy(y)
+                out.append(f"<rect x='{sx(x) + off - bw / 2:.1f}' y='{min(top_y, base):.1f}' width='{bw:.1f}' "
+                           f"height='{abs(base - top_y):.1f}' fill='{colour}'/>")
+        else:
+            pts = [(sx(x), sy(y)) for x, y in zip(t.x, t.y) if y is not None and (not logy or y > 0)]
+            if "lines" in (t.mode or "lines") and len(pts) > 1:
+                path = " ".join(f"{a:.1f},{b:.1f}" for a, b in pts)
+                out.append(f"<polyline points='{path}' fill='none' stroke='{colour}' stroke-width='2'/>")
+            if "markers" in (t.mode or ""):
+                out += [f"<circle cx='{a:.1f}' cy='{b:.1f}' r='3' fill='{colour}'/>" for a, b in pts]
+        ly = top + 14 * i + 6
+        out.append(f"<rect x='{left + pw + 10}' y='{ly - 8}' width='10' height='10' fill='{colour}'/>"
+                   f"<text x='{left + pw + 25}' y='{ly + 1}'>{html.escape(str(t.name or ''))}</text>")
+    out.append("</svg>")
+    return "".join(out)
