@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -138,9 +139,7 @@ class ModelRunner:
                                        self.tp_size)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
-        meta = self._metadata([n], [n], (np.arange(n) // self.block_size * self.block_size
-                                         + np.arange(n) % self.block_size).tolist(),
-                              [list(range(scratch_blocks))])
+        meta = self._metadata([n], [n], torch.arange(n, device=self.device), [list(range(scratch_blocks))])
         with torch.inference_mode():
             self.backend.prepare(meta)
             hidden = self.model(ids, pos, ForwardContext(meta, self.backend, scratch))
@@ -190,24 +189,21 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _metadata(self, q_lens: list[int], context_lens: list[int], slots: list[int],
+    def _metadata(self, q_lens: list[int], context_lens: list[int], slot_mapping: torch.Tensor,
                   tables: list[list[int]]) -> AttentionMetadata:
         num_seqs = len(q_lens)
         width = max(len(t) for t in tables)
         table_arr = np.full((num_seqs, width), -1, dtype=np.int32)
         for i, t in enumerate(tables):
             table_arr[i, :len(t)] = t
-        # One int32 host buffer: [cu_seqlens_q | cu_seqlens_k | context_lens].
-        lens = np.zeros(3 * num_seqs + 2, dtype=np.int32)
-        np.cumsum(q_lens, out=lens[1:num_seqs + 1])
-        np.cumsum(context_lens, out=lens[num_seqs + 2:2 * num_seqs + 2])
-        lens[2 * num_seqs + 2:] = context_lens
-        lens_t = self._to_device(lens)
+        # One int32 host buffer, one transfer: [cu_seqlens_q | cu_seqlens_k | context_lens].
+        lens = self._to_device(np.array(list(accumulate(q_lens, initial=0)) + list(accumulate(context_lens, initial=0))
+                                        + context_lens, dtype=np.int32))
         return AttentionMetadata(
-            cu_seqlens_q=lens_t[:num_seqs + 1],
-            cu_seqlens_k=lens_t[num_seqs + 1:2 * num_seqs + 2],
-            context_lens=lens_t[2 * num_seqs + 2:],
-            slot_mapping=self._to_device(np.asarray(slots, dtype=np.int64)),
+            cu_seqlens_q=lens[:num_seqs + 1],
+            cu_seqlens_k=lens[num_seqs + 1:2 * num_seqs + 2],
+            context_lens=lens[2 * num_seqs + 2:],
+            slot_mapping=slot_mapping,
             block_tables=self._to_device(table_arr),
             max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens), block_size=self.block_size,
             is_decode_only=max(q_lens) == 1, q_lens_cpu=q_lens, context_lens_cpu=context_lens)
@@ -238,12 +234,13 @@ class ModelRunner:
             if entry.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
+        # One int64 host buffer, one transfer: [input_ids | positions | slot_mapping | logits rows].
+        t = len(input_ids)
+        flat = self._to_device(np.array(input_ids + positions + slots + logits_rows, dtype=np.int64))
         return ModelInput(
-            input_ids=self._to_device(np.asarray(input_ids, dtype=np.int64)),
-            positions=self._to_device(np.asarray(positions, dtype=np.int64)),
-            meta=self._metadata(q_lens, context_lens, slots, tables),
-            logits_indices=self._to_device(np.asarray(logits_rows, dtype=np.int64)),
-            sampling_seqs=sampling)
+            input_ids=flat[:t], positions=flat[t:2 * t],
+            meta=self._metadata(q_lens, context_lens, flat[2 * t:3 * t], tables),
+            logits_indices=flat[3 * t:], sampling_seqs=sampling)
 
     @torch.inference_mode()
     def forward_logits(self, inp: ModelInput) -> torch.Tensor:
