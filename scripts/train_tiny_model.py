@@ -12,7 +12,7 @@ What it does, top to bottom:
 2. Tokenizer: byte-level BPE (``tokenizers``), vocab 4096, one special token ``<|endoftext|>`` (eos, bos
    and pad), trained on the training documents only. Byte-level, so any Unicode text round-trips.
 3. Model: ``transformers.Qwen3ForCausalLM`` (hidden 256, 4 layers, 4 query heads / 2 kv heads of dim 64,
-   MLP 768, tied embeddings, ~4.2M parameters, fp32), trained with AdamW on random 256-token windows of
+   MLP 768, tied embeddings, ~4.2M parameters), trained in fp32 with AdamW on random 256-token windows of
    the training token stream (documents joined by ``<|endoftext|>``), batch 4, linear warmup then cosine
    decay. Training is bounded by wall clock (``--minutes``); the cosine schedule runs over training time
    (evaluation time excluded), so a run on a faster machine takes more steps. ``--steps N`` instead runs
@@ -22,11 +22,20 @@ What it does, top to bottom:
    tokenizer_config.json (with a ChatML-style chat template; the model never saw chat data) and
    training_record.json (hyperparameters, corpus hash, versions, loss curve, samples).
    With ``--doc`` it also renders the training record as Markdown (docs/tiny_model.md).
+5. Storage dtype (``--store-dtype``, default float16): the trained fp32 weights are rounded to nearest
+   fp16 before saving, which halves model.safetensors (16.8 -> 8.4 MB; the package budget is 15 MB).
+   Loaders upcast fp16 to fp32 exactly, so every fp32 consumer (our engine on CPU, transformers with
+   ``dtype=torch.float32``) computes with the same stored values. The reported held-out loss and the
+   samples are measured on the stored (rounded) weights; the fp32 loss before rounding is kept too.
+   ``--convert-existing DIR`` applies this rounding to an fp32 checkpoint already trained by this
+   script, without retraining: it rebuilds the same held-out split, re-measures the loss, regenerates
+   the samples and rewrites DIR/training_record.json (and ``--doc``).
 
 Usage::
 
     python scripts/train_tiny_model.py --minutes 20 --threads 1          # the committed checkpoint
     python scripts/train_tiny_model.py --minutes 0.5 --out /tmp/tiny --doc ""   # smoke test
+    python scripts/train_tiny_model.py --convert-existing minivllm/assets/minivllm-tiny   # fp32 -> fp16
 """
 
 from __future__ import annotations
@@ -332,6 +341,95 @@ def generate_samples(model_dir: Path) -> list[dict]:
     return samples
 
 
+STORE_DTYPES = ("float32", "float16")
+
+
+def round_to_store_dtype(model, store_dtype: str) -> dict:
+    """Round every parameter of ``model`` in place to the nearest ``store_dtype`` value, kept in fp32.
+
+    After this the fp32 model holds exactly the values the checkpoint will store (fp16 -> fp32 is an
+    exact upcast), so evaluating it measures the stored weights. fp16 rounding is IEEE
+    round-to-nearest-even (torch ``.to(torch.float16)``); a value beyond the fp16 range (|w| > 65504)
+    would become inf, which is refused.
+
+    Returns: stats over all parameters (tied weights once): ``max_abs_weight``, ``max_abs_error``,
+    ``max_rel_error_normal`` (|w16 - w32| / |w32| over weights in fp16's normal range, |w| >= 2**-14
+    = 6.1e-5; at most 2**-11 = 4.9e-4 by IEEE 754), ``max_rel_error`` (the same over all nonzero
+    weights, where tiny subnormal ones keep fewer bits and one flushed to zero counts 1.0),
+    ``num_subnormal`` (nonzero weights stored as fp16 subnormals) and ``num_flushed_to_zero``.
+    """
+    import torch
+
+    if store_dtype not in STORE_DTYPES:
+        raise ValueError(f"store dtype {store_dtype!r}: choose one of {STORE_DTYPES}")
+    stats = {"store_dtype": store_dtype, "max_abs_weight": 0.0, "max_abs_error": 0.0,
+             "max_rel_error_normal": 0.0, "max_rel_error": 0.0, "num_subnormal": 0, "num_flushed_to_zero": 0}
+    tiny = torch.finfo(torch.float16).tiny  # 2**-14, the smallest normal fp16
+    with torch.no_grad():
+        for p in model.parameters():  # parameters() yields each tied tensor once
+            w = p.detach().float()
+            stats["max_abs_weight"] = max(stats["max_abs_weight"], w.abs().max().item())
+            if store_dtype == "float32":
+                continue
+            r = w.to(torch.float16)
+            if not torch.isfinite(r).all():
+                raise ValueError(f"a weight of magnitude {w.abs().max().item():.4g} overflows float16")
+            r = r.float()
+            err = (r - w).abs()
+            nz = w != 0
+            normal = w.abs() >= tiny
+            stats["max_abs_error"] = max(stats["max_abs_error"], err.max().item())
+            if nz.any():
+                stats["max_rel_error"] = max(stats["max_rel_error"], (err[nz] / w[nz].abs()).max().item())
+            if normal.any():
+                stats["max_rel_error_normal"] = max(stats["max_rel_error_normal"],
+                                                    (err[normal] / w[normal].abs()).max().item())
+            stats["num_subnormal"] += int((nz & (r.abs() < tiny) & (r != 0)).sum())
+            stats["num_flushed_to_zero"] += int((nz & (r == 0)).sum())
+            p.copy_(r)
+    return stats
+
+
+def save_checkpoint(model, out: Path, store_dtype: str) -> None:
+    """save_pretrained in ``store_dtype`` (model.safetensors + config.json), leaving ``model`` in fp32.
+
+    Call round_to_store_dtype first: the cast here is then exact. config.json gets both dtype
+    spellings ("dtype", transformers 5; "torch_dtype", transformers 4.x and real Qwen3 checkpoints)
+    set to the stored dtype, and a top-level rope_theta next to rope_parameters.
+    """
+    import torch
+
+    dtype = getattr(torch, store_dtype)
+    model.to(dtype)
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        model.float()
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["dtype"] = store_dtype
+    cfg["torch_dtype"] = store_dtype
+    cfg["rope_theta"] = MODEL_CONFIG["rope_theta"]
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def heldout_metrics(loss: float, heldout_tokens: int, heldout_bytes: int) -> dict:
+    """heldout_loss (nats/token), perplexity and bits per byte of the held-out stream."""
+    return {
+        "heldout_loss": round(loss, 4),
+        "heldout_perplexity": round(math.exp(loss), 2),
+        "heldout_bits_per_byte": round(loss * (heldout_tokens - 1) / math.log(2) / heldout_bytes, 4),
+    }
+
+
+def write_record(record: dict, out: Path) -> dict:
+    """Write training_record.json, then again with the final file sizes in ``files``."""
+    (out / "training_record.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    record["files"] = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    (out / "training_record.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+    return record
+
+
 def train(args) -> dict:
     import torch
     import torch.nn.functional as F
@@ -426,16 +524,17 @@ def train(args) -> dict:
             print(f"step {step} loss(ema) {ema:.4f} lr {lr:.2e} "
                   f"{step * B * T / train_time:.0f} tok/s", flush=True)
 
+    loss_fp32 = curve[-1]["heldout_loss"]
+    rounding = round_to_store_dtype(model, args.store_dtype)
+    loss_stored = loss_fp32
+    if args.store_dtype != "float32":
+        loss_stored = evaluate(model, held_ids, T, batch=8)
+        rounding["heldout_loss_change"] = round(loss_stored - held, 6)  # `held`: the last fp32 eval, unrounded
+    print(f"stored as {args.store_dtype}: held-out {loss_stored:.4f} (fp32 {loss_fp32:.4f}); {rounding}", flush=True)
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    # transformers 5 writes "dtype" and "rope_parameters"; add the keys real Qwen3 checkpoints (and
-    # transformers 4.x) use, so any loader finds them. Both spellings carry the same values.
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["torch_dtype"] = "float32"
-    cfg["rope_theta"] = MODEL_CONFIG["rope_theta"]
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_checkpoint(model, out, args.store_dtype)
     GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
     ).save_pretrained(out)
@@ -503,17 +602,82 @@ def train(args) -> dict:
         "tokens_seen": step * B * T,
         "train_time_s": round(train_time, 1),
         "wall_time_s": round(time.perf_counter() - wall0, 1),
-        "heldout_loss": curve[-1]["heldout_loss"],
-        "heldout_perplexity": round(math.exp(curve[-1]["heldout_loss"]), 2),
-        "heldout_bits_per_byte": round(
-            curve[-1]["heldout_loss"] * (len(held_ids) - 1) / math.log(2) / held_bytes, 4),
+        "stored_dtype": args.store_dtype,
+        "rounding": rounding,
+        "heldout_loss_fp32_before_rounding": loss_fp32,
+        **heldout_metrics(loss_stored, len(held_ids), held_bytes),
         "loss_curve": curve,
         "samples": samples,
     }
-    (out / "training_record.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
-    record["files"] = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
-    (out / "training_record.json").write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
-    return record
+    return write_record(record, out)
+
+
+def convert_existing(directory: Path, store_dtype: str, command: str) -> dict:
+    """Round an fp32 checkpoint trained by this script to ``store_dtype`` in place, without retraining.
+
+    Rebuilds the corpus and the held-out split with this script's own code, encodes it with the
+    checkpoint's tokenizer, and refuses to go on unless the corpus hash and held-out token count
+    equal the record's (so the loss is measured on the same held-out stream). Then: held-out loss of
+    the fp32 weights as loaded (a check against the record), rounding, held-out loss of the stored
+    weights, save, samples regenerated from the saved files (loaded back in fp32), and the record
+    rewritten with ``stored_dtype``, ``rounding``, ``heldout_loss_fp32_before_rounding`` and
+    ``heldout_loss`` (of the stored weights). The loss curve is left as trained (fp32).
+    """
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen3ForCausalLM
+
+    record_path = directory / "training_record.json"
+    if not record_path.is_file():
+        raise ValueError(f"--convert-existing {directory}: no training_record.json there")
+    record = json.loads(record_path.read_text())
+    if record.get("stored_dtype", "float32") != "float32":
+        raise ValueError(f"--convert-existing {directory}: already stored as {record['stored_dtype']}; "
+                         "conversion starts from the fp32 checkpoint")
+    torch.set_num_threads(record.get("threads", 1))
+
+    docs = collect_corpus()
+    _, held_docs = split_corpus(docs)
+    sha = corpus_sha256(docs)
+    if sha != record["corpus"]["sha256"]:
+        raise ValueError(f"corpus sha256 {sha} differs from the record's {record['corpus']['sha256']} "
+                         f"(different CPython?); cannot rebuild the same held-out split")
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    held_ids = encode_docs(tok, held_docs, tok.token_to_id(EOS))
+    if len(held_ids) != record["corpus"]["heldout_tokens"]:
+        raise ValueError(f"held-out stream has {len(held_ids)} tokens, record says "
+                         f"{record['corpus']['heldout_tokens']}")
+    held_bytes = record["corpus"]["heldout_bytes"]
+    T = record["hyperparameters"]["seq_len"]
+
+    model = Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    loss_fp32_exact = evaluate(model, held_ids, T, batch=8)
+    loss_fp32 = round(loss_fp32_exact, 4)
+    print(f"fp32 as loaded: held-out {loss_fp32:.4f} (record: {record['heldout_loss']:.4f})", flush=True)
+    if abs(loss_fp32 - record["heldout_loss"]) > 1e-3:
+        raise ValueError(f"fp32 held-out loss {loss_fp32} does not reproduce the record's {record['heldout_loss']}")
+    rounding = round_to_store_dtype(model, store_dtype)
+    loss_stored = evaluate(model, held_ids, T, batch=8)
+    rounding["heldout_loss_change"] = round(loss_stored - loss_fp32_exact, 6)
+    print(f"stored as {store_dtype}: held-out {loss_stored:.6f} (fp32 {loss_fp32_exact:.6f}); {rounding}", flush=True)
+    save_checkpoint(model, directory, store_dtype)
+
+    samples = generate_samples(directory)
+    for s in samples:
+        print(f"[sample] {s['prompt']!r} rp={s['repetition_penalty']}: {s['text']!r}", flush=True)
+
+    rebuilt = {}
+    for key, value in record.items():  # keep the record's key order, new keys before the loss
+        if key in ("heldout_loss", "heldout_perplexity", "heldout_bits_per_byte", "files"):
+            continue
+        if key == "loss_curve":
+            rebuilt["stored_dtype"] = store_dtype
+            rebuilt["rounding"] = rounding
+            rebuilt["conversion_command"] = command
+            rebuilt["heldout_loss_fp32_before_rounding"] = loss_fp32
+            rebuilt.update(heldout_metrics(loss_stored, len(held_ids), held_bytes))
+        rebuilt[key] = samples if key == "samples" else value
+    return write_record(rebuilt, directory)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -540,8 +704,31 @@ def render_doc(r: dict) -> str:
     minutes = r["train_time_s"] / 60
     curve = r["loss_curve"]
     still_falling = len(curve) >= 2 and curve[-1]["heldout_loss"] < curve[-2]["heldout_loss"]
+    stored = r.get("stored_dtype", "float32")  # records written before --store-dtype existed: fp32
+    bytes_per_param = {"float32": 4, "float16": 2}[stored]
+    if stored == "float32":
+        weights_note = "fp32 weights."
+        loss_note = ""
+    else:
+        rd = r["rounding"]
+        weights_note = (
+            f"Trained in fp32, stored in {stored}: each weight rounded to the nearest {stored} value (largest\n"
+            f"absolute weight {rd['max_abs_weight']:.3g}, far inside fp16's range of 65504; largest relative rounding\n"
+            f"error {rd['max_rel_error_normal']:.2e} for weights in fp16's normal range, |w| >= 6.1e-5; "
+            f"{rd['num_subnormal']:,} tiny weights stored\nas subnormals and {rd['num_flushed_to_zero']:,} "
+            f"flushed to zero, largest absolute error {rd['max_abs_error']:.1e}).\nLoaders upcast to fp32 exactly: our engine on CPU (dtype \"auto\" is fp32 there; it ignores the config's\n"
+            f"dtype) and transformers with `dtype=torch.float32` compute with the\n"
+            f"same stored values, so their outputs can be compared exactly.")
+        loss_note = (
+            f"This is the loss of the stored {stored} weights (run in fp32); the fp32 weights before\n"
+            f"rounding scored {r['heldout_loss_fp32_before_rounding']:.4f} (the last row of the table below), a "
+            f"difference of {r['rounding']['heldout_loss_change']:+.6f} nats.\n")
     trend = ("The held-out loss was still falling when the time budget ran out" if still_falling
              else "The held-out loss had stopped falling by the end")
+    conversion = "" if "conversion_command" not in r else (
+        f"\nThe committed checkpoint was trained with the command above in fp32 (`--store-dtype` did not exist\n"
+        f"yet) and then rounded, without retraining, by `{r['conversion_command']}`, which\n"
+        f"re-measured the held-out loss on the same split and regenerated the samples.")
     return f"""# minivllm-tiny: the embedded default model
 
 `LLM()` with no model loads this checkpoint from `minivllm/assets/minivllm-tiny/` (no network needed).
@@ -569,9 +756,10 @@ not an answer.
 Qwen3 (`Qwen3ForCausalLM`): hidden 256, 4 layers, 4 query heads and 2 KV heads of dim 64 (GQA),
 SwiGLU MLP 768, RMSNorm eps 1e-6 (also on q and k per head, as Qwen3 does), RoPE theta 10000,
 max positions 2048, vocab 4096, tied input/output embeddings (so `model.safetensors` holds
-`model.embed_tokens.weight` and no `lm_head.weight`; loaders must tie them), fp32 weights.
+`model.embed_tokens.weight` and no `lm_head.weight`; loaders must tie them).
+{weights_note}
 Files: {files}; total {total / 1e6:.1f} MB
-(the fp32 weights alone are {r['num_parameters'] * 4 / 1e6:.1f} MB).
+(the {stored} weights alone are {r['num_parameters'] * bytes_per_param / 1e6:.1f} MB).
 
 ## Data
 
@@ -609,7 +797,7 @@ Versions: Python {v['python']}, torch {v['torch']}, transformers {v['transformer
 
 **Held-out loss: {r['heldout_loss']:.3f} nats/token** (perplexity {r['heldout_perplexity']},
 about {r['heldout_bits_per_byte']:.2f} bits per byte). For scale: a uniform guess over 4096 tokens is 8.32 nats.
-Train loss is an exponential moving average (factor 0.98) of the per-batch loss; it ends
+{loss_note}Train loss is an exponential moving average (factor 0.98) of the per-batch loss; it ends
 {curve[-1]['heldout_loss'] - (curve[-1]['train_loss_ema'] or 0):.2f} nats below the held-out loss, because after
 {r['tokens_seen'] / c['train_tokens']:.1f} passes the model has partly memorised its training documents and the
 held-out documents are different modules and topics. {trend}.
@@ -620,7 +808,7 @@ held-out documents are different modules and topics. {trend}.
 
 ## Samples
 
-Produced with transformers `generate` from the saved checkpoint, greedy (`do_sample=False`),
+Produced with transformers `generate` from the saved checkpoint (loaded in fp32), greedy (`do_sample=False`),
 {SAMPLE_NEW_TOKENS} new tokens, with and without `repetition_penalty=1.3`. The token ids are in
 `training_record.json` (`samples`), so the engine's greedy output can be compared with them exactly.
 The prompt `'def '` ends in a lone space token (`Ġ`); in training text the space is almost always merged
@@ -636,7 +824,8 @@ degenerates: a small, real example of why prompts should not end in a space with
 ```
 python scripts/train_tiny_model.py --minutes 20 --threads 1
 ```
-writes the checkpoint into `minivllm/assets/minivllm-tiny/` and re-renders this file.
+writes the checkpoint into `minivllm/assets/minivllm-tiny/` (weights in `--store-dtype`, default float16)
+and re-renders this file.{conversion}
 `tests/test_tiny_model_assets.py` checks the committed files.
 """
 
@@ -659,7 +848,21 @@ def main(argv=None) -> None:
     p.add_argument("--evals", type=int, default=20, help="number of held-out evaluations over the run")
     p.add_argument("--render-doc", metavar="RECORD", default=None,
                    help="only re-render --doc from an existing training_record.json, no training")
+    p.add_argument("--store-dtype", choices=STORE_DTYPES, default="float16",
+                   help="dtype of the saved weights (trained in fp32, rounded to nearest)")
+    p.add_argument("--convert-existing", metavar="DIR", default=None,
+                   help="no training: round the fp32 checkpoint in DIR to --store-dtype, re-measure, "
+                        "rewrite DIR/training_record.json and --doc")
     args = p.parse_args(argv)
+    if args.convert_existing:
+        command = " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv)))
+        record = convert_existing(Path(args.convert_existing), args.store_dtype, command)
+        print(f"held-out loss {record['heldout_loss']:.4f} nats/token as {record['stored_dtype']} "
+              f"({record['heldout_loss_fp32_before_rounding']:.4f} in fp32); files: {record['files']}", flush=True)
+        if args.doc:
+            Path(args.doc).write_text(render_doc(record))
+            print(f"wrote {args.doc}", flush=True)
+        return
     if args.render_doc:
         if not args.doc:
             raise ValueError("--render-doc needs --doc to name the Markdown file to write")
