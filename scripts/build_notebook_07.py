@@ -271,19 +271,24 @@ should hit, as long as the K prefixes fit.
 """)
 
 code("""
+import statistics
+
+
 def round_robin(k: int, rounds: int = 3) -> dict:
     sm.reset_prefix_cache()
     names = "ABCDEF"[:k]
     prefixes = {n: [rng.randrange(1, sm.vocab_size) for _ in range(4 * BLOCK_SIZE)] for n in names}
     hit = total = 0
     ttft = []
-    for _ in range(rounds):
+    for r in range(rounds):
         for n in names:
             out = small.generate(prefixes[n] + tail(), greedy(2), use_tqdm=False)[0]
             hit += out.num_cached_tokens
             total += len(out.prompt_token_ids)
-            ttft.append(out.metrics.ttft_ms)
-    return {"prefixes": k, "blocks they need": 4 * k, "hit rate": hit / total, "mean TTFT ms": sum(ttft) / len(ttft)}
+            if r > 0:  # rounds after the first are the ones that can hit
+                ttft.append(out.metrics.ttft_ms)
+    return {"prefixes": k, "blocks they need": 4 * k, "hit rate": hit / total,
+            "median TTFT ms, rounds 2-3": statistics.median(ttft)}
 
 
 sweep = pd.DataFrame([round_robin(k) for k in range(1, 7)]).set_index("prefixes")
@@ -298,13 +303,16 @@ code("""
 fig = go.Figure()
 fig.add_scatter(x=sweep.index, y=sweep["hit rate"], mode="lines+markers", name="hit rate (measured)",
                 line=dict(color="#54a24b", width=3))
-fig.add_scatter(x=sweep.index, y=sweep["mean TTFT ms"], mode="lines+markers", name="mean TTFT, ms (measured)",
+ttft_col = "median TTFT ms, rounds 2-3"
+fig.add_scatter(x=sweep.index, y=sweep[ttft_col], mode="lines+markers", name="median TTFT, rounds 2-3 (measured)",
                 yaxis="y2", line=dict(color="#e45756", dash="dot"))
 fig.add_vline(x=3.5, line_dash="dash", line_color="#888",
-              annotation_text="cached prefixes no longer fit in 16 blocks", annotation_position="top left")
+              annotation_text="prefixes + the running request > 16 blocks", annotation_position="top right")
 fig.update_layout(title="Round-robin over K shared prefixes, 16-block KV pool",
-                  xaxis_title="K distinct prefixes (4 blocks each)", yaxis=dict(title="prefix-cache hit rate", range=[0, 1]),
-                  yaxis2=dict(title="mean TTFT (ms)", overlaying="y", side="right"), height=360)
+                  xaxis=dict(title="K distinct prefixes (4 blocks each)", dtick=1, range=[0.5, 6.5]),
+                  yaxis=dict(title="prefix-cache hit rate", range=[0, 1]),
+                  yaxis2=dict(title="TTFT (ms)", overlaying="y", side="right", rangemode="tozero"),
+                  legend=dict(orientation="h", y=-0.25), height=380)
 show_figure(fig)
 small.shutdown()
 """)

@@ -394,6 +394,7 @@ from minivllm.layers.sampler import exponential_race
 K, N, CHUNK = 24, 100_000, 20_000
 full = probs_under(LOGITS["uncertain"], SamplingParams(temperature=1.0, top_k=K))
 support = full.nonzero().flatten()
+support = support[full[support].argsort(descending=True)]  # most likely first
 q = full[support]                                  # the 24 surviving probabilities, summing to 1
 gen = torch.Generator().manual_seed(2024)
 
@@ -436,8 +437,8 @@ fig.add_scatter(x=labels, y=(race.double() / N).tolist(), mode="markers", name="
 fig.add_scatter(x=labels, y=(wrong.double() / N).tolist(), mode="markers", name="argmax p*U, frequency",
                 marker=dict(color="#e45756", size=9, symbol="x"))
 fig.update_layout(title=f"{N:,} draws per sampler vs the softmax (top-{K} of the uncertain prompt)",
-                  xaxis_title="token", yaxis_title="probability / frequency", height=420,
-                  xaxis_tickangle=-60)
+                  xaxis_title="token", yaxis_title="probability / frequency", height=440,
+                  xaxis_tickangle=-60, legend=dict(orientation="h", y=1.12))
 show_figure(fig)
 """)
 
