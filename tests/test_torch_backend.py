@@ -117,3 +117,11 @@ def test_prepare_is_computed_once_per_step():
     plan = meta.extras["torch_backend_plan"]
     backend.forward(q, k, k, kc, vc, meta, 1.0)
     assert meta.extras["torch_backend_plan"] is plan
+
+
+@pytest.mark.parametrize("seqs,flag", [([(0, 1), (9, 1), (30, 1)], "all_decode"), ([(0, 13)], "single_fresh_prefill")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fast_paths_are_taken_and_match_naive(seqs, flag, dtype):
+    out, ref, _, _, meta = run_case(seqs, 4, dtype, 8, 2)
+    assert getattr(meta.extras["torch_backend_plan"], flag)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=0)

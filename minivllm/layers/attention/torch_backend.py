@@ -53,6 +53,12 @@ class _StepPlan:
     write_tokens: torch.Tensor  # int64 [m]: tokens whose slot is not -1
     write_slots: torch.Tensor  # int64 [m]: their cache slots
     groups: list[_GroupPlan]
+    # Fast paths (same results, less copying), decided once per step:
+    # every token is a decode of its own sequence, in order: no query scatter/gather
+    all_decode: bool = False
+    # a single sequence whose whole context is this step's tokens (a fresh prompt):
+    # attend over the new K/V directly with a causal mask, no cache gather
+    single_fresh_prefill: bool = False
 
 
 def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.device) -> _GroupPlan:
@@ -104,7 +110,11 @@ class TorchAttentionBackend(AttentionBackend):
         decode_ids = [s for s, n in enumerate(meta.q_lens_cpu) if n == 1]
         prefill_ids = [s for s, n in enumerate(meta.q_lens_cpu) if n > 1]
         groups = [_plan_group(meta, ids, device) for ids in (decode_ids, prefill_ids) if ids]
-        meta.extras[_EXTRAS_KEY] = _StepPlan(write_tokens, slots[write_tokens], groups)
+        num_tokens = meta.num_tokens
+        all_decode = len(decode_ids) == meta.num_seqs == num_tokens
+        single_fresh = (meta.num_seqs == 1 and meta.q_lens_cpu[0] == meta.context_lens_cpu[0] == num_tokens
+                        and meta.q_lens_cpu[0] > 1)
+        meta.extras[_EXTRAS_KEY] = _StepPlan(write_tokens, slots[write_tokens], groups, all_decode, single_fresh)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         plan: _StepPlan | None = meta.extras.get(_EXTRAS_KEY)
@@ -119,6 +129,19 @@ class TorchAttentionBackend(AttentionBackend):
 
         num_heads = q.shape[1]
         compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        gqa = num_heads != kv_heads
+        if plan.single_fresh_prefill:
+            o = F.scaled_dot_product_attention(
+                q.to(compute_dtype).transpose(0, 1).unsqueeze(0), k.to(compute_dtype).transpose(0, 1).unsqueeze(0),
+                v.to(compute_dtype).transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=gqa)
+            return o[0].transpose(0, 1).to(q.dtype)
+        if plan.all_decode:
+            gp = plan.groups[0]
+            kg = k_flat[gp.k_index].to(compute_dtype).transpose(1, 2)  # [G, kvh, max_k, d]
+            vg = v_flat[gp.k_index].to(compute_dtype).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.to(compute_dtype).unsqueeze(2), kg, vg, attn_mask=gp.mask,
+                                               scale=scale, enable_gqa=gqa)  # [G, h, 1, d]
+            return o.squeeze(2).to(q.dtype)
         # Tokens not in any sequence (padding) get zeros.
         out = torch.zeros(q.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
         for gp in plan.groups:  # at most two: decodes, prefills
@@ -127,8 +150,7 @@ class TorchAttentionBackend(AttentionBackend):
             qp = qp.view(gp.num_seqs, gp.max_q, num_heads, head_dim).transpose(1, 2)
             kg = k_flat[gp.k_index].to(compute_dtype).transpose(1, 2)  # [G, kvh, max_k, d]
             vg = v_flat[gp.k_index].to(compute_dtype).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=gp.mask, scale=scale,
-                                               enable_gqa=num_heads != kv_heads)
+            o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=gp.mask, scale=scale, enable_gqa=gqa)
             o = o.transpose(1, 2).reshape(gp.num_seqs * gp.max_q, num_heads, head_dim)
             out[gp.q_src] = o[gp.q_dst].to(q.dtype)
         return out
