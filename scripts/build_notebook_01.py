@@ -285,9 +285,8 @@ code("""
 # NBVAL_CHECK_OUTPUT
 for r in stepper.steps:
     print(f"step {r.index}: {r.phase:7s} {r.num_tokens} token(s) through the model")
-print("tokens so far:", stepper.sequence(stepper.request_ids[0]).output_token_ids,
-      "(the first", len(stepper.sequence(stepper.request_ids[0]).output_token_ids), "of by hand:",
-      by_hand[:3], ")")
+so_far = stepper.sequence(stepper.request_ids[0]).output_token_ids
+print("tokens so far:", so_far, "| the same as the first ones by hand:", so_far == by_hand[:len(so_far)])
 """)
 
 md("""

@@ -186,9 +186,9 @@ for i, entry in enumerate(plan.scheduled):
 """)
 
 md("""
-The attention backend pads the block tables of a step into one `[num_seqs, max_blocks]` tensor
-(`-1` past a sequence's last block); for each sequence it gathers the K and V of positions
-`0 .. context_len - 1` through its row.
+The runner pads the block tables of a step into one `[num_seqs, max_blocks]` tensor (`-1` past a
+sequence's last block); the attention backend finds the K and V of positions
+`0 .. context_len - 1` of each sequence through its row.
 
 ### Proof by reading the cache
 
@@ -313,8 +313,9 @@ Three lessons in one chart:
   fewer requests at once. That is the capacity argument of the PagedAttention paper: less waste
   means bigger batches, and bigger batches mean more throughput (chapters 05 and 06).
 
-What paging costs: attention must gather K and V through the block table instead of reading one
-contiguous strip. The engine's attention backends (chapter 10) do that gather inside the kernel.
+What paging costs: attention must find K and V through the block table instead of reading one
+contiguous strip. The `torch` backend gathers them into a contiguous tensor before attending; the
+Triton and flash-attn kernels (chapter 10) follow the block table inside the kernel.
 """)
 
 code("""
