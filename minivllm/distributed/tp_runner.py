@@ -121,6 +121,8 @@ class TPModelRunner(ShardRunner):
         conn = launch.connect_external(init_method, tp_size) if external else launch.start_local(tp_size)
         if conn.rank != 0:
             serve(conn)
+            if conn.owns_default_group:
+                dist.destroy_process_group()
             raise SystemExit(0)
         if device.type == "cuda":
             device = torch.device("cuda", conn.local_rank if external else base_index)
