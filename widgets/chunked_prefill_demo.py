@@ -119,12 +119,14 @@ class ChunkedPrefillDemo(CourseWidget):
             self.run()
 
     @classmethod
-    def from_model(cls, model=None, budget: int = 64, max_model_len: int = 512, block_size: int = 16, **kwargs):
+    def from_model(cls, model=None, budget: int = 64, max_model_len: int = 512, block_size: int = 16,
+                   device: str = "auto", **kwargs):
         """Build the two engines for ``model`` (chunked with a ``budget``-token step budget;
         unchunked with ``max_model_len`` tokens per step, as scheduling whole prompts needs)."""
         from minivllm import LLM
 
-        common = dict(block_size=block_size, max_model_len=max_model_len, num_kvcache_blocks=4 * max_model_len // block_size)
+        common = dict(block_size=block_size, max_model_len=max_model_len, device=device,
+                      num_kvcache_blocks=4 * max_model_len // block_size)
         chunked = LLM(model, enable_chunked_prefill=True, max_num_batched_tokens=budget, **common)
         whole = LLM(model, enable_chunked_prefill=False, max_num_batched_tokens=max_model_len, **common)
         return cls(chunked, whole, **kwargs)

@@ -387,7 +387,7 @@ class EngineStepper(CourseWidget):
         for phase in ("prefill", "decode", "mixed"):
             fig.add_bar(x=[], y=[], name=phase, marker_color=PHASE_COLOURS[phase], hovertext=[])
         fig.update_layout(title="Measured wall time of each step", xaxis_title="engine step",
-                          yaxis_title="ms", height=260, width=760, xaxis_type="category", margin=dict(l=50, r=10, t=40, b=40),
+                          yaxis_title="ms", height=260, width=760, xaxis_tick0=0, xaxis_dtick=1, margin=dict(l=50, r=10, t=40, b=40),
                           barmode="overlay", legend=dict(orientation="h", y=1.12, x=0.5))
         return fig
 
@@ -395,6 +395,9 @@ class EngineStepper(CourseWidget):
         if self.chart is None:
             return
         with self.chart.batch_update():
+            # integer ticks only, at most ~15 of them (steps are whole numbers)
+            span = (self.steps[-1].index - self.steps[0].index + 1) if self.steps else 1
+            self.chart.layout.xaxis.dtick = max(1, -(-span // 15))
             for trace in self.chart.data:
                 recs = [r for r in self.steps if r.phase == trace.name]
                 trace.x = [r.index for r in recs]
@@ -466,7 +469,7 @@ class EngineStepper(CourseWidget):
                 return "preempted", "#b00"
             return "waiting", "#999"
         if entry is not None and entry.is_prefill:
-            return ("prefill chunk" if seq.is_prefilling else "prefill (done)"), PHASE_COLOURS["prefill"]
+            return ("prefill chunk" if seq.is_prefilling else "prefilled: first token"), PHASE_COLOURS["prefill"]
         if seq.is_prefilling:
             return "prefilling", PHASE_COLOURS["prefill"]
         return "decoding", PHASE_COLOURS["decode"]
