@@ -314,8 +314,8 @@ same weights), so the next token is the same. Preemption costs time (recomputed 
 and the preempted request waits), never correctness.
 
 Two other ways to handle a full pool exist. *Swapping* copies the victim's KV blocks to host memory
-and back instead of recomputing them (vLLM has had both; minivllm recomputes, which is simpler and,
-for short sequences on a fast accelerator, often cheaper than the copy). And *reserving* the
+and back instead of recomputing them (vLLM has had both; minivllm recomputes, which needs no host
+memory and no copy machinery, and lets the prefix cache return whatever survived, as above). And *reserving* the
 worst case up front (`max_model_len` worth of blocks per request) never preempts but admits far
 fewer requests: chapter 04 measured that waste.
 

@@ -203,8 +203,8 @@ only what follows the last shared block (the question), and its TTFT drops accor
 caching every request pays the full prefill. (On a CPU with the embedded model, part of every TTFT
 is fixed per-step overhead that no cache removes, so the ratio is smaller than the ratio of
 computed tokens.) How much time that saves grows with the
-shared prefix's length and the model's size: on a GPU with a real checkpoint and a system prompt of
-thousands of tokens, this is often the largest single TTFT saving available.
+shared prefix's length and the model's size; run this notebook with a real checkpoint
+(`MINIVLLM_MODEL`) to measure it there.
 
 ## 3. When the pool fills: eviction, least recently used first
 

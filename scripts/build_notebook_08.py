@@ -224,7 +224,10 @@ Temperature alone never removes a token: every probability stays above zero, onl
 change. Top-k keeps exactly `k` tokens on both prompts, even where the confident prompt's tenth
 token is negligible or the uncertain prompt has many more reasonable choices. Top-p and min-p
 *adapt*: they keep few tokens when the model is sure and many when it is not. That is why they
-are the usual choice for open-ended text.
+are the usual choice for open-ended text. They adapt differently, too: look at the confident prompt
+in the table. Top-p must collect 90% of the mass, and the last part of it is spread thinly over a
+long tail, so it can still keep many tokens; min-p keeps only the tokens within a factor of
+`1 / min_p` of the favourite, however the tail is spread.
 
 The chart shows the 25 most likely tokens of the uncertain prompt under each setting (the same
 tokens, in the same order, in every panel):
@@ -279,8 +282,8 @@ for i, label in enumerate(RUNS):
 """)
 
 md("""
-Greedy repeats itself, and on a small model it tends to loop on the same phrase. Low temperature
-stays close to greedy; high temperature wanders into rarer tokens. The filtered settings sample,
+Greedy gives the same text every time. Low temperature stays closer to the likely tokens; high
+temperature wanders into rare ones (on a 4M-parameter model, quickly into nonsense). The filtered settings sample,
 but only among the tokens the previous section showed them keeping.
 """)
 
