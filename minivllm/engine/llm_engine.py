@@ -57,7 +57,7 @@ class LLMEngine:
         hf = self.source.hf_config
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        backend_name = resolve_backend_name(args.attention_backend, device, args.block_size)
+        backend_name = resolve_backend_name(args.attention_backend, device, args.block_size, dtype)
         block_size = args.block_size or default_block_size(backend_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
         budget_hint = args.max_num_batched_tokens or 8192

@@ -84,7 +84,7 @@ class ModelRunner:
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.tp_size = tp_size
         self.model = self._build_model(source, device, dtype, seed)
-        self.backend = get_attention_backend(backend_name, device, block_size)
+        self.backend = get_attention_backend(backend_name, device, block_size, dtype)
         self.sampler = Sampler(seed, device)
         self.num_kv_blocks = self._size_kv_cache(num_kvcache_blocks, kv_cache_memory_bytes,
                                                  gpu_memory_utilization, max_num_batched_tokens)
