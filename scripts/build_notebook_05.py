@@ -226,7 +226,7 @@ print(f"greedy outputs identical to the engine's for {same} of {work.num_request
 """)
 
 md("""
-(`steps` for transformers is its number of decode iterations: each batch runs to its longest
+(`steps` for transformers is its number of forward passes: each batch runs to its longest
 output. Where an output differs from the engine's, the cause is floating-point rounding between two
 different implementations at a near-tie of the top two logits, not a different model; chapter 01
 compares the two implementations token by token.)
