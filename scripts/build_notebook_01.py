@@ -274,7 +274,7 @@ Each step shows which tokens went through the model and the token it sampled.
 code("""
 from widgets import EngineStepper
 
-stepper = EngineStepper(llm, prompt=PROMPT, max_tokens=8)
+stepper = EngineStepper(llm, prompt=PROMPT, max_tokens=8, show_chart=False)  # step times: the chart above
 stepper.add_request(PROMPT, max_tokens=8)
 for _ in range(3):
     stepper.step()

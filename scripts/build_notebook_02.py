@@ -430,7 +430,7 @@ requests share one forward pass.
 code("""
 from widgets import EngineStepper
 
-stepper = EngineStepper(llm, prompt=PROMPT, max_tokens=6)
+stepper = EngineStepper(llm, prompt=PROMPT, max_tokens=6, show_chart=False)
 stepper.add_request(PROMPT, max_tokens=6)
 stepper.step()
 stepper.display()

@@ -337,7 +337,7 @@ holds). Step it with the stepper's **Step** and watch a new block appear every 1
 code("""
 from widgets import EngineStepper, KVCacheView
 
-stepper = EngineStepper(llm, max_tokens=20)
+stepper = EngineStepper(llm, max_tokens=20, show_chart=False)
 view = KVCacheView(llm, stepper=stepper)
 rid = stepper.add_request(text_ids[:30], max_tokens=20, ignore_eos=True)
 history = []

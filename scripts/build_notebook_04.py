@@ -96,7 +96,7 @@ from pydoc_data.topics import topics  # English text that ships with Python: pro
 from widgets import EngineStepper, KVCacheView
 
 text_ids = [t for name in ("for", "while", "if", "try") for t in tok.encode(topics[name])]
-stepper = EngineStepper(llm)
+stepper = EngineStepper(llm, show_chart=False)
 view = KVCacheView(llm, stepper=stepper)
 requests = {}
 for name, start, prompt_len, max_tokens in (("A", 0, 20, 14), ("B", 100, 7, 30), ("C", 200, 40, 6)):
