@@ -213,3 +213,14 @@ def test_tiny_temperature_is_finite_and_greedy(tiny_ckpt):
                      use_tqdm=False)[0].outputs[0].token_ids
     assert t == g
     assert all(math.isfinite(x) for x in t)
+
+
+def test_refused_config_frees_the_runner(tiny_ckpt, monkeypatch):
+    from minivllm.engine.model_runner import ModelRunner
+
+    shut = []
+    original = ModelRunner.shutdown
+    monkeypatch.setattr(ModelRunner, "shutdown", lambda self: shut.append(self) or original(self))
+    with pytest.raises(ValueError, match="max_model_len=32"):
+        make_llm(tiny_ckpt, num_kvcache_blocks=4, max_model_len=32)
+    assert len(shut) == 1 and shut[0].kv_cache is None

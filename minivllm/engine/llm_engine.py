@@ -70,11 +70,17 @@ class LLMEngine:
                                         init_method=args.init_method)
         else:
             self.runner = ModelRunner(*runner_args)
-        max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
-                                                block_size)
-        self.config = EngineConfig(args, device, dtype, self.runner.backend.name, block_size,
-                                   self.runner.num_kv_blocks, max_model_len, budget)
-        self._optimise(args, device)
+        try:
+            max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
+                                                    block_size)
+            self.config = EngineConfig(args, device, dtype, self.runner.backend.name, block_size,
+                                       self.runner.num_kv_blocks, max_model_len, budget)
+            self._optimise(args, device)
+        except BaseException:
+            # A refused config must not leave the KV cache (or tensor-parallel workers) alive
+            # until garbage collection, which a notebook's saved traceback can delay for long.
+            self.runner.shutdown()
+            raise
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, budget, max_model_len,
                                                    args.enable_chunked_prefill), self.block_manager)
