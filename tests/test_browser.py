@@ -162,6 +162,22 @@ def test_notebook_06_in_jupyterlab(jupyterlab):
             page.wait_for_function(f"() => document.querySelector('{STATUS}').textContent.includes('engine idle')",
                                    timeout=60_000)
             assert int(_text(count)) > count1
+            # A kernel interrupt halts "Run to end" between steps: a long request, run, interrupt.
+            stepper.locator(".widget-text input[type='number']").first.fill("900")
+            stepper.locator(".widget-checkbox input").first.check()
+            stepper.locator("button.mv-add-request").click()
+            page.wait_for_function(f"() => document.querySelector('{STATUS}').textContent.includes('added')",
+                                   timeout=30_000)
+            stepper.locator("button.mv-run-to-end").click()
+            page.wait_for_function(f"n => parseInt(document.querySelector('{COUNT}').textContent) > n + 5",
+                                   arg=int(_text(count)), timeout=30_000)
+            page.locator(".lm-MenuBar-itemLabel", has_text="Kernel").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Interrupt Kernel").first.click()
+            page.wait_for_function(f"() => document.querySelector('{STATUS}').textContent.includes('interrupted')",
+                                   timeout=30_000)
+            halted = int(_text(count))
+            page.wait_for_timeout(1000)
+            assert int(_text(count)) == halted  # nothing runs after the interrupt
             stepper.locator("button.mv-reset").click()
             page.wait_for_function(f"() => document.querySelector('{KV}').textContent.startsWith('0 used')",
                                    timeout=30_000)

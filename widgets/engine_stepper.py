@@ -85,11 +85,13 @@ class EngineStepper(CourseWidget):
         # -- controls ---------------------------------------------------------------
         self.prompt_box = W.Text(value=prompt, description="prompt",
                                  placeholder="text, or token ids like [1, 2, 3]",
-                                 layout=W.Layout(width="430px"))
+                                 layout=W.Layout(width="380px"))
         self.max_tokens_box = W.BoundedIntText(value=max_tokens, min=1, max=4096, description="max_tokens",
                                                layout=W.Layout(width="170px"))
         self.temperature_box = W.BoundedFloatText(value=temperature, min=0.0, max=5.0, step=0.1,
                                                   description="temperature", layout=W.Layout(width="170px"))
+        self.ignore_eos_box = W.Checkbox(value=False, description="ignore_eos", indent=False,
+                                         layout=W.Layout(width="100px"))
         self.add_button = W.Button(description="Add request", icon="plus")
         self.step_button = W.Button(description="Step", button_style="primary", icon="step-forward")
         self.run_button = W.Button(description="Run to end", button_style="success", icon="forward")
@@ -107,7 +109,8 @@ class EngineStepper(CourseWidget):
         self.chart = self._make_chart() if show_chart else None
         self.add_class("mv-engine-stepper")
         children = [W.HTML(STYLE),
-                    W.HBox([self.prompt_box, self.max_tokens_box, self.temperature_box, self.add_button]),
+                    W.HBox([self.prompt_box, self.max_tokens_box, self.temperature_box, self.ignore_eos_box,
+                            self.add_button]),
                     W.HBox([self.step_button, self.run_button, self.stop_button, self.reset_button]),
                     self.status, self.step_pane, self.requests_pane]
         if self.chart is not None:
@@ -360,7 +363,7 @@ class EngineStepper(CourseWidget):
     def _on_add(self, _):
         try:
             self.add_request(parse_prompt(self.prompt_box.value), int(self.max_tokens_box.value),
-                             float(self.temperature_box.value))
+                             float(self.temperature_box.value), ignore_eos=bool(self.ignore_eos_box.value))
         except ValueError as e:
             self._message(f"not added: {e}", error=True)
 
