@@ -294,14 +294,15 @@ The explorer below is driven by the same engine. It runs a prompt through a real
 shows the model's next-token distribution (light bars); its sliders apply temperature, top-k,
 top-p and min-p with the engine's own filter code (dark bars), and **Draw samples** draws tokens
 with the engine's exponential race and plots their frequencies (diamonds). It starts on the
-uncertain prompt with top-p 0.9 and 2,000 draws. Type the confident prompt, press
-**Next-token distribution**, and compare how many tokens survive the same top-p.
+confident prompt with top-p 0.9 and 2,000 draws. Type the uncertain prompt, press
+**Next-token distribution**, and compare how many tokens survive the same top-p, and how much of
+the mass the 20 tokens shown still hold.
 """)
 
 code("""
 from widgets import SamplingExplorer
 
-explorer = SamplingExplorer(llm, prompt=PROMPTS["uncertain"], top_n=20)
+explorer = SamplingExplorer(llm, prompt=PROMPTS["confident"], top_n=20)
 explorer.top_p.value = 0.9   # the same filter as in section 2
 explorer.draw(2000)
 explorer.display()
@@ -309,8 +310,8 @@ explorer.display()
 
 code("""
 # NBVAL_CHECK_OUTPUT
-print(f"explorer, top_p=0.9 on {PROMPTS['uncertain']!r}: {explorer.kept} tokens kept "
-      f"(section 2 counted {int((PROBS[('uncertain', 'top_p=0.9')] > 0).sum())})")
+print(f"explorer, top_p=0.9 on {PROMPTS['confident']!r}: {explorer.kept} tokens kept "
+      f"(section 2 counted {int((PROBS[('confident', 'top_p=0.9')] > 0).sum())})")
 """)
 
 md("""
