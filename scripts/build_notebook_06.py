@@ -96,6 +96,13 @@ print(f"model   : {engine.source.name}: {n_params / 1e6:.2f} M parameters, {hf.n
 print(f"dtype   : {cfg.dtype}; attention backend {cfg.attention_backend}; "
       f"KV pool {cfg.num_kv_blocks} blocks of {cfg.block_size} tokens; token budget per step "
       f"{cfg.max_num_batched_tokens}")
+
+from minivllm.telemetry.peaks import get_peaks
+
+# This machine's ceilings, measured now (a large matmul and a large copy), so the MFU / MBU
+# figures below compare steps with peaks taken under the same conditions.
+peaks = get_peaks(cfg.device, cfg.dtype, refresh=True)
+print(f"peaks   : {peaks.flops_per_s / 1e9:.1f} GFLOP/s (matmul), {peaks.bytes_per_s / 1e9:.1f} GB/s (copy)")
 """)
 
 md("""
@@ -228,6 +235,7 @@ print(f"per token, the prefill was {dec_ms / (pre_ms / longest):.0f}x cheaper th
 ai = table["intensity"]
 print(f"arithmetic intensity: prefill of {longest} tokens {ai['prefill'][longest]:.1f} FLOP/byte, "
       f"decode {ai['decode'][longest]:.2f} FLOP/byte")
+print(f"ridge point of this machine: {peaks.ridge_intensity:.1f} FLOP/byte")
 """)
 
 md("""
@@ -237,14 +245,20 @@ before it, apart from attention reading a slightly longer cache.
 
 The intensity figures come from the roofline model in `minivllm.telemetry.roofline` (FLOPs and
 bytes a step *must* do, from the model's shape), and MFU / MBU divide them by the measured step
-time and by this machine's measured peak FLOP/s and copy bandwidth. A prefill step does hundreds of
-FLOPs per byte; a decode step about one (fp32) or two (bf16): decode can never keep the arithmetic
-units busy, so its time is set by how fast the weights stream from memory.
+time and by this machine's measured peak FLOP/s and copy bandwidth. A long prefill step does on the
+order of a hundred FLOPs or more per byte moved. A decode step at batch 1 does 2 FLOPs per weight it
+reads: half a FLOP per byte in fp32 (one in bf16), a little less once the KV cache reads are counted.
+The *ridge point* printed above (peak FLOP/s divided by peak bytes/s, both measured here) is the
+intensity a step needs before arithmetic, not memory, limits it; decode sits far below it, so its
+time is set by how fast the weights stream from memory.
 
-On the embedded model on a CPU, be careful with the MFU and MBU columns: the whole model fits in the
-CPU's cache and each step is short, so fixed per-step costs (Python, scheduling, building tensors)
-dominate and both utilisations stay low. With a real checkpoint on a GPU (`MINIVLLM_MODEL`), decode's
-MBU climbs towards the memory ceiling while prefill's MFU climbs towards the compute ceiling.
+Look for that pattern in the MFU and MBU columns of the table: prefill steps reach a sizeable share
+of the measured matmul peak while moving few bytes per FLOP; decode steps use a small fraction of the
+arithmetic, and what they do use is mostly memory traffic. Decode's MBU stays well short of 100 % on
+the embedded model because it is tiny: a step lasts a few milliseconds, fixed per-step costs (Python,
+scheduling, building input tensors) take a good part of that, and its 17 MB of weights partly fit
+in the CPU's caches. With a bigger model (`MINIVLLM_MODEL=random:qwen3-0.6b`, or a real checkpoint on
+a GPU) decode's MBU climbs towards the memory ceiling.
 """)
 
 md("""
