@@ -238,8 +238,8 @@ print(f"greedy outputs identical to the engine's for {same} of {work.num_request
 md("""
 (`steps` for transformers is its number of forward passes: each batch runs to its longest
 output. Where an output differs from the engine's, the cause is floating-point rounding between two
-different implementations at a near-tie of the top two logits, not a different model; chapter 01
-compares the two implementations token by token.)
+different implementations at a near-tie of the top two logits, not a different model; the
+engine's test suite, `tests/test_engine_vs_hf.py`, compares the two implementations directly.)
 
 ## 2. Preemption: when the KV cache runs out
 
@@ -324,8 +324,8 @@ same weights), so the next token is the same. Preemption costs time (recomputed 
 and the preempted request waits), never correctness.
 
 Two other ways to handle a full pool exist. *Swapping* copies the victim's KV blocks to host memory
-and back instead of recomputing them (vLLM has had both; minivllm recomputes, which needs no host
-memory and no copy machinery, and lets the prefix cache return whatever survived, as above). And *reserving* the
+and back instead of recomputing them (vLLM has had both; minivllm recomputes, which needs no
+host memory and no copy machinery, and lets the prefix cache return whatever survived, as above). And *reserving* the
 worst case up front (`max_model_len` worth of blocks per request) never preempts but admits far
 fewer requests: chapter 04 measured that waste.
 

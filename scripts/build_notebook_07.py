@@ -200,8 +200,8 @@ show_figure(fig)
 md("""
 Request 0 pays for the whole prompt in both runs. From request 1 on, the cached engine computes
 only what follows the last shared block (the question), and its TTFT drops accordingly; without
-caching every request pays the full prefill. (On a CPU with the embedded model, part of every TTFT
-is fixed per-step overhead that no cache removes, so the ratio is smaller than the ratio of
+caching every request pays the full prefill. (On a CPU with the embedded model, part of every
+TTFT is fixed per-step overhead that no cache removes, so the ratio is smaller than the ratio of
 computed tokens.) How much time that saves grows with the
 shared prefix's length and the model's size; run this notebook with a real checkpoint
 (`MINIVLLM_MODEL`) to measure it there.
@@ -209,9 +209,10 @@ shared prefix's length and the model's size; run this notebook with a real check
 ## 3. When the pool fills: eviction, least recently used first
 
 Cached blocks cost nothing while the pool has room: a finished request's blocks go back to the
-free list *with their hashes*, still hittable. When a request needs a block and the free list
-holds only cached ones, the allocator takes the one freed longest ago and forgets its hash: an
-**LRU eviction**. (Within one request, blocks are released tail first, so a prompt's tail is
+free list *with their hashes*, still hittable. When a request needs a block, the allocator takes
+the one at the front of the free list, the block freed longest ago; if that block holds cached KV,
+its hash is forgotten: an **LRU eviction** (least recently used, since a hit takes a block off the
+free list and its release puts it back at the end). (Within one request, blocks are released tail first, so a prompt's tail is
 evicted before its head; heads are what other requests are most likely to share.)
 
 A small pool of 16 blocks makes it visible. Four different "system prompts" (random token ids),
@@ -322,8 +323,9 @@ Up to three prefixes, rounds two and three hit every cached block (the hit rate 
 because round one is cold and each prompt's last 8 tokens are always computed). From four prefixes
 on, the cached blocks plus the running request's 5 blocks no longer fit in 16, and LRU under a
 round-robin evicts each prefix just before it is needed: the hit rate collapses (to zero once
-nothing survives a full round) and TTFT goes back up towards the cold-cache figure. In a server, the remedy is more KV memory for the cache (a bigger pool, or
-a smaller KV footprint), or routing requests that share a prefix to the same replica.
+nothing survives a full round) and TTFT goes back up towards the cold-cache figure. In a
+server, the remedy is more KV memory for the cache (a bigger pool, or a smaller KV footprint), or
+routing requests that share a prefix to the same replica.
 
 ## 4. The prefix cache view
 

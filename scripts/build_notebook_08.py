@@ -283,8 +283,8 @@ for i, label in enumerate(RUNS):
 
 md("""
 Greedy gives the same text every time. Low temperature stays closer to the likely tokens; high
-temperature wanders into rare ones (on a 4M-parameter model, quickly into nonsense). The filtered settings sample,
-but only among the tokens the previous section showed them keeping.
+temperature wanders into rare ones (on a 4M-parameter model, quickly into nonsense). The filtered
+settings sample, but only among the tokens the previous section showed them keeping.
 """)
 
 md("""
@@ -324,8 +324,8 @@ request first samples. Each step, the sampler fills that request's row of random
 own generator, so no other row can consume or shift its random numbers.
 
 Test: request A (seed 1234, temperature 1, top-p 0.95) runs alone; then again with seven other
-requests around it (greedy ones, unseeded ones, other seeds, other filters, a longer prompt that
-forces mixed prefill/decode steps), added both before and after it.
+requests around it (a greedy one, unseeded ones, other seeds, other filters, and a longer prompt
+that forces mixed prefill/decode steps), added both before and after it.
 """)
 
 code("""
