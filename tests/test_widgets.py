@@ -565,3 +565,12 @@ def test_static_fallback_without_chrome_is_an_svg(monkeypatch, llm):
     tl = SchedulerTimeline()  # heatmap + subplots: not drawable as SVG, a text note instead
     assert _static.figure_svg(tl.chart) is None
     assert "static image unavailable" in _static.figure_html(tl.chart)
+
+
+def test_chart_titles_say_what_was_measured_where(llm):
+    from widgets import EngineStepper
+
+    stepper = EngineStepper(llm)
+    title = stepper.chart.layout.title.text
+    cfg = llm.llm_engine.config
+    assert f"measured on {cfg.device}" in title and llm.llm_engine.source.name in title and "float32" in title

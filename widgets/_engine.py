@@ -21,6 +21,19 @@ def engine_of(llm):
     return engine
 
 
+def provenance(llm) -> str:
+    """Where a chart's measurements come from: ``"measured on cpu · minivllm-tiny · float32"``
+    (device, model, dtype of the live engine), for chart subtitles."""
+    engine = engine_of(llm)
+    cfg = engine.config
+    return f"measured on {cfg.device} · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')}"
+
+
+def titled(title: str, llm) -> str:
+    """A plotly title with the provenance line under it."""
+    return f"{title}<br><sup>{html.escape(provenance(llm))}</sup>"
+
+
 def parse_prompt(text: str):
     """A prompt typed into a text box: ``"[1, 2, 3]"`` (brackets required) means token ids,
     anything else is text. Returns ``str`` or ``list[int]``."""

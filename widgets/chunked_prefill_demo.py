@@ -9,7 +9,7 @@ import ipywidgets as W
 from minivllm.sampling_params import SamplingParams
 
 from ._base import STYLE, CourseWidget
-from ._engine import engine_of, fmt_ms
+from ._engine import engine_of, fmt_ms, titled
 from .measure import random_prompt
 
 
@@ -109,7 +109,7 @@ class ChunkedPrefillDemo(CourseWidget):
                                marker=dict(color="#4c78a8"), line=dict(width=1))
         self.chart.add_scatter(name="whole prompt in one step", x=[], y=[], mode="markers+lines",
                                marker=dict(color="#e4572e"), line=dict(width=1))
-        self.chart.update_layout(title="Decoding requests' inter-token latency around a long prompt",
+        self.chart.update_layout(title=titled("Decoding requests' inter-token latency around a long prompt", chunked_llm),
                                  xaxis_title="token time relative to the long prompt's arrival (ms)",
                                  yaxis_title="gap to previous token (ms)", height=340, width=760,
                                  margin=dict(l=50, r=10, t=40, b=40))

@@ -14,7 +14,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.telemetry.step_record import StepRecord
 
 from ._base import PALETTE, STYLE, CourseWidget
-from ._engine import engine_of, fmt_ms, fmt_si, parse_prompt, tok_span
+from ._engine import engine_of, fmt_ms, fmt_si, parse_prompt, titled, tok_span
 
 PHASE_COLOURS = {"prefill": "#e4572e", "decode": "#f0a202", "mixed": "#8f5ea2", "idle": "#999999"}
 
@@ -389,7 +389,7 @@ class EngineStepper(CourseWidget):
         fig = go.FigureWidget()
         for phase in ("prefill", "decode", "mixed"):
             fig.add_bar(x=[], y=[], name=phase, marker_color=PHASE_COLOURS[phase], hovertext=[])
-        fig.update_layout(title="Measured wall time of each step", xaxis_title="engine step",
+        fig.update_layout(title=titled("Measured wall time of each step", self.engine), xaxis_title="engine step",
                           yaxis_title="ms", height=260, width=760, xaxis_tick0=0, xaxis_dtick=1, margin=dict(l=50, r=10, t=40, b=40),
                           barmode="overlay", legend=dict(orientation="h", y=1.12, x=0.5))
         return fig

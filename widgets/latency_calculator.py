@@ -7,7 +7,7 @@ import html
 import ipywidgets as W
 
 from ._base import STYLE, CourseWidget
-from ._engine import engine_of, fmt_ms
+from ._engine import engine_of, fmt_ms, titled
 from .latency_model import LatencyModel
 from .measure import measure_decode_batch, measure_request_latency, measure_step_latency
 
@@ -75,7 +75,7 @@ class LatencyCalculator(CourseWidget):
         self.chart.add_bar(name="predicted", x=["TTFT", "TPOT", "total"], y=[0, 0, 0], marker_color="#9ecae9")
         self.chart.add_bar(name="measured", x=["TTFT", "TPOT", "total"], y=[None, None, None],
                            marker_color="#4c78a8")
-        self.chart.update_layout(title="Predicted vs measured (ms)", yaxis_title="ms", barmode="group", height=300,
+        self.chart.update_layout(title=titled("Predicted vs measured (ms)", first), yaxis_title="ms", barmode="group", height=300,
                                  width=560, margin=dict(l=50, r=10, t=40, b=30), yaxis_type="log")
         for w in (self.model_menu, self.prompt_slider, self.response_slider, self.batch_slider):
             w.observe(lambda _c: self.update(), names="value")

@@ -6,7 +6,7 @@ import statistics
 import ipywidgets as W
 
 from ._base import STYLE, CourseWidget
-from ._engine import engine_of, fmt_ms
+from ._engine import engine_of, fmt_ms, titled
 from .measure import run_requests
 
 
@@ -53,7 +53,7 @@ class PrefixCacheView(CourseWidget):
         self.chart = go.FigureWidget()
         self.chart.add_bar(name="cold (cache cleared)", x=[], y=[], marker_color="#bbbbbb")
         self.chart.add_bar(name="warm (system prompt cached)", x=[], y=[], marker_color="#54a24b")
-        self.chart.update_layout(title="Measured TTFT per request", yaxis_title="ms", barmode="group", height=300,
+        self.chart.update_layout(title=titled("Measured TTFT per request", self.engine), yaxis_title="ms", barmode="group", height=300,
                                  width=620, margin=dict(l=50, r=10, t=40, b=40))
         self.add_class("mv-prefix-cache-view")
         self.children = [W.HTML(STYLE), self.run_button, self.grid, self.chart]

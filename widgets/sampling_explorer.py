@@ -10,7 +10,7 @@ from minivllm.layers.sampler import SamplingBatch, exponential_race, filtered_pr
 from minivllm.sampling_params import SamplingParams
 
 from ._base import STYLE, CourseWidget
-from ._engine import engine_of, parse_prompt, token_piece
+from ._engine import engine_of, parse_prompt, titled, token_piece
 
 
 def next_token_logits(llm, prompt) -> torch.Tensor:
@@ -108,7 +108,7 @@ class SamplingExplorer(CourseWidget):
         self.chart.add_bar(name="after filters", x=[], y=[], marker_color="#4c78a8")
         self.chart.add_scatter(name="drawn (frequency)", x=[], y=[], mode="markers",
                                marker=dict(color="#e4572e", size=9, symbol="diamond"))
-        self.chart.update_layout(title="Next-token probabilities", yaxis_title="probability", barmode="group",
+        self.chart.update_layout(title=titled("Next-token probabilities", self.engine), yaxis_title="probability", barmode="group",
                                  height=340, width=760, margin=dict(l=50, r=10, t=40, b=80),
                                  legend=dict(orientation="h", y=1.1))
         self.load_button.on_click(lambda _: self.load())

@@ -9,7 +9,7 @@ import ipywidgets as W
 from minivllm.sampling_params import SamplingParams
 
 from ._base import STYLE, CourseWidget
-from ._engine import engine_of, fmt_si
+from ._engine import engine_of, fmt_si, titled
 from .engine_stepper import PHASE_COLOURS
 from .measure import random_prompt
 
@@ -66,7 +66,7 @@ class UtilisationMonitor(CourseWidget):
         for phase in ("prefill", "decode", "mixed"):
             self.series.add_scatter(name=f"{phase} step", x=[], y=[], mode="markers",
                                     marker=dict(symbol="line-ns-open", size=12, color=PHASE_COLOURS[phase]))
-        self.series.update_layout(title="Utilisation during the workload", xaxis_title="time (s)",
+        self.series.update_layout(title=titled("Utilisation during the workload", self.engine), xaxis_title="time (s)",
                                   yaxis_title="%", yaxis_range=[0, 110], height=300, width=760,
                                   margin=dict(l=50, r=10, t=40, b=40))
         self.roofline = go.FigureWidget()
@@ -74,7 +74,7 @@ class UtilisationMonitor(CourseWidget):
         for phase in ("prefill", "decode", "mixed"):
             self.roofline.add_scatter(name=phase, x=[], y=[], mode="markers",
                                       marker=dict(color=PHASE_COLOURS[phase], size=8))
-        self.roofline.update_layout(title="Roofline: one point per step", xaxis_type="log", yaxis_type="log",
+        self.roofline.update_layout(title=titled("Roofline: one point per step", self.engine), xaxis_type="log", yaxis_type="log",
                                     xaxis_title="arithmetic intensity (FLOP/byte)",
                                     yaxis_title="achieved FLOP/s", height=340, width=760,
                                     margin=dict(l=60, r=10, t=40, b=40))
