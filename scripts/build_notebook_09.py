@@ -474,8 +474,8 @@ for phase in med.index:
 md("""
 Read the two ratios last printed. With the embedded model on a CPU, expect the two-process step
 to be *slower* than the single process, and the chart shows where the time goes. Each all-reduce
-is a round trip between two processes through the operating system (gloo over local TCP), which
-costs tens of microseconds or more however few bytes it carries, and a step makes `2 x layers + 1`
+is a round trip between two processes through the operating system (gloo over local TCP), whose
+cost (the median printed above) hardly depends on how few bytes it carries, and a step makes `2 x layers + 1`
 of them one after the other, each waiting for the slower rank. The arithmetic saved by halving
 each matrix is small for a 4M-parameter model, so communication and synchronisation weigh heavily.
 On a shared 2-core machine the two ranks also compete with each other (and with anything else
@@ -484,8 +484,8 @@ arrive, so these figures swing from run to run; the counts above do not.
 
 Tensor parallelism pays when the other side of the balance is big: a model that does not fit one
 device at all, or layers whose matrix multiplies take much longer than an all-reduce over a fast
-link (GPUs joined by NVLink move hundreds of GB/s, and NCCL's all-reduce of a decode step's few KB
-takes microseconds). Run this notebook on a machine with two GPUs and a real checkpoint
+link (GPUs joined by NVLink, with NCCL's all-reduce, instead of two processes talking through the
+operating system). Run this notebook on a machine with two GPUs and a real checkpoint
 (`MINIVLLM_MODEL=/path/to/Qwen3-8B`) to measure that side. The engine's multi-node launch with
 `torchrun` is described in `docs/tensor_parallel.md`.
 """)

@@ -190,9 +190,9 @@ The count is the same at batch 1 and batch 4: the step issues the same operation
 tensors. So the dispatch cost is a fixed floor under every decode step, paid again at every step
 whatever the batch; the rest of the measured step is the model's Python code, the engine's own
 work (scheduling, building inputs, sampling) and the arithmetic itself. On a GPU the floor matters
-far more: the GPU finishes a small kernel in a few microseconds and then waits for the host to
-issue the next one, so a small model's decode step can take several times its arithmetic unless
-the launches are taken off the host.
+far more: the GPU finishes a small kernel quickly and then waits for the host to issue the next
+one, so a small model's decode step can take longer than its arithmetic needs unless the launches
+are taken off the host (section 2 measures this when a GPU is present).
 
 ## 2. CUDA graphs: issue the whole step at once
 
@@ -536,8 +536,8 @@ md("""
 ## Takeaways
 
 * A decode step issues the same few hundred operations whatever the batch; each costs
-  microseconds of host time, measured above. For small models that fixed cost is a large part of
-  the step.
+  microseconds of host time, measured above: a fixed floor under every step, and on a GPU, where
+  each operation is a kernel launch the device waits for, a large share of a small model's step.
 * CUDA graphs replay a whole decode step with one launch. They need fixed shapes, so minivllm
   captures batch-size buckets and pads; they run on CUDA only (`enforce_eager=False`).
 * `torch.compile` fuses chains of element-wise operations into one kernel and one pass over memory,
