@@ -3,6 +3,13 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+
+# Idle OpenMP threads spin by default; on a 2-core CI machine they steal the cores that the
+# tensor-parallel workers and notebook kernels (which inherit this environment) need.
+# Must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import shutil
 import sys
 import weakref
