@@ -1,0 +1,80 @@
+"""Course notebooks 05 (scheduler), 07 (prefix caching) and 08 (sampling): conventions and freshness.
+
+Fast checks on the build scripts' cells and the stored notebooks (nothing is executed here;
+``pytest --nbval-lax notebooks/`` executes them):
+
+* the stored notebook holds exactly the cells its build script writes (no stale copy);
+* the parameters cell reads ``MINIVLLM_MODEL`` and sets ``DEVICE = "auto"``; the run prints
+  ``describe(...)``; a widget from ``widgets`` is used live; the notebook ends with a quiz and
+  takeaways;
+* checked cells (``# NBVAL_CHECK_OUTPUT``) never print timings, and every stored output is from a
+  real run (no error outputs) in a file of at most 1 MB.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = {"05": "05_scheduler", "07": "07_prefix_caching", "08": "08_sampling"}
+WIDGETS = {"05": "SchedulerTimeline", "07": "PrefixCacheView", "08": "SamplingExplorer"}
+TIMING = re.compile(r"wall_ms|ttft_ms|perf_counter|seconds|_ms\b|time\.")
+
+
+def _builder(num: str):
+    path = ROOT / "scripts" / f"build_notebook_{num}.py"
+    spec = importlib.util.spec_from_file_location(f"build_notebook_{num}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(params=sorted(CHAPTERS), ids=lambda n: CHAPTERS[n])
+def chapter(request):
+    num = request.param
+    return num, _builder(num), ROOT / "notebooks" / f"{CHAPTERS[num]}.ipynb"
+
+
+def test_stored_notebook_matches_its_build_script(chapter):
+    num, builder, path = chapter
+    built = builder.build()
+    stored = nbformat.read(path, as_version=4)
+    assert [(c.cell_type, c.source) for c in stored.cells] == [(c.cell_type, c.source) for c in built.cells], (
+        f"{path.name} is stale: run python scripts/build_notebook_{num}.py")
+
+
+def test_conventions(chapter):
+    num, builder, _ = chapter
+    nb = builder.build()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1
+    assert 'os.environ.get("MINIVLLM_MODEL")' in params[0].source and 'DEVICE = "auto"' in params[0].source
+    assert any("print(describe(" in c.source for c in code)
+    assert any(f"from widgets import" in c.source and WIDGETS[num] in c.source for c in code)
+    assert "Quiz(" in code[-1].source
+    assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.startswith("## Takeaways")
+
+
+def test_checked_cells_print_no_timings(chapter):
+    _, builder, _ = chapter
+    for cell in builder.build().cells:
+        if cell.cell_type == "code" and cell.source.startswith("# NBVAL_CHECK_OUTPUT"):
+            prints = "\n".join(line for line in cell.source.splitlines() if "print(" in line or "f\"" in line)
+            assert not TIMING.search(prints), f"checked cell prints a timing:\n{cell.source}"
+
+
+def test_stored_outputs_are_real_and_small(chapter):
+    _, _, path = chapter
+    assert path.stat().st_size <= 1_000_000
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code), "notebook stored without executing"
+    for c in code:
+        assert not [o for o in c.outputs if o.output_type == "error"], c.source[:80]
+    first_output = "".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
+    assert "machine:" in first_output and "device:" in first_output
