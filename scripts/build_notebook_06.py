@@ -49,8 +49,12 @@ Nothing below is typed in by hand: every time, token count and utilisation figur
 when you run the notebook, on the hardware you run it on.
 
 **You will:** step the engine through a request and watch the KV blocks fill · measure step time
-against prompt length for both phases · turn those measurements into a latency model (TTFT, TPOT)
-and check its predictions · see chunked prefill split a long prompt · test yourself.
+against prompt length for both phases · compute the arithmetic intensity of real steps and place
+them on this machine's measured roofline · compare MFU and MBU of prefill and decode · measure how
+decode throughput grows with the batch, and the weight-read floor of a decode step · measure TTFT
+and TPOT per request and turn the measurements into a latency model · see chunked prefill protect
+other requests' inter-token latency · check the usual myths about the two phases against
+measurements · test yourself.
 """)
 
 md("""
@@ -59,7 +63,8 @@ md("""
 The parameters cell chooses the model: the embedded `minivllm-tiny` (a 4M-parameter Qwen3-shaped
 model that ships with the repo) unless the environment variable `MINIVLLM_MODEL` names another one
 (a Qwen3 checkpoint directory, or `random:qwen3-0.6b`). KV blocks of 16 tokens and a small pool of
-64 blocks keep the paging visible. `MINIVLLM_THREADS` sets torch's CPU threads (the stored outputs
+64 blocks keep the paging visible. `BIG_MODEL` is the model of section 3, big enough that its
+weights do not fit in any CPU cache: random weights at Qwen3-0.6B's shapes (2.4 GB in fp32). `MINIVLLM_THREADS` sets torch's CPU threads (the stored outputs
 were produced with 1 thread on a CPU shared with other work).
 """)
 
@@ -77,6 +82,7 @@ BLOCK_SIZE = 16                            # tokens per KV block
 # CPU threads for torch; 0 keeps torch's default. On a machine shared with other busy
 # processes, 1 avoids threads waiting on each other and makes timings far steadier.
 THREADS = int(os.environ.get("MINIVLLM_THREADS", "0"))
+BIG_MODEL = "random:qwen3-0.6b"            # section 3: a memory-bound model (random weights, real shapes)
 if THREADS > 0:
     torch.set_num_threads(THREADS)
 """)
@@ -97,11 +103,14 @@ print(f"dtype   : {cfg.dtype}; attention backend {cfg.attention_backend}; "
       f"KV pool {cfg.num_kv_blocks} blocks of {cfg.block_size} tokens; token budget per step "
       f"{cfg.max_num_batched_tokens}")
 
-from minivllm.telemetry.peaks import get_peaks
+from minivllm.utils.env_report import describe
+
+print(describe(llm))
 
 # This machine's ceilings, measured now (a large matmul and a large copy), so the MFU / MBU
-# figures below compare steps with peaks taken under the same conditions.
-peaks = get_peaks(cfg.device, cfg.dtype, refresh=True)
+# figures below compare steps with peaks taken under the same conditions. From here on every
+# StepRecord of this engine carries its FLOPs, bytes, MFU and MBU.
+peaks = engine.measure_peaks(refresh=True)
 print(f"peaks   : {peaks.flops_per_s / 1e9:.1f} GFLOP/s (matmul), {peaks.bytes_per_s / 1e9:.1f} GB/s (copy)")
 """)
 
@@ -257,12 +266,260 @@ of the measured matmul peak while moving few bytes per FLOP; decode steps use a 
 arithmetic, and what they do use is mostly memory traffic. Decode's MBU stays well short of 100 % on
 the embedded model because it is tiny: a step lasts a few milliseconds, fixed per-step costs (Python,
 scheduling, building input tensors) take a good part of that, and its 17 MB of weights partly fit
-in the CPU's caches. With a bigger model (`MINIVLLM_MODEL=random:qwen3-0.6b`, or a real checkpoint on
-a GPU) decode's MBU climbs towards the memory ceiling.
+in the CPU's caches. The next section repeats the measurement on a model large enough to be
+limited by memory.
 """)
 
 md("""
-## 3. TTFT and TPOT
+## 3. A memory-bound model: roofline, MFU and MBU, batching
+
+The embedded model is too small to show the memory wall: its weights sit in the CPU's caches and
+Python overhead dominates its steps. `BIG_MODEL` has the shapes of Qwen3-0.6B (28 layers, hidden
+size 1024, a 151,936-token vocabulary) with random weights: its answers are noise, but every step
+moves exactly as many bytes and does exactly as many FLOPs as the real model would. A 64 MiB KV
+pool keeps its memory footprint down to the weights.
+""")
+
+code("""
+big = LLM(BIG_MODEL, device=DEVICE, kv_cache_memory_bytes=64 << 20, max_num_seqs=16,
+          max_num_batched_tokens=256)
+big_engine = big.llm_engine
+print(describe(big))
+big_peaks = big_engine.measure_peaks()  # same device and dtype as above: the peaks measured there
+cost = big_engine.model_cost            # the model's shape, as minivllm.telemetry.roofline sees it
+print(f"peaks here: {big_peaks.flops_per_s / 1e9:.1f} GFLOP/s, {big_peaks.bytes_per_s / 1e9:.1f} GB/s; "
+      f"ridge point {big_peaks.ridge_intensity:.1f} FLOP/byte")
+""")
+
+md("""
+### Arithmetic intensity, from the model's shape
+
+A matrix multiply of `t` token rows by a `k x n` weight costs `2·t·k·n` FLOPs (a multiply and an
+add per weight per row) and must read the `k·n` weights once. So a step over `T` tokens costs about
+`2·N·T` FLOPs for `N` weights in the layers, while it reads all `N` weights whatever `T` is. The
+intensity of the weight traffic is `2·N·T / (N · bytes per weight)`: `T/2` FLOP/byte in fp32, `T` in
+bf16. Prefill of a long prompt (large `T`) is far up the intensity axis; decode at batch `B`
+(`T = B`) is at `B/2`. Attention and the KV cache traffic add a little on both sides. These are the
+figures the engine computes for every step (`minivllm.telemetry.roofline`):
+""")
+
+code("""
+# NBVAL_CHECK_OUTPUT
+N = cost.matmul_params
+print(f"weights in the layers' matrix multiplies N = {N:,}; LM head {cost.lm_head_params:,} "
+      f"(tied to the embedding: {cost.tie_word_embeddings}); {cost.weight_bytes} bytes per weight")
+print(f"FLOPs per token through the layers: 2N = {2 * N / 1e9:.3f} GFLOP")
+print(f"bytes every step reads for the weights: {(cost.body_weight_bytes + cost.lm_head_bytes) / 1e9:.3f} GB "
+      f"(+ {cost.kv_bytes_per_token:,} bytes of KV cache per token attended to or written)")
+for T in (1, 16, 128):
+    print(f"  {T:3d} tokens in a step: intensity of the weight traffic 2N*T/bytes = "
+          f"{2 * N * T / (N * cost.weight_bytes):5.1f} FLOP/byte")
+""")
+
+md("""
+### Measured: one workload, every step on the roofline
+
+Now the real thing, and deliberately small: for batch sizes 1, 2, 4, 8 and 16, that many requests
+of 8 random tokens each arrive together and generate 3 tokens. Each batch gives one prefill step
+(`8 x batch` prompt tokens) and two decode steps of `batch` sequences. Every step's FLOPs and bytes
+come from its `StepRecord` (`record.flops`, `record.bytes_moved`), and its MFU and MBU divide them
+by the step's wall time and this machine's peaks.
+""")
+
+code("""
+import random
+
+from widgets.measure import random_prompt, run_requests, warm_up
+
+warm_up(big)  # first-call costs (memory allocation) are not what we want to measure
+rng = random.Random(0)
+BATCHES = [1, 2, 4, 8, 16]
+big_rows = []
+for b in BATCHES:
+    big_engine.reset_prefix_cache()
+    _, records = run_requests(big, [random_prompt(big_engine, 8, rng) for _ in range(b)], 3)
+    for r in records:
+        big_rows.append(dict(batch=b, phase=r.phase, tokens=r.num_tokens, wall_ms=r.wall_ms,
+                             flops=r.flops, bytes=r.bytes_moved, mfu=r.mfu, mbu=r.mbu))
+big_df = pd.DataFrame(big_rows)
+big_df["intensity"] = big_df.flops / big_df.bytes
+big_df["GFLOP/s"] = big_df.flops / big_df.wall_ms / 1e6
+big_df["GB/s"] = big_df.bytes / big_df.wall_ms / 1e6
+big_df.round(3)
+""")
+
+code("""
+# NBVAL_CHECK_OUTPUT
+# FLOPs and bytes depend only on the shapes of the steps, so this table is the same on every CPU.
+shape = big_df.groupby(["phase", "batch", "tokens"])[["flops", "bytes", "intensity"]].first()
+shape["GFLOP"], shape["GB"] = shape.flops / 1e9, shape.bytes / 1e9
+print(shape[["GFLOP", "GB", "intensity"]].round(3).to_string())
+""")
+
+code("""
+# The roofline: attainable FLOP/s = min(peak FLOP/s, intensity x peak bytes/s), both peaks measured here.
+import numpy as np
+
+xs = np.logspace(-0.7, 2.2, 100)
+roof = np.minimum(big_peaks.flops_per_s, xs * big_peaks.bytes_per_s) / 1e9
+fig = go.Figure()
+fig.add_scatter(x=xs, y=roof, mode="lines", line=dict(color="#333", width=2), name="measured ceilings")
+fig.add_vline(x=big_peaks.ridge_intensity, line=dict(color="#999", dash="dot"))
+for phase, colour in (("prefill", "#e4572e"), ("decode", "#f0a202")):
+    pts = big_df[big_df.phase == phase]
+    # label each batch once: prefill steps by their tokens, decode steps by their batch
+    labels = [("" if dup else (f"{t} tok" if phase == "prefill" else f"B={b}"))
+              for b, t, dup in zip(pts.batch, pts.tokens, pts.batch.duplicated())]
+    fig.add_scatter(x=pts.intensity, y=pts["GFLOP/s"], mode="markers+text", text=labels,
+                    textposition="top center" if phase == "prefill" else "bottom center",
+                    marker=dict(color=colour, size=10), name=f"{phase} steps")
+fig.update_layout(title=f"Roofline of {cost.num_params / 1e6:.0f} M-parameter steps on this machine "
+                        f"({big_engine.config.device}, {str(big_engine.config.dtype).removeprefix('torch.')})",
+                  xaxis=dict(type="log", title="arithmetic intensity (FLOP per byte moved)"),
+                  yaxis=dict(type="log", title="achieved GFLOP/s"), height=420)
+show_figure(fig)
+""")
+
+md("""
+The sloped part of the roof is the memory ceiling (a step there can go no faster than its bytes
+stream in), the flat part the compute ceiling; they meet at the ridge point (dotted). Decode steps
+sit at `B/2` FLOP/byte: at small batches they are left of the ridge, under the slope, and what
+limits them is bandwidth. Prefill steps sit at `T/2` for `T` prompt tokens: all but the shortest
+are to the right of the ridge, where only the arithmetic can limit them. The gap between a point
+and the roof is overhead and inefficiency: small matrix multiplies run below the big square matmul
+that set the peak, and a step also spends time outside them.
+
+### MFU and MBU, prefill against decode
+
+MFU (model FLOPs utilisation) is the share of the measured peak FLOP/s a step achieved, MBU (model
+bandwidth utilisation) the share of the measured peak bandwidth. Here they are for the largest
+prefill step and for the decode steps at batch 1, the two ends of the roofline:
+""")
+
+code("""
+pre = big_df[big_df.phase == "prefill"].sort_values("tokens").iloc[-1]
+dec1 = big_df[(big_df.phase == "decode") & (big_df.batch == 1)]
+util = pd.DataFrame({f"prefill ({pre.tokens} tokens)": [pre.mfu, pre.mbu],
+                     "decode (batch 1)": [dec1.mfu.median(), dec1.mbu.median()]},
+                    index=["MFU (share of peak FLOP/s)", "MBU (share of peak bytes/s)"])
+fig = go.Figure()
+for name, colour in (("MFU (share of peak FLOP/s)", "#4c78a8"), ("MBU (share of peak bytes/s)", "#54a24b")):
+    fig.add_bar(x=list(util.columns), y=100 * util.loc[name], name=name, marker_color=colour,
+                text=[f"{100 * v:.0f} %" for v in util.loc[name]], textposition="outside")
+fig.update_layout(title="Measured utilisation of one prefill step and one decode step", barmode="group",
+                  yaxis=dict(title="% of this machine's measured peak", range=[0, 110]), height=360)
+show_figure(fig)
+(100 * util).round(1)
+""")
+
+md("""
+This chart replaces the made-up utilisation bars that chapters like this often show: the prefill
+step's FLOPs are a large share of the matmul peak while its bandwidth share is small; the decode
+step is the other way round. Neither reaches 100 %: the peaks come from one large matmul and one
+large copy, the best case for each, and a real step is hundreds of smaller operations plus Python.
+
+### Decode throughput against batch size
+
+Every decode step reads all the weights once, whatever the batch. While that read is what sets
+the step's time, a batch of 8 costs little more than a batch of 1 and produces 8 tokens, so the
+tokens per second should grow almost in proportion to the batch, until the intensity (`B/2` here)
+crosses the ridge point and arithmetic takes over. The dashed line is what the roofline predicts
+from the measured peaks alone: `B / max(FLOPs / peak FLOP/s, bytes / peak bytes/s)`.
+""")
+
+code("""
+big_dec = big_df[big_df.phase == "decode"].groupby("batch").agg(wall_ms=("wall_ms", "median"), flops=("flops", "first"),
+                                                            bytes=("bytes", "first"))
+big_dec["tokens/s"] = big_dec.index / big_dec.wall_ms * 1e3
+big_dec["roofline tokens/s"] = big_dec.index / np.maximum(big_dec.flops / big_peaks.flops_per_s, big_dec.bytes / big_peaks.bytes_per_s)
+big_dec["speed-up vs batch 1"] = big_dec["tokens/s"] / big_dec["tokens/s"].iloc[0]
+fig = go.Figure()
+fig.add_scatter(x=big_dec.index, y=big_dec["tokens/s"], mode="lines+markers", name="measured", line=dict(color="#f0a202", width=3))
+fig.add_scatter(x=big_dec.index, y=big_dec["roofline tokens/s"], mode="lines", name="roofline bound (measured peaks)",
+                line=dict(color="#333", dash="dash"))
+fig.add_scatter(x=big_dec.index, y=big_dec["tokens/s"].iloc[0] * big_dec.index, mode="lines", name="batch 1 x B (perfect scaling)",
+                line=dict(color="#aaa", dash="dot"))
+fig.update_layout(title="Decode throughput against batch size (measured)", xaxis_title="sequences in the decode step",
+                  yaxis_title="output tokens per second", height=380)
+show_figure(fig)
+big_dec[["wall_ms", "tokens/s", "speed-up vs batch 1", "roofline tokens/s"]].round(2)
+""")
+
+md("""
+The step time grows far more slowly than the batch, so the tokens per second climb with it (the
+table's `speed-up vs batch 1`). Two things keep the measured line below perfect scaling (dotted):
+
+* The roofline bound (dashed) flattens once the batch's intensity, `B/2` FLOP/byte in fp32, passes
+  the ridge point. On a CPU the ridge is low (a few FLOPs per byte, printed above), so fp32 decode
+  turns compute-bound at a batch of about twice that. On a data-centre GPU the ridge is a few
+  hundred FLOPs per byte, and bf16 decode stays memory-bound up to batches in the hundreds.
+* The measured points sit under the bound, furthest at batch 2. CPU math libraries run a
+  one-row product (a matrix-vector product) on a path that streams the weights at close to full
+  bandwidth, and a few rows on a general matrix-multiply path that is much less efficient at such
+  thin shapes. The cell below measures that on weights of this model's shape: twelve matrices the
+  size of its MLP up-projection (1024 x 3072), 151 MB in all so they cannot sit in a CPU cache,
+  each multiplied once per pass as in a decode step:
+""")
+
+code("""
+import time
+
+ws = torch.randn(12, 3072, 1024)
+for n_rows in (1, 2, 4, 16):
+    x = torch.randn(n_rows, 1024)
+    torch.nn.functional.linear(x, ws[0])  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(3):
+        for w in ws:
+            torch.nn.functional.linear(x, w)
+    dt = (time.perf_counter() - t0) / 3
+    print(f"{n_rows:2d} row(s) through 12 weights of 1024 x 3072: {dt * 1e3:6.2f} ms per pass -> "
+          f"{ws.nbytes / dt / 1e9:5.1f} GB/s of weights read")
+del ws, w
+""")
+
+md("""
+Even so, the conclusion does not depend on the library: on the same weights and the same memory,
+batch 16 produced several times the tokens per second of batch 1. "Decode does not scale with
+batch size" is wrong; batching is the main lever on decode throughput.
+
+### The weight-read floor of a decode step
+
+A decode step cannot finish before its weights have streamed through the memory system once. That
+floor is the weight bytes divided by the bandwidth, here with the bandwidth measured on this
+machine, beside the measured step:
+""")
+
+code("""
+weight_bytes = cost.body_weight_bytes + cost.lm_head_bytes
+floor_ms = weight_bytes / big_peaks.bytes_per_s * 1e3
+compute_ms = dec1.flops.iloc[0] / big_peaks.flops_per_s * 1e3
+step_ms = dec1.wall_ms.median()
+print(f"weights: {weight_bytes / 1e9:.2f} GB; measured bandwidth {big_peaks.bytes_per_s / 1e9:.1f} GB/s")
+print(f"weight-read floor of a decode step : {floor_ms:7.1f} ms")
+print(f"compute floor of a batch-1 step    : {compute_ms:7.1f} ms")
+print(f"measured decode step at batch 1    : {step_ms:7.1f} ms (the floor is {floor_ms / step_ms:.0%} of it)")
+print(f"measured decode step at batch {big_dec.index[-1]:2d}   : {big_dec.wall_ms.iloc[-1]:7.1f} ms for {big_dec.index[-1]} tokens")
+""")
+
+md("""
+The same arithmetic works for any machine, which is why a fixed "milliseconds per output token"
+constant is never right in general: it depends on the model's bytes, the memory's speed and the
+batch. For a 7B-parameter model in fp16 (14 GB of weights) on an H100 (about 3.35 TB/s of HBM
+bandwidth on its data sheet) the floor is 14 / 3350 s, about 4 ms per decode step, shared by the
+whole batch.
+
+That is all we need from the big model; shutting it down returns its 2.4 GB.
+""")
+
+code("""
+big.shutdown()
+del big, big_engine
+""")
+
+
+md("""
+## 4. TTFT and TPOT
 
 Two latencies describe what a user of a served model feels:
 
@@ -271,7 +528,58 @@ Two latencies describe what a user of a served model feels:
 * **TPOT**, time per output token: the mean gap between later tokens, i.e. the decode step time of
   whatever batch the request shares.
 
-A response of `R` tokens takes about `TTFT + (R - 1) * TPOT`. The calculator below predicts these
+The engine stamps every request with these times (`RequestOutput.metrics`: arrival, first
+scheduled, first token, every token, finished). Here five requests of different lengths arrive
+together at an engine of the embedded model whose step holds at most 64 tokens, so some prompts
+wait for others and prompts that do not fit in a step are split across steps:
+""")
+
+code("""
+mixed = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=128, max_num_batched_tokens=64,
+            max_num_seqs=8)
+me = mixed.llm_engine
+rng = random.Random(6)
+WORKLOAD = {"a": (24, 16), "b": (100, 4), "c": (8, 24), "d": (60, 8), "e": (40, 12)}  # id: (prompt, output tokens)
+for rid, (n_prompt, n_out) in WORKLOAD.items():
+    me.add_request(rid, random_prompt(me, n_prompt, rng), SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
+mixed_records, finals = [], {}
+while me.has_unfinished_requests():
+    res = me.step()
+    mixed_records.append(res.record)
+    finals.update({o.request_id: o for o in res.outputs if o.finished})
+""")
+
+code("""
+# NBVAL_CHECK_OUTPUT
+# Which steps each request's prompt went through, and the step that sampled its first token.
+for rid, (n_prompt, n_out) in WORKLOAD.items():
+    chunks = [(i, e.num_tokens) for i, r in enumerate(mixed_records) for e in r.scheduled
+              if e.request_id == rid and e.is_prefill]
+    first = next(i for i, r in enumerate(mixed_records) for e in r.scheduled if e.request_id == rid and e.sampled)
+    print(f"request {rid}: prompt {n_prompt:3d} tokens in chunks (step, tokens) {chunks}; first token at step {first}; "
+          f"{len(finals[rid].outputs[0].token_ids)} output tokens")
+print(f"{len(mixed_records)} steps; mixed prefill + decode steps: {sum(r.phase == 'mixed' for r in mixed_records)}")
+""")
+
+code("""
+lat = pd.DataFrame([dict(request=rid, prompt=WORKLOAD[rid][0], output=WORKLOAD[rid][1],
+                         queue_ms=m.queue_ms, ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms,
+                         check_ms=m.ttft_ms + (WORKLOAD[rid][1] - 1) * m.tpot_ms)
+                    for rid, m in ((rid, finals[rid].metrics) for rid in WORKLOAD)]).set_index("request")
+lat.round(2)
+""")
+
+md("""
+Each request's TTFT is its wait plus the steps that carried its prompt, so it grows for requests
+whose prompts are long or queued behind others. TPOT is the mean gap between its later tokens:
+every decode step it shares with the others, mixed steps with a prefill chunk in them included,
+which is why it differs from request to request. The last column is `TTFT + (output - 1) x TPOT`;
+it matches the end-to-end time (`e2e_ms`) up to the moment between the last token and the
+request being marked finished.
+
+### A latency calculator, fitted to this machine
+
+The calculator below predicts TTFT, TPOT and total time
 from a cost model **fitted to the steps you just measured** (plus a short sweep of decode steps at
 batch sizes 1 to 8): a fixed cost per step plus a cost per prefill token, and a fixed cost per
 decode step plus a cost per sequence in the batch. It replays the scheduler's policy (decodes
@@ -299,20 +607,14 @@ for b, ms in dec.items():
 """)
 
 md("""
-Two things to notice in the decode lines. The step time grows far more slowly than the batch, so
-**decode throughput grows almost in proportion to the batch**: the weights are read once per step
-and shared by every sequence in it. That lasts until the step has enough rows to become limited by
-arithmetic, which for a large model on a GPU takes a batch in the hundreds. Batching is therefore
-the first tool for decode throughput; others are quantisation (fewer bytes per weight) and
-speculative decoding (several tokens checked per weight read); faster memory helps too.
-
-For scale on real hardware: a 7B-parameter model in fp16 is 14 GB of weights. An H100's HBM3 moves
-about 3.35 TB/s, so a decode step cannot take less than about 14 / 3350 s, roughly 4 ms, at any
-batch size up to where arithmetic takes over.
+The calculator's constants are not typed in: they are fitted to this machine's steps, so on a
+GPU with a real checkpoint the same cell fits different ones. The decode lines show on the small
+model what section 3 showed on the big one: the step time grows far more slowly than the batch, so
+decode throughput grows with it (here the per-step overhead of a tiny model also gets shared).
 """)
 
 md("""
-## 4. Chunked prefill
+## 5. Chunked prefill
 
 A prompt longer than the step's token budget (`max_num_batched_tokens`) is split into chunks, one
 per step. The point is not the long prompt's own latency; it is everybody else's. Requests already
@@ -369,7 +671,151 @@ md("""
 Chunking trades a little of the long prompt's own TTFT (its chunks share steps with the decodes)
 for a much smaller worst-case stall for everyone already streaming.
 
-## 5. Check yourself
+### Where the two phases part in the code
+
+The model code is the same for both phases: embeddings, the same linear layers, norms and MLPs
+run on however many token rows the step has. The phases part only inside attention. Here is the
+`forward` of our Triton backend (`minivllm/layers/attention/triton_backend.py`), printed from the
+installed package: every step first writes the new keys and values to their cache slots; a step
+made only of decodes runs the paged decode kernel (one query per sequence, reading that sequence's
+blocks through its block table); any step with a prefill chunk, mixed steps included, runs the
+prefill kernel, in which a decode is simply a query of length one.
+""")
+
+code("""
+import inspect
+
+from minivllm.layers.attention.triton_backend import TritonAttentionBackend
+
+print(inspect.getsource(TritonAttentionBackend.forward))
+print("backend that ran this notebook's steps:", mixed_records[0].attention_backend)
+""")
+
+md("""
+The `torch` backend (the reference, used on CPU by default) makes the same split with plain
+PyTorch: it groups a step's sequences into decodes and prefills and runs one batched attention
+per group. Every backend is tested against it on the same inputs.
+
+## 6. Myths, checked against measurements
+
+Explanations of prefill and decode repeat a few claims that sound right. Each one below is held
+against something measured in this notebook.
+
+**"A faster GPU always means faster generation."** It depends on which ceiling the step is under.
+The decode step of section 3 would get faster only with more bandwidth; more FLOP/s would shave at
+most its compute floor. The prefill step is the other way round:
+""")
+
+code("""
+for name, r in ((f"prefill, {pre.tokens} tokens", pre), ("decode, batch 1", dec1.iloc[0])):
+    mem_ms = r.bytes / big_peaks.bytes_per_s * 1e3
+    fl_ms = r.flops / big_peaks.flops_per_s * 1e3
+    bound = "memory" if mem_ms > fl_ms else "compute"
+    print(f"{name:20s}: memory floor {mem_ms:7.1f} ms, compute floor {fl_ms:7.1f} ms -> {bound}-bound "
+          f"(measured {r.wall_ms:7.1f} ms)")
+""")
+
+md("""
+**"Prefill and decode use different weights."** Same weights, same code: the difference is how
+many rows go through them per step. If that were not so, decoding token by token would give
+different tokens from recomputing the whole sequence in one prefill. Check it: generate greedily,
+then for every position run a fresh one-step prefill over the prompt plus the tokens generated so
+far (prefix cache reset, so nothing is reused) and compare its token with the decode step's.
+""")
+
+code("""
+# NBVAL_CHECK_OUTPUT
+check = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+prompt_ids = tok.encode(PROMPT)
+decoded = mixed.generate([prompt_ids], check, use_tqdm=False)[0].outputs[0].token_ids
+replayed = []
+for k in range(len(decoded)):
+    me.reset_prefix_cache()
+    replayed.append(mixed.generate([prompt_ids + decoded[:k]], SamplingParams(temperature=0, max_tokens=1),
+                                   use_tqdm=False)[0].outputs[0].token_ids[0])
+print("decode steps       :", decoded)
+print("one prefill each   :", replayed)
+print("identical:", decoded == replayed)
+""")
+
+md("""
+**"TTFT and total response time are the same thing."** The table of section 4 already answers it:
+""")
+
+code("""
+print((lat.e2e_ms / lat.ttft_ms).round(1).rename("e2e / TTFT").to_string())
+""")
+
+md("""
+A request with a long answer spends most of its life after its first token; one with a long
+prompt and a short answer, before it. They are different measurements, tuned by different means
+(prefix caching and chunk size for TTFT, batching and bandwidth for TPOT).
+
+**"Chunked prefill comes with `enforce_eager=False`."** `enforce_eager` decides whether decode
+steps are replayed from captured CUDA graphs (on CUDA only); chunking is the scheduler's
+`enable_chunked_prefill`. Run the same workload (a request decoding while an 80-token prompt
+arrives, 32-token budget) under both values of `enforce_eager`, then with chunking off:
+""")
+
+code("""
+# NBVAL_CHECK_OUTPUT
+def chunk_run(**engine_args):
+    sub = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=64, **engine_args)
+    e = sub.llm_engine
+    e.add_request("chatting", "The module provides", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    e.step()
+    e.add_request("long", list(range(1, 81)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    recs = []
+    while e.has_unfinished_requests():
+        recs.append(e.step().record)
+    graphs = e.runner.graph_runner is not None
+    sub.shutdown()
+    return recs, graphs
+
+graph_state = {}
+for args in (dict(enforce_eager=True, max_num_batched_tokens=32), dict(enforce_eager=False, max_num_batched_tokens=32),
+             dict(enable_chunked_prefill=False, max_num_batched_tokens=96, max_model_len=96)):
+    name = ", ".join(f"{k}={v}" for k, v in args.items())
+    recs, graph_state[name] = chunk_run(**args)
+    chunks = [x.num_tokens for r in recs for x in r.scheduled if x.request_id == "long" and x.is_prefill]
+    print(f"{name:78s}: the 80-token prompt in chunks {chunks}; mixed steps: "
+          f"{sum(r.phase == 'mixed' for r in recs)}")
+mixed_example = next(r for r in recs if r.phase == "mixed")
+print("a mixed step:", [(x.request_id, x.num_tokens, "prefill" if x.is_prefill else "decode") for x in mixed_example.scheduled])
+""")
+
+code("""
+for name, captured in graph_state.items():
+    print(f"device {cfg.device}, {name}: decode CUDA graphs captured: {captured}")
+""")
+
+md("""
+`enforce_eager` changed nothing about the chunks; `enable_chunked_prefill=False` scheduled the
+prompt whole. (On a CPU no CUDA graphs are captured either way; on a GPU the second run captures
+them and the chunks are still the same.)
+
+**"Engines like nano-vllm mix prefill and decode in one batch."** Ours does, as the mixed steps
+above show: one forward pass holding a decode token and a prefill chunk. nano-vllm's scheduler
+does not: each of its steps is prefill-only or decode-only, and it chunks only the first waiting
+prompt. Mixing is what lets the decoding request above get a token in every step.
+
+**"Only faster memory or a smaller model improves decode throughput."** Section 3 measured
+another lever on the same model and the same memory:
+""")
+
+code("""
+b_max = big_dec.index[-1]
+print(f"batch 1: {big_dec['tokens/s'].iloc[0]:.2f} tokens/s; batch {b_max}: {big_dec['tokens/s'].iloc[-1]:.2f} tokens/s "
+      f"({big_dec['speed-up vs batch 1'].iloc[-1]:.1f}x, same weights, same memory)")
+""")
+
+md("""
+Batching spreads one weight read over many tokens. Two other levers are not part of minivllm, so
+they are not measured here: quantisation (fewer bytes per weight, so less to read) and speculative
+decoding (a cheap draft proposes several tokens and the model checks them in one step, several
+tokens per weight read).
+
+## 7. Check yourself
 """)
 
 code("""
@@ -395,8 +841,8 @@ Quiz([
          "The sequences run one after another, and each is very short"],
         1,
         ["The kernels are the same matrix multiplies; the batch just adds rows to them.",
-         "Right: eight rows instead of one barely changes the bytes moved, so the time barely changes and "
-         "throughput grows almost eightfold.",
+         "Right: eight rows instead of one barely change the bytes moved, so while the step is memory-bound "
+         "its time barely changes and throughput grows almost eightfold.",
          "Decode reads the KV cache of every earlier token; it is the prefill that starts with it empty.",
          "They run together in one forward pass: that is what batching means here."],
     ),
@@ -412,6 +858,19 @@ Quiz([
          "change for it.",
          "enforce_eager switches CUDA graphs off; chunking is the scheduler's enable_chunked_prefill."],
     ),
+    Question(
+        "In section 3, the roofline bound on decode throughput (dashed line) stops rising between batch 8 "
+        "and batch 16 on this CPU. Why there?",
+        ["The KV cache ran out of blocks", "The batch's intensity (B/2 FLOP/byte in fp32) reached the ridge "
+         "point, so arithmetic, not the weight read, set the step time",
+         "Python overhead grows with the square of the batch", "Batching never helps decode on a CPU"],
+        1,
+        ["The 64 MiB pool held every sequence of that workload; no request waited or was preempted.",
+         "Right: below the ridge a bigger batch rides on the same weight read; past it the step is "
+         "compute-bound and more rows cost proportionally more time. On a GPU the ridge is far higher.",
+         "Host overhead per sequence is small and linear; the roofline bound alone predicts the bend.",
+         "The chart shows throughput several times higher at batch 16 than at batch 1."],
+    ),
 ]).display()
 """)
 
@@ -422,11 +881,21 @@ md("""
   intensity, time grows with the prompt. It sets TTFT.
 * Decode produces one token per sequence per step: every weight read for a few rows of arithmetic,
   so memory traffic and fixed overhead set its time. It sets TPOT.
-* Batching is what makes decode efficient: the measured step time above grows much more slowly than
-  the batch.
+* Arithmetic intensity (FLOPs per byte) places a step on the roofline: a decode step at batch `B`
+  does about `B/2` FLOPs per byte in fp32, a prefill step of `T` tokens about `T/2`. Below the
+  measured ridge point a step is memory-bound (MBU is its figure of merit), above it compute-bound
+  (MFU).
+* A decode step can never beat its weight-read floor, weight bytes divided by bandwidth; that
+  floor, not a fixed milliseconds-per-token constant, is what to estimate for a new model or machine.
+* Batching is what makes decode efficient: one weight read serves every sequence in the step, so
+  throughput grows with the batch (several-fold from 1 to 16 sequences on this CPU) until the step
+  reaches the ridge point, which on a GPU is at batches in the hundreds.
+* TTFT is queueing plus prefill, TPOT the decode steps a request shares; the engine records both
+  per request in `RequestOutput.metrics`.
 * A cost model fitted to a handful of measured steps predicts TTFT and TPOT well enough to reason
   with; measure the point you care about to check it.
-* Chunked prefill bounds every step's size, so a long prompt cannot freeze everyone else's stream.
+* Chunked prefill (`enable_chunked_prefill`, unrelated to `enforce_eager`) bounds every step's size,
+  and minivllm mixes the chunks with decodes, so a long prompt cannot freeze everyone else's stream.
 
 Next: chapter 07, prefix caching, skips prefill for tokens the cache has already seen.
 """)
