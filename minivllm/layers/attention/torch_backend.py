@@ -7,11 +7,12 @@ split into two groups, decodes (one query token) and prefills (several query tok
 whole prompts, chunks, prompts after a prefix-cache hit), so one long prefill does not pad
 hundreds of decodes to its length. For each group of ``G`` sequences it builds
 
-* ``k_index [G, max_k]``: flat cache slot of key ``j`` of sequence ``b``,
-  ``block_tables[b, j // block_size] * block_size + j % block_size`` (0 past the end);
+* ``block_ids [G * nb]``: the physical blocks of each sequence's block table (``nb`` =
+  blocks of the longest context; padding entries read block 0), so key ``j`` of sequence
+  ``b`` is row ``j`` of its gathered ``[nb * block_size]`` keys;
 * ``q_src [n]`` / ``q_dst [n]``: where the group's ``n`` query tokens are in the step's
   token dimension and where they go in the padded ``[G * max_q]`` layout;
-* ``mask [G, 1, max_q, max_k]`` (bool, True = attend): query ``i`` of sequence ``b`` sits
+* ``mask [G, 1, max_q, max_k]`` (bool, True = attend; ``max_k = nb * block_size``): query ``i`` of sequence ``b`` sits
   at absolute position ``context_lens[b] - q_lens[b] + i`` and sees keys ``j <= `` that
   position (causal over the cached prefix plus the new tokens). Padded query rows are
   allowed key 0 only, so no row is ever fully masked (a fully masked row gives NaN).
@@ -44,8 +45,8 @@ class _GroupPlan:
     max_k: int
     q_src: torch.Tensor  # int64 [n]: token index in the step
     q_dst: torch.Tensor  # int64 [n]: row in the padded [G * max_q] layout
-    k_index: torch.Tensor  # int64 [G, max_k]: flat cache slot
-    mask: torch.Tensor  # bool [G, 1, max_q, max_k]
+    block_ids: torch.Tensor  # int64 [G * nb]: physical blocks to gather, row-major (padding: block 0)
+    mask: torch.Tensor  # bool [G, 1, max_q, max_k] with max_k = nb * block_size
 
 
 @dataclass
@@ -76,21 +77,22 @@ def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.devic
     q_src = (q_starts[:, None] + i[None, :])[q_valid]
     q_dst = (torch.arange(g, device=device)[:, None] * max_q + i[None, :])[q_valid]
 
-    # Key gather through the block table.
-    j = torch.arange(max_k, device=device)
-    k_valid = j[None, :] < k_lens[:, None]  # [G, max_k]
+    # Key gather through the block table, whole blocks at a time (contiguous copies are far
+    # cheaper than a per-slot gather); keys past a sequence's length are masked out below.
     bs = meta.block_size
     n_blk_cols = -(-max_k // bs)
+    max_k = n_blk_cols * bs
+    j = torch.arange(max_k, device=device)
+    k_valid = j[None, :] < k_lens[:, None]  # [G, max_k]
     tables = meta.block_tables.to(device=device, dtype=torch.int64)[seq_t][:, :n_blk_cols]  # [G, nb]
-    blocks = tables.gather(1, (j // bs)[None, :].expand(g, -1))
-    k_index = torch.where(k_valid, blocks * bs + j % bs, 0)
+    block_ids = tables.clamp(min=0).flatten()
 
     # Causal mask over absolute positions.
     q_pos = (k_lens - q_lens)[:, None] + i[None, :]  # [G, max_q]
     mask = (j[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
     pad_rows = ~q_valid
     mask[:, :, 0] |= pad_rows  # padded query rows see key 0: never a fully masked row
-    return _GroupPlan(g, max_q, max_k, q_src, q_dst, k_index, mask.unsqueeze(1))
+    return _GroupPlan(g, max_q, max_k, q_src, q_dst, block_ids, mask.unsqueeze(1))
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -124,8 +126,12 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, kv_heads, head_dim)
         v_flat = v_cache.view(num_blocks * block_size, kv_heads, head_dim)
-        k_flat[plan.write_slots] = k[plan.write_tokens].to(k_cache.dtype)
-        v_flat[plan.write_slots] = v[plan.write_tokens].to(v_cache.dtype)
+        if plan.write_tokens.numel() == k.shape[0]:  # no padding tokens: every row is written
+            k_new, v_new = k, v
+        else:
+            k_new, v_new = k[plan.write_tokens], v[plan.write_tokens]
+        k_flat.index_copy_(0, plan.write_slots, k_new.to(k_cache.dtype))
+        v_flat.index_copy_(0, plan.write_slots, v_new.to(v_cache.dtype))
 
         num_heads = q.shape[1]
         compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -135,10 +141,13 @@ class TorchAttentionBackend(AttentionBackend):
                 q.to(compute_dtype).transpose(0, 1).unsqueeze(0), k.to(compute_dtype).transpose(0, 1).unsqueeze(0),
                 v.to(compute_dtype).transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=gqa)
             return o[0].transpose(0, 1).to(q.dtype)
+        def gather(cache: torch.Tensor, gp: _GroupPlan) -> torch.Tensor:  # -> [G, kvh, max_k, d]
+            kv = cache.index_select(0, gp.block_ids).view(gp.num_seqs, gp.max_k, kv_heads, head_dim)
+            return kv.to(compute_dtype).transpose(1, 2)
+
         if plan.all_decode:
             gp = plan.groups[0]
-            kg = k_flat[gp.k_index].to(compute_dtype).transpose(1, 2)  # [G, kvh, max_k, d]
-            vg = v_flat[gp.k_index].to(compute_dtype).transpose(1, 2)
+            kg, vg = gather(k_cache, gp), gather(v_cache, gp)
             o = F.scaled_dot_product_attention(q.to(compute_dtype).unsqueeze(2), kg, vg, attn_mask=gp.mask,
                                                scale=scale, enable_gqa=gqa)  # [G, h, 1, d]
             return o.squeeze(2).to(q.dtype)
@@ -148,8 +157,7 @@ class TorchAttentionBackend(AttentionBackend):
             qp = q.new_zeros(gp.num_seqs * gp.max_q, num_heads, head_dim, dtype=compute_dtype)
             qp[gp.q_dst] = q[gp.q_src].to(compute_dtype)
             qp = qp.view(gp.num_seqs, gp.max_q, num_heads, head_dim).transpose(1, 2)
-            kg = k_flat[gp.k_index].to(compute_dtype).transpose(1, 2)  # [G, kvh, max_k, d]
-            vg = v_flat[gp.k_index].to(compute_dtype).transpose(1, 2)
+            kg, vg = gather(k_cache, gp), gather(v_cache, gp)
             o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=gp.mask, scale=scale, enable_gqa=gqa)
             o = o.transpose(1, 2).reshape(gp.num_seqs * gp.max_q, num_heads, head_dim)
             out[gp.q_src] = o[gp.q_dst].to(q.dtype)
