@@ -790,7 +790,8 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
             rids = [f"ovh{tag}-{i}" for i in range(b)]
             for rid in rids:
                 engine.add_request(rid, [rng.randint(0, high) for _ in range(prompt_len)],
-                                   SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+                                   SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                                   output_kind="final_only")  # as LLM.generate (and nano-vllm) do
             # prefill (possibly several chunked steps), then warm-up decodes
             while True:
                 rec = engine.step().record

@@ -39,10 +39,7 @@ class ScheduledSequence:
     is_prefill: bool
     #: True when this step computes the sequence's last known token, so a new one is
     #: sampled (fixed at planning time: the sequence grows after the step).
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.start_pos + self.num_tokens == len(self.seq)
+    samples: bool
 
 
 @dataclass
@@ -108,25 +105,26 @@ class Scheduler:
 
         # 1. Running sequences, oldest first: decodes, then unfinished prefills.
         order = [s for s in self.running if not s.is_prefilling] + [s for s in self.running if s.is_prefilling]
+        block_size = bm.block_size
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
-            if seq.is_prefilling:
-                n = min(seq.prefill_target - seq.num_computed_tokens, budget)
-            else:
-                n = 1
-            total = seq.num_computed_tokens + n
-            while not bm.can_grow(seq, total):
-                victim = self.running[-1]  # most recently admitted
-                budget += self._preempt(victim, planned, out)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            bm.grow(seq, total)
-            planned[id(seq)] = ScheduledSequence(seq, n, seq.num_computed_tokens, seq.is_prefilling)
+            computed = seq.num_computed_tokens
+            prefilling = computed < seq.prefill_target
+            n = min(seq.prefill_target - computed, budget) if prefilling else 1
+            total = computed + n
+            if total > len(seq.block_table) * block_size:  # needs a new block
+                while not bm.can_grow(seq, total):
+                    victim = self.running[-1]  # most recently admitted
+                    budget += self._preempt(victim, planned, out)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                bm.grow(seq, total)
+            planned[id(seq)] = ScheduledSequence(seq, n, computed, prefilling, total == len(seq.token_ids))
             budget -= n
 
         # 2. Admit waiting requests (not in a step that had to preempt).
@@ -165,7 +163,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.admitted_order = next(self._admission_counter)
             self.running.append(seq)
-            planned[id(seq)] = ScheduledSequence(seq, n, cached, True)
+            planned[id(seq)] = ScheduledSequence(seq, n, cached, True, cached + n == len(seq))
             out.prefix_cache_hit_tokens += cached
             budget -= n
         return budget
@@ -188,7 +186,10 @@ class Scheduler:
     # -- after the forward pass ----------------------------------------------------------
     def postprocess(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and make newly completed blocks hittable."""
+        bm = self.block_manager
+        caching, block_size = bm.enable_prefix_caching, bm.block_size
         for entry in out.scheduled:
             seq = entry.seq
             seq.num_computed_tokens += entry.num_tokens
-            self.block_manager.register_computed_blocks(seq)
+            if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes):
+                bm.register_computed_blocks(seq)  # a block was completed this step
