@@ -209,11 +209,13 @@ shared prefix's length and the model's size; run this notebook with a real check
 ## 3. When the pool fills: eviction, least recently used first
 
 Cached blocks cost nothing while the pool has room: a finished request's blocks go back to the
-free list *with their hashes*, still hittable. When a request needs a block, the allocator takes
-the one at the front of the free list, the block freed longest ago; if that block holds cached KV,
-its hash is forgotten: an **LRU eviction** (least recently used, since a hit takes a block off the
-free list and its release puts it back at the end). (Within one request, blocks are released tail first, so a prompt's tail is
-evicted before its head; heads are what other requests are most likely to share.)
+free list *with their hashes*, still hittable. When a request needs a block, the allocator first
+takes a *plain* free block, one holding nothing reusable (a partly filled tail block, or one never
+used). Only when none is left does it take a cached block: the one freed longest ago, whose hash is
+then forgotten. That is an **LRU eviction** (least recently used, since a hit takes a block off the
+free list and its release puts it back at the end). (Within one request, blocks are released tail
+first, so a prompt's tail is evicted before its head; heads are what other requests are most likely
+to share.)
 
 A small pool of 16 blocks makes it visible. Four different "system prompts" (random token ids),
 each 4 full blocks plus 8 tokens, so a request uses 5 blocks while it runs and leaves 4 cached
@@ -259,12 +261,12 @@ sm.check_invariants()
 """)
 
 md("""
-Follow it through. A, B and C fit (12 cached blocks). D needs 5 blocks; the free list's oldest
-entries are the never-used block, then A's blocks (A finished first), so D evicts A's tail and
-leaves A with only its first block. A then comes back: it hits that one block, and the 4 blocks it
-must compute come from the front of the free list again, which now holds **B's** blocks, so B is
-evicted before it returns, and so on. A round-robin over more prefixes than the pool holds is
-the worst case for LRU: each request evicts exactly the prefix that will be needed soonest.
+Follow it through. A, B and C fit (12 cached blocks; the other 4 hold nothing reusable). D needs 5
+blocks: it takes the 4 plain ones and evicts a single cached block, the one freed longest ago, which
+is A's tail (A finished first, and its tail was released before its head). A comes back and hits 3
+of its 4 blocks; the one block it recomputes evicts B's tail, and so on: each returning prefix loses
+one block per round. Once the prefixes need more blocks than the pool holds beside the running
+request, a round-robin is the worst case for LRU: each request evicts what will be needed soonest.
 
 The same effect, measured as a hit rate: K distinct prefixes (4 blocks each) requested round-robin
 for three rounds on the 16-block pool, for K = 1 to 6. The first round is always cold; the rest
@@ -320,10 +322,11 @@ small.shutdown()
 
 md("""
 Up to three prefixes, rounds two and three hit every cached block (the hit rate is below 100% only
-because round one is cold and each prompt's last 8 tokens are always computed). From four prefixes
-on, the cached blocks plus the running request's 5 blocks no longer fit in 16, and LRU under a
-round-robin evicts each prefix just before it is needed: the hit rate collapses (to zero once
-nothing survives a full round) and TTFT goes back up towards the cold-cache figure. In a
+because round one is cold and each prompt's last 8 tokens are always computed). At four prefixes the
+cached blocks plus the running request's 5 blocks no longer fit in 16: every request evicts one block
+of the prefix needed next, so the hit rate drops. From five on, LRU under a round-robin evicts each
+prefix before it comes back: the hit rate is zero (nothing survives a full round) and TTFT goes back
+up towards the cold-cache figure. In a
 server, the remedy is more KV memory for the cache (a bigger pool, or a smaller KV footprint), or
 routing requests that share a prefix to the same replica.
 
@@ -390,7 +393,7 @@ Quiz([
         ["That would be true with a policy that pins some prefixes; LRU under a round-robin keeps the most recent "
          "ones, which are exactly the ones not needed next.",
          "Right: the sweep above measured the hit rate falling to zero once the prefixes outgrew the pool.",
-         "Unreferenced cached blocks are the first to be reused when the pool needs space.",
+         "Unreferenced cached blocks are reused as soon as the pool has no plain free block left.",
          "Block size changes how much of each prompt can match, not whether a prefix survives eviction."],
     ),
 ]).display()
@@ -404,8 +407,9 @@ md("""
 * It changes only what is computed, not the result: greedy tokens were identical with and without it.
 * On the shared system prompt it served most prompt tokens from the cache and cut the measured TTFT;
   the saving grows with the prefix length and the model size.
-* Cached blocks live in the free list and are evicted least recently used first. When the shared
-  prefixes outgrow the pool, a round-robin workload drives the hit rate to zero (measured).
+* Cached blocks live in the free list; plain blocks are handed out first, and cached ones are
+  evicted least recently used first. When the shared prefixes outgrow the pool, a round-robin
+  workload drives the hit rate to zero (measured).
 
 Next: chapter 08 looks at the last stage of every step, picking the token.
 """)

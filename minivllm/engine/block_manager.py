@@ -9,7 +9,7 @@ KV has been computed gets a hash chained over its parent's hash and its own toke
 so equal hashes mean equal token prefixes. A new request walks its prompt block by
 block and reuses matching blocks (their reference count goes up) instead of
 recomputing them. Blocks nobody references stay in the hash map, reusable, until the
-allocator needs them; it evicts the least recently freed first.
+allocator has no plain free block left; then it evicts the least recently freed first.
 """
 from __future__ import annotations
 
@@ -55,8 +55,12 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Blocks with ref_count 0, least recently freed first (the eviction order).
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Blocks with ref_count 0, in two lists: plain ones (no reusable content) are handed
+        # out first; cached ones (registered prefix blocks) only when no plain block is
+        # left, least recently freed first. So a cached prefix is evicted only when the
+        # pool really needs its block.
+        self._free_plain: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int, int] = {}
 
     # -- pool state ----------------------------------------------------------------
@@ -65,13 +69,19 @@ class BlockManager:
         return len(self.blocks)
 
     @property
+    def free(self) -> list[int]:
+        """Unreferenced block ids in the order the allocator takes them: plain blocks
+        first, then cached blocks least recently freed first."""
+        return list(self._free_plain) + list(self._free_cached)
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks no sequence references (including cached ones, which are reusable)."""
-        return len(self.free)
+        return len(self._free_plain) + len(self._free_cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - len(self.free)
+        return len(self.blocks) - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -116,7 +126,7 @@ class BlockManager:
         for b in hit_block_ids:
             block = self.blocks[b]
             if block.ref_count == 0:
-                del self.free[b]
+                del self._free_cached[b]  # a hit block is a registered one
             block.ref_count += 1
         seq.block_table = list(hit_block_ids)
         seq.block_hashes = list(hit_hashes)
@@ -127,7 +137,7 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_blocks_needed(seq, num_tokens) <= len(self.free)
+        return self.num_blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Append fresh blocks to ``seq``'s table until it covers ``num_tokens``.
@@ -136,13 +146,16 @@ class BlockManager:
             RuntimeError: the pool has too few free blocks (callers check ``can_grow``).
         """
         need = self.num_blocks_needed(seq, num_tokens)
-        if need > len(self.free):
-            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {len(self.free)} free")
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
 
     def _take_free_block(self) -> int:
-        block_id, _ = self.free.popitem(last=False)  # least recently freed
+        if self._free_plain:
+            block_id, _ = self._free_plain.popitem(last=False)
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)  # evict the least recently used
         block = self.blocks[block_id]
         if block.hash is not None:  # evict its cached content
             if self.hash_to_block.get(block.hash) == block_id:
@@ -184,7 +197,10 @@ class BlockManager:
             block = self.blocks[b]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[b] = None
+                if block.hash is None:
+                    self._free_plain[b] = None
+                else:
+                    self._free_cached[b] = None
         seq.block_table = []
         seq.block_hashes = []
 
@@ -193,13 +209,16 @@ class BlockManager:
         for block in self.blocks:
             block.hash = block.parent_hash = block.token_ids = None
         self.hash_to_block.clear()
+        self._free_plain.update(self._free_cached)
+        self._free_cached.clear()
 
     # -- consistency -----------------------------------------------------------------
     def check_invariants(self, live: list[Sequence]) -> None:
         """Raise ``RuntimeError`` describing the first inconsistency found.
 
         Checks: each block's reference count equals the number of live block tables
-        holding it; the free list holds exactly the unreferenced blocks; every hash-map
+        holding it; the free lists hold exactly the unreferenced blocks, cached ones (with
+        a registered hash) in the cached list and the others in the plain list; every hash-map
         entry points at a block carrying that hash, whose hash recomputes from its
         parent hash and tokens, and whose tokens fill exactly one block.
         """
@@ -213,9 +232,12 @@ class BlockManager:
                     f"block {block.block_id}: ref_count {block.ref_count} != {expected[block.block_id]} table references")
             if block.ref_count < 0:
                 raise RuntimeError(f"block {block.block_id}: negative ref_count {block.ref_count}")
-            if (block.ref_count == 0) != (block.block_id in self.free):
-                raise RuntimeError(f"block {block.block_id}: ref_count {block.ref_count} but in free list: "
-                                   f"{block.block_id in self.free}")
+            in_plain, in_cached = block.block_id in self._free_plain, block.block_id in self._free_cached
+            if (block.ref_count == 0) != (in_plain or in_cached) or (in_plain and in_cached):
+                raise RuntimeError(f"block {block.block_id}: ref_count {block.ref_count} but in the plain free "
+                                   f"list: {in_plain}, in the cached free list: {in_cached}")
+            if in_plain and block.hash is not None or in_cached and block.hash is None:
+                raise RuntimeError(f"block {block.block_id}: hash {block.hash} in the wrong free list")
         for h, b in self.hash_to_block.items():
             block = self.blocks[b]
             if block.hash != h:
