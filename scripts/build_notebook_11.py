@@ -9,13 +9,13 @@ compared (they hold timings measured on the machine that ran them).
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
 import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import notebook_build  # noqa: E402  (scripts/notebook_build.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "notebooks" / "11_benchmarks.ipynb"
@@ -369,36 +369,8 @@ md("""
 
 
 def build() -> nbformat.NotebookNode:
-    nb = new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.metadata["language_info"] = {"name": "python"}
-    for i, (kind, src) in enumerate(CELLS):
-        cell = new_markdown_cell(src) if kind == "md" else new_code_cell(src)
-        cell["id"] = f"c{i:02d}"
-        if kind == "code" and i == 2:
-            cell.metadata["tags"] = ["parameters"]
-        nb.cells.append(cell)
-    return nb
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--no-exec", action="store_true", help="write the notebook without executing it")
-    ap.add_argument("--timeout", type=int, default=600)
-    args = ap.parse_args()
-    nb = build()
-    if not args.no_exec:
-        from nbclient import NotebookClient
-
-        client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3", store_widget_state=False,
-                                resources={"metadata": {"path": str(OUT.parent)}})
-        client.execute()
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, OUT)
-    print(f"wrote {OUT} ({OUT.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
+    return notebook_build.build(CELLS)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    os.chdir(ROOT)
-    main()
+    notebook_build.main(CELLS, OUT, __doc__)

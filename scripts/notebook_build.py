@@ -1,0 +1,60 @@
+"""What every ``scripts/build_notebook_NN.py`` shares: turn its list of cells into a notebook,
+execute it with nbclient, and write it to ``notebooks/``.
+
+Each build script holds its chapter as ``CELLS`` (``("md" | "code", source)`` pairs); the third
+cell is its parameters cell. Usage from a build script::
+
+    def build():
+        return notebook_build.build(CELLS)
+
+    if __name__ == "__main__":
+        notebook_build.main(CELLS, OUT, __doc__)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+ROOT = Path(__file__).resolve().parent.parent
+PARAMETERS_CELL = 2
+
+
+def build(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
+    """The unexecuted notebook: stable cell ids, the parameters cell tagged."""
+    nb = new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    for i, (kind, src) in enumerate(cells):
+        cell = new_markdown_cell(src) if kind == "md" else new_code_cell(src)
+        cell["id"] = f"c{i:02d}"
+        if kind == "code" and i == PARAMETERS_CELL:
+            cell.metadata["tags"] = ["parameters"]
+        nb.cells.append(cell)
+    return nb
+
+
+def main(cells: list[tuple[str, str]], out: Path, description: str | None = None) -> None:
+    """Command line of a build script: build, execute (unless ``--no-exec``), write ``out``."""
+    sys.path.insert(0, str(ROOT))
+    os.chdir(ROOT)
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--no-exec", action="store_true", help="write the notebook without executing it")
+    ap.add_argument("--timeout", type=int, default=600)
+    args = ap.parse_args()
+    nb = build(cells)
+    if not args.no_exec:
+        from nbclient import NotebookClient
+
+        # Widget state is not stored (it would be megabytes of chart data); every widget
+        # output carries its own static snapshot instead.
+        client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3", store_widget_state=False,
+                                resources={"metadata": {"path": str(out.parent)}})
+        client.execute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, out)
+    print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
