@@ -310,9 +310,15 @@ def load_hf_model(engine):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
     src, dev, dt = engine.source, engine.config.device, engine.config.dtype
     if src.checkpoint_dir is not None:
-        hf = AutoModelForCausalLM.from_pretrained(str(src.checkpoint_dir), dtype=dt)
+        hf_logging.disable_progress_bar()  # a loading bar per benchmark run is noise in logs and notebooks
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(src.checkpoint_dir), dtype=dt)
+        finally:
+            hf_logging.enable_progress_bar()
     else:
         hf = AutoModelForCausalLM.from_config(src.hf_config, dtype=dt)
         sd = _hf_state_from_ours(engine.runner.model, src.hf_config)

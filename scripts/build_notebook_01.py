@@ -259,10 +259,11 @@ md("""
 The first engine step is a *prefill*: it pushes the whole prompt through the model, like the
 first pass of our loop. Every later engine step is a *decode* step: only **one** token goes
 through the model, because the keys and values of all earlier tokens are already in the engine's
-KV cache. The hand-written loop instead pays for the whole sequence every time, so its cost per
-token can only grow as the sequence does. On a model this small on a CPU, fixed overheads (Python, launching many tiny
-operations) take most of each step, which hides part of the difference; chapter 03 measures the
-growth properly and shows where it comes from.
+KV cache. The hand-written loop instead pays for the whole sequence every time, so its *work* per
+token grows with the sequence. On a model this small on a CPU, fixed overheads (Python, launching
+many tiny operations) take most of each step, so over these few tokens the measured times above
+need not rise visibly; chapter 03 measures the growth over longer sequences and shows where it
+comes from.
 
 ## 6. Watch the engine loop
 
@@ -329,10 +330,10 @@ Quiz([
         ["Linearly in n", "About quadratically: step i processes p + i tokens",
          "It stays constant", "Exponentially"],
         1,
-        ["Each single step already grows with the sequence (the by-hand line rises), so the sum grows "
-         "faster than n.",
+        ["Each single step's work already grows with the sequence (step i processes p + i tokens), so the "
+         "sum grows faster than n.",
          "Right: the sum of p, p+1, ..., p+n-1 tokens is about n*p + n^2/2 token-passes.",
-         "The measured by-hand time per token rises with the sequence length, so the total cannot stay flat.",
+         "The work per step grows with the sequence length (chapter 03 measures it), so the total cannot stay flat.",
          "Each step adds one token to the work, not a multiple of it: the growth is polynomial."],
     ),
 ]).display()

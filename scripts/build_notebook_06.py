@@ -195,8 +195,8 @@ print("generated tokens after these steps:", stepper.generated_token_count)
 md("""
 ## 2. Measured: step time against prompt length
 
-Now a sweep. For several prompt lengths, one request is prefilled in one step and then decoded
-for four steps; each length is repeated three times and the median kept (a shared machine has
+Now a sweep. For several prompt lengths, one request is prefilled in one step and then runs three
+decode steps (four output tokens in all); each length is repeated three times and the median kept (a shared machine has
 hiccups). A separate engine instance with a larger token budget is used so the widget above keeps
 its state.
 """)
@@ -413,18 +413,21 @@ show_figure(fig)
 """)
 
 md("""
-This chart replaces the made-up utilisation bars that chapters like this often show: the prefill
+These bars are measured, step by step, on this machine: the prefill
 step's FLOPs are a large share of the matmul peak while its bandwidth share is small; the decode
 step is the other way round. Neither reaches 100 %: the peaks come from one large matmul and one
 large copy, the best case for each, and a real step is hundreds of smaller operations plus Python.
 
 ### Decode throughput against batch size
 
-Every decode step reads all the weights once, whatever the batch. While that read is what sets
-the step's time, a batch of 8 costs little more than a batch of 1 and produces 8 tokens, so the
-tokens per second should grow almost in proportion to the batch, until the intensity (`B/2` here)
-crosses the ridge point and arithmetic takes over. The dashed line is what the roofline predicts
-from the measured peaks alone: `B / max(FLOPs / peak FLOP/s, bytes / peak bytes/s)`.
+Every decode step reads all the weights once, whatever the batch. If that read alone set the
+step's time, a batch of 8 would cost no more than a batch of 1 and produce 8 tokens: tokens per
+second would grow in proportion to the batch until the intensity (`B/2` here) crosses the ridge
+point and arithmetic takes over. The dashed line is that roofline prediction from the measured
+peaks alone: `B / max(FLOPs / peak FLOP/s, bytes / peak bytes/s)`. Compare it with the measured
+points below: on a CPU the real step grows with the batch well before the ridge (its ridge point is
+low, and the maths library reads weights more slowly for a few rows than for one), so the measured
+gain is smaller than the ideal one; on a GPU the flat region is much longer.
 """)
 
 code("""
@@ -668,8 +671,9 @@ print(f"whole  : the long prompt took {w['prefill_steps']} step;  worst gap {w['
 """)
 
 md("""
-Chunking trades a little of the long prompt's own TTFT (its chunks share steps with the decodes)
-for a much smaller worst-case stall for everyone already streaming.
+Chunking costs the long prompt some of its own TTFT (its chunks share steps with the decodes, and
+each chunk re-reads the weights; compare the two TTFT figures above) and buys a much smaller
+worst-case stall for everyone already streaming.
 
 ### Where the two phases part in the code
 
@@ -834,7 +838,7 @@ Quiz([
          "Sampling one token from the logits is a tiny part of any step; the chart above shows where the time goes."],
     ),
     Question(
-        "Why does a decode step for 8 sequences take little longer than one for a single sequence?",
+        "While decode is memory-bound, why does a step for 8 sequences cost far less than 8 steps for one?",
         ["Decode uses a different, faster kernel for batches",
          "Each weight is read once per step, whatever the batch; 8 rows of arithmetic add little to that",
          "The KV cache is empty during decode",
@@ -842,7 +846,8 @@ Quiz([
         1,
         ["The kernels are the same matrix multiplies; the batch just adds rows to them.",
          "Right: eight rows instead of one barely change the bytes moved, so while the step is memory-bound "
-         "its time barely changes and throughput grows almost eightfold.",
+         "its time grows much less than eightfold and throughput rises (by how much on this machine: the "
+         "throughput chart above).",
          "Decode reads the KV cache of every earlier token; it is the prefill that starts with it empty.",
          "They run together in one forward pass: that is what batching means here."],
     ),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 ROOT = Path(__file__).resolve().parent.parent
 PARAMETERS_CELL = 2
+# stderr lines that say nothing to a reader: the torch profiler's start/stop trace lines and
+# transformers' weight-loading progress bar.
+_NOISE = re.compile(r"^(USDT:.*SyncActivityProfilerHandler.*|Loading weights:.*)$")
 
 
 def build(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
@@ -36,6 +40,22 @@ def build(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
             cell.metadata["tags"] = ["parameters"]
         nb.cells.append(cell)
     return nb
+
+
+def drop_noise(nb: nbformat.NotebookNode) -> None:
+    """Remove library chatter (``_NOISE``) from the stored stderr outputs; nothing else changes."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                lines = [ln for ln in re.split(r"(?<=\n)|\r", out["text"]) if ln and not _NOISE.match(ln.strip())]
+                if not "".join(lines).strip():
+                    continue
+                out["text"] = "".join(lines)
+            kept.append(out)
+        cell["outputs"] = kept
 
 
 def main(cells: list[tuple[str, str]], out: Path, description: str | None = None) -> None:
@@ -55,6 +75,7 @@ def main(cells: list[tuple[str, str]], out: Path, description: str | None = None
         client = NotebookClient(nb, timeout=args.timeout, kernel_name="python3", store_widget_state=False,
                                 resources={"metadata": {"path": str(out.parent)}})
         client.execute()
+        drop_noise(nb)
     out.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, out)
     print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
