@@ -72,6 +72,15 @@ class LLM:
             ids.append(rid)
         return ids
 
+    def _step(self):
+        """One engine step; a step that schedules nothing while requests wait would repeat
+        forever, so it is an error (the engine's sizing checks should make it impossible)."""
+        result = self.engine.step()
+        if result.record.num_seqs == 0 and self.engine.has_unfinished_requests():
+            raise RuntimeError("the scheduler made no progress with requests waiting "
+                               f"({self.engine.get_num_unfinished_requests()} unfinished); this is a bug")
+        return result
+
     def _abort(self, request_ids) -> None:
         if self.llm_engine is not None:
             for rid in request_ids:
@@ -96,7 +105,7 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while pending:
-                for out in self.engine.step().outputs:
+                for out in self._step().outputs:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         results[out.request_id] = out
@@ -117,7 +126,7 @@ class LLM:
         pending = set(ids)
         try:
             while pending:
-                for out in self.engine.step().outputs:
+                for out in self._step().outputs:
                     if out.request_id in pending:
                         if out.finished:
                             pending.discard(out.request_id)

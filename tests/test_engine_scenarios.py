@@ -224,3 +224,13 @@ def test_refused_config_frees_the_runner(tiny_ckpt, monkeypatch):
     with pytest.raises(ValueError, match="max_model_len=32"):
         make_llm(tiny_ckpt, num_kvcache_blocks=4, max_model_len=32)
     assert len(shut) == 1 and shut[0].kv_cache is None
+
+
+def test_a_step_without_progress_raises_instead_of_hanging(tiny_ckpt, monkeypatch):
+    from minivllm.engine.scheduler import SchedulerOutput
+
+    llm = make_llm(tiny_ckpt)
+    monkeypatch.setattr(llm.llm_engine.scheduler, "schedule", lambda: SchedulerOutput())
+    with pytest.raises(RuntimeError, match="no progress"):
+        llm.generate([1, 2, 3], greedy(2), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()  # the call's requests were aborted
