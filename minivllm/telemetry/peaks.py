@@ -90,16 +90,9 @@ def _device_name(dev) -> str:
 
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return name
+    from minivllm.utils.env_report import cpu_name
+
+    return cpu_name()
 
 
 def peaks_cache_key(device: Any = None, dtype: Any = None) -> str:

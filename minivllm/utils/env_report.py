@@ -5,21 +5,25 @@ import os
 import platform
 
 
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo where there is one, else what ``platform`` knows."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return name
+
+
 def machine_summary() -> str:
     """CPU model and core count, RAM, and the GPU name when CUDA is available."""
     import psutil
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    parts = [f"{cpu}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"]
+    parts = [f"{cpu_name()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM"]
     if torch.cuda.is_available():
         parts.append(f"GPU {torch.cuda.get_device_name()}")
     return "; ".join(parts)
