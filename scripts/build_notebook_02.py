@@ -25,12 +25,7 @@ PROMPT = "Return the number of items in the container"
 CELLS: list[tuple[str, str]] = []
 
 
-def md(text: str) -> None:
-    CELLS.append(("md", text.strip("\n")))
-
-
-def code(text: str) -> None:
-    CELLS.append(("code", text.strip("\n")))
+md, code = notebook_build.cell_writers(CELLS)
 
 
 md("""

@@ -28,12 +28,7 @@ PROMPT = ("Return a new list containing all items from the iterable in ascending
 CELLS: list[tuple[str, str]] = []
 
 
-def md(text: str) -> None:
-    CELLS.append(("md", text.strip("\n")))
-
-
-def code(text: str) -> None:
-    CELLS.append(("code", text.strip("\n")))
+md, code = notebook_build.cell_writers(CELLS)
 
 
 md("""

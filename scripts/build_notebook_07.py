@@ -37,12 +37,7 @@ QUESTIONS = ["Question: how do I sort a list?", "Question: how do I open a file?
 CELLS: list[tuple[str, str]] = []
 
 
-def md(text: str) -> None:
-    CELLS.append(("md", text.strip("\n")))
-
-
-def code(text: str) -> None:
-    CELLS.append(("code", text.strip("\n")))
+md, code = notebook_build.cell_writers(CELLS)
 
 
 md("""

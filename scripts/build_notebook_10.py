@@ -23,12 +23,7 @@ OUT = ROOT / "notebooks" / "10_optimizations.ipynb"
 CELLS: list[tuple[str, str]] = []
 
 
-def md(text: str) -> None:
-    CELLS.append(("md", text.strip("\n")))
-
-
-def code(text: str) -> None:
-    CELLS.append(("code", text.strip("\n")))
+md, code = notebook_build.cell_writers(CELLS)
 
 
 md("""

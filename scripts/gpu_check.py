@@ -243,26 +243,11 @@ def check_kernels(args) -> list[Row]:
 
 # ------------------------------------------------------------------------------ 2. CUDA graphs
 def _build_model(model_name, dtype, device, seed=0):
-    import torch
-
-    from minivllm.models.registry import get_model_class
-    from minivllm.utils.loader import init_random_weights, load_weights
+    from minivllm.engine.model_runner import build_model
     from minivllm.utils.model_source import resolve_model
 
     src = resolve_model(model_name)
-    cls = get_model_class(src.hf_config)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(src.hf_config)
-    finally:
-        torch.set_default_dtype(prev)
-    if src.checkpoint_dir is None:
-        init_random_weights(model, seed)
-    else:
-        load_weights(model, src.checkpoint_dir)
-    return model.eval(), src.hf_config
+    return build_model(src, device, dtype, seed), src.hf_config
 
 
 def check_cuda_graphs(args) -> list[Row]:

@@ -28,6 +28,17 @@ PARAMETERS_CELL = 2
 _NOISE = re.compile(r"^(USDT:.*SyncActivityProfilerHandler.*|Loading weights:.*)$")
 
 
+def cell_writers(cells: list[tuple[str, str]]):
+    """``md(text)`` and ``code(text)``: append a markdown / code cell (outer blank lines stripped)."""
+    def md(text: str) -> None:
+        cells.append(("md", text.strip("\n")))
+
+    def code(text: str) -> None:
+        cells.append(("code", text.strip("\n")))
+
+    return md, code
+
+
 def build(cells: list[tuple[str, str]]) -> nbformat.NotebookNode:
     """The unexecuted notebook: stable cell ids, the parameters cell tagged."""
     nb = new_notebook()

@@ -59,6 +59,26 @@ class RunnerOutput:
     sample_ms: float
 
 
+def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int | None) -> torch.nn.Module:
+    """The model for ``source`` on ``device`` in ``dtype``, in eval mode: weights loaded from the
+    checkpoint, or random (seeded) for ``random:`` presets."""
+    from minivllm.utils.loader import init_random_weights, load_weights
+
+    cls = get_model_class(source.hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(source.hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    if source.checkpoint_dir is None:
+        init_random_weights(model, seed or 0)
+    else:
+        load_weights(model, source.checkpoint_dir)
+    return model.eval()
+
+
 class ModelRunner:
     """Holds the model, KV cache, attention backend and sampler for one process.
 
@@ -83,7 +103,7 @@ class ModelRunner:
         self.hf_config = source.hf_config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.tp_size = tp_size
-        self.model = self._build_model(source, device, dtype, seed)
+        self.model = build_model(source, device, dtype, seed)
         self.backend = get_attention_backend(backend_name, device, block_size, dtype)
         self.sampler = Sampler(seed, device)
         self.num_kv_blocks = self._size_kv_cache(num_kvcache_blocks, kv_cache_memory_bytes,
@@ -93,24 +113,6 @@ class ModelRunner:
         self.graph_runner = None  # decode CUDA graphs, see enable_cuda_graphs
 
     # -- set-up ---------------------------------------------------------------------------
-    @staticmethod
-    def _build_model(source: ModelSource, device, dtype, seed) -> torch.nn.Module:
-        from minivllm.utils.loader import init_random_weights, load_weights
-
-        cls = get_model_class(source.hf_config)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = cls(source.hf_config)
-        finally:
-            torch.set_default_dtype(previous)
-        if source.checkpoint_dir is None:
-            init_random_weights(model, seed or 0)
-        else:
-            load_weights(model, source.checkpoint_dir)
-        return model.eval()
-
     def _size_kv_cache(self, num_blocks, memory_bytes, gpu_util, max_tokens) -> int:
         cfg, bs, dtype = self.hf_config, self.block_size, self.dtype
         if num_blocks is not None:
