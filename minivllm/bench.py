@@ -223,7 +223,7 @@ def _drive(engine, workload: Workload, temperature: float = 0.0):
     for rid, prompt, n in zip(rids, workload.prompts, workload.output_lens):
         engine.add_request(rid, prompt, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))
     while engine.has_unfinished_requests():
-        res = engine.step()
+        res = engine.step_with_record()
         records.append(res.record)
         for out in res.outputs:
             if out.finished:
@@ -634,7 +634,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                                                   ignore_eos=True))
             recs = []
             while engine.has_unfinished_requests():
-                rec = engine.step().record
+                rec = engine.step_with_record().record
                 if rec.phase == "decode" and rec.num_seqs == b:
                     recs.append(rec)
             recs = recs[warmup_steps:warmup_steps + decode_steps]
@@ -659,7 +659,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                 engine.add_request(f"sweep{next(_ids)}", prompt(n),
                                    SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
                 while engine.has_unfinished_requests():
-                    rec = engine.step().record
+                    rec = engine.step_with_record().record
                     if rec.phase == "prefill":
                         recs.append(rec)
                 engine.reset_prefix_cache()
@@ -749,7 +749,7 @@ def _stub_run(runner, token_id: int):
         t0 = time.perf_counter()
         inp = runner.prepare_input(plan)
         t1 = time.perf_counter()
-        return RunnerOutput([(s, token_id) for s in inp.sampling_seqs], (t1 - t0) * 1e3, 0.0, 0.0)
+        return RunnerOutput(inp.sampling_seqs, [token_id] * len(inp.sampling_seqs), set(), (t1 - t0) * 1e3, 0.0, 0.0)
 
     return run
 
@@ -800,7 +800,7 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
                                    output_kind="final_only")  # as LLM.generate (and nano-vllm) do
             # prefill (possibly several chunked steps), then warm-up decodes
             while True:
-                rec = engine.step().record
+                rec = engine.step_with_record().record
                 if rec.phase == "decode" and rec.num_seqs == b:
                     break
             for _ in range(warmup_steps - 1):
@@ -808,7 +808,7 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
             times, recs = [], []
             for _ in range(decode_steps):
                 t0 = time.perf_counter()
-                res = engine.step()
+                res = engine.step_with_record()
                 times.append(time.perf_counter() - t0)
                 if res.record.phase != "decode" or res.record.num_seqs != b:
                     raise RuntimeError(f"overhead run: expected a decode step of {b} sequences, "

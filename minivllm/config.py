@@ -30,6 +30,11 @@ class EngineArgs:
         gpu_memory_utilization: on CUDA, fraction of device memory the engine may use
             (weights + activations + KV), measured after a warm-up pass.
         enable_prefix_caching / enable_chunked_prefill: the two scheduler features.
+        prefix_caching_hash_algo: "xxhash" (default: fast, 64-bit) or "sha256" (collision
+            resistant, for engines shared between tenants). Either way every prefix-cache hit
+            is verified against the block's stored tokens and parent chain, so a collision
+            costs a cache miss, never wrong KV; sha256 also makes crafting collisions (to
+            evict or probe other users' cached prefixes) infeasible.
         enforce_eager: disable CUDA graphs.
         tensor_parallel_size: processes the model is sharded over.
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1".
@@ -52,6 +57,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    prefix_caching_hash_algo: str = "xxhash"
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     device: str = "auto"
@@ -71,6 +77,9 @@ class EngineArgs:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive int")
+        if self.prefix_caching_hash_algo not in ("xxhash", "sha256"):
+            raise ValueError(f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r}: "
+                             "choose 'xxhash' or 'sha256'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from typing import Iterator, Sequence as Seq
 
 from minivllm.config import EngineArgs
@@ -33,6 +34,13 @@ class LLM:
             ``enable_prefix_caching``, ``device``, ...).
 
     Use as a context manager, or call ``shutdown()``, to free the KV cache at once.
+
+    Threads and notebooks: one ``LLM`` may be used from several threads at once (a widget
+    running in the background while a cell calls ``generate``). Each engine step is atomic
+    and every call receives exactly its own requests' outputs, whichever call ran the step,
+    so concurrent ``generate`` / ``stream`` calls interleave step by step and all complete
+    with the results they would have had alone (greedy or seeded). Interrupting a call
+    (KeyboardInterrupt) rolls back the step in flight and aborts that call's requests only.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
@@ -49,8 +57,9 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def _submit(self, prompts, sampling_params, output_kind: str) -> list[str]:
-        """Validate every prompt, then queue them all; returns their request ids in order."""
+    def _submit(self, prompts, sampling_params, output_kind: str, inbox: deque) -> list[str]:
+        """Validate every prompt, then queue them all, their outputs routed to ``inbox``;
+        returns their request ids in order."""
         plist = _as_prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(plist):
@@ -66,20 +75,38 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = []
-        for prompt, p in zip(plist, params):
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p, output_kind=output_kind)
-            ids.append(rid)
+        try:
+            for prompt, p in zip(plist, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p, output_kind=output_kind, sink=inbox.append)
+                ids.append(rid)
+        except BaseException:
+            self._abort(ids)
+            raise
         return ids
 
-    def _step(self):
+    def _outputs(self, ids: list[str], inbox: deque) -> Iterator[RequestOutput]:
+        """This call's outputs as they arrive: step the engine while the inbox is empty.
+        Steps run by another thread deliver to this inbox too."""
+        pending = set(ids)
+        try:
+            while pending:
+                while not inbox:
+                    self._step()
+                out = inbox.popleft()
+                if out.finished:
+                    pending.discard(out.request_id)
+                yield out
+        finally:
+            self._abort(pending)  # on an exception (e.g. KeyboardInterrupt) or an early close
+
+    def _step(self) -> None:
         """One engine step; a step that schedules nothing while requests wait would repeat
         forever, so it is an error (the engine's sizing checks should make it impossible)."""
-        result = self.engine.step()
+        result = self.engine.step_with_record()
         if result.record.num_seqs == 0 and self.engine.has_unfinished_requests():
             raise RuntimeError("the scheduler made no progress with requests waiting "
                                f"({self.engine.get_num_unfinished_requests()} unfinished); this is a bug")
-        return result
 
     def _abort(self, request_ids) -> None:
         if self.llm_engine is not None:
@@ -95,8 +122,8 @@ class LLM:
             ValueError: a bad prompt or parameter (naming its index and value), before
                 anything is scheduled.
         """
-        ids = self._submit(prompts, sampling_params, "final_only")
-        pending = set(ids)
+        inbox: deque[RequestOutput] = deque()
+        ids = self._submit(prompts, sampling_params, "final_only", inbox)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -104,17 +131,13 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
-            while pending:
-                for out in self._step().outputs:
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+            for out in self._outputs(ids, inbox):
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
-            self._abort(pending)  # on an exception (e.g. KeyboardInterrupt) leave the engine clean
         return [results[i] for i in ids]
 
     def stream(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
@@ -122,17 +145,9 @@ class LLM:
         """Yield one delta ``RequestOutput`` per new token of any request (vLLM's DELTA kind):
         ``outputs[0].text`` / ``.token_ids`` hold only what is new; ``finished`` is True on a
         request's last item. Closing the iterator early aborts the unfinished requests."""
-        ids = self._submit(prompts, sampling_params, "delta")
-        pending = set(ids)
-        try:
-            while pending:
-                for out in self._step().outputs:
-                    if out.request_id in pending:
-                        if out.finished:
-                            pending.discard(out.request_id)
-                        yield out
-        finally:
-            self._abort(pending)
+        inbox: deque[RequestOutput] = deque()
+        ids = self._submit(prompts, sampling_params, "delta", inbox)
+        yield from self._outputs(ids, inbox)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              **template_kwargs) -> list[RequestOutput]:

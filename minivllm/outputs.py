@@ -62,7 +62,8 @@ class CompletionOutput:
         text: generated text (for streamed outputs: only the new part).
         token_ids: generated token ids (for streamed outputs: only the new ones).
         finish_reason: None while running, else "stop" (eos, stop string or stop token),
-            "length" (max_tokens or max_model_len reached) or "abort".
+            "length" (max_tokens or max_model_len reached), "abort", or "error" (the model
+            produced non-finite logits for this request: ``RequestOutput.error`` says more).
         stop_reason: the stop string or stop token id that ended it, else None
             (None also when eos ended it, as in vLLM).
     """
@@ -89,6 +90,7 @@ class RequestOutput:
         finished: True once the request has ended.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         metrics: the request's ``RequestMetrics``.
+        error: for finish_reason "error", what went wrong and what to try; else None.
     """
 
     request_id: str
@@ -98,3 +100,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None

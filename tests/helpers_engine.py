@@ -23,7 +23,7 @@ def run_to_end(engine: LLMEngine, max_steps: int = 10_000):
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             return final, records
-        result = engine.step()
+        result = engine.step_with_record()
         records.append(result.record)
         for out in result.outputs:
             if out.finished:

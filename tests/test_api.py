@@ -86,7 +86,7 @@ def test_output_kinds(tiny_ckpt, kind):
     engine.add_request("r", [1, 2, 3], greedy(4), output_kind=kind)
     seen = []
     while engine.has_unfinished_requests():
-        seen += engine.step().outputs
+        seen += engine.step()
     final = llm.generate([1, 2, 3], greedy(4), use_tqdm=False)[0].outputs[0]
     if kind == "final_only":
         assert len(seen) == 1 and seen[0].outputs[0].token_ids == final.token_ids
@@ -136,11 +136,11 @@ def test_step_records_describe_the_step(tiny_ckpt):
     llm = make_llm(tiny_ckpt)
     engine = llm.llm_engine
     engine.add_request("a", [1, 2, 3, 4, 5, 6], greedy(2))
-    rec = engine.step().record
+    rec = engine.step_with_record().record
     assert (rec.index, rec.num_prefill_tokens, rec.num_decode_tokens, rec.num_seqs) == (0, 6, 0, 1)
     assert rec.phase == "prefill" and rec.kv_blocks_used == 2 and rec.attention_backend == "torch"
     assert rec.wall_ms > 0 and rec.flops > 0 and rec.bytes_moved > 0 and rec.mfu is None
-    rec2 = engine.step().record
+    rec2 = engine.step_with_record().record
     assert rec2.phase == "decode" and rec2.num_decode_tokens == 1 and rec2.finished == ["a"]
     assert rec2.kv_blocks_free == engine.block_manager.num_blocks
 
@@ -151,7 +151,7 @@ def test_mixed_step_has_decodes_and_a_prefill_chunk(tiny_ckpt):
     engine.add_request("a", [1, 2, 3], greedy(5))
     engine.step()
     engine.add_request("b", list(range(1, 15)), greedy(2))
-    rec = engine.step().record
+    rec = engine.step_with_record().record
     assert rec.phase == "mixed"
     assert [(e.request_id, e.is_prefill, e.num_tokens) for e in rec.scheduled] == [("a", False, 1), ("b", True, 5)]
     engine.abort_request("a")

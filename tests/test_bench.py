@@ -165,7 +165,7 @@ def test_export_of_a_real_engine_run(tiny_ckpt, tmp_path):
         steps, finals = [], []
         with UtilisationSampler(0.02, device="cpu") as sampler:
             while eng.has_unfinished_requests():
-                res = eng.step()
+                res = eng.step_with_record()
                 steps.append(res.record)
                 finals += [o for o in res.outputs if o.finished]
     path = save_run_json(tmp_path / "run.json", steps, finals, sampler.samples)

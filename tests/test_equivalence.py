@@ -42,6 +42,6 @@ def test_preemption_actually_happens_in_the_small_pool(tiny_ckpt):
         engine.add_request(str(i), p, greedy(MAX_TOKENS))
     preempted = 0
     while engine.has_unfinished_requests():
-        preempted += len(engine.step().record.preempted)
+        preempted += len(engine.step_with_record().record.preempted)
         engine.check_invariants()
     assert preempted > 0

@@ -299,7 +299,7 @@ def test_two_tp2_engines_alive_at_once(default_model, ckpt_1001, tp2_default, tp
     while any(e.has_unfinished_requests() for e in engines):
         for engine, final in zip(engines, finals):
             if engine.has_unfinished_requests():
-                for out in engine.step().outputs:
+                for out in engine.step():
                     if out.finished:
                         final[out.request_id] = out.outputs[0].token_ids
     assert [finals[0][f"both-{i}"] for i in range(2)] == want_a

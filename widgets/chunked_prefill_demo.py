@@ -51,7 +51,7 @@ def itl_around_long_prompt(llm, num_decoders: int = 3, decoder_prompt_len: int =
                                    SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
                 long_seq = engine.requests[long_id].seq
                 arrival = time.perf_counter()
-            rec = engine.step().record
+            rec = engine.step_with_record().record
             if any(e.request_id == long_id and e.is_prefill for e in rec.scheduled):
                 prefill_steps += 1
             step += 1

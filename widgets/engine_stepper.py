@@ -248,7 +248,7 @@ class EngineStepper(CourseWidget):
                 self.render()
             return None
         self._ensure_sampler()
-        record = self.engine.step().record
+        record = self.engine.step_with_record().record
         self._fill_roofline(record)
         self.steps.append(record)
         self._message(f"step {record.index}: {record.phase}, {record.num_prefill_tokens} prefill + "

@@ -58,7 +58,7 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, 
     final, records = {}, []
     try:
         while engine.has_unfinished_requests():
-            res = engine.step()
+            res = engine.step_with_record()
             records.append(res.record)
             for out in res.outputs:
                 if out.finished:

@@ -115,7 +115,7 @@ class UtilisationMonitor(CourseWidget):
         sampler.start()
         try:
             while engine.has_unfinished_requests():
-                rec = engine.step().record
+                rec = engine.step_with_record().record
                 if rec.mfu is None and rec.num_tokens:
                     fill_step_record(rec, cost, peaks)
                 self.records.append(rec)

@@ -5,14 +5,21 @@ an ordered list of block ids (its *block table*); token ``p`` of the sequence li
 slot ``block_table[p // block_size] * block_size + p % block_size``.
 
 Prefix caching (the idea of vLLM's automatic prefix caching): every *full* block whose
-KV has been computed gets a hash chained over its parent's hash and its own token ids,
-so equal hashes mean equal token prefixes. A new request walks its prompt block by
-block and reuses matching blocks (their reference count goes up) instead of
-recomputing them. Blocks nobody references stay in the hash map, reusable, until the
-allocator has no plain free block left; then it evicts the least recently freed first.
+KV has been computed gets a hash chained over its parent's hash and its own token ids.
+A new request walks its prompt block by block and reuses matching blocks (their
+reference count goes up) instead of recomputing them. A hash only *finds* a candidate:
+a hit is accepted only when the block holds exactly this chunk's token ids and its
+recorded parent is the block hit just before it (same id, same registration
+generation), so a hash collision, accidental or crafted, costs a cache miss and never
+wrong KV. Blocks nobody references stay in the hash map, reusable, until the allocator
+has no plain free block left; then it evicts the least recently freed first.
+
+Every mutation can be recorded in an ``UndoLog`` (``minivllm/engine/undo.py``) so that
+a step interrupted half-way is rolled back exactly.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -20,10 +27,16 @@ import numpy as np
 import xxhash
 
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.undo import UndoLog
+
+#: ``prefix_caching_hash_algo`` values (vLLM's argument name).
+HASH_ALGOS = ("xxhash", "sha256")
 
 
 def hash_block(parent_hash: int | None, token_ids) -> int:
-    """xxh64 of the parent block's hash followed by this block's token ids (int64 bytes)."""
+    """xxh64 of the parent block's hash followed by this block's token ids (int64 bytes).
+
+    Fast, 64 bits, not collision resistant: a hit is always verified (``match_prefix``)."""
     h = xxhash.xxh64()
     if parent_hash is not None:
         h.update(parent_hash.to_bytes(8, "little"))
@@ -31,15 +44,41 @@ def hash_block(parent_hash: int | None, token_ids) -> int:
     return h.intdigest()
 
 
+def hash_block_sha256(parent_hash: bytes | None, token_ids) -> bytes:
+    """SHA-256 (32-byte digest) of the parent block's digest followed by this block's token
+    ids (int64 bytes): crafting two prefixes with one hash is infeasible."""
+    h = hashlib.sha256(parent_hash or b"")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+_HASH_FUNCTIONS = {"xxhash": hash_block, "sha256": hash_block_sha256}
+
+#: A registered block's place in a prefix chain: (block id, registration generation).
+BlockRef = tuple[int, int]
+
+
 @dataclass
 class KVBlock:
-    """One physical block. ``token_ids`` is kept for registered blocks to verify hits."""
+    """One physical block.
+
+    For a registered (prefix-cached) block: ``hash`` is its chained hash, ``token_ids`` its
+    tokens, ``parent`` the ``BlockRef`` of the block before it in the prefix (None for a
+    first block), and ``generation`` counts registrations and evictions of this block id,
+    so a child recorded against an older registration is recognised as stale.
+    """
 
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
-    parent_hash: int | None = None
+    hash: int | bytes | None = None
+    parent_hash: int | bytes | None = None
     token_ids: tuple[int, ...] | None = None
+    parent: BlockRef | None = None
+    generation: int = 0
+
+    @property
+    def ref(self) -> BlockRef:
+        return (self.block_id, self.generation)
 
 
 class BlockManager:
@@ -49,11 +88,25 @@ class BlockManager:
         num_blocks: physical blocks in the pool.
         block_size: token slots per block.
         enable_prefix_caching: register computed full blocks and reuse them.
+        hash_algo: "xxhash" (default, fast) or "sha256" (collision resistant). Either way
+            a hit is verified against the stored tokens and parent chain.
+
+    Raises:
+        ValueError: an unknown ``hash_algo``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_algo: str = "xxhash"):
+        if hash_algo not in _HASH_FUNCTIONS:
+            raise ValueError(f"prefix_caching_hash_algo={hash_algo!r}: choose one of {list(HASH_ALGOS)}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algo = hash_algo
+        self._hash = _HASH_FUNCTIONS[hash_algo]
+        #: Set by the engine for the duration of a step: every mutation records its inverse.
+        self.undo: UndoLog | None = None
+        #: Cached blocks evicted while ``undo`` was set (their KV may be overwritten).
+        self.evicted: list[int] = []
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, in two lists: plain ones (no reusable content) are handed
         # out first; cached ones (registered prefix blocks) only when no plain block is
@@ -61,7 +114,7 @@ class BlockManager:
         # pool really needs its block.
         self._free_plain: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[int | bytes, int] = {}
 
     # -- pool state ----------------------------------------------------------------
     @property
@@ -103,17 +156,22 @@ class BlockManager:
             return [], []
         bs = self.block_size
         ids, hashes = [], []
-        parent = None
+        parent, parent_ref = None, None
         tokens = seq.token_ids
         for i in range((len(tokens) - 1) // bs):
             chunk = tokens[i * bs:(i + 1) * bs]
-            h = hash_block(parent, chunk)
+            h = self._hash(parent, chunk)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
-                break  # a miss (or a hash collision, caught by the token check)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            # The hash only finds a candidate: its tokens and its parent link must match
+            # too, else it is a collision and counts as a miss.
+            if block.token_ids != tuple(chunk) or block.parent != parent_ref:
+                break
             ids.append(block_id)
             hashes.append(h)
-            parent = h
+            parent, parent_ref = h, block.ref
         return ids, hashes
 
     def num_blocks_to_admit(self, hit_block_ids: list[int], num_tokens: int) -> int:
@@ -123,13 +181,19 @@ class BlockManager:
 
     def admit(self, seq: Sequence, hit_block_ids: list[int], hit_hashes: list[int]) -> None:
         """Give ``seq`` the matched prefix blocks (reference counts go up)."""
+        undo = self.undo
         for b in hit_block_ids:
             block = self.blocks[b]
             if block.ref_count == 0:
+                if undo is not None:  # a removal from the middle: restore the whole order
+                    undo.add(_restore_dict, self._free_cached, self._free_cached.copy())
                 del self._free_cached[b]  # a hit block is a registered one
+            if undo is not None:
+                undo.add(setattr, block, "ref_count", block.ref_count)
             block.ref_count += 1
         seq.block_table = list(hit_block_ids)
         seq.block_hashes = list(hit_hashes)
+        seq.block_refs = [self.blocks[b].ref for b in hit_block_ids]
 
     # -- growth ----------------------------------------------------------------------
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
@@ -152,17 +216,33 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def _take_free_block(self) -> int:
-        if self._free_plain:
-            block_id, _ = self._free_plain.popitem(last=False)
-        else:
-            block_id, _ = self._free_cached.popitem(last=False)  # evict the least recently used
+        free = self._free_plain or self._free_cached  # evict cached blocks only when no plain one is left
+        block_id, _ = free.popitem(last=False)         # least recently freed first
         block = self.blocks[block_id]
+        undo = self.undo
+        if undo is not None:
+            undo.add(_push_front, free, block_id)
+            undo.add(setattr, block, "ref_count", block.ref_count)
         if block.hash is not None:  # evict its cached content
-            if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
-            block.hash = block.parent_hash = block.token_ids = None
+            if undo is not None:
+                undo.add(self._reregister, block, block.hash, block.parent_hash, block.token_ids, block.parent,
+                         block.generation, self.hash_to_block.get(block.hash) == block_id)
+                self.evicted.append(block_id)
+            self._unregister(block)
         block.ref_count = 1
         return block_id
+
+    def _unregister(self, block: KVBlock) -> None:
+        if self.hash_to_block.get(block.hash) == block.block_id:
+            del self.hash_to_block[block.hash]
+        block.hash = block.parent_hash = block.token_ids = block.parent = None
+        block.generation += 1  # children registered against the old content are now stale
+
+    def _reregister(self, block: KVBlock, h, parent_hash, token_ids, parent, generation, in_map: bool) -> None:
+        block.hash, block.parent_hash, block.token_ids, block.parent = h, parent_hash, token_ids, parent
+        block.generation = generation
+        if in_map:
+            self.hash_to_block[h] = block.block_id
 
     # -- after a step ----------------------------------------------------------------
     def register_computed_blocks(self, seq: Sequence) -> None:
@@ -170,22 +250,42 @@ class BlockManager:
 
         Called after the step that wrote them, so two identical prompts scheduled in
         the same step each compute their own blocks. When another block already holds
-        the same content, this one stays unregistered (and is freed as a plain block).
+        the same content (same tokens after the same parent), this one stays unregistered
+        (and is freed as a plain block) and the chain continues through the other; a
+        block whose hash is taken by different content (a collision), or whose parent
+        could not be linked, is not registered (a later request misses there).
         """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
+        undo = self.undo
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent_ref = seq.block_refs[-1] if seq.block_refs else None
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(parent, chunk)
+            h = self._hash(parent, chunk)
             seq.block_hashes.append(h)
-            if h in self.hash_to_block:
+            if i > 0 and parent_ref is None:
+                seq.block_refs.append(None)  # the chain is broken above: nothing to link to
+                continue
+            other = self.hash_to_block.get(h)
+            if other is not None:
+                same = self.blocks[other].token_ids == chunk and self.blocks[other].parent == parent_ref
+                seq.block_refs.append(self.blocks[other].ref if same else None)
                 continue
             block = self.blocks[seq.block_table[i]]
-            block.hash, block.parent_hash, block.token_ids = h, parent, chunk
+            if undo is not None:
+                undo.add(self._unregister_new, block, h)
+            block.hash, block.parent_hash, block.token_ids, block.parent = h, parent, chunk, parent_ref
+            block.generation += 1
             self.hash_to_block[h] = block.block_id
+            seq.block_refs.append(block.ref)
+
+    def _unregister_new(self, block: KVBlock, h) -> None:
+        del self.hash_to_block[h]
+        block.hash = block.parent_hash = block.token_ids = block.parent = None
+        block.generation -= 1
 
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks reaching zero join the free list.
@@ -193,21 +293,40 @@ class BlockManager:
         Blocks are released last-first so a prompt's tail is evicted before its head
         (heads are the parts other requests are most likely to share).
         """
+        undo = self.undo
         for b in reversed(seq.block_table):
             block = self.blocks[b]
+            if undo is not None:
+                undo.add(setattr, block, "ref_count", block.ref_count)
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.hash is None:
-                    self._free_plain[b] = None
-                else:
-                    self._free_cached[b] = None
+                free = self._free_plain if block.hash is None else self._free_cached
+                free[b] = None  # appended: the most recently freed
+                if undo is not None:
+                    undo.add(free.__delitem__, b)
         seq.block_table = []
         seq.block_hashes = []
+        seq.block_refs = []
+
+    # -- rollback of an interrupted step ------------------------------------------------
+    def forget_evicted(self) -> None:
+        """After a rollback whose forward may have run: blocks evicted in the step were
+        restored as cached, but their KV may have been overwritten; unregister them (they
+        become plain free blocks), so no later request hits stale KV."""
+        for b in self.evicted:
+            block = self.blocks[b]
+            if block.hash is not None and block.ref_count == 0:
+                del self._free_cached[b]
+                self._unregister(block)
+                self._free_plain[b] = None
+        self.evicted = []
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (in-use blocks keep their KV, but are no longer hittable)."""
         for block in self.blocks:
-            block.hash = block.parent_hash = block.token_ids = None
+            if block.hash is not None:
+                block.hash = block.parent_hash = block.token_ids = block.parent = None
+                block.generation += 1
         self.hash_to_block.clear()
         self._free_plain.update(self._free_cached)
         self._free_cached.clear()
@@ -241,8 +360,18 @@ class BlockManager:
         for h, b in self.hash_to_block.items():
             block = self.blocks[b]
             if block.hash != h:
-                raise RuntimeError(f"hash map entry {h:#x} -> block {b}, which carries hash {block.hash}")
+                raise RuntimeError(f"hash map entry {h!r} -> block {b}, which carries hash {block.hash!r}")
             if block.token_ids is None or len(block.token_ids) != self.block_size:
                 raise RuntimeError(f"cached block {b} does not hold a full block of tokens")
-            if hash_block(block.parent_hash, block.token_ids) != h:
+            if self._hash(block.parent_hash, block.token_ids) != h:
                 raise RuntimeError(f"cached block {b}: hash does not match its tokens")
+
+
+def _push_front(d: OrderedDict, key) -> None:
+    d[key] = None
+    d.move_to_end(key, last=False)
+
+
+def _restore_dict(d: OrderedDict, saved: OrderedDict) -> None:
+    d.clear()
+    d.update(saved)

@@ -101,3 +101,16 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    # -- rollback support (an interrupted step restores the decoder as it was) --------------
+    def get_state(self) -> tuple:
+        if self.table is not None:
+            return (self.utf8.getstate(),)
+        return (len(self.ids), self.prefix_offset, self.read_offset)
+
+    def set_state(self, state: tuple) -> None:
+        if self.table is not None:
+            self.utf8.setstate(state[0])
+            return
+        n, self.prefix_offset, self.read_offset = state
+        del self.ids[n:]

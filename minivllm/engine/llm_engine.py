@@ -1,12 +1,18 @@
 """The engine loop: requests in, one ``step()`` at a time, outputs and step records out.
 
     add_request -> [ step: Scheduler.schedule -> ModelRunner.run (inputs, model,
-    attention backend, sampler) -> Scheduler.postprocess -> stop checks ->
-    detokenize -> RequestOutput ] -> ...
+    attention backend, sampler) -> Scheduler.update_from_output (tokens, stop checks,
+    frees) -> OutputProcessor.process (detokenize, stop strings) -> RequestOutput ] -> ...
+
+A step is a transaction (``minivllm/engine/transaction.py``): if anything in it raises,
+KeyboardInterrupt included, every request is left as it was before the step. Steps are
+serialised by a lock, so threads sharing one engine (a widget running in the background
+while a cell calls ``generate``) interleave whole steps.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -15,10 +21,11 @@ import torch
 from minivllm.config import EngineArgs, EngineConfig, resolve_device, resolve_dtype, resolve_lengths
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer
-from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.output_processor import OutputKind, RequestState, make_output, update_text
+from minivllm.engine.model_runner import ModelRunner, RunnerOutput
+from minivllm.engine.output_processor import OutputKind, OutputProcessor, RequestState, make_output, update_text
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.transaction import StepTransaction
 from minivllm.layers.attention import default_block_size, resolve_backend_name
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -32,7 +39,7 @@ logger = logging.getLogger("minivllm")
 
 @dataclass
 class StepResult:
-    """What one ``LLMEngine.step()`` produced.
+    """What one step produced (``LLMEngine.step_with_record()``).
 
     Attributes:
         outputs: ``RequestOutput`` of every request that got a token or finished this step.
@@ -41,6 +48,22 @@ class StepResult:
 
     outputs: list[RequestOutput]
     record: StepRecord
+
+
+class StepTimer:
+    """Milliseconds spent in each phase of a step, from ``time.perf_counter`` marks."""
+
+    __slots__ = ("start", "last", "schedule_ms", "postprocess_ms")
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.schedule_ms = self.postprocess_ms = 0.0
+
+    def lap(self) -> float:
+        """Milliseconds since the previous mark (or the start)."""
+        now = time.perf_counter()
+        ms, self.last = (now - self.last) * 1e3, now
+        return ms
 
 
 class LLMEngine:
@@ -81,13 +104,19 @@ class LLMEngine:
             # until garbage collection, which a notebook's saved traceback can delay for long.
             self.runner.shutdown()
             raise
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, args.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, args.enable_prefix_caching,
+                                          args.prefix_caching_hash_algo)
+        self.eos_token_ids = frozenset(self.source.eos_token_ids)
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, budget, max_model_len,
-                                                   args.enable_chunked_prefill), self.block_manager)
-        self.eos_token_ids = set(self.source.eos_token_ids)
+                                                   args.enable_chunked_prefill, self.eos_token_ids),
+                                   self.block_manager)
+        self.output_processor = OutputProcessor(self.scheduler.finish)
+        self.requests = self.output_processor.states  # request id -> RequestState, unfinished ones
         self.vocab_size = hf.vocab_size
-        self.requests: dict[str, RequestState] = {}
         self.step_index = 0
+        self.last_step_record: StepRecord | None = None
+        self._lock = threading.RLock()
+        self._sinks: dict[str, object] = {}  # request id -> callable receiving its outputs
         # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
         # once peaks are measured (``measure_peaks``), since that takes a moment.
         self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size)  # per rank
@@ -153,40 +182,56 @@ class LLMEngine:
         return text, ids
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    *, output_kind: OutputKind | str = OutputKind.CUMULATIVE) -> None:
+                    *, output_kind: OutputKind | str = OutputKind.CUMULATIVE, sink=None) -> None:
         """Validate and queue a request (raises ``ValueError`` at once on bad input).
 
         ``output_kind``: "cumulative" (default: every step returns all text so far),
         "delta" (only what is new, as ``LLM.stream`` uses) or "final_only" (one output when
-        finished, as ``LLM.generate`` uses).
+        finished, as ``LLM.generate`` uses). ``sink``: a callable that also receives each
+        of the request's outputs once its step is applied (``LLM`` collects its own
+        requests' outputs this way, whoever steps the engine).
         """
         try:
             kind = OutputKind(output_kind)
         except ValueError:
             raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
         request_id = str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params {params!r} is not a SamplingParams")
         text, ids = self.encode_prompt(prompt)
         seq = Sequence(request_id, text, ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, ids)
-        self.requests[request_id] = RequestState(seq, detok, kind)
-        self.scheduler.add(seq)
+        with self._lock:
+            if request_id in self.requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.output_processor.add_request(RequestState(seq, detok, kind))
+            self.scheduler.add(seq)
+            if sink is not None:
+                self._sinks[request_id] = sink
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now (finish_reason "abort"), freeing its KV blocks.
 
         Returns its final output, or None if no such unfinished request exists.
         """
-        state = self.requests.pop(str(request_id), None)
-        if state is None:
-            return None
-        self.scheduler.finish(state.seq, "abort")
-        update_text(state)  # final flush (a final-only request has not been decoded yet)
-        return make_output(state)
+        with self._lock:
+            state = self.requests.get(str(request_id))
+            if state is None:
+                return None
+            txn = StepTransaction(self.scheduler, self.output_processor, only=state.seq)
+            txn.protect_state(state)
+            try:
+                self.scheduler.finish(state.seq, "abort")
+                update_text(state)  # final flush (a final-only request has not been decoded yet)
+                out = make_output(state)
+            except BaseException:
+                txn.rollback()
+                raise
+            txn.commit()
+            del self.requests[state.seq.request_id]
+            self._deliver([out])  # a request aborted by someone else still reaches its caller
+            return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -195,69 +240,84 @@ class LLMEngine:
         return len(self.requests)
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self) -> StepResult:
-        """Run one iteration: schedule, forward, sample, stop checks, outputs."""
-        start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        scheduled_at = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        finished: list[str] = []
-        prepare_ms = model_ms = sample_ms = 0.0
-        if not plan.is_empty:
-            result = self.runner.run(plan)
-            prepare_ms, model_ms, sample_ms = result.prepare_ms, result.model_ms, result.sample_ms
-            post_start = time.perf_counter()
-            self.scheduler.postprocess(plan)
-            now = time.perf_counter()
-            requests = self.requests
-            for seq, token in result.sampled:
-                seq.append_token(token, now)
-                self._check_stop(seq, token)
-                state = requests[seq.request_id]
-                if state.text_every_step or seq.is_finished:
-                    stop = update_text(state)
-                    if stop is not None:
-                        if seq.is_finished:  # the stop string showed up in the last token's text
-                            seq.finish_reason, seq.stop_reason = "stop", stop
-                        else:
-                            self.scheduler.finish(seq, "stop", stop)
-                if seq.is_finished:
-                    outputs.append(make_output(state))
-                    finished.append(seq.request_id)
-                    del requests[seq.request_id]
-                elif state.kind is not OutputKind.FINAL_ONLY:
-                    outputs.append(make_output(state))
-        else:
-            post_start = time.perf_counter()
-        end = time.perf_counter()
-        record = self._record(plan, start, end, finished, (scheduled_at - start) * 1e3, prepare_ms, model_ms,
-                              sample_ms, (end - post_start) * 1e3)
-        self.step_index += 1
-        return StepResult(outputs, record)
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, forward, sample, apply, outputs (vLLM's ``step``).
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        if token in p.stop_token_ids:
-            self.scheduler.finish(seq, "stop", token)
-        elif token in self.eos_token_ids and not p.ignore_eos:
-            self.scheduler.finish(seq, "stop", None)
-        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
-            self.scheduler.finish(seq, "length")
+        Returns the ``RequestOutput`` of every request that got a token or finished (per
+        its output kind); the step's ``StepRecord`` is then at ``last_step_record``.
+        All or nothing: if anything raises, every request is as it was before the call.
+        """
+        with self._lock:
+            timer = StepTimer()
+            txn = StepTransaction(self.scheduler, self.output_processor, self._engine_generator())
+            try:
+                plan = self.scheduler.schedule()
+                txn.protect(plan)
+                timer.schedule_ms = timer.lap()
+                txn.forward_started()
+                result = self.runner.run(plan) if plan.scheduled else RunnerOutput.empty()
+                timer.lap()
+                self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed)
+                outputs = self.output_processor.process(result.seqs, self._errors(result.failed))
+                timer.postprocess_ms = timer.lap()
+                record = self._record(plan, result, timer, outputs)
+            except BaseException:
+                txn.rollback()
+                raise
+            txn.commit()
+            self.last_step_record = record
+            self.step_index += 1
+            self._deliver(outputs)
+            return outputs
 
-    def _record(self, plan: SchedulerOutput, start, end, finished, schedule_ms, prepare_ms, model_ms, sample_ms,
-                post_ms) -> StepRecord:
+    def step_with_record(self) -> StepResult:
+        """``step()``, returning its outputs together with its ``StepRecord`` (what widgets use)."""
+        with self._lock:
+            outputs = self.step()
+            return StepResult(outputs, self.last_step_record)
+
+    def _engine_generator(self):
+        sampler = getattr(self.runner, "sampler", None)
+        return getattr(sampler, "generator", None)
+
+    def _errors(self, failed) -> dict:
+        errors = {}
+        for seq in failed:
+            errors[seq] = (f"request {seq.request_id!r}: the model produced non-finite logits (NaN or inf) at "
+                           f"step {self.step_index}; its output so far is kept and it was ended. This usually "
+                           f"means activations overflowed in {self.config.dtype}: try dtype='float32' (or "
+                           f"'bfloat16' instead of 'float16').")
+            logger.warning(errors[seq])
+        return errors
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their requests' sinks (after the step is committed)."""
+        sinks = self._sinks
+        if not sinks:
+            return
+        for out in outputs:
+            sink = sinks.get(out.request_id)
+            if sink is not None:
+                if out.finished:
+                    del sinks[out.request_id]
+                sink(out)
+
+    def _record(self, plan: SchedulerOutput, result: RunnerOutput, timer: StepTimer,
+                outputs: list[RequestOutput]) -> StepRecord:
         bm = self.block_manager
         entries = [ScheduledEntry(e.seq.request_id, e.num_tokens, e.is_prefill, e.start_pos, e.samples)
                    for e in plan.scheduled]
         record = StepRecord(
-            index=self.step_index, start_time=start, end_time=end,
+            index=self.step_index, start_time=timer.start, end_time=timer.last,
             num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
             num_seqs=len(plan.scheduled), num_prefill_chunks=sum(1 for e in plan.scheduled if e.is_prefill),
-            scheduled=entries, preempted=[s.request_id for s in plan.preempted], finished=finished,
+            scheduled=entries, preempted=[s.request_id for s in plan.preempted],
+            finished=[o.request_id for o in outputs if o.finished],
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
             kv_blocks_cached=bm.num_cached_blocks, prefix_cache_hit_tokens=plan.prefix_cache_hit_tokens,
-            attention_backend=self.config.attention_backend, schedule_ms=schedule_ms, prepare_ms=prepare_ms,
-            model_ms=model_ms, sample_ms=sample_ms, postprocess_ms=post_ms)
+            attention_backend=self.config.attention_backend, schedule_ms=timer.schedule_ms,
+            prepare_ms=result.prepare_ms, model_ms=result.model_ms, sample_ms=result.sample_ms,
+            postprocess_ms=timer.postprocess_ms)
         if entries:
             fill_step_record(record, self.model_cost, self.peaks)
         return record

@@ -51,12 +51,25 @@ class ModelInput:
 
 @dataclass
 class RunnerOutput:
-    """Sampled token per sampling sequence (same order as ``ModelInput.sampling_seqs``), and timings in ms."""
+    """What the forward pass and sampler produced, and where the time went (ms).
 
-    sampled: list[tuple[Sequence, int]]
+    Attributes:
+        seqs: the sequences that sampled (``ModelInput.sampling_seqs``).
+        token_ids: their new token ids, same order.
+        failed: those of ``seqs`` whose logits row held NaN or inf (their token is meaningless).
+    """
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    failed: set[Sequence]
     prepare_ms: float
     model_ms: float
     sample_ms: float
+
+    @classmethod
+    def empty(cls) -> "RunnerOutput":
+        """A step that scheduled nothing."""
+        return cls([], [], set(), 0.0, 0.0, 0.0)
 
 
 def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int | None) -> torch.nn.Module:
@@ -295,13 +308,16 @@ class ModelRunner:
         logits = self.forward_logits(inp)
         self._sync()
         t2 = time.perf_counter()
-        sampled: list[tuple[Sequence, int]] = []
+        tokens, failed = [], set()
         if inp.sampling_seqs:
             with torch.inference_mode():
-                tokens = self.sampler(logits, self.sampling_batch(inp.sampling_seqs)).tolist()
-            sampled = list(zip(inp.sampling_seqs, tokens))
+                sampled = self.sampler(logits, self.sampling_batch(inp.sampling_seqs))
+                # A row with NaN/inf logits samples garbage (argmax of NaN): mark it -1.
+                tokens = sampled.masked_fill(~torch.isfinite(logits).all(dim=-1), -1).tolist()
+            if -1 in tokens:
+                failed = {seq for seq, t in zip(inp.sampling_seqs, tokens) if t == -1}
         t3 = time.perf_counter()
-        return RunnerOutput(sampled, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+        return RunnerOutput(inp.sampling_seqs, tokens, failed, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
 
     def shutdown(self) -> None:
         self.graph_runner = None

@@ -1,11 +1,20 @@
-"""From sampled tokens to user-facing results: detokenise, apply stop strings, build outputs."""
+"""From sampled tokens to user-facing results: detokenise, apply stop strings, build outputs.
+
+The ``OutputProcessor`` owns every unfinished request's ``RequestState``. After the
+scheduler has applied a step (tokens appended, token/eos/length stops), ``process``
+detokenises what is new, ends requests whose text reached a stop string (through the
+scheduler, which frees their blocks), and builds the step's ``RequestOutput``s in each
+request's output kind.
+"""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.undo import UndoLog
 from minivllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -28,6 +37,8 @@ class RequestState:
         text: output text so far (truncated before a stop string once one appears).
         num_detokenized: output tokens already fed to the detokenizer.
         sent_text / sent_tokens: how much of ``text`` / output tokens delta outputs have returned.
+        stop_hit: the stop string found in the text, if any.
+        error: why the request ended with finish_reason "error", else None.
     """
 
     seq: Sequence
@@ -38,6 +49,7 @@ class RequestState:
     sent_text: int = 0
     sent_tokens: int = 0
     stop_hit: str | None = field(default=None)
+    error: str | None = None
 
     @property
     def text_every_step(self) -> bool:
@@ -99,4 +111,47 @@ def make_output(state: RequestState) -> RequestOutput:
                                   finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
     return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                          outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
-                         metrics=seq.metrics)
+                         metrics=seq.metrics, error=state.error)
+
+
+class OutputProcessor:
+    """Detokenisation, stop strings and output kinds for every unfinished request.
+
+    Args:
+        finish: ``Scheduler.finish``, called for a request whose text reached a stop string.
+    """
+
+    def __init__(self, finish: Callable[..., None]):
+        self.finish = finish
+        self.states: dict[str, RequestState] = {}
+        #: Set by the engine during a step (request states themselves are snapshotted).
+        self.undo: UndoLog | None = None
+
+    def add_request(self, state: RequestState) -> None:
+        self.states[state.seq.request_id] = state
+
+    def process(self, seqs: list[Sequence], errors: dict[Sequence, str]) -> list[RequestOutput]:
+        """Outputs of the requests that sampled this step (``seqs``, tokens already appended
+        and token/eos/length stops applied); ``errors`` gives the reason of each that failed.
+        A finished request's state is dropped."""
+        outputs = []
+        states = self.states
+        for seq in seqs:
+            state = states[seq.request_id]
+            if seq in errors:
+                state.error = errors[seq]
+            if state.text_every_step or seq.is_finished:
+                stop = update_text(state)
+                if stop is not None:
+                    if seq.is_finished:  # the stop string showed up in the last token's text
+                        seq.finish_reason, seq.stop_reason = "stop", stop
+                    else:
+                        self.finish(seq, "stop", stop)
+            if seq.is_finished:
+                outputs.append(make_output(state))
+                del states[seq.request_id]
+                if self.undo is not None:
+                    self.undo.add(states.__setitem__, seq.request_id, state)
+            elif state.kind is not OutputKind.FINAL_ONLY:
+                outputs.append(make_output(state))
+        return outputs

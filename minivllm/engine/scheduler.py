@@ -9,24 +9,37 @@ stalling them. When a running sequence needs a block and none is free, the most
 recently admitted running sequence is preempted: its blocks are released and it
 goes back to the front of the queue, to be recomputed (prompt + output so far)
 when there is room again.
+
+After the forward pass, ``update_from_output`` applies the step: computed-token
+counts, newly completed prefix blocks, the sampled tokens, and the stop checks that
+need no text (stop token ids, eos, length), freeing finished sequences' blocks.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.undo import UndoLog
 
 
 @dataclass
 class SchedulerConfig:
+    """Attributes:
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: longest sequence (prompt + output) in tokens; reaching it ends a request.
+        enable_chunked_prefill: split prompts that do not fit the remaining budget.
+        eos_token_ids: token ids that end a request unless ``ignore_eos``.
+    """
+
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -71,7 +84,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
-        self._admission_counter = itertools.count()
+        #: Set by the engine during a step; the running list is snapshotted whole instead.
+        self.undo: UndoLog | None = None
 
     # -- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -88,7 +102,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self.waiting.remove(seq)  # only outside a step (abort): not recorded for undo
         else:
             return
         self.block_manager.release(seq)
@@ -152,6 +166,8 @@ class Scheduler:
             if bm.num_blocks_to_admit(hit_ids, cached + n) > bm.num_free_blocks:
                 break
             self.waiting.popleft()
+            if self.undo is not None:
+                self.undo.add(self.waiting.appendleft, seq)
             bm.admit(seq, hit_ids, hit_hashes)
             bm.grow(seq, cached + n)
             first_time = seq.metrics.first_scheduled_time is None
@@ -161,7 +177,6 @@ class Scheduler:
             seq.num_computed_tokens = cached
             seq.prefill_target = len(seq)
             seq.status = SequenceStatus.RUNNING
-            seq.admitted_order = next(self._admission_counter)
             self.running.append(seq)
             planned[id(seq)] = ScheduledSequence(seq, n, cached, True, cached + n == len(seq))
             out.prefix_cache_hit_tokens += cached
@@ -180,16 +195,46 @@ class Scheduler:
         victim.prefill_target = 0
         victim.status = SequenceStatus.WAITING
         self.waiting.appendleft(victim)
+        if self.undo is not None:
+            self.undo.add(self.waiting.popleft)
         out.preempted.append(victim)
         return refund
 
     # -- after the forward pass ----------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and make newly completed blocks hittable."""
+    def update_from_output(self, plan: SchedulerOutput, seqs: list[Sequence], token_ids: list[int],
+                           failed: set[Sequence] = frozenset()) -> list[Sequence]:
+        """Apply a finished forward pass; returns the sequences that finished.
+
+        Args:
+            plan: the step's plan (every entry's KV is now computed).
+            seqs / token_ids: the sequences that sampled and their new token, in order.
+            failed: sampling sequences whose logits were not finite: they get no token, none
+                of their blocks are registered for the prefix cache, and they finish with
+                finish_reason "error".
+        """
         bm = self.block_manager
         caching, block_size = bm.enable_prefix_caching, bm.block_size
-        for entry in out.scheduled:
+        for entry in plan.scheduled:
             seq = entry.seq
             seq.num_computed_tokens += entry.num_tokens
-            if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes):
+            if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes) and seq not in failed:
                 bm.register_computed_blocks(seq)  # a block was completed this step
+        finished = []
+        now = time.perf_counter()
+        for seq, token in zip(seqs, token_ids):
+            if seq in failed:
+                self.finish(seq, "error")
+                finished.append(seq)
+                continue
+            seq.append_token(token, now)
+            p = seq.params
+            if token in p.stop_token_ids:
+                self.finish(seq, "stop", token)
+            elif token in self.config.eos_token_ids and not p.ignore_eos:
+                self.finish(seq, "stop", None)
+            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+                self.finish(seq, "length")
+            else:
+                continue
+            finished.append(seq)
+        return finished

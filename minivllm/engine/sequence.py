@@ -36,11 +36,13 @@ class Sequence:
     prefill_target: int = 0
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache (first admission)
     block_table: list[int] = field(default_factory=list)
-    # Hash of each full block in block_table that has been registered (prefix chain).
-    block_hashes: list[int] = field(default_factory=list)
+    # Hash of each full block in block_table whose KV is computed (the prefix chain) and the
+    # (block id, generation) of the registered block holding that content, or None when it
+    # could not be linked (see BlockManager.register_computed_blocks).
+    block_hashes: list = field(default_factory=list)
+    block_refs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    admitted_order: int = -1             # admission counter: preemption victim = highest
     generator: object = None             # torch.Generator for a seeded request (made by the runner)
     metrics: RequestMetrics = field(init=False)
 

@@ -1,0 +1,49 @@
+"""Fault injection for engine tests: make one internal function raise on its n-th call."""
+from __future__ import annotations
+
+import functools
+
+import minivllm.engine.llm_engine as llm_engine_mod
+import minivllm.engine.output_processor as output_processor_mod
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.scheduler import Scheduler
+from minivllm.layers.sampler import Sampler
+
+#: Every place in a step an exception can come from: (name, owner, attribute).
+FAULT_POINTS = [
+    ("scheduling", Scheduler, "schedule"),
+    ("admission", BlockManager, "admit"),
+    ("block allocation", BlockManager, "grow"),
+    ("input preparation", ModelRunner, "prepare_input"),
+    ("forward", ModelRunner, "forward_logits"),
+    ("sampling", Sampler, "__call__"),
+    ("postprocess", Scheduler, "update_from_output"),
+    ("block registration", BlockManager, "register_computed_blocks"),
+    ("stop checks", Scheduler, "finish"),
+    ("detokenization", IncrementalDetokenizer, "step"),
+    ("stop strings", output_processor_mod, "update_text"),
+    ("output building", output_processor_mod, "make_output"),
+    ("step record", llm_engine_mod, "fill_step_record"),
+]
+FAULT_NAMES = [name for name, _, _ in FAULT_POINTS]
+
+
+class Fault:
+    """Raise ``exc`` from the ``at``-th call (0-based) of the named fault point, once."""
+
+    def __init__(self, monkeypatch, name: str, at: int = 0, exc: type[BaseException] = KeyboardInterrupt):
+        owner, attr = next((o, a) for n, o, a in FAULT_POINTS if n == name)
+        original = getattr(owner, attr)
+        self.calls, self.fired = 0, False
+
+        @functools.wraps(original)
+        def faulty(*args, **kwargs):
+            if not self.fired and self.calls == at:
+                self.fired = True
+                raise exc(f"injected fault in {name}")
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, attr, faulty)

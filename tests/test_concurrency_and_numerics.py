@@ -1,0 +1,125 @@
+"""One LLM shared by threads (a widget in the background, a cell in the foreground), and
+requests whose logits go non-finite."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from helpers_engine import greedy, make_llm, prompts_of
+from minivllm import SamplingParams
+from minivllm.engine.model_runner import ModelRunner
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _in_threads(*calls, timeout=120):
+    results, errors = [None] * len(calls), []
+
+    def runner(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=runner, args=(i, fn)) for i, fn in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
+    assert not errors, errors
+    return results
+
+
+def test_two_threads_generate_on_one_llm(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    a, b = prompts_of([5 + i for i in range(12)], seed=1), prompts_of([9 + i for i in range(12)], seed=2)
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+    ref_a = _tokens(llm.generate(a, greedy(12), use_tqdm=False))
+    ref_b = _tokens(llm.generate(b, seeded, use_tqdm=False))
+    got_a, got_b = _in_threads(lambda: _tokens(llm.generate(a, greedy(12), use_tqdm=False)),
+                               lambda: _tokens(llm.generate(b, seeded, use_tqdm=False)))
+    assert got_a == ref_a and got_b == ref_b
+    llm.llm_engine.check_invariants()
+
+
+def test_generate_and_stream_in_two_threads(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    a, b = prompts_of([6] * 12, seed=3), prompts_of([11, 4, 8], seed=4)
+    ref_a = _tokens(llm.generate(a, greedy(12), use_tqdm=False))
+    ref_b = _tokens(llm.generate(b, greedy(12), use_tqdm=False))
+
+    def streamed():
+        joined = {}
+        for delta in llm.stream(b, greedy(12)):
+            joined.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
+        return [joined[k] for k in sorted(joined, key=int)]
+
+    got_a, got_b = _in_threads(lambda: _tokens(llm.generate(a, greedy(12), use_tqdm=False)), streamed)
+    assert got_a == ref_a and got_b == ref_b
+
+
+def test_a_request_aborted_by_another_caller_ends_the_waiting_call(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    started = threading.Event()
+    original = engine.step
+
+    def step():
+        started.set()
+        return original()
+
+    engine.step = step
+
+    def abort_all():
+        started.wait(30)
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+
+    outs, _ = _in_threads(lambda: llm.generate(prompts_of([5, 6], seed=5), greedy(40), use_tqdm=False),
+                          abort_all)
+    assert {o.outputs[0].finish_reason for o in outs} <= {"abort", "length"}
+
+
+def _poison_rows(monkeypatch, rows_of):
+    """Make ``compute_logits`` return NaN in the rows of the requests ``rows_of`` names."""
+    original = ModelRunner.forward_logits
+
+    def forward_logits(self, inp):
+        logits = original(self, inp).clone()
+        for i, seq in enumerate(inp.sampling_seqs):
+            if seq.request_id in rows_of:
+                logits[i, 3] = float("nan")
+        return logits
+
+    monkeypatch.setattr(ModelRunner, "forward_logits", forward_logits)
+
+
+@pytest.mark.parametrize("params", [greedy(8), SamplingParams(temperature=1.0, seed=3, max_tokens=8,
+                                                              ignore_eos=True)])
+def test_nonfinite_logits_end_that_request_with_an_error_and_spare_the_others(tiny_ckpt, monkeypatch, params):
+    llm = make_llm(tiny_ckpt)
+    prompts = prompts_of([5, 7, 9], seed=6)
+    reference = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    _poison_rows(monkeypatch, {"4"})  # the second prompt of the next call (ids 3, 4, 5)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    bad = outs[1]
+    assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].token_ids == []
+    assert "'4'" in bad.error and "non-finite" in bad.error and "float32" in bad.error
+    assert _tokens([outs[0], outs[2]]) == [reference[0], reference[2]]
+    monkeypatch.undo()
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == reference  # nothing cached from it
+
+
+def test_fp16_overflow_is_reported_not_sampled_as_token_zero(tiny_ckpt, monkeypatch):
+    """Logits that overflow (inf in every row) end the request with an error naming the dtype."""
+    original = ModelRunner.forward_logits
+    monkeypatch.setattr(ModelRunner, "forward_logits",
+                        lambda self, inp: torch.full_like(original(self, inp), float("inf")))
+    out = make_llm(tiny_ckpt).generate([[1, 2, 3]], greedy(4), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+    assert "dtype=" in out.error

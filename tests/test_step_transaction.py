@@ -1,0 +1,174 @@
+"""A step is all or nothing: an exception anywhere in it (KeyboardInterrupt included) leaves
+every request as it was, and stepping on gives the tokens of an uninterrupted run."""
+from __future__ import annotations
+
+import pytest
+
+from helpers_engine import greedy, make_llm, prompts_of
+from helpers_faults import FAULT_NAMES, Fault
+from minivllm import SamplingParams
+from minivllm.engine.block_manager import BlockManager
+
+
+def _params(kind: str, n: int) -> SamplingParams:
+    if kind == "greedy":
+        return greedy(n)
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=n, ignore_eos=True)
+
+
+def _drive(engine, requests, *, check=True) -> dict:
+    """Add ``requests`` ((id, prompt, params)), step to the end; swallow injected faults
+    (checking the invariants right after each); returns final token ids by request id."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    final, faults = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except (KeyboardInterrupt, RuntimeError) as e:
+            assert "injected fault" in str(e)
+            faults += 1
+            engine.check_invariants()
+            continue
+        if check:
+            engine.check_invariants()
+        for out in outputs:
+            if out.finished:
+                final[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+    assert faults <= 1
+    return final
+
+
+def test_interrupt_in_block_registration_keeps_the_running_request(tiny_ckpt, monkeypatch):
+    """The reported failure: ``bg`` runs, a KeyboardInterrupt from register_computed_blocks
+    in a later step used to leave it computed without its token (IndexError ever after)."""
+    prompt = prompts_of([10], seed=3)[0]
+    reference = make_llm(tiny_ckpt).generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    engine.add_request("bg", prompt, greedy(12), output_kind="final_only")
+    engine.step()
+    fault = Fault(monkeypatch, "block registration")
+    outputs = []
+    while engine.has_unfinished_requests():
+        try:
+            outputs += engine.step()
+        except KeyboardInterrupt:
+            engine.check_invariants()
+    assert fault.fired
+    assert [o.outputs[0].token_ids for o in outputs] == [reference]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+@pytest.mark.parametrize("point", FAULT_NAMES)
+def test_a_fault_anywhere_in_a_step_changes_no_request(tiny_ckpt, monkeypatch, point, kind):
+    # Chunked prefill (budget 12), a shared prefix (cache hits), a small pool (preemption).
+    prefix = prompts_of([8], seed=11)[0]
+    prompts = [prefix + p for p in prompts_of([3, 14, 6], seed=5)] + prompts_of([20], seed=6)
+    requests = [(f"r{i}", p, _params(kind, 6 + 2 * i)) for i, p in enumerate(prompts)]
+    args = dict(num_kvcache_blocks=14, max_num_batched_tokens=12, max_num_seqs=3)
+    llm = make_llm(tiny_ckpt, **args)
+    reference = _drive(llm.llm_engine, requests)
+    fired = 0
+    for at in (0, 3, 7):  # early (admission / prefill) and later (decodes, finishes) calls
+        llm.llm_engine.reset_prefix_cache()
+        with monkeypatch.context() as m:
+            fault = Fault(m, point, at=at)
+            got = _drive(llm.llm_engine, [(f"{rid}-{at}", p, sp) for rid, p, sp in requests])
+        fired += fault.fired
+        assert got == {f"{rid}-{at}": v for rid, v in reference.items()}, f"fault in {point} at call {at}"
+    assert fired >= 1
+
+
+def test_generate_survives_an_interrupt_and_the_engine_serves_on(tiny_ckpt, monkeypatch):
+    llm = make_llm(tiny_ckpt)
+    prompts = prompts_of([5, 9, 13], seed=2)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
+    with monkeypatch.context() as m:
+        Fault(m, "sampling", at=4)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, greedy(8), use_tqdm=False)
+    llm.llm_engine.check_invariants()
+    assert not llm.llm_engine.has_unfinished_requests()  # the interrupted call's requests were aborted
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)] == reference
+
+
+def test_interrupted_stream_delivers_every_delta_once(tiny_ckpt, monkeypatch):
+    """A rolled-back step returned nothing, so a consumer that retries sees each delta once."""
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    prompt = prompts_of([7], seed=4)[0]
+    full = llm.generate(prompt, greedy(10), use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("s", prompt, greedy(10), output_kind="delta")
+    got = []
+    with monkeypatch.context() as m:
+        Fault(m, "output building", at=5)
+        while engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except KeyboardInterrupt:
+                continue
+            for out in outputs:
+                got += out.outputs[0].token_ids
+    assert got == full
+
+
+def test_a_collision_on_the_prefix_hash_costs_a_miss_not_wrong_kv(tiny_ckpt, monkeypatch):
+    """With every block hashing alike, ``X + X + [t]`` after ``X + [...]`` used to reuse the
+    first block twice (8 cached tokens where at most 4 are true)."""
+    import minivllm.engine.block_manager as bm_mod
+
+    x = prompts_of([4], seed=9)[0]  # one block (block_size 4)
+    probe = x + x + [5]
+    no_cache = make_llm(tiny_ckpt, enable_prefix_caching=False).generate(probe, greedy(5), use_tqdm=False)[0]
+    monkeypatch.setitem(bm_mod._HASH_FUNCTIONS, "xxhash", lambda parent, tokens: 42)
+    llm = make_llm(tiny_ckpt)
+    llm.generate(x + [7, 8, 9, 10, 11], greedy(2), use_tqdm=False)
+    out = llm.generate(probe, greedy(5), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 4
+    assert out.outputs[0].token_ids == no_cache.outputs[0].token_ids
+
+
+def test_a_child_block_is_not_reached_through_a_new_content_of_its_parents_block_id(monkeypatch):
+    """B was computed after A in block 0; block 0 is then evicted and re-registered with A2.
+    With a hash that collides across parents, ``A2 + B`` must not hit B (its KV follows A)."""
+    import minivllm.engine.block_manager as bm_mod
+    from minivllm.engine.sequence import Sequence
+
+    monkeypatch.setitem(bm_mod._HASH_FUNCTIONS, "xxhash", lambda parent, tokens: hash(tuple(tokens)))
+    bm = BlockManager(2, 4)
+
+    def prefill(tokens, rid):
+        seq = Sequence(rid, None, list(tokens), SamplingParams())
+        ids, hashes = bm.match_prefix(seq)
+        bm.admit(seq, ids, hashes)
+        bm.grow(seq, len(seq))
+        seq.num_computed_tokens = len(seq)
+        bm.register_computed_blocks(seq)
+        return seq, ids
+
+    A, A2, B = [1] * 4, [5] * 4, [2] * 4
+    a, _ = prefill(A + B, "a")          # block 0: A, block 1: B (parent: block 0)
+    bm.release(a)
+    bm._free_cached.move_to_end(1)      # B used more recently: A's block is evicted first
+    d, _ = prefill(A2, "d")             # block 0 now holds A2
+    assert d.block_table == [0]
+    bm.release(d)
+    q = Sequence("q", None, A2 + B + [3], SamplingParams())
+    ids, _ = bm.match_prefix(q)
+    assert ids == [0]                   # A2 hits; B (computed after A) does not
+    bm.check_invariants([])
+
+
+def test_sha256_prefix_hashing_hits_like_xxhash(tiny_ckpt):
+    prompt = prompts_of([13], seed=8)[0]
+    outs = {}
+    for algo in ("xxhash", "sha256"):
+        llm = make_llm(tiny_ckpt, prefix_caching_hash_algo=algo)
+        first = llm.generate(prompt, greedy(4), use_tqdm=False)[0]
+        second = llm.generate(prompt, greedy(4), use_tqdm=False)[0]
+        assert second.num_cached_tokens == 12 and second.outputs[0].token_ids == first.outputs[0].token_ids
+        outs[algo] = first.outputs[0].token_ids
+    assert outs["xxhash"] == outs["sha256"]
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo='md5'"):
+        make_llm(tiny_ckpt, prefix_caching_hash_algo="md5")
