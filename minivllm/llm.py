@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections import deque
 from typing import Iterator, Sequence as Seq
 
@@ -12,11 +13,23 @@ from minivllm.sampling_params import SamplingParams
 
 
 def _as_prompt_list(prompts) -> list:
-    """One prompt (str, list[int], dict) or a list of them -> a list of prompts."""
+    """One prompt (str, list[int], dict) or a list of them -> a list of prompts.
+
+    A flat list holding any number is one prompt of token ids, so every element must
+    then be an int: ``[5, 2.0, 7]`` is a malformed prompt, not three prompts.
+
+    Raises:
+        ValueError: a non-int in a token-id prompt (naming the element and its index),
+            or ``prompts`` of another type.
+    """
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if any(isinstance(t, numbers.Number) for t in prompts):  # bool is a Number too
+            for i, t in enumerate(prompts):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"prompt token ids: element {i} is {t!r} ({type(t).__name__}), "
+                                     "not an int token id")
             return [list(prompts)]  # a single prompt of token ids
         return list(prompts)
     raise ValueError(f"prompts {prompts!r}: expected a str, list[int], dict, or a list of them")
@@ -72,6 +85,7 @@ class LLM:
                 raise ValueError(f"sampling_params[{i}]={p!r} is not a SamplingParams")
             try:
                 self.engine.encode_prompt(prompt)
+                self.engine.check_sampling_params(p)  # all checked before any is queued
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = []

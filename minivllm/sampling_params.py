@@ -26,8 +26,10 @@ class SamplingParams:
             whatever else is in the batch.
         max_tokens: most tokens to generate (>= 1).
         ignore_eos: keep generating past the model's end-of-sequence token.
-        stop: strings that end generation; the returned text ends *before* the stop string.
-        stop_token_ids: token ids that end generation (always apply, even with ``ignore_eos``).
+        stop: a string or a list of strings that end generation; the returned text ends
+            *before* the stop string.
+        stop_token_ids: a list of token ids that end generation (always apply, even with
+            ``ignore_eos``); the engine checks them against the model's vocabulary.
 
     Raises:
         ValueError: naming the offending field and value.
@@ -68,15 +70,22 @@ class SamplingParams:
             raise bad("max_tokens", self.max_tokens, "must be an int >= 1")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", self.seed, "must be an int or None")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        for s in stop:
+        if self.stop is None or isinstance(self.stop, str):
+            stop = [] if self.stop is None else [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            stop = list(self.stop)
+        else:
+            raise bad("stop", self.stop, "must be a str, a list of str, or None")
+        for i, s in enumerate(stop):
             if not isinstance(s, str) or not s:
-                raise bad("stop", self.stop, "must be non-empty strings")
+                raise bad("stop", self.stop, f"element {i} ({s!r}) is not a non-empty str")
         self.stop_strings = stop
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise bad("stop_token_ids", self.stop_token_ids, "must be a list of int token ids, or None")
         ids = list(self.stop_token_ids or [])
-        for t in ids:
+        for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative ints")
+                raise bad("stop_token_ids", self.stop_token_ids, f"element {i} ({t!r}) is not an int >= 0")
         self.stop_token_ids = ids
 
     @property

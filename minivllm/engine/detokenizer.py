@@ -7,6 +7,10 @@ decoder that holds back an incomplete trailing character until its last byte arr
 Other tokenizers take the general path: decode a short sliding window (a few tokens
 of context plus the unread tokens) and release text only once it no longer ends in
 U+FFFD (the replacement character a partial character decodes to).
+
+A token id the tokenizer has no entry for (a ``random:`` preset pairs a 151936-token
+model with the embedded 4096-token tokenizer) decodes to ``<id:N>`` on both paths,
+so generated tokens never vanish from the text.
 """
 from __future__ import annotations
 
@@ -35,8 +39,16 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
     return chars
 
 
-def byte_table(tokenizer, skip_special_tokens: bool = True) -> list[bytes] | None:
-    """Token id -> bytes for a byte-level BPE tokenizer, or None for any other kind."""
+def unknown_id_text(token_id: int) -> str:
+    """How a token id the tokenizer cannot decode appears in text."""
+    return f"<id:{token_id}>"
+
+
+def byte_table(tokenizer, skip_special_tokens: bool = True) -> list[bytes | None] | None:
+    """Token id -> bytes for a byte-level BPE tokenizer, or None for any other kind.
+
+    Ids with no token (gaps in the vocabulary) map to None; skipped special tokens to b"".
+    """
     key = (skip_special_tokens,)
     cached = _BYTE_TABLES.get(tokenizer, {}).get(key, False)
     if cached is not False:
@@ -46,7 +58,7 @@ def byte_table(tokenizer, skip_special_tokens: bool = True) -> list[bytes] | Non
     return table
 
 
-def _build_byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
+def _build_byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes | None] | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return None
@@ -55,10 +67,11 @@ def _build_byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | Non
     to_byte = _gpt2_unicode_to_byte()
     vocab = backend.get_vocab(with_added_tokens=True)
     added = getattr(tokenizer, "added_tokens_decoder", {})
-    table = [b""] * (max(vocab.values()) + 1)
+    table: list[bytes | None] = [None] * (max(vocab.values()) + 1)
     for token, idx in vocab.items():
         special = idx in added and added[idx].special
         if special and skip_special_tokens:
+            table[idx] = b""
             continue
         if idx in added:
             table[idx] = added[idx].content.encode("utf-8")
@@ -80,6 +93,10 @@ class IncrementalDetokenizer:
         if self.table is not None:
             self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             return
+        try:  # ids from len(tokenizer) up have no token; without a length, trust decode
+            self.num_known_ids: int | None = len(tokenizer)
+        except TypeError:
+            self.num_known_ids = None
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -88,7 +105,10 @@ class IncrementalDetokenizer:
         """Add tokens; return text that became readable (all of it when ``final``)."""
         if self.table is not None:
             table, n = self.table, len(self.table)
-            data = b"".join([table[t] if t < n else b"" for t in new_token_ids])
+            # An unknown id's marker joins the byte stream as ASCII, so a character cut
+            # short by it decodes to U+FFFD, as in a one-shot decode.
+            data = b"".join([piece if t < n and (piece := table[t]) is not None
+                             else unknown_id_text(t).encode() for t in new_token_ids])
             return self.utf8.decode(data, final)
         self.ids.extend(new_token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
@@ -100,7 +120,22 @@ class IncrementalDetokenizer:
         return ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        """Decode ``ids``; runs of known ids go to the tokenizer, unknown ids become markers."""
+        limit = self.num_known_ids
+        if limit is None or all(t < limit for t in ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        parts, run = [], []
+        for t in ids:
+            if t < limit:
+                run.append(t)
+                continue
+            if run:
+                parts.append(self.tokenizer.decode(run, skip_special_tokens=self.skip_special_tokens))
+                run = []
+            parts.append(unknown_id_text(t))
+        if run:
+            parts.append(self.tokenizer.decode(run, skip_special_tokens=self.skip_special_tokens))
+        return "".join(parts)
 
     # -- rollback support (an interrupted step restores the decoder as it was) --------------
     def get_state(self) -> tuple:

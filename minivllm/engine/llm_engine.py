@@ -162,7 +162,10 @@ class LLMEngine:
             else:
                 raise ValueError(f"prompt dict {prompt!r} needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            # verbose=False: the tokenizer would otherwise log its own "longer than the
+            # maximum sequence length" warning before our length check below says it clearly
+            # (and warn wrongly when max_model_len exceeds the tokenizer's model_max_length).
+            text, ids = prompt, self.tokenizer.encode(prompt, verbose=False)
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:  # a tokenizer larger than the model (e.g. a random model with a small vocab)
                 raise ValueError(f"prompt text {prompt[:40]!r} encodes to token id {bad[0]}, outside the "
@@ -181,6 +184,20 @@ class LLMEngine:
                              f"max_model_len={self.config.max_model_len}")
         return text, ids
 
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Checks of ``params`` that need the model (``SamplingParams`` checks the rest).
+
+        Raises:
+            ValueError: ``params`` is not a ``SamplingParams``, or a ``stop_token_ids``
+                entry is outside the model's vocabulary ``[0, vocab_size)`` (naming it).
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params {params!r} is not a SamplingParams")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids={params.stop_token_ids!r}: token id {t} is outside the "
+                                 f"model's vocabulary [0, {self.vocab_size})")
+
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     *, output_kind: OutputKind | str = OutputKind.CUMULATIVE, sink=None) -> None:
         """Validate and queue a request (raises ``ValueError`` at once on bad input).
@@ -197,8 +214,7 @@ class LLMEngine:
             raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
         request_id = str(request_id)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params {params!r} is not a SamplingParams")
+        self.check_sampling_params(params)
         text, ids = self.encode_prompt(prompt)
         seq = Sequence(request_id, text, ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, ids)

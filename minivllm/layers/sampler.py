@@ -64,6 +64,41 @@ def apply_repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> torc
     return logits
 
 
+# Slack in top-p's "mass reaches top_p" test. An fp32 softmax probability is off by a
+# few units of fp32 roundoff (u = 2**-24) from exp and the division, plus up to about
+# log2(V) u from the normalising sum over V tokens (a tree reduction; V is ~1.5e5 for
+# Qwen3, so ~17 u); top_p itself is rounded to fp32 (u/2). 1e-5 (~170 u) covers all of
+# that with room, and is far below any difference between top_p values a user means.
+TOP_P_TOLERANCE = 1e-5
+
+
+def top_p_drop_mask(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens top-p (nucleus sampling, Holtzman et al. 2020) drops.
+
+    The rule (vLLM's and Hugging Face's): keep the smallest set of most likely tokens
+    whose probability mass reaches ``top_p``. A token is therefore dropped when the mass
+    of the tokens ranked before it already reaches ``top_p``. "Reaches" allows
+    ``TOP_P_TOLERANCE`` of rounding slack, so probs ``[0.5, 0.3, 0.1, 0.1]`` with
+    ``top_p=0.8`` keep exactly two tokens although fp32 puts ``0.5 + 0.3`` a hair below
+    0.8. The mass is summed in fp64, so adding up many small probabilities adds no
+    error of note to the probabilities' own. The most likely token is always kept, and
+    a row with ``top_p >= 1`` keeps every token.
+
+    Args:
+        sorted_probs: fp32 ``[N, V]``, each row sorted in descending order.
+        top_p: fp32 ``[N]``, in (0, 1].
+
+    Returns:
+        bool ``[N, V]``: True where the token is dropped.
+    """
+    probs = sorted_probs.double()
+    mass_before = probs.cumsum(dim=-1) - probs
+    threshold = top_p.double().unsqueeze(1) - TOP_P_TOLERANCE
+    drop = mass_before >= threshold
+    drop[:, 0] = False
+    return drop & (top_p < 1).unsqueeze(1)
+
+
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p (fp32 ``[N, V]``).
 
@@ -72,7 +107,8 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
     logits = logits / temps.unsqueeze(1)
     if batch.any_top_k or batch.any_top_p:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        # Stable, so tied tokens keep id order and the kept set does not vary between runs.
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
         mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if batch.any_top_k:
             k = batch.top_k.clamp(min=0)
@@ -81,11 +117,7 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             mask |= ranks >= k.unsqueeze(1)
         if batch.any_top_p:
             sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-            probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the mass strictly before it already reaches top_p
-            # (so the first token is always kept).
-            mass_before = probs.cumsum(dim=-1) - probs
-            mask |= mass_before >= batch.top_p.unsqueeze(1)
+            mask |= top_p_drop_mask(sorted_logits.softmax(dim=-1), batch.top_p)
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
     probs = logits.softmax(dim=-1)

@@ -81,6 +81,12 @@ def _resolve(name: str, params: dict[str, nn.Parameter], mapping: dict) -> tuple
     return None
 
 
+def corrupt_file_error(file: Path, cause: Exception) -> ValueError:
+    """The error for a safetensors file whose header or data cannot be read."""
+    return ValueError(f"checkpoint file {str(file)!r} is corrupt or truncated (safetensors: {cause}); "
+                      "copy or download it again")
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, checkpoint_dir) -> None:
     """Load every parameter of ``model`` from the safetensors checkpoint in ``checkpoint_dir``.
@@ -91,11 +97,12 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
 
     Raises:
         FileNotFoundError: no checkpoint directory / no safetensors files (names the path).
-        ValueError: tensors missing from the checkpoint (lists them by checkpoint name), or
-            a tensor whose shape does not match.
+        ValueError: tensors missing from the checkpoint (lists them by checkpoint name), a
+            tensor whose shape does not match, or a safetensors file that cannot be read
+            (truncated or corrupt: names the file; chained from safetensors' error).
     """
     files = checkpoint_files(checkpoint_dir)
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
     mapping = getattr(model, "packed_modules_mapping", {})
@@ -103,7 +110,11 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
     loaded: dict[str, set] = {}
     unexpected: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except SafetensorError as e:
+            raise corrupt_file_error(file, e) from e
+        with handle as f:
             for name in f.keys():
                 target = _resolve(name, params, mapping)
                 if target is None:
@@ -114,10 +125,14 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
                 param = params[pname]
                 loader = getattr(param, "weight_loader", _default_loader)
                 try:
+                    tensor = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise corrupt_file_error(file, e) from e
+                try:
                     if shard is None:
-                        loader(param, f.get_tensor(name))
+                        loader(param, tensor)
                     else:
-                        loader(param, f.get_tensor(name), shard)
+                        loader(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"{name} (from {file.name}): {e}") from None
                 loaded.setdefault(pname, set()).add(_ALL if shard is None else shard)

@@ -1,0 +1,151 @@
+"""Bad input raises a ValueError naming the field and value, and the engine keeps serving afterwards."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+from safetensors import SafetensorError
+
+from helpers_engine import greedy, make_llm, prompts_of, run_to_end
+from helpers_models import make_hf_checkpoint
+from minivllm import LLM, SamplingParams
+from minivllm.utils.loader import load_weights
+
+
+def assert_still_serving(llm) -> None:
+    """Nothing was left queued by the failed call, and a new request runs to the end."""
+    engine = llm.llm_engine
+    assert engine.get_num_unfinished_requests() == 0
+    out = llm.generate(prompts_of([5], seed=1)[0], greedy(3), use_tqdm=False)[0]
+    assert out.finished and len(out.outputs[0].token_ids) == 3
+
+
+# -- SamplingParams --------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value,shown", [
+    ("stop", 5, "5"),
+    ("stop", 2.5, "2.5"),
+    ("stop", b"END", "b'END'"),
+    ("stop", {"END"}, "{'END'}"),
+    ("stop", ["END", 5], "5"),
+    ("stop", ["END", None], "None"),
+    ("stop", ["END", ""], "''"),
+    ("stop_token_ids", 5, "5"),
+    ("stop_token_ids", [1, 2.0], "2.0"),
+    ("stop_token_ids", [1, True], "True"),
+])
+def test_malformed_stop_names_field_and_value(field, value, shown):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    assert f"SamplingParams.{field}=" in str(err.value) and shown in str(err.value)
+
+
+def test_well_formed_stop_forms():
+    assert SamplingParams(stop=("a", "b")).stop_strings == ["a", "b"]
+    assert SamplingParams(stop=None).stop_strings == []
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+
+
+# -- stop_token_ids against the model --------------------------------------------------------
+def test_stop_token_id_outside_vocabulary(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)  # vocabulary of 97
+    prompt = prompts_of([5], seed=2)[0]
+    with pytest.raises(ValueError, match=r"stop_token_ids=\[3, 97\].*97.*\[0, 97\)"):
+        llm.generate(prompt, greedy(3, stop_token_ids=[3, 97]), use_tqdm=False)
+    assert_still_serving(llm)
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request("bad", prompt, greedy(3, stop_token_ids=[10**6]))
+    engine.add_request("good", prompt, greedy(3))
+    final, _ = run_to_end(engine)
+    assert set(final) == {"good"} and len(final["good"].outputs[0].token_ids) == 3
+
+
+def test_bad_params_of_a_later_prompt_queue_nothing(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    prompts = prompts_of([4, 6], seed=3)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(prompts, [greedy(3), greedy(3, stop_token_ids=[500])], use_tqdm=False)
+    assert_still_serving(llm)
+
+
+# -- token-id prompts with non-int elements ----------------------------------------------------
+@pytest.mark.parametrize("prompt,index,shown", [
+    ([5, 2.0, 7], 1, "2.0"),
+    ([5, True], 1, "True"),
+    ((False, 5), 0, "False"),
+    ([5, "7"], 1, "'7'"),
+    ([5, [7]], 1, "[7]"),
+])
+def test_mixed_token_id_prompt_is_one_malformed_prompt(tiny_ckpt, prompt, index, shown):
+    llm = make_llm(tiny_ckpt)
+    with pytest.raises(ValueError) as err:
+        llm.generate(prompt, greedy(3), use_tqdm=False)
+    assert f"element {index} is {shown}" in str(err.value)
+    with pytest.raises(ValueError, match=f"element {index} is"):
+        list(llm.stream(prompt, greedy(3)))
+    assert_still_serving(llm)
+
+
+def test_lists_of_prompts_still_accepted(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    a, b = prompts_of([4, 6], seed=4)
+    outs = llm.generate([a, {"prompt_token_ids": b}], greedy(2), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [a, b]
+
+
+# -- prompts longer than the tokenizer's model_max_length -----------------------------------------
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_long_text_prompt_gets_our_error_without_the_tokenizer_warning(text_ckpt):
+    llm = make_llm(text_ckpt, max_model_len=256)
+    tok = llm.get_tokenizer()
+    text = "hello world " * (tok.model_max_length // 2 + 50)
+    # transformers logs to its own "transformers" logger, which does not propagate to
+    # the root (so pytest's caplog cannot see it): listen there.
+    records = _Records()
+    logging.getLogger("transformers").addHandler(records)
+    try:
+        with pytest.raises(ValueError, match=r"prompt of \d+ tokens leaves no room to generate: max_model_len=256"):
+            llm.generate(text, greedy(3), use_tqdm=False)
+    finally:
+        logging.getLogger("transformers").removeHandler(records)
+    assert not [m for m in records.messages if "sequence length" in m], records.messages
+    assert len(tok.encode(text, verbose=False)) > tok.model_max_length  # the case this test is about
+    assert_still_serving(llm)
+
+
+# -- corrupt or truncated checkpoints ---------------------------------------------------------
+def _corrupt(path, how: str) -> None:
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes({"truncated": data[:len(data) // 2], "header cut": data[:20],
+                      "garbage": b"\x07" * 64, "empty": b""}[how])
+
+
+@pytest.mark.parametrize("how", ["truncated", "header cut", "garbage", "empty"])
+def test_corrupt_safetensors_names_the_file(tmp_path, how):
+    from transformers import AutoConfig
+
+    from minivllm.models.qwen3 import Qwen3ForCausalLM
+
+    path = make_hf_checkpoint(tmp_path)
+    _corrupt(path, how)
+    model = Qwen3ForCausalLM(AutoConfig.from_pretrained(path))
+    with pytest.raises(ValueError, match=r"model\.safetensors.* is corrupt or truncated") as err:
+        load_weights(model, path)
+    assert str(path / "model.safetensors") in str(err.value)
+    assert isinstance(err.value.__cause__, SafetensorError)
+
+
+def test_llm_on_a_truncated_checkpoint_says_so(tmp_path):
+    path = make_hf_checkpoint(tmp_path)
+    _corrupt(path, "truncated")
+    with pytest.raises(ValueError, match="is corrupt or truncated"):
+        LLM(str(path), block_size=4, num_kvcache_blocks=64)

@@ -1,0 +1,98 @@
+"""Top-p (and top-k with it) keep exactly the tokens their definitions say, fp32 rounding notwithstanding."""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.layers.sampler import SamplingBatch, filtered_probs
+
+
+def _batch(top_p: list[float], top_k: list[int] | None = None) -> SamplingBatch:
+    n = len(top_p)
+    k = torch.tensor(top_k or [0] * n, dtype=torch.int64)
+    return SamplingBatch(
+        temperatures=torch.ones(n), top_k=k, top_p=torch.tensor(top_p, dtype=torch.float32),
+        min_p=torch.zeros(n), repetition_penalties=torch.ones(n), seen_token_ids=[None] * n,
+        generators=[None] * n, all_greedy=False, any_top_k=bool((k > 0).any()),
+        any_top_p=any(p < 1 for p in top_p), any_min_p=False, any_penalty=False)
+
+
+def kept(probs: list[float], top_p: float, top_k: int = 0) -> set[int]:
+    """Token ids that survive the filters, for one row given as probabilities."""
+    logits = torch.tensor([probs], dtype=torch.float32).log()
+    out = filtered_probs(logits, _batch([top_p], [top_k]))
+    return set(torch.nonzero(out[0] > 0).flatten().tolist())
+
+
+def test_issue_example_drops_the_token_past_the_boundary():
+    # 0.5 + 0.3 reaches 0.8 exactly; fp32 puts it a hair below, which kept token 1 before.
+    assert kept([0.3, 0.1, 0.1, 0.5], top_p=0.8) == {0, 3}
+
+
+@pytest.mark.parametrize("probs,top_p,expected", [
+    ([0.5, 0.25, 0.125, 0.125], 0.75, {0, 1}),      # boundary, exact in binary
+    ([0.5, 0.25, 0.125, 0.125], 0.5, {0}),
+    ([0.5, 0.25, 0.125, 0.125], 0.76, {0, 1, 2}),   # past a boundary: one more token
+    ([0.7, 0.2, 0.1], 0.9, {0, 1}),                  # boundary, inexact in binary
+    ([0.1, 0.6, 0.3], 0.6, {1}),
+    ([0.6, 0.3, 0.1], 0.61, {0, 1}),
+])
+def test_boundaries(probs, top_p, expected):
+    assert kept(probs, top_p) == expected
+
+
+def test_ties_keep_the_smallest_set_lowest_ids_first():
+    assert kept([0.4, 0.2, 0.2, 0.2], top_p=0.6) == {0, 1}
+    assert kept([0.2, 0.2, 0.4, 0.2], top_p=0.6) == {0, 2}
+    assert kept([0.4, 0.2, 0.2, 0.2], top_p=0.7) == {0, 1, 2}
+    assert kept([0.25] * 4, top_p=0.5) == {0, 1}
+
+
+def test_top_p_one_keeps_every_token_even_a_negligible_tail():
+    logits = torch.tensor([[0.0, -40.0, -40.0, 5.0]])
+    assert (filtered_probs(logits, _batch([1.0])) > 0).all()
+
+
+def test_top_p_below_the_tolerance_still_keeps_the_most_likely_token():
+    assert kept([0.3, 0.1, 0.1, 0.5], top_p=1e-7) == {3}
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.99, 1.0])
+def test_top_k_one_with_top_p_keeps_only_the_argmax(top_p):
+    assert kept([0.3, 0.1, 0.1, 0.5], top_p=top_p, top_k=1) == {3}
+
+
+def test_top_p_applies_to_the_top_k_renormalised_mass():
+    # After top_k=2 the mass is {0.5/0.8, 0.3/0.8} = {0.625, 0.375}: top_p=0.6 keeps one.
+    assert kept([0.3, 0.1, 0.1, 0.5], top_p=0.6, top_k=2) == {3}
+    assert kept([0.3, 0.1, 0.1, 0.5], top_p=0.7, top_k=2) == {0, 3}
+
+
+def test_rows_are_filtered_independently():
+    logits = torch.tensor([[0.3, 0.1, 0.1, 0.5]] * 3).log()
+    out = filtered_probs(logits, _batch([1.0, 0.8, 0.5]))
+    assert [set(torch.nonzero(r > 0).flatten().tolist()) for r in out] == [{0, 1, 2, 3}, {0, 3}, {3}]
+
+
+@settings(max_examples=200, deadline=None)
+@given(weights=st.lists(st.integers(1, 12), min_size=2, max_size=12), data=st.data())
+def test_matches_exact_rational_rule(weights, data):
+    """Against the rule in exact arithmetic: the smallest set, most likely first (ties by
+    id), whose mass reaches top_p, with top_p on or between cumulative boundaries."""
+    total = sum(weights)
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    boundaries = [Fraction(sum(weights[j] for j in order[:n]), total) for n in range(1, len(order) + 1)]
+    n = data.draw(st.integers(0, len(order) - 1), label="boundary")
+    on_boundary = data.draw(st.booleans(), label="on_boundary")
+    if on_boundary or n == 0:
+        target = boundaries[n]
+    else:  # halfway between boundaries n-1 and n: the set must reach boundary n
+        target = (boundaries[n - 1] + boundaries[n]) / 2
+    if target >= 1:
+        return  # top_p = 1 disables the filter (tested above)
+    expected = set(order[:n + 1])
+    assert kept([w / total for w in weights], top_p=float(target)) == expected
