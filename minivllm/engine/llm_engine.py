@@ -63,8 +63,8 @@ class LLMEngine:
         budget_hint = args.max_num_batched_tokens or 8192
         runner_args = (self.source, device, dtype, backend_name, block_size, args.num_kvcache_blocks,
                        args.kv_cache_memory_bytes, args.gpu_memory_utilization, budget_hint, args.seed)
-        if args.tensor_parallel_size > 1:  # rank 0 of a sharded model; see minivllm/distributed/tp_runner.py
-            from minivllm.distributed.tp_runner import TPModelRunner
+        if args.tensor_parallel_size > 1:  # rank 0 of a sharded model; see minivllm/executor/tp_runner.py
+            from minivllm.executor.tp_runner import TPModelRunner
 
             self.runner = TPModelRunner(*runner_args, tp_size=args.tensor_parallel_size,
                                         init_method=args.init_method)

@@ -13,7 +13,7 @@ step, as the engine sees it, is unchanged::
                sampler(logits)              # rank 0 only
 
 Where the other ranks come from (``launch.py``): on one machine they are started here, as
-fresh ``python -m minivllm.distributed.worker`` processes; across machines (or under
+fresh ``python -m minivllm.executor.worker`` processes; across machines (or under
 ``torchrun``) every rank is started outside and the engine joins the process group.
 
 Failure handling: a worker that dies closes its sockets and the next collective raises at
@@ -31,10 +31,10 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from minivllm.distributed import launch
-from minivllm.distributed.launch import Connection
 from minivllm.distributed.parallel_state import tp_scope
-from minivllm.distributed.worker import COMPILE, HEADER_LEN, SHUTDOWN, ShardRunner, WorkerConfig, pack_step, serve
+from minivllm.executor import launch
+from minivllm.executor.launch import Connection
+from minivllm.executor.worker import COMPILE, HEADER_LEN, SHUTDOWN, ShardRunner, WorkerConfig, pack_step, serve
 from minivllm.engine.model_runner import ModelInput
 from minivllm.utils.model_source import ModelSource
 

@@ -7,10 +7,10 @@ samples.
 
 Entry points:
 
-* ``python -m minivllm.distributed.worker --store HOST:PORT --rank R --world-size W
+* ``python -m minivllm.executor.worker --store HOST:PORT --rank R --world-size W
   --parent-pid PID``: how the engine starts its local workers (``launch.start_local``).
-* ``python -m minivllm.distributed.worker`` under ``torchrun`` (``init_method="env://"``),
-  or ``python -m minivllm.distributed.worker --init-method tcp://HOST:PORT --rank R
+* ``python -m minivllm.executor.worker`` under ``torchrun`` (``init_method="env://"``),
+  or ``python -m minivllm.executor.worker --init-method tcp://HOST:PORT --rank R
   --world-size W``: a rank of a multi-machine job. It needs no model arguments: rank 0
   sends its configuration. (Under torchrun a rank > 0 may instead run the same script as
   rank 0: its ``LLM(...)`` call serves as this worker loop and then exits the process.)
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.distributed import launch
-from minivllm.distributed.launch import Connection
+from minivllm.executor import launch
+from minivllm.executor.launch import Connection
 from minivllm.engine.model_runner import ModelInput, ModelRunner
 from minivllm.utils.model_source import ModelSource
 
@@ -201,7 +201,7 @@ def _watch_parent(parent_pid: int, interval_s: float = 0.2) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minivllm.distributed.worker",
+    parser = argparse.ArgumentParser(prog="python -m minivllm.executor.worker",
                                      description="A minivllm tensor-parallel worker (rank > 0).")
     parser.add_argument("--store", help="HOST:PORT of rank 0's store (local launch by the engine)")
     parser.add_argument("--init-method", help="torch.distributed init_method, e.g. tcp://HOST:PORT "
