@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.utils import cdiv
 
 
 @dataclass
@@ -81,7 +82,7 @@ def make_case(
         if not 1 <= ql <= ctx:
             raise ValueError(f"seqs[{i}] = {(ctx, ql)}: need 1 <= q_len <= context_len")
     g = torch.Generator().manual_seed(seed)
-    nblocks = [-(-ctx // block_size) for ctx, _ in seqs]
+    nblocks = [cdiv(ctx, block_size) for ctx, _ in seqs]
     total_blocks = sum(nblocks) + spare_blocks
     perm = torch.randperm(total_blocks, generator=g).tolist()
     width = table_width if table_width is not None else max(nblocks)

@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 
 from minivllm.engine.sequence import Sequence
+from minivllm.utils import cdiv
 
 
 def hash_block(parent_hash: int | None, token_ids) -> int:
@@ -89,7 +90,7 @@ class BlockManager:
         return len(self.hash_to_block)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # -- prefix matching -----------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:

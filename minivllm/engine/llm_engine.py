@@ -106,7 +106,7 @@ class LLMEngine:
             self.runner.enable_compile()
         if device.type != "cuda" or args.enforce_eager:
             return
-        if args.tensor_parallel_size > 1 or not getattr(self.runner.backend, "supports_cuda_graphs", False):
+        if args.tensor_parallel_size > 1 or not self.runner.backend.supports_cuda_graphs:
             logger.info("CUDA graphs off: attention backend %s / tensor_parallel_size=%d",
                         self.runner.backend.name, args.tensor_parallel_size)
             return

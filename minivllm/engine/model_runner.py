@@ -26,6 +26,7 @@ from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.models.registry import get_model_class
+from minivllm.utils import cdiv
 from minivllm.utils.model_source import ModelSource
 
 logger = logging.getLogger("minivllm")
@@ -164,7 +165,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.graph_runner = CudaGraphDecodeRunner(
-            self.model, self.kv_caches, self.backend, max_num_seqs, -(-max_model_len // self.block_size),
+            self.model, self.kv_caches, self.backend, max_num_seqs, cdiv(max_model_len, self.block_size),
             self.hf_config.hidden_size, self.device, self.dtype, emulate=emulate)
         self.graph_runner.capture()
         logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graph_runner.buckets,
