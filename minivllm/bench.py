@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minivllm.utils import cdiv
+
 __all__ = ["Workload", "make_workload", "run_throughput", "run_sweep", "run_overhead", "run_cli", "main", "WORKLOADS"]
 
 WORKLOADS = {
@@ -766,9 +768,9 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
     budget = engine_args.get("max_num_batched_tokens") or 8192
     # With chunked prefill the first-admitted sequences start decoding while later ones
     # still prefill, so they run ahead by up to this many steps: give every request room.
-    lead = -(-bmax * prompt_len // budget) + 2
+    lead = cdiv(bmax * prompt_len, budget) + 2
     max_tokens = warmup_steps + decode_steps + lead + 1
-    per_seq = -(-(prompt_len + max_tokens + 1) // block)
+    per_seq = cdiv(prompt_len + max_tokens + 1, block)
     engine_args.setdefault("num_kvcache_blocks", bmax * per_seq + 8)
     engine_args.setdefault("max_num_seqs", max(256, bmax))
     engine_args.setdefault("enable_prefix_caching", True)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.utils.dtypes import MODEL_DTYPES, canonical_dtype_name, dtype_spellings
+
 logger = logging.getLogger("minivllm")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
@@ -106,19 +108,21 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto" -> bf16 on CUDA, fp32 on CPU (bf16/fp16 matmuls are far slower on CPUs)."""
+    """"auto" -> bf16 on CUDA, fp32 on CPU (bf16/fp16 matmuls are far slower on CPUs); a
+    name of ``MODEL_DTYPES`` in any spelling of ``minivllm.utils.dtypes`` -> that dtype.
+
+    Raises:
+        ValueError: any other value (the message lists the accepted names).
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r}: choose 'auto' or one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
+    name = canonical_dtype_name(dtype)
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose 'auto' or one of {dtype_spellings(MODEL_DTYPES)}")
+    return getattr(torch, name)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.attention.torch_backend import TorchAttentionBackend
 from minivllm.models.registry import get_model_class
+from minivllm.utils import cdiv
 from minivllm.utils.loader import init_random_weights, load_weights
 
 # A tiny Qwen3 whose head_dim (16) differs from hidden / heads (48 / 4 = 12), GQA 4:2.
@@ -86,7 +87,7 @@ def load_hf_model(path):
 def allocate_block_tables(total_lens: list[int], block_size: int, num_blocks: int, seed: int = 0) -> list[list[int]]:
     """Give each sequence enough distinct physical blocks for ``total_lens[i]`` tokens,
     drawn in shuffled order from ``num_blocks`` (so paging is not accidentally contiguous)."""
-    need = [-(-n // block_size) for n in total_lens]
+    need = [cdiv(n, block_size) for n in total_lens]
     if sum(need) > num_blocks:
         raise ValueError(f"need {sum(need)} blocks, only {num_blocks}")
     pool = list(range(num_blocks))

@@ -24,6 +24,7 @@ from minivllm.engine.cuda_graph import (  # noqa: E402
 )
 from minivllm.layers.attention.context import ForwardContext  # noqa: E402
 from minivllm.layers.attention.metadata import AttentionMetadata  # noqa: E402
+from minivllm.utils import cdiv  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- buckets
@@ -74,7 +75,7 @@ def _step(n, width, seed=0):
 def test_pad_decode_batch_pads_rows_and_widens_table():
     ids, pos, slots, ctx, tables = _step(3, 2)
     max_model_len, block_size = 100, 16
-    max_blocks = -(-max_model_len // block_size)  # 7
+    max_blocks = cdiv(max_model_len, block_size)  # 7
     b = pad_decode_batch(ids, pos, slots, ctx, tables, bucket=4, max_blocks_per_seq=max_blocks)
     assert b.input_ids.shape == (4,) and b.input_ids.dtype == torch.int64
     assert b.block_tables.shape == (4, max_blocks) and b.block_tables.dtype == torch.int32

@@ -18,7 +18,7 @@ import torch
 
 from minivllm.layers.attention import get_attention_backend
 from minivllm.layers.attention.flash_attn_backend import FlashAttnBackend
-from minivllm.layers.attention.testing import make_case
+from minivllm.testing import make_case
 from minivllm.layers.attention.torch_backend import TorchAttentionBackend
 
 

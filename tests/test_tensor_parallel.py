@@ -147,7 +147,7 @@ def test_tp_scope_is_per_thread_and_nests():
 
 
 # -- the engine at tensor_parallel_size=2 ---------------------------------------------------------
-# Workers are real processes (python -m minivllm.distributed.worker) talking gloo over 127.0.0.1.
+# Workers are real processes (python -m minivllm.executor.worker) talking gloo over 127.0.0.1.
 
 def _alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
@@ -331,7 +331,7 @@ def test_killed_worker_makes_generate_raise_within_seconds(tiny_ckpt):
 
 
 def test_exception_in_worker_surfaces_in_caller(tiny_ckpt, monkeypatch):
-    from minivllm.distributed.worker import FAULT_ENV
+    from minivllm.executor.worker import FAULT_ENV
 
     monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 raises at its 4th step
     llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
@@ -422,7 +422,7 @@ def test_torchrun_two_processes_match_tp1(tiny_ckpt, tmp_path):
 
 def test_init_method_with_the_worker_entry_point(tiny_ckpt):
     """The multi-machine recipe on one machine: rank 1 started by hand with
-    ``python -m minivllm.distributed.worker --init-method tcp://...``, the engine given the
+    ``python -m minivllm.executor.worker --init-method tcp://...``, the engine given the
     same ``init_method`` (it needs no model arguments: rank 0 sends them)."""
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine
@@ -432,7 +432,7 @@ def test_init_method_with_the_worker_entry_point(tiny_ckpt):
     init = f"tcp://127.0.0.1:{_free_port()}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]),
                                                        os.environ.get("PYTHONPATH", "")]))
-    worker = subprocess.Popen([sys.executable, "-m", "minivllm.distributed.worker", "--init-method", init,
+    worker = subprocess.Popen([sys.executable, "-m", "minivllm.executor.worker", "--init-method", init,
                                "--rank", "1", "--world-size", "2"], env=env)
     try:
         args = EngineArgs(model=str(tiny_ckpt), tensor_parallel_size=2, block_size=4, num_kvcache_blocks=256)

@@ -22,7 +22,7 @@ if "minivllm.layers.attention.triton_kernels" in sys.modules:  # imported earlie
     importlib.reload(sys.modules["minivllm.layers.attention.triton_kernels"])
 
 from minivllm.layers.attention import triton_kernels as tk  # noqa: E402
-from minivllm.layers.attention.testing import make_case, naive_attention  # noqa: E402
+from minivllm.testing import make_case, naive_attention  # noqa: E402
 from minivllm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 # fp32 runs the same maths in a different order; fp16/bf16 differ by output rounding.

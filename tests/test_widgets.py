@@ -16,6 +16,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from minivllm import LLM  # noqa: E402
+from minivllm.utils import cdiv  # noqa: E402
 from minivllm.utils.model_source import EMBEDDED_MODEL_DIR  # noqa: E402
 
 BLOCK = 16
@@ -93,7 +94,7 @@ def test_stepper_step_button_runs_prefill_then_decodes(llm):
     assert first.phase == "prefill" and first.num_prefill_tokens == 20
     assert s.processed_prompt_tokens == 20
     assert s.generated_token_count == 1
-    assert s.kv_blocks_used == 2 == -(-20 // BLOCK)
+    assert s.kv_blocks_used == 2 == cdiv(20, BLOCK)
     assert chart_points(s) == 1
     assert "mv-tok-chunk" in s.requests_pane.value  # this step's chunk is highlighted
     engine.check_invariants()

@@ -12,6 +12,7 @@ import ipywidgets as W
 
 from minivllm.sampling_params import SamplingParams
 from minivllm.telemetry.step_record import StepRecord
+from minivllm.utils import cdiv
 
 from ._base import PALETTE, STYLE, CourseWidget
 from ._engine import engine_of, fmt_ms, fmt_si, parse_prompt, titled, tok_span
@@ -400,7 +401,7 @@ class EngineStepper(CourseWidget):
         with self.chart.batch_update():
             # integer ticks only, at most ~15 of them (steps are whole numbers)
             span = (self.steps[-1].index - self.steps[0].index + 1) if self.steps else 1
-            self.chart.layout.xaxis.dtick = max(1, -(-span // 15))
+            self.chart.layout.xaxis.dtick = max(1, cdiv(span, 15))
             for trace in self.chart.data:
                 recs = [r for r in self.steps if r.phase == trace.name]
                 trace.x = [r.index for r in recs]

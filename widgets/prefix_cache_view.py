@@ -5,6 +5,8 @@ import statistics
 
 import ipywidgets as W
 
+from minivllm.utils import cdiv
+
 from ._base import STYLE, CourseWidget
 from ._engine import engine_of, fmt_ms, titled
 from .measure import run_requests
@@ -83,7 +85,7 @@ class PrefixCacheView(CourseWidget):
         for i, ids in enumerate(prompts):
             warm, cached = self._ttft(ids, cold=False, prime=prompts[0] if i else None)
             cold, _ = self._ttft(ids, cold=True, prime=None)
-            n_blocks = -(-len(ids) // bs)
+            n_blocks = cdiv(len(ids), bs)
             hits = cached // bs
             self.results.append(dict(prompt_tokens=len(ids), hit_blocks=hits, miss_blocks=n_blocks - hits,
                                      cached_tokens=cached, ttft_warm_ms=warm, ttft_cold_ms=cold,

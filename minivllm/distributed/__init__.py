@@ -1,5 +1,6 @@
-"""Tensor parallelism: per-process rank state and collectives (no-ops on one rank), the
-rank-0 runner (``tp_runner``), the worker loop (``worker``) and process launch (``launch``)."""
+"""Tensor parallelism as the layers see it: this process's rank state and the collectives
+(no-ops on one rank). Starting and driving the ranks is ``minivllm.executor``'s job; nothing
+here imports the engine."""
 from minivllm.distributed.parallel_state import (
     get_tp_group,
     get_tp_rank,

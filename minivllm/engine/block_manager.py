@@ -28,6 +28,7 @@ import xxhash
 
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.undo import UndoLog
+from minivllm.utils import cdiv
 
 #: ``prefix_caching_hash_algo`` values (vLLM's argument name).
 HASH_ALGOS = ("xxhash", "sha256")
@@ -142,7 +143,7 @@ class BlockManager:
         return len(self.hash_to_block)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # -- prefix matching -----------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:

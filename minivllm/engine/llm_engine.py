@@ -21,7 +21,7 @@ import torch
 from minivllm.config import EngineArgs, EngineConfig, resolve_device, resolve_dtype, resolve_lengths
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer
-from minivllm.engine.model_runner import ModelRunner, RunnerOutput
+from minivllm.engine.model_runner import ModelRunner, RunnerConfig, RunnerOutput
 from minivllm.engine.output_processor import OutputKind, OutputProcessor, RequestState, make_output, update_text
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
@@ -84,15 +84,17 @@ class LLMEngine:
         block_size = args.block_size or default_block_size(backend_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
         budget_hint = args.max_num_batched_tokens or 8192
-        runner_args = (self.source, device, dtype, backend_name, block_size, args.num_kvcache_blocks,
-                       args.kv_cache_memory_bytes, args.gpu_memory_utilization, budget_hint, args.seed)
-        if args.tensor_parallel_size > 1:  # rank 0 of a sharded model; see minivllm/distributed/tp_runner.py
-            from minivllm.distributed.tp_runner import TPModelRunner
+        runner_config = RunnerConfig(
+            source=self.source, device=device, dtype=dtype, attention_backend=backend_name, block_size=block_size,
+            num_kvcache_blocks=args.num_kvcache_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_num_batched_tokens=budget_hint,
+            seed=args.seed, tp_size=args.tensor_parallel_size)
+        if args.tensor_parallel_size > 1:  # rank 0 of a sharded model; see minivllm/executor/tp_runner.py
+            from minivllm.executor.tp_runner import TPModelRunner
 
-            self.runner = TPModelRunner(*runner_args, tp_size=args.tensor_parallel_size,
-                                        init_method=args.init_method)
+            self.runner = TPModelRunner(runner_config, init_method=args.init_method)
         else:
-            self.runner = ModelRunner(*runner_args)
+            self.runner = ModelRunner(runner_config)
         try:
             max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
                                                     block_size)
@@ -133,7 +135,7 @@ class LLMEngine:
             self.runner.enable_compile()
         if device.type != "cuda" or args.enforce_eager:
             return
-        if args.tensor_parallel_size > 1 or not getattr(self.runner.backend, "supports_cuda_graphs", False):
+        if args.tensor_parallel_size > 1 or not self.runner.backend.supports_cuda_graphs:
             logger.info("CUDA graphs off: attention backend %s / tensor_parallel_size=%d",
                         self.runner.backend.name, args.tensor_parallel_size)
             return

@@ -18,6 +18,7 @@ import torch
 
 from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES
 from minivllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_blocks_for_bytes
+from minivllm.engine.runner_config import RunnerConfig
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import get_attention_backend
@@ -25,6 +26,7 @@ from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.models.registry import get_model_class
+from minivllm.utils import cdiv
 from minivllm.utils.model_source import ModelSource
 
 logger = logging.getLogger("minivllm")
@@ -96,44 +98,41 @@ class ModelRunner:
     """Holds the model, KV cache, attention backend and sampler for one process.
 
     Args:
-        source: the resolved model.
-        device, dtype: where and in which precision the model runs.
-        backend_name: attention backend name (resolved).
-        block_size: tokens per KV block.
-        num_kvcache_blocks / kv_cache_memory_bytes / gpu_memory_utilization: pool size,
-            first given wins (see ``EngineArgs``).
-        max_num_batched_tokens: largest step, used for the GPU warm-up measurement.
-        seed: sampler and random-weight seed.
-        tp_size: tensor-parallel ranks the model is sharded over (this runner holds one
-            shard: ``num_kv_heads / tp_size`` KV heads per layer in its cache).
+        config: what to build (model, device, dtype, attention backend, KV pool size, seed,
+            tensor-parallel shard count); see ``RunnerConfig``.
+
+    Raises:
+        ValueError: the KV cache budget does not hold one block.
     """
 
-    def __init__(self, source: ModelSource, device: torch.device, dtype: torch.dtype, backend_name: str,
-                 block_size: int, num_kvcache_blocks: int | None, kv_cache_memory_bytes: int | None,
-                 gpu_memory_utilization: float, max_num_batched_tokens: int, seed: int | None,
-                 tp_size: int = 1):
-        self.source = source
-        self.hf_config = source.hf_config
-        self.device, self.dtype, self.block_size = device, dtype, block_size
-        self.tp_size = tp_size
-        self.model = build_model(source, device, dtype, seed)
-        self.backend = get_attention_backend(backend_name, device, block_size, dtype)
-        self.sampler = Sampler(seed, device)
-        self.num_kv_blocks = self._size_kv_cache(num_kvcache_blocks, kv_cache_memory_bytes,
-                                                 gpu_memory_utilization, max_num_batched_tokens)
-        self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, block_size,
-                                                          dtype, device, tp_size)
+    def __init__(self, config: RunnerConfig):
+        self.config = config
+        self.source = config.source
+        self.hf_config = config.source.hf_config
+        self.device, self.dtype, self.block_size = config.device, config.dtype, config.block_size
+        self.tp_size = config.tp_size
+        self.model = build_model(config.source, config.device, config.dtype, config.seed)
+        self.backend = get_attention_backend(config.attention_backend, config.device, config.block_size,
+                                             config.dtype)
+        self.sampler = Sampler(config.seed, config.device)
+        self.num_kv_blocks = self._size_kv_cache()
+        self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, self.block_size,
+                                                          self.dtype, self.device, self.tp_size)
         self.graph_runner = None  # decode CUDA graphs, see enable_cuda_graphs
 
     # -- set-up ---------------------------------------------------------------------------
-    def _size_kv_cache(self, num_blocks, memory_bytes, gpu_util, max_tokens) -> int:
+    def _size_kv_cache(self) -> int:
+        """KV pool size in blocks: ``num_kvcache_blocks``, else what ``kv_cache_memory_bytes``
+        holds, else (CUDA) what ``gpu_memory_utilization`` leaves after a warm-up, else (CPU)
+        ``DEFAULT_CPU_KV_CACHE_BYTES``."""
+        c = self.config
         cfg, bs, dtype = self.hf_config, self.block_size, self.dtype
-        if num_blocks is not None:
-            return num_blocks
-        if memory_bytes is not None:
-            blocks = num_blocks_for_bytes(memory_bytes, cfg, dtype, bs, self.tp_size)
+        if c.num_kvcache_blocks is not None:
+            return c.num_kvcache_blocks
+        if c.kv_cache_memory_bytes is not None:
+            blocks = num_blocks_for_bytes(c.kv_cache_memory_bytes, cfg, dtype, bs, self.tp_size)
         elif self.device.type == "cuda":
-            blocks = self._blocks_from_gpu_memory(gpu_util, max_tokens)
+            blocks = self._blocks_from_gpu_memory(c.gpu_memory_utilization, c.max_num_batched_tokens)
         else:
             blocks = num_blocks_for_bytes(DEFAULT_CPU_KV_CACHE_BYTES, cfg, dtype, bs, self.tp_size)
         if blocks < 1:
@@ -179,7 +178,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.graph_runner = CudaGraphDecodeRunner(
-            self.model, self.kv_caches, self.backend, max_num_seqs, -(-max_model_len // self.block_size),
+            self.model, self.kv_caches, self.backend, max_num_seqs, cdiv(max_model_len, self.block_size),
             self.hf_config.hidden_size, self.device, self.dtype, emulate=emulate)
         self.graph_runner.capture()
         logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graph_runner.buckets,

@@ -12,6 +12,7 @@ from torch import nn
 
 from minivllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, \
     tensor_model_parallel_all_reduce
+from minivllm.utils import cdiv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_size = get_tp_size()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.num_embeddings_padded = -(-num_embeddings // self.tp_size) * self.tp_size
+        self.num_embeddings_padded = cdiv(num_embeddings, self.tp_size) * self.tp_size
         self.shard_size = self.num_embeddings_padded // self.tp_size
         self.vocab_start = self.tp_rank * self.shard_size
         self.vocab_end = self.vocab_start + self.shard_size

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import torch
 
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+from minivllm.utils.dtypes import MODEL_DTYPES, canonical_dtype_name
 
 
 def _attr(cfg, name: str):
@@ -62,7 +58,7 @@ def get_config_dtype(cfg) -> torch.dtype | None:
         value = _attr(cfg, "torch_dtype")
     if value is None or isinstance(value, torch.dtype):
         return value
-    name = str(value).removeprefix("torch.")
-    if name not in _DTYPES:
+    name = canonical_dtype_name(str(value))
+    if name not in MODEL_DTYPES:
         raise ValueError(f"unrecognised dtype {value!r} in model config")
-    return _DTYPES[name]
+    return getattr(torch, name)

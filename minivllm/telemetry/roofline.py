@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from minivllm.telemetry.peaks import Peaks
+from minivllm.utils import cdiv
+from minivllm.utils.dtypes import DTYPES, canonical_dtype_name
 
 __all__ = [
     "ModelCost",
@@ -53,15 +55,6 @@ __all__ = [
     "attended_keys",
     "dtype_nbytes",
 ]
-
-_DTYPE_BYTES = {
-    "float32": 4, "fp32": 4, "float": 4,
-    "float16": 2, "fp16": 2, "half": 2,
-    "bfloat16": 2, "bf16": 2,
-    "float64": 8, "fp64": 8, "double": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1, "uint8": 1,
-}
-
 
 def dtype_nbytes(dtype: Any) -> int:
     """Bytes per element of ``dtype``: a ``torch.dtype``, a name ("bfloat16",
@@ -75,10 +68,10 @@ def dtype_nbytes(dtype: Any) -> int:
     itemsize = getattr(dtype, "itemsize", None)  # torch.dtype has .itemsize (torch >= 2.1)
     if isinstance(itemsize, int) and not isinstance(dtype, str):
         return itemsize
-    name = str(dtype).lower().removeprefix("torch.")
-    if name not in _DTYPE_BYTES:
+    name = canonical_dtype_name(str(dtype))
+    if name is None:
         raise ValueError(f"unknown dtype {dtype!r}; expected e.g. 'float32', 'bfloat16' or a torch.dtype")
-    return _DTYPE_BYTES[name]
+    return DTYPES[name][0]
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:
@@ -156,12 +149,12 @@ class ModelCost:
         kvb = dtype_nbytes(kv_dtype) if kv_dtype is not None else wb
         return cls(
             hidden_size=D,
-            intermediate_size=-(-F // tp_size),
+            intermediate_size=cdiv(F, tp_size),
             num_layers=L,
             num_heads=H // tp_size,
             num_kv_heads=max(1, Hkv // tp_size),
             head_dim=d,
-            vocab_size=-(-V // tp_size),
+            vocab_size=cdiv(V, tp_size),
             tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)),
             attention_bias=bool(_get(config, "attention_bias", False)),
             weight_bytes=wb,

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from minivllm.utils import cdiv
+
 logger = logging.getLogger(__name__)
 
 _ALL = "__all__"  # marker: the whole (packed) parameter was loaded at once
@@ -202,7 +204,7 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             if name.endswith("norm.weight"):
                 raise ValueError(f"norm weight {name} has {numel} elements; the pool is for matrices")
             if param.dtype not in extended:
-                reps = -(-(largest + _POOL_SIZE) // _POOL_SIZE)
+                reps = cdiv(largest + _POOL_SIZE, _POOL_SIZE)
                 extended[param.dtype] = pool32.to(param.dtype).repeat(reps)
             offset = int(torch.randint(0, _POOL_SIZE, (1,), generator=gen, device="cpu"))
             values = extended[param.dtype][offset:offset + numel].view(shape)

@@ -17,6 +17,9 @@ class AttentionBackend(ABC):
 
     #: name reported in the startup log and in every ``StepRecord``
     name: str = "abstract"
+    #: True when a decode step's ``prepare`` + ``forward`` read only device tensors of fixed
+    #: shape (no host-side planning, no sync), so the engine may capture it in a CUDA graph
+    supports_cuda_graphs: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step planning shared by all layers (fills ``meta.extras``). Optional."""

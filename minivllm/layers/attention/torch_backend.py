@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from minivllm.layers.attention.backend import AttentionBackend
 from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.utils import cdiv
 
 _EXTRAS_KEY = "torch_backend_plan"
 
@@ -80,7 +81,7 @@ def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.devic
     # Key gather through the block table, whole blocks at a time (contiguous copies are far
     # cheaper than a per-slot gather); keys past a sequence's length are masked out below.
     bs = meta.block_size
-    n_blk_cols = -(-max_k // bs)
+    n_blk_cols = cdiv(max_k, bs)
     max_k = n_blk_cols * bs
     j = torch.arange(max_k, device=device)
     k_valid = j[None, :] < k_lens[:, None]  # [G, max_k]
@@ -99,8 +100,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference paged attention in plain PyTorch (see module docstring)."""
 
     name = "torch"
-    #: prepare() reads host-side lengths and syncs once per step: not capturable in a CUDA graph
-    supports_cuda_graphs = False
+    # supports_cuda_graphs stays False: prepare() reads host-side lengths and syncs once per step
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build the step plan once and store it in ``meta.extras`` (called lazily by

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.utils import cdiv
+
 LOG2E = 1.4426950408889634
 
 
@@ -259,9 +261,9 @@ def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_k:
     idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    want = -(-2 * _SM_COUNT[idx] // max(1, num_seqs * num_kv_heads))
+    want = cdiv(2 * _SM_COUNT[idx], max(1, num_seqs * num_kv_heads))
     if max_seqlen_k is not None:
-        want = min(want, max(1, -(-int(max_seqlen_k) // (4 * block_n))))  # >= 4 tiles per split
+        want = min(want, max(1, cdiv(int(max_seqlen_k), 4 * block_n)))  # >= 4 tiles per split
     return int(max(1, min(MAX_SPLITS, want)))
 
 

@@ -1,4 +1,5 @@
-"""Random paged-attention cases and a naive reference, for tests and ``scripts/gpu_check.py``.
+"""Random paged-attention cases and a naive reference: public, for tests, ``scripts/gpu_check.py``
+and the course notebooks (``from minivllm.testing import make_case, naive_attention``).
 
 ``make_case`` lays out a step the way the model runner would: each sequence owns a
 shuffled set of physical blocks, its cached prefix is already in the cache, and the new
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.utils import cdiv
 
 
 @dataclass
@@ -26,6 +28,7 @@ class AttentionCase:
         meta: the step's metadata (slot_mapping has ``-1`` for padding tokens).
         full_k, full_v: per sequence ``[context_len, Hk, D]``: all keys/values in order.
         scale: softmax scale ``D ** -0.5``.
+        q_lens, context_lens: per sequence, new tokens and tokens attended to (host ints).
     """
 
     q: torch.Tensor
@@ -68,12 +71,18 @@ def make_case(
         fill: value of cache slots no sequence owns (NaN catches reads of unowned slots).
         pad_tokens: trailing padding tokens (slot -1, not part of any sequence).
         table_width: block-table columns (default: the widest sequence's block count).
+
+    Returns:
+        the ``AttentionCase``; its cache tensors hold the cached prefixes, not the new tokens.
+
+    Raises:
+        ValueError: a ``q_len`` outside ``1..context_len``, or ``table_width`` too narrow.
     """
     for i, (ctx, ql) in enumerate(seqs):
         if not 1 <= ql <= ctx:
             raise ValueError(f"seqs[{i}] = {(ctx, ql)}: need 1 <= q_len <= context_len")
     g = torch.Generator().manual_seed(seed)
-    nblocks = [-(-ctx // block_size) for ctx, _ in seqs]
+    nblocks = [cdiv(ctx, block_size) for ctx, _ in seqs]
     total_blocks = sum(nblocks) + spare_blocks
     perm = torch.randperm(total_blocks, generator=g).tolist()
     width = table_width if table_width is not None else max(nblocks)

@@ -13,7 +13,7 @@ step, as the engine sees it, is unchanged::
                sampler(logits)              # rank 0 only
 
 Where the other ranks come from (``launch.py``): on one machine they are started here, as
-fresh ``python -m minivllm.distributed.worker`` processes; across machines (or under
+fresh ``python -m minivllm.executor.worker`` processes; across machines (or under
 ``torchrun``) every rank is started outside and the engine joins the process group.
 
 Failure handling: a worker that dies closes its sockets and the next collective raises at
@@ -27,16 +27,17 @@ import logging
 import time
 import weakref
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from minivllm.distributed import launch
-from minivllm.distributed.launch import Connection
 from minivllm.distributed.parallel_state import tp_scope
-from minivllm.distributed.worker import COMPILE, HEADER_LEN, SHUTDOWN, ShardRunner, WorkerConfig, pack_step, serve
+from minivllm.executor import launch
+from minivllm.executor.launch import Connection
+from minivllm.executor.worker import COMPILE, HEADER_LEN, SHUTDOWN, ShardRunner, WorkerConfig, pack_step, serve
 from minivllm.engine.model_runner import ModelInput
-from minivllm.utils.model_source import ModelSource
+from minivllm.engine.runner_config import RunnerConfig
 
 logger = logging.getLogger("minivllm")
 
@@ -88,9 +89,8 @@ class TPModelRunner(ShardRunner):
     """The engine's model runner for ``tensor_parallel_size > 1`` (rank 0).
 
     Args:
-        source, device, *runner_args, **runner_kwargs: as ``ModelRunner`` (sent unchanged
-            to every rank; on CUDA each rank uses its own GPU).
-        tp_size: number of ranks (>= 2).
+        config: as ``ModelRunner``, with ``tp_size`` the number of ranks (>= 2). Sent to every
+            rank; on CUDA each rank uses its own GPU.
         init_method: ``torch.distributed`` init method for an externally launched job
             (e.g. ``"tcp://10.0.0.1:29500"``). None: join ``torchrun``'s job when its
             environment says so (``WORLD_SIZE`` > 1, ``init_method="env://"``), else start
@@ -104,11 +104,11 @@ class TPModelRunner(ShardRunner):
         RuntimeError: a worker failed to start or to load its shard (with its error).
     """
 
-    def __init__(self, source: ModelSource, device: torch.device, *runner_args, tp_size: int,
-                 init_method: str | None = None, **runner_kwargs):
+    def __init__(self, config: RunnerConfig, init_method: str | None = None):
+        tp_size, device = config.tp_size, config.device
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 2:
             raise ValueError(f"tensor_parallel_size={tp_size!r}: TPModelRunner needs at least 2 ranks")
-        check_tp_config(source.hf_config, tp_size)
+        check_tp_config(config.source.hf_config, tp_size)
         external = launch.external_launch(init_method, tp_size)
         base_index = 0
         if device.type == "cuda" and not external:
@@ -125,19 +125,18 @@ class TPModelRunner(ShardRunner):
                 dist.destroy_process_group()
             raise SystemExit(0)
         if device.type == "cuda":
-            device = torch.device("cuda", conn.local_rank if external else base_index)
+            config = replace(config, device=torch.device("cuda", conn.local_rank if external else base_index))
         self.conn = conn  # ShardRunner sets it too; the guard below needs it first
         self._closer = _Closer(conn)
         self._finalizer = weakref.finalize(self, self._closer.close)
         self._failure: str | None = None
         try:
-            cfg = WorkerConfig(source, device.type, base_index, runner_args, runner_kwargs,
-                               "nccl" if device.type == "cuda" else "gloo",
+            cfg = WorkerConfig(config, base_index, "nccl" if device.type == "cuda" else "gloo",
                                max(1, torch.get_num_threads() // tp_size), conn.tag)
             launch.broadcast_object(conn.ctrl, cfg, 0)
-            conn.model = launch.create_model_group(conn, cfg.dist_backend, device)
+            conn.model = launch.create_model_group(conn, cfg.dist_backend, config.device)
             with self._guard("while starting"), tp_scope(0, tp_size, conn.model):
-                super().__init__(conn, source, device, *runner_args, **runner_kwargs)
+                super().__init__(conn, config)
         except BaseException:
             self._closer.close(graceful=False)
             raise

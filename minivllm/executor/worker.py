@@ -7,10 +7,10 @@ samples.
 
 Entry points:
 
-* ``python -m minivllm.distributed.worker --store HOST:PORT --rank R --world-size W
+* ``python -m minivllm.executor.worker --store HOST:PORT --rank R --world-size W
   --parent-pid PID``: how the engine starts its local workers (``launch.start_local``).
-* ``python -m minivllm.distributed.worker`` under ``torchrun`` (``init_method="env://"``),
-  or ``python -m minivllm.distributed.worker --init-method tcp://HOST:PORT --rank R
+* ``python -m minivllm.executor.worker`` under ``torchrun`` (``init_method="env://"``),
+  or ``python -m minivllm.executor.worker --init-method tcp://HOST:PORT --rank R
   --world-size W``: a rank of a multi-machine job. It needs no model arguments: rank 0
   sends its configuration. (Under torchrun a rank > 0 may instead run the same script as
   rank 0: its ``LLM(...)`` call serves as this worker loop and then exits the process.)
@@ -31,14 +31,14 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from minivllm.distributed import launch
-from minivllm.distributed.launch import Connection
+from minivllm.executor import launch
+from minivllm.executor.launch import Connection
 from minivllm.engine.model_runner import ModelInput, ModelRunner
-from minivllm.utils.model_source import ModelSource
+from minivllm.engine.runner_config import RunnerConfig
 
 logger = logging.getLogger("minivllm")
 
@@ -50,14 +50,11 @@ FAULT_ENV = "MINIVLLM_TP_TEST_FAULT"
 
 @dataclass
 class WorkerConfig:
-    """What rank 0 sends every worker before the model is built: ``ModelRunner``'s
-    arguments (all but the device, which is per rank) and how to reach the other ranks."""
+    """What rank 0 sends every worker before the model is built: rank 0's ``RunnerConfig``
+    (each rank replaces its device) and how to reach the other ranks."""
 
-    source: ModelSource
-    device_type: str            # "cpu" or "cuda"
+    runner: RunnerConfig
     device_base_index: int      # local launch on CUDA: rank r uses cuda:(base + r)
-    runner_args: tuple          # ModelRunner's positional arguments after (source, device)
-    runner_kwargs: dict         # ... and its keyword arguments (tp_size excepted)
     dist_backend: str           # "gloo" or "nccl"
     num_threads: int            # torch intra-op threads per worker on CPU
     tag: str
@@ -65,7 +62,7 @@ class WorkerConfig:
 
 def rank_device(cfg: WorkerConfig, conn: Connection) -> torch.device:
     """This rank's device: CPU, or one GPU per rank (``LOCAL_RANK`` under torchrun)."""
-    if cfg.device_type == "cpu":
+    if cfg.runner.device.type == "cpu":
         return torch.device("cpu")
     index = conn.local_rank if conn.external else cfg.device_base_index + conn.rank
     return torch.device("cuda", index)
@@ -113,14 +110,14 @@ class ShardRunner(ModelRunner):
     ``gpu_memory_utilization`` the GPU with least room decides.
     """
 
-    def __init__(self, conn: Connection, *args, **kwargs):
+    def __init__(self, conn: Connection, config: RunnerConfig):
         self.conn = conn
-        super().__init__(*args, tp_size=conn.world_size, **kwargs)
+        super().__init__(replace(config, tp_size=conn.world_size))
 
-    def _size_kv_cache(self, *args) -> int:
+    def _size_kv_cache(self) -> int:
         launch.all_reduce_min(self.conn.ctrl, 0)  # barrier: every rank has its weights
         try:
-            mine = super()._size_kv_cache(*args)
+            mine = super()._size_kv_cache()
             error = None
         except ValueError as e:
             mine, error = 0, e
@@ -151,7 +148,7 @@ class Worker:
             torch.set_num_threads(cfg.num_threads)
         conn.model = launch.create_model_group(conn, cfg.dist_backend, self.device)
         set_tp(conn.rank, conn.world_size, conn.model)
-        self.runner = ShardRunner(conn, cfg.source, self.device, *cfg.runner_args, **cfg.runner_kwargs)
+        self.runner = ShardRunner(conn, replace(cfg.runner, device=self.device))
         fault = os.environ.get(FAULT_ENV, "")
         rank, _, step = fault.partition(":")
         self.fault_step = int(step) if fault and int(rank) == conn.rank else None
@@ -201,7 +198,7 @@ def _watch_parent(parent_pid: int, interval_s: float = 0.2) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minivllm.distributed.worker",
+    parser = argparse.ArgumentParser(prog="python -m minivllm.executor.worker",
                                      description="A minivllm tensor-parallel worker (rank > 0).")
     parser.add_argument("--store", help="HOST:PORT of rank 0's store (local launch by the engine)")
     parser.add_argument("--init-method", help="torch.distributed init_method, e.g. tcp://HOST:PORT "

@@ -5,7 +5,7 @@ Two ways to get ``tp`` processes that talk:
 * **Local** (one machine, the default): the engine's process is rank 0. It opens a
   ``TCPStore`` on ``127.0.0.1`` at a port the OS picks (so two engines on one host never
   collide), then starts ranks ``1..tp-1`` as fresh interpreters running
-  ``python -m minivllm.distributed.worker --store 127.0.0.1:<port> --rank r ...`` (the
+  ``python -m minivllm.executor.worker --store 127.0.0.1:<port> --rank r ...`` (the
   ``spawn`` start method's semantics: nothing is inherited but the environment; unlike
   ``multiprocessing``'s spawn it does not re-import the caller's ``__main__``, so a script
   without an ``if __name__ == "__main__":`` guard and a Jupyter kernel both work). Process
@@ -155,7 +155,7 @@ def start_local(tp_size: int) -> Connection:
     env = _worker_env()
     try:
         for r in range(1, tp_size):
-            cmd = [sys.executable, "-m", "minivllm.distributed.worker", "--store", f"127.0.0.1:{port}",
+            cmd = [sys.executable, "-m", "minivllm.executor.worker", "--store", f"127.0.0.1:{port}",
                    "--rank", str(r), "--world-size", str(tp_size), "--parent-pid", str(os.getpid())]
             procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
