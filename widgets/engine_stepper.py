@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import signal
 import threading
 import time
+import types
 from typing import Callable
 
 import ipywidgets as W
@@ -260,67 +262,57 @@ class EngineStepper(CourseWidget):
         return record
 
     def _run_blocking(self) -> int:
-        self._running, self._stop_requested = True, False
-        interrupted = False
-        previous = None
-
-        def on_sigint(signum, frame):
-            nonlocal interrupted
-            interrupted = True
-            self._stop_requested = True
-
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGINT, on_sigint)
-        taken, last_render = 0, time.perf_counter()
-        try:
-            while not self._stop_requested and taken < self.max_run_steps:
-                if self._step_once(render=False) is None:
-                    break
-                taken += 1
-                if time.perf_counter() - last_render > 0.2:
-                    self.render()
-                    last_render = time.perf_counter()
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-            self._running = False
-            self._finish_run(taken, interrupted)
-        if interrupted:
+        with self._run_session() as run:
+            for run.taken in self._steps(render_every=0.2):
+                pass
+        if run.interrupted:
             raise KeyboardInterrupt
-        return taken
+        return run.taken
 
     async def _run_async(self) -> None:
-        self._stop_requested = False
-        interrupted = False
-        previous = None
-
-        def on_sigint(signum, frame):
-            nonlocal interrupted
-            interrupted = True
-            self._stop_requested = True
-
         try:
-            previous = signal.signal(signal.SIGINT, on_sigint)
-        except ValueError:  # not the main thread
-            previous = None
-        taken, last_render = 0, time.perf_counter()
-        try:
-            while self._running and not self._stop_requested and taken < self.max_run_steps:
-                if self._step_once(render=False) is None:
-                    break
-                taken += 1
-                if time.perf_counter() - last_render > 0.1:
-                    self.render()
-                    last_render = time.perf_counter()
-                await asyncio.sleep(0.001)  # let Stop / Reset clicks in between steps
+            with self._run_session() as run:
+                for run.taken in self._steps(render_every=0.1):
+                    await asyncio.sleep(0.001)  # let Stop / Reset clicks in between steps
         except asyncio.CancelledError:
             pass
         finally:
+            self._task = None
+
+    @contextlib.contextmanager
+    def _run_session(self):
+        """A "Run to end": marks the widget running, turns a kernel interrupt (SIGINT, main
+        thread only) into a stop between steps, and reports how the run ended."""
+        self._running, self._stop_requested = True, False
+        run = types.SimpleNamespace(taken=0, interrupted=False)
+
+        def on_sigint(signum, frame):
+            run.interrupted = True
+            self._stop_requested = True
+
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            yield run
+        finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
             self._running = False
-            self._task = None
-            self._finish_run(taken, interrupted)
+            self._finish_run(run.taken, run.interrupted)
+
+    def _steps(self, render_every: float):
+        """Step until idle, stopped or ``max_run_steps``; yields the count after each step and
+        re-renders at most every ``render_every`` seconds."""
+        taken, last_render = 0, time.perf_counter()
+        while self._running and not self._stop_requested and taken < self.max_run_steps:
+            if self._step_once(render=False) is None:
+                break
+            taken += 1
+            if time.perf_counter() - last_render > render_every:
+                self.render()
+                last_render = time.perf_counter()
+            yield taken
 
     def _finish_run(self, taken: int, interrupted: bool) -> None:
         how = "interrupted" if interrupted else "stopped" if self._stop_requested else "done"
