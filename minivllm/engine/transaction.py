@@ -34,8 +34,9 @@ from minivllm.engine.undo import UndoLog
 def _snapshot_sequence(seq: Sequence) -> tuple:
     # Lists are grown in place (append) or replaced (admit/release): the old list object
     # and its length are enough to restore them.
-    return (seq, dict(seq.__dict__), len(seq.token_ids), len(seq.block_table), len(seq.block_hashes),
-            len(seq.block_refs), dict(seq.metrics.__dict__), len(seq.metrics.token_times))
+    metrics = seq.metrics
+    return (seq, seq.__dict__.copy(), len(seq.token_ids), len(seq.block_table), len(seq.block_hashes),
+            len(seq.block_refs), metrics.__dict__.copy(), len(metrics.token_times))
 
 
 def _restore_sequence(snapshot: tuple) -> None:
@@ -51,7 +52,7 @@ def _restore_sequence(snapshot: tuple) -> None:
 
 def _snapshot_state(state: RequestState) -> tuple:
     detok = state.detokenizer
-    return (state, dict(state.__dict__), detok.get_state() if detok is not None else None)
+    return (state, state.__dict__.copy(), detok.get_state() if detok is not None else None)
 
 
 def _restore_state(snapshot: tuple) -> None:
