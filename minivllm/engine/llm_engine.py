@@ -237,16 +237,11 @@ class LLMEngine:
             state = self.requests.get(str(request_id))
             if state is None:
                 return None
-            txn = StepTransaction(self.scheduler, self.output_processor, only=state.seq)
-            txn.protect_state(state)
-            try:
+            with StepTransaction(self.scheduler, self.output_processor, only=state.seq) as txn:
+                txn.protect_state(state)
                 self.scheduler.finish(state.seq, "abort")
                 update_text(state)  # final flush (a final-only request has not been decoded yet)
                 out = make_output(state)
-            except BaseException:
-                txn.rollback()
-                raise
-            txn.commit()
             del self.requests[state.seq.request_id]
             self._deliver([out])  # a request aborted by someone else still reaches its caller
             return out
@@ -266,25 +261,18 @@ class LLMEngine:
         All or nothing: if anything raises, every request is as it was before the call.
         """
         with self._lock:
-            timer = StepTimer()
-            txn = StepTransaction(self.scheduler, self.output_processor, self._engine_generator())
-            try:
+            timer = StepTimer()  # the transaction's snapshots count as scheduling time
+            with StepTransaction(self.scheduler, self.output_processor, self._engine_generator()) as txn:
                 plan = self.scheduler.schedule()
                 txn.protect(plan)
                 timer.schedule_ms = timer.lap()
-                txn.forward_started()
                 result = self.runner.run(plan) if plan.scheduled else RunnerOutput.empty()
                 timer.lap()
                 self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed)
                 outputs = self.output_processor.process(result.seqs, self._errors(result.failed))
                 timer.postprocess_ms = timer.lap()
                 record = self._record(plan, result, timer, outputs)
-            except BaseException:
-                txn.rollback()
-                raise
-            txn.commit()
-            self.last_step_record = record
-            self.step_index += 1
+            self.last_step_record, self.step_index = record, self.step_index + 1
             self._deliver(outputs)
             return outputs
 

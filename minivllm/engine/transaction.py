@@ -65,9 +65,9 @@ def _restore_state(snapshot: tuple) -> None:
 class StepTransaction:
     """Snapshots and undo records of one step; see the module docstring.
 
-    Use: ``txn = StepTransaction(scheduler, output_processor, engine_generator)``, then
-    ``txn.protect(plan)`` once the plan is known and ``txn.forward_started()`` before the
-    model runs; finally ``txn.commit()`` or, on an exception, ``txn.rollback()``.
+    Use as a context manager around the step: ``with StepTransaction(...) as txn:``, calling
+    ``txn.protect(plan)`` once the plan is known, right before the forward pass. Leaving the
+    block normally commits; leaving it by an exception rolls back (and re-raises).
     """
 
     def __init__(self, scheduler: Scheduler, output_processor: OutputProcessor,
@@ -98,7 +98,9 @@ class StepTransaction:
 
     def protect(self, plan: SchedulerOutput) -> None:
         """Snapshot what the rest of the step changes: the request states of sequences
-        that will sample, and the random generators their sampling will advance."""
+        that will sample, and the random generators their sampling will advance. From here
+        on the KV cache may be written (see ``rollback``)."""
+        self.kv_written = True
         states = self.output_processor.states
         unseeded = False
         for entry in plan.scheduled:
@@ -113,9 +115,15 @@ class StepTransaction:
         if unseeded and self.engine_generator is not None:
             self.generators.append((self.engine_generator, self.engine_generator.get_state()))
 
-    def forward_started(self) -> None:
-        """From here on the KV cache may have been written (see ``rollback``)."""
-        self.kv_written = True
+    def __enter__(self) -> "StepTransaction":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.rollback()
+        return False  # re-raise
 
     def commit(self) -> None:
         self._detach()
