@@ -1,6 +1,14 @@
-"""Static renderings of live charts, so a saved notebook reads without JavaScript.
+"""Live charts that stay small in a saved notebook, and static renderings of them.
 
-Live charts are plotly ``FigureWidget``s. A notebook stores a widget as a reference
+Live charts are :class:`LiveFigure`\ s: a plotly figure that is also an ipywidgets ``Output`` showing
+the figure as plotly's JSON (``application/vnd.plotly.v1+json``), redrawn whenever the figure changes.
+JupyterLab draws that JSON with the plotly renderer it already has (the ``jupyterlab-plotly``
+extension installed with plotly), so a chart costs its data (kilobytes) in a saved notebook's widget
+state. plotly's own ``FigureWidget`` is an anywidget that carries the whole plotly.js bundle (about
+5 MB) in every instance's state: a notebook saved with widget state (JupyterLab's save, nbconvert
+``--execute``) grew by 5 MB per chart.
+
+A notebook stores a widget as a reference
 to kernel-side state, which a viewer without a running kernel (GitHub, nbconvert,
 a static site) cannot draw. Every widget in this package therefore also emits a
 ``text/html`` snapshot beside its widget view; charts in that snapshot are PNG
@@ -99,6 +107,61 @@ def figure_html(fig, width: int = 760, height: int | None = None) -> str:
             f"src='data:image/png;base64,{b64}'/>")
 
 
+def plotly_bundle(fig) -> dict:
+    """The figure as plotly's JSON mime type (drawn by JupyterLab's plotly renderer) plus a text line."""
+    import json
+
+    import plotly.io as pio
+
+    title = fig.layout.title.text if fig.layout.title is not None else None
+    return {"application/vnd.plotly.v1+json": json.loads(pio.to_json(fig, validate=False)),
+            "text/plain": f"<plotly figure: {title or 'untitled'}>"}
+
+
+def _live_figure_class():
+    import ipywidgets as W
+    import plotly.graph_objects as go
+
+    class LiveFigure(go.Figure, W.Output):
+        """A plotly ``Figure`` that is also a widget: an ipywidgets ``Output`` holding the figure's
+        plotly JSON, redrawn after every change (``fig.data[0].y = ...``, ``update_layout``, the end of
+        a ``batch_update()`` block). Use it where ``go.FigureWidget`` would go (a widget's children,
+        ``display``); it does not embed plotly.js (see the module docstring). Zoom and pan are reset
+        by each redraw, and clicks on the chart do not reach Python."""
+
+        def __init__(self, data=None, layout=None, **kwargs):
+            self._live = False
+            super().__init__(data, layout, **kwargs)
+            self.add_class("mv-live-figure")
+            self._live = True
+            self._redraw()
+
+        def _redraw(self) -> None:
+            if not getattr(self, "_live", False) or getattr(self, "_in_batch_mode", False):
+                return
+            self.outputs = ({"output_type": "display_data", "data": plotly_bundle(self), "metadata": {}},)
+
+        # plotly calls these after every change a FigureWidget would send to the browser
+        def _send_addTraces_msg(self, *args, **kwargs):
+            self._redraw()
+
+        _send_animate_msg = _send_deleteTraces_msg = _send_moveTraces_msg = _send_addTraces_msg
+        _send_relayout_msg = _send_restyle_msg = _send_update_msg = _send_addTraces_msg
+
+        def _repr_mimebundle_(self, **kwargs):
+            return W.Output._repr_mimebundle_(self, **kwargs)
+
+    return LiveFigure
+
+
+def __getattr__(name):  # LiveFigure is built on first use: importing this module stays free of plotly
+    if name == "LiveFigure":
+        cls = _live_figure_class()
+        globals()["LiveFigure"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 class StaticFigure:
     """Display wrapper for a plotly figure: the interactive plotly view (JupyterLab renders
     ``application/vnd.plotly.v1+json``) plus a PNG for viewers without JavaScript."""
@@ -109,12 +172,7 @@ class StaticFigure:
         self.height = height
 
     def _repr_mimebundle_(self, **kwargs):
-        import json
-
-        import plotly.io as pio
-
-        data = {"application/vnd.plotly.v1+json": json.loads(pio.to_json(self.fig, validate=False)),
-                "text/plain": f"<plotly figure: {self.fig.layout.title.text or 'untitled'}>"}
+        data = plotly_bundle(self.fig)
         png = figure_png(self.fig, self.width, self.height)
         if png is not None:
             data["image/png"] = base64.b64encode(png).decode("ascii")
