@@ -21,11 +21,13 @@ as text instead of an image (:func:`figure_png` returns None).
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import html
 import os
 import shutil
 import threading
+import time
 import warnings
 
 _CHROME_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
@@ -129,17 +131,44 @@ def _live_figure_class():
         ``display``); it does not embed plotly.js (see the module docstring). Zoom and pan are reset
         by each redraw, and clicks on the chart do not reach Python."""
 
+        #: Seconds between two redraws. Each redraw makes the browser draw the chart anew (there is
+        #: no incremental update), so a run that changes the figure every few milliseconds would
+        #: queue more drawing than the browser can do; changes in between are drawn by a trailing
+        #: redraw on the kernel's event loop.
+        min_redraw_s = 0.5
+
         def __init__(self, data=None, layout=None, **kwargs):
-            self._live = False
+            self._live, self._last_draw, self._dirty, self._pending = False, 0.0, False, False
             super().__init__(data, layout, **kwargs)
             self.add_class("mv-live-figure")
             self._live = True
-            self._redraw()
+            self._draw()
+
+        def _draw(self) -> None:
+            self._last_draw, self._dirty = time.monotonic(), False
+            self.outputs = ({"output_type": "display_data", "data": plotly_bundle(self), "metadata": {}},)
 
         def _redraw(self) -> None:
             if not getattr(self, "_live", False) or getattr(self, "_in_batch_mode", False):
                 return
-            self.outputs = ({"output_type": "display_data", "data": plotly_bundle(self), "metadata": {}},)
+            self._dirty = True
+            wait = self._last_draw + self.min_redraw_s - time.monotonic()
+            if wait <= 0:
+                self._draw()
+                return
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no event loop (a script, a test): draw now
+                self._draw()
+                return
+            if not self._pending:
+                self._pending = True
+                loop.call_later(wait, self._trailing_draw)
+
+        def _trailing_draw(self) -> None:
+            self._pending = False
+            if self._dirty:
+                self._draw()
 
         # plotly calls these after every change a FigureWidget would send to the browser
         def _send_addTraces_msg(self, *args, **kwargs):
