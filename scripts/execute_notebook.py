@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         execute(path, timeout=args.timeout)
         ipynb = pair_of(path)[1]
-        print(f"executed {ipynb.relative_to(ROOT)} in {time.perf_counter() - t0:.0f} s "
+        print(f"executed {os.path.relpath(ipynb)} in {time.perf_counter() - t0:.0f} s "
               f"({ipynb.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
 
 
