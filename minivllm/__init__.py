@@ -8,7 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from minivllm import logger as _logger
+
 __version__ = "0.1.0"
+_logger.configure()  # INFO to stderr by default; MINIVLLM_LOGGING_LEVEL changes it (see minivllm/logger.py)
 
 _EXPORTS = {
     "LLM": "minivllm.llm",

@@ -154,7 +154,7 @@ def test_notebook_06_in_jupyterlab(jupyterlab):
             page.wait_for_function(f"t => document.querySelector('{KV}').textContent !== t", arg=kv0,
                                    timeout=30_000)
             assert _text(kv_summary) != kv0
-            assert stepper.locator(".js-plotly-plot").count() >= 1  # the live FigureWidget rendered
+            assert stepper.locator(".js-plotly-plot").count() >= 1  # the live chart (plotly JSON in an Output widget) rendered
             stepper.screenshot(path=str(SHOTS / "engine_stepper.png"))
             page.locator(".mv-kv-cache-view").first.screenshot(path=str(SHOTS / "kv_cache_view.png"))
 

@@ -1,9 +1,9 @@
-"""Course notebooks 05 (scheduler), 07 (prefix caching) and 08 (sampling): conventions and freshness.
+"""Course notebooks 05 (scheduler), 07 (prefix caching) and 08 (sampling): conventions.
 
-Fast checks on the build scripts' cells and the stored notebooks (nothing is executed here;
-``pytest --nbval-lax notebooks/`` executes them):
+Fast checks on the chapters' sources (``notebooks/NN_name.py``, jupytext-paired with the ``.ipynb``;
+tests/test_notebooks.py checks each pair holds the same cells) and the stored notebooks (nothing is
+executed here; ``pytest --nbval-lax notebooks/`` executes them):
 
-* the stored notebook holds exactly the cells its build script writes (no stale copy);
 * the parameters cell reads ``MINIVLLM_MODEL`` and sets ``DEVICE = "auto"``; the run prints
   ``describe(...)``; a widget from ``widgets`` is used live; the notebook ends with a quiz and
   takeaways;
@@ -12,10 +12,10 @@ Fast checks on the build scripts' cells and the stored notebooks (nothing is exe
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
+import jupytext
 import nbformat
 import pytest
 
@@ -25,31 +25,16 @@ WIDGETS = {"05": "SchedulerTimeline", "07": "PrefixCacheView", "08": "SamplingEx
 TIMING = re.compile(r"wall_ms|ttft_ms|perf_counter|seconds|_ms\b|time\.")
 
 
-def _builder(num: str):
-    path = ROOT / "scripts" / f"build_notebook_{num}.py"
-    spec = importlib.util.spec_from_file_location(f"build_notebook_{num}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(params=sorted(CHAPTERS), ids=lambda n: CHAPTERS[n])
 def chapter(request):
+    """``(number, the cells of notebooks/NN_name.py, notebooks/NN_name.ipynb)``."""
     num = request.param
-    return num, _builder(num), ROOT / "notebooks" / f"{CHAPTERS[num]}.ipynb"
-
-
-def test_stored_notebook_matches_its_build_script(chapter):
-    num, builder, path = chapter
-    built = builder.build()
-    stored = nbformat.read(path, as_version=4)
-    assert [(c.cell_type, c.source) for c in stored.cells] == [(c.cell_type, c.source) for c in built.cells], (
-        f"{path.name} is stale: run python scripts/build_notebook_{num}.py")
+    path = ROOT / "notebooks" / f"{CHAPTERS[num]}.ipynb"
+    return num, jupytext.read(path.with_suffix(".py")), path
 
 
 def test_conventions(chapter):
-    num, builder, _ = chapter
-    nb = builder.build()
+    num, nb, _ = chapter
     code = [c for c in nb.cells if c.cell_type == "code"]
     params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1
@@ -61,8 +46,8 @@ def test_conventions(chapter):
 
 
 def test_checked_cells_print_no_timings(chapter):
-    _, builder, _ = chapter
-    for cell in builder.build().cells:
+    _, nb, _ = chapter
+    for cell in nb.cells:
         if cell.cell_type == "code" and cell.source.startswith("# NBVAL_CHECK_OUTPUT"):
             prints = "\n".join(line for line in cell.source.splitlines() if "print(" in line or "f\"" in line)
             assert not TIMING.search(prints), f"checked cell prints a timing:\n{cell.source}"

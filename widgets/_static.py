@@ -1,6 +1,14 @@
-"""Static renderings of live charts, so a saved notebook reads without JavaScript.
+"""Live charts that stay small in a saved notebook, and static renderings of them.
 
-Live charts are plotly ``FigureWidget``s. A notebook stores a widget as a reference
+Live charts are :class:`LiveFigure`\ s: a plotly figure that is also an ipywidgets ``Output`` showing
+the figure as plotly's JSON (``application/vnd.plotly.v1+json``), redrawn whenever the figure changes.
+JupyterLab draws that JSON with the plotly renderer it already has (the ``jupyterlab-plotly``
+extension installed with plotly), so a chart costs its data (kilobytes) in a saved notebook's widget
+state. plotly's own ``FigureWidget`` is an anywidget that carries the whole plotly.js bundle (about
+5 MB) in every instance's state: a notebook saved with widget state (JupyterLab's save, nbconvert
+``--execute``) grew by 5 MB per chart.
+
+A notebook stores a widget as a reference
 to kernel-side state, which a viewer without a running kernel (GitHub, nbconvert,
 a static site) cannot draw. Every widget in this package therefore also emits a
 ``text/html`` snapshot beside its widget view; charts in that snapshot are PNG
@@ -13,11 +21,13 @@ as text instead of an image (:func:`figure_png` returns None).
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import html
 import os
 import shutil
 import threading
+import time
 import warnings
 
 _CHROME_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
@@ -99,6 +109,88 @@ def figure_html(fig, width: int = 760, height: int | None = None) -> str:
             f"src='data:image/png;base64,{b64}'/>")
 
 
+def plotly_bundle(fig) -> dict:
+    """The figure as plotly's JSON mime type (drawn by JupyterLab's plotly renderer) plus a text line."""
+    import json
+
+    import plotly.io as pio
+
+    title = fig.layout.title.text if fig.layout.title is not None else None
+    return {"application/vnd.plotly.v1+json": json.loads(pio.to_json(fig, validate=False)),
+            "text/plain": f"<plotly figure: {title or 'untitled'}>"}
+
+
+def _live_figure_class():
+    import ipywidgets as W
+    import plotly.graph_objects as go
+
+    class LiveFigure(go.Figure, W.Output):
+        """A plotly ``Figure`` that is also a widget: an ipywidgets ``Output`` holding the figure's
+        plotly JSON, redrawn after every change (``fig.data[0].y = ...``, ``update_layout``, the end of
+        a ``batch_update()`` block). Use it where ``go.FigureWidget`` would go (a widget's children,
+        ``display``); it does not embed plotly.js (see the module docstring). Zoom and pan are reset
+        by each redraw, and clicks on the chart do not reach Python."""
+
+        #: Seconds between two redraws. Each redraw makes the browser draw the chart anew (there is
+        #: no incremental update), so a run that changes the figure every few milliseconds would
+        #: queue more drawing than the browser can do; changes in between are drawn by a trailing
+        #: redraw on the kernel's event loop.
+        min_redraw_s = 0.5
+
+        def __init__(self, data=None, layout=None, **kwargs):
+            self._live, self._last_draw, self._dirty, self._pending = False, 0.0, False, False
+            super().__init__(data, layout, **kwargs)
+            self.add_class("mv-live-figure")
+            self._live = True
+            self._draw()
+
+        def _draw(self) -> None:
+            self._last_draw, self._dirty = time.monotonic(), False
+            self.outputs = ({"output_type": "display_data", "data": plotly_bundle(self), "metadata": {}},)
+
+        def _redraw(self) -> None:
+            if not getattr(self, "_live", False) or getattr(self, "_in_batch_mode", False):
+                return
+            self._dirty = True
+            wait = self._last_draw + self.min_redraw_s - time.monotonic()
+            if wait <= 0:
+                self._draw()
+                return
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no event loop (a script, a test): draw now
+                self._draw()
+                return
+            if not self._pending:
+                self._pending = True
+                loop.call_later(wait, self._trailing_draw)
+
+        def _trailing_draw(self) -> None:
+            self._pending = False
+            if self._dirty:
+                self._draw()
+
+        # plotly calls these after every change a FigureWidget would send to the browser
+        def _send_addTraces_msg(self, *args, **kwargs):
+            self._redraw()
+
+        _send_animate_msg = _send_deleteTraces_msg = _send_moveTraces_msg = _send_addTraces_msg
+        _send_relayout_msg = _send_restyle_msg = _send_update_msg = _send_addTraces_msg
+
+        def _repr_mimebundle_(self, **kwargs):
+            return W.Output._repr_mimebundle_(self, **kwargs)
+
+    return LiveFigure
+
+
+def __getattr__(name):  # LiveFigure is built on first use: importing this module stays free of plotly
+    if name == "LiveFigure":
+        cls = _live_figure_class()
+        globals()["LiveFigure"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 class StaticFigure:
     """Display wrapper for a plotly figure: the interactive plotly view (JupyterLab renders
     ``application/vnd.plotly.v1+json``) plus a PNG for viewers without JavaScript."""
@@ -109,12 +201,7 @@ class StaticFigure:
         self.height = height
 
     def _repr_mimebundle_(self, **kwargs):
-        import json
-
-        import plotly.io as pio
-
-        data = {"application/vnd.plotly.v1+json": json.loads(pio.to_json(self.fig, validate=False)),
-                "text/plain": f"<plotly figure: {self.fig.layout.title.text or 'untitled'}>"}
+        data = plotly_bundle(self.fig)
         png = figure_png(self.fig, self.width, self.height)
         if png is not None:
             data["image/png"] = base64.b64encode(png).decode("ascii")

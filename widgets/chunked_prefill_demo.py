@@ -102,9 +102,9 @@ class ChunkedPrefillDemo(CourseWidget):
         self.run_button.add_class("mv-run")
         self.run_button.on_click(lambda _: self.run())
         self.readout = W.HTML()
-        import plotly.graph_objects as go
+        from ._static import LiveFigure
 
-        self.chart = go.FigureWidget()
+        self.chart = LiveFigure()
         self.chart.add_scatter(name="chunked prefill", x=[], y=[], mode="markers+lines",
                                marker=dict(color="#4c78a8"), line=dict(width=1))
         self.chart.add_scatter(name="whole prompt in one step", x=[], y=[], mode="markers+lines",

@@ -377,9 +377,9 @@ class EngineStepper(CourseWidget):
 
     # -- drawing ------------------------------------------------------------------------------
     def _make_chart(self):
-        import plotly.graph_objects as go
+        from ._static import LiveFigure
 
-        fig = go.FigureWidget()
+        fig = LiveFigure()
         for phase in ("prefill", "decode", "mixed"):
             fig.add_bar(x=[], y=[], name=phase, marker_color=PHASE_COLOURS[phase], hovertext=[])
         fig.update_layout(title=titled("Measured wall time of each step", self.engine), xaxis_title="engine step",

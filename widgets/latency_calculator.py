@@ -69,9 +69,9 @@ class LatencyCalculator(CourseWidget):
         self.measure_button.add_class("mv-measure")
         self.measure_button.on_click(lambda _: self.measure())
         self.readout = W.HTML()
-        import plotly.graph_objects as go
+        from ._static import LiveFigure
 
-        self.chart = go.FigureWidget()
+        self.chart = LiveFigure()
         self.chart.add_bar(name="predicted", x=["TTFT", "TPOT", "total"], y=[0, 0, 0], marker_color="#9ecae9")
         self.chart.add_bar(name="measured", x=["TTFT", "TPOT", "total"], y=[None, None, None],
                            marker_color="#4c78a8")

@@ -50,9 +50,9 @@ class PrefixCacheView(CourseWidget):
         self.run_button.add_class("mv-run")
         self.run_button.on_click(lambda _: self.run())
         self.grid = W.HTML()
-        import plotly.graph_objects as go
+        from ._static import LiveFigure
 
-        self.chart = go.FigureWidget()
+        self.chart = LiveFigure()
         self.chart.add_bar(name="cold (cache cleared)", x=[], y=[], marker_color="#bbbbbb")
         self.chart.add_bar(name="warm (system prompt cached)", x=[], y=[], marker_color="#54a24b")
         self.chart.update_layout(title=titled("Measured TTFT per request", self.engine), yaxis_title="ms", barmode="group", height=300,

@@ -101,9 +101,9 @@ class SamplingExplorer(CourseWidget):
                                         layout=W.Layout(width="170px"))
         self.draw_button = W.Button(description="Draw samples", icon="random", button_style="info")
         self.readout = W.HTML()
-        import plotly.graph_objects as go
+        from ._static import LiveFigure
 
-        self.chart = go.FigureWidget()
+        self.chart = LiveFigure()
         self.chart.add_bar(name="model (T=1, no filter)", x=[], y=[], marker_color="#c6dbef")
         self.chart.add_bar(name="after filters", x=[], y=[], marker_color="#4c78a8")
         self.chart.add_scatter(name="drawn (frequency)", x=[], y=[], mode="markers",

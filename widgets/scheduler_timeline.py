@@ -55,6 +55,8 @@ class SchedulerTimeline(CourseWidget):
     def __init__(self, stepper=None, records=None, arrivals=None):
         super().__init__()
         import plotly.graph_objects as go
+
+        from ._static import LiveFigure
         from plotly.subplots import make_subplots
 
         base = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.62, 0.38], vertical_spacing=0.06)
@@ -73,7 +75,7 @@ class SchedulerTimeline(CourseWidget):
                            title="Scheduler timeline", legend=dict(orientation="h", y=-0.18),
                            xaxis2_title="engine step", yaxis2_title="tokens", xaxis2_tickformat="d",
                            xaxis_tickformat="d")
-        self.chart = go.FigureWidget(base)
+        self.chart = LiveFigure(base)
         self.states: dict[str, list[str]] = {}
         self.num_steps = 0
         self.stepper = None

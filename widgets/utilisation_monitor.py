@@ -57,9 +57,9 @@ class UtilisationMonitor(CourseWidget):
         self.run_button.add_class("mv-run")
         self.run_button.on_click(lambda _: self.run())
         self.readout = W.HTML()
-        import plotly.graph_objects as go
+        from ._static import LiveFigure
 
-        self.series = go.FigureWidget()
+        self.series = LiveFigure()
         for name, colour in (("CPU busy %", "#4c78a8"), ("GPU SM busy % (NVML window)", "#e4572e"),
                              ("GPU memory busy % (NVML window)", "#54a24b")):
             self.series.add_scatter(name=name, x=[], y=[], mode="lines", line=dict(color=colour))
@@ -69,7 +69,7 @@ class UtilisationMonitor(CourseWidget):
         self.series.update_layout(title=titled("Utilisation during the workload", self.engine), xaxis_title="time (s)",
                                   yaxis_title="%", yaxis_range=[0, 110], height=300, width=760,
                                   margin=dict(l=50, r=10, t=40, b=40))
-        self.roofline = go.FigureWidget()
+        self.roofline = LiveFigure()
         self.roofline.add_scatter(name="ceiling", x=[], y=[], mode="lines", line=dict(color="#333"))
         for phase in ("prefill", "decode", "mixed"):
             self.roofline.add_scatter(name=phase, x=[], y=[], mode="markers",

@@ -1,53 +1,38 @@
-"""Build (and execute) notebooks/10_optimizations.ipynb from the cells below.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-    python scripts/build_notebook_10.py            # build and execute in place (stores real outputs)
-    python scripts/build_notebook_10.py --no-exec  # build only
+# %% [markdown]
+# # 10 · Optimizations: launches, graphs, compilers and kernels
+#
+# A decode step of a small model does very little arithmetic, and yet it can be slow: the host
+# spends its time *issuing* hundreds of small operations, one after another. This chapter measures
+# that cost on your machine and looks at the three tools an inference engine uses against it and
+# against wasted memory traffic: **CUDA graphs** (issue a whole step with one call), **torch.compile**
+# (fuse several small operations into one kernel) and **attention kernels** written for the job
+# (minivllm's Triton kernels, flash-attn).
+#
+# **You will:** count the operations one decode step issues, with the PyTorch profiler, and measure
+# what each costs here · see how the engine prepares CUDA graphs for decode batches (and measure them
+# when a GPU is present) · compile the engine's fused RMSNorm + residual with `torch.compile` and time
+# the compile and the result · compare the attention backends this machine has, and check our Triton
+# kernels against the reference in Triton's interpreter.
 
-Cells whose output is deterministic (op counts, graph buckets, correctness checks) start with
-``# NBVAL_CHECK_OUTPUT``: ``pytest --nbval-lax`` compares them; the others run but are not
-compared (they hold timings measured on the machine that ran them).
-"""
-from __future__ import annotations
+# %% [markdown]
+# ## Setup
 
-import sys
-from pathlib import Path
-
-import nbformat
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import notebook_build  # noqa: E402  (scripts/notebook_build.py)
-
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "notebooks" / "10_optimizations.ipynb"
-
-CELLS: list[tuple[str, str]] = []
-
-
-md, code = notebook_build.cell_writers(CELLS)
-
-
-md("""
-# 10 · Optimizations: launches, graphs, compilers and kernels
-
-A decode step of a small model does very little arithmetic, and yet it can be slow: the host
-spends its time *issuing* hundreds of small operations, one after another. This chapter measures
-that cost on your machine and looks at the three tools an inference engine uses against it and
-against wasted memory traffic: **CUDA graphs** (issue a whole step with one call), **torch.compile**
-(fuse several small operations into one kernel) and **attention kernels** written for the job
-(minivllm's Triton kernels, flash-attn).
-
-**You will:** count the operations one decode step issues, with the PyTorch profiler, and measure
-what each costs here · see how the engine prepares CUDA graphs for decode batches (and measure them
-when a GPU is present) · compile the engine's fused RMSNorm + residual with `torch.compile` and time
-the compile and the result · compare the attention backends this machine has, and check our Triton
-kernels against the reference in Triton's interpreter.
-""")
-
-md("""
-## Setup
-""")
-
-code("""
+# %% tags=["parameters"]
 import os
 
 # Threads that finish their share of an operation early spin, by default, waiting for the next
@@ -60,14 +45,16 @@ import time
 
 import torch
 
+# minivllm logs its startup (device, backend, KV cache size) at INFO; the course keeps those lines
+# out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
+os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.utils.env_report import describe
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
-""")
 
-code("""
+# %%
 llm = LLM(MODEL, device=DEVICE, num_kvcache_blocks=128, max_num_seqs=8)
 engine = llm.llm_engine
 cfg, hf = engine.config, engine.source.hf_config
@@ -75,23 +62,21 @@ ON_CUDA = cfg.device.type == "cuda"
 print(describe(llm))
 print(f"{hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
       f"CUDA graphs captured: {engine.runner.graph_runner is not None}")
-""")
 
-md("""
-## 1. What a decode step issues
+# %% [markdown]
+# ## 1. What a decode step issues
+#
+# Every PyTorch operation called from Python goes through the dispatcher: argument checks, choosing
+# a kernel for the device and dtype, allocating the output, and on a GPU enqueueing a kernel launch.
+# That costs a few microseconds of host time per operation whatever the tensor size. A decode step
+# runs every layer's operations for a handful of rows, so the fixed cost per operation can outweigh
+# the arithmetic.
+#
+# The stepper below holds a request; we let it prefill and decode once, then record its next decode
+# step with `torch.profiler` and count the ATen operations that do work (views and reshapes, which
+# only relabel memory, are left out). On a GPU each of these is at least one kernel launch.
 
-Every PyTorch operation called from Python goes through the dispatcher: argument checks, choosing
-a kernel for the device and dtype, allocating the output, and on a GPU enqueueing a kernel launch.
-That costs a few microseconds of host time per operation whatever the tensor size. A decode step
-runs every layer's operations for a handful of rows, so the fixed cost per operation can outweigh
-the arithmetic.
-
-The stepper below holds a request; we let it prefill and decode once, then record its next decode
-step with `torch.profiler` and count the ATen operations that do work (views and reshapes, which
-only relabel memory, are left out). On a GPU each of these is at least one kernel launch.
-""")
-
-code("""
+# %%
 from widgets import EngineStepper
 
 stepper = EngineStepper(llm, prompt="The module provides", max_tokens=12)
@@ -99,9 +84,8 @@ stepper.add_request("Return a new list containing", max_tokens=12)
 stepper.step()  # the prefill
 stepper.step()  # the first decode step
 stepper.display()
-""")
 
-code("""
+# %%
 from collections import Counter
 
 from torch.profiler import ProfilerActivity, profile
@@ -117,7 +101,7 @@ NO_KERNEL = {"aten::view", "aten::as_strided", "aten::reshape", "aten::_reshape_
 
 
 def profile_call(fn):
-    \"\"\"Run fn() under the profiler; returns (its result, Counter of leaf ATen ops that do work, kernels on GPU).\"\"\"
+    """Run fn() under the profiler; returns (its result, Counter of leaf ATen ops that do work, kernels on GPU)."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_CUDA else [])
     with profile(activities=acts) as prof:
         out = fn()
@@ -142,16 +126,14 @@ while engine.has_unfinished_requests():
 print(f"{rec.phase} step of {rec.num_seqs} sequence: {sum(ops.values())} ATen operations that do work")
 print("   most frequent:", ", ".join(f"{n.removeprefix('aten::')} x{c}" for n, c in ops.most_common(8)))
 print(f"{rec4.phase} step of {rec4.num_seqs} sequences: {sum(ops4.values())} ATen operations that do work")
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 # (The exact count changes whenever the model or backend code does; what must hold is this:)
 print(f"profiled: a {rec.phase} step of {rec.num_seqs} sequence and a {rec4.phase} step of {rec4.num_seqs}")
 print("same operations, same number of times, at both batch sizes:", ops == ops4)
-""")
 
-code("""
+# %%
 if ON_CUDA:
     print(f"CUDA kernels launched: {kernels} (batch 1), {kernels4} (batch 4)")
 
@@ -178,36 +160,34 @@ print(f"{n_ops} operations x {per_op_us:.1f} µs = {n_ops * per_op_us / 1e3:.2f}
 print(f"measured decode step at batch 1: median {step_ms:.2f} ms, of which the model's forward pass "
       f"{statistics.median(r.model_ms for r in decode):.2f} ms; the dispatch floor is "
       f"{n_ops * per_op_us / 1e3 / step_ms:.0%} of the step")
-""")
 
-md("""
-The count is the same at batch 1 and batch 4: the step issues the same operations on taller
-tensors. So the dispatch cost is a fixed floor under every decode step, paid again at every step
-whatever the batch; the rest of the measured step is the model's Python code, the engine's own
-work (scheduling, building inputs, sampling) and the arithmetic itself. On a GPU the floor matters
-far more: the GPU finishes a small kernel quickly and then waits for the host to issue the next
-one, so a small model's decode step can take longer than its arithmetic needs unless the launches
-are taken off the host (section 2 measures this when a GPU is present).
+# %% [markdown]
+# The count is the same at batch 1 and batch 4: the step issues the same operations on taller
+# tensors. So the dispatch cost is a fixed floor under every decode step, paid again at every step
+# whatever the batch; the rest of the measured step is the model's Python code, the engine's own
+# work (scheduling, building inputs, sampling) and the arithmetic itself. On a GPU the floor matters
+# far more: the GPU finishes a small kernel quickly and then waits for the host to issue the next
+# one, so a small model's decode step can take longer than its arithmetic needs unless the launches
+# are taken off the host (section 2 measures this when a GPU is present).
+#
+# ## 2. CUDA graphs: issue the whole step at once
+#
+# A CUDA graph records every kernel launch of one forward pass, with its arguments, and replays the
+# whole sequence with a single call: the host cost of hundreds of launches becomes the cost of one.
+# The price is rigidity: a graph replays fixed shapes at fixed memory addresses. The engine
+# (`minivllm/engine/cuda_graph.py`, switched on by `ModelRunner.enable_cuda_graphs` when the device
+# is CUDA, `enforce_eager=False` and the attention backend can be captured) therefore
+#
+# * captures one graph per **batch-size bucket** and runs a step of `n` sequences in the smallest
+#   bucket `>= n`, padding the extra rows (they write no KV and attend to one dummy key);
+# * copies each step's inputs into **static buffers** the graph reads, and reads the output from a
+#   static buffer the graph writes;
+# * captures decode steps only: prefill shapes vary too much, and a prefill has enough work per
+#   launch that launches matter less.
+#
+# The bucket choice is plain Python and runs anywhere:
 
-## 2. CUDA graphs: issue the whole step at once
-
-A CUDA graph records every kernel launch of one forward pass, with its arguments, and replays the
-whole sequence with a single call: the host cost of hundreds of launches becomes the cost of one.
-The price is rigidity: a graph replays fixed shapes at fixed memory addresses. The engine
-(`minivllm/engine/cuda_graph.py`, switched on by `ModelRunner.enable_cuda_graphs` when the device
-is CUDA, `enforce_eager=False` and the attention backend can be captured) therefore
-
-* captures one graph per **batch-size bucket** and runs a step of `n` sequences in the smallest
-  bucket `>= n`, padding the extra rows (they write no KV and attend to one dummy key);
-* copies each step's inputs into **static buffers** the graph reads, and reads the output from a
-  static buffer the graph writes;
-* captures decode steps only: prefill shapes vary too much, and a prefill has enough work per
-  launch that launches matter less.
-
-The bucket choice is plain Python and runs anywhere:
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 from minivllm.engine.cuda_graph import capture_batch_sizes, select_bucket
 
@@ -218,9 +198,8 @@ print("a decode batch of n runs the graph of:",
       ", ".join(f"{n}->{select_bucket(n, buckets)}" for n in (1, 3, 5, 9, 17, 31)),
       f"; 33 -> {select_bucket(33, buckets)} (eager)")
 print(f"this engine ({cfg.device}): graphs captured = {engine.runner.graph_runner is not None}")
-""")
 
-code("""
+# %%
 import pandas as pd
 
 if ON_CUDA:
@@ -247,26 +226,24 @@ else:
     print("No CUDA device here, so no CUDA graph to measure: on a GPU this cell times decode steps with "
           "enforce_eager=True and False. On this CPU the launch counts above are the measurement: "
           "every one of those operations is host work each step, with or without a graph.")
-""")
 
-md("""
-## 3. torch.compile: fewer, fused kernels
+# %% [markdown]
+# ## 3. torch.compile: fewer, fused kernels
+#
+# CUDA graphs remove the *launch* cost but still run every kernel. Many of a transformer's small
+# operations are element-wise and each one reads its input from memory and writes its output back.
+# The engine's RMSNorm with a fused residual add (`minivllm/layers/norm.py`) is written as plain
+# PyTorch: add, cast, square, mean, add eps, rsqrt, multiply, cast, multiply by the weight; one
+# kernel and one trip through memory each. `torch.compile` traces the function and its backend
+# (Inductor) generates one fused kernel: C++ with OpenMP on a CPU, Triton on a GPU.
+#
+# Generating and compiling that code takes seconds (the first call pays it; Inductor keeps a cache on
+# disk, so a later process may find the kernel already built). The engine's `compile=True` compiles
+# RMSNorm, SiLU-and-multiply and the rotary embedding this way (`dynamic=True`, so one kernel serves
+# every number of tokens); it is on by default on CUDA, off on CPU, where a notebook would wait for it
+# at every start. Here is that compile, once, on one op, at the size of Qwen3-0.6B's hidden state:
 
-CUDA graphs remove the *launch* cost but still run every kernel. Many of a transformer's small
-operations are element-wise and each one reads its input from memory and writes its output back.
-The engine's RMSNorm with a fused residual add (`minivllm/layers/norm.py`) is written as plain
-PyTorch: add, cast, square, mean, add eps, rsqrt, multiply, cast, multiply by the weight; one
-kernel and one trip through memory each. `torch.compile` traces the function and its backend
-(Inductor) generates one fused kernel: C++ with OpenMP on a CPU, Triton on a GPU.
-
-Generating and compiling that code takes seconds (the first call pays it; Inductor keeps a cache on
-disk, so a later process may find the kernel already built). The engine's `compile=True` compiles
-RMSNorm, SiLU-and-multiply and the rotary embedding this way (`dynamic=True`, so one kernel serves
-every number of tokens); it is on by default on CUDA, off on CPU, where a notebook would wait for it
-at every start. Here is that compile, once, on one op, at the size of Qwen3-0.6B's hidden state:
-""")
-
-code("""
+# %%
 from minivllm.layers.norm import RMSNorm
 
 HIDDEN = 1024  # Qwen3-0.6B's hidden size
@@ -286,20 +263,19 @@ print(f"first call of the compiled RMSNorm + residual (trace + code generation +
 with torch.inference_mode():
     _, eager_ops, _ = profile_call(lambda: norm(*inputs[8]))
     _, compiled_ops, _ = profile_call(lambda: compiled(*inputs[8]))
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 with torch.inference_mode():
     for t, (x, res) in inputs.items():
         (y_e, r_e), (y_c, r_c) = norm(x, res), compiled(x, res)
         print(f"{t:4d} tokens: compiled output equals eager (atol 1e-5): "
               f"{torch.allclose(y_e, y_c, atol=1e-5) and torch.allclose(r_e, r_c)}")
-""")
 
-code("""
+
+# %%
 def bench_us(fn, args, repeats=7, number=100):
-    \"\"\"Median over `repeats` of the mean time of `number` calls, in microseconds.\"\"\"
+    """Median over `repeats` of the mean time of `number` calls, in microseconds."""
     times = []
     with torch.inference_mode():
         for _ in range(3):
@@ -326,37 +302,35 @@ print(f"eager RMSNorm + residual: {sum(eager_ops.values())} ATen operations "
       f"({', '.join(n.removeprefix('aten::') for n in eager_ops)}); "
       f"compiled: {sum(compiled_ops.values())} left outside the fused kernel")
 pd.DataFrame(rows).round(2)
-""")
 
-md("""
-The fused kernel does the arithmetic of the eager operations listed above in one pass over memory
-and one call. Whether that is faster, and by how much, is what the table measures, and on a CPU the
-answer can go either way: with few tokens the call is dominated by fixed costs (the compiled
-function has its own Python wrapper and guard checks, the eager one a handful of dispatches); with
-many, by the memory traffic and by how well the generated C++ loop uses the cores, compared with
-PyTorch's own hand-written vectorised CPU kernels, which on a busy shared machine is not a given.
-On a GPU, where each eager operation is a separate kernel with its own trip through memory, fusion
-is the reliable win, which is why the engine compiles by default on CUDA only. And whether the
-seconds of compilation pay for themselves depends on how many calls follow: in a server running for
-hours, yes; in a notebook that runs a few steps on a CPU, no.
+# %% [markdown]
+# The fused kernel does the arithmetic of the eager operations listed above in one pass over memory
+# and one call. Whether that is faster, and by how much, is what the table measures, and on a CPU the
+# answer can go either way: with few tokens the call is dominated by fixed costs (the compiled
+# function has its own Python wrapper and guard checks, the eager one a handful of dispatches); with
+# many, by the memory traffic and by how well the generated C++ loop uses the cores, compared with
+# PyTorch's own hand-written vectorised CPU kernels, which on a busy shared machine is not a given.
+# On a GPU, where each eager operation is a separate kernel with its own trip through memory, fusion
+# is the reliable win, which is why the engine compiles by default on CUDA only. And whether the
+# seconds of compilation pay for themselves depends on how many calls follow: in a server running for
+# hours, yes; in a notebook that runs a few steps on a CPU, no.
+#
+# ## 4. Attention backends
+#
+# The attention backend stores a step's new keys and values in the paged KV cache and attends over
+# it (chapter 04). minivllm has three behind one interface (`minivllm/layers/attention/`):
+#
+# * `torch`: the reference, plain PyTorch on any device: gathers the keys and values through the block
+#   table into dense tensors, then calls `scaled_dot_product_attention`;
+# * `triton`: our Triton kernels, reading the paged cache directly (no gathered copy); on GPUs;
+# * `flash_attn`: flash-attn 2's paged kernels; CUDA only, and blocks of a multiple of 256 tokens.
+#
+# Which of them this machine can run, and the time of each on the same inputs: a decode step of 8
+# sequences with 256 to 512 tokens of context, and a prefill of two 256-token prompts, at Qwen3-0.6B's
+# attention shape (16 query heads, 8 KV heads, head dim 128). `naive` is the test suite's plain
+# reference (a Python loop over sequences), for scale.
 
-## 4. Attention backends
-
-The attention backend stores a step's new keys and values in the paged KV cache and attends over
-it (chapter 04). minivllm has three behind one interface (`minivllm/layers/attention/`):
-
-* `torch`: the reference, plain PyTorch on any device: gathers the keys and values through the block
-  table into dense tensors, then calls `scaled_dot_product_attention`;
-* `triton`: our Triton kernels, reading the paged cache directly (no gathered copy); on GPUs;
-* `flash_attn`: flash-attn 2's paged kernels; CUDA only, and blocks of a multiple of 256 tokens.
-
-Which of them this machine can run, and the time of each on the same inputs: a decode step of 8
-sequences with 256 to 512 tokens of context, and a prefill of two 256-token prompts, at Qwen3-0.6B's
-attention shape (16 query heads, 8 KV heads, head dim 128). `naive` is the test suite's plain
-reference (a Python loop over sequences), for scale.
-""")
-
-code("""
+# %%
 import importlib.util
 
 from minivllm.layers.attention import flash_attn_available, get_attention_backend, triton_available
@@ -370,9 +344,8 @@ print("backends that run at full speed here:", [n for n, ok in runnable.items() 
 if not ON_CUDA and triton_available():
     print("triton on a CPU runs only in its interpreter (TRITON_INTERPRET=1, set before triton is imported): "
           "a correctness tool, far too slow to time; see the check below")
-""")
 
-code("""
+# %%
 H, HK, D = 16, 8, 128
 dtype = torch.bfloat16 if ON_CUDA else torch.float32
 CASES = {"decode: 8 seqs, ctx 256-512": [(256 + 32 * i, 1) for i in range(8)],
@@ -413,25 +386,23 @@ for label, seqs in CASES.items():
     naive_attention(case)
     rows.append({"case": label, "backend": "naive", "ms": (time.perf_counter() - t0) * 1e3})
 pd.DataFrame(rows)
-""")
 
-md("""
-The gather in the `torch` backend copies every key and value the step reads into a dense tensor
-before attending; a paged kernel (Triton or flash-attn) reads them in place, block by block, and
-fuses the softmax with both matrix products so the attention scores never go to memory. On a GPU,
-with a real checkpoint, the table above shows the difference; on a CPU only `torch` runs at speed.
+# %% [markdown]
+# The gather in the `torch` backend copies every key and value the step reads into a dense tensor
+# before attending; a paged kernel (Triton or flash-attn) reads them in place, block by block, and
+# fuses the softmax with both matrix products so the attention scores never go to memory. On a GPU,
+# with a real checkpoint, the table above shows the difference; on a CPU only `torch` runs at speed.
+#
+# ### Our Triton kernels on a CPU: correct, not fast
+#
+# Triton compiles kernels for GPUs. Its **interpreter** runs the same kernel code on the CPU, one
+# program instance at a time in Python and NumPy, so the kernels can be tested on any machine. It is
+# switched on by the environment variable `TRITON_INTERPRET=1`, which Triton reads **when it is
+# imported**: setting it in a notebook that has already imported triton does nothing. So the check runs
+# in a fresh Python process, on tiny shapes: a prefill, a prompt continuing after a cached prefix
+# (a prefix-cache hit or a later chunk), and a decode batch of three sequences of different lengths.
 
-### Our Triton kernels on a CPU: correct, not fast
-
-Triton compiles kernels for GPUs. Its **interpreter** runs the same kernel code on the CPU, one
-program instance at a time in Python and NumPy, so the kernels can be tested on any machine. It is
-switched on by the environment variable `TRITON_INTERPRET=1`, which Triton reads **when it is
-imported**: setting it in a notebook that has already imported triton does nothing. So the check runs
-in a fresh Python process, on tiny shapes: a prefill, a prompt continuing after a cached prefix
-(a prefix-cache hit or a later chunk), and a decode batch of three sequences of different lengths.
-""")
-
-code("""
+# %%
 import json
 import subprocess
 import sys
@@ -463,23 +434,20 @@ if proc.returncode != 0:
 interp = pd.DataFrame(json.loads(proc.stdout.strip().splitlines()[-1]))
 print(f"subprocess with TRITON_INTERPRET=1 finished in {time.perf_counter() - t0:.1f} s (Python start and imports included)")
 interp.round(7)
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 for row in interp.itertuples():
     print(f"{row.case:15s} {row.backend:7s} matches the naive reference (max error < 1e-5): {row.err < 1e-5}")
-""")
 
-md("""
-The interpreted Triton kernels agree with the reference to rounding, and the same kernel source is
-what a GPU compiles. Their interpreted time (the `ms` column) says nothing about GPU speed: it
-measures Python executing one program instance after another.
+# %% [markdown]
+# The interpreted Triton kernels agree with the reference to rounding, and the same kernel source is
+# what a GPU compiles. Their interpreted time (the `ms` column) says nothing about GPU speed: it
+# measures Python executing one program instance after another.
+#
+# ## 5. Check yourself
 
-## 5. Check yourself
-""")
-
-code("""
+# %%
 from widgets import Question, Quiz
 
 Quiz([
@@ -525,30 +493,20 @@ Quiz([
          "The tests use it the same way, but it is an environment variable read by triton, wherever it runs."],
     ),
 ]).display()
-""")
 
-md("""
-## Takeaways
-
-* A decode step issues the same few hundred operations whatever the batch; each costs
-  microseconds of host time, measured above: a fixed floor under every step, and on a GPU, where
-  each operation is a kernel launch the device waits for, a large share of a small model's step.
-* CUDA graphs replay a whole decode step with one launch. They need fixed shapes, so minivllm
-  captures batch-size buckets and pads; they run on CUDA only (`enforce_eager=False`).
-* `torch.compile` fuses chains of element-wise operations into one kernel and one pass over memory,
-  at a cost of seconds of compilation the first time; the engine compiles RMSNorm, SiLU-and-mul and
-  rotary when `compile=True` (default on CUDA).
-* Attention backends share one interface and one reference: the `torch` backend runs everywhere;
-  our Triton kernels match it (checked here in the interpreter) and run at speed on GPUs, as does
-  flash-attn.
-
-Next: chapter 11, benchmarks: measuring the whole engine against a peer.
-""")
-
-
-def build() -> nbformat.NotebookNode:
-    return notebook_build.build(CELLS)
-
-
-if __name__ == "__main__":
-    notebook_build.main(CELLS, OUT, __doc__)
+# %% [markdown]
+# ## Takeaways
+#
+# * A decode step issues the same few hundred operations whatever the batch; each costs
+#   microseconds of host time, measured above: a fixed floor under every step, and on a GPU, where
+#   each operation is a kernel launch the device waits for, a large share of a small model's step.
+# * CUDA graphs replay a whole decode step with one launch. They need fixed shapes, so minivllm
+#   captures batch-size buckets and pads; they run on CUDA only (`enforce_eager=False`).
+# * `torch.compile` fuses chains of element-wise operations into one kernel and one pass over memory,
+#   at a cost of seconds of compilation the first time; the engine compiles RMSNorm, SiLU-and-mul and
+#   rotary when `compile=True` (default on CUDA).
+# * Attention backends share one interface and one reference: the `torch` backend runs everywhere;
+#   our Triton kernels match it (checked here in the interpreter) and run at speed on GPUs, as does
+#   flash-attn.
+#
+# Next: chapter 11, benchmarks: measuring the whole engine against a peer.

@@ -1,58 +1,43 @@
-"""Build (and execute) notebooks/09_parallelism.ipynb from the cells below.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-    python scripts/build_notebook_09.py            # build and execute in place (stores real outputs)
-    python scripts/build_notebook_09.py --no-exec  # build only
+# %% [markdown]
+# # 09 · Parallelism: one model, two processes
+#
+# A model too big (or too slow) for one device can be cut into pieces that several devices run
+# together. **Tensor parallelism** cuts every weight matrix: each process (a *rank*) holds a slice
+# of every layer, all ranks work on every token at once, and they add up their partial results
+# with a collective operation, the **all-reduce**, twice per layer.
+#
+# minivllm does this with `LLM(..., tensor_parallel_size=2)`: on a CPU the two ranks are two
+# processes talking over `torch.distributed`'s gloo backend, on GPUs one process per GPU over NCCL.
+# Everything below runs the real engine and measures it on the machine you run it on.
+#
+# **You will:** see how each layer type splits its weights, with the shapes every rank holds ·
+# redo the split by hand (no processes) and check that the pieces add up to the full layer · start
+# a two-process engine and check it produces the same tokens as one process · count the
+# all-reduces per step, from the model's structure and by counting the calls · measure how much
+# of a step the communication takes here.
 
-Cells whose output is deterministic (shard shapes, greedy tokens, collective counts) start with
-``# NBVAL_CHECK_OUTPUT``: ``pytest --nbval-lax`` compares them; the others run but are not
-compared (they hold timings measured on the machine that ran them).
-"""
-from __future__ import annotations
+# %% [markdown]
+# ## Setup
+#
+# `MODEL` is the embedded `minivllm-tiny` unless `MINIVLLM_MODEL` names another (a Qwen3
+# checkpoint directory or `random:qwen3-0.6b`). `TP` is the number of ranks.
 
-import sys
-from pathlib import Path
-
-import nbformat
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import notebook_build  # noqa: E402  (scripts/notebook_build.py)
-
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "notebooks" / "09_parallelism.ipynb"
-
-CELLS: list[tuple[str, str]] = []
-
-
-md, code = notebook_build.cell_writers(CELLS)
-
-
-md("""
-# 09 · Parallelism: one model, two processes
-
-A model too big (or too slow) for one device can be cut into pieces that several devices run
-together. **Tensor parallelism** cuts every weight matrix: each process (a *rank*) holds a slice
-of every layer, all ranks work on every token at once, and they add up their partial results
-with a collective operation, the **all-reduce**, twice per layer.
-
-minivllm does this with `LLM(..., tensor_parallel_size=2)`: on a CPU the two ranks are two
-processes talking over `torch.distributed`'s gloo backend, on GPUs one process per GPU over NCCL.
-Everything below runs the real engine and measures it on the machine you run it on.
-
-**You will:** see how each layer type splits its weights, with the shapes every rank holds ·
-redo the split by hand (no processes) and check that the pieces add up to the full layer · start
-a two-process engine and check it produces the same tokens as one process · count the
-all-reduces per step, from the model's structure and by counting the calls · measure how much
-of a step the communication takes here.
-""")
-
-md("""
-## Setup
-
-`MODEL` is the embedded `minivllm-tiny` unless `MINIVLLM_MODEL` names another (a Qwen3
-checkpoint directory or `random:qwen3-0.6b`). `TP` is the number of ranks.
-""")
-
-code("""
+# %% tags=["parameters"]
 import os
 
 # Threads that finish their share of an operation early spin, by default, waiting for the next
@@ -64,15 +49,17 @@ import time
 
 import torch
 
+# minivllm logs its startup (device, backend, KV cache size) at INFO; the course keeps those lines
+# out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
+os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.utils.env_report import describe
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available (then one GPU per rank), else CPU (gloo)
 TP = 2                                     # tensor-parallel ranks
-""")
 
-code("""
+# %%
 if DEVICE == "auto" and torch.cuda.is_available() and torch.cuda.device_count() < TP:
     DEVICE = "cpu"  # tensor parallelism on CUDA needs one GPU per rank
     print(f"{torch.cuda.device_count()} GPU(s) for {TP} ranks: running both engines on the CPU (gloo)")
@@ -82,34 +69,32 @@ print(describe(single))
 print(f"layers {hf.num_hidden_layers}, hidden {hf.hidden_size}, query heads {hf.num_attention_heads}, "
       f"KV heads {hf.num_key_value_heads}, head dim {single.llm_engine.runner.model.head_dim}, "
       f"MLP width {hf.intermediate_size}, vocabulary {hf.vocab_size}")
-""")
 
-md("""
-## 1. Two ways to split a matrix multiply
+# %% [markdown]
+# ## 1. Two ways to split a matrix multiply
+#
+# A linear layer computes `y = x @ W.T` with `W` of shape `[out, in]`. Split it across two ranks in
+# one of two ways:
+#
+# * **Column-parallel** (split `out`): rank *r* holds rows `r*out/2 ... (r+1)*out/2` of `W` and
+#   computes that half of the output features. No communication; the output stays split.
+# * **Row-parallel** (split `in`): rank *r* holds columns `r*in/2 ... (r+1)*in/2` of `W` and
+#   multiplies them by *its half of the input features*. Each rank gets a partial sum of the full
+#   output; adding the ranks' partial sums (an all-reduce) gives `y`, on every rank.
+#
+# The trick (Megatron-LM, Shoeybi et al. 2019) is to chain them: a column-parallel layer's split
+# output is exactly the split input a row-parallel layer wants, and anything in between that works
+# feature by feature (attention per head, SiLU per element) runs locally. So attention is
+# `qkv_proj` (column: each rank owns whole heads) → attention on its own heads → `o_proj` (row,
+# all-reduce), and the MLP is `gate_up_proj` (column) → SiLU-and-multiply → `down_proj` (row,
+# all-reduce). The embedding and the LM head are split by vocabulary rows.
+#
+# The layers read the rank and the number of ranks when they allocate their weights
+# (`minivllm.distributed.parallel_state`). So we can build each rank's model **in this process,
+# without starting any**, by setting that state with `tp_scope`, and read off the shapes. The
+# `meta` device allocates no memory.
 
-A linear layer computes `y = x @ W.T` with `W` of shape `[out, in]`. Split it across two ranks in
-one of two ways:
-
-* **Column-parallel** (split `out`): rank *r* holds rows `r*out/2 ... (r+1)*out/2` of `W` and
-  computes that half of the output features. No communication; the output stays split.
-* **Row-parallel** (split `in`): rank *r* holds columns `r*in/2 ... (r+1)*in/2` of `W` and
-  multiplies them by *its half of the input features*. Each rank gets a partial sum of the full
-  output; adding the ranks' partial sums (an all-reduce) gives `y`, on every rank.
-
-The trick (Megatron-LM, Shoeybi et al. 2019) is to chain them: a column-parallel layer's split
-output is exactly the split input a row-parallel layer wants, and anything in between that works
-feature by feature (attention per head, SiLU per element) runs locally. So attention is
-`qkv_proj` (column: each rank owns whole heads) → attention on its own heads → `o_proj` (row,
-all-reduce), and the MLP is `gate_up_proj` (column) → SiLU-and-multiply → `down_proj` (row,
-all-reduce). The embedding and the LM head are split by vocabulary rows.
-
-The layers read the rank and the number of ranks when they allocate their weights
-(`minivllm.distributed.parallel_state`). So we can build each rank's model **in this process,
-without starting any**, by setting that state with `tp_scope`, and read off the shapes. The
-`meta` device allocates no memory.
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 from minivllm.distributed import tp_scope
 from minivllm.models.registry import get_model_class
@@ -118,7 +103,7 @@ model_cls = get_model_class(hf)
 
 
 def build_rank(rank, size, device="meta"):
-    \"\"\"Rank `rank`'s shard of the model, as a tensor-parallel engine of `size` ranks allocates it.\"\"\"
+    """Rank `rank`'s shard of the model, as a tensor-parallel engine of `size` ranks allocates it."""
     with tp_scope(rank, size), torch.device(device):
         return model_cls(hf)
 
@@ -142,25 +127,23 @@ n_full = sum(p.numel() for p in full.parameters())
 for r, m in enumerate(ranks):
     n = sum(p.numel() for p in m.parameters())
     print(f"rank {r}: {n:,} parameters = {n / n_full:.2%} of the full model's {n_full:,}")
-""")
 
-md("""
-Read the table row by row. `qkv_proj` halves its output rows: each rank gets half the query heads
-*and* half the KV heads (this is why the engine refuses a TP size that does not divide the head
-counts). `o_proj` and `down_proj` halve their *input* columns: they are the row-parallel layers.
-`gate_up_proj` halves each of its two packed parts. The norms are small and copied whole to every
-rank (replicated), which is why a rank holds a little more than half of the parameters.
+# %% [markdown]
+# Read the table row by row. `qkv_proj` halves its output rows: each rank gets half the query heads
+# *and* half the KV heads (this is why the engine refuses a TP size that does not divide the head
+# counts). `o_proj` and `down_proj` halve their *input* columns: they are the row-parallel layers.
+# `gate_up_proj` halves each of its two packed parts. The norms are small and copied whole to every
+# rank (replicated), which is why a rank holds a little more than half of the parameters.
+#
+# ## 2. Do the split by hand and check it adds up
+#
+# Now the same shards on the CPU with real numbers: each rank's parameters are filled by the
+# layer's own `weight_loader` from the full model's weights (the same code that shards a
+# checkpoint at load time). Outside a multi-process run the all-reduce inside a row-parallel layer
+# does nothing, so each rank's MLP returns its **partial sum**; adding the partials by hand is the
+# all-reduce.
 
-## 2. Do the split by hand and check it adds up
-
-Now the same shards on the CPU with real numbers: each rank's parameters are filled by the
-layer's own `weight_loader` from the full model's weights (the same code that shards a
-checkpoint at load time). Outside a multi-process run the all-reduce inside a row-parallel layer
-does nothing, so each rank's MLP returns its **partial sum**; adding the partials by hand is the
-all-reduce.
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 import torch.nn.functional as F
 
@@ -171,7 +154,7 @@ full_model = single.llm_engine.runner.model  # the single-process engine's model
 
 
 def shard_of(make, source, rank, size):
-    \"\"\"Build a layer as rank `rank` of `size` would (CPU, fp32), filled from the full layer `source`.\"\"\"
+    """Build a layer as rank `rank` of `size` would (CPU, fp32), filled from the full layer `source`."""
     with tp_scope(rank, size):
         layer = make()
     full_params = dict(source.named_parameters())
@@ -216,24 +199,22 @@ with torch.inference_mode():
     logits = torch.cat([F.linear(hid, h.weight) for h in head_ranks], dim=-1)[:, :V]
     print("LM head: logits concatenated over ranks (an all-gather) equal the full logits:",
           torch.allclose(logits, F.linear(hid, src_head.weight.float().cpu()), atol=1e-4))
-""")
 
-md("""
-The partial sums are each wrong on their own and right together: that is exactly what the
-row-parallel layer's all-reduce repairs. The embedding uses the same idea (each rank looks up the
-ids it owns, zeros elsewhere, an all-reduce adds them) and the LM head gathers each rank's slice of
-the vocabulary.
+# %% [markdown]
+# The partial sums are each wrong on their own and right together: that is exactly what the
+# row-parallel layer's all-reduce repairs. The embedding uses the same idea (each rank looks up the
+# ids it owns, zeros elsewhere, an all-reduce adds them) and the LM head gathers each rank's slice of
+# the vocabulary.
+#
+# ## 3. Two real processes
+#
+# `tensor_parallel_size=2` makes the engine start one worker process (rank 1); the notebook's own
+# process is rank 0. Rank 0 runs the scheduler and the block manager exactly as before, and before
+# every step **broadcasts the step's inputs** (token ids, positions, slot mapping, block tables) to
+# the workers; then every rank runs its shard of the model, and only rank 0 samples. Starting a
+# fresh Python process that imports torch and builds its shard takes a few seconds:
 
-## 3. Two real processes
-
-`tensor_parallel_size=2` makes the engine start one worker process (rank 1); the notebook's own
-process is rank 0. Rank 0 runs the scheduler and the block manager exactly as before, and before
-every step **broadcasts the step's inputs** (token ids, positions, slot mapping, block tables) to
-the workers; then every rank runs its shard of the model, and only rank 0 samples. Starting a
-fresh Python process that imports torch and builds its shard takes a few seconds:
-""")
-
-code("""
+# %%
 t0 = time.perf_counter()
 tp_llm = LLM(MODEL, device=DEVICE, num_kvcache_blocks=64, max_num_seqs=8, tensor_parallel_size=TP)
 start_s = time.perf_counter() - t0
@@ -241,9 +222,8 @@ runner = tp_llm.llm_engine.runner
 print(describe(tp_llm))
 print(f"started {TP} ranks in {start_s:.1f} s; worker process ids {runner.worker_pids}; "
       f"KV cache {runner.num_kv_blocks} blocks per rank")
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 PROMPTS = ["The module provides", "Return a new list containing", "If the object supports len()"]
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -254,21 +234,19 @@ for a, b in zip(one, two):
     print(f"   1 process : {a.outputs[0].token_ids}")
     print(f"  {TP} processes: {b.outputs[0].token_ids}")
 print("identical greedy tokens:", all(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(one, two)))
-""")
 
-md("""
-Same tokens. Not a coincidence of a tiny model: the split computes the same sums, only in a
-different order (two halves added at the end instead of one long dot product), so the logits
-differ by rounding at most, and the greedy choice is the same unless two tokens are nearly tied.
+# %% [markdown]
+# Same tokens. Not a coincidence of a tiny model: the split computes the same sums, only in a
+# different order (two halves added at the end instead of one long dot product), so the logits
+# differ by rounding at most, and the greedy choice is the same unless two tokens are nearly tied.
+#
+# ### Step it yourself
+#
+# The stepper drives the two-process engine one `step()` at a time. Nothing in it knows about the
+# second process: the engine loop, the scheduler and the KV block bookkeeping are rank 0's alone,
+# and each step's time includes the communication with rank 1.
 
-### Step it yourself
-
-The stepper drives the two-process engine one `step()` at a time. Nothing in it knows about the
-second process: the engine loop, the scheduler and the KV block bookkeeping are rank 0's alone,
-and each step's time includes the communication with rank 1.
-""")
-
-code("""
+# %%
 from widgets import EngineStepper
 
 stepper = EngineStepper(tp_llm, prompt="The module provides", max_tokens=8)
@@ -276,24 +254,21 @@ stepper.add_request("Return a new list containing", max_tokens=8)
 stepper.step()  # the prefill
 stepper.step()  # one decode step
 stepper.display()
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 for i, r in enumerate(stepper.steps[:2]):
     print(f"stepper step {i}: {r.phase}, {r.num_tokens} tokens, KV blocks in use {r.kv_blocks_used}")
 stepper.reset()
-""")
 
-md("""
-## 4. How many all-reduces per step?
+# %% [markdown]
+# ## 4. How many all-reduces per step?
+#
+# **From the structure.** Each decoder layer has two row-parallel layers (`o_proj`, `down_proj`),
+# so two all-reduces; the vocabulary-split embedding adds one; the LM head adds one all-gather in
+# each step that samples. Counting the modules of rank 0's shard:
 
-**From the structure.** Each decoder layer has two row-parallel layers (`o_proj`, `down_proj`),
-so two all-reduces; the vocabulary-split embedding adds one; the LM head adds one all-gather in
-each step that samples. Counting the modules of rank 0's shard:
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import RowParallelLinear
@@ -306,17 +281,15 @@ L = hf.num_hidden_layers
 print(f"RowParallelLinear modules: {n_row} ({n_row // L} per layer x {L} layers)")
 print(f"all-reduces per forward pass: {n_row} + {n_emb} (embedding) = {n_row + n_emb} = 2 x {L} + 1")
 print(f"all-gathers per sampling step: {n_head} (LM head)")
-""")
 
-md("""
-**By counting the calls.** The layers call `tensor_model_parallel_all_reduce` and
-`tensor_model_parallel_all_gather` through their module's global names, and rank 0 sends each
-step's inputs with `minivllm.distributed.launch.broadcast`. Wrapping those three names in this
-process counts every call on rank 0 and times it (every rank makes the same calls; a collective
-only completes when all ranks join it). The wrappers are removed afterwards.
-""")
+# %% [markdown]
+# **By counting the calls.** The layers call `tensor_model_parallel_all_reduce` and
+# `tensor_model_parallel_all_gather` through their module's global names, and rank 0 sends each
+# step's inputs with `minivllm.distributed.launch.broadcast`. Wrapping those three names in this
+# process counts every call on rank 0 and times it (every rank makes the same calls; a collective
+# only completes when all ranks join it). The wrappers are removed afterwards.
 
-code("""
+# %%
 import contextlib
 from collections import defaultdict
 
@@ -328,7 +301,7 @@ calls = defaultdict(list)  # kind -> [(seconds, bytes), ...] since the last rese
 
 
 def timed(kind, fn, tensor_arg=0):
-    \"\"\"`fn` wrapped to record (seconds, bytes of its tensor argument) in calls[kind].\"\"\"
+    """`fn` wrapped to record (seconds, bytes of its tensor argument) in calls[kind]."""
     def wrapper(*args, **kwargs):
         t = args[tensor_arg]
         t0 = time.perf_counter()
@@ -364,9 +337,8 @@ with counting_collectives():
         rec = engine.step().record
         steps.append((rec, {k: list(v) for k, v in calls.items()}))
 print(f"{len(steps)} steps recorded")
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 for rec, c in steps[:3]:
     counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(c.items()))
@@ -374,23 +346,21 @@ for rec, c in steps[:3]:
     print(f"{rec.phase:7s} step of {rec.num_tokens:2d} tokens: {counts}")
     print(f"        bytes per call: {sizes}")
 print("every decode step:", {k: len(v) for k, v in steps[-1][1].items()})
-""")
 
-md("""
-The count matches the structure: `2 x layers + 1` all-reduces per forward pass, one all-gather
-when a token is sampled, and two broadcasts (a small header, then the payload) for the inputs.
-The bytes per all-reduce are `tokens x hidden size x bytes per value`: a prefill step moves a
-whole prompt's activations per call, a decode step one token's worth per sequence.
+# %% [markdown]
+# The count matches the structure: `2 x layers + 1` all-reduces per forward pass, one all-gather
+# when a token is sampled, and two broadcasts (a small header, then the payload) for the inputs.
+# The bytes per all-reduce are `tokens x hidden size x bytes per value`: a prefill step moves a
+# whole prompt's activations per call, a decode step one token's worth per sequence.
+#
+# ## 5. What share of a step is communication?
+#
+# Same wrapper, now a small batch of requests so the steps have some work, timing every collective
+# on rank 0 and comparing with the step's model time (`StepRecord.model_ms`: on rank 0 of a
+# tensor-parallel engine, the broadcast of the inputs and the forward pass with its collectives) and
+# with the same workload on the single process.
 
-## 5. What share of a step is communication?
-
-Same wrapper, now a small batch of requests so the steps have some work, timing every collective
-on rank 0 and comparing with the step's model time (`StepRecord.model_ms`: on rank 0 of a
-tensor-parallel engine, the broadcast of the inputs and the forward pass with its collectives) and
-with the same workload on the single process.
-""")
-
-code("""
+# %%
 import pandas as pd
 
 import itertools
@@ -432,9 +402,8 @@ df["comm_ms"] = df.all_reduce_ms + df.all_gather_ms + df.broadcast_ms
 summary = df.groupby(["engine", "phase"])[["tokens", "wall_ms", "model_ms", "comm_ms", "all_reduce_ms",
                                            "all_gather_ms", "broadcast_ms"]].median()
 summary.round(3)
-""")
 
-code("""
+# %%
 import plotly.graph_objects as go
 
 from widgets import show_figure
@@ -464,38 +433,34 @@ ar = [s for _, c in steps for s, _ in c.get("all-reduce", [])]
 print(f"one all-reduce on this machine: median {1e6 * pd.Series(ar).median():.0f} µs")
 for phase in med.index:
     print(f"{phase:8s}: {TP}-process forward / 1-process forward = {med.model_ms[phase] / one_med[phase]:.2f}")
-""")
 
-md("""
-Read the two ratios last printed. With the embedded model on a CPU, expect the two-process step
-to be *slower* than the single process, and the chart shows where the time goes. Each all-reduce
-is a round trip between two processes through the operating system (gloo over local TCP), whose
-cost (the median printed above) hardly depends on how few bytes it carries, and a step makes `2 x layers + 1`
-of them one after the other, each waiting for the slower rank. The arithmetic saved by halving
-each matrix is small for a 4M-parameter model, so communication and synchronisation weigh heavily.
-On a shared 2-core machine the two ranks also compete with each other (and with anything else
-running) for the same cores, and a timed collective includes the wait for the other rank to
-arrive, so these figures swing from run to run; the counts above do not.
+# %% [markdown]
+# Read the two ratios last printed. With the embedded model on a CPU, expect the two-process step
+# to be *slower* than the single process, and the chart shows where the time goes. Each all-reduce
+# is a round trip between two processes through the operating system (gloo over local TCP), whose
+# cost (the median printed above) hardly depends on how few bytes it carries, and a step makes `2 x layers + 1`
+# of them one after the other, each waiting for the slower rank. The arithmetic saved by halving
+# each matrix is small for a 4M-parameter model, so communication and synchronisation weigh heavily.
+# On a shared 2-core machine the two ranks also compete with each other (and with anything else
+# running) for the same cores, and a timed collective includes the wait for the other rank to
+# arrive, so these figures swing from run to run; the counts above do not.
+#
+# Tensor parallelism pays when the other side of the balance is big: a model that does not fit one
+# device at all, or layers whose matrix multiplies take much longer than an all-reduce over a fast
+# link (GPUs joined by NVLink, with NCCL's all-reduce, instead of two processes talking through the
+# operating system). Run this notebook on a machine with two GPUs and a real checkpoint
+# (`MINIVLLM_MODEL=/path/to/Qwen3-8B`) to measure that side. The engine's multi-node launch with
+# `torchrun` is described in `docs/tensor_parallel.md`.
 
-Tensor parallelism pays when the other side of the balance is big: a model that does not fit one
-device at all, or layers whose matrix multiplies take much longer than an all-reduce over a fast
-link (GPUs joined by NVLink, with NCCL's all-reduce, instead of two processes talking through the
-operating system). Run this notebook on a machine with two GPUs and a real checkpoint
-(`MINIVLLM_MODEL=/path/to/Qwen3-8B`) to measure that side. The engine's multi-node launch with
-`torchrun` is described in `docs/tensor_parallel.md`.
-""")
-
-code("""
+# %%
 tp_llm.shutdown()
 print("worker processes still alive after shutdown:",
       [pid for pid in runner.worker_pids if os.path.exists(f"/proc/{pid}")])
-""")
 
-md("""
-## 6. Check yourself
-""")
+# %% [markdown]
+# ## 6. Check yourself
 
-code("""
+# %%
 from widgets import Question, Quiz
 
 Quiz([
@@ -540,29 +505,19 @@ Quiz([
          "rank 0."],
     ),
 ]).display()
-""")
 
-md("""
-## Takeaways
-
-* Tensor parallelism splits every weight matrix: column-parallel layers split their outputs,
-  row-parallel layers split their inputs and all-reduce the partial sums. Chained column → row,
-  a layer needs a single collective.
-* In minivllm each decoder layer makes 2 all-reduces, plus one for the embedding and an
-  all-gather of the logits: `2L + 1` collectives per step, counted above from the modules and
-  from the calls.
-* The engine loop is unchanged: rank 0 schedules, broadcasts the step's inputs, and samples; the
-  two-process engine produced the same greedy tokens as one process.
-* Whether it pays is a measurement: on a CPU with a tiny model the collectives dominate each
-  step; on GPUs with large layers and fast links the halved compute wins.
-
-Next: chapter 10, optimizations: CUDA graphs, torch.compile and attention kernels.
-""")
-
-
-def build() -> nbformat.NotebookNode:
-    return notebook_build.build(CELLS)
-
-
-if __name__ == "__main__":
-    notebook_build.main(CELLS, OUT, __doc__)
+# %% [markdown]
+# ## Takeaways
+#
+# * Tensor parallelism splits every weight matrix: column-parallel layers split their outputs,
+#   row-parallel layers split their inputs and all-reduce the partial sums. Chained column → row,
+#   a layer needs a single collective.
+# * In minivllm each decoder layer makes 2 all-reduces, plus one for the embedding and an
+#   all-gather of the logits: `2L + 1` collectives per step, counted above from the modules and
+#   from the calls.
+# * The engine loop is unchanged: rank 0 schedules, broadcasts the step's inputs, and samples; the
+#   two-process engine produced the same greedy tokens as one process.
+# * Whether it pays is a measurement: on a CPU with a tiny model the collectives dominate each
+#   step; on GPUs with large layers and fast links the halved compute wins.
+#
+# Next: chapter 10, optimizations: CUDA graphs, torch.compile and attention kernels.

@@ -1,69 +1,54 @@
-"""Build (and execute) notebooks/02_architecture.ipynb from the cells below.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-    python scripts/build_notebook_02.py            # build and execute in place (stores real outputs)
-    python scripts/build_notebook_02.py --no-exec  # build only
+# %% [markdown]
+# # 02 · Architecture: the Qwen3 model and the engine around it
+#
+# Chapter 01 called the model as one function. This chapter opens it: what a Qwen3 decoder layer is
+# made of, how many parameters sit in each part (counted on the loaded model, and checked against the
+# formula from its config), and what shape every tensor has as one real forward pass goes through it.
+# Then the same for the engine: which objects make it up in the running `LLM`, and the path one
+# request takes through them, step by step, as the engine records it.
+#
+# **You will:** count the parameters of every module of the loaded model and derive the counts from
+# the config · watch tensor shapes through one prefill and one decode pass with forward hooks · name
+# the engine's components in the live object · trace one request through scheduler, runner, model,
+# attention backend, sampler and detokenizer · read its step records.
 
-Cells whose output is deterministic (parameter counts, tensor shapes, the call trace of a
-step, step records without times) start with ``# NBVAL_CHECK_OUTPUT``: ``pytest --nbval-lax``
-compares them; the others run but are not compared (they hold timings).
-"""
-from __future__ import annotations
+# %% [markdown]
+# ## Setup
+#
+# As in every chapter, the model is the embedded `minivllm-tiny` unless `MINIVLLM_MODEL` names a Qwen3
+# checkpoint directory or a `random:` preset; the device is chosen automatically.
 
-import sys
-from pathlib import Path
-
-import nbformat
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import notebook_build  # noqa: E402  (scripts/notebook_build.py)
-
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "notebooks" / "02_architecture.ipynb"
-
-PROMPT = "Return the number of items in the container"
-
-CELLS: list[tuple[str, str]] = []
-
-
-md, code = notebook_build.cell_writers(CELLS)
-
-
-md("""
-# 02 · Architecture: the Qwen3 model and the engine around it
-
-Chapter 01 called the model as one function. This chapter opens it: what a Qwen3 decoder layer is
-made of, how many parameters sit in each part (counted on the loaded model, and checked against the
-formula from its config), and what shape every tensor has as one real forward pass goes through it.
-Then the same for the engine: which objects make it up in the running `LLM`, and the path one
-request takes through them, step by step, as the engine records it.
-
-**You will:** count the parameters of every module of the loaded model and derive the counts from
-the config · watch tensor shapes through one prefill and one decode pass with forward hooks · name
-the engine's components in the live object · trace one request through scheduler, runner, model,
-attention backend, sampler and detokenizer · read its step records.
-""")
-
-md("""
-## Setup
-
-As in every chapter, the model is the embedded `minivllm-tiny` unless `MINIVLLM_MODEL` names a Qwen3
-checkpoint directory or a `random:` preset; the device is chosen automatically.
-""")
-
-code("""
+# %% tags=["parameters"]
 import os
 from collections import defaultdict
 
 import torch
 
+# minivllm logs its startup (device, backend, KV cache size) at INFO; the course keeps those lines
+# out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
+os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.utils.env_report import describe
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
-""")
 
-code("""
+# %%
 # enforce_eager: every step runs the model eagerly (on a GPU, no CUDA-graph replay), so the
 # hooks and tracers below see every pass. On a CPU it changes nothing.
 llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64, enforce_eager=True)
@@ -72,45 +57,41 @@ model = engine.runner.model
 hf = model.config
 print(describe(llm))
 print("torch threads:", torch.get_num_threads())
-""")
 
-md("""
-## 1. The model, from the object itself
+# %% [markdown]
+# ## 1. The model, from the object itself
+#
+# Printing a `torch.nn.Module` lists its submodules. Here is the top and the first decoder layer
+# (all layers are identical in structure):
 
-Printing a `torch.nn.Module` lists its submodules. Here is the top and the first decoder layer
-(all layers are identical in structure):
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 print(f"Qwen3ForCausalLM: {len(model.model.layers)} x Qwen3DecoderLayer, hidden size {hf.hidden_size}, "
       f"{hf.num_attention_heads} query heads and {hf.num_key_value_heads} key/value heads of {model.head_dim}, "
       f"MLP width {hf.intermediate_size}, vocabulary {hf.vocab_size}, tied embeddings {model.tie_word_embeddings}")
 print(model.model.layers[0])
-""")
 
-md("""
-Reading it top to bottom, one layer computes
+# %% [markdown]
+# Reading it top to bottom, one layer computes
+#
+# * `input_layernorm`: RMSNorm, rescales each token's vector to unit root-mean-square (times a learned gain);
+# * `self_attn`: one matmul `qkv_proj` produces queries, keys and values for all heads at once;
+#   `q_norm` / `k_norm` normalise every head (a Qwen3 detail); `rotary` rotates q and k by the token's
+#   position (RoPE); the attention backend mixes information across tokens; `o_proj` maps back;
+# * a residual add, `post_attention_layernorm`, then the `mlp`: SwiGLU,
+#   `down_proj(silu(gate) * up)` where `gate_up_proj` computes gate and up in one matmul.
+#
+# minivllm packs q/k/v into one matrix and gate/up into another (one big matmul is faster than
+# three small ones); the loader splits Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
+# into them. Grouped-query attention (GQA): there are fewer key/value heads than query heads, and
+# each key/value head serves a group of query heads, which shrinks the KV cache (chapter 03).
+#
+# ### Parameter counts, measured and derived
+#
+# Below, each module's parameter count is read from the model (`p.numel()` summed over its
+# parameters) and, beside it, computed from the config alone.
 
-* `input_layernorm`: RMSNorm, rescales each token's vector to unit root-mean-square (times a learned gain);
-* `self_attn`: one matmul `qkv_proj` produces queries, keys and values for all heads at once;
-  `q_norm` / `k_norm` normalise every head (a Qwen3 detail); `rotary` rotates q and k by the token's
-  position (RoPE); the attention backend mixes information across tokens; `o_proj` maps back;
-* a residual add, `post_attention_layernorm`, then the `mlp`: SwiGLU,
-  `down_proj(silu(gate) * up)` where `gate_up_proj` computes gate and up in one matmul.
-
-minivllm packs q/k/v into one matrix and gate/up into another (one big matmul is faster than
-three small ones); the loader splits Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
-into them. Grouped-query attention (GQA): there are fewer key/value heads than query heads, and
-each key/value head serves a group of query heads, which shrinks the KV cache (chapter 03).
-
-### Parameter counts, measured and derived
-
-Below, each module's parameter count is read from the model (`p.numel()` summed over its
-parameters) and, beside it, computed from the config alone.
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 H, V, I = hf.hidden_size, hf.vocab_size, hf.intermediate_size
 nq, nkv, d = hf.num_attention_heads, hf.num_key_value_heads, model.head_dim
@@ -145,9 +126,8 @@ parts = {
 for name, (got, want) in parts.items():
     print(f"{name:28s} {got:10,d} {want:12,d}  {'ok' if got == want else 'MISMATCH'}")
 print(f"{'total':28s} {total_unique:10,d} {sum(w for _, w in parts.values()):12,d}")
-""")
 
-code("""
+# %%
 share = {name: got / total_unique for name, (got, _) in parts.items()}
 attn = len(model.model.layers) * (expected["self_attn.qkv_proj"] + expected["self_attn.o_proj"])
 mlp = len(model.model.layers) * (expected["mlp.gate_up_proj"] + expected["mlp.down_proj"])
@@ -155,26 +135,24 @@ print(f"embedding table: {share['embed_tokens']:.0%} of all parameters; attentio
       f"MLP matmuls {mlp / total_unique:.0%}; norms {1 - share['embed_tokens'] - (attn + mlp) / total_unique:.2%}")
 bytes_per = torch.empty((), dtype=engine.config.dtype).element_size()
 print(f"weights in memory: {total_unique * bytes_per / 2**20:.1f} MiB in {engine.config.dtype}")
-""")
 
-md("""
-In a model this small the embedding table is a large share (its vocabulary is 4,096 entries and
-its layers are narrow); in Qwen3-0.6B it is about a quarter, and in large models a few percent:
-the decoder layers' matmuls dominate, and within each layer the MLP holds the larger share. Norm gains
-are a rounding error. When weights are **tied** (`tie_word_embeddings`), the LM head reuses the
-embedding matrix, so it adds no parameters.
+# %% [markdown]
+# In a model this small the embedding table is a large share (its vocabulary is 4,096 entries and
+# its layers are narrow); in Qwen3-0.6B it is about a quarter, and in large models a few percent:
+# the decoder layers' matmuls dominate, and within each layer the MLP holds the larger share. Norm gains
+# are a rounding error. When weights are **tied** (`tie_word_embeddings`), the LM head reuses the
+# embedding matrix, so it adds no parameters.
+#
+# ## 2. Tensor shapes along one forward pass
+#
+# Forward hooks are callbacks PyTorch runs after a module's forward. We register one on every
+# module of layer 0 (and on the embedding and final norm), wrap the attention backend and the LM
+# head the same way, and then let **the engine** run a request: one prefill step of the whole
+# prompt, and one decode step of a single token. Every shape below was recorded during those two
+# real steps.
 
-## 2. Tensor shapes along one forward pass
-
-Forward hooks are callbacks PyTorch runs after a module's forward. We register one on every
-module of layer 0 (and on the embedding and final norm), wrap the attention backend and the LM
-head the same way, and then let **the engine** run a request: one prefill step of the whole
-prompt, and one decode step of a single token. Every shape below was recorded during those two
-real steps.
-""")
-
-code(f"""
-PROMPT = {PROMPT!r}
+# %%
+PROMPT = 'Return the number of items in the container'
 shapes = defaultdict(list)  # module name -> [shapes in the prefill pass, shapes in the decode pass]
 
 
@@ -186,8 +164,8 @@ def shape_of(x):
     return None
 
 
-watched = {{"model.embed_tokens": model.model.embed_tokens, "model.norm": model.model.norm}}
-watched.update({{f"layers.0.{{n}}": m for n, m in layer.named_modules() if n and n != "self_attn.rotary"}})
+watched = {"model.embed_tokens": model.model.embed_tokens, "model.norm": model.model.norm}
+watched.update({f"layers.0.{n}": m for n, m in layer.named_modules() if n and n != "self_attn.rotary"})
 watched["layers.0"] = layer
 handles = [m.register_forward_hook(lambda mod, args, out, name=name: shapes[name].append(shape_of(out)))
            for name, m in watched.items()]
@@ -218,9 +196,8 @@ finally:
     for h in handles:
         h.remove()
     del backend.forward, model.compute_logits  # back to the class methods
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 n = len(out.prompt_token_ids)
 print(f"prompt: {n} tokens; T = tokens in the forward pass (prefill: {n}, decode: 1)")
@@ -233,35 +210,33 @@ print(f"{'module':36s} {'prefill pass':42s} decode pass")
 for name in order:
     pre, dec = shapes[name][0], shapes[name][1]
     print(f"{name:36s} {str(pre):42s} {dec}")
-""")
 
-md("""
-How to read it (`T` is the number of tokens in the step, the first dimension everywhere):
+# %% [markdown]
+# How to read it (`T` is the number of tokens in the step, the first dimension everywhere):
+#
+# * The embedding turns `T` ids into `T` vectors of the hidden size. Everything up to the final
+#   norm keeps that `[T, hidden]` shape: a decoder layer maps a sequence of vectors to a sequence of
+#   vectors.
+# * `qkv_proj` widens each token to `(query heads + 2 x kv heads) x head_dim` columns; the attention
+#   backend receives them split per head: q `[T, query heads, head_dim]`, k and v
+#   `[T, kv heads, head_dim]`.
+# * The layer's KV cache is `[num_blocks, block_size, kv heads, head_dim]`: the same shape in both
+#   passes, because it is a preallocated pool (chapter 04); each step writes its `T` new keys and
+#   values into it and attention reads back every earlier one.
+# * `gate_up_proj` is twice the MLP width (gate and up side by side); `act_fn` (SiLU(gate) x up)
+#   halves it again; `down_proj` returns to the hidden size.
+# * The decoder layer returns two tensors: minivllm fuses the residual add into the next norm, so a
+#   layer hands on `(output, residual)`.
+# * Only the **last** position of the prompt goes through the LM head in prefill, because only it
+#   predicts a token we need: `compute_logits` gets `[1, hidden]`, not `[T, hidden]`.
+# * The decode pass is the same network with `T = 1`.
+#
+# ## 3. The engine's components, in the live object
+#
+# `LLM` is a thin facade; the work happens in `llm.llm_engine`, which owns the parts below. Each
+# line is read from the running engine: the object's class and what it holds right now.
 
-* The embedding turns `T` ids into `T` vectors of the hidden size. Everything up to the final
-  norm keeps that `[T, hidden]` shape: a decoder layer maps a sequence of vectors to a sequence of
-  vectors.
-* `qkv_proj` widens each token to `(query heads + 2 x kv heads) x head_dim` columns; the attention
-  backend receives them split per head: q `[T, query heads, head_dim]`, k and v
-  `[T, kv heads, head_dim]`.
-* The layer's KV cache is `[num_blocks, block_size, kv heads, head_dim]`: the same shape in both
-  passes, because it is a preallocated pool (chapter 04); each step writes its `T` new keys and
-  values into it and attention reads back every earlier one.
-* `gate_up_proj` is twice the MLP width (gate and up side by side); `act_fn` (SiLU(gate) x up)
-  halves it again; `down_proj` returns to the hidden size.
-* The decoder layer returns two tensors: minivllm fuses the residual add into the next norm, so a
-  layer hands on `(output, residual)`.
-* Only the **last** position of the prompt goes through the LM head in prefill, because only it
-  predicts a token we need: `compute_logits` gets `[1, hidden]`, not `[T, hidden]`.
-* The decode pass is the same network with `T = 1`.
-
-## 3. The engine's components, in the live object
-
-`LLM` is a thin facade; the work happens in `llm.llm_engine`, which owns the parts below. Each
-line is read from the running engine: the object's class and what it holds right now.
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 runner, bm, sched = engine.runner, engine.block_manager, engine.scheduler
 components = [
@@ -282,30 +257,28 @@ for path, obj, what in components:
     print(f"{path:20s} {cls.__module__}.{cls.__qualname__}")
     print(f"{'':20s}   {what}")
 print(f"{'  .tokenizer':20s} text <-> token ids; the engine's detokenizer turns new ids into text incrementally")
-""")
 
-md("""
-The KV pool is `[2 (K and V), layers, blocks, block size, kv heads, head dim]`, one tensor for the
-whole engine; each layer gets a `(k_cache, v_cache)` view into it. The block manager never touches
-that tensor: it only decides *which block ids* each request owns. The runner turns those ids into
-slot numbers, and the attention backend reads and writes the tensor at those slots.
+# %% [markdown]
+# The KV pool is `[2 (K and V), layers, blocks, block size, kv heads, head dim]`, one tensor for the
+# whole engine; each layer gets a `(k_cache, v_cache)` view into it. The block manager never touches
+# that tensor: it only decides *which block ids* each request owns. The runner turns those ids into
+# slot numbers, and the attention backend reads and writes the tensor at those slots.
+#
+# ## 4. One request's journey
+#
+# Now we follow one request. The cell wraps the methods the engine calls in a step (`schedule`,
+# `prepare_input`, the model's forward, the attention backend, `compute_logits`, the sampler,
+# `postprocess`) with a small tracer that notes each call, then drives the engine with `step()`
+# until the request finishes, and prints what happened in each of its steps.
 
-## 4. One request's journey
-
-Now we follow one request. The cell wraps the methods the engine calls in a step (`schedule`,
-`prepare_input`, the model's forward, the attention backend, `compute_logits`, the sampler,
-`postprocess`) with a small tracer that notes each call, then drives the engine with `step()`
-until the request finishes, and prints what happened in each of its steps.
-""")
-
-code("""
+# %%
 trace = []        # (label, what it saw) per call, in call order
 patched = []      # (object, attribute, original, was an instance attribute)
 attention_calls = [0]
 
 
 def patch(obj, attr, label, note):
-    \"\"\"Replace obj.attr by a wrapper that calls it, then records note(args, result) under label.\"\"\"
+    """Replace obj.attr by a wrapper that calls it, then records note(args, result) under label."""
     real = getattr(obj, attr)
     patched.append((obj, attr, real, attr in vars(obj)))
 
@@ -353,9 +326,8 @@ finally:  # put every original back
             setattr(obj, attr, real)
         else:
             delattr(obj, attr)
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 for calls, result in journey:
     r = result.record
@@ -367,30 +339,28 @@ for calls, result in journey:
         print(f"  {'detokenizer -> output':26s} text so far {o.outputs[0].text!r}, finished {o.finished}")
     print(f"  {'StepRecord':26s} tokens {r.num_prefill_tokens} prefill + {r.num_decode_tokens} decode, "
           f"KV blocks used {r.kv_blocks_used}, finished {r.finished}")
-""")
 
-md("""
-That is the whole journey from the design brief, with real values:
+# %% [markdown]
+# That is the whole journey from the design brief, with real values:
+#
+# `add_request` validates and tokenizes the prompt and queues a `Sequence` → every `step()`:
+# `Scheduler.schedule` decides who runs and how many tokens each (and asks the block manager for KV
+# blocks) → `ModelRunner.prepare_input` flattens the plan into `input_ids`, `positions` and the
+# attention metadata (`slot_mapping`: where each new token's K and V go; `block_tables`: which
+# blocks each sequence may read) → the model's forward, calling the attention backend once per layer
+# → `compute_logits` for the rows that sample → `Sampler` → `Scheduler.postprocess` → stop checks
+# and the detokenizer → a `RequestOutput`, plus a `StepRecord`.
+#
+# The slot numbers are the block id times the block size plus the offset in the block: chapter 04
+# is about exactly that. In the decode steps only one token enters the model, at the next position,
+# into the next slot.
+#
+# ### Where the time of each step went
+#
+# Each `StepRecord` splits the step's wall time into scheduling, building inputs, the forward pass,
+# sampling and postprocessing (stop checks, detokenisation, outputs):
 
-`add_request` validates and tokenizes the prompt and queues a `Sequence` → every `step()`:
-`Scheduler.schedule` decides who runs and how many tokens each (and asks the block manager for KV
-blocks) → `ModelRunner.prepare_input` flattens the plan into `input_ids`, `positions` and the
-attention metadata (`slot_mapping`: where each new token's K and V go; `block_tables`: which
-blocks each sequence may read) → the model's forward, calling the attention backend once per layer
-→ `compute_logits` for the rows that sample → `Sampler` → `Scheduler.postprocess` → stop checks
-and the detokenizer → a `RequestOutput`, plus a `StepRecord`.
-
-The slot numbers are the block id times the block size plus the offset in the block: chapter 04
-is about exactly that. In the decode steps only one token enters the model, at the next position,
-into the next slot.
-
-### Where the time of each step went
-
-Each `StepRecord` splits the step's wall time into scheduling, building inputs, the forward pass,
-sampling and postprocessing (stop checks, detokenisation, outputs):
-""")
-
-code("""
+# %%
 import plotly.graph_objects as go
 
 from widgets import show_figure
@@ -408,41 +378,36 @@ for _, res in journey:
     r = res.record
     print(f"step {r.index} ({r.phase}): {r.wall_ms:.2f} ms, of which forward {r.model_ms:.2f} ms "
           f"({r.model_ms / r.wall_ms:.0%}); everything else {r.wall_ms - r.model_ms:.2f} ms")
-""")
 
-md("""
-On the embedded model the forward pass is only a few milliseconds, so the rest of the engine
-(Python bookkeeping) is a visible share; with a real model on a GPU, the forward pass dominates and
-the engine's job becomes keeping the GPU fed, which later chapters measure.
+# %% [markdown]
+# On the embedded model the forward pass is only a few milliseconds, so the rest of the engine
+# (Python bookkeeping) is a visible share; with a real model on a GPU, the forward pass dominates and
+# the engine's job becomes keeping the GPU fed, which later chapters measure.
+#
+# ## 5. Step it yourself
+#
+# The stepper runs the same engine loop one `step()` per click, showing for each step the tokens that
+# went through the model and the time breakdown above. Try **Add request** twice and step: both
+# requests share one forward pass.
 
-## 5. Step it yourself
-
-The stepper runs the same engine loop one `step()` per click, showing for each step the tokens that
-went through the model and the time breakdown above. Try **Add request** twice and step: both
-requests share one forward pass.
-""")
-
-code("""
+# %%
 from widgets import EngineStepper
 
 stepper = EngineStepper(llm, prompt=PROMPT, max_tokens=6, show_chart=False)
 stepper.add_request(PROMPT, max_tokens=6)
 stepper.step()
 stepper.display()
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 r = stepper.steps[-1]
 print(f"the stepper's first step: {r.phase}, {r.num_tokens} tokens, {r.num_seqs} sequence(s), "
       f"KV blocks in use {r.kv_blocks_used}")
-""")
 
-md("""
-## 6. Check yourself
-""")
+# %% [markdown]
+# ## 6. Check yourself
 
-code("""
+# %%
 from widgets import Quiz, Question
 
 Quiz([
@@ -482,28 +447,18 @@ Quiz([
          "RoPE rotates q and k by position; it does not change how many heads there are."],
     ),
 ]).display()
-""")
 
-md("""
-## Takeaways
-
-* A Qwen3 model is an embedding, a stack of identical decoder layers (RMSNorm, grouped-query
-  attention with per-head q/k norms and RoPE, SwiGLU MLP, residual adds) and an LM head; every
-  parameter count follows from six numbers in the config.
-* Every layer maps `[T, hidden]` to `[T, hidden]`; prefill and decode are the same network with
-  different `T`.
-* The engine is a loop over a few objects with one job each: scheduler (who runs), block manager
-  (which KV blocks), runner (inputs, model, sampler), attention backend (paged KV reads and writes),
-  detokenizer (ids to text).
-* Every step leaves a `StepRecord`; the course's charts are built from them.
-
-Next: chapter 03, why the KV cache exists and what it costs.
-""")
-
-
-def build() -> nbformat.NotebookNode:
-    return notebook_build.build(CELLS)
-
-
-if __name__ == "__main__":
-    notebook_build.main(CELLS, OUT, __doc__)
+# %% [markdown]
+# ## Takeaways
+#
+# * A Qwen3 model is an embedding, a stack of identical decoder layers (RMSNorm, grouped-query
+#   attention with per-head q/k norms and RoPE, SwiGLU MLP, residual adds) and an LM head; every
+#   parameter count follows from six numbers in the config.
+# * Every layer maps `[T, hidden]` to `[T, hidden]`; prefill and decode are the same network with
+#   different `T`.
+# * The engine is a loop over a few objects with one job each: scheduler (who runs), block manager
+#   (which KV blocks), runner (inputs, model, sampler), attention backend (paged KV reads and writes),
+#   detokenizer (ids to text).
+# * Every step leaves a `StepRecord`; the course's charts are built from them.
+#
+# Next: chapter 03, why the KV cache exists and what it costs.

@@ -1,101 +1,84 @@
-"""Build (and execute) notebooks/03_kv_cache.ipynb from the cells below.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-    python scripts/build_notebook_03.py            # build and execute in place (stores real outputs)
-    python scripts/build_notebook_03.py --no-exec  # build only
+# %% [markdown]
+# # 03 · The KV cache
+#
+# In chapter 01 the hand-written loop got slower with every token, while the engine's decode steps
+# did not. The difference is the **KV cache**: the engine keeps every earlier token's attention keys
+# and values instead of recomputing them. In this chapter you build generation both ways by hand
+# on the engine's model, check that they produce the same tokens, measure what each costs per token
+# as the sequence grows (next to the FLOPs each must do), and then measure what the cache costs in
+# memory: bytes per token from the config against the engine's real KV tensor.
+#
+# **You will:** see why causal attention lets earlier keys and values be reused · generate with and
+# without a cache and get identical tokens · measure cost per token against sequence length for both
+# · compute KV bytes per token from the config and check it against the allocated tensor · watch the
+# engine's cache fill block by block.
 
-Cells whose output is deterministic (greedy tokens, byte counts, FLOP formulas, block counts)
-start with ``# NBVAL_CHECK_OUTPUT``: ``pytest --nbval-lax`` compares them; the others run but
-are not compared (they hold timings measured on the machine that ran them).
-"""
-from __future__ import annotations
+# %% [markdown]
+# ## Setup
+#
+# The embedded `minivllm-tiny` unless `MINIVLLM_MODEL` says otherwise; the device is chosen
+# automatically. A pool of 64 blocks of 16 tokens is plenty for this chapter.
 
-import sys
-from pathlib import Path
-
-import nbformat
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import notebook_build  # noqa: E402  (scripts/notebook_build.py)
-
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "notebooks" / "03_kv_cache.ipynb"
-
-PROMPT = "If the object supports the buffer protocol, the"
-
-CELLS: list[tuple[str, str]] = []
-
-
-md, code = notebook_build.cell_writers(CELLS)
-
-
-md("""
-# 03 · The KV cache
-
-In chapter 01 the hand-written loop got slower with every token, while the engine's decode steps
-did not. The difference is the **KV cache**: the engine keeps every earlier token's attention keys
-and values instead of recomputing them. In this chapter you build generation both ways by hand
-on the engine's model, check that they produce the same tokens, measure what each costs per token
-as the sequence grows (next to the FLOPs each must do), and then measure what the cache costs in
-memory: bytes per token from the config against the engine's real KV tensor.
-
-**You will:** see why causal attention lets earlier keys and values be reused · generate with and
-without a cache and get identical tokens · measure cost per token against sequence length for both
-· compute KV bytes per token from the config and check it against the allocated tensor · watch the
-engine's cache fill block by block.
-""")
-
-md("""
-## Setup
-
-The embedded `minivllm-tiny` unless `MINIVLLM_MODEL` says otherwise; the device is chosen
-automatically. A pool of 64 blocks of 16 tokens is plenty for this chapter.
-""")
-
-code("""
+# %% tags=["parameters"]
 import os
 import statistics
 import time
 
 import torch
 
+# minivllm logs its startup (device, backend, KV cache size) at INFO; the course keeps those lines
+# out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
+os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.utils.env_report import describe
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
-""")
 
-code("""
+# %%
 llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64)
 engine = llm.llm_engine
 runner, model, hf = engine.runner, engine.runner.model, engine.source.hf_config
 tok = llm.get_tokenizer()
 print(describe(llm))
 print("torch threads:", torch.get_num_threads())
-""")
 
-md("""
-## 1. What can be reused
+# %% [markdown]
+# ## 1. What can be reused
+#
+# In every layer, attention turns each token into a query `q`, a key `k` and a value `v`. The output
+# at position `p` is a weighted average of the values `v_0 .. v_p`, weighted by how well `q_p`
+# matches each key `k_0 .. k_p`. It is *causal*: a token never looks at later tokens.
+#
+# So when the sequence grows by one token, nothing about the earlier tokens changes: their keys and
+# values in every layer are exactly what they were one step ago. Only the new token's `q`, `k`, `v`
+# are new. If we keep every `k` and `v` (the KV cache), a step only has to push **one** token through
+# the model: it writes its own `k` and `v` to the cache and attends over all the cached ones.
+#
+# ## 2. Both ways, by hand, on the engine's model
+#
+# The function below runs a slice of a sequence through `llm.llm_engine.runner.model` (the engine's
+# Qwen3 module) with a KV cache we pass in. `start` says where the slice begins: the new tokens' keys
+# and values are written at positions `start ..`, and they attend to everything from position 0,
+# whatever is already in the cache. Our cache here is one contiguous strip of slots for a single
+# sequence (chapter 04 shows why the engine does something cleverer).
 
-In every layer, attention turns each token into a query `q`, a key `k` and a value `v`. The output
-at position `p` is a weighted average of the values `v_0 .. v_p`, weighted by how well `q_p`
-matches each key `k_0 .. k_p`. It is *causal*: a token never looks at later tokens.
-
-So when the sequence grows by one token, nothing about the earlier tokens changes: their keys and
-values in every layer are exactly what they were one step ago. Only the new token's `q`, `k`, `v`
-are new. If we keep every `k` and `v` (the KV cache), a step only has to push **one** token through
-the model: it writes its own `k` and `v` to the cache and attends over all the cached ones.
-
-## 2. Both ways, by hand, on the engine's model
-
-The function below runs a slice of a sequence through `llm.llm_engine.runner.model` (the engine's
-Qwen3 module) with a KV cache we pass in. `start` says where the slice begins: the new tokens' keys
-and values are written at positions `start ..`, and they attend to everything from position 0,
-whatever is already in the cache. Our cache here is one contiguous strip of slots for a single
-sequence (chapter 04 shows why the engine does something cleverer).
-""")
-
-code("""
+# %%
 from minivllm.engine.kv_cache import allocate_kv_cache
 from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
@@ -104,15 +87,15 @@ BS, DEV = runner.block_size, runner.device
 
 
 def new_cache(max_tokens: int):
-    \"\"\"A private KV cache for one sequence of up to max_tokens: per layer (k, v), each
-    [blocks, block_size, kv_heads, head_dim], used as one contiguous strip of slots.\"\"\"
+    """A private KV cache for one sequence of up to max_tokens: per layer (k, v), each
+    [blocks, block_size, kv_heads, head_dim], used as one contiguous strip of slots."""
     blocks = -(-max_tokens // BS)
     return allocate_kv_cache(hf, blocks, BS, runner.dtype, DEV)[1], blocks
 
 
 @torch.inference_mode()
 def forward(token_ids: list[int], start: int, cache) -> torch.Tensor:
-    \"\"\"Run tokens at positions start .. start+n-1; returns fp32 logits [vocab] of the last one.\"\"\"
+    """Run tokens at positions start .. start+n-1; returns fp32 logits [vocab] of the last one."""
     kv, blocks = cache
     n, ctx = len(token_ids), start + len(token_ids)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEV)
@@ -142,11 +125,11 @@ def generate_with_cache(prompt_ids, n):
         seq.append(int(logits.argmax()))
         logits = forward(seq[-1:], len(seq) - 1, cache)  # decode: ONLY the newest token
     return seq[len(prompt_ids):]
-""")
 
-code(f"""
+
+# %%
 # NBVAL_CHECK_OUTPUT
-PROMPT = {PROMPT!r}
+PROMPT = 'If the object supports the buffer protocol, the'
 prompt_ids = tok.encode(PROMPT)
 N = 16
 no_cache = generate_without_cache(prompt_ids, N)
@@ -157,28 +140,26 @@ print("with cache   :", with_cache)
 print("engine       :", list(engine_out.outputs[0].token_ids))
 print("all identical:", no_cache == with_cache == list(engine_out.outputs[0].token_ids))
 print(repr(PROMPT + tok.decode(with_cache)))
-""")
 
-md("""
-Three routes, one answer: reusing keys and values is an exact optimisation, not an approximation.
-(With floating point, the two routes add numbers in a different order, so logits can differ in the
-last bits; greedy tokens agree unless two candidates are within that rounding of each other.)
+# %% [markdown]
+# Three routes, one answer: reusing keys and values is an exact optimisation, not an approximation.
+# (With floating point, the two routes add numbers in a different order, so logits can differ in the
+# last bits; greedy tokens agree unless two candidates are within that rounding of each other.)
+#
+# ## 3. Cost per token as the sequence grows
+#
+# Now the price of each route for producing the token after a sequence of `L` tokens:
+#
+# * **without a cache**: one forward pass over all `L` tokens;
+# * **with a cache**: one forward pass over one token that attends to `L` cached keys and values;
+# * **the engine**: a decode step at that length, from its `StepRecord` (the same work as "with a
+#   cache", plus the engine's scheduling and bookkeeping).
+#
+# Each is timed three times and the median kept. Beside the times, the FLOPs each route must do,
+# from the roofline model (`minivllm.telemetry.roofline.step_cost`: 2 FLOPs per weight per token,
+# plus attention's `QK^T` and `PV`).
 
-## 3. Cost per token as the sequence grows
-
-Now the price of each route for producing the token after a sequence of `L` tokens:
-
-* **without a cache**: one forward pass over all `L` tokens;
-* **with a cache**: one forward pass over one token that attends to `L` cached keys and values;
-* **the engine**: a decode step at that length, from its `StepRecord` (the same work as "with a
-  cache", plus the engine's scheduling and bookkeeping).
-
-Each is timed three times and the median kept. Beside the times, the FLOPs each route must do,
-from the roofline model (`minivllm.telemetry.roofline.step_cost`: 2 FLOPs per weight per token,
-plus attention's `QK^T` and `PV`).
-""")
-
-code("""
+# %%
 from pydoc_data.topics import topics  # a long English text that ships with Python
 
 from minivllm.telemetry.roofline import step_cost
@@ -223,17 +204,15 @@ df = pd.DataFrame(rows).set_index("L")
 df["time ratio"] = df.no_cache_ms / df.cache_ms
 df["FLOP ratio"] = df.no_cache_mflop / df.cache_mflop
 df.round(2)
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 print("FLOPs the step must do, from the config (roofline.step_cost):")
 for r in rows:
     print(f"  L={r['L']:4d}: without cache {r['no_cache_mflop']:10.1f} MFLOP   with cache {r['cache_mflop']:7.2f} MFLOP"
           f"   ratio {r['no_cache_mflop'] / r['cache_mflop']:6.1f}")
-""")
 
-code("""
+# %%
 import plotly.graph_objects as go
 
 from widgets import show_figure
@@ -251,27 +230,25 @@ print(f"at L={longest}: without cache {df.no_cache_ms[longest]:.1f} ms, with cac
       f"({df['time ratio'][longest]:.0f}x); the FLOPs differ {df['FLOP ratio'][longest]:.0f}x")
 print(f"generating {longest} tokens from nothing: without cache ~{df.no_cache_ms.mean() * longest / 1e3:.1f} s "
       f"(the per-token cost grows with L, so the total grows ~L^2), with cache ~{df.cache_ms.mean() * longest / 1e3:.2f} s")
-""")
 
-md("""
-Without a cache the cost per token climbs with the sequence: the FLOPs grow in proportion to `L`,
-and so, once the step is big enough to be dominated by arithmetic, does the time. Over a whole
-generation that makes the total quadratic in the length. With a cache the cost per token is
-nearly flat: one token's worth of matmuls, plus attention over `L` cached entries, which grows
-with `L` but is small next to the weights until contexts get long.
+# %% [markdown]
+# Without a cache the cost per token climbs with the sequence: the FLOPs grow in proportion to `L`,
+# and so, once the step is big enough to be dominated by arithmetic, does the time. Over a whole
+# generation that makes the total quadratic in the length. With a cache the cost per token is
+# nearly flat: one token's worth of matmuls, plus attention over `L` cached entries, which grows
+# with `L` but is small next to the weights until contexts get long.
+#
+# The measured time ratio is smaller than the FLOP ratio at short lengths: a one-token step on a
+# small model is dominated by fixed costs (Python, launching dozens of small operations), not by
+# FLOPs. That is exactly what chapter 06 measures in detail.
+#
+# ## 4. What the cache costs: bytes per token
+#
+# Every token in the cache stores one key and one value vector per KV head, in every layer:
+#
+# `KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element`
 
-The measured time ratio is smaller than the FLOP ratio at short lengths: a one-token step on a
-small model is dominated by fixed costs (Python, launching dozens of small operations), not by
-FLOPs. That is exactly what chapter 06 measures in detail.
-
-## 4. What the cache costs: bytes per token
-
-Every token in the cache stores one key and one value vector per KV head, in every layer:
-
-`KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element`
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 from minivllm.engine.kv_cache import kv_bytes_per_token
 from minivllm.models.hf_config import get_head_dim
@@ -290,15 +267,13 @@ print("match:", formula == measured == kv_bytes_per_token(hf, runner.dtype))
 mha = 2 * hf.num_hidden_layers * hf.num_attention_heads * get_head_dim(hf) * elem
 print(f"with one KV head per query head ({hf.num_attention_heads}, no grouping) it would be {mha:,} bytes: "
       f"grouped-query attention saves {1 - formula / mha:.0%}")
-""")
 
-md("""
-For a real model the numbers get serious. Here the engine's own allocator builds the KV tensor for
-one 16-token block with the Qwen3-0.6B configuration (packaged with minivllm; no weights needed),
-and we read its size:
-""")
+# %% [markdown]
+# For a real model the numbers get serious. Here the engine's own allocator builds the KV tensor for
+# one 16-token block with the Qwen3-0.6B configuration (packaged with minivllm; no weights needed),
+# and we read its size:
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 import json
 from importlib.resources import files
@@ -314,22 +289,20 @@ for dt in (torch.bfloat16, torch.float32):
           f"formula {kv_bytes_per_token(cfg06, dt):,}; a 32,768-token context needs "
           f"{per_token * 32768 / 2**30:.2f} GiB")
     del pool
-""")
 
-md("""
-About 112 KiB per token in bf16: a single 32k-token conversation holds 3.5 GiB of KV, more than
-twice the model's own 1.2 GiB of bf16 weights. Serving many users at once is therefore mostly a
-question of KV memory, which is why the next chapter is about managing it.
+# %% [markdown]
+# About 112 KiB per token in bf16: a single 32k-token conversation holds 3.5 GiB of KV, more than
+# twice the model's own 1.2 GiB of bf16 weights. Serving many users at once is therefore mostly a
+# question of KV memory, which is why the next chapter is about managing it.
+#
+# ## 5. Watch the engine's cache fill
+#
+# The engine does not reserve a strip per sequence. It hands out blocks of 16 token slots, one at
+# a time, as a sequence grows. Below, a request with a 30-token prompt generates 20 tokens; the
+# view shows the engine's KV pool (each cell a block, coloured by owner; hover for the tokens it
+# holds). Step it with the stepper's **Step** and watch a new block appear every 16 tokens.
 
-## 5. Watch the engine's cache fill
-
-The engine does not reserve a strip per sequence. It hands out blocks of 16 token slots, one at
-a time, as a sequence grows. Below, a request with a 30-token prompt generates 20 tokens; the
-view shows the engine's KV pool (each cell a block, coloured by owner; hover for the tokens it
-holds). Step it with the stepper's **Step** and watch a new block appear every 16 tokens.
-""")
-
-code("""
+# %%
 from widgets import EngineStepper, KVCacheView
 
 stepper = EngineStepper(llm, max_tokens=20, show_chart=False)
@@ -342,25 +315,22 @@ for _ in range(12):  # the prefill, then 11 decode steps
     history.append((r.index, r.phase, seq.num_computed_tokens, len(seq.block_table), r.kv_blocks_used))
 stepper.display()
 view.display()
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 per_token = kv_bytes_per_token(hf, runner.dtype)
 for index, phase, n, blocks, used in history:
     print(f"step {index}: {phase:7s} tokens with KV {n:3d} -> blocks held {blocks} ({blocks * 16} slots, "
           f"{blocks * 16 * per_token / 1024:.0f} KiB reserved, {n * per_token / 1024:.1f} KiB used)")
-""")
 
-md("""
-The reserved memory steps up one block at a time and never runs more than one block (15 slots)
-ahead of what is used. Press **Run to end** above and the request finishes: its blocks go back to
-the pool (the full ones stay registered in the prefix cache, hatched: chapter 07).
+# %% [markdown]
+# The reserved memory steps up one block at a time and never runs more than one block (15 slots)
+# ahead of what is used. Press **Run to end** above and the request finishes: its blocks go back to
+# the pool (the full ones stay registered in the prefix cache, hatched: chapter 07).
+#
+# ## 6. Check yourself
 
-## 6. Check yourself
-""")
-
-code("""
+# %%
 from widgets import Quiz, Question
 
 Quiz([
@@ -397,26 +367,16 @@ Quiz([
          "The KV cache is per token of every live request, separate from the weights."],
     ),
 ]).display()
-""")
 
-md("""
-## Takeaways
-
-* Causal attention makes earlier tokens' keys and values reusable; caching them turns each decode
-  step into one token's work. It changes cost, never the result (identical greedy tokens above).
-* Without a cache the cost per token grows with the sequence and the total with its square; with a
-  cache the per-token cost is nearly flat until attention over long contexts becomes significant.
-* KV bytes per token = 2 x layers x kv_heads x head_dim x element size; measured on the engine's
-  tensor it matches exactly. Grouped-query attention shrinks it by the group size.
-* At serving scale the KV cache, not the weights, is what fills memory.
-
-Next: chapter 04, how the engine hands out that memory in blocks (PagedAttention).
-""")
-
-
-def build() -> nbformat.NotebookNode:
-    return notebook_build.build(CELLS)
-
-
-if __name__ == "__main__":
-    notebook_build.main(CELLS, OUT, __doc__)
+# %% [markdown]
+# ## Takeaways
+#
+# * Causal attention makes earlier tokens' keys and values reusable; caching them turns each decode
+#   step into one token's work. It changes cost, never the result (identical greedy tokens above).
+# * Without a cache the cost per token grows with the sequence and the total with its square; with a
+#   cache the per-token cost is nearly flat until attention over long contexts becomes significant.
+# * KV bytes per token = 2 x layers x kv_heads x head_dim x element size; measured on the engine's
+#   tensor it matches exactly. Grouped-query attention shrinks it by the group size.
+# * At serving scale the KV cache, not the weights, is what fills memory.
+#
+# Next: chapter 04, how the engine hands out that memory in blocks (PagedAttention).

@@ -1,71 +1,58 @@
-"""Build (and execute) notebooks/04_paged_attention.ipynb from the cells below.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-    python scripts/build_notebook_04.py            # build and execute in place (stores real outputs)
-    python scripts/build_notebook_04.py --no-exec  # build only
+# %% [markdown]
+# # 04 · PagedAttention: blocks, block tables, slot mapping
+#
+# Chapter 03 showed that the KV cache is what fills memory. The simple way to hold it, one contiguous
+# strip per request sized for the longest sequence the request *might* reach, wastes most of that
+# memory, because nobody knows in advance how long an answer will be. PagedAttention (Kwon et al.,
+# 2023, "Efficient Memory Management for Large Language Model Serving with PagedAttention", the paper
+# behind vLLM) borrows the operating system's answer: cut memory into fixed-size **blocks** (pages),
+# give each request blocks only as it needs them, and keep a per-request **block table** mapping its
+# logical positions to physical blocks.
+#
+# **You will:** watch the engine hand out blocks to live requests and read their block tables · work
+# out a token's physical slot from the block table and check it against the slot mapping the engine
+# actually built · prove, by reading the engine's KV tensor, that a token's key sits exactly where the
+# block table says · measure on a mixed workload how many slots a contiguous max-length allocation
+# would reserve against what the paged pool really allocates and uses.
 
-Cells whose output is deterministic (block tables, slot mappings, slot counts of a greedy
-workload) start with ``# NBVAL_CHECK_OUTPUT``: ``pytest --nbval-lax`` compares them; the
-others run but are not compared.
-"""
-from __future__ import annotations
+# %% [markdown]
+# ## Setup
+#
+# The embedded `minivllm-tiny` unless `MINIVLLM_MODEL` says otherwise. A small pool (64 blocks of
+# 16 token slots) keeps every block visible. Prefix caching is switched off here so that every block
+# belongs to exactly one request (sharing blocks between requests is chapter 07).
 
-import sys
-from pathlib import Path
-
-import nbformat
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import notebook_build  # noqa: E402  (scripts/notebook_build.py)
-
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "notebooks" / "04_paged_attention.ipynb"
-
-CELLS: list[tuple[str, str]] = []
-
-
-md, code = notebook_build.cell_writers(CELLS)
-
-
-md("""
-# 04 · PagedAttention: blocks, block tables, slot mapping
-
-Chapter 03 showed that the KV cache is what fills memory. The simple way to hold it, one contiguous
-strip per request sized for the longest sequence the request *might* reach, wastes most of that
-memory, because nobody knows in advance how long an answer will be. PagedAttention (Kwon et al.,
-2023, "Efficient Memory Management for Large Language Model Serving with PagedAttention", the paper
-behind vLLM) borrows the operating system's answer: cut memory into fixed-size **blocks** (pages),
-give each request blocks only as it needs them, and keep a per-request **block table** mapping its
-logical positions to physical blocks.
-
-**You will:** watch the engine hand out blocks to live requests and read their block tables · work
-out a token's physical slot from the block table and check it against the slot mapping the engine
-actually built · prove, by reading the engine's KV tensor, that a token's key sits exactly where the
-block table says · measure on a mixed workload how many slots a contiguous max-length allocation
-would reserve against what the paged pool really allocates and uses.
-""")
-
-md("""
-## Setup
-
-The embedded `minivllm-tiny` unless `MINIVLLM_MODEL` says otherwise. A small pool (64 blocks of
-16 token slots) keeps every block visible. Prefix caching is switched off here so that every block
-belongs to exactly one request (sharing blocks between requests is chapter 07).
-""")
-
-code("""
+# %% tags=["parameters"]
 import os
 
 import torch
 
+# minivllm logs its startup (device, backend, KV cache size) at INFO; the course keeps those lines
+# out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
+os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.utils.env_report import describe
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
 BLOCK_SIZE = 16                            # token slots per KV block
-""")
 
-code("""
+# %%
 llm = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=64, enable_prefix_caching=False)
 engine = llm.llm_engine
 bm, runner = engine.block_manager, engine.runner
@@ -74,18 +61,16 @@ print(describe(llm))
 print("torch threads:", torch.get_num_threads())
 print(f"KV pool: {bm.num_blocks} blocks x {bm.block_size} slots = {bm.num_blocks * bm.block_size} token slots; "
       f"tensor {list(runner.kv_cache.shape)} = [K/V, layers, blocks, block_size, kv_heads, head_dim]")
-""")
 
-md("""
-## 1. Blocks on live requests
+# %% [markdown]
+# ## 1. Blocks on live requests
+#
+# Three requests arrive together: prompts of 20, 7 and 40 tokens, asking for 14, 30 and 6 new tokens.
+# The stepper below drives the engine; the KV cache view under it draws the pool, one cell per
+# physical block, coloured by the request that owns it (hover a block for the tokens whose keys and
+# values it holds). Under the grid, each request's block table and the slots its tokens occupy.
 
-Three requests arrive together: prompts of 20, 7 and 40 tokens, asking for 14, 30 and 6 new tokens.
-The stepper below drives the engine; the KV cache view under it draws the pool, one cell per
-physical block, coloured by the request that owns it (hover a block for the tokens whose keys and
-values it holds). Under the grid, each request's block table and the slots its tokens occupy.
-""")
-
-code("""
+# %%
 from pydoc_data.topics import topics  # English text that ships with Python: prompt material
 
 from widgets import EngineStepper, KVCacheView
@@ -100,9 +85,9 @@ for name, start, prompt_len, max_tokens in (("A", 0, 20, 14), ("B", 100, 7, 30),
 stepper.step()  # one step: all three prompts are prefilled together
 stepper.display()
 view.display()
-""")
 
-code("""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 def show_tables():
     for name, rid in requests.items():
@@ -113,43 +98,39 @@ def show_tables():
 
 
 show_tables()
-""")
 
-md("""
-After the prefill, A holds 2 blocks (20 tokens: one full block of 16 and 4 slots of the next), B one
-block (7 of 16 slots) and C three (40 tokens). Blocks are taken from the front of the free list in
-the order the requests were planned. Now let the requests decode for 12 steps:
-""")
+# %% [markdown]
+# After the prefill, A holds 2 blocks (20 tokens: one full block of 16 and 4 slots of the next), B one
+# block (7 of 16 slots) and C three (40 tokens). Blocks are taken from the front of the free list in
+# the order the requests were planned. Now let the requests decode for 12 steps:
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 for _ in range(12):
     stepper.step()
 show_tables()
-""")
 
-md("""
-B grew past 16 tokens and got a second block, taken from wherever the free list pointed (block 6, the
-next on the free list; C's returned blocks went to its back): its table is no longer a run of consecutive ids. A has just filled its second block;
-its next token will need a third. That is the point of the block table: a request's KV does not
-need to be contiguous in memory, so any free block will do, and no request has to reserve room for
-growth it may never need. C finished (6 tokens) and its blocks went back to the pool, ready for the
-next block anyone needs.
+# %% [markdown]
+# B grew past 16 tokens and got a second block, taken from wherever the free list pointed (block 6, the
+# next on the free list; C's returned blocks went to its back): its table is no longer a run of consecutive ids. A has just filled its second block;
+# its next token will need a third. That is the point of the block table: a request's KV does not
+# need to be contiguous in memory, so any free block will do, and no request has to reserve room for
+# growth it may never need. C finished (6 tokens) and its blocks went back to the pool, ready for the
+# next block anyone needs.
+#
+# ## 2. From position to slot
+#
+# The KV tensor of a layer is addressed by *slot*: slot `s` is offset `s % block_size` of block
+# `s // block_size`. A token at logical position `p` of a sequence lives in
+#
+# `slot = block_table[p // block_size] * block_size + p % block_size`
+#
+# Every step, the model runner computes this **slot mapping** for every new token (where to write
+# its K and V), and passes the block tables to the attention backend (where to read everyone's
+# earlier K and V). Below we capture the input the runner really built for the next step and check
+# both against the formula:
 
-## 2. From position to slot
-
-The KV tensor of a layer is addressed by *slot*: slot `s` is offset `s % block_size` of block
-`s // block_size`. A token at logical position `p` of a sequence lives in
-
-`slot = block_table[p // block_size] * block_size + p % block_size`
-
-Every step, the model runner computes this **slot mapping** for every new token (where to write
-its K and V), and passes the block tables to the attention backend (where to read everyone's
-earlier K and V). Below we capture the input the runner really built for the next step and check
-both against the formula:
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 captured = []
 real_prepare = runner.prepare_input
@@ -178,21 +159,19 @@ for i, entry in enumerate(plan.scheduled):
           f"{slots[row]}; block table row {inp.meta.block_tables[i].tolist()}")
     assert slots[row] == expected
     row += entry.num_tokens
-""")
 
-md("""
-The runner pads the block tables of a step into one `[num_seqs, max_blocks]` tensor (`-1` past a
-sequence's last block); the attention backend finds the K and V of positions
-`0 .. context_len - 1` of each sequence through its row.
+# %% [markdown]
+# The runner pads the block tables of a step into one `[num_seqs, max_blocks]` tensor (`-1` past a
+# sequence's last block); the attention backend finds the K and V of positions
+# `0 .. context_len - 1` of each sequence through its row.
+#
+# ### Proof by reading the cache
+#
+# Is a token's key really where the block table says? We compute the layer-0 keys of request B's
+# tokens by hand (embedding, RMSNorm, the key part of `qkv_proj`, `k_norm`, rotary) and compare them
+# with what sits in the engine's KV tensor at the slots its block table gives.
 
-### Proof by reading the cache
-
-Is a token's key really where the block table says? We compute the layer-0 keys of request B's
-tokens by hand (embedding, RMSNorm, the key part of `qkv_proj`, `k_norm`, rotary) and compare them
-with what sits in the engine's KV tensor at the slots its block table gives.
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 model = runner.model
 layer0 = model.model.layers[0].self_attn
@@ -216,29 +195,27 @@ print("equal (to float rounding):", torch.allclose(k, from_cache, **tol))
 wrong = k_cache[table.roll(1)[pos // BLOCK_SIZE], pos % BLOCK_SIZE] if len(seq.block_table) > 1 else None
 if wrong is not None:
     print("and with the block table scrambled:", torch.allclose(k, wrong, **tol))
-""")
 
-md("""
-## 3. What paging saves, measured
+# %% [markdown]
+# ## 3. What paging saves, measured
+#
+# Without paging, an engine that cannot move a sequence's KV must reserve its strip **up front**:
+# enough slots for the longest the sequence can become. If it knows nothing about the request, that
+# is `max_model_len`; if it trusts the request's `max_tokens`, it is `prompt + max_tokens` (chapter
+# 03's by-hand cache did that). Either way the slots are reserved from the first step and mostly
+# empty until the end; and a request that stops early (end-of-sequence token, stop string) never
+# uses the rest.
+#
+# The paged pool reserves blocks as tokens arrive, so it wastes at most the unused part of each
+# sequence's last block (at most `block_size - 1` slots).
+#
+# We run a mixed workload of 24 requests (prompts of 8 to 120 tokens, 4 to 64 new tokens, all
+# different) on a fresh engine and, **after every step, read the live block manager**: slots
+# allocated (blocks in use x 16), slots actually holding KV (each live sequence's
+# `num_computed_tokens`), and what the two contiguous policies would reserve for the same live
+# requests.
 
-Without paging, an engine that cannot move a sequence's KV must reserve its strip **up front**:
-enough slots for the longest the sequence can become. If it knows nothing about the request, that
-is `max_model_len`; if it trusts the request's `max_tokens`, it is `prompt + max_tokens` (chapter
-03's by-hand cache did that). Either way the slots are reserved from the first step and mostly
-empty until the end; and a request that stops early (end-of-sequence token, stop string) never
-uses the rest.
-
-The paged pool reserves blocks as tokens arrive, so it wastes at most the unused part of each
-sequence's last block (at most `block_size - 1` slots).
-
-We run a mixed workload of 24 requests (prompts of 8 to 120 tokens, 4 to 64 new tokens, all
-different) on a fresh engine and, **after every step, read the live block manager**: slots
-allocated (blocks in use x 16), slots actually holding KV (each live sequence's
-`num_computed_tokens`), and what the two contiguous policies would reserve for the same live
-requests.
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 import random
 
@@ -273,9 +250,8 @@ for k, label in (("used", "holding KV"), ("paged", "paged: allocated blocks"),
     print(f"  {label:34s} {totals[k]:8d}   used/held {totals['used'] / totals[k]:6.1%}")
 peak = {k: max(s[k] for s in samples) for k in totals}
 print("peak slots held in one step:", peak)
-""")
 
-code("""
+# %%
 import plotly.graph_objects as go
 
 from widgets import show_figure
@@ -294,26 +270,24 @@ show_figure(fig)
 print(f"waste (held but empty), summed over the run: paged {1 - totals['used'] / totals['paged']:.1%}, "
       f"contiguous prompt+max_tokens {1 - totals['used'] / totals['contiguous_max_tokens']:.1%}, "
       f"contiguous max_model_len {1 - totals['used'] / totals['contiguous_max_len']:.1%}")
-""")
 
-md("""
-Three lessons in one chart:
+# %% [markdown]
+# Three lessons in one chart:
+#
+# * The paged line hugs the used line: the gap is the partly filled last block of each live request,
+#   never more than 15 slots each.
+# * Reserving `prompt + max_tokens` wastes the answer's slots for its whole lifetime (they fill up
+#   only at the very end), and this workload is the *best case* for that policy: `ignore_eos=True`
+#   makes every request use all its `max_tokens`. Real requests often stop early, and the gap grows.
+# * Reserving `max_model_len` per request wastes the most; in the same memory it would also fit far
+#   fewer requests at once. That is the capacity argument of the PagedAttention paper: less waste
+#   means bigger batches, and bigger batches mean more throughput (chapters 05 and 06).
+#
+# What paging costs: attention must find K and V through the block table instead of reading one
+# contiguous strip. The `torch` backend gathers them into a contiguous tensor before attending; the
+# Triton and flash-attn kernels (chapter 10) follow the block table inside the kernel.
 
-* The paged line hugs the used line: the gap is the partly filled last block of each live request,
-  never more than 15 slots each.
-* Reserving `prompt + max_tokens` wastes the answer's slots for its whole lifetime (they fill up
-  only at the very end), and this workload is the *best case* for that policy: `ignore_eos=True`
-  makes every request use all its `max_tokens`. Real requests often stop early, and the gap grows.
-* Reserving `max_model_len` per request wastes the most; in the same memory it would also fit far
-  fewer requests at once. That is the capacity argument of the PagedAttention paper: less waste
-  means bigger batches, and bigger batches mean more throughput (chapters 05 and 06).
-
-What paging costs: attention must find K and V through the block table instead of reading one
-contiguous strip. The `torch` backend gathers them into a contiguous tensor before attending; the
-Triton and flash-attn kernels (chapter 10) follow the block table inside the kernel.
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 pool_slots = we.block_manager.num_blocks * BLOCK_SIZE
 print(f"the pool: {pool_slots} slots")
@@ -321,13 +295,11 @@ print(f"contiguous, max_model_len: room for {pool_slots // MAX_MODEL_LEN} reques
 print(f"paged: this workload ran up to {max(s['live'] for s in samples)} requests at once "
       f"(using at most {peak['paged']} of the {pool_slots} slots)")
 work.shutdown()
-""")
 
-md("""
-## 4. Check yourself
-""")
+# %% [markdown]
+# ## 4. Check yourself
 
-code("""
+# %%
 from widgets import Quiz, Question
 
 Quiz([
@@ -364,26 +336,16 @@ Quiz([
          "Prefill is unchanged; chapter 07's prefix caching is what skips part of it."],
     ),
 ]).display()
-""")
 
-md("""
-## Takeaways
-
-* minivllm's KV pool is one tensor cut into blocks of `block_size` token slots; the block manager
-  hands blocks to requests as they grow and takes them back when they finish.
-* A request's block table maps its logical positions to physical blocks;
-  `slot = block_table[p // block_size] * block_size + p % block_size`. The runner computes this slot
-  mapping for every new token; the backend reads earlier tokens through the block tables.
-* Measured on a mixed workload, paged allocation holds little more than the slots in use, while a
-  contiguous reservation wastes most of what it reserves, even when output lengths are known.
-* Less waste means more concurrent requests in the same memory: the capacity that continuous
-  batching (chapter 05) turns into throughput.
-""")
-
-
-def build() -> nbformat.NotebookNode:
-    return notebook_build.build(CELLS)
-
-
-if __name__ == "__main__":
-    notebook_build.main(CELLS, OUT, __doc__)
+# %% [markdown]
+# ## Takeaways
+#
+# * minivllm's KV pool is one tensor cut into blocks of `block_size` token slots; the block manager
+#   hands blocks to requests as they grow and takes them back when they finish.
+# * A request's block table maps its logical positions to physical blocks;
+#   `slot = block_table[p // block_size] * block_size + p % block_size`. The runner computes this slot
+#   mapping for every new token; the backend reads earlier tokens through the block tables.
+# * Measured on a mixed workload, paged allocation holds little more than the slots in use, while a
+#   contiguous reservation wastes most of what it reserves, even when output lengths are known.
+# * Less waste means more concurrent requests in the same memory: the capacity that continuous
+#   batching (chapter 05) turns into throughput.

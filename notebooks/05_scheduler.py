@@ -1,66 +1,54 @@
-"""Build (and execute) notebooks/05_scheduler.ipynb from the cells below.
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-    python scripts/build_notebook_05.py            # build and execute in place (stores real outputs)
-    python scripts/build_notebook_05.py --no-exec  # build only
+# %% [markdown]
+# # 05 · The Scheduler
+#
+# An inference engine is a loop: each iteration (one `LLMEngine.step()`) runs one forward pass over a
+# batch of sequences and gives each of them one more token. The **scheduler** decides, every
+# iteration, which sequences are in that batch and how many tokens each contributes. Two decisions
+# matter most, and this chapter measures both on the real engine:
+#
+# * **When may a new request join?** Static batching waits until the whole batch has finished.
+#   Continuous batching lets a waiting request take a free seat at the very next step.
+# * **What if the KV cache runs out?** Sequences grow by one token per step; when no block is
+#   free, the scheduler *preempts* a sequence (frees its blocks and recomputes it later) so the
+#   others can continue.
+#
+# **You will:** run the same workload with static and continuous batching and measure the
+# throughput of each (and of Hugging Face `generate` on padded batches, same weights) · see
+# seat occupancy step by step · squeeze the KV pool until the scheduler must preempt, watch it on
+# the scheduler timeline, and prove the greedy output is unchanged.
 
-Cells whose output is deterministic (step counts, greedy tokens, which request was preempted
-when) start with ``# NBVAL_CHECK_OUTPUT``: ``pytest --nbval-lax`` compares them; the others
-run but are not compared (they hold timings measured on the machine that ran them).
-"""
-from __future__ import annotations
+# %% [markdown]
+# ## Setup
+#
+# `MODEL` is the embedded `minivllm-tiny` unless `MINIVLLM_MODEL` names another model. Every engine
+# here has at most `SEATS = 4` sequences running at once (`max_num_seqs`), so the two batching
+# policies compete with the same number of seats.
 
-import sys
-from pathlib import Path
-
-import nbformat
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import notebook_build  # noqa: E402  (scripts/notebook_build.py)
-
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "notebooks" / "05_scheduler.ipynb"
-
-CELLS: list[tuple[str, str]] = []
-
-
-md, code = notebook_build.cell_writers(CELLS)
-
-
-md("""
-# 05 · The Scheduler
-
-An inference engine is a loop: each iteration (one `LLMEngine.step()`) runs one forward pass over a
-batch of sequences and gives each of them one more token. The **scheduler** decides, every
-iteration, which sequences are in that batch and how many tokens each contributes. Two decisions
-matter most, and this chapter measures both on the real engine:
-
-* **When may a new request join?** Static batching waits until the whole batch has finished.
-  Continuous batching lets a waiting request take a free seat at the very next step.
-* **What if the KV cache runs out?** Sequences grow by one token per step; when no block is
-  free, the scheduler *preempts* a sequence (frees its blocks and recomputes it later) so the
-  others can continue.
-
-**You will:** run the same workload with static and continuous batching and measure the
-throughput of each (and of Hugging Face `generate` on padded batches, same weights) · see
-seat occupancy step by step · squeeze the KV pool until the scheduler must preempt, watch it on
-the scheduler timeline, and prove the greedy output is unchanged.
-""")
-
-md("""
-## Setup
-
-`MODEL` is the embedded `minivllm-tiny` unless `MINIVLLM_MODEL` names another model. Every engine
-here has at most `SEATS = 4` sequences running at once (`max_num_seqs`), so the two batching
-policies compete with the same number of seats.
-""")
-
-code("""
+# %% tags=["parameters"]
 import os
 import time
 
 import pandas as pd
 import torch
 
+# minivllm logs its startup (device, backend, KV cache size) at INFO; the course keeps those lines
+# out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
+os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.bench import make_workload
 from minivllm.utils.env_report import describe
@@ -68,26 +56,23 @@ from minivllm.utils.env_report import describe
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
 SEATS = 4                                  # max_num_seqs: sequences in one batch at most
-""")
 
-code("""
+# %%
 llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=256, max_num_seqs=SEATS,
           max_num_batched_tokens=512)
 engine = llm.llm_engine
 print(describe(llm))
 print(f"torch threads: {torch.get_num_threads()}")
-""")
 
-md("""
-## 1. A workload with uneven lengths
+# %% [markdown]
+# ## 1. A workload with uneven lengths
+#
+# Twelve requests of random token ids (seeded, so the workload is the same every run), prompts of
+# 8 to 48 tokens. Like real chat traffic, most answers are short (4 to 12 tokens) and a few are long
+# (a quarter of them, 40 to 48 tokens). Greedy decoding with `ignore_eos=True`, so every request
+# generates exactly what it asked for. Uneven output lengths are what static batching handles badly.
 
-Twelve requests of random token ids (seeded, so the workload is the same every run), prompts of
-8 to 48 tokens. Like real chat traffic, most answers are short (4 to 12 tokens) and a few are long
-(a quarter of them, 40 to 48 tokens). Greedy decoding with `ignore_eos=True`, so every request
-generates exactly what it asked for. Uneven output lengths are what static batching handles badly.
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 import random
 
@@ -99,24 +84,22 @@ for i in rng.sample(range(work.num_requests), 3):    # a quarter of the answers 
 print("prompt lengths:", [len(p) for p in work.prompts])
 print("output lengths:", work.output_lens)
 print(f"{work.num_requests} requests, {work.num_prompt_tokens} prompt tokens, {work.num_output_tokens} output tokens")
-""")
 
-md("""
-The driver below is all the engine needs: add requests, call `step()` until nothing is left, keep
-each step's `StepRecord` and each request's final output. *Static batching* is the same engine
-driven differently: add four requests, step until **all four** are done, only then add the next
-four. *Continuous batching* adds all twelve at once and lets the scheduler admit a waiting request
-whenever a seat frees up. Each policy runs three times, interleaved, and the fastest run of each
-is kept: on a shared machine the slower runs measure the neighbours, not the engine.
-""")
+# %% [markdown]
+# The driver below is all the engine needs: add requests, call `step()` until nothing is left, keep
+# each step's `StepRecord` and each request's final output. *Static batching* is the same engine
+# driven differently: add four requests, step until **all four** are done, only then add the next
+# four. *Continuous batching* adds all twelve at once and lets the scheduler admit a waiting request
+# whenever a seat frees up. Each policy runs three times, interleaved, and the fastest run of each
+# is kept: on a shared machine the slower runs measure the neighbours, not the engine.
 
-code("""
+# %%
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def run(batches):
-    \"\"\"Add each group of request indices, step until the engine is idle, then add the next group.
-    Returns (token ids per request, step records, seconds).\"\"\"
+    """Add each group of request indices, step until the engine is idle, then add the next group.
+    Returns (token ids per request, step records, seconds)."""
     tokens, records = {}, []
     t0 = time.perf_counter()
     for group in batches:
@@ -144,9 +127,9 @@ for _ in range(REPEATS):
     cont_tokens, cont_steps, t = run([ids])
     seconds["continuous"].append(t)
 static_s, cont_s = min(seconds["static"]), min(seconds["continuous"])
-""")
 
-code("""
+
+# %%
 # NBVAL_CHECK_OUTPUT
 def occupancy(records):
     return sum(r.num_seqs for r in records) / (SEATS * len(records))
@@ -155,9 +138,8 @@ def occupancy(records):
 for name, records in (("static", static_steps), ("continuous", cont_steps)):
     print(f"{name:10s}: {len(records):4d} engine steps, seats in use {occupancy(records):.0%} on average")
 print("same greedy tokens for every request:", static_tokens == cont_tokens)
-""")
 
-code("""
+# %%
 import statistics
 
 rows = []
@@ -167,16 +149,14 @@ for name, records, seconds in (("static (engine, batches of 4)", static_steps, s
                  "output tokens/s": work.num_output_tokens / seconds,
                  "median step ms": statistics.median(r.wall_ms for r in records)})
 pd.DataFrame(rows).set_index("policy").round(2)
-""")
 
-md("""
-Both runs computed exactly the same tokens. Continuous batching needed far fewer steps, because a
-step costs roughly the same whether 1 or 4 seats are filled (the weights are read once per step,
-chapter 06), and static batching spent many steps with most seats empty, waiting for the longest
-request of its batch. The chart shows the seats in use at every step:
-""")
+# %% [markdown]
+# Both runs computed exactly the same tokens. Continuous batching needed far fewer steps, because a
+# step costs roughly the same whether 1 or 4 seats are filled (the weights are read once per step,
+# chapter 06), and static batching spent many steps with most seats empty, waiting for the longest
+# request of its batch. The chart shows the seats in use at every step:
 
-code("""
+# %%
 import plotly.graph_objects as go
 
 from widgets import show_figure
@@ -189,20 +169,18 @@ fig.update_layout(title="Sequences in each engine step (measured StepRecord.num_
                   xaxis_title="engine step", yaxis_title="sequences in the batch", yaxis_range=[0, SEATS + 0.5],
                   height=340)
 show_figure(fig)
-""")
 
-md("""
-### The classic static batcher: Hugging Face `generate`
+# %% [markdown]
+# ### The classic static batcher: Hugging Face `generate`
+#
+# The engine emulation above is generous to static batching: a finished request stops costing
+# compute even though its seat stays empty. A classic static batcher is stricter. Hugging Face
+# `generate` pads the prompts of a batch to the same length and runs every row until the batch's
+# longest output is done; the extra tokens are computed and thrown away. Here it runs the same
+# twelve requests in batches of four, on the **same weights** (copied from the engine's model into
+# a transformers `Qwen3ForCausalLM`); only the tokens each request asked for count as throughput.
 
-The engine emulation above is generous to static batching: a finished request stops costing
-compute even though its seat stays empty. A classic static batcher is stricter. Hugging Face
-`generate` pads the prompts of a batch to the same length and runs every row until the batch's
-longest output is done; the extra tokens are computed and thrown away. Here it runs the same
-twelve requests in batches of four, on the **same weights** (copied from the engine's model into
-a transformers `Qwen3ForCausalLM`); only the tokens each request asked for count as throughput.
-""")
-
-code("""
+# %%
 import transformers
 
 from minivllm.bench import load_hf_model, run_hf_generate
@@ -221,38 +199,35 @@ rows.append({"policy": "static (transformers generate, padded)", "steps": sum(
 table = pd.DataFrame(rows).set_index("policy")
 table["vs continuous"] = table["output tokens/s"] / table.loc["continuous (engine, 4 seats)", "output tokens/s"]
 table.round(2)
-""")
 
-code("""
+# %%
 same = sum(a == b for a, b in zip(hf_run["outputs"], cont_tokens))
 print(f"transformers generate computed {computed} output tokens to deliver the {work.num_output_tokens} requested: "
       f"{1 - work.num_output_tokens / computed:.0%} of its decode work was thrown away")
 print(f"greedy outputs identical to the engine's for {same} of {work.num_requests} requests")
-""")
 
-md("""
-(`steps` for transformers is its number of forward passes: each batch runs to its longest
-output. Where an output differs from the engine's, the cause is floating-point rounding between two
-different implementations at a near-tie of the top two logits, not a different model; the
-engine's test suite, `tests/test_engine_vs_hf.py`, compares the two implementations directly.)
+# %% [markdown]
+# (`steps` for transformers is its number of forward passes: each batch runs to its longest
+# output. Where an output differs from the engine's, the cause is floating-point rounding between two
+# different implementations at a near-tie of the top two logits, not a different model; the
+# engine's test suite, `tests/test_engine_vs_hf.py`, compares the two implementations directly.)
+#
+# ## 2. Preemption: when the KV cache runs out
+#
+# A decoding sequence needs a new KV block every `block_size` tokens. The scheduler admits requests
+# while their *prompts* fit, because how long each answer will be is unknown. So with a small pool
+# the running sequences can outgrow it. When a running sequence needs a block and none is free, the
+# scheduler **preempts** the most recently admitted running sequence: it releases that sequence's
+# blocks, puts it back at the front of the waiting queue, and later **recomputes** it (its prompt
+# plus the tokens it already generated, as one prefill) when blocks are free again. The tokens it
+# already produced are kept; only their KV has to be rebuilt. With prefix caching on (the default),
+# a released block keeps its contents until someone else takes it, so when the victim comes back
+# its full blocks that survived are found in the prefix cache and only the rest is recomputed.
+#
+# Here four requests of 24 prompt tokens each ask for 40 tokens: each will need
+# `ceil(64 / 16) = 4` blocks, 16 in all, but the pool has only 10 blocks.
 
-## 2. Preemption: when the KV cache runs out
-
-A decoding sequence needs a new KV block every `block_size` tokens. The scheduler admits requests
-while their *prompts* fit, because how long each answer will be is unknown. So with a small pool
-the running sequences can outgrow it. When a running sequence needs a block and none is free, the
-scheduler **preempts** the most recently admitted running sequence: it releases that sequence's
-blocks, puts it back at the front of the waiting queue, and later **recomputes** it (its prompt
-plus the tokens it already generated, as one prefill) when blocks are free again. The tokens it
-already produced are kept; only their KV has to be rebuilt. With prefix caching on (the default),
-a released block keeps its contents until someone else takes it, so when the victim comes back
-its full blocks that survived are found in the prefix cache and only the rest is recomputed.
-
-Here four requests of 24 prompt tokens each ask for 40 tokens: each will need
-`ceil(64 / 16) = 4` blocks, 16 in all, but the pool has only 10 blocks.
-""")
-
-code("""
+# %%
 from widgets import EngineStepper, SchedulerTimeline
 
 PRE_PROMPTS = make_workload("cpu", vocab_size=engine.vocab_size, num_requests=4, input_len=(24, 24),
@@ -261,9 +236,8 @@ tiny = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=10, max_num_s
 big = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64, max_num_seqs=SEATS)
 stepper = EngineStepper(tiny, show_chart=False)
 timeline = SchedulerTimeline(stepper=stepper)  # redraws after every step of the stepper
-""")
 
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 rids = [stepper.add_request(p, max_tokens=40, ignore_eos=True) for p in PRE_PROMPTS]
 stepper.run_to_end()
@@ -279,23 +253,20 @@ for r in pre_steps:
             print(f"step {r.index:3d}: {e.request_id} resumes: recomputes positions {e.first_position}.."
                   f"{e.first_position + e.num_tokens - 1} ({e.first_position} tokens' KV found in the prefix cache)")
 print("total steps:", len(pre_steps))
-""")
 
-code("""
+# %%
 timeline.display()
-""")
 
-md("""
-Read the timeline row by row: a preempted request drops out (its blocks go to the others), waits,
-then comes back with one prefill step that rebuilds the KV of its prompt *and* of the tokens it had
-generated: the printout above shows how much of that came back from the prefix cache and how much
-was recomputed.
+# %% [markdown]
+# Read the timeline row by row: a preempted request drops out (its blocks go to the others), waits,
+# then comes back with one prefill step that rebuilds the KV of its prompt *and* of the tokens it had
+# generated: the printout above shows how much of that came back from the prefix cache and how much
+# was recomputed.
+#
+# Now the proof that preemption changes only the timing, never the result: the same four requests
+# on a pool large enough that nobody is preempted, greedy, compared token by token.
 
-Now the proof that preemption changes only the timing, never the result: the same four requests
-on a pool large enough that nobody is preempted, greedy, compared token by token.
-""")
-
-code("""
+# %%
 # NBVAL_CHECK_OUTPUT
 big_outs = big.generate(PRE_PROMPTS, greedy(40), use_tqdm=False)
 big_tokens = [o.outputs[0].token_ids for o in big_outs]
@@ -304,30 +275,27 @@ for rid, a, b in zip(rids, small_tokens, big_tokens):
 recomputed = sum(r.num_prefill_tokens for r in pre_steps) - sum(len(p) for p in PRE_PROMPTS)
 print(f"prefill tokens recomputed because of preemption: {recomputed}")
 tiny.llm_engine.check_invariants()
-""")
 
-code("""
+# %%
 pre_ms = sum(r.wall_ms for r in pre_steps)
 print(f"10 blocks: {len(pre_steps)} steps, {pre_ms:.0f} ms of steps; the price of preemption is the "
       f"{recomputed} recomputed tokens and the waiting")
 tiny.shutdown(); big.shutdown()
-""")
 
-md("""
-The greedy tokens are identical: the recomputed KV is the same KV (same tokens, same positions,
-same weights), so the next token is the same. Preemption costs time (recomputed prefill tokens,
-and the preempted request waits), never correctness.
+# %% [markdown]
+# The greedy tokens are identical: the recomputed KV is the same KV (same tokens, same positions,
+# same weights), so the next token is the same. Preemption costs time (recomputed prefill tokens,
+# and the preempted request waits), never correctness.
+#
+# Two other ways to handle a full pool exist. *Swapping* copies the victim's KV blocks to host memory
+# and back instead of recomputing them (vLLM has had both; minivllm recomputes, which needs no
+# host memory and no copy machinery, and lets the prefix cache return whatever survived, as above). And *reserving* the
+# worst case up front (`max_model_len` worth of blocks per request) never preempts but admits far
+# fewer requests: chapter 04 measured that waste.
+#
+# ## 3. Check yourself
 
-Two other ways to handle a full pool exist. *Swapping* copies the victim's KV blocks to host memory
-and back instead of recomputing them (vLLM has had both; minivllm recomputes, which needs no
-host memory and no copy machinery, and lets the prefix cache return whatever survived, as above). And *reserving* the
-worst case up front (`max_model_len` worth of blocks per request) never preempts but admits far
-fewer requests: chapter 04 measured that waste.
-
-## 3. Check yourself
-""")
-
-code("""
+# %%
 from widgets import Question, Quiz
 
 Quiz([
@@ -368,29 +336,19 @@ Quiz([
          "The prompt's KV was freed too, and attention needs it, so it is recomputed as well."],
     ),
 ]).display()
-""")
 
-md("""
-## Takeaways
-
-* A step costs about the same whether its seats are full or not, so throughput is about keeping
-  them full: continuous batching admits a waiting request the moment a seat frees, and on this
-  workload it finished the same tokens in far fewer steps than static batching.
-* Padded static batching (transformers `generate`) also computes tokens nobody asked for; its
-  measured throughput sits beside the engine's above.
-* The scheduler admits requests on their prompts' needs, so a small KV pool can run out mid-decode;
-  recompute preemption frees a victim's blocks and rebuilds its KV later, and the greedy output is
-  identical (checked).
-* `max_num_seqs`, `max_num_batched_tokens` and the KV pool size are the scheduler's three limits;
-  `StepRecord`s show, step by step, which one was binding.
-
-Next: chapter 06 looks inside one step at why prefill and decode cost so differently.
-""")
-
-
-def build() -> nbformat.NotebookNode:
-    return notebook_build.build(CELLS)
-
-
-if __name__ == "__main__":
-    notebook_build.main(CELLS, OUT, __doc__)
+# %% [markdown]
+# ## Takeaways
+#
+# * A step costs about the same whether its seats are full or not, so throughput is about keeping
+#   them full: continuous batching admits a waiting request the moment a seat frees, and on this
+#   workload it finished the same tokens in far fewer steps than static batching.
+# * Padded static batching (transformers `generate`) also computes tokens nobody asked for; its
+#   measured throughput sits beside the engine's above.
+# * The scheduler admits requests on their prompts' needs, so a small KV pool can run out mid-decode;
+#   recompute preemption frees a victim's blocks and rebuilds its KV later, and the greedy output is
+#   identical (checked).
+# * `max_num_seqs`, `max_num_batched_tokens` and the KV pool size are the scheduler's three limits;
+#   `StepRecord`s show, step by step, which one was binding.
+#
+# Next: chapter 06 looks inside one step at why prefill and decode cost so differently.

@@ -1,0 +1,331 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 11 · Benchmarks: measuring the whole engine
+#
+# Every earlier chapter measured one mechanism. A benchmark measures the engine as a user meets
+# it: a batch of requests in, tokens out, and a number to compare. The number only means something
+# beside a **peer run on the same machine, model, prompts and output lengths**, and beside the
+# latencies each request saw. minivllm's harness (`minivllm/bench.py`, `python -m minivllm bench`)
+# does exactly that; this notebook runs it inline and reads what it prints.
+#
+# **You will:** run the harness on a small workload and read its report · measure minivllm's
+# throughput against Hugging Face transformers' `generate` and check the greedy outputs agree ·
+# look at the distribution of TTFT and TPOT over every request, not just their averages · put this
+# machine's measured steps on its measured roofline · get the command that reproduces nano-vllm's
+# benchmark workload on a GPU.
+
+# %% [markdown]
+# ## Setup
+#
+# `BIG` is the random-weight model at Qwen3-0.6B's shapes (2.4 GB in fp32), used for the roofline
+# section: the embedded model fits in the CPU's caches and its steps are dominated by fixed costs, so
+# it cannot show where a real model's steps sit.
+
+# %% tags=["parameters"]
+import os
+
+# Threads that finish their share of an operation early spin, by default, waiting for the next
+# one. On a machine shared with other busy processes that spinning steals the cores the other
+# threads need, and small steps get many times slower. PASSIVE lets waiting threads sleep; it is
+# read when torch loads its OpenMP runtime, so it must be set before `import torch`.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import statistics
+
+import pandas as pd
+import torch
+
+# minivllm logs its startup (device, backend, KV cache size) at INFO; the course keeps those lines
+# out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
+os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
+from minivllm import LLM, SamplingParams
+from minivllm.utils.env_report import describe
+
+MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
+DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
+BIG = "random:qwen3-0.6b"                  # for the roofline: a model of real size
+
+# %%
+llm = LLM(MODEL, device=DEVICE, max_num_seqs=32, max_num_batched_tokens=256)
+engine = llm.llm_engine
+print(describe(llm))
+print(f"token budget per step {engine.config.max_num_batched_tokens}, at most {engine.config.args.max_num_seqs} "
+      f"sequences per step, KV pool {engine.config.num_kv_blocks} blocks of {engine.config.block_size} tokens")
+
+# %% [markdown]
+# ## 1. The workload
+#
+# A benchmark workload fixes what is asked, so that two engines (or two versions of one) do the same
+# work. The harness draws it reproducibly from a seed: prompts of random token ids, and for each
+# request its own output length; generation is greedy and ignores end-of-sequence tokens, so every
+# request produces exactly its number of tokens whatever the model says. Two presets exist: `nano`,
+# nano-vllm's benchmark (256 requests, prompt and output lengths uniform in 100..1024), and `cpu`, a
+# CPU-sized one. Here, a smaller cut of the `cpu` preset keeps the notebook quick:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minivllm.bench import WORKLOADS, make_workload
+
+print("presets:", WORKLOADS)
+wl = make_workload("cpu", engine.vocab_size, num_requests=16, input_len=(16, 128), output_len=(8, 64), seed=0)
+print(wl.describe())
+print("first three requests: prompt lengths", [len(p) for p in wl.prompts[:3]], "output lengths", wl.output_lens[:3])
+
+# %% [markdown]
+# ## 2. The harness, inline
+#
+# `run_throughput` is what `python -m minivllm bench` calls. It builds its own engine, measures this
+# machine's peak FLOP/s and copy bandwidth, warms up, runs the workload with a utilisation sampler
+# alongside, then runs the **same prompts with the same weights** through transformers `generate`
+# (padded batches) in the same process, and prints one report: throughput, the ratio, latency
+# percentiles, where the step time went, and whether the greedy outputs are identical.
+
+# %%
+from minivllm.bench import run_throughput
+
+result = run_throughput(MODEL, workload=wl, peers=("hf_generate",), device=DEVICE, max_num_seqs=32)
+
+# %%
+import plotly.graph_objects as go
+
+from widgets import show_figure
+
+mine, peer = result["minivllm"], result["peers"]["hf_generate"]
+rows = [{"engine": "minivllm", "seconds": mine["seconds"], "output tok/s": mine["output_tokens_per_s"],
+         "total tok/s": mine["total_tokens_per_s"]}]
+if peer.get("available"):
+    rows.append({"engine": peer["label"], "seconds": peer["seconds"], "output tok/s": peer["output_tokens_per_s"],
+                 "total tok/s": peer["total_tokens_per_s"]})
+table = pd.DataFrame(rows).set_index("engine")
+fig = go.Figure(go.Bar(x=table.index, y=table["output tok/s"], marker_color=["#4c78a8", "#9c755f"][:len(table)],
+                       text=[f"{v:.0f}" for v in table["output tok/s"]], textposition="outside"))
+fig.update_layout(title=f"Output tokens per second, same workload and weights ({result['device']})",
+                  yaxis_title="output tokens / s", height=340)
+show_figure(fig)
+if peer.get("available"):
+    print(f"minivllm / transformers generate: {peer['speedup']:.2f}x; greedy outputs identical in "
+          f"{peer['agreement']['identical_requests']} of {peer['agreement']['num_requests']} requests")
+table.round(2)
+
+# %% [markdown]
+# How to read the ratio. `generate` runs each padded batch until its **longest** request is done: a
+# request that wanted 8 tokens rides along, computing padding, until the one that wanted 64 finishes,
+# and no new request can take its place. minivllm schedules per step: a finished request leaves at
+# once, its KV blocks go back to the pool, and a waiting one takes its slot (continuous batching,
+# chapter 05). The more the output lengths vary and the longer the queue, the larger that gap.
+#
+# Against that, on a CPU with the tiny embedded model every engine step pays fixed host costs
+# (scheduling, building inputs, Python in the model) that a single padded `generate` loop pays less
+# of; the report's "time in steps" line shows where minivllm's time went. With a few requests and a
+# tiny model the two can be close or even reversed; scale the workload up (`--scale`,
+# `--num-requests`) or use a real model to see the regime the engine is built for. The ratio printed
+# above is the one measured here, nothing else.
+#
+# ## 3. Latency: distributions, not averages
+#
+# Throughput says how fast the batch finished; users feel per-request latency. The harness reports
+# percentiles; here is every request of the same workload on the notebook's engine (a token budget
+# of 256 per step), with its TTFT (time to first token) and TPOT (mean time per output token after
+# the first).
+
+# %%
+params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+outs = llm.generate(wl.prompts, params, use_tqdm=False)
+lat = pd.DataFrame({"request": range(len(outs)), "prompt_len": [len(p) for p in wl.prompts],
+                    "output_len": wl.output_lens,
+                    "ttft_ms": [o.metrics.ttft_ms for o in outs], "tpot_ms": [o.metrics.tpot_ms for o in outs],
+                    "e2e_ms": [o.metrics.e2e_ms for o in outs]})
+pct = lat[["ttft_ms", "tpot_ms", "e2e_ms"]].quantile([0.5, 0.9, 0.99]).rename(index=lambda q: f"p{round(q * 100)}")
+pct
+
+# %%
+from plotly.subplots import make_subplots
+
+fig = make_subplots(rows=1, cols=3, subplot_titles=("TTFT per request (ms)", "TPOT per request (ms)",
+                                                    "TTFT vs arrival order"))
+fig.add_histogram(x=lat.ttft_ms, nbinsx=16, marker_color="#e4572e", name="TTFT", row=1, col=1)
+fig.add_histogram(x=lat.tpot_ms, nbinsx=16, marker_color="#f0a202", name="TPOT", row=1, col=2)
+fig.add_scatter(x=lat.request, y=lat.ttft_ms, mode="markers", marker=dict(color="#e4572e",
+                size=6 + lat.prompt_len / 12), name="TTFT (marker size: prompt length)", row=1, col=3)
+for col, key in ((1, "ttft_ms"), (2, "tpot_ms")):
+    for q in ("p50", "p90"):
+        fig.add_vline(x=pct.loc[q, key], line_dash="dot", annotation_text=q, row=1, col=col)
+fig.update_xaxes(title_text="request index (all arrive at once)", row=1, col=3)
+fig.update_layout(height=360, showlegend=False,
+                  title=f"Latency of every request ({engine.source.name}, {engine.config.device})")
+show_figure(fig, width=1000)
+print(f"TTFT spread: fastest {lat.ttft_ms.min():.1f} ms, slowest {lat.ttft_ms.max():.1f} ms; "
+      f"TPOT spread: {lat.tpot_ms.min():.2f} to {lat.tpot_ms.max():.2f} ms")
+
+# %% [markdown]
+# All sixteen requests arrived at the same instant, yet their TTFTs differ: the step's token budget
+# (256 tokens on this engine, set in the setup cell) admits prompts in order, a few per step, so later
+# prompts wait for earlier prefills (the staircase on the right). With a budget larger than all the
+# prompts together, every prompt would be prefilled in the first step and the TTFTs would be equal,
+# and that first step would be long.
+# TPOT varies less: each request's decode steps are shared with whoever else is running at that
+# moment, so it depends on how full the batch was during the request's life. This is why serving
+# systems quote p90 or p99 latencies: the mean hides the request that waited.
+#
+# ## 4. The roofline, with this machine's points
+#
+# Chapter 06 built the roofline: a step's attainable FLOP/s is `min(peak FLOP/s, intensity x peak
+# bytes/s)`, where intensity is the step's FLOPs per byte moved. The peaks are measured here by a
+# short matrix-multiply and copy benchmark (`minivllm.telemetry.peaks`), and every step's FLOPs and
+# bytes come from the model's shape (`minivllm.telemetry.roofline`). The monitor below runs a short
+# workload on `BIG` and puts one point per step under the measured ceilings; the time series shows
+# CPU utilisation sampled alongside.
+
+# %%
+from widgets import UtilisationMonitor
+
+big = LLM(BIG, device=DEVICE, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+print(describe(big))
+monitor = UtilisationMonitor(big, num_requests=2, prompt_len=16, max_tokens=3)
+records = monitor.run()
+monitor.display()
+
+# %%
+peaks = monitor.peaks
+print(f"measured peaks here: {peaks.flops_per_s / 1e9:.1f} GFLOP/s (matmul), {peaks.bytes_per_s / 1e9:.1f} GB/s "
+      f"(copy, read + written); ridge at {peaks.ridge_intensity:.1f} FLOP/byte")
+steps = pd.DataFrame([{"phase": r.phase, "tokens": r.num_tokens, "wall_ms": r.wall_ms,
+                       "intensity (FLOP/B)": r.flops / r.bytes_moved, "GFLOP/s": r.flops / r.wall_ms / 1e6,
+                       "GB/s": r.bytes_moved / r.wall_ms / 1e6, "MFU": r.mfu, "MBU": r.mbu}
+                      for r in records if r.flops])
+steps.round(3)
+
+# %% [markdown]
+# The prefill step sits to the right of the decode steps: it multiplies every weight by all the
+# prompt's tokens, so it does many FLOPs per byte and reaches for the compute ceiling (MFU). The
+# decode steps do one or two FLOPs per byte and sit under the sloped, memory-bound part of the roof;
+# their figure of merit is MBU, the share of measured bandwidth they use. `python -m minivllm bench
+# --sweep` runs the full version of this measurement (decode at batch 1 to 32, prefill at 16 to 512
+# tokens) and writes the roofline as an HTML file.
+#
+# ## 5. Reproducing nano-vllm's benchmark on a GPU
+#
+# nano-vllm's `bench.py` (in its repository) draws 256 requests with prompt and output lengths
+# uniform in 100..1024 from random token ids below 10,000, ignores end-of-sequence tokens, and prints
+# total tokens, time and throughput for Qwen3-0.6B. The harness's `nano` preset draws the same shape
+# of workload (its own draws, from its own seed), and is the default on a GPU. The exact workload:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+nano = make_workload("nano", 151936, seed=0)
+d = nano.describe()
+print(f"{d['num_requests']} requests; prompt tokens {nano.num_prompt_tokens:,} "
+      f"(lengths {d['prompt_len_min']}..{d['prompt_len_max']}), output tokens {nano.num_output_tokens:,} "
+      f"(lengths {d['output_len_min']}..{d['output_len_max']})")
+
+# %% [markdown]
+# On a GPU box with the repository installed (`environment.yml`) and a downloaded Qwen3-0.6B
+# checkpoint, from the repository root:
+#
+# ```bash
+# # minivllm and transformers generate on the same requests, in one process, with the ratio
+# python -m minivllm bench --model /path/to/Qwen3-0.6B --workload nano --json nano_bench.json
+#
+# # the same at real shapes without downloading weights (random weights, same cost per token)
+# python -m minivllm bench --model random:qwen3-0.6b --workload nano
+#
+# # the decode/prefill sweep with its roofline as HTML
+# python -m minivllm bench --model /path/to/Qwen3-0.6B --sweep --html roofline.html
+#
+# # the project's one-command GPU check: kernels, CUDA graphs, TPOT, prefill, the nano workload vs
+# # transformers, NVML utilisation, all written to one JSON file
+# python scripts/gpu_check.py --model /path/to/Qwen3-0.6B --out gpu_check.json
+# ```
+#
+# and, for nano-vllm itself, in its repository: set the model path in `bench.py` to the same
+# checkpoint and run `python bench.py`. Two differences to keep in mind when putting the numbers side
+# by side: nano-vllm samples at temperature 0.6 while the harness is greedy (with end-of-sequence
+# ignored, both produce exactly the requested number of tokens, so the work is the same apart from
+# the sampler), and its requests are its own random draws, the same in distribution. Report the GPU,
+# the driver, the torch version and both commands with the numbers. All the options:
+
+# %%
+from minivllm.bench import build_parser
+
+os.environ["COLUMNS"] = "110"  # argparse wraps the help to the terminal width
+print(build_parser().format_help())
+big.shutdown()
+
+# %% [markdown]
+# ## 6. Check yourself
+
+# %%
+from widgets import Question, Quiz
+
+Quiz([
+    Question(
+        "Engine A reports 2x the output tokens/s of engine B. What else do you need before believing A is faster?",
+        ["Nothing: throughput is throughput",
+         "That both ran the same prompts, output lengths, model, weights and precision on the same machine, "
+         "and that their outputs agree",
+         "Only the GPU model", "The mean TTFT of A"],
+        1,
+        ["A different workload (shorter outputs, shorter prompts) or another machine changes tokens/s by "
+         "itself; the ratio is only meaningful for the same work.",
+         "Right: that is why the harness runs the peer in the same process on the same requests and checks "
+         "that the greedy outputs are identical.",
+         "The machine matters, but so do the workload and the model: any of them changes the number.",
+         "A latency figure does not tell you whether the two did the same work."],
+    ),
+    Question(
+        "In the offline run above, all requests arrived at once. Why did their TTFTs differ?",
+        ["Random noise", "Each step's token budget admits prompts in turn, so later ones wait for earlier prefills",
+         "Longer prompts always get their first token first", "TTFT only measures decode"],
+        1,
+        ["The staircase in the scatter follows arrival order: a pattern, not noise.",
+         "Right: the queue is served step by step; a request's TTFT includes the prefill steps of the "
+         "prompts scheduled before it.",
+         "A longer prompt needs more prefill work, so it is later, not earlier, other things equal.",
+         "TTFT is the time to the first token: queueing plus prefill."],
+    ),
+    Question(
+        "A decode step's point sits far below the compute ceiling on the roofline. Is the engine wasting the CPU?",
+        ["Yes, MFU should be near 100% for every step",
+         "Not necessarily: decode is memory-bound, so compare its bandwidth use (MBU) with the sloped part of "
+         "the roof",
+         "Yes, because prefill is higher", "The roofline does not apply to CPUs"],
+        1,
+        ["Only steps whose intensity is past the ridge point can reach the compute ceiling.",
+         "Right: at one or two FLOPs per byte the ceiling is intensity x bandwidth; how close the point gets "
+         "to that is the question.",
+         "Prefill has a much higher arithmetic intensity; comparing its MFU with decode's compares different "
+         "limits.",
+         "The roofline needs only a peak FLOP/s and a peak bandwidth, both measured on this CPU above."],
+    ),
+]).display()
+
+# %% [markdown]
+# ## Takeaways
+#
+# * A throughput number is only half a result: the other half is the peer, run on the same machine,
+#   model, weights, prompts and output lengths, with outputs checked to agree. The harness prints
+#   both, and the ratio.
+# * Offline throughput rewards continuous batching when output lengths vary: padded batches wait for
+#   their longest request. On a tiny model on a CPU fixed per-step costs can hide that, and the
+#   measurement above says which way it went here.
+# * Look at latency distributions: requests that arrive together still see different TTFTs, set by
+#   the queue and the token budget.
+# * The roofline places every step against this machine's measured ceilings: prefill towards the
+#   compute roof, decode under the memory slope.
+# * To compare with nano-vllm on a GPU: `python -m minivllm bench --workload nano` with the same
+#   checkpoint, and nano-vllm's own `bench.py`, with the differences above stated.
