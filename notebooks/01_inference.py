@@ -197,7 +197,7 @@ engine = llm.llm_engine
 engine.add_request("timed", PROMPT, greedy)
 records = []
 while engine.has_unfinished_requests():
-    records.append(engine.step().record)
+    records.append(engine.step_with_record().record)
 engine_ms = [r.wall_ms for r in records]  # step 0 is the prefill; each step samples one token
 print(f"{'token':>5} {'sequence length':>16} {'by hand (ms)':>13} {'engine step (ms)':>17}")
 for i in (0, 1, NEW_TOKENS // 2, NEW_TOKENS - 1):

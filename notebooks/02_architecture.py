@@ -318,7 +318,7 @@ try:
     engine.add_request("journey", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():
         trace.clear()
-        result = engine.step()
+        result = engine.step_with_record()
         journey.append((list(trace), result))
 finally:  # put every original back
     for obj, attr, real, own in reversed(patched):

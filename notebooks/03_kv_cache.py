@@ -191,7 +191,7 @@ for L in LENGTHS:
     engine.add_request(f"len{L}", ids[:-1], greedy3)       # prompt of L-1: its first decode step has context L
     recs = []
     while engine.has_unfinished_requests():
-        recs.append(engine.step().record)
+        recs.append(engine.step_with_record().record)
     engine_ms = statistics.median(r.wall_ms for r in recs if r.phase == "decode")
     flops_full, _ = step_cost(engine.model_cost, [(L, L)], 1)
     flops_step, _ = step_cost(engine.model_cost, [(1, L)], 1)

@@ -231,7 +231,7 @@ for i in range(24):
                    SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
 samples = []
 while we.has_unfinished_requests():
-    rec = we.step().record
+    rec = we.step_with_record().record
     live = [s for s in we.scheduler.running if s.block_table]
     samples.append(dict(
         step=len(samples),

@@ -106,7 +106,7 @@ def run(batches):
         for i in group:
             engine.add_request(f"r{i}", work.prompts[i], greedy(work.output_lens[i]))
         while engine.has_unfinished_requests():
-            result = engine.step()
+            result = engine.step_with_record()
             records.append(result.record)
             for out in result.outputs:
                 if out.finished:

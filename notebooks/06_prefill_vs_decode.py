@@ -119,7 +119,7 @@ print(f"prompt: {len(tok.encode(PROMPT))} tokens -> {-(-len(tok.encode(PROMPT)) 
 engine.add_request("by-hand", PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
 n = 0
 while engine.has_unfinished_requests():
-    result = engine.step()
+    result = engine.step_with_record()
     r = result.record
     new = result.outputs[0].outputs[0].token_ids[-1] if result.outputs else None
     print(f"step {n}: {r.phase:7s} tokens in the forward pass {r.num_tokens:3d}   "
@@ -493,7 +493,7 @@ for rid, (n_prompt, n_out) in WORKLOAD.items():
     me.add_request(rid, random_prompt(me, n_prompt, rng), SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
 mixed_records, finals = [], {}
 while me.has_unfinished_requests():
-    res = me.step()
+    res = me.step_with_record()
     mixed_records.append(res.record)
     finals.update({o.request_id: o for o in res.outputs if o.finished})
 
@@ -575,7 +575,7 @@ e.step()  # its prefill
 long_prompt = list(range(1, 81))  # 80 token ids
 e.add_request("long", long_prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
 for i in range(5):
-    r = e.step().record
+    r = e.step_with_record().record
     parts = ", ".join(f"{x.request_id}: {x.num_tokens} {'prefill' if x.is_prefill else 'decode'}" for x in r.scheduled)
     print(f"step {i}: {r.phase:7s} [{parts}]")
 while e.has_unfinished_requests():
@@ -697,7 +697,7 @@ def chunk_run(**engine_args):
     e.add_request("long", list(range(1, 81)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     recs = []
     while e.has_unfinished_requests():
-        recs.append(e.step().record)
+        recs.append(e.step_with_record().record)
     graphs = e.runner.graph_runner is not None
     sub.shutdown()
     return recs, graphs

@@ -285,7 +285,7 @@ print(f"all-gathers per sampling step: {n_head} (LM head)")
 # %% [markdown]
 # **By counting the calls.** The layers call `tensor_model_parallel_all_reduce` and
 # `tensor_model_parallel_all_gather` through their module's global names, and rank 0 sends each
-# step's inputs with `minivllm.distributed.launch.broadcast`. Wrapping those three names in this
+# step's inputs with `minivllm.executor.launch.broadcast`. Wrapping those three names in this
 # process counts every call on rank 0 and times it (every rank makes the same calls; a collective
 # only completes when all ranks join it). The wrappers are removed afterwards.
 
@@ -293,7 +293,7 @@ print(f"all-gathers per sampling step: {n_head} (LM head)")
 import contextlib
 from collections import defaultdict
 
-import minivllm.distributed.launch as launch_mod
+import minivllm.executor.launch as launch_mod
 import minivllm.layers.embedding as embedding_mod
 import minivllm.layers.linear as linear_mod
 
@@ -334,7 +334,7 @@ with counting_collectives():
     engine.add_request("count", PROMPTS[1], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     while engine.has_unfinished_requests():
         calls.clear()
-        rec = engine.step().record
+        rec = engine.step_with_record().record
         steps.append((rec, {k: list(v) for k, v in calls.items()}))
 print(f"{len(steps)} steps recorded")
 
@@ -377,7 +377,7 @@ def run_records(llm):
     out = []
     while e.has_unfinished_requests():
         calls.clear()
-        rec = e.step().record
+        rec = e.step_with_record().record
         out.append((rec, {k: sum(s for s, _ in v) * 1e3 for k, v in calls.items()}))
     return out
 

@@ -118,9 +118,9 @@ for i in range(3):
     engine.add_request(f"extra-{i}", "The module provides" + " and" * i,
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
 while engine.has_unfinished_requests():
-    if engine.step().record.phase == "decode":
+    if engine.step_with_record().record.phase == "decode":
         break
-rec4, ops4, kernels4 = profile_call(lambda: engine.step().record)
+rec4, ops4, kernels4 = profile_call(lambda: engine.step_with_record().record)
 while engine.has_unfinished_requests():
     engine.step()
 print(f"{rec.phase} step of {rec.num_seqs} sequence: {sum(ops.values())} ATen operations that do work")
@@ -152,7 +152,7 @@ per_op_us = (time.perf_counter() - t0) / 20000 * 1e6
 
 # Unprofiled decode steps at batch 1, for comparison.
 engine.add_request("timing", "The module provides", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-decode = [r for r in (engine.step().record for _ in range(24)) if r.phase == "decode"][4:]
+decode = [r for r in (engine.step_with_record().record for _ in range(24)) if r.phase == "decode"][4:]
 n_ops = sum(ops.values())
 print(f"one tiny operation: {per_op_us:.1f} µs of host time")
 step_ms = statistics.median(r.wall_ms for r in decode)
@@ -214,7 +214,7 @@ if ON_CUDA:
                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
             steps = []
             while e.has_unfinished_requests():
-                r = e.step().record
+                r = e.step_with_record().record
                 if r.phase == "decode" and r.num_seqs == b:
                     steps.append(r)
             rows.append(dict(cuda_graphs=not eager and e.runner.graph_runner is not None, batch=b,
@@ -334,7 +334,7 @@ pd.DataFrame(rows).round(2)
 import importlib.util
 
 from minivllm.layers.attention import flash_attn_available, get_attention_backend, triton_available
-from minivllm.layers.attention.testing import make_case, naive_attention
+from minivllm.testing import make_case, naive_attention
 
 runnable = {"torch": True,
             "triton": triton_available() and ON_CUDA,
@@ -412,7 +412,7 @@ CHECK = textwrap.dedent('''
     import json, time
     import torch
     from minivllm.layers.attention import get_attention_backend
-    from minivllm.layers.attention.testing import make_case, naive_attention
+    from minivllm.testing import make_case, naive_attention
     cases = {"prefill": [(20, 20), (9, 9)], "prefix + chunk": [(40, 8)], "decode": [(33, 1), (17, 1), (5, 1)]}
     out = []
     for label, seqs in cases.items():
