@@ -44,6 +44,9 @@ class EngineArgs:
         attention_backend: "auto", "torch", "triton", "flash_attn".
         seed: seed of the engine-wide sampling generator (and of random weights).
         compile: torch.compile the small fused ops; None = on for CUDA, off on CPU.
+        speculative_config: vLLM v1's speculative decoding settings, e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2}`` (see ``minivllm/spec_decode``); None: off.
         init_method: torch.distributed rendezvous for tensor parallelism across machines
             (e.g. ``"env://"`` under torchrun, ``"tcp://host:port"``); None = the engine
             starts its workers on this machine.
@@ -68,6 +71,7 @@ class EngineArgs:
     seed: int | None = 0
     compile: bool | None = None
     init_method: str | None = None
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "tensor_parallel_size"]
@@ -79,6 +83,10 @@ class EngineArgs:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive int")
+        if self.speculative_config is not None:
+            from minivllm.spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises ValueError naming the problem
         if self.prefix_caching_hash_algo not in ("xxhash", "sha256"):
             raise ValueError(f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r}: "
                              "choose 'xxhash' or 'sha256'")

@@ -21,6 +21,20 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    #: Speculative decoding: draft tokens proposed and accepted, and verification steps.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_spec_steps: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (None before any draft)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification step: 1 + accepted drafts per step (None before any)."""
+        return 1 + self.num_accepted_draft_tokens / self.num_spec_steps if self.num_spec_steps else None
 
     @property
     def ttft_ms(self) -> float | None:

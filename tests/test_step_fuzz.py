@@ -11,10 +11,10 @@ from helpers_engine import make_llm, prompts_of
 from helpers_faults import FAULT_NAMES, Fault
 from minivllm import SamplingParams
 
-PREFIXES = [prompts_of([8], seed=100 + i)[0] for i in range(2)]
+PREFIXES = [prompts_of([8], seed=100 + i)[0] for i in range(2)] + [[7, 8, 9] * 4]  # the last repeats
 
 request = st.tuples(
-    st.integers(-1, 1),                 # shared prefix (two blocks) or none
+    st.integers(-1, 2),                 # shared prefix (two blocks, or a loop the n-gram proposer extends) or none
     st.integers(1, 14),                 # own tokens
     st.integers(1, 9),                  # max_tokens
     st.one_of(st.none(), st.integers(0, 2**16)),  # None: greedy, else the seed
@@ -93,3 +93,19 @@ def test_a_random_fault_in_a_random_step_changes_nothing(fuzz_llm, monkeypatch, 
         Fault(m, name, at=at, exc=exc)
         got = _run(engine, _requests(spec, "got"), abort_at)
     assert got == reference
+
+
+@pytest.fixture(scope="module")
+def fuzz_spec_llm(tiny_ckpt):
+    llm = make_llm(tiny_ckpt, num_kvcache_blocks=14, max_num_batched_tokens=12, max_num_seqs=3,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=workload, fault=fault, abort_at=aborts)
+def test_a_random_fault_with_speculative_decoding_changes_nothing(fuzz_spec_llm, monkeypatch, spec, fault, abort_at):
+    test_a_random_fault_in_a_random_step_changes_nothing.hypothesis.inner_test(
+        fuzz_spec_llm, monkeypatch, spec, fault, abort_at)

@@ -29,6 +29,8 @@ from minivllm.engine.transaction import StepTransaction
 from minivllm.layers.attention import default_block_size, resolve_backend_name
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.telemetry.peaks import Peaks, get_peaks
 from minivllm.telemetry.roofline import ModelCost, fill_step_record
 from minivllm.telemetry.step_record import ScheduledEntry, StepRecord
@@ -109,8 +111,11 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, args.enable_prefix_caching,
                                           args.prefix_caching_hash_algo)
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
+        self.speculative_config = (SpeculativeConfig.from_dict(args.speculative_config)
+                                   if args.speculative_config is not None else None)
+        propose = NgramProposer(self.speculative_config) if self.speculative_config is not None else None
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, budget, max_model_len,
-                                                   args.enable_chunked_prefill, self.eos_token_ids),
+                                                   args.enable_chunked_prefill, self.eos_token_ids, propose),
                                    self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler.finish)
         self.requests = self.output_processor.states  # request id -> RequestState, unfinished ones
@@ -268,7 +273,8 @@ class LLMEngine:
                 timer.schedule_ms = timer.lap()
                 result = self.runner.run(plan) if plan.scheduled else RunnerOutput.empty()
                 timer.lap()
-                self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed)
+                self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed,
+                                                  result.more_token_ids)
                 outputs = self.output_processor.process(result.seqs, self._errors(result.failed))
                 timer.postprocess_ms = timer.lap()
                 record = self._record(plan, result, timer, outputs)
@@ -323,7 +329,9 @@ class LLMEngine:
             kv_blocks_cached=bm.num_cached_blocks, prefix_cache_hit_tokens=plan.prefix_cache_hit_tokens,
             attention_backend=self.config.attention_backend, schedule_ms=timer.schedule_ms,
             prepare_ms=result.prepare_ms, model_ms=result.model_ms, sample_ms=result.sample_ms,
-            postprocess_ms=timer.postprocess_ms)
+            postprocess_ms=timer.postprocess_ms,
+            num_draft_tokens=sum(len(e.draft_token_ids) for e in plan.scheduled),
+            num_accepted_draft_tokens=sum(map(len, result.more_token_ids.values())))
         if entries:
             fill_step_record(record, self.model_cost, self.peaks)
         return record

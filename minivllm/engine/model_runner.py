@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
@@ -41,7 +41,9 @@ class ModelInput:
         positions: int64 ``[num_tokens]``.
         meta: the step's ``AttentionMetadata``.
         logits_indices: int64 ``[num_sampling]``: rows of the hidden states to sample from.
-        sampling_seqs: the sequences those rows belong to, in the same order.
+        sampling_seqs: the sequences those rows belong to, in the same order (a speculative
+            decode has one row per scored token: the last known token and each draft).
+        drafts: speculative decodes: sequence -> (its first row, its draft token ids).
     """
 
     input_ids: torch.Tensor
@@ -49,6 +51,7 @@ class ModelInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]
+    drafts: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -56,9 +59,11 @@ class RunnerOutput:
     """What the forward pass and sampler produced, and where the time went (ms).
 
     Attributes:
-        seqs: the sequences that sampled (``ModelInput.sampling_seqs``).
-        token_ids: their new token ids, same order.
-        failed: those of ``seqs`` whose logits row held NaN or inf (their token is meaningless).
+        seqs: the sequences that sampled, once each.
+        token_ids: their (first) new token ids, same order.
+        failed: those of ``seqs`` whose logits held NaN or inf (their token is meaningless).
+        more_token_ids: speculative decodes: the tokens emitted after the first (accepted
+            drafts' successors); absent for a sequence that emits one token.
     """
 
     seqs: list[Sequence]
@@ -67,6 +72,7 @@ class RunnerOutput:
     prepare_ms: float
     model_ms: float
     sample_ms: float
+    more_token_ids: dict = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "RunnerOutput":
@@ -230,9 +236,23 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         q_lens, context_lens, tables, logits_rows, sampling = [], [], [], [], []
+        drafts = {}
         for entry in plan.scheduled:
             seq, start, n = entry.seq, entry.start_pos, entry.num_tokens
             table = seq.block_table
+            if entry.draft_token_ids:  # the last known token, then the drafts; score every one
+                input_ids.append(seq.token_ids[start])
+                input_ids.extend(entry.draft_token_ids)
+                pos = np.arange(start, start + n)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+                drafts[seq] = (len(logits_rows), entry.draft_token_ids)
+                logits_rows.extend(range(len(input_ids) - n, len(input_ids)))
+                sampling.extend([seq] * n)
+                q_lens.append(n)
+                context_lens.append(start + n)
+                tables.append(table)
+                continue
             if n == 1:
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
@@ -254,7 +274,7 @@ class ModelRunner:
         return ModelInput(
             input_ids=flat[:t], positions=flat[t:2 * t],
             meta=self._metadata(q_lens, context_lens, flat[2 * t:3 * t], tables),
-            logits_indices=flat[3 * t:], sampling_seqs=sampling)
+            logits_indices=flat[3 * t:], sampling_seqs=sampling, drafts=drafts)
 
     @torch.inference_mode()
     def forward_logits(self, inp: ModelInput) -> torch.Tensor:
@@ -307,16 +327,50 @@ class ModelRunner:
         logits = self.forward_logits(inp)
         self._sync()
         t2 = time.perf_counter()
-        tokens, failed = [], set()
+        tokens, failed, seqs, more = [], set(), inp.sampling_seqs, {}
         if inp.sampling_seqs:
             with torch.inference_mode():
-                sampled = self.sampler(logits, self.sampling_batch(inp.sampling_seqs))
+                batch = self.sampling_batch(inp.sampling_seqs)
+                sampled = self.sampler(logits, batch)
                 # A row with NaN/inf logits samples garbage (argmax of NaN): mark it -1.
                 tokens = sampled.masked_fill(~torch.isfinite(logits).all(dim=-1), -1).tolist()
+                if inp.drafts:
+                    seqs, tokens, more = self._verify_drafts(inp, logits, batch, tokens)
             if -1 in tokens:
-                failed = {seq for seq, t in zip(inp.sampling_seqs, tokens) if t == -1}
+                failed = {seq for seq, t in zip(seqs, tokens) if t == -1}
         t3 = time.perf_counter()
-        return RunnerOutput(inp.sampling_seqs, tokens, failed, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+        return RunnerOutput(seqs, tokens, failed, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, more)
+
+    def _verify_drafts(self, inp: ModelInput, logits: torch.Tensor, batch: SamplingBatch, row_tokens: list[int]):
+        """Collapse each speculative decode's rows into the tokens it emits (see
+        ``minivllm/spec_decode/verify.py``); returns (seqs, first tokens, more tokens)."""
+        from minivllm.layers.sampler import filtered_probs
+        from minivllm.spec_decode.verify import verify_greedy, verify_sampled
+
+        seqs, tokens, more = [], [], {}
+        row = 0
+        while row < len(inp.sampling_seqs):
+            seq = inp.sampling_seqs[row]
+            spec = inp.drafts.get(seq)
+            if spec is None or spec[0] != row:
+                seqs.append(seq)
+                tokens.append(row_tokens[row])
+                row += 1
+                continue
+            drafts = spec[1]
+            rows = slice(row, row + len(drafts) + 1)
+            if -1 in row_tokens[rows]:
+                emitted = [-1]  # non-finite logits: the request fails (see LLMEngine)
+            elif seq.params.temperature == 0:
+                emitted = verify_greedy(drafts, row_tokens[rows])
+            else:
+                probs = filtered_probs(logits[rows].float(), batch.rows(rows))
+                emitted = verify_sampled(drafts, probs, seq.generator or self.sampler.generator)
+            seqs.append(seq)
+            tokens.append(emitted[0])
+            more[seq] = emitted[1:]
+            row = rows.stop
+        return seqs, tokens, more
 
     def shutdown(self) -> None:
         self.graph_runner = None

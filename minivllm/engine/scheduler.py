@@ -20,6 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from typing import Callable
+
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.undo import UndoLog
@@ -40,6 +42,9 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()
+    #: Speculative decoding: ``propose(seq, max_tokens) -> draft token ids`` for a decoding
+    #: sequence (None: no speculation). See ``minivllm/spec_decode``.
+    propose: Callable[[Sequence, int], list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -53,6 +58,9 @@ class ScheduledSequence:
     #: True when this step computes the sequence's last known token, so a new one is
     #: sampled (fixed at planning time: the sequence grows after the step).
     samples: bool
+    #: Speculative decoding: draft tokens scored after the last known token (a decode then
+    #: has ``1 + len(draft_token_ids)`` tokens and samples at each of them).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -128,6 +136,10 @@ class Scheduler:
             computed = seq.num_computed_tokens
             prefilling = computed < seq.prefill_target
             n = min(seq.prefill_target - computed, budget) if prefilling else 1
+            drafts = self._drafts(seq, budget) if not prefilling and self.config.propose is not None else []
+            if drafts and not bm.can_grow(seq, computed + 1 + len(drafts)):
+                drafts = []  # no room to speculate: a plain decode, never a preemption for drafts
+            n += len(drafts)
             total = computed + n
             if total > len(seq.block_table) * block_size:  # needs a new block
                 while not bm.can_grow(seq, total):
@@ -138,7 +150,8 @@ class Scheduler:
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
                 bm.grow(seq, total)
-            planned[id(seq)] = ScheduledSequence(seq, n, computed, prefilling, total == len(seq.token_ids))
+            planned[id(seq)] = ScheduledSequence(seq, n, computed, prefilling,
+                                                 total == len(seq.token_ids) + len(drafts), drafts)
             budget -= n
 
         # 2. Admit waiting requests (not in a step that had to preempt).
@@ -149,6 +162,13 @@ class Scheduler:
         prefills = [e for e in planned.values() if e.is_prefill]
         out.scheduled = decodes + prefills
         return out
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence: at most what the budget, ``max_tokens`` and
+        ``max_model_len`` leave room for (a step with d drafts can emit d + 1 tokens)."""
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens,
+                   self.config.max_model_len - len(seq)) - 1
+        return self.config.propose(seq, room) if room > 0 else []
 
     def _admit(self, budget: int, planned: dict, out: SchedulerOutput) -> int:
         bm = self.block_manager
@@ -202,39 +222,76 @@ class Scheduler:
 
     # -- after the forward pass ----------------------------------------------------------
     def update_from_output(self, plan: SchedulerOutput, seqs: list[Sequence], token_ids: list[int],
-                           failed: set[Sequence] = frozenset()) -> list[Sequence]:
+                           failed: set[Sequence] = frozenset(),
+                           more_token_ids: dict[Sequence, list[int]] | None = None) -> list[Sequence]:
         """Apply a finished forward pass; returns the sequences that finished.
 
         Args:
             plan: the step's plan (every entry's KV is now computed).
-            seqs / token_ids: the sequences that sampled and their new token, in order.
+            seqs / token_ids: the sequences that sampled and their (first) new token, in order.
             failed: sampling sequences whose logits were not finite: they get no token, none
                 of their blocks are registered for the prefix cache, and they finish with
                 finish_reason "error".
+            more_token_ids: speculative decoding: the tokens a sequence emits after its first
+                (its accepted drafts' successors, see ``minivllm/spec_decode/verify.py``).
+                Its KV is then valid up to the last of them, excluded (rejected drafts'
+                slots are simply overwritten later), and only those blocks are registered.
         """
         bm = self.block_manager
         caching, block_size = bm.enable_prefix_caching, bm.block_size
         for entry in plan.scheduled:
             seq = entry.seq
+            if entry.draft_token_ids:
+                continue  # its valid KV is known once its tokens are appended (below)
             seq.num_computed_tokens += entry.num_tokens
             if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes) and seq not in failed:
                 bm.register_computed_blocks(seq)  # a block was completed this step
         finished = []
         now = time.perf_counter()
+        more_token_ids = more_token_ids or {}
         for seq, token in zip(seqs, token_ids):
             if seq in failed:
                 self.finish(seq, "error")
                 finished.append(seq)
                 continue
-            seq.append_token(token, now)
-            p = seq.params
-            if token in p.stop_token_ids:
-                self.finish(seq, "stop", token)
-            elif token in self.config.eos_token_ids and not p.ignore_eos:
-                self.finish(seq, "stop", None)
-            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
-                self.finish(seq, "length")
-            else:
-                continue
-            finished.append(seq)
+            more = more_token_ids.get(seq)
+            if self._append(seq, token, now):
+                finished.append(seq)
+            elif more is not None:
+                for t in more:
+                    if self._append(seq, t, now):
+                        finished.append(seq)
+                        break
+        for entry in plan.scheduled:
+            if entry.draft_token_ids:
+                self._apply_verified(entry, more_token_ids.get(entry.seq))
         return finished
+
+    def _append(self, seq: Sequence, token: int, now: float) -> bool:
+        """Append one sampled token and apply the stops that need no text; True if it finished."""
+        seq.append_token(token, now)
+        p = seq.params
+        if token in p.stop_token_ids:
+            self.finish(seq, "stop", token)
+        elif token in self.config.eos_token_ids and not p.ignore_eos:
+            self.finish(seq, "stop", None)
+        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            self.finish(seq, "length")
+        else:
+            return False
+        return True
+
+    def _apply_verified(self, entry: ScheduledSequence, more: list[int] | None) -> None:
+        """A speculative decode: count the drafts and the accepted ones, and mark KV valid
+        for every token but the newest (the last draft slot may hold a rejected draft's KV)."""
+        seq = entry.seq
+        accepted = len(more) if more is not None else 0
+        seq.metrics.num_draft_tokens += len(entry.draft_token_ids)
+        seq.metrics.num_accepted_draft_tokens += accepted
+        seq.metrics.num_spec_steps += 1
+        if seq.is_finished:
+            return
+        seq.num_computed_tokens = len(seq) - 1
+        bm = self.block_manager
+        if bm.enable_prefix_caching and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+            bm.register_computed_blocks(seq)

@@ -44,6 +44,15 @@ class SamplingBatch:
     any_min_p: bool
     any_penalty: bool
 
+    def rows(self, index: slice) -> "SamplingBatch":
+        """The settings of the rows in ``index`` (a slice) only."""
+        if self.temperatures is None:
+            return SamplingBatch.greedy(len(self.generators[index]))
+        return SamplingBatch(self.temperatures[index], self.top_k[index], self.top_p[index], self.min_p[index],
+                             self.repetition_penalties[index], self.seen_token_ids[index],
+                             self.generators[index], all_greedy=self.all_greedy, any_top_k=self.any_top_k,
+                             any_top_p=self.any_top_p, any_min_p=self.any_min_p, any_penalty=self.any_penalty)
+
     @classmethod
     def greedy(cls, num_rows: int) -> "SamplingBatch":
         """All rows greedy with no penalty: only ``all_greedy`` is read, no tensors needed."""

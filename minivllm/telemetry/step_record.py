@@ -50,6 +50,8 @@ class StepRecord:
         schedule_ms / prepare_ms / model_ms / sample_ms / postprocess_ms: where the
             time went (scheduling, building input tensors and metadata, the forward
             pass incl. logits, sampling, stop checks + detokenisation + outputs).
+        num_draft_tokens / num_accepted_draft_tokens: speculative decoding: draft tokens
+            scored this step, and how many of them were accepted.
         flops / bytes_moved / mfu / mbu: roofline figures for the step, filled by
             ``minivllm.telemetry.roofline`` when peaks are known (else None).
     """
@@ -74,6 +76,8 @@ class StepRecord:
     model_ms: float = 0.0
     sample_ms: float = 0.0
     postprocess_ms: float = 0.0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     flops: float | None = None
     bytes_moved: float | None = None
     mfu: float | None = None

@@ -1,0 +1,133 @@
+"""Speculative decoding (n-gram proposer): exact greedy output, an unchanged distribution
+at T > 0, and the engine's bookkeeping through chunking, preemption and prefix caching."""
+from __future__ import annotations
+
+import pytest
+
+from helpers_engine import greedy, make_llm, prompts_of
+from minivllm import SamplingParams
+from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.ngram import propose_ngram
+from minivllm.spec_decode.verify import verify_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _repeating(seed: int, period: int, length: int) -> list[int]:
+    base = prompts_of([period], seed=seed)[0]
+    return (base * (length // period + 1))[:length]
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 3, 1, 4) == [4, 1, 2]
+    assert propose_ngram([1, 2, 9, 1, 2, 7, 1, 2], 2, 2, 2) == [7, 1]  # the latest occurrence wins
+    assert propose_ngram([5, 6, 7], 2, 1, 3) == []
+    assert propose_ngram([1, 2, 1, 2, 1], 4, 1, 2) == [2, 1]
+    assert propose_ngram([3, 1, 2, 3], 0, 1, 2) == []
+    assert propose_ngram([4, 8, 4, 9, 8, 4], 3, 2, 2) == [9, 8, 4]  # (8, 4) at positions 1..2
+    assert propose_ngram([4, 8, 4, 9, 7, 4], 3, 2, 2) == []         # (7, 4) never occurred before
+    assert propose_ngram([4, 8, 4, 9, 7, 4], 3, 1, 2) == [9, 7, 4]  # falls back to n = 1
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_token():
+    assert verify_greedy([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
+    assert verify_greedy([5, 6, 7], [5, 6, 7, 1]) == [5, 6, 7, 1]
+    assert verify_greedy([5], [4, 2]) == [4]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method='medusa'"),
+    ({"method": "ngram"}, "num_speculative_tokens=None"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "> prompt"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not implemented"),
+    ("ngram", "expected a dict"),
+])
+def test_bad_speculative_config_is_refused_naming_it(tiny_ckpt, bad, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(bad)
+    with pytest.raises(ValueError, match=match):
+        make_llm(tiny_ckpt, speculative_config=bad)
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"max_num_batched_tokens": 12, "num_kvcache_blocks": 20, "max_num_seqs": 3},  # chunks, preemption
+    {"block_size": 16, "num_kvcache_blocks": 64},
+])
+def test_greedy_output_is_identical_with_and_without_speculation(tiny_ckpt, engine_args):
+    prompts = [_repeating(s, p, n) for s, p, n in ((1, 3, 20), (2, 5, 17), (3, 7, 30))] + prompts_of([9], seed=4)
+    plain = make_llm(tiny_ckpt, **engine_args)
+    spec = make_llm(tiny_ckpt, speculative_config=NGRAM, **engine_args)
+    for max_tokens in (1, 5, 24):
+        assert _tokens(spec.generate(prompts, greedy(max_tokens), use_tqdm=False)) == \
+            _tokens(plain.generate(prompts, greedy(max_tokens), use_tqdm=False))
+    # Drafts were proposed and some accepted, and the counts reached the step records.
+    outs = spec.generate(prompts, greedy(24), use_tqdm=False)
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_step_records_count_drafts_and_accepted_tokens(tiny_ckpt):
+    llm = make_llm(tiny_ckpt, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    engine.add_request("r", _repeating(5, 4, 24), greedy(16))
+    drafts = accepted = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        rec = engine.last_step_record
+        drafts += rec.num_draft_tokens
+        accepted += rec.num_accepted_draft_tokens
+        assert rec.num_accepted_draft_tokens <= rec.num_draft_tokens
+    final = outs[0].metrics
+    assert (final.num_draft_tokens, final.num_accepted_draft_tokens) == (drafts, accepted) and drafts > 0
+    assert final.mean_accepted_length == 1 + accepted / final.num_spec_steps
+
+
+def test_max_tokens_and_stop_tokens_hold_within_accepted_drafts(tiny_ckpt):
+    prompt = _repeating(6, 3, 21)
+    plain = make_llm(tiny_ckpt).generate(prompt, greedy(40), use_tqdm=False)[0].outputs[0].token_ids
+    spec = make_llm(tiny_ckpt, speculative_config=NGRAM)
+    for n in (1, 2, 3, 7):
+        assert spec.generate(prompt, greedy(n), use_tqdm=False)[0].outputs[0].token_ids == plain[:n]
+    stop = plain[5]
+    out = spec.generate(prompt, greedy(40, stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain[:plain.index(stop) + 1] and out.outputs[0].stop_reason == stop
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_ckpt):
+    spec = make_llm(tiny_ckpt, speculative_config=NGRAM)
+    prompt = _repeating(7, 3, 18)
+    params = SamplingParams(temperature=0.7, top_k=20, seed=11, max_tokens=20, ignore_eos=True)
+    first = spec.generate([prompt, prompts_of([5], seed=8)[0]], params, use_tqdm=False)[0]
+    again = spec.generate(prompt, params, use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_sampling_distribution_is_unchanged_by_speculation(tiny_ckpt):
+    """Two-sample chi-square over the tokens of the speculative steps (the 2nd and 3rd
+    generated tokens, joint), 2000 seeded runs each; T = 0.1 concentrates the random model's mass
+    so that drafts are accepted often enough to matter."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    greedy_run = make_llm(tiny_ckpt).generate(_repeating(9, 3, 15), greedy(6), use_tqdm=False)[0]
+    prompt = _repeating(9, 3, 15) + greedy_run.outputs[0].token_ids[:3]  # a context the model continues
+    params = [SamplingParams(temperature=0.1, seed=s, max_tokens=3, ignore_eos=True) for s in range(2000)]
+    plain = make_llm(tiny_ckpt, num_kvcache_blocks=4096)
+    spec = make_llm(tiny_ckpt, num_kvcache_blocks=4096, speculative_config=NGRAM)
+    a = Counter(tuple(t[1:]) for t in _tokens(plain.generate([prompt] * 2000, params, use_tqdm=False)))
+    outs = spec.generate([prompt] * 2000, params, use_tqdm=False)
+    b = Counter(tuple(t[1:]) for t in _tokens(outs))
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 50  # speculation really ran
+    common = [k for k, _ in (a + b).most_common(12)]
+    table = [[a[k] for k in common] + [2000 - sum(a[k] for k in common)],
+             [b[k] for k in common] + [2000 - sum(b[k] for k in common)]]
+    assert chi2_contingency(table)[1] > 0.001
