@@ -268,7 +268,7 @@ print(f"{'  .tokenizer':20s} text <-> token ids; the engine's detokenizer turns 
 #
 # Now we follow one request. The cell wraps the methods the engine calls in a step (`schedule`,
 # `prepare_input`, the model's forward, the attention backend, `compute_logits`, the sampler,
-# `postprocess`) with a small tracer that notes each call, then drives the engine with `step()`
+# `update_from_output`) with a small tracer that notes each call, then drives the engine with `step()`
 # until the request finishes, and prints what happened in each of its steps.
 
 # %%
@@ -311,7 +311,7 @@ patch(runner.backend, "forward", None, count_attention)
 patch(runner.model, "forward", "Qwen3ForCausalLM.forward", after_forward)
 patch(runner.model, "compute_logits", "compute_logits", lambda a, lg: f"logits {list(lg.shape)}")
 patch(runner, "sampler", "Sampler", lambda a, tokens: f"token ids {tokens.tolist()}")
-patch(sched, "postprocess", "Scheduler.postprocess", lambda a, r: ", ".join(
+patch(sched, "update_from_output", "Scheduler.update_from_output", lambda a, r: ", ".join(
     f"{e.seq.request_id}: num_computed_tokens -> {e.seq.num_computed_tokens}" for e in a[0].scheduled))
 journey = []
 try:
@@ -348,8 +348,9 @@ for calls, result in journey:
 # blocks) → `ModelRunner.prepare_input` flattens the plan into `input_ids`, `positions` and the
 # attention metadata (`slot_mapping`: where each new token's K and V go; `block_tables`: which
 # blocks each sequence may read) → the model's forward, calling the attention backend once per layer
-# → `compute_logits` for the rows that sample → `Sampler` → `Scheduler.postprocess` → stop checks
-# and the detokenizer → a `RequestOutput`, plus a `StepRecord`.
+# → `compute_logits` for the rows that sample → `Sampler` → `Scheduler.update_from_output` (new
+# tokens appended, stop checks on token ids and length, finished requests' blocks freed) →
+# `OutputProcessor.process` (the detokenizer, stop strings) → a `RequestOutput`, plus a `StepRecord`.
 #
 # The slot numbers are the block id times the block size plus the offset in the block: chapter 04
 # is about exactly that. In the decode steps only one token enters the model, at the next position,
