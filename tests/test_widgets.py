@@ -575,3 +575,24 @@ def test_chart_titles_say_what_was_measured_where(llm):
     title = stepper.chart.layout.title.text
     cfg = llm.llm_engine.config
     assert f"measured on {cfg.device}" in title and llm.llm_engine.source.name in title and "float32" in title
+
+
+def test_stepper_shows_accepted_and_rejected_draft_tokens():
+    from widgets import EngineStepper
+
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    s = EngineStepper(llm)
+    s.prompt_box.value = "[" + ", ".join(map(str, [11, 12, 13] * 8)) + "]"  # a loop: the proposer has drafts
+    s.max_tokens_box.value = 12
+    s.add_button.click()
+    seen = []
+    for _ in range(12):
+        s.step_button.click()
+        r = s.steps[-1]
+        if r.num_draft_tokens:
+            seen.append(r)
+            text = (f"{r.num_draft_tokens} draft tokens scored, {r.num_accepted_draft_tokens} accepted, "
+                    f"{r.num_draft_tokens - r.num_accepted_draft_tokens} rejected")
+            assert text in s.step_pane.value
+    assert seen, "no step had draft tokens"
+    llm.shutdown()

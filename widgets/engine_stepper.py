@@ -434,6 +434,14 @@ class EngineStepper(CourseWidget):
             f"<span class='mv-small'>(schedule {r.schedule_ms:.2f}, prepare inputs {r.prepare_ms:.2f}, "
             f"model {r.model_ms:.2f}, sample {r.sample_ms:.2f}, postprocess {r.postprocess_ms:.2f} ms)</span></div>",
         ]
+        if r.num_draft_tokens:
+            rejected = r.num_draft_tokens - r.num_accepted_draft_tokens
+            lines.append(
+                f"<div class='mv-box'><b>speculative decoding</b> <span class='mv-spec'>"
+                f"{r.num_draft_tokens} draft tokens scored, {r.num_accepted_draft_tokens} accepted, "
+                f"{rejected} rejected</span> <span class='mv-bartrack'>"
+                f"{self._bar(r.num_accepted_draft_tokens / r.num_draft_tokens, '#54a24b')}"
+                f"{self._bar(rejected / r.num_draft_tokens, '#e45756')}</span></div>")
         if r.mfu is not None:
             p = self._peaks
             peak_note = (f"peaks measured here: {fmt_si(p.flops_per_s, 'FLOP/s')}, {fmt_si(p.bytes_per_s, 'B/s')}"
