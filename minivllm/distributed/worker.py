@@ -33,6 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minivllm.distributed import launch
@@ -80,10 +81,16 @@ def pack_step(inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
     """
     meta = inp.meta
     n_seqs, width = meta.block_tables.shape
-    parts = [inp.input_ids, inp.positions, meta.slot_mapping,
-             torch.tensor(meta.q_lens_cpu), torch.tensor(meta.context_lens_cpu),
-             meta.block_tables.reshape(-1), inp.logits_indices]
-    payload = torch.cat([p.to("cpu", torch.int64) for p in parts])
+    lens = torch.tensor(meta.q_lens_cpu + meta.context_lens_cpu, dtype=torch.int64)
+    if inp.host is not None:  # the host arrays the runner uploaded: no device read-back
+        flat, tables = inp.host
+        t = inp.input_ids.numel()
+        payload = torch.cat([torch.from_numpy(flat[:3 * t]), lens,
+                             torch.from_numpy(tables.reshape(-1).astype(np.int64)), torch.from_numpy(flat[3 * t:])])
+    else:
+        parts = [inp.input_ids, inp.positions, meta.slot_mapping, lens, meta.block_tables.reshape(-1),
+                 inp.logits_indices]
+        payload = torch.cat([p.to("cpu", torch.int64) for p in parts])
     header = torch.tensor([STEP, inp.input_ids.numel(), n_seqs, inp.logits_indices.numel(), width,
                            payload.numel()], dtype=torch.int64)
     return header, payload

@@ -60,16 +60,18 @@ class LLMEngine:
         backend_name = resolve_backend_name(args.attention_backend, device, args.block_size, dtype)
         block_size = args.block_size or default_block_size(backend_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
-        budget_hint = args.max_num_batched_tokens or 8192
+        # the largest step resolve_lengths can allow (the memory profile runs one this long)
+        budget_hint = args.max_num_batched_tokens or (
+            8192 if args.enable_chunked_prefill else max(8192, args.max_model_len or hf.max_position_embeddings))
         runner_args = (self.source, device, dtype, backend_name, block_size, args.num_kvcache_blocks,
                        args.kv_cache_memory_bytes, args.gpu_memory_utilization, budget_hint, args.seed)
         if args.tensor_parallel_size > 1:  # rank 0 of a sharded model; see minivllm/distributed/tp_runner.py
             from minivllm.distributed.tp_runner import TPModelRunner
 
             self.runner = TPModelRunner(*runner_args, tp_size=args.tensor_parallel_size,
-                                        init_method=args.init_method)
+                                        init_method=args.init_method, max_num_seqs=args.max_num_seqs)
         else:
-            self.runner = ModelRunner(*runner_args)
+            self.runner = ModelRunner(*runner_args, max_num_seqs=args.max_num_seqs)
         try:
             max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
                                                     block_size)

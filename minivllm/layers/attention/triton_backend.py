@@ -28,6 +28,13 @@ class TritonAttentionBackend(AttentionBackend):
 
         self._kernels = triton_kernels
 
+    def decode_context_buckets(self, num_seqs: int, max_seqlen_k: int, k_cache: torch.Tensor) -> list[int]:
+        """Context bounds to capture one decode CUDA graph each for (see
+        ``triton_kernels.decode_context_buckets``); ``k_cache [blocks, block_size, Hk, D]``."""
+        kern = self._kernels
+        return kern.decode_context_buckets(kern._sm_count(k_cache.device), num_seqs, int(k_cache.shape[2]),
+                                           int(k_cache.shape[3]), max_seqlen_k)
+
     def forward(
         self,
         q: torch.Tensor,

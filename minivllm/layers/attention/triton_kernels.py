@@ -16,11 +16,12 @@ Keys are gathered token by token through the block table (``block = table[t // b
 ``slot = block * block_size + t % block_size``), so a KV tile never has to align with a
 cache block and any block size works (16 for the widgets, 256 for flash-attn layouts).
 
-``tl.dot`` operands are cast to fp32 and accumulate in fp32: the Triton interpreter
-computes low-precision ``tl.dot`` wrongly, and fp32 accumulation is what we want anyway.
-On a GPU, fp16/bf16 inputs use TF32 tensor cores (exact for bf16/fp16 inputs, whose
-mantissas fit in TF32's 10 bits); fp32 inputs use full IEEE fp32 so fp32 runs match the
-torch reference closely.
+``tl.dot`` always accumulates in fp32. On a GPU its operands stay in the model's dtype:
+bf16/fp16 tiles go to the tensor cores at their full rate (twice the TF32 rate on H100/
+H200), with the softmax weights ``p`` rounded to that dtype for the second product as in
+FlashAttention; fp32 models use IEEE fp32 so they match the torch reference closely. Under
+the Triton interpreter every operand is cast to fp32 first (``DOT_F32``): the interpreter
+computes low-precision ``tl.dot`` wrongly.
 
 On a machine without a GPU the kernels run under the Triton interpreter, which must be
 enabled (``TRITON_INTERPRET=1``) *before* this module is imported.
@@ -55,11 +56,17 @@ def _check_device(t: torch.Tensor) -> None:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    # The interpreter computes in numpy fp32 whatever we ask; on a GPU TF32 is exact for
-    # products of fp16/bf16 values, IEEE keeps fp32 models bit-close to the reference.
+    # Only fp32 operands read this (bf16/fp16 dots ignore it): IEEE keeps fp32 models close
+    # to the torch reference; the interpreter computes in numpy fp32 whatever we ask.
     if dtype == torch.float32 or kernels_interpreted():
         return "ieee"
     return "tf32"
+
+
+def _dot_in_f32(dtype: torch.dtype) -> bool:
+    """Whether the kernels cast ``tl.dot`` operands to fp32: under the interpreter only
+    (a no-op for fp32 inputs)."""
+    return kernels_interpreted() or dtype == torch.float32
 
 
 # --------------------------------------------------------------------------------------
@@ -140,7 +147,7 @@ def store_kvcache(
 # replay.
 # num_splits is a runtime argument (not specialised), so every split count shares one
 # compiled kernel: no JIT compile in the middle of serving when the batch size changes.
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr,
     part_acc_ptr, part_ml_ptr,  # [S, H, num_splits, D] fp32 and [S, H, num_splits, 2] fp32
@@ -152,7 +159,7 @@ def _paged_decode_kernel(
     block_size,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # One program per (sequence, kv head, split): all GROUP query heads that share this
     # kv head are handled together, so each K/V tile is read from memory once (GQA).
@@ -175,7 +182,9 @@ def _paged_decode_kernel(
     q = tl.load(
         q_ptr + seq64 * stride_qs + heads[:, None] * stride_qh + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
-    ).to(tl.float32)
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -187,8 +196,11 @@ def _paged_decode_kernel(
         blk = tl.load(bt_row + t // block_size, mask=t_mask, other=0).to(tl.int64)
         base = blk * stride_cb + (t % block_size) * stride_co + kvh * stride_ch
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         # each tile has at least one valid key, so m_new is finite
@@ -196,7 +208,7 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     gd_mask = g_mask[:, None] & d_mask[None, :]
@@ -250,19 +262,63 @@ MAX_SPLITS = 16
 _SM_COUNT: dict[int, int] = {}
 
 
-def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_k: int | None,
-                block_n: int) -> int:
-    """Splits per sequence so that about two programs run per SM, at most MAX_SPLITS, and never
-    more than the longest possible context has KV tiles. 1 under the interpreter."""
-    if kernels_interpreted() or q.device.type != "cuda":
-        return 1
-    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+#: fewest KV tiles a split handles (fewer would cost more in the merge than it saves)
+MIN_TILES_PER_SPLIT = 4
+
+
+def _sm_count(device: torch.device) -> int | None:
+    """Streaming multiprocessors of ``device``; None off CUDA or under the interpreter."""
+    if kernels_interpreted() or device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    want = -(-2 * _SM_COUNT[idx] // max(1, num_seqs * num_kv_heads))
+    return _SM_COUNT[idx]
+
+
+def num_decode_splits(sm_count: int | None, num_seqs: int, num_kv_heads: int, max_seqlen_k: int | None,
+                      block_n: int) -> int:
+    """KV splits per sequence for the decode kernel: enough programs for about two per SM,
+    at most ``MAX_SPLITS``, and at least ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` keys
+    of the longest possible context (``max_seqlen_k``; None: no bound) per split.
+    1 when ``sm_count`` is None (CPU, interpreter)."""
+    if sm_count is None:
+        return 1
+    want = -(-2 * sm_count // max(1, num_seqs * num_kv_heads))
     if max_seqlen_k is not None:
-        want = min(want, max(1, -(-int(max_seqlen_k) // (4 * block_n))))  # >= 4 tiles per split
+        want = min(want, max(1, -(-int(max_seqlen_k) // (MIN_TILES_PER_SPLIT * block_n))))
     return int(max(1, min(MAX_SPLITS, want)))
+
+
+def _num_splits(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_seqlen_k: int | None,
+                block_n: int) -> int:
+    return num_decode_splits(_sm_count(q.device), num_seqs, num_kv_heads, max_seqlen_k, block_n)
+
+
+def decode_context_buckets(sm_count: int | None, num_seqs: int, num_kv_heads: int, head_dim: int,
+                           max_seqlen_k: int) -> list[int]:
+    """Context-length bounds at which the decode kernel's split count changes, for CUDA-graph
+    capture: a graph captured for bound ``L`` launches ``num_decode_splits(.., L, ..)`` splits,
+    so a step whose longest context is 129 tokens replays a graph with few splits instead of
+    the ``max_model_len`` one (up to ``MAX_SPLITS`` splits and a merge kernel per layer).
+
+    Bounds are ``MIN_TILES_PER_SPLIT * block_n * 2**i`` below ``max_seqlen_k``, keeping the
+    largest bound of each split count, then ``max_seqlen_k``; ``[max_seqlen_k]`` when
+    ``sm_count`` is None. Any bound is correct for any context (splits only partition the
+    keys); the bound only sets the launch shape.
+    """
+    if max_seqlen_k < 1:
+        raise ValueError(f"max_seqlen_k must be >= 1, got {max_seqlen_k}")
+    block_n = decode_block_n(max(16, triton.next_power_of_2(head_dim)))
+    top = num_decode_splits(sm_count, num_seqs, num_kv_heads, max_seqlen_k, block_n)
+    by_splits: dict[int, int] = {}
+    bound = MIN_TILES_PER_SPLIT * block_n
+    while bound < max_seqlen_k:
+        splits = num_decode_splits(sm_count, num_seqs, num_kv_heads, bound, block_n)
+        if splits < top:
+            by_splits[splits] = bound
+        bound *= 2
+    return sorted(by_splits.values()) + [int(max_seqlen_k)]
 
 
 def paged_decode_attention(
@@ -329,7 +385,7 @@ def paged_decode_attention(
         k_cache.shape[1],
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT=splits > 1, PRECISION=_dot_precision(q.dtype),
+        SPLIT=splits > 1, PRECISION=_dot_precision(q.dtype), DOT_F32=_dot_in_f32(q.dtype),
     )
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -342,7 +398,7 @@ def paged_decode_attention(
 # --------------------------------------------------------------------------------------
 # (3) prefill attention over paged KV: causal, variable-length, prefix + new chunk
 # --------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
@@ -353,7 +409,7 @@ def _paged_prefill_kernel(
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     # One program per (sequence, tile of BLOCK_M query rows, query head).
     seq = tl.program_id(0)
@@ -377,7 +433,9 @@ def _paged_prefill_kernel(
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
         mask=m_mask[:, None] & d_mask[None, :], other=0.0,
-    ).to(tl.float32)
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -391,8 +449,11 @@ def _paged_prefill_kernel(
         blk = tl.load(bt_row + t // block_size, mask=t_mask, other=0).to(tl.int64)
         base = blk * stride_cb + (t % block_size) * stride_co + kvh * stride_ch
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         keep = t_mask[None, :] & (t[None, :] <= q_pos[:, None])
         s = tl.where(keep, s, float("-inf"))
@@ -402,7 +463,7 @@ def _paged_prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -416,7 +477,7 @@ def _paged_prefill_kernel(
 def prefill_launch_config(block_d: int, precision: str) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)`` of the prefill kernel on a GPU.
 
-    The q tile, the accumulator and the dot operands are fp32; with 128-wide heads, or
+    The accumulator is fp32 (the q tile too for fp32 models); with 128-wide heads, or
     with IEEE fp32 dots (done with FMAs, not tensor cores), 64x64 tiles on 4 warps spill
     registers on sm_90, so those use 32-key tiles on 8 warps (checked by
     ``tests/test_triton_aot_compile.py``, which compiles these configurations for sm_90).
@@ -489,7 +550,7 @@ def paged_prefill_attention(
         k_cache.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=precision,
+        PRECISION=precision, DOT_F32=_dot_in_f32(q.dtype),
         num_warps=num_warps,
     )
     return out
