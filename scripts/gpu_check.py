@@ -78,8 +78,10 @@ SCHEMA = 2
 DEFAULT_BUDGET_S = 480.0  # the whole run must fit 8 minutes of a 10-minute device lease
 #: a section is not started with less than this left (process start + imports + CUDA init)
 MIN_SECTION_S = 20.0
+#: a section that hangs (e.g. after a CUDA fault) must not eat the rest of the budget
+DEFAULT_SECTION_TIMEOUT_S = 240.0
 SMOKE_MODEL = "minivllm-tiny"
-FAULT_KINDS = ("raise", "abort")
+FAULT_KINDS = ("raise", "abort", "hang")
 
 
 # ------------------------------------------------------------------------------ pure helpers
@@ -121,13 +123,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tpot-tokens", type=int, default=128, help="output tokens per TPOT request")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help="wall-clock budget of the whole run; sections past it are skipped (default 480)")
+    p.add_argument("--section-timeout-s", type=float, default=DEFAULT_SECTION_TIMEOUT_S,
+                   help="a section still running after this many seconds is killed (default 240)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (CUDA graphs emulated): checks "
                         "this script's plumbing on a machine without a GPU; its numbers mean nothing")
     p.add_argument("--inject-fault", action="append", default=[], metavar="SECTION=KIND",
                    help=f"test the fault isolation: make SECTION fail ({'/'.join(FAULT_KINDS)}: a Python "
-                        "error, or the process killed by SIGABRT like a CUDA fault) after its first row")
+                        "error, the process killed by SIGABRT like a CUDA fault, or a hang) after its first row")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)       # run one section in-process
     p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -146,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--hf-batch must be >= 1, got {args.hf_batch}")
     if args.budget_s <= 0:
         p.error(f"--budget-s must be > 0, got {args.budget_s}")
+    if args.section_timeout_s <= 0:
+        p.error(f"--section-timeout-s must be > 0, got {args.section_timeout_s}")
     faults = {}
     for spec in args.inject_fault:
         name, _, kind = spec.partition("=")
@@ -501,15 +507,15 @@ def _engine(args, enforce_eager, max_capture_size=None, **kw):
     if args.smoke:  # the CPU default backend (torch) cannot be captured; triton runs interpreted
         kw.setdefault("num_kvcache_blocks", 256)
         kw.setdefault("attention_backend", "triton")
+    own_graphs = not enforce_eager and (args.smoke or max_capture_size is not None)
+    # with graphs of our own the engine captures none (torch.compile is set up either way)
     llm = LLM(args.model, device=args.device, dtype="bfloat16" if not args.smoke else "float32",
-              enforce_eager=enforce_eager, seed=args.seed, **_compile_kw(args), **kw)
+              enforce_eager=enforce_eager or own_graphs, seed=args.seed, **_compile_kw(args), **kw)
     eng = llm.llm_engine
-    if not enforce_eager and (args.smoke or max_capture_size is not None):
+    if own_graphs:
         from minivllm.engine.cuda_graph import CudaGraphDecodeRunner
 
         runner = eng.runner
-        runner.graph_runner = None
-        _free_gpu()
         runner.graph_runner = CudaGraphDecodeRunner(
             runner.model, runner.kv_caches, runner.backend, eng.args.max_num_seqs,
             -(-eng.config.max_model_len // runner.block_size), runner.hf_config.hidden_size, runner.device,
@@ -923,6 +929,8 @@ def run_worker(args) -> int:
                 rows.append(row)
                 if fault == "abort":
                     os.abort()
+                if fault == "hang":
+                    time.sleep(10**6)
                 raise _InjectedFault(f"fault injected into {name} (--inject-fault)")
 
             def extend(self, more):
@@ -955,7 +963,7 @@ def _worker_argv(args, name: str, rows_path: Path) -> list[str]:
 
 def _describe_exit(rc: int | None) -> str:
     if rc is None:
-        return "killed: budget spent"
+        return "killed: out of time (budget or --section-timeout-s)"
     if rc < 0:
         try:
             return f"killed by {signal.Signals(-rc).name}"
@@ -994,7 +1002,7 @@ def run_sections(args) -> int:
             proc = subprocess.Popen(_worker_argv(args, name, rows_path), stdout=log, stderr=subprocess.STDOUT,
                                     env=env, cwd=ROOT, start_new_session=True)
             try:
-                rc = proc.wait(timeout=left)
+                rc = proc.wait(timeout=min(left, args.section_timeout_s))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)  # the section and anything it started
                 proc.wait()

@@ -129,6 +129,21 @@ def test_smoke_run_of_every_section_survives_a_fault_in_one(tmp_path):
     assert (tmp_path / "gc.prefill.log").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the whole check")
+def test_a_hanging_section_is_killed_and_recorded(tmp_path):
+    out = tmp_path / "gc.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(SCRIPT.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--sections", "kernels",
+                          "--inject-fault", "kernels=hang", "--section-timeout-s", "20"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    payload = json.loads(out.read_text())
+    assert res.returncode == 1
+    sec = payload["sections"]["kernels"]
+    assert sec["status"] == "error" and sec["returncode"] is None and "out of time" in sec["error"]
+    assert payload["complete"] and payload["rows"][-1]["status"] == "error"
+
+
 def script_sections():
     spec = importlib.util.spec_from_file_location("gpu_check_sections", SCRIPT)
     mod = importlib.util.module_from_spec(spec)

@@ -130,7 +130,8 @@ def select_device(device: torch.device) -> torch.device:
 class _PinnedStaging:
     """Reusable pinned host memory for a step's uploads: ``upload`` copies a host array into
     it and starts a non-blocking copy to the device. ``begin_step`` waits for the previous
-    step's copies (already done when that step read its sampled tokens) and rewinds."""
+    step's copies (already done when that step read its sampled tokens) and rewinds; a
+    caller that never calls it (a tensor-parallel worker) wraps around after the same wait."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -145,10 +146,13 @@ class _PinnedStaging:
     def upload(self, array: np.ndarray) -> torch.Tensor:
         start = -(-self.offset // 16) * 16  # 16-byte aligned: Triton specialises on pointer alignment
         end = start + array.nbytes
-        if self.buf is None or end > self.buf.numel():
+        if self.buf is None or 2 * array.nbytes > self.buf.numel():
             # the old buffer stays alive while copies from it are in flight (PyTorch's pinned
-            # allocator records them); this step continues in a fresh one
-            self.buf = torch.empty(max(2 * array.nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            # allocator records them); continue in a larger one
+            self.buf = torch.empty(max(4 * array.nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            start, end = 0, array.nbytes
+        elif end > self.buf.numel():  # wrap around once the copies from the start are done
+            self.done.synchronize()
             start, end = 0, array.nbytes
         view = self.buf[start:end].view(torch.from_numpy(array[:0]).dtype).view(array.shape)
         np.copyto(view.numpy(), array)
