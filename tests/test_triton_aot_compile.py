@@ -80,13 +80,14 @@ for dt in ("bf16", "fp32"):
     results["merge " + dt] = compile_one(tk._merge_splits_kernel, merge, dict(
         NUM_HEADS=16, HEAD_DIM=128, BLOCK_S=tk.MAX_SPLITS, BLOCK_D=128))
     pre = dict(q_ptr="*" + dt, out_ptr="*" + dt, cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32",
-               block_tables_ptr="*i32", qk_scale="fp32", **cache_ptrs(dt),
+               block_tables_ptr="*i32", tile_map_ptr="*i32", qk_scale="fp32", **cache_ptrs(dt),
                **{n: I32 for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
                                    "stride_co", "stride_ch", "stride_bt", "block_size")})
     for d, group in ((128, 2), (64, 8)):
         bm, bn, warps = tk.prefill_launch_config(d, prec)  # what the wrapper launches
         results[f"prefill {dt} d{d} g{group}"] = compile_one(tk._paged_prefill_kernel, pre, dict(
-            GROUP=group, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, PRECISION=prec, DOT_F32=f32), num_warps=warps)
+            GROUP=group, HEAD_DIM=d, BLOCK_M=max(bm, group), BLOCK_N=bn, BLOCK_D=d, BLOCK_G=group, PRECISION=prec,
+            DOT_F32=f32), num_warps=warps)
 print("RESULTS" + json.dumps(results))
 '''
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -402,37 +403,43 @@ def paged_decode_attention(
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    tile_map_ptr,  # int32 [num_tiles, 2]: (sequence, tile index within its query rows)
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch,
     stride_bt,
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # One program per (sequence, tile of BLOCK_M query rows, query head).
-    seq = tl.program_id(0)
-    m_blk = tl.program_id(1)
-    head = tl.program_id(2)
+    # One program per (real query tile, kv head). A tile is BLOCK_M // BLOCK_G query tokens
+    # of one sequence times the BLOCK_G query heads sharing this kv head, flattened into
+    # BLOCK_M rows (row r: token r // BLOCK_G, head r % BLOCK_G), so each K/V tile is read
+    # once for the whole query group (GQA), and no program is launched for tiles past a
+    # sequence's query length.
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(tile_map_ptr + 2 * tile)
+    m_blk = tl.load(tile_map_ptr + 2 * tile + 1)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if m_blk * BLOCK_M >= q_len:  # grid is sized for the longest query of the step
-        return
     ctx_len = tl.load(context_lens_ptr + seq)
-    kvh = head // GROUP
     first_pos = ctx_len - q_len  # absolute position of this sequence's first new token
 
-    m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
+    m = m_blk * (BLOCK_M // BLOCK_G) + r // BLOCK_G
+    g = r % BLOCK_G
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, BLOCK_N)
-    m_mask = m < q_len
+    row_mask = (m < q_len) & (g < GROUP)
     d_mask = d < HEAD_DIM
+    heads = kvh * GROUP + g
     q_pos = first_pos + m
     rows = (q_start + m).to(tl.int64)
     q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :], other=0.0,
     )
     if DOT_F32:
         q = q.to(tl.float32)
@@ -441,8 +448,8 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Causality: the last row of this tile sees keys up to its own position, no further.
-    kv_end = tl.minimum(ctx_len, first_pos + (m_blk + 1) * BLOCK_M)
+    # Causality: the tile's last token sees keys up to its own position, no further.
+    kv_end = tl.minimum(ctx_len, first_pos + (m_blk + 1) * (BLOCK_M // BLOCK_G))
     for start in range(0, kv_end, BLOCK_N):
         t = start + n
         t_mask = t < ctx_len
@@ -458,7 +465,7 @@ def _paged_prefill_kernel(
         keep = t_mask[None, :] & (t[None, :] <= q_pos[:, None])
         s = tl.where(keep, s, float("-inf"))
         # Every valid row sees key 0 in the first tile, so m_new is finite from then on;
-        # padding rows (m >= q_len) have q_pos >= ctx_len and see every key: no NaN either.
+        # padding rows (token past q_len) have q_pos >= ctx_len and see every key: no NaN either.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -468,9 +475,9 @@ def _paged_prefill_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
     )
 
 
@@ -492,6 +499,39 @@ def decode_block_n(block_d: int) -> int:
     return 64 if block_d <= 64 else 32
 
 
+def prefill_tile_map(q_lens: list[int], tokens_per_tile: int, device: torch.device | str) -> torch.Tensor:
+    """The prefill kernel's work list: one ``(sequence, tile)`` int32 row per tile of
+    ``tokens_per_tile`` query tokens that holds at least one token, sequence by sequence.
+
+    Args:
+        q_lens: query tokens per sequence (host ints, >= 0).
+        tokens_per_tile: query tokens per program (>= 1).
+
+    Returns:
+        int32 ``[num_tiles, 2]`` on ``device``.
+    """
+    if tokens_per_tile < 1:
+        raise ValueError(f"tokens_per_tile must be >= 1, got {tokens_per_tile}")
+    tiles = -(-np.asarray(q_lens, dtype=np.int64) // tokens_per_tile)
+    starts = np.cumsum(tiles) - tiles
+    seq = np.repeat(np.arange(len(tiles), dtype=np.int32), tiles)
+    idx = np.arange(int(tiles.sum())) - np.repeat(starts, tiles)
+    out = torch.from_numpy(np.stack([seq, idx.astype(np.int32)], axis=1).reshape(-1, 2))
+    return out.to(device) if torch.device(device).type == "cuda" else out
+
+
+def prefill_tiling(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M rows, BLOCK_N keys, BLOCK_G heads, tokens per tile, num_warps)`` of the prefill
+    kernel for these shapes (interpreter: 16-row, 16-key tiles)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n, num_warps = prefill_launch_config(block_d, _dot_precision(dtype))
+    if kernels_interpreted():
+        block_m, block_n = 16, 16  # the interpreter's cost grows with tile size
+    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_m = max(block_m, block_g)
+    return block_m, block_n, block_g, block_m // block_g, num_warps
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -502,6 +542,7 @@ def paged_prefill_attention(
     max_seqlen_q: int,
     scale: float,
     out: torch.Tensor | None = None,
+    tile_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal variable-length attention of new query tokens over paged KV.
 
@@ -516,9 +557,13 @@ def paged_prefill_attention(
         context_lens: int32 ``[num_seqs]``: keys per sequence (cached + new); sequence
             ``i``'s queries sit at positions ``context_lens[i] - q_len_i .. context_lens[i]-1``.
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]`` padded with -1.
-        max_seqlen_q: longest query length (sizes the launch grid).
+        max_seqlen_q: longest query length (unused since the grid follows ``tile_map``;
+            kept for callers).
         scale: softmax scale.
         out: optional ``[num_tokens, num_heads, head_dim]`` output buffer.
+        tile_map: ``prefill_tile_map(q_lens, prefill_tiling(...)[3], device)``; built here
+            from ``cu_seqlens_q`` (a device read-back) when None. The backend builds it once
+            per step.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
@@ -537,19 +582,23 @@ def paged_prefill_attention(
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs >= 16
     precision = _dot_precision(q.dtype)
-    block_m, block_n, num_warps = prefill_launch_config(block_d, precision)
-    if kernels_interpreted():
-        block_m, block_n = 16, 16  # the interpreter's cost grows with tile size
-    grid = (num_seqs, triton.cdiv(max(int(max_seqlen_q), 1), block_m), num_heads)
+    block_m, block_n, block_g, tokens_per_tile, num_warps = prefill_tiling(num_heads, num_kv_heads, head_dim,
+                                                                           q.dtype)
+    if tile_map is None:
+        q_lens = torch.diff(cu_seqlens_q.to("cpu", torch.int64)).tolist()
+        tile_map = prefill_tile_map(q_lens, tokens_per_tile, q.device)
+    if tile_map.shape[0] == 0:
+        return out
+    grid = (int(tile_map.shape[0]), num_kv_heads)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, tile_map,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         k_cache.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_G=block_g,
         PRECISION=precision, DOT_F32=_dot_in_f32(q.dtype),
         num_warps=num_warps,
     )
