@@ -921,6 +921,12 @@ def run_worker(args) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     rows = RowLog(args.worker_out, environment())
     rows._flush()
+    try:  # Dynamo recompiles, with their reasons, go to the section's log
+        import torch._logging
+
+        torch._logging.set_logs(recompiles=True)
+    except Exception:  # a torch without this API: the counts in engine_graphs still come back
+        pass
     name = args.worker
     fault = args.faults.get(name)
     if fault:  # fire after the section's first row: that row must still come back
