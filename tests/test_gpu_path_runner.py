@@ -126,3 +126,22 @@ def test_pack_step_from_host_arrays_equals_the_device_read_back(tiny_ckpt):
     header2, payload2 = pack_step(inp)
     llm.shutdown()
     assert torch.equal(header, header2) and torch.equal(payload, payload2)
+
+
+def test_step_tensors_start_on_16_byte_boundaries(tiny_ckpt):
+    """Triton specialises on pointer alignment; views into the step's shared upload buffers
+    must all be 16-byte aligned whatever the token and sequence counts."""
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_ckpt), device="cpu", num_kvcache_blocks=64, compile=False, block_size=16)
+    eng = llm.llm_engine
+    for i, n in enumerate((5, 4)):  # 9 tokens, 2 sequences: odd counts
+        eng.add_request(str(i), list(range(1, n + 1)), SamplingParams(max_tokens=2))
+    inp = eng.runner.prepare_input(eng.scheduler.schedule())
+    llm.shutdown()
+    m = inp.meta
+    for name, t in (("input_ids", inp.input_ids), ("positions", inp.positions), ("slot_mapping", m.slot_mapping),
+                    ("logits_indices", inp.logits_indices), ("cu_seqlens_q", m.cu_seqlens_q),
+                    ("cu_seqlens_k", m.cu_seqlens_k), ("context_lens", m.context_lens)):
+        assert (t.storage_offset() * t.element_size()) % 16 == 0, name
+    assert m.cu_seqlens_k.tolist() == [0, 5, 9] and m.context_lens.tolist() == [5, 4]

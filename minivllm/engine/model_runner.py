@@ -328,13 +328,19 @@ class ModelRunner:
         else:
             table_arr = np.empty((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
             fill_block_tables(table_arr, tables)
-        # One int32 host buffer, one transfer: [cu_seqlens_q | cu_seqlens_k | context_lens].
-        lens = self._to_device(np.array(list(accumulate(q_lens, initial=0)) + list(accumulate(context_lens, initial=0))
-                                        + context_lens, dtype=np.int32))
+        # One int32 host buffer, one transfer: [cu_seqlens_q | cu_seqlens_k | context_lens], each
+        # part on a 16-byte boundary (Triton specialises kernels on pointer alignment: an
+        # unaligned part would compile a second variant in the middle of serving).
+        stride = -(-(num_seqs + 1) // 4) * 4
+        host = np.zeros(2 * stride + num_seqs, dtype=np.int32)
+        host[:num_seqs + 1] = list(accumulate(q_lens, initial=0))
+        host[stride:stride + num_seqs + 1] = list(accumulate(context_lens, initial=0))
+        host[2 * stride:] = context_lens
+        lens = self._to_device(host)
         return AttentionMetadata(
             cu_seqlens_q=lens[:num_seqs + 1],
-            cu_seqlens_k=lens[num_seqs + 1:2 * num_seqs + 2],
-            context_lens=lens[2 * num_seqs + 2:],
+            cu_seqlens_k=lens[stride:stride + num_seqs + 1],
+            context_lens=lens[2 * stride:],
             slot_mapping=slot_mapping,
             block_tables=self._to_device(table_arr),
             max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens), block_size=self.block_size,
