@@ -83,10 +83,8 @@ def pack_step(inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
     n_seqs, width = meta.block_tables.shape
     lens = torch.tensor(meta.q_lens_cpu + meta.context_lens_cpu, dtype=torch.int64)
     if inp.host is not None:  # the host arrays the runner uploaded: no device read-back
-        flat, tables = inp.host
-        t = inp.input_ids.numel()
-        payload = torch.cat([torch.from_numpy(flat[:3 * t]), lens,
-                             torch.from_numpy(tables.reshape(-1).astype(np.int64)), torch.from_numpy(flat[3 * t:])])
+        ids, pos, slots, rows, tables = inp.host
+        payload = torch.from_numpy(np.concatenate([ids, pos, slots, lens.numpy(), tables.reshape(-1), rows]))
     else:
         parts = [inp.input_ids, inp.positions, meta.slot_mapping, lens, meta.block_tables.reshape(-1),
                  inp.logits_indices]

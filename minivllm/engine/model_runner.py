@@ -44,9 +44,10 @@ class ModelInput:
         graph_rows: set when the step was staged into the decode CUDA graphs' static
             buffers (``input_ids``/``positions``/``meta`` are then views of them): replay
             with ``graph_runner.replay(graph_rows)``.
-        host: the step's host-side int64 ``[input_ids | positions | slot_mapping | logits rows]``
-            and int32 block table ``[num_seqs, width]`` (what tensor parallelism sends to
-            its workers without reading the device copies back).
+        host: the step's host arrays, views of what was uploaded: int64 ``input_ids``,
+            ``positions``, ``slot_mapping``, ``logits rows`` and the int32 block table
+            ``[num_seqs, width]`` (what tensor parallelism sends to its workers without
+            reading the device copies back).
     """
 
     input_ids: torch.Tensor
@@ -55,7 +56,7 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]
     graph_rows: int | None = None
-    host: tuple[np.ndarray, np.ndarray] | None = None
+    host: tuple[np.ndarray, ...] | None = None
 
 
 @dataclass
@@ -398,8 +399,8 @@ class ModelRunner:
             input_ids=flat[:t], positions=flat[stride:stride + t],
             meta=self._metadata(q_lens, context_lens, flat[2 * stride:2 * stride + t], table_arr),
             logits_indices=flat[3 * stride:], sampling_seqs=sampling,
-            host=(np.concatenate([flat_host[:t], flat_host[stride:stride + t], flat_host[2 * stride:2 * stride + t],
-                                  flat_host[3 * stride:]]), table_arr))
+            host=(flat_host[:t], flat_host[stride:stride + t], flat_host[2 * stride:2 * stride + t],
+                  flat_host[3 * stride:], table_arr))
 
     @torch.inference_mode()
     def forward_logits(self, inp: ModelInput) -> torch.Tensor:
