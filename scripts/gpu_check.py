@@ -443,8 +443,8 @@ def check_cuda_graphs(args, rows: list[Row]) -> None:
         def decode_inputs(n):
             ids = torch.tensor([prompts[i][-1] for i in range(n)], device=dev)
             pos = torch.tensor([lens[i] for i in range(n)], device=dev)
-            meta = _meta([1] * n, [lens[i] + 1 for i in range(n)], [slots_for(tables[i], [lens[i]])[0] for i in range(n)],
-                         [tables[i] for i in range(n)], bs, dev)
+            slots = [slots_for(tables[i], [lens[i]])[0] for i in range(n)]
+            meta = _meta([1] * n, [lens[i] + 1 for i in range(n)], slots, [tables[i] for i in range(n)], bs, dev)
             return ids, pos, meta
 
         worst, agree, total = 0.0, 0, 0
@@ -568,7 +568,6 @@ def check_engine_graphs(args, rows: list[Row]) -> None:
     top = 256 if not args.smoke else 4  # largest captured bucket: the last batch runs eagerly
     n_out = 16 if not args.smoke else 2
     plen = 32 if not args.smoke else 4
-    rng = random.Random(args.seed + 4)
     tokens: dict[str, dict[int, list[list[int]]]] = {}
     for mode in ("eager", "graphs"):
         llm = _engine(args, mode == "eager", max_capture_size=None if mode == "eager" else top,
@@ -600,7 +599,6 @@ def check_engine_graphs(args, rows: list[Row]) -> None:
         llm.shutdown()
         del llm, counter
         _free_gpu()
-    del rng
     for b in batches:
         e, g = tokens["eager"][b], tokens["graphs"][b]
         same = sum(x == y for x, y in zip(e, g))
@@ -616,7 +614,6 @@ def check_engine_graphs(args, rows: list[Row]) -> None:
 def check_pool_edges(args, rows: list[Row]) -> None:
     import torch
 
-    from minivllm.layers.attention import triton_kernels as tk
     from minivllm.layers.attention.torch_backend import TorchAttentionBackend
     from minivllm.layers.attention.triton_backend import TritonAttentionBackend
 
@@ -637,10 +634,9 @@ def check_pool_edges(args, rows: list[Row]) -> None:
     new_v = torch.randn(2, hk, d, generator=g).to(dev, dt)
     q = torch.randn(2, h, d, generator=g).to(dev, dt)
     # the prefix keys: fill the tops of the pool with random values first
-    for table, n in zip(top_blocks, ctx):
-        for j, blk in enumerate(table):
-            k_cache[blk].copy_(torch.randn(bs, hk, d, generator=g).to(dev, dt))
-            v_cache[blk].copy_(torch.randn(bs, hk, d, generator=g).to(dev, dt))
+    for blk in sum(top_blocks, []):
+        k_cache[blk].copy_(torch.randn(bs, hk, d, generator=g).to(dev, dt))
+        v_cache[blk].copy_(torch.randn(bs, hk, d, generator=g).to(dev, dt))
     slots = [top_blocks[i][(ctx[i] - 1) // bs] * bs + (ctx[i] - 1) % bs for i in range(2)]
     meta = _meta([1, 1], ctx, slots, top_blocks, bs, dev)
     scale = d ** -0.5
@@ -656,7 +652,6 @@ def check_pool_edges(args, rows: list[Row]) -> None:
                     "True", status_of(torch.equal(stored, new_k)), {"slots": slots}))
     rows.append(Row("pool_edges", "decode over the highest blocks triton vs torch", f"{err:.2e}",
                     f"<= {BF16_TOL:g}", status_of(err <= BF16_TOL), {"max_abs_err": err}))
-    del tk
 
     graphs = runner.graph_runner
     if graphs is None or not graphs.captured:
@@ -678,7 +673,7 @@ def check_pool_edges(args, rows: list[Row]) -> None:
             _sync()
         changed = [i for i, ((kb, vb), (kc, vc)) in enumerate(zip(before, runner.kv_caches))
                    if not (torch.equal(kb, kc[watch]) and torch.equal(vb, vc[watch]))]
-        rows.append(Row("pool_edges", "block 0 and unused blocks after padded replays", 
+        rows.append(Row("pool_edges", "block 0 and unused blocks after padded replays",
                         "unchanged" if not changed else f"changed in layers {changed[:8]}", "unchanged",
                         status_of(not changed), {"watched_blocks": watch}))
     llm.shutdown()

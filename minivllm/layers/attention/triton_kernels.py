@@ -520,7 +520,8 @@ def prefill_tile_map(q_lens: list[int], tokens_per_tile: int, device: torch.devi
     return out.to(device) if torch.device(device).type == "cuda" else out
 
 
-def prefill_tiling(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+def prefill_tiling(num_heads: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M rows, BLOCK_N keys, BLOCK_G heads, tokens per tile, num_warps)`` of the prefill
     kernel for these shapes (interpreter: 16-row, 16-key tiles)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
