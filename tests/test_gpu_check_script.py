@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +72,84 @@ def test_script_refuses_to_run_without_cuda():
     res = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "no CUDA device" in res.stderr
+
+
+def test_parse_args_out_defaults_to_dollar_out_and_faults(script, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert script.parse_args([]).out == tmp_path / "gpu_check.json"
+    monkeypatch.delenv("OUT")
+    assert script.parse_args([]).out == Path("gpu_check.json")
+    a = script.parse_args(["--smoke", "--inject-fault", "tpot=abort"])
+    assert a.faults == {"tpot": "abort"} and a.model == script.SMOKE_MODEL
+    for bad in (["--inject-fault", "tpot"], ["--inject-fault", "nope=abort"], ["--budget-s", "0"]):
+        with pytest.raises(SystemExit):
+            script.parse_args(bad)
+
+
+def test_near_tie_agreement(script):
+    a = torch.tensor([[1.0, 0.999, -5.0], [3.0, 0.0, 0.0], [0.0, 2.0, 0.0]])
+    b = torch.tensor([[0.999, 1.0, -5.0], [0.0, 3.0, 0.0], [0.0, 2.0, 0.0]])
+    # row 0: a near-tie swapped (agrees), row 1: a real disagreement, row 2: same argmax
+    assert script.near_tie_agreement(a, b, 2e-2) == (2, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the whole check")
+def test_smoke_run_of_every_section_survives_a_fault_in_one(tmp_path):
+    """The CI dry run: every section in smoke mode, with the process of one section killed
+    by SIGABRT (as a sticky CUDA fault would end it) after its first row. That row and
+    every other section's rows must be in the JSON."""
+    out = tmp_path / "gc.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(SCRIPT.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("OUT", None)
+    res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out),
+                          "--inject-fault", "prefill=abort", "--inject-fault", "embedded=raise"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    payload = json.loads(out.read_text())
+    assert res.returncode == 1, res.stdout[-3000:]
+    assert payload["complete"] and payload["schema"] == 2
+    secs = payload["sections"]
+    assert secs["prefill"]["status"] == "error" and secs["prefill"]["returncode"] == -6
+    assert "SIGABRT" in secs["prefill"]["error"]
+    assert secs["embedded"]["status"] == "error" and secs["embedded"]["returncode"] == 1
+    others = [s for s in script_sections() if s not in ("prefill", "embedded")]
+    bad = {s: (secs[s]["status"], secs[s]["error"]) for s in others if secs[s]["status"] != "ok"}
+    assert not bad, bad
+    by_section: dict[str, list[dict]] = {}
+    for r in payload["rows"]:
+        by_section.setdefault(r["section"], []).append(r)
+    for s in others:  # every other section's checks came back, none failed
+        assert by_section.get(s), s
+        assert not [r for r in by_section[s] if r["status"] in ("fail", "error")], by_section[s]
+    # the faulted sections kept the row they made before the fault, plus an error row
+    for s in ("prefill", "embedded"):
+        assert [r["status"] for r in by_section[s]][-1] == "error"
+        assert len(by_section[s]) == 2
+    assert (tmp_path / "gc.prefill.log").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the whole check")
+def test_a_hanging_section_is_killed_and_recorded(tmp_path):
+    out = tmp_path / "gc.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(SCRIPT.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--sections", "kernels",
+                          "--inject-fault", "kernels=hang", "--section-timeout-s", "20"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    payload = json.loads(out.read_text())
+    assert res.returncode == 1
+    sec = payload["sections"]["kernels"]
+    assert sec["status"] == "error" and sec["returncode"] is None and "out of time" in sec["error"]
+    assert payload["complete"] and payload["rows"][-1]["status"] == "error"
+
+
+def script_sections():
+    spec = importlib.util.spec_from_file_location("gpu_check_sections", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check_sections"] = mod
+    try:
+        spec.loader.exec_module(mod)
+        return mod.SECTIONS
+    finally:
+        sys.modules.pop("gpu_check_sections", None)

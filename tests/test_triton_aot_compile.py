@@ -61,6 +61,7 @@ I32 = "i32"
 results = {}
 for dt in ("bf16", "fp32"):
     prec = "ieee" if dt == "fp32" else "tf32"  # as tk._dot_precision picks on a GPU
+    f32 = dt == "fp32"  # tk._dot_in_f32 off the interpreter: bf16 operands stay bf16
     store = dict(k_ptr="*" + dt, v_ptr="*" + dt, slot_ptr="*i64", **cache_ptrs(dt),
                  **{n: I32 for n in ("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cb",
                                      "stride_co", "stride_ch", "block_size")})
@@ -73,19 +74,20 @@ for dt in ("bf16", "fp32"):
     for d, group, split in ((128, 2, False), (128, 2, True), (64, 8, True)):
         results[f"decode {dt} d{d} g{group} split={split}"] = compile_one(tk._paged_decode_kernel, dec, dict(
             NUM_HEADS=8 * group, GROUP=group, HEAD_DIM=d, BLOCK_G=16, BLOCK_D=d,
-            BLOCK_N=tk.decode_block_n(d), SPLIT=split, PRECISION=prec))
+            BLOCK_N=tk.decode_block_n(d), SPLIT=split, PRECISION=prec, DOT_F32=f32))
     merge = dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + dt, stride_os=I32, stride_oh=I32,
                  num_splits=I32)
     results["merge " + dt] = compile_one(tk._merge_splits_kernel, merge, dict(
         NUM_HEADS=16, HEAD_DIM=128, BLOCK_S=tk.MAX_SPLITS, BLOCK_D=128))
     pre = dict(q_ptr="*" + dt, out_ptr="*" + dt, cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32",
-               block_tables_ptr="*i32", qk_scale="fp32", **cache_ptrs(dt),
+               block_tables_ptr="*i32", tile_map_ptr="*i32", qk_scale="fp32", **cache_ptrs(dt),
                **{n: I32 for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
                                    "stride_co", "stride_ch", "stride_bt", "block_size")})
     for d, group in ((128, 2), (64, 8)):
         bm, bn, warps = tk.prefill_launch_config(d, prec)  # what the wrapper launches
         results[f"prefill {dt} d{d} g{group}"] = compile_one(tk._paged_prefill_kernel, pre, dict(
-            GROUP=group, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, PRECISION=prec), num_warps=warps)
+            GROUP=group, HEAD_DIM=d, BLOCK_M=max(bm, group), BLOCK_N=bn, BLOCK_D=d, BLOCK_G=group, PRECISION=prec,
+            DOT_F32=f32), num_warps=warps)
 print("RESULTS" + json.dumps(results))
 '''
 

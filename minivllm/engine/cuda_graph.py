@@ -10,7 +10,13 @@ roughly its GPU time. A graph is recorded for fixed tensor shapes and fixed addr
   ``pad_decode_batch``); a batch larger than the largest bucket runs eagerly;
 * inputs are copied into *static* buffers the graph reads (ids, positions, slot mapping,
   context lengths, block tables sized for ``max_model_len``) and the output is read from
-  a static buffer the graph writes;
+  a static buffer the graph writes. The static buffers are views of one device byte
+  buffer with a host mirror (pinned on CUDA): a step is padded on the host and uploaded
+  with one copy, instead of a dozen small device ops before each replay;
+* the attention backend may ask for one graph per *context-length bucket* as well
+  (``decode_context_buckets``): the triton backend splits each sequence's keys over more
+  programs for longer contexts, and a graph captured for ``max_model_len`` would use the
+  largest split count (and a merge kernel) for a 100-token context too;
 * padded rows write no KV (slot ``-1``) and attend to one key (context length 1 through
   physical block 0), so every kernel sees well-formed, finite input.
 
@@ -22,9 +28,11 @@ device tensors (``supports_cuda_graphs = True``: triton, flash_attn) can be capt
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from minivllm.layers.attention.backend import AttentionBackend
@@ -191,13 +199,56 @@ class _EagerReplay:
         self._fn()
 
 
+def _align(nbytes: int, to: int = 16) -> int:
+    return -(-nbytes // to) * to
+
+
+class StagingLayout:
+    """Byte offsets of the static decode inputs inside one buffer, for ``rows`` rows and
+    ``width`` block-table columns. Every field starts on a 16-byte boundary (Triton
+    specialises kernels on pointer alignment), the per-step fields come first and the
+    block table last, so a step of ``n`` rows needs only the first ``step_bytes(n)`` bytes.
+
+    Fields: ``input_ids``, ``positions``, ``slot_mapping`` int64 ``[rows]``;
+    ``context_lens`` int32 ``[rows]``; ``cu_seqlens_k`` int32 ``[rows + 1]``;
+    ``block_tables`` int32 ``[rows, width]``.
+    """
+
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = rows, width
+        off = 0
+        self.offsets: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        for name, dtype, shape in (("input_ids", torch.int64, (rows,)), ("positions", torch.int64, (rows,)),
+                                   ("slot_mapping", torch.int64, (rows,)), ("context_lens", torch.int32, (rows,)),
+                                   ("cu_seqlens_k", torch.int32, (rows + 1,)),
+                                   ("block_tables", torch.int32, (rows, width))):
+            self.offsets[name] = (off, dtype, shape)
+            off = _align(off + int(np.prod(shape)) * dtype.itemsize)
+        self.nbytes = off
+
+    def step_bytes(self, n: int) -> int:
+        """Bytes that hold every field of the first ``n`` rows."""
+        return self.offsets["block_tables"][0] + n * self.width * 4
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of a ``uint8 [nbytes]`` buffer."""
+        out = {}
+        for name, (off, dtype, shape) in self.offsets.items():
+            size = int(np.prod(shape)) * dtype.itemsize
+            out[name] = buf[off:off + size].view(dtype).view(shape)
+        return out
+
+
 class CudaGraphDecodeRunner:
-    """Captures and replays decode forwards of ``model`` for a set of batch-size buckets.
+    """Captures and replays decode forwards of ``model`` for a set of batch-size buckets
+    (and, when the backend asks, context-length buckets).
 
     Args:
         model: called as ``model(input_ids, positions, ForwardContext) -> hidden [n, H]``.
         kv_caches: per-layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, Hk, D]``.
-        backend: the attention backend; must have ``supports_cuda_graphs = True``.
+        backend: the attention backend; must have ``supports_cuda_graphs = True``. If it has
+            ``decode_context_buckets(num_seqs, max_seqlen_k, k_cache) -> list[int]``, one
+            graph is captured per returned context bound for that batch bucket.
         max_num_seqs: largest decode batch the scheduler forms (largest bucket, capped
             at ``max_capture_size``).
         max_blocks_per_seq: ``ceil(max_model_len / block_size)``: static block-table width.
@@ -207,12 +258,17 @@ class CudaGraphDecodeRunner:
         emulate: record nothing and re-run the forward eagerly on replay; lets the
             padding and buffer logic be tested without a GPU.
 
+    Attributes:
+        num_replays: graph replays so far (one per decode step run through a graph).
+
     Usage::
 
         runner = CudaGraphDecodeRunner(model, kv_caches, backend, 256, max_blocks, H, dev, dt)
         runner.capture()
         if runner.can_run(meta):
             hidden = runner.run(input_ids, positions, meta)   # [n, H], a view: use before the next run
+        # or, from host arrays (what the engine does: one upload per step)
+        hidden = runner.replay(runner.stage(ids, pos, slots, ctx_lens, tables))
     """
 
     def __init__(
@@ -250,17 +306,126 @@ class CudaGraphDecodeRunner:
         self.dtype = dtype
         self.emulate = emulate
         self.buckets = capture_batch_sizes(max_num_seqs, max_capture_size)
-        self._graphs: dict[int, object] = {}
+        self.max_seqlen_k = max_blocks_per_seq * self.block_size
+        plan = getattr(backend, "decode_context_buckets", None)
+        #: per batch bucket: sorted context bounds, one graph each (the last is max_seqlen_k)
+        self.context_buckets: dict[int, list[int]] = {}
+        for bs in self.buckets:
+            bounds = sorted(set(plan(bs, self.max_seqlen_k, kv_caches[0][0]))) if plan else []
+            self.context_buckets[bs] = [b for b in bounds if b < self.max_seqlen_k] + [self.max_seqlen_k]
+        self._graphs: dict[tuple[int, int], object] = {}
         self._pool = None
+        self.num_replays = 0
         top = self.buckets[-1]
-        self._buf = DecodeBatch.allocate(top, max_blocks_per_seq, self.device)
+        self.layout = StagingLayout(top, max_blocks_per_seq)
+        self._dev_bytes = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=self.device)
+        self._host_bytes = torch.zeros(self.layout.nbytes, dtype=torch.uint8,
+                                       pin_memory=self.device.type == "cuda")
+        dev, host = self.layout.views(self._dev_bytes), self.layout.views(self._host_bytes)
+        self._host = {k: v.numpy() for k, v in host.items()}
+        self._buf = DecodeBatch(dev["input_ids"], dev["positions"], dev["slot_mapping"], dev["context_lens"],
+                                dev["block_tables"],
+                                torch.arange(top + 1, dtype=torch.int32, device=self.device), dev["cu_seqlens_k"])
+        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._fill_padding(0, top)
+        self._upload(top)
         self._hidden = torch.zeros(top, hidden_size, dtype=dtype, device=self.device)
+        self._staged: tuple[int, int, int] | None = None  # (rows, bucket, context bound) staged
 
     @property
     def captured(self) -> bool:
         return bool(self._graphs)
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    @property
+    def graph_keys(self) -> list[tuple[int, int]]:
+        """``(batch bucket, context bound)`` of every captured graph."""
+        return sorted(self._graphs)
+
+    # -- static inputs ------------------------------------------------------------------------
+    def _fill_padding(self, lo: int, hi: int) -> None:
+        """Host rows ``lo..hi-1`` as padding: no KV written, one key in block 0."""
+        h = self._host
+        h["input_ids"][lo:hi] = 0
+        h["positions"][lo:hi] = 0
+        h["slot_mapping"][lo:hi] = -1
+        h["context_lens"][lo:hi] = 1
+        h["block_tables"][lo:hi] = -1
+        h["block_tables"][lo:hi, 0] = 0
+
+    def _upload(self, rows: int) -> None:
+        n = self.layout.step_bytes(rows)
+        self._dev_bytes[:n].copy_(self._host_bytes[:n], non_blocking=True)
+        if self._copy_done is not None:
+            self._copy_done.record()
+
+    def stage(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> int:
+        """Pad a decode step of ``n`` sequences to its bucket in the host mirror and upload it
+        with one copy; ``replay(n)`` then runs it.
+
+        Args:
+            input_ids, positions, slot_mapping: int ``[n]`` (numpy arrays or lists).
+            context_lens: int ``[n]``.
+            block_tables: int ``[n, w]`` numpy array (``w <= max_blocks_per_seq``, padded
+                with -1), or a list of ``n`` block-id lists.
+
+        Returns:
+            ``n``.
+
+        Raises:
+            ValueError: ``n`` is 0 or above the largest bucket, a field has another length,
+                or a table is wider than ``max_blocks_per_seq``.
+        """
+        n = len(input_ids)
+        bucket = select_bucket(max(n, 1), self.buckets) if n else None
+        if bucket is None:
+            raise ValueError(f"a decode step of {n} sequences fits no bucket (buckets 1..{self.buckets[-1]})")
+        for name, x in (("positions", positions), ("slot_mapping", slot_mapping),
+                        ("context_lens", context_lens), ("block_tables", block_tables)):
+            if len(x) != n:
+                raise ValueError(f"{name} has {len(x)} rows, input_ids has {n}")
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous upload has left the host mirror
+        h = self._host
+        ctx = np.asarray(context_lens, dtype=np.int32)
+        h["input_ids"][:n] = input_ids
+        h["positions"][:n] = positions
+        h["slot_mapping"][:n] = slot_mapping
+        h["context_lens"][:n] = ctx
+        fill_block_tables(h["block_tables"][:n], block_tables)
+        if self._staged is None or self._staged[0] != n:
+            self._fill_padding(n, bucket)
+        cu = h["cu_seqlens_k"]
+        cu[0] = 0
+        np.cumsum(h["context_lens"][:bucket], out=cu[1:bucket + 1])
+        self._upload(bucket)
+        max_ctx = int(ctx.max())
+        bounds = self.context_buckets[bucket]
+        bound = bounds[min(bisect.bisect_left(bounds, max_ctx), len(bounds) - 1)]
+        self._staged = (n, bucket, bound)
+        return n
+
+    def static_input_ids(self, n: int) -> torch.Tensor:
+        """The static ``input_ids`` buffer's first ``n`` rows (int64, device)."""
+        return self._buf.input_ids[:n]
+
+    def static_positions(self, n: int) -> torch.Tensor:
+        """The static ``positions`` buffer's first ``n`` rows (int64, device)."""
+        return self._buf.positions[:n]
+
+    def staged_meta(self, context_lens: list[int]) -> AttentionMetadata:
+        """Metadata of the staged step's ``n`` real rows (views of the static buffers), for
+        callers that inspect the step; the replay does not read it."""
+        if self._staged is None:
+            raise ValueError("no step staged")
+        n = self._staged[0]
+        b = self._buf.rows(n)
+        return AttentionMetadata(
+            cu_seqlens_q=b.cu_seqlens_q, cu_seqlens_k=b.cu_seqlens_k, context_lens=b.context_lens,
+            slot_mapping=b.slot_mapping, block_tables=b.block_tables, max_seqlen_q=1,
+            max_seqlen_k=max(context_lens), block_size=self.block_size, is_decode_only=True,
+            q_lens_cpu=[1] * n, context_lens_cpu=list(context_lens))
+
+    def _meta(self, bs: int, max_seqlen_k: int) -> AttentionMetadata:
         """Metadata whose tensors are views of the static buffers (what the graph reads)."""
         b = self._buf.rows(bs)
         return AttentionMetadata(
@@ -270,7 +435,7 @@ class CudaGraphDecodeRunner:
             slot_mapping=b.slot_mapping,
             block_tables=b.block_tables,
             max_seqlen_q=1,
-            max_seqlen_k=self.max_blocks_per_seq * self.block_size,
+            max_seqlen_k=max_seqlen_k,
             block_size=self.block_size,
             is_decode_only=True,
             q_lens_cpu=[1] * bs,
@@ -278,8 +443,8 @@ class CudaGraphDecodeRunner:
             context_lens_cpu=[1] * bs,
         )
 
-    def _forward_into_static(self, bs: int) -> Callable[[], None]:
-        meta = self._meta(bs)
+    def _forward_into_static(self, bs: int, max_seqlen_k: int) -> Callable[[], None]:
+        meta = self._meta(bs, max_seqlen_k)
         ctx = ForwardContext(meta, self.backend, self.kv_caches)
         ids, pos = self._buf.input_ids[:bs], self._buf.positions[:bs]
         out = self._hidden[:bs]
@@ -293,44 +458,67 @@ class CudaGraphDecodeRunner:
 
     @torch.inference_mode()
     def capture(self, warmup_iters: int = 2) -> None:
-        """Capture one graph per bucket, largest first, sharing one memory pool.
+        """Capture one graph per (bucket, context bound), largest first, sharing one memory pool.
 
-        Each bucket first runs ``warmup_iters`` eager forwards on the all-padding static
+        Each graph first runs ``warmup_iters`` eager forwards on the all-padding static
         buffers (compiles Triton kernels, sets up cuBLAS workspaces; writes no KV).
         """
         for bs in reversed(self.buckets):
-            fn = self._forward_into_static(bs)
-            if self.emulate:
-                self._graphs[bs] = _EagerReplay(fn)
-                continue
-            for _ in range(warmup_iters):
-                fn()
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                fn()
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[bs] = graph
+            for bound in reversed(self.context_buckets[bs]):
+                fn = self._forward_into_static(bs, bound)
+                if self.emulate:
+                    self._graphs[(bs, bound)] = _EagerReplay(fn)
+                    continue
+                for _ in range(warmup_iters):
+                    fn()
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    fn()
+                if self._pool is None:
+                    self._pool = graph.pool()
+                self._graphs[(bs, bound)] = graph
         if not self.emulate:
             torch.cuda.synchronize(self.device)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         """True when this step can replay a graph: captured, decode-only, fits a bucket,
         same block size, block table no wider than the static one."""
+        return self.can_run_step(meta.num_seqs, meta.num_tokens, meta.is_decode_only, meta.block_size,
+                                 int(meta.block_tables.shape[1]))
+
+    def can_run_step(self, num_seqs: int, num_tokens: int, decode_only: bool, block_size: int,
+                     table_width: int) -> bool:
+        """``can_run`` from host values (no metadata built yet)."""
         return (
             self.captured
-            and meta.is_decode_only
-            and meta.num_tokens == meta.num_seqs
-            and select_bucket(max(meta.num_seqs, 1), self.buckets) is not None
-            and meta.num_seqs >= 1
-            and meta.block_size == self.block_size
-            and meta.block_tables.shape[1] <= self.max_blocks_per_seq
+            and decode_only
+            and num_tokens == num_seqs
+            and num_seqs >= 1
+            and select_bucket(num_seqs, self.buckets) is not None
+            and block_size == self.block_size
+            and table_width <= self.max_blocks_per_seq
         )
+
+    def replay(self, n: int) -> torch.Tensor:
+        """Replay the graph of the step ``stage`` uploaded (``n`` sequences).
+
+        Returns:
+            ``hidden [n, hidden_size]``: a view of the static output, valid until the
+            next replay.
+        """
+        if self._staged is None or self._staged[0] != n:
+            raise ValueError(f"replay({n}): the staged step has {None if self._staged is None else self._staged[0]} "
+                             "sequences; call stage() first")
+        _, bucket, bound = self._staged
+        self._graphs[(bucket, bound)].replay()
+        self.num_replays += 1
+        return self._hidden[:n]
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay the bucket's graph for this decode step.
+        """Stage and replay a decode step given as tensors (reads them back to the host
+        first: for tests and scripts; the engine stages host arrays directly).
 
         Args:
             input_ids, positions: int64 ``[n]``, one token per sequence.
@@ -347,8 +535,33 @@ class CudaGraphDecodeRunner:
                 f"captured={self.captured})"
             )
         n = meta.num_seqs
-        bs = select_bucket(n, self.buckets)
-        pad_decode_batch(input_ids, positions, meta.slot_mapping, meta.context_lens,
-                         meta.block_tables, bs, self.max_blocks_per_seq, out=self._buf)
-        self._graphs[bs].replay()
-        return self._hidden[:n]
+        self.stage(input_ids.cpu().numpy(), positions.cpu().numpy(), meta.slot_mapping.cpu().numpy(),
+                   meta.context_lens.cpu().numpy(), meta.block_tables.cpu().numpy())
+        return self.replay(n)
+
+
+def fill_block_tables(out: np.ndarray, tables) -> None:
+    """Write ``tables`` into ``out [n, width]`` with -1 past each row's blocks, without a
+    Python loop over rows.
+
+    Args:
+        out: int32 ``[n, width]`` (a view is written in place).
+        tables: an int ``[n, w]`` array with ``w <= width`` (-1 padded), or ``n`` block-id lists.
+
+    Raises:
+        ValueError: a row is longer than ``width``.
+    """
+    n, width = out.shape
+    if isinstance(tables, np.ndarray):
+        if tables.ndim != 2 or tables.shape[1] > width:
+            raise ValueError(f"block table of shape {tables.shape} is wider than {width}")
+        w = tables.shape[1]
+        out[:, :w] = tables
+        out[:, w:] = -1
+        return
+    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=n)
+    if n and int(lens.max(initial=0)) > width:
+        raise ValueError(f"a block table has {int(lens.max())} blocks, more than the width {width}")
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    out.fill(-1)
+    out[np.arange(width)[None, :] < lens[:, None]] = flat  # row-major order matches the concatenation

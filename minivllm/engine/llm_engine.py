@@ -85,12 +85,14 @@ class LLMEngine:
         backend_name = resolve_backend_name(args.attention_backend, device, args.block_size, dtype)
         block_size = args.block_size or default_block_size(backend_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
-        budget_hint = args.max_num_batched_tokens or 8192
+        # the largest step resolve_lengths can allow (the memory profile runs one this long)
+        budget_hint = args.max_num_batched_tokens or (
+            8192 if args.enable_chunked_prefill else max(8192, args.max_model_len or hf.max_position_embeddings))
         runner_config = RunnerConfig(
             source=self.source, device=device, dtype=dtype, attention_backend=backend_name, block_size=block_size,
             num_kvcache_blocks=args.num_kvcache_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization, max_num_batched_tokens=budget_hint,
-            seed=args.seed, tp_size=args.tensor_parallel_size)
+            seed=args.seed, tp_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs)
         if args.tensor_parallel_size > 1:  # rank 0 of a sharded model; see minivllm/executor/tp_runner.py
             from minivllm.executor.tp_runner import TPModelRunner
 

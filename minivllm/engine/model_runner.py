@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from minivllm.engine.cuda_graph import fill_block_tables
 from minivllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_blocks_for_bytes
 from minivllm.engine.runner_config import RunnerConfig
 from minivllm.engine.scheduler import SchedulerOutput
@@ -44,6 +45,13 @@ class ModelInput:
         sampling_seqs: the sequences those rows belong to, in the same order (a speculative
             decode has one row per scored token: the last known token and each draft).
         drafts: speculative decodes: sequence -> (its first row, its draft token ids).
+        graph_rows: set when the step was staged into the decode CUDA graphs' static
+            buffers (``input_ids``/``positions``/``meta`` are then views of them): replay
+            with ``graph_runner.replay(graph_rows)``.
+        host: the step's host arrays, views of what was uploaded: int64 ``input_ids``,
+            ``positions``, ``slot_mapping``, ``logits rows`` and the int32 block table
+            ``[num_seqs, width]`` (what tensor parallelism sends to its workers without
+            reading the device copies back).
     """
 
     input_ids: torch.Tensor
@@ -52,6 +60,8 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]
     drafts: dict = field(default_factory=dict)
+    graph_rows: int | None = None
+    host: tuple[np.ndarray, ...] | None = None
 
 
 @dataclass
@@ -100,27 +110,103 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, s
     return model.eval()
 
 
+def kv_budget_bytes(total: int, free: int, reserved: int, peak_allocated: int, scratch_bytes: int,
+                    graph_reserve: int, gpu_util: float) -> int:
+    """Bytes the KV cache may take on a device of ``total`` bytes at ``gpu_util``.
+
+    ``gpu_util * total`` less: memory outside PyTorch's allocator (CUDA context, cuBLAS/NCCL
+    workspaces, other processes: ``total - free - reserved``, measured after the profile
+    with the cache emptied), the profile's peak of allocated memory (weights, activations,
+    logits and sampler buffers) without the scratch KV it used, and ``graph_reserve`` (the
+    CUDA-graph memory pool, about one decode step's activations).
+
+    Args:
+        total, free: ``torch.cuda.mem_get_info()`` after the profile (bytes).
+        reserved: ``torch.cuda.memory_reserved()`` at the same moment.
+        peak_allocated: ``torch.cuda.max_memory_allocated()`` over the profile.
+        scratch_bytes: the profile's temporary KV cache (part of ``peak_allocated``).
+        graph_reserve: bytes held back for CUDA-graph capture.
+        gpu_util: fraction in (0, 1].
+
+    Returns:
+        Bytes, possibly negative (the caller reports that the budget is too small).
+    """
+    if not 0 < gpu_util <= 1:
+        raise ValueError(f"gpu_util must be in (0, 1], got {gpu_util}")
+    outside_torch = max(0, total - free - reserved)
+    return int(total * gpu_util - outside_torch - (peak_allocated - scratch_bytes) - graph_reserve)
+
+
+def select_device(device: torch.device) -> torch.device:
+    """Make ``device`` the current CUDA device (Triton launches and ``torch.cuda.graph``
+    capture use the current device, not the tensors'); returns it with its index filled in.
+    CPU devices are returned unchanged."""
+    if device.type != "cuda":
+        return device
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
+
+
+class _PinnedStaging:
+    """Reusable pinned host memory for a step's uploads: ``upload`` copies a host array into
+    it and starts a non-blocking copy to the device. ``begin_step`` waits for the previous
+    step's copies (already done when that step read its sampled tokens) and rewinds; a
+    caller that never calls it (a tensor-parallel worker) wraps around after the same wait."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buf: torch.Tensor | None = None
+        self.offset = 0
+        self.done = torch.cuda.Event()
+
+    def begin_step(self) -> None:
+        self.done.synchronize()
+        self.offset = 0
+
+    def upload(self, array: np.ndarray) -> torch.Tensor:
+        start = -(-self.offset // 16) * 16  # 16-byte aligned: Triton specialises on pointer alignment
+        end = start + array.nbytes
+        if self.buf is None or 2 * array.nbytes > self.buf.numel():
+            # the old buffer stays alive while copies from it are in flight (PyTorch's pinned
+            # allocator records them); continue in a larger one
+            self.buf = torch.empty(max(4 * array.nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            start, end = 0, array.nbytes
+        elif end > self.buf.numel():  # wrap around once the copies from the start are done
+            self.done.synchronize()
+            start, end = 0, array.nbytes
+        view = self.buf[start:end].view(torch.from_numpy(array[:0]).dtype).view(array.shape)
+        np.copyto(view.numpy(), array)
+        out = view.to(self.device, non_blocking=True)
+        self.done.record()
+        self.offset = end
+        return out
+
+
 class ModelRunner:
     """Holds the model, KV cache, attention backend and sampler for one process.
 
     Args:
         config: what to build (model, device, dtype, attention backend, KV pool size, seed,
-            tensor-parallel shard count); see ``RunnerConfig``.
+            tensor-parallel shard count, max_num_seqs); see ``RunnerConfig``.
 
     Raises:
         ValueError: the KV cache budget does not hold one block.
     """
 
     def __init__(self, config: RunnerConfig):
+        device = select_device(config.device)  # the current CUDA device too: Triton and graphs use it
         self.config = config
         self.source = config.source
         self.hf_config = config.source.hf_config
-        self.device, self.dtype, self.block_size = config.device, config.dtype, config.block_size
+        self.device, self.dtype, self.block_size = device, config.dtype, config.block_size
         self.tp_size = config.tp_size
-        self.model = build_model(config.source, config.device, config.dtype, config.seed)
-        self.backend = get_attention_backend(config.attention_backend, config.device, config.block_size,
-                                             config.dtype)
-        self.sampler = Sampler(config.seed, config.device)
+        self.max_num_seqs = config.max_num_seqs
+        self._staging = _PinnedStaging(device) if device.type == "cuda" else None
+        self.model = build_model(config.source, device, config.dtype, config.seed)
+        self.backend = get_attention_backend(config.attention_backend, device, config.block_size, config.dtype)
+        self.sampler = Sampler(config.seed, device)
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, self.block_size,
                                                           self.dtype, self.device, self.tp_size)
@@ -146,34 +232,75 @@ class ModelRunner:
                              f"({kv_bytes_per_token(cfg, dtype, self.tp_size) * bs} bytes)")
         return blocks
 
-    def _blocks_from_gpu_memory(self, gpu_util: float, max_tokens: int) -> int:
-        """Blocks that fit in ``gpu_util`` of device memory after weights and the peak
-        activation memory of a warm-up forward of ``max_tokens`` tokens."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(max_tokens, 8192)
-        # Warm-up: one sequence of n tokens, KV written to a scratch block table
-        # over a small temporary cache.
-        scratch_blocks = -(-n // self.block_size)
-        _, scratch = allocate_kv_cache(self.hf_config, scratch_blocks, self.block_size, self.dtype, self.device,
-                                       self.tp_size)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        meta = self._metadata([n], [n], torch.arange(n, device=self.device), [list(range(scratch_blocks))])
+    def _profile_pass(self, q_lens: list[int], sample: bool) -> None:
+        """One forward of ``len(q_lens)`` fresh sequences over a scratch KV cache (caller
+        holds it in ``self._scratch``), then logits of the last token of each, and with
+        ``sample`` the sampler in its costliest mode (temperature, top-k, top-p, min-p)."""
+        from minivllm.layers.sampler import SamplingBatch
+
+        bs, dev = self.block_size, self.device
+        tables, nxt = [], 0
+        for n in q_lens:
+            nb = cdiv(n, bs)
+            tables.append(list(range(nxt, nxt + nb)))
+            nxt += nb
+        total = sum(q_lens)
+        slots = np.concatenate([np.asarray(t, dtype=np.int64).repeat(bs)[:n] * bs + np.arange(n) % bs
+                                for t, n in zip(tables, q_lens)])
+        pos = np.concatenate([np.arange(n) for n in q_lens])
+        meta = self._metadata(list(q_lens), list(q_lens), torch.from_numpy(slots).to(dev), tables)
         with torch.inference_mode():
             self.backend.prepare(meta)
-            hidden = self.model(ids, pos, ForwardContext(meta, self.backend, scratch))
-            self.model.compute_logits(hidden[-1:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del scratch, hidden
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free_for_kv = total * gpu_util - peak
+            hidden = self.model(torch.zeros(total, dtype=torch.long, device=dev), torch.from_numpy(pos).to(dev),
+                                ForwardContext(meta, self.backend, self._scratch))
+            last = torch.from_numpy(np.cumsum(q_lens) - 1).to(dev)
+            logits = self.model.compute_logits(hidden[last]).float()
+            del hidden
+            if sample:
+                rows = len(q_lens)
+                f32 = lambda x: torch.full((rows,), x, dtype=torch.float32, device=dev)  # noqa: E731
+                batch = SamplingBatch(temperatures=f32(1.0), top_k=torch.full((rows,), 50, device=dev),
+                                      top_p=f32(0.9), min_p=f32(0.05), repetition_penalties=f32(1.0),
+                                      seen_token_ids=[None] * rows, generators=[None] * rows, all_greedy=False,
+                                      any_top_k=True, any_top_p=True, any_min_p=True, any_penalty=False)
+                self.sampler(logits, batch)
+
+    def _blocks_from_gpu_memory(self, gpu_util: float, max_tokens: int) -> int:
+        """Blocks that fit in ``gpu_util`` of device memory (``kv_budget_bytes``), profiled
+        with one prefill of ``max_tokens`` tokens (the resolved step budget) and one decode
+        step of ``max_num_seqs`` sequences that samples every row."""
+        cuda = torch.cuda
         per_token = kv_bytes_per_token(self.hf_config, self.dtype, self.tp_size)
-        blocks = int(free_for_kv // (per_token * self.block_size))
-        logger.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f, peak activation+weights %.2f GiB",
-                    blocks, blocks * self.block_size * per_token / 2**30,
-                    gpu_util, peak / 2**30)
+        scratch_blocks = cdiv(max_tokens, self.block_size) + self.max_num_seqs
+        _, self._scratch = allocate_kv_cache(self.hf_config, scratch_blocks, self.block_size, self.dtype,
+                                             self.device, self.tp_size)
+        scratch_bytes = scratch_blocks * self.block_size * per_token
+        try:
+            cuda.synchronize(self.device)
+            cuda.reset_peak_memory_stats(self.device)
+            self._profile_pass([max_tokens], sample=False)
+            cuda.synchronize(self.device)
+            peak = cuda.max_memory_allocated(self.device)
+            # the decode step a CUDA graph records: its activations stay in the graph pool
+            base = cuda.memory_allocated(self.device)
+            cuda.reset_peak_memory_stats(self.device)
+            self._profile_pass([1] * self.max_num_seqs, sample=True)
+            cuda.synchronize(self.device)
+            decode_peak = cuda.max_memory_allocated(self.device)
+        finally:
+            self._scratch = None
+        peak = max(peak, decode_peak)
+        graph_reserve = max(0, decode_peak - base)
+        cuda.empty_cache()
+        free, total = cuda.mem_get_info(self.device)
+        reserved = cuda.memory_reserved(self.device)
+        budget = kv_budget_bytes(total, free, reserved, peak, scratch_bytes, graph_reserve, gpu_util)
+        blocks = int(budget // (per_token * self.block_size))
+        logger.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f of %.1f GiB; profile peak "
+                    "%.2f GiB (%d-token prefill, %d-row sampling), outside PyTorch %.2f GiB, graph reserve %.2f GiB",
+                    blocks, blocks * self.block_size * per_token / 2**30, gpu_util, total / 2**30,
+                    (peak - scratch_bytes) / 2**30, max_tokens, self.max_num_seqs,
+                    max(0, total - free - reserved) / 2**30, graph_reserve / 2**30)
         return blocks
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, emulate: bool = False) -> None:
@@ -203,26 +330,33 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """Host array -> tensor on the model's device (zero-copy on CPU)."""
-        t = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        """Host array -> tensor on the model's device (zero-copy on CPU; on CUDA through the
+        reusable pinned staging buffer, non-blocking)."""
+        if self._staging is not None:
+            return self._staging.upload(np.ascontiguousarray(array))
+        return torch.from_numpy(array)
 
     def _metadata(self, q_lens: list[int], context_lens: list[int], slot_mapping: torch.Tensor,
                   tables: list[list[int]]) -> AttentionMetadata:
         num_seqs = len(q_lens)
-        width = max(len(t) for t in tables)
-        table_arr = np.full((num_seqs, width), -1, dtype=np.int32)
-        for i, t in enumerate(tables):
-            table_arr[i, :len(t)] = t
-        # One int32 host buffer, one transfer: [cu_seqlens_q | cu_seqlens_k | context_lens].
-        lens = self._to_device(np.array(list(accumulate(q_lens, initial=0)) + list(accumulate(context_lens, initial=0))
-                                        + context_lens, dtype=np.int32))
+        if isinstance(tables, np.ndarray):
+            table_arr = tables.astype(np.int32, copy=False)
+        else:
+            table_arr = np.empty((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
+            fill_block_tables(table_arr, tables)
+        # One int32 host buffer, one transfer: [cu_seqlens_q | cu_seqlens_k | context_lens], each
+        # part on a 16-byte boundary (Triton specialises kernels on pointer alignment: an
+        # unaligned part would compile a second variant in the middle of serving).
+        stride = -(-(num_seqs + 1) // 4) * 4
+        host = np.zeros(2 * stride + num_seqs, dtype=np.int32)
+        host[:num_seqs + 1] = list(accumulate(q_lens, initial=0))
+        host[stride:stride + num_seqs + 1] = list(accumulate(context_lens, initial=0))
+        host[2 * stride:] = context_lens
+        lens = self._to_device(host)
         return AttentionMetadata(
             cu_seqlens_q=lens[:num_seqs + 1],
-            cu_seqlens_k=lens[num_seqs + 1:2 * num_seqs + 2],
-            context_lens=lens[2 * num_seqs + 2:],
+            cu_seqlens_k=lens[stride:stride + num_seqs + 1],
+            context_lens=lens[2 * stride:],
             slot_mapping=slot_mapping,
             block_tables=self._to_device(table_arr),
             max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens), block_size=self.block_size,
@@ -232,6 +366,8 @@ class ModelRunner:
         """Flatten the plan: each sequence's new tokens back to back, with their positions
         and cache slots (``block_table[p // block_size] * block_size + p % block_size``)."""
         bs = self.block_size
+        if self._staging is not None:
+            self._staging.begin_step()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -268,18 +404,39 @@ class ModelRunner:
             if entry.samples:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
-        # One int64 host buffer, one transfer: [input_ids | positions | slot_mapping | logits rows].
         t = len(input_ids)
-        flat = self._to_device(np.array(input_ids + positions + slots + logits_rows, dtype=np.int64))
+        g = self.graph_runner
+        if g is not None and g.can_run_step(len(q_lens), t, max(q_lens) == 1, bs, max(map(len, tables))):
+            # decode step for a CUDA graph: padded on the host, one upload into its static buffers
+            n = g.stage(np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                        np.asarray(slots, dtype=np.int64), np.asarray(context_lens, dtype=np.int32), tables)
+            meta = g.staged_meta(context_lens)
+            rows = None if logits_rows == list(range(n)) else self._to_device(np.array(logits_rows, dtype=np.int64))
+            return ModelInput(input_ids=g.static_input_ids(n), positions=g.static_positions(n), meta=meta,
+                              logits_indices=rows, sampling_seqs=sampling, graph_rows=n)
+        # One int64 host buffer, one transfer: [input_ids | positions | slot_mapping | logits rows],
+        # each part starting on a 16-byte boundary (Triton specialises on pointer alignment).
+        stride = cdiv(t, 2) * 2
+        flat_host = np.zeros(3 * stride + len(logits_rows), dtype=np.int64)
+        for i, part in enumerate((input_ids, positions, slots)):
+            flat_host[i * stride:i * stride + t] = part
+        flat_host[3 * stride:] = logits_rows
+        table_arr = np.empty((len(tables), max(map(len, tables))), dtype=np.int32)
+        fill_block_tables(table_arr, tables)
+        flat = self._to_device(flat_host)
         return ModelInput(
-            input_ids=flat[:t], positions=flat[t:2 * t],
-            meta=self._metadata(q_lens, context_lens, flat[2 * t:3 * t], tables),
-            logits_indices=flat[3 * t:], sampling_seqs=sampling, drafts=drafts)
+            input_ids=flat[:t], positions=flat[stride:stride + t],
+            meta=self._metadata(q_lens, context_lens, flat[2 * stride:2 * stride + t], table_arr),
+            logits_indices=flat[3 * stride:], sampling_seqs=sampling, drafts=drafts,
+            host=(flat_host[:t], flat_host[stride:stride + t], flat_host[2 * stride:2 * stride + t],
+                  flat_host[3 * stride:], table_arr))
 
     @torch.inference_mode()
     def forward_logits(self, inp: ModelInput) -> torch.Tensor:
         """fp32 logits ``[num_sampling, vocab_size]`` for the rows that sample."""
-        if self.graph_runner is not None and self.graph_runner.can_run(inp.meta):
+        if inp.graph_rows is not None:
+            hidden = self.graph_runner.replay(inp.graph_rows)
+        elif self.graph_runner is not None and self.graph_runner.can_run(inp.meta):
             hidden = self.graph_runner.run(inp.input_ids, inp.positions, inp.meta)
         else:
             self.backend.prepare(inp.meta)
@@ -287,7 +444,8 @@ class ModelRunner:
             hidden = self.model(inp.input_ids, inp.positions, ctx)
         if not inp.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[inp.logits_indices]).float()
+        rows = hidden if inp.logits_indices is None else hidden[inp.logits_indices]
+        return self.model.compute_logits(rows).float()
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """Per-row sampling settings; tensors are only built when some row is not greedy."""
@@ -324,8 +482,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         inp = self.prepare_input(plan)
         t1 = time.perf_counter()
+        # No synchronize here: the host queues the forward and the sampler, and waits once,
+        # when it reads the sampled tokens. On CUDA model_ms is therefore launch time and
+        # sample_ms includes waiting for the GPU.
         logits = self.forward_logits(inp)
-        self._sync()
         t2 = time.perf_counter()
         tokens, failed, seqs, more = [], set(), inp.sampling_seqs, {}
         if inp.sampling_seqs:

@@ -34,6 +34,8 @@ class RunnerConfig:
             sampling, weight seed 0.
         tp_size: tensor-parallel ranks the model is sharded over; the runner holds one shard
             (``num_key_value_heads / tp_size`` KV heads per layer in its cache).
+        max_num_seqs: most sequences per step: the GPU memory profile samples this many rows
+            (logits ``[max_num_seqs, vocab]`` fp32 and the sampler's buffers).
     """
 
     source: ModelSource
@@ -47,3 +49,4 @@ class RunnerConfig:
     max_num_batched_tokens: int
     seed: int | None
     tp_size: int = 1
+    max_num_seqs: int = 256

@@ -126,6 +126,7 @@ class TPModelRunner(ShardRunner):
             raise SystemExit(0)
         if device.type == "cuda":
             config = replace(config, device=torch.device("cuda", conn.local_rank if external else base_index))
+            torch.cuda.set_device(config.device)  # NCCL and Triton use the current device, not the tensors'
         self.conn = conn  # ShardRunner sets it too; the guard below needs it first
         self._closer = _Closer(conn)
         self._finalizer = weakref.finalize(self, self._closer.close)

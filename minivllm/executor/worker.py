@@ -33,6 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from minivllm.executor import launch
@@ -77,10 +78,14 @@ def pack_step(inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
     """
     meta = inp.meta
     n_seqs, width = meta.block_tables.shape
-    parts = [inp.input_ids, inp.positions, meta.slot_mapping,
-             torch.tensor(meta.q_lens_cpu), torch.tensor(meta.context_lens_cpu),
-             meta.block_tables.reshape(-1), inp.logits_indices]
-    payload = torch.cat([p.to("cpu", torch.int64) for p in parts])
+    lens = torch.tensor(meta.q_lens_cpu + meta.context_lens_cpu, dtype=torch.int64)
+    if inp.host is not None:  # the host arrays the runner uploaded: no device read-back
+        ids, pos, slots, rows, tables = inp.host
+        payload = torch.from_numpy(np.concatenate([ids, pos, slots, lens.numpy(), tables.reshape(-1), rows]))
+    else:
+        parts = [inp.input_ids, inp.positions, meta.slot_mapping, lens, meta.block_tables.reshape(-1),
+                 inp.logits_indices]
+        payload = torch.cat([p.to("cpu", torch.int64) for p in parts])
     header = torch.tensor([STEP, inp.input_ids.numel(), n_seqs, inp.logits_indices.numel(), width,
                            payload.numel()], dtype=torch.int64)
     return header, payload

@@ -28,6 +28,13 @@ class TritonAttentionBackend(AttentionBackend):
 
         self._kernels = triton_kernels
 
+    def decode_context_buckets(self, num_seqs: int, max_seqlen_k: int, k_cache: torch.Tensor) -> list[int]:
+        """Context bounds to capture one decode CUDA graph each for (see
+        ``triton_kernels.decode_context_buckets``); ``k_cache [blocks, block_size, Hk, D]``."""
+        kern = self._kernels
+        return kern.decode_context_buckets(kern._sm_count(k_cache.device), num_seqs, int(k_cache.shape[2]),
+                                           int(k_cache.shape[3]), max_seqlen_k)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -53,4 +60,15 @@ class TritonAttentionBackend(AttentionBackend):
         return kern.paged_prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens,
             meta.block_tables, meta.max_seqlen_q, scale, out=out,
+            tile_map=self._tile_map(meta, q, k_cache),
         )
+
+    def _tile_map(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
+        """The prefill work list, built once per step from the host query lengths (every
+        layer has the same head shapes) and kept in ``meta.extras``."""
+        kern = self._kernels
+        tokens = kern.prefill_tiling(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)[3]
+        key = f"triton_prefill_tiles_{tokens}"
+        if key not in meta.extras:
+            meta.extras[key] = kern.prefill_tile_map(meta.q_lens_cpu, tokens, q.device)
+        return meta.extras[key]
