@@ -219,3 +219,17 @@ def test_export_of_a_real_engine_run(tiny_ckpt, tmp_path):
     assert (rq["num_output_tokens"] == 3).all() and (rq["ttft_ms"] > 0).all() and (rq["e2e_ms"] >= rq["ttft_ms"]).all()
     assert len(dfs["scheduled"]) == sum(len(s.scheduled) for s in steps)
     assert len(dfs["samples"]) >= 1
+
+
+def test_generate_threads_option(capsys):
+    from minivllm.__main__ import main as cli
+
+    before = torch.get_num_threads()
+    try:
+        assert cli(["generate", "def", "--max-tokens", "2", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+        assert "1 torch thread(s) (--threads)" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+    assert cli(["generate", "def", "--threads", "0"]) == 2
+    assert "--threads '0'" in capsys.readouterr().err
