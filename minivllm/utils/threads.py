@@ -44,8 +44,8 @@ def choose_threads(value: str | int | None, cores: int | None = None,
                 return ThreadChoice(None, "load average unavailable: torch's default thread count")
             load = os.getloadavg()[0]
         n = max(1, min(cores, round(cores - load)))
-        return ThreadChoice(n, f"{n} torch thread(s): load average {load:.1f} leaves {cores - load:.1f} "
-                               f"of {cores} cores idle (pass --threads N to override)")
+        return ThreadChoice(n, f"{n} torch thread(s): load average {load:.1f} on {cores} cores "
+                               f"(--threads auto; pass --threads N to override)")
     try:
         n = int(value)
     except (TypeError, ValueError):
