@@ -24,11 +24,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# oneDNN picks its blocked layout for this many rows. Measured on the 0.6B model's four layer
-# shapes, one thread, 2026-12-01 (loaded 2-core EPYC, best of 4): a layout for 1 row is as fast
-# as MKL at 1 row and faster at 2-64 rows; layouts for 2-8 rows win at 2-16 rows but cost
-# 1.3-1.9x at 1 row, the single-request decode every learner runs first.
-_BATCH_HINT = 1
+# oneDNN picks its blocked layout for a batch-size hint. Measured one-thread on a loaded 2-core
+# EPYC, 2026-12-01 (best of 4-5): on the 0.6B model's layer shapes (8-24 MiB each, streamed from
+# memory) the layout for 1 row was as fast as MKL at 1 row and faster at 2-64 rows, while the
+# layout for 8 rows cost 1.3-1.9x at 1 row; on the embedded model's shapes (0.25-4 MiB,
+# cache-resident) the 8-row layout was faster than the 1-row one at 1-32 rows. The size
+# threshold sits between the two measured ranges.
+_STREAMED_BYTES = 6 << 20
+_HINT_STREAMED, _HINT_CACHED = 1, 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,7 +47,7 @@ def onednn_unavailable_reason(dtype: torch.dtype) -> str | None:
         gen = torch.Generator().manual_seed(0)
         w = torch.randn(8, 16, generator=gen).to(dtype)
         x = torch.randn(3, 16, generator=gen).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _HINT_CACHED)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except RuntimeError as e:  # unsupported dtype / ISA: torch's message says which
         return str(e).splitlines()[0]
@@ -56,8 +59,11 @@ def onednn_unavailable_reason(dtype: torch.dtype) -> str | None:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` (dense, CPU) -> the same values in oneDNN's blocked layout (an
-    ``mkldnn`` tensor of logical shape ``[out, in]``, a new allocation)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+    ``mkldnn`` tensor of logical shape ``[out, in]``, a new allocation), laid out for one row
+    when the weight is larger than ``_STREAMED_BYTES`` (read from memory every step), else for
+    8 rows (see the measurements above)."""
+    big = weight.numel() * weight.element_size() > _STREAMED_BYTES
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _HINT_STREAMED if big else _HINT_CACHED)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
