@@ -21,9 +21,27 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--threads", default="auto",
+                        help="torch CPU threads. 'auto' (default): the cores the 1-minute load average leaves "
+                             "idle, at least 1 (OpenMP threads wait on each other, so a thread on a core another "
+                             "process holds slows every step down, ~10x measured on a busy 2-core machine); "
+                             "an int N: exactly N")
     args = parser.parse_args(argv)
 
+    import torch
+
     from minivllm import LLM, SamplingParams
+    from minivllm.utils.threads import choose_threads
+
+    try:
+        choice = choose_threads(args.threads)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if choice.threads is not None and not (args.device.startswith("cuda")
+                                           or (args.device == "auto" and torch.cuda.is_available())):
+        torch.set_num_threads(choice.threads)
+        print(f"# {choice.reason}", file=sys.stderr)
 
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -65,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in commands:
         print("usage: python -m minivllm {generate,bench} ...\n"
               "  generate PROMPT [--model PATH] [--max-tokens N] ...   stream a completion\n"
-              "  bench [--model M] [--sweep] [--overhead] ...          offline benchmark vs transformers",
+              "  bench [--model M] [--sweep] [--overhead] ...          offline benchmark vs transformers\n"
+              "  both take --threads {auto,N}: torch CPU threads (auto: the cores the load average leaves idle)",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])

@@ -6,6 +6,13 @@ import torch
 
 from minivllm import bench
 from minivllm.bench import make_workload, run_overhead, run_sweep, run_throughput
+from minivllm.bench.common import percentiles
+from minivllm.bench.overhead import OverheadResult
+from minivllm.bench.peers import PeerOverhead, agreement, hf_state_from_ours, run_nanovllm_overhead
+from minivllm.utils.threads import choose_threads
+
+# A toy peaks microbenchmark (the real one sums 1 GiB).
+PEAKS = dict(matmul_size=64, copy_bytes=1 << 20, read_bytes=1 << 20, repeats=2)
 
 
 def _quiet(*a, **k):
@@ -14,9 +21,8 @@ def _quiet(*a, **k):
 
 @pytest.fixture(autouse=True)
 def _private_peaks_cache(tmp_path, monkeypatch):
-    """Peaks go to a throw-away cache, measured with a toy microbenchmark."""
+    """Peaks go to a throw-away cache."""
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(bench, "PEAK_MEASURE_KWARGS", dict(matmul_size=64, copy_bytes=1 << 20, repeats=2))
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +68,21 @@ def test_make_workload_is_reproducible_and_in_range():
 
 
 def test_threads_option():
-    assert bench._resolve_threads("3") == 3
-    assert bench._resolve_threads("auto") in (None, 1)
-    for bad in ("0", "many"):
+    assert choose_threads("3").threads == 3
+    # auto: the cores the load average leaves idle, at least one
+    assert choose_threads("auto", cores=2, load=0.1).threads == 2
+    assert choose_threads("auto", cores=2, load=1.2).threads == 1
+    assert choose_threads("auto", cores=2, load=6.0).threads == 1
+    assert choose_threads("auto", cores=16, load=4.0).threads == 12
+    for bad in ("0", "many", 2.5):
         with pytest.raises(ValueError, match="--threads"):
-            bench._resolve_threads(bad)
+            choose_threads(bad)
 
 
 def test_percentiles_and_agreement():
-    q = bench._percentiles([1.0, 2.0, 3.0, 4.0, None])
+    q = percentiles([1.0, 2.0, 3.0, 4.0, None])
     assert q["p50"] == 2.5 and q["mean"] == 2.5 and q["p99"] == pytest.approx(3.97)
-    a = bench._agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
+    a = agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]])
     assert a["identical_requests"] == 1 and a["mean_matching_prefix"] == pytest.approx((0.5 + 1.0) / 2)
 
 
@@ -82,7 +92,7 @@ def test_hf_state_from_ours_matches_checkpoint(tiny_ckpt):
     from minivllm import LLM
 
     with LLM(str(tiny_ckpt), num_kvcache_blocks=8) as llm:
-        sd = bench._hf_state_from_ours(llm.llm_engine.runner.model, llm.llm_engine.source.hf_config)
+        sd = hf_state_from_ours(llm.llm_engine.runner.model, llm.llm_engine.source.hf_config)
     ref = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt)).state_dict()
     assert set(sd) == set(ref)
     for name, t in ref.items():
@@ -91,9 +101,10 @@ def test_hf_state_from_ours_matches_checkpoint(tiny_ckpt):
 
 def test_throughput_smoke_with_peers(tiny_ckpt):
     r = run_throughput(str(tiny_ckpt), num_requests=4, input_len=(4, 12), output_len=(2, 6), hf_batch_size=2,
-                       log=_quiet, num_kvcache_blocks=64)
-    w = r["workload"]
-    mine = r["minivllm"]
+                       log=_quiet, peak_kwargs=PEAKS, num_kvcache_blocks=64)
+    w = r.workload
+    mine = r.minivllm
+    assert r.peaks["provenance"] == "measured now" and r.peaks["read_bytes_per_s"] > 0
     assert w["num_requests"] == 4
     assert mine["output_tokens_per_s"] == pytest.approx(w["num_output_tokens"] / mine["seconds"])
     assert mine["ttft_ms"]["p50"] > 0 and mine["roofline"]["flops"] > 0
@@ -111,7 +122,8 @@ def test_sweep_smoke(tiny_ckpt, tmp_path):
     pytest.importorskip("plotly")
     html = tmp_path / "roof.html"
     r = run_sweep(str(tiny_ckpt), batch_sizes=[1, 4], prompt_lens=[8, 32], context_len=8, decode_steps=2,
-                  warmup_steps=1, repeats=1, html=html, log=_quiet)
+                  warmup_steps=1, repeats=1, html=html, log=_quiet, peak_kwargs=PEAKS)
+    assert r.html == str(html) and r.to_dict()["decode"] == r.decode
     assert [p["batch_size"] for p in r["decode"]] == [1, 4]
     assert [p["prompt_len"] for p in r["prefill"]] == [8, 32]
     for p in r["decode"] + r["prefill"]:
@@ -122,30 +134,60 @@ def test_sweep_smoke(tiny_ckpt, tmp_path):
     assert html.exists() and "plotly" in html.read_text()[:5000].lower()
 
 
-def test_overhead_smoke(tiny_ckpt):
-    r = run_overhead(str(tiny_ckpt), batch_sizes=(1, 4), prompt_len=16, decode_steps=4, warmup_steps=2, log=_quiet)
-    assert [row["batch_size"] for row in r["rows"]] == [1, 4]
-    for row in r["rows"]:
+def test_overhead_smoke_without_peer(tiny_ckpt, tmp_path):
+    lines = []
+    r = run_overhead(str(tiny_ckpt), batch_sizes=(1, 4), prompt_len=16, decode_steps=4, warmup_steps=2,
+                     log=lines.append, nanovllm_script=tmp_path / "absent.py")
+    assert [row["batch_size"] for row in r.rows] == [1, 4]
+    for row in r.rows:
         assert row["us_per_seq_step"] > 0 and row["step_ms_mean"] > 0
+        assert "nano_vllm_target_us" not in row  # no typed-in peer figures
+    assert r.peer is not None and not r.peer.available and "not found" in r.peer.reason
+    assert r.ratios() == {}
+    assert any("nano-vllm peer unavailable" in line for line in lines)
+
+
+def test_nanovllm_peer_output_is_parsed_and_compared(tmp_path):
+    """A stand-in peer script printing the real script's JSON shape: its medians are read and
+    the ratio is minivllm / nano-vllm per batch size."""
+    script = tmp_path / "peer.py"
+    script.write_text(
+        "import json, sys\n"
+        "bs = [int(x) for x in sys.argv[sys.argv.index('--batch') + 1:]]\n"
+        "print('progress line')\n"
+        "print(json.dumps({'results': [{'B': b, 'sched_prepare_post_incl_sample': {'median': 2.0 * b}} "
+        "for b in bs]}))\n")
+    peer = run_nanovllm_overhead(script, (1, 4))
+    assert peer.available and peer.us_per_seq_step == {1: 2.0, 4: 8.0}
+    result = OverheadResult("overhead", "m", "cpu", 16, 4, rows=[
+        {"batch_size": 1, "us_per_seq_step_median": 3.0}, {"batch_size": 4, "us_per_seq_step_median": 4.0}],
+        peer=peer)
+    assert result.ratios() == {1: 1.5, 4: 0.5}
+    failing = tmp_path / "fail.py"
+    failing.write_text("import sys; sys.exit('boom')\n")
+    bad = run_nanovllm_overhead(failing, (1,))
+    assert isinstance(bad, PeerOverhead) and not bad.available and "boom" in bad.reason
 
 
 def test_main_writes_json(tiny_ckpt, tmp_path):
     out = tmp_path / "bench.json"
     before = torch.get_num_threads()
     res = bench.run_cli(["--model", str(tiny_ckpt), "--no-peers", "--num-requests", "2", "--input-len", "3", "5",
-                         "--output-len", "2", "3", "--json", str(out), "--quiet", "--threads", "1"])
+                         "--output-len", "2", "3", "--json", str(out), "--quiet", "--threads", "1"],
+                        peak_kwargs=PEAKS)
     assert torch.get_num_threads() == before  # restored after the run
     data = json.loads(out.read_text())
     assert data["torch_threads"] == 1
     assert data["throughput"]["workload"]["num_requests"] == 2
     assert data["throughput"]["peers"] == {}
-    assert res["throughput"]["minivllm"]["seconds"] > 0
+    assert res["throughput"].minivllm["seconds"] > 0
 
 
 def test_cli_exit_status(tiny_ckpt, capsys):
     from minivllm.__main__ import main as cli
 
-    rc = cli(["bench", "--model", str(tiny_ckpt), "--overhead", "--batch-sizes", "2", "--decode-steps", "2"])
+    rc = cli(["bench", "--model", str(tiny_ckpt), "--overhead", "--batch-sizes", "2", "--decode-steps", "2",
+              "--no-nanovllm"])
     assert rc == 0
     assert "us/seq/step" in capsys.readouterr().out
 
@@ -177,3 +219,17 @@ def test_export_of_a_real_engine_run(tiny_ckpt, tmp_path):
     assert (rq["num_output_tokens"] == 3).all() and (rq["ttft_ms"] > 0).all() and (rq["e2e_ms"] >= rq["ttft_ms"]).all()
     assert len(dfs["scheduled"]) == sum(len(s.scheduled) for s in steps)
     assert len(dfs["samples"]) >= 1
+
+
+def test_generate_threads_option(capsys):
+    from minivllm.__main__ import main as cli
+
+    before = torch.get_num_threads()
+    try:
+        assert cli(["generate", "def", "--max-tokens", "2", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+        assert "1 torch thread(s) (--threads)" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+    assert cli(["generate", "def", "--threads", "0"]) == 2
+    assert "--threads '0'" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from minivllm.telemetry.peaks import Peaks, get_peaks, measure_peaks
 from minivllm.telemetry.step_record import ScheduledEntry, StepRecord
 from minivllm.telemetry.utilisation import UtilisationSample, UtilisationSampler
 
-TINY = dict(matmul_size=32, copy_bytes=1 << 16, repeats=1)
+TINY = dict(matmul_size=32, copy_bytes=1 << 16, read_bytes=1 << 16, repeats=1)
 
 
 def _busy(seconds):
@@ -63,8 +63,10 @@ def test_measure_peaks_tiny():
     p = measure_peaks("cpu", "float32", **TINY)
     assert p.flops_per_s > 0 and p.bytes_per_s > 0
     assert p.device == "cpu" and p.dtype == "float32"
-    assert p.info["matmul_size"] == 32 and p.info["copy_bytes"] == 1 << 16
-    assert p.ridge_intensity == pytest.approx(p.flops_per_s / p.bytes_per_s)
+    assert p.info["matmul_size"] == 32 and p.info["copy_bytes"] == 1 << 16 and p.info["read_bytes"] == 1 << 16
+    assert p.read_bytes_per_s > 0 and p.mbu_bytes_per_s == p.read_bytes_per_s
+    assert p.provenance == "measured now"
+    assert p.ridge_intensity == pytest.approx(p.flops_per_s / p.mbu_bytes_per_s)  # the MBU ceiling
     with pytest.raises(ValueError, match="dtype"):
         measure_peaks("cpu", "float13", **TINY)
 
@@ -86,15 +88,20 @@ def test_peaks_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setattr(peaks_mod, "measure_peaks", no_measure)
     again = get_peaks("cpu", "float32")
     assert again == first and again.info["matmul_size"] == 32
+    assert first.provenance == "measured now"
+    assert again.provenance == f"cached, measured {first.info['measured_at']}"
 
     calls = []
-    monkeypatch.setattr(peaks_mod, "measure_peaks",
-                        lambda *a, **k: calls.append(1) or Peaks(1.0, 2e30, "cpu", "float32"))
-    # refresh keeps the best of old and new per figure (a loaded machine measures low)
+    fresh = Peaks(1.0, 2e30, "cpu", "float32", {"source": "measured", "measured_at": "now"}, 3.0)
+    monkeypatch.setattr(peaks_mod, "measure_peaks", lambda *a, **k: calls.append(1) or fresh)
+    # refresh returns this call's figures (never an older one as "measured now") ...
     refreshed = get_peaks("cpu", "float32", refresh=True)
-    assert calls == [1]
-    assert refreshed.flops_per_s == first.flops_per_s and refreshed.bytes_per_s == 2e30
-    assert json.loads(path.read_text())[key]["bytes_per_s"] == 2e30
+    assert calls == [1] and refreshed == fresh and refreshed.provenance == "measured now"
+    # ... and the cache keeps the best of old and new per figure (a loaded machine measures low)
+    stored = json.loads(path.read_text())[key]
+    assert stored["flops_per_s"] == first.flops_per_s and stored["bytes_per_s"] == 2e30
+    assert stored["read_bytes_per_s"] == max(first.read_bytes_per_s, 3.0)
+    assert get_peaks("cpu", "float32").provenance.endswith("(best of several runs)")
     overwritten = get_peaks("cpu", "float32", refresh=True, keep_best=False)
     assert calls == [1, 1] and overwritten.flops_per_s == 1.0
     assert json.loads(path.read_text())[key]["flops_per_s"] == 1.0

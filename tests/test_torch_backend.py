@@ -125,3 +125,30 @@ def test_fast_paths_are_taken_and_match_naive(seqs, flag, dtype):
     out, ref, _, _, meta = run_case(seqs, 4, dtype, 8, 2)
     assert getattr(meta.extras["torch_backend_plan"], flag)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
+def test_layers_sharing_the_gather_buffer_each_match_naive(block_size, heads, kv_heads):
+    """One backend, one step, two layers with different caches (the gathered K/V buffer is
+    reused between them): each layer's output matches the naive loop, and the decode group
+    attends through its additive bias, not a mask."""
+    seqs = MIXED
+    gen = torch.Generator().manual_seed(3)
+    tables = allocate_block_tables([c + n for c, n in seqs], block_size, 64, seed=3)
+    meta = build_metadata(seqs, block_size, tables)
+    backend = TorchAttentionBackend()
+    t, d = meta.num_tokens, 16
+    outs, refs = [], []
+    for _layer in range(2):
+        q = torch.randn(t, heads, d, generator=gen)
+        k, v = torch.randn(t, kv_heads, d, generator=gen), torch.randn(t, kv_heads, d, generator=gen)
+        kc = torch.randn(64, block_size, kv_heads, d, generator=gen)
+        vc = torch.randn(64, block_size, kv_heads, d, generator=gen)
+        refs.append(naive_attention(q, k, v, kc.clone(), vc.clone(), seqs, tables, block_size,
+                                    meta.slot_mapping.tolist(), d ** -0.5))
+        outs.append(backend.forward(q, k, v, kc, vc, meta, d ** -0.5))
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    decode = [g for g in meta.extras["torch_backend_plan"].groups if g.max_q == 1]
+    assert len(decode) == 1 and decode[0].mask is None and decode[0].bias is not None

@@ -444,8 +444,8 @@ class EngineStepper(CourseWidget):
                 f"{self._bar(rejected / r.num_draft_tokens, '#e45756')}</span></div>")
         if r.mfu is not None:
             p = self._peaks
-            peak_note = (f"peaks measured here: {fmt_si(p.flops_per_s, 'FLOP/s')}, {fmt_si(p.bytes_per_s, 'B/s')}"
-                         if p is not None else "")
+            peak_note = (f"peaks on this device ({p.provenance}): {fmt_si(p.flops_per_s, 'FLOP/s')} matmul, "
+                         f"{fmt_si(p.mbu_bytes_per_s, 'B/s')} read" if p is not None else "")
             lines.append(
                 f"<div class='mv-box'><b>MFU</b><span class='mv-bartrack'>{self._bar(r.mfu, '#4c78a8')}</span>"
                 f"{100 * r.mfu:.2f} % <span class='mv-small'>({fmt_si(r.flops, 'FLOP')} in the step)</span><br>"

@@ -161,12 +161,12 @@ class UtilisationMonitor(CourseWidget):
                 hi = max(hi, peaks.ridge_intensity * 2)
                 xs = [lo, peaks.ridge_intensity, hi]
                 self.roofline.data[0].x = xs
-                self.roofline.data[0].y = [min(peaks.flops_per_s, x * peaks.bytes_per_s) for x in xs]
+                self.roofline.data[0].y = [min(peaks.flops_per_s, x * peaks.mbu_bytes_per_s) for x in xs]
         if pts:
             best = max(pts, key=lambda r: r.mfu or 0)
             self.readout.value = (
                 f"<div class='mv-box'>{len(self.records)} steps, {len(s)} samples · peaks measured here: "
-                f"{fmt_si(peaks.flops_per_s, 'FLOP/s')}, {fmt_si(peaks.bytes_per_s, 'B/s')} (ridge at "
+                f"{fmt_si(peaks.flops_per_s, 'FLOP/s')}, {fmt_si(peaks.mbu_bytes_per_s, 'B/s')} read (ridge at "
                 f"{peaks.ridge_intensity:.1f} FLOP/byte) · best MFU {100 * (best.mfu or 0):.2f} % "
                 f"({best.phase} step)</div>")
 

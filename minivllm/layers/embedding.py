@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.layers.prepack import PackedWeightMixin, dense, linear
 from minivllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, \
     tensor_model_parallel_all_reduce
 from minivllm.utils import cdiv
@@ -42,6 +43,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         """Copy this rank's rows of the full ``[V, hidden]`` table; zero the padding rows."""
+        loaded_weight = dense(loaded_weight)
         if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"{type(self).__name__}: checkpoint tensor has shape "
                              f"{tuple(loaded_weight.shape)}, expected {(self.num_embeddings, self.embedding_dim)}")
@@ -62,12 +64,23 @@ class VocabParallelEmbedding(nn.Module):
                 f"embedding_dim={self.embedding_dim}, tp_size={self.tp_size}")
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
     """The output projection ``hidden -> logits``, vocab-sharded like the embedding.
 
     With tied embeddings the model points ``lm_head.weight`` at ``embed_tokens.weight``
-    (same shard layout, so tying works at any tp size).
+    (same shard layout, so tying works at any tp size). On the CPU the head multiplies by a
+    oneDNN-packed weight (``minivllm.layers.prepack``); when tied, that is a packed copy beside
+    the embedding's plain table (the lookup needs the plain one), made after loading:
+    reload through ``load_weights``/``init_random_weights`` (which repack), not by writing
+    into ``embed_tokens.weight`` directly.
     """
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """As the embedding's; a packed head weight goes back to dense before it is written."""
+        if param is self.weight and (param.is_mkldnn or self.packed_copy is not None):
+            self.unpack_weights()
+            param = self.weight
+        super().weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - guard
         raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits(hidden)")
@@ -78,7 +91,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         Every rank returns the full logits (all-gather over the vocab shards, padding
         columns dropped), so the sampler may run on any rank with identical results.
         """
-        logits = F.linear(hidden, self.weight)  # [N, V_pad / tp]
+        logits = linear(hidden, self.matmul_weight)  # [N, V_pad / tp]
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings].float()

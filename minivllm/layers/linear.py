@@ -9,6 +9,10 @@ and ``y = x @ weight.T + bias``. Every parameter carries
 * ``param.full_shape``: the shape of the full tensor that loader expects with
   ``shard_id=None`` (used to draw random weights that are identical for every tp size).
 
+On the CPU the loaded weight is packed for oneDNN (``minivllm.layers.prepack``): ``weight``
+then holds the packed tensor, ``state_dict()`` still returns it dense, and every layer computes
+through :func:`minivllm.layers.prepack.linear`.
+
 Layouts (Megatron-LM, Shoeybi et al. 2019):
 
 * :class:`ColumnParallelLinear` splits ``out_features``: rank r owns output rows
@@ -23,10 +27,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from minivllm.layers.prepack import PackedWeightMixin, dense, linear
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -44,7 +48,7 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: Sequence[i
         )
 
 
-class LinearBase(nn.Module):
+class LinearBase(PackedWeightMixin, nn.Module):
     """Common parts: parameter allocation and the loader hook.
 
     Args:
@@ -62,17 +66,26 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self._load
         self.weight.full_shape = (full_out, full_in)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = self._load
             self.bias.full_shape = (bias_full_out if bias_full_out is not None else full_out,)
         else:
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
+
+    def _load(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        """The ``weight_loader`` attached to the parameters: a packed weight goes back to dense
+        before it is written (``param`` may be the packed one, replaced since), and a packed
+        source tensor is read dense."""
+        if param is self.weight and param.is_mkldnn:
+            self.unpack_weights()
+            param = self.weight
+        self.weight_loader(param, dense(loaded_weight), shard_id)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
@@ -90,7 +103,7 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.matmul_weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -111,7 +124,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.matmul_weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -226,7 +239,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.matmul_weight)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

@@ -1,4 +1,4 @@
-"""Measured ceilings of this machine: matmul FLOP/s and copy bandwidth.
+"""Measured ceilings of this machine: matmul FLOP/s, copy and read bandwidth.
 
 The roofline needs two numbers per device: how many FLOP/s a dense matmul
 reaches, and how many bytes per second memory moves. Data-sheet figures are
@@ -12,6 +12,15 @@ device, dtype, thread count and torch version in
 * Bandwidth: ``dst.copy_(src)`` on tensors far larger than the last-level
   cache reads ``nbytes`` and writes ``nbytes``, so it counts ``2 * nbytes``
   per copy (the STREAM "copy" convention, McCalpin 1995); best of several.
+* Read bandwidth: ``torch.sum`` over a tensor of at least 1 GiB reads it once and
+  writes one number, so it counts ``nbytes``; best of several. A decode step mostly
+  reads (weights, KV cache), so this is the ceiling its MBU is measured against
+  (:attr:`Peaks.mbu_bytes_per_s`); a copy's write stream makes the copy figure lower
+  on many CPUs.
+
+Provenance: ``info["source"]`` is ``"measured"`` for a figure measured by this call
+and ``"cached"`` for one read from the cache; ``info["measured_at"]`` says when (UTC).
+:attr:`Peaks.provenance` puts both in words for printing.
 
 Timing: ``time.perf_counter`` on CPU; CUDA events around the work, after a
 ``torch.cuda.synchronize()``, on CUDA.
@@ -22,7 +31,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +46,9 @@ class Peaks:
         flops_per_s: dense matmul FLOP/s in ``dtype``.
         bytes_per_s: bytes read + written per second by a large copy.
         device / dtype: where and in what it was measured ("cpu", "cuda:0"; "float32").
-        info: how (sizes, best times in seconds, device name, when).
+        info: how (sizes, best times in seconds, device name, when, ``source``).
+        read_bytes_per_s: bytes read per second by a reduction over >= 1 GiB (``None``
+            when not measured, e.g. a ``Peaks`` built by hand).
     """
 
     flops_per_s: float
@@ -45,19 +56,37 @@ class Peaks:
     device: str = ""
     dtype: str = ""
     info: dict = field(default_factory=dict, compare=False)
+    read_bytes_per_s: float | None = None
+
+    @property
+    def mbu_bytes_per_s(self) -> float:
+        """The bandwidth MBU divides by: the read bandwidth when measured, else the copy's."""
+        return self.read_bytes_per_s or self.bytes_per_s
+
+    @property
+    def provenance(self) -> str:
+        """``"measured now"`` or ``"cached, measured <UTC time>"`` (``"unknown"`` without info)."""
+        when = self.info.get("measured_at")
+        if self.info.get("source") == "measured":
+            return "measured now"
+        if self.info.get("source") == "cached":
+            return f"cached, measured {when}" + (" (best of several runs)" if "previous" in self.info else "")
+        return "unknown"
 
     @property
     def ridge_intensity(self) -> float:
-        """FLOPs/byte where the roofline turns: below it a kernel is memory-bound."""
-        return self.flops_per_s / self.bytes_per_s
+        """FLOPs/byte where the roofline turns (against the MBU bandwidth): below it a
+        kernel is memory-bound."""
+        return self.flops_per_s / self.mbu_bytes_per_s
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Peaks":
+        read = d.get("read_bytes_per_s")
         return cls(float(d["flops_per_s"]), float(d["bytes_per_s"]), d.get("device", ""),
-                   d.get("dtype", ""), dict(d.get("info", {})))
+                   d.get("dtype", ""), dict(d.get("info", {})), None if read is None else float(read))
 
 
 def cache_dir() -> Path:
@@ -132,6 +161,7 @@ def measure_peaks(
     *,
     matmul_size: int | None = None,
     copy_bytes: int | None = None,
+    read_bytes: int | None = None,
     repeats: int = 5,
 ) -> Peaks:
     """Run the microbenchmark now (no cache).
@@ -142,7 +172,11 @@ def measure_peaks(
         matmul_size: ``n`` of the square matmul (default 1024 on CPU, 8192 on CUDA).
         copy_bytes: size of the copied tensor (default 256 MiB on CPU, 1 GiB on
             CUDA: far beyond any last-level cache).
+        read_bytes: size of the summed tensor (default 1 GiB).
         repeats: timed runs per measurement; the best one counts.
+
+    Raises:
+        ValueError: unknown dtype, ``repeats < 1`` or a non-positive size.
     """
     import torch
 
@@ -152,8 +186,9 @@ def measure_peaks(
     cuda = dev.type == "cuda"
     n = matmul_size or (8192 if cuda else 1024)
     nbytes = copy_bytes or ((1 << 30) if cuda else (256 << 20))
-    if n < 1 or nbytes < 1:
-        raise ValueError(f"matmul_size and copy_bytes must be positive, got {n!r}, {nbytes!r}")
+    rbytes = read_bytes or (1 << 30)
+    if n < 1 or nbytes < 1 or rbytes < 1:
+        raise ValueError(f"matmul_size, copy_bytes and read_bytes must be positive, got {n!r}, {nbytes!r}, {rbytes!r}")
     time_it = _timer(dev)
 
     # Matmul: 2 n^3 FLOPs (n^2 outputs, n multiply-adds each). Several matmuls per
@@ -187,18 +222,34 @@ def measure_peaks(
     bw = 2.0 * src.numel() * src.element_size() * copy_inner / t_cp
     del src, dst
 
+    # Read: a reduction reads every byte once and writes one scalar.
+    big = torch.ones(max(1, rbytes // 4), device=dev, dtype=torch.float32)
+    total = torch.empty((), device=dev, dtype=torch.float32)
+
+    def rd():
+        torch.sum(big, 0, out=total)
+
+    rd()  # warm-up
+    t_rd = min(time_it(rd) for _ in range(repeats))
+    read_bw = big.numel() * big.element_size() / t_rd
+    read_numel = big.numel()
+    del big
+
     info = {
         "device_name": _device_name(dev),
         "matmul_size": n,
         "matmul_best_s": t_mm / inner,
         "copy_bytes": numel * 4,
         "copy_best_s": t_cp / copy_inner,
+        "read_bytes": read_numel * 4,
+        "read_best_s": t_rd,
         "repeats": repeats,
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": "measured",
     }
-    return Peaks(flops, bw, str(dev), str(dt).removeprefix("torch."), info)
+    return Peaks(flops, bw, str(dev), str(dt).removeprefix("torch."), info, read_bw)
 
 
 def _load_cache(path: Path) -> dict:
@@ -210,35 +261,47 @@ def _load_cache(path: Path) -> dict:
         return {}  # missing or corrupt: measure again
 
 
+def _cached(entry: dict) -> Peaks | None:
+    """A cache entry as ``Peaks`` marked ``source="cached"``; ``None`` if unreadable or from
+    before the read bandwidth was measured."""
+    try:
+        p = Peaks.from_dict(entry)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if p.read_bytes_per_s is None:
+        return None
+    return replace(p, info=dict(p.info, source="cached"))
+
+
 def get_peaks(device: Any = None, dtype: Any = None, refresh: bool = False, keep_best: bool = True,
               **measure_kwargs) -> Peaks:
     """Cached :func:`measure_peaks`: measured once per machine / device / dtype /
     threads / torch version, then read from ``cache_dir() / "peaks.json"``.
 
-    ``refresh=True`` measures again. A peak is a ceiling, and a measurement taken while
-    other processes share the machine reads low, so with ``keep_best`` (default) each
-    figure kept is the larger of the cached and the new one; ``keep_best=False``
-    overwrites. ``measure_kwargs`` go to :func:`measure_peaks` when it runs."""
+    Returns the cached figures (``info["source"] == "cached"``, with the ``measured_at``
+    of the run they come from), or, when nothing usable is cached or ``refresh=True``, the
+    figures measured by this call (``info["source"] == "measured"``): a figure reported as
+    measured now is always this call's. A peak is a ceiling and a measurement taken while
+    other processes share the machine reads low, so with ``keep_best`` (default) the cache
+    keeps, per figure, the larger of the cached and the new one for later cached reads;
+    ``keep_best=False`` overwrites. ``measure_kwargs`` go to :func:`measure_peaks`."""
     key = peaks_cache_key(device, dtype)
     path = cache_dir() / "peaks.json"
-    cache = _load_cache(path)
-    if not refresh and key in cache:
-        try:
-            return Peaks.from_dict(cache[key])
-        except (KeyError, TypeError, ValueError):
-            pass
+    if not refresh:
+        hit = _cached(_load_cache(path).get(key, {}))
+        if hit is not None:
+            return hit
     peaks = measure_peaks(device, dtype, **measure_kwargs)
     cache = _load_cache(path)  # re-read: another process may have written meanwhile
-    if keep_best and key in cache:
-        try:
-            old = Peaks.from_dict(cache[key])
-        except (KeyError, TypeError, ValueError):
-            old = None
-        if old is not None and (old.flops_per_s > peaks.flops_per_s or old.bytes_per_s > peaks.bytes_per_s):
-            info = dict(peaks.info, previous=old.info)
-            peaks = Peaks(max(old.flops_per_s, peaks.flops_per_s), max(old.bytes_per_s, peaks.bytes_per_s),
-                          peaks.device, peaks.dtype, info)
-    cache[key] = peaks.to_dict()
+    stored = peaks
+    old = _cached(cache.get(key, {})) if keep_best else None
+    if old is not None:
+        best = [max(a, b) for a, b in zip((old.flops_per_s, old.bytes_per_s, old.read_bytes_per_s),
+                                           (peaks.flops_per_s, peaks.bytes_per_s, peaks.read_bytes_per_s))]
+        if best != [peaks.flops_per_s, peaks.bytes_per_s, peaks.read_bytes_per_s]:
+            old_info = {k: v for k, v in old.info.items() if k != "source"}
+            stored = Peaks(best[0], best[1], peaks.device, peaks.dtype, dict(peaks.info, previous=old_info), best[2])
+    cache[key] = stored.to_dict()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -318,7 +318,8 @@ def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
     and ``record.mfu`` / ``record.mbu`` when ``peaks`` is given::
 
         mfu = flops / seconds / peaks.flops_per_s     # PaLM's MFU (Chowdhery et al. 2022)
-        mbu = bytes / seconds / peaks.bytes_per_s
+        mbu = bytes / seconds / peaks.mbu_bytes_per_s  # the measured read bandwidth (a step's
+                                                       # bytes are nearly all reads), else the copy's
 
     ``seconds`` defaults to the step's wall time (``record.wall_ms / 1e3``).
     Returns the record (modified in place).
@@ -341,5 +342,5 @@ def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
         seconds = record.wall_ms / 1e3
     if peaks is not None and seconds > 0 and flops > 0:
         record.mfu = flops / seconds / peaks.flops_per_s
-        record.mbu = nbytes / seconds / peaks.bytes_per_s
+        record.mbu = nbytes / seconds / peaks.mbu_bytes_per_s
     return record

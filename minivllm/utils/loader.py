@@ -10,6 +10,10 @@ packed parameters through ``model.packed_modules_mapping`` (q/k/v -> ``qkv_proj`
 ours (``...qkv_proj.weight``) load as the full packed tensor. Tensors are read one at a time
 (``safetensors.safe_open``) and each parameter's ``weight_loader`` copies this rank's slice,
 converting to the parameter's dtype and device.
+
+Both entry points (:func:`load_weights`, :func:`init_random_weights`) end with
+:func:`minivllm.layers.prepack.process_weights_after_loading` (CPU linears packed for oneDNN
+once, here) and start by undoing it, so a model can be loaded again.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from minivllm.layers.prepack import process_weights_after_loading, unpack_weights
 from minivllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -106,6 +111,7 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
     files = checkpoint_files(checkpoint_dir)
     from safetensors import SafetensorError, safe_open
 
+    unpack_weights(model)
     params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(model, "tie_word_embeddings", False))
@@ -159,6 +165,7 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
     if missing:
         shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
         raise ValueError(f"checkpoint {str(checkpoint_dir)!r} is missing tensors: {shown}")
+    process_weights_after_loading(model)
 
 
 # Random models for the course are large (Qwen3-0.6B: 596M parameters) and drawing that
@@ -184,6 +191,7 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
     """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}")
+    unpack_weights(model)
     # Everything is drawn on the CPU (explicit device: callers may hold a torch.device context).
     pool32 = 0.02 * torch.randn(_POOL_SIZE, generator=torch.Generator().manual_seed(seed % (2**63)),
                                 device="cpu")
@@ -209,3 +217,4 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             offset = int(torch.randint(0, _POOL_SIZE, (1,), generator=gen, device="cpu"))
             values = extended[param.dtype][offset:offset + numel].view(shape)
         getattr(param, "weight_loader", _default_loader)(param, values)
+    process_weights_after_loading(model)

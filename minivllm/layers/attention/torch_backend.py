@@ -17,11 +17,22 @@ hundreds of decodes to its length. For each group of ``G`` sequences it builds
   position (causal over the cached prefix plus the new tokens). Padded query rows are
   allowed key 0 only, so no row is ever fully masked (a fully masked row gives NaN).
 
-Each layer then: writes the new K/V at ``slot_mapping`` (slot -1 writes nothing), gathers
-``K, V [G, kv_heads, max_k, d]`` and pads ``Q [G, heads, max_q, d]``, calls
-``torch.nn.functional.scaled_dot_product_attention`` (grouped-query heads through
-``enable_gqa``), and scatters the real rows back. Low-precision inputs are upcast so the
-softmax runs in fp32; the output is cast back to ``q.dtype``.
+For the decode group the plan holds an additive ``bias [G, 1, max_k]`` (0 = attend,
+``-inf`` = past the sequence's length), built once per step, instead of the boolean mask.
+
+Each layer then writes the new K/V at ``slot_mapping`` (slot -1 writes nothing) and gathers
+``K, V [G, max_k, kv_heads, d]`` through ``block_ids``. Prefill groups pad
+``Q [G, heads, max_q, d]``, call ``torch.nn.functional.scaled_dot_product_attention`` with the
+causal mask (grouped-query heads through ``enable_gqa``) and scatter the real rows back.
+Decode groups view the query heads that share a KV head as the query rows of one SDPA
+problem (``q [G, kv_heads, heads / kv_heads, d]``), so K/V are not expanded per query head
+(``enable_gqa`` would), with the step's additive bias. Measured against the previous
+``enable_gqa`` + boolean-mask call and against per-KV-head ``baddbmm``/softmax/``bmm``
+(batch 1-32 decodes, 180-260 keys, 16-token blocks, one thread, loaded 2-core EPYC): this was
+the fastest or tied at every size, up to 2x faster at batch 32; the matmul version was slower
+than both at batch <= 8. Gathered K/V land in one buffer reused by every layer and step.
+Low-precision inputs are upcast so the softmax runs in fp32; the output is cast back to
+``q.dtype``.
 """
 from __future__ import annotations
 
@@ -47,7 +58,8 @@ class _GroupPlan:
     q_src: torch.Tensor  # int64 [n]: token index in the step
     q_dst: torch.Tensor  # int64 [n]: row in the padded [G * max_q] layout
     block_ids: torch.Tensor  # int64 [G * nb]: physical blocks to gather, row-major (padding: block 0)
-    mask: torch.Tensor  # bool [G, 1, max_q, max_k] with max_k = nb * block_size
+    mask: torch.Tensor | None  # bool [G, 1, max_q, max_k] with max_k = nb * block_size (prefill groups)
+    bias: torch.Tensor | None  # fp32 [G, 1, max_k]: 0 attend, -inf past the length (decode groups)
 
 
 @dataclass
@@ -88,12 +100,33 @@ def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.devic
     tables = meta.block_tables.to(device=device, dtype=torch.int64)[seq_t][:, :n_blk_cols]  # [G, nb]
     block_ids = tables.clamp(min=0).flatten()
 
+    if max_q == 1:  # decode: key j is visible iff j < k_len (the query is the last position)
+        bias = torch.zeros(g, 1, max_k, device=device).masked_fill_(~k_valid[:, None, :], float("-inf"))
+        return _GroupPlan(g, max_q, max_k, q_src, q_dst, block_ids, None, bias)
     # Causal mask over absolute positions.
     q_pos = (k_lens - q_lens)[:, None] + i[None, :]  # [G, max_q]
     mask = (j[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
     pad_rows = ~q_valid
     mask[:, :, 0] |= pad_rows  # padded query rows see key 0: never a fully masked row
-    return _GroupPlan(g, max_q, max_k, q_src, q_dst, block_ids, mask.unsqueeze(1))
+    return _GroupPlan(g, max_q, max_k, q_src, q_dst, block_ids, mask.unsqueeze(1), None)
+
+
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, gp: _GroupPlan,
+                      scale: float, compute_dtype: torch.dtype) -> torch.Tensor:
+    """One query token per sequence: ``q [G, heads, d]``, gathered ``keys, vals [G, max_k,
+    kv_heads, d]`` -> ``[G, heads, d]`` in ``compute_dtype``.
+
+    The ``heads / kv_heads`` query heads that share a KV head are the query rows of one SDPA
+    problem per (sequence, KV head), so K/V are never expanded per query head; keys past a
+    sequence's length get ``-inf`` from the step's ``gp.bias``.
+    """
+    g, num_heads = gp.num_seqs, q.shape[1]
+    kv_heads, head_dim = keys.shape[2], keys.shape[3]
+    q_rows = q.to(compute_dtype).view(g, kv_heads, num_heads // kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q_rows, keys.to(compute_dtype).transpose(1, 2),
+                                       vals.to(compute_dtype).transpose(1, 2),
+                                       attn_mask=gp.bias.to(compute_dtype).unsqueeze(1), scale=scale)
+    return o.reshape(g, num_heads, head_dim)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -101,6 +134,26 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     # supports_cuda_graphs stays False: prepare() reads host-side lengths and syncs once per step
+
+    def __init__(self):
+        # Gathered K/V land in one grow-only buffer reused by every layer and step: a fresh
+        # multi-MB allocation per layer costs page faults that, on a CPU, took longer than
+        # the gather itself (measured 1.09 vs 0.23 ms median for 4.4 MB on a loaded machine).
+        self._gather_buf: torch.Tensor | None = None
+
+    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, gp: _GroupPlan):
+        """``K, V [G, max_k, kv_heads, d]`` (cache dtype): the group's blocks, in table order,
+        as views of the reused buffer (valid until the next call)."""
+        n = gp.block_ids.numel()
+        per = n * k_cache[0].numel()
+        buf = self._gather_buf
+        if buf is None or buf.numel() < 2 * per or buf.dtype != k_cache.dtype or buf.device != k_cache.device:
+            buf = self._gather_buf = torch.empty(2 * per, dtype=k_cache.dtype, device=k_cache.device)
+        shape = (n,) + tuple(k_cache.shape[1:])
+        kg = torch.index_select(k_cache, 0, gp.block_ids, out=buf[:per].view(shape))
+        vg = torch.index_select(v_cache, 0, gp.block_ids, out=buf[per:2 * per].view(shape))
+        view = (gp.num_seqs, gp.max_k) + tuple(k_cache.shape[2:])
+        return kg.view(view), vg.view(view)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build the step plan once and store it in ``meta.extras`` (called lazily by
@@ -141,23 +194,20 @@ class TorchAttentionBackend(AttentionBackend):
                 q.to(compute_dtype).transpose(0, 1).unsqueeze(0), k.to(compute_dtype).transpose(0, 1).unsqueeze(0),
                 v.to(compute_dtype).transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=gqa)
             return o[0].transpose(0, 1).to(q.dtype)
-        def gather(cache: torch.Tensor, gp: _GroupPlan) -> torch.Tensor:  # -> [G, kvh, max_k, d]
-            kv = cache.index_select(0, gp.block_ids).view(gp.num_seqs, gp.max_k, kv_heads, head_dim)
-            return kv.to(compute_dtype).transpose(1, 2)
-
         if plan.all_decode:
             gp = plan.groups[0]
-            kg, vg = gather(k_cache, gp), gather(v_cache, gp)
-            o = F.scaled_dot_product_attention(q.to(compute_dtype).unsqueeze(2), kg, vg, attn_mask=gp.mask,
-                                               scale=scale, enable_gqa=gqa)  # [G, h, 1, d]
-            return o.squeeze(2).to(q.dtype)
+            return _decode_attention(q, *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype).to(q.dtype)
         # Tokens not in any sequence (padding) get zeros.
         out = torch.zeros(q.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
         for gp in plan.groups:  # at most two: decodes, prefills
+            if gp.bias is not None:
+                o = _decode_attention(q[gp.q_src], *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype)
+                out[gp.q_src] = o.to(q.dtype)
+                continue
             qp = q.new_zeros(gp.num_seqs * gp.max_q, num_heads, head_dim, dtype=compute_dtype)
             qp[gp.q_dst] = q[gp.q_src].to(compute_dtype)
             qp = qp.view(gp.num_seqs, gp.max_q, num_heads, head_dim).transpose(1, 2)
-            kg, vg = gather(k_cache, gp), gather(v_cache, gp)
+            kg, vg = (t.to(compute_dtype).transpose(1, 2) for t in self._gather(k_cache, v_cache, gp))
             o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=gp.mask, scale=scale, enable_gqa=gqa)
             o = o.transpose(1, 2).reshape(gp.num_seqs * gp.max_q, num_heads, head_dim)
             out[gp.q_src] = o[gp.q_dst].to(q.dtype)

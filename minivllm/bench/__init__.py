@@ -1,0 +1,43 @@
+"""``python -m minivllm bench``: offline throughput against transformers, sweeps, overhead.
+
+Three modes, each a plain function that returns a result dataclass (``to_dict()`` for
+JSON; the notebooks call them directly), and ``main(argv)`` (``cli``) that runs and prints
+them. Modules: ``workload`` (prompts and lengths), ``peers`` (transformers, nano-vllm),
+``throughput``, ``sweep``, ``overhead`` (the modes), ``report`` (printing and plots),
+``cli`` (arguments, threads), ``common`` (engine set-up and summaries shared by the modes).
+
+* throughput (default): an offline workload of random-token prompts, greedy,
+  ``ignore_eos``, each request with its own output length. minivllm runs it,
+  then in the same process Hugging Face transformers runs the same prompts on the
+  same weights: ``generate`` on padded batches (each batch runs to its longest
+  output; only the requested tokens count towards its throughput) and, where it
+  works, transformers' continuous-batching ``generate_batch`` machinery. Prints
+  throughput, TTFT/TPOT percentiles, the ratios, roofline MFU/MBU and whether
+  the greedy outputs are identical.
+* ``--sweep``: decode step time vs batch size and prefill step time vs prompt
+  length, each point placed on a roofline (FLOPs and bytes from
+  ``minivllm.telemetry.roofline`` against measured peaks), written as a plotly HTML.
+* ``--overhead``: the engine's own CPU cost (scheduler, block manager, input
+  preparation, postprocessing) with the model and sampler replaced by a stub that
+  returns a fixed token, in microseconds per sequence per decode step, beside nano-vllm's
+  figure from its peer script (``../shared/peers/nanovllm_overhead.py``) run in a
+  subprocess in the same session.
+
+Workloads: ``nano`` is nano-vllm's benchmark (256 requests, prompt and output
+lengths uniform in 100..1024, random token ids); ``cpu`` is a CPU-sized one
+(32 requests, prompts 16..256, outputs 16..128). The default is ``nano`` on a GPU,
+``cpu`` otherwise; ``--scale`` multiplies the number of requests.
+"""
+from minivllm.bench.cli import build_parser, main, run_cli
+from minivllm.bench.overhead import OverheadResult, run_overhead
+from minivllm.bench.peers import (PeerOverhead, load_hf_model, run_hf_continuous_batching, run_hf_generate,
+                                  run_nanovllm_overhead)
+from minivllm.bench.report import roofline_figure, write_roofline_html
+from minivllm.bench.sweep import SweepResult, run_sweep
+from minivllm.bench.throughput import ThroughputResult, run_throughput
+from minivllm.bench.workload import WORKLOADS, Workload, make_workload
+
+__all__ = ["WORKLOADS", "Workload", "make_workload", "run_throughput", "ThroughputResult", "run_sweep",
+           "SweepResult", "run_overhead", "OverheadResult", "run_nanovllm_overhead", "PeerOverhead",
+           "load_hf_model", "run_hf_generate", "run_hf_continuous_batching", "roofline_figure",
+           "write_roofline_html", "build_parser", "run_cli", "main"]

@@ -1,0 +1,130 @@
+"""``python -m minivllm bench``: argument parsing, thread choice, and running the modes."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from minivllm.bench.common import loadavg, wants_cuda
+from minivllm.bench.overhead import run_overhead
+from minivllm.bench.report import print_throughput
+from minivllm.bench.sweep import run_sweep
+from minivllm.bench.throughput import run_throughput
+from minivllm.bench.workload import WORKLOADS
+from minivllm.utils.threads import ThreadChoice, choose_threads
+
+__all__ = ["build_parser", "main", "run_cli"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minivllm bench", description="offline throughput against transformers, roofline sweeps, engine overhead against nano-vllm",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="embedded model (default), 'random:qwen3-0.6b', or a local checkpoint directory")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                   help="'nano' (256 requests, 100..1024 in/out; default on GPU) or 'cpu' (32 requests; default on CPU)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the workload's number of requests")
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-peers", action="store_true", help="run minivllm only")
+    p.add_argument("--peers", default="hf_generate,hf_generate_batch",
+                   help="comma-separated: hf_generate, hf_generate_batch")
+    p.add_argument("--hf-batch-size", type=int, default=None,
+                   help="batch size of transformers generate (default: 32 on CPU, 64 on GPU)")
+    p.add_argument("--sweep", action="store_true", help="decode vs batch and prefill vs length, with a roofline")
+    p.add_argument("--html", default="bench_roofline.html", help="where --sweep writes its plotly roofline")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="for --sweep / --overhead")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="for --sweep")
+    p.add_argument("--overhead", action="store_true", help="engine overhead with the model stubbed out")
+    p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps for --sweep / --overhead")
+    p.add_argument("--threads", default="auto",
+                   help="torch CPU threads (torch.set_num_threads) for minivllm and the peers alike. 'auto' "
+                        "(default): the cores the 1-minute load average leaves idle, at least 1 (OpenMP threads "
+                        "wait on each other, so threads on cores other processes hold slow a step down ~10x); "
+                        "GPU runs keep torch's default")
+    p.add_argument("--nanovllm-script", default=None,
+                   help="nano-vllm's overhead script for --overhead (default: ../shared/peers/nanovllm_overhead.py "
+                        "beside the repository)")
+    p.add_argument("--no-nanovllm", action="store_true", help="--overhead without the nano-vllm peer run")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--quiet", action="store_true")
+    e = p.add_argument_group("engine arguments")
+    e.add_argument("--device", default=None)
+    e.add_argument("--dtype", default=None)
+    e.add_argument("--attention-backend", default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--enforce-eager", action="store_true", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m minivllm bench``: prints the results, returns exit status 0."""
+    run_cli(argv)
+    return 0
+
+
+def run_cli(argv: list[str] | None = None, peak_kwargs: dict | None = None) -> dict:
+    """Parse ``python -m minivllm bench`` arguments, run the chosen mode(s), return
+    ``{"torch_threads": n, "loadavg": [...], mode: result dataclass, ...}``.
+    ``peak_kwargs`` go to ``measure_peaks`` (sizes, repeats).
+
+    Raises:
+        ValueError: a bad ``--threads`` value, or a bad workload/engine argument.
+    """
+    args = build_parser().parse_args(argv)
+    log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
+    import torch
+
+    choice = choose_threads(args.threads)
+    if args.threads == "auto" and wants_cuda({"device": args.device}):
+        choice = ThreadChoice(None, "GPU run: torch's default thread count")
+    previous_threads = torch.get_num_threads()
+    if choice.threads is not None:
+        torch.set_num_threads(choice.threads)
+    log(choice.reason)
+    try:
+        return _run_modes(args, log, peak_kwargs)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_modes(args, log, peak_kwargs) -> dict:
+    import torch
+
+    engine_args = {k: getattr(args, k) for k in ("device", "dtype", "attention_backend", "max_num_seqs",
+                                                 "max_num_batched_tokens", "block_size", "enforce_eager")
+                   if getattr(args, k) is not None}
+    results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "loadavg": loadavg()}
+    if args.sweep:
+        kw = {"decode_steps": args.decode_steps} if args.decode_steps else {}
+        results["sweep"] = run_sweep(args.model, batch_sizes=args.batch_sizes, prompt_lens=args.prompt_lens,
+                                     html=args.html, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw,
+                                     **engine_args)
+    if args.overhead:
+        kw = {"decode_steps": args.decode_steps} if args.decode_steps else {}
+        if args.batch_sizes:
+            kw["batch_sizes"] = tuple(args.batch_sizes)
+        results["overhead"] = run_overhead(args.model, seed=args.seed, log=log, nanovllm=not args.no_nanovllm,
+                                           nanovllm_script=args.nanovllm_script, **kw, **engine_args)
+    if not (args.sweep or args.overhead):
+        peers = () if args.no_peers else tuple(x.strip() for x in args.peers.split(",") if x.strip())
+        results["throughput"] = run_throughput(
+            args.model, workload_name=args.workload, scale=args.scale, num_requests=args.num_requests,
+            input_len=tuple(args.input_len) if args.input_len else None,
+            output_len=tuple(args.output_len) if args.output_len else None, seed=args.seed, peers=peers,
+            hf_batch_size=args.hf_batch_size, log=log, peak_kwargs=peak_kwargs, **engine_args)
+        print_throughput(results["throughput"], log)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from minivllm.telemetry.export import _plain
+
+        plain = {k: v.to_dict() if hasattr(v, "to_dict") else v for k, v in results.items()}
+        path.write_text(json.dumps(_plain(plain), indent=1))
+        log(f"results written to {path}")
+    return results

@@ -1,0 +1,175 @@
+"""Helpers shared by the benchmark modes: engine set-up, driving a workload, summaries."""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+from minivllm.bench.workload import Workload
+
+_ids = itertools.count()  # request-id prefixes unique within the process
+
+
+def percentiles(values, ps=(50, 90, 99)) -> dict:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return {f"p{p}": None for p in ps} | {"mean": None}
+    out = {}
+    for p in ps:  # linear interpolation between closest ranks
+        k = (len(vals) - 1) * p / 100
+        f, c = math.floor(k), math.ceil(k)
+        out[f"p{p}"] = vals[f] + (vals[c] - vals[f]) * (k - f)
+    out["mean"] = statistics.fmean(vals)
+    return out
+
+
+def sync(device) -> None:
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def device_label(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    from minivllm.telemetry.peaks import _device_name
+
+    return f"cpu ({_device_name(device)}, {torch.get_num_threads()} threads)"
+
+
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (``os.getloadavg``), or ``None`` where unavailable."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def wants_cuda(engine_args: dict) -> bool:
+    import torch
+
+    dev = str(engine_args.get("device") or "auto")
+    return dev.startswith("cuda") or (dev == "auto" and torch.cuda.is_available())
+
+
+def build_llm(model, **engine_args):
+    from minivllm import LLM
+
+    return LLM(model, **{k: v for k, v in engine_args.items() if v is not None})
+
+
+def cost_and_peaks(engine, log=None, peak_kwargs: dict | None = None):
+    """The model's cost figures, and the device peaks measured now (a second or so; the
+    cache keeps the best figure seen for later cached reads). ``peak_kwargs`` go to
+    ``measure_peaks`` (sizes, repeats)."""
+    from minivllm.telemetry.peaks import get_peaks
+    from minivllm.telemetry.roofline import ModelCost
+
+    cost = ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype)
+    peaks = get_peaks(engine.config.device, engine.config.dtype, refresh=True, **(peak_kwargs or {}))
+    if log is not None and engine.config.device.type == "cpu" and hasattr(os, "getloadavg"):
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        if load > 0.75 * cores:
+            log(f"note: load average {load:.1f} on {cores} cores: other processes compete for the CPU, "
+                f"so every figure below reads low (--threads 1 suffers least)")
+    return cost, peaks
+
+
+def kv_bytes_for(model, tokens: int, dtype: str | None = None) -> int | None:
+    """CPU KV pool size holding ``tokens`` tokens (None: keep the engine default)."""
+    from minivllm.telemetry.roofline import ModelCost
+    from minivllm.utils.model_source import resolve_model
+
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    cfg = resolve_model(model).hf_config
+    cost = ModelCost.from_config(cfg, dtype=4 if dtype in (None, "auto") else dtype)
+    need = int(tokens * cost.kv_bytes_per_token * 1.1) + (1 << 20)
+    return max(need, 512 << 20)
+
+
+def drive(engine, workload: Workload, temperature: float = 0.0):
+    """Add every request at once and step the engine until all finish.
+
+    Returns ``(outputs in workload order, step records, t_start, t_end)``.
+    """
+    from minivllm.sampling_params import SamplingParams
+
+    run = next_tag()
+    rids = [f"bench{run}-{i}" for i in range(workload.num_requests)]
+    finals: dict[str, Any] = {}
+    records = []
+    t0 = time.perf_counter()
+    for rid, prompt, n in zip(rids, workload.prompts, workload.output_lens):
+        engine.add_request(rid, prompt, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        res = engine.step_with_record()
+        records.append(res.record)
+        for out in res.outputs:
+            if out.finished:
+                finals[out.request_id] = out
+    t1 = time.perf_counter()
+    return [finals[r] for r in rids], records, t0, t1
+
+
+def summarise_roofline(records, cost, peaks) -> dict:
+    from minivllm.telemetry.roofline import fill_step_record
+
+    for r in records:
+        fill_step_record(r, cost, peaks)
+    busy = sum(r.wall_ms for r in records if r.num_tokens) / 1e3
+    flops = sum(r.flops or 0.0 for r in records)
+    nbytes = sum(r.bytes_moved or 0.0 for r in records)
+    out = {"flops": flops, "bytes": nbytes, "step_seconds": busy,
+           "achieved_flops_per_s": flops / busy if busy else None,
+           "achieved_bytes_per_s": nbytes / busy if busy else None}
+    if peaks is not None and busy:
+        out["mfu"] = flops / busy / peaks.flops_per_s
+        out["mbu"] = nbytes / busy / peaks.mbu_bytes_per_s
+    return out
+
+
+def summarise_samples(samples) -> dict:
+    if not samples:
+        return {}
+
+    def mean(attr):
+        vals = [getattr(s, attr) for s in samples if getattr(s, attr) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    def peak(attr):
+        vals = [getattr(s, attr) for s in samples if getattr(s, attr) is not None]
+        return max(vals) if vals else None
+
+    return {"num_samples": len(samples), "cpu_percent_mean": mean("cpu_percent"),
+            "process_cpu_percent_mean": mean("process_cpu_percent"), "rss_bytes_max": peak("rss_bytes"),
+            "gpu_util_percent_mean": mean("gpu_util_percent"), "mem_util_percent_mean": mean("mem_util_percent"),
+            "mem_used_bytes_max": peak("mem_used_bytes"), "power_w_mean": mean("power_w"),
+            "sm_clock_mhz_mean": mean("sm_clock_mhz")}
+
+
+def next_tag() -> int:
+    """A process-unique number for request-id prefixes."""
+    return next(_ids)
+
+
+class ResultMixin:
+    """For the result dataclasses of the modes: ``to_dict()`` (JSON-ready) and read-only
+    ``result["field"]`` access, the form the notebooks were written against."""
+
+    def to_dict(self) -> dict:
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
+    def __getitem__(self, key: str):
+        import dataclasses
+
+        if key not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)

@@ -1,0 +1,160 @@
+"""Engine overhead: ``LLMEngine.step()`` with the model and sampler stubbed out (a fixed
+token), in microseconds per sequence per decode step, beside nano-vllm's figure measured in
+the same session by its peer script."""
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minivllm.bench.common import ResultMixin, build_llm, device_label, loadavg, next_tag
+from minivllm.bench.peers import PeerOverhead, run_nanovllm_overhead
+from minivllm.bench.report import overhead_row, print_overhead_comparison
+from minivllm.utils import cdiv
+
+__all__ = ["OverheadResult", "run_overhead", "stub_run"]
+
+
+@dataclass
+class OverheadResult(ResultMixin):
+    """What :func:`run_overhead` measured.
+
+    Attributes:
+        model / device: what ran; prompt_len / decode_steps: the set-up.
+        rows: one per batch size: ``us_per_seq_step`` (mean), ``us_per_seq_step_median``,
+            ``step_ms_mean`` and the StepRecord breakdown (``schedule_ms``, ``prepare_ms``,
+            ``postprocess_ms``, ``other_ms``: the rest of ``step()``).
+        loadavg: 1/5/15-minute load averages after minivllm's run; loadavg_after_peer after
+            nano-vllm's.
+        peer: nano-vllm's figures from the same session (``None`` when not asked for).
+    """
+
+    mode: str
+    model: str
+    device: str
+    prompt_len: int
+    decode_steps: int
+    rows: list = field(default_factory=list)
+    loadavg: list | None = None
+    peer: PeerOverhead | None = None
+    loadavg_after_peer: list | None = None
+
+    def ratios(self) -> dict[int, float]:
+        """batch size -> minivllm median / nano-vllm median (below 1: minivllm is cheaper);
+        empty without an available peer."""
+        if self.peer is None or not self.peer.available:
+            return {}
+        return {r["batch_size"]: r["us_per_seq_step_median"] / self.peer.us_per_seq_step[r["batch_size"]]
+                for r in self.rows if self.peer.us_per_seq_step.get(r["batch_size"])}
+
+
+def stub_run(runner, token_id: int):
+    """Replacement for ``ModelRunner.run``: build the real inputs (ids, positions, attention
+    metadata, on the engine's device), skip the model and sampler, return ``token_id`` for
+    every sequence that samples."""
+    from minivllm.engine.model_runner import RunnerOutput
+
+    def run(plan):
+        t0 = time.perf_counter()
+        inp = runner.prepare_input(plan)
+        t1 = time.perf_counter()
+        return RunnerOutput(inp.sampling_seqs, [token_id] * len(inp.sampling_seqs), set(), (t1 - t0) * 1e3, 0.0, 0.0)
+
+    return run
+
+
+def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prompt_len: int = 128,
+                 decode_steps: int = 64, warmup_steps: int = 8, seed: int = 0, log=print,
+                 nanovllm: bool = True, nanovllm_script: str | Path | None = None, **engine_args) -> OverheadResult:
+    """Engine overhead with the model stubbed out: per batch size, the mean and median of
+    ``LLMEngine.step()`` wall time over ``decode_steps`` decode-only steps, per sequence
+    (microseconds), with the StepRecord breakdown (schedule / prepare / postprocess).
+
+    With ``nanovllm`` (default), nano-vllm's overhead script
+    (:func:`minivllm.bench.peers.run_nanovllm_overhead`, ``nanovllm_script`` or the shared
+    default path) runs right after, in a subprocess, at the same batch sizes: the ratio of
+    the two medians is the comparison (only figures from one session compare on a shared
+    machine). A missing or failing peer is reported in ``OverheadResult.peer``, not raised.
+    """
+    from minivllm.sampling_params import SamplingParams
+
+    bmax = max(batch_sizes)
+    block = engine_args.get("block_size") or 16
+    budget = engine_args.get("max_num_batched_tokens") or 8192
+    # With chunked prefill the first-admitted sequences start decoding while later ones
+    # still prefill, so they run ahead by up to this many steps: give every request room.
+    lead = cdiv(bmax * prompt_len, budget) + 2
+    max_tokens = warmup_steps + decode_steps + lead + 1
+    per_seq = cdiv(prompt_len + max_tokens + 1, block)
+    engine_args.setdefault("num_kvcache_blocks", bmax * per_seq + 8)
+    engine_args.setdefault("max_num_seqs", max(256, bmax))
+    engine_args.setdefault("enable_prefix_caching", True)
+    llm = build_llm(model, **engine_args)
+    rng = random.Random(seed)
+    try:
+        engine = llm.llm_engine
+        cfg = engine.source.hf_config
+        high = min(cfg.vocab_size, 10000) - 1
+        token = min(cfg.vocab_size - 1, 100)
+        engine.runner.run = stub_run(engine.runner, token)
+        rows = []
+        if engine.config.device.type == "cpu" and hasattr(os, "getloadavg") and \
+                os.getloadavg()[0] > 0.75 * (os.cpu_count() or 1):
+            log(f"note: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: other processes compete "
+                f"for the CPU, so the times below read high")
+        log(f"engine overhead, model stubbed (fixed token), {prompt_len}-token prompts, "
+            f"{decode_steps} decode steps per batch size")
+        log(f"{'batch':>6}{'us/seq/step':>13}{'(median)':>10}{'step ms':>9}{'sched':>8}{'prep':>8}{'post':>8}"
+            f"{'other':>8}")
+        for b in batch_sizes:
+            tag = next_tag()
+            rids = [f"ovh{tag}-{i}" for i in range(b)]
+            for rid in rids:
+                engine.add_request(rid, [rng.randint(0, high) for _ in range(prompt_len)],
+                                   SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                                   output_kind="final_only")  # as LLM.generate (and nano-vllm) do
+            # prefill (possibly several chunked steps), then warm-up decodes
+            while True:
+                rec = engine.step_with_record().record
+                if rec.phase == "decode" and rec.num_seqs == b:
+                    break
+            for _ in range(warmup_steps - 1):
+                engine.step()
+            times, recs = [], []
+            for _ in range(decode_steps):
+                t0 = time.perf_counter()
+                res = engine.step_with_record()
+                times.append(time.perf_counter() - t0)
+                if res.record.phase != "decode" or res.record.num_seqs != b:
+                    raise RuntimeError(f"overhead run: expected a decode step of {b} sequences, "
+                                       f"got {res.record.phase} with {res.record.num_seqs}")
+                recs.append(res.record)
+            for rid in rids:
+                engine.abort_request(rid)
+            engine.reset_prefix_cache()
+            mean_us = statistics.fmean(times) / b * 1e6
+            row = {"batch_size": b, "us_per_seq_step": mean_us,
+                   "us_per_seq_step_median": statistics.median(times) / b * 1e6,
+                   "step_ms_mean": statistics.fmean(times) * 1e3,
+                   "schedule_ms": statistics.fmean(r.schedule_ms for r in recs),
+                   "prepare_ms": statistics.fmean(r.prepare_ms for r in recs),
+                   "postprocess_ms": statistics.fmean(r.postprocess_ms for r in recs)}
+            # the rest of step(): building the StepRecord (with its roofline figures), bookkeeping
+            row["other_ms"] = row["step_ms_mean"] - row["schedule_ms"] - row["prepare_ms"] - row["postprocess_ms"]
+            rows.append(row)
+            log(overhead_row(row))
+        result = OverheadResult("overhead", engine.source.name, device_label(engine.config.device), prompt_len,
+                                decode_steps, rows, loadavg())
+    finally:
+        llm.shutdown()
+    if nanovllm:
+        log("nano-vllm overhead (its peer script, same session) ...")
+        result.peer = run_nanovllm_overhead(nanovllm_script, tuple(batch_sizes))
+        result.loadavg_after_peer = loadavg()
+    print_overhead_comparison(result, log)
+    return result
+
+

@@ -1,0 +1,214 @@
+"""Peers run side by side with minivllm: Hugging Face transformers (``generate`` on padded
+batches, and its continuous-batching manager) on the same weights, and nano-vllm's engine
+overhead through its measurement script in a subprocess."""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minivllm.bench.common import sync
+from minivllm.bench.workload import Workload
+
+
+def hf_state_from_ours(model, config) -> dict:
+    """Our Qwen3 state dict in Hugging Face names: split the packed ``qkv_proj`` (rows
+    q | k | v) and ``gate_up_proj`` (rows gate | up) back into their parts."""
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q = config.num_attention_heads * d
+    kv = config.num_key_value_heads * d
+    out = {}
+    for name, t in model.state_dict().items():
+        if ".qkv_proj." in name:
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv], dim=0)):
+                out[name.replace("qkv_proj", part)] = piece
+        elif ".gate_up_proj." in name:
+            gate, up = t.chunk(2, dim=0)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[name] = t
+    return out
+
+
+def load_hf_model(engine):
+    """The same weights as ``engine``'s model, as a transformers model on the same device
+    and dtype: loaded from the checkpoint directory, or (random models) copied from ours."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from transformers.utils import logging as hf_logging
+
+    src, dev, dt = engine.source, engine.config.device, engine.config.dtype
+    if src.checkpoint_dir is not None:
+        hf_logging.disable_progress_bar()  # a loading bar per benchmark run is noise in logs and notebooks
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(str(src.checkpoint_dir), dtype=dt)
+        finally:
+            hf_logging.enable_progress_bar()
+    else:
+        hf = AutoModelForCausalLM.from_config(src.hf_config, dtype=dt)
+        sd = hf_state_from_ours(engine.runner.model, src.hf_config)
+        missing, unexpected = hf.load_state_dict(sd, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and src.hf_config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise RuntimeError(f"weight layout mismatch copying to transformers: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
+    return hf.to(dev).eval()
+
+
+def run_hf_generate(hf, workload: Workload, batch_size: int, pad_token_id: int, device) -> dict:
+    """transformers ``generate`` on padded batches in request order (left padding, greedy,
+    eos disabled so every row runs to the batch's longest output). Throughput counts only
+    the tokens each request asked for."""
+    import torch
+
+    outputs: list[list[int]] = []
+    n = workload.num_requests
+    sync(device)
+    t0 = time.perf_counter()
+    for start in range(0, n, batch_size):
+        prompts = workload.prompts[start:start + batch_size]
+        outs = workload.output_lens[start:start + batch_size]
+        width, m = max(len(p) for p in prompts), max(outs)
+        ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            gen = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                              max_new_tokens=m, eos_token_id=None, pad_token_id=pad_token_id)
+        if gen.shape[1] != width + m:
+            raise RuntimeError(f"transformers generate stopped at {gen.shape[1] - width} of {m} new tokens")
+        new = gen[:, width:].tolist()
+        outputs.extend(row[:k] for row, k in zip(new, outs))
+    sync(device)
+    t1 = time.perf_counter()
+    return {"seconds": t1 - t0, "outputs": outputs, "batch_size": batch_size}
+
+
+def run_hf_continuous_batching(hf, workload: Workload, device) -> dict:
+    """transformers' continuous batching manager (the machinery behind ``generate_batch``),
+    one request per prompt with its own ``max_new_tokens``, eos disabled. Set-up (cache
+    allocation, warm-up) is outside the timed region, as for minivllm."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    cuda = device.type == "cuda"
+    total = workload.num_prompt_tokens + workload.num_output_tokens
+    page = 256 if cuda else 16
+    cb_kwargs: dict[str, Any] = {"auto_switch_to_flash": False}  # flash kernels come from the Hub: offline
+    if not cuda:  # automatic sizing probes device memory; on CPU give it the whole workload
+        cb_kwargs.update(page_size=page, num_blocks=total // page + 2 * workload.num_requests + 8,
+                         max_batch_tokens=2048)
+    cb_config = ContinuousBatchingConfig(**cb_kwargs)
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1,
+                                  pad_token_id=0)
+    results: dict[str, Any] = {}
+    with torch.inference_mode(), hf.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=10,
+            warmup=cuda) as manager:
+        sync(device)
+        t0 = time.perf_counter()
+        rids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+                for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens))]
+        while len(results) < len(rids):
+            res = manager.get_result(timeout=1)
+            if res is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers continuous batching loop stopped unexpectedly")
+                continue
+            if res.is_finished():
+                if res.error:
+                    raise RuntimeError(f"transformers continuous batching: {res.error}")
+                results[res.request_id] = res
+        sync(device)
+        t1 = time.perf_counter()
+    return {"seconds": t1 - t0, "outputs": [list(results[r].generated_tokens) for r in rids]}
+
+
+def warm_peer(hf, workload, device, pad):
+    """One tiny generate so the peer's first-call costs stay out of its timing."""
+    import torch
+
+    with torch.inference_mode():
+        ids = torch.tensor([workload.prompts[0][:8]], device=device)
+        hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=2,
+                    eos_token_id=None, pad_token_id=pad)
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Identical requests, and the mean fraction of each output before the first differing token."""
+    same = 0
+    prefix_fracs = []
+    for a, b in zip(ours, theirs):
+        if a == b:
+            same += 1
+            prefix_fracs.append(1.0)
+            continue
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix_fracs.append(k / max(len(a), 1))
+    return {"identical_requests": same, "num_requests": len(ours),
+            "mean_matching_prefix": statistics.fmean(prefix_fracs) if prefix_fracs else None}
+
+
+def default_nanovllm_script() -> Path:
+    """``../shared/peers/nanovllm_overhead.py`` next to the repository root (where the project's
+    shared peers live), from this file's location."""
+    return Path(__file__).resolve().parents[3] / "shared" / "peers" / "nanovllm_overhead.py"
+
+
+@dataclass
+class PeerOverhead:
+    """nano-vllm's engine overhead from its peer script, run in a subprocess.
+
+    Attributes:
+        available: whether the script ran and printed its JSON.
+        us_per_seq_step: batch size -> median us per sequence per decode step of
+            schedule + prepare + postprocess + prepare_sample (the figure comparable with
+            minivllm's step time per sequence, per the peer's README).
+        reason: why not available (missing script, failure), else "".
+        script: the script path; seconds: its run time.
+    """
+
+    available: bool
+    us_per_seq_step: dict[int, float] = field(default_factory=dict)
+    reason: str = ""
+    script: str = ""
+    seconds: float = 0.0
+
+
+def run_nanovllm_overhead(script: str | Path | None = None, batch_sizes=(1, 16, 64, 256),
+                          timeout_s: float = 600.0) -> PeerOverhead:
+    """Run nano-vllm's overhead script (default :func:`default_nanovllm_script`) with
+    ``--batch`` ``batch_sizes`` in a subprocess of this Python and parse its last stdout line
+    (one JSON object). Never raises for a missing or failing peer: the result says why."""
+    path = Path(script) if script is not None else default_nanovllm_script()
+    if not path.is_file():
+        return PeerOverhead(False, reason=f"peer script not found: {path}", script=str(path))
+    cmd = [sys.executable, str(path), "--batch", *map(str, batch_sizes)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return PeerOverhead(False, reason=f"timed out after {timeout_s:.0f} s", script=str(path))
+    secs = time.perf_counter() - t0
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return PeerOverhead(False, reason=f"exit status {proc.returncode}: {tail[0][:200]}", script=str(path),
+                            seconds=secs)
+    try:
+        rows = json.loads(lines[-1])["results"]
+        figures = {int(r["B"]): float(r["sched_prepare_post_incl_sample"]["median"]) for r in rows}
+    except (ValueError, KeyError, TypeError) as e:
+        return PeerOverhead(False, reason=f"unreadable peer output ({type(e).__name__}: {e})", script=str(path),
+                            seconds=secs)
+    return PeerOverhead(True, figures, "", str(path), secs)

@@ -1,0 +1,155 @@
+"""Roofline sweep: decode step time vs batch size and prefill step time vs prompt length,
+each point with its FLOPs and bytes (``minivllm.telemetry.roofline``) against peaks measured
+in the same run."""
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, device_label, kv_bytes_for, loadavg,
+                                   next_tag, wants_cuda)
+from minivllm.bench.report import describe_peaks, peaks_summary, print_sweep_summary, write_roofline_html
+
+__all__ = ["SweepResult", "run_sweep"]
+
+
+@dataclass
+class SweepResult(ResultMixin):
+    """What :func:`run_sweep` measured.
+
+    Attributes:
+        model / device / dtype / attention_backend: what ran.
+        peaks: the peaks measured in this run (``peaks_summary``).
+        model_cost: the model's static cost figures (``ModelCost.to_dict()``).
+        decode: one point per batch size: ``batch_size``, ``step_ms`` (median), ``flops``,
+            ``bytes``, ``flops_per_s``, ``bytes_per_s``, ``intensity`` (FLOP/byte), ``mfu``,
+            ``mbu``, ``model_ms``, ``num_steps``.
+        prefill: the same per prompt length (``prompt_len``).
+        loadavg: 1/5/15-minute load averages at the end.
+        html: where the roofline HTML was written, if anywhere.
+    """
+
+    mode: str
+    model: str
+    device: str
+    dtype: str
+    attention_backend: str
+    peaks: dict
+    model_cost: dict
+    decode: list = field(default_factory=list)
+    prefill: list = field(default_factory=list)
+    loadavg: list | None = None
+    html: str | None = None
+
+
+def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, context_len: int = 128,
+              decode_steps: int = 12, warmup_steps: int = 3, repeats: int = 3, html: str | Path | None = None,
+              seed: int = 0, log=print, peak_kwargs: dict | None = None, **engine_args) -> SweepResult:
+    """Decode step time vs batch size (prompts of ``context_len`` tokens, ``decode_steps``
+    timed steps after ``warmup_steps``) and prefill step time vs prompt length (median of
+    ``repeats`` single-prompt steps); each point with its FLOPs, bytes, FLOP/s, bytes/s,
+    arithmetic intensity, MFU and MBU (against the read bandwidth measured in this run).
+    Writes a plotly roofline to ``html`` if given. ``peak_kwargs`` go to ``measure_peaks``.
+
+    Raises:
+        ValueError: ``context_len`` plus the steps does not fit the model's length.
+    """
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.telemetry.roofline import arithmetic_intensity, fill_step_record
+
+    cuda = wants_cuda(engine_args)
+    batch_sizes = list(batch_sizes or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 2, 4, 8, 16, 32]))
+    prompt_lens = list(prompt_lens or ([64, 128, 256, 512, 1024, 2048, 4096] if cuda else [16, 32, 64, 128, 256, 512]))
+    if engine_args.get("kv_cache_memory_bytes") is None and engine_args.get("num_kvcache_blocks") is None:
+        need = max(max(batch_sizes) * (context_len + warmup_steps + decode_steps + 2), max(prompt_lens) + 2)
+        engine_args["kv_cache_memory_bytes"] = kv_bytes_for(model, need, engine_args.get("dtype"))
+    engine_args.setdefault("max_num_seqs", max(256, max(batch_sizes)))
+    engine_args.setdefault("max_num_batched_tokens", max(8192, max(prompt_lens)))
+    llm = build_llm(model, **engine_args)
+    rng = random.Random(seed)
+    try:
+        engine = llm.llm_engine
+        cfg = engine.source.hf_config
+        cost, peaks = cost_and_peaks(engine, log, peak_kwargs)
+        high = min(cfg.vocab_size, 10000) - 1
+
+        def prompt(n):
+            return [rng.randint(0, high) for _ in range(n)]
+
+        def point(records, label, **extra):
+            for r in records:
+                fill_step_record(r, cost, peaks)
+            ms = statistics.median(r.wall_ms for r in records)
+            flops = statistics.median(r.flops for r in records)
+            nbytes = statistics.median(r.bytes_moved for r in records)
+            return {"label": label, **extra, "step_ms": ms, "flops": flops, "bytes": nbytes,
+                    "flops_per_s": flops / (ms / 1e3), "bytes_per_s": nbytes / (ms / 1e3),
+                    "intensity": arithmetic_intensity(flops, nbytes),
+                    "mfu": flops / (ms / 1e3) / peaks.flops_per_s, "mbu": nbytes / (ms / 1e3) / peaks.mbu_bytes_per_s,
+                    "model_ms": statistics.median(r.model_ms for r in records), "num_steps": len(records)}
+
+        max_len = engine.config.max_model_len
+        # warm-up
+        engine.add_request("sweep-warm", prompt(16), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+        decode = []
+        log(describe_peaks(peaks))
+        log(f"decode sweep (context {context_len} tokens): batch, step ms, ms/seq, GFLOP/s, GB/s, MFU, MBU")
+        for b in batch_sizes:
+            if context_len + warmup_steps + decode_steps + 2 > max_len:
+                raise ValueError(f"context_len={context_len} + steps does not fit max_model_len={max_len}")
+            tag = next_tag()
+            for i in range(b):
+                engine.add_request(f"sweep{tag}-{i}", prompt(context_len),
+                                   SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 1,
+                                                  ignore_eos=True))
+            recs = []
+            while engine.has_unfinished_requests():
+                rec = engine.step_with_record().record
+                if rec.phase == "decode" and rec.num_seqs == b:
+                    recs.append(rec)
+            recs = recs[warmup_steps:warmup_steps + decode_steps]
+            if not recs:
+                log(f"  batch {b}: no full decode steps (KV pool too small?)")
+                continue
+            p = point(recs, f"decode B={b}", batch_size=b, context_len=context_len)
+            decode.append(p)
+            log(f"  {b:5d} {p['step_ms']:9.2f} {p['step_ms'] / b:8.3f} {p['flops_per_s'] / 1e9:9.2f} "
+                f"{p['bytes_per_s'] / 1e9:8.2f} {p['mfu']:6.1%} {p['mbu']:6.1%}")
+            engine.reset_prefix_cache()
+
+        prefill = []
+        log("prefill sweep (one prompt per step): length, step ms, tok/s, GFLOP/s, GB/s, MFU, MBU")
+        budget = engine.config.max_num_batched_tokens
+        for n in prompt_lens:
+            if n >= max_len or n > budget:
+                log(f"  {n}: skipped (max_model_len {max_len}, step budget {budget})")
+                continue
+            recs = []
+            for _ in range(repeats):
+                engine.add_request(f"sweep{next_tag()}", prompt(n),
+                                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                while engine.has_unfinished_requests():
+                    rec = engine.step_with_record().record
+                    if rec.phase == "prefill":
+                        recs.append(rec)
+                engine.reset_prefix_cache()
+            p = point(recs, f"prefill L={n}", prompt_len=n)
+            prefill.append(p)
+            log(f"  {n:5d} {p['step_ms']:9.2f} {n / p['step_ms'] * 1e3:9.0f} {p['flops_per_s'] / 1e9:9.2f} "
+                f"{p['bytes_per_s'] / 1e9:8.2f} {p['mfu']:6.1%} {p['mbu']:6.1%}")
+
+        result = SweepResult("sweep", engine.source.name, device_label(engine.config.device),
+                             str(engine.config.dtype).removeprefix("torch."), engine.config.attention_backend,
+                             peaks_summary(peaks), cost.to_dict(), decode, prefill, loadavg())
+        print_sweep_summary(result, log)
+        if html:
+            result.html = str(write_roofline_html(result, html))
+            log(f"roofline written to {result.html}")
+        return result
+    finally:
+        llm.shutdown()

@@ -1,0 +1,176 @@
+"""Offline throughput: a workload on minivllm, then the same prompts on transformers peers
+(same process, same weights), with latency percentiles, roofline MFU/MBU and greedy agreement."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, device_label, drive, kv_bytes_for,
+                                   loadavg, percentiles, summarise_roofline, summarise_samples, wants_cuda)
+from minivllm.bench.peers import agreement, load_hf_model, run_hf_continuous_batching, run_hf_generate, warm_peer
+from minivllm.bench.report import describe_peaks, peaks_summary, throughput_header, throughput_row
+from minivllm.bench.workload import WORKLOADS, Workload, make_workload
+
+__all__ = ["ThroughputResult", "run_throughput"]
+
+
+@dataclass
+class ThroughputResult(ResultMixin):
+    """What :func:`run_throughput` measured (times in seconds, latencies in ms).
+
+    Attributes:
+        model / device / dtype / attention_backend: what ran.
+        workload: the workload's description (``Workload.describe()``).
+        peaks: the peaks used for MFU/MBU, measured in this run (``peaks_summary``).
+        torch / transformers: library versions.
+        loadavg: 1/5/15-minute load averages at the start (None where unavailable).
+        minivllm: seconds, requests/s, tokens/s, latency percentiles, roofline, utilisation,
+            time breakdown, preemptions.
+        peers: peer name -> its figures (``available``, ``seconds``, ``speedup`` = peer
+            seconds / minivllm seconds, greedy ``agreement``) or ``available: False`` + reason.
+    """
+
+    mode: str
+    model: str
+    device: str
+    dtype: str
+    attention_backend: str
+    workload: dict
+    peaks: dict
+    torch: str
+    transformers: str
+    loadavg: list | None
+    minivllm: dict = field(default_factory=dict)
+    peers: dict = field(default_factory=dict)
+
+
+def run_throughput(model: str | None = None, *, workload: Workload | None = None, workload_name: str | None = None,
+                   scale: float = 1.0, num_requests: int | None = None, input_len=None, output_len=None,
+                   seed: int = 0, peers: tuple[str, ...] = ("hf_generate", "hf_generate_batch"),
+                   hf_batch_size: int | None = None, sample_period_s: float = 0.1, log=print,
+                   peak_kwargs: dict | None = None, **engine_args) -> ThroughputResult:
+    """Run the offline workload on minivllm and on the transformers peers.
+
+    ``peers``: any of "hf_generate", "hf_generate_batch" (empty: minivllm only).
+    ``peak_kwargs`` go to ``measure_peaks``; ``engine_args`` go to ``LLM`` (e.g. ``device``,
+    ``attention_backend``, ``max_num_seqs``). Progress lines go to ``log``; the summary is
+    printed by :func:`minivllm.bench.report.print_throughput`.
+
+    Raises:
+        ValueError: an unknown peer name or a bad workload argument.
+        RuntimeError: minivllm produced a different number of tokens than asked for.
+    """
+    import torch
+    import transformers
+
+    from minivllm.telemetry.utilisation import UtilisationSampler
+
+    transformers.logging.set_verbosity_error()
+    name = workload_name or ("nano" if wants_cuda(engine_args) else "cpu")
+    if workload is None and engine_args.get("kv_cache_memory_bytes") is None and engine_args.get(
+            "num_kvcache_blocks") is None:
+        preset = WORKLOADS.get(name, WORKLOADS["cpu"])
+        n = num_requests or max(1, round(preset["num_requests"] * scale))
+        lens = (input_len or preset["input_len"])[1] + (output_len or preset["output_len"])[1]
+        engine_args["kv_cache_memory_bytes"] = kv_bytes_for(model, n * lens, engine_args.get("dtype"))
+    llm = build_llm(model, **engine_args)
+    try:
+        engine = llm.llm_engine
+        cfg = engine.source.hf_config
+        if workload is None:
+            workload = make_workload(name, cfg.vocab_size, scale=scale, num_requests=num_requests,
+                                     input_len=input_len, output_len=output_len,
+                                     max_model_len=engine.config.max_model_len, seed=seed)
+        device = engine.config.device
+        cost, peaks = cost_and_peaks(engine, log, peak_kwargs)
+        result: dict[str, Any] = {
+            "mode": "throughput", "model": engine.source.name, "device": device_label(device),
+            "dtype": str(engine.config.dtype).removeprefix("torch."),
+            "attention_backend": engine.config.attention_backend, "workload": workload.describe(),
+            "peaks": peaks_summary(peaks),
+            "torch": torch.__version__, "transformers": transformers.__version__, "loadavg": loadavg()}
+        log(f"minivllm bench: model={result['model']} device={result['device']} dtype={result['dtype']} "
+            f"attention={result['attention_backend']}")
+        w = result["workload"]
+        log(f"workload {w['name']}: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']} "
+            f"(mean {w['prompt_len_mean']:.0f}), output {w['output_len_min']}..{w['output_len_max']} "
+            f"(mean {w['output_len_mean']:.0f}); random token ids, greedy, ignore_eos")
+        log(describe_peaks(peaks))
+
+        # warm-up: kernels, allocator, lazy imports
+        warm = make_workload("cpu", cfg.vocab_size, num_requests=2, input_len=(8, 16), output_len=(4, 4), seed=seed + 1)
+        drive(engine, warm)
+        engine.reset_prefix_cache()
+
+        sampler = UtilisationSampler(sample_period_s, device=str(device))
+        with sampler:
+            outs, records, t0, t1 = drive(engine, workload)
+        secs = t1 - t0
+        ours_tokens = [list(o.outputs[0].token_ids) for o in outs]
+        got = sum(len(t) for t in ours_tokens)
+        if got != workload.num_output_tokens:
+            raise RuntimeError(f"minivllm produced {got} tokens, the workload asked for {workload.num_output_tokens}")
+        mine = {
+            "seconds": secs, "requests_per_s": workload.num_requests / secs,
+            "output_tokens_per_s": workload.num_output_tokens / secs,
+            "total_tokens_per_s": (workload.num_output_tokens + workload.num_prompt_tokens) / secs,
+            "num_steps": len(records),
+            "ttft_ms": percentiles([o.metrics.ttft_ms for o in outs]),
+            "tpot_ms": percentiles([o.metrics.tpot_ms for o in outs]),
+            "itl_ms": percentiles([x for o in outs for x in o.metrics.itl_ms]),
+            "e2e_ms": percentiles([o.metrics.e2e_ms for o in outs]),
+            "roofline": summarise_roofline(records, cost, peaks),
+            "utilisation": summarise_samples(sampler.samples),
+            "time_breakdown_ms": {k: sum(getattr(r, k) for r in records) for k in
+                                  ("schedule_ms", "prepare_ms", "model_ms", "sample_ms", "postprocess_ms")},
+            "preemptions": sum(len(r.preempted) for r in records),
+        }
+        if sampler.nvml_error:
+            mine["utilisation"]["nvml_error"] = sampler.nvml_error
+        result["minivllm"] = mine
+        result["peers"] = {}
+        log("")
+        log(throughput_header())
+        log(throughput_row("minivllm", mine["seconds"], workload))
+
+        if peers:
+            hf = None
+            try:
+                hf = load_hf_model(engine)
+            except Exception as e:  # noqa: BLE001 - report the peer as unavailable, keep our numbers
+                for p in peers:
+                    result["peers"][p] = {"available": False, "reason": f"{type(e).__name__}: {e}"}
+            pad = engine.tokenizer.pad_token_id
+            pad = pad if pad is not None else 0
+            for p in peers:
+                if hf is None:
+                    log(f"{p:<28}unavailable: {result['peers'][p]['reason']}")
+                    continue
+                try:
+                    if p == "hf_generate":
+                        bs = hf_batch_size or (64 if device.type == "cuda" else min(32, workload.num_requests))
+                        warm_peer(hf, workload, device, pad)
+                        r = run_hf_generate(hf, workload, bs, pad, device)
+                        label = f"hf generate (batch {bs})"
+                    elif p == "hf_generate_batch":
+                        r = run_hf_continuous_batching(hf, workload, device)
+                        label = "hf generate_batch (CB)"
+                    else:
+                        raise ValueError(f"unknown peer {p!r}: choose hf_generate or hf_generate_batch")
+                except ValueError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+                    result["peers"][p] = {"available": False, "reason": f"{type(e).__name__}: {e}"}
+                    log(f"{p:<28}unavailable: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                agree = agreement(ours_tokens, r.pop("outputs"))
+                r.update(available=True, label=label, agreement=agree,
+                         output_tokens_per_s=workload.num_output_tokens / r["seconds"],
+                         total_tokens_per_s=(workload.num_output_tokens + workload.num_prompt_tokens) / r["seconds"],
+                         speedup=r["seconds"] / secs)
+                result["peers"][p] = r
+                log(throughput_row(label, r["seconds"], workload, r["speedup"]))
+            del hf
+        return ThroughputResult(**result)
+    finally:
+        llm.shutdown()

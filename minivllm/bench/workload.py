@@ -1,0 +1,90 @@
+"""Benchmark workloads: random-token prompts and per-request output lengths.
+
+``nano`` is nano-vllm's benchmark (256 requests, prompt and output lengths uniform in
+100..1024, random token ids); ``cpu`` is a CPU-sized one (32 requests, prompts 16..256,
+outputs 16..128).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+
+__all__ = ["WORKLOADS", "Workload", "make_workload"]
+
+WORKLOADS = {
+    "nano": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024)),
+    "cpu": dict(num_requests=32, input_len=(16, 256), output_len=(16, 128)),
+}
+
+
+@dataclass
+class Workload:
+    """Prompts (token ids) and the number of tokens to generate for each."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+    seed: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def describe(self) -> dict:
+        pl = [len(p) for p in self.prompts]
+        return {"name": self.name, "num_requests": self.num_requests, "seed": self.seed,
+                "prompt_len_min": min(pl), "prompt_len_max": max(pl), "prompt_len_mean": statistics.fmean(pl),
+                "output_len_min": min(self.output_lens), "output_len_max": max(self.output_lens),
+                "output_len_mean": statistics.fmean(self.output_lens),
+                "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens}
+
+
+def _check_range(name, r):
+    if (not isinstance(r, (tuple, list)) or len(r) != 2 or not all(isinstance(x, int) for x in r)
+            or not 1 <= r[0] <= r[1]):
+        raise ValueError(f"{name}={r!r}: expected (min, max) with 1 <= min <= max")
+    return tuple(r)
+
+
+def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 1.0,
+                  num_requests: int | None = None, input_len: tuple[int, int] | None = None,
+                  output_len: tuple[int, int] | None = None, max_model_len: int | None = None,
+                  seed: int = 0) -> Workload:
+    """A reproducible workload: token ids uniform in ``[0, min(vocab_size, 10000))`` (as
+    nano-vllm's benchmark draws them), lengths uniform in the ranges (inclusive).
+
+    ``scale`` multiplies the preset's request count (ignored when ``num_requests`` is
+    given). With ``max_model_len``, a prompt is shortened so prompt + output fits.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"workload {name!r}: choose one of {sorted(WORKLOADS)}")
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale={scale!r}: must be a positive number")
+    preset = WORKLOADS[name]
+    n = num_requests if num_requests is not None else max(1, round(preset["num_requests"] * scale))
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_requests={n!r}: must be a positive int")
+    lo_in, hi_in = _check_range("input_len", input_len or preset["input_len"])
+    lo_out, hi_out = _check_range("output_len", output_len or preset["output_len"])
+    if max_model_len is not None and lo_in + lo_out > max_model_len:
+        raise ValueError(f"input_len min {lo_in} + output_len min {lo_out} exceed max_model_len={max_model_len}")
+    rng = random.Random(seed)
+    high = min(vocab_size, 10000) - 1
+    prompts, outs = [], []
+    for _ in range(n):
+        li, lo = rng.randint(lo_in, hi_in), rng.randint(lo_out, hi_out)
+        if max_model_len is not None and li + lo > max_model_len:
+            li = max(1, max_model_len - lo)
+        prompts.append([rng.randint(0, high) for _ in range(li)])
+        outs.append(lo)
+    return Workload(name, prompts, outs, seed)
+

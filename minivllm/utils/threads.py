@@ -1,0 +1,55 @@
+"""How many torch CPU threads to use when other processes may share the CPU.
+
+OpenMP threads of one parallel region wait for each other: when another busy process holds
+a core, every region waits for the descheduled thread, and a step slows down by far more
+than the share of CPU lost (measured on a 2-core machine with two other busy processes:
+13 tokens/s with 2 threads, 183 with 1; ``/work/shared/notes`` and issue 11). ``"auto"``
+therefore takes the cores the load average leaves free.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["ThreadChoice", "choose_threads"]
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """``threads``: the count to pass to ``torch.set_num_threads``, or ``None`` to keep
+    torch's default; ``reason``: one line saying why (for the startup log)."""
+
+    threads: int | None
+    reason: str
+
+
+def choose_threads(value: str | int | None, cores: int | None = None,
+                   load: float | None = None) -> ThreadChoice:
+    """Resolve a ``--threads`` value.
+
+    Args:
+        value: an int >= 1 (used as is), or ``"auto"`` / ``None``: ``cores - load``
+            rounded, clamped to ``[1, cores]`` (the cores other processes leave idle, by the
+            1-minute load average), or torch's default when the load average is unknown.
+        cores / load: the machine's logical cores and 1-minute load average (default:
+            ``os.cpu_count()`` and ``os.getloadavg()[0]``; parameters for tests).
+
+    Raises:
+        ValueError: ``value`` is neither ``"auto"`` nor an int >= 1 (the message names it).
+    """
+    if value is None or value == "auto":
+        cores = cores or os.cpu_count() or 1
+        if load is None:
+            if not hasattr(os, "getloadavg"):
+                return ThreadChoice(None, "load average unavailable: torch's default thread count")
+            load = os.getloadavg()[0]
+        n = max(1, min(cores, round(cores - load)))
+        return ThreadChoice(n, f"{n} torch thread(s): load average {load:.1f} on {cores} cores "
+                               f"(--threads auto; pass --threads N to override)")
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or (isinstance(value, float) and value != n):
+        raise ValueError(f"--threads {value!r}: expected 'auto' or an int >= 1")
+    return ThreadChoice(n, f"{n} torch thread(s) (--threads)")
