@@ -184,6 +184,17 @@ class _PinnedStaging:
         return out
 
 
+_COMPILED: dict = {}
+
+
+def _compiled(fn, backend: str):
+    """One ``torch.compile`` wrapper per function and backend for the whole process."""
+    key = (fn, backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=True, backend=backend)
+    return _COMPILED[key]
+
+
 class ModelRunner:
     """Holds the model, KV cache, attention backend and sampler for one process.
 
@@ -317,16 +328,23 @@ class ModelRunner:
         logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graph_runner.buckets,
                     time.perf_counter() - t0)
 
-    def enable_compile(self) -> None:
+    def enable_compile(self, backend: str = "inductor") -> None:
         """``torch.compile`` the small elementwise-heavy ops (RMSNorm + residual, SiLU-and-mul,
-        rotary embedding), where kernel fusion saves memory round trips."""
+        rotary embedding), where kernel fusion saves memory round trips. Each op is compiled
+        once and shared by every module using it (one Dynamo cache, shapes dynamic), so a
+        model's dozens of norm layers and a second engine in the process do not exhaust
+        Dynamo's recompile limit. ``backend``: torch.compile's (tests use "eager")."""
+        from minivllm.layers import norm
         from minivllm.layers.activation import SiluAndMul
-        from minivllm.layers.norm import RMSNorm
         from minivllm.layers.rotary import RotaryEmbedding
 
+        norm_fn = _compiled(norm.rms_norm, backend)
+        add_norm_fn = _compiled(norm.add_rms_norm, backend)
         for module in self.model.modules():
-            if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
-                module.forward = torch.compile(module.forward, dynamic=True)
+            if isinstance(module, norm.RMSNorm):
+                module.norm_fn, module.add_norm_fn = norm_fn, add_norm_fn
+            elif isinstance(module, (SiluAndMul, RotaryEmbedding)):
+                module.forward = torch.compile(module.forward, dynamic=True, backend=backend)
 
     # -- one step ---------------------------------------------------------------------------
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

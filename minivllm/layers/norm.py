@@ -11,13 +11,33 @@ import torch
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x**2) + eps))`` over the last dimension, in fp32, cast back."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(rms_norm(x + residual), x + residual)``."""
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension, with an optional fused residual add.
 
     Args:
         hidden_size: size of the normalised (last) dimension.
         eps: added to the mean square (``rms_norm_eps``).
+
+    ``norm_fn`` / ``add_norm_fn`` are the functions it calls; ``ModelRunner.enable_compile``
+    points every instance at one shared compiled version of each, so Dynamo compiles each
+    shape/dtype case once for the whole model rather than per module or per call form.
     """
+
+    norm_fn = staticmethod(rms_norm)
+    add_norm_fn = staticmethod(add_rms_norm)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -34,11 +54,6 @@ class RMSNorm(nn.Module):
                              f"expected {tuple(param.shape)}")
         param.data.copy_(loaded_weight)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise ``x [..., hidden_size]``.
 
@@ -47,9 +62,10 @@ class RMSNorm(nn.Module):
         sum (in ``x.dtype``, as in the unfused model) is the residual stream for the next block.
         """
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            # As 2-D rows, so the per-head q/k norms ([tokens, heads, head_dim]) and the
+            # hidden-state norms share one compiled kernel shape (see enable_compile).
+            return self.norm_fn(x.reshape(-1, self.hidden_size), self.weight, self.eps).view(x.shape)
+        return self.add_norm_fn(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
