@@ -21,6 +21,7 @@ import torch
 from minivllm.config import EngineArgs, EngineConfig, resolve_device, resolve_dtype, resolve_lengths
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.kv_cache import kv_bytes_per_token
 from minivllm.engine.model_runner import ModelRunner, RunnerConfig, RunnerOutput
 from minivllm.engine.output_processor import OutputKind, OutputProcessor, RequestState, make_output, update_text
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -96,8 +97,9 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(runner_config)
         try:
+            block_bytes = kv_bytes_per_token(hf, dtype, args.tensor_parallel_size) * block_size
             max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
-                                                    block_size)
+                                                    block_size, block_bytes)
             self.config = EngineConfig(args, device, dtype, self.runner.backend.name, block_size,
                                        self.runner.num_kv_blocks, max_model_len, budget)
             self._optimise(args, device)
@@ -119,6 +121,7 @@ class LLMEngine:
         self.last_step_record: StepRecord | None = None
         self._lock = threading.RLock()
         self._sinks: dict[str, object] = {}  # request id -> callable receiving its outputs
+        self._warned_max_tokens = False
         # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
         # once peaks are measured (``measure_peaks``), since that takes a moment.
         self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size)  # per rank
@@ -157,6 +160,8 @@ class LLMEngine:
                 room to generate (``len >= max_model_len``); the message names the value.
         """
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data") is not None:
+                raise ValueError("multi_modal_data: minivllm serves text-only models (give None or leave it out)")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
@@ -218,6 +223,7 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.check_sampling_params(params)
         text, ids = self.encode_prompt(prompt)
+        self._warn_if_max_tokens_capped(params, len(ids))
         seq = Sequence(request_id, text, ids, params)
         detok = IncrementalDetokenizer(self.tokenizer, ids)
         with self._lock:
@@ -227,6 +233,18 @@ class LLMEngine:
             self.scheduler.add(seq)
             if sink is not None:
                 self._sinks[request_id] = sink
+
+    def _warn_if_max_tokens_capped(self, params: SamplingParams, prompt_len: int) -> None:
+        """Once per engine: a request's ``max_tokens`` will be cut short by ``max_model_len``
+        (the request then ends with finish_reason "length" early)."""
+        if self._warned_max_tokens or params.max_tokens is None:
+            return
+        room = self.config.max_model_len - prompt_len
+        if params.max_tokens > room:
+            self._warned_max_tokens = True
+            logger.warning("max_tokens=%d with a %d-token prompt exceeds max_model_len=%d: generation stops at "
+                           "%d tokens (this warning is shown once per engine)", params.max_tokens, prompt_len,
+                           self.config.max_model_len, room)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now (finish_reason "abort"), freeing its KV blocks.
