@@ -111,8 +111,8 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}]={p!r} is not a SamplingParams")
             try:
-                self.engine.encode_prompt(prompt)
                 self.engine.check_sampling_params(p)  # all checked before any is queued
+                self.engine.encode_prompt(prompt, p.truncate_prompt_tokens)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = []

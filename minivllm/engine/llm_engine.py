@@ -149,11 +149,12 @@ class LLMEngine:
         return cls(args)
 
     # -- requests ----------------------------------------------------------------------------
-    def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
         """Validate one prompt; returns (text or None, token ids).
 
         Accepts a ``str``, a ``list[int]`` of token ids, or ``{"prompt_token_ids": [...]}``
-        / ``{"prompt": "..."}``.
+        / ``{"prompt": "..."}``. ``truncate_prompt_tokens`` (``SamplingParams``'): keep the
+        last k tokens (-1: the last ``max_model_len - 1``).
 
         Raises:
             ValueError: empty prompt, ids outside ``[0, vocab_size)``, or a prompt with no
@@ -186,6 +187,9 @@ class LLMEngine:
             raise ValueError(f"prompt {prompt!r}: expected str, list[int] or {{'prompt_token_ids': [...]}}")
         if not ids:
             raise ValueError(f"empty prompt {prompt!r}: nothing to condition on")
+        if truncate_prompt_tokens is not None:
+            keep = self.config.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            ids = ids[-keep:]
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate: "
                              f"max_model_len={self.config.max_model_len}")
@@ -195,15 +199,32 @@ class LLMEngine:
         """Checks of ``params`` that need the model (``SamplingParams`` checks the rest).
 
         Raises:
-            ValueError: ``params`` is not a ``SamplingParams``, or a ``stop_token_ids``
-                entry is outside the model's vocabulary ``[0, vocab_size)`` (naming it).
+            ValueError: ``params`` is not a ``SamplingParams``, or a token id in
+                ``stop_token_ids``, ``logit_bias`` or ``allowed_token_ids`` is outside the
+                model's vocabulary ``[0, vocab_size)`` (naming the field and the id).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params {params!r} is not a SamplingParams")
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids={params.stop_token_ids!r}: token id {t} is outside the "
-                                 f"model's vocabulary [0, {self.vocab_size})")
+        if params.prompt_logprobs is not None and self.args.tensor_parallel_size > 1:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs}: not supported with "
+                             f"tensor_parallel_size={self.args.tensor_parallel_size} (use 1)")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            for t in ids:
+                if t >= self.vocab_size:
+                    raise ValueError(f"{name}={getattr(params, name)!r}: token id {t} is outside the "
+                                     f"model's vocabulary [0, {self.vocab_size})")
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word tokenized alone and after a space (vLLM's two variants); variants
+        holding ids outside the model's vocabulary cannot be generated and are dropped."""
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out and max(ids) < self.vocab_size:
+                    out.append(ids)
+        return out
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     *, output_kind: OutputKind | str = OutputKind.CUMULATIVE, sink=None) -> None:
@@ -222,10 +243,16 @@ class LLMEngine:
         request_id = str(request_id)
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.check_sampling_params(params)
-        text, ids = self.encode_prompt(prompt)
+        text, ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
         self._warn_if_max_tokens_capped(params, len(ids))
         seq = Sequence(request_id, text, ids, params)
-        detok = IncrementalDetokenizer(self.tokenizer, ids)
+        if params.bad_words:
+            seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.min_tokens:
+            seq.min_tokens_stop_ids = sorted(set(params.stop_token_ids) |
+                                             (set() if params.ignore_eos else set(self.eos_token_ids)))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                       params.spaces_between_special_tokens) if params.detokenize else None
         with self._lock:
             if request_id in self.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -293,7 +320,8 @@ class LLMEngine:
                 txn.forward_started()
                 result = self.runner.run(plan) if plan.scheduled else RunnerOutput.empty()
                 timer.lap()
-                self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed)
+                self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed,
+                                                  result.logprobs, result.prompt_logprobs)
                 outputs = self.output_processor.process(result.seqs, self._errors(result.failed))
                 timer.postprocess_ms = timer.lap()
                 record = self._record(plan, result, timer, outputs)

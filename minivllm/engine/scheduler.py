@@ -154,7 +154,9 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit_ids, hit_hashes = bm.match_prefix(seq)
+            # A request wanting prompt logprobs computes every prompt position (as in vLLM v1).
+            wants_prompt = seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
+            hit_ids, hit_hashes = ([], []) if wants_prompt else bm.match_prefix(seq)
             cached = len(hit_ids) * bm.block_size
             remaining = len(seq) - cached
             if remaining <= budget:
@@ -202,7 +204,8 @@ class Scheduler:
 
     # -- after the forward pass ----------------------------------------------------------
     def update_from_output(self, plan: SchedulerOutput, seqs: list[Sequence], token_ids: list[int],
-                           failed: set[Sequence] = frozenset()) -> list[Sequence]:
+                           failed: set[Sequence] = frozenset(), logprobs: list | None = None,
+                           prompt_logprobs: dict | None = None) -> list[Sequence]:
         """Apply a finished forward pass; returns the sequences that finished.
 
         Args:
@@ -211,6 +214,10 @@ class Scheduler:
             failed: sampling sequences whose logits were not finite: they get no token, none
                 of their blocks are registered for the prefix cache, and they finish with
                 finish_reason "error".
+            logprobs: aligned with ``seqs``: the new token's ``(ids, logprobs, ranks)`` entry
+                (``ModelRunner``'s), or None where not wanted; None when nobody wants them.
+            prompt_logprobs: sequence -> (first prompt position, entries) computed this step;
+                a position already recorded (a preempted prompt computed again) is skipped.
         """
         bm = self.block_manager
         caching, block_size = bm.enable_prefix_caching, bm.block_size
@@ -219,20 +226,28 @@ class Scheduler:
             seq.num_computed_tokens += entry.num_tokens
             if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes) and seq not in failed:
                 bm.register_computed_blocks(seq)  # a block was completed this step
+        if prompt_logprobs:
+            for seq, (first, entries) in prompt_logprobs.items():
+                recorded = seq.prompt_logprobs
+                recorded.extend(entries[len(recorded) - first:] if len(recorded) >= first else ())
         finished = []
         now = time.perf_counter()
-        for seq, token in zip(seqs, token_ids):
+        for i, (seq, token) in enumerate(zip(seqs, token_ids)):
             if seq in failed:
                 self.finish(seq, "error")
                 finished.append(seq)
                 continue
             seq.append_token(token, now)
+            if logprobs is not None and logprobs[i] is not None:
+                seq.logprobs.append(logprobs[i])
+                seq.cumulative_logprob += logprobs[i][1][0]  # the sampled token's own comes first
             p = seq.params
             if token in p.stop_token_ids:
                 self.finish(seq, "stop", token)
             elif token in self.config.eos_token_ids and not p.ignore_eos:
                 self.finish(seq, "stop", None)
-            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
+                    len(seq) >= self.config.max_model_len:
                 self.finish(seq, "length")
             else:
                 continue

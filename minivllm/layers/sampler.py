@@ -1,7 +1,10 @@
 """Turns one row of logits per sampling sequence into the next token ids.
 
-Order of operations (vLLM's): repetition penalty, then temperature, top-k, top-p,
-min-p, then a draw. Greedy rows (temperature 0) take the argmax after the penalty.
+Order of operations (vLLM v1's): the per-request logits processors of the rows that
+use them (allowed_token_ids, bad words, min_tokens, logit_bias:
+``minivllm/layers/logits_processors.py``), repetition penalty, frequency/presence
+penalties, then temperature, top-k, top-p, min-p, then a draw. Greedy rows
+(temperature 0) take the argmax after the processors and penalties.
 
 The draw uses the exponential race (the Gumbel-max trick in another guise): with
 ``E_i ~ Exp(1)`` independent, ``argmax_i p_i / E_i`` is distributed as ``p``.
@@ -13,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from minivllm.layers.logits_processors import (RowProcessing, apply_frequency_presence_penalties,
+                                              apply_logits_processors)
 
 
 @dataclass
@@ -29,6 +35,10 @@ class SamplingBatch:
             penalty is not 1; None elsewhere).
         generators: per row, a seeded ``torch.Generator`` or None (engine-wide stream).
         all_greedy / any_top_k / any_top_p / any_min_p / any_penalty: fast paths.
+        processing: per row, its ``RowProcessing`` (None for rows without processors), or
+            None when no row has any.
+        num_logprobs: per row, ``SamplingParams.logprobs`` (None: not wanted), or None when
+            no row wants logprobs.
     """
 
     temperatures: torch.Tensor
@@ -43,6 +53,8 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_penalty: bool
+    processing: list[RowProcessing | None] | None = None
+    num_logprobs: list[int | None] | None = None
 
     @classmethod
     def greedy(cls, num_rows: int) -> "SamplingBatch":
@@ -163,11 +175,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """``logits``: fp32 ``[N, V]`` (not modified). Returns int64 ``[N]`` token ids."""
-        if batch.all_greedy and not batch.any_penalty:
+        processing = batch.processing
+        if batch.all_greedy and not batch.any_penalty and processing is None:
             return logits.argmax(dim=-1)
         logits = logits.float().clone()
+        if processing is not None:
+            apply_logits_processors(logits, processing)
         if batch.any_penalty:
             apply_repetition_penalty(logits, batch)
+        if processing is not None:
+            apply_frequency_presence_penalties(logits, processing)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy
