@@ -1,6 +1,7 @@
 """How to pick each next token, and when to stop: vLLM's ``SamplingParams``."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -67,6 +68,10 @@ class SamplingParams:
         prompt_logprobs: the same for every prompt token (k >= 0). Prompt positions are
             computed, not read from the prefix cache, for such requests.
 
+    Fields may be changed after construction (vLLM's scripts do ``params.max_tokens = 64``):
+    each assignment is validated like the constructor's arguments, and an invalid value is
+    refused (``ValueError``) and not kept.
+
     Raises:
         ValueError: naming the offending field and value.
     """
@@ -102,6 +107,21 @@ class SamplingParams:
     has_logits_processors: bool = field(init=False, repr=False, compare=False)
     #: Filled by __post_init__: greedy, no penalty, no processor, no logprobs: the argmax fast path.
     plain_greedy: bool = field(init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        ready = self.__dict__.get("_validated", False)
+        if not ready or name.startswith("_") or name not in _PUBLIC_FIELDS:
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__.get(name)
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "_validated", False)  # __post_init__'s own assignments go straight in
+        try:
+            self.__post_init__()  # validate again, refresh the derived fields
+        except ValueError:
+            object.__setattr__(self, name, old)
+            self.__post_init__()
+            raise
 
     def __post_init__(self) -> None:
         def bad(name: str, value, why: str) -> ValueError:
@@ -207,6 +227,7 @@ class SamplingParams:
             or self.allowed_token_ids or self.bad_words)
         self.plain_greedy = (self.temperature == 0 and self.repetition_penalty == 1.0
                              and not self.has_logits_processors and self.logprobs is None)
+        object.__setattr__(self, "_validated", True)
 
     @property
     def greedy(self) -> bool:
@@ -220,3 +241,6 @@ class SamplingParams:
     def max_stop_len(self) -> int:
         """Longest stop string, in characters (text held back while streaming)."""
         return max((len(s) for s in self.stop_strings), default=0)
+
+
+_PUBLIC_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)

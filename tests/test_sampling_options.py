@@ -202,3 +202,14 @@ def test_plain_requests_keep_the_greedy_fast_path(llm):
     mixed = plain[:1] + [Sequence("b", None, [1, 2], G(3, logit_bias={4: 1.0}))]
     batch = runner.sampling_batch(mixed)
     assert batch.processing[0] is None and batch.processing[1] is not None and batch.num_logprobs is None
+
+
+def test_fields_set_after_construction_are_validated_and_take_effect(llm):
+    params = G(6)
+    params.temperature, params.seed = 1.0, 11  # vLLM's generate.py sets fields on the defaults
+    params.logit_bias = {9: 100.0}
+    assert not params.plain_greedy and params.has_logits_processors
+    assert set(run(llm, params).token_ids) == {9}
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_p=3"):
+        params.top_p = 3
+    assert params.top_p == 1.0
