@@ -38,7 +38,10 @@ class SamplingParams:
         stop_token_ids: a list of token ids that end generation (always apply, even with
             ``ignore_eos``); the engine checks them against the model's vocabulary. The
             stop token is in ``token_ids`` but its text is not in ``text`` (as for eos).
-        n: completions per prompt (1 only in this version).
+        n: independent completions of the prompt (``RequestOutput.outputs[i]``, index i);
+            with a ``seed``, completion i is drawn with seed ``seed + i``; their prompt is
+            computed once and shared through the prefix cache (see
+            ``minivllm/engine/parallel_sampling.py``).
         presence_penalty: in [-2, 2]; subtracted once from the logit of every token that
             appears in the output so far (OpenAI's definition; prompt tokens do not count).
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per occurrence
@@ -172,9 +175,6 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "must be an int >= 1")
-        if self.n != 1:
-            raise bad("n", self.n, "only n=1 is supported in this version (send the prompt n times with "
-                                   "different seeds instead)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:

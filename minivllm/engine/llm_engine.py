@@ -23,6 +23,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.kv_cache import kv_bytes_per_token
 from minivllm.engine.model_runner import ModelRunner, RunnerConfig, RunnerOutput
+from minivllm.engine.parallel_sampling import ParentRequest, ParentRequests, child_params
 from minivllm.engine.output_processor import OutputKind, OutputProcessor, RequestState, make_output, update_text
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
@@ -122,6 +123,7 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._sinks: dict[str, object] = {}  # request id -> callable receiving its outputs
         self._warned_max_tokens = False
+        self.parents = ParentRequests()  # requests with n > 1
         # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
         # once peaks are measured (``measure_peaks``), since that takes a moment.
         self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size)  # per rank
@@ -245,6 +247,26 @@ class LLMEngine:
         self.check_sampling_params(params)
         text, ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
         self._warn_if_max_tokens_capped(params, len(ids))
+        with self._lock:
+            if request_id in self.requests or request_id in self.parents:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if params.n == 1:
+                self._queue(request_id, text, ids, params, kind)
+            else:  # n samples: n child requests (minivllm/engine/parallel_sampling.py)
+                parent = ParentRequest(request_id, params.n, kind)
+                clash = [c for c in parent.child_ids if c in self.requests or c in self.parents]
+                if clash:
+                    raise ValueError(f"request_id {request_id!r}: child id {clash[0]!r} is already in use")
+                leader = None
+                for i, cid in enumerate(parent.child_ids):
+                    seq = self._queue(cid, text, ids, child_params(params, i), kind)
+                    seq.prefix_leader, leader = leader, leader or seq
+                self.parents.add(parent)
+            if sink is not None:
+                self._sinks[request_id] = sink
+
+    def _queue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+               kind: OutputKind) -> Sequence:
         seq = Sequence(request_id, text, ids, params)
         if params.bad_words:
             seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
@@ -253,13 +275,9 @@ class LLMEngine:
                                              (set() if params.ignore_eos else set(self.eos_token_ids)))
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                        params.spaces_between_special_tokens) if params.detokenize else None
-        with self._lock:
-            if request_id in self.requests:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self.output_processor.add_request(RequestState(seq, detok, kind))
-            self.scheduler.add(seq)
-            if sink is not None:
-                self._sinks[request_id] = sink
+        self.output_processor.add_request(RequestState(seq, detok, kind))
+        self.scheduler.add(seq)
+        return seq
 
     def _warn_if_max_tokens_capped(self, params: SamplingParams, prompt_len: int) -> None:
         """Once per engine: a request's ``max_tokens`` will be cut short by ``max_model_len``
@@ -274,27 +292,41 @@ class LLMEngine:
                            self.config.max_model_len, room)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End a request now (finish_reason "abort"), freeing its KV blocks.
+        """End a request now (finish_reason "abort"), freeing its KV blocks; for a request
+        with ``n > 1``, all its unfinished samples.
 
         Returns its final output, or None if no such unfinished request exists.
         """
         with self._lock:
-            state = self.requests.get(str(request_id))
-            if state is None:
-                return None
-            txn = StepTransaction(self.scheduler, self.output_processor, only=state.seq)
-            txn.protect_state(state)
-            try:
-                self.scheduler.finish(state.seq, "abort")
-                update_text(state)  # final flush (a final-only request has not been decoded yet)
-                out = make_output(state)
-            except BaseException:
-                txn.rollback()
-                raise
-            txn.commit()
-            del self.requests[state.seq.request_id]
-            self._deliver([out])  # a request aborted by someone else still reaches its caller
-            return out
+            request_id = str(request_id)
+            parent = self.parents.parents.get(request_id)
+            ids = [c for c in parent.child_ids if c in self.requests] if parent is not None else [request_id]
+            result = None
+            for rid in ids:
+                out = self._abort_one(rid)
+                if out is None:
+                    continue
+                merged = self.parents.merge([out], None)
+                self._deliver(merged)  # a request aborted by someone else still reaches its caller
+                result = merged[-1] if merged else result
+            return result
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        txn = StepTransaction(self.scheduler, self.output_processor, only=state.seq)
+        txn.protect_state(state)
+        try:
+            self.scheduler.finish(state.seq, "abort")
+            update_text(state)  # final flush (a final-only request has not been decoded yet)
+            out = make_output(state)
+        except BaseException:
+            txn.rollback()
+            raise
+        txn.commit()
+        del self.requests[state.seq.request_id]
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -323,6 +355,7 @@ class LLMEngine:
                 self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed,
                                                   result.logprobs, result.prompt_logprobs)
                 outputs = self.output_processor.process(result.seqs, self._errors(result.failed))
+                outputs = self.parents.merge(outputs, txn.undo)
                 timer.postprocess_ms = timer.lap()
                 record = self._record(plan, result, timer, outputs)
             except BaseException:

@@ -156,6 +156,10 @@ class Scheduler:
             seq = self.waiting[0]
             # A request wanting prompt logprobs computes every prompt position (as in vLLM v1).
             wants_prompt = seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
+            leader = seq.prefix_leader
+            if (leader is not None and bm.enable_prefix_caching and not wants_prompt and not leader.is_finished
+                    and leader.num_output_tokens == 0):
+                break  # a sibling sample waits for its leader's prompt blocks (one prefill, shared)
             hit_ids, hit_hashes = ([], []) if wants_prompt else bm.match_prefix(seq)
             cached = len(hit_ids) * bm.block_size
             remaining = len(seq) - cached

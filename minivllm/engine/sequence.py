@@ -53,6 +53,9 @@ class Sequence:
     logprobs: list | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list | None = None
+    #: For samples 1..n-1 of a request with n > 1: sample 0, whose prompt blocks they reuse
+    #: through the prefix cache (admitted once it has sampled; see Scheduler._admit).
+    prefix_leader: "Sequence | None" = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
