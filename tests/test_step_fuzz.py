@@ -1,6 +1,6 @@
 """Randomised: an exception at a random point of a random step of a random workload
 (chunked prefill, preemption, prefix hits, aborts, greedy and seeded sampling, logprobs
-and prompt logprobs) changes no request's tokens or logprobs, and the block bookkeeping
+and prompt logprobs, n > 1) changes no request's tokens or logprobs, and the block bookkeeping
 holds after every step."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ request = st.tuples(
     st.sampled_from(["final_only", "delta"]),
     st.sampled_from([None, 0, 2]),      # logprobs
     st.booleans(),                      # prompt_logprobs=1
+    st.sampled_from([1, 1, 2]),         # n
 )
 workload = st.lists(request, min_size=1, max_size=5)
 fault = st.tuples(st.sampled_from(FAULT_NAMES), st.integers(0, 12),
@@ -31,9 +32,9 @@ aborts = st.lists(st.tuples(st.integers(0, 15), st.integers(0, 4)), max_size=2)
 
 def _requests(spec, tag):
     out = []
-    for i, (prefix, own, max_tokens, seed, kind, logprobs, prompt_logprobs) in enumerate(spec):
+    for i, (prefix, own, max_tokens, seed, kind, logprobs, prompt_logprobs, n) in enumerate(spec):
         prompt = (PREFIXES[prefix] if prefix >= 0 else []) + prompts_of([own], seed=1000 + i)[0]
-        extra = dict(logprobs=logprobs, prompt_logprobs=1 if prompt_logprobs else None)
+        extra = dict(logprobs=logprobs, prompt_logprobs=1 if prompt_logprobs else None, n=n)
         params = (SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra) if seed is None else
                   SamplingParams(temperature=0.9, top_k=20, seed=seed, max_tokens=max_tokens, ignore_eos=True,
                                  **extra))
@@ -50,7 +51,7 @@ def _same_logprobs(a: dict, b: dict) -> bool:
     """Equal token ids and ranks; logprobs within 1e-5 (a rolled-back step may recompute a
     prefix its evicted cache entry would have supplied, in a different batch shape)."""
     def flat(x):
-        return [(i, k, j, e) for i in sorted(x) for k in (0, 1) for j, e in enumerate(x[i][k])]
+        return [(i, k, j, e) for i in sorted(x, key=str) for k in (0, 1) for j, e in enumerate(x[i][k])]
     fa, fb = flat(a), flat(b)
     if [(i, k, j) for i, k, j, _ in fa] != [(i, k, j) for i, k, j, _ in fb]:
         return False
@@ -91,14 +92,16 @@ def _run(engine, requests, abort_at):
         engine.check_invariants()
         for out in outputs:
             i = index[out.request_id]
-            deltas.setdefault(i, []).extend(out.outputs[0].token_ids)
-            lp = logprobs.setdefault(i, [[], []])
-            lp[0] += _logprob_key(out.outputs[0].logprobs)
+            for c in out.outputs:  # n > 1: one completion per sample, by index
+                deltas.setdefault((i, c.index), []).extend(c.token_ids)
+                logprobs.setdefault((i, c.index), [[], []])[0].extend(_logprob_key(c.logprobs))
+            lp = logprobs.setdefault((i, "prompt"), [[], []])
             lp[1] += _logprob_key(out.prompt_logprobs)
             if out.finished:
-                final[i] = out.outputs[0].finish_reason
+                final[i] = [c.finish_reason for c in out.outputs]
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
-    return final, {i: deltas.get(i, []) for i in final}, {i: logprobs.get(i) for i in final}
+    return (final, {k: v for k, v in deltas.items() if k[0] in final},
+            {k: v for k, v in logprobs.items() if k[0] in final})
 
 
 @pytest.fixture(scope="module")
