@@ -169,6 +169,10 @@ STREAM_CASES = [
     G(10, min_tokens=4, frequency_penalty=0.5, presence_penalty=-0.5),
     SamplingParams(temperature=0.8, seed=3, max_tokens=9, logit_bias={5: 3.0}, bad_words=["a"]),
     G(6, logprobs=2, prompt_logprobs=1),
+    SamplingParams(temperature=1.0, seed=4, max_tokens=7, allowed_token_ids=[3, 4, 5, 6], ignore_eos=True),
+    G(5, detokenize=False, truncate_prompt_tokens=3),
+    G(4, skip_special_tokens=False, logit_bias={0: 100.0}),
+    G(None, min_tokens=2, stop_token_ids=[9]),
 ]
 
 
