@@ -78,7 +78,7 @@ class CompletionOutput:
     """One generated completion.
 
     Attributes:
-        index: completion index within the request (always 0: one completion per request).
+        index: completion index within the request (0 .. n - 1 with ``SamplingParams.n``).
         text: generated text (for streamed outputs: only the new part).
         token_ids: generated token ids (for streamed outputs: only the new ones).
         finish_reason: None while running, else "stop" (eos, stop string or stop token),
@@ -112,7 +112,8 @@ class RequestOutput:
         request_id: the id given at ``add_request`` (``LLM`` uses "0", "1", ... per call).
         prompt: the prompt text, or None when the prompt was given as token ids.
         prompt_token_ids: the prompt's token ids.
-        outputs: one ``CompletionOutput``.
+        outputs: the ``CompletionOutput``s: one, or ``n`` with ``SamplingParams.n`` (for a delta
+            output of such a request, the one completion that advanced, with its ``index``).
         finished: True once the request has ended.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         metrics: the request's ``RequestMetrics``.

@@ -217,3 +217,22 @@ def test_fields_set_after_construction_are_validated_and_take_effect(llm):
     with pytest.raises(ValueError, match=r"SamplingParams\.top_p=3"):
         params.top_p = 3
     assert params.top_p == 1.0
+
+
+def test_spaces_between_special_tokens_reaches_a_slow_tokenizers_decode():
+    from minivllm.engine.detokenizer import IncrementalDetokenizer
+
+    class SlowTokenizer:  # no backend_tokenizer: the general path, as for slow tokenizers
+        def __init__(self):
+            self.calls = []
+
+        def __len__(self):
+            return 10
+
+        def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+            self.calls.append(spaces_between_special_tokens)
+            return ("<s>" if spaces_between_special_tokens else "<S>") * len(ids)
+
+    tok = SlowTokenizer()
+    detok = IncrementalDetokenizer(tok, [1], spaces_between_special_tokens=False)
+    assert detok.step([2, 3], final=True) == "<S><S>" and set(tok.calls) == {False}
