@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers_engine import make_llm, prompts_of
-from helpers_faults import FAULT_NAMES, Fault
+from helpers_faults import FAULT_NAMES, OPTION_FAULT_NAMES, Fault
 from minivllm import SamplingParams
 
 PREFIXES = [prompts_of([8], seed=100 + i)[0] for i in range(2)]
@@ -25,7 +25,7 @@ request = st.tuples(
     st.sampled_from([1, 1, 2]),         # n
 )
 workload = st.lists(request, min_size=1, max_size=5)
-fault = st.tuples(st.sampled_from(FAULT_NAMES), st.integers(0, 12),
+fault = st.tuples(st.sampled_from(FAULT_NAMES + OPTION_FAULT_NAMES), st.integers(0, 12),
                   st.sampled_from([KeyboardInterrupt, RuntimeError]))
 aborts = st.lists(st.tuples(st.integers(0, 15), st.integers(0, 4)), max_size=2)
 
