@@ -234,6 +234,10 @@ class LLM:
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``); returns True."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Free the engine (KV cache, model). Safe to call twice."""
         if self.llm_engine is not None:

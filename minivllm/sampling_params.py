@@ -229,6 +229,12 @@ class SamplingParams:
                              and not self.has_logits_processors and self.logprobs is None)
         object.__setattr__(self, "_validated", True)
 
+    def clone(self) -> "SamplingParams":
+        """An independent copy (vLLM's ``SamplingParams.clone``)."""
+        import copy
+
+        return copy.deepcopy(self)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

@@ -158,3 +158,17 @@ def test_max_tokens_capped_by_max_model_len_warns_once_per_engine(tiny_ckpt, cap
     assert len(warnings) == 1 and "max_tokens=10" in warnings[0]
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 4]
     llm.shutdown()
+
+
+def test_small_vllm_conveniences(llm):
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is llm.tokenizer
+    for rid in ("x", "y"):
+        engine.add_request(rid, [1, 2, 3], greedy(5))
+    out = engine.abort_request(["x", "y"])  # vLLM accepts an iterable of ids
+    assert out.finished and out.outputs[0].finish_reason == "abort" and not engine.has_unfinished_requests()
+    assert llm.reset_prefix_cache() is True
+    params = SamplingParams(stop=["a"], logit_bias={1: 2.0})
+    copy = params.clone()
+    copy.logit_bias[1] = 5.0
+    assert copy == SamplingParams(stop=["a"], logit_bias={1: 5.0}) and params.logit_bias == {1: 2.0}

@@ -291,12 +291,23 @@ class LLMEngine:
                            "%d tokens (this warning is shown once per engine)", params.max_tokens, prompt_len,
                            self.config.max_model_len, room)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End a request now (finish_reason "abort"), freeing its KV blocks; for a request
-        with ``n > 1``, all its unfinished samples.
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (vLLM's ``LLMEngine.get_tokenizer``)."""
+        return self.tokenizer
 
-        Returns its final output, or None if no such unfinished request exists.
+    def abort_request(self, request_id) -> RequestOutput | None:
+        """End a request now (finish_reason "abort"), freeing its KV blocks; for a request
+        with ``n > 1``, all its unfinished samples. ``request_id`` may also be an iterable
+        of ids (as vLLM accepts).
+
+        Returns its final output (the last one's for several ids), or None if no such
+        unfinished request exists.
         """
+        if not isinstance(request_id, (str, int)):
+            result = None
+            for rid in list(request_id):
+                result = self.abort_request(rid) or result
+            return result
         with self._lock:
             request_id = str(request_id)
             parent = self.parents.parents.get(request_id)
