@@ -236,3 +236,19 @@ def test_spaces_between_special_tokens_reaches_a_slow_tokenizers_decode():
     tok = SlowTokenizer()
     detok = IncrementalDetokenizer(tok, [1], spaces_between_special_tokens=False)
     assert detok.step([2, 3], final=True) == "<S><S>" and set(tok.calls) == {False}
+
+
+def test_stop_strings_completing_in_one_token_earliest_end_wins(text_ckpt):
+    """The issue's case: one token ' the' and stop=[' the', 'h']: 'h' completes first."""
+    llm = make_llm(text_ckpt)
+    the = llm.tokenizer.encode(" the")
+    assert len(the) == 1
+    params = G(3, logit_bias={the[0]: 100.0}, stop=[" the", "h"])
+    out = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.stop_reason, out.finish_reason) == (" t", "h", "stop")
+    for stop, expected in ((["e", "th"], (" ", "th")),    # 'th' ends before 'e'
+                           (["he", "e"], (" t", "he")),   # the same end: list order
+                           (["e", "he"], (" th", "e"))):
+        out = llm.generate("x", G(3, logit_bias={the[0]: 100.0}, stop=stop), use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.stop_reason) == expected, stop
+    llm.shutdown()
