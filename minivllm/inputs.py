@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import TypedDict, Union
 
-from typing_extensions import NotRequired
+try:
+    from typing import NotRequired  # Python >= 3.11
+except ImportError:  # pragma: no cover - Python 3.10 (typing_extensions comes with torch)
+    from typing_extensions import NotRequired
 
 
 class TextPrompt(TypedDict):
