@@ -1,7 +1,6 @@
 """Prompt types (vLLM's ``vllm.inputs``): a prompt is a ``str``, a ``list[int]`` of token
 ids, or one of these typed dicts. They are plain dicts at run time; the types document
 the keys for editors and type checkers."""
-from __future__ import annotations
 
 from typing import TypedDict, Union
 
