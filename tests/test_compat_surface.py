@@ -93,6 +93,7 @@ def test_prompt_typed_dicts(llm):
     a, b = llm.generate([tokens, [1, 2, 3]], greedy(3), use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert TextPrompt(prompt="x") == {"prompt": "x"}
+    assert TokensPrompt.__required_keys__ == {"prompt_token_ids"} and TextPrompt.__required_keys__ == {"prompt"}
     with pytest.raises(ValueError, match="multi_modal_data"):
         llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": 1}}, greedy(1), use_tqdm=False)
 
