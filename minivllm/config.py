@@ -63,6 +63,9 @@ class EngineArgs:
         attention_backend: "auto", "torch", "triton", "flash_attn".
         seed: seed of the engine-wide sampling generator (and of random weights).
         compile: torch.compile the small fused ops; None = on for CUDA, off on CPU.
+        logprobs_mode: what ``SamplingParams.logprobs`` report (vLLM's): "raw_logprobs"
+            (default), "raw_logits", "processed_logprobs" or "processed_logits"; see
+            ``minivllm/layers/logprobs.py``.
         init_method: torch.distributed rendezvous for tensor parallelism across machines
             (e.g. ``"env://"`` under torchrun, ``"tcp://host:port"``); None = the engine
             starts its workers on this machine.
@@ -87,6 +90,7 @@ class EngineArgs:
     seed: int | None = 0
     compile: bool | None = None
     init_method: str | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "tensor_parallel_size"]
@@ -101,6 +105,9 @@ class EngineArgs:
         if self.prefix_caching_hash_algo not in ("xxhash", "sha256"):
             raise ValueError(f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r}: "
                              "choose 'xxhash' or 'sha256'")
+        modes = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+        if self.logprobs_mode not in modes:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose one of {list(modes)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
 

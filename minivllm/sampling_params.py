@@ -66,8 +66,9 @@ class SamplingParams:
             ``max_model_len - 1`` (vLLM's -1 keeps ``max_model_len``, which leaves no room to
             generate).
         logprobs: return the log-probabilities of the k most likely tokens at every generated
-            position, plus the sampled token's own (k >= 0), computed from the raw model
-            logits (vLLM v1's default ``logprobs_mode``), before any penalty or temperature.
+            position, plus the sampled token's own (k >= 0), by default from the raw model
+            logits, before any penalty or temperature (vLLM v1's default; the engine argument
+            ``logprobs_mode`` selects the processed distribution or the logits instead).
         prompt_logprobs: the same for every prompt token (k >= 0). Prompt positions are
             computed, not read from the prefix cache, for such requests.
 

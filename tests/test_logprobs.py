@@ -97,3 +97,51 @@ def test_detokenize_false_leaves_decoded_tokens_out(setup):
                      use_tqdm=False)[0].outputs[0]
     assert all(v.decoded_token is None for d in c.logprobs for v in d.values())
     assert all(math.isfinite(v.logprob) and v.logprob <= 0 for d in c.logprobs for v in d.values())
+
+
+def _spied(llm, prompt, params):
+    """Generate with ``params``; returns (completion, raw logits row of every sampling step)."""
+    runner = llm.llm_engine.runner
+    rows, original = [], runner.forward_logits
+
+    def spy(inp, *args):
+        out = original(inp, *args)
+        rows.append((out[0] if args else out)[0].clone())
+        return out
+
+    runner.forward_logits = spy
+    try:
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0], rows
+    finally:
+        runner.forward_logits = original
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes(tiny_ckpt, mode):
+    llm = make_llm(tiny_ckpt, logprobs_mode=mode)
+    prompt = prompts_of([6], seed=12)[0]
+    params = SamplingParams(temperature=2.0, top_k=3, seed=2, max_tokens=4, ignore_eos=True, logprobs=5,
+                            logit_bias={7: 1.5})
+    c, rows = _spied(llm, prompt, params)
+    for i, raw in enumerate(rows):
+        biased = raw.clone()
+        biased[7] += 1.5
+        scaled = biased / 2.0
+        kept = scaled.topk(3).indices
+        processed = torch.full_like(scaled, float("-inf"))
+        processed[kept] = scaled[kept]
+        expected = {"raw_logits": raw, "processed_logprobs": processed.log_softmax(-1),
+                    "processed_logits": processed}[mode]
+        got = c.logprobs[i]
+        for t, v in got.items():
+            assert v.logprob == pytest.approx(float(expected[t]), abs=ATOL) or (
+                math.isinf(v.logprob) and math.isinf(float(expected[t]))), (mode, i, t)
+        if mode.startswith("processed"):
+            assert sum(math.isfinite(v.logprob) for v in got.values()) == 3  # top-k=3 kept
+            assert c.token_ids[i] in kept.tolist()
+    llm.shutdown()
+
+
+def test_logprobs_mode_is_validated(tiny_ckpt):
+    with pytest.raises(ValueError, match="logprobs_mode='processed'"):
+        make_llm(tiny_ckpt, logprobs_mode="processed")

@@ -109,6 +109,7 @@ class LLMEngine:
             # until garbage collection, which a notebook's saved traceback can delay for long.
             self.runner.shutdown()
             raise
+        self.runner.logprobs_mode = args.logprobs_mode
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, args.enable_prefix_caching,
                                           args.prefix_caching_hash_algo)
         self.eos_token_ids = frozenset(self.source.eos_token_ids)

@@ -126,6 +126,9 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, s
 class ModelRunner:
     """Holds the model, KV cache, attention backend and sampler for one process.
 
+    ``logprobs_mode`` (set by the engine from ``EngineArgs``): what logprobs report; see
+    ``minivllm/layers/logprobs.py``.
+
     Args:
         config: what to build (model, device, dtype, attention backend, KV pool size, seed,
             tensor-parallel shard count); see ``RunnerConfig``.
@@ -355,11 +358,14 @@ class ModelRunner:
         if inp.sampling_seqs:
             with torch.inference_mode():
                 batch = self.sampling_batch(inp.sampling_seqs)
+                processed = self.logprobs_mode.startswith("processed")
+                batch.keep_processed = processed and batch.num_logprobs is not None
                 sampled = self.sampler(logits, batch)
                 # A row with NaN/inf logits samples garbage (argmax of NaN): mark it -1.
                 sampled = sampled.masked_fill(~torch.isfinite(logits).all(dim=-1), -1)
                 if batch.num_logprobs is not None:
-                    logprobs = self._logprobs(logits, sampled, batch.num_logprobs)
+                    values = self.sampler.processed_logits if processed else logits
+                    logprobs = self._logprobs(values, sampled, batch.num_logprobs)
                 tokens = sampled.tolist()
             if -1 in tokens:
                 failed = {seq for seq, t in zip(inp.sampling_seqs, tokens) if t == -1}
@@ -376,7 +382,8 @@ class ModelRunner:
         idx = torch.tensor(rows, device=logits.device)
         chosen = sampled[idx]
         ok = chosen >= 0
-        entries = logprob_entries(logits[idx], chosen.clamp(min=0), [num_logprobs[i] for i in rows])
+        entries = logprob_entries(logits[idx], chosen.clamp(min=0), [num_logprobs[i] for i in rows],
+                                  normalize=self.logprobs_mode.endswith("logprobs"))
         out: list = [None] * len(num_logprobs)
         for i, entry, good in zip(rows, entries, ok.tolist()):
             out[i] = entry if good else None
@@ -388,7 +395,8 @@ class ModelRunner:
         for seq, first, count in spans:
             targets.extend(seq.prompt_token_ids[first:first + count])
             ks.extend([seq.params.prompt_logprobs] * count)
-        entries = logprob_entries(prompt_logits, torch.tensor(targets, device=prompt_logits.device), ks)
+        entries = logprob_entries(prompt_logits, torch.tensor(targets, device=prompt_logits.device), ks,
+                                  normalize=self.logprobs_mode.endswith("logprobs"))
         out, at = {}, 0
         for seq, first, count in spans:
             out[seq] = (first, entries[at:at + count])

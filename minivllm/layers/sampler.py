@@ -39,6 +39,8 @@ class SamplingBatch:
             None when no row has any.
         num_logprobs: per row, ``SamplingParams.logprobs`` (None: not wanted), or None when
             no row wants logprobs.
+        keep_processed: keep the processed logits at ``Sampler.processed_logits`` (the
+            engine's ``logprobs_mode`` "processed_logprobs" / "processed_logits").
     """
 
     temperatures: torch.Tensor
@@ -55,6 +57,7 @@ class SamplingBatch:
     any_penalty: bool
     processing: list[RowProcessing | None] | None = None
     num_logprobs: list[int | None] | None = None
+    keep_processed: bool = False
 
     @classmethod
     def greedy(cls, num_rows: int) -> "SamplingBatch":
@@ -168,15 +171,24 @@ class Sampler:
 
     def __init__(self, seed: int | None, device: torch.device):
         self.generator = torch.Generator(device=device)
+        self.processed_logits: torch.Tensor | None = None
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """``logits``: fp32 ``[N, V]`` (not modified). Returns int64 ``[N]`` token ids."""
+        """``logits``: fp32 ``[N, V]`` (not modified). Returns int64 ``[N]`` token ids.
+
+        With ``batch.keep_processed``, ``self.processed_logits`` is then the fp32 ``[N, V]``
+        logits the draw used: after the processors and penalties, divided by the temperature
+        (1 for greedy rows), and -inf where top-k / top-p / min-p removed the token.
+        """
         processing = batch.processing
+        self.processed_logits = None
         if batch.all_greedy and not batch.any_penalty and processing is None:
+            if batch.keep_processed:
+                self.processed_logits = logits
             return logits.argmax(dim=-1)
         logits = logits.float().clone()
         if processing is not None:
@@ -187,7 +199,12 @@ class Sampler:
             apply_frequency_presence_penalties(logits, processing)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
+            if batch.keep_processed:
+                self.processed_logits = logits
             return greedy
         probs = filtered_probs(logits, batch)
+        if batch.keep_processed:
+            temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
+            self.processed_logits = (logits / temps.unsqueeze(1)).masked_fill(probs == 0, float("-inf"))
         sampled = exponential_race(probs, batch.generators, self.generator)
         return torch.where(batch.temperatures > 0, sampled, greedy)
