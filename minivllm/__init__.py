@@ -18,6 +18,9 @@ _EXPORTS = {
     "SamplingParams": "minivllm.sampling_params",
     "RequestOutput": "minivllm.outputs",
     "CompletionOutput": "minivllm.outputs",
+    "Logprob": "minivllm.outputs",
+    "TextPrompt": "minivllm.inputs",
+    "TokensPrompt": "minivllm.inputs",
     "RequestMetrics": "minivllm.outputs",
     "EngineArgs": "minivllm.config",
     "LLMEngine": "minivllm.engine.llm_engine",
@@ -37,7 +40,8 @@ def __getattr__(name: str):
 if TYPE_CHECKING:  # pragma: no cover
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine, StepResult
+    from minivllm.inputs import TextPrompt, TokensPrompt
     from minivllm.llm import LLM
-    from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from minivllm.sampling_params import SamplingParams
     from minivllm.telemetry.step_record import StepRecord

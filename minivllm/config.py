@@ -13,6 +13,25 @@ logger = logging.getLogger("minivllm")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 512 * 2**20
 
+#: vLLM engine arguments that have no meaning in minivllm. ``LLM(...)`` accepts them (so vLLM
+#: scripts run unchanged) and logs one warning listing those given; any other unknown name
+#: is still a ``TypeError``.
+IGNORED_VLLM_ARGS = frozenset({
+    "trust_remote_code",          # checkpoints are loaded by our own model code
+    "disable_log_stats", "disable_log_requests",
+    "swap_space",                 # preemption recomputes; there is no CPU swap
+    "cpu_offload_gb",
+    "tokenizer_mode", "revision", "tokenizer_revision", "code_revision", "download_dir",
+    "load_format",                # safetensors only; no downloads
+    "disable_custom_all_reduce", "distributed_executor_backend",
+    "max_seq_len_to_capture", "disable_async_output_proc", "use_v2_block_manager",
+    "enable_prefix_caching_hash", "max_logprobs", "enable_sleep_mode", "compilation_config",
+    "hf_token", "worker_cls", "served_model_name",
+})
+
+#: Other engines' spellings of our arguments (nano-vllm's ``kvcache_block_size``).
+ARG_ALIASES = {"kvcache_block_size": "block_size"}
+
 
 @dataclass
 class EngineArgs:
@@ -47,6 +66,9 @@ class EngineArgs:
         speculative_config: vLLM v1's speculative decoding settings, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
             "prompt_lookup_min": 2}`` (see ``minivllm/spec_decode``); None: off.
+        logprobs_mode: what ``SamplingParams.logprobs`` report (vLLM's): "raw_logprobs"
+            (default), "raw_logits", "processed_logprobs" or "processed_logits"; see
+            ``minivllm/layers/logprobs.py``.
         init_method: torch.distributed rendezvous for tensor parallelism across machines
             (e.g. ``"env://"`` under torchrun, ``"tcp://host:port"``); None = the engine
             starts its workers on this machine.
@@ -72,6 +94,7 @@ class EngineArgs:
     compile: bool | None = None
     init_method: str | None = None
     speculative_config: dict | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "tensor_parallel_size"]
@@ -90,16 +113,36 @@ class EngineArgs:
         if self.prefix_caching_hash_algo not in ("xxhash", "sha256"):
             raise ValueError(f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r}: "
                              "choose 'xxhash' or 'sha256'")
+        modes = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+        if self.logprobs_mode not in modes:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose one of {list(modes)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
 
     @classmethod
     def from_kwargs(cls, model, kwargs: dict) -> "EngineArgs":
+        """Build from ``LLM(model, **kwargs)``: vLLM arguments in ``IGNORED_VLLM_ARGS`` are
+        dropped with one warning listing them; ``ARG_ALIASES`` are renamed.
+
+        Raises:
+            TypeError: an argument that is neither ours nor a known vLLM one (naming it), or
+                an argument given under both its name and an alias.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
+        kwargs = dict(kwargs)
+        for alias, name in ARG_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"engine argument {name!r} given twice (also as {alias!r})")
+                kwargs[name] = kwargs.pop(alias)
+        ignored = sorted(k for k in kwargs if k in IGNORED_VLLM_ARGS and k not in known)
+        unknown = sorted(set(kwargs) - known - set(ignored))
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known)}")
-        return cls(model=model, **kwargs)
+        if ignored:
+            logger.warning("ignoring vLLM engine argument(s) with no meaning in minivllm: %s",
+                           ", ".join(f"{k}={kwargs[k]!r}" for k in ignored))
+        return cls(model=model, **{k: v for k, v in kwargs.items() if k not in ignored})
 
 
 def resolve_device(device: str) -> torch.device:
@@ -148,23 +191,27 @@ class EngineConfig:
 
 
 def resolve_lengths(args: EngineArgs, max_position_embeddings: int, num_kv_blocks: int,
-                    block_size: int) -> tuple[int, int]:
+                    block_size: int, block_bytes: int | None = None) -> tuple[int, int]:
     """(max_model_len, max_num_batched_tokens) for a pool of ``num_kv_blocks`` blocks.
 
+    An explicit ``max_model_len`` above the model's ``max_position_embeddings`` is capped
+    there with a warning (nano-vllm's behaviour; vLLM refuses). ``block_bytes``: bytes of
+    one KV block, to say how large a pool the refused ``max_model_len`` needs.
+
     Raises:
-        ValueError: an explicit max_model_len larger than the pool or the model's
-            positions, or chunked prefill off with a budget below max_model_len.
+        ValueError: an explicit max_model_len larger than the KV pool (the message names the
+            engine argument that enlarges the pool and the size needed), or chunked prefill
+            off with a budget below max_model_len.
     """
     pool_tokens = num_kv_blocks * block_size
     if args.max_model_len is not None:
         max_model_len = args.max_model_len
-        if max_model_len > pool_tokens:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds what the KV pool holds ({num_kv_blocks} blocks x "
-                f"{block_size} tokens = {pool_tokens} tokens): raise the pool size or lower max_model_len")
         if max_model_len > max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                             f"max_position_embeddings={max_position_embeddings}")
+            logger.warning("max_model_len=%d exceeds the model's max_position_embeddings=%d: capped at %d",
+                           max_model_len, max_position_embeddings, max_position_embeddings)
+            max_model_len = max_position_embeddings
+        if max_model_len > pool_tokens:
+            raise ValueError(_pool_too_small(args, max_model_len, num_kv_blocks, block_size, block_bytes))
     else:
         max_model_len = min(max_position_embeddings, pool_tokens)
         if max_model_len < max_position_embeddings:
@@ -179,3 +226,22 @@ def resolve_lengths(args: EngineArgs, max_position_embeddings: int, num_kv_block
     else:
         budget = 8192 if args.enable_chunked_prefill else max(8192, max_model_len)
     return max_model_len, budget
+
+
+def _pool_too_small(args: EngineArgs, max_model_len: int, num_kv_blocks: int, block_size: int,
+                    block_bytes: int | None) -> str:
+    """The refusal of a ``max_model_len`` the KV pool cannot hold: what to enlarge, by how much."""
+    from minivllm.utils import cdiv
+
+    pool_tokens = num_kv_blocks * block_size
+    need = cdiv(max_model_len, block_size)
+    msg = (f"max_model_len={max_model_len} exceeds what the KV pool holds ({num_kv_blocks} blocks x "
+           f"{block_size} tokens = {pool_tokens} tokens); one sequence of that length needs {need} blocks")
+    if args.num_kvcache_blocks is not None or block_bytes is None:
+        fix = f"set num_kvcache_blocks>={need}"
+    else:
+        need_bytes = need * block_bytes
+        fix = f"set kv_cache_memory_bytes>={need_bytes} ({need_bytes / 2**20:.1f} MiB) or num_kvcache_blocks>={need}"
+        if args.kv_cache_memory_bytes is None and args.device != "cpu" and torch.cuda.is_available():
+            fix += ", or raise gpu_memory_utilization"
+    return f"{msg}: {fix}, or lower max_model_len"

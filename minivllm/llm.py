@@ -1,6 +1,7 @@
 """``LLM``: the offline facade (vLLM's shape): generate, stream, chat."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
 from collections import deque
@@ -8,6 +9,7 @@ from typing import Iterator, Sequence as Seq
 
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.generation_config import default_sampling_params
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -44,7 +46,12 @@ class LLM:
             ``"random:<preset>"`` (random weights at a real model's shape, e.g.
             ``"random:qwen3-0.6b"``, with the embedded tokenizer).
         **engine_args: any ``EngineArgs`` field (``max_num_seqs``, ``block_size``,
-            ``enable_prefix_caching``, ``device``, ...).
+            ``enable_prefix_caching``, ``device``, ...). vLLM arguments that mean nothing
+            here (``trust_remote_code``, ``swap_space``, ...: ``config.IGNORED_VLLM_ARGS``)
+            are accepted with one logged warning listing them.
+
+    Raises:
+        TypeError: an engine argument that is neither ours nor a known vLLM one.
 
     Use as a context manager, or call ``shutdown()``, to free the KV cache at once.
 
@@ -59,6 +66,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, engine_args))
         self._ids = itertools.count()
+        self._default_params: SamplingParams | None = None
 
     # -- helpers --------------------------------------------------------------------------
     @property
@@ -68,24 +76,43 @@ class LLM:
         return self.llm_engine
 
     def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (also ``llm.tokenizer``)."""
         return self.engine.tokenizer
 
-    def _submit(self, prompts, sampling_params, output_kind: str, inbox: deque) -> list[str]:
+    @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer (vLLM's ``LLM.tokenizer``)."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling settings the checkpoint recommends (its ``generation_config.json``:
+        temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over
+        ``SamplingParams()``'s defaults; what ``generate`` / ``stream`` / ``chat`` use when
+        given no ``sampling_params`` (as vLLM does). Returns a new object each call."""
+        if self._default_params is None:
+            self._default_params = default_sampling_params(self.engine.source.checkpoint_dir)
+        return dataclasses.replace(self._default_params)
+
+    def _submit(self, prompts, sampling_params, output_kind: str, inbox: deque, lora_request=None) -> list[str]:
         """Validate every prompt, then queue them all, their outputs routed to ``inbox``;
         returns their request ids in order."""
+        if lora_request is not None:
+            raise ValueError(f"lora_request={lora_request!r}: minivllm does not support LoRA adapters "
+                             "(only lora_request=None is accepted)")
         plist = _as_prompt_list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(plist):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(plist)} prompts")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(plist)
+            params = [sampling_params if sampling_params is not None else self.get_default_sampling_params()
+                      ] * len(plist)
         for i, (prompt, p) in enumerate(zip(plist, params)):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}]={p!r} is not a SamplingParams")
             try:
-                self.engine.encode_prompt(prompt)
                 self.engine.check_sampling_params(p)  # all checked before any is queued
+                self.engine.encode_prompt(prompt, p.truncate_prompt_tokens)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = []
@@ -129,15 +156,19 @@ class LLM:
 
     # -- public API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Run prompts to completion; returns one ``RequestOutput`` per prompt, in prompt order.
 
+        ``prompts``: one prompt or a list (a ``str``, a ``list[int]``, a ``TextPrompt`` or a
+        ``TokensPrompt``). ``sampling_params``: one for all, one per prompt, or None for
+        ``get_default_sampling_params()``. ``lora_request``: vLLM's; only None is accepted.
+
         Raises:
-            ValueError: a bad prompt or parameter (naming its index and value), before
-                anything is scheduled.
+            ValueError: a bad prompt or parameter (naming its index and value), or a
+                ``lora_request``, before anything is scheduled.
         """
         inbox: deque[RequestOutput] = deque()
-        ids = self._submit(prompts, sampling_params, "final_only", inbox)
+        ids = self._submit(prompts, sampling_params, "final_only", inbox, lora_request)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -154,30 +185,58 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
-    def stream(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
-               ) -> Iterator[RequestOutput]:
+    def stream(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+               lora_request=None) -> Iterator[RequestOutput]:
         """Yield one delta ``RequestOutput`` per new token of any request (vLLM's DELTA kind):
         ``outputs[0].text`` / ``.token_ids`` hold only what is new; ``finished`` is True on a
         request's last item. Closing the iterator early aborts the unfinished requests."""
         inbox: deque[RequestOutput] = deque()
-        ids = self._submit(prompts, sampling_params, "delta", inbox)
+        ids = self._submit(prompts, sampling_params, "delta", inbox, lora_request)
         yield from self._outputs(ids, inbox)
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              **template_kwargs) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation (a list of
-        ``{"role", "content"}`` dicts) or a list of conversations, then ``generate``.
+        """Render one conversation (a list of ``{"role", "content"}`` dicts) or a list of them
+        with a chat template, then ``generate`` (vLLM's ``LLM.chat``).
+
+        Args:
+            chat_template: a Jinja template used instead of the tokenizer's.
+            add_generation_prompt: end the prompt with the assistant turn's opening.
+            continue_final_message: leave the last (assistant) message open so the model
+                continues it; exclusive with ``add_generation_prompt``.
+            tools: tool (function) schemas, passed to the template as ``tools``.
+            chat_template_kwargs: extra template variables (e.g. Qwen3's
+                ``{"enable_thinking": False}``); ``**template_kwargs`` are merged in too
+                (a minivllm shorthand; ``chat_template_kwargs`` wins on a clash).
 
         Raises:
-            ValueError: the tokenizer has no chat template.
+            ValueError: no chat template (neither given nor the tokenizer's), both
+                ``add_generation_prompt`` and ``continue_final_message``, or a bad prompt.
         """
         tok = self.get_tokenizer()
-        if not getattr(tok, "chat_template", None):
-            raise ValueError(f"model {self.engine.source.name!r}: its tokenizer has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **template_kwargs)
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError(f"model {self.engine.source.name!r}: its tokenizer has no chat template "
+                             "(pass chat_template=...)")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt=True and continue_final_message=True: choose one "
+                             "(set add_generation_prompt=False to continue the final message)")
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        variables = {**template_kwargs, **(chat_template_kwargs or {})}
+        prompts = [tok.apply_chat_template(list(conv), tokenize=False, chat_template=chat_template, tools=tools,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **variables)
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``); returns True."""
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Free the engine (KV cache, model). Safe to call twice."""

@@ -68,11 +68,31 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's log-probability (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural-log probability, fp32 value as a Python float.
+        rank: 1-based rank of the token in its distribution (1 = most likely), or None.
+        decoded_token: the token's text (None when ``detokenize=False``).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: One position's log-probabilities: token id -> ``Logprob`` (the chosen token's own entry
+#: plus the top-k), as in vLLM.
+PositionLogprobs = dict
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated completion.
 
     Attributes:
-        index: completion index within the request (always 0: one completion per request).
+        index: completion index within the request (0 .. n - 1 with ``SamplingParams.n``).
         text: generated text (for streamed outputs: only the new part).
         token_ids: generated token ids (for streamed outputs: only the new ones).
         finish_reason: None while running, else "stop" (eos, stop string or stop token),
@@ -80,6 +100,10 @@ class CompletionOutput:
             produced non-finite logits for this request: ``RequestOutput.error`` says more).
         stop_reason: the stop string or stop token id that ended it, else None
             (None also when eos ended it, as in vLLM).
+        logprobs: with ``SamplingParams.logprobs=k``: one ``{token_id: Logprob}`` per
+            generated token (the sampled token plus the k most likely), else None.
+        cumulative_logprob: with ``logprobs``: sum of the sampled tokens' log-probabilities
+            (natural log), else None.
     """
 
     index: int
@@ -87,6 +111,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -100,11 +126,19 @@ class RequestOutput:
         request_id: the id given at ``add_request`` (``LLM`` uses "0", "1", ... per call).
         prompt: the prompt text, or None when the prompt was given as token ids.
         prompt_token_ids: the prompt's token ids.
-        outputs: one ``CompletionOutput``.
+        outputs: the ``CompletionOutput``s: one, or ``n`` with ``SamplingParams.n`` (for a delta
+            output of such a request, the one completion that advanced, with its ``index``).
         finished: True once the request has ended.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         metrics: the request's ``RequestMetrics``.
         error: for finish_reason "error", what went wrong and what to try; else None.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs=k``: per prompt token, None for
+            the first and ``{token_id: Logprob}`` (the prompt token plus the k most likely)
+            for the others, as in vLLM; else None.
+
+    nano-vllm compatibility: nano-vllm's ``generate`` returns dicts, so scripts written for
+    it read ``output["text"]`` and ``output["token_ids"]``. A ``RequestOutput`` answers those
+    two keys (of its first completion) as a read-only mapping; any other key raises ``KeyError``.
     """
 
     request_id: str
@@ -115,3 +149,28 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    # -- nano-vllm compatibility: a read-only mapping view {"text", "token_ids"} ------------------
+    _MAPPING_KEYS = ("text", "token_ids")
+
+    def keys(self) -> tuple[str, str]:
+        """The nano-vllm keys, so ``dict(output)`` gives nano-vllm's output dict."""
+        return self._MAPPING_KEYS
+
+    def __getitem__(self, key: str):
+        """``output["text"]`` / ``output["token_ids"]``: the first completion's text / token ids."""
+        if key == "text":
+            return self.outputs[0].text
+        if key == "token_ids":
+            return self.outputs[0].token_ids
+        raise KeyError(f"{key!r}: a RequestOutput answers only {list(self._MAPPING_KEYS)} as a mapping "
+                       "(nano-vllm compatibility); use its attributes for the rest")
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._MAPPING_KEYS
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self._MAPPING_KEYS else default
+
+    __iter__ = None  # not iterable: a mapping view of two keys, not a sequence

@@ -1,6 +1,7 @@
 """How to pick each next token, and when to stop: vLLM's ``SamplingParams``."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -9,8 +10,11 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """Per-request sampling and stopping settings (validated at construction).
 
-    Filters apply in this order (vLLM's): repetition penalty, temperature,
-    top-k, top-p, min-p; then a token is drawn from what remains.
+    Logits are processed in this order (vLLM v1's): allowed_token_ids, bad_words,
+    min_tokens, logit_bias, then the penalties (repetition, frequency, presence), then
+    temperature, top-k, top-p, min-p; then a token is drawn from what remains. The
+    options beyond the classic five cost nothing to requests that leave them at their
+    defaults (a batch of plain greedy requests keeps its argmax fast path).
 
     Args:
         temperature: softmax temperature; ``0`` means greedy (argmax).
@@ -24,12 +28,53 @@ class SamplingParams:
             penalty when positive and multiplied by it when negative.
         seed: a per-request seed: the request then samples the same tokens
             whatever else is in the batch.
-        max_tokens: most tokens to generate (>= 1).
+        max_tokens: most tokens to generate (>= 1), or None: until ``max_model_len``.
         ignore_eos: keep generating past the model's end-of-sequence token.
         stop: a string or a list of strings that end generation; the returned text ends
-            *before* the stop string.
+            *before* the stop string (unless ``include_stop_str_in_output``). When several
+            complete in the same step, the one completing earliest in the text wins, ties
+            by list order (so the result does not depend on how the text was tokenized;
+            vLLM takes the first in list order among those found in a step's new text).
         stop_token_ids: a list of token ids that end generation (always apply, even with
-            ``ignore_eos``); the engine checks them against the model's vocabulary.
+            ``ignore_eos``); the engine checks them against the model's vocabulary. The
+            stop token is in ``token_ids`` but its text is not in ``text`` (as for eos).
+        n: independent completions of the prompt (``RequestOutput.outputs[i]``, index i);
+            with a ``seed``, completion i is drawn with seed ``seed + i``; their prompt is
+            computed once and shared through the prefix cache (see
+            ``minivllm/engine/parallel_sampling.py``).
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token that
+            appears in the output so far (OpenAI's definition; prompt tokens do not count).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per occurrence
+            in the output so far (OpenAI's definition:
+            ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``).
+        min_tokens: >= 0; eos (unless ``ignore_eos``) and ``stop_token_ids`` are masked, and
+            stop strings are not looked for in the text of, the first ``min_tokens`` tokens.
+        logit_bias: ``{token_id: bias}`` added to those logits before sampling (values are
+            clamped to [-100, 100], as OpenAI's API does).
+        allowed_token_ids: only these token ids can be generated (non-empty list).
+        bad_words: words that must not be generated: a word's last token is masked whenever
+            the output ends with the word's other tokens (the word is tokenized both alone
+            and after a space).
+        include_stop_str_in_output: keep the matched stop string at the end of ``text``.
+        skip_special_tokens: leave special tokens' text out of ``text``.
+        spaces_between_special_tokens: put spaces between special tokens in ``text`` (only
+            slow, non-``tokenizers`` tokenizers distinguish this; fast ones ignore it, as in
+            Hugging Face).
+        detokenize: False: no ``text`` (empty strings) and no detokenisation cost; stop strings
+            then cannot be used.
+        truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1), or -1: the last
+            ``max_model_len - 1`` (vLLM's -1 keeps ``max_model_len``, which leaves no room to
+            generate).
+        logprobs: return the log-probabilities of the k most likely tokens at every generated
+            position, plus the sampled token's own (k >= 0), by default from the raw model
+            logits, before any penalty or temperature (vLLM v1's default; the engine argument
+            ``logprobs_mode`` selects the processed distribution or the logits instead).
+        prompt_logprobs: the same for every prompt token (k >= 0). Prompt positions are
+            computed, not read from the prefix cache, for such requests.
+
+    Fields may be changed after construction (vLLM's scripts do ``params.max_tokens = 64``):
+    each assignment is validated like the constructor's arguments, and an invalid value is
+    refused (``ValueError``) and not kept.
 
     Raises:
         ValueError: naming the offending field and value.
@@ -45,8 +90,42 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # Filled by __post_init__: ``stop`` as a list.
-    stop_strings: list[str] = field(init=False, repr=False)
+    stop_strings: list[str] = field(init=False, repr=False, compare=False)
+    #: Filled by __post_init__: True when a logits processor beyond the classic five applies
+    #: (allowed_token_ids, bad_words, min_tokens, logit_bias, presence/frequency penalties).
+    has_logits_processors: bool = field(init=False, repr=False, compare=False)
+    #: Filled by __post_init__: greedy, no penalty, no processor, no logprobs: the argmax fast path.
+    plain_greedy: bool = field(init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        ready = self.__dict__.get("_validated", False)
+        if not ready or name.startswith("_") or name not in _PUBLIC_FIELDS:
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__.get(name)
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "_validated", False)  # __post_init__'s own assignments go straight in
+        try:
+            self.__post_init__()  # validate again, refresh the derived fields
+        except ValueError:
+            object.__setattr__(self, name, old)
+            self.__post_init__()
+            raise
 
     def __post_init__(self) -> None:
         def bad(name: str, value, why: str) -> ValueError:
@@ -66,8 +145,9 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables)")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", self.max_tokens, "must be an int >= 1")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "must be an int >= 1, or None (up to max_model_len)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", self.seed, "must be an int or None")
         if self.stop is None or isinstance(self.stop, str):
@@ -87,6 +167,74 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", self.stop_token_ids, f"element {i} ({t!r}) is not an int >= 0")
         self.stop_token_ids = ids
+        self._check_extras(bad)
+
+    def _check_extras(self, bad) -> None:
+        """Validate the vLLM options beyond the classic ones; fill the derived flags."""
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", self.n, "must be an int >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise bad(name, value, "must be a number in [-2, 2] (0 disables)")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "must be an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "must be a dict {token_id: bias}, or None")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                key = int(k) if isinstance(k, str) and k.strip().isdigit() else k  # JSON keys are strings
+                if not is_int(key) or key < 0:
+                    raise bad("logit_bias", self.logit_bias, f"key {k!r} is not a token id (int >= 0)")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                    raise bad("logit_bias", self.logit_bias, f"bias {v!r} of token {k!r} is not a finite number")
+                bias[key] = float(min(100.0, max(-100.0, v)))
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise bad("allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of token ids, or None")
+            for i, t in enumerate(self.allowed_token_ids):
+                if not is_int(t) or t < 0:
+                    raise bad("allowed_token_ids", self.allowed_token_ids, f"element {i} ({t!r}) is not an int >= 0")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)):
+                raise bad("bad_words", self.bad_words, "must be a list of str, or None")
+            for i, w in enumerate(self.bad_words):
+                if not isinstance(w, str) or not w.strip():
+                    raise bad("bad_words", self.bad_words, f"element {i} ({w!r}) is not a non-blank str")
+            self.bad_words = list(self.bad_words) or None
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "must be True or False")
+        if not self.detokenize and self.stop_strings:
+            raise bad("detokenize", self.detokenize, f"stop strings {self.stop_strings!r} need detokenize=True")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not is_int(t) or (t < 1 and t != -1)):
+            raise bad("truncate_prompt_tokens", t, "must be an int >= 1, -1 (up to max_model_len - 1), or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise bad(name, value, "must be an int >= 0 (how many top tokens), or None")
+        self.has_logits_processors = bool(
+            self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias
+            or self.allowed_token_ids or self.bad_words)
+        self.plain_greedy = (self.temperature == 0 and self.repetition_penalty == 1.0
+                             and not self.has_logits_processors and self.logprobs is None)
+        object.__setattr__(self, "_validated", True)
+
+    def clone(self) -> "SamplingParams":
+        """An independent copy (vLLM's ``SamplingParams.clone``)."""
+        import copy
+
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -100,3 +248,6 @@ class SamplingParams:
     def max_stop_len(self) -> int:
         """Longest stop string, in characters (text held back while streaming)."""
         return max((len(s) for s in self.stop_strings), default=0)
+
+
+_PUBLIC_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)

@@ -9,6 +9,8 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
+import minivllm.layers.sampler as sampler_mod
+from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.layers.sampler import Sampler
 
 #: Every place in a step an exception can come from: (name, owner, attribute).
@@ -29,12 +31,22 @@ FAULT_POINTS = [
 ]
 FAULT_NAMES = [name for name, _, _ in FAULT_POINTS]
 
+#: Places only requests with vLLM's extra options reach (logits processors, logprobs, n > 1).
+OPTION_FAULT_POINTS = [
+    ("logits processors", sampler_mod, "apply_logits_processors"),
+    ("frequency/presence penalties", sampler_mod, "apply_frequency_presence_penalties"),
+    ("logprobs", ModelRunner, "_logprobs"),
+    ("prompt logprobs", ModelRunner, "_prompt_logprobs"),
+    ("parallel sampling merge", ParentRequest, "absorb"),
+]
+OPTION_FAULT_NAMES = [name for name, _, _ in OPTION_FAULT_POINTS]
+
 
 class Fault:
     """Raise ``exc`` from the ``at``-th call (0-based) of the named fault point, once."""
 
     def __init__(self, monkeypatch, name: str, at: int = 0, exc: type[BaseException] = KeyboardInterrupt):
-        owner, attr = next((o, a) for n, o, a in FAULT_POINTS if n == name)
+        owner, attr = next((o, a) for n, o, a in FAULT_POINTS + OPTION_FAULT_POINTS if n == name)
         original = getattr(owner, attr)
         self.calls, self.fired = 0, False
 

@@ -82,7 +82,7 @@ def test_memory_profile_runs_the_resolved_budget_and_a_sampling_pass(tiny_ckpt, 
     assert blocks == expected
 
 
-def test_engine_profiles_max_model_len_when_chunked_prefill_is_off(tiny_ckpt, monkeypatch):
+def test_engine_profiles_max_model_len_when_chunked_prefill_is_off(tiny_ckpt, monkeypatch, tmp_path):
     from minivllm import LLM
 
     got = {}
@@ -93,11 +93,16 @@ def test_engine_profiles_max_model_len_when_chunked_prefill_is_off(tiny_ckpt, mo
         real_init(self, config)
 
     monkeypatch.setattr(mr.ModelRunner, "__init__", spy)
-    # the tiny model allows 256 positions: the engine refuses after sizing, which is all we need
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        LLM(str(tiny_ckpt), device="cpu", enable_chunked_prefill=False, max_model_len=9000,
-            num_kvcache_blocks=600, max_num_seqs=7, compile=False)
-    assert got == {"budget": 9000, "max_num_seqs": 7}
+    from helpers_models import make_hf_checkpoint
+
+    long_ckpt = make_hf_checkpoint(tmp_path, max_position_embeddings=16384)
+    with LLM(str(long_ckpt), device="cpu", enable_chunked_prefill=False, max_model_len=9000,
+             num_kvcache_blocks=600, max_num_seqs=7, compile=False):
+        assert got == {"budget": 9000, "max_num_seqs": 7}
+    # an explicit max_model_len above the model's positions is capped to them, and so is the profile
+    with LLM(str(tiny_ckpt), device="cpu", enable_chunked_prefill=False, max_model_len=9000,
+             num_kvcache_blocks=600, max_num_seqs=7, compile=False):
+        assert got == {"budget": 8192, "max_num_seqs": 7}
 
 
 def test_fill_block_tables_matches_the_row_loop():

@@ -1,6 +1,7 @@
 """Randomised: an exception at a random point of a random step of a random workload
-(chunked prefill, preemption, prefix hits, aborts, greedy and seeded sampling) changes
-no request's tokens, and the block bookkeeping holds after every step."""
+(chunked prefill, preemption, prefix hits, aborts, greedy and seeded sampling, logprobs
+and prompt logprobs, n > 1) changes no request's tokens or logprobs, and the block bookkeeping
+holds after every step."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers_engine import make_llm, prompts_of
-from helpers_faults import FAULT_NAMES, Fault
+from helpers_faults import FAULT_NAMES, OPTION_FAULT_NAMES, Fault
 from minivllm import SamplingParams
 
 PREFIXES = [prompts_of([8], seed=100 + i)[0] for i in range(2)] + [[7, 8, 9] * 4]  # the last repeats
@@ -19,30 +20,58 @@ request = st.tuples(
     st.integers(1, 9),                  # max_tokens
     st.one_of(st.none(), st.integers(0, 2**16)),  # None: greedy, else the seed
     st.sampled_from(["final_only", "delta"]),
+    st.sampled_from([None, 0, 2]),      # logprobs
+    st.booleans(),                      # prompt_logprobs=1
+    st.sampled_from([1, 1, 2]),         # n
 )
 workload = st.lists(request, min_size=1, max_size=5)
-fault = st.tuples(st.sampled_from(FAULT_NAMES), st.integers(0, 12),
+fault = st.tuples(st.sampled_from(FAULT_NAMES + OPTION_FAULT_NAMES), st.integers(0, 12),
                   st.sampled_from([KeyboardInterrupt, RuntimeError]))
 aborts = st.lists(st.tuples(st.integers(0, 15), st.integers(0, 4)), max_size=2)
 
 
 def _requests(spec, tag):
     out = []
-    for i, (prefix, own, max_tokens, seed, kind) in enumerate(spec):
+    for i, (prefix, own, max_tokens, seed, kind, logprobs, prompt_logprobs, n) in enumerate(spec):
         prompt = (PREFIXES[prefix] if prefix >= 0 else []) + prompts_of([own], seed=1000 + i)[0]
-        params = (SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True) if seed is None else
-                  SamplingParams(temperature=0.9, top_k=20, seed=seed, max_tokens=max_tokens, ignore_eos=True))
+        extra = dict(logprobs=logprobs, prompt_logprobs=1 if prompt_logprobs else None, n=n)
+        params = (SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra) if seed is None else
+                  SamplingParams(temperature=0.9, top_k=20, seed=seed, max_tokens=max_tokens, ignore_eos=True,
+                                 **extra))
         out.append((f"{tag}{i}", prompt, params, kind))
     return out
 
 
+def _logprob_key(dicts):
+    """Logprob dicts -> sorted (token id, rank, logprob) tuples per position."""
+    return [None if d is None else sorted((t, v.rank, v.logprob) for t, v in d.items()) for d in dicts or []]
+
+
+def _same_logprobs(a: dict, b: dict) -> bool:
+    """Equal token ids and ranks; logprobs within 1e-5 (a rolled-back step may recompute a
+    prefix its evicted cache entry would have supplied, in a different batch shape)."""
+    def flat(x):
+        return [(i, k, j, e) for i in sorted(x, key=str) for k in (0, 1) for j, e in enumerate(x[i][k])]
+    fa, fb = flat(a), flat(b)
+    if [(i, k, j) for i, k, j, _ in fa] != [(i, k, j) for i, k, j, _ in fb]:
+        return False
+    for (_, _, _, ea), (_, _, _, eb) in zip(fa, fb):
+        if (ea is None) != (eb is None):
+            return False
+        if ea is not None and ([(t, r) for t, r, _ in ea] != [(t, r) for t, r, _ in eb]
+                               or any(abs(x - y) > 1e-5 for (_, _, x), (_, _, y) in zip(ea, eb))):
+            return False
+    return True
+
+
 def _run(engine, requests, abort_at):
     """Step to the end; injected faults are swallowed; ``abort_at``: (after k committed
-    steps, request index). Returns final (tokens, finish_reason) and joined deltas by index."""
+    steps, request index). Returns final (tokens, finish_reason), joined deltas and joined
+    (logprobs, prompt logprobs) by index."""
     for rid, prompt, params, kind in requests:
         engine.add_request(rid, prompt, params, output_kind=kind)
     index = {rid: i for i, (rid, *_rest) in enumerate(requests)}
-    final, deltas, committed = {}, {}, 0
+    final, deltas, logprobs, committed = {}, {}, {}, 0
     while engine.has_unfinished_requests():
         for k, which in abort_at:
             if k == committed and which < len(requests):
@@ -63,11 +92,16 @@ def _run(engine, requests, abort_at):
         engine.check_invariants()
         for out in outputs:
             i = index[out.request_id]
-            deltas.setdefault(i, []).extend(out.outputs[0].token_ids)
+            for c in out.outputs:  # n > 1: one completion per sample, by index
+                deltas.setdefault((i, c.index), []).extend(c.token_ids)
+                logprobs.setdefault((i, c.index), [[], []])[0].extend(_logprob_key(c.logprobs))
+            lp = logprobs.setdefault((i, "prompt"), [[], []])
+            lp[1] += _logprob_key(out.prompt_logprobs)
             if out.finished:
-                final[i] = out.outputs[0].finish_reason
+                final[i] = [c.finish_reason for c in out.outputs]
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
-    return final, {i: deltas.get(i, []) for i in final}
+    return (final, {k: v for k, v in deltas.items() if k[0] in final},
+            {k: v for k, v in logprobs.items() if k[0] in final})
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +126,8 @@ def test_a_random_fault_in_a_random_step_changes_nothing(fuzz_llm, monkeypatch, 
     with monkeypatch.context() as m:
         Fault(m, name, at=at, exc=exc)
         got = _run(engine, _requests(spec, "got"), abort_at)
-    assert got == reference
+    assert got[:2] == reference[:2]
+    assert _same_logprobs(got[2], reference[2])
 
 
 @pytest.fixture(scope="module")

@@ -84,14 +84,23 @@ def _build_byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes | None
 
 
 class IncrementalDetokenizer:
-    """Per-request decoder. ``step(new_ids)`` returns the newly readable text."""
+    """Per-request decoder. ``step(new_ids)`` returns the newly readable text.
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    A character whose first bytes end the prompt (a token-id prompt can stop inside one)
+    is completed by the output's first bytes and emitted whole, never as U+FFFD.
+    ``spaces_between_special_tokens`` is passed to ``tokenizer.decode`` on the general path
+    (only slow tokenizers read it; byte-level fast ones, as Hugging Face's, ignore it).
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.table = byte_table(tokenizer, skip_special_tokens)
         if self.table is not None:
             self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self._prime(prompt_token_ids)
             return
         try:  # ids from len(tokenizer) up have no token; without a length, trust decode
             self.num_known_ids: int | None = len(tokenizer)
@@ -100,6 +109,29 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+
+    def _prime(self, prompt_token_ids: list[int]) -> None:
+        """Feed the prompt's incomplete trailing UTF-8 character (if any) to the decoder, so
+        the output's first bytes complete it (a character is at most 4 bytes, so the last 3
+        prompt bytes are enough)."""
+        table, n = self.table, len(self.table)
+        tail = b""
+        for t in reversed(prompt_token_ids):
+            piece = table[t] if t < n and table[t] is not None else unknown_id_text(t).encode()
+            tail = piece + tail
+            if len(tail) >= 3:
+                break
+        tail = tail[-3:]
+        # The bytes from the last lead byte on form an incomplete character when the lead
+        # byte announces more bytes than follow it.
+        for back in range(1, len(tail) + 1):
+            b = tail[-back]
+            if b & 0xC0 == 0x80:
+                continue  # a continuation byte: keep looking for the lead byte
+            width = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+            if width > back:
+                self.utf8.decode(tail[-back:], False)
+            break
 
     def step(self, new_token_ids: list[int], final: bool = False) -> str:
         """Add tokens; return text that became readable (all of it when ``final``)."""
@@ -123,19 +155,25 @@ class IncrementalDetokenizer:
         """Decode ``ids``; runs of known ids go to the tokenizer, unknown ids become markers."""
         limit = self.num_known_ids
         if limit is None or all(t < limit for t in ids):
-            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+            return self._decode_known(ids)
         parts, run = [], []
         for t in ids:
             if t < limit:
                 run.append(t)
                 continue
             if run:
-                parts.append(self.tokenizer.decode(run, skip_special_tokens=self.skip_special_tokens))
+                parts.append(self._decode_known(run))
                 run = []
             parts.append(unknown_id_text(t))
         if run:
-            parts.append(self.tokenizer.decode(run, skip_special_tokens=self.skip_special_tokens))
+            parts.append(self._decode_known(run))
         return "".join(parts)
+
+    def _decode_known(self, ids: list[int]) -> str:
+        if self.spaces_between_special_tokens:  # the tokenizer's default: leave the keyword out
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=False)
 
     # -- rollback support (an interrupted step restores the decoder as it was) --------------
     def get_state(self) -> tuple:

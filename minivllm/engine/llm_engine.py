@@ -21,7 +21,9 @@ import torch
 from minivllm.config import EngineArgs, EngineConfig, resolve_device, resolve_dtype, resolve_lengths
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.kv_cache import kv_bytes_per_token
 from minivllm.engine.model_runner import ModelRunner, RunnerConfig, RunnerOutput
+from minivllm.engine.parallel_sampling import ParentRequest, ParentRequests, child_params
 from minivllm.engine.output_processor import OutputKind, OutputProcessor, RequestState, make_output, update_text
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
@@ -86,8 +88,9 @@ class LLMEngine:
         block_size = args.block_size or default_block_size(backend_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
         # the largest step resolve_lengths can allow (the memory profile runs one this long)
+        positions = hf.max_position_embeddings  # an explicit max_model_len above it is capped to it
         budget_hint = args.max_num_batched_tokens or (
-            8192 if args.enable_chunked_prefill else max(8192, args.max_model_len or hf.max_position_embeddings))
+            8192 if args.enable_chunked_prefill else max(8192, min(args.max_model_len or positions, positions)))
         runner_config = RunnerConfig(
             source=self.source, device=device, dtype=dtype, attention_backend=backend_name, block_size=block_size,
             num_kvcache_blocks=args.num_kvcache_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -100,8 +103,9 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(runner_config)
         try:
+            block_bytes = kv_bytes_per_token(hf, dtype, args.tensor_parallel_size) * block_size
             max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
-                                                    block_size)
+                                                    block_size, block_bytes)
             self.config = EngineConfig(args, device, dtype, self.runner.backend.name, block_size,
                                        self.runner.num_kv_blocks, max_model_len, budget)
             self._optimise(args, device)
@@ -110,6 +114,7 @@ class LLMEngine:
             # until garbage collection, which a notebook's saved traceback can delay for long.
             self.runner.shutdown()
             raise
+        self.runner.logprobs_mode = args.logprobs_mode
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, args.enable_prefix_caching,
                                           args.prefix_caching_hash_algo)
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
@@ -126,6 +131,8 @@ class LLMEngine:
         self.last_step_record: StepRecord | None = None
         self._lock = threading.RLock()
         self._sinks: dict[str, object] = {}  # request id -> callable receiving its outputs
+        self._warned_max_tokens = False
+        self.parents = ParentRequests()  # requests with n > 1
         # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
         # once peaks are measured (``measure_peaks``), since that takes a moment.
         self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size)  # per rank
@@ -153,17 +160,20 @@ class LLMEngine:
         return cls(args)
 
     # -- requests ----------------------------------------------------------------------------
-    def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
         """Validate one prompt; returns (text or None, token ids).
 
         Accepts a ``str``, a ``list[int]`` of token ids, or ``{"prompt_token_ids": [...]}``
-        / ``{"prompt": "..."}``.
+        / ``{"prompt": "..."}``. ``truncate_prompt_tokens`` (``SamplingParams``'): keep the
+        last k tokens (-1: the last ``max_model_len - 1``).
 
         Raises:
             ValueError: empty prompt, ids outside ``[0, vocab_size)``, or a prompt with no
                 room to generate (``len >= max_model_len``); the message names the value.
         """
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data") is not None:
+                raise ValueError("multi_modal_data: minivllm serves text-only models (give None or leave it out)")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
@@ -188,6 +198,9 @@ class LLMEngine:
             raise ValueError(f"prompt {prompt!r}: expected str, list[int] or {{'prompt_token_ids': [...]}}")
         if not ids:
             raise ValueError(f"empty prompt {prompt!r}: nothing to condition on")
+        if truncate_prompt_tokens is not None:
+            keep = self.config.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            ids = ids[-keep:]
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate: "
                              f"max_model_len={self.config.max_model_len}")
@@ -197,15 +210,32 @@ class LLMEngine:
         """Checks of ``params`` that need the model (``SamplingParams`` checks the rest).
 
         Raises:
-            ValueError: ``params`` is not a ``SamplingParams``, or a ``stop_token_ids``
-                entry is outside the model's vocabulary ``[0, vocab_size)`` (naming it).
+            ValueError: ``params`` is not a ``SamplingParams``, or a token id in
+                ``stop_token_ids``, ``logit_bias`` or ``allowed_token_ids`` is outside the
+                model's vocabulary ``[0, vocab_size)`` (naming the field and the id).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params {params!r} is not a SamplingParams")
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids={params.stop_token_ids!r}: token id {t} is outside the "
-                                 f"model's vocabulary [0, {self.vocab_size})")
+        if params.prompt_logprobs is not None and self.args.tensor_parallel_size > 1:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs}: not supported with "
+                             f"tensor_parallel_size={self.args.tensor_parallel_size} (use 1)")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            for t in ids:
+                if t >= self.vocab_size:
+                    raise ValueError(f"{name}={getattr(params, name)!r}: token id {t} is outside the "
+                                     f"model's vocabulary [0, {self.vocab_size})")
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word tokenized alone and after a space (vLLM's two variants); variants
+        holding ids outside the model's vocabulary cannot be generated and are dropped."""
+        out = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out and max(ids) < self.vocab_size:
+                    out.append(ids)
+        return out
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     *, output_kind: OutputKind | str = OutputKind.CUMULATIVE, sink=None) -> None:
@@ -224,34 +254,94 @@ class LLMEngine:
         request_id = str(request_id)
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.check_sampling_params(params)
-        text, ids = self.encode_prompt(prompt)
-        seq = Sequence(request_id, text, ids, params)
-        detok = IncrementalDetokenizer(self.tokenizer, ids)
+        text, ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
+        self._warn_if_max_tokens_capped(params, len(ids))
         with self._lock:
-            if request_id in self.requests:
+            if request_id in self.requests or request_id in self.parents:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self.output_processor.add_request(RequestState(seq, detok, kind))
-            self.scheduler.add(seq)
+            if params.n == 1:
+                self._queue(request_id, text, ids, params, kind)
+            else:  # n samples: n child requests (minivllm/engine/parallel_sampling.py)
+                parent = ParentRequest(request_id, params.n, kind)
+                clash = [c for c in parent.child_ids if c in self.requests or c in self.parents]
+                if clash:
+                    raise ValueError(f"request_id {request_id!r}: child id {clash[0]!r} is already in use")
+                leader = None
+                for i, cid in enumerate(parent.child_ids):
+                    seq = self._queue(cid, text, ids, child_params(params, i), kind)
+                    seq.prefix_leader, leader = leader, leader or seq
+                self.parents.add(parent)
             if sink is not None:
                 self._sinks[request_id] = sink
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End a request now (finish_reason "abort"), freeing its KV blocks.
+    def _queue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+               kind: OutputKind) -> Sequence:
+        seq = Sequence(request_id, text, ids, params)
+        if params.bad_words:
+            seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.min_tokens:
+            seq.min_tokens_stop_ids = sorted(set(params.stop_token_ids) |
+                                             (set() if params.ignore_eos else set(self.eos_token_ids)))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                       params.spaces_between_special_tokens) if params.detokenize else None
+        self.output_processor.add_request(RequestState(seq, detok, kind))
+        self.scheduler.add(seq)
+        return seq
 
-        Returns its final output, or None if no such unfinished request exists.
+    def _warn_if_max_tokens_capped(self, params: SamplingParams, prompt_len: int) -> None:
+        """Once per engine: a request's ``max_tokens`` will be cut short by ``max_model_len``
+        (the request then ends with finish_reason "length" early)."""
+        if self._warned_max_tokens or params.max_tokens is None:
+            return
+        room = self.config.max_model_len - prompt_len
+        if params.max_tokens > room:
+            self._warned_max_tokens = True
+            logger.warning("max_tokens=%d with a %d-token prompt exceeds max_model_len=%d: generation stops at "
+                           "%d tokens (this warning is shown once per engine)", params.max_tokens, prompt_len,
+                           self.config.max_model_len, room)
+
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (vLLM's ``LLMEngine.get_tokenizer``)."""
+        return self.tokenizer
+
+    def abort_request(self, request_id) -> RequestOutput | None:
+        """End a request now (finish_reason "abort"), freeing its KV blocks; for a request
+        with ``n > 1``, all its unfinished samples. ``request_id`` may also be an iterable
+        of ids (as vLLM accepts).
+
+        Returns its final output (the last one's for several ids), or None if no such
+        unfinished request exists.
         """
+        if not isinstance(request_id, (str, int)):
+            result = None
+            for rid in list(request_id):
+                result = self.abort_request(rid) or result
+            return result
         with self._lock:
-            state = self.requests.get(str(request_id))
-            if state is None:
-                return None
-            with StepTransaction(self.scheduler, self.output_processor, only=state.seq) as txn:
-                txn.protect_state(state)
-                self.scheduler.finish(state.seq, "abort")
-                update_text(state)  # final flush (a final-only request has not been decoded yet)
-                out = make_output(state)
-            del self.requests[state.seq.request_id]
-            self._deliver([out])  # a request aborted by someone else still reaches its caller
-            return out
+            request_id = str(request_id)
+            parent = self.parents.parents.get(request_id)
+            ids = [c for c in parent.child_ids if c in self.requests] if parent is not None else [request_id]
+            result = None
+            for rid in ids:
+                out = self._abort_one(rid)
+                if out is None:
+                    continue
+                merged = self.parents.merge([out], None)
+                self._deliver(merged)  # a request aborted by someone else still reaches its caller
+                result = merged[-1] if merged else result
+            return result
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        with StepTransaction(self.scheduler, self.output_processor, only=state.seq) as txn:
+            txn.protect_state(state)
+            self.scheduler.finish(state.seq, "abort")
+            update_text(state)  # final flush (a final-only request has not been decoded yet)
+            out = make_output(state)
+        del self.requests[state.seq.request_id]
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -276,8 +366,10 @@ class LLMEngine:
                 result = self.runner.run(plan) if plan.scheduled else RunnerOutput.empty()
                 timer.lap()
                 self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed,
-                                                  result.more_token_ids)
+                                                  result.logprobs, result.prompt_logprobs,
+                                                  more_token_ids=result.more_token_ids)
                 outputs = self.output_processor.process(result.seqs, self._errors(result.failed))
+                outputs = self.parents.merge(outputs, txn.undo)
                 timer.postprocess_ms = timer.lap()
                 record = self._record(plan, result, timer, outputs)
             self.last_step_record, self.step_index = record, self.step_index + 1

@@ -25,6 +25,8 @@ from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import get_attention_backend
 from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.layers.logits_processors import row_processing
+from minivllm.layers.logprobs import logprob_entries
 from minivllm.layers.sampler import Sampler, SamplingBatch
 from minivllm.models.registry import get_model_class
 from minivllm.utils import cdiv
@@ -74,6 +76,10 @@ class RunnerOutput:
         failed: those of ``seqs`` whose logits held NaN or inf (their token is meaningless).
         more_token_ids: speculative decodes: the tokens emitted after the first (accepted
             drafts' successors); absent for a sequence that emits one token.
+        logprobs: aligned with ``seqs``: each new token's logprob entry
+            (``minivllm/layers/logprobs.py``) or None; None when no sequence wants them.
+        prompt_logprobs: sequence -> (first prompt position, entries) for the prompt positions
+            computed this step by requests with ``prompt_logprobs``; None when there are none.
     """
 
     seqs: list[Sequence]
@@ -82,12 +88,35 @@ class RunnerOutput:
     prepare_ms: float
     model_ms: float
     sample_ms: float
+    logprobs: list | None = None
+    prompt_logprobs: dict | None = None
     more_token_ids: dict = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> "RunnerOutput":
         """A step that scheduled nothing."""
         return cls([], [], set(), 0.0, 0.0, 0.0)
+
+
+def _prompt_logprob_rows(plan: SchedulerOutput):
+    """For requests with ``prompt_logprobs``: the input rows whose logits give prompt-token
+    logprobs this step (the logits at position p score prompt token p + 1), and per such
+    sequence ``(seq, first prompt position, count)``; None when there are none (the usual case).
+    Rows follow ``ModelRunner.prepare_input``'s layout: the plan's entries back to back."""
+    rows, spans, offset = None, None, 0
+    for entry in plan.scheduled:
+        seq = entry.seq
+        if seq.prompt_logprobs is not None and entry.is_prefill and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            first = entry.start_pos + 1
+            last = min(entry.start_pos + entry.num_tokens, seq.num_prompt_tokens - 1)  # exclusive
+            if last > first - 1 and first <= seq.num_prompt_tokens - 1:
+                count = last - first + 1
+                if rows is None:
+                    rows, spans = [], []
+                rows.extend(range(offset, offset + count))
+                spans.append((seq, first, count))
+        offset += entry.num_tokens
+    return None if rows is None else (rows, spans)
 
 
 def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int | None) -> torch.nn.Module:
@@ -197,6 +226,9 @@ def _compiled(fn, backend: str):
 
 class ModelRunner:
     """Holds the model, KV cache, attention backend and sampler for one process.
+
+    ``logprobs_mode`` (set by the engine from ``EngineArgs``): what logprobs report; see
+    ``minivllm/layers/logprobs.py``.
 
     Args:
         config: what to build (model, device, dtype, attention backend, KV pool size, seed,
@@ -450,8 +482,10 @@ class ModelRunner:
                   flat_host[3 * stride:], table_arr))
 
     @torch.inference_mode()
-    def forward_logits(self, inp: ModelInput) -> torch.Tensor:
-        """fp32 logits ``[num_sampling, vocab_size]`` for the rows that sample."""
+    def forward_logits(self, inp: ModelInput, extra_rows: torch.Tensor | None = None):
+        """fp32 logits ``[num_sampling, vocab_size]`` for the rows that sample; with
+        ``extra_rows`` (int64 indices of input tokens), a tuple of those and the fp32 logits
+        ``[len(extra_rows), vocab_size]`` of the extra rows (prompt logprobs)."""
         if inp.graph_rows is not None:
             hidden = self.graph_runner.replay(inp.graph_rows)
         elif self.graph_runner is not None and self.graph_runner.can_run(inp.meta):
@@ -460,6 +494,11 @@ class ModelRunner:
             self.backend.prepare(inp.meta)
             ctx = ForwardContext(inp.meta, self.backend, self.kv_caches)
             hidden = self.model(inp.input_ids, inp.positions, ctx)
+        if extra_rows is not None:
+            rows = torch.cat([inp.logits_indices, extra_rows])
+            logits = self.model.compute_logits(hidden[rows]).float()
+            n = len(inp.logits_indices)
+            return logits[:n], logits[n:]
         if not inp.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         rows = hidden if inp.logits_indices is None else hidden[inp.logits_indices]
@@ -468,7 +507,7 @@ class ModelRunner:
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """Per-row sampling settings; tensors are only built when some row is not greedy."""
         params = [s.params for s in seqs]
-        if all(p.temperature == 0 and p.repetition_penalty == 1.0 for p in params):
+        if all(p.plain_greedy for p in params):
             return SamplingBatch.greedy(len(seqs))
         dev = self.device
         gens = []
@@ -490,7 +529,11 @@ class ModelRunner:
             any_top_k=bool((table[:, 1] > 0).any()),
             any_top_p=bool((table[:, 2] < 1.0).any()),
             any_min_p=bool((table[:, 3] > 0).any()),
-            any_penalty=bool((penalties != 1.0).any()))
+            any_penalty=bool((penalties != 1.0).any()),
+            processing=([row_processing(p, s.output_token_ids, s.bad_words_token_ids, s.min_tokens_stop_ids)
+                         if p.has_logits_processors else None for s, p in zip(seqs, params)]
+                        if any(p.has_logits_processors for p in params) else None),
+            num_logprobs=[p.logprobs for p in params] if any(p.logprobs is not None for p in params) else None)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -503,33 +546,51 @@ class ModelRunner:
         # No synchronize here: the host queues the forward and the sampler, and waits once,
         # when it reads the sampled tokens. On CUDA model_ms is therefore launch time and
         # sample_ms includes waiting for the GPU.
-        logits = self.forward_logits(inp)
+        prompt_rows = _prompt_logprob_rows(plan)
+        if prompt_rows is None:
+            logits = self.forward_logits(inp)
+        else:
+            logits, prompt_logits = self.forward_logits(inp, self._to_device(np.array(prompt_rows[0], dtype=np.int64)))
         t2 = time.perf_counter()
-        tokens, failed, seqs, more = [], set(), inp.sampling_seqs, {}
+        tokens, failed, seqs, more, logprobs, prompt_logprobs = [], set(), inp.sampling_seqs, {}, None, None
         if inp.sampling_seqs:
             with torch.inference_mode():
                 batch = self.sampling_batch(inp.sampling_seqs)
+                processed = self.logprobs_mode.startswith("processed")
+                batch.keep_processed = processed and batch.num_logprobs is not None
                 sampled = self.sampler(logits, batch)
                 # A row with NaN/inf logits samples garbage (argmax of NaN): mark it -1.
-                tokens = sampled.masked_fill(~torch.isfinite(logits).all(dim=-1), -1).tolist()
-                if inp.drafts:
-                    seqs, tokens, more = self._verify_drafts(inp, logits, batch, tokens)
+                sampled = sampled.masked_fill(~torch.isfinite(logits).all(dim=-1), -1)
+                if batch.num_logprobs is not None:
+                    values = self.sampler.processed_logits if processed else logits
+                    logprobs = self._logprobs(values, sampled, batch.num_logprobs)
+                tokens = sampled.tolist()
+                if inp.drafts:  # requests with logprobs get no drafts: their entries are first rows
+                    seqs, tokens, more, first_rows = self._verify_drafts(inp, logits, batch, tokens)
+                    if logprobs is not None:
+                        logprobs = [logprobs[r] for r in first_rows]
             if -1 in tokens:
                 failed = {seq for seq, t in zip(seqs, tokens) if t == -1}
+        if prompt_rows is not None:
+            with torch.inference_mode():
+                prompt_logprobs = self._prompt_logprobs(prompt_logits, prompt_rows[1])
         t3 = time.perf_counter()
-        return RunnerOutput(seqs, tokens, failed, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3, more)
+        return RunnerOutput(seqs, tokens, failed, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
+                            logprobs, prompt_logprobs, more)
 
     def _verify_drafts(self, inp: ModelInput, logits: torch.Tensor, batch: SamplingBatch, row_tokens: list[int]):
         """Collapse each speculative decode's rows into the tokens it emits (see
-        ``minivllm/spec_decode/verify.py``); returns (seqs, first tokens, more tokens)."""
+        ``minivllm/spec_decode/verify.py``); returns (seqs, first tokens, more tokens,
+        each sequence's first row)."""
         from minivllm.layers.sampler import filtered_probs
         from minivllm.spec_decode.verify import verify_greedy, verify_sampled
 
-        seqs, tokens, more = [], [], {}
+        seqs, tokens, more, first_rows = [], [], {}, []
         row = 0
         while row < len(inp.sampling_seqs):
             seq = inp.sampling_seqs[row]
             spec = inp.drafts.get(seq)
+            first_rows.append(row)
             if spec is None or spec[0] != row:
                 seqs.append(seq)
                 tokens.append(row_tokens[row])
@@ -548,7 +609,34 @@ class ModelRunner:
             tokens.append(emitted[0])
             more[seq] = emitted[1:]
             row = rows.stop
-        return seqs, tokens, more
+        return seqs, tokens, more, first_rows
+
+    def _logprobs(self, logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]) -> list:
+        """Logprob entries of the rows that want them (None elsewhere, and for failed rows)."""
+        rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+        idx = torch.tensor(rows, device=logits.device)
+        chosen = sampled[idx]
+        ok = chosen >= 0
+        entries = logprob_entries(logits[idx], chosen.clamp(min=0), [num_logprobs[i] for i in rows],
+                                  normalize=self.logprobs_mode.endswith("logprobs"))
+        out: list = [None] * len(num_logprobs)
+        for i, entry, good in zip(rows, entries, ok.tolist()):
+            out[i] = entry if good else None
+        return out
+
+    def _prompt_logprobs(self, prompt_logits: torch.Tensor, spans: list) -> dict:
+        """Entries of every prompt position computed this step, per requesting sequence."""
+        targets, ks = [], []
+        for seq, first, count in spans:
+            targets.extend(seq.prompt_token_ids[first:first + count])
+            ks.extend([seq.params.prompt_logprobs] * count)
+        entries = logprob_entries(prompt_logits, torch.tensor(targets, device=prompt_logits.device), ks,
+                                  normalize=self.logprobs_mode.endswith("logprobs"))
+        out, at = {}, 0
+        for seq, first, count in spans:
+            out[seq] = (first, entries[at:at + count])
+            at += count
+        return out
 
     def shutdown(self) -> None:
         self.graph_runner = None

@@ -12,10 +12,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
-from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.detokenizer import IncrementalDetokenizer, unknown_id_text
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.undo import UndoLog
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OutputKind(enum.Enum):
@@ -39,6 +39,9 @@ class RequestState:
         sent_text / sent_tokens: how much of ``text`` / output tokens delta outputs have returned.
         stop_hit: the stop string found in the text, if any.
         error: why the request ended with finish_reason "error", else None.
+        stop_floor: stop strings are looked for from this text offset on (the text of the
+            first ``min_tokens`` tokens is not searched, as in vLLM).
+        sent_prompt_logprobs: a delta output has carried the prompt logprobs already.
     """
 
     seq: Sequence
@@ -50,6 +53,8 @@ class RequestState:
     sent_tokens: int = 0
     stop_hit: str | None = field(default=None)
     error: str | None = None
+    stop_floor: int = 0
+    sent_prompt_logprobs: bool = False
 
     @property
     def text_every_step(self) -> bool:
@@ -69,8 +74,23 @@ def _held_back(text: str, stops: list[str]) -> int:
     return longest
 
 
+def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """The stop string that completes earliest in ``text[start:]`` (ties: first in ``stops``),
+    as (its index in ``text``, the string); None if none occurs."""
+    best = None
+    for order, stop in enumerate(stops):
+        index = text.find(stop, start)
+        if index >= 0:
+            key = (index + len(stop), order)
+            if best is None or key < best[0]:
+                best = (key, index, stop)
+    return None if best is None else (best[1], best[2])
+
+
 def update_text(state: RequestState) -> str | None:
-    """Detokenise new tokens; returns the stop string found, if any (text is cut before it)."""
+    """Detokenise new tokens; returns the stop string found, if any (text is cut before it,
+    or after it with ``include_stop_str_in_output``). A stop token's (eos or a
+    ``stop_token_ids`` entry) own text is left out of the text, as in vLLM."""
     seq = state.seq
     if state.detokenizer is None:
         return None
@@ -78,20 +98,53 @@ def update_text(state: RequestState) -> str | None:
     if not new_ids and not seq.is_finished:
         return None
     state.num_detokenized += len(new_ids)
+    params = seq.params
+    if new_ids and seq.finish_reason == "stop" and state.stop_hit is None and not params.include_stop_str_in_output:
+        new_ids = new_ids[:-1]  # finished by a stop token this step (stop strings are found below)
     before = len(state.text)
     state.text += state.detokenizer.step(new_ids, final=seq.is_finished)
-    stops = seq.params.stop_strings
+    stops = params.stop_strings
     if stops and state.stop_hit is None:
+        if params.min_tokens and state.num_detokenized <= params.min_tokens:
+            state.stop_floor = len(state.text)
+            return None
         # A stop string can start up to len(stop) - 1 characters before the new text.
-        start = max(0, before - max(len(s) for s in stops) + 1)
-        found = [(state.text.find(s, start), s) for s in stops]
-        found = [(i, s) for i, s in found if i >= 0]
-        if found:
-            index, stop = min(found)
-            state.text = state.text[:index]
+        start = max(state.stop_floor, before - max(len(s) for s in stops) + 1)
+        found = find_stop(state.text, stops, start)
+        if found is not None:
+            index, stop = found
+            state.text = state.text[:index + len(stop) if params.include_stop_str_in_output else index]
             state.stop_hit = stop
             return stop
     return None
+
+
+def _token_text(detokenizer: IncrementalDetokenizer | None, token_id: int) -> str | None:
+    """One token's text for ``Logprob.decoded_token`` (None without detokenisation)."""
+    if detokenizer is None:
+        return None
+    table = detokenizer.table
+    if table is not None:
+        piece = table[token_id] if token_id < len(table) else None
+        return piece.decode("utf-8", "replace") if piece is not None else unknown_id_text(token_id)
+    return detokenizer._decode([token_id])
+
+
+def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None) -> list:
+    """Logprob entries ``(ids, logprobs, ranks)`` -> vLLM's ``{token_id: Logprob}`` per position
+    (None entries, the first prompt token's, stay None)."""
+    out = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ids, vals, ranks = entry
+        d = {}
+        for t, v, r in zip(ids, vals, ranks):
+            if t not in d:
+                d[t] = Logprob(v, r, _token_text(detokenizer, t))
+        out.append(d)
+    return out
 
 
 def make_output(state: RequestState) -> RequestOutput:
@@ -103,15 +156,24 @@ def make_output(state: RequestState) -> RequestOutput:
         visible = len(state.text) if finished else len(state.text) - _held_back(state.text, seq.params.stop_strings)
         visible = max(visible, state.sent_text)
         text = state.text[state.sent_text:visible]
-        token_ids = out_ids[state.sent_tokens:]
+        first_token = state.sent_tokens
+        token_ids = out_ids[first_token:]
         state.sent_text, state.sent_tokens = visible, len(out_ids)
     else:
+        first_token = 0
         text, token_ids = state.text, list(out_ids)
-    completion = CompletionOutput(index=0, text=text, token_ids=token_ids,
-                                  finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+    logprobs = prompt_logprobs = None
+    if seq.logprobs is not None:
+        logprobs = logprob_dicts(seq.logprobs[first_token:first_token + len(token_ids)], state.detokenizer)
+    if seq.prompt_logprobs is not None and not state.sent_prompt_logprobs:
+        prompt_logprobs = logprob_dicts(seq.prompt_logprobs, state.detokenizer)
+        state.sent_prompt_logprobs = state.kind is OutputKind.DELTA  # deltas carry them once
+    completion = CompletionOutput(index=0, text=text, token_ids=token_ids, finish_reason=seq.finish_reason,
+                                  stop_reason=seq.stop_reason, logprobs=logprobs,
+                                  cumulative_logprob=seq.cumulative_logprob)
     return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                          outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
-                         metrics=seq.metrics, error=state.error)
+                         metrics=seq.metrics, error=state.error, prompt_logprobs=prompt_logprobs)
 
 
 class OutputProcessor:

@@ -166,15 +166,21 @@ class Scheduler:
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens for a decoding sequence: at most what the budget, ``max_tokens`` and
         ``max_model_len`` leave room for (a step with d drafts can emit d + 1 tokens)."""
-        room = min(budget, seq.params.max_tokens - seq.num_output_tokens,
-                   self.config.max_model_len - len(seq)) - 1
+        max_tokens = seq.params.max_tokens if seq.params.max_tokens is not None else self.config.max_model_len
+        room = min(budget, max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)) - 1
         return self.config.propose(seq, room) if room > 0 else []
 
     def _admit(self, budget: int, planned: dict, out: SchedulerOutput) -> int:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit_ids, hit_hashes = bm.match_prefix(seq)
+            # A request wanting prompt logprobs computes every prompt position (as in vLLM v1).
+            wants_prompt = seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
+            leader = seq.prefix_leader
+            if (leader is not None and bm.enable_prefix_caching and not wants_prompt and not leader.is_finished
+                    and leader.num_output_tokens == 0):
+                break  # a sibling sample waits for its leader's prompt blocks (one prefill, shared)
+            hit_ids, hit_hashes = ([], []) if wants_prompt else bm.match_prefix(seq)
             cached = len(hit_ids) * bm.block_size
             remaining = len(seq) - cached
             if remaining <= budget:
@@ -222,7 +228,8 @@ class Scheduler:
 
     # -- after the forward pass ----------------------------------------------------------
     def update_from_output(self, plan: SchedulerOutput, seqs: list[Sequence], token_ids: list[int],
-                           failed: set[Sequence] = frozenset(),
+                           failed: set[Sequence] = frozenset(), logprobs: list | None = None,
+                           prompt_logprobs: dict | None = None,
                            more_token_ids: dict[Sequence, list[int]] | None = None) -> list[Sequence]:
         """Apply a finished forward pass; returns the sequences that finished.
 
@@ -232,6 +239,10 @@ class Scheduler:
             failed: sampling sequences whose logits were not finite: they get no token, none
                 of their blocks are registered for the prefix cache, and they finish with
                 finish_reason "error".
+            logprobs: aligned with ``seqs``: the new token's ``(ids, logprobs, ranks)`` entry
+                (``ModelRunner``'s), or None where not wanted; None when nobody wants them.
+            prompt_logprobs: sequence -> (first prompt position, entries) computed this step;
+                a position already recorded (a preempted prompt computed again) is skipped.
             more_token_ids: speculative decoding: the tokens a sequence emits after its first
                 (its accepted drafts' successors, see ``minivllm/spec_decode/verify.py``).
                 Its KV is then valid up to the last of them, excluded (rejected drafts'
@@ -246,18 +257,21 @@ class Scheduler:
             seq.num_computed_tokens += entry.num_tokens
             if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes) and seq not in failed:
                 bm.register_computed_blocks(seq)  # a block was completed this step
+        if prompt_logprobs:
+            for seq, (first, entries) in prompt_logprobs.items():
+                recorded = seq.prompt_logprobs
+                recorded.extend(entries[len(recorded) - first:] if len(recorded) >= first else ())
         finished = []
         now = time.perf_counter()
         more_token_ids = more_token_ids or {}
-        for seq, token in zip(seqs, token_ids):
+        for i, (seq, token) in enumerate(zip(seqs, token_ids)):
             if seq in failed:
                 self.finish(seq, "error")
                 finished.append(seq)
                 continue
-            more = more_token_ids.get(seq)
-            if self._append(seq, token, now):
+            if self._append(seq, token, now, logprobs[i] if logprobs is not None else None):
                 finished.append(seq)
-            elif more is not None:
+            elif (more := more_token_ids.get(seq)) is not None:
                 for t in more:
                     if self._append(seq, t, now):
                         finished.append(seq)
@@ -267,15 +281,20 @@ class Scheduler:
                 self._apply_verified(entry, more_token_ids.get(entry.seq))
         return finished
 
-    def _append(self, seq: Sequence, token: int, now: float) -> bool:
-        """Append one sampled token and apply the stops that need no text; True if it finished."""
+    def _append(self, seq: Sequence, token: int, now: float, logprob_entry=None) -> bool:
+        """Append one sampled token (and its logprobs entry, when wanted) and apply the stops
+        that need no text; True if it finished."""
         seq.append_token(token, now)
+        if logprob_entry is not None:
+            seq.logprobs.append(logprob_entry)
+            seq.cumulative_logprob += logprob_entry[1][0]  # the sampled token's own comes first
         p = seq.params
         if token in p.stop_token_ids:
             self.finish(seq, "stop", token)
         elif token in self.config.eos_token_ids and not p.ignore_eos:
             self.finish(seq, "stop", None)
-        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
+                len(seq) >= self.config.max_model_len:
             self.finish(seq, "length")
         else:
             return False

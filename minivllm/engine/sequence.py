@@ -45,10 +45,25 @@ class Sequence:
     stop_reason: str | int | None = None
     generator: object = None             # torch.Generator for a seeded request (made by the runner)
     metrics: RequestMetrics = field(init=False)
+    # Set once by the engine when the request is added (see minivllm/layers/logits_processors.py):
+    bad_words_token_ids: list = field(default_factory=list)   # each bad word's token ids
+    min_tokens_stop_ids: list = field(default_factory=list)   # ids masked before min_tokens
+    # With SamplingParams.logprobs / prompt_logprobs: grown by append, one entry per output /
+    # prompt token, each (token ids, logprobs, ranks) of that position (see Scheduler.update_from_output).
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list | None = None
+    #: For samples 1..n-1 of a request with n > 1: sample 0, whose prompt blocks they reuse
+    #: through the prefix cache (admitted once it has sampled; see Scheduler._admit).
+    prefix_leader: "Sequence | None" = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no distribution
 
     # -- sizes ---------------------------------------------------------------------
     def __len__(self) -> int:

@@ -36,16 +36,22 @@ def _snapshot_sequence(seq: Sequence) -> tuple:
     # and its length are enough to restore them.
     metrics = seq.metrics
     return (seq, seq.__dict__.copy(), len(seq.token_ids), len(seq.block_table), len(seq.block_hashes),
-            len(seq.block_refs), metrics.__dict__.copy(), len(metrics.token_times))
+            len(seq.block_refs), metrics.__dict__.copy(), len(metrics.token_times),
+            len(seq.logprobs) if seq.logprobs is not None else 0,
+            len(seq.prompt_logprobs) if seq.prompt_logprobs is not None else 0)
 
 
 def _restore_sequence(snapshot: tuple) -> None:
-    seq, fields, n_tokens, n_table, n_hashes, n_refs, metrics, n_times = snapshot
+    seq, fields, n_tokens, n_table, n_hashes, n_refs, metrics, n_times, n_logprobs, n_prompt_logprobs = snapshot
     seq.__dict__.update(fields)
     del seq.token_ids[n_tokens:]
     del seq.block_table[n_table:]
     del seq.block_hashes[n_hashes:]
     del seq.block_refs[n_refs:]
+    if seq.logprobs is not None:
+        del seq.logprobs[n_logprobs:]
+    if seq.prompt_logprobs is not None:
+        del seq.prompt_logprobs[n_prompt_logprobs:]
     seq.metrics.__dict__.update(metrics)
     del seq.metrics.token_times[n_times:]
 

@@ -1,7 +1,10 @@
 """Turns one row of logits per sampling sequence into the next token ids.
 
-Order of operations (vLLM's): repetition penalty, then temperature, top-k, top-p,
-min-p, then a draw. Greedy rows (temperature 0) take the argmax after the penalty.
+Order of operations (vLLM v1's): the per-request logits processors of the rows that
+use them (allowed_token_ids, bad words, min_tokens, logit_bias:
+``minivllm/layers/logits_processors.py``), repetition penalty, frequency/presence
+penalties, then temperature, top-k, top-p, min-p, then a draw. Greedy rows
+(temperature 0) take the argmax after the processors and penalties.
 
 The draw uses the exponential race (the Gumbel-max trick in another guise): with
 ``E_i ~ Exp(1)`` independent, ``argmax_i p_i / E_i`` is distributed as ``p``.
@@ -13,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from minivllm.layers.logits_processors import (RowProcessing, apply_frequency_presence_penalties,
+                                              apply_logits_processors)
 
 
 @dataclass
@@ -29,6 +35,12 @@ class SamplingBatch:
             penalty is not 1; None elsewhere).
         generators: per row, a seeded ``torch.Generator`` or None (engine-wide stream).
         all_greedy / any_top_k / any_top_p / any_min_p / any_penalty: fast paths.
+        processing: per row, its ``RowProcessing`` (None for rows without processors), or
+            None when no row has any.
+        num_logprobs: per row, ``SamplingParams.logprobs`` (None: not wanted), or None when
+            no row wants logprobs.
+        keep_processed: keep the processed logits at ``Sampler.processed_logits`` (the
+            engine's ``logprobs_mode`` "processed_logprobs" / "processed_logits").
     """
 
     temperatures: torch.Tensor
@@ -43,6 +55,9 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_penalty: bool
+    processing: list[RowProcessing | None] | None = None
+    num_logprobs: list[int | None] | None = None
+    keep_processed: bool = False
 
     def rows(self, index: slice) -> "SamplingBatch":
         """The settings of the rows in ``index`` (a slice) only."""
@@ -165,21 +180,40 @@ class Sampler:
 
     def __init__(self, seed: int | None, device: torch.device):
         self.generator = torch.Generator(device=device)
+        self.processed_logits: torch.Tensor | None = None
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """``logits``: fp32 ``[N, V]`` (not modified). Returns int64 ``[N]`` token ids."""
-        if batch.all_greedy and not batch.any_penalty:
+        """``logits``: fp32 ``[N, V]`` (not modified). Returns int64 ``[N]`` token ids.
+
+        With ``batch.keep_processed``, ``self.processed_logits`` is then the fp32 ``[N, V]``
+        logits the draw used: after the processors and penalties, divided by the temperature
+        (1 for greedy rows), and -inf where top-k / top-p / min-p removed the token.
+        """
+        processing = batch.processing
+        self.processed_logits = None
+        if batch.all_greedy and not batch.any_penalty and processing is None:
+            if batch.keep_processed:
+                self.processed_logits = logits
             return logits.argmax(dim=-1)
         logits = logits.float().clone()
+        if processing is not None:
+            apply_logits_processors(logits, processing)
         if batch.any_penalty:
             apply_repetition_penalty(logits, batch)
+        if processing is not None:
+            apply_frequency_presence_penalties(logits, processing)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
+            if batch.keep_processed:
+                self.processed_logits = logits
             return greedy
         probs = filtered_probs(logits, batch)
+        if batch.keep_processed:
+            temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
+            self.processed_logits = (logits / temps.unsqueeze(1)).masked_fill(probs == 0, float("-inf"))
         sampled = exponential_race(probs, batch.generators, self.generator)
         return torch.where(batch.temperatures > 0, sampled, greedy)

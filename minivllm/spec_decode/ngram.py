@@ -45,9 +45,11 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
 class NgramProposer:
     """The scheduler's ``propose(seq, max_tokens)`` for ``method="ngram"``.
 
-    Requests whose next-token distribution depends on the generated tokens beyond the
-    model itself (a repetition penalty) get no drafts: scoring drafts would need the
-    penalty applied per draft position, which this engine does not do yet.
+    Requests whose next-token distribution depends on more than the model and the
+    temperature/top-k/top-p/min-p filters get no drafts: penalties, ``min_tokens``,
+    ``bad_words``, ``logit_bias`` / ``allowed_token_ids`` (``has_logits_processors``) would
+    have to be applied per draft position, and logprobs reported per accepted draft; this
+    engine does not do either yet, so those requests decode one token per step.
     """
 
     def __init__(self, config: SpeculativeConfig):
@@ -55,6 +57,7 @@ class NgramProposer:
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
 
     def __call__(self, seq, max_tokens: int) -> list[int]:
-        if seq.params.repetition_penalty != 1.0:
+        p = seq.params
+        if p.repetition_penalty != 1.0 or p.has_logits_processors or p.logprobs is not None:
             return []
         return propose_ngram(seq.token_ids, min(self.k, max_tokens), self.n_min, self.n_max)

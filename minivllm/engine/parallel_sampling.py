@@ -1,0 +1,112 @@
+"""``SamplingParams.n > 1``: n independent samples of one prompt (vLLM v1's fan-out).
+
+The engine runs a parent request as n child requests, ids ``"{i}_{parent id}"``, each
+with ``n=1`` and, when the parent has a ``seed``, seed ``seed + i`` (so a seeded parent
+replays exactly, and its samples differ from each other). The children share their
+prompt's KV blocks through the prefix cache: child 0 leads, and the others are admitted
+once it has sampled (``Sequence.prefix_leader``), so they hit every full prompt block it
+computed instead of computing their own. ``ParentRequests.merge`` turns the children's
+outputs back into the parent's ``RequestOutput``s, ``outputs[i].index == i``:
+
+* final-only: one output when every child has finished, all n completions in index order;
+* cumulative: each step, every completion so far;
+* delta: each child's delta as it comes, ``outputs=[that completion]`` (as vLLM does);
+  ``finished`` is True on the parent's last output only.
+
+Merging happens inside the step's transaction: every change is recorded in the undo log.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from minivllm.engine.output_processor import OutputKind
+from minivllm.engine.undo import UndoLog
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    return f"{index}_{parent_id}"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th child's parameters: n=1, and seed + i when the parent is seeded."""
+    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+
+
+class ParentRequest:
+    """The latest completion and finished flag of each of a parent's n children."""
+
+    def __init__(self, request_id: str, n: int, kind: OutputKind):
+        self.request_id, self.n, self.kind = request_id, n, kind
+        self.child_ids = [child_request_id(i, request_id) for i in range(n)]
+        self.latest: list[RequestOutput | None] = [None] * n
+        self.finished = [False] * n
+
+    def _set(self, index: int, out: RequestOutput, undo: UndoLog | None) -> None:
+        if undo is not None:
+            undo.add(self._restore, index, self.latest[index], self.finished[index])
+        self.latest[index] = out
+        self.finished[index] = out.finished
+
+    def _restore(self, index: int, latest, finished: bool) -> None:
+        self.latest[index], self.finished[index] = latest, finished
+
+    def absorb(self, index: int, out: RequestOutput, undo: UndoLog | None) -> RequestOutput | None:
+        """Take child ``index``'s output; returns the parent's output to emit, if any."""
+        self._set(index, out, undo)
+        done = all(self.finished)
+        completion = dataclasses.replace(out.outputs[0], index=index)
+        if self.kind is OutputKind.DELTA:
+            return self._output(out, [completion], done)
+        if self.kind is OutputKind.FINAL_ONLY and not done:
+            return None
+        completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(self.latest) if o is not None]
+        return self._output(self.latest[0] or out, completions, done)
+
+    def _output(self, base: RequestOutput, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+        return dataclasses.replace(base, request_id=self.request_id, outputs=completions, finished=finished)
+
+
+class ParentRequests:
+    """Every unfinished parent, and which parent each child belongs to."""
+
+    def __init__(self) -> None:
+        self.parents: dict[str, ParentRequest] = {}
+        self.child_of: dict[str, tuple[ParentRequest, int]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.parents
+
+    def add(self, parent: ParentRequest) -> None:
+        self.parents[parent.request_id] = parent
+        for i, cid in enumerate(parent.child_ids):
+            self.child_of[cid] = (parent, i)
+
+    def merge(self, outputs: list[RequestOutput], undo: UndoLog | None) -> list[RequestOutput]:
+        """Children's outputs -> their parents' (others pass through); a parent whose last
+        child finished is forgotten."""
+        if not self.child_of:
+            return outputs
+        merged = []
+        for out in outputs:
+            link = self.child_of.get(out.request_id)
+            if link is None:
+                merged.append(out)
+                continue
+            parent, index = link
+            result = parent.absorb(index, out, undo)
+            if result is not None:
+                if parent.kind is OutputKind.CUMULATIVE:  # one output per parent per step: the last
+                    merged = [m for m in merged if m.request_id != parent.request_id]
+                merged.append(result)
+                if result.finished:
+                    self._forget(parent, undo)
+        return merged
+
+    def _forget(self, parent: ParentRequest, undo: UndoLog | None) -> None:
+        del self.parents[parent.request_id]
+        for cid in parent.child_ids:
+            del self.child_of[cid]
+        if undo is not None:
+            undo.add(self.add, parent)

@@ -1,0 +1,175 @@
+"""The vLLM / nano-vllm compatibility surface of ``LLM``: mapping view of outputs, default
+sampling params, engine-argument leniency, prompt types, max_model_len capping, chat options."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from helpers_engine import greedy, make_llm, prompts_of
+from minivllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    yield llm
+    llm.shutdown()
+
+
+def test_request_output_is_a_read_only_nano_vllm_mapping(llm):
+    out = llm.generate(prompts_of([5])[0], greedy(3), use_tqdm=False)[0]
+    assert out["text"] == out.outputs[0].text and out["token_ids"] == out.outputs[0].token_ids
+    assert dict(out) == {"text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids}
+    assert "text" in out and "prompt" not in out and out.get("nope", 5) == 5
+    with pytest.raises(KeyError, match="'prompt'"):
+        out["prompt"]
+    with pytest.raises(TypeError):
+        out["text"] = "x"
+    with pytest.raises(TypeError):
+        iter(out)
+
+
+def test_tokenizer_attribute(llm):
+    assert llm.tokenizer is llm.get_tokenizer() is llm.llm_engine.tokenizer
+
+
+def _with_generation_config(src, dst, **config):
+    ckpt = shutil.copytree(src, dst)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, **config}))
+    return ckpt
+
+
+def test_default_sampling_params_come_from_generation_config(tiny_ckpt, tmp_path, llm):
+    assert llm.get_default_sampling_params() == SamplingParams()  # keys absent: our defaults
+    ckpt = _with_generation_config(tiny_ckpt, tmp_path / "gen", temperature=0.0, top_k=20, top_p=0.95,
+                                   max_new_tokens=5, do_sample=True)
+    other = make_llm(ckpt)
+    params = other.get_default_sampling_params()
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.0, 20, 0.95, 5)
+    params.max_tokens = 1  # a copy: the engine's defaults are not changed through it
+    assert other.get_default_sampling_params().max_tokens == 5
+    # generate without sampling_params uses them: 5 greedy tokens (eos is token 0, rare at random)
+    out = other.generate([3, 4, 5], use_tqdm=False)[0]
+    ref = other.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    other.shutdown()
+
+
+def test_meaningless_vllm_arguments_warn_once_unknown_ones_raise(tiny_ckpt, caplog):
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        llm = make_llm(tiny_ckpt, trust_remote_code=True, swap_space=4, disable_log_stats=True)
+    warnings = [r.getMessage() for r in caplog.records if "ignoring vLLM engine argument" in r.getMessage()]
+    assert len(warnings) == 1
+    assert all(name in warnings[0] for name in ("trust_remote_code", "swap_space", "disable_log_stats"))
+    llm.shutdown()
+    with pytest.raises(TypeError, match="swap_spaces"):
+        make_llm(tiny_ckpt, swap_spaces=4)
+
+
+def test_nano_vllm_block_size_spelling(tiny_ckpt):
+    llm = LLM(str(tiny_ckpt), kvcache_block_size=8, num_kvcache_blocks=64)
+    assert llm.llm_engine.config.block_size == 8
+    llm.shutdown()
+    with pytest.raises(TypeError, match="given twice"):
+        LLM(str(tiny_ckpt), kvcache_block_size=8, block_size=8)
+
+
+def test_lora_request_none_is_accepted_anything_else_refused(llm):
+    out = llm.generate([1, 2, 3], greedy(2), use_tqdm=False, lora_request=None)
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.generate([1, 2, 3], greedy(2), use_tqdm=False, lora_request=object())
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_prompt_typed_dicts(llm):
+    from minivllm import TextPrompt, TokensPrompt
+
+    tokens = TokensPrompt(prompt_token_ids=[1, 2, 3])
+    assert tokens == {"prompt_token_ids": [1, 2, 3]}
+    a, b = llm.generate([tokens, [1, 2, 3]], greedy(3), use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert TextPrompt(prompt="x") == {"prompt": "x"}
+    assert TokensPrompt.__required_keys__ == {"prompt_token_ids"} and TextPrompt.__required_keys__ == {"prompt"}
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": 1}}, greedy(1), use_tqdm=False)
+
+
+def test_max_model_len_above_positions_is_capped_with_one_warning(tiny_ckpt, caplog):
+    # the tiny checkpoint has max_position_embeddings=256 (nano-vllm's bench passes 4096)
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        llm = make_llm(tiny_ckpt, max_model_len=4096)
+    capped = [r for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert len(capped) == 1 and "capped at 256" in capped[0].getMessage()
+    assert llm.llm_engine.config.max_model_len == 256
+    llm.shutdown()
+
+
+def test_max_model_len_above_the_pool_names_the_argument_and_size(tiny_ckpt):
+    with pytest.raises(ValueError, match=r"max_model_len=200 .* needs 50 blocks.*num_kvcache_blocks>=50"):
+        make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=10, max_model_len=200)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes>=\d+"):
+        make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=None, kv_cache_memory_bytes=4096, max_model_len=200)
+
+
+TEMPLATE = ("{% if tools %}[tools:{{ tools | length }}]{% endif %}{% if flag %}[flag]{% endif %}"
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+            "{% if not (loop.last and continue_final_message) %}</{{ m['role'] }}>{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _rendered(out, tok) -> str:
+    return tok.decode(out.prompt_token_ids)
+
+
+@pytest.fixture(scope="module")
+def text_llm(text_ckpt):
+    llm = make_llm(text_ckpt)
+    yield llm
+    llm.shutdown()
+
+
+def test_chat_options_reach_the_template(text_llm):
+    tok = text_llm.tokenizer
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The list"}]
+    kw = dict(chat_template=TEMPLATE, use_tqdm=False)
+    out = text_llm.chat(conv, greedy(1), **kw)[0]
+    assert _rendered(out, tok) == "<user>Hi</user><assistant>The list</assistant><assistant>"
+    out = text_llm.chat(conv, greedy(1), add_generation_prompt=False, continue_final_message=True, **kw)[0]
+    assert _rendered(out, tok) == "<user>Hi</user><assistant>The list"
+    out = text_llm.chat(conv, greedy(1), add_generation_prompt=False, chat_template_kwargs={"flag": True},
+                        tools=[{"type": "function", "function": {"name": "f"}}], **kw)[0]
+    assert _rendered(out, tok) == "[tools:1][flag]<user>Hi</user><assistant>The list</assistant>"
+    outs = text_llm.chat([conv[:1], conv], greedy(1), add_generation_prompt=False, **kw)
+    assert [_rendered(o, tok) for o in outs] == ["<user>Hi</user>", "<user>Hi</user><assistant>The list</assistant>"]
+    with pytest.raises(ValueError, match="continue_final_message"):
+        text_llm.chat(conv, greedy(1), continue_final_message=True, **kw)
+
+
+def test_max_tokens_capped_by_max_model_len_warns_once_per_engine(tiny_ckpt, caplog):
+    llm = make_llm(tiny_ckpt, max_model_len=16)
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        outs = llm.generate([[1] * 10, [2] * 12], greedy(10), use_tqdm=False)
+        llm.generate([1] * 10, greedy(10), use_tqdm=False)
+        llm.generate([1] * 3, greedy(4), use_tqdm=False)
+    warnings = [r.getMessage() for r in caplog.records if "exceeds max_model_len" in r.getMessage()]
+    assert len(warnings) == 1 and "max_tokens=10" in warnings[0]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 4]
+    llm.shutdown()
+
+
+def test_small_vllm_conveniences(llm):
+    engine = llm.llm_engine
+    assert engine.get_tokenizer() is llm.tokenizer
+    for rid in ("x", "y"):
+        engine.add_request(rid, [1, 2, 3], greedy(5))
+    out = engine.abort_request(["x", "y"])  # vLLM accepts an iterable of ids
+    assert out.finished and out.outputs[0].finish_reason == "abort" and not engine.has_unfinished_requests()
+    assert llm.reset_prefix_cache() is True
+    params = SamplingParams(stop=["a"], logit_bias={1: 2.0})
+    copy = params.clone()
+    copy.logit_bias[1] = 5.0
+    assert copy == SamplingParams(stop=["a"], logit_bias={1: 5.0}) and params.logit_bias == {1: 2.0}

@@ -1,0 +1,147 @@
+"""logprobs / prompt_logprobs against transformers' logits on the same weights (fp32):
+log_softmax within 1e-4, vLLM's shapes (token id -> Logprob with rank and decoded text),
+chunked prefill, the prefix cache and sampled (T > 0) requests."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import add_tokenizer
+from helpers_engine import make_llm, prompts_of
+from helpers_models import load_hf_model, make_hf_checkpoint
+from minivllm import Logprob, SamplingParams
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    ckpt = add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("logprobs"), seed=7))
+    # A budget of 8 tokens: a 13-token prompt is prefilled in two chunks.
+    llm = make_llm(ckpt, block_size=4, max_num_batched_tokens=8)
+    yield llm, load_hf_model(ckpt)
+    llm.shutdown()
+
+
+def reference(hf, ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at every position, fp32 ``[len(ids), V]``."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def check_position(entry: dict, ref_row: torch.Tensor, token: int, k: int) -> None:
+    assert token in entry and all(isinstance(v, Logprob) for v in entry.values())
+    own = entry[token]
+    assert abs(own.logprob - float(ref_row[token])) <= ATOL
+    # rank: 1 + tokens strictly more likely (allow ties within the tolerance)
+    lo = int((ref_row > ref_row[token] + ATOL).sum()) + 1
+    hi = int((ref_row > ref_row[token] - ATOL).sum()) + 1
+    assert lo <= own.rank <= hi
+    top = ref_row.topk(k).values
+    assert len(entry) in (k, k + 1)  # the top k, plus the chosen token when it is not among them
+    tops = sorted(entry.values(), key=lambda v: v.rank)[:k]
+    for v, ref in zip(tops, top.tolist(), strict=True):
+        assert abs(v.logprob - ref) <= ATOL
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(setup):
+    llm, hf = setup
+    prompt = prompts_of([13], seed=8)[0]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    c = out.outputs[0]
+    ref = reference(hf, prompt + c.token_ids)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for j in range(1, len(prompt)):
+        check_position(out.prompt_logprobs[j], ref[j - 1], prompt[j], 2)
+    assert len(c.logprobs) == len(c.token_ids) == 5
+    for i, token in enumerate(c.token_ids):
+        check_position(c.logprobs[i], ref[len(prompt) - 1 + i], token, 3)
+    expected_sum = sum(float(ref[len(prompt) - 1 + i, t]) for i, t in enumerate(c.token_ids))
+    assert abs(c.cumulative_logprob - expected_sum) <= 5 * ATOL
+    assert c.logprobs[0][c.token_ids[0]].decoded_token == llm.tokenizer.decode([c.token_ids[0]])
+
+
+def test_sampled_tokens_report_raw_logprobs(setup):
+    llm, hf = setup
+    prompt = prompts_of([6], seed=9)[0]
+    params = SamplingParams(temperature=1.7, top_k=5, seed=4, max_tokens=6, ignore_eos=True, logprobs=0)
+    c = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    ref = reference(hf, prompt + c.token_ids)
+    for i, token in enumerate(c.token_ids):
+        assert list(c.logprobs[i]) == [token]  # logprobs=0: the sampled token's own only
+        assert abs(c.logprobs[i][token].logprob - float(ref[len(prompt) - 1 + i, token])) <= ATOL
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache(setup):
+    llm, hf = setup
+    prompt = prompts_of([14], seed=10)[0]
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # cache its blocks
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    ref = reference(hf, prompt)
+    for j in range(1, len(prompt)):
+        assert list(out.prompt_logprobs[j]) == [prompt[j]]
+        assert abs(out.prompt_logprobs[j][prompt[j]].logprob - float(ref[j - 1, prompt[j]])) <= ATOL
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
+
+
+def test_detokenize_false_leaves_decoded_tokens_out(setup):
+    llm, _ = setup
+    c = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=2, logprobs=1, detokenize=False),
+                     use_tqdm=False)[0].outputs[0]
+    assert all(v.decoded_token is None for d in c.logprobs for v in d.values())
+    assert all(math.isfinite(v.logprob) and v.logprob <= 0 for d in c.logprobs for v in d.values())
+
+
+def _spied(llm, prompt, params):
+    """Generate with ``params``; returns (completion, raw logits row of every sampling step)."""
+    runner = llm.llm_engine.runner
+    rows, original = [], runner.forward_logits
+
+    def spy(inp, *args):
+        out = original(inp, *args)
+        rows.append((out[0] if args else out)[0].clone())
+        return out
+
+    runner.forward_logits = spy
+    try:
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0], rows
+    finally:
+        runner.forward_logits = original
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes(tiny_ckpt, mode):
+    llm = make_llm(tiny_ckpt, logprobs_mode=mode)
+    prompt = prompts_of([6], seed=12)[0]
+    params = SamplingParams(temperature=2.0, top_k=3, seed=2, max_tokens=4, ignore_eos=True, logprobs=5,
+                            logit_bias={7: 1.5})
+    c, rows = _spied(llm, prompt, params)
+    for i, raw in enumerate(rows):
+        biased = raw.clone()
+        biased[7] += 1.5
+        scaled = biased / 2.0
+        kept = scaled.topk(3).indices
+        processed = torch.full_like(scaled, float("-inf"))
+        processed[kept] = scaled[kept]
+        expected = {"raw_logits": raw, "processed_logprobs": processed.log_softmax(-1),
+                    "processed_logits": processed}[mode]
+        got = c.logprobs[i]
+        for t, v in got.items():
+            assert v.logprob == pytest.approx(float(expected[t]), abs=ATOL) or (
+                math.isinf(v.logprob) and math.isinf(float(expected[t]))), (mode, i, t)
+        if mode.startswith("processed"):
+            assert sum(math.isfinite(v.logprob) for v in got.values()) == 3  # top-k=3 kept
+            assert c.token_ids[i] in kept.tolist()
+    llm.shutdown()
+
+
+def test_logprobs_mode_is_validated(tiny_ckpt):
+    with pytest.raises(ValueError, match="logprobs_mode='processed'"):
+        make_llm(tiny_ckpt, logprobs_mode="processed")

@@ -1,0 +1,90 @@
+"""SamplingParams.n > 1: n independent samples of one prompt, seeded deterministically,
+prompt blocks shared through the prefix cache, in every output kind."""
+from __future__ import annotations
+
+import pytest
+
+from helpers_engine import make_llm, prompts_of
+from minivllm import SamplingParams
+
+PROMPT = prompts_of([18], seed=31)[0]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    llm = make_llm(tiny_ckpt, block_size=4)
+    yield llm
+    llm.shutdown()
+
+
+def S(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, "max_tokens": 8, "ignore_eos": True, **kw})
+
+
+def completions(out) -> list[list[int]]:
+    assert [c.index for c in out.outputs] == list(range(len(out.outputs)))
+    return [c.token_ids for c in out.outputs]
+
+
+def test_n_samples_are_distinct_and_seeded_replay_is_identical(llm):
+    out = llm.generate(PROMPT, S(n=3), use_tqdm=False)[0]
+    got = completions(out)
+    assert len(got) == 3 and len({tuple(t) for t in got}) == 3 and out.finished
+    seeded = completions(llm.generate(PROMPT, S(n=3, seed=5), use_tqdm=False)[0])
+    assert seeded == completions(llm.generate(PROMPT, S(n=3, seed=5), use_tqdm=False)[0])
+    # sample i is the request seeded with seed + i
+    singles = [completions(llm.generate(PROMPT, S(seed=5 + i), use_tqdm=False)[0])[0] for i in range(3)]
+    assert seeded == singles
+
+
+def test_siblings_reuse_the_leaders_prompt_blocks(llm):
+    llm.llm_engine.reset_prefix_cache()
+    prompt = prompts_of([18], seed=32)[0]
+    engine = llm.llm_engine
+    engine.add_request("p", prompt, S(n=3, seed=1), output_kind="final_only")
+    hits = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        hits.append(engine.last_step_record.prefix_cache_hit_tokens)
+    # the leader computes 18 prompt tokens; each sibling then hits the 4 full blocks (16 tokens)
+    assert sum(hits) == 2 * 16
+
+
+def test_greedy_n_gives_identical_samples_and_step_returns_the_parent(llm):
+    engine = llm.llm_engine
+    engine.add_request("g", PROMPT, SamplingParams(temperature=0, max_tokens=4, n=2, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "g"
+            seen.append(out)
+    final = seen[-1]
+    assert final.finished and not any(o.finished for o in seen[:-1])
+    a, b = completions(final)
+    assert a == b and len(a) == 4
+
+
+def test_streaming_deltas_join_to_the_final_completions(llm):
+    params = S(n=3, seed=9, logprobs=1, stop=["e"])
+    final = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    joined: dict[int, list] = {}
+    for d in llm.stream(PROMPT, params):
+        assert len(d.outputs) == 1
+        c = d.outputs[0]
+        j = joined.setdefault(c.index, [[], "", []])
+        j[0] += c.token_ids
+        j[1] += c.text
+        j[2] += c.logprobs
+    assert [joined[i] for i in range(3)] == [[c.token_ids, c.text, c.logprobs] for c in final.outputs]
+
+
+def test_aborting_a_parent_aborts_every_sample(llm):
+    stream = llm.stream(PROMPT, S(n=3, max_tokens=50))
+    next(stream)
+    stream.close()
+    assert not llm.llm_engine.has_unfinished_requests() and not llm.llm_engine.parents.parents
+
+
+def test_n_is_validated():
+    with pytest.raises(ValueError, match=r"SamplingParams\.n=0"):
+        SamplingParams(n=0)

@@ -1,0 +1,254 @@
+"""vLLM's SamplingParams options beyond the classic five: validation, semantics against
+direct implementations, stop semantics, streaming, and the untouched greedy fast path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers_engine import make_llm, prompts_of
+from minivllm import SamplingParams
+from minivllm.engine.output_processor import find_stop
+from minivllm.layers.logits_processors import banned_by_bad_words
+
+PROMPT = prompts_of([7], seed=5)[0]
+
+
+def G(max_tokens=8, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **{"ignore_eos": True, **kw})
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    yield llm
+    llm.shutdown()
+
+
+def run(llm, params, prompt=PROMPT):
+    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", "1"),
+    ("min_tokens", -1), ("min_tokens", 17), ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("nan")}),
+    ("logit_bias", [1, 2]), ("allowed_token_ids", []), ("allowed_token_ids", [1, -2]), ("bad_words", ["ok", ""]),
+    ("bad_words", "word"), ("include_stop_str_in_output", 1), ("skip_special_tokens", None),
+    ("spaces_between_special_tokens", "no"), ("detokenize", 0), ("max_tokens", 0), ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2), ("logprobs", -1), ("prompt_logprobs", 1.5), ("n", 0),
+])
+def test_each_new_field_is_validated_by_name(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_stop_strings_need_detokenize():
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_by_name(llm):
+    for field, value in (("logit_bias", {97: 1.0}), ("allowed_token_ids", [3, 97])):
+        with pytest.raises(ValueError, match=f"{field}=.*token id 97"):
+            llm.generate(PROMPT, SamplingParams(**{field: value}), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def _raw_logits(llm, params, prompt=PROMPT):
+    """The engine's tokens and the raw logits of every sampled row (spied)."""
+    runner = llm.llm_engine.runner
+    rows, original = [], runner.forward_logits
+
+    def spy(inp, *args):
+        out = original(inp, *args)
+        rows.append((out[0] if args else out)[0].clone())
+        return out
+
+    runner.forward_logits = spy
+    try:
+        tokens = run(llm, params, prompt).token_ids
+    finally:
+        runner.forward_logits = original
+    return tokens, rows
+
+
+def test_frequency_and_presence_penalties_follow_openai(llm):
+    params = G(12, frequency_penalty=1.3, presence_penalty=0.7)
+    tokens, rows = _raw_logits(llm, params)
+    for step, logits in enumerate(rows):
+        counts = torch.bincount(torch.tensor(tokens[:step], dtype=torch.long), minlength=logits.numel()).float()
+        expected = logits - counts * 1.3 - (counts > 0).float() * 0.7  # OpenAI's formula, output tokens only
+        assert tokens[step] == int(expected.argmax()), f"step {step}"
+    assert tokens != run(llm, G(12)).token_ids  # the penalties changed something
+
+
+def test_logit_bias_and_allowed_token_ids(llm):
+    assert set(run(llm, G(6, logit_bias={7: 100.0})).token_ids) == {7}
+    allowed = [3, 11, 40]
+    out = run(llm, SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed))
+    assert set(out.token_ids) <= set(allowed) and len(set(out.token_ids)) > 1
+
+
+def test_min_tokens_masks_stop_tokens_until_reached(llm):
+    plain = run(llm, G(10)).token_ids
+    stop_id = plain[1]
+    assert run(llm, G(10, stop_token_ids=[stop_id])).token_ids == plain[:2]
+    got = run(llm, G(10, stop_token_ids=[stop_id], min_tokens=6))
+    assert len(got.token_ids) >= 6 and stop_id not in got.token_ids[:6]
+    eos_llm_out = run(llm, SamplingParams(temperature=0, max_tokens=10, min_tokens=10, logit_bias={0: 50.0}))
+    assert len(eos_llm_out.token_ids) == 10 and 0 not in eos_llm_out.token_ids  # eos id 0 masked, never ends early
+
+
+def test_bad_words(llm):
+    tok = llm.tokenizer
+    plain = run(llm, G(10)).token_ids
+    word_id = next(t for t in plain if tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
+    got = run(llm, G(10, bad_words=[tok.decode([word_id])])).token_ids
+    assert word_id not in got
+    assert banned_by_bad_words([[5], [1, 2, 3], [9, 4]], [7, 1, 2]) == [5, 3]
+
+
+def test_stop_token_text_is_left_out_and_stop_strings_earliest_completing_wins(llm):
+    tok = llm.tokenizer
+    plain = run(llm, G(8))
+    stop_id = plain.token_ids[3]
+    first = plain.token_ids.index(stop_id)
+    out = run(llm, G(8, stop_token_ids=[stop_id]))
+    assert out.token_ids == plain.token_ids[:first + 1] and out.stop_reason == stop_id
+    assert out.text == tok.decode(plain.token_ids[:first])  # vLLM: the stop token's text is not in text
+    assert find_stop("abc", ["abc", "b"], 0) == (1, "b")    # 'b' completes first
+    assert find_stop("xabc", ["bc", "abc"], 0) == (2, "bc")  # same end: list order
+    assert find_stop("abc", ["zz"], 0) is None
+
+
+def test_include_stop_str_in_output(llm):
+    plain = run(llm, G(10)).text
+    stop = plain[3:5]
+    cut = plain.index(stop)
+    assert run(llm, G(10, stop=[stop])).text == plain[:cut]
+    out = run(llm, G(10, stop=[stop], include_stop_str_in_output=True))
+    assert out.text == plain[:cut + len(stop)] and out.stop_reason == stop
+
+
+def test_special_tokens_detokenize_and_max_tokens_none(tiny_ckpt, llm):
+    forced = dict(logit_bias={0: 100.0})  # token 0 is <|endoftext|> (special)
+    assert run(llm, G(3, **forced)).text == ""
+    assert run(llm, G(3, skip_special_tokens=False, **forced)).text == "<|endoftext|>" * 3
+    out = run(llm, G(5, detokenize=False))
+    assert out.text == "" and len(out.token_ids) == 5
+    small = make_llm(tiny_ckpt, max_model_len=16)
+    out = small.generate(prompts_of([10])[0], G(None), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    small.shutdown()
+
+
+def test_truncate_prompt_tokens(tiny_ckpt, llm):
+    long = prompts_of([30])[0]
+    out = llm.generate(long, G(2, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-5:]
+    assert out.outputs[0].token_ids == run(llm, G(2), long[-5:]).token_ids
+    small = make_llm(tiny_ckpt, max_model_len=16)
+    assert small.generate(long, G(1, truncate_prompt_tokens=-1), use_tqdm=False)[0].prompt_token_ids == long[-15:]
+    small.shutdown()
+
+
+def test_no_replacement_character_between_a_token_id_prompt_and_the_output():
+    from transformers import AutoTokenizer
+
+    from minivllm.engine.detokenizer import IncrementalDetokenizer, byte_table
+    from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    table = byte_table(tok)
+    lead, cont = (table.index(bytes([b])) for b in "é".encode())
+    detok = IncrementalDetokenizer(tok, tok.encode("caf") + [lead])
+    assert detok.step([cont]) + detok.step(tok.encode(" ok"), final=True) == "é ok"
+
+
+STREAM_CASES = [
+    G(10, stop=["e"], include_stop_str_in_output=True),
+    G(10, min_tokens=4, frequency_penalty=0.5, presence_penalty=-0.5),
+    SamplingParams(temperature=0.8, seed=3, max_tokens=9, logit_bias={5: 3.0}, bad_words=["a"]),
+    G(6, logprobs=2, prompt_logprobs=1),
+    SamplingParams(temperature=1.0, seed=4, max_tokens=7, allowed_token_ids=[3, 4, 5, 6], ignore_eos=True),
+    G(5, detokenize=False, truncate_prompt_tokens=3),
+    G(4, skip_special_tokens=False, logit_bias={0: 100.0}),
+    G(None, min_tokens=2, stop_token_ids=[9]),
+]
+
+
+def test_streaming_honours_every_option(llm):
+    prompts = [prompts_of([6], seed=20 + i)[0] for i in range(len(STREAM_CASES))]
+    final = llm.generate(prompts, STREAM_CASES, use_tqdm=False)
+    joined = {}
+    for d in llm.stream(prompts, STREAM_CASES):
+        j = joined.setdefault(d.request_id, {"text": "", "ids": [], "lp": [], "plp": None, "reason": None})
+        c = d.outputs[0]
+        j["text"] += c.text
+        j["ids"] += c.token_ids
+        j["lp"] += c.logprobs or []
+        if d.prompt_logprobs is not None:
+            assert j["plp"] is None, "prompt logprobs are sent once in delta mode"
+            j["plp"] = d.prompt_logprobs
+        j["reason"] = (c.finish_reason, c.stop_reason)
+    for out, j in zip(final, [joined[k] for k in sorted(joined, key=int)]):
+        c = out.outputs[0]
+        assert (j["text"], j["ids"], j["reason"]) == (c.text, c.token_ids, (c.finish_reason, c.stop_reason))
+        assert j["lp"] == (c.logprobs or []) and j["plp"] == out.prompt_logprobs
+
+
+def test_plain_requests_keep_the_greedy_fast_path(llm):
+    runner = llm.llm_engine.runner
+    from minivllm.engine.sequence import Sequence
+
+    plain = [Sequence(str(i), None, [1, 2], G(3)) for i in range(3)]
+    batch = runner.sampling_batch(plain)
+    assert batch.all_greedy and batch.temperatures is None and batch.processing is None
+    mixed = plain[:1] + [Sequence("b", None, [1, 2], G(3, logit_bias={4: 1.0}))]
+    batch = runner.sampling_batch(mixed)
+    assert batch.processing[0] is None and batch.processing[1] is not None and batch.num_logprobs is None
+
+
+def test_fields_set_after_construction_are_validated_and_take_effect(llm):
+    params = G(6)
+    params.temperature, params.seed = 1.0, 11  # vLLM's generate.py sets fields on the defaults
+    params.logit_bias = {9: 100.0}
+    assert not params.plain_greedy and params.has_logits_processors
+    assert set(run(llm, params).token_ids) == {9}
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_p=3"):
+        params.top_p = 3
+    assert params.top_p == 1.0
+
+
+def test_spaces_between_special_tokens_reaches_a_slow_tokenizers_decode():
+    from minivllm.engine.detokenizer import IncrementalDetokenizer
+
+    class SlowTokenizer:  # no backend_tokenizer: the general path, as for slow tokenizers
+        def __init__(self):
+            self.calls = []
+
+        def __len__(self):
+            return 10
+
+        def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+            self.calls.append(spaces_between_special_tokens)
+            return ("<s>" if spaces_between_special_tokens else "<S>") * len(ids)
+
+    tok = SlowTokenizer()
+    detok = IncrementalDetokenizer(tok, [1], spaces_between_special_tokens=False)
+    assert detok.step([2, 3], final=True) == "<S><S>" and set(tok.calls) == {False}
+
+
+def test_stop_strings_completing_in_one_token_earliest_end_wins(text_ckpt):
+    """The issue's case: one token ' the' and stop=[' the', 'h']: 'h' completes first."""
+    llm = make_llm(text_ckpt)
+    the = llm.tokenizer.encode(" the")
+    assert len(the) == 1
+    params = G(3, logit_bias={the[0]: 100.0}, stop=[" the", "h"])
+    out = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.stop_reason, out.finish_reason) == (" t", "h", "stop")
+    for stop, expected in ((["e", "th"], (" ", "th")),    # 'th' ends before 'e'
+                           (["he", "e"], (" t", "he")),   # the same end: list order
+                           (["e", "he"], (" th", "e"))):
+        out = llm.generate("x", G(3, logit_bias={the[0]: 100.0}, stop=stop), use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.stop_reason) == expected, stop
+    llm.shutdown()
