@@ -233,3 +233,16 @@ def test_generate_threads_option(capsys):
         torch.set_num_threads(before)
     assert cli(["generate", "def", "--threads", "0"]) == 2
     assert "--threads '0'" in capsys.readouterr().err
+
+
+def test_speculative_mode_compares_the_same_tokens_with_and_without_drafts():
+    from minivllm.bench import run_cli
+
+    res = run_cli(["--speculative", "ngram", "--batch-sizes", "1", "2", "--decode-steps", "12", "--threads", "1",
+                   "--quiet"])["speculative"]
+    assert [r["batch_size"] for r in res.rows] == [1, 2]
+    for r in res.rows:
+        assert r["identical"] is True  # greedy speculation changes no token
+        assert r["tpot_ms"] > 0 and r["spec_tpot_ms"] > 0 and r["speedup"] == r["tpot_ms"] / r["spec_tpot_ms"]
+        assert r["acceptance_rate"] is not None and 0 <= r["acceptance_rate"] <= 1
+    assert res.to_dict()["speculative_config"]["method"] == "ngram"

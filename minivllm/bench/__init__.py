@@ -17,6 +17,8 @@ them. Modules: ``workload`` (prompts and lengths), ``peers`` (transformers, nano
 * ``--sweep``: decode step time vs batch size and prefill step time vs prompt
   length, each point placed on a roofline (FLOPs and bytes from
   ``minivllm.telemetry.roofline`` against measured peaks), written as a plotly HTML.
+* ``--speculative ngram``: greedy decode TPOT with and without speculative decoding on prompts
+  whose continuation repeats their context, per batch size (``speculative``).
 * ``--overhead``: the engine's own CPU cost (scheduler, block manager, input
   preparation, postprocessing) with the model and sampler replaced by a stub that
   returns a fixed token, in microseconds per sequence per decode step, beside nano-vllm's

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nano-vllm's overhead script for --overhead (default: ../shared/peers/nanovllm_overhead.py "
                         "beside the repository)")
     p.add_argument("--no-nanovllm", action="store_true", help="--overhead without the nano-vllm peer run")
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="greedy decode TPOT with and without speculative decoding on prompts whose continuation "
+                        "repeats their context, at --batch-sizes (default 1 4 16 64); --decode-steps new tokens")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step for --speculative")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true")
     e = p.add_argument_group("engine arguments")
@@ -111,7 +115,17 @@ def _run_modes(args, log, peak_kwargs) -> dict:
             kw["batch_sizes"] = tuple(args.batch_sizes)
         results["overhead"] = run_overhead(args.model, seed=args.seed, log=log, nanovllm=not args.no_nanovllm,
                                            nanovllm_script=args.nanovllm_script, **kw, **engine_args)
-    if not (args.sweep or args.overhead):
+    if args.speculative:
+        from minivllm.bench.speculative import print_speculative, run_speculative
+
+        kw = {"decode_tokens": args.decode_steps} if args.decode_steps else {}
+        if args.batch_sizes:
+            kw["batch_sizes"] = tuple(args.batch_sizes)
+        results["speculative"] = run_speculative(args.model, method=args.speculative,
+                                                 num_speculative_tokens=args.num_speculative_tokens, log=log,
+                                                 **kw, **engine_args)
+        print_speculative(results["speculative"], log)
+    if not (args.sweep or args.overhead or args.speculative):
         peers = () if args.no_peers else tuple(x.strip() for x in args.peers.split(",") if x.strip())
         results["throughput"] = run_throughput(
             args.model, workload_name=args.workload, scale=args.scale, num_requests=args.num_requests,
