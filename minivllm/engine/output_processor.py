@@ -56,11 +56,25 @@ class RequestState:
     stop_floor: int = 0
     sent_prompt_logprobs: bool = False
 
-    @property
-    def text_every_step(self) -> bool:
-        """Detokenise every step (outputs carry text, or stop strings must be watched);
-        a final-only request without stop strings decodes once, at the end."""
-        return self.kind is not OutputKind.FINAL_ONLY or bool(self.seq.params.stop_strings)
+    #: Detokenise every step (outputs carry text, or stop strings must be watched); a
+    #: final-only request without stop strings decodes once, at the end.
+    text_every_step: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.text_every_step = self.kind is not OutputKind.FINAL_ONLY or bool(self.seq.params.stop_strings)
+
+
+def snapshot_state(state: RequestState) -> tuple:
+    """What ``restore_state`` needs to undo a step's changes to ``state`` (rollback)."""
+    detok = state.detokenizer
+    return (state, state.__dict__.copy(), detok.get_state() if detok is not None else None)
+
+
+def restore_state(snapshot: tuple) -> None:
+    state, fields, detok_state = snapshot
+    state.__dict__.update(fields)
+    if detok_state is not None:
+        state.detokenizer.set_state(detok_state)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -197,9 +211,13 @@ class OutputProcessor:
         and token/eos/length stops applied); ``errors`` gives the reason of each that failed.
         A finished request's state is dropped."""
         outputs = []
-        states = self.states
+        states, undo = self.states, self.undo
         for seq in seqs:
             state = states[seq.request_id]
+            # Snapshot before the first change: a final-only request without stop strings
+            # changes nothing here until it finishes, so most steps copy nothing for it.
+            if undo is not None and (state.text_every_step or seq.is_finished or seq in errors):
+                undo.add(restore_state, snapshot_state(state))
             if seq in errors:
                 state.error = errors[seq]
             if state.text_every_step or seq.is_finished:

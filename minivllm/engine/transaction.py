@@ -9,7 +9,7 @@ So that no request is lost or corrupted, the step runs inside a ``StepTransactio
 * the block manager and scheduler record the inverse of each queue / pool mutation in
   an ``UndoLog``;
 * the fields of every sequence the step can touch (running ones, and the waiting ones
-  it could admit), of the request states that will produce output, and the states of
+  it could admit), of each request state before ``OutputProcessor.process`` changes it, and the states of
   the random generators that will draw, are snapshotted before they change;
 * on an exception, ``rollback()`` undoes all of it, newest first. The KV cache itself
   is not restored (too large): the step only wrote slots past each sequence's computed
@@ -25,7 +25,7 @@ from itertools import chain, islice
 
 import torch
 
-from minivllm.engine.output_processor import OutputProcessor, RequestState
+from minivllm.engine.output_processor import OutputProcessor, RequestState, restore_state, snapshot_state
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.undo import UndoLog
@@ -54,18 +54,6 @@ def _restore_sequence(snapshot: tuple) -> None:
         del seq.prompt_logprobs[n_prompt_logprobs:]
     seq.metrics.__dict__.update(metrics)
     del seq.metrics.token_times[n_times:]
-
-
-def _snapshot_state(state: RequestState) -> tuple:
-    detok = state.detokenizer
-    return (state, state.__dict__.copy(), detok.get_state() if detok is not None else None)
-
-
-def _restore_state(snapshot: tuple) -> None:
-    state, fields, detok_state = snapshot
-    state.__dict__.update(fields)
-    if detok_state is not None:
-        state.detokenizer.set_state(detok_state)
 
 
 class StepTransaction:
@@ -100,20 +88,20 @@ class StepTransaction:
         self.kv_written = False
 
     def protect_state(self, state: RequestState) -> None:
-        self.states.append(_snapshot_state(state))
+        """Snapshot one request state (an abort changes it outside ``OutputProcessor.process``,
+        which snapshots what it changes itself)."""
+        self.states.append(snapshot_state(state))
 
     def protect(self, plan: SchedulerOutput) -> None:
-        """Snapshot what the rest of the step changes: the request states of sequences
-        that will sample, and the random generators their sampling will advance. From here
-        on the KV cache may be written (see ``rollback``)."""
+        """Snapshot the random generators the step's sampling will advance (request states are
+        snapshotted by ``OutputProcessor.process`` before it changes them). From here on the
+        KV cache may be written (see ``rollback``)."""
         self.kv_written = True
-        states = self.output_processor.states
         unseeded = False
         for entry in plan.scheduled:
             if not entry.samples:
                 continue
             seq = entry.seq
-            self.states.append(_snapshot_state(states[seq.request_id]))
             if seq.generator is not None:
                 self.generators.append((seq.generator, seq.generator.get_state()))
             elif seq.params.temperature > 0 and seq.params.seed is None:
@@ -143,7 +131,7 @@ class StepTransaction:
         for snapshot in self.seqs:
             _restore_sequence(snapshot)
         for snapshot in self.states:
-            _restore_state(snapshot)
+            restore_state(snapshot)
         for generator, state in self.generators:
             generator.set_state(state)
         if self.kv_written:
