@@ -67,9 +67,9 @@ class LLMEngine:
             from minivllm.distributed.tp_runner import TPModelRunner
 
             self.runner = TPModelRunner(*runner_args, tp_size=args.tensor_parallel_size,
-                                        init_method=args.init_method)
+                                        init_method=args.init_method, quant_config=args.quant_config)
         else:
-            self.runner = ModelRunner(*runner_args)
+            self.runner = ModelRunner(*runner_args, quant_config=args.quant_config)
         try:
             max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
                                                     block_size)
@@ -90,7 +90,9 @@ class LLMEngine:
         self.step_index = 0
         # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
         # once peaks are measured (``measure_peaks``), since that takes a moment.
-        self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size)  # per rank
+        self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size,  # per rank
+                                                quantization=args.quantization,
+                                                quantize_lm_head=args.quantize_lm_head)
         self.peaks: Peaks | None = None
         logger.info("minivllm engine: model=%s device=%s dtype=%s attention_backend=%s block_size=%d "
                     "kv_blocks=%d max_model_len=%d max_num_batched_tokens=%d", self.source.name, device,

@@ -59,9 +59,11 @@ class RunnerOutput:
     sample_ms: float
 
 
-def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int | None) -> torch.nn.Module:
+def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int | None,
+                quant_config=None) -> torch.nn.Module:
     """The model for ``source`` on ``device`` in ``dtype``, in eval mode: weights loaded from the
-    checkpoint, or random (seeded) for ``random:`` presets."""
+    checkpoint, or random (seeded) for ``random:`` presets; then quantised as ``quant_config``
+    (a :class:`minivllm.quantization.QuantConfig`, or None) asks."""
     from minivllm.utils.loader import init_random_weights, load_weights
 
     cls = get_model_class(source.hf_config)
@@ -72,6 +74,7 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, s
             model = cls(source.hf_config)
     finally:
         torch.set_default_dtype(previous)
+    model.quant_config = quant_config  # read by the loader's post-load step
     if source.checkpoint_dir is None:
         init_random_weights(model, seed or 0)
     else:
@@ -93,17 +96,18 @@ class ModelRunner:
         seed: sampler and random-weight seed.
         tp_size: tensor-parallel ranks the model is sharded over (this runner holds one
             shard: ``num_kv_heads / tp_size`` KV heads per layer in its cache).
+        quant_config: weight quantisation (:class:`minivllm.quantization.QuantConfig`) or None.
     """
 
     def __init__(self, source: ModelSource, device: torch.device, dtype: torch.dtype, backend_name: str,
                  block_size: int, num_kvcache_blocks: int | None, kv_cache_memory_bytes: int | None,
                  gpu_memory_utilization: float, max_num_batched_tokens: int, seed: int | None,
-                 tp_size: int = 1):
+                 tp_size: int = 1, quant_config=None):
         self.source = source
         self.hf_config = source.hf_config
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.tp_size = tp_size
-        self.model = build_model(source, device, dtype, seed)
+        self.model = build_model(source, device, dtype, seed, quant_config)
         self.backend = get_attention_backend(backend_name, device, block_size, dtype)
         self.sampler = Sampler(seed, device)
         self.num_kv_blocks = self._size_kv_cache(num_kvcache_blocks, kv_cache_memory_bytes,
