@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nano-vllm's overhead script for --overhead (default: ../shared/peers/nanovllm_overhead.py "
                         "beside the repository)")
     p.add_argument("--no-nanovllm", action="store_true", help="--overhead without the nano-vllm peer run")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="batch-1 decode of LLM(quantization=...) against the unquantised engine in the same run "
+                        "(speed ratio, MBU on int8 bytes, greedy agreement); --decode-steps tokens per round")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per engine for --quantization")
+    p.add_argument("--no-quantize-lm-head", action="store_true", help="--quantization with the LM head kept in float")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true")
     e = p.add_argument_group("engine arguments")
@@ -111,7 +116,15 @@ def _run_modes(args, log, peak_kwargs) -> dict:
             kw["batch_sizes"] = tuple(args.batch_sizes)
         results["overhead"] = run_overhead(args.model, seed=args.seed, log=log, nanovllm=not args.no_nanovllm,
                                            nanovllm_script=args.nanovllm_script, **kw, **engine_args)
-    if not (args.sweep or args.overhead):
+    if args.quantization:
+        from minivllm.bench.quant import print_quantization, run_quantization
+
+        kw = {"decode_tokens": args.decode_steps} if args.decode_steps else {}
+        results["quantization"] = run_quantization(
+            args.model, quantization=args.quantization, quantize_lm_head=not args.no_quantize_lm_head,
+            rounds=args.rounds, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw, **engine_args)
+        print_quantization(results["quantization"], log)
+    if not (args.sweep or args.overhead or args.quantization):
         peers = () if args.no_peers else tuple(x.strip() for x in args.peers.split(",") if x.strip())
         results["throughput"] = run_throughput(
             args.model, workload_name=args.workload, scale=args.scale, num_requests=args.num_requests,
