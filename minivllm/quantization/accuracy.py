@@ -4,6 +4,10 @@ Three figures, each against the same model in fp32, each computed through the in
 paths the engine uses (:class:`minivllm.quantization.int8.Int8Weight`; on the CPU that is
 torch's fbgemm dynamic linear, which also quantises activations per token):
 
+Each figure is given for the device's default int8 path and for the ``"reference"`` path
+(dequantised weights, float activations: weight-only), so weight rounding and the CPU
+path's activation rounding can be told apart.
+
 * :func:`heldout_loss_change`: the embedded model's mean next-token cross-entropy on its
   held-out documents (the split of ``scripts/train_tiny_model.py``, rebuilt from the Python
   standard library), fp32 vs int8, via transformers' Qwen3 with its ``nn.Linear`` layers
@@ -39,12 +43,14 @@ AGREEMENT_PROMPTS = (
 
 
 class _Int8HFLinear(nn.Module):
-    """A drop-in for ``nn.Linear`` computing through :class:`Int8Weight`."""
+    """A drop-in for ``nn.Linear`` computing through :class:`Int8Weight` (keeps the original
+    layer in ``float_linear`` so that :func:`restore_hf_linears` can put it back)."""
 
     def __init__(self, linear: nn.Linear, kernel: str | None):
         super().__init__()
         self.int8 = Int8Weight(linear.weight.detach(), kernel)
         self.bias = linear.bias
+        self.__dict__["float_linear"] = linear  # not a submodule: not in state_dict / modules()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.int8.matmul(x, self.bias)
@@ -64,6 +70,16 @@ def int8_hf_linears(model: nn.Module, kernel: str | None = None, lm_head: bool =
         setattr(parent, leaf, _Int8HFLinear(m, kernel))
         count += 1
     return count
+
+
+def restore_hf_linears(model: nn.Module) -> int:
+    """Undo :func:`int8_hf_linears` (the float layers back in place). Returns how many."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, _Int8HFLinear)]
+    for name, m in targets:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, m.float_linear)
+    return len(targets)
 
 
 def _train_script():
@@ -122,8 +138,17 @@ def mean_loss(model: nn.Module, ids: list[int], seq_len: int, batch: int = 8) ->
     return total / count
 
 
-def heldout_loss_change(kernel: str | None = None, lm_head: bool = True) -> dict:
-    """Held-out loss of the embedded model in fp32 and with int8 linears (nats/token)."""
+def _kernels(kernels) -> list[str]:
+    from minivllm.quantization.int8 import default_kernel
+
+    return list(dict.fromkeys(default_kernel("cpu") if k is None else k for k in kernels))
+
+
+def heldout_loss_change(kernels=(None, "reference"), lm_head: bool = True) -> dict:
+    """Held-out loss of the embedded model in fp32 and with int8 linears (nats/token), once per
+    int8 matmul path in ``kernels`` (``None``: the CPU's default path; ``"reference"`` is
+    weight-only, so the two together separate weight from activation quantisation).
+    Returns ``{"tokens", "seq_len", "fp32", "int8": {kernel: loss}, "change": {kernel: int8 - fp32}}``."""
     from transformers import AutoModelForCausalLM
 
     from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
@@ -131,11 +156,13 @@ def heldout_loss_change(kernel: str | None = None, lm_head: bool = True) -> dict
     ids, seq_len = heldout_ids()
     model = AutoModelForCausalLM.from_pretrained(str(EMBEDDED_MODEL_DIR), dtype=torch.float32).eval()
     fp32 = mean_loss(model, ids, seq_len)
-    replaced = int8_hf_linears(model, kernel, lm_head)
-    int8 = mean_loss(model, ids, seq_len)
-    return {"tokens": len(ids), "seq_len": seq_len, "fp32": fp32, "int8": int8, "change": int8 - fp32,
-            "linears_replaced": replaced, "kernel": next(m.int8.kernel for m in model.modules()
-                                                          if isinstance(m, _Int8HFLinear))}
+    out = {"tokens": len(ids), "seq_len": seq_len, "fp32": fp32, "int8": {}, "change": {}}
+    for kernel in _kernels(kernels):
+        int8_hf_linears(model, kernel, lm_head)
+        out["int8"][kernel] = mean_loss(model, ids, seq_len)
+        out["change"][kernel] = out["int8"][kernel] - fp32
+        restore_hf_linears(model)
+    return out
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -184,12 +211,13 @@ def greedy_agreement(model: str | None = None, prompts=AGREEMENT_PROMPTS, max_to
 
 @torch.no_grad()
 def logits_error(model: str = "random:qwen3-0.6b", prompt_len: int = 16, seed: int = 0,
-                 kernel: str | None = None) -> dict:
+                 kernels=(None, "reference")) -> dict:
     """Logits of one ``prompt_len``-token prompt (token ids drawn with ``seed``) from a
     ``random:`` preset's weights in fp32 and with int8 linears (transformers' Qwen3 holding
-    our random weights). Returns the largest absolute difference, that divided by the largest
-    |fp32 logit|, the mean absolute difference, and the fraction of positions whose arg-max
-    token is unchanged."""
+    our random weights), once per int8 path in ``kernels`` (as :func:`heldout_loss_change`).
+    Returns, per path (``{"by_kernel": {kernel: {...}}}``), the largest absolute difference,
+    that divided by the largest |fp32 logit|, the mean absolute difference, and the fraction of
+    positions whose arg-max token is unchanged."""
     from transformers import AutoModelForCausalLM
 
     from minivllm.bench.peers import hf_state_from_ours
@@ -209,12 +237,17 @@ def logits_error(model: str = "random:qwen3-0.6b", prompt_len: int = 16, seed: i
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, src.hf_config.vocab_size, (1, prompt_len), generator=gen)
     ref = hf(input_ids=ids).logits.float()[0]
-    int8_hf_linears(hf, kernel)
-    got = hf(input_ids=ids).logits.float()[0]
-    diff = (got - ref).abs()
-    return {"model": model, "prompt_len": prompt_len, "max_abs_error": diff.max().item(),
-            "max_abs_logit": ref.abs().max().item(), "rel_error": (diff.max() / ref.abs().max()).item(),
-            "mean_abs_error": diff.mean().item(), "argmax_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+    out = {"model": model, "prompt_len": prompt_len, "max_abs_logit": ref.abs().max().item(), "by_kernel": {}}
+    for kernel in _kernels(kernels):
+        int8_hf_linears(hf, kernel)
+        got = hf(input_ids=ids).logits.float()[0]
+        restore_hf_linears(hf)
+        diff = (got - ref).abs()
+        out["by_kernel"][kernel] = {
+            "max_abs_error": diff.max().item(), "rel_error": (diff.max() / ref.abs().max()).item(),
+            "mean_abs_error": diff.mean().item(),
+            "argmax_agreement": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -234,8 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{out['date_utc']} UTC, torch {torch.__version__}, {out['threads']} threads, load {out['loadavg_start']}")
     if "loss" not in args.skip:
         r = out["heldout_loss"] = heldout_loss_change()
-        print(f"embedded model held-out loss ({r['tokens']} tokens, {r['kernel']}): fp32 {r['fp32']:.4f}, "
-              f"int8 {r['int8']:.4f}, change {r['change']:+.4f} nats/token")
+        for k, loss in r["int8"].items():
+            print(f"embedded model held-out loss ({r['tokens']} tokens), int8 via {k}: fp32 {r['fp32']:.4f}, "
+                  f"int8 {loss:.4f}, change {r['change'][k]:+.4f} nats/token")
     if "agreement" not in args.skip:
         r = out["greedy_agreement"] = greedy_agreement(max_tokens=args.max_tokens)
         print(f"embedded model greedy agreement ({r['num_prompts']} prompts x {r['max_tokens']} tokens): "
@@ -243,9 +277,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"position-wise, {r['identical']}/{r['num_prompts']} continuations identical")
     if "logits" not in args.skip:
         r = out["logits_error"] = logits_error(args.random_model, args.prompt_len)
-        print(f"{r['model']} logits, {r['prompt_len']}-token prompt: max |int8 - fp32| {r['max_abs_error']:.4f} "
-              f"({r['rel_error']:.2%} of max |logit| {r['max_abs_logit']:.3f}), mean {r['mean_abs_error']:.4f}, "
-              f"arg-max kept at {r['argmax_agreement']:.0%} of positions")
+        for k, e in r["by_kernel"].items():
+            print(f"{r['model']} logits, {r['prompt_len']}-token prompt, int8 via {k}: max |int8 - fp32| "
+                  f"{e['max_abs_error']:.4f} ({e['rel_error']:.2%} of max |logit| {r['max_abs_logit']:.3f}), "
+                  f"mean {e['mean_abs_error']:.4f}, arg-max kept at {e['argmax_agreement']:.0%} of positions")
     out["loadavg_end"] = list(os.getloadavg())
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

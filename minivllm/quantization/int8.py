@@ -125,9 +125,12 @@ def _fbgemm_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.
     torch's per-tensor dynamic quantisation (see the module docstring)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float()
-    row_scale = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
-    y = torch.ops.quantized.linear_dynamic(x2 / row_scale, packed, True)
-    y.mul_(row_scale)
+    if x2.shape[0] == 1:  # one row: torch's per-tensor scale already is the per-token one
+        y = torch.ops.quantized.linear_dynamic(x2, packed, True)
+    else:
+        row_scale = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
+        y = torch.ops.quantized.linear_dynamic(x2 / row_scale, packed, True)
+        y.mul_(row_scale)
     if bias is not None:
         y.add_(bias.float())
     return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
