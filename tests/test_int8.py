@@ -251,3 +251,19 @@ def test_tp2_int8_agrees_with_tp1_int8(fp32_and_int8):
     # row-parallel shards get per-shard scales, so tp=2 is a slightly different int8 model
     prefix = sum(_prefix(a, b) for a, b in zip(want, got)) / (8 * len(prompts))
     assert prefix >= 0.6, (want, got)
+
+
+# ---------------------------------------------------------------------------- bench
+def test_bench_quantization_mode_reports_ratio_and_agreement():
+    from minivllm.bench.cli import run_cli
+
+    res = run_cli(["--quantization", "int8", "--threads", "1", "--decode-steps", "4", "--rounds", "1", "--quiet"],
+                  peak_kwargs={"matmul_size": 64, "copy_bytes": 1 << 20, "read_bytes": 1 << 20, "repeats": 2})
+    r = res["quantization"]
+    assert r.quantization == "int8" and ("fbgemm" in r.kernel or "reference" in r.kernel)
+    assert r.speedup == pytest.approx(r.base["median_itl_ms"] / r.quant["median_itl_ms"])
+    assert r.quant["weight_bytes"] < r.base["weight_bytes"] / 3  # int8 bytes in the int8 engine's roofline
+    assert len(r.base["tpot_ms"]) == len(r.quant["tpot_ms"]) == 1
+    assert set(r.agreement) >= {"prefix_agreement", "position_agreement", "identical"}
+    with pytest.raises(SystemExit):  # argparse refuses an unknown method
+        run_cli(["--quantization", "int4", "--quiet"])

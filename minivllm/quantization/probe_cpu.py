@@ -1,0 +1,81 @@
+"""Time the CPU int8 matmul candidates on Qwen3-0.6B's linear shapes
+(``python -m minivllm.quantization.probe_cpu``): the measurement behind the CPU path's choice.
+
+Candidates, each computing ``x [m, k] @ W.T`` for ``W [n, k]``:
+
+* ``fp32-onednn``: the fast fp32 path (oneDNN prepacked weight, :mod:`minivllm.layers.prepack`);
+* ``fbgemm-dynamic``: :class:`minivllm.quantization.int8.Int8Weight` on torch's fbgemm dynamic linear;
+* ``int8pack-mm``: ``torch._weight_int8pack_mm`` (weight-only int8, torch's own CPU kernel);
+* ``reference``: dequantise + ``F.linear``.
+
+Each figure is the best of ``trials`` means over ``repeats`` calls (ms), with the weight bytes
+read per ms as GB/s. Numbers on a shared machine vary; compare within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+SHAPES = ((1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024), (1024, 151936))
+
+
+def _time_ms(fn, repeats: int, trials: int) -> float:
+    for _ in range(2):
+        fn()
+    best = float("inf")
+    for _ in range(trials):
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - t) / repeats * 1e3)
+    return best
+
+
+def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, log=print) -> list[dict]:
+    """Time every candidate on every ``(k, n)`` in ``shapes`` at every row count; returns one dict
+    per (shape, rows) with ``{candidate: ms}`` and prints a line each."""
+    import torch
+
+    from minivllm.layers.prepack import linear, pack_weight
+    from minivllm.quantization.int8 import Int8Weight, quantize_per_channel
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for k, n in shapes:
+        w = torch.randn(n, k, generator=gen) * 0.02
+        packed = pack_weight(w)
+        q, scale = quantize_per_channel(w)
+        fb = Int8Weight(w, "fbgemm-dynamic")
+        ref = Int8Weight(w, "reference")
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            r = repeats if n < 100_000 else 1
+            cands = {"fp32-onednn": lambda: linear(x, packed), "fbgemm-dynamic": lambda: fb.matmul(x),
+                     "int8pack-mm": lambda: torch._weight_int8pack_mm(x, q, scale),
+                     "reference": lambda: ref.matmul(x)}
+            ms = {name: _time_ms(f, r, trials) for name, f in cands.items()}
+            out.append({"k": k, "n": n, "m": m, "ms": ms})
+            log(f"{k:>5}->{n:<6} x{m:<2} " + "  ".join(
+                f"{name} {t:.3f} ms ({n * k * (4 if name == 'fp32-onednn' else 1) / t / 1e6:.1f} GB/s)"
+                for name, t in ms.items()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    import torch
+
+    p = argparse.ArgumentParser(prog="python -m minivllm.quantization.probe_cpu", description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, torch {torch.__version__}, {args.threads} threads, "
+          f"load {os.getloadavg()}")
+    res = probe(tuple(args.rows))
+    print(f"load at the end {os.getloadavg()}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
