@@ -121,7 +121,9 @@ def run_quantization(model: str | None = None, *, quantization: str = "int8", qu
             if peaks:
                 from minivllm.telemetry.peaks import get_peaks
 
-                pk = get_peaks(eng.config.device, eng.config.dtype, **(peak_kwargs or {}))
+                # measured now, like the other modes: a cached peak from a quieter hour would
+                # make this run's MBU read low, one from a busier hour above 100%
+                pk = get_peaks(eng.config.device, eng.config.dtype, refresh=True, **(peak_kwargs or {}))
             mid_context = prompt_len + decode_tokens // 2
             for key, llm in engines.items():
                 cost = llm.llm_engine.model_cost
