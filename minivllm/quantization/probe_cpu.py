@@ -9,7 +9,10 @@ Candidates, each computing ``x [m, k] @ W.T`` for ``W [n, k]``:
 * ``reference``: dequantise + ``F.linear``.
 
 Each figure is the best of ``trials`` means over ``repeats`` calls (ms), with the weight bytes
-read per ms as GB/s. Numbers on a shared machine vary; compare within one run.
+read per ms as GB/s. Every candidate cycles through enough copies of its weight to hold at least
+``cold_bytes`` (default 256 MiB, beyond any CPU cache), so each call reads its weight from memory as
+an engine step does, not from a cache warmed by the previous call. Numbers on a shared machine
+vary; compare within one run.
 """
 from __future__ import annotations
 
@@ -32,7 +35,19 @@ def _time_ms(fn, repeats: int, trials: int) -> float:
     return best
 
 
-def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, log=print) -> list[dict]:
+class _Cycle:
+    """Calls ``fn(weight)`` on the next of several weight copies each time."""
+
+    def __init__(self, fn, copies):
+        self.fn, self.copies, self.i = fn, copies, 0
+
+    def __call__(self):
+        self.i = (self.i + 1) % len(self.copies)
+        return self.fn(self.copies[self.i])
+
+
+def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, cold_bytes: int = 256 << 20,
+          log=print) -> list[dict]:
     """Time every candidate on every ``(k, n)`` in ``shapes`` at every row count; returns one dict
     per (shape, rows) with ``{candidate: ms}`` and prints a line each."""
     import torch
@@ -44,16 +59,22 @@ def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, log=pri
     gen = torch.Generator().manual_seed(0)
     for k, n in shapes:
         w = torch.randn(n, k, generator=gen) * 0.02
-        packed = pack_weight(w)
+
+        def copies(make, nbytes):
+            return [make() for _ in range(max(1, -(-cold_bytes // nbytes)))]
+
+        packed = copies(lambda: pack_weight(w), 4 * n * k)
         q, scale = quantize_per_channel(w)
-        fb = Int8Weight(w, "fbgemm-dynamic")
-        ref = Int8Weight(w, "reference")
+        qs = copies(lambda: q.clone(), n * k)
+        fb = copies(lambda: Int8Weight(w, "fbgemm-dynamic"), n * k)
+        ref = copies(lambda: Int8Weight(w, "reference"), n * k)
         for m in rows:
             x = torch.randn(m, k, generator=gen)
             r = repeats if n < 100_000 else 1
-            cands = {"fp32-onednn": lambda: linear(x, packed), "fbgemm-dynamic": lambda: fb.matmul(x),
-                     "int8pack-mm": lambda: torch._weight_int8pack_mm(x, q, scale),
-                     "reference": lambda: ref.matmul(x)}
+            cands = {"fp32-onednn": _Cycle(lambda p: linear(x, p), packed),
+                     "fbgemm-dynamic": _Cycle(lambda iw: iw.matmul(x), fb),
+                     "int8pack-mm": _Cycle(lambda qq: torch._weight_int8pack_mm(x, qq, scale), qs),
+                     "reference": _Cycle(lambda iw: iw.matmul(x), ref)}
             ms = {name: _time_ms(f, r, trials) for name, f in cands.items()}
             out.append({"k": k, "n": n, "m": m, "ms": ms})
             log(f"{k:>5}->{n:<6} x{m:<2} " + "  ".join(
