@@ -1,5 +1,6 @@
 """Time the CPU int8 matmul candidates on Qwen3-0.6B's linear shapes
-(``python -m minivllm.quantization.probe_cpu``): the measurement behind the CPU path's choice.
+(``python -m minivllm.quantization.probe_cpu``): the measurement behind the CPU path's choice;
+with ``--engine random:qwen3-0.6b``, the int8 matmuls timed inside the engine instead.
 
 Candidates, each computing ``x [m, k] @ W.T`` for ``W [n, k]``:
 
@@ -83,17 +84,58 @@ def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, cold_by
     return out
 
 
+def engine_linear_times(model: str = "random:qwen3-0.6b", max_tokens: int = 9, prompt_len: int = 16,
+                        log=print) -> dict:
+    """Per-call time of every int8 matmul inside the engine, during one greedy generate at batch 1
+    (``LLM(model, quantization="int8")``): ``{"tpot_ms", "by_shape": {(k, n, rows): (calls, ms per
+    call)}}``. Set the thread count before calling. Wraps :meth:`Int8Weight.matmul` while it runs."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.quantization.int8 import Int8Weight
+
+    llm = LLM(model, quantization="int8")
+    original = Int8Weight.matmul
+    total: dict = {}
+
+    def timed(self, x, bias=None):
+        t = time.perf_counter()
+        y = original(self, x, bias)
+        key = (self.in_features, self.out_features, x.reshape(-1, x.shape[-1]).shape[0])
+        calls, secs = total.get(key, (0, 0.0))
+        total[key] = (calls + 1, secs + time.perf_counter() - t)
+        return y
+
+    Int8Weight.matmul = timed
+    try:
+        out = llm.generate([{"prompt_token_ids": list(range(100, 100 + prompt_len))}],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0]
+    finally:
+        Int8Weight.matmul = original
+        llm.shutdown()
+    by_shape = {k: (c, s / c * 1e3) for k, (c, s) in sorted(total.items())}
+    # one-row calls of the decode steps (max_tokens - 1 of them): all of them, less the LM head
+    # call of the prefill step (the only one-row call there)
+    head = max(by_shape, key=lambda key: key[1])
+    one_row = sum(c * ms for (k, n, m), (c, ms) in by_shape.items() if m == 1)
+    decode_ms = (one_row - by_shape[head][1]) / max(1, max_tokens - 1)
+    log(f"engine, {model}, batch 1: TPOT {out.metrics.tpot_ms:.1f} ms, int8 matmuls ~{decode_ms:.1f} ms of it per step")
+    for (k, n, m), (c, ms) in by_shape.items():
+        log(f"  {k:>5}->{n:<6} x{m:<3} {c:4d} calls, {ms:.3f} ms/call")
+    return {"tpot_ms": out.metrics.tpot_ms, "decode_matmul_ms": decode_ms, "by_shape": by_shape}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     import torch
 
     p = argparse.ArgumentParser(prog="python -m minivllm.quantization.probe_cpu", description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--engine", default=None, metavar="MODEL",
+                   help="instead: time the int8 matmuls inside LLM(MODEL, quantization='int8') at batch 1")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, torch {torch.__version__}, {args.threads} threads, "
           f"load {os.getloadavg()}")
-    res = probe(tuple(args.rows))
+    res = engine_linear_times(args.engine) if args.engine else probe(tuple(args.rows))
     print(f"load at the end {os.getloadavg()}")
     return res
 
