@@ -71,3 +71,23 @@ def test_kernel_validates_its_inputs():
         triton_int8.int8_linear(torch.randn(2, 16), q, s.half())
     with pytest.raises(ValueError, match="int64"):
         triton_int8.int8_linear(torch.ones(2, 16, dtype=torch.int64), q, s)
+
+
+def test_embedded_model_logits_through_the_kernel_match_the_reference_path():
+    """Every linear of the embedded model (transformers' Qwen3 holding its weights) through the
+    Triton kernel, against the same model through the dequantised reference: real shapes,
+    biases absent, the LM head included."""
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.quantization.accuracy import int8_hf_linears, restore_hf_linears
+    from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
+
+    model = AutoModelForCausalLM.from_pretrained(str(EMBEDDED_MODEL_DIR), dtype=torch.float32).eval()
+    ids = torch.tensor([[742, 536, 540, 310, 268, 466, 403, 14]])
+    with torch.no_grad():
+        int8_hf_linears(model, "reference")
+        want = model(input_ids=ids).logits
+        restore_hf_linears(model)
+        assert int8_hf_linears(model, "triton") == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer + head
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
