@@ -72,6 +72,14 @@ class EngineArgs:
         init_method: torch.distributed rendezvous for tensor parallelism across machines
             (e.g. ``"env://"`` under torchrun, ``"tcp://host:port"``); None = the engine
             starts its workers on this machine.
+        quantization: None (weights in ``dtype``) or ``"int8"``: per-output-channel
+            symmetric int8 weights computed at load for every linear layer
+            (:mod:`minivllm.quantization`); embeddings stay in ``dtype``.
+        quantize_lm_head: with ``quantization="int8"``, quantise the LM head too (default;
+            it is the largest single weight read of a small model).
+
+    Raises:
+        ValueError: a bad value (the message names the argument and the value).
     """
 
     model: str | None = None
@@ -95,6 +103,8 @@ class EngineArgs:
     init_method: str | None = None
     speculative_config: dict | None = None
     logprobs_mode: str = "raw_logprobs"
+    quantization: str | None = None
+    quantize_lm_head: bool = True
 
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "tensor_parallel_size"]
@@ -118,6 +128,20 @@ class EngineArgs:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose one of {list(modes)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
+        from minivllm.quantization.layer import check_quantization
+
+        check_quantization(self.quantization)
+        if not isinstance(self.quantize_lm_head, bool):
+            raise ValueError(f"quantize_lm_head={self.quantize_lm_head!r}: must be a bool")
+
+    @property
+    def quant_config(self):
+        """The :class:`minivllm.quantization.QuantConfig` these arguments ask for, or None."""
+        if self.quantization is None:
+            return None
+        from minivllm.quantization.layer import QuantConfig
+
+        return QuantConfig(self.quantization, self.quantize_lm_head)
 
     @classmethod
     def from_kwargs(cls, model, kwargs: dict) -> "EngineArgs":

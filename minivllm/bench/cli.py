@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy decode TPOT with and without speculative decoding on prompts whose continuation "
                         "repeats their context, at --batch-sizes (default 1 4 16 64); --decode-steps new tokens")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step for --speculative")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="batch-1 decode of LLM(quantization=...) against the unquantised engine in the same run "
+                        "(speed ratio, MBU on int8 bytes, greedy agreement); --decode-steps tokens per round")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per engine for --quantization")
+    p.add_argument("--no-quantize-lm-head", action="store_true", help="--quantization with the LM head kept in float")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true")
     e = p.add_argument_group("engine arguments")
@@ -125,7 +130,15 @@ def _run_modes(args, log, peak_kwargs) -> dict:
                                                  num_speculative_tokens=args.num_speculative_tokens, log=log,
                                                  **kw, **engine_args)
         print_speculative(results["speculative"], log)
-    if not (args.sweep or args.overhead or args.speculative):
+    if args.quantization:
+        from minivllm.bench.quant import print_quantization, run_quantization
+
+        kw = {"decode_tokens": args.decode_steps} if args.decode_steps else {}
+        results["quantization"] = run_quantization(
+            args.model, quantization=args.quantization, quantize_lm_head=not args.no_quantize_lm_head,
+            rounds=args.rounds, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw, **engine_args)
+        print_quantization(results["quantization"], log)
+    if not (args.sweep or args.overhead or args.speculative or args.quantization):
         peers = () if args.no_peers else tuple(x.strip() for x in args.peers.split(",") if x.strip())
         results["throughput"] = run_throughput(
             args.model, workload_name=args.workload, scale=args.scale, num_requests=args.num_requests,

@@ -95,7 +95,8 @@ class LLMEngine:
             source=self.source, device=device, dtype=dtype, attention_backend=backend_name, block_size=block_size,
             num_kvcache_blocks=args.num_kvcache_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization, max_num_batched_tokens=budget_hint,
-            seed=args.seed, tp_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs)
+            seed=args.seed, tp_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
+            quant_config=args.quant_config)
         if args.tensor_parallel_size > 1:  # rank 0 of a sharded model; see minivllm/executor/tp_runner.py
             from minivllm.executor.tp_runner import TPModelRunner
 
@@ -135,7 +136,9 @@ class LLMEngine:
         self.parents = ParentRequests()  # requests with n > 1
         # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
         # once peaks are measured (``measure_peaks``), since that takes a moment.
-        self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size)  # per rank
+        self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size,  # per rank
+                                                quantization=args.quantization,
+                                                quantize_lm_head=args.quantize_lm_head)
         self.peaks: Peaks | None = None
         logger.info("minivllm engine: model=%s device=%s dtype=%s attention_backend=%s block_size=%d "
                     "kv_blocks=%d max_model_len=%d max_num_batched_tokens=%d", self.source.name, device,

@@ -119,9 +119,11 @@ def _prompt_logprob_rows(plan: SchedulerOutput):
     return None if rows is None else (rows, spans)
 
 
-def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int | None) -> torch.nn.Module:
+def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int | None,
+                quant_config=None) -> torch.nn.Module:
     """The model for ``source`` on ``device`` in ``dtype``, in eval mode: weights loaded from the
-    checkpoint, or random (seeded) for ``random:`` presets."""
+    checkpoint, or random (seeded) for ``random:`` presets; then quantised as ``quant_config``
+    (a :class:`minivllm.quantization.QuantConfig`, or None) asks."""
     from minivllm.utils.loader import init_random_weights, load_weights
 
     cls = get_model_class(source.hf_config)
@@ -132,6 +134,7 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, s
             model = cls(source.hf_config)
     finally:
         torch.set_default_dtype(previous)
+    model.quant_config = quant_config  # read by the loader's post-load step
     if source.checkpoint_dir is None:
         init_random_weights(model, seed or 0)
     else:
@@ -232,7 +235,7 @@ class ModelRunner:
 
     Args:
         config: what to build (model, device, dtype, attention backend, KV pool size, seed,
-            tensor-parallel shard count, max_num_seqs); see ``RunnerConfig``.
+            tensor-parallel shard count, max_num_seqs, weight quantisation); see ``RunnerConfig``.
 
     Raises:
         ValueError: the KV cache budget does not hold one block.
@@ -247,7 +250,7 @@ class ModelRunner:
         self.tp_size = config.tp_size
         self.max_num_seqs = config.max_num_seqs
         self._staging = _PinnedStaging(device) if device.type == "cuda" else None
-        self.model = build_model(config.source, device, config.dtype, config.seed)
+        self.model = build_model(config.source, device, config.dtype, config.seed, config.quant_config)
         self.backend = get_attention_backend(config.attention_backend, device, config.block_size, config.dtype)
         self.sampler = Sampler(config.seed, device)
         self.num_kv_blocks = self._size_kv_cache()

@@ -36,6 +36,7 @@ class RunnerConfig:
             (``num_key_value_heads / tp_size`` KV heads per layer in its cache).
         max_num_seqs: most sequences per step: the GPU memory profile samples this many rows
             (logits ``[max_num_seqs, vocab]`` fp32 and the sampler's buffers).
+        quant_config: weight quantisation (``minivllm.quantization.QuantConfig``) or None.
     """
 
     source: ModelSource
@@ -50,3 +51,4 @@ class RunnerConfig:
     seed: int | None
     tp_size: int = 1
     max_num_seqs: int = 256
+    quant_config: object = None

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.layers.prepack import PackedWeightMixin, dense, linear
+from minivllm.quantization.layer import Int8LinearMixin
 from minivllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, \
     tensor_model_parallel_all_reduce
 from minivllm.utils import cdiv
@@ -64,7 +65,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"embedding_dim={self.embedding_dim}, tp_size={self.tp_size}")
 
 
-class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
+class ParallelLMHead(Int8LinearMixin, PackedWeightMixin, VocabParallelEmbedding):
     """The output projection ``hidden -> logits``, vocab-sharded like the embedding.
 
     With tied embeddings the model points ``lm_head.weight`` at ``embed_tokens.weight``
@@ -73,6 +74,10 @@ class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
     the embedding's plain table (the lookup needs the plain one), made after loading:
     reload through ``load_weights``/``init_random_weights`` (which repack), not by writing
     into ``embed_tokens.weight`` directly.
+
+    With ``quantization="int8"`` and ``quantize_lm_head`` the head multiplies by int8 weights
+    (``self.int8``, :mod:`minivllm.quantization`); when tied, those are the head's own copy and
+    the embedding table stays in the model dtype.
     """
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -91,7 +96,10 @@ class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
         Every rank returns the full logits (all-gather over the vocab shards, padding
         columns dropped), so the sampler may run on any rank with identical results.
         """
-        logits = linear(hidden, self.matmul_weight)  # [N, V_pad / tp]
+        if self.int8 is not None:
+            logits = self.int8.matmul(hidden)  # [N, V_pad / tp]
+        else:
+            logits = linear(hidden, self.matmul_weight)  # [N, V_pad / tp]
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings].float()

@@ -13,6 +13,10 @@ On the CPU the loaded weight is packed for oneDNN (``minivllm.layers.prepack``):
 then holds the packed tensor, ``state_dict()`` still returns it dense, and every layer computes
 through :func:`minivllm.layers.prepack.linear`.
 
+With ``quantization="int8"`` every layer's weight is replaced after loading by its int8 form
+(``self.int8``, see :mod:`minivllm.quantization`; the float ``weight`` becomes ``None``) and
+the forward multiplies through ``self.int8.matmul``; a reload turns it back into a float layer.
+
 Layouts (Megatron-LM, Shoeybi et al. 2019):
 
 * :class:`ColumnParallelLinear` splits ``out_features``: rank r owns output rows
@@ -31,6 +35,7 @@ from torch import nn
 
 from minivllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from minivllm.layers.prepack import PackedWeightMixin, dense, linear
+from minivllm.quantization.layer import Int8LinearMixin
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -48,7 +53,7 @@ def _check_shape(param: nn.Parameter, loaded: torch.Tensor, expected: Sequence[i
         )
 
 
-class LinearBase(PackedWeightMixin, nn.Module):
+class LinearBase(Int8LinearMixin, PackedWeightMixin, nn.Module):
     """Common parts: parameter allocation and the loader hook.
 
     Args:
@@ -103,6 +108,8 @@ class ReplicatedLinear(LinearBase):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8.matmul(x, self.bias)
         return linear(x, self.matmul_weight, self.bias)
 
 
@@ -124,6 +131,8 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8.matmul(x, self.bias)
         return linear(x, self.matmul_weight, self.bias)
 
 
@@ -239,7 +248,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.matmul_weight)
+        y = self.int8.matmul(x) if self.int8 is not None else linear(x, self.matmul_weight)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

@@ -153,7 +153,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
     that one weight is then held twice, once per layout. Logs one line: how many layers
     are packed, or why none could be (then every layer keeps ``F.linear``).
     """
-    modules = [m for m in model.modules() if hasattr(m, "pack_weights")]
+    # (a layer holding int8 weights has no float weight left, or a shared one it does not use)
+    modules = [m for m in model.modules() if hasattr(m, "pack_weights") and getattr(m, "int8", None) is None]
     if not modules:
         return
     shared = _shared_parameter_ids(model)

@@ -102,6 +102,11 @@ class ModelCost:
             RMSNorm per head, final norm); read but not counted as FLOPs.
         lm_head_params: ``D * V``; embedding_params: ``V * D``.
         kv_bytes_per_token: ``2 * L * Hkv * d * kv_dtype_bytes`` (K and V, every layer).
+        quantization: None, or ``"int8"``: every matmul weight of the layers (and the LM head
+            when ``quantize_lm_head``) is read as 1 byte plus one fp32 scale per output
+            channel (:mod:`minivllm.quantization.int8`); norms, biases and the embedding
+            rows stay at ``weight_bytes``.
+        quantize_lm_head: whether the LM head is int8 under ``quantization="int8"``.
     """
 
     hidden_size: int
@@ -116,6 +121,8 @@ class ModelCost:
     weight_bytes: int
     kv_dtype_bytes: int
     tp_size: int = 1
+    quantization: str | None = None
+    quantize_lm_head: bool = True
 
     @classmethod
     def from_config(
@@ -124,12 +131,20 @@ class ModelCost:
         dtype: Any = "float32",
         tp_size: int = 1,
         kv_dtype: Any = None,
+        quantization: str | None = None,
+        quantize_lm_head: bool = True,
     ) -> "ModelCost":
         """Build from a ``transformers`` Qwen3 config (or any object / dict with
         the same attribute names). ``dtype``: weight dtype (torch dtype, name or
-        byte count); ``kv_dtype`` defaults to ``dtype``."""
+        byte count); ``kv_dtype`` defaults to ``dtype``; ``quantization`` /
+        ``quantize_lm_head``: as the engine arguments of the same names.
+
+        Raises:
+            ValueError: a bad tp_size, config value or quantization (names it)."""
         if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
             raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+        if quantization not in (None, "int8"):
+            raise ValueError(f"quantization={quantization!r}: ModelCost knows None and 'int8'")
         if _get(config, "num_experts") or _get(config, "num_local_experts"):
             raise ValueError("mixture-of-experts configs are not modelled by ModelCost")
         D = _get(config, "hidden_size")
@@ -160,6 +175,8 @@ class ModelCost:
             weight_bytes=wb,
             kv_dtype_bytes=kvb,
             tp_size=tp_size,
+            quantization=quantization,
+            quantize_lm_head=bool(quantize_lm_head),
         )
 
     # --- parameter counts (elements, per rank) ---
@@ -196,13 +213,37 @@ class ModelCost:
 
     # --- bytes ---
     @property
+    def layer_bias_params(self) -> int:
+        """Bias elements per layer (q, k, v with ``attention_bias``; else 0)."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+
+    @property
+    def layer_output_channels(self) -> int:
+        """Output rows of a layer's matmuls (``H*d + 2*Hkv*d + D + 2*F + D``): one int8 scale each."""
+        D, F, d = self.hidden_size, self.intermediate_size, self.head_dim
+        return (self.num_heads + 2 * self.num_kv_heads) * d + D + 2 * F + D
+
+    @property
     def body_weight_bytes(self) -> int:
-        """Bytes of the decoder layers + final norm, read once by every step."""
-        return (self.matmul_params + self.norm_params) * self.weight_bytes
+        """Bytes of the decoder layers + final norm, read once by every step. With int8:
+        ``L * ((matmul weights) * 1 + output_channels * 4 + biases * weight_bytes) + norms * weight_bytes``."""
+        if self.quantization != "int8":
+            return (self.matmul_params + self.norm_params) * self.weight_bytes
+        from minivllm.quantization.int8 import SCALE_BYTES
+
+        bias = self.layer_bias_params
+        per_layer = (self.layer_matmul_params - bias) + self.layer_output_channels * SCALE_BYTES \
+            + bias * self.weight_bytes
+        return self.num_layers * per_layer + self.norm_params * self.weight_bytes
 
     @property
     def lm_head_bytes(self) -> int:
-        """Bytes of the LM head matrix, read once by a step that computes any logits."""
+        """Bytes of the LM head matrix, read once by a step that computes any logits
+        (int8 head: ``D * V + V * 4``, one fp32 scale per vocabulary row)."""
+        if self.quantization == "int8" and self.quantize_lm_head:
+            from minivllm.quantization.int8 import SCALE_BYTES
+
+            return self.lm_head_params + self.vocab_size * SCALE_BYTES
         return self.lm_head_params * self.weight_bytes
 
     @property

@@ -12,8 +12,10 @@ ours (``...qkv_proj.weight``) load as the full packed tensor. Tensors are read o
 converting to the parameter's dtype and device.
 
 Both entry points (:func:`load_weights`, :func:`init_random_weights`) end with
-:func:`minivllm.layers.prepack.process_weights_after_loading` (CPU linears packed for oneDNN
-once, here) and start by undoing it, so a model can be loaded again.
+:func:`process_loaded_weights`: int8 quantisation when the model carries a ``quant_config``
+(:func:`minivllm.quantization.quantize_model`), then
+:func:`minivllm.layers.prepack.process_weights_after_loading` (the remaining CPU linears
+packed for oneDNN once, here); both start by undoing that, so a model can be loaded again.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from torch import nn
 
 from minivllm.layers.prepack import process_weights_after_loading, unpack_weights
 from minivllm.utils import cdiv
+from minivllm.quantization.layer import quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,14 @@ def checkpoint_files(checkpoint_dir) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights found in {str(path)!r}")
     return files
+
+
+def process_loaded_weights(model: nn.Module) -> None:
+    """What runs once the float weights are in place: int8 quantisation of the layers
+    ``model.quant_config`` asks for (none without one), then oneDNN packing of the CPU
+    linears still in float. Undone by :func:`minivllm.layers.prepack.unpack_weights`."""
+    quantize_model(model)
+    process_weights_after_loading(model)
 
 
 def _default_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -165,7 +176,7 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
     if missing:
         shown = ", ".join(missing[:20]) + (f" ... ({len(missing)} in all)" if len(missing) > 20 else "")
         raise ValueError(f"checkpoint {str(checkpoint_dir)!r} is missing tensors: {shown}")
-    process_weights_after_loading(model)
+    process_loaded_weights(model)
 
 
 # Random models for the course are large (Qwen3-0.6B: 596M parameters) and drawing that
@@ -217,4 +228,4 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
             offset = int(torch.randint(0, _POOL_SIZE, (1,), generator=gen, device="cpu"))
             values = extended[param.dtype][offset:offset + numel].view(shape)
         getattr(param, "weight_loader", _default_loader)(param, values)
-    process_weights_after_loading(model)
+    process_loaded_weights(model)

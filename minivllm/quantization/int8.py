@@ -1,0 +1,241 @@
+"""Weight-only int8: per-output-channel symmetric quantisation and the int8 matmul paths.
+
+Quantisation (computed once, at load, from weights of any float dtype, in fp32)::
+
+    scale[n] = max_k |W[n, k]| / 127            (1.0 for an all-zero row)
+    Q[n, k]  = clamp(round(W[n, k] / scale[n]), -127, 127)     int8
+    W ~ Q * scale[:, None]
+
+so the largest weight of every output row is represented exactly and the rounding error of
+any weight is at most ``scale[n] / 2`` (symmetric "absmax" quantisation, as in LLM.int8(),
+Dettmers et al. 2022, sec. 2, applied per output row). The rows are output channels, so the
+scale factors out of the dot product: ``y[m, n] = scale[n] * sum_k x[m, k] * Q[n, k]``.
+
+Matmul paths (:class:`Int8Weight.kernel` names the one a weight uses):
+
+* ``"fbgemm-dynamic"`` (CPU): torch's own quantized dynamic linear,
+  ``torch.ops.quantized.linear_dynamic`` with weights prepacked by
+  ``torch.ops.quantized.linear_prepack`` under the ``x86``/``fbgemm`` quantized engine. It
+  also quantises the *activations* at run time, per tensor, to uint8 with
+  ``reduce_range=True`` (7 bits; CPUs without VNNI saturate 8-bit products in 16-bit
+  accumulators). To make that scale per token rather than per batch, every row of ``x`` is
+  divided by its absmax before the call and the output row multiplied back (exact: the map
+  is linear), so a token with outlier activations does not flatten the others. Chosen by
+  measurement over fp32 oneDNN and ``torch._weight_int8pack_mm``
+  (``docs/quantization.md``).
+* ``"triton"`` (CUDA): our Triton kernel (:mod:`minivllm.quantization.triton_int8`), int8
+  weights loaded and converted to the activation dtype inside the matmul loop, scale applied
+  to the fp32 accumulator: weight-only, activations untouched.
+* ``"reference"``: ``F.linear(x, Q * scale)``, dequantising the whole weight on every call.
+  Exact weight-only semantics; slow. Used where neither fast path is available, and as the
+  reference in tests.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+INT8_MAX = 127
+#: bytes per scale factor (fp32, one per output channel); used by the roofline too
+SCALE_BYTES = 4
+
+KERNELS = ("fbgemm-dynamic", "triton", "reference")
+
+_KERNEL_DESCRIPTIONS = {
+    "fbgemm-dynamic": "torch.ops.quantized.linear_dynamic (fbgemm; activations quantised per token at run time, "
+                      "7-bit)",
+    "triton": "Triton weight-only int8 matmul (dequantisation fused, activations untouched)",
+    "reference": "dequantise + F.linear (reference path, no fast int8 kernel available)",
+}
+
+
+def describe_kernel(kernel: str) -> str:
+    """One line naming ``kernel`` (one of :data:`KERNELS`) for logs and reports."""
+    if kernel not in _KERNEL_DESCRIPTIONS:
+        raise ValueError(f"unknown int8 kernel {kernel!r}; expected one of {KERNELS}")
+    return _KERNEL_DESCRIPTIONS[kernel]
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 quantisation (formula in the module docstring).
+
+    Args:
+        weight: ``[out_features, in_features]``, any float dtype, any device (a oneDNN-packed
+            CPU tensor is read dense).
+
+    Returns:
+        ``(q, scale)``: ``q`` int8 ``[out, in]`` with values in ``[-127, 127]``, ``scale`` fp32
+        ``[out]``, both on ``weight``'s device.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D or not a float tensor.
+    """
+    if weight.is_mkldnn:
+        weight = weight.to_dense()
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"weight must be a float tensor to quantise, got dtype {weight.dtype}")
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q int8 [out, in]``, ``scale fp32 [out]`` -> ``q * scale[:, None]`` in ``dtype``."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: torch's quantized dynamic linear (fbgemm)
+# --------------------------------------------------------------------------------------------
+def _cpu_engine() -> str | None:
+    engines = torch.backends.quantized.supported_engines
+    for name in ("x86", "fbgemm"):
+        if name in engines:
+            return name
+    return None
+
+
+def _prepack_cpu(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """fbgemm packed params of an int8 weight (a new int8 copy in fbgemm's blocked layout)."""
+    engine = _cpu_engine()
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        with warnings.catch_warnings():  # torch >= 2.10 marks quantized tensors deprecated (docs/quantization.md)
+            warnings.simplefilter("ignore", UserWarning)
+            qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros_like(scale, dtype=torch.long),
+                                                          0)
+            return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float())
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+def _fbgemm_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., in]`` -> ``[..., out]`` in ``x``'s dtype; per-row absmax normalisation around
+    torch's per-tensor dynamic quantisation (see the module docstring)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float()
+    if x2.shape[0] == 1:  # one row: torch's per-tensor scale already is the per-token one
+        y = torch.ops.quantized.linear_dynamic(x2, packed, True)
+    else:
+        row_scale = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
+        y = torch.ops.quantized.linear_dynamic(x2 / row_scale, packed, True)
+        y.mul_(row_scale)
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_int8_unavailable_reason() -> str | None:
+    """Why the fbgemm int8 path cannot run on this CPU, or ``None`` if it can (a small
+    prepacked matmul is tried and compared with the dequantised reference)."""
+    if _cpu_engine() is None:
+        return f"torch has no x86/fbgemm quantized engine (supported: {torch.backends.quantized.supported_engines})"
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(16, 32, generator=gen)
+        x = torch.randn(3, 32, generator=gen)
+        q, s = quantize_per_channel(w)
+        y = _fbgemm_linear(x, _prepack_cpu(q, s, None), None)
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    ref = F.linear(x, dequantize(q, s))
+    # 7-bit activations: a few percent of the output range, not a wrong result
+    if not (y - ref).abs().max() <= 0.05 * ref.abs().max():
+        return "fbgemm int8 result differs from the dequantised reference"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel choice and the per-layer state
+# --------------------------------------------------------------------------------------------
+def default_kernel(device: torch.device | str) -> str:
+    """The int8 path for weights on ``device``: ``"fbgemm-dynamic"`` on CPUs that have it,
+    ``"triton"`` on CUDA when Triton imports, else ``"reference"``."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return "fbgemm-dynamic" if cpu_int8_unavailable_reason() is None else "reference"
+    if dev.type == "cuda":
+        from minivllm.quantization.triton_int8 import triton_unavailable_reason
+
+        return "triton" if triton_unavailable_reason() is None else "reference"
+    return "reference"
+
+
+class Int8Weight:
+    """The int8 form of one ``[out_features, in_features]`` weight, and its matmul.
+
+    Attributes:
+        out_features, in_features: the logical shape.
+        scale: fp32 ``[out]``.
+        qweight: int8 ``[out, in]``, or ``None`` on the ``"fbgemm-dynamic"`` path, where the
+            prepacked copy is the only one (so int8 memory is not held twice).
+        packed: fbgemm packed params (``"fbgemm-dynamic"`` only).
+        kernel: one of :data:`KERNELS`.
+
+    Args:
+        weight: the float weight ``[out, in]`` (not kept: only its int8 form is).
+        kernel: the matmul path; ``None`` picks :func:`default_kernel` for its device.
+
+    Raises:
+        ValueError: an unknown ``kernel``, or one that cannot run on ``weight``'s device.
+    """
+
+    def __init__(self, weight: torch.Tensor, kernel: str | None = None):
+        q, scale = quantize_per_channel(weight)
+        self.out_features, self.in_features = q.shape
+        self.kernel = kernel or default_kernel(q.device)
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown int8 kernel {self.kernel!r}; expected one of {KERNELS}")
+        self.scale = scale
+        self.packed = None
+        if self.kernel == "fbgemm-dynamic":
+            if q.device.type != "cpu":
+                raise ValueError(f"int8 kernel 'fbgemm-dynamic' needs CPU weights, got {q.device}")
+            self.packed = _prepack_cpu(q, scale, None)
+            self.qweight = None
+        else:
+            if self.kernel == "triton" and q.device.type != "cuda":
+                import os
+
+                if os.environ.get("TRITON_INTERPRET") != "1":
+                    raise ValueError(f"int8 kernel 'triton' needs CUDA weights (or TRITON_INTERPRET=1), got {q.device}")
+            self.qweight = q
+
+    def int8_tensor(self) -> torch.Tensor:
+        """The int8 weight ``[out, in]`` (unpacked from fbgemm's layout when needed: a copy)."""
+        if self.qweight is not None:
+            return self.qweight
+        qw, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return qw.int_repr()
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``Q * scale`` as a ``[out, in]`` tensor in ``dtype``."""
+        return dequantize(self.int8_tensor(), self.scale, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of int8 weights + fp32 scales (what a matmul reads; fbgemm's column offsets,
+        one int32 per output, are not counted)."""
+        return self.out_features * self.in_features + self.out_features * SCALE_BYTES
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in] -> x @ (Q * scale).T + bias``, ``[..., out]`` in ``x``'s dtype."""
+        if self.kernel == "fbgemm-dynamic":
+            return _fbgemm_linear(x, self.packed, bias)
+        if self.kernel == "triton":
+            from minivllm.quantization.triton_int8 import int8_linear
+
+            return int8_linear(x, self.qweight, self.scale, bias)
+        return F.linear(x, dequantize(self.qweight, self.scale, x.dtype), bias)
