@@ -18,22 +18,28 @@ if "minivllm.layers.attention.triton_kernels" in sys.modules:
 
 
 def test_compile_wraps_the_small_fused_ops(tiny_ckpt, monkeypatch):
+    import minivllm.engine.model_runner as model_runner
     from minivllm.layers.activation import SiluAndMul
-    from minivllm.layers.norm import RMSNorm
+    from minivllm.layers.norm import RMSNorm, add_rms_norm, rms_norm
     from minivllm.layers.rotary import RotaryEmbedding
 
     compiled = []
 
     def fake_compile(fn, **kwargs):
-        compiled.append(fn.__self__)
+        compiled.append(fn)
         return fn
 
     monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(model_runner, "_COMPILED", {})
     llm = make_llm(tiny_ckpt, compile=True)
-    kinds = {type(m) for m in compiled}
-    assert kinds == {RMSNorm, SiluAndMul, RotaryEmbedding}
     model = llm.llm_engine.runner.model
-    assert len(compiled) == sum(isinstance(m, (RMSNorm, SiluAndMul, RotaryEmbedding)) for m in model.modules())
+    # the norm functions are compiled once for the whole model, shared by every RMSNorm
+    assert compiled.count(rms_norm) == 1 and compiled.count(add_rms_norm) == 1
+    assert all(m.norm_fn is rms_norm and m.add_norm_fn is add_rms_norm for m in model.modules()
+               if isinstance(m, RMSNorm))
+    owners = [fn.__self__ for fn in compiled if hasattr(fn, "__self__")]
+    assert {type(m) for m in owners} == {SiluAndMul, RotaryEmbedding}
+    assert len(owners) == sum(isinstance(m, (SiluAndMul, RotaryEmbedding)) for m in model.modules())
     compiled.clear()
     make_llm(tiny_ckpt)  # default on CPU: off
     assert compiled == []

@@ -181,6 +181,17 @@ def select_device(device: torch.device) -> torch.device:
     return device
 
 
+def block_table_array(tables: list[list[int]]) -> np.ndarray:
+    """int32 ``[len(tables), longest]``, -1 past each row's blocks. A few rows go through one
+    ``np.array`` call (cheapest for a small decode batch), many through ``fill_block_tables``."""
+    width = max(map(len, tables))
+    if len(tables) <= 8:
+        return np.array([t + [-1] * (width - len(t)) for t in tables], dtype=np.int32)
+    out = np.empty((len(tables), width), dtype=np.int32)
+    fill_block_tables(out, tables)
+    return out
+
+
 class _PinnedStaging:
     """Reusable pinned host memory for a step's uploads: ``upload`` copies a host array into
     it and starts a non-blocking copy to the device. ``begin_step`` waits for the previous
@@ -389,27 +400,34 @@ class ModelRunner:
             return self._staging.upload(np.ascontiguousarray(array))
         return torch.from_numpy(array)
 
+    def _upload_parts(self, host: np.ndarray, *bounds: tuple[int, int]) -> list[torch.Tensor]:
+        """Tensors of ``host[a:b]`` for each ``(a, b)``: one upload and device views on CUDA;
+        on CPU zero-copy views of the numpy parts (cheaper than slicing a tensor)."""
+        if self._staging is None and self.device.type == "cpu":
+            return [torch.from_numpy(host[a:b]) for a, b in bounds]
+        dev = self._to_device(host)
+        return [dev[a:b] for a, b in bounds]
+
     def _metadata(self, q_lens: list[int], context_lens: list[int], slot_mapping: torch.Tensor,
                   tables: list[list[int]]) -> AttentionMetadata:
         num_seqs = len(q_lens)
         if isinstance(tables, np.ndarray):
             table_arr = tables.astype(np.int32, copy=False)
         else:
-            table_arr = np.empty((num_seqs, max(len(t) for t in tables)), dtype=np.int32)
-            fill_block_tables(table_arr, tables)
+            table_arr = block_table_array(tables)
         # One int32 host buffer, one transfer: [cu_seqlens_q | cu_seqlens_k | context_lens], each
         # part on a 16-byte boundary (Triton specialises kernels on pointer alignment: an
         # unaligned part would compile a second variant in the middle of serving).
-        stride = -(-(num_seqs + 1) // 4) * 4
-        host = np.zeros(2 * stride + num_seqs, dtype=np.int32)
-        host[:num_seqs + 1] = list(accumulate(q_lens, initial=0))
-        host[stride:stride + num_seqs + 1] = list(accumulate(context_lens, initial=0))
-        host[2 * stride:] = context_lens
-        lens = self._to_device(host)
+        stride = cdiv(num_seqs + 1, 4) * 4
+        pad = [0] * (stride - num_seqs - 1)
+        host = np.array(list(accumulate(q_lens, initial=0)) + pad + list(accumulate(context_lens, initial=0)) + pad
+                        + context_lens, dtype=np.int32)
+        cu_q, cu_k, ctx_lens = self._upload_parts(host, (0, num_seqs + 1), (stride, stride + num_seqs + 1),
+                                                  (2 * stride, len(host)))
         return AttentionMetadata(
-            cu_seqlens_q=lens[:num_seqs + 1],
-            cu_seqlens_k=lens[stride:stride + num_seqs + 1],
-            context_lens=lens[2 * stride:],
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            context_lens=ctx_lens,
             slot_mapping=slot_mapping,
             block_tables=self._to_device(table_arr),
             max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens), block_size=self.block_size,
@@ -469,18 +487,17 @@ class ModelRunner:
                               logits_indices=rows, sampling_seqs=sampling, graph_rows=n)
         # One int64 host buffer, one transfer: [input_ids | positions | slot_mapping | logits rows],
         # each part starting on a 16-byte boundary (Triton specialises on pointer alignment).
+        # Built from one Python list: a single numpy call is cheapest at small batches.
         stride = cdiv(t, 2) * 2
-        flat_host = np.zeros(3 * stride + len(logits_rows), dtype=np.int64)
-        for i, part in enumerate((input_ids, positions, slots)):
-            flat_host[i * stride:i * stride + t] = part
-        flat_host[3 * stride:] = logits_rows
-        table_arr = np.empty((len(tables), max(map(len, tables))), dtype=np.int32)
-        fill_block_tables(table_arr, tables)
-        flat = self._to_device(flat_host)
+        pad = [0] * (stride - t)
+        flat_host = np.array(input_ids + pad + positions + pad + slots + pad + logits_rows, dtype=np.int64)
+        table_arr = block_table_array(tables)
+        ids_t, pos_t, slots_t, rows_t = self._upload_parts(flat_host, (0, t), (stride, stride + t),
+                                                           (2 * stride, 2 * stride + t), (3 * stride, len(flat_host)))
         return ModelInput(
-            input_ids=flat[:t], positions=flat[stride:stride + t],
-            meta=self._metadata(q_lens, context_lens, flat[2 * stride:2 * stride + t], table_arr),
-            logits_indices=flat[3 * stride:], sampling_seqs=sampling, drafts=drafts,
+            input_ids=ids_t, positions=pos_t,
+            meta=self._metadata(q_lens, context_lens, slots_t, table_arr),
+            logits_indices=rows_t, sampling_seqs=sampling, drafts=drafts,
             host=(flat_host[:t], flat_host[stride:stride + t], flat_host[2 * stride:2 * stride + t],
                   flat_host[3 * stride:], table_arr))
 
