@@ -104,10 +104,13 @@ def _run(engine, requests, abort_at):
             {k: v for k, v in logprobs.items() if k[0] in final})
 
 
+# A 14-block pool (preemption), a 12-token budget (chunked prefill), at most 3 sequences.
+FUZZ_ENGINE = dict(num_kvcache_blocks=14, max_num_batched_tokens=12, max_num_seqs=3)
+
+
 @pytest.fixture(scope="module")
 def fuzz_llm(tiny_ckpt):
-    # A 14-block pool (preemption), a 12-token budget (chunked prefill), at most 3 sequences.
-    llm = make_llm(tiny_ckpt, num_kvcache_blocks=14, max_num_batched_tokens=12, max_num_seqs=3)
+    llm = make_llm(tiny_ckpt, **FUZZ_ENGINE)
     yield llm
     llm.shutdown()
 
@@ -132,7 +135,7 @@ def test_a_random_fault_in_a_random_step_changes_nothing(fuzz_llm, monkeypatch, 
 
 @pytest.fixture(scope="module")
 def fuzz_spec_llm(tiny_ckpt):
-    llm = make_llm(tiny_ckpt, num_kvcache_blocks=14, max_num_batched_tokens=12, max_num_seqs=3,
+    llm = make_llm(tiny_ckpt, **FUZZ_ENGINE,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     yield llm
     llm.shutdown()

@@ -135,7 +135,7 @@ class PackedWeightMixin:
             destination[key] = self.weight.to_dense()
 
 
-def _shared_parameter_ids(model: nn.Module) -> set[int]:
+def shared_parameter_ids(model: nn.Module) -> set[int]:
     """ids of parameters registered in more than one module (tied embeddings)."""
     seen: set[int] = set()
     shared: set[int] = set()
@@ -157,7 +157,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
     modules = [m for m in model.modules() if hasattr(m, "pack_weights") and getattr(m, "int8", None) is None]
     if not modules:
         return
-    shared = _shared_parameter_ids(model)
+    shared = shared_parameter_ids(model)
     devices = {m.weight.device.type for m in modules}
     dtypes = {m.weight.dtype for m in modules}
     if devices != {"cpu"}:

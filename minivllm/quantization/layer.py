@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minivllm.layers.prepack import shared_parameter_ids
 from minivllm.quantization.int8 import Int8Weight, describe_kernel
 
 logger = logging.getLogger("minivllm")
@@ -125,15 +126,6 @@ class Int8LinearMixin:
             destination[prefix + "weight_int8"] = self.int8.int8_tensor()
 
 
-def _shared_parameter_ids(model: nn.Module) -> set[int]:
-    seen: set[int] = set()
-    shared: set[int] = set()
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            (shared if id(p) in seen else seen).add(id(p))
-    return shared
-
-
 def _is_lm_head(module: nn.Module) -> bool:
     return hasattr(module, "compute_logits")
 
@@ -147,7 +139,7 @@ def quantize_model(model: nn.Module, config: QuantConfig | None = None) -> int:
     config = config if config is not None else getattr(model, "quant_config", None)
     if config is None:
         return 0
-    shared = _shared_parameter_ids(model)
+    shared = shared_parameter_ids(model)
     before = after = 0
     count = 0
     kernels = set()
