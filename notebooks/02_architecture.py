@@ -282,8 +282,8 @@ def patch(obj, attr, label, note):
     real = getattr(obj, attr)
     patched.append((obj, attr, real, attr in vars(obj)))
 
-    def traced(*args):
-        result = real(*args)
+    def traced(*args, **kwargs):
+        result = real(*args, **kwargs)
         text = note(args, result)
         if label:
             trace.append((label, text))
