@@ -381,9 +381,11 @@ for _, res in journey:
           f"({r.model_ms / r.wall_ms:.0%}); everything else {r.wall_ms - r.model_ms:.2f} ms")
 
 # %% [markdown]
-# On the embedded model the forward pass is only a few milliseconds, so the rest of the engine
-# (Python bookkeeping) is a visible share; with a real model on a GPU, the forward pass dominates and
-# the engine's job becomes keeping the GPU fed, which later chapters measure.
+# The lines above give, for each step, the forward pass's share of the wall time; the rest is the
+# engine's own Python bookkeeping (scheduling, building inputs, sampling, detokenising), which costs
+# about the same per step whatever the model. With a real model on a GPU a step's forward pass can be
+# short enough that this bookkeeping matters, and the engine's job becomes keeping the GPU fed; later
+# chapters measure that.
 #
 # ## 5. Step it yourself
 #

@@ -455,13 +455,13 @@ from widgets import Question, Quiz
 
 Quiz([
     Question(
-        "A decode step at batch 1 and one at batch 4 issued the same number of operations. What follows?",
+        "A decode step at batch 1 and one at batch 4 issued the same kinds of operations, in nearly the same number. What follows?",
         ["The batch-4 step does no more arithmetic",
          "The per-operation host cost is a fixed floor per step, so larger batches spread it over more tokens",
          "The profiler missed the extra sequences",
          "Batch 4 must be using a CUDA graph"],
         1,
-        ["The matrices have four times as many rows: more arithmetic per operation, not more operations.",
+        ["The matrices have four times as many rows: more arithmetic per operation, and almost no more operations.",
          "Right: the dispatch cost is paid per operation, not per row; this is one reason batching makes "
          "decode cheaper per token.",
          "Each operation processes all sequences at once; the batch is a dimension of the tensors.",
@@ -500,7 +500,7 @@ Quiz([
 # %% [markdown]
 # ## Takeaways
 #
-# * A decode step issues the same few hundred operations whatever the batch; each costs
+# * A decode step issues nearly the same few hundred operations whatever the batch; each costs
 #   microseconds of host time, measured above: a fixed floor under every step, and on a GPU, where
 #   each operation is a kernel launch the device waits for, a large share of a small model's step.
 # * CUDA graphs replay a whole decode step with one launch. They need fixed shapes, so minivllm
