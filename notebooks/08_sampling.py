@@ -302,7 +302,7 @@ others = [("The module", SamplingParams(temperature=0, max_tokens=30, ignore_eos
           ("If the object", SamplingParams(temperature=1.2, max_tokens=10, ignore_eos=True)),
           ("Return", SamplingParams(temperature=0.8, top_k=5, seed=7, max_tokens=24, ignore_eos=True)),
           (PROMPT, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True)),  # A, no seed
-          ("The", SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)),
+          (PROMPT, SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)),
           (" ".join(["The function returns a new list."] * 8), SamplingParams(temperature=1.0, max_tokens=4)),
           ("Raise", SamplingParams(temperature=0.5, min_p=0.2, max_tokens=16, ignore_eos=True))]
 batch_prompts = [p for p, _ in others[:3]] + [PROMPT] + [p for p, _ in others[3:]]
