@@ -40,3 +40,21 @@ def prompts_of(lengths, seed: int = 0, vocab: int = 97) -> list[list[int]]:
 
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+def generate_spying_logits(llm, prompt, params):
+    """Generate one prompt; returns (its ``CompletionOutput``, the raw fp32 logits row of every
+    sampling step, as the runner computed them)."""
+    runner = llm.llm_engine.runner
+    rows, original = [], runner.forward_logits
+
+    def spy(inp, *args):
+        out = original(inp, *args)
+        rows.append((out[0] if args else out)[0].clone())
+        return out
+
+    runner.forward_logits = spy
+    try:
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0], rows
+    finally:
+        runner.forward_logits = original

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import add_tokenizer
-from helpers_engine import make_llm, prompts_of
+from helpers_engine import generate_spying_logits, make_llm, prompts_of
 from helpers_models import load_hf_model, make_hf_checkpoint
 from minivllm import Logprob, SamplingParams
 
@@ -99,30 +99,13 @@ def test_detokenize_false_leaves_decoded_tokens_out(setup):
     assert all(math.isfinite(v.logprob) and v.logprob <= 0 for d in c.logprobs for v in d.values())
 
 
-def _spied(llm, prompt, params):
-    """Generate with ``params``; returns (completion, raw logits row of every sampling step)."""
-    runner = llm.llm_engine.runner
-    rows, original = [], runner.forward_logits
-
-    def spy(inp, *args):
-        out = original(inp, *args)
-        rows.append((out[0] if args else out)[0].clone())
-        return out
-
-    runner.forward_logits = spy
-    try:
-        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0], rows
-    finally:
-        runner.forward_logits = original
-
-
 @pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
 def test_logprobs_modes(tiny_ckpt, mode):
     llm = make_llm(tiny_ckpt, logprobs_mode=mode)
     prompt = prompts_of([6], seed=12)[0]
     params = SamplingParams(temperature=2.0, top_k=3, seed=2, max_tokens=4, ignore_eos=True, logprobs=5,
                             logit_bias={7: 1.5})
-    c, rows = _spied(llm, prompt, params)
+    c, rows = generate_spying_logits(llm, prompt, params)
     for i, raw in enumerate(rows):
         biased = raw.clone()
         biased[7] += 1.5

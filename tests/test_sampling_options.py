@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_engine import make_llm, prompts_of
+from helpers_engine import generate_spying_logits, make_llm, prompts_of
 from minivllm import SamplingParams
 from minivllm.engine.output_processor import find_stop
 from minivllm.layers.logits_processors import banned_by_bad_words
@@ -53,27 +53,10 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_name(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def _raw_logits(llm, params, prompt=PROMPT):
-    """The engine's tokens and the raw logits of every sampled row (spied)."""
-    runner = llm.llm_engine.runner
-    rows, original = [], runner.forward_logits
-
-    def spy(inp, *args):
-        out = original(inp, *args)
-        rows.append((out[0] if args else out)[0].clone())
-        return out
-
-    runner.forward_logits = spy
-    try:
-        tokens = run(llm, params, prompt).token_ids
-    finally:
-        runner.forward_logits = original
-    return tokens, rows
-
-
 def test_frequency_and_presence_penalties_follow_openai(llm):
     params = G(12, frequency_penalty=1.3, presence_penalty=0.7)
-    tokens, rows = _raw_logits(llm, params)
+    completion, rows = generate_spying_logits(llm, PROMPT, params)
+    tokens = completion.token_ids
     for step, logits in enumerate(rows):
         counts = torch.bincount(torch.tensor(tokens[:step], dtype=torch.long), minlength=logits.numel()).float()
         expected = logits - counts * 1.3 - (counts > 0).float() * 0.7  # OpenAI's formula, output tokens only
