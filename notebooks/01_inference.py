@@ -132,7 +132,7 @@ for p, i in zip(*torch.topk(probs, 5)):
 # %% [markdown]
 # The logits are not probabilities: they are unnormalised scores. `softmax` (exponentiate, divide
 # by the sum) turns them into a probability distribution over the vocabulary. Which token to take
-# from that distribution is the *sampler's* decision (chapter 08). The simplest rule is **greedy**:
+# from that distribution is the *sampler's* decision (chapter 09). The simplest rule is **greedy**:
 # take the highest-scoring token.
 #
 # ## 3. The loop, by hand
@@ -264,7 +264,7 @@ Quiz([
          "A probability for the next token only", "The rest of the answer"],
         1,
         ["Choosing a token is a separate step, the sampler's job: greedy took the argmax here, "
-         "chapter 08 shows other rules.",
+         "chapter 09 shows other rules.",
          "Right: one number per vocabulary entry; softmax turns them into a distribution and the sampler picks.",
          "Logits are unnormalised scores for every candidate, not one probability; softmax over all of them "
          "gives the probabilities.",

@@ -326,7 +326,7 @@ for index, phase, n, blocks, used in history:
 # %% [markdown]
 # The reserved memory steps up one block at a time and never runs more than one block (15 slots)
 # ahead of what is used. Press **Run to end** above and the request finishes: its blocks go back to
-# the pool (the full ones stay registered in the prefix cache, hatched: chapter 07).
+# the pool (the full ones stay registered in the prefix cache, hatched: chapter 08).
 #
 # ## 6. Check yourself
 

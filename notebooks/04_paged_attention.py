@@ -35,7 +35,7 @@
 #
 # The embedded `minivllm-tiny` unless `MINIVLLM_MODEL` says otherwise. A small pool (64 blocks of
 # 16 token slots) keeps every block visible. Prefix caching is switched off here so that every block
-# belongs to exactly one request (sharing blocks between requests is chapter 07).
+# belongs to exactly one request (sharing blocks between requests is chapter 08).
 
 # %% tags=["parameters"]
 import os
@@ -285,7 +285,7 @@ print(f"waste (held but empty), summed over the run: paged {1 - totals['used'] /
 #
 # What paging costs: attention must find K and V through the block table instead of reading one
 # contiguous strip. The `torch` backend gathers them into a contiguous tensor before attending; the
-# Triton and flash-attn kernels (chapter 10) follow the block table inside the kernel.
+# Triton and flash-attn kernels (chapter 11) follow the block table inside the kernel.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -333,7 +333,7 @@ Quiz([
          "Right: decode steps cost about the same for 1 or many sequences (chapter 06), so more requests "
          "in memory means more tokens per step.",
          "Blocks are only a memory layout; the computation is the same attention over the same keys.",
-         "Prefill is unchanged; chapter 07's prefix caching is what skips part of it."],
+         "Prefill is unchanged; chapter 08's prefix caching is what skips part of it."],
     ),
 ]).display()
 

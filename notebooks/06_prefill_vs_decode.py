@@ -132,7 +132,7 @@ print("generated:", final.outputs[0].token_ids, repr(final.outputs[0].text))
 # One prefill step carried the whole prompt; each decode step carried a single token. The block
 # count goes up when the sequence crosses a multiple of 16 tokens, and drops to zero when the
 # request finishes and its blocks return to the pool (they stay in the prefix cache, reusable,
-# until something else needs the space: chapter 07).
+# until something else needs the space: chapter 08).
 #
 # ### Step it yourself
 #
@@ -822,4 +822,4 @@ Quiz([
 # * Chunked prefill (`enable_chunked_prefill`, unrelated to `enforce_eager`) bounds every step's size,
 #   and minivllm mixes the chunks with decodes, so a long prompt cannot freeze everyone else's stream.
 #
-# Next: chapter 07, prefix caching, skips prefill for tokens the cache has already seen.
+# Next: chapter 08, prefix caching, skips prefill for tokens the cache has already seen.

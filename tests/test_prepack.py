@@ -72,7 +72,7 @@ def test_packed_layers_match_f_linear_under_tensor_parallel_shards():
             assert layer.pack_weights() and layer.weight.is_mkldnn
             inp = x if layer is not down else torch.randn(5, inter // 2, generator=gen)
             torch.testing.assert_close(layer(inp), F.linear(inp, ref_w), atol=1e-5, rtol=1e-5)
-            # a direct loader call on a packed layer (as notebook 09 does) unpacks it first
+            # a direct loader call on a packed layer (as notebook 10 does) unpacks it first
             layer.weight.weight_loader(layer.weight, prepack.pack_weight(w))
             assert not layer.weight.is_mkldnn
             torch.testing.assert_close(layer.weight.data, ref_w, atol=0, rtol=0)

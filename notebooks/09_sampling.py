@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 08 · Sampling
+# # 09 · Sampling
 #
 # Every step, the model hands the engine one vector of scores (logits) per sequence, one score for
 # each token in the vocabulary. Turning that vector into *one* token is the sampler's job, and the
@@ -485,4 +485,4 @@ Quiz([
 #   match the softmax to within sampling noise), sort-free, and per row. Not every argmax-of-noise
 #   trick is exact: `argmax p_i * U_i` fails the same test.
 #
-# Next: chapter 09 splits the model itself across processes.
+# Next: chapter 10 splits the model itself across processes.

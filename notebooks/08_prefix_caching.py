@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 07 · Prefix Caching
+# # 08 · Prefix Caching
 #
 # Many requests to a served model begin with the same tokens: a system prompt, a few-shot template,
 # the conversation so far. Their keys and values in every layer are the same too, because KV depends
@@ -359,4 +359,4 @@ Quiz([
 #   evicted least recently used first. When the shared prefixes outgrow the pool, a round-robin
 #   workload drives the hit rate to zero (measured).
 #
-# Next: chapter 08 looks at the last stage of every step, picking the token.
+# Next: chapter 09 looks at the last stage of every step, picking the token.

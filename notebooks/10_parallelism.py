@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 09 · Parallelism: one model, two processes
+# # 10 · Parallelism: one model, two processes
 #
 # A model too big (or too slow) for one device can be cut into pieces that several devices run
 # together. **Tensor parallelism** cuts every weight matrix: each process (a *rank*) holds a slice
@@ -520,4 +520,4 @@ Quiz([
 # * Whether it pays is a measurement: on a CPU with a tiny model the collectives dominate each
 #   step; on GPUs with large layers and fast links the halved compute wins.
 #
-# Next: chapter 10, optimizations: CUDA graphs, torch.compile and attention kernels.
+# Next: chapter 11, optimizations: CUDA graphs, torch.compile and attention kernels.

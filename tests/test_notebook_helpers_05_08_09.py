@@ -1,4 +1,4 @@
-"""Course notebooks 05 (scheduler), 07 (prefix caching) and 08 (sampling): conventions.
+"""Course notebooks 05 (scheduler), 08 (prefix caching) and 09 (sampling): conventions.
 
 Fast checks on the chapters' sources (``notebooks/NN_name.py``, jupytext-paired with the ``.ipynb``;
 tests/test_notebooks.py checks each pair holds the same cells) and the stored notebooks (nothing is
@@ -20,8 +20,8 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = {"05": "05_scheduler", "07": "07_prefix_caching", "08": "08_sampling"}
-WIDGETS = {"05": "SchedulerTimeline", "07": "PrefixCacheView", "08": "SamplingExplorer"}
+CHAPTERS = {"05": "05_scheduler", "08": "08_prefix_caching", "09": "09_sampling"}
+WIDGETS = {"05": "SchedulerTimeline", "08": "PrefixCacheView", "09": "SamplingExplorer"}
 TIMING = re.compile(r"wall_ms|ttft_ms|perf_counter|seconds|_ms\b|time\.")
 
 

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 11 · Benchmarks: measuring the whole engine
+# # 12 · Benchmarks: measuring the whole engine
 #
 # Every earlier chapter measured one mechanism. A benchmark measures the engine as a user meets
 # it: a batch of requests in, tokens out, and a number to compare. The number only means something

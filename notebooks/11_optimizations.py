@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 10 · Optimizations: launches, graphs, compilers and kernels
+# # 11 · Optimizations: launches, graphs, compilers and kernels
 #
 # A decode step of a small model does very little arithmetic, and yet it can be slow: the host
 # spends its time *issuing* hundreds of small operations, one after another. This chapter measures
@@ -512,4 +512,4 @@ Quiz([
 #   our Triton kernels match it (checked here in the interpreter) and run at speed on GPUs, as does
 #   flash-attn.
 #
-# Next: chapter 11, benchmarks: measuring the whole engine against a peer.
+# Next: chapter 12, benchmarks: measuring the whole engine against a peer.
