@@ -13,6 +13,8 @@ or as an ipywidgets container (they are ``VBox`` subclasses):
 * :class:`PrefixCacheView` - shared system prompt: per-block hits and the TTFT saved.
 * :class:`ChunkedPrefillDemo` - inter-token latency of decoding requests with and without chunking.
 * :class:`Quiz` - multiple choice, where each wrong answer explains the slip.
+* :func:`check_prediction`, :func:`check_claim`, :func:`render` - exercises and claims checked
+  against this run's measurements (``widgets/course.py``).
 
 Names are imported lazily so ``import widgets`` stays cheap.
 """
@@ -31,6 +33,9 @@ _EXPORTS = {
     "PrefixCacheView": "widgets.prefix_cache_view",
     "ChunkedPrefillDemo": "widgets.chunked_prefill_demo",
     "Quiz": "widgets.quiz",
+    "check_prediction": "widgets.course",
+    "check_claim": "widgets.course",
+    "render": "widgets.course",
     "Question": "widgets.quiz",
     "measure_step_latency": "widgets.measure",
     "figure_html": "widgets._static",

@@ -1,0 +1,132 @@
+"""Course conventions in code: predictions checked against measurements, claims checked on this run.
+
+Two kinds of sentence in a notebook depend on the machine that runs it: a learner's prediction
+("I expect batch 4 to cost 1.2x batch 1") and the author's claim ("decode at batch 4 costs about
+the same as at batch 1"). Neither may be typed beside a number that a cell measures, because the
+number changes from run to run and machine to machine. These helpers print the comparison from the
+measurement itself, and never raise for a machine-dependent outcome: a notebook that runs on a busy
+laptop where a claim does not hold says so plainly and carries on (nbval keeps passing).
+
+* :func:`check_prediction` - a learner's numeric prediction against the measured value.
+* :func:`check_claim` - an author's claim, evaluated on this run, with what was measured.
+* :func:`render` - Markdown built from measured values (``display(Markdown(...))``).
+
+Raises ``TypeError``/``ValueError`` only for programming errors (a non-numeric measurement, a
+negative tolerance), never for what the machine measured.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["PredictionCheck", "ClaimCheck", "check_prediction", "check_claim", "render"]
+
+
+@dataclass(frozen=True)
+class PredictionCheck:
+    """The outcome of :func:`check_prediction`.
+
+    Attributes:
+        prediction: what the learner wrote (None when they wrote nothing).
+        measured: the value this run measured.
+        rel_error: ``|prediction - measured| / |measured|`` (None without a prediction or when
+            ``measured`` is 0).
+        close: whether the prediction is within the tolerance (False without a prediction).
+    """
+
+    prediction: float | None
+    measured: float
+    rel_error: float | None
+    close: bool
+
+
+def _number(name: str, value) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    if math.isnan(out):
+        raise ValueError(f"{name} is NaN")
+    return out
+
+
+def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str = "",
+                     what: str = "the measured value") -> PredictionCheck:
+    """Compare a learner's numeric prediction with a measurement from this run and print the result.
+
+    Args:
+        prediction: the learner's number (int/float), or None when the exercise cell was left empty.
+        measured: the value the notebook measured just now.
+        rel_tol: relative tolerance counted as "close" (0.25 = within 25%).
+        unit: printed after the numbers (e.g. ``"ms"``, ``"x"``).
+        what: a short name for the quantity, used in the printed sentence.
+
+    Returns:
+        A :class:`PredictionCheck`; it is also printed as one or two plain sentences.
+
+    Raises:
+        TypeError: ``measured`` (or a given ``prediction``) is not a number.
+        ValueError: ``rel_tol`` is negative, or ``measured`` is NaN.
+    """
+    if rel_tol < 0:
+        raise ValueError(f"rel_tol must be >= 0, got {rel_tol}")
+    m = _number("measured", measured)
+    u = f" {unit}" if unit else ""
+    if prediction is None:
+        print(f"No prediction written. {what.capitalize()} on this run: {m:.4g}{u}. "
+              "Write your guess in the exercise cell and run both cells again.")
+        return PredictionCheck(None, m, None, False)
+    p = _number("prediction", prediction)
+    rel = abs(p - m) / abs(m) if m != 0 else None
+    close = (rel is not None and rel <= rel_tol) or (m == 0 and p == 0)
+    verdict = "close" if close else "not close"
+    detail = f"{rel:.0%} off" if rel is not None else "measured 0"
+    print(f"You predicted {p:.4g}{u}; {what} on this run is {m:.4g}{u} ({detail}: {verdict}, "
+          f"tolerance {rel_tol:.0%}).")
+    if not close:
+        print("Before opening the solution, ask which cost your estimate left out or counted twice.")
+    return PredictionCheck(p, m, rel, close)
+
+
+@dataclass(frozen=True)
+class ClaimCheck:
+    """The outcome of :func:`check_claim`: the claim, whether it held on this run, and the evidence."""
+
+    claim: str
+    holds: bool
+    evidence: str
+
+
+def check_claim(claim: str, holds, evidence: str, *, why_it_may_not: str = "") -> ClaimCheck:
+    """Print whether a claim made in the prose holds on this run, with the measured evidence.
+
+    Args:
+        claim: the sentence as the prose states it (phrased so it should hold on any machine).
+        holds: the condition, computed from this run's measurements (truthy/falsy).
+        evidence: the measured figures behind it, as text (e.g. ``"batch 4: 1.12x batch 1"``).
+        why_it_may_not: printed when the claim fails here: what on a machine can break it (load
+            from other processes, a GPU's launch overhead, ...).
+
+    Returns:
+        A :class:`ClaimCheck` (never raises for a claim that does not hold).
+    """
+    ok = bool(holds)
+    if ok:
+        print(f"Holds on this run: {claim} ({evidence}).")
+    else:
+        print(f"Does NOT hold on this run: {claim} ({evidence})."
+              + (f" {why_it_may_not}" if why_it_may_not else ""))
+    return ClaimCheck(claim, ok, evidence)
+
+
+def render(text: str):
+    """Display ``text`` as Markdown (a sentence built from measured values) and return the object.
+
+    Use an f-string over the cell's results, so the number in the sentence is the number measured:
+    ``render(f"Batch 4 cost **{r4:.2f}x** batch 1 here.")``.
+    """
+    from IPython.display import Markdown, display
+
+    md = Markdown(text)
+    display(md)
+    return md
