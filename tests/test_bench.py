@@ -246,3 +246,37 @@ def test_speculative_mode_compares_the_same_tokens_with_and_without_drafts():
         assert r["tpot_ms"] > 0 and r["spec_tpot_ms"] > 0 and r["speedup"] == r["tpot_ms"] / r["spec_tpot_ms"]
         assert r["acceptance_rate"] is not None and 0 <= r["acceptance_rate"] <= 1
     assert res.to_dict()["speculative_config"]["method"] == "ngram"
+
+
+def test_sweep_cli_writes_the_roofline_html_only_when_asked(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    """``bench --sweep`` leaves the current directory alone; ``--html PATH`` writes the chart there."""
+    pytest.importorskip("plotly")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    args = ["--model", str(tiny_ckpt), "--sweep", "--batch-sizes", "1", "--prompt-lens", "8",
+            "--decode-steps", "2", "--threads", "1"]
+    res = bench.run_cli(args, peak_kwargs=PEAKS)
+    assert res["sweep"].html is None and list(cwd.iterdir()) == []
+    assert "--html PATH writes it" in capsys.readouterr().out
+    res = bench.run_cli(args + ["--html", "out/roof.html"], peak_kwargs=PEAKS)
+    assert res["sweep"].html == "out/roof.html" and (cwd / "out" / "roof.html").exists()
+
+
+def test_weights_line_says_what_it_counts():
+    """The sweep's weights line gives the whole model in the engine's dtype (a tied embedding once)
+    and the part a decode step reads, so it can be checked against a checkpoint's size."""
+    from minivllm.bench.report import weights_summary
+    from minivllm.models.presets import load_preset_config
+    from minivllm.telemetry.roofline import ModelCost
+
+    cfg = load_preset_config("qwen3-0.6b")
+    for dtype in ("float32", "bfloat16"):
+        cost = ModelCost.from_config(cfg, dtype=dtype)
+        line = weights_summary(cost.to_dict(), dtype)
+        total = cost.num_params * cost.weight_bytes  # tied: the one matrix counted once
+        assert f"{cost.num_params / 1e6:.1f}M parameters" in line
+        assert f"{total / 2**20:.1f} MiB ({total / 1e9:.2f} GB) in {dtype}" in line
+        assert "counted once" in line
+        assert f"decoder layers ({cost.body_weight_bytes / 2**20:.1f} MiB)" in line
+        assert f"LM head ({cost.lm_head_bytes / 2**20:.1f} MiB)" in line

@@ -16,7 +16,8 @@ them. Modules: ``workload`` (prompts and lengths), ``peers`` (transformers, nano
   the greedy outputs are identical.
 * ``--sweep``: decode step time vs batch size and prefill step time vs prompt
   length, each point placed on a roofline (FLOPs and bytes from
-  ``minivllm.telemetry.roofline`` against measured peaks), written as a plotly HTML.
+  ``minivllm.telemetry.roofline`` against measured peaks); ``--html PATH`` also writes the
+  roofline as a plotly HTML (no file is written without it).
 * ``--speculative ngram``: greedy decode TPOT with and without speculative decoding on prompts
   whose continuation repeats their context, per batch size (``speculative``).
 * ``--overhead``: the engine's own CPU cost (scheduler, block manager, input

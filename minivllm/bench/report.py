@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["describe_peaks", "peaks_summary", "print_throughput", "print_sweep_summary", "overhead_row",
+__all__ = ["describe_peaks", "peaks_summary", "print_throughput", "print_sweep_summary", "weights_summary", "overhead_row",
            "print_overhead_comparison", "roofline_figure", "write_roofline_html"]
 
 
@@ -78,7 +78,33 @@ def print_sweep_summary(result, log=print) -> None:
     if one is not None and four is not None:
         log(f"decode step at batch 4 / batch 1: {four['step_ms'] / one['step_ms']:.2f}x")
     log(f"ridge point: {pk['ridge_intensity']:.1f} FLOPs/byte (peaks {pk['flops_per_s'] / 1e9:.1f} GFLOP/s, "
-        f"{pk['mbu_bytes_per_s'] / 1e9:.1f} GB/s); weights {result['model_cost']['body_weight_bytes'] / 2**20:.1f} MiB")
+        f"{pk['mbu_bytes_per_s'] / 1e9:.1f} GB/s)")
+    log(weights_summary(result["model_cost"], result["dtype"]))
+
+
+def weights_summary(cost: dict, dtype: str) -> str:
+    """One line saying what the model's weights weigh in the dtype the engine holds them in, and
+    which of them a decode step reads.
+
+    A checkpoint's size on disk is that of its stored dtype (bf16 for Qwen3), and ``random:`` models
+    and CPU runs hold fp32, so the same model weighs twice as much here; a tied embedding is one
+    matrix, stored and counted once. ``cost`` is ``ModelCost.to_dict()``."""
+    body, head = cost["body_weight_bytes"], cost["lm_head_bytes"]
+    embed = cost["embedding_params"] * cost["weight_bytes"]
+    int8_head = cost.get("quantization") == "int8" and cost.get("quantize_lm_head", True)
+    shared = cost["tie_word_embeddings"] and not int8_head  # one matrix serves as embedding and LM head
+    total = body + head + (0 if shared else embed)
+    quant = f", {cost['quantization']} layers" if cost.get("quantization") else ""
+    if shared:
+        embedding = "embedding tied to the LM head, counted once"
+    elif cost["tie_word_embeddings"]:
+        embedding = "float embedding plus the int8 copy of it that serves as LM head"
+    else:
+        embedding = "embedding and LM head separate"
+    return (f"weights: {cost['num_params'] / 1e6:.1f}M parameters, {total / 2**20:.1f} MiB "
+            f"({total / 1e9:.2f} GB) in {dtype}{quant} "
+            f"({embedding}); a decode step reads the decoder layers ({body / 2**20:.1f} MiB) and the LM head "
+            f"({head / 2**20:.1f} MiB)")
 
 
 def overhead_row(row: dict) -> str:

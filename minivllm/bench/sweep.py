@@ -150,6 +150,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         if html:
             result.html = str(write_roofline_html(result, html))
             log(f"roofline written to {result.html}")
+        else:
+            log("roofline chart not written (--html PATH writes it)")
         return result
     finally:
         llm.shutdown()
