@@ -1,31 +1,57 @@
-"""Command line: ``python -m minivllm generate "prompt"`` and ``python -m minivllm bench``."""
+"""Command line: ``minivllm generate "prompt"`` and ``minivllm bench`` (also ``python -m minivllm ...``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 
-def _generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minivllm generate",
+DEVICE_HELP = "'auto' (default: CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'"
+DTYPE_HELP = "'auto' (default: bfloat16 on CUDA, float32 on CPU), 'float32', 'bfloat16' or 'float16'"
+BACKEND_HELP = ("'auto' (default: flash_attn on CUDA where installed, else triton on CUDA, else torch), "
+                "'torch', 'triton' or 'flash_attn'")
+
+
+def prog_name() -> str:
+    """How the command was started: ``minivllm`` (the console script) or ``python -m minivllm``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "minivllm" if name == "minivllm" else "python -m minivllm"
+
+
+def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The arguments of ``minivllm generate``."""
+    parser = argparse.ArgumentParser(prog=f"{prog or prog_name()} generate",
                                      description="Stream a completion and print measured TTFT, TPOT and tokens/s.")
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--model", default=None,
-                        help="checkpoint directory, 'minivllm-tiny' (default) or 'random:<preset>'")
-    parser.add_argument("--max-tokens", type=int, default=64)
+                        help="checkpoint directory, 'minivllm-tiny' (default) or 'random:<preset>' "
+                             "(random weights at a real shape, e.g. random:qwen3-0.6b)")
+    parser.add_argument("--max-tokens", type=int, default=64,
+                        help="most tokens to generate (default 64; fewer when the model's max_model_len "
+                             "leaves less room, with a warning)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the smallest set of tokens whose probabilities add up to this "
+                             "value (default 1.0: all)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample from the K most likely tokens (default 0: all)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 1 makes tokens already in the prompt or output less likely (default 1.0: off)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of this request's sampling, for reproducible output at temperature > 0")
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    parser.add_argument("--attention-backend", default="auto", help=BACKEND_HELP)
     parser.add_argument("--threads", default="auto",
                         help="torch CPU threads. 'auto' (default): the cores the 1-minute load average leaves "
                              "idle, at least 1 (OpenMP threads wait on each other, so a thread on a core another "
-                             "process holds slows every step down, ~10x measured on a busy 2-core machine); "
-                             "an int N: exactly N")
+                             "process holds slows every step down); an int N: exactly N")
+    return parser
+
+
+def _generate(argv: list[str]) -> int:
+    parser = build_generate_parser()
     args = parser.parse_args(argv)
 
     import torch
@@ -81,14 +107,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:]) or 0
     if not argv or argv[0] not in commands:
-        print("usage: python -m minivllm {generate,bench} ...\n"
+        prog = prog_name()
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(f"usage: {prog} {{generate,bench}} ...\n"
               "  generate PROMPT [--model PATH] [--max-tokens N] ...   stream a completion\n"
               "  bench [--model M] [--sweep] [--overhead] ...          offline benchmark vs transformers\n"
-              "  both take --threads {auto,N}: torch CPU threads (auto: the cores the load average leaves idle)",
-              file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+              "  both take --threads {auto,N}: torch CPU threads (auto: the cores the load average leaves idle)\n"
+              f"  {prog} generate --help, {prog} bench --help: every option",
+              file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     return commands[argv[0]](argv[1:])
-
 
 if __name__ == "__main__":
     sys.exit(main())

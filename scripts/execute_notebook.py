@@ -80,7 +80,7 @@ def execute(path: Path, timeout: int = 600, store_widget_state: bool = False) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python scripts/execute_notebook.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("notebooks", nargs="+", type=Path, help="notebooks/NN_name.py or .ipynb")
     ap.add_argument("--timeout", type=int, default=600, help="seconds allowed per cell (default 600)")
     args = ap.parse_args(argv)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One-command check of minivllm's GPU path (issues 3 and 15), within 8 minutes on one H200.
+"""One-command check of minivllm's GPU path, within 8 minutes on one H200.
 
     python3 scripts/gpu_check.py [--scale 1.0] [--out gpu_check.json] [--budget-s 480]
 
@@ -105,7 +105,10 @@ def default_out() -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python3 scripts/gpu_check.py",
+                                description="One-command check of minivllm's GPU path (kernels, CUDA graphs, "
+                                            "KV pool, TPOT, throughput against transformers), within the "
+                                            "--budget-s budget; results go to a JSON file.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", type=float, default=1.0,
                    help="fraction of nano-vllm's 256-request workload to run (default 1.0)")
@@ -114,9 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help=f"model for the speed sections (default random:qwen3-0.6b; {SMOKE_MODEL} with --smoke)")
     p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma-separated subset of {','.join(SECTIONS)}")
+                   help=f"comma-separated subset of the sections: {', '.join(SECTIONS)} (default: all)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile of the small fused ops (engine arg `compile`; auto = engine default)")
+                   help="torch.compile of the small fused ops (the engine argument compile; auto: the engine's default)")
     p.add_argument("--hf-budget-s", type=float, default=45.0,
                    help="seconds of transformers generate for the offline ratio (whole batches)")
     p.add_argument("--hf-batch", type=int, default=64, help="transformers generate batch size")
@@ -125,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="wall-clock budget of the whole run; sections past it are skipped (default 480)")
     p.add_argument("--section-timeout-s", type=float, default=DEFAULT_SECTION_TIMEOUT_S,
                    help="a section still running after this many seconds is killed (default 240)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and weights (default 0)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (CUDA graphs emulated): checks "
                         "this script's plumbing on a machine without a GPU; its numbers mean nothing")

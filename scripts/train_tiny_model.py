@@ -831,20 +831,23 @@ and re-renders this file.{conversion}
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python scripts/train_tiny_model.py",
+                                description="Train the embedded default model minivllm-tiny on CPU, from text "
+                                            "that ships with CPython.")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (Hugging Face layout)")
     p.add_argument("--doc", default=str(DEFAULT_DOC), help="Markdown training record to write ('' to skip)")
     p.add_argument("--minutes", type=float, default=20.0, help="training-time budget in minutes")
     p.add_argument("--steps", type=int, default=None, help="run exactly this many steps instead of --minutes")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1: shared machine)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup-steps", type=int, default=100)
-    p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and batch order (default 0)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of AdamW (default 2e-3)")
+    p.add_argument("--warmup-steps", type=int, default=100, help="linear warm-up steps (default 100)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="the cosine schedule ends at this fraction of --lr (default 0.1)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip (default 1.0)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default 256)")
     p.add_argument("--evals", type=int, default=20, help="number of held-out evaluations over the run")
     p.add_argument("--render-doc", metavar="RECORD", default=None,
                    help="only re-render --doc from an existing training_record.json, no training")

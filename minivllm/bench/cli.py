@@ -17,18 +17,26 @@ from minivllm.utils.threads import ThreadChoice, choose_threads
 __all__ = ["build_parser", "main", "run_cli"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minivllm bench", description="offline throughput against transformers, roofline sweeps, engine overhead against nano-vllm",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The arguments of ``minivllm bench`` (``prog``: the command's name, default as it was started)."""
+    from minivllm.__main__ import BACKEND_HELP, DEVICE_HELP, DTYPE_HELP, prog_name
+
+    p = argparse.ArgumentParser(prog=f"{prog or prog_name()} bench",
+                                description="Offline throughput against transformers (default), roofline sweeps "
+                                            "(--sweep), engine overhead against nano-vllm (--overhead), speculative "
+                                            "decoding (--speculative) and int8 weights (--quantization), each "
+                                            "measured in this run.")
     p.add_argument("--model", default=None,
                    help="embedded model (default), 'random:qwen3-0.6b', or a local checkpoint directory")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
                    help="'nano' (256 requests, 100..1024 in/out; default on GPU) or 'cpu' (32 requests; default on CPU)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the workload's number of requests")
-    p.add_argument("--num-requests", type=int, default=None)
-    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
-    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-requests", type=int, default=None, help="number of requests (overrides --workload's)")
+    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                   help="prompt lengths, uniform in MIN..MAX tokens (overrides --workload's)")
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                   help="output lengths, uniform in MIN..MAX tokens (overrides --workload's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's random prompts and lengths (default 0)")
     p.add_argument("--no-peers", action="store_true", help="run minivllm only")
     p.add_argument("--peers", default="hf_generate,hf_generate_batch",
                    help="comma-separated: hf_generate, hf_generate_batch")
@@ -60,15 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per engine for --quantization")
     p.add_argument("--no-quantize-lm-head", action="store_true", help="--quantization with the LM head kept in float")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
-    p.add_argument("--quiet", action="store_true")
-    e = p.add_argument_group("engine arguments")
-    e.add_argument("--device", default=None)
-    e.add_argument("--dtype", default=None)
-    e.add_argument("--attention-backend", default=None)
-    e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--enforce-eager", action="store_true", default=None)
+    p.add_argument("--quiet", action="store_true", help="print nothing (with --json: the results only go there)")
+    e = p.add_argument_group("engine arguments (as LLM(...) takes them; default: the engine's)")
+    e.add_argument("--device", default=None, help=DEVICE_HELP)
+    e.add_argument("--dtype", default=None, help=DTYPE_HELP)
+    e.add_argument("--attention-backend", default=None, help=BACKEND_HELP)
+    e.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one engine step")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one engine step")
+    e.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
+    e.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (CUDA only)")
     return p
 
 

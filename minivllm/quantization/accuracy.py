@@ -251,13 +251,18 @@ def logits_error(model: str = "random:qwen3-0.6b", prompt_len: int = 16, seed: i
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m minivllm.quantization.accuracy", description=__doc__.splitlines()[0])
-    p.add_argument("--random-model", default="random:qwen3-0.6b")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p = argparse.ArgumentParser(prog="python -m minivllm.quantization.accuracy",
+                                description="How much int8 weights change a model's outputs, measured against "
+                                            "the same model in fp32.")
+    p.add_argument("--random-model", default="random:qwen3-0.6b",
+                   help="random-weight model at a real shape for the logits comparison (default random:qwen3-0.6b)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens for the logits comparison (default 16)")
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="greedy tokens generated per prompt for the agreement figure (default 32)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--skip", nargs="*", default=(), choices=("loss", "agreement", "logits"))
-    p.add_argument("--json", default=None)
+    p.add_argument("--skip", nargs="*", default=(), choices=("loss", "agreement", "logits"),
+                   help="figures not to compute")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -126,9 +126,11 @@ def engine_linear_times(model: str = "random:qwen3-0.6b", max_tokens: int = 9, p
 def main(argv: list[str] | None = None) -> list[dict]:
     import torch
 
-    p = argparse.ArgumentParser(prog="python -m minivllm.quantization.probe_cpu", description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    p = argparse.ArgumentParser(prog="python -m minivllm.quantization.probe_cpu",
+                                description="Time the CPU int8 matmul candidates on Qwen3-0.6B's linear shapes.")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8],
+                   help="activation rows (tokens in the step) to time (default 1 8)")
     p.add_argument("--engine", default=None, metavar="MODEL",
                    help="instead: time the int8 matmuls inside LLM(MODEL, quantization='int8') at batch 1")
     args = p.parse_args(argv)
