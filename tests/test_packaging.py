@@ -49,3 +49,30 @@ def test_ci_runs_the_readme_test_command():
 
 def test_readme_main_command_uses_the_cli():
     assert "python -m minivllm generate" in _readme_command("main-command")
+
+
+def test_readme_documents_the_console_script_beside_python_m():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    text = (ROOT / "README.md").read_text()
+    for name in scripts:
+        assert f"`{name} generate" in text and f"`{name} bench" in text, f"README does not show the {name} command"
+    assert "python -m minivllm generate" in text
+
+
+def test_readme_download_command_is_the_one_huggingface_hub_ships():
+    """huggingface-hub 1.x installs ``hf``; ``huggingface-cli`` is gone."""
+    text = (ROOT / "README.md").read_text()
+    assert "huggingface-cli" not in text and "hf download " in text
+
+
+def test_readme_streaming_snippets_end_their_line():
+    """A snippet that prints streamed deltas with ``end=""`` prints a newline after the loop, so the
+    next output does not continue the streamed line."""
+    blocks = re.findall(r"```python\n(.+?)\n```", (ROOT / "README.md").read_text(), re.S)
+    streaming = [b for b in blocks if 'end=""' in b]
+    assert streaming, "the README's streaming example is gone"
+    for block in streaming:
+        lines = block.splitlines()
+        last = max(i for i, line in enumerate(lines) if 'end=""' in line)
+        after = [line.split("#")[0].strip() for line in lines[last + 1:]]
+        assert "print()" in after, f"no print() after the streamed output in:\n{block}"
