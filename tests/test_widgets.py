@@ -568,13 +568,92 @@ def test_static_fallback_without_chrome_is_an_svg(monkeypatch, llm):
     assert "static image unavailable" in _static.figure_html(tl.chart)
 
 
-def test_chart_titles_say_what_was_measured_where(llm):
-    from widgets import EngineStepper
+def _ready_sweep() -> list[dict]:
+    """Step rows as widgets.measure returns them (made up: these tests check drawing, not timing)."""
+    rows = [dict(phase="prefill", tokens=n, wall_ms=1.0 + 0.1 * n) for n in (8, 16)]
+    return rows + [dict(phase="decode", batch=b, wall_ms=2.0 + 0.2 * b) for b in (1, 2)]
+
+
+def _charts_of_every_widget(llm, model_path):
+    """(name, figure, the LLM it measures) for every chart the widgets draw, built without running
+    workloads (the latency calculator gets a ready-made sweep)."""
+    from widgets import (ChunkedPrefillDemo, EngineStepper, LatencyCalculator, PrefixCacheView, SamplingExplorer,
+                         SchedulerTimeline, UtilisationMonitor)
 
     stepper = EngineStepper(llm)
-    title = stepper.chart.layout.title.text
-    cfg = llm.llm_engine.config
-    assert f"measured on {cfg.device}" in title and llm.llm_engine.source.name in title and "float32" in title
+    sweep = _ready_sweep()
+    calc = LatencyCalculator(llm, sweeps={llm.llm_engine.source.name: sweep})
+    monitor = UtilisationMonitor(llm)
+    whole = LLM(model_path, block_size=BLOCK, num_kvcache_blocks=32, enable_chunked_prefill=False)
+    demo = ChunkedPrefillDemo(llm, whole, long_prompt_len=32, run=False)
+    charts = [("EngineStepper", stepper.chart, llm), ("SchedulerTimeline", SchedulerTimeline(stepper=stepper).chart, llm),
+              ("SchedulerTimeline(llm=)", SchedulerTimeline(records=[], arrivals={}, llm=llm).chart, llm),
+              ("LatencyCalculator", calc.chart, llm),
+              ("PrefixCacheView", PrefixCacheView(llm, ids(20), [ids(3, 60), ids(3, 70)], run=False).chart, llm),
+              ("SamplingExplorer", SamplingExplorer(llm, prompt="The list", top_n=5).chart, llm),
+              ("UtilisationMonitor.series", monitor.series, llm), ("UtilisationMonitor.roofline", monitor.roofline, llm),
+              ("ChunkedPrefillDemo", demo.chart, llm)]
+    return charts, whole
+
+
+def test_every_chart_title_names_device_model_dtype_and_threads(llm, model_path):
+    """One provenance line (``env_report.chart_provenance``) under every widget chart's title, and
+    every axis labelled."""
+    import torch
+
+    from minivllm.utils.env_report import chart_provenance
+
+    charts, whole = _charts_of_every_widget(llm, model_path)
+    try:
+        cfg = llm.llm_engine.config
+        n = torch.get_num_threads()
+        for name, fig, measured in charts:
+            title = fig.layout.title.text
+            assert chart_provenance(measured) in title, name
+            assert f"measured on {cfg.device}" in title and llm.llm_engine.source.name in title, name
+            assert "float32" in title and f"{n} CPU thread" in title, name
+            for axis in ("xaxis", "yaxis"):
+                label = fig.layout[axis].title.text
+                if name.startswith("SchedulerTimeline") and axis == "xaxis":  # shared with the bar panel's
+                    label = fig.layout.xaxis2.title.text
+                assert label, f"{name}: {axis} has no label"
+    finally:
+        whole.shutdown()
+
+
+def test_latency_calculator_bars_on_a_linear_axis_with_units(llm):
+    from widgets import LatencyCalculator
+
+    sweep = _ready_sweep()
+    calc = LatencyCalculator(llm, sweeps={llm.llm_engine.source.name: sweep})
+    assert calc.chart.layout.yaxis.type in (None, "linear")
+    assert "(ms)" in calc.chart.layout.yaxis.title.text
+    assert all(t.type == "bar" and "ms" in t.texttemplate for t in calc.chart.data)
+
+
+def test_static_svg_ticks_are_round_and_overlay_axes_get_round_ticks(monkeypatch):
+    """Tick labels at round values (not max/4 steps such as 2.1 / 4.21 / 6.31), and a second y axis
+    drawn by show_figure gets plotly's round ticks instead of ticks synced to the first axis."""
+    import plotly.graph_objects as go
+
+    from widgets import _static
+
+    assert _static.nice_ticks(0, 8.42) == [0, 2, 4, 6, 8, 10]
+    assert _static.nice_ticks(0, 0.37) == [0, 0.1, 0.2, 0.3, 0.4]
+    assert _static.nice_step(1234) == 250
+    monkeypatch.setattr(_static, "_disabled", True)
+    fig = go.Figure(go.Bar(x=["a", "b"], y=[8.42, 3.0]))
+    labels = re.findall(r"text-anchor='end'>([^<]*)<", _static.figure_svg(fig))
+    assert labels == ["0", "2", "4", "6", "8", "10"]
+    fig = go.Figure()
+    fig.add_scatter(x=[1, 2], y=[0.2, 0.9])
+    fig.add_scatter(x=[1, 2], y=[2.1, 8.42], yaxis="y2")
+    fig.update_layout(yaxis=dict(range=[0, 1]), yaxis2=dict(title="TTFT (ms)", overlaying="y", side="right"),
+                      yaxis3=dict(overlaying="y", dtick=5))
+    _static.StaticFigure(fig)
+    assert fig.layout.yaxis2.tickmode == "auto" and fig.layout.yaxis2.showgrid is False
+    assert fig.layout.yaxis3.tickmode is None  # its own tick settings are kept
+    assert fig.layout.yaxis.tickmode is None
 
 
 def test_stepper_shows_accepted_and_rejected_draft_tokens():

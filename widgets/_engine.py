@@ -22,16 +22,22 @@ def engine_of(llm):
 
 
 def provenance(llm) -> str:
-    """Where a chart's measurements come from: ``"measured on cpu · minivllm-tiny · float32"``
-    (device, model, dtype of the live engine), for chart subtitles."""
-    engine = engine_of(llm)
-    cfg = engine.config
-    return f"measured on {cfg.device} · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')}"
+    """Where a chart's measurements come from: ``"measured on cpu · minivllm-tiny · float32 · 1 CPU
+    thread"`` (device, model, dtype of the live engine, torch's CPU threads), for chart subtitles;
+    the one function every widget's chart uses (``minivllm.utils.env_report.chart_provenance``).
+
+    Raises:
+        ValueError: ``llm`` is not an engine, or has been shut down."""
+    from minivllm.utils.env_report import chart_provenance
+
+    return chart_provenance(engine_of(llm))
 
 
 def titled(title: str, llm) -> str:
-    """A plotly title with the provenance line under it."""
-    return f"{title}<br><sup>{html.escape(provenance(llm))}</sup>"
+    """A plotly title with the provenance line under it (``env_report.chart_title``)."""
+    from minivllm.utils.env_report import chart_title
+
+    return chart_title(title, engine_of(llm))
 
 
 def parse_prompt(text: str):

@@ -191,12 +191,34 @@ def __getattr__(name):  # LiveFigure is built on first use: importing this modul
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def round_overlay_ticks(fig):
+    """Give every overlaying axis (a second y axis on the right, ``overlaying="y"``) plotly's own
+    round tick values, and returns ``fig``.
+
+    plotly.js defaults an overlaying axis without tick settings to ``tickmode="sync"``: its ticks sit
+    on the main axis's grid lines, at values such as 2.1 / 4.21 / 6.31 ms. With ``tickmode="auto"``
+    they are round numbers; the overlaying axis's own grid is hidden so that the two grids do not
+    cross. Axes with any tick setting of their own are left as they are."""
+    for name in list(fig.layout):
+        if not (name.startswith("yaxis") or name.startswith("xaxis")):
+            continue
+        axis = fig.layout[name]
+        if axis is None or not getattr(axis, "overlaying", None):
+            continue
+        if axis.tickmode is None and axis.tickvals is None and axis.dtick is None and axis.nticks is None:
+            axis.tickmode = "auto"
+            if axis.showgrid is None:
+                axis.showgrid = False
+    return fig
+
+
 class StaticFigure:
     """Display wrapper for a plotly figure: the interactive plotly view (JupyterLab renders
-    ``application/vnd.plotly.v1+json``) plus a PNG for viewers without JavaScript."""
+    ``application/vnd.plotly.v1+json``) plus a PNG for viewers without JavaScript. Overlaying axes
+    get round ticks (:func:`round_overlay_ticks`)."""
 
     def __init__(self, fig, width: int = 760, height: int | None = None):
-        self.fig = fig
+        self.fig = round_overlay_ticks(fig)
         self.width = width
         self.height = height
 
@@ -209,7 +231,8 @@ class StaticFigure:
 
 
 def show_figure(fig, width: int = 760, height: int | None = None) -> None:
-    """Display a plotly figure live and as a static PNG (see :class:`StaticFigure`)."""
+    """Display a plotly figure live and as a static PNG (see :class:`StaticFigure`; a second y axis
+    gets round ticks)."""
     from IPython.display import display
 
     display(StaticFigure(fig, width, height))
@@ -224,6 +247,32 @@ def _trace_colour(trace, i: int) -> str:
         if isinstance(c, str):
             return c
     return _SVG_COLOURS[i % len(_SVG_COLOURS)]
+
+
+def nice_step(span: float, target: int = 5) -> float:
+    """A round tick step (1, 2, 2.5 or 5 times a power of ten) that cuts ``span`` into about
+    ``target`` intervals."""
+    import math
+
+    if not span > 0:
+        return 1.0
+    raw = span / target
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
+
+
+def nice_ticks(lo: float, hi: float, target: int = 5) -> list[float]:
+    """Round tick values covering ``[lo, hi]``: multiples of :func:`nice_step`, from the one at or
+    below ``lo`` to the one at or above ``hi``."""
+    import math
+
+    step = nice_step(hi - lo, target)
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    return [round(k * step, 12) for k in range(first, last + 1)]
+
+
+def _tick_label(v: float) -> str:
+    return f"{v:.6g}"
 
 
 def figure_svg(fig, width: int = 760, height: int | None = None) -> str | None:
@@ -254,9 +303,15 @@ def figure_svg(fig, width: int = 760, height: int | None = None) -> str | None:
         return None
     fy = (lambda v: math.log10(v)) if logy else (lambda v: v)
     y0, y1 = min(fy(v) for v in ys), max(fy(v) for v in ys)
-    y0 = math.floor(y0) if logy else min(0.0, y0)  # bars need a baseline below the smallest value
-    if y1 == y0:
-        y1 = y0 + 1
+    if logy:  # one tick per power of ten (every other one beyond six decades)
+        y0, y1 = math.floor(y0), max(math.ceil(y1), math.floor(y0) + 1)
+        yticks = list(range(int(y0), int(y1) + 1, 1 if y1 - y0 <= 6 else 2))
+    else:  # round ticks; bars need a baseline below the smallest value
+        y0 = min(0.0, y0)
+        if y1 == y0:
+            y1 = y0 + 1
+        yticks = nice_ticks(y0, y1)
+        y0, y1 = yticks[0], yticks[-1]
     if categorical:
         xpos = {c: i + 0.5 for i, c in enumerate(cats)}
         x0, x1 = 0.0, float(len(cats))
@@ -279,16 +334,15 @@ def figure_svg(fig, width: int = 760, height: int | None = None) -> str | None:
     title = fig.layout.title.text if fig.layout.title is not None else None
     if title:
         out.append(f"<text x='{left}' y='22' font-size='15'>{html.escape(title)}</text>")
-    for k in range(5):  # y grid and labels
-        v = y0 + (y1 - y0) * k / 4
-        yy = top + ph - ph * k / 4
-        label = 10 ** v if logy else v
+    for v in yticks:  # y grid and labels, at round values
+        yy = top + ph - (v - y0) / (y1 - y0) * ph
+        label = _tick_label(10.0 ** v if logy else v)
         out.append(f"<line x1='{left}' x2='{left + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='white'/>"
-                   f"<text x='{left - 6}' y='{yy + 4:.1f}' text-anchor='end'>{label:.3g}</text>")
-    ticks = cats if categorical else [x0 + (x1 - x0) * k / 5 for k in range(6)]
+                   f"<text x='{left - 6}' y='{yy + 4:.1f}' text-anchor='end'>{label}</text>")
+    ticks = cats if categorical else [x for x in nice_ticks(x0, x1) if x0 <= x <= x1]
     step = max(1, len(ticks) // 10)
     for x in ticks[::step]:
-        label = html.escape(str(x)) if categorical else f"{x:.3g}"
+        label = html.escape(str(x)) if categorical else _tick_label(x)
         out.append(f"<text x='{sx(x):.1f}' y='{top + ph + 15}' text-anchor='middle'>{label}</text>")
     for axis, anchor in ((fig.layout.xaxis, "x"), (fig.layout.yaxis, "y")):
         t = axis.title.text if axis.title is not None else None

@@ -112,7 +112,7 @@ class ChunkedPrefillDemo(CourseWidget):
         self.chart.update_layout(title=titled("Decoding requests' inter-token latency around a long prompt", chunked_llm),
                                  xaxis_title="token time relative to the long prompt's arrival (ms)",
                                  yaxis_title="gap to previous token (ms)", height=340, width=760,
-                                 margin=dict(l=50, r=10, t=40, b=40))
+                                 margin=dict(l=50, r=10, t=60, b=40))
         self.add_class("mv-chunked-prefill-demo")
         self.children = [W.HTML(STYLE), self.run_button, self.readout, self.chart]
         if run:

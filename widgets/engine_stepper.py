@@ -383,8 +383,8 @@ class EngineStepper(CourseWidget):
         for phase in ("prefill", "decode", "mixed"):
             fig.add_bar(x=[], y=[], name=phase, marker_color=PHASE_COLOURS[phase], hovertext=[])
         fig.update_layout(title=titled("Measured wall time of each step", self.engine), xaxis_title="engine step",
-                          yaxis_title="ms", height=260, width=760, xaxis_tick0=0, xaxis_dtick=1, margin=dict(l=50, r=10, t=40, b=40),
-                          barmode="overlay", legend=dict(orientation="h", y=1.12, x=0.5))
+                          yaxis_title="step wall time (ms)", height=280, width=760, xaxis_tick0=0, xaxis_dtick=1, margin=dict(l=50, r=10, t=60, b=40),
+                          barmode="overlay", legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom"))
         return fig
 
     def _update_chart(self) -> None:

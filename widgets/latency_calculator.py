@@ -72,11 +72,16 @@ class LatencyCalculator(CourseWidget):
         from ._static import LiveFigure
 
         self.chart = LiveFigure()
-        self.chart.add_bar(name="predicted", x=["TTFT", "TPOT", "total"], y=[0, 0, 0], marker_color="#9ecae9")
+        # a linear axis (bar lengths compare); TPOT is short beside TTFT and the total, so every bar
+        # also carries its value
+        bar_text = dict(texttemplate="%{y:.3g} ms", textposition="outside", cliponaxis=False)
+        self.chart.add_bar(name="predicted", x=["TTFT", "TPOT", "total"], y=[0, 0, 0], marker_color="#9ecae9",
+                           **bar_text)
         self.chart.add_bar(name="measured", x=["TTFT", "TPOT", "total"], y=[None, None, None],
-                           marker_color="#4c78a8")
-        self.chart.update_layout(title=titled("Predicted vs measured (ms)", first), yaxis_title="ms", barmode="group", height=300,
-                                 width=560, margin=dict(l=50, r=10, t=40, b=30), yaxis_type="log")
+                           marker_color="#4c78a8", **bar_text)
+        self.chart.update_layout(title=titled("Predicted and measured latency", first),
+                                 xaxis_title="mean over the batch's requests", yaxis_title="time (ms)",
+                                 barmode="group", height=320, width=560, margin=dict(l=60, r=10, t=60, b=45))
         for w in (self.model_menu, self.prompt_slider, self.response_slider, self.batch_slider):
             w.observe(lambda _c: self.update(), names="value")
         self.add_class("mv-latency-calculator")
@@ -110,6 +115,7 @@ class LatencyCalculator(CourseWidget):
             f"{table}</table><div class='mv-small' style='max-width:360px'>cost model fitted to steps measured "
             f"on this machine: {html.escape(model.describe())}</div></div>")
         with self.chart.batch_update():
+            self.chart.layout.title.text = titled("Predicted and measured latency", self.llms[name])
             self.chart.data[0].y = [v if v is not None else 0 for _, v, _ in rows]
             self.chart.data[1].y = [m if (measured and m is not None) else None for _, _, m in rows]
 

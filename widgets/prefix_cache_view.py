@@ -55,8 +55,11 @@ class PrefixCacheView(CourseWidget):
         self.chart = LiveFigure()
         self.chart.add_bar(name="cold (cache cleared)", x=[], y=[], marker_color="#bbbbbb")
         self.chart.add_bar(name="warm (system prompt cached)", x=[], y=[], marker_color="#54a24b")
-        self.chart.update_layout(title=titled("Measured TTFT per request", self.engine), yaxis_title="ms", barmode="group", height=300,
-                                 width=620, margin=dict(l=50, r=10, t=40, b=40))
+        self.chart.update_layout(title=titled("Measured TTFT per request" + (f" (median of {repeats} runs)" if repeats > 1 else " (one run each)"),
+                                               self.engine),
+                                 xaxis_title="request (same system prompt, different question)",
+                                 yaxis_title="time to first token (ms)", barmode="group", height=300,
+                                 width=620, margin=dict(l=50, r=10, t=60, b=40))
         self.add_class("mv-prefix-cache-view")
         self.children = [W.HTML(STYLE), self.run_button, self.grid, self.chart]
         if run:

@@ -108,9 +108,10 @@ class SamplingExplorer(CourseWidget):
         self.chart.add_bar(name="after filters", x=[], y=[], marker_color="#4c78a8")
         self.chart.add_scatter(name="drawn (frequency)", x=[], y=[], mode="markers",
                                marker=dict(color="#e4572e", size=9, symbol="diamond"))
-        self.chart.update_layout(title=titled("Next-token probabilities", self.engine), yaxis_title="probability", barmode="group",
-                                 height=340, width=760, margin=dict(l=50, r=10, t=40, b=80),
-                                 legend=dict(orientation="h", y=1.1))
+        self.chart.update_layout(title=titled("Next-token probabilities", self.engine), xaxis_title="next token (the most likely ones)",
+                                 yaxis_title="probability (0 to 1)", barmode="group",
+                                 height=340, width=760, margin=dict(l=50, r=10, t=60, b=80),
+                                 legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom"))
         self.load_button.on_click(lambda _: self.load())
         self.draw_button.on_click(lambda _: self.draw())
         for w in (self.temperature, self.top_k, self.top_p, self.min_p):

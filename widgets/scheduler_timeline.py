@@ -46,13 +46,14 @@ class SchedulerTimeline(CourseWidget):
     Where it comes from: the ``StepRecord`` of each step (``scheduled`` entries with their
     ``is_prefill`` flag and token counts, ``preempted``, ``finished``) and when each request
     was added. Follow an ``EngineStepper`` (``SchedulerTimeline(stepper=...)``) or draw a
-    finished run with :meth:`show_run`.
+    finished run with :meth:`show_run` (give ``llm=`` the engine that ran it, so the title names
+    the device, model, dtype and threads; a stepper's engine is named by itself).
 
     State for code and tests: ``states`` (request id -> state per step, see
     :func:`request_states`), ``num_steps``.
     """
 
-    def __init__(self, stepper=None, records=None, arrivals=None):
+    def __init__(self, stepper=None, records=None, arrivals=None, llm=None):
         super().__init__()
         import plotly.graph_objects as go
 
@@ -71,9 +72,10 @@ class SchedulerTimeline(CourseWidget):
                              color=STATE_COLOURS[k]), name=STATES[k], row=1, col=1)
         base.add_bar(x=[], y=[], name="prefill tokens", marker_color="#e4572e", row=2, col=1)
         base.add_bar(x=[], y=[], name="decode tokens", marker_color="#f0a202", row=2, col=1)
-        base.update_layout(barmode="stack", height=380, width=760, margin=dict(l=70, r=10, t=40, b=40),
-                           title="Scheduler timeline", legend=dict(orientation="h", y=-0.18),
-                           xaxis2_title="engine step", yaxis2_title="tokens", xaxis2_tickformat="d",
+        base.update_layout(barmode="stack", height=380, width=760, margin=dict(l=70, r=10, t=60, b=40),
+                           title=self._title(llm if llm is not None else getattr(stepper, "engine", None)),
+                           legend=dict(orientation="h", y=-0.18), yaxis_title="request",
+                           xaxis2_title="engine step", yaxis2_title="tokens in the step", xaxis2_tickformat="d",
                            xaxis_tickformat="d")
         self.chart = LiveFigure(base)
         self.states: dict[str, list[str]] = {}
@@ -86,9 +88,16 @@ class SchedulerTimeline(CourseWidget):
         elif records is not None:
             self.show_run(records, arrivals or {})
 
+    @staticmethod
+    def _title(llm) -> str:
+        from ._engine import titled
+
+        return titled("Scheduler timeline", llm) if llm is not None else "Scheduler timeline"
+
     def attach(self, stepper) -> "SchedulerTimeline":
         """Redraw after every step of ``stepper`` (and after its adds and resets)."""
         self.stepper = stepper
+        self.chart.layout.title.text = self._title(stepper.engine)
         stepper.on_step(lambda s, _r: self.show_run(s.steps, {rid: s.arrival_step(rid) for rid in s.request_ids}))
         self.show_run(stepper.steps, {rid: stepper.arrival_step(rid) for rid in stepper.request_ids})
         return self

@@ -67,8 +67,8 @@ class UtilisationMonitor(CourseWidget):
             self.series.add_scatter(name=f"{phase} step", x=[], y=[], mode="markers",
                                     marker=dict(symbol="line-ns-open", size=12, color=PHASE_COLOURS[phase]))
         self.series.update_layout(title=titled("Utilisation during the workload", self.engine), xaxis_title="time (s)",
-                                  yaxis_title="%", yaxis_range=[0, 110], height=300, width=760,
-                                  margin=dict(l=50, r=10, t=40, b=40))
+                                  yaxis_title="busy (% of capacity)", yaxis_range=[0, 110], height=300, width=760,
+                                  margin=dict(l=50, r=10, t=60, b=40))
         self.roofline = LiveFigure()
         self.roofline.add_scatter(name="ceiling", x=[], y=[], mode="lines", line=dict(color="#333"))
         for phase in ("prefill", "decode", "mixed"):
@@ -77,7 +77,7 @@ class UtilisationMonitor(CourseWidget):
         self.roofline.update_layout(title=titled("Roofline: one point per step", self.engine), xaxis_type="log", yaxis_type="log",
                                     xaxis_title="arithmetic intensity (FLOP/byte)",
                                     yaxis_title="achieved FLOP/s", height=340, width=760,
-                                    margin=dict(l=60, r=10, t=40, b=40))
+                                    margin=dict(l=60, r=10, t=60, b=40))
         self.add_class("mv-utilisation-monitor")
         self.children = [W.HTML(STYLE), W.HBox([self.num_requests, self.prompt_len, self.max_tokens,
                                                 self.run_button]), self.readout, self.series, self.roofline]

@@ -1,4 +1,4 @@
-"""One line saying where a measurement came from: machine, device, model, dtype."""
+"""Where a measurement came from: machine, device, model, dtype, threads (one line, or a chart subtitle)."""
 from __future__ import annotations
 
 import os
@@ -38,3 +38,23 @@ def describe(llm) -> str:
     return (f"machine: {machine_summary()} | device: {cfg.device} | model: {engine.source.name} | "
             f"dtype: {str(cfg.dtype).replace('torch.', '')} | attention: {cfg.attention_backend} | "
             f"torch {torch.__version__}")
+
+
+def chart_provenance(llm) -> str:
+    """Where a chart's measurements come from, for its subtitle:
+    ``"measured on cpu · minivllm-tiny · float32 · 1 CPU thread"`` (device, model and dtype of the
+    live engine, and torch's CPU thread count now). ``llm``: an ``LLM`` or its ``LLMEngine``."""
+    import torch
+
+    engine = getattr(llm, "llm_engine", llm)
+    cfg = engine.config
+    n = torch.get_num_threads()
+    return (f"measured on {cfg.device} · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')} · "
+            f"{n} CPU thread{'s' if n != 1 else ''}")
+
+
+def chart_title(title: str, llm) -> str:
+    """A plotly title: ``title`` with :func:`chart_provenance` in small print under it."""
+    import html
+
+    return f"{title}<br><sup>{html.escape(chart_provenance(llm))}</sup>"
