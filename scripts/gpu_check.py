@@ -119,7 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated subset of the sections: {', '.join(SECTIONS)} (default: all)")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="torch.compile of the small fused ops (the engine argument compile; auto: the engine's default)")
+                   help="torch.compile of the small fused ops (the engine argument compile; "
+                        "auto: the engine's default)")
     p.add_argument("--hf-budget-s", type=float, default=45.0,
                    help="seconds of transformers generate for the offline ratio (whole batches)")
     p.add_argument("--hf-batch", type=int, default=64, help="transformers generate batch size")

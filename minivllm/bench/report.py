@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["describe_peaks", "peaks_summary", "print_throughput", "print_sweep_summary", "weights_summary", "overhead_row",
-           "print_overhead_comparison", "roofline_figure", "write_roofline_html"]
+__all__ = ["describe_peaks", "peaks_summary", "print_throughput", "print_sweep_summary", "weights_summary",
+           "overhead_row", "print_overhead_comparison", "roofline_figure", "write_roofline_html"]
 
 
 def peaks_summary(peaks) -> dict:
