@@ -21,6 +21,11 @@ def test_no_prediction_prints_the_measurement(capsys):
     assert "12.5 ms" in capsys.readouterr().out
 
 
+def test_the_quantity_keeps_its_capitals(capsys):
+    check_prediction(None, 114688, what="Qwen3-0.6B's KV bytes per token")
+    assert "Qwen3-0.6B's KV bytes per token on this run" in capsys.readouterr().out
+
+
 def test_bad_input_names_the_value():
     with pytest.raises(TypeError, match="'fast'"):
         check_prediction("fast", 1.0)

@@ -73,7 +73,7 @@ def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str =
     m = _number("measured", measured)
     u = f" {unit}" if unit else ""
     if prediction is None:
-        print(f"No prediction written. {what.capitalize()} on this run: {m:.4g}{u}. "
+        print(f"No prediction written. {what[:1].upper() + what[1:]} on this run: {m:.4g}{u}. "
               "Write your guess in the exercise cell and run both cells again.")
         return PredictionCheck(None, m, None, False)
     p = _number("prediction", prediction)
