@@ -304,6 +304,12 @@ _ = check_claim("the time ratio is well below (under half) the work ratio", time
                 f"time {time_ratio:.1f}x, FLOPs {flop_ratio:.1f}x",
                 why_it_may_not="On a large model, or one whose passes are long enough for the arithmetic to dominate, "
                                "time follows work more closely.")
+prefill_vs_decode_ms = engine_ms[0] / statistics.median(engine_ms[1:])
+prefill_vs_decode_flop = engine_mflop[0] / statistics.median(engine_mflop[1:])
+_ = check_claim("the engine's prefill step costs far less time, relative to a decode step, than its FLOPs would "
+                "suggest (under half)", prefill_vs_decode_ms < 0.5 * prefill_vs_decode_flop,
+                f"prefill / decode: time {prefill_vs_decode_ms:.2f}x, FLOPs {prefill_vs_decode_flop:.1f}x",
+                why_it_may_not="Where arithmetic dominates a pass (a large model, a long prompt), time follows FLOPs.")
 
 # %%
 import plotly.graph_objects as go
@@ -336,12 +342,12 @@ show_figure(fig)
 # exercise. Compare the two in the check line under the table: on a small model the time ratio
 # falls far short of the work ratio. Every forward pass, whatever its length, pays a fixed price: Python code in every module,
 # and dozens of small operations each launched separately (norms, projections, attention, for each
-# layer). For a 4M-parameter model on a CPU, a one-token pass is almost all of that fixed price, and
-# a pass over a few dozen tokens adds comparatively little arithmetic on top. Both loops run the same
-# *number* of passes (one per token), so the time ratio lands much nearer 1 than the token ratio.
-# The bigger the model and the longer the sequence, the more the arithmetic dominates and the
-# closer the time ratio moves to the work ratio: chapter 03 measures it at longer lengths, and
-# chapter 06 takes the fixed costs apart.
+# layer). For a model this small, a pass over a few dozen tokens adds comparatively little
+# arithmetic on top of that price: the second check under the table compares the engine's prefill
+# step (the whole prompt) with its decode steps (one token each). Both loops run the same *number*
+# of passes (one per token), so the time ratio lands much nearer 1 than the token ratio. The bigger
+# the model, the more the arithmetic dominates each pass and the more closely time follows work;
+# chapter 03 measures both at longer lengths, and chapter 06 takes the fixed costs apart.
 # </details>
 
 # %% [markdown]
@@ -461,7 +467,8 @@ Quiz([
 #   per vocabulary entry, turned into probabilities by softmax and into a token by the sampler;
 # * write generation as a loop around one forward pass, and check it against the engine token for token;
 # * count the work of a forward pass (about 2 FLOPs per weight per token) and explain why a loop
-#   without a cache does more work with every token, while the engine's decode steps do not;
+#   without a cache does more work with every token, while the engine's decode steps stay nearly
+#   constant in work;
 # * tell work from time: on a small model fixed costs per pass hide much of the difference, and
 #   you can check on your own machine how much.
 #

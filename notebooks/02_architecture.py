@@ -169,8 +169,7 @@ _ = check_prediction(my_prediction, per_layer, rel_tol=0.02, unit="parameters",
 # * norms: `q_norm` and `k_norm` have `d` gains each (they normalise one head at a time), the two
 #   layer norms `H` each.
 #
-# The matmuls are nearly everything: the norms add a few hundred parameters to hundreds of
-# thousands. The sum is the "one decoder layer" row of the table, where the measured and derived
+# The matmuls are nearly everything: compare the norms' rows with the matmuls' in the table. The sum is the "one decoder layer" row of the table, where the measured and derived
 # columns agree. A common slip is to give keys and values as many heads as queries: that
 # overcounts `qkv_proj` whenever the model uses grouped-query attention.
 # </details>
