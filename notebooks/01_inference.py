@@ -340,9 +340,9 @@ show_figure(fig)
 #
 # If time followed the work, the time ratio would equal the FLOP ratio from the cell before the
 # exercise. Compare the two in the check line under the table: on a small model the time ratio
-# falls far short of the work ratio. Every forward pass, whatever its length, pays a fixed price: Python code in every module,
-# and dozens of small operations each launched separately (norms, projections, attention, for each
-# layer). For a model this small, a pass over a few dozen tokens adds comparatively little
+# falls far short of the work ratio. Every forward pass, whatever its length, pays a fixed price:
+# Python code in every module, and dozens of small operations each launched separately (norms,
+# projections, attention, for each layer). For a model this small, a pass over a few dozen tokens adds comparatively little
 # arithmetic on top of that price: the second check under the table compares the engine's prefill
 # step (the whole prompt) with its decode steps (one token each). Both loops run the same *number*
 # of passes (one per token), so the time ratio lands much nearer 1 than the token ratio. The bigger

@@ -95,8 +95,8 @@ print(model.model.layers[0])
 # * a residual add, `post_attention_layernorm`, then the `mlp`: SwiGLU,
 #   `down_proj(silu(gate) * up)` where `gate_up_proj` computes gate and up in one matmul.
 #
-# minivllm packs q/k/v into one matrix and gate/up into another (one big matmul is faster than
-# three small ones); the loader splits Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
+# minivllm packs q/k/v into one matrix and gate/up into another (one big matmul usually runs
+# faster than three small ones: fewer launches, better use of the hardware); the loader splits Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
 # into them. Grouped-query attention (GQA): there are fewer key/value heads than query heads, and
 # each key/value head serves a group of query heads, which shrinks the KV cache (chapter 03).
 #
@@ -169,8 +169,8 @@ _ = check_prediction(my_prediction, per_layer, rel_tol=0.02, unit="parameters",
 # * norms: `q_norm` and `k_norm` have `d` gains each (they normalise one head at a time), the two
 #   layer norms `H` each.
 #
-# The matmuls are nearly everything: compare the norms' rows with the matmuls' in the table. The sum is the "one decoder layer" row of the table, where the measured and derived
-# columns agree. A common slip is to give keys and values as many heads as queries: that
+# The matmuls are nearly everything: compare the norms' rows with the matmuls' in the table. The
+# sum is the "one decoder layer" row of the table, where the measured and derived columns agree. A common slip is to give keys and values as many heads as queries: that
 # overcounts `qkv_proj` whenever the model uses grouped-query attention.
 # </details>
 
@@ -552,9 +552,9 @@ _ = render(f"On this run the forward pass took between **{min(shares):.0%} and {
 # %% [markdown]
 # The rest of each step is the engine's own Python bookkeeping (scheduling, building inputs,
 # sampling, detokenising); its work depends on the number of requests and tokens in the step, not
-# on the size of the model. With a real model on a GPU a step's forward pass can be
-# short enough that this bookkeeping matters, and the engine's job becomes keeping the GPU fed; later
-# chapters measure that.
+# on the size of the model. With a real model on a GPU a step's forward pass can be short enough
+# that this bookkeeping matters, and the engine's job becomes keeping the GPU fed; later chapters
+# measure that.
 #
 # ## 5. Step it yourself
 #

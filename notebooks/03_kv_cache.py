@@ -171,9 +171,10 @@ print(repr(PROMPT + tok.decode(with_cache)))
 #
 # Each by-hand route is timed five times at every length. We keep the **fastest** of the five:
 # other processes on a shared machine can only add time to a run, never remove it, so the fastest
-# run is the closest to the step's own cost (the chart's bars reach up to the slowest run). Beside the times, the FLOPs each route must do, from the roofline
-# model (`minivllm.telemetry.roofline.step_cost`: 2 FLOPs per weight per token, plus attention's
-# `QK^T` and `PV`).
+# run is the closest to the step's own cost (the chart's bars reach up to the slowest run). Beside
+# the times, the FLOPs each route must do, from the roofline model
+# (`minivllm.telemetry.roofline.step_cost`: 2 FLOPs per weight per token, plus attention's `QK^T`
+# and `PV`).
 #
 # ### Exercise 1 · How much does the cache save at L = 512?
 #
@@ -310,13 +311,13 @@ _ = check_claim("with a cache the time per token grows far less than without one
                 why_it_may_not="Load from other processes adds noise to a step this short; rerun the cell.")
 
 # %% [markdown]
-# Without a cache the cost per token climbs with the sequence: the FLOPs grow in proportion to `L`,
-# and so, once the step is big enough to be dominated by arithmetic, does the time. With a cache the
-# cost per token grows far less: one token's worth of matmuls, plus attention over `L` cached
-# entries, which grows with `L` but is small next to the weights until contexts get long. Where the time
-# ratio falls short of the FLOP ratio, the reason is that a one-token step on a small model is
-# dominated by fixed costs (Python, launching dozens of small operations), not by FLOPs; chapter 06
-# takes those costs apart.
+# Without a cache the cost per token climbs with the sequence: the FLOPs grow about in proportion
+# to `L`, and so, once the step is big enough to be dominated by arithmetic, does the time. With a
+# cache the cost per token grows far less: one token's worth of matmuls, plus attention over `L`
+# cached entries, which grows with `L` but is small next to the weights until contexts get long.
+# Where the time ratio falls short of the FLOP ratio, the reason is that a one-token step on a
+# small model is dominated by fixed costs (Python, launching dozens of small operations), not by
+# FLOPs; chapter 06 takes those costs apart.
 #
 # Over a whole generation the difference compounds: producing token `L` costs about `a + b·L`
 # without a cache, so `n` tokens cost about `n·a + b·n²/2`, quadratic in the length. We have not
@@ -413,8 +414,9 @@ _ = check_prediction(my_prediction, kv06[torch.bfloat16], rel_tol=0.02, unit="by
 # head: grouped-query attention shares them). So per token:
 # `2 (K and V) x layers x KV heads x head_dim x 2 bytes`. With the layer count, KV-head count and
 # head dimension printed above, that is the measured figure; a guess that used the query heads
-# instead of the KV heads comes out too large by the group size (query heads per KV head). The allocator's tensor has exactly that many
-# bytes per slot: the KV cache is nothing but these vectors, with no overhead per token.
+# instead of the KV heads comes out too large by the group size (query heads per KV head). The
+# allocator's tensor has exactly that many bytes per slot: the KV cache is nothing but these
+# vectors, with no overhead per token.
 # </details>
 
 # %% [markdown]
@@ -480,7 +482,7 @@ _ = check_claim(f"the reserved slots never run a whole block ({BS} slots) ahead 
 # How many conversations fit in a device's memory? Set `MEMORY_GIB` to the memory of a GPU you know
 # (or of this machine) and run the cell: it subtracts Qwen3-0.6B's bf16 weights and fills the rest
 # with KV cache. Look for: the point where the weights stop mattering, and how few long conversations
-# fit even when thousands of short ones do.
+# fit next to the number of short ones.
 
 # %% tags=["playground"]
 MEMORY_GIB = 24  # the knob: memory available to the engine, in GiB
