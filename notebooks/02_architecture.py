@@ -525,7 +525,9 @@ for calls, result in journey:
 # ### Where the time of each step went
 #
 # Each `StepRecord` splits the step's wall time into scheduling, building inputs, the forward pass,
-# sampling and postprocessing (stop checks, detokenisation, outputs):
+# sampling and postprocessing (stop checks, detokenisation, outputs). These are single steps of one
+# request, each measured once (with the tracer's small overhead inside), so on a busy machine they
+# vary from run to run: the stepper in section 5 lets you take more.
 
 # %%
 import plotly.graph_objects as go
