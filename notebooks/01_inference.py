@@ -22,10 +22,18 @@
 # by hand, with the very model object minivllm has loaded, and then check that the engine produces
 # exactly the same tokens.
 #
+# **Goal:** know what one call of a language model computes, how generation loops over it, and
+# why an engine's loop does far less work per token than the obvious one.
+#
+# **Prerequisites:** Python and a little PyTorch (tensors, `argmax`, `softmax`). No earlier chapter.
+#
+# **Time:** about 25 minutes (reading and running).
+#
 # **You will:** turn text into token ids and back · run the model on them and read its logits ·
 # pick the next token greedily and loop, writing generation by hand · run the same prompt through
-# the engine and check the tokens are identical · measure the time per token of both, and see why
-# the hand-written loop gets slower with every token.
+# the engine and check the tokens are identical · count the work each token costs both loops (the
+# hand-written one does more work with every token) and compare that with the times measured on
+# this machine · predict two of those figures before you see them.
 
 # %% [markdown]
 # ## Setup
@@ -38,6 +46,7 @@
 
 # %% tags=["parameters"]
 import os
+import statistics
 import time
 
 import torch
@@ -52,9 +61,15 @@ MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
 
 # %%
+from widgets import check_claim, check_prediction, render
+
 llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64)
+engine = llm.llm_engine
 print(describe(llm))
 print("torch threads:", torch.get_num_threads())
+# what every chart of this chapter says it measured: model, device, dtype, threads
+RUN = (f"{engine.source.name} · {engine.config.device} · {str(engine.config.dtype).replace('torch.', '')} · "
+       f"{torch.get_num_threads()} thread(s)")
 
 # %% [markdown]
 # ## 1. Text -> token ids
@@ -63,7 +78,7 @@ print("torch threads:", torch.get_num_threads())
 # replaces each piece by its index. minivllm-tiny's tokenizer is byte-level BPE (byte-pair
 # encoding): it starts from the 256 byte values and learned, from its training text, which adjacent
 # pairs to merge into longer pieces. Frequent words become one token; rare ones are spelled out in
-# several. Below, `·` marks a space that belongs to a token.
+# several.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -94,7 +109,7 @@ from minivllm.engine.kv_cache import allocate_kv_cache
 from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
 
-runner = llm.llm_engine.runner
+runner = engine.runner
 model = runner.model  # the engine's own Qwen3ForCausalLM
 
 
@@ -140,24 +155,56 @@ for p, i in zip(*torch.topk(probs, 5)):
 # Generation is that one step in a loop: append the chosen token to the sequence, score again,
 # choose again. Every pass below recomputes the whole sequence from scratch, prompt included: that
 # is what "call the model on the sequence" means when nothing is remembered between calls.
+#
+# ### Exercise 1 · How many tokens does the loop feed the model?
+#
+# The prompt is the handful of tokens printed in section 1, and the loop below generates
+# `NEW_TOKENS = 24` tokens, each with one forward pass over the whole sequence so far. Summed over
+# those 24 passes, how many tokens go through the model? Write your answer in the next cell before
+# running the loop.
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: tokens pushed through the model by the 24 passes, in total
 
 # %%
 NEW_TOKENS = 24
-seq = list(prompt_ids)
-by_hand, by_hand_ms = [], []
-for _ in range(NEW_TOKENS):
-    t0 = time.perf_counter()
-    nxt = int(torch.argmax(next_token_logits(seq)))  # greedy
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    by_hand_ms.append((time.perf_counter() - t0) * 1e3)
-    seq.append(nxt)
-    by_hand.append(nxt)
+REPEATS = 3  # the loop runs 3 times (same tokens each time); a token's time is the median of its 3 runs
+runs_ms = []
+for _ in range(REPEATS):
+    seq = list(prompt_ids)
+    by_hand, fed, ms = [], [], []
+    for _ in range(NEW_TOKENS):
+        t0 = time.perf_counter()
+        nxt = int(torch.argmax(next_token_logits(seq)))  # greedy
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        ms.append((time.perf_counter() - t0) * 1e3)
+        fed.append(len(seq))  # tokens that went through the model in this pass
+        seq.append(nxt)
+        by_hand.append(nxt)
+    runs_ms.append(ms)
+by_hand_ms = [statistics.median(t) for t in zip(*runs_ms)]
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print("by hand:", by_hand)
 print(repr(PROMPT + tok.decode(by_hand)))
+
+# %%
+_ = check_prediction(my_prediction, sum(fed), rel_tol=0.05, unit="tokens",
+                     what="the number of tokens the hand-written loop pushed through the model")
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Call the prompt length `p` and the number of new tokens `n`. Pass `i` (counting from 0) runs the
+# prompt plus the `i` tokens chosen before it: `p + i` tokens. Summed over the passes:
+#
+# `p + (p + 1) + ... + (p + n - 1) = n·p + n(n - 1)/2`
+#
+# With this prompt's `p` and `n = 24`, that is the figure printed above: the prompt alone is pushed
+# through the model 24 times, and the second term grows with the square of the output length.
+# </details>
 
 # %% [markdown]
 # ## 4. The same prompt through the engine
@@ -181,54 +228,149 @@ print("engine text:", repr(out.outputs[0].text), "| finish_reason:", out.outputs
 # %% [markdown]
 # Identical, token for token. The engine is not doing anything different in kind from the loop
 # above: it runs the same model on the same tokens and takes the same argmax. (The two routes add
-# up numbers in a different order, so their logits can differ in the last bits; in fp32 that never
-# flips a greedy choice here, while in bf16 on a GPU a near-tie between two candidates can, rarely,
-# go the other way.) What it changes is
-# *how much work* each step does, which the timings show.
+# up numbers in a different order, so their logits can differ in the last bits; a greedy choice
+# flips only when two candidates are within that rounding of each other, which the line above
+# would show.) What it changes is *how much work* each step does.
 #
-# ## 5. Time per token
+# ## 5. Work and time per token
 #
-# For each new token, the hand-written loop timed one forward pass over the whole sequence so far.
-# For the engine, each step's `StepRecord` carries its measured wall time; here we drive the engine
-# one `step()` at a time to collect them.
+# For each new token the hand-written loop ran one forward pass over the whole sequence so far. The
+# engine instead runs one *step* per token: the first is a **prefill** that pushes the whole prompt
+# through the model, like the loop's first pass; every later one is a **decode** step that pushes
+# only the newest token through, because the keys and values of all earlier tokens are already in
+# the engine's KV cache (chapter 03). Below we drive the engine one `step()` at a time, three times
+# over like the loop, and keep each step's `StepRecord`: how many tokens went through the model and
+# the step's measured wall time.
+#
+# The *work* of a pass can be counted without a clock: a forward pass costs about 2 FLOPs per
+# weight per token (one multiply, one add), plus attention's products over the earlier tokens.
+# `minivllm.telemetry.roofline.step_cost` does that count from the model's config.
 
 # %%
-engine = llm.llm_engine
-engine.add_request("timed", PROMPT, greedy)
-records = []
-while engine.has_unfinished_requests():
-    records.append(engine.step_with_record().record)
-engine_ms = [r.wall_ms for r in records]  # step 0 is the prefill; each step samples one token
-print(f"{'token':>5} {'sequence length':>16} {'by hand (ms)':>13} {'engine step (ms)':>17}")
+from minivllm.telemetry.roofline import step_cost
+
+engine_runs = []  # per run: the StepRecord of every step
+for r in range(REPEATS):
+    engine.add_request(f"timed{r}", PROMPT, greedy)
+    records = []
+    while engine.has_unfinished_requests():
+        records.append(engine.step_with_record().record)
+    engine_runs.append(records)
+records = engine_runs[-1]
+engine_ms = [statistics.median(rs[i].wall_ms for rs in engine_runs) for i in range(NEW_TOKENS)]
+engine_fed = [rec.num_tokens for rec in records]  # step 0 is the prefill; each step samples one token
+
+p = len(prompt_ids)
+lengths = [p + i for i in range(NEW_TOKENS)]  # sequence length when token i is chosen
+hand_mflop = [step_cost(engine.model_cost, [(L, L)], 1)[0] / 1e6 for L in lengths]
+engine_mflop = [step_cost(engine.model_cost, [(n, L)], 1)[0] / 1e6 for n, L in zip(engine_fed, lengths)]
+print(f"{'token':>5} {'sequence':>9} {'tokens through the model':>25} {'MFLOP of the pass':>20}")
+print(f"{'':>5} {'length':>9} {'by hand':>12} {'engine':>12} {'by hand':>10} {'engine':>9}")
 for i in (0, 1, NEW_TOKENS // 2, NEW_TOKENS - 1):
-    print(f"{i:5d} {len(prompt_ids) + i:16d} {by_hand_ms[i]:13.2f} {engine_ms[i]:17.2f}   "
-          f"({records[i].phase}, {records[i].num_tokens} tokens in the forward pass)")
+    print(f"{i:5d} {lengths[i]:9d} {fed[i]:12d} {engine_fed[i]:12d} {hand_mflop[i]:10.1f} {engine_mflop[i]:9.1f}")
+print(f"total {'':9s} {sum(fed):12d} {sum(engine_fed):12d} {sum(hand_mflop):10.1f} {sum(engine_mflop):9.1f}")
+
+# %%
+token_ratio = sum(fed) / sum(engine_fed)
+_ = render(f"Over the {NEW_TOKENS} tokens the hand-written loop pushed **{token_ratio:.1f}x** as many tokens through "
+           f"the model as the engine, and did **{sum(hand_mflop) / sum(engine_mflop):.1f}x** its FLOPs. The loop's "
+           f"work per token grew from {hand_mflop[0]:.1f} to {hand_mflop[-1]:.1f} MFLOP "
+           f"({hand_mflop[-1] / hand_mflop[0]:.1f}x) between its first and last token; the engine's decode steps "
+           f"went from {engine_mflop[1]:.2f} to {engine_mflop[-1]:.2f} MFLOP.")
+_ = check_claim("the hand-written loop does more work (FLOPs) for every new token",
+                all(b > a for a, b in zip(hand_mflop, hand_mflop[1:])),
+                f"{hand_mflop[0]:.1f} MFLOP for the first token, {hand_mflop[-1]:.1f} MFLOP for the last")
+
+# %% [markdown]
+# ### Exercise 2 · Does the time follow the work?
+#
+# The cell above counted how many times more tokens (and FLOPs) the hand-written loop needed than
+# the engine. Both loops timed every token, three times over. Predict the ratio of their **total
+# times** for the 24 tokens: hand-written loop divided by engine.
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: total time by hand / total time through the engine (a ratio, x)
+
+# %%
+time_ratio = sum(by_hand_ms) / sum(engine_ms)
+print(f"{'token':>5} {'sequence length':>16} {'by hand (ms)':>13} {'engine step (ms)':>17}   (medians of {REPEATS} runs)")
+for i in (0, 1, NEW_TOKENS // 2, NEW_TOKENS - 1):
+    print(f"{i:5d} {lengths[i]:16d} {by_hand_ms[i]:13.2f} {engine_ms[i]:17.2f}   "
+          f"({records[i].phase}, {records[i].num_tokens} token(s) in the forward pass)")
 print(f"total for {NEW_TOKENS} tokens: by hand {sum(by_hand_ms):.1f} ms, engine {sum(engine_ms):.1f} ms")
+_ = check_prediction(my_prediction, time_ratio, rel_tol=0.3, unit="x", what="the time ratio (by hand / engine)")
+flop_ratio = sum(hand_mflop) / sum(engine_mflop)
+_ = check_claim("the time ratio is well below (under half) the work ratio", time_ratio < 0.5 * flop_ratio,
+                f"time {time_ratio:.1f}x, FLOPs {flop_ratio:.1f}x",
+                why_it_may_not="On a large model, or one whose passes are long enough for the arithmetic to dominate, "
+                               "time follows work more closely.")
+prefill_vs_decode_ms = engine_ms[0] / statistics.median(engine_ms[1:])
+prefill_vs_decode_flop = engine_mflop[0] / statistics.median(engine_mflop[1:])
+_ = check_claim("the engine's prefill step costs far less time, relative to a decode step, than its FLOPs would "
+                "suggest (under half)", prefill_vs_decode_ms < 0.5 * prefill_vs_decode_flop,
+                f"prefill / decode: time {prefill_vs_decode_ms:.2f}x, FLOPs {prefill_vs_decode_flop:.1f}x",
+                why_it_may_not="Where arithmetic dominates a pass (a large model, a long prompt), time follows FLOPs.")
 
 # %%
 import plotly.graph_objects as go
 
 from widgets import show_figure
 
-positions = [len(prompt_ids) + i for i in range(NEW_TOKENS)]
+
+def spread(runs, centre):
+    """Error bars from the repeats: distance from the median to the fastest and slowest run."""
+    cols = list(zip(*runs))
+    return dict(type="data", symmetric=False, array=[max(c) - m for c, m in zip(cols, centre)],
+                arrayminus=[m - min(c) for c, m in zip(cols, centre)])
+
+
 fig = go.Figure()
-fig.add_scatter(x=positions, y=by_hand_ms, mode="lines+markers", name="by hand: whole sequence every token")
-fig.add_scatter(x=positions, y=engine_ms, mode="lines+markers", name="engine: one step per token")
-fig.update_layout(title=f"Measured time per generated token ({engine.source.name}, {engine.config.device})",
-                  xaxis_title="sequence length when the token is chosen", yaxis_title="ms per token",
-                  height=380, yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.25))
+fig.add_scatter(x=lengths, y=by_hand_ms, error_y=spread(runs_ms, by_hand_ms), mode="lines+markers",
+                name="by hand: whole sequence every token")
+fig.add_scatter(x=lengths, y=engine_ms, error_y=spread([[rec.wall_ms for rec in rs] for rs in engine_runs], engine_ms),
+                mode="lines+markers", name="engine: one step per token")
+fig.update_layout(title=f"Measured time per generated token (median of {REPEATS}, bars: fastest to slowest)"
+                        f"<br><sup>{RUN}</sup>",
+                  xaxis_title="sequence length when the token is chosen (tokens)", yaxis_title="time per token (ms)",
+                  height=400, yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.25))
 show_figure(fig)
 
-# %% [markdown]
-# The first engine step is a *prefill*: it pushes the whole prompt through the model, like the
-# first pass of our loop. Every later engine step is a *decode* step: only **one** token goes
-# through the model, because the keys and values of all earlier tokens are already in the engine's
-# KV cache. The hand-written loop instead pays for the whole sequence every time, so its *work* per
-# token grows with the sequence. On a model this small on a CPU, fixed overheads (Python, launching
-# many tiny operations) take most of each step, so over these few tokens the measured times above
-# need not rise visibly; chapter 03 measures the growth over longer sequences and shows where it
-# comes from.
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
 #
+# If time followed the work, the time ratio would equal the FLOP ratio from the cell before the
+# exercise. Compare the two in the check line under the table: on a small model the time ratio
+# falls far short of the work ratio. Every forward pass, whatever its length, pays a fixed price:
+# Python code in every module, and dozens of small operations each launched separately (norms,
+# projections, attention, for each layer). For a model this small, a pass over a few dozen tokens adds comparatively little
+# arithmetic on top of that price: the second check under the table compares the engine's prefill
+# step (the whole prompt) with its decode steps (one token each). Both loops run the same *number*
+# of passes (one per token), so the time ratio lands much nearer 1 than the token ratio. The bigger
+# the model, the more the arithmetic dominates each pass and the more closely time follows work;
+# chapter 03 measures both at longer lengths, and chapter 06 takes the fixed costs apart.
+# </details>
+
+# %% [markdown]
+# The work per token of the hand-written loop grows with every token, by construction. Whether its
+# *time* per token visibly grows over only 24 tokens depends on the machine: where fixed costs per
+# pass dominate, the extra arithmetic of a slightly longer sequence hides in the noise. The cell
+# below fits a straight line through the medians and says which way it went on this run.
+
+# %%
+fit = statistics.linear_regression(lengths, by_hand_ms)
+fit_engine = statistics.linear_regression(lengths[1:], engine_ms[1:])  # decode steps only
+_ = render(f"On this run the hand-written loop's median time per token went from {by_hand_ms[0]:.2f} ms (sequence of "
+           f"{lengths[0]}) to {by_hand_ms[-1]:.2f} ms (sequence of {lengths[-1]}); a straight line through all "
+           f"{NEW_TOKENS} medians changes by **{fit.slope * 1e3:+.1f} µs per extra token** of sequence. The engine's "
+           f"decode steps: {fit_engine.slope * 1e3:+.1f} µs per extra token.")
+_ = check_claim("the hand-written loop's time per token rises with the sequence length", fit.slope > 0,
+                f"fitted slope {fit.slope * 1e3:+.1f} µs per token, first {by_hand_ms[0]:.2f} ms, "
+                f"last {by_hand_ms[-1]:.2f} ms",
+                why_it_may_not="Over a sequence this short, on a model this small, the fixed cost of each pass hides "
+                               "the extra arithmetic; a busy machine adds noise. Chapter 03 measures much longer "
+                               "sequences.")
+
+# %% [markdown]
 # ## 6. Watch the engine loop
 #
 # The stepper below drives the same engine one `step()` at a time. It has queued the prompt and run
@@ -252,7 +394,25 @@ so_far = stepper.sequence(stepper.request_ids[0]).output_token_ids
 print("tokens so far:", so_far, "| the same as the first ones by hand:", so_far == by_hand[:len(so_far)])
 
 # %% [markdown]
-# ## 7. Check yourself
+# ## 7. Playground
+#
+# Change `PLAY_PROMPT` and run the cell. Look for: words that the tokenizer splits into several
+# tokens (try a rare word, a typo or a name), how sure the model is of its top candidate (one token
+# near 100%, or a flat top five), and how a greedy continuation tends to repeat itself.
+
+# %% tags=["playground"]
+PLAY_PROMPT = "To open a file for reading, call"  # the knob: any text
+
+play_ids = tok.encode(PLAY_PROMPT)
+print(f"{len(play_ids)} tokens:", " | ".join(repr(tok.decode([i])) for i in play_ids))
+play_probs = torch.softmax(next_token_logits(play_ids), dim=-1)
+for p_, i in zip(*torch.topk(play_probs, 5)):
+    print(f"  {float(p_):6.1%}  {tok.decode([int(i)])!r}")
+play = llm.generate([PLAY_PROMPT], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+print("greedy continuation:", repr(play.outputs[0].text))
+
+# %% [markdown]
+# ## 8. Check yourself
 
 # %%
 from widgets import Quiz, Question
@@ -271,8 +431,8 @@ Quiz([
          "One pass gives one position's prediction; an answer of n tokens needs n passes (n steps)."],
     ),
     Question(
-        "The engine and the hand-written loop produced identical greedy tokens. Why is the engine's "
-        "decode step so much cheaper per token?",
+        "The engine and the hand-written loop produced identical greedy tokens. Why does the engine's "
+        "decode step do so much less work per token?",
         ["It uses a smaller model for decoding",
          "It keeps the keys and values of earlier tokens (the KV cache), so only the new token goes "
          "through the model",
@@ -292,23 +452,24 @@ Quiz([
         1,
         ["Each single step's work already grows with the sequence (step i processes p + i tokens), so the "
          "sum grows faster than n.",
-         "Right: the sum of p, p+1, ..., p+n-1 tokens is about n*p + n^2/2 token-passes.",
-         "The work per step grows with the sequence length (chapter 03 measures it), so the total cannot stay flat.",
+         "Right: the sum of p, p+1, ..., p+n-1 tokens is n*p + n(n-1)/2 token-passes (exercise 1).",
+         "The work per step grows with the sequence length (the FLOP count in section 5), so the total cannot "
+         "stay flat.",
          "Each step adds one token to the work, not a multiple of it: the growth is polynomial."],
     ),
 ]).display()
 
 # %% [markdown]
-# ## Takeaways
+# ## You can now
 #
-# * Text becomes token ids through the tokenizer; the model maps token ids to one logit per
-#   vocabulary entry at every position; the sampler turns the last position's logits into the next
-#   token.
-# * Generation is a loop around that function. A loop that calls the model on the whole sequence
-#   works, and produces exactly what the engine produces with greedy sampling.
-# * What an inference engine adds is doing *less work per token* (the KV cache: chapter 03) and
-#   sharing each step among many requests (chapters 04 to 06), without changing the result.
-# * minivllm's model is the same `torch.nn.Module` you can call yourself:
-#   `llm.llm_engine.runner.model`.
+# * turn text into token ids and back, and say why a rare word costs several tokens;
+# * call the engine's model yourself (`llm.llm_engine.runner.model`) and read its logits: one score
+#   per vocabulary entry, turned into probabilities by softmax and into a token by the sampler;
+# * write generation as a loop around one forward pass, and check it against the engine token for token;
+# * count the work of a forward pass (about 2 FLOPs per weight per token) and explain why a loop
+#   without a cache does more work with every token, while the engine's decode steps stay nearly
+#   constant in work;
+# * tell work from time: on a small model fixed costs per pass hide much of the difference, and
+#   you can check on your own machine how much.
 #
 # Next: chapter 02 opens the model and the engine and names every part.

@@ -22,10 +22,19 @@
 # Then the same for the engine: which objects make it up in the running `LLM`, and the path one
 # request takes through them, step by step, as the engine records it.
 #
+# **Goal:** name every part of a Qwen3 model and of the engine, derive any parameter count from the
+# config, and follow one request through the engine with real values.
+#
+# **Prerequisites:** chapter 01 (tokens, logits, the generation loop, prefill and decode steps);
+# matrix multiplication and the idea of attention (queries, keys, values).
+#
+# **Time:** about 35 minutes (reading and running).
+#
 # **You will:** count the parameters of every module of the loaded model and derive the counts from
-# the config · watch tensor shapes through one prefill and one decode pass with forward hooks · name
-# the engine's components in the live object · trace one request through scheduler, runner, model,
-# attention backend, sampler and detokenizer · read its step records.
+# the config, after predicting one layer's count yourself · predict, then count, the parameters of
+# Qwen3-0.6B from its config · watch tensor shapes through one prefill and one decode pass with
+# forward hooks · name the engine's components in the live object · trace one request through
+# scheduler, runner, model, attention backend, sampler and detokenizer · read its step records.
 
 # %% [markdown]
 # ## Setup
@@ -51,12 +60,17 @@ DEVICE = "auto"                            # CUDA when available, else CPU (fp32
 # %%
 # enforce_eager: every step runs the model eagerly (on a GPU, no CUDA-graph replay), so the
 # hooks and tracers below see every pass. On a CPU it changes nothing.
+from widgets import check_claim, check_prediction, render
+
 llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64, enforce_eager=True)
 engine = llm.llm_engine
 model = engine.runner.model
 hf = model.config
 print(describe(llm))
 print("torch threads:", torch.get_num_threads())
+# what every chart of this chapter says it measured: model, device, dtype, threads
+RUN = (f"{engine.source.name} · {engine.config.device} · {str(engine.config.dtype).replace('torch.', '')} · "
+       f"{torch.get_num_threads()} thread(s)")
 
 # %% [markdown]
 # ## 1. The model, from the object itself
@@ -81,11 +95,22 @@ print(model.model.layers[0])
 # * a residual add, `post_attention_layernorm`, then the `mlp`: SwiGLU,
 #   `down_proj(silu(gate) * up)` where `gate_up_proj` computes gate and up in one matmul.
 #
-# minivllm packs q/k/v into one matrix and gate/up into another (one big matmul is faster than
-# three small ones); the loader splits Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
+# minivllm packs q/k/v into one matrix and gate/up into another (one big matmul usually runs
+# faster than three small ones: fewer launches, better use of the hardware); the loader splits Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
 # into them. Grouped-query attention (GQA): there are fewer key/value heads than query heads, and
 # each key/value head serves a group of query heads, which shrinks the KV cache (chapter 03).
 #
+# ### Exercise 1 · One decoder layer's parameters
+#
+# The two cells above give everything you need: the hidden size, the head counts and head
+# dimension, the MLP width, and each layer's modules with their `in_features` and `out_features`. A
+# linear layer without bias holds `in x out` weights; an RMSNorm holds one gain per element of the
+# vector it normalises. How many parameters does one decoder layer hold?
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: parameters in one decoder layer (a count)
+
+# %% [markdown]
 # ### Parameter counts, measured and derived
 #
 # Below, each module's parameter count is read from the model (`p.numel()` summed over its
@@ -128,6 +153,28 @@ for name, (got, want) in parts.items():
 print(f"{'total':28s} {total_unique:10,d} {sum(w for _, w in parts.values()):12,d}")
 
 # %%
+_ = check_prediction(my_prediction, per_layer, rel_tol=0.02, unit="parameters",
+                     what="the measured count of one decoder layer")
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Go module by module, with `H` the hidden size, `nq` and `nkv` the query and key/value heads, `d`
+# the head dimension and `I` the MLP width:
+#
+# * `qkv_proj`: `H` in, `(nq + 2·nkv)·d` out (queries for every query head, keys and values for
+#   every KV head), so `H·(nq + 2·nkv)·d` weights;
+# * `o_proj`: `nq·d` in, `H` out;
+# * `gate_up_proj`: `H` in, `2·I` out; `down_proj`: `I` in, `H` out, so the MLP holds `3·H·I`;
+# * norms: `q_norm` and `k_norm` have `d` gains each (they normalise one head at a time), the two
+#   layer norms `H` each.
+#
+# The matmuls are nearly everything: compare the norms' rows with the matmuls' in the table. The
+# sum is the "one decoder layer" row of the table, where the measured and derived columns agree. A common slip is to give keys and values as many heads as queries: that
+# overcounts `qkv_proj` whenever the model uses grouped-query attention.
+# </details>
+
+# %%
 share = {name: got / total_unique for name, (got, _) in parts.items()}
 attn = len(model.model.layers) * (expected["self_attn.qkv_proj"] + expected["self_attn.o_proj"])
 mlp = len(model.model.layers) * (expected["mlp.gate_up_proj"] + expected["mlp.down_proj"])
@@ -137,11 +184,89 @@ bytes_per = torch.empty((), dtype=engine.config.dtype).element_size()
 print(f"weights in memory: {total_unique * bytes_per / 2**20:.1f} MiB in {engine.config.dtype}")
 
 # %% [markdown]
-# In a model this small the embedding table is a large share (its vocabulary is 4,096 entries and
-# its layers are narrow); in Qwen3-0.6B it is about a quarter, and in large models a few percent:
-# the decoder layers' matmuls dominate, and within each layer the MLP holds the larger share. Norm gains
-# are a rounding error. When weights are **tied** (`tie_word_embeddings`), the LM head reuses the
-# embedding matrix, so it adds no parameters.
+# When weights are **tied** (`tie_word_embeddings`), the LM head reuses the embedding matrix, so it
+# adds no parameters. How the rest divides up depends on the model's shape, so let us set this toy
+# model beside real ones.
+#
+# ### Exercise 2 · How many parameters has Qwen3-0.6B?
+#
+# minivllm ships the configurations of Qwen3-0.6B and Qwen3-1.7B (no weights). The next cell prints
+# the numbers the formulas above need. From them, predict Qwen3-0.6B's total parameter count, in
+# millions; then the cell after builds minivllm's own model module with that config on PyTorch's
+# `meta` device (shapes only, no memory) and counts.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+import json
+from importlib.resources import files
+
+from transformers import Qwen3Config
+
+from minivllm.models.qwen3 import Qwen3ForCausalLM
+from minivllm.telemetry.roofline import ModelCost
+
+configs = {name: Qwen3Config(**json.loads((files("minivllm") / f"assets/configs/{name.lower()}/config.json").read_text()))
+           for name in ("Qwen3-0.6B", "Qwen3-1.7B")}
+FIELDS = ["hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "num_hidden_layers"]
+FLAGS = ["tie_word_embeddings", "attention_bias"]
+for name, c in configs.items():
+    print(name + ": " + ", ".join(f"{f} {getattr(c, f)}" for f in FIELDS + FLAGS))
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: Qwen3-0.6B's parameters, in millions
+
+# %%
+from minivllm.models.hf_config import get_head_dim
+
+rows = []
+for name, c in [(engine.source.name, hf)] + list(configs.items()):
+    if name == engine.source.name:
+        nparams = total_unique                # the loaded model: counted above
+    else:
+        with torch.device("meta"):            # shapes only: nothing is allocated
+            nparams = sum(p.numel() for p in Qwen3ForCausalLM(c).parameters())
+    mc = ModelCost.from_config(c)             # the same formulas as the table above, from the config
+    hd = get_head_dim(c)
+    layer_attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * hd \
+        + c.num_attention_heads * hd * c.hidden_size
+    layer_mlp = 3 * c.hidden_size * c.intermediate_size
+    rows.append(dict(model=name, params=nparams, from_config=mc.num_params, embedding=mc.embedding_params / nparams,
+                     attention=c.num_hidden_layers * layer_attn / nparams,
+                     mlp=c.num_hidden_layers * layer_mlp / nparams, bf16_gib=nparams * 2 / 2**30))
+print(f"{'model':14s} {'parameters':>14s} {'from config':>14s} {'embedding':>10s} {'attention':>10s} {'MLP':>6s} "
+      f"{'bf16 weights':>13s}")
+for r in rows:
+    print(f"{r['model']:14s} {r['params']:14,d} {r['from_config']:14,d} {r['embedding']:10.1%} {r['attention']:10.1%} "
+          f"{r['mlp']:6.1%} {r['bf16_gib']:9.2f} GiB")
+params06 = next(r["params"] for r in rows if r["model"] == "Qwen3-0.6B")
+_ = check_prediction(my_prediction, params06 / 1e6, rel_tol=0.05, unit="M",
+                     what="the parameters counted on the model built from the config")
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Use exercise 1's per-layer formula with Qwen3-0.6B's numbers, times the layer count, then add the
+# embedding table (`vocab_size x hidden_size`) once: the embeddings are tied, so the LM head adds
+# nothing. The layers hold the attention projections and the MLP (`3 x hidden x MLP width` each);
+# the norms are negligible. Two details decide whether you land close: Qwen3-0.6B's head dimension
+# times its query heads is *larger* than its hidden size (its `q_proj` widens the vector), and its
+# vocabulary of about 152k entries makes the embedding table a large slice of the total, as the
+# table's embedding column shows. Forgetting the embedding, or counting it twice, is the usual slip.
+# </details>
+
+# %%
+real = rows[1:]  # the two Qwen3 configurations: same vocabulary, different widths and depths
+_ = render("The embedding table holds " + ", ".join(f"**{r['embedding']:.0%}** of {r['model']}'s" for r in rows)
+           + " parameters. Between the two real models the vocabulary stays the same while the layers widen, so "
+           "the embedding's share falls as the model grows: the bigger the model, the more the decoder layers' "
+           "matmuls dominate. The norm gains are a rounding error in every one.")
+_ = check_claim("in every model above, the MLP holds more parameters than attention",
+                all(r["mlp"] > r["attention"] for r in rows),
+                "; ".join(f"{r['model']}: MLP {r['mlp']:.0%}, attention {r['attention']:.0%}" for r in rows))
+_ = check_claim("the embedding's share is smaller in Qwen3-1.7B than in Qwen3-0.6B",
+                real[1]["embedding"] < real[0]["embedding"],
+                " vs ".join(f"{r['model']} {r['embedding']:.0%}" for r in real))
 #
 # ## 2. Tensor shapes along one forward pass
 #
@@ -230,7 +355,48 @@ for name in order:
 # * Only the **last** position of the prompt goes through the LM head in prefill, because only it
 #   predicts a token we need: `compute_logits` gets `[1, hidden]`, not `[T, hidden]`.
 # * The decode pass is the same network with `T = 1`.
+
+# %% [markdown]
+# ### Playground
 #
+# Change `BATCH` (how many copies of the prompt arrive together) and run the cell: it runs one
+# engine step, the prefill of all of them, and prints the shapes the first decoder layer and the LM
+# head see. Look for: the first dimension `T` becomes the sum of all prompts' tokens (the engine
+# flattens a batch into one long sequence), while `compute_logits` gets one row per request and the
+# KV cache's shape does not move.
+
+# %% tags=["playground"]
+BATCH = 3  # the knob: requests prefilled together in one step
+
+seen = {}
+
+
+def note(key):
+    def hook(module, args, out):  # a forward hook that returns None leaves the output alone
+        seen.setdefault(key, shape_of(out))
+    return hook
+
+
+hooks = [layer.self_attn.qkv_proj.register_forward_hook(note("qkv_proj out")),
+         layer.mlp.register_forward_hook(note("mlp out"))]
+real_logits = model.compute_logits
+model.compute_logits = lambda h: (seen.setdefault("compute_logits in", list(h.shape)), real_logits(h))[1]
+try:
+    for b in range(BATCH):
+        engine.add_request(f"play{b}", PROMPT, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    rec = engine.step_with_record().record
+    while engine.has_unfinished_requests():
+        engine.step()
+finally:
+    for h in hooks:
+        h.remove()
+    del model.compute_logits
+print(f"{BATCH} request(s) of {n} tokens in one {rec.phase} step: {rec.num_tokens} tokens through the model")
+for name, shape in seen.items():
+    print(f"  {name:18s} {shape}")
+print(f"  {'KV cache (layer 0)':18s} {list(engine.runner.kv_cache[0, 0].shape)}")
+
+# %% [markdown]
 # ## 3. The engine's components, in the live object
 #
 # `LLM` is a thin facade; the work happens in `llm.llm_engine`, which owns the parts below. Each
@@ -359,7 +525,9 @@ for calls, result in journey:
 # ### Where the time of each step went
 #
 # Each `StepRecord` splits the step's wall time into scheduling, building inputs, the forward pass,
-# sampling and postprocessing (stop checks, detokenisation, outputs):
+# sampling and postprocessing (stop checks, detokenisation, outputs). These are single steps of one
+# request, each measured once (with the tracer's small overhead inside), so on a busy machine they
+# vary from run to run: the stepper in section 5 lets you take more.
 
 # %%
 import plotly.graph_objects as go
@@ -372,20 +540,23 @@ fig = go.Figure()
 for p in parts:
     fig.add_bar(y=labels, x=[getattr(res.record, p) for _, res in journey], name=p.replace("_ms", ""),
                 orientation="h")
-fig.update_layout(barmode="stack", title=f"Measured time per step of one request ({engine.config.device})",
-                  xaxis_title="ms", height=300, yaxis=dict(autorange="reversed"))
+fig.update_layout(barmode="stack", title=f"Measured time per step of one request, by engine stage<br><sup>{RUN}</sup>",
+                  xaxis_title="time (ms)", yaxis_title="engine step", height=320, yaxis=dict(autorange="reversed"))
 show_figure(fig)
 for _, res in journey:
     r = res.record
     print(f"step {r.index} ({r.phase}): {r.wall_ms:.2f} ms, of which forward {r.model_ms:.2f} ms "
           f"({r.model_ms / r.wall_ms:.0%}); everything else {r.wall_ms - r.model_ms:.2f} ms")
+shares = [res.record.model_ms / res.record.wall_ms for _, res in journey]
+_ = render(f"On this run the forward pass took between **{min(shares):.0%} and {max(shares):.0%}** of each step's "
+           f"wall time; the engine's own bookkeeping took the rest.")
 
 # %% [markdown]
-# The lines above give, for each step, the forward pass's share of the wall time; the rest is the
-# engine's own Python bookkeeping (scheduling, building inputs, sampling, detokenising), which costs
-# about the same per step whatever the model. With a real model on a GPU a step's forward pass can be
-# short enough that this bookkeeping matters, and the engine's job becomes keeping the GPU fed; later
-# chapters measure that.
+# The rest of each step is the engine's own Python bookkeeping (scheduling, building inputs,
+# sampling, detokenising); its work depends on the number of requests and tokens in the step, not
+# on the size of the model. With a real model on a GPU a step's forward pass can be short enough
+# that this bookkeeping matters, and the engine's job becomes keeping the GPU fed; later chapters
+# measure that.
 #
 # ## 5. Step it yourself
 #
@@ -452,16 +623,19 @@ Quiz([
 ]).display()
 
 # %% [markdown]
-# ## Takeaways
+# ## You can now
 #
-# * A Qwen3 model is an embedding, a stack of identical decoder layers (RMSNorm, grouped-query
-#   attention with per-head q/k norms and RoPE, SwiGLU MLP, residual adds) and an LM head; every
-#   parameter count follows from six numbers in the config.
-# * Every layer maps `[T, hidden]` to `[T, hidden]`; prefill and decode are the same network with
-#   different `T`.
-# * The engine is a loop over a few objects with one job each: scheduler (who runs), block manager
-#   (which KV blocks), runner (inputs, model, sampler), attention backend (paged KV reads and writes),
-#   detokenizer (ids to text).
-# * Every step leaves a `StepRecord`; the course's charts are built from them.
+# * name the parts of a Qwen3 model: an embedding, a stack of identical decoder layers (RMSNorm,
+#   grouped-query attention with per-head q/k norms and RoPE, SwiGLU MLP, residual adds) and an LM
+#   head;
+# * derive every parameter count from seven numbers in the config (hidden size, vocabulary, MLP
+#   width, query heads, KV heads, head dimension, layers) and two flags (tied embeddings, attention
+#   bias), and check it against the loaded model or one built on the `meta` device;
+# * read the tensor shapes of a forward pass: every layer maps `[T, hidden]` to `[T, hidden]`, and
+#   prefill and decode are the same network with different `T`;
+# * point at the engine's parts in the live object: scheduler (who runs), block manager (which KV
+#   blocks), runner (inputs, model, sampler), attention backend (paged KV reads and writes),
+#   detokenizer (ids to text);
+# * follow one request through a step and read its `StepRecord`, from which the course's charts are built.
 #
 # Next: chapter 03, why the KV cache exists and what it costs.
