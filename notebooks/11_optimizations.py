@@ -14,20 +14,31 @@
 # ---
 
 # %% [markdown]
-# # 11 · Optimizations: launches, graphs, compilers and kernels
+# # 11 · Optimizations: launches, graphs, compilers, kernels, int8 weights and speculation
 #
-# A decode step of a small model does very little arithmetic, and yet it can be slow: the host
-# spends its time *issuing* hundreds of small operations, one after another. This chapter measures
-# that cost on your machine and looks at the three tools an inference engine uses against it and
-# against wasted memory traffic: **CUDA graphs** (issue a whole step with one call), **torch.compile**
-# (fuse several small operations into one kernel) and **attention kernels** written for the job
-# (minivllm's Triton kernels, flash-attn).
+# **Goal:** measure where a decode step's time goes on your machine beyond the arithmetic, and what
+# five standard optimisations do about it: CUDA graphs, `torch.compile`, attention kernels, weight-only
+# int8 and speculative decoding.
+#
+# **Prerequisites:** chapter 02 (the model's layers), 04 (the paged KV cache and its block tables),
+# 06 (decode is memory-bound: a step reads every weight once) and 07 (TPOT).
+#
+# **Time:** about 45 minutes (reading and running).
+#
+# A decode step of a small model does little arithmetic, yet it is not free of other costs: the host
+# issues hundreds of small operations one after another, each with a fixed dispatch cost, and every
+# weight crosses memory once per step. This chapter measures both on your machine, then looks at the
+# tools an inference engine uses against them: **CUDA graphs** (issue a whole step with one call),
+# **torch.compile** (fuse small operations into one kernel), **attention kernels** written for the job
+# (minivllm's Triton kernels, flash-attn), **int8 weights** (fewer bytes per step) and **speculative
+# decoding** (several tokens per step).
 #
 # **You will:** count the operations one decode step issues, with the PyTorch profiler, and measure
-# what each costs here · see how the engine prepares CUDA graphs for decode batches (and measure them
-# when a GPU is present) · compile the engine's fused RMSNorm + residual with `torch.compile` and time
-# the compile and the result · compare the attention backends this machine has, and check our Triton
-# kernels against the reference in Triton's interpreter.
+# what their dispatch costs here · see how the engine prepares CUDA graphs for decode batches (and
+# measure them when a GPU is present) · compile the engine's fused RMSNorm + residual with
+# `torch.compile` and time the compile and the result · time the attention backends this machine
+# has, fairly, and check our Triton kernels in Triton's interpreter · predict, then measure, what int8
+# weights and speculative decoding do to a decode step here.
 
 # %% [markdown]
 # ## Setup
@@ -50,6 +61,7 @@ import torch
 os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.utils.env_report import describe
+from widgets import check_claim, check_prediction, render
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
@@ -163,15 +175,23 @@ print(f"measured decode step at batch 1: median {step_ms:.2f} ms, of which the m
       f"{statistics.median(r.model_ms for r in decode):.2f} ms; the dispatch floor is "
       f"{n_ops * per_op_us / 1e3 / step_ms:.0%} of the step")
 
+# %%
+floor_ms = n_ops * per_op_us / 1e3
+floor_share = floor_ms / step_ms
+render(f"On this run the dispatch floor ({n_ops} operations x {per_op_us:.1f} µs = {floor_ms:.2f} ms) is "
+       f"**{floor_share:.0%}** of a batch-1 decode step of {step_ms:.2f} ms. The other {1 - floor_share:.0%} "
+       "is the model's Python code, the engine's own work (scheduling, building inputs, sampling) and the "
+       "arithmetic itself, including reading every weight once.");
+
 # %% [markdown]
-# The step issues the same operations at batch 1 and batch 4, on taller tensors; the cell above
-# names any operation whose *count* differs (on the CPU backend, memory copies PyTorch makes when
+# The step issues the same operations at batch 1 and batch 4, on taller tensors; the cell above the
+# timing names any operation whose *count* differs (on the CPU backend, memory copies PyTorch makes when
 # the attention output's layout cannot be reshaped in place). So the dispatch cost is a nearly fixed
-# floor under every decode step, paid again at every step whatever the batch; the rest of the measured step is the model's Python code, the engine's own
-# work (scheduling, building inputs, sampling) and the arithmetic itself. On a GPU the floor matters
-# far more: the GPU finishes a small kernel quickly and then waits for the host to issue the next
-# one, so a small model's decode step can take longer than its arithmetic needs unless the launches
-# are taken off the host (section 2 measures this when a GPU is present).
+# floor under every decode step, paid again at every step whatever the batch, and its share of the
+# step is the figure just rendered. On a GPU the floor matters more: the GPU finishes a small kernel
+# quickly and then waits for the host to issue the next one, so a small model's decode step can take
+# longer than its arithmetic needs unless the launches are taken off the host (section 2 measures
+# this when a GPU is present).
 #
 # ## 2. CUDA graphs: issue the whole step at once
 #
@@ -236,9 +256,12 @@ else:
 # CUDA graphs remove the *launch* cost but still run every kernel. Many of a transformer's small
 # operations are element-wise and each one reads its input from memory and writes its output back.
 # The engine's RMSNorm with a fused residual add (`minivllm/layers/norm.py`) is written as plain
-# PyTorch: add, cast, square, mean, add eps, rsqrt, multiply, cast, multiply by the weight; one
-# kernel and one trip through memory each. `torch.compile` traces the function and its backend
-# (Inductor) generates one fused kernel: C++ with OpenMP on a CPU, Triton on a GPU.
+# PyTorch, one line per step of the formula: add the residual, cast to fp32, square, mean, add eps,
+# rsqrt, multiply, cast back, multiply by the weight. Not every line becomes an operation that does
+# work (in fp32 the two casts do nothing), and one line can run as more than one ATen operation; the
+# profiler counts what really runs below. Run eagerly, each of those operations is one kernel and one
+# trip through memory. `torch.compile` traces the function and its backend (Inductor) generates one
+# fused kernel: C++ with OpenMP on a CPU, Triton on a GPU.
 #
 # Generating and compiling that code takes seconds (the first call pays it; Inductor keeps a cache on
 # disk, so a later process may find the kernel already built). The engine's `compile=True` compiles
@@ -301,10 +324,11 @@ for t, args in inputs.items():
     moved = 4 * t * HIDDEN * args[0].element_size()  # read x and residual, write y and the new residual
     rows.append({"tokens": t, "eager µs": e_us, "compiled µs": c_us, "speed-up": e_us / c_us,
                  "compiled GB/s (4 x tokens x hidden x 4 B)": moved / (c_us * 1e-6) / 1e9})
-print(f"eager RMSNorm + residual: {sum(eager_ops.values())} ATen operations "
-      f"({', '.join(n.removeprefix('aten::') for n in eager_ops)}); "
-      f"compiled: {sum(compiled_ops.values())} left outside the fused kernel")
-pd.DataFrame(rows).round(2)
+display(pd.DataFrame(rows).round(2))
+eager_list = ", ".join(f"{n.removeprefix('aten::')} x{c}" for n, c in eager_ops.items())
+render(f"Eager, in {str(norm.weight.dtype).removeprefix('torch.')} on {cfg.device}, the RMSNorm + residual ran "
+       f"**{sum(eager_ops.values())} ATen operations that do work** ({eager_list}); compiled, "
+       f"{sum(compiled_ops.values())} ran outside the fused kernel.");
 
 # %% [markdown]
 # The fused kernel does the arithmetic of the eager operations listed above in one pass over memory
@@ -331,7 +355,9 @@ pd.DataFrame(rows).round(2)
 # Which of them this machine can run, and the time of each on the same inputs: a decode step of 8
 # sequences with 256 to 512 tokens of context, and a prefill of two 256-token prompts, at Qwen3-0.6B's
 # attention shape (16 query heads, 8 KV heads, head dim 128). `naive` is the test suite's plain
-# reference (a Python loop over sequences), for scale.
+# reference (`minivllm.testing.naive_attention`, a Python loop over sequences), for scale. Every
+# contender gets the same inputs, one warm-up call and the same number of timed repeats; the table
+# shows the median and the fastest and slowest repeat.
 
 # %%
 import importlib.util
@@ -353,48 +379,77 @@ H, HK, D = 16, 8, 128
 dtype = torch.bfloat16 if ON_CUDA else torch.float32
 CASES = {"decode: 8 seqs, ctx 256-512": [(256 + 32 * i, 1) for i in range(8)],
          "prefill: 2 x 256 tokens": [(256, 256), (256, 256)]}
+REPEATS = 5
 
 
-def time_backend(name, case, repeats=5):
-    be = get_attention_backend(name, cfg.device, case.meta.block_size)
-    args = (case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
+def time_ms(fn, repeats=REPEATS):
+    """One warm-up call, then `repeats` timed calls: (median, fastest, slowest) in ms and the last result."""
     ms = []
     for _ in range(repeats + 1):
-        case.meta.extras.clear()
         if ON_CUDA:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        be.prepare(case.meta)
-        out = be.forward(*args)
+        out = fn()
         if ON_CUDA:
             torch.cuda.synchronize()
         ms.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ms[1:]), out
+    timed = ms[1:]
+    return statistics.median(timed), min(timed), max(timed), out
+
+
+def backend_call(name, case):
+    be = get_attention_backend(name, cfg.device, case.meta.block_size)
+    args = (case.q, case.k, case.v, case.k_cache, case.v_cache, case.meta, case.scale)
+
+    def call():
+        case.meta.extras.clear()  # the per-step plan is rebuilt every call, as in a real step
+        be.prepare(case.meta)
+        return be.forward(*args)
+    return call
 
 
 rows = []
 for label, seqs in CASES.items():
-    for name, ok in runnable.items():
+    for name, ok in [*runnable.items(), ("naive", True)]:
         if not ok:
             continue
         block = 256 if name == "flash_attn" else 16
         case = make_case(seqs, H, HK, D, block, dtype=dtype, device=cfg.device, fill=0.0)
-        ms, out = time_backend(name, case)
+        fn = (lambda c=case: naive_attention(c)) if name == "naive" else backend_call(name, case)
+        med, lo, hi, out = time_ms(fn)
         err = (out.float() - naive_attention(case)).abs().max().item()
         kv_bytes = sum(ctx for ctx, _ in seqs) * HK * D * 2 * case.k.element_size()
-        rows.append({"case": label, "backend": name, "ms": ms, "max |error| vs naive": err,
-                     "KV read GB/s": kv_bytes / (ms * 1e-3) / 1e9})
-    case = make_case(seqs, H, HK, D, 16, dtype=dtype, device=cfg.device, fill=0.0)
-    t0 = time.perf_counter()
-    naive_attention(case)
-    rows.append({"case": label, "backend": "naive", "ms": (time.perf_counter() - t0) * 1e3})
-pd.DataFrame(rows)
+        rows.append({"case": label, "backend": name, "median ms": med, "fastest ms": lo, "slowest ms": hi,
+                     "max |error| vs naive": err, "KV read GB/s": kv_bytes / (med * 1e-3) / 1e9})
+attn = pd.DataFrame(rows)
+display(attn.round({"median ms": 2, "fastest ms": 2, "slowest ms": 2, "KV read GB/s": 2}))
+
+
+def vs_naive(label):
+    t = attn[(attn.case == label) & (attn.backend == "torch")]["median ms"].item()
+    n = attn[(attn.case == label) & (attn.backend == "naive")]["median ms"].item()
+    return t, n, ("slower" if t > n else "faster"), max(t, n) / min(t, n)
+
+
+lines = []
+for label in CASES:
+    t, n, word, r = vs_naive(label)
+    lines.append(f"* {label}: `torch` {t:.2f} ms, `naive` {n:.2f} ms: the backend is **{r:.2f}x {word}**")
+render("Median of the timed repeats on this run:\n\n" + "\n".join(lines));
 
 # %% [markdown]
-# The gather in the `torch` backend copies every key and value the step reads into a dense tensor
-# before attending; a paged kernel (Triton or flash-attn) reads them in place, block by block, and
-# fuses the softmax with both matrix products so the attention scores never go to memory. On a GPU,
-# with a real checkpoint, the table above shows the difference; on a CPU only `torch` runs at speed.
+# The two do not do the same work, which is why either can win. `naive` is handed every sequence's
+# keys and values already laid out contiguously (the test case keeps a dense copy, `full_k` and
+# `full_v`) and never touches the paged cache; it pays a Python loop iteration and a few small
+# operations per sequence. The `torch` backend does what a real step must: it writes the step's new
+# keys and values into the paged cache, builds its plan from the block tables, copies every sequence's
+# blocks into one dense, padded tensor (padding to the longest context) and then attends for all
+# sequences in one `scaled_dot_product_attention` call. So the `torch` backend's time includes the
+# price of paging, a copy of every key and value the step reads, that `naive` does not pay; the loop's
+# per-sequence overhead grows with the number of sequences. A paged kernel (Triton or flash-attn)
+# avoids the copy: it reads the blocks in place, block by block, and fuses the softmax with both
+# matrix products so the attention scores never go to memory. On a GPU, with a real checkpoint, the
+# table above shows the difference; on a CPU only `torch` runs at speed.
 #
 # ### Our Triton kernels on a CPU: correct, not fast
 #
@@ -448,7 +503,423 @@ for row in interp.itertuples():
 # what a GPU compiles. Their interpreted time (the `ms` column) says nothing about GPU speed: it
 # measures Python executing one program instance after another.
 #
-# ## 5. Check yourself
+# ## 5. Weight-only int8: fewer bytes per step
+#
+# A batch-1 decode step reads every weight once and does two FLOPs with it (chapter 06). Stored in one
+# byte instead of four (fp32) or two (bf16), the weights cost a quarter (or half) of the memory
+# traffic, and a step that is bound by reading them gets faster by as much. minivllm quantises at
+# load time: `LLM(..., quantization="int8")` turns every linear layer (and, by default, the LM head)
+# into per-output-channel symmetric int8, `scale[n] = max |W[n, :]| / 127`, `Q = round(W / scale)`;
+# embeddings and norms stay float (`docs/quantization.md`). On a CPU the matmul goes through torch's
+# fbgemm dynamic int8 linear, which also rounds the activations to 7 bits per token at run time; on
+# CUDA, through our Triton kernel, which converts int8 weight tiles to the activation dtype inside
+# the matmul loop (weight-only).
+#
+# Two engines of the same model, side by side: the fp32 one from the setup cell and an int8 one.
+# First what int8 should save, from each engine's cost model and this machine's measured read
+# bandwidth (the time to read the weights once is a floor under every decode step):
+
+# %%
+from minivllm.quantization.int8 import describe_kernel
+from minivllm.quantization.layer import quantized_layers
+from minivllm.telemetry.peaks import get_peaks
+
+q_llm = LLM(MODEL, device=DEVICE, quantization="int8", num_kvcache_blocks=128, max_num_seqs=8)
+q_engine = q_llm.llm_engine
+print("int8 matmul path:", "; ".join(sorted({describe_kernel(m.int8.kernel)
+                                             for m in quantized_layers(q_engine.runner.model)})))
+peaks = get_peaks(cfg.device, cfg.dtype)
+print(f"read bandwidth {peaks.mbu_bytes_per_s / 1e9:.1f} GB/s ({peaks.provenance})")
+wbytes = {name: e.model_cost.body_weight_bytes + e.model_cost.lm_head_bytes
+          for name, e in (("fp32", engine), ("int8", q_engine))}
+read_ms = {name: b / peaks.mbu_bytes_per_s * 1e3 for name, b in wbytes.items()}
+for name in wbytes:
+    print(f"{name}: layer + LM head weights {wbytes[name] / 2**20:.2f} MiB, read once in {read_ms[name]:.2f} ms")
+print(f"bytes ratio fp32 / int8: {wbytes['fp32'] / wbytes['int8']:.2f}x")
+
+# %% [markdown]
+# ### Exercise 1 · How much faster is an int8 decode step here?
+#
+# The int8 engine reads roughly a quarter of the fp32 engine's weight bytes (printed above). Predict
+# the speed-up of a **batch-1 decode step of this notebook's model** with int8 weights: fp32 step time
+# divided by int8 step time (1.0 = no change). Think about what else a step spends its time on
+# (section 1) before you write a number.
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: fp32 decode step time / int8 decode step time, in x (e.g. 2.5)
+
+# %%
+greedy = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+
+
+def decode_itls(llm, prompt="The module provides"):
+    """Inter-token latencies (ms) of one batch-1 greedy request: one per decode step."""
+    return llm.generate([prompt], greedy, use_tqdm=False)[0].metrics.itl_ms
+
+
+for e in (llm, q_llm):  # warm-up
+    decode_itls(e)
+itl = {"fp32": [], "int8": []}
+round_medians = {"fp32": [], "int8": []}
+for _ in range(4):  # alternate the engines, so that load from other processes falls on both
+    for name, e in (("fp32", llm), ("int8", q_llm)):
+        x = decode_itls(e)
+        itl[name] += x
+        round_medians[name].append(statistics.median(x))
+step = {name: statistics.median(v) for name, v in itl.items()}
+int8_speedup = step["fp32"] / step["int8"]
+for name in step:
+    print(f"{name}: median decode step {step[name]:.2f} ms over {len(itl[name])} steps "
+          f"(round medians {min(round_medians[name]):.2f} to {max(round_medians[name]):.2f} ms)")
+check_prediction(my_prediction, int8_speedup, rel_tol=0.25, unit="x",
+                 what="the int8 speed-up of a batch-1 decode step");
+
+# %%
+render(f"On this run int8 changed the batch-1 decode step from {step['fp32']:.2f} ms to {step['int8']:.2f} ms: "
+       f"**{int8_speedup:.2f}x**, while the weights shrank {wbytes['fp32'] / wbytes['int8']:.2f}x. Reading the "
+       f"fp32 weights once at the measured read bandwidth would take {read_ms['fp32']:.2f} ms, "
+       f"**{read_ms['fp32'] / step['fp32']:.0%}** of the fp32 step.")
+check_claim("this model's decode step takes far longer than reading its weights once at the read bandwidth",
+            read_ms["fp32"] / step["fp32"] < 0.25, f"weight-read floor {read_ms['fp32'] / step['fp32']:.0%} of the step",
+            why_it_may_not="On a quiet machine with a fast path for every small operation, the floor's share grows.")
+check_claim("int8 weights do not make this model's batch-1 decode step anywhere near 4x faster",
+            int8_speedup < 2.0, f"measured {int8_speedup:.2f}x with {wbytes['fp32'] / wbytes['int8']:.2f}x fewer bytes",
+            why_it_may_not="This model's step is then bound by its weight reads here, which section 1 says "
+                           "it is not on a typical CPU.");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# A step's time is a sum of parts, and int8 changes only one of them: the matrix multiplies of the
+# linear layers and the LM head. The rest, the dispatch of a couple of hundred operations (section 1),
+# the engine's Python work, attention, norms and sampling, does not depend on the weights' dtype, and
+# the int8 path adds a little of its own (rounding each activation row before the matmul). Amdahl's
+# law then bounds the gain: if the matmuls are a share `f` of the step and get `s` times faster, the
+# step gets `1 / ((1 - f) + f / s)` times faster, which stays far below `s` unless `f` is close to 1.
+#
+# How large is `f` here? The rendered sentence gives a hint: reading all the weights once at the
+# measured read bandwidth is a small share of the step, so this step is not bound by its weight reads
+# at all: this model's weights (their size is printed above) are too few for their traffic to matter
+# beside the fixed costs.
+# (The matmuls do take longer than that floor, because a one-row matmul of a small layer runs far
+# below the memory's bandwidth, and int8's kernel also does its arithmetic in cheaper units; that is
+# why the step can gain a little more than the floor alone would allow.) On a model large enough that
+# the weights dominate the step, the next cell's layer, one of Qwen3-0.6B's, shows int8 coming much
+# closer to its byte ratio.
+#
+# </details>
+
+# %% [markdown]
+# The same comparison on one linear layer of Qwen3-0.6B's size (the MLP's gate and up projections,
+# 1024 -> 6144, 24 MiB in fp32), at one row, so that reading the weight is most of the work. The
+# layer is timed on several copies of its weight in turn, enough to exceed the CPU's caches, so that
+# every call reads its weight from memory as an engine step does:
+
+# %%
+import math
+
+from minivllm.layers.prepack import linear, pack_weight
+from minivllm.quantization.int8 import Int8Weight
+
+K_IN, N_OUT, COLD = 1024, 6144, 128 << 20
+w = torch.randn(N_OUT, K_IN, generator=torch.Generator().manual_seed(0)) * 0.02
+x1 = torch.randn(1, K_IN)
+layer_bytes = {"fp32": 4 * N_OUT * K_IN, "int8": N_OUT * K_IN + 4 * N_OUT}  # int8: + one fp32 scale per row
+copies = {"fp32": [pack_weight(w) for _ in range(math.ceil(COLD / layer_bytes["fp32"]))],
+          "int8": [Int8Weight(w) for _ in range(math.ceil(COLD / layer_bytes["int8"]))]}
+calls = {"fp32": lambda p: linear(x1, p), "int8": lambda q: q.matmul(x1)}
+layer_ms = {}
+with torch.inference_mode():
+    for name, ws in copies.items():
+        for wc in ws:  # warm-up
+            calls[name](wc)
+        trials = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for wc in ws * 2:
+                calls[name](wc)
+            trials.append((time.perf_counter() - t0) / (2 * len(ws)) * 1e3)
+        layer_ms[name] = min(trials)
+        print(f"{name}: {layer_ms[name]:.3f} ms per call (best of 3 passes over {len(ws)} copies), "
+              f"{layer_bytes[name] / (layer_ms[name] * 1e-3) / 1e9:.1f} GB/s of weight read")
+del copies
+layer_speedup = layer_ms["fp32"] / layer_ms["int8"]
+render(f"One Qwen3-0.6B-sized layer at one row: int8 is **{layer_speedup:.2f}x** faster than fp32 here, for "
+       f"{layer_bytes['fp32'] / layer_bytes['int8']:.2f}x fewer bytes; the whole tiny-model step above gained "
+       f"{int8_speedup:.2f}x.")
+check_claim("int8 gains more on a large layer that reads its weight from memory than on the tiny model's whole step",
+            layer_speedup > int8_speedup, f"layer {layer_speedup:.2f}x, tiny-model step {int8_speedup:.2f}x",
+            why_it_may_not="Heavy load from other processes during one of the two measurements can swap them.");
+
+# %% [markdown]
+# What int8 costs is accuracy: every weight is rounded to one of 255 levels of its row's scale, and
+# on the CPU the activations are rounded too. Two measurements against the fp32 engine: the greedy
+# continuations of a fixed set of 16 prompts, 32 tokens each (how many tokens agree before the first
+# difference; greedy decoding amplifies any change, since one flipped token changes all that follows),
+# and, on one passage of text, the logits themselves and the loss of predicting each next token:
+
+# %%
+from minivllm.quantization.accuracy import AGREEMENT_PROMPTS, compare_greedy, int8_hf_linears, restore_hf_linears
+
+agree = compare_greedy(llm, q_llm, AGREEMENT_PROMPTS, max_tokens=32)
+print(f"greedy agreement over {agree['num_prompts']} prompts x {agree['max_tokens']} tokens: "
+      f"{agree['prefix_agreement']:.1%} of tokens before the first difference, "
+      f"{agree['position_agreement']:.1%} equal position by position, "
+      f"{agree['identical']} of {agree['num_prompts']} continuations identical")
+
+PASSAGE = ("Return a new list containing all items from the iterable in ascending order. A custom key "
+           "function can be supplied to customize the sort order, and the reverse flag can be set to "
+           "request the result in descending order.")
+logits_err = None
+if engine.source.checkpoint_dir is not None:  # a trained checkpoint: transformers' Qwen3 reads it
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no loading bar in the output
+    hf = AutoModelForCausalLM.from_pretrained(str(engine.source.checkpoint_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([engine.tokenizer.encode(PASSAGE)])
+    with torch.inference_mode():
+        ref = hf(input_ids=ids).logits.float()[0]
+        int8_hf_linears(hf)  # the same int8 layers the engine uses, in transformers' model
+        got = hf(input_ids=ids).logits.float()[0]
+        restore_hf_linears(hf)
+    nll = {name: torch.nn.functional.cross_entropy(lg[:-1], ids[0, 1:]).item() for name, lg in
+           (("fp32", ref), ("int8", got))}
+    diff = (got - ref).abs()
+    logits_err = {"max": diff.max().item(), "rel": (diff.max() / ref.abs().max()).item(),
+                  "argmax": (got.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+    print(f"{ids.shape[1]}-token passage: largest logit error {logits_err['max']:.3f} "
+          f"({logits_err['rel']:.1%} of the largest |logit|), arg-max unchanged at {logits_err['argmax']:.0%} of "
+          f"positions; loss {nll['fp32']:.4f} -> {nll['int8']:.4f} nats/token")
+    del hf
+else:
+    print("random weights: no logits comparison (docs/quantization.md measures one on random:qwen3-0.6b)")
+
+# %%
+if logits_err is not None:
+    render(f"On this run int8 moved the loss on the passage by **{nll['int8'] - nll['fp32']:+.4f} nats/token** "
+           f"and its largest logit error was {logits_err['rel']:.1%} of the largest logit; "
+           f"**{agree['identical']} of {agree['num_prompts']}** greedy continuations came out identical to fp32.")
+check_claim("int8 changes some greedy tokens of this model", agree["position_agreement"] < 1.0,
+            f"{agree['position_agreement']:.1%} of tokens equal position by position",
+            why_it_may_not="A model whose top two candidates are never close keeps every token.");
+
+# %% [markdown]
+# A small change in the logits moves the loss very little, but it flips a greedy token wherever the
+# model's top two candidates were nearly tied, and from that token on the continuation is a different
+# text: greedy agreement is the harshest of these measures. Whether a change of that size matters is
+# a question for an evaluation on the task the model serves, not for a single number.
+
+# %% [markdown]
+# ## 6. Speculative decoding: several tokens per step
+#
+# Int8 makes each step cheaper. Speculative decoding makes each step produce more tokens. A decode
+# step that is bound by reading the weights (or, here, by fixed per-step costs) costs far less than
+# five steps when it processes five tokens per sequence instead of one, so if something cheap can
+# **guess** the next few tokens, the model can check all the guesses in one step: it scores the last known token and the
+# k drafts together, keeps the drafts up to the first one it disagrees with, and adds its own token
+# after them. Greedy output is unchanged by construction (a draft is kept only when it is the model's
+# own arg-max); at temperature > 0 drafts are accepted by rejection sampling (Leviathan et al. 2023;
+# Chen et al. 2023), which leaves the output distribution unchanged.
+#
+# minivllm implements vLLM v1's `ngram` method (prompt lookup): the draft is whatever followed the
+# latest earlier occurrence of the context's last 2 to 4 tokens. It costs no model at all, and it guesses
+# well exactly when the continuation repeats text already in the context: code being edited, a
+# document being quoted, or, as here, a small model that falls into repeating its own lines.
+#
+# The workload: this prompt of four short Python functions, continued greedily for 48 tokens. The
+# continuation below (from the engine without speculation) shows what the model does with it; count
+# the lines it repeats.
+
+# %%
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+OPS = [("add", "+"), ("sub", "-"), ("mul", "*"), ("div", "/"), ("mod", "%"), ("pow", "**"), ("floordiv", "//"),
+       ("rshift", ">>")]
+
+
+def repeating_prompt(i=0):
+    """Four small functions (rotated through OPS by i); the model's continuation repeats lines."""
+    return "".join(f"def {n}(a, b):\n    return a {op} b\n\n\n" for n, op in (OPS[(i + j) % 8] for j in range(4)))
+
+
+s_llm = LLM(MODEL, device=DEVICE, speculative_config=SPEC, num_kvcache_blocks=128, max_num_seqs=8)
+GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+print(repeating_prompt(0) + "----- continuation -----")
+print(llm.generate([repeating_prompt(0)], GREEDY, use_tqdm=False)[0].outputs[0].text)
+
+# %% [markdown]
+# ### Exercise 2 · What does speculation buy at batch 1?
+#
+# With k = 4 drafts per step, a step emits between 1 and 5 tokens. Predict the **TPOT speed-up** of
+# this request at batch 1: TPOT without speculation divided by TPOT with it. You will need a guess of
+# how many drafts the model accepts per step, and of what a step that checks 5 tokens costs compared
+# with a step that decodes 1.
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: TPOT without / TPOT with speculation at batch 1, in x (e.g. 1.8)
+
+
+# %%
+def spec_compare(prompts, params, rounds=3):
+    """Median request TPOT (ms) of the plain and the speculative engine, alternating rounds, and the
+    speculative run's drafts, accepted drafts, verification steps and whether every output is identical."""
+    for e in (llm, s_llm):  # warm-up
+        e.generate(prompts[:1], params, use_tqdm=False)
+    tp = {"plain": [], "spec": []}
+    for _ in range(rounds):
+        base_outs = llm.generate(prompts, params, use_tqdm=False)
+        spec_outs = s_llm.generate(prompts, params, use_tqdm=False)
+        tp["plain"].append(statistics.median(o.metrics.tpot_ms for o in base_outs))
+        tp["spec"].append(statistics.median(o.metrics.tpot_ms for o in spec_outs))
+    m = [o.metrics for o in spec_outs]
+    drafts, accepted = sum(x.num_draft_tokens for x in m), sum(x.num_accepted_draft_tokens for x in m)
+    steps = sum(x.num_spec_steps for x in m)
+    # a step emits 1 + its accepted drafts, so a request of n tokens needs n - 1 - accepted decode steps
+    plain_steps = sum(len(o.outputs[0].token_ids) - 1 for o in spec_outs) / len(prompts)
+    return {"plain TPOT ms": statistics.median(tp["plain"]), "spec TPOT ms": statistics.median(tp["spec"]),
+            "plain spread": (min(tp["plain"]), max(tp["plain"])), "spec spread": (min(tp["spec"]), max(tp["spec"])),
+            "drafts": drafts, "acceptance": accepted / drafts if drafts else float("nan"),
+            "tokens per verification": 1 + accepted / steps if steps else float("nan"),
+            "decode steps per request": f"{plain_steps:.1f} -> {plain_steps - accepted / len(prompts):.1f}",
+            "steps saved": accepted / len(prompts) / plain_steps,
+            # greedy: must be equal; sampled: the draws differ with speculation (not the distribution)
+            "identical": ([o.outputs[0].token_ids for o in base_outs] == [o.outputs[0].token_ids for o in spec_outs]
+                          if params.temperature == 0 else "n/a (sampled)")}
+
+
+b1 = spec_compare([repeating_prompt(0)], GREEDY)
+b1_speedup = b1["plain TPOT ms"] / b1["spec TPOT ms"]
+print(f"batch 1: TPOT {b1['plain TPOT ms']:.2f} ms -> {b1['spec TPOT ms']:.2f} ms with speculation; "
+      f"acceptance {b1['acceptance']:.0%} of {b1['drafts']} drafts, {b1['tokens per verification']:.2f} tokens "
+      f"per verification step; greedy output identical: {b1['identical']}")
+check_prediction(my_prediction, b1_speedup, rel_tol=0.25, unit="x", what="the batch-1 TPOT speed-up");
+
+# %% [markdown]
+# Each verification is recorded per step too (`StepRecord.num_draft_tokens` and
+# `num_accepted_draft_tokens`); here are the speculative engine's steps for the same request, with
+# what each cost:
+
+# %%
+s_engine = s_llm.llm_engine
+s_engine.add_request("steps", repeating_prompt(0), GREEDY)
+recs = []
+while s_engine.has_unfinished_requests():
+    recs.append(s_engine.step_with_record().record)
+step_table = pd.DataFrame([{"step": i, "phase": r.phase, "tokens in step": r.num_tokens,
+                            "drafts": r.num_draft_tokens, "accepted": r.num_accepted_draft_tokens,
+                            "wall ms": round(r.wall_ms, 2)} for i, r in enumerate(recs)])
+decodes = step_table[step_table.phase == "decode"]
+with_drafts, plain = decodes[decodes.drafts > 0], decodes[decodes.drafts == 0]
+with pd.option_context("display.max_columns", 60, "display.width", 250):
+    display(step_table.set_index("step").T)
+render(f"{len(recs)} steps for {GREEDY.max_tokens} new tokens (without speculation: 1 prefill + "
+       f"{GREEDY.max_tokens - 1} decode steps). Decode steps that verified drafts took a median "
+       f"**{with_drafts['wall ms'].median():.2f} ms** ({len(with_drafts)} steps), plain decode steps "
+       f"**{plain['wall ms'].median():.2f} ms** ({len(plain)} steps).")
+check_claim("a decode step that verifies 4 drafts costs less than two plain decode steps",
+            with_drafts["wall ms"].median() < 2 * plain["wall ms"].median(),
+            f"medians {with_drafts['wall ms'].median():.2f} vs {plain['wall ms'].median():.2f} ms",
+            why_it_may_not="On a machine where the step is bound by its arithmetic, 5 tokens cost nearly 5x.");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# A verification step emits `1 + accepted` tokens, so per step the request advances by the "tokens
+# per verification" figure printed above (1 + acceptance rate x 4 when every step has 4 drafts; fewer
+# drafts are proposed when no n-gram matches). What such a step costs relative to a plain decode
+# step decides the rest: the speed-up is roughly `tokens per verification x (plain step time /
+# verification step time)`. On this model a step is dominated by costs that do not grow with its
+# token count (section 1: dispatch, Python, the engine's bookkeeping), so checking 5 tokens instead of
+# 1 costs far less than 5 plain steps: compare the two medians rendered above (on a loaded machine
+# single steps vary a lot).
+# The first tokens of the continuation are new text with no n-gram to match, so those steps are plain
+# decodes; speculation pays once the model starts repeating itself, and the TPOT ratio should sit
+# below the tokens per verification, pulled down by the plain steps and the extra cost of the wider
+# ones (compare the two figures printed under the exercise).
+#
+# </details>
+
+# %% [markdown]
+# ### Where speculation stops paying
+#
+# Speculation is a bet that checking k extra tokens costs almost nothing. Two things break it: a
+# workload whose continuation does not repeat its context (few drafts are proposed, and those are
+# mostly rejected), and a step that is no longer nearly free to widen (a larger batch: every
+# sequence's drafts add rows to the step, and once the step is bound by its arithmetic, extra rows cost
+# their full price). Measured here on three workloads: the same prompt at batch 1 (above), 8 such
+# prompts at batch 8, and the batch-1 prompt **sampled at temperature 0.6** (seeded; nano-vllm's
+# benchmark samples at 0.6): sampled text repeats itself less, and a draft is only accepted with the
+# probability the model gives it. (A sampled request draws its random numbers differently with
+# speculation, so its tokens differ from the plain engine's even with the same seed; what rejection
+# sampling keeps equal is the distribution they are drawn from. The `identical` column applies to
+# greedy requests only.)
+
+# %%
+b8 = spec_compare([repeating_prompt(i) for i in range(8)], GREEDY)
+SAMPLED = SamplingParams(temperature=0.6, seed=0, max_tokens=48, ignore_eos=True)
+t1 = spec_compare([repeating_prompt(0)], SAMPLED)
+spec_rows = pd.DataFrame({"greedy, batch 1": b1, "greedy, batch 8": b8, "T = 0.6, batch 1": t1}).T
+spec_rows["speed-up"] = spec_rows["plain TPOT ms"] / spec_rows["spec TPOT ms"]
+for col in ("plain spread", "spec spread"):
+    spec_rows[col] = spec_rows[col].map(lambda r: f"{r[0]:.2f}-{r[1]:.2f} ms")
+with pd.option_context("display.max_columns", 20, "display.width", 250, "display.precision", 2):
+    display(spec_rows)
+ratios = spec_rows["speed-up"].astype(float)
+overlap = not (t1["spec spread"][1] < t1["plain spread"][0] or t1["plain spread"][1] < t1["spec spread"][0])
+sampled = (f"{t1['drafts']} drafts were proposed and {t1['acceptance'] if t1['drafts'] else 0:.0%} of them accepted, "
+           f"so the request's decode steps went {t1['decode steps per request']} ({t1['steps saved']:.0%} fewer; "
+           f"greedy: {b1['steps saved']:.0%} fewer). Its TPOT ratio, {ratios['T = 0.6, batch 1']:.2f}x, "
+           + ("lies within the spread of the repeats (the two engines' round TPOTs overlap): no measurable "
+              "difference on this run" if overlap else "lies outside the spread of the repeats on this run"))
+render(f"On this run: greedy at batch 1, **{ratios['greedy, batch 1']:.2f}x** lower TPOT with speculation; "
+       f"greedy at batch 8, **{ratios['greedy, batch 8']:.2f}x** "
+       f"({'less' if ratios['greedy, batch 8'] < ratios['greedy, batch 1'] else 'not less'} than at batch 1); "
+       f"sampled at T = 0.6, {sampled}. (Tokens per verification step and decode steps per request are "
+       "exact counts; TPOTs vary with the machine's load, see the spread columns.)");
+
+# %%
+check_claim("greedy outputs are identical with and without speculation",
+            bool(b1["identical"] and b8["identical"]), f"batch 1: {b1['identical']}, batch 8: {b8['identical']}",
+            why_it_may_not="Only a floating-point near-tie between the top two tokens, which a different step "
+                           "shape can break, may flip a token.")
+check_claim("speculation gains less at batch 8 than at batch 1 on the same kind of prompt",
+            ratios["greedy, batch 8"] < ratios["greedy, batch 1"],
+            f"{ratios['greedy, batch 8']:.2f}x at batch 8 vs {ratios['greedy, batch 1']:.2f}x at batch 1",
+            why_it_may_not="The eight prompts do not repeat equally well (compare the acceptance column), and "
+                           "load from other processes can swamp a small difference.")
+check_claim("sampling at T = 0.6 leaves speculation fewer accepted drafts than the greedy repeating workload",
+            t1["drafts"] * (0 if t1["drafts"] == 0 else t1["acceptance"]) < b1["drafts"] * b1["acceptance"],
+            f"accepted drafts: {round(t1['drafts'] * (t1['acceptance'] if t1['drafts'] else 0))} sampled vs "
+            f"{round(b1['drafts'] * b1['acceptance'])} greedy",
+            why_it_may_not="A model that repeats itself even when sampled can keep proposing acceptable drafts.");
+
+# %% [markdown]
+# Why the gain should shrink with the batch (the check above says whether it did here): a
+# verification step of 8 sequences carries up to 40 tokens instead of 8, and the larger the step, the
+# less of its cost is fixed and the more grows with every token it carries. On a GPU with a real model
+# the same happens once the batch is large enough for the step to become compute-bound, which is why
+# vLLM V0 offered to switch speculation off above a batch size (`speculative_disable_by_batch_size`). Why sampled text gives speculation little to
+# work with: the n-gram proposer has nothing to propose when the text does not repeat, a step without
+# drafts is an ordinary decode, and a draft that is proposed is kept only with the probability the
+# model gives it.
+
+# %% tags=["playground"]
+# Playground. Knob: K, the number of draft tokens proposed per step (vLLM's num_speculative_tokens).
+# Try 1, 2, 8, 16. Look at the acceptance rate (it falls as K grows: the further ahead a guess, the
+# likelier it is wrong), the tokens emitted per verification step (it grows, then flattens) and the
+# TPOT (it stops improving once the rejected drafts cost more than the accepted ones save).
+K = 4
+pg = LLM(MODEL, device=DEVICE, speculative_config={**SPEC, "num_speculative_tokens": K},
+         num_kvcache_blocks=128, max_num_seqs=8)
+pg.generate([repeating_prompt(0)], GREEDY, use_tqdm=False)  # warm-up
+out = pg.generate([repeating_prompt(0)], GREEDY, use_tqdm=False)[0]
+m = out.metrics
+print(f"K={K}: TPOT {m.tpot_ms:.2f} ms, acceptance {m.draft_acceptance_rate or 0:.0%} of {m.num_draft_tokens} "
+      f"drafts, {m.mean_accepted_length or 1:.2f} tokens per verification step")
+pg.shutdown()
+
+# %% [markdown]
+# ## 7. Check yourself
 
 # %%
 from widgets import Question, Quiz
@@ -465,8 +936,8 @@ Quiz([
          "Right: the dispatch cost is paid per operation, not per row; this is one reason batching makes "
          "decode cheaper per token.",
          "Each operation processes all sequences at once; the batch is a dimension of the tensors.",
-         "This machine has no CUDA graphs at all (the engine captures them on CUDA only); the count is the "
-         "eager one."],
+         "The profiled steps ran eagerly, operation by operation; a CUDA graph would replay the kernels "
+         "without issuing them from Python, and the engine captures graphs on CUDA only."],
     ),
     Question(
         "Why does the engine capture CUDA graphs for decode steps but not for prefill steps?",
@@ -498,18 +969,19 @@ Quiz([
 ]).display()
 
 # %% [markdown]
-# ## Takeaways
+# ## You can now
 #
-# * A decode step issues nearly the same few hundred operations whatever the batch; each costs
-#   microseconds of host time, measured above: a fixed floor under every step, and on a GPU, where
-#   each operation is a kernel launch the device waits for, a large share of a small model's step.
-# * CUDA graphs replay a whole decode step with one launch. They need fixed shapes, so minivllm
-#   captures batch-size buckets and pads; they run on CUDA only (`enforce_eager=False`).
-# * `torch.compile` fuses chains of element-wise operations into one kernel and one pass over memory,
-#   at a cost of seconds of compilation the first time; the engine compiles RMSNorm, SiLU-and-mul and
-#   rotary when `compile=True` (default on CUDA).
-# * Attention backends share one interface and one reference: the `torch` backend runs everywhere;
-#   our Triton kernels match it (checked here in the interpreter) and run at speed on GPUs, as does
-#   flash-attn.
+# * count the operations a decode step issues with `torch.profiler`, time one dispatch, and say what
+#   share of a step the dispatch floor is on a given machine;
+# * explain what a CUDA graph removes (the host's launches), why it needs fixed shapes, and how the
+#   engine buckets decode batch sizes and pads to capture them;
+# * compile a chain of element-wise operations with `torch.compile`, check it against eager, and weigh
+#   its seconds of compilation against what each call saves;
+# * time attention implementations fairly (same inputs, warm-up, repeats, spread) and say what each
+#   one's time includes (the paged backend's gather copy, the loop's per-sequence overhead);
+# * switch on weight-only int8 (`quantization="int8"`), predict its gain from the bytes a step reads and
+#   the rest of the step, and measure both its speed-up and what it changes in the model's outputs;
+# * switch on n-gram speculative decoding (`speculative_config`), read its acceptance rate and tokens
+#   per verification step, and find the workload or batch where it stops paying.
 #
 # Next: chapter 12, benchmarks: measuring the whole engine against a peer.

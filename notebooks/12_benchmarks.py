@@ -16,10 +16,19 @@
 # %% [markdown]
 # # 12 · Benchmarks: measuring the whole engine
 #
+# **Goal:** run a benchmark whose number means something: the same workload through minivllm and a
+# peer on the same machine, with latency distributions and each step placed on this machine's
+# measured roofline, and know how to compare it with nano-vllm's published benchmark.
+#
+# **Prerequisites:** chapter 05 (continuous batching, the token budget), 06 (arithmetic intensity,
+# the roofline, MFU and MBU) and 07 (TTFT and TPOT).
+#
+# **Time:** about 35 minutes (reading and running).
+#
 # Every earlier chapter measured one mechanism. A benchmark measures the engine as a user meets
 # it: a batch of requests in, tokens out, and a number to compare. The number only means something
 # beside a **peer run on the same machine, model, prompts and output lengths**, and beside the
-# latencies each request saw. minivllm's harness (`minivllm/bench.py`, `python -m minivllm bench`)
+# latencies each request saw. minivllm's harness (`minivllm/bench/`, `python -m minivllm bench`)
 # does exactly that; this notebook runs it inline and reads what it prints.
 #
 # **You will:** run the harness on a small workload and read its report · measure minivllm's
@@ -32,8 +41,8 @@
 # ## Setup
 #
 # `BIG` is the random-weight model at Qwen3-0.6B's shapes (2.4 GB in fp32), used for the roofline
-# section: the embedded model fits in the CPU's caches and its steps are dominated by fixed costs, so
-# it cannot show where a real model's steps sit.
+# section: the embedded model is small (4 layers, hidden size 256) and its steps are dominated by
+# fixed costs, so it cannot show where a real model's steps sit.
 
 # %% tags=["parameters"]
 import os
@@ -54,6 +63,7 @@ import torch
 os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.utils.env_report import describe
+from widgets import check_claim, check_prediction, render
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
@@ -89,7 +99,8 @@ print("first three requests: prompt lengths", [len(p) for p in wl.prompts[:3]], 
 # ## 2. The harness, inline
 #
 # `run_throughput` is what `python -m minivllm bench` calls. It builds its own engine, measures this
-# machine's peak FLOP/s and copy bandwidth, warms up, runs the workload with a utilisation sampler
+# machine's peak matmul FLOP/s and memory bandwidth (a copy and a read; MFU and MBU are computed
+# against the matmul and the **read** figure), warms up, runs the workload with a utilisation sampler
 # alongside, then runs the **same prompts with the same weights** through transformers `generate`
 # (padded batches) in the same process, and prints one report: throughput, the ratio, latency
 # percentiles, where the step time went, and whether the greedy outputs are identical.
@@ -111,10 +122,12 @@ if peer.get("available"):
     rows.append({"engine": peer["label"], "seconds": peer["seconds"], "output tok/s": peer["output_tokens_per_s"],
                  "total tok/s": peer["total_tokens_per_s"]})
 table = pd.DataFrame(rows).set_index("engine")
+# device (with CPU threads), model, dtype: in every chart's title
+CHART_CONTEXT = f"{result['device']}, model {engine.source.name}, {str(engine.config.dtype).removeprefix('torch.')}"
 fig = go.Figure(go.Bar(x=table.index, y=table["output tok/s"], marker_color=["#4c78a8", "#9c755f"][:len(table)],
                        text=[f"{v:.0f}" for v in table["output tok/s"]], textposition="outside"))
-fig.update_layout(title=f"Output tokens per second, same workload and weights ({result['device']})",
-                  yaxis_title="output tokens / s", height=340)
+fig.update_layout(title=f"Output tokens per second, same workload and weights<br><sup>{CHART_CONTEXT}</sup>",
+                  xaxis_title="engine", yaxis_title="output tokens / s", height=360)
 show_figure(fig)
 if peer.get("available"):
     print(f"minivllm / transformers generate: {peer['speedup']:.2f}x; greedy outputs identical in "
@@ -141,10 +154,51 @@ table.round(2)
 # percentiles; here is every request of the same workload on the notebook's engine (a token budget
 # of 256 per step), with its TTFT (time to first token) and TPOT (mean time per output token after
 # the first).
+#
+# ### Exercise 1 · How many steps until everyone has a first token?
+#
+# The sixteen requests' prompts hold the number of tokens printed in section 1 (`num_prompt_tokens`),
+# and each engine step may carry at most the token budget printed in the setup cell. Predict how many
+# engine steps carry prefill tokens before every request has its first token.
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: number of engine steps that carry prefill tokens (a count)
 
 # %%
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
 llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+# The workload once step by step, to count the steps that carry prefill tokens ...
+llm.reset_prefix_cache()  # no prompt finds its blocks cached from an earlier run
+for i, (p, sp) in enumerate(zip(wl.prompts, params)):
+    engine.add_request(f"count-{i}", {"prompt_token_ids": p}, sp)
+step_records = []
+while engine.has_unfinished_requests():
+    step_records.append(engine.step_with_record().record)
+prefill_steps = [r for r in step_records if r.num_prefill_tokens > 0]
+print(f"{len(prefill_steps)} of {len(step_records)} steps carried prefill tokens; prefill tokens per step: "
+      f"{[r.num_prefill_tokens for r in prefill_steps]}, decode tokens in the same steps: "
+      f"{[r.num_decode_tokens for r in prefill_steps]}")
+check_prediction(my_prediction, len(prefill_steps), rel_tol=0.2, unit="steps",
+                 what="the number of steps carrying prefill tokens");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# The scheduler fills each step up to the token budget, first with the decodes of the requests already
+# running (one token each), then with prompt tokens of the waiting requests in arrival order, chunking
+# a prompt that does not fit (chapter 07). So the prompts need at least `num_prompt_tokens / budget`
+# steps, rounded up; every request whose prompt is done starts decoding and takes one token of each
+# later step's budget, which can push the last prompt's tokens into one more step. Compare that bound
+# with the per-step prefill and decode token counts printed above, and see whether every step but the
+# last was filled to the budget.
+#
+# </details>
+
+# %% [markdown]
+# ... and the workload again through `generate`, each request's latency from its `RequestOutput.metrics`:
+
+# %%
+llm.reset_prefix_cache()
 outs = llm.generate(wl.prompts, params, use_tqdm=False)
 lat = pd.DataFrame({"request": range(len(outs)), "prompt_len": [len(p) for p in wl.prompts],
                     "output_len": wl.output_lens,
@@ -156,7 +210,7 @@ pct
 # %%
 from plotly.subplots import make_subplots
 
-fig = make_subplots(rows=1, cols=3, subplot_titles=("TTFT per request (ms)", "TPOT per request (ms)",
+fig = make_subplots(rows=1, cols=3, subplot_titles=("TTFT per request", "TPOT per request",
                                                     "TTFT vs arrival order"))
 fig.add_histogram(x=lat.ttft_ms, nbinsx=16, marker_color="#e4572e", name="TTFT", row=1, col=1)
 fig.add_histogram(x=lat.tpot_ms, nbinsx=16, marker_color="#f0a202", name="TPOT", row=1, col=2)
@@ -165,31 +219,77 @@ fig.add_scatter(x=lat.request, y=lat.ttft_ms, mode="markers", marker=dict(color=
 for col, key in ((1, "ttft_ms"), (2, "tpot_ms")):
     for q in ("p50", "p90"):
         fig.add_vline(x=pct.loc[q, key], line_dash="dot", annotation_text=q, row=1, col=col)
+fig.update_xaxes(title_text="TTFT (ms)", row=1, col=1)
+fig.update_xaxes(title_text="TPOT (ms)", row=1, col=2)
 fig.update_xaxes(title_text="request index (all arrive at once)", row=1, col=3)
-fig.update_layout(height=360, showlegend=False,
-                  title=f"Latency of every request ({engine.source.name}, {engine.config.device})")
+fig.update_yaxes(title_text="requests", row=1, col=1)
+fig.update_yaxes(title_text="requests", row=1, col=2)
+fig.update_yaxes(title_text="TTFT (ms)", row=1, col=3)
+fig.update_layout(height=400, showlegend=False,
+                  title=f"Latency of every request, {len(lat)} requests, token budget "
+                        f"{engine.config.max_num_batched_tokens}<br><sup>{CHART_CONTEXT}</sup>")
 show_figure(fig, width=1000)
 print(f"TTFT spread: fastest {lat.ttft_ms.min():.1f} ms, slowest {lat.ttft_ms.max():.1f} ms; "
       f"TPOT spread: {lat.tpot_ms.min():.2f} to {lat.tpot_ms.max():.2f} ms")
 
+# %%
+rank_corr = lat.request.corr(lat.ttft_ms.rank())  # Pearson on ranks = Spearman's rank correlation
+cv = {k: lat[k].std() / lat[k].mean() for k in ("ttft_ms", "tpot_ms")}
+check_claim("requests that arrived together still got their first tokens at different times",
+            lat.ttft_ms.max() > 1.5 * lat.ttft_ms.min(),
+            f"TTFT {lat.ttft_ms.min():.1f} to {lat.ttft_ms.max():.1f} ms")
+check_claim("TTFT rises with arrival order (the staircase)", rank_corr > 0.8,
+            f"rank correlation of TTFT with request index {rank_corr:.2f}",
+            why_it_may_not="Requests prefilled in the same step share one TTFT, up to the moment each was added.")
+check_claim("TPOT varies less across requests than TTFT (relative spread)", cv["tpot_ms"] < cv["ttft_ms"],
+            f"coefficient of variation: TPOT {cv['tpot_ms']:.2f}, TTFT {cv['ttft_ms']:.2f}",
+            why_it_may_not="On a loaded machine a few slow steps can spread TPOT as much as the queue spreads TTFT.");
+
 # %% [markdown]
-# All sixteen requests arrived at the same instant, yet their TTFTs differ: the step's token budget
-# (256 tokens on this engine, set in the setup cell) admits prompts in order, a few per step, so later
-# prompts wait for earlier prefills (the staircase on the right). With a budget larger than all the
-# prompts together, every prompt would be prefilled in the first step and the TTFTs would be equal,
-# and that first step would be long.
-# TPOT varies less: each request's decode steps are shared with whoever else is running at that
-# moment, so it depends on how full the batch was during the request's life. This is why serving
+# All the requests arrived at the same instant, and the checks above say what this run shows: the
+# step's token budget (set in the setup cell) admits prompts in order, as many as fit per step, so
+# later prompts wait for earlier prefills (the staircase on the right). With a budget larger than all
+# the prompts together, every prompt would be prefilled in the first step and the TTFTs would be
+# nearly equal, and that first step would be long (the playground below lets you try).
+# TPOT depends on something else: each request's decode steps are shared with whoever else is running
+# at that moment, so it follows how full the batch was during the request's life. This is why serving
 # systems quote p90 or p99 latencies: the mean hides the request that waited.
-#
+
+# %% tags=["playground"]
+# Playground. Knob: TOKEN_BUDGET, the most tokens one step may carry (max_num_batched_tokens).
+# Try 64, 256, 1024, 2048. Look at the TTFT of the first and the last request (a larger budget
+# admits more prompts per step: a flatter staircase, but longer steps), and at the TPOT (decodes wait
+# behind the prefill chunks that share their steps).
+TOKEN_BUDGET = 1024
+pg = LLM(MODEL, device=DEVICE, max_num_seqs=32, max_num_batched_tokens=TOKEN_BUDGET)
+pg.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+pg.reset_prefix_cache()
+pg_outs = pg.generate(wl.prompts, params, use_tqdm=False)
+ttfts = [o.metrics.ttft_ms for o in pg_outs]
+print(f"budget {TOKEN_BUDGET}: TTFT first request {ttfts[0]:.1f} ms, last {ttfts[-1]:.1f} ms, slowest {max(ttfts):.1f} ms; "
+      f"median TPOT {statistics.median(o.metrics.tpot_ms for o in pg_outs):.2f} ms")
+pg.shutdown()
+
+# %% [markdown]
 # ## 4. The roofline, with this machine's points
 #
 # Chapter 06 built the roofline: a step's attainable FLOP/s is `min(peak FLOP/s, intensity x peak
-# bytes/s)`, where intensity is the step's FLOPs per byte moved. The peaks are measured here by a
-# short matrix-multiply and copy benchmark (`minivllm.telemetry.peaks`), and every step's FLOPs and
-# bytes come from the model's shape (`minivllm.telemetry.roofline`). The monitor below runs a short
-# workload on `BIG` and puts one point per step under the measured ceilings; the time series shows
-# CPU utilisation sampled alongside.
+# bytes/s)`, where intensity is the step's FLOPs per byte moved. The peaks are measured on this machine
+# (`minivllm.telemetry.peaks`): a matrix multiply for FLOP/s, and for bytes/s the **read** bandwidth
+# (a sum over at least 1 GiB), because a decode step mostly reads (weights, KV cache); the same figure
+# is the ceiling for MBU, so the roof and MBU agree. (The copy bandwidth, which the harness also
+# prints, counts the bytes written as well as those read: a different measure, printed for reference.) Every step's FLOPs and bytes come
+# from the model's shape (`minivllm.telemetry.roofline`). The monitor below runs two requests of 16
+# prompt tokens and 3 new tokens each on `BIG` and puts one point per step under the measured
+# ceilings; the time series shows CPU utilisation sampled alongside.
+#
+# ### Exercise 2 · Where does a decode step sit?
+#
+# `BIG` has Qwen3-0.6B's shapes in fp32. Predict the **arithmetic intensity** (FLOPs per byte moved)
+# of one of its decode steps with 2 sequences, counting the weights as the bytes that matter.
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: FLOPs per byte of a 2-sequence decode step of BIG, in FLOP/byte
 
 # %%
 from widgets import UtilisationMonitor
@@ -202,28 +302,59 @@ monitor.display()
 
 # %%
 peaks = monitor.peaks
-print(f"measured peaks here: {peaks.flops_per_s / 1e9:.1f} GFLOP/s (matmul), {peaks.bytes_per_s / 1e9:.1f} GB/s "
-      f"(copy, read + written); ridge at {peaks.ridge_intensity:.1f} FLOP/byte")
+print(f"peaks ({peaks.provenance}): {peaks.flops_per_s / 1e9:.1f} GFLOP/s (matmul); read "
+      f"{peaks.mbu_bytes_per_s / 1e9:.1f} GB/s (the roof and MBU's ceiling); copy {peaks.bytes_per_s / 1e9:.1f} GB/s "
+      f"(read + written, for reference); ridge at {peaks.ridge_intensity:.1f} FLOP/byte (against the read bandwidth)")
 steps = pd.DataFrame([{"phase": r.phase, "tokens": r.num_tokens, "wall_ms": r.wall_ms,
                        "intensity (FLOP/B)": r.flops / r.bytes_moved, "GFLOP/s": r.flops / r.wall_ms / 1e6,
-                       "GB/s": r.bytes_moved / r.wall_ms / 1e6, "MFU": r.mfu, "MBU": r.mbu}
+                       "GB/s": r.bytes_moved / r.wall_ms / 1e6, "MFU": r.mfu, "MBU (vs read)": r.mbu}
                       for r in records if r.flops])
-steps.round(3)
+display(steps.round(3))
+decode_intensity = steps[steps.phase == "decode"]["intensity (FLOP/B)"].median()
+check_prediction(my_prediction, decode_intensity, rel_tol=0.2, unit="FLOP/byte",
+                 what="the intensity of a 2-sequence decode step");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Each weight is read once per step (4 bytes in fp32) and used once per sequence in a multiply-add
+# (2 FLOPs). With 2 sequences that is 4 FLOPs per 4 bytes: about 1 FLOP per byte. The KV cache and the
+# activations add a few bytes and attention a few FLOPs, all small beside the weights at a context of
+# 16 to 19 tokens, so the measured median above sits close to that. In bf16 the same step would do
+# 2 FLOPs per byte; in int8, 4.
+#
+# </details>
+
+# %%
+prefill_i = steps[steps.phase == "prefill"]["intensity (FLOP/B)"].max()
+check_claim("the prefill step does more FLOPs per byte than the decode steps", prefill_i > decode_intensity,
+            f"prefill {prefill_i:.1f} vs decode {decode_intensity:.2f} FLOP/byte")
+check_claim("the decode steps sit below the ridge point (memory-bound side of the roof)",
+            decode_intensity < peaks.ridge_intensity,
+            f"decode {decode_intensity:.2f} vs ridge {peaks.ridge_intensity:.1f} FLOP/byte");
 
 # %% [markdown]
 # The prefill step sits to the right of the decode steps: it multiplies every weight by all the
-# prompt's tokens, so it does many FLOPs per byte and reaches for the compute ceiling (MFU). The
-# decode steps do one or two FLOPs per byte and sit under the sloped, memory-bound part of the roof;
-# their figure of merit is MBU, the share of measured bandwidth they use. `python -m minivllm bench
-# --sweep` runs the full version of this measurement (decode at batch 1 to 32, prefill at 16 to 512
-# tokens) and writes the roofline as an HTML file.
+# prompt's tokens, so it does many FLOPs per byte and reaches towards the compute ceiling (MFU). The
+# decode steps do a few FLOPs per byte at most (the figure measured in exercise 2) and sit under the
+# sloped, memory-bound part of the roof, as the checks above test;
+# their figure of merit is MBU, the share of the measured read bandwidth they use. `python -m minivllm
+# bench --sweep` runs the full version of this measurement (decode at batch 1 to 32, prefill at 16 to
+# 512 tokens) and writes the roofline as an HTML file.
 #
 # ## 5. Reproducing nano-vllm's benchmark on a GPU
 #
-# nano-vllm's `bench.py` (in its repository) draws 256 requests with prompt and output lengths
-# uniform in 100..1024 from random token ids below 10,000, ignores end-of-sequence tokens, and prints
-# total tokens, time and throughput for Qwen3-0.6B. The harness's `nano` preset draws the same shape
-# of workload (its own draws, from its own seed), and is the default on a GPU. The exact workload:
+# nano-vllm's `bench.py` (read at commit 0e2a894 of its repository) draws 256 requests with prompt and
+# output lengths from `random.randint(100, 1024)` and prompt token ids from `random.randint(0, 10000)`.
+# Python's `randint` includes both ends, so its ids run from 0 to 10,000 inclusive; the harness's
+# `nano` preset draws ids from 0 to 9,999 and lengths from 100 to 1024 inclusive: the same shape of
+# workload, with its own draws from its own seed (it is the default on a GPU). nano-vllm ignores
+# end-of-sequence tokens, times one `generate` call, and prints `Total` (the sum of the requests'
+# `max_tokens`: output tokens only) and `Throughput` (that total divided by the time). So its
+# throughput is **output tokens per second**: compare it with the harness's `out tok/s` column, not
+# `total tok/s`, which adds the prompt tokens. Its README reports the figure for Qwen3-0.6B; the script
+# at that commit points at another model and 8 GPUs, so set the model path and
+# `tensor_parallel_size` to match the run you compare with. The exact workload of the `nano` preset:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -256,8 +387,9 @@ print(f"{d['num_requests']} requests; prompt tokens {nano.num_prompt_tokens:,} "
 # checkpoint and run `python bench.py`. Two differences to keep in mind when putting the numbers side
 # by side: nano-vllm samples at temperature 0.6 while the harness is greedy (with end-of-sequence
 # ignored, both produce exactly the requested number of tokens, so the work is the same apart from
-# the sampler), and its requests are its own random draws, the same in distribution. Report the GPU,
-# the driver, the torch version and both commands with the numbers. All the options:
+# the sampler), and its requests are its own random draws, the same in distribution up to the one
+# extra token id. Compare its `Throughput` with the `out tok/s` column. Report the GPU, the driver,
+# the torch version and both commands with the numbers. All the options:
 
 # %%
 from minivllm.bench import build_parser
@@ -315,17 +447,15 @@ Quiz([
 ]).display()
 
 # %% [markdown]
-# ## Takeaways
+# ## You can now
 #
-# * A throughput number is only half a result: the other half is the peer, run on the same machine,
-#   model, weights, prompts and output lengths, with outputs checked to agree. The harness prints
-#   both, and the ratio.
-# * Offline throughput rewards continuous batching when output lengths vary: padded batches wait for
-#   their longest request. On a tiny model on a CPU fixed per-step costs can hide that, and the
-#   measurement above says which way it went here.
-# * Look at latency distributions: requests that arrive together still see different TTFTs, set by
-#   the queue and the token budget.
-# * The roofline places every step against this machine's measured ceilings: prefill towards the
-#   compute roof, decode under the memory slope.
-# * To compare with nano-vllm on a GPU: `python -m minivllm bench --workload nano` with the same
-#   checkpoint, and nano-vllm's own `bench.py`, with the differences above stated.
+# * run `python -m minivllm bench` (or `run_throughput`) and read its report: throughput beside a peer
+#   run on the same machine, model, weights and requests, with the greedy outputs checked to agree;
+# * explain why continuous batching beats padded batches when output lengths vary, and why fixed
+#   per-step costs can hide that on a tiny model;
+# * read latency as distributions (p50, p90, p99 of TTFT and TPOT) and trace a TTFT staircase back to
+#   the token budget and the order of arrival;
+# * place a step on this machine's roofline from its FLOPs and bytes, against the measured read
+#   bandwidth that MBU also uses, and predict a decode step's intensity from the weights' dtype;
+# * set up the comparison with nano-vllm's benchmark: the same workload shape, and its throughput
+#   (output tokens per second) against the `out tok/s` column.

@@ -27,8 +27,6 @@ PENDING = {
     "08_prefix_caching",
     "09_sampling",
     "10_parallelism",
-    "11_optimizations",
-    "12_benchmarks",
 }
 
 
