@@ -28,8 +28,6 @@ PENDING = {
     "05_scheduler",
     "06_prefill_vs_decode",
     "08_prefix_caching",
-    "09_sampling",
-    "10_parallelism",
     "11_optimizations",
     "12_benchmarks",
 }
