@@ -430,9 +430,13 @@ _ = check_claim("the all-reduces per forward pass are 2 x layers + 1", N_AR == 2
 _ = check_claim("an all-reduce carries tokens x hidden size x bytes per value",
                 all(b == r.num_tokens * hf.hidden_size * value_bytes for r, c in steps for _, b in c["all-reduce"]),
                 f"prefill: {prefill_rec.num_tokens} x {hf.hidden_size} x {value_bytes} = {prefill_ar_bytes:,} B")
+prefill_counts = {k: len(v) for k, v in prefill_calls.items()}
+_ = check_claim("prefill and decode steps make the same collective calls", prefill_counts == decode_counts,
+                f"prefill {prefill_counts}, decode {decode_counts}")
 _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP} collective calls**: "
            f"{N_AR} all-reduces (2 x {L} + 1), {N_AG} all-gather of the logits and {N_BC} broadcasts of the "
-           "step's inputs, in prefill and decode steps alike. Only the bytes change: a prefill step moves "
+           f"step's inputs{', in prefill and decode steps alike' if prefill_counts == decode_counts else ''}. "
+           "What changes with the step is the bytes: a prefill step moves "
            "a whole prompt's activations per all-reduce, a decode step one token's worth per sequence.")
 
 # %% [markdown] tags=["solution"]
@@ -451,7 +455,7 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 # `hidden_size` values per token in the step. In a prefill step every prompt token is in the step,
 # so one all-reduce carries `tokens x hidden_size x bytes per value` (4 bytes in fp32, 2 in bf16).
 # With the numbers printed by the exercise cell that is the measured figure. A decode step of one
-# sequence carries a single token's row: the same call, several times smaller.
+# sequence carries a single token's row: the same call, smaller by the prompt's length in tokens.
 #
 # </details>
 #
@@ -560,7 +564,7 @@ _ = check_prediction(my_prediction, TP_RATIO["decode"], rel_tol=0.3, unit="x",
                      what=f"the {TP}-process decode forward as a multiple of the 1-process one")
 
 # %% [markdown]
-# Read the two ratios last printed. With the embedded model on a CPU, expect the two-process step
+# Read the two ratios printed above. With the embedded model on a CPU, expect the two-process step
 # to be *slower* than the single process, and the chart shows where the time goes. Each all-reduce
 # is a round trip between two processes through the operating system (gloo over local TCP), whose
 # cost (the medians printed above) depends little on how few bytes it carries, and a step makes
@@ -575,7 +579,10 @@ _ = check_prediction(my_prediction, TP_RATIO["decode"], rel_tol=0.3, unit="x",
 _ = check_claim(f"with the embedded model on a CPU, the {TP}-process forward is slower than 1 process",
                 all(r > 1 for r in TP_RATIO.values()),
                 ", ".join(f"{ph}: {r:.2f}x" for ph, r in TP_RATIO.items()),
-                why_it_may_not="With a larger model (MINIVLLM_MODEL) or on GPUs the halved arithmetic can win.")
+                why_it_may_not="On a machine loaded by other processes, two processes get a larger share of the "
+                               "cores than one, which flatters the two-process engine (compare the single "
+                               "process's forward with a quiet run); with a larger model (MINIVLLM_MODEL) or on "
+                               "GPUs the halved arithmetic can genuinely win.")
 bytes_ratio = prefill_ar_bytes / steps[-1][1]["all-reduce"][0][1]
 _ = check_claim("an all-reduce's time grows much less than its bytes",
                 AR_US["prefill"] / AR_US["decode"] < bytes_ratio / 2,
@@ -597,7 +604,7 @@ _ = render(f"Communication (all-reduces, the all-gather and the broadcasts) took
 #     ratio ≈ (0.5 x one-process forward + calls per step x round trip) / one-process forward
 #
 # The ratio is above 1 whenever the calls cost more than the half of the arithmetic they save; a
-# small model on a CPU, whose whole forward takes a few milliseconds, is that case, and the check
+# small model on a CPU, whose whole forward takes milliseconds, is that case, and the check
 # cell above says whether it held here. Plug the medians printed above into the formula to see how
 # close it gets to the measured ratio; what it misses is the time a rank waits for the other (on a
 # shared machine the two ranks also take turns on the cores). For the ratio to fall below 1 the
@@ -616,7 +623,7 @@ _ = render(f"Communication (all-reduces, the all-gather and the broadcasts) took
 # ### Playground · how an all-reduce's cost grows with its bytes
 #
 # A prefill step's all-reduces carry `prompt tokens x hidden size x bytes per value`. Change
-# `PROMPT_TOKENS` (try 8, 64, 256, 700; the KV cache holds about 1,000 tokens) and run the cell: it
+# `PROMPT_TOKENS` (try 8, 64, 256, 700; the cell prints how many tokens the KV cache holds) and run the cell: it
 # prefills one prompt of that length on the two-process engine and times its all-reduces against
 # those of a one-token decode step. Look for where the time per all-reduce starts to grow with the
 # bytes, i.e. where the link's bandwidth, not its round trip, starts to set the cost.
@@ -624,6 +631,7 @@ _ = render(f"Communication (all-reduces, the all-gather and the broadcasts) took
 # %% tags=["playground"]
 PROMPT_TOKENS = 256  # the knob: length of the prompt prefilled on the 2-process engine (tokens)
 
+print(f"KV cache: {runner.num_kv_blocks * tp_llm.llm_engine.config.block_size} tokens; prompt: {PROMPT_TOKENS}")
 prompt_ids = [(7 * i) % 1000 + 100 for i in range(PROMPT_TOKENS)]  # any ids of the vocabulary will do
 per_phase = defaultdict(list)
 with counting_collectives():
