@@ -501,7 +501,7 @@ run_records(single)  # warm-up
 one_steps, tp_steps = [], []
 with counting_collectives():
     run_records(tp_llm)  # warm-up
-for rep in range(2):  # interleaved, so both engines see the same background load
+for rep in range(5):  # interleaved, so both engines see the same background load
     with counting_collectives():
         tp_steps += run_records(tp_llm)
     one_steps += run_records(single)
@@ -545,12 +545,16 @@ fig.update_layout(barmode="stack", height=420, yaxis_title="ms per step (bars: m
                   title=f"Where a tensor-parallel step's time goes ({TP} ranks vs 1 process)<br>"
                         f"<sup>measured: {RUN}</sup>")
 show_figure(fig)
-COMM_SHARE, TP_RATIO = {}, {}
+COMM_SHARE, MEDIAN_RATIO = {}, {}
+# Each engine's fastest step per phase: the one least disturbed by other processes on a shared
+# machine (where two processes also get a larger share of the cores than one, which flatters TP).
+fastest = df.groupby(["engine", "phase"]).model_ms.min()
+TP_RATIO = {ph: fastest[(f"{TP} processes", ph)] / fastest[("1 process", ph)] for ph in med.index}
 for phase in med.index:
     r = med.loc[phase]
     comm = r.all_reduce_ms + r.all_gather_ms + r.broadcast_ms
     COMM_SHARE[phase] = comm / r.model_ms
-    TP_RATIO[phase] = r.model_ms / one_med[phase]
+    MEDIAN_RATIO[phase] = r.model_ms / one_med[phase]
     print(f"{phase:8s}: communication {comm:.2f} ms (sum of the medians) of a {r.model_ms:.2f} ms forward "
           f"({COMM_SHARE[phase]:.0%}); the single process's forward: {one_med[phase]:.2f} ms")
 ar_decode = [s for rec, c in steps if rec.phase == "decode" for s, _ in c.get("all-reduce", [])]
@@ -559,12 +563,14 @@ AR_US = {"decode": 1e6 * pd.Series(ar_decode).median(), "prefill": 1e6 * pd.Seri
 print(f"one all-reduce on this machine (section 4's run): median {AR_US['decode']:.0f} µs in decode steps "
       f"({steps[-1][1]['all-reduce'][0][1]:,} B), {AR_US['prefill']:.0f} µs in the prefill ({prefill_ar_bytes:,} B)")
 for phase in med.index:
-    print(f"{phase:8s}: {TP}-process forward / 1-process forward = {TP_RATIO[phase]:.2f}")
+    print(f"{phase:8s}: {TP}-process forward / 1-process forward = {TP_RATIO[phase]:.2f} (fastest steps), "
+          f"{MEDIAN_RATIO[phase]:.2f} (medians)")
 _ = check_prediction(my_prediction, TP_RATIO["decode"], rel_tol=0.3, unit="x",
-                     what=f"the {TP}-process decode forward as a multiple of the 1-process one")
+                     what=f"the {TP}-process decode forward as a multiple of the 1-process one (fastest steps)")
 
 # %% [markdown]
-# Read the two ratios printed above. With the embedded model on a CPU, expect the two-process step
+# Read the ratios printed above (the fastest steps' ratio is the one least disturbed by other
+# processes; the medians' ratio agrees with it on a quiet machine). With the embedded model on a CPU, expect the two-process step
 # to be *slower* than the single process, and the chart shows where the time goes. Each all-reduce
 # is a round trip between two processes through the operating system (gloo over local TCP), whose
 # cost (the medians printed above) depends little on how few bytes it carries, and a step makes
@@ -576,7 +582,7 @@ _ = check_prediction(my_prediction, TP_RATIO["decode"], rel_tol=0.3, unit="x",
 # next cell checks the direction of each of these claims on this run.
 
 # %%
-_ = check_claim(f"with the embedded model on a CPU, the {TP}-process forward is slower than 1 process",
+_ = check_claim(f"with the embedded model on a CPU, the {TP}-process forward is slower than 1 process (fastest steps)",
                 all(r > 1 for r in TP_RATIO.values()),
                 ", ".join(f"{ph}: {r:.2f}x" for ph, r in TP_RATIO.items()),
                 why_it_may_not="On a machine loaded by other processes, two processes get a larger share of the "
@@ -590,7 +596,8 @@ _ = check_claim("an all-reduce's time grows much less than its bytes",
                 why_it_may_not="A busy machine can delay single calls by more than the transfer itself.")
 _ = render(f"Communication (all-reduces, the all-gather and the broadcasts) took **{COMM_SHARE['decode']:.0%}** of a "
            f"decode step's forward and **{COMM_SHARE['prefill']:.0%}** of a prefill step's on this run, and the "
-           f"{TP}-process decode forward took **{TP_RATIO['decode']:.2f}x** the single process's.")
+           f"{TP}-process decode forward took **{TP_RATIO['decode']:.2f}x** the single process's (fastest steps; "
+           f"{MEDIAN_RATIO['decode']:.2f}x by the medians).")
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
@@ -686,7 +693,8 @@ Quiz([
          "The count does not grow with the number of ranks or of heads: one collective per row-parallel layer."],
     ),
     Question(
-        f"On this run the two-process decode forward took {TP_RATIO['decode']:.2f}x the single process's. "
+        f"On this run the two-process decode forward took {TP_RATIO['decode']:.2f}x the single process's "
+        "(fastest steps). "
         "What makes tensor parallelism pay off?",
         ["More threads per process", "Bigger matrices per layer and a faster link between ranks",
          "A larger KV cache", "Sampling on every rank"],
