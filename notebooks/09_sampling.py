@@ -239,13 +239,13 @@ _ = check_prediction(my_prediction, KEPT[("confident", "top_p=0.9")], rel_tol=0.
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
 #
-# The favourite alone is far from 90%, and the table above shows that even the ten best tokens
-# together stay below 90% (`p(top 10) summed`). The missing mass has to come from tokens ranked 11th
-# and lower, and each of those holds only a small fraction of a percent: the confident prompt is
-# confident about *one* token, and what the model does not give that token it spreads thinly over a
-# long tail. So top-p has to walk far down the tail, and the count lands in the tens or hundreds,
-# not at two or three. The count table (row `top_p=0.9`, confident column) has the exact figure. The
-# lesson: "confident" (a large top-1 probability) does not mean "a short nucleus"; top-p's count
+# Start from the table above. If the ten best tokens together hold less than 90%
+# (`p(top 10) summed`), top-p must go past the tenth token, and the missing mass has to come from
+# tokens ranked 11th and lower. A prompt that is confident about *one* token spreads what it does
+# not give that token thinly over a long tail, each token holding a small fraction of a percent, so
+# collecting even a few percent takes many of them: expect tens or hundreds, not two or three. The
+# count table (row `top_p=0.9`, confident column) has the exact figure. The lesson: "confident" (a
+# large top-1 probability) does not mean "a short nucleus"; top-p's count
 # depends on how the *last* few percent are spread.
 #
 # </details>
