@@ -16,6 +16,14 @@
 # %% [markdown]
 # # 09 · Sampling
 #
+# **Goal:** know what temperature, top-k, top-p, min-p and a seed do to the model's next-token
+# distribution, in which order the engine applies them, and why its way of drawing a token is exact.
+#
+# **Prerequisites:** chapter 01 (logits, softmax, the generation loop) and chapter 05 (requests
+# batched together in one step). Basic probability: a distribution, sampling from it.
+#
+# **Time:** about 40 minutes (reading and running; the notebook itself runs in about a minute).
+#
 # Every step, the model hands the engine one vector of scores (logits) per sequence, one score for
 # each token in the vocabulary. Turning that vector into *one* token is the sampler's job, and the
 # settings you pass in `SamplingParams` (temperature, top-k, top-p, min-p, seed) are instructions to
@@ -24,10 +32,12 @@
 # whatever else shares its batch; and you test, with many draws, the trick the engine uses to draw
 # a token without ever computing a cumulative sum.
 #
-# **You will:** read the model's real next-token distribution · see what temperature, top-k, top-p
-# and min-p keep, on a confident and on an uncertain prediction · generate with each setting ·
-# prove seeded sampling does not depend on the batch · verify the exponential race (Gumbel-max)
-# samples from the softmax, and watch a plausible-looking wrong trick fail the same test.
+# **You will:** read the model's real next-token distribution · predict, then measure, what
+# temperature, top-k, top-p and min-p keep on a confident and on an uncertain prediction · see
+# whether the order of the filters matters (minivllm's order against vLLM V1's) · generate with each
+# setting · check that seeded sampling does not depend on the batch · verify that the exponential
+# race (Gumbel-max) samples from the softmax, and watch a plausible-looking wrong trick fail the
+# same test.
 
 # %% [markdown]
 # ## Setup
@@ -57,6 +67,9 @@ engine = llm.llm_engine
 tok = llm.get_tokenizer()
 print(describe(llm))
 print(f"torch threads: {torch.get_num_threads()}")
+# Names the run in every chart title: model, dtype, device and threads.
+RUN = (f"{engine.source.name}, {str(engine.config.dtype).replace('torch.', '')}, "
+       f"{engine.config.device}, {torch.get_num_threads()} thread(s)")
 
 
 # %% [markdown]
@@ -128,24 +141,33 @@ for name, logits in LOGITS.items():
 # %%
 import pandas as pd
 
+from widgets import check_claim, check_prediction, render
+
 rows = []
 for name, logits in LOGITS.items():
     p = torch.softmax(logits, -1)
     vals, idx = p.topk(10)
-    ent_bits = entropy_bits(logits)
     rows.append({"prompt": name, "p(top 1)": float(vals[0]), "p(top 10) summed": float(vals.sum()),
-                 "entropy (bits)": ent_bits, "tokens for 90% of the mass": int((p.sort(descending=True).values.cumsum(0) < 0.9).sum()) + 1})
-pd.DataFrame(rows).set_index("prompt").round(3)
+                 "entropy (bits)": entropy_bits(logits)})
+TOP = pd.DataFrame(rows).set_index("prompt")
+TOP.round(3)
+
+# %%
+_ = render(f"The confident prompt gives its favourite token **{TOP.loc['confident', 'p(top 1)']:.0%}** of the "
+       f"probability and its ten best **{TOP.loc['confident', 'p(top 10) summed']:.0%}**; the uncertain one "
+       f"gives its favourite **{TOP.loc['uncertain', 'p(top 1)']:.1%}** and its ten best "
+       f"**{TOP.loc['uncertain', 'p(top 10) summed']:.0%}**, the rest spread over the vocabulary of "
+       f"{engine.source.hf_config.vocab_size:,} tokens (entropy {TOP.loc['uncertain', 'entropy (bits)']:.1f} "
+       f"bits against {TOP.loc['confident', 'entropy (bits)']:.1f}). Keep that difference in mind: the "
+       "filters below treat the two very differently.")
 
 # %% [markdown]
-# The confident prompt puts a large share of the probability on a handful of tokens; the uncertain
-# one spreads it over many (higher entropy). Keep that difference in mind: the filters below treat
-# the two very differently.
-#
 # ## 2. What each setting does to the distribution
 #
-# `SamplingParams` applies its filters in a fixed order (vLLM's): repetition penalty, then
-# **temperature**, **top-k**, **top-p**, **min-p**, then one draw from what is left.
+# minivllm's sampler (`minivllm/layers/sampler.py`, `Sampler.__call__` and `filtered_probs`)
+# applies, in this order: the per-request logits processors (allowed tokens, bad words, logit
+# bias, ...), the repetition penalty, the frequency and presence penalties, then **temperature**,
+# **top-k**, **top-p**, **min-p**, and one draw from what is left.
 #
 # * **temperature** `T` divides the logits before the softmax: `softmax(z / T)`. `T < 1` sharpens
 #   the distribution (towards greedy), `T > 1` flattens it. `T = 0` is special-cased as greedy:
@@ -154,9 +176,24 @@ pd.DataFrame(rows).set_index("prompt").round(3)
 # * **top-p** (nucleus) keeps the smallest set of most likely tokens whose probability reaches `p`.
 # * **min-p** keeps tokens whose probability is at least `min_p` times the most likely token's.
 #
-# The cell below runs the engine's own filter code (`minivllm.layers.sampler.filtered_probs`) on the
-# real logits from above, one `SamplingParams` at a time, and counts the tokens that keep a non-zero
-# probability.
+# That filter order (top-k, top-p, then min-p) is the one of vLLM's original sampler (the V0
+# engine, `vllm/model_executor/layers/sampler.py`). vLLM's V1 engine (`vllm/v1/sample/sampler.py`
+# in the vLLM repository) runs min-p as a logits processor right after temperature, *before*
+# top-k and top-p. Section 2b measures whether that difference changes anything.
+#
+# The cell below runs the engine's own filter code (`filtered_probs`) on the real logits from above,
+# one `SamplingParams` at a time, and counts the tokens that keep a non-zero probability. Before you
+# run it, predict one of the counts.
+
+# %% [markdown]
+# ### Exercise 1 · How many tokens does top-p 0.9 keep on the confident prompt?
+#
+# The table above gives the confident prompt's favourite token and its ten best tokens their share
+# of the probability. With `top_p=0.9` the sampler keeps the smallest set of most likely tokens whose
+# probability reaches 90%. How many tokens is that, for the confident prompt?
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: number of tokens top_p=0.9 keeps on the confident prompt (tokens)
 
 # %%
 from minivllm.layers.sampler import SamplingBatch, filtered_probs
@@ -193,16 +230,162 @@ for s in SETTINGS:
     print(f"{s:22s}" + "".join(f"{int((PROBS[(name, s)] > 0).sum()):>28d}" for name in LOGITS))
 print(f"{'greedy (T=0)':22s}" + "".join(f"{1:>28d}" for _ in LOGITS))
 
-# %% [markdown]
-# Temperature alone never removes a token: every probability stays above zero, only their sizes
-# change. Top-k keeps exactly `k` tokens on both prompts, even where the confident prompt's tenth
-# token is negligible or the uncertain prompt has many more reasonable choices. Top-p and min-p
-# *adapt*: they keep few tokens when the model is sure and many when it is not. That is why they
-# are the usual choice for open-ended text. They adapt differently, too: look at the confident prompt
-# in the table. Top-p must collect 90% of the mass, and the last part of it is spread thinly over a
-# long tail, so it can still keep many tokens; min-p keeps only the tokens within a factor of
-# `1 / min_p` of the favourite, however the tail is spread.
+# %%
+VOCAB = engine.source.hf_config.vocab_size
+KEPT = {(name, s): int((PROBS[(name, s)] > 0).sum()) for name in LOGITS for s in SETTINGS}
+_ = check_prediction(my_prediction, KEPT[("confident", "top_p=0.9")], rel_tol=0.3, unit="tokens",
+                 what="the number of tokens top_p=0.9 keeps on the confident prompt")
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
 #
+# Start from the table above. If the ten best tokens together hold less than 90%
+# (`p(top 10) summed`), top-p must go past the tenth token, and the missing mass has to come from
+# tokens ranked 11th and lower. A prompt that is confident about *one* token spreads what it does
+# not give that token thinly over a long tail, each token holding a small fraction of a percent, so
+# collecting even a few percent takes many of them: expect tens or hundreds, not two or three. The
+# count table (row `top_p=0.9`, confident column) has the exact figure. The lesson: "confident" (a
+# large top-1 probability) does not mean "a short nucleus"; top-p's count
+# depends on how the *last* few percent are spread.
+#
+# </details>
+
+# %% [markdown]
+# What the table shows, in rules that hold on any model (the next cell checks each on this run):
+# temperature alone never removes a token, it only changes their sizes; top-k keeps exactly `k`
+# tokens on both prompts, even where the confident prompt's tenth token is negligible or the
+# uncertain prompt has many more reasonable choices; top-p and min-p *adapt*, keeping fewer tokens
+# when the model is sure than when it is not, which is why they are the usual choice for open-ended
+# text. They adapt differently, too: min-p keeps only the tokens within a factor of `1 / min_p` of
+# the favourite, however the tail is spread, while top-p must collect its 90% from wherever the mass
+# is.
+
+# %%
+_ = check_claim("temperature alone keeps every token",
+            all(KEPT[(n, s)] == VOCAB for n in LOGITS for s in SETTINGS if s.startswith("T=")),
+            f"T=0.5/1/1.5 keep {sorted({KEPT[(n, s)] for n in LOGITS for s in SETTINGS if s.startswith('T=')})} "
+            f"of {VOCAB:,} tokens")
+_ = check_claim("top-k keeps exactly k tokens on both prompts",
+            KEPT[("confident", "top_k=10")] == KEPT[("uncertain", "top_k=10")] == 10,
+            f"{KEPT[('confident', 'top_k=10')]} and {KEPT[('uncertain', 'top_k=10')]} with k = 10")
+for s in ("top_p=0.9", "min_p=0.1"):
+    _ = check_claim(f"{s} keeps fewer tokens on the confident prompt than on the uncertain one",
+                KEPT[("confident", s)] < KEPT[("uncertain", s)],
+                f"{KEPT[('confident', s)]} vs {KEPT[('uncertain', s)]}")
+_ = check_claim("on the confident prompt min_p=0.1 keeps fewer tokens than top_p=0.9",
+            KEPT[("confident", "min_p=0.1")] < KEPT[("confident", "top_p=0.9")],
+            f"{KEPT[('confident', 'min_p=0.1')]} vs {KEPT[('confident', 'top_p=0.9')]}",
+            why_it_may_not="Another model can have a confident prediction with a short tail, where top-p "
+                           "stops early too.")
+
+# %% [markdown]
+# ### Exercise 2 · Temperature 0.5 on the confident prompt
+#
+# At `T = 1` the confident prompt's favourite token has the probability in the first table
+# (`p(top 1)`). What probability does the same token get at `T = 0.5`? (No token is removed; only
+# the sizes change.)
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: the favourite token's probability at T=0.5 (a number between 0 and 1)
+
+# %%
+p_top_cold = float(PROBS[("confident", "T=0.5")].max())
+_ = check_prediction(my_prediction, p_top_cold, rel_tol=0.05,
+                     what="the favourite's probability on the confident prompt at temperature 0.5")
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Dividing the logits by `T = 0.5` doubles them, and `exp(2 z_i) = exp(z_i)^2`, so every
+# probability is squared before renormalising: `p'_i = p_i^2 / Σ_j p_j^2`. The favourite's `p_1^2`
+# stays large, while every other token, already small, becomes much smaller (a token at 1% goes to
+# 0.01%). The denominator is therefore `p_1^2` plus a little, and the favourite ends close to 1: a
+# good guess is `p_1^2 / (p_1^2 + Σ_{j>1} p_j^2)` with the tail's squares neglected. The
+# measured value printed above is that ratio on the real logits. Temperature below 1 makes a
+# confident model almost greedy, without ever making another token impossible.
+#
+# </details>
+
+# %% [markdown]
+# ### 2b. Does the order of the filters matter?
+#
+# minivllm applies min-p after top-k and top-p; vLLM V1 applies it before them. Top-k and min-p
+# each keep a prefix of the ranked tokens, so with those two the order cannot matter (both orders
+# keep the shorter prefix). Top-p is different: it measures mass on whatever distribution it is
+# handed.
+#
+# ### Exercise 3 · minivllm's order against vLLM V1's
+#
+# Take the uncertain prompt with `top_p=0.9` and `min_p=0.05` together. Compared with minivllm's
+# order, does vLLM V1's order (min-p first, then top-p on what min-p left) keep **fewer**, **as
+# many** or **more** tokens?
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: "fewer", "as many" or "more" tokens kept in vLLM V1's order
+
+
+# %%
+def kept_v1_order(logits: torch.Tensor, top_p: float, min_p: float) -> int:
+    """Tokens kept at T=1 when min-p runs first and top-p then sees min-p's survivors (vLLM V1's order)."""
+    p = torch.softmax(logits, -1)
+    survivors = logits.masked_fill(p < min_p * p.max(), float("-inf"))
+    return int((probs_under(survivors, SamplingParams(temperature=1.0, top_p=top_p)) > 0).sum())
+
+
+ORDER = {}
+for name in LOGITS:
+    ours = int((probs_under(LOGITS[name], SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05)) > 0).sum())
+    ORDER[name] = (ours, kept_v1_order(LOGITS[name], 0.9, 0.05))
+    print(f"{name:9s} top_p=0.9 + min_p=0.05: minivllm's order keeps {ORDER[name][0]}, "
+          f"vLLM V1's order keeps {ORDER[name][1]} tokens")
+ours, v1 = ORDER["uncertain"]
+measured = "fewer" if v1 < ours else ("more" if v1 > ours else "as many")
+if my_prediction is None:
+    print(f"No prediction written. On this run vLLM V1's order keeps {measured} tokens "
+          f"({v1} against {ours}). Write your guess in the exercise cell and run both cells again.")
+else:
+    _ = check_claim(f"your prediction: V1's order keeps {my_prediction!r} tokens",
+                str(my_prediction).strip().lower() == measured, f"V1's order {v1}, minivllm's {ours}")
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Min-p's test compares each token with the favourite, `p_i >= min_p * p_max`, and renormalising a
+# distribution scales every probability by the same factor, so that test gives the same answer
+# before or after top-p. In minivllm's order a token therefore survives exactly when it passes both
+# tests on the original distribution.
+#
+# In V1's order, top-p receives the distribution *renormalised over min-p's survivors*: each
+# survivor's probability is divided by the survivors' total mass, which is less than 1. The running
+# sum reaches 90% sooner, after fewer tokens. Every token V1 keeps also passes both original tests,
+# so V1 can keep fewer tokens, never more. It keeps fewer when min-p has removed part of the tail
+# that top-p would otherwise have walked through; when min-p alone already keeps fewer tokens than
+# top-p needs, as on a very confident prediction, the two orders can agree. The cell above prints
+# both counts for both prompts: compare them with this reasoning.
+# Both are reasonable definitions; they are not the same sampler, and settings tuned on one engine
+# can sample differently on the other.
+#
+# </details>
+
+# %% [markdown]
+# ### Playground · temperature before the filters
+#
+# The filters run *after* temperature, so temperature changes what top-p and min-p see. Change
+# `TEMPERATURE` (try 0.5, 0.8, 1.5, 2) and run the cell: watch top-p and min-p keep more tokens
+# (or as many) as the distribution flattens and fewer (or as many) as it sharpens, while top-k's
+# count does not move.
+
+# %% tags=["playground"]
+TEMPERATURE = 1.5  # the knob: the temperature applied before the filters
+
+for name in LOGITS:
+    counts = {label: int((probs_under(LOGITS[name], SamplingParams(temperature=TEMPERATURE, **kw)) > 0).sum())
+              for label, kw in (("top_k=10", dict(top_k=10)), ("top_p=0.9", dict(top_p=0.9)),
+                                ("min_p=0.1", dict(min_p=0.1)))}
+    print(f"T={TEMPERATURE}, {name:9s}: " + ", ".join(f"{k} keeps {v}" for k, v in counts.items())
+          + f"   (at T=1: top_p=0.9 keeps {KEPT[(name, 'top_p=0.9')]}, min_p=0.1 keeps {KEPT[(name, 'min_p=0.1')]})")
+
+# %% [markdown]
 # The chart shows the 25 most likely tokens of the uncertain prompt under each setting (the same
 # tokens, in the same order, in every panel):
 
@@ -224,17 +407,19 @@ for i, s in enumerate(SETTINGS):
 fig.update_xaxes(tickangle=-60, tickfont=dict(size=8))
 fig.update_yaxes(title_text="probability", row=1, col=1)
 fig.update_yaxes(title_text="probability", row=2, col=1)
-fig.update_layout(height=560, title=f"Next-token probabilities after {PROMPTS[name]!r}, measured "
-                  f"({engine.source.name}, {engine.config.device})")
+fig.update_xaxes(title_text="token (id)", row=2)
+fig.update_layout(height=600, title=f"Next-token probabilities after {PROMPTS[name]!r} under each setting<br>"
+                  f"<sup>measured: {RUN}</sup>")
 show_figure(fig)
 
 # %% [markdown]
 # ## 3. The same settings, generating text
 #
 # Now through the engine end to end: each setting generates 12 tokens for the same prompt, three
-# times. Greedy must give the same text every time. The sampled runs carry seeds 1, 2 and 3, so
-# they are reproducible too (more on seeds in section 5); without a seed they would differ on every
-# run.
+# times. The sampled runs carry seeds 1, 2 and 3, so they are reproducible too (more on seeds in
+# section 5); without a seed they would differ on every run. Each request also asks for
+# `logprobs=0`: the log-probability, under the model's raw distribution (before temperature or any
+# filter), of every token it generated, so we can measure how likely the chosen tokens were.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -245,16 +430,30 @@ requests, params = [], []
 for label, kw in RUNS.items():
     for seed in (1, 2, 3):
         requests.append(PROMPT)
-        params.append(SamplingParams(max_tokens=12, ignore_eos=True, seed=seed, **kw))
+        params.append(SamplingParams(max_tokens=12, ignore_eos=True, seed=seed, logprobs=0, **kw))
 outs = llm.generate(requests, params, use_tqdm=False)
+TEXTS, MEAN_LOGPROB = {}, {}
 for i, label in enumerate(RUNS):
-    texts = [outs[3 * i + j].outputs[0].text for j in range(3)]
-    print(f"{label:10s}", " || ".join(repr(t) for t in texts))
+    runs = [outs[3 * i + j].outputs[0] for j in range(3)]
+    TEXTS[label] = [o.text for o in runs]
+    MEAN_LOGPROB[label] = sum(o.cumulative_logprob for o in runs) / sum(len(o.token_ids) for o in runs)
+    print(f"{label:10s}", " || ".join(repr(t) for t in TEXTS[label]))
+
+# %%
+for label, lp in MEAN_LOGPROB.items():
+    print(f"{label:10s} mean log-probability of a generated token (raw model): {lp:6.2f} nats")
+_ = check_claim("greedy gives the same text for every seed", len(set(TEXTS["greedy"])) == 1,
+            f"{len(set(TEXTS['greedy']))} distinct text(s) out of 3")
+_ = check_claim("low temperature picks likelier tokens than high temperature",
+            MEAN_LOGPROB["T=0.7"] > MEAN_LOGPROB["T=1.3"],
+            f"mean log-probability {MEAN_LOGPROB['T=0.7']:.2f} at T=0.7, {MEAN_LOGPROB['T=1.3']:.2f} at T=1.3",
+            why_it_may_not="Three 12-token samples are few; more seeds would settle it.")
 
 # %% [markdown]
-# Greedy gives the same text every time. Low temperature stays closer to the likely tokens; high
-# temperature wanders into rare ones (on a 4M-parameter model, quickly into nonsense). The filtered
-# settings sample, but only among the tokens the previous section showed them keeping.
+# Greedy always takes the single most likely token. Low temperature stays closer to the likely
+# tokens, high temperature wanders into rare ones (the mean log-probabilities above), and on a
+# model this small rare tokens quickly turn into nonsense. The filtered settings sample, but only
+# among the tokens each filter keeps at every step.
 
 # %% [markdown]
 # ## 4. The sampling explorer
@@ -314,19 +513,28 @@ print("A alone     :", alone)
 print("A in a batch:", in_batch)
 print("identical   :", alone == in_batch)
 other_seed = crowd[batch_params.index(others[4][1])].outputs[0].token_ids
-print("same prompt and settings, seed 99 instead of 1234: shares", sum(a == b for a, b in zip(alone, other_seed)),
-      "of 24 positions with A")
+shared_other_seed = sum(a == b for a, b in zip(alone, other_seed))
+print("same prompt and settings, seed 99 instead of 1234: shares", shared_other_seed, "of 24 positions with A")
 no_seed = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, ignore_eos=True)
 no_seed_alone = llm.generate(PROMPT, no_seed, use_tqdm=False)[0].outputs[0].token_ids
 no_seed_batch = crowd[4].outputs[0].token_ids
-print("A without a seed, alone vs in the batch: shares", sum(a == b for a, b in zip(no_seed_alone, no_seed_batch)),
-      "of 24 positions")
+shared_no_seed = sum(a == b for a, b in zip(no_seed_alone, no_seed_batch))
+print("A without a seed, alone vs in the batch: shares", shared_no_seed, "of 24 positions")
+
+# %%
+_ = check_claim("a seeded request gets the same 24 tokens alone and in a batch of eight", alone == in_batch,
+            f"identical: {alone == in_batch}")
+_ = check_claim("the same prompt and filters with another seed give other tokens", other_seed != alone,
+            f"seed 99 shares {shared_other_seed} of 24 positions with seed 1234")
+_ = check_claim("without a seed, the tokens alone and in the batch differ", no_seed_alone != no_seed_batch,
+            f"{shared_no_seed} of 24 positions shared",
+            why_it_may_not="Two unseeded runs can coincide by chance on a very confident prompt.")
 
 # %% [markdown]
-# Request A's 24 tokens are identical alone and in a crowd of eight, while the same prompt and
-# filters with another seed go elsewhere. A request *without* a seed draws from the engine-wide
-# generator, whose numbers are handed out row by row to whoever is in the step, so its tokens do
-# depend on the batch; that is fine for a request that asked for no reproducibility.
+# The seed pins a request's tokens whatever shares its steps (first check), and the seed is what
+# decides them (second). A request *without* a seed draws from the engine-wide generator, whose
+# numbers are handed out row by row to whoever is in the step, so its tokens depend on the batch
+# (third); that is fine for a request that asked for no reproducibility.
 #
 # ## 6. Why the exponential race samples from the softmax
 #
@@ -385,7 +593,10 @@ for name, counts in (("exponential race (engine)", race), ("argmax p*U (wrong tr
     results[name] = (stat, pvalue, tv)
     print(f"{name:27s} chi-square {stat:10.1f} (df {K - 1})   p-value {pvalue:.3g}   total variation {tv:.4f}")
 ref = torch.multinomial(q, N, replacement=True, generator=gen).bincount(minlength=K)
-print(f"{'torch.multinomial (reference)':27s} total variation {0.5 * float((ref.double() / N - q.double()).abs().sum()):.4f}")
+ref_tv = 0.5 * float((ref.double() / N - q.double()).abs().sum())
+print(f"{'torch.multinomial (reference)':27s} total variation {ref_tv:.4f}")
+_, race_p, race_tv = results["exponential race (engine)"]
+_, wrong_p, wrong_tv = results["argmax p*U (wrong trick)"]
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -401,18 +612,32 @@ fig.add_scatter(x=labels, y=(race.double() / N).tolist(), mode="markers", name="
                 marker=dict(color="#4c78a8", size=9))
 fig.add_scatter(x=labels, y=(wrong.double() / N).tolist(), mode="markers", name="argmax p*U, frequency",
                 marker=dict(color="#e45756", size=9, symbol="x"))
-fig.update_layout(title=f"{N:,} draws per sampler vs the softmax (top-{K} of the uncertain prompt)",
+fig.update_layout(title=f"{N:,} draws per sampler vs the softmax (top-{K} of {PROMPTS['uncertain']!r})<br>"
+                        f"<sup>measured: {RUN}</sup>",
                   xaxis_title="token", yaxis_title="probability / frequency", height=440,
                   xaxis_tickangle=-60, legend=dict(orientation="h", y=1.12))
 show_figure(fig)
 
 # %% [markdown]
-# The engine's race lands on the grey bars, token by token; its total variation distance from the
-# softmax is the size you get from `torch.multinomial`, i.e. pure sampling noise at this number of
-# draws. The wrong trick over-picks the most likely token and starves the tail: multiplying by a
-# uniform is not the same as dividing by an exponential, and with 100,000 draws the chi-square test
-# has no trouble telling them apart.
-#
+# The engine's race should land on the grey bars token by token, with a total variation distance
+# from the softmax of the size `torch.multinomial` gets (pure sampling noise at this number of
+# draws). The wrong trick over-picks the most likely token and starves the tail: multiplying by a
+# uniform is not the same as dividing by an exponential, and with this many draws the chi-square
+# test tells them apart easily. The next cell checks each of these on this run.
+
+# %%
+half = K // 2
+_ = check_claim("the exponential race is as close to the softmax as torch.multinomial", race_tv < 2 * ref_tv,
+            f"total variation {race_tv:.4f} against {ref_tv:.4f}; chi-square p-value {race_p:.3g}",
+            why_it_may_not="One run in a few dozen lands far out by chance; rerun with another generator seed.")
+_ = check_claim("argmax p*U over-picks the most likely token",
+            float(wrong[0]) / N > float(q[0]), f"{float(wrong[0]) / N:.3f} of the draws against p = {float(q[0]):.3f}")
+_ = check_claim(f"argmax p*U starves the tail (the {K - half} least likely tokens)",
+            float(wrong[half:].sum()) / N < float(q[half:].sum()),
+            f"{float(wrong[half:].sum()) / N:.4f} of the draws against their probability {float(q[half:].sum()):.4f}")
+_ = check_claim("the chi-square test rejects the wrong trick", wrong_p < 1e-6, f"p-value {wrong_p:.3g}")
+
+# %% [markdown]
 # ## 7. Check yourself
 
 # %%
@@ -438,8 +663,8 @@ Quiz([
          "does not depend on the batch", "No: batching always changes the random numbers",
          "Only with temperature 0"],
         1,
-        ["Section 5 measured the opposite: the same seeded request alone and in a batch of eight gave identical "
-         "tokens.",
+        [f"Section 5 ran the same seeded request alone and in a batch of eight: identical tokens on this run: "
+         f"{alone == in_batch}.",
          "Right: the noise for a seeded row comes only from that request's generator, seeded with 42 the first "
          "time it samples.",
          "That holds for requests without a seed (they share the engine-wide stream), not for seeded ones.",
@@ -452,11 +677,11 @@ Quiz([
          "It is needed for top-p"],
         1,
         ["It is not an approximation: the first of independent exponential clocks with rates p_i is j with "
-         "probability p_j, and the chi-square test agreed.",
+         f"probability p_j (and section 6's chi-square test gave p-value {race_p:.2g} on this run).",
          "Right: an elementwise divide and an argmax, per row, which parallelises well and lets each request "
          "bring its own generator.",
-         "Its frequencies matched the softmax within sampling noise; it is the same distribution, not a "
-         "flatter one.",
+         f"It is the same distribution, not a flatter one: section 6 measured a total variation of {race_tv:.4f} "
+         f"from the softmax, against {ref_tv:.4f} for torch.multinomial.",
          "Top-p is applied before the draw by zeroing probabilities; any exact sampler works after it."],
     ),
     Question(
@@ -465,7 +690,8 @@ Quiz([
          "likely tokens more likely, unlikely ones rarer, none impossible", "Halves every probability",
          "Makes sampling greedy half of the time"],
         1,
-        ["No token is removed by temperature; the table in section 2 shows the full vocabulary kept at T=0.5.",
+        [f"No token is removed by temperature: section 2 counted {KEPT[('uncertain', 'T=0.5')]:,} of {VOCAB:,} "
+         "tokens kept at T=0.5.",
          "Right: dividing logits by 0.5 doubles their gaps, so p_i/p_j becomes (p_i/p_j)^2 before renormalising.",
          "Probabilities are renormalised after dividing the logits; they still sum to one.",
          "Temperature reshapes one distribution that is always sampled; greedy is only T = 0."],
@@ -473,16 +699,19 @@ Quiz([
 ]).display()
 
 # %% [markdown]
-# ## Takeaways
+# ## You can now
 #
-# * The sampler sees one fp32 logits row per sequence per step; every setting in `SamplingParams`
-#   reshapes that row before a single draw.
-# * Temperature changes how peaked the distribution is but keeps every token; top-k keeps a fixed
-#   count; top-p and min-p keep a number that adapts to how sure the model is.
-# * Greedy (`temperature=0`) is deterministic; sampling is reproducible with a per-request `seed`, and
-#   in minivllm a seeded request's tokens do not depend on the rest of the batch (checked above).
-# * The engine draws with an exponential race, `argmax p_i / E_i`: exact (the measured frequencies
-#   match the softmax to within sampling noise), sort-free, and per row. Not every argmax-of-noise
-#   trick is exact: `argmax p_i * U_i` fails the same test.
+# * say what the sampler receives (one fp32 logits row per sequence per step) and in which order
+#   minivllm applies penalties, temperature, top-k, top-p and min-p, and how vLLM V1's order differs
+#   (min-p before top-k/top-p);
+# * predict what each filter keeps: temperature keeps every token, top-k a fixed count, top-p and
+#   min-p a number that adapts to how sure the model is, and why top-p can keep a long tail on a
+#   confident prediction;
+# * compute what a temperature does to a distribution (`T = 0.5` squares the probabilities, then
+#   renormalises);
+# * make sampling reproducible with a per-request `seed`, and explain why in minivllm a seeded
+#   request's tokens do not depend on the rest of the batch;
+# * explain why `argmax p_i / E_i` with exponential `E_i` is an exact, sort-free draw, and test a
+#   sampler with a chi-square goodness-of-fit test (which caught `argmax p_i * U_i`).
 #
 # Next: chapter 10 splits the model itself across processes.

@@ -25,8 +25,6 @@ PENDING = {
     "05_scheduler",
     "06_prefill_vs_decode",
     "08_prefix_caching",
-    "09_sampling",
-    "10_parallelism",
 }
 
 

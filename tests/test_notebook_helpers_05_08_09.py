@@ -42,7 +42,8 @@ def test_conventions(chapter):
     assert any("print(describe(" in c.source for c in code)
     assert any(f"from widgets import" in c.source and WIDGETS[num] in c.source for c in code)
     assert "Quiz(" in code[-1].source
-    assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.startswith("## Takeaways")
+    # The closing recap: "## Takeaways" before the course conventions, "## You can now" after (issue 14).
+    assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.startswith(("## Takeaways", "## You can now"))
 
 
 def test_checked_cells_print_no_timings(chapter):

@@ -1,6 +1,6 @@
 """Turns one row of logits per sampling sequence into the next token ids.
 
-Order of operations (vLLM v1's): the per-request logits processors of the rows that
+Order of operations (vLLM V0's; V1 applies min-p right after temperature, before top-k/top-p): the per-request logits processors of the rows that
 use them (allowed_token_ids, bad words, min_tokens, logit_bias:
 ``minivllm/layers/logits_processors.py``), repetition penalty, frequency/presence
 penalties, then temperature, top-k, top-p, min-p, then a draw. Greedy rows
