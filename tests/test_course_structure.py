@@ -24,7 +24,6 @@ PENDING = {
     "01_inference",
     "02_architecture",
     "03_kv_cache",
-    "04_paged_attention",
     "05_scheduler",
     "06_prefill_vs_decode",
     "08_prefix_caching",
