@@ -6,7 +6,7 @@ executed here; ``pytest --nbval-lax notebooks/`` executes them):
 
 * the parameters cell reads ``MINIVLLM_MODEL`` and sets ``DEVICE = "auto"``; the run prints
   ``describe(...)``; a widget from ``widgets`` is used live; the notebook ends with a quiz and
-  takeaways;
+  a recap (takeaways, or "You can now");
 * checked cells (``# NBVAL_CHECK_OUTPUT``) never print timings, and every stored output is from a
   real run (no error outputs) in a file of at most 1 MB.
 """
@@ -42,7 +42,8 @@ def test_conventions(chapter):
     assert any("print(describe(" in c.source for c in code)
     assert any(f"from widgets import" in c.source and WIDGETS[num] in c.source for c in code)
     assert "Quiz(" in code[-1].source
-    assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.startswith("## Takeaways")
+    # the closing recap: "## Takeaways" before the course conventions, "## You can now" after (issue 14)
+    assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.startswith(("## Takeaways", "## You can now"))
 
 
 def test_checked_cells_print_no_timings(chapter):
