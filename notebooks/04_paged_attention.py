@@ -422,7 +422,8 @@ check_claim("a decode step of 8 sequences costs less than half of 8 steps of one
 # * Per sequence: one row in each matrix multiplication (8 rows cost little more than 1 while the
 #   weights are being read anyway), attention over that sequence's own KV, sampling one token.
 #
-# So the ratio lands close to 1 and far below 8: the once-per-step part does not grow with the batch.
+# So the ratio lands far below 8, nearer 1 than 8 on a small model: the once-per-step part does not
+# grow with the batch.
 # The printout above gives this machine's figure and the tokens per second that follow from it. It
 # keeps growing only until the per-sequence work (the arithmetic) catches up with the weight read; where
 # that happens is chapter 06's roofline.
@@ -444,6 +445,14 @@ play.shutdown()
 print(f"block size {PLAY_BLOCK_SIZE}: share of held slots that sat empty: "
       + ", ".join(f"{k} {v:.1%}" for k, v in play_waste.items())
       + f" (block size {BLOCK_SIZE}: paged {waste['paged']:.1%})")
+if PLAY_BLOCK_SIZE != BLOCK_SIZE:
+    bigger = PLAY_BLOCK_SIZE > BLOCK_SIZE
+    check_claim(f"paged waste is {'larger' if bigger else 'smaller'} with blocks of {PLAY_BLOCK_SIZE} than of {BLOCK_SIZE}",
+                (play_waste["paged"] > waste["paged"]) == bigger,
+                f"{play_waste['paged']:.1%} vs {waste['paged']:.1%}")
+check_claim("the contiguous policies do not depend on the block size",
+            all(abs(play_waste[k] - waste[k]) < 1e-12 for k in ("contiguous_max_tokens", "contiguous_max_len")),
+            ", ".join(f"{k} {play_waste[k]:.1%}" for k in ("contiguous_max_tokens", "contiguous_max_len")));
 
 # %% [markdown]
 # ## 5. Check yourself

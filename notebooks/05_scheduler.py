@@ -363,6 +363,9 @@ tiny.llm_engine.check_invariants()
 pre_ms = sum(r.wall_ms for r in pre_steps)
 print(f"10 blocks: {len(pre_steps)} steps, {pre_ms:.0f} ms of steps; the price of preemption is the "
       f"{recomputed} recomputed tokens and the waiting")
+check_claim("preemption changed no greedy token", small_tokens == big_tokens,
+            f"{sum(a == b for a, b in zip(small_tokens, big_tokens))} of {len(rids)} requests identical, "
+            f"{sum(len(r.preempted) for r in pre_steps)} preemptions");
 tiny.shutdown(); big.shutdown()
 
 # %% [markdown]

@@ -185,11 +185,12 @@ check_prediction(my_prediction, on.cached_tokens.sum() / on.prompt_tokens.sum(),
 # <details><summary>Worked solution</summary>
 #
 # Request 0 finds an empty cache: none of its tokens hit. Each of the nine others finds the system
-# prompt's blocks cached; the system prompt is a whole number of blocks here, so all its tokens hit, and
-# the question after it is computed (it differs between requests, and the last prompt token is always
+# prompt's full blocks cached, so all their tokens hit (section 1 printed whether the system prompt
+# ends on a block boundary; if not, its last partial block is computed with the question), and the
+# question after it is computed (it differs between requests, and the last prompt token is always
 # computed anyway). So the share is about
 #
-# `9 x system-prompt tokens / (10 x prompt length)`,
+# `9 x (system-prompt tokens in full blocks) / (10 x prompt length)`,
 #
 # that is nine tenths of the system prompt's share of a prompt. With the lengths printed in section 1
 # it comes a little over 0.8; the check compares your figure with the engine's count, and the printout
