@@ -228,12 +228,13 @@ check_claim("continuous batching's throughput gain is real but smaller than its 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
 #
-# If every step cost the same, throughput would scale with the inverse of the step count: the ratio of
-# static to continuous steps is the upper bound. Two things pull the measured ratio below it. Steps
-# are not equally expensive: continuous batching's steps carry more sequences, and each extra sequence
-# adds a little (the ratio of the 4-sequence to the 1-sequence decode step above); and the prefills
-# cost the same total work in both runs, only spread differently. So expect a gain that is real but
-# usually smaller than the step ratio; the table above and the checks print this run's figures.
+# If every step cost the same, the time would be proportional to the number of steps, and the gain
+# would equal the ratio of static to continuous steps. Two things pull the measured gain below that.
+# Steps are not equally expensive: continuous batching's steps carry more sequences, and each extra
+# sequence adds a little (the 4-sequence against 1-sequence step ratio printed with the check); and the
+# prompts' prefill is the same work in both runs, a shared cost that dilutes any ratio. So expect a gain
+# that is real but usually smaller than the step ratio; the table above and the checks print this
+# run's figures.
 # </details>
 
 # %% [markdown]

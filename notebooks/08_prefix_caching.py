@@ -138,7 +138,7 @@ print("example:", repr(QUESTIONS[0]), "->", repr(with_cache[0].outputs[0].text))
 # ### Exercise 1 · The hit rate of ten questions
 #
 # Every prompt is the system prompt (its length in blocks is printed in section 1) followed by a short
-# question; the prompts are printed there too. Of all the prompt tokens of the ten requests, what share
+# question; the first two prompts' lengths are printed there too. Of all the prompt tokens of the ten requests, what share
 # will the cached engine serve from the prefix cache?
 
 # %% tags=["exercise"]
@@ -192,9 +192,9 @@ check_prediction(my_prediction, on.cached_tokens.sum() / on.prompt_tokens.sum(),
 #
 # `9 x (system-prompt tokens in full blocks) / (10 x prompt length)`,
 #
-# that is nine tenths of the system prompt's share of a prompt. With the lengths printed in section 1
-# it comes a little over 0.8; the check compares your figure with the engine's count, and the printout
-# above has the exact number of tokens served from the cache.
+# that is nine tenths of the system prompt's share of a prompt: put in the lengths printed in section 1.
+# The check compares your figure with the engine's count, and the printout above has the exact number
+# of tokens served from the cache.
 # </details>
 
 # %%
@@ -341,7 +341,7 @@ def round_robin(llm, k: int, rounds: int = 3) -> dict:
             if r > 0:  # rounds after the first are the ones that can hit
                 ttft.append(out.metrics.ttft_ms)
     return {"prefixes": k, "blocks they need": 4 * k, "hit rate": hit / total,
-            "TTFT ms": statistics.median(ttft), "TTFT min": min(ttft), "TTFT max": max(ttft)}
+            "TTFT ms": statistics.median(ttft), "TTFT min": min(ttft), "TTFT max": max(ttft), "ttfts": ttft}
 
 
 sweep = pd.DataFrame([round_robin(small, k) for k in range(1, 7)]).set_index("prefixes")
@@ -399,12 +399,16 @@ if later:
 if zero:
     text += (f" From **{zero[0]}** prefixes on it is **zero**: LRU under a round-robin evicts each prefix "
              f"before it comes back, so nothing survives a full round.")
-t_first, t_last = sweep["TTFT ms"].iloc[0], sweep["TTFT ms"].iloc[-1]
-text += (f" The median TTFT of rounds two and three went from **{t_first:.2f} ms** at one prefix to "
-         f"**{t_last:.2f} ms** at {sweep.index[-1]}.")
+# TTFT of rounds 2-3, pooled over every K that hit fully and over every K that hit nothing (more samples
+# than one K alone: single prefills of the embedded model are short and noisy)
+cold_ks = zero or later
+t_hit = statistics.median(t for k in sweep.index if k <= k_full for t in sweep.loc[k, "ttfts"])
+t_cold = statistics.median(t for k in cold_ks for t in sweep.loc[k, "ttfts"])
+text += (f" The median TTFT of rounds two and three was **{t_hit:.2f} ms** where every cached block hit "
+         f"(K <= {k_full}) and **{t_cold:.2f} ms** at K = {', '.join(map(str, cold_ks))}.")
 render(text)
-check_claim("once the prefixes outgrow the pool, the TTFT of rounds 2-3 rises", t_last > t_first,
-            f"{t_first:.2f} ms at K=1 vs {t_last:.2f} ms at K={sweep.index[-1]}",
+check_claim("once the prefixes outgrow the pool, the TTFT of rounds 2-3 rises", t_cold > t_hit,
+            f"median {t_hit:.2f} ms at K <= {k_full} vs {t_cold:.2f} ms at K = {', '.join(map(str, cold_ks))}",
             why_it_may_not="The embedded model's prefill of 72 tokens is short; load on the machine can hide it.");
 
 # %% [markdown]
