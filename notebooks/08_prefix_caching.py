@@ -211,7 +211,7 @@ for df, name, colour in ((off, "prefix caching off", "#bbbbbb"), (on, "prefix ca
                 error_y=dict(type="data", symmetric=False, array=df.ttft_max - df.ttft_ms,
                              arrayminus=df.ttft_ms - df.ttft_min))
 fig.update_layout(barmode="group", title=f"Time to first token, one request at a time (median of {REPEATS} runs, "
-                  f"bars: min-max)<br><sub>{setting(cached)}</sub>",
+                  f"whiskers: min-max)<br><sub>{setting(cached)}</sub>",
                   xaxis=dict(title="request (0 = cold cache)", dtick=1), yaxis_title="TTFT (ms)", height=380)
 show_figure(fig)
 render(f"Requests 1-9: median TTFT **{med_on:.2f} ms** with caching, **{med_off:.2f} ms** without "
@@ -382,7 +382,7 @@ fig = go.Figure()
 fig.add_scatter(x=sweep.index, y=sweep["TTFT ms"], mode="lines+markers", line=dict(color="#e45756"),
                 error_y=dict(type="data", symmetric=False, array=sweep["TTFT max"] - sweep["TTFT ms"],
                              arrayminus=sweep["TTFT ms"] - sweep["TTFT min"]))
-fig.update_layout(title=f"TTFT of rounds 2-3 (median, bars: min-max over the 2K requests)<br><sub>{setting_small}</sub>",
+fig.update_layout(title=f"TTFT of rounds 2-3 (median, whiskers: min-max over the 2K requests)<br><sub>{setting_small}</sub>",
                   xaxis=dict(title="K distinct prefixes (4 blocks each)", dtick=1),
                   yaxis=dict(title="TTFT (ms)", rangemode="tozero"), height=340, showlegend=False)
 show_figure(fig)
