@@ -16,19 +16,28 @@
 # %% [markdown]
 # # 04 · PagedAttention: blocks, block tables, slot mapping
 #
-# Chapter 03 showed that the KV cache is what fills memory. The simple way to hold it, one contiguous
-# strip per request sized for the longest sequence the request *might* reach, wastes most of that
-# memory, because nobody knows in advance how long an answer will be. PagedAttention (Kwon et al.,
-# 2023, "Efficient Memory Management for Large Language Model Serving with PagedAttention", the paper
-# behind vLLM) borrows the operating system's answer: cut memory into fixed-size **blocks** (pages),
-# give each request blocks only as it needs them, and keep a per-request **block table** mapping its
-# logical positions to physical blocks.
+# **Goal:** understand how a paged KV cache stores each request's keys and values in fixed-size blocks,
+# how a token's position becomes a physical slot, and why that lets an engine run more requests at once.
 #
-# **You will:** watch the engine hand out blocks to live requests and read their block tables · work
-# out a token's physical slot from the block table and check it against the slot mapping the engine
-# actually built · prove, by reading the engine's KV tensor, that a token's key sits exactly where the
-# block table says · measure on a mixed workload how many slots a contiguous max-length allocation
-# would reserve against what the paged pool really allocates and uses.
+# **Prerequisites:** chapter 01 (the generate loop: prefill, then one token per step) and chapter 03
+# (what the KV cache holds and how big it gets).
+#
+# **Time:** about 35 minutes.
+#
+# Chapter 03 showed that the KV cache is what fills memory. The simple way to hold it, one contiguous
+# strip per request sized for the longest sequence the request *might* reach, reserves slots that sit
+# empty for most of the request's life, because nobody knows in advance how long an answer will be.
+# PagedAttention (Kwon et al., 2023, "Efficient Memory Management for Large Language Model Serving with
+# PagedAttention", the paper behind vLLM) borrows the operating system's answer: cut memory into
+# fixed-size **blocks** (pages), give each request blocks only as it needs them, and keep a per-request
+# **block table** mapping its logical positions to physical blocks.
+#
+# **You will:** watch the engine hand out blocks to live requests and read their block tables · predict
+# how many blocks are in use after a few steps · work out a token's physical slot from the block table and
+# check it against the slot mapping the engine built · prove, by reading the engine's KV tensor, that a
+# token's key sits exactly where the block table says · measure on a mixed workload how many slots a
+# contiguous allocation would reserve against what the paged pool allocates and uses · time a decode step
+# at batch 1 and batch 8 to see why the memory saved turns into throughput.
 
 # %% [markdown]
 # ## Setup
@@ -59,6 +68,15 @@ bm, runner = engine.block_manager, engine.runner
 tok = llm.get_tokenizer()
 print(describe(llm))
 print("torch threads:", torch.get_num_threads())
+
+
+def setting(llm):
+    """Model, device, dtype and threads of a live LLM: every chart title carries them."""
+    cfg = llm.llm_engine.config
+    return (f"{llm.llm_engine.source.name}, {cfg.device}, {str(cfg.dtype).replace('torch.', '')}, "
+            f"{torch.get_num_threads()} thread(s)")
+
+
 print(f"KV pool: {bm.num_blocks} blocks x {bm.block_size} slots = {bm.num_blocks * bm.block_size} token slots; "
       f"tensor {list(runner.kv_cache.shape)} = [K/V, layers, blocks, block_size, kv_heads, head_dim]")
 
@@ -102,13 +120,45 @@ show_tables()
 # %% [markdown]
 # After the prefill, A holds 2 blocks (20 tokens: one full block of 16 and 4 slots of the next), B one
 # block (7 of 16 slots) and C three (40 tokens). Blocks are taken from the front of the free list in
-# the order the requests were planned. Now let the requests decode for 12 steps:
+# the order the requests were planned. Each decode step adds one token's KV to every running request,
+# and a request gets a new block only when its next token's position falls past its last block.
+#
+# ### Exercise 1 · Blocks in use after twelve decode steps
+#
+# The three requests now decode for 12 steps (remember their budgets: A asked for 14 new tokens, B for
+# 30, C for 6; the prefill step already produced each request's first new token). How many blocks of
+# the pool will be in use after those 12 steps? Write your answer, then run the next cells.
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: blocks in use after 12 decode steps (a whole number)
 
 # %%
 # NBVAL_CHECK_OUTPUT
 for _ in range(12):
     stepper.step()
 show_tables()
+
+# %%
+from widgets import check_prediction
+
+check_prediction(my_prediction, bm.num_used_blocks, rel_tol=0, unit="blocks",
+                 what="blocks in use after 12 decode steps");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Count each request's tokens *with KV* and round up to whole blocks of 16.
+#
+# * C asked for 6 new tokens: the prefill gave it the first, five decode steps the rest. It finished
+#   long before step 12, and a finished request hands all its blocks back: 0 blocks.
+# * A had 20 prompt tokens with KV after the prefill; each decode step computes the KV of one more
+#   token (the one sampled the step before), so after 12 steps it holds 20 + 12 = 32 tokens: exactly two
+#   full blocks. The token it sampled last has no KV yet, so no third block so far.
+# * B: 7 + 12 = 19 tokens, which spill into a second block: 2 blocks.
+#
+# So 0 + 2 + 2 blocks; the check above compares that with the block manager's count, and the table
+# printed above shows each request's share.
+# </details>
 
 # %% [markdown]
 # B grew past 16 tokens and got a second block, taken from wherever the free list pointed (block 6, the
@@ -202,46 +252,58 @@ if wrong is not None:
 # Without paging, an engine that cannot move a sequence's KV must reserve its strip **up front**:
 # enough slots for the longest the sequence can become. If it knows nothing about the request, that
 # is `max_model_len`; if it trusts the request's `max_tokens`, it is `prompt + max_tokens` (chapter
-# 03's by-hand cache did that). Either way the slots are reserved from the first step and mostly
-# empty until the end; and a request that stops early (end-of-sequence token, stop string) never
-# uses the rest.
+# 03's by-hand cache did that). Either way the slots are reserved from the first step and fill up one
+# token per step, so the reservation is partly empty until the very end; and a request that stops
+# early (end-of-sequence token, stop string) never uses the rest.
 #
-# The paged pool reserves blocks as tokens arrive, so it wastes at most the unused part of each
-# sequence's last block (at most `block_size - 1` slots).
+# The paged pool reserves blocks as tokens arrive, so each live request wastes at most the unused part
+# of its last block (at most `block_size - 1` slots).
 #
 # We run a mixed workload of 24 requests (prompts of 8 to 120 tokens, 4 to 64 new tokens, all
 # different) on a fresh engine and, **after every step, read the live block manager**: slots
-# allocated (blocks in use x 16), slots actually holding KV (each live sequence's
+# allocated (blocks in use x block size), slots actually holding KV (each live sequence's
 # `num_computed_tokens`), and what the two contiguous policies would reserve for the same live
 # requests.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 import random
 
 MAX_MODEL_LEN = 256
-work = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=256, enable_prefix_caching=False,
-           max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
-we = work.llm_engine
-rng = random.Random(0)
-for i in range(24):
-    prompt_len, new = rng.randint(8, 120), rng.randint(4, 64)
-    start = rng.randrange(0, len(text_ids) - prompt_len)
-    we.add_request(f"r{i:02d}", text_ids[start:start + prompt_len],
-                   SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
-samples = []
-while we.has_unfinished_requests():
-    rec = we.step_with_record().record
-    live = [s for s in we.scheduler.running if s.block_table]
-    samples.append(dict(
-        step=len(samples),
-        live=len(live),
-        used=sum(s.num_computed_tokens for s in live),
-        paged=we.block_manager.num_used_blocks * BLOCK_SIZE,
-        contiguous_max_tokens=sum(s.num_prompt_tokens + s.params.max_tokens for s in live),
-        contiguous_max_len=len(live) * MAX_MODEL_LEN))
-    we.check_invariants()
-totals = {k: sum(s[k] for s in samples) for k in ("used", "paged", "contiguous_max_tokens", "contiguous_max_len")}
+POOL_SLOTS = 4096  # the pool's size in token slots, whatever the block size
+
+
+def slot_census(block_size):
+    """Run the 24-request workload on a fresh engine; after every step, count the slots each policy holds."""
+    llm_ = LLM(MODEL, device=DEVICE, block_size=block_size, num_kvcache_blocks=POOL_SLOTS // block_size,
+               enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
+    eng = llm_.llm_engine
+    rng = random.Random(0)
+    for i in range(24):
+        prompt_len, new = rng.randint(8, 120), rng.randint(4, 64)
+        start = rng.randrange(0, len(text_ids) - prompt_len)
+        eng.add_request(f"r{i:02d}", text_ids[start:start + prompt_len],
+                        SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    samples = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        live = [s for s in eng.scheduler.running if s.block_table]
+        samples.append(dict(
+            step=len(samples),
+            live=len(live),
+            used=sum(s.num_computed_tokens for s in live),
+            paged=eng.block_manager.num_used_blocks * block_size,
+            contiguous_max_tokens=sum(s.num_prompt_tokens + s.params.max_tokens for s in live),
+            contiguous_max_len=len(live) * MAX_MODEL_LEN))
+        eng.check_invariants()
+    totals = {k: sum(s[k] for s in samples) for k in ("used", "paged", "contiguous_max_tokens", "contiguous_max_len")}
+    waste = {k: 1 - totals["used"] / totals[k] for k in ("paged", "contiguous_max_tokens", "contiguous_max_len")}
+    return llm_, samples, totals, waste
+
+
+work, samples, totals, waste = slot_census(BLOCK_SIZE)
+
+# %%
+# NBVAL_CHECK_OUTPUT
 print(f"{len(samples)} steps; at most {max(s['live'] for s in samples)} requests live at once")
 print("slot-steps (slots held, summed over every step):")
 for k, label in (("used", "holding KV"), ("paged", "paged: allocated blocks"),
@@ -260,48 +322,145 @@ steps = [s["step"] for s in samples]
 fig = go.Figure()
 for key, name, dash in (("contiguous_max_len", f"contiguous, max_model_len ({MAX_MODEL_LEN})", "dot"),
                         ("contiguous_max_tokens", "contiguous, prompt + max_tokens", "dash"),
-                        ("paged", "paged: blocks allocated x 16", "solid"),
+                        ("paged", f"paged: blocks allocated x {BLOCK_SIZE}", "solid"),
                         ("used", "slots holding KV", "solid")):
     fig.add_scatter(x=steps, y=[s[key] for s in samples], mode="lines", name=name, line=dict(dash=dash))
-fig.update_layout(title="KV slots held per step: 24 mixed requests, read from the live block manager",
-                  xaxis_title="engine step", yaxis_title="token slots", height=420,
+fig.update_layout(title=f"KV slots held per step, 24 mixed requests (live block manager)<br><sub>{setting(llm)}</sub>",
+                  xaxis_title="engine step", yaxis_title="token slots held", height=440,
                   yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.25))
 show_figure(fig)
-print(f"waste (held but empty), summed over the run: paged {1 - totals['used'] / totals['paged']:.1%}, "
-      f"contiguous prompt+max_tokens {1 - totals['used'] / totals['contiguous_max_tokens']:.1%}, "
-      f"contiguous max_model_len {1 - totals['used'] / totals['contiguous_max_len']:.1%}")
+
+# %%
+from widgets import check_claim, render
+
+render(f"Summed over the run, the share of held slots that sat empty was **{waste['paged']:.1%}** for the paged "
+       f"pool, **{waste['contiguous_max_tokens']:.1%}** for a contiguous `prompt + max_tokens` reservation and "
+       f"**{waste['contiguous_max_len']:.1%}** for a contiguous `max_model_len` reservation.")
+gap = max(s["paged"] - s["used"] - s["live"] * (BLOCK_SIZE - 1) for s in samples)
+check_claim("the paged pool never holds more than block_size - 1 empty slots per live request", gap <= 0,
+            f"largest excess over that bound in any step: {gap} slots");
+check_claim("paged wastes less than either contiguous policy, and max_model_len wastes the most",
+            waste["paged"] < waste["contiguous_max_tokens"] < waste["contiguous_max_len"],
+            ", ".join(f"{k} {v:.1%}" for k, v in waste.items()));
 
 # %% [markdown]
 # Three lessons in one chart:
 #
 # * The paged line hugs the used line: the gap is the partly filled last block of each live request,
-#   never more than 15 slots each.
-# * Reserving `prompt + max_tokens` wastes the answer's slots for its whole lifetime (they fill up
-#   only at the very end), and this workload is the *best case* for that policy: `ignore_eos=True`
-#   makes every request use all its `max_tokens`. Real requests often stop early, and the gap grows.
-# * Reserving `max_model_len` per request wastes the most; in the same memory it would also fit far
-#   fewer requests at once. That is the capacity argument of the PagedAttention paper: less waste
-#   means bigger batches, and bigger batches mean more throughput (chapters 05 and 06).
+#   never more than `block_size - 1` slots each (checked above).
+# * Reserving `prompt + max_tokens` holds the answer's slots for the request's whole life, and they
+#   fill only one per step. This workload is the *best case* for that policy: `ignore_eos=True` makes
+#   every request use all its `max_tokens`. Real requests often stop early, and then the slots they
+#   never use are wasted too.
+# * Reserving `max_model_len` per request wastes the most, and in the same memory it fits fewer
+#   requests at once. That is the capacity argument of the PagedAttention paper: less waste means
+#   bigger batches (section 4 shows why bigger batches mean more throughput).
 #
 # What paging costs: attention must find K and V through the block table instead of reading one
 # contiguous strip. The `torch` backend gathers them into a contiguous tensor before attending; the
 # Triton and flash-attn kernels (chapter 11) follow the block table inside the kernel.
 
 # %%
-# NBVAL_CHECK_OUTPUT
-pool_slots = we.block_manager.num_blocks * BLOCK_SIZE
-print(f"the pool: {pool_slots} slots")
-print(f"contiguous, max_model_len: room for {pool_slots // MAX_MODEL_LEN} requests at once, whatever their length")
-print(f"paged: this workload ran up to {max(s['live'] for s in samples)} requests at once "
-      f"(using at most {peak['paged']} of the {pool_slots} slots)")
-work.shutdown()
+pool_slots = work.llm_engine.block_manager.num_blocks * BLOCK_SIZE
+max_live = max(s["live"] for s in samples)
+render(f"The pool has **{pool_slots}** slots. Reserving `max_model_len` = {MAX_MODEL_LEN} per request, it "
+       f"would hold **{pool_slots // MAX_MODEL_LEN}** requests at once, whatever their length. Paged, this "
+       f"workload ran **{max_live}** requests at once and never needed more than **{peak['paged']}** of "
+       f"the {pool_slots} slots.")
+check_claim("paging ran more requests at once than a max_model_len reservation fits in the same pool",
+            max_live > pool_slots // MAX_MODEL_LEN,
+            f"{max_live} live requests vs room for {pool_slots // MAX_MODEL_LEN}");
 
 # %% [markdown]
-# ## 4. Check yourself
+# ## 4. Why more requests in memory means more throughput
+#
+# A decode step gives every running sequence one token. Part of its cost is paid once per step, however
+# many sequences share it: reading the model's weights (the main cost of a real model on a GPU; chapter
+# 06 measures it with the roofline), launching each layer's operations, the engine's bookkeeping. If
+# that part dominates, a step with many sequences costs much less than that many steps with one, and
+# the memory paging frees becomes tokens per second.
+#
+# ### Exercise 2 · A decode step of 8 against a step of 1
+#
+# On this engine and machine, how many times longer will a decode step with 8 sequences take than a
+# decode step with 1? (1.0 would mean "the same"; 8.0 would mean "no gain from batching".)
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: decode step time at batch 8 / at batch 1 (a ratio, x)
+
+# %%
+import statistics
+
+from widgets import measure_decode_batch
+
+REPEATS = 3  # interleaved runs; each gives a median per batch size
+step_ms = {1: [], 8: []}
+for _ in range(REPEATS):
+    rows = measure_decode_batch(work, batch_sizes=(1, 8), prompt_len=32, decode_steps=16)
+    for b in step_ms:
+        step_ms[b].append(statistics.median(r["wall_ms"] for r in rows if r["batch"] == b))
+t1, t8 = min(step_ms[1]), min(step_ms[8])  # the fastest repeat: the slower ones measure the neighbours
+ratio = t8 / t1
+print(f"decode step, batch 1: {t1:.2f} ms (repeats {min(step_ms[1]):.2f}-{max(step_ms[1]):.2f}); "
+      f"batch 8: {t8:.2f} ms (repeats {min(step_ms[8]):.2f}-{max(step_ms[8]):.2f})")
+check_prediction(my_prediction, ratio, rel_tol=0.3, unit="x", what="the batch-8 / batch-1 step time ratio");
+render(f"A decode step of 8 sequences took **{ratio:.2f}x** a step of 1 here, so 8 sequences in memory "
+       f"produce **{8 / ratio:.1f}x** the tokens per second of one ({setting(work)}).")
+check_claim("a decode step of 8 sequences costs less than half of 8 steps of one sequence", t8 < 4 * t1,
+            f"{t8:.2f} ms vs 8 x {t1:.2f} ms",
+            why_it_may_not="A heavily loaded CPU, or a model big enough to be compute-bound at batch 8, "
+                           "can break it.");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Split a decode step into what is paid once per step and what is paid per sequence.
+#
+# * Once per step: reading every weight matrix (the model's parameters), launching the layers'
+#   operations, Python bookkeeping in the scheduler and runner. On this tiny model the fixed overhead
+#   dominates; on a real model on a GPU the weight read does.
+# * Per sequence: one row in each matrix multiplication (8 rows cost little more than 1 while the
+#   weights are being read anyway), attention over that sequence's own KV, sampling one token.
+#
+# So the ratio lands far below 8, nearer 1 than 8 on a small model: the once-per-step part does not
+# grow with the batch.
+# The printout above gives this machine's figure and the tokens per second that follow from it. It
+# keeps growing only until the per-sequence work (the arithmetic) catches up with the weight read; where
+# that happens is chapter 06's roofline.
+# </details>
+
+# %% [markdown]
+# ## Playground
+#
+# The block size is the knob of paging: small blocks waste less in each request's last block but make
+# block tables longer (more entries to read per step); large blocks approach a contiguous reservation.
+# Change `PLAY_BLOCK_SIZE` (try 1, 4, 64, 256) and rerun: the paged waste grows with the block size,
+# while the two contiguous policies do not depend on it. The pool keeps the same number of slots.
+
+# %% tags=["playground"]
+PLAY_BLOCK_SIZE = 64  # token slots per block; the pool keeps POOL_SLOTS slots in all
+
+play, _, play_totals, play_waste = slot_census(PLAY_BLOCK_SIZE)
+play.shutdown()
+print(f"block size {PLAY_BLOCK_SIZE}: share of held slots that sat empty: "
+      + ", ".join(f"{k} {v:.1%}" for k, v in play_waste.items())
+      + f" (block size {BLOCK_SIZE}: paged {waste['paged']:.1%})")
+if PLAY_BLOCK_SIZE != BLOCK_SIZE:
+    bigger = PLAY_BLOCK_SIZE > BLOCK_SIZE
+    check_claim(f"paged waste is {'larger' if bigger else 'smaller'} with blocks of {PLAY_BLOCK_SIZE} than of {BLOCK_SIZE}",
+                (play_waste["paged"] > waste["paged"]) == bigger,
+                f"{play_waste['paged']:.1%} vs {waste['paged']:.1%}")
+check_claim("the contiguous policies do not depend on the block size",
+            all(abs(play_waste[k] - waste[k]) < 1e-12 for k in ("contiguous_max_tokens", "contiguous_max_len")),
+            ", ".join(f"{k} {play_waste[k]:.1%}" for k in ("contiguous_max_tokens", "contiguous_max_len")));
+
+# %% [markdown]
+# ## 5. Check yourself
 
 # %%
 from widgets import Quiz, Question
 
+work.shutdown()
 Quiz([
     Question(
         "Block size 16; a request's block table is [7, 2, 9]. In which slot is the key of its token at position 20?",
@@ -318,7 +477,8 @@ Quiz([
          "max_model_len minus its length", "Half of its blocks"],
         1,
         ["The last block is rarely exactly full; the chart's gap between 'paged' and 'used' is that.",
-         "Right: blocks are taken only when a token needs a slot, so only the tail of the last block is empty.",
+         "Right: blocks are taken only when a token needs a slot, so only the tail of the last block is empty "
+         "(checked on every step of the workload above).",
          "That is the waste of a contiguous max-length reservation, which paging avoids.",
          "Every block but the last is full: blocks are handed out one at a time, as tokens arrive."],
     ),
@@ -330,22 +490,23 @@ Quiz([
          "Blocks are computed in parallel", "It skips the prefill"],
         1,
         ["The gather is a (small) cost, not a speed-up; the gain comes from elsewhere.",
-         "Right: decode steps cost about the same for 1 or many sequences (chapter 06), so more requests "
-         "in memory means more tokens per step.",
+         f"Right: a decode step of 8 sequences cost {ratio:.2f}x a step of 1 on this run (section 4), so "
+         f"more requests in memory means more tokens per step.",
          "Blocks are only a memory layout; the computation is the same attention over the same keys.",
          "Prefill is unchanged; chapter 08's prefix caching is what skips part of it."],
     ),
 ]).display()
 
 # %% [markdown]
-# ## Takeaways
+# ## You can now
 #
-# * minivllm's KV pool is one tensor cut into blocks of `block_size` token slots; the block manager
-#   hands blocks to requests as they grow and takes them back when they finish.
-# * A request's block table maps its logical positions to physical blocks;
-#   `slot = block_table[p // block_size] * block_size + p % block_size`. The runner computes this slot
-#   mapping for every new token; the backend reads earlier tokens through the block tables.
-# * Measured on a mixed workload, paged allocation holds little more than the slots in use, while a
-#   contiguous reservation wastes most of what it reserves, even when output lengths are known.
-# * Less waste means more concurrent requests in the same memory: the capacity that continuous
-#   batching (chapter 05) turns into throughput.
+# * describe minivllm's KV pool: one tensor cut into blocks of `block_size` token slots, handed to
+#   requests as they grow and taken back when they finish;
+# * count the blocks a request holds from its tokens with KV, and read its block table;
+# * turn a logical position into a physical slot,
+#   `slot = block_table[p // block_size] * block_size + p % block_size`, and know that the runner builds
+#   this slot mapping for every new token while the backend reads earlier tokens through the block tables;
+# * measure how much of a reservation sits empty under paged and contiguous allocation, and explain why
+#   paging keeps that to the tail of each request's last block;
+# * explain, with a measured decode step at batch 1 and 8, why memory saved turns into throughput:
+#   the capacity that continuous batching (chapter 05) fills.

@@ -16,6 +16,14 @@
 # %% [markdown]
 # # 05 · The Scheduler
 #
+# **Goal:** see how the scheduler chooses, at every step, which sequences run, and measure what
+# continuous batching and recompute preemption do to steps, throughput and outputs.
+#
+# **Prerequisites:** chapter 01 (prefill, then one token per step), chapter 03 (the KV cache) and
+# chapter 04 (KV blocks and why paging lets more requests share memory).
+#
+# **Time:** about 35 minutes.
+#
 # An inference engine is a loop: each iteration (one `LLMEngine.step()`) runs one forward pass over a
 # batch of sequences and gives each of them one more token. The **scheduler** decides, every
 # iteration, which sequences are in that batch and how many tokens each contributes. Two decisions
@@ -27,10 +35,11 @@
 #   free, the scheduler *preempts* a sequence (frees its blocks and recomputes it later) so the
 #   others can continue.
 #
-# **You will:** run the same workload with static and continuous batching and measure the
-# throughput of each (and of Hugging Face `generate` on padded batches, same weights) · see
-# seat occupancy step by step · squeeze the KV pool until the scheduler must preempt, watch it on
-# the scheduler timeline, and prove the greedy output is unchanged.
+# **You will:** predict how many engine steps static batching needs, then run the same workload with
+# static and continuous batching and measure the throughput of each (and of Hugging Face `generate` on
+# padded batches, same weights) · see seat occupancy step by step · squeeze the KV pool until the
+# scheduler must preempt, watch it on the scheduler timeline, and prove the greedy output is unchanged ·
+# change the number of seats and watch the two policies converge.
 
 # %% [markdown]
 # ## Setup
@@ -64,6 +73,13 @@ engine = llm.llm_engine
 print(describe(llm))
 print(f"torch threads: {torch.get_num_threads()}")
 
+
+def setting(llm):
+    """Model, device, dtype and threads of a live LLM: every chart title carries them."""
+    cfg = llm.llm_engine.config
+    return (f"{llm.llm_engine.source.name}, {cfg.device}, {str(cfg.dtype).replace('torch.', '')}, "
+            f"{torch.get_num_threads()} thread(s)")
+
 # %% [markdown]
 # ## 1. A workload with uneven lengths
 #
@@ -92,6 +108,15 @@ print(f"{work.num_requests} requests, {work.num_prompt_tokens} prompt tokens, {w
 # four. *Continuous batching* adds all twelve at once and lets the scheduler admit a waiting request
 # whenever a seat frees up. Each policy runs three times, interleaved, and the fastest run of each
 # is kept: on a shared machine the slower runs measure the neighbours, not the engine.
+#
+# ### Exercise 1 · How many steps does static batching take?
+#
+# Static batching runs requests 0-3, then 4-7, then 8-11 (the output lengths are printed above). One
+# engine step prefills a whole batch of four prompts and gives each its first token; every later step
+# gives each unfinished request one more token. How many engine steps will the static run take in all?
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: engine steps of the static run (a whole number)
 
 # %%
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -140,6 +165,31 @@ for name, records in (("static", static_steps), ("continuous", cont_steps)):
 print("same greedy tokens for every request:", static_tokens == cont_tokens)
 
 # %%
+from widgets import check_claim, check_prediction, render
+
+check_prediction(my_prediction, len(static_steps), rel_tol=0, unit="steps", what="engine steps of the static run");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# A static batch lasts as long as its longest request: its first step (the prefill) produces one token
+# for every member, and each further step one more, so a batch whose longest output is `n` tokens takes
+# `n` steps, however short its other members are. The total is the sum, over the three batches, of
+# each batch's longest output length: read the three maxima off the printed output lengths and add
+# them. The check above compares your sum with the steps the engine recorded; continuous batching
+# needs fewer because a freed seat is refilled at the next step instead of idling until its batch ends.
+# </details>
+
+# %% [markdown]
+# ### Exercise 2 · Fewer steps: how much more throughput?
+#
+# You now know both step counts (printed above). Both runs produce the same output tokens. Predict
+# continuous batching's throughput (output tokens per second) divided by static batching's.
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: continuous / static output tokens per second (a ratio, x)
+
+# %%
 import statistics
 
 rows = []
@@ -150,11 +200,45 @@ for name, records, seconds in (("static (engine, batches of 4)", static_steps, s
                  "median step ms": statistics.median(r.wall_ms for r in records)})
 pd.DataFrame(rows).set_index("policy").round(2)
 
+# %%
+decode_ms = {}
+for r in static_steps + cont_steps:  # decode-only steps of the timed runs, by number of sequences
+    if r.num_prefill_tokens == 0:
+        decode_ms.setdefault(r.num_seqs, []).append(r.wall_ms)
+d1, d4 = statistics.median(decode_ms[1]), statistics.median(decode_ms[SEATS])
+render(f"Both runs computed the same tokens (checked above). Continuous batching needed **{len(cont_steps)}** "
+       f"steps where static batching needed **{len(static_steps)}**, with seats in use "
+       f"**{occupancy(cont_steps):.0%}** against **{occupancy(static_steps):.0%}** of the time: static batching "
+       f"spent many steps with seats empty, waiting for the longest request of its batch. A fuller step is not "
+       f"much dearer: the median decode step with {SEATS} sequences took **{d4:.2f} ms**, with 1 sequence "
+       f"**{d1:.2f} ms** ({d4 / d1:.2f}x), because much of a step's cost (reading the weights, launching "
+       f"operations, bookkeeping) is paid once per step, however many sequences it serves (chapter 06).")
+check_claim(f"a decode step with {SEATS} sequences costs less than twice a step with 1", d4 < 2 * d1,
+            f"median {d4:.2f} ms vs {d1:.2f} ms over {len(decode_ms[SEATS])} and {len(decode_ms[1])} steps",
+            why_it_may_not="On a busy machine single steps can be slowed by neighbours; a model large enough "
+                           "to be compute-bound also breaks it.");
+check_prediction(my_prediction, static_s / cont_s, rel_tol=0.2, unit="x",
+                 what="continuous / static throughput");
+check_claim("continuous batching's throughput gain is real but smaller than its step ratio",
+            1 < static_s / cont_s < len(static_steps) / len(cont_steps),
+            f"throughput {static_s / cont_s:.2f}x, steps {len(static_steps) / len(cont_steps):.2f}x",
+            why_it_may_not="Each policy's fastest of a few runs is compared; on a loaded machine noise can "
+                           "exceed the difference.");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# If every step cost the same, the time would be proportional to the number of steps, and the gain
+# would equal the ratio of static to continuous steps. Two things pull the measured gain below that.
+# Steps are not equally expensive: continuous batching's steps carry more sequences, and each extra
+# sequence adds a little (the 4-sequence against 1-sequence step ratio printed with the check); and the
+# prompts' prefill is the same work in both runs, a shared cost that dilutes any ratio. So expect a gain
+# that is real but usually smaller than the step ratio; the table above and the checks print this
+# run's figures.
+# </details>
+
 # %% [markdown]
-# Both runs computed exactly the same tokens. Continuous batching needed far fewer steps, because a
-# step costs roughly the same whether 1 or 4 seats are filled (the weights are read once per step,
-# chapter 06), and static batching spent many steps with most seats empty, waiting for the longest
-# request of its batch. The chart shows the seats in use at every step:
+# The chart shows the seats in use at every step:
 
 # %%
 import plotly.graph_objects as go
@@ -165,7 +249,7 @@ fig = go.Figure()
 for name, records, colour in (("static", static_steps, "#e45756"), ("continuous", cont_steps, "#4c78a8")):
     fig.add_scatter(x=list(range(len(records))), y=[r.num_seqs for r in records], mode="lines",
                     line=dict(color=colour, shape="hv"), name=f"{name}: {len(records)} steps")
-fig.update_layout(title="Sequences in each engine step (measured StepRecord.num_seqs)",
+fig.update_layout(title=f"Sequences in each engine step (StepRecord.num_seqs)<br><sub>{setting(llm)}</sub>",
                   xaxis_title="engine step", yaxis_title="sequences in the batch", yaxis_range=[0, SEATS + 0.5],
                   height=340)
 show_figure(fig)
@@ -280,6 +364,9 @@ tiny.llm_engine.check_invariants()
 pre_ms = sum(r.wall_ms for r in pre_steps)
 print(f"10 blocks: {len(pre_steps)} steps, {pre_ms:.0f} ms of steps; the price of preemption is the "
       f"{recomputed} recomputed tokens and the waiting")
+check_claim("preemption changed no greedy token", small_tokens == big_tokens,
+            f"{sum(a == b for a, b in zip(small_tokens, big_tokens))} of {len(rids)} requests identical, "
+            f"{sum(len(r.preempted) for r in pre_steps)} preemptions");
 tiny.shutdown(); big.shutdown()
 
 # %% [markdown]
@@ -292,7 +379,43 @@ tiny.shutdown(); big.shutdown()
 # host memory and no copy machinery, and lets the prefix cache return whatever survived, as above). And *reserving* the
 # worst case up front (`max_model_len` worth of blocks per request) never preempts but admits far
 # fewer requests: chapter 04 measured that waste.
+
+# %% [markdown]
+# ## Playground
 #
+# `PLAY_SEATS` is the scheduler's `max_num_seqs`: how many sequences may run in one step. Change it
+# (try 1, 2, 8, 12) and rerun: the cell replays the twelve requests with both policies on a fresh engine
+# and counts steps and seat occupancy (no timing). Look at how the gap between the two policies
+# changes: with one seat they are the same policy, and with twelve seats every request starts at once,
+# so there is nothing left for continuous batching to refill.
+
+# %% tags=["playground"]
+PLAY_SEATS = 2  # max_num_seqs for this replay
+
+play = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=256, max_num_seqs=PLAY_SEATS,
+           max_num_batched_tokens=512)
+
+
+def replay(groups):
+    """Step counts and mean seat occupancy of a run that adds each group once the engine is idle."""
+    eng, n_steps, seats_used = play.llm_engine, 0, 0
+    for group in groups:
+        for i in group:
+            eng.add_request(f"p{i}", work.prompts[i], greedy(work.output_lens[i]))
+        while eng.has_unfinished_requests():
+            seats_used += eng.step_with_record().record.num_seqs
+            n_steps += 1
+    eng.reset_prefix_cache()
+    return n_steps, seats_used / (PLAY_SEATS * n_steps)
+
+
+for name, groups in (("static", [ids[i:i + PLAY_SEATS] for i in range(0, len(ids), PLAY_SEATS)]),
+                     ("continuous", [ids])):
+    n, occ = replay(groups)
+    print(f"{PLAY_SEATS} seats, {name:10s}: {n:4d} steps, seats in use {occ:.0%} on average")
+play.shutdown()
+
+# %% [markdown]
 # ## 3. Check yourself
 
 # %%
@@ -312,9 +435,10 @@ Quiz([
          "Preemption is about KV memory, not about batch composition; nothing ran out here."],
     ),
     Question(
-        "Why did continuous batching finish the same work in far fewer engine steps?",
+        f"Why did continuous batching finish the same work in {len(cont_steps)} engine steps, where static "
+        f"batching took {len(static_steps)}?",
         ["Its steps generate several tokens per sequence", "It fills freed seats at once, so each step "
-         "(which costs about the same whether its seats are full or not) produces more tokens",
+         f"(a {SEATS}-sequence decode step cost {d4 / d1:.2f}x a 1-sequence step here) produces more tokens",
          "It skips the prefill of some requests", "It uses a smaller model"],
         1,
         ["Every decode step still gives each sequence one token; the gain is in how many sequences are in it.",
@@ -338,17 +462,17 @@ Quiz([
 ]).display()
 
 # %% [markdown]
-# ## Takeaways
+# ## You can now
 #
-# * A step costs about the same whether its seats are full or not, so throughput is about keeping
-#   them full: continuous batching admits a waiting request the moment a seat frees, and on this
-#   workload it finished the same tokens in far fewer steps than static batching.
-# * Padded static batching (transformers `generate`) also computes tokens nobody asked for; its
-#   measured throughput sits beside the engine's above.
-# * The scheduler admits requests on their prompts' needs, so a small KV pool can run out mid-decode;
-#   recompute preemption frees a victim's blocks and rebuilds its KV later, and the greedy output is
-#   identical (checked).
-# * `max_num_seqs`, `max_num_batched_tokens` and the KV pool size are the scheduler's three limits;
-#   `StepRecord`s show, step by step, which one was binding.
+# * explain what the scheduler decides at every step: which sequences run, and how many tokens each
+#   contributes, within three limits (`max_num_seqs`, `max_num_batched_tokens`, the KV pool);
+# * count the steps a static batch needs from its longest output, and explain why continuous batching,
+#   which refills a freed seat at the next step, needs fewer;
+# * measure the throughput of both policies (and of padded `generate`) and say why the gain is smaller
+#   than the step ratio;
+# * explain recompute preemption: why the scheduler can run out of KV blocks mid-decode, what a
+#   preempted request recomputes when it resumes (and what the prefix cache gives back), and why its
+#   greedy output is unchanged;
+# * read `StepRecord`s to see, step by step, which limit was binding.
 #
 # Next: chapter 06 looks inside one step at why prefill and decode cost so differently.

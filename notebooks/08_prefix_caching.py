@@ -16,6 +16,14 @@
 # %% [markdown]
 # # 08 · Prefix Caching
 #
+# **Goal:** understand how the engine reuses the KV blocks of a prompt prefix it has already computed,
+# measure what that saves, and see when eviction takes the savings away.
+#
+# **Prerequisites:** chapter 03 (what the KV cache holds), chapter 04 (KV blocks and block tables),
+# chapter 05 (requests, steps, the scheduler) and the time to first token, TTFT (chapter 07).
+#
+# **Time:** about 35 minutes.
+#
 # Many requests to a served model begin with the same tokens: a system prompt, a few-shot template,
 # the conversation so far. Their keys and values in every layer are the same too, because KV depends
 # only on the tokens and their positions. **Prefix caching** keeps the KV blocks of prompts already
@@ -23,9 +31,10 @@
 # prefill only computes what is new.
 #
 # **You will:** send requests that share a system prompt and watch them reuse the same physical KV
-# blocks · measure the hit rate and the time to first token with and without caching · prove the
-# output does not change · shrink the KV pool until cached blocks are evicted, least recently used
-# first, and measure the hit rate collapse · explore it live in the prefix cache view.
+# blocks · predict, then measure, the hit rate and the time to first token with and without caching ·
+# prove the output does not change · shrink the KV pool until cached blocks are evicted, least recently
+# used first, predict where the hit rate starts to fall and measure it · explore it live in the prefix
+# cache view.
 
 # %% [markdown]
 # ## Setup
@@ -59,6 +68,13 @@ plain = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=128,
 tok = cached.get_tokenizer()
 print(describe(cached))
 print(f"torch threads: {torch.get_num_threads()}")
+
+
+def setting(llm):
+    """Model, device, dtype and threads of a live LLM: every chart title carries them."""
+    cfg = llm.llm_engine.config
+    return (f"{llm.llm_engine.source.name}, {cfg.device}, {str(cfg.dtype).replace('torch.', '')}, "
+            f"{torch.get_num_threads()} thread(s)")
 
 # %% [markdown]
 # ## 1. Two requests, one system prompt
@@ -118,6 +134,16 @@ print("example:", repr(QUESTIONS[0]), "->", repr(with_cache[0].outputs[0].text))
 # so the first request is a cold miss. For each request: prompt tokens, tokens served from the cache
 # (`RequestOutput.num_cached_tokens`) and TTFT (`RequestOutput.metrics.ttft_ms`, measured by the
 # engine), on both engines.
+#
+# ### Exercise 1 · The hit rate of ten questions
+#
+# Every prompt is the system prompt (its length in blocks is printed in section 1) followed by a short
+# question; the first two prompts' lengths are printed there too. Of all the prompt tokens of the ten requests, what share
+# will the cached engine serve from the prefix cache?
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: cached prompt tokens / all prompt tokens, as a fraction (0.5 = half)
+
 
 # %%
 def one_by_one(llm):
@@ -131,7 +157,15 @@ def one_by_one(llm):
     return pd.DataFrame(rows).set_index("request")
 
 
-on, off = one_by_one(cached), one_by_one(plain)
+REPEATS = 3  # each engine runs the ten questions three times, interleaved; TTFT spread comes from these
+runs = {"on": [], "off": []}
+for _ in range(REPEATS):
+    runs["on"].append(one_by_one(cached))
+    runs["off"].append(one_by_one(plain))
+on, off = runs["on"][0].copy(), runs["off"][0].copy()  # token counts are the same in every repeat
+for name, df in (("on", on), ("off", off)):
+    ttfts = pd.concat([r.ttft_ms for r in runs[name]], axis=1)
+    df["ttft_ms"], df["ttft_min"], df["ttft_max"] = ttfts.median(axis=1), ttfts.min(axis=1), ttfts.max(axis=1)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -142,28 +176,61 @@ for name, df in (("prefix caching on ", on), ("prefix caching off", off)):
 print("cached tokens per request (on):", on.cached_tokens.tolist())
 
 # %%
+from widgets import check_claim, check_prediction, render
+
+check_prediction(my_prediction, on.cached_tokens.sum() / on.prompt_tokens.sum(), rel_tol=0.1,
+                 what="the share of prompt tokens served from the cache");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Request 0 finds an empty cache: none of its tokens hit. Each of the nine others finds the system
+# prompt's full blocks cached, so all their tokens hit (section 1 printed whether the system prompt
+# ends on a block boundary; if not, its last partial block is computed with the question), and the
+# question after it is computed (it differs between requests, and the last prompt token is always
+# computed anyway). So the share is about
+#
+# `9 x (system-prompt tokens in full blocks) / (10 x prompt length)`,
+#
+# that is nine tenths of the system prompt's share of a prompt: put in the lengths printed in section 1.
+# The check compares your figure with the engine's count, and the printout above has the exact number
+# of tokens served from the cache.
+# </details>
+
+# %%
 import plotly.graph_objects as go
 
 from widgets import show_figure
 
-print(f"median TTFT, requests 1-9: with caching {on.ttft_ms.iloc[1:].median():.2f} ms, "
-      f"without {off.ttft_ms.iloc[1:].median():.2f} ms "
-      f"({off.ttft_ms.iloc[1:].median() / on.ttft_ms.iloc[1:].median():.1f}x)")
+med_on, med_off = on.ttft_ms.iloc[1:].median(), off.ttft_ms.iloc[1:].median()
+computed_on = on.prompt_tokens.iloc[1:].sum() - on.cached_tokens.iloc[1:].sum()
+token_ratio = off.prompt_tokens.iloc[1:].sum() / computed_on
 fig = go.Figure()
-fig.add_bar(x=off.index, y=off.ttft_ms, name="prefix caching off", marker_color="#bbbbbb")
-fig.add_bar(x=on.index, y=on.ttft_ms, name="prefix caching on", marker_color="#54a24b")
-fig.update_layout(barmode="group", title="Measured time to first token, one request at a time "
-                  f"({cached.llm_engine.source.name}, {cached.llm_engine.config.device})",
-                  xaxis_title="request (0 = cold cache)", yaxis_title="TTFT (ms)", height=360)
+for df, name, colour in ((off, "prefix caching off", "#bbbbbb"), (on, "prefix caching on", "#54a24b")):
+    fig.add_bar(x=df.index, y=df.ttft_ms, name=name, marker_color=colour,
+                error_y=dict(type="data", symmetric=False, array=df.ttft_max - df.ttft_ms,
+                             arrayminus=df.ttft_ms - df.ttft_min))
+fig.update_layout(barmode="group", title=f"Time to first token, one request at a time (median of {REPEATS} runs, "
+                  f"whiskers: min-max)<br><sub>{setting(cached)}</sub>",
+                  xaxis=dict(title="request (0 = cold cache)", dtick=1), yaxis_title="TTFT (ms)", height=380)
 show_figure(fig)
+render(f"Requests 1-9: median TTFT **{med_on:.2f} ms** with caching, **{med_off:.2f} ms** without "
+       f"(**{med_off / med_on:.1f}x**), while the cached engine computed **{token_ratio:.1f}x** fewer prompt "
+       f"tokens for them.")
+check_claim("from request 1 on, prefix caching lowers the median TTFT", med_on < med_off,
+            f"{med_on:.2f} ms vs {med_off:.2f} ms",
+            why_it_may_not="On a heavily loaded machine the noise of single prefills can swamp the saving.")
+check_claim("the TTFT ratio is smaller than the ratio of computed prompt tokens", med_off / med_on < token_ratio,
+            f"TTFT {med_off / med_on:.1f}x vs tokens {token_ratio:.1f}x",
+            why_it_may_not="It needs the per-step overhead that no cache removes to be a visible part of TTFT.");
 
 # %% [markdown]
 # Request 0 pays for the whole prompt in both runs. From request 1 on, the cached engine computes
-# only what follows the last shared block (the question), and its TTFT drops accordingly; without
-# caching every request pays the full prefill. (On a CPU with the embedded model, part of every
-# TTFT is fixed per-step overhead that no cache removes, so the ratio is smaller than the ratio of
-# computed tokens.) How much time that saves grows with the
-# shared prefix's length and the model's size; run this notebook with a real checkpoint
+# only what follows the last shared block (the question); without caching every request pays the full
+# prefill. The TTFT ratio is smaller than the ratio of computed tokens because part of every TTFT is
+# fixed per-step overhead (scheduling, building the inputs, sampling, the layers' launches) that no
+# cache removes; with the embedded model on a CPU that part is large. How much time the cache saves
+# grows with the shared prefix's length and the model's size; run this notebook with a real checkpoint
 # (`MINIVLLM_MODEL`) to measure it there.
 #
 # ## 3. When the pool fills: eviction, least recently used first
@@ -184,11 +251,14 @@ show_figure(fig)
 # %%
 import random
 
-small = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=16, max_num_seqs=1)
+POOL_BLOCKS = 16
+small = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=POOL_BLOCKS, max_num_seqs=1)
 sm = small.llm_engine
 
 # %%
 # NBVAL_CHECK_OUTPUT
+from minivllm.engine.block_manager import hash_block
+
 rng = random.Random(0)
 PREFIX = {name: [rng.randrange(1, sm.vocab_size) for _ in range(4 * BLOCK_SIZE)] for name in "ABCD"}
 
@@ -199,7 +269,6 @@ def tail():
 
 def cached_blocks_of(name):
     """How many of prefix ``name``'s 4 blocks the pool still holds (walking the hash chain)."""
-    from minivllm.engine.block_manager import hash_block
     parent, n = None, 0
     for i in range(4):
         parent = hash_block(parent, PREFIX[name][i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
@@ -209,10 +278,12 @@ def cached_blocks_of(name):
     return n
 
 
+trace = []  # (prefix, blocks hit, {prefix: blocks still cached afterwards})
 for name in "ABCDABC":
     out = small.generate(PREFIX[name] + tail(), greedy(4), use_tqdm=False)[0]
-    still = " ".join(f"{p}:{cached_blocks_of(p)}" for p in "ABCD")
-    print(f"request with prefix {name}: {out.num_cached_tokens // BLOCK_SIZE} of 4 blocks hit;   "
+    trace.append((name, out.num_cached_tokens // BLOCK_SIZE, {p: cached_blocks_of(p) for p in "ABCD"}))
+    still = " ".join(f"{p}:{n}" for p, n in trace[-1][2].items())
+    print(f"request with prefix {name}: {trace[-1][1]} of 4 blocks hit;   "
           f"cached blocks per prefix afterwards  {still};   free-list order (evicted first -> last) "
           f"{list(sm.block_manager.free)[:6]}...")
 sm.check_invariants()
@@ -222,67 +293,144 @@ sm.check_invariants()
 # blocks: it takes the 4 plain ones and evicts a single cached block, the one freed longest ago, which
 # is A's tail (A finished first, and its tail was released before its head). A comes back and hits 3
 # of its 4 blocks; the one block it recomputes evicts B's tail, and so on: each returning prefix loses
-# one block per round. Once the prefixes need more blocks than the pool holds beside the running
-# request, a round-robin is the worst case for LRU: each request evicts what will be needed soonest.
+# one block per round. The cell below checks this story against the trace printed above.
+
+# %%
+after_d = trace[3][2]
+check_claim("D evicts exactly one cached block, one of A's, and leaves B and C whole",
+            after_d == {"A": 3, "B": 4, "C": 4, "D": 4}, f"after D: {after_d}")
+check_claim("each returning prefix (A, B, C) hits 3 of its 4 blocks and evicts one block of the next prefix",
+            [t[1] for t in trace[4:]] == [3, 3, 3]
+            and [t[2][nxt] for t, nxt in zip(trace[4:], "BCD")] == [3, 3, 3],
+            f"hits {[t[1] for t in trace[4:]]}; next prefix's cached blocks afterwards "
+            f"{[t[2][nxt] for t, nxt in zip(trace[4:], 'BCD')]}");
+
+# %% [markdown]
+# Once the prefixes need more blocks than the pool holds beside the running request, a round-robin is
+# the worst case for LRU: each request evicts what will be needed soonest.
 #
 # The same effect, measured as a hit rate: K distinct prefixes (4 blocks each) requested round-robin
 # for three rounds on the 16-block pool, for K = 1 to 6. The first round is always cold; the rest
 # should hit, as long as the K prefixes fit.
+#
+# ### Exercise 2 · Where does the hit rate start to fall?
+#
+# While prefix X runs in rounds two and three, the pool must hold the cached blocks of every prefix
+# (4 each) and one block for X's 8-token tail. What is the largest K for which rounds two and three
+# still hit every cached block?
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: the largest number of prefixes K that still all hit (a whole number)
 
 # %%
 import statistics
 
 
-def round_robin(k: int, rounds: int = 3) -> dict:
-    sm.reset_prefix_cache()
+def round_robin(llm, k: int, rounds: int = 3) -> dict:
+    eng = llm.llm_engine
+    eng.reset_prefix_cache()
     names = "ABCDEF"[:k]
-    prefixes = {n: [rng.randrange(1, sm.vocab_size) for _ in range(4 * BLOCK_SIZE)] for n in names}
+    prefixes = {n: [rng.randrange(1, eng.vocab_size) for _ in range(4 * BLOCK_SIZE)] for n in names}
     hit = total = 0
     ttft = []
     for r in range(rounds):
         for n in names:
-            out = small.generate(prefixes[n] + tail(), greedy(2), use_tqdm=False)[0]
+            out = llm.generate(prefixes[n] + tail(), greedy(2), use_tqdm=False)[0]
             hit += out.num_cached_tokens
             total += len(out.prompt_token_ids)
             if r > 0:  # rounds after the first are the ones that can hit
                 ttft.append(out.metrics.ttft_ms)
     return {"prefixes": k, "blocks they need": 4 * k, "hit rate": hit / total,
-            "median TTFT ms, rounds 2-3": statistics.median(ttft)}
+            "TTFT ms": statistics.median(ttft), "TTFT min": min(ttft), "TTFT max": max(ttft), "ttfts": ttft}
 
 
-sweep = pd.DataFrame([round_robin(k) for k in range(1, 7)]).set_index("prefixes")
+sweep = pd.DataFrame([round_robin(small, k) for k in range(1, 7)]).set_index("prefixes")
 
 # %%
 # NBVAL_CHECK_OUTPUT
 print(sweep[["blocks they need", "hit rate"]].round(3).to_string())
 
 # %%
+full_hit = sweep["hit rate"].iloc[0]
+k_full = max(k for k in sweep.index if sweep.loc[k, "hit rate"] >= full_hit - 1e-9)
+check_prediction(my_prediction, k_full, rel_tol=0, what="K, the largest number of prefixes whose rounds 2-3 all hit");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# In rounds two and three, when prefix X arrives its 4 blocks are (hopefully) cached, and it needs one
+# more block for its tail. Nothing must be evicted, so all K prefixes' cached blocks plus that one
+# block must fit in the pool: `4K + 1 <= 16`, so `K <= 3.75`, and the largest whole K is 3. One more
+# prefix and every request must evict one cached block, and LRU picks the block freed longest ago,
+# which belongs to the prefix that comes next. The check above compares your K with the largest K
+# whose measured hit rate equals the one-prefix rate.
+# </details>
+
+# %%
+setting_small = setting(small)
 fig = go.Figure()
-fig.add_scatter(x=sweep.index, y=sweep["hit rate"], mode="lines+markers", name="hit rate (measured)",
-                line=dict(color="#54a24b", width=3))
-ttft_col = "median TTFT ms, rounds 2-3"
-fig.add_scatter(x=sweep.index, y=sweep[ttft_col], mode="lines+markers", name="median TTFT, rounds 2-3 (measured)",
-                yaxis="y2", line=dict(color="#e45756", dash="dot"))
-fig.add_vline(x=3.5, line_dash="dash", line_color="#888",
-              annotation_text="prefixes + the running request > 16 blocks", annotation_position="top right")
-fig.update_layout(title="Round-robin over K shared prefixes, 16-block KV pool",
-                  xaxis=dict(title="K distinct prefixes (4 blocks each)", dtick=1, range=[0.5, 6.5]),
-                  yaxis=dict(title="prefix-cache hit rate", range=[0, 1]),
-                  yaxis2=dict(title="TTFT (ms)", overlaying="y", side="right", rangemode="tozero"),
-                  legend=dict(orientation="h", y=-0.25), height=380)
+fig.add_bar(x=sweep.index, y=sweep["hit rate"], marker_color="#54a24b", name="hit rate")
+fig.add_vline(x=k_full + 0.5, line_dash="dash", line_color="#888",
+              annotation_text="prefixes + the running request > pool", annotation_position="top right")
+fig.update_layout(title=f"Prefix-cache hit rate, round-robin over K prefixes, {POOL_BLOCKS}-block pool"
+                        f"<br><sub>{setting_small}</sub>",
+                  xaxis=dict(title="K distinct prefixes (4 blocks each)", dtick=1),
+                  yaxis=dict(title="hit rate (share of prompt tokens)", range=[0, 1], dtick=0.2, tickformat=".0%"),
+                  height=360, showlegend=False)
 show_figure(fig)
+fig = go.Figure()
+fig.add_scatter(x=sweep.index, y=sweep["TTFT ms"], mode="lines+markers", line=dict(color="#e45756"),
+                error_y=dict(type="data", symmetric=False, array=sweep["TTFT max"] - sweep["TTFT ms"],
+                             arrayminus=sweep["TTFT ms"] - sweep["TTFT min"]))
+fig.update_layout(title=f"TTFT of rounds 2-3 (median, whiskers: min-max over the 2K requests)<br><sub>{setting_small}</sub>",
+                  xaxis=dict(title="K distinct prefixes (4 blocks each)", dtick=1),
+                  yaxis=dict(title="TTFT (ms)", rangemode="tozero"), height=340, showlegend=False)
+show_figure(fig)
+
+# %%
+later = [k for k in sweep.index if k > k_full]
+zero = [k for k in sweep.index if sweep.loc[k, "hit rate"] == 0]
+text = (f"Up to **{k_full}** prefixes, rounds two and three hit every cached block (the hit rate, "
+        f"{full_hit:.1%}, is below 100% only because round one is cold and each prompt's last 8 tokens are "
+        f"always computed).")
+if later:
+    text += (f" At **{later[0]}** prefixes it falls to **{sweep.loc[later[0], 'hit rate']:.1%}**: every request "
+             f"evicts one block of the prefix needed next.")
+if zero:
+    text += (f" From **{zero[0]}** prefixes on it is **zero**: LRU under a round-robin evicts each prefix "
+             f"before it comes back, so nothing survives a full round.")
+# TTFT of rounds 2-3, pooled over every K that hit fully and over every K that hit nothing (more samples
+# than one K alone: single prefills of the embedded model are short and noisy)
+cold_ks = zero or later
+t_hit = statistics.median(t for k in sweep.index if k <= k_full for t in sweep.loc[k, "ttfts"])
+t_cold = statistics.median(t for k in cold_ks for t in sweep.loc[k, "ttfts"])
+text += (f" The median TTFT of rounds two and three was **{t_hit:.2f} ms** where every cached block hit "
+         f"(K <= {k_full}) and **{t_cold:.2f} ms** at K = {', '.join(map(str, cold_ks))}.")
+render(text)
+check_claim("once the prefixes outgrow the pool, the TTFT of rounds 2-3 rises", t_cold > t_hit,
+            f"median {t_hit:.2f} ms at K <= {k_full} vs {t_cold:.2f} ms at K = {', '.join(map(str, cold_ks))}",
+            why_it_may_not="The embedded model's prefill of 72 tokens is short; load on the machine can hide it.");
+
+# %% [markdown]
+# In a server, the remedy is more KV memory for the cache (a bigger pool, or a smaller KV footprint), or
+# routing requests that share a prefix to the same replica.
+#
+# ## Playground
+#
+# `PLAY_POOL_BLOCKS` is the size of the KV pool in blocks. Change it (try 12, 20, 24, 32) and rerun: the
+# cell repeats the round-robin sweep on a fresh engine of that size and prints the hit rates (no
+# timing). Look for the K where the hit rate first drops, and compare it with `4K + 1 <= blocks`.
+
+# %% tags=["playground"]
+PLAY_POOL_BLOCKS = 24  # KV blocks of 16 slots in the pool
+
+play = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=PLAY_POOL_BLOCKS, max_num_seqs=1)
+rates = [round_robin(play, k)["hit rate"] for k in range(1, 8)]
+play.shutdown()
+print(f"{PLAY_POOL_BLOCKS} blocks: hit rate for K = 1..7 prefixes:", " ".join(f"{r:.2f}" for r in rates))
 small.shutdown()
 
 # %% [markdown]
-# Up to three prefixes, rounds two and three hit every cached block (the hit rate is below 100% only
-# because round one is cold and each prompt's last 8 tokens are always computed). At four prefixes the
-# cached blocks plus the running request's 5 blocks no longer fit in 16: every request evicts one block
-# of the prefix needed next, so the hit rate drops. From five on, LRU under a round-robin evicts each
-# prefix before it comes back: the hit rate is zero (nothing survives a full round) and TTFT goes back
-# up towards the cold-cache figure. In a
-# server, the remedy is more KV memory for the cache (a bigger pool, or a smaller KV footprint), or
-# routing requests that share a prefix to the same replica.
-#
 # ## 4. The prefix cache view
 #
 # The view below runs four of the questions on the cached engine. For each request it shows the
@@ -309,6 +457,11 @@ for i, r in enumerate(view.results):
 # %%
 from widgets import Question, Quiz
 
+drop = (f"the sweep above measured a hit rate of {full_hit:.0%} up to K = {k_full}, "
+        + ", ".join(f"{sweep.loc[k, 'hit rate']:.0%} at K = {k}" for k in later)
+        + (f": zero from K = {zero[0]}, where the {zero[0]} prefixes and the running request need "
+           f"{4 * zero[0] + 1 - POOL_BLOCKS} blocks more than the pool holds, more than a whole prefix. Eight "
+           f"prefixes in room for six are two whole prefixes short." if zero else "."))
 Quiz([
     Question(
         "Two prompts share their first 40 tokens; blocks hold 16 tokens. How many prompt tokens can the second "
@@ -341,22 +494,23 @@ Quiz([
         1,
         ["That would be true with a policy that pins some prefixes; LRU under a round-robin keeps the most recent "
          "ones, which are exactly the ones not needed next.",
-         "Right: the sweep above measured the hit rate falling to zero once the prefixes outgrew the pool.",
+         "Right: " + drop,
          "Unreferenced cached blocks are reused as soon as the pool has no plain free block left.",
          "Block size changes how much of each prompt can match, not whether a prefix survives eviction."],
     ),
 ]).display()
 
 # %% [markdown]
-# ## Takeaways
+# ## You can now
 #
-# * Prefix caching reuses the KV of any full block whose whole prefix matches, found by a chained hash;
-#   the second request shares the *physical* blocks of the first.
-# * It changes only what is computed, not the result: greedy tokens were identical with and without it.
-# * On the shared system prompt it served most prompt tokens from the cache and cut the measured TTFT;
-#   the saving grows with the prefix length and the model size.
-# * Cached blocks live in the free list; plain blocks are handed out first, and cached ones are
-#   evicted least recently used first. When the shared prefixes outgrow the pool, a round-robin
-#   workload drives the hit rate to zero (measured).
+# * explain how a prefix-cache hit is found: full blocks only, a hash chained over the whole prefix, a
+#   walk from the first block that stops at the first miss;
+# * predict the hit rate of requests sharing a system prompt from the prompt and block lengths, and
+#   measure it with `num_cached_tokens`;
+# * measure what caching does to time to first token, and say why the saving is smaller than the
+#   share of tokens skipped when per-step overhead is large;
+# * show that caching changes what is computed, not the result (identical greedy tokens);
+# * explain LRU eviction from the free list, compute the largest number of prefixes a pool can keep
+#   under a round-robin, and recognise the collapse past it.
 #
 # Next: chapter 09 looks at the last stage of every step, picking the token.

@@ -6,7 +6,7 @@ executed here; ``pytest --nbval-lax notebooks/`` executes them):
 
 * the parameters cell reads ``MINIVLLM_MODEL`` and sets ``DEVICE = "auto"``; the run prints
   ``describe(...)``; a widget from ``widgets`` is used live; the notebook ends with a quiz and
-  takeaways;
+  a recap (takeaways, or "You can now");
 * checked cells (``# NBVAL_CHECK_OUTPUT``) never print timings, and every stored output is from a
   real run (no error outputs) in a file of at most 1 MB.
 """
