@@ -84,6 +84,17 @@ class Distiller:
                 "heldout_teacher_top1_agreement": self.agreement(model)}
 
 
+def mark_draft_config(out: Path, k: int) -> None:
+    """Name the draft's default ``num_speculative_tokens`` in its config.json (vLLM's rule: a
+    ``speculative_config`` without that key takes the draft model config's)."""
+    import json
+
+    path = out / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["num_speculative_tokens"] = k
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def render_section(r: dict) -> str:
     """The draft model's section of docs/tiny_model.md, from its training record."""
     c, h, m, d = r["corpus"], r["hyperparameters"], r["model_config"], r["distillation"]
@@ -109,6 +120,7 @@ script on the same corpus and held-out split, on the next-token distributions of
 - Command: `{r['command']}` ({r['threads']} thread(s) on a shared machine), {r['steps']:,} steps of
   {h['batch_size']} x {h['seq_len']} tokens, training time {r['train_time_s']:.0f} s, wall time {r['wall_time_s']:.0f} s,
   corpus sha256 `{c['sha256'][:16]}...` (the main model's).
+- Date (UTC): {r.get('date_utc', 'not recorded')}.
 - Versions: Python {r['versions']['python']}, torch {r['versions']['torch']}, transformers {r['versions']['transformers']}.
 - **Held-out loss: {r['heldout_loss']:.3f} nats/token** on the stored weights (the teacher's: {d['teacher_heldout_loss']:.3f}).
   **Top-1 agreement with the teacher on the held-out stream: {d['heldout_teacher_top1_agreement']:.1%}** of positions
@@ -119,7 +131,7 @@ script on the same corpus and held-out split, on the next-token distributions of
 |---:|---:|---:|---:|---:|---:|
 {rows}
 
-Reproduce: `python scripts/train_tiny_model.py {' '.join(r['command'].split()[1:])}`.
+Reproduce: `python scripts/train_tiny_model.py {' '.join(r['command'].split()[1:])}`.{(chr(10) + 'Note: ' + r['notes']) if r.get('notes') else ''}
 `tests/test_tiny_model_assets.py` checks the committed files.
 """
 

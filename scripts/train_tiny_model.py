@@ -560,6 +560,10 @@ def train(args) -> dict:
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
     ).save_pretrained(out)
     save_tokenizer(tok, out, MODEL_CONFIG["max_position_embeddings"])
+    if distill is not None:
+        from tiny_draft import mark_draft_config
+
+        mark_draft_config(out, args.num_speculative_tokens)
     if args.tokenizer:  # the same bytes as the target's file, not a re-serialisation
         import shutil
 
@@ -573,6 +577,8 @@ def train(args) -> dict:
         "model": args.name,
         "script": "scripts/train_tiny_model.py",
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(time.time() - (time.perf_counter() - wall0)))
+                    + time.strftime("-%H:%M", time.gmtime()),
         "seed": args.seed,
         "threads": args.threads,
         "note_threads": "trained with torch.set_num_threads(threads) on a CPU machine shared with other work",
@@ -882,6 +888,8 @@ def main(argv=None) -> None:
                    help="reuse DIR/tokenizer.json (e.g. a draft model sharing its target's) instead of training one")
     p.add_argument("--distill-from", metavar="DIR", default=None,
                    help="train on the next-token distributions of the checkpoint in DIR (a draft model for it)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="with --distill-from: the draft's default k, written into its config.json")
     p.add_argument("--render-doc", metavar="RECORD", default=None,
                    help="only re-render --doc from an existing training_record.json, no training")
     p.add_argument("--store-dtype", choices=STORE_DTYPES, default="float16",

@@ -15,7 +15,10 @@ class SpeculativeConfig:
             occurrence of the context's last n tokens, n from ``prompt_lookup_max`` down to
             ``prompt_lookup_min``) or "draft_model" (a smaller model with the target's
             vocabulary proposes k tokens autoregressively; ``minivllm/spec_decode/draft_model.py``).
-        num_speculative_tokens: most draft tokens proposed per sequence per step (k >= 1).
+        num_speculative_tokens: most draft tokens proposed per sequence per step (k >= 1). For
+            "draft_model" it defaults, as in vLLM, to the draft checkpoint's own
+            ``num_speculative_tokens`` in its config.json when that names one
+            (``minivllm-tiny-draft`` does).
         prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first ("ngram").
         model: "draft_model": the draft checkpoint, as ``LLM(model=...)`` takes it (a local
             Hugging Face directory, or the embedded ``"minivllm-tiny-draft"``).
@@ -45,7 +48,10 @@ class SpeculativeConfig:
                              "checkpoint, e.g. 'minivllm-tiny-draft' or a local directory")
         if method == "ngram" and model is not None:
             raise ValueError(f"speculative_config model={model!r}: method 'ngram' takes no model")
-        values = {"num_speculative_tokens": config.get("num_speculative_tokens"),
+        k = config.get("num_speculative_tokens")
+        if k is None and method == "draft_model":
+            k = draft_config_k(model)
+        values = {"num_speculative_tokens": k,
                   "prompt_lookup_max": config.get("prompt_lookup_max", cls.prompt_lookup_max),
                   "prompt_lookup_min": config.get("prompt_lookup_min", cls.prompt_lookup_min)}
         for key, value in values.items():
@@ -55,3 +61,18 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config prompt_lookup_min={values['prompt_lookup_min']} > "
                              f"prompt_lookup_max={values['prompt_lookup_max']}")
         return cls(method=method, model=model, **values)
+
+
+def draft_config_k(model: str):
+    """``num_speculative_tokens`` named in the draft checkpoint's config.json, or None (no such
+    key, or no such checkpoint: loading the draft reports that)."""
+    import json
+    from pathlib import Path
+
+    from minivllm.utils.model_source import EMBEDDED_CHECKPOINTS
+
+    path = (EMBEDDED_CHECKPOINTS.get(model) or Path(model).expanduser()) / "config.json"
+    try:
+        return json.loads(path.read_text()).get("num_speculative_tokens")
+    except (OSError, ValueError):
+        return None
