@@ -15,12 +15,8 @@ def _draft(path, k=3):
 
 
 @pytest.fixture(scope="module")
-def draft_ckpt(tmp_path_factory):
-    """The test target (tiny_ckpt: seed 0, 2 layers) with one layer: the same embedding and
-    first-layer weights, so its guesses agree with the target's often but not always."""
-    from helpers_models import make_hf_checkpoint
-
-    return make_hf_checkpoint(tmp_path_factory.mktemp("draft"), num_hidden_layers=1)
+def draft_ckpt(tiny_draft_ckpt):
+    return tiny_draft_ckpt
 
 
 def _tokens(outs):
@@ -163,3 +159,18 @@ def test_sampling_distribution_is_unchanged_by_a_draft_model(tiny_ckpt, draft_ck
     table = [[a[k] for k in common] + [2000 - sum(a[k] for k in common)],
              [b[k] for k in common] + [2000 - sum(b[k] for k in common)]]
     assert chi2_contingency(table)[1] > 0.001
+
+
+def test_the_embedded_draft_model_works_offline_with_its_default_k():
+    """``{"method": "draft_model", "model": "minivllm-tiny-draft"}`` as the issue writes it: k comes
+    from the draft's config.json (vLLM's rule), and greedy output is the embedded model's own."""
+    from minivllm import LLM
+
+    prompts = ["The list type", "Return the"]
+    plain = LLM(num_kvcache_blocks=64, block_size=16)
+    spec = LLM(num_kvcache_blocks=64, block_size=16,
+               speculative_config={"method": "draft_model", "model": "minivllm-tiny-draft"})
+    assert spec.llm_engine.speculative_config.num_speculative_tokens == 4
+    outs = spec.generate(prompts, greedy(24), use_tqdm=False)
+    assert _tokens(outs) == _tokens(plain.generate(prompts, greedy(24), use_tqdm=False))
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
