@@ -104,6 +104,33 @@ def test_a_step_rolled_back_after_the_draft_ran_changes_nothing(tiny_ckpt, draft
     assert [final["0"], final["1"]] == _tokens(ref)
 
 
+@pytest.mark.parametrize("use_q", [True, False])
+def test_rejection_sampling_with_the_drafts_q_emits_exactly_p(use_q):
+    """A draft drawn from q and verified with that q (min(1, p/q), residual max(0, p - q)), or as a
+    point mass (acceptance p(d), residual p without d: also exact, accepting less), emits a first
+    token distributed as p. Chi-square goodness of fit over 20000 draws; q is far from p, so a
+    residual that does not match the acceptance rule (e.g. p without d after min(1, p/q)) puts
+    about 0.57 instead of 0.7 on token 0 and fails."""
+    import torch
+    from scipy.stats import chisquare
+
+    from minivllm.spec_decode.verify import verify_sampled
+
+    p = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.1, 0.1, 0.7]])
+    gen = torch.Generator().manual_seed(0)
+    counts = [0] * 4
+    accepted = 0
+    for _ in range(20000):
+        d = int(torch.multinomial(q[0], 1, generator=gen))
+        out = verify_sampled([d], p, gen, q if use_q else None)
+        counts[out[0]] += 1
+        accepted += len(out) == 2
+    assert chisquare(counts, [20000 * x for x in p[0].tolist()]).pvalue > 0.001
+    # min(1, p/q) accepts sum_x min(p, q) = 0.4; a point mass accepts sum_x q p = 0.16
+    assert abs(accepted / 20000 - (0.4 if use_q else 0.16)) < 0.02
+
+
 def test_draft_cache_entries_keep_only_the_prefix_the_sequence_still_has():
     class Seq:
         request_id, is_finished = "r", False
@@ -137,18 +164,28 @@ def test_draft_cache_evicts_least_recently_used_entries_of_other_requests():
     cache.check_invariants()
 
 
+@pytest.fixture(scope="module")
+def unrelated_draft(tmp_path_factory):
+    """A draft with the target's vocabulary and nothing else in common (other random weights):
+    its q is far from p, so rejections, and the residual max(0, p - q), matter."""
+    from helpers_models import make_hf_checkpoint
+
+    return make_hf_checkpoint(tmp_path_factory.mktemp("unrelated"), seed=1, num_hidden_layers=1)
+
+
 @pytest.mark.slow
-def test_sampling_distribution_is_unchanged_by_a_draft_model(tiny_ckpt, draft_ckpt):
+def test_sampling_distribution_is_unchanged_by_a_draft_model(tiny_ckpt, unrelated_draft):
     """Two-sample chi-square over the 2nd and 3rd generated tokens (joint), 2000 seeded runs
-    each, with the one-layer draft (its q differs from the target's p) at T = 0.5."""
+    each, with a draft unrelated to the target at T = 1 (the rule itself is checked sharply by
+    ``test_rejection_sampling_with_the_drafts_q_emits_exactly_p``)."""
     from collections import Counter
 
     from scipy.stats import chi2_contingency
 
     prompt = _prompts()[2]
-    params = [SamplingParams(temperature=0.5, seed=s, max_tokens=3, ignore_eos=True) for s in range(2000)]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(2000)]
     plain = make_llm(tiny_ckpt, num_kvcache_blocks=4096)
-    spec = make_llm(tiny_ckpt, num_kvcache_blocks=4096, speculative_config=_draft(draft_ckpt, k=2))
+    spec = make_llm(tiny_ckpt, num_kvcache_blocks=4096, speculative_config=_draft(unrelated_draft, k=2))
     a = Counter(tuple(t[1:]) for t in _tokens(plain.generate([prompt] * 2000, params, use_tqdm=False)))
     outs = spec.generate([prompt] * 2000, params, use_tqdm=False)
     b = Counter(tuple(t[1:]) for t in _tokens(outs))
