@@ -65,7 +65,8 @@ class EngineArgs:
         compile: torch.compile the small fused ops; None = on for CUDA, off on CPU.
         speculative_config: vLLM v1's speculative decoding settings, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-            "prompt_lookup_min": 2}`` (see ``minivllm/spec_decode``); None: off.
+            "prompt_lookup_min": 2}`` or ``{"method": "draft_model", "model": "minivllm-tiny-draft",
+            "num_speculative_tokens": 4}`` (see ``minivllm/spec_decode``); None: off.
         logprobs_mode: what ``SamplingParams.logprobs`` report (vLLM's): "raw_logprobs"
             (default), "raw_logits", "processed_logprobs" or "processed_logits"; see
             ``minivllm/layers/logprobs.py``.

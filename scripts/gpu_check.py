@@ -28,6 +28,10 @@ flash-attn; nvidia-ml-py is used when present). Sections, in order of importance
                  lengths uniform in 100..1024, random token ids, ignore_eos): output tokens/s,
                  the same requests through transformers ``generate`` for a ratio, and NVML
                  utilisation samples taken during our run (when nvidia-ml-py is present).
+9. int8          weight-only int8 (``minivllm/quantization/gpu_check_int8.py``): the Triton
+                 kernel's error (pass under 2% of the largest output) and time against bf16
+                 cuBLAS on Qwen3-0.6B's linear shapes at 1/8/64/512 rows, its tile sweep, then
+                 batch-1 decode of the int8 engine against the bf16 one (ratio, greedy agreement).
 
 Each section runs in its own ``python3`` subprocess, so a CUDA fault (which poisons the
 process's context) ends only that section and is named in its row; the JSON file is
@@ -70,7 +74,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("kernels", "cuda_graphs", "engine_graphs", "pool_edges", "tpot", "embedded", "prefill", "offline")
+SECTIONS = ("kernels", "cuda_graphs", "engine_graphs", "pool_edges", "tpot", "embedded", "prefill", "offline",
+            "int8")
 #: extra environment per section subprocess
 SECTION_ENV = {"kernels": {"CUDA_LAUNCH_BLOCKING": "1"}}
 BF16_TOL = 2e-2
@@ -850,6 +855,40 @@ def check_offline(args, rows: list[Row]) -> None:
 
 
 # ------------------------------------------------------------------------------ NVML
+# ------------------------------------------------------------------------------ int8 weights
+def check_int8(args, rows: list[Row]) -> None:
+    """``minivllm.quantization.gpu_check_int8``'s two parts (``check_int8`` = kernel, then
+    engine), each part's rows appended as soon as it returns: the Triton int8 kernel's error
+    (pass/fail) and speed against cuBLAS on Qwen3-0.6B's shapes, then batch-1 decode of the
+    int8 engine against the bf16 one (info). With ``--smoke``: tiny shapes, untimed, under
+    the Triton interpreter, and the engine pair on the embedded model on the CPU (plumbing)."""
+    import torch
+
+    from minivllm.quantization.gpu_check_int8 import check_engine, check_kernel
+
+    if args.smoke:
+        kernel = check_kernel("cpu", torch.float32, rows=(1, 3), shapes=((32, 48),), timed=False)
+    else:
+        kernel = check_kernel("cuda")
+    for c in kernel["cases"]:
+        speed = "" if "speedup" not in c else (f"; {c['int8_ms'] * 1e3:.1f} us vs cuBLAS {c['float_ms'] * 1e3:.1f} us "
+                                               f"({c['speedup']:.2f}x)")
+        rows.append(Row("int8", f"kernel {c['k']}->{c['n']} x{c['m']}", f"rel err {c['rel_error']:.1e}{speed}",
+                        "rel err < 2e-2", status_of(c["ok"]), c))
+    for t in kernel["tiles"]:
+        best = min(t["ms"], key=t["ms"].get)
+        rows.append(Row("int8", f"tiles {t['k']}->{t['n']} x1", f"default {t['default']}; best {best} "
+                        f"{t['ms'][best] * 1e3:.1f} us", "", "info", t))
+    if args.smoke:
+        eng = check_engine(model=SMOKE_MODEL, decode_tokens=3, rounds=1, device="cpu", num_kvcache_blocks=64)
+    else:
+        eng = check_engine(model=args.model, device="cuda")
+    rows.append(Row("int8", f"engine batch-1 decode int8 vs {eng['dtype']} ({eng['model']})",
+                    f"{eng['speedup']:.2f}x", "", "info",
+                    {k: eng[k] for k in ("speedup", "base", "quant", "agreement", "device", "model", "kernel")}))
+    _free_gpu()
+
+
 def torch_cuda() -> bool:
     import torch
 
@@ -895,7 +934,7 @@ def nvml_rows(samples) -> list[Row]:
 CHECKS = {
     "kernels": check_kernels, "cuda_graphs": check_cuda_graphs, "engine_graphs": check_engine_graphs,
     "pool_edges": check_pool_edges, "tpot": check_tpot, "embedded": check_embedded,
-    "prefill": check_prefill, "offline": check_offline,
+    "prefill": check_prefill, "offline": check_offline, "int8": check_int8,
 }
 
 

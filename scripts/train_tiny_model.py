@@ -454,17 +454,33 @@ def train(args) -> dict:
     print(f"corpus: {len(docs)} docs, {nbytes / 1e6:.2f} MB, sha256 {sha[:16]}..; "
           f"held out {len(held_docs)} docs ({held_bytes / nbytes:.1%} of bytes)", flush=True)
 
-    tok = train_tokenizer([t for _, t in train_docs], MODEL_CONFIG["vocab_size"])
+    if args.tokenizer:  # a draft model shares its target's tokenizer, byte for byte
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
+        if tok.get_vocab_size() != MODEL_CONFIG["vocab_size"]:
+            raise ValueError(f"--tokenizer {args.tokenizer}: vocab {tok.get_vocab_size()}, "
+                             f"wanted {MODEL_CONFIG['vocab_size']}")
+    else:
+        tok = train_tokenizer([t for _, t in train_docs], MODEL_CONFIG["vocab_size"])
     eos_id = tok.token_to_id(EOS)
     train_ids = encode_docs(tok, train_docs, eos_id)
     held_ids = encode_docs(tok, held_docs, eos_id)
     print(f"tokens: train {len(train_ids)}, held-out {len(held_ids)}; "
           f"{nbytes / (len(train_ids) + len(held_ids)):.2f} bytes/token", flush=True)
 
-    config = Qwen3Config(**MODEL_CONFIG, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    model_config = dict(MODEL_CONFIG, num_hidden_layers=args.layers, intermediate_size=args.intermediate_size)
+    config = Qwen3Config(**model_config, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
     model = Qwen3ForCausalLM(config).float()
     n_params = sum(p.numel() for p in model.parameters())  # tied weights are counted once
     print(f"model: {n_params / 1e6:.3f}M parameters", flush=True)
+    distill = None
+    if args.distill_from:  # see scripts/tiny_draft.py
+        from tiny_draft import Distiller
+
+        distill = Distiller(args.distill_from, held_ids, T=args.seq_len, vocab_size=MODEL_CONFIG["vocab_size"])
+        print(f"distilling from {args.distill_from}: teacher held-out loss {distill.teacher_heldout_loss:.4f}",
+              flush=True)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -489,6 +505,7 @@ def train(args) -> dict:
         if progress >= next_eval / args.evals or progress >= 1.0:
             t_eval = time.perf_counter()
             held = evaluate(model, held_ids, T, batch=8)
+            extra = {} if distill is None else {"heldout_teacher_top1_agreement": distill.agreement(model)}
             curve.append({
                 "step": step,
                 "tokens_seen": step * B * T,
@@ -497,8 +514,9 @@ def train(args) -> dict:
                 "lr": lr_at(step, progress, args.lr, args.warmup_steps, args.min_lr_ratio),
                 "train_loss_ema": None if ema is None else round(ema, 4),
                 "heldout_loss": round(held, 4),
+                **extra,
             })
-            print(f"[eval] step {step} train_time {train_time:.0f}s held-out {held:.4f} "
+            print(f"[eval] step {step} train_time {train_time:.0f}s held-out {held:.4f} {extra} "
                   f"(eval took {time.perf_counter() - t_eval:.1f}s)", flush=True)
             next_eval = math.floor(progress * args.evals) + 1
         if progress >= 1.0:
@@ -512,12 +530,15 @@ def train(args) -> dict:
         x = torch.stack([data[s : s + T + 1] for s in starts.tolist()])
         logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        data_loss = loss.item()
+        if distill is not None:  # trained on the teacher's distributions; the data loss is still logged
+            loss = distill.loss(logits, x[:, :-1])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         step += 1
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        ema = data_loss if ema is None else 0.98 * ema + 0.02 * data_loss
         train_time += time.perf_counter() - t0
         if time.perf_counter() - last_print > 30:
             last_print = time.perf_counter()
@@ -539,15 +560,25 @@ def train(args) -> dict:
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False
     ).save_pretrained(out)
     save_tokenizer(tok, out, MODEL_CONFIG["max_position_embeddings"])
+    if distill is not None:
+        from tiny_draft import mark_draft_config
+
+        mark_draft_config(out, args.num_speculative_tokens)
+    if args.tokenizer:  # the same bytes as the target's file, not a re-serialisation
+        import shutil
+
+        shutil.copyfile(Path(args.tokenizer) / "tokenizer.json", out / "tokenizer.json")
 
     samples = generate_samples(out)
     for s in samples:
         print(f"[sample] {s['prompt']!r} rp={s['repetition_penalty']}: {s['text']!r}", flush=True)
 
     record = {
-        "model": "minivllm-tiny",
+        "model": args.name,
         "script": "scripts/train_tiny_model.py",
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(time.time() - (time.perf_counter() - wall0)))
+                    + time.strftime("-%H:%M", time.gmtime()),
         "seed": args.seed,
         "threads": args.threads,
         "note_threads": "trained with torch.set_num_threads(threads) on a CPU machine shared with other work",
@@ -579,10 +610,11 @@ def train(args) -> dict:
             "type": "byte-level BPE (tokenizers)",
             "vocab_size": tok.get_vocab_size(),
             "special_tokens": {EOS: eos_id},
-            "trained_on": "training documents only",
+            "trained_on": (f"copied from {Path(args.tokenizer).name} (--tokenizer)" if args.tokenizer
+                           else "training documents only"),
             "sha256": hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest(),
         },
-        "model_config": MODEL_CONFIG,
+        "model_config": model_config,
         "num_parameters": n_params,
         "hyperparameters": {
             "optimizer": "AdamW(betas=(0.9, 0.95), eps=1e-8)",
@@ -609,6 +641,8 @@ def train(args) -> dict:
         "loss_curve": curve,
         "samples": samples,
     }
+    if distill is not None:
+        record["distillation"] = distill.record(model, args.distill_from)
     return write_record(record, out)
 
 
@@ -832,9 +866,12 @@ and re-renders this file.{conversion}
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python scripts/train_tiny_model.py",
-                                description="Train the embedded default model minivllm-tiny on CPU, from text "
-                                            "that ships with CPython.")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="output directory (Hugging Face layout)")
+                                description="Train a tiny Qwen3 on CPU from text that ships with CPython: the "
+                                            "embedded default model minivllm-tiny, or (--distill-from) a draft "
+                                            "model for it.")
+    p.add_argument("--name", default="minivllm-tiny",
+                   help="model name (record and default output directory minivllm/assets/NAME)")
+    p.add_argument("--out", default=None, help="output directory (Hugging Face layout); default: the name's")
     p.add_argument("--doc", default=str(DEFAULT_DOC), help="Markdown training record to write ('' to skip)")
     p.add_argument("--minutes", type=float, default=20.0, help="training-time budget in minutes")
     p.add_argument("--steps", type=int, default=None, help="run exactly this many steps instead of --minutes")
@@ -849,6 +886,14 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (default 256)")
     p.add_argument("--evals", type=int, default=20, help="number of held-out evaluations over the run")
+    p.add_argument("--layers", type=int, default=MODEL_CONFIG["num_hidden_layers"], help="decoder layers")
+    p.add_argument("--intermediate-size", type=int, default=MODEL_CONFIG["intermediate_size"], help="MLP width")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="reuse DIR/tokenizer.json (e.g. a draft model sharing its target's) instead of training one")
+    p.add_argument("--distill-from", metavar="DIR", default=None,
+                   help="train on the next-token distributions of the checkpoint in DIR (a draft model for it)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="with --distill-from: the draft's default k, written into its config.json")
     p.add_argument("--render-doc", metavar="RECORD", default=None,
                    help="only re-render --doc from an existing training_record.json, no training")
     p.add_argument("--store-dtype", choices=STORE_DTYPES, default="float16",
@@ -857,27 +902,29 @@ def main(argv=None) -> None:
                    help="no training: round the fp32 checkpoint in DIR to --store-dtype, re-measure, "
                         "rewrite DIR/training_record.json and --doc")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(DEFAULT_OUT.parent / args.name)
     if args.convert_existing:
         command = " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv)))
         record = convert_existing(Path(args.convert_existing), args.store_dtype, command)
         print(f"held-out loss {record['heldout_loss']:.4f} nats/token as {record['stored_dtype']} "
               f"({record['heldout_loss_fp32_before_rounding']:.4f} in fp32); files: {record['files']}", flush=True)
         if args.doc:
-            Path(args.doc).write_text(render_doc(record))
+            write_doc(Path(args.doc), record)
             print(f"wrote {args.doc}", flush=True)
         return
     if args.render_doc:
         if not args.doc:
             raise ValueError("--render-doc needs --doc to name the Markdown file to write")
         record = json.loads(Path(args.render_doc).read_text())
-        Path(args.doc).write_text(render_doc(record))
+        write_doc(Path(args.doc), record)
         print(f"wrote {args.doc}", flush=True)
         return
     if not args.minutes > 0:
         raise ValueError(f"--minutes must be > 0, got {args.minutes}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    for name in ("threads", "batch_size", "seq_len", "evals", "warmup_steps"):
+    for name in ("threads", "batch_size", "seq_len", "evals", "warmup_steps", "layers", "intermediate_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seq_len > MODEL_CONFIG["max_position_embeddings"]:
@@ -888,8 +935,19 @@ def main(argv=None) -> None:
           f"files: {record['files']}", flush=True)
     if args.doc:
         Path(args.doc).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.doc).write_text(render_doc(record))
+        write_doc(Path(args.doc), record)
         print(f"wrote {args.doc}", flush=True)
+
+
+def write_doc(path: Path, record: dict) -> None:
+    """Render ``record`` into ``path``: the main model's record is the file, a draft model's
+    (``distillation`` in the record) its own section at the end (see ``tiny_draft.splice``);
+    each keeps the other's part."""
+    from tiny_draft import splice
+
+    old = path.read_text() if path.is_file() else ""
+    path.write_text(splice(old, render_doc(record) if "distillation" not in record else None,
+                           None if "distillation" not in record else record))
 
 
 if __name__ == "__main__":

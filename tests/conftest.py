@@ -68,6 +68,15 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_draft_ckpt(tmp_path_factory) -> Path:
+    """A draft for ``tiny_ckpt``: the same random model with one layer instead of two (the same
+    embedding and first-layer weights), so its guesses agree with the target's often, not always."""
+    from helpers_models import make_hf_checkpoint
+
+    return make_hf_checkpoint(tmp_path_factory.mktemp("draft"), num_hidden_layers=1)
+
+
+@pytest.fixture(scope="session")
 def text_ckpt(tmp_path_factory) -> Path:
     """A tiny random Qwen3 whose vocabulary covers the embedded tokenizer (text prompts work)."""
     from helpers_models import make_hf_checkpoint

@@ -12,6 +12,7 @@ from minivllm.engine.scheduler import Scheduler
 import minivllm.layers.sampler as sampler_mod
 from minivllm.engine.parallel_sampling import ParentRequest
 from minivllm.layers.sampler import Sampler
+from minivllm.spec_decode.draft_model import DraftModelProposer
 
 #: Every place in a step an exception can come from: (name, owner, attribute).
 FAULT_POINTS = [
@@ -41,12 +42,21 @@ OPTION_FAULT_POINTS = [
 ]
 OPTION_FAULT_NAMES = [name for name, _, _ in OPTION_FAULT_POINTS]
 
+#: Places only a draft model's proposer reaches (speculative_config method "draft_model").
+DRAFT_FAULT_POINTS = [
+    ("draft proposal", DraftModelProposer, "__call__"),
+    ("draft forward", ModelRunner, "logits_at"),
+    ("draft sampling", DraftModelProposer, "_draw"),
+]
+DRAFT_FAULT_NAMES = [name for name, _, _ in DRAFT_FAULT_POINTS]
+
 
 class Fault:
     """Raise ``exc`` from the ``at``-th call (0-based) of the named fault point, once."""
 
     def __init__(self, monkeypatch, name: str, at: int = 0, exc: type[BaseException] = KeyboardInterrupt):
-        owner, attr = next((o, a) for n, o, a in FAULT_POINTS + OPTION_FAULT_POINTS if n == name)
+        owner, attr = next((o, a) for n, o, a in FAULT_POINTS + OPTION_FAULT_POINTS + DRAFT_FAULT_POINTS
+                           if n == name)
         original = getattr(owner, attr)
         self.calls, self.fired = 0, False
 

@@ -280,3 +280,35 @@ def test_weights_line_says_what_it_counts():
         assert "counted once" in line
         assert f"decoder layers ({cost.body_weight_bytes / 2**20:.1f} MiB)" in line
         assert f"LM head ({cost.lm_head_bytes / 2**20:.1f} MiB)" in line
+
+
+def test_speculative_mode_measures_both_methods_against_one_unmodified_engine(capsys):
+    from minivllm.bench import run_cli
+
+    res = run_cli(["--speculative", "ngram", "draft", "--batch-sizes", "1", "2", "--decode-steps", "8",
+                   "--threads", "1"])["speculative"]
+    assert [(r["method"], r["batch_size"]) for r in res.rows] == [("ngram", 1), ("draft", 1), ("ngram", 2),
+                                                                  ("draft", 2)]
+    for b in (1, 2):  # one unmodified engine measured once per batch size, shared by both methods
+        assert len({r["tpot_ms"] for r in res.rows if r["batch_size"] == b}) == 1
+    for r in res.rows:
+        assert r["identical"] is True and r["token_agreement"] == 1.0
+    assert [c["method"] for c in res.speculative_configs] == ["ngram", "draft_model"]
+    assert res.speculative_configs[1]["model"] == "minivllm-tiny-draft"
+    out = capsys.readouterr().out
+    assert "ngram (" not in out and "draft_model (minivllm-tiny-draft)" in out
+    assert sum(line.startswith(("ngram:", "draft:")) for line in out.splitlines()) == 2  # a verdict per method
+
+
+def test_stops_paying_is_the_first_batch_of_the_losing_tail():
+    from minivllm.bench.speculative import SpeculativeResult
+
+    def result(speedups):
+        r = SpeculativeResult("m", "cpu", {}, 8, 1, None, None)
+        r.rows = [{"method": "x", "batch_size": b, "speedup": s} for b, s in zip((1, 4, 16, 64), speedups)]
+        return r
+
+    assert result([1.5, 1.2, 0.9, 0.8]).stops_paying("x") == 16
+    assert result([1.5, 0.9, 1.1, 0.8]).stops_paying("x") == 64
+    assert result([1.5, 1.2, 1.1, 1.01]).stops_paying("x") is None
+    assert result([0.9, 0.8, 0.7, 0.6]).stops_paying("x") == 1

@@ -45,7 +45,9 @@ def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_token():
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "> prompt"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not implemented"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model=None"),
+    ({"method": "draft_model", "model": "minivllm-tiny-draft", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+    ({"method": "ngram", "model": "minivllm-tiny-draft", "num_speculative_tokens": 2}, "takes no model"),
     ("ngram", "expected a dict"),
 ])
 def test_bad_speculative_config_is_refused_naming_it(tiny_ckpt, bad, match):

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers_engine import make_llm, prompts_of
-from helpers_faults import FAULT_NAMES, OPTION_FAULT_NAMES, Fault
+from helpers_faults import DRAFT_FAULT_NAMES, FAULT_NAMES, OPTION_FAULT_NAMES, Fault
 from minivllm import SamplingParams
 
 PREFIXES = [prompts_of([8], seed=100 + i)[0] for i in range(2)] + [[7, 8, 9] * 4]  # the last repeats
@@ -147,3 +147,27 @@ def fuzz_spec_llm(tiny_ckpt):
 def test_a_random_fault_with_speculative_decoding_changes_nothing(fuzz_spec_llm, monkeypatch, spec, fault, abort_at):
     test_a_random_fault_in_a_random_step_changes_nothing.hypothesis.inner_test(
         fuzz_spec_llm, monkeypatch, spec, fault, abort_at)
+
+
+@pytest.fixture(scope="module")
+def fuzz_draft_llm(tiny_ckpt, tiny_draft_ckpt):
+    llm = make_llm(tiny_ckpt, **FUZZ_ENGINE,
+                   speculative_config={"method": "draft_model", "model": str(tiny_draft_ckpt),
+                                       "num_speculative_tokens": 3})
+    yield llm
+    llm.shutdown()
+
+
+draft_fault = st.tuples(st.sampled_from(FAULT_NAMES + DRAFT_FAULT_NAMES), st.integers(0, 12),
+                        st.sampled_from([KeyboardInterrupt, RuntimeError]))
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=workload, fault=draft_fault, abort_at=aborts)
+def test_a_random_fault_with_a_draft_model_changes_nothing(fuzz_draft_llm, monkeypatch, spec, fault, abort_at):
+    """As above with a draft model proposing (its own KV pool shares the 14-block target's
+    pressure: entries are evicted and recomputed); the draft's pool stays consistent too
+    (``check_invariants`` after every step checks it)."""
+    test_a_random_fault_in_a_random_step_changes_nothing.hypothesis.inner_test(
+        fuzz_draft_llm, monkeypatch, spec, fault, abort_at)

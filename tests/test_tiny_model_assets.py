@@ -251,3 +251,37 @@ def test_round_to_store_dtype_rounds_to_nearest_fp16_and_refuses_overflow():
         script.round_to_store_dtype(layer, "float16")
     with pytest.raises(ValueError, match="bfloat16"):
         script.round_to_store_dtype(layer, "bfloat16")
+
+
+# -- the embedded draft model (speculative decoding): minivllm/assets/minivllm-tiny-draft/ ------------------
+DRAFT_DIR = ASSET_DIR.parent / "minivllm-tiny-draft"
+MAX_DRAFT_BYTES = 4_000_000  # issue 13: at most 4 MB on disk
+
+
+def test_draft_model_is_a_smaller_qwen3_with_the_same_tokenizer_within_4_mb():
+    cfg = json.loads((DRAFT_DIR / "config.json").read_text())
+    main = _json("config.json")
+    assert cfg["model_type"] == "qwen3" and cfg["vocab_size"] == main["vocab_size"]
+    assert cfg["num_hidden_layers"] < main["num_hidden_layers"]
+    assert (DRAFT_DIR / "tokenizer.json").read_bytes() == (ASSET_DIR / "tokenizer.json").read_bytes()
+    assert sum(p.stat().st_size for p in DRAFT_DIR.iterdir() if p.is_file()) <= MAX_DRAFT_BYTES
+
+
+def test_draft_training_record_and_its_doc_section():
+    rec = json.loads((DRAFT_DIR / "training_record.json").read_text())
+    assert rec["model"] == "minivllm-tiny-draft" and rec["distillation"]["teacher"] == "minivllm-tiny"
+    assert rec["corpus"]["sha256"] == _json("training_record.json")["corpus"]["sha256"]  # the same corpus
+    assert rec["heldout_loss"] < math.log(4096) - 1.0
+    assert 0 < rec["distillation"]["heldout_teacher_top1_agreement"] <= 1
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tiny_model.md").read_text()
+    assert doc.startswith("# minivllm-tiny: the embedded default model")  # the main model's part first
+    assert "# minivllm-tiny-draft: the embedded draft model" in doc and rec["command"] in doc
+
+
+def test_splicing_the_doc_keeps_the_other_models_part():
+    spec = importlib.util.spec_from_file_location("tiny_draft", SCRIPT.parent / "tiny_draft.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    draft = mod.DRAFT_MARKER + "\n\n# draft part\n"
+    assert mod.splice("# main v1\n\n" + draft, "# main v2\n", None) == "# main v2\n\n" + draft
+    assert mod.splice("# main v1\n", "# main v2\n", None) == "# main v2\n"

@@ -18,8 +18,11 @@ them. Modules: ``workload`` (prompts and lengths), ``peers`` (transformers, nano
   length, each point placed on a roofline (FLOPs and bytes from
   ``minivllm.telemetry.roofline`` against measured peaks); ``--html PATH`` also writes the
   roofline as a plotly HTML (no file is written without it).
-* ``--speculative ngram``: greedy decode TPOT with and without speculative decoding on prompts
-  whose continuation repeats their context, per batch size (``speculative``).
+* ``--speculative ngram draft``: greedy decode TPOT with and without speculative decoding (prompt
+  lookup, and/or the draft model ``--draft-model``, default the embedded ``minivllm-tiny-draft``)
+  on prompts whose continuation repeats their context, per batch size, each method against the
+  same unmodified engine, with token agreement and the batch size from which speculation stops
+  paying (``speculative``).
 * ``--overhead``: the engine's own CPU cost (scheduler, block manager, input
   preparation, postprocessing) with the model and sampler replaced by a stub that
   returns a fixed token, in microseconds per sequence per decode step, beside nano-vllm's

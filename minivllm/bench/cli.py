@@ -58,9 +58,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="nano-vllm's overhead script for --overhead (default: ../shared/peers/nanovllm_overhead.py "
                         "beside the repository)")
     p.add_argument("--no-nanovllm", action="store_true", help="--overhead without the nano-vllm peer run")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="greedy decode TPOT with and without speculative decoding on prompts whose continuation "
-                        "repeats their context, at --batch-sizes (default 1 4 16 64); --decode-steps new tokens")
+    p.add_argument("--speculative", default=None, nargs="+", choices=["ngram", "draft"],
+                   help="greedy decode TPOT with and without speculative decoding (ngram: prompt lookup; draft: "
+                        "the draft model --draft-model) on prompts whose continuation repeats their context, at "
+                        "--batch-sizes (default 1 4 16 64: where speculation stops paying); --decode-steps new "
+                        "tokens. Several methods are measured against the same unmodified engine")
+    p.add_argument("--draft-model", default=None,
+                   help="draft checkpoint for --speculative draft (default: the embedded minivllm-tiny-draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step for --speculative")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="batch-1 decode of LLM(quantization=...) against the unquantised engine in the same run "
@@ -136,8 +140,8 @@ def _run_modes(args, log, peak_kwargs) -> dict:
         if args.batch_sizes:
             kw["batch_sizes"] = tuple(args.batch_sizes)
         results["speculative"] = run_speculative(args.model, method=args.speculative,
-                                                 num_speculative_tokens=args.num_speculative_tokens, log=log,
-                                                 **kw, **engine_args)
+                                                 num_speculative_tokens=args.num_speculative_tokens,
+                                                 draft_model=args.draft_model, log=log, **kw, **engine_args)
         print_speculative(results["speculative"], log)
     if args.quantization:
         from minivllm.bench.quant import print_quantization, run_quantization

@@ -1,4 +1,4 @@
-"""``bench --speculative ngram``: decode latency with and without speculative decoding, same run.
+"""``bench --speculative ngram|draft``: decode latency with and without speculative decoding, same run.
 
 Workload (a context that the continuation repeats): each prompt asks to copy a document
 twice, then gives the document twice and the start of a third copy. The documents are
@@ -9,7 +9,9 @@ change in machine load hits both. Reported per batch size: median TPOT of each e
 ratio, the acceptance rate and mean accepted length, and whether every output is identical
 (greedy speculation must not change a token). Speculation pays while verifying k drafts
 costs about one memory-bound step; on a compute-bound step (a large batch, or a tiny model
-whose steps are dominated by per-operation overhead) it stops paying, and the sweep shows where.
+whose steps are dominated by per-operation overhead) it stops paying, and the sweep over batch
+sizes shows where, for each method (the counter-case). ``draft`` also pays for k forwards of
+the draft model per step, which the TPOT includes.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 from minivllm.bench.common import ResultMixin, build_llm, device_label, loadavg
 
-__all__ = ["SpeculativeResult", "run_speculative", "print_speculative", "repeat_prompts"]
+__all__ = ["SpeculativeResult", "run_speculative", "print_speculative", "repeat_prompts", "speculative_config"]
 
 
 def repeat_prompts(n: int, chars: int = 600) -> list[str]:
@@ -33,11 +35,28 @@ def repeat_prompts(n: int, chars: int = 600) -> list[str]:
     return prompts
 
 
+#: ``--speculative`` names -> vLLM's method names.
+METHODS = {"ngram": "ngram", "draft": "draft_model"}
+DEFAULT_DRAFT_MODEL = "minivllm-tiny-draft"
+
+
+def speculative_config(method: str, k: int, draft_model: str | None = None) -> dict:
+    """The ``speculative_config`` the bench uses for ``method`` ("ngram" or "draft")."""
+    if method not in METHODS:
+        raise ValueError(f"speculative method {method!r}: choose from {sorted(METHODS)}")
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return {"method": "draft_model", "model": draft_model or DEFAULT_DRAFT_MODEL, "num_speculative_tokens": k}
+
+
 @dataclass
 class SpeculativeResult(ResultMixin):
-    """Rows: one per batch size, with ``tpot_ms`` / ``spec_tpot_ms`` (median over rounds of the
-    median request TPOT), ``speedup`` (their ratio), ``acceptance_rate``,
-    ``mean_accepted_length`` and ``identical`` (every greedy output equal)."""
+    """Rows: one per (method, batch size), with ``method``, ``tpot_ms`` / ``spec_tpot_ms``
+    (median over rounds of the median request TPOT, the unmodified engine's and the
+    speculating one's), ``speedup`` (their ratio), ``acceptance_rate``,
+    ``mean_accepted_length``, ``token_agreement`` (share of generated tokens equal to the
+    unmodified engine's, position by position) and ``identical`` (every greedy output equal).
+    ``speculative_config``: the first method's config; ``speculative_configs``: all of them."""
 
     model: str
     device: str
@@ -47,6 +66,19 @@ class SpeculativeResult(ResultMixin):
     loadavg_before: list | None
     loadavg_after: list | None
     rows: list[dict] = field(default_factory=list)
+    speculative_configs: list[dict] = field(default_factory=list)
+
+    def stops_paying(self, method: str) -> int | None:
+        """The smallest measured batch size from which ``method`` never beat the unmodified
+        engine (speedup <= 1 there and at every larger batch measured); None if it paid at the
+        largest."""
+        rows = sorted((r for r in self.rows if r["method"] == method), key=lambda r: r["batch_size"])
+        first = None
+        for r in reversed(rows):
+            if r["speedup"] > 1:
+                break
+            first = r["batch_size"]
+        return first
 
 
 def _tpot(llm, prompts, params):
@@ -56,66 +88,105 @@ def _tpot(llm, prompts, params):
     return median(o.metrics.tpot_ms for o in outs), outs
 
 
-def run_speculative(model: str | None = None, *, method: str = "ngram", num_speculative_tokens: int = 4,
+def _agreement(base_outs, spec_outs) -> float:
+    same = total = 0
+    for a, b in zip(base_outs, spec_outs):
+        x, y = a.outputs[0].token_ids, b.outputs[0].token_ids
+        same += sum(u == v for u, v in zip(x, y))
+        total += max(len(x), len(y))
+    return same / total if total else 1.0
+
+
+def run_speculative(model: str | None = None, *, method="ngram", num_speculative_tokens: int = 4,
                     batch_sizes=(1, 4, 16, 64), decode_tokens: int = 96, rounds: int = 3,
-                    log=print, **engine_args) -> SpeculativeResult:
-    """Measure greedy decode TPOT with and without ``speculative_config`` (see module docstring).
+                    draft_model: str | None = None, log=print, **engine_args) -> SpeculativeResult:
+    """Measure greedy decode TPOT with and without speculative decoding (see module docstring).
+
+    ``method``: "ngram", "draft" (``draft_model``, default the embedded ``minivllm-tiny-draft``)
+    or a list of them: every method is measured against the same unmodified engine, the
+    engines alternating within each round.
 
     Raises:
         ValueError: a bad speculative method or engine argument (from ``LLM``).
     """
     from minivllm import SamplingParams
 
-    spec_config = {"method": method, "num_speculative_tokens": num_speculative_tokens,
-                   "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    methods = [method] if isinstance(method, str) else list(method)
+    configs = [speculative_config(m, num_speculative_tokens, draft_model) for m in methods]
     before = loadavg()
     base = build_llm(model, **engine_args)
-    spec = build_llm(model, speculative_config=spec_config, **engine_args)
-    result = SpeculativeResult(model=base.llm_engine.source.name, device=device_label(base.llm_engine.config.device),
-                               speculative_config=spec_config, decode_tokens=decode_tokens, rounds=rounds,
-                               loadavg_before=before, loadavg_after=None)
-    params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+    specs = []
     try:
+        for c in configs:
+            specs.append(build_llm(model, speculative_config=c, **engine_args))
+        result = SpeculativeResult(model=base.llm_engine.source.name,
+                                   device=device_label(base.llm_engine.config.device),
+                                   speculative_config=configs[0], speculative_configs=configs,
+                                   decode_tokens=decode_tokens, rounds=rounds, loadavg_before=before,
+                                   loadavg_after=None)
+        params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
         for b in batch_sizes:
             prompts = repeat_prompts(b)
-            _tpot(base, prompts, params), _tpot(spec, prompts, params)  # warm-up
-            base_t, spec_t = [], []
+            for llm in [base] + specs:  # warm-up
+                _tpot(llm, prompts, params)
+            base_t, spec_t = [], [[] for _ in specs]
+            spec_outs = [None] * len(specs)
             for _ in range(rounds):
                 t, base_outs = _tpot(base, prompts, params)
                 base_t.append(t)
-                t, spec_outs = _tpot(spec, prompts, params)
-                spec_t.append(t)
-            drafts = sum(o.metrics.num_draft_tokens for o in spec_outs)
-            accepted = sum(o.metrics.num_accepted_draft_tokens for o in spec_outs)
-            steps = sum(o.metrics.num_spec_steps for o in spec_outs)
-            row = {"batch_size": b, "tpot_ms": statistics.median(base_t), "spec_tpot_ms": statistics.median(spec_t),
-                   "acceptance_rate": accepted / drafts if drafts else None,
-                   "mean_accepted_length": 1 + accepted / steps if steps else None,
-                   "identical": [o.outputs[0].token_ids for o in base_outs] ==
-                                [o.outputs[0].token_ids for o in spec_outs]}
-            row["speedup"] = row["tpot_ms"] / row["spec_tpot_ms"]
-            result.rows.append(row)
-            log(f"batch {b}: TPOT {row['tpot_ms']:.2f} ms -> {row['spec_tpot_ms']:.2f} ms with speculation "
-                f"({row['speedup']:.2f}x), acceptance {row['acceptance_rate'] or 0:.2f}, identical {row['identical']}")
+                for i, spec in enumerate(specs):
+                    t, spec_outs[i] = _tpot(spec, prompts, params)
+                    spec_t[i].append(t)
+            for m, c, times, outs in zip(methods, configs, spec_t, spec_outs):
+                drafts = sum(o.metrics.num_draft_tokens for o in outs)
+                accepted = sum(o.metrics.num_accepted_draft_tokens for o in outs)
+                steps = sum(o.metrics.num_spec_steps for o in outs)
+                row = {"method": m, "batch_size": b, "tpot_ms": statistics.median(base_t),
+                       "spec_tpot_ms": statistics.median(times),
+                       "acceptance_rate": accepted / drafts if drafts else None,
+                       "mean_accepted_length": 1 + accepted / steps if steps else None,
+                       "token_agreement": _agreement(base_outs, outs),
+                       "identical": [o.outputs[0].token_ids for o in base_outs] ==
+                                    [o.outputs[0].token_ids for o in outs]}
+                row["speedup"] = row["tpot_ms"] / row["spec_tpot_ms"]
+                result.rows.append(row)
+                log(f"{m} batch {b}: TPOT {row['tpot_ms']:.2f} ms -> {row['spec_tpot_ms']:.2f} ms with "
+                    f"speculation ({row['speedup']:.2f}x), acceptance {row['acceptance_rate'] or 0:.2f}, "
+                    f"identical {row['identical']}")
     finally:
         base.shutdown()
-        spec.shutdown()
+        for spec in specs:
+            spec.shutdown()
     result.loadavg_after = loadavg()
     return result
 
 
+def _describe(config: dict) -> str:
+    return config["method"] + (f" ({config['model']})" if config.get("model") else "")
+
+
 def print_speculative(result: SpeculativeResult, log=print) -> None:
-    log(f"\nspeculative decoding ({result.speculative_config['method']}, k="
-        f"{result.speculative_config['num_speculative_tokens']}) on {result.model}, {result.device}, greedy, "
+    configs = result.speculative_configs or [result.speculative_config]
+    log(f"\nspeculative decoding ({', '.join(_describe(c) for c in configs)}; k="
+        f"{configs[0]['num_speculative_tokens']}) on {result.model}, {result.device}, greedy, "
         f"{result.decode_tokens} new tokens, median of {result.rounds} alternating rounds; "
         f"load {result.loadavg_before} -> {result.loadavg_after}")
-    log(f"{'batch':>6} {'TPOT ms':>9} {'spec ms':>9} {'speedup':>8} {'accept':>7} {'mean len':>9} identical")
+    log(f"{'method':>7} {'batch':>6} {'TPOT ms':>9} {'spec ms':>9} {'speedup':>8} {'accept':>7} {'mean len':>9} "
+        f"{'agree':>6} identical")
     for r in result.rows:
-        log(f"{r['batch_size']:>6} {r['tpot_ms']:>9.2f} {r['spec_tpot_ms']:>9.2f} {r['speedup']:>7.2f}x "
-            f"{(r['acceptance_rate'] or 0):>7.2f} {(r['mean_accepted_length'] or 0):>9.2f} {r['identical']}")
-    paying = [r["batch_size"] for r in result.rows if r["speedup"] > 1]
-    losing = [r["batch_size"] for r in result.rows if r["speedup"] <= 1]
-    if losing:
-        log(f"speculation did not pay at batch {', '.join(map(str, losing))} on this machine")
-    elif paying:
-        log("speculation paid at every batch size measured")
+        log(f"{r.get('method', configs[0]['method']):>7} {r['batch_size']:>6} {r['tpot_ms']:>9.2f} "
+            f"{r['spec_tpot_ms']:>9.2f} {r['speedup']:>7.2f}x {(r['acceptance_rate'] or 0):>7.2f} "
+            f"{(r['mean_accepted_length'] or 0):>9.2f} {r.get('token_agreement', 1.0):>6.3f} {r['identical']}")
+    for m in dict.fromkeys(r.get("method") for r in result.rows):
+        rows = [r for r in result.rows if r.get("method") == m]
+        losing = [r["batch_size"] for r in rows if r["speedup"] <= 1]
+        stop = result.stops_paying(m) if m is not None else None
+        if not losing:
+            log(f"{m}: speculation paid at every batch size measured")
+        elif stop == min(r["batch_size"] for r in rows):
+            log(f"{m}: speculation did not pay at any batch size measured on this machine")
+        elif stop is not None:
+            log(f"{m}: speculation stops paying from batch {stop} on this machine (speedup <= 1 there and at "
+                f"every larger batch measured)")
+        else:
+            log(f"{m}: speculation did not pay at batch {', '.join(map(str, losing))} on this machine")

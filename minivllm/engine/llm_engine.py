@@ -121,7 +121,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
         self.speculative_config = (SpeculativeConfig.from_dict(args.speculative_config)
                                    if args.speculative_config is not None else None)
-        propose = NgramProposer(self.speculative_config) if self.speculative_config is not None else None
+        try:
+            propose = self._proposer(runner_config, self.runner.num_kv_blocks * block_size)
+        except BaseException:
+            self.runner.shutdown()
+            raise
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, budget, max_model_len,
                                                    args.enable_chunked_prefill, self.eos_token_ids, propose),
                                    self.block_manager)
@@ -144,6 +148,17 @@ class LLMEngine:
                     "kv_blocks=%d max_model_len=%d max_num_batched_tokens=%d", self.source.name, device,
                     dtype, self.config.attention_backend, block_size, self.runner.num_kv_blocks,
                     max_model_len, budget)
+
+    def _proposer(self, runner_config: RunnerConfig, kv_tokens: int):
+        """The speculative proposer ``speculative_config`` asks for (None: no speculation)."""
+        config = self.speculative_config
+        if config is None:
+            return None
+        if config.method == "ngram":
+            return NgramProposer(config)
+        from minivllm.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, self.source.hf_config.vocab_size, runner_config, kv_tokens)
 
     def _optimise(self, args: EngineArgs, device: torch.device) -> None:
         """torch.compile of the small fused ops (default: on CUDA only, where it pays for its
@@ -454,6 +469,9 @@ class LLMEngine:
                 raise RuntimeError(f"waiting request {seq.request_id} holds blocks {seq.block_table}")
         if set(self.requests) != {s.request_id for s in live}:
             raise RuntimeError("request table and scheduler queues disagree")
+        check_proposer = getattr(self.scheduler.config.propose, "check_invariants", None)
+        if check_proposer is not None:
+            check_proposer()
 
     def shutdown(self) -> None:
         """Abort everything and free the KV cache and model."""
@@ -462,5 +480,8 @@ class LLMEngine:
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None
+        proposer_shutdown = getattr(self.scheduler.config.propose, "shutdown", None)
+        if proposer_shutdown is not None:
+            proposer_shutdown()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -46,7 +46,8 @@ class ModelInput:
         logits_indices: int64 ``[num_sampling]``: rows of the hidden states to sample from.
         sampling_seqs: the sequences those rows belong to, in the same order (a speculative
             decode has one row per scored token: the last known token and each draft).
-        drafts: speculative decodes: sequence -> (its first row, its draft token ids).
+        drafts: speculative decodes: sequence -> (its first row, its draft token ids, the
+            distributions they were drawn from or None; see ``minivllm/spec_decode/proposal.py``).
         graph_rows: set when the step was staged into the decode CUDA graphs' static
             buffers (``input_ids``/``positions``/``meta`` are then views of them): replay
             with ``graph_runner.replay(graph_rows)``.
@@ -453,7 +454,7 @@ class ModelRunner:
                 pos = np.arange(start, start + n)
                 positions.extend(pos.tolist())
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
-                drafts[seq] = (len(logits_rows), entry.draft_token_ids)
+                drafts[seq] = (len(logits_rows), entry.draft_token_ids, entry.draft_probs)
                 logits_rows.extend(range(len(input_ids) - n, len(input_ids)))
                 sampling.extend([seq] * n)
                 q_lens.append(n)
@@ -523,6 +524,27 @@ class ModelRunner:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         rows = hidden if inp.logits_indices is None else hidden[inp.logits_indices]
         return self.model.compute_logits(rows).float()
+
+    @torch.inference_mode()
+    def logits_at(self, input_ids: list[int], positions: list[int], slots: list[int], q_lens: list[int],
+                  context_lens: list[int], tables: list[list[int]], rows: list[int]) -> torch.Tensor:
+        """One forward over tokens placed by the caller (a draft model's proposer, which keeps
+        its own block tables): each sequence's new tokens back to back (``q_lens``), their
+        ``positions`` and KV cache ``slots``, each sequence's KV length after the step
+        (``context_lens``) and block table. Eager (no CUDA graph). Returns fp32 logits
+        ``[len(rows), vocab_size]`` of the token rows ``rows``."""
+        if self._staging is not None:
+            self._staging.begin_step()
+        t = len(input_ids)
+        stride = cdiv(t, 2) * 2  # int64 parts on 16-byte boundaries, as prepare_input
+        pad = [0] * (stride - t)
+        host = np.array(input_ids + pad + positions + pad + slots + pad + rows, dtype=np.int64)
+        ids_t, pos_t, slots_t, rows_t = self._upload_parts(host, (0, t), (stride, stride + t),
+                                                           (2 * stride, 2 * stride + t), (3 * stride, len(host)))
+        meta = self._metadata(q_lens, context_lens, slots_t, tables)
+        self.backend.prepare(meta)
+        hidden = self.model(ids_t, pos_t, ForwardContext(meta, self.backend, self.kv_caches))
+        return self.model.compute_logits(hidden[rows_t]).float()
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """Per-row sampling settings; tensors are only built when some row is not greedy."""
@@ -624,7 +646,7 @@ class ModelRunner:
                 emitted = verify_greedy(drafts, row_tokens[rows])
             else:
                 probs = filtered_probs(logits[rows].float(), batch.rows(rows))
-                emitted = verify_sampled(drafts, probs, seq.generator or self.sampler.generator)
+                emitted = verify_sampled(drafts, probs, seq.generator or self.sampler.generator, spec[2])
             seqs.append(seq)
             tokens.append(emitted[0])
             more[seq] = emitted[1:]

@@ -42,9 +42,9 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()
-    #: Speculative decoding: ``propose(seq, max_tokens) -> draft token ids`` for a decoding
-    #: sequence (None: no speculation). See ``minivllm/spec_decode``.
-    propose: Callable[[Sequence, int], list[int]] | None = None
+    #: Speculative decoding: ``propose([(seq, max_tokens), ...]) -> [Proposal, ...]`` for the
+    #: decoding sequences, once per step (None: no speculation). See ``minivllm/spec_decode``.
+    propose: Callable[[list[tuple[Sequence, int]]], list] | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +61,9 @@ class ScheduledSequence:
     #: Speculative decoding: draft tokens scored after the last known token (a decode then
     #: has ``1 + len(draft_token_ids)`` tokens and samples at each of them).
     draft_token_ids: list[int] = field(default_factory=list)
+    #: The distributions the drafts were drawn from (fp32 ``[len(drafts), vocab]``), or None
+    #: for deterministic drafts; see ``minivllm/spec_decode/proposal.py``.
+    draft_probs: object = None
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Scheduler:
         # 1. Running sequences, oldest first: decodes, then unfinished prefills.
         order = [s for s in self.running if not s.is_prefilling] + [s for s in self.running if s.is_prefilling]
         block_size = bm.block_size
+        proposals = self._propose(order, budget) if self.config.propose is not None else {}
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -136,9 +140,13 @@ class Scheduler:
             computed = seq.num_computed_tokens
             prefilling = computed < seq.prefill_target
             n = min(seq.prefill_target - computed, budget) if prefilling else 1
-            drafts = self._drafts(seq, budget) if not prefilling and self.config.propose is not None else []
+            proposal = proposals.get(seq) if not prefilling else None
+            drafts, draft_probs = [], None
+            if proposal is not None and proposal.token_ids:  # as many as this step's budget still allows
+                proposal = proposal.truncated(self._draft_room(seq, budget))
+                drafts, draft_probs = proposal.token_ids, proposal.probs
             if drafts and not bm.can_grow(seq, computed + 1 + len(drafts)):
-                drafts = []  # no room to speculate: a plain decode, never a preemption for drafts
+                drafts, draft_probs = [], None  # no room to speculate: a plain decode, never a preemption for drafts
             n += len(drafts)
             total = computed + n
             if total > len(seq.block_table) * block_size:  # needs a new block
@@ -151,7 +159,7 @@ class Scheduler:
                     continue
                 bm.grow(seq, total)
             planned[id(seq)] = ScheduledSequence(seq, n, computed, prefilling,
-                                                 total == len(seq.token_ids) + len(drafts), drafts)
+                                                 total == len(seq.token_ids) + len(drafts), drafts, draft_probs)
             budget -= n
 
         # 2. Admit waiting requests (not in a step that had to preempt).
@@ -163,12 +171,20 @@ class Scheduler:
         out.scheduled = decodes + prefills
         return out
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens for a decoding sequence: at most what the budget, ``max_tokens`` and
+    def _draft_room(self, seq: Sequence, budget: int) -> int:
+        """Most drafts a decoding sequence may get: what the budget, ``max_tokens`` and
         ``max_model_len`` leave room for (a step with d drafts can emit d + 1 tokens)."""
         max_tokens = seq.params.max_tokens if seq.params.max_tokens is not None else self.config.max_model_len
-        room = min(budget, max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)) - 1
-        return self.config.propose(seq, room) if room > 0 else []
+        return min(budget, max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)) - 1
+
+    def _propose(self, order: list[Sequence], budget: int) -> dict:
+        """One proposer call for every decoding sequence (a draft model runs them as one batch),
+        each with the room the whole budget would leave; the loop then cuts each proposal to
+        the budget left when its sequence's turn comes. Returns sequence -> ``Proposal``."""
+        requests = [(s, room) for s in order if not s.is_prefilling and (room := self._draft_room(s, budget)) > 0]
+        if not requests:
+            return {}
+        return {seq: p for (seq, _), p in zip(requests, self.config.propose(requests))}
 
     def _admit(self, budget: int, planned: dict, out: SchedulerOutput) -> int:
         bm = self.block_manager

@@ -40,9 +40,11 @@ def _cuda_time_ms(fn, repeats: int = 50) -> float:
 
 
 def check_kernel(device: str = "cuda", dtype=None, rows=(1, 8, 64, 512), shapes=QWEN3_06B_SHAPES,
-                 log=print) -> dict:
+                 log=print, timed: bool = True) -> dict:
     """Accuracy (vs ``F.linear`` with the dequantised weight in ``dtype``) and speed (vs
     ``F.linear`` with the float weight, cuBLAS) of :func:`minivllm.quantization.triton_int8.int8_linear`.
+    ``timed=False``: accuracy only (times None, no tile sweep), e.g. on the CPU under
+    ``TRITON_INTERPRET=1``.
 
     Returns ``{"ok": bool, "cases": [...], "tiles": [...]}``; a case fails when the largest error
     exceeds 2% of the largest reference output (bf16 output rounding is ~0.4%).
@@ -68,19 +70,22 @@ def check_kernel(device: str = "cuda", dtype=None, rows=(1, 8, 64, 512), shapes=
             got = int8_linear(x, q, scale)
             want = F.linear(x.float(), w_deq.float()).to(dtype)
             rel = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            t_int8 = _cuda_time_ms(lambda: int8_linear(x, q, scale))
-            t_float = _cuda_time_ms(lambda: F.linear(x, w_float))
-            case = {"k": k, "n": n, "m": m, "rel_error": rel, "int8_ms": t_int8, "float_ms": t_float,
-                    "speedup": t_float / t_int8, "int8_gb_s": (n * k + 4 * n) / t_int8 / 1e6,
-                    "float_gb_s": n * k * w_float.element_size() / t_float / 1e6, "tiles": block_sizes(m, n, k)}
-            case["ok"] = rel < 0.02
+            case = {"k": k, "n": n, "m": m, "rel_error": rel, "tiles": block_sizes(m, n, k), "ok": rel < 0.02}
             ok &= case["ok"]
             cases.append(case)
+            if not timed:
+                log(f"int8 kernel {k}->{n} x{m} rel err {rel:.2e} {'ok' if case['ok'] else 'FAIL'} (untimed)")
+                continue
+            t_int8 = _cuda_time_ms(lambda: int8_linear(x, q, scale))
+            t_float = _cuda_time_ms(lambda: F.linear(x, w_float))
+            case.update(int8_ms=t_int8, float_ms=t_float, speedup=t_float / t_int8,
+                        int8_gb_s=(n * k + 4 * n) / t_int8 / 1e6,
+                        float_gb_s=n * k * w_float.element_size() / t_float / 1e6)
             log(f"int8 kernel {k:>5}->{n:<6} x{m:<4} rel err {rel:.2e} {'ok' if case['ok'] else 'FAIL'}  "
                 f"{t_int8 * 1e3:8.1f} us ({case['int8_gb_s']:.0f} GB/s) vs {dtype} cuBLAS {t_float * 1e3:8.1f} us "
                 f"({case['float_gb_s']:.0f} GB/s): {case['speedup']:.2f}x")
     tiles = []
-    for k, n in shapes:
+    for k, n in shapes if timed else ():
         q, scale = quantize_per_channel(torch.randn(n, k, device=dev, generator=gen) * 0.02)
         x = torch.randn(1, k, device=dev, generator=gen).to(dtype)
         row = {"k": k, "n": n, "default": block_sizes(1, n, k), "ms": {}}

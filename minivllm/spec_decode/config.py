@@ -13,15 +13,22 @@ class SpeculativeConfig:
     Attributes:
         method: "ngram" (prompt lookup: propose the tokens that followed the latest earlier
             occurrence of the context's last n tokens, n from ``prompt_lookup_max`` down to
-            ``prompt_lookup_min``). vLLM's "draft_model" is not implemented yet.
-        num_speculative_tokens: most draft tokens proposed per sequence per step (k >= 1).
-        prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first.
+            ``prompt_lookup_min``) or "draft_model" (a smaller model with the target's
+            vocabulary proposes k tokens autoregressively; ``minivllm/spec_decode/draft_model.py``).
+        num_speculative_tokens: most draft tokens proposed per sequence per step (k >= 1). For
+            "draft_model" it defaults, as in vLLM, to the draft checkpoint's own
+            ``num_speculative_tokens`` in its config.json when that names one
+            (``minivllm-tiny-draft`` does).
+        prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first ("ngram").
+        model: "draft_model": the draft checkpoint, as ``LLM(model=...)`` takes it (a local
+            Hugging Face directory, or the embedded ``"minivllm-tiny-draft"``).
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
@@ -33,12 +40,18 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(_KEYS)}")
         method = config.get("method")
-        if method == "draft_model":
-            raise ValueError("speculative_config method='draft_model' is not implemented in minivllm yet; "
-                             "use method='ngram'")
-        if method != "ngram":
-            raise ValueError(f"speculative_config method={method!r}: choose 'ngram'")
-        values = {"num_speculative_tokens": config.get("num_speculative_tokens"),
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config method={method!r}: choose 'ngram' or 'draft_model'")
+        model = config.get("model")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config model={model!r}: method 'draft_model' needs the draft "
+                             "checkpoint, e.g. 'minivllm-tiny-draft' or a local directory")
+        if method == "ngram" and model is not None:
+            raise ValueError(f"speculative_config model={model!r}: method 'ngram' takes no model")
+        k = config.get("num_speculative_tokens")
+        if k is None and method == "draft_model":
+            k = draft_config_k(model)
+        values = {"num_speculative_tokens": k,
                   "prompt_lookup_max": config.get("prompt_lookup_max", cls.prompt_lookup_max),
                   "prompt_lookup_min": config.get("prompt_lookup_min", cls.prompt_lookup_min)}
         for key, value in values.items():
@@ -47,4 +60,19 @@ class SpeculativeConfig:
         if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
             raise ValueError(f"speculative_config prompt_lookup_min={values['prompt_lookup_min']} > "
                              f"prompt_lookup_max={values['prompt_lookup_max']}")
-        return cls(method=method, **values)
+        return cls(method=method, model=model, **values)
+
+
+def draft_config_k(model: str):
+    """``num_speculative_tokens`` named in the draft checkpoint's config.json, or None (no such
+    key, or no such checkpoint: loading the draft reports that)."""
+    import json
+    from pathlib import Path
+
+    from minivllm.utils.model_source import EMBEDDED_CHECKPOINTS
+
+    path = (EMBEDDED_CHECKPOINTS.get(model) or Path(model).expanduser()) / "config.json"
+    try:
+        return json.loads(path.read_text()).get("num_speculative_tokens")
+    except (OSError, ValueError):
+        return None

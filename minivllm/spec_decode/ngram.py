@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.spec_decode.proposal import NO_PROPOSAL, Proposal, may_speculate
 
 
 def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -43,21 +44,18 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
 
 
 class NgramProposer:
-    """The scheduler's ``propose(seq, max_tokens)`` for ``method="ngram"``.
+    """The scheduler's proposer for ``method="ngram"``: ``proposer([(seq, max_tokens), ...])``
+    returns one ``Proposal`` per sequence (deterministic drafts: ``probs`` is None).
 
     Requests whose next-token distribution depends on more than the model and the
-    temperature/top-k/top-p/min-p filters get no drafts: penalties, ``min_tokens``,
-    ``bad_words``, ``logit_bias`` / ``allowed_token_ids`` (``has_logits_processors``) would
-    have to be applied per draft position, and logprobs reported per accepted draft; this
-    engine does not do either yet, so those requests decode one token per step.
+    temperature/top-k/top-p/min-p filters get no drafts (see ``may_speculate``), so those
+    requests decode one token per step.
     """
 
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def __call__(self, seq, max_tokens: int) -> list[int]:
-        p = seq.params
-        if p.repetition_penalty != 1.0 or p.has_logits_processors or p.logprobs is not None:
-            return []
-        return propose_ngram(seq.token_ids, min(self.k, max_tokens), self.n_min, self.n_max)
+    def __call__(self, requests) -> list[Proposal]:
+        return [Proposal(propose_ngram(seq.token_ids, min(self.k, max_tokens), self.n_min, self.n_max))
+                if may_speculate(seq.params) else NO_PROPOSAL for seq, max_tokens in requests]

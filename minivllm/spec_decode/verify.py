@@ -2,16 +2,18 @@
 
 The target model scored the last known token and the k drafts in one forward pass, giving
 k + 1 next-token distributions p_0 .. p_k (p_i: what follows draft i; p_0 follows the last
-known token). The n-gram proposer is deterministic, so its proposal distribution q_i is a
-point mass on draft d_(i+1), and the accept/resample rule becomes:
+known token). Draft d_(i+1) was drawn from a proposal distribution q_i, and:
 
-* accept d_(i+1) with probability min(1, p_i(d) / q_i(d)) = p_i(d);
-* at the first rejection, draw from the residual norm(max(0, p_i - q_i)), which is p_i
-  with d removed and renormalised, and stop;
+* accept d_(i+1) with probability min(1, p_i(d) / q_i(d));
+* at the first rejection, draw from the residual norm(max(0, p_i - q_i)) and stop;
 * if all k drafts are accepted, draw a bonus token from p_k.
 
 Every emitted token is then distributed exactly as sampling from the target model one
-token at a time. Greedy requests (temperature 0) accept a draft iff it is the argmax.
+token at a time. A draft model that samples passes its real q_i (the closer q is to p,
+the more is accepted: q = p accepts everything). A deterministic proposer (n-gram, or any
+greedy draft) has q_i a point mass on d: acceptance becomes p_i(d) and the residual is p_i
+with d removed and renormalised. Greedy requests (temperature 0) accept a draft iff it is
+the argmax.
 """
 from __future__ import annotations
 
@@ -33,20 +35,29 @@ def verify_greedy(drafts: list[int], argmax_tokens: list[int]) -> list[int]:
     return out
 
 
-def verify_sampled(drafts: list[int], probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+def verify_sampled(drafts: list[int], probs: torch.Tensor, generator: torch.Generator | None,
+                   draft_probs: torch.Tensor | None = None) -> list[int]:
     """``probs``: fp32 ``[k + 1, V]``, the target's processed next-token distributions
-    (after temperature, top-k, top-p, min-p). Draws uniforms and exponentials from
-    ``generator`` (the request's own when seeded). Returns accepted drafts + one drawn token."""
+    (after temperature, top-k, top-p, min-p). ``draft_probs``: fp32 ``[k, V]``, the q_i each
+    draft was drawn from, or None for point masses (deterministic drafts). Draws uniforms and
+    exponentials from ``generator`` (the request's own when seeded). Returns accepted drafts
+    + one drawn token."""
     k = len(drafts)
-    accept_p = probs[torch.arange(k, device=probs.device), torch.tensor(drafts, device=probs.device)]
+    rows, ids = torch.arange(k, device=probs.device), torch.tensor(drafts, device=probs.device)
+    accept_p = probs[rows, ids]
+    if draft_probs is not None:  # min(1, p/q); q(d) > 0 for a token drawn from q
+        accept_p = (accept_p / draft_probs[rows, ids].clamp(min=torch.finfo(torch.float32).tiny)).clamp(max=1.0)
     uniforms = torch.rand(k, generator=generator, device=probs.device)
     accepted = (uniforms < accept_p).tolist()
     out = []
     for i, ok in enumerate(accepted):
         if not ok:
-            residual = probs[i].clone()
-            residual[drafts[i]] = 0.0
-            if residual.sum() <= 0:  # p_i was a point mass on the draft: nothing else can follow
+            if draft_probs is None:
+                residual = probs[i].clone()
+                residual[drafts[i]] = 0.0
+            else:
+                residual = (probs[i] - draft_probs[i]).clamp(min=0.0)
+            if residual.sum() <= 1e-12:  # p_i (nearly) equal to q_i: nothing else can follow; rounding
                 residual = probs[i]
             out.append(int(exponential_race(residual.unsqueeze(0), [generator], generator)[0]))
             return out

@@ -8,6 +8,9 @@ from pathlib import Path
 
 EMBEDDED_MODEL_NAME = "minivllm-tiny"
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / EMBEDDED_MODEL_NAME
+#: The embedded draft model for speculative decoding (same tokenizer; docs/tiny_model.md).
+EMBEDDED_DRAFT_NAME = "minivllm-tiny-draft"
+EMBEDDED_CHECKPOINTS = {name: EMBEDDED_MODEL_DIR.parent / name for name in (EMBEDDED_MODEL_NAME, EMBEDDED_DRAFT_NAME)}
 RANDOM_PREFIX = "random:"
 
 
@@ -56,7 +59,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     """Resolve ``LLM(model=...)``.
 
     ``None`` -> ``$MINIVLLM_MODEL`` if set, else the embedded model; ``"minivllm-tiny"``
-    -> the embedded model; ``"random:<preset>"`` -> a packaged config with random weights
+    -> the embedded model (``"minivllm-tiny-draft"``: its embedded draft model); ``"random:<preset>"`` -> a packaged config with random weights
     and the embedded tokenizer; anything else must be a local Hugging Face checkpoint
     directory (nothing is downloaded at run time).
 
@@ -74,7 +77,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
 
         cfg = load_preset_config(name[len(RANDOM_PREFIX):])
         return ModelSource(name, cfg, None, EMBEDDED_MODEL_DIR, _eos_ids(EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_DIR))
-    directory = EMBEDDED_MODEL_DIR if name == EMBEDDED_MODEL_NAME else Path(name).expanduser()
+    directory = EMBEDDED_CHECKPOINTS.get(name) or Path(name).expanduser()
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(
             f"model {name!r}: no config.json in {str(directory)!r}. Give a local Hugging Face checkpoint "
