@@ -26,7 +26,6 @@ PENDING = {
     "03_kv_cache",
     "04_paged_attention",
     "05_scheduler",
-    "06_prefill_vs_decode",
     "08_prefix_caching",
     "09_sampling",
     "10_parallelism",
