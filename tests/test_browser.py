@@ -1,10 +1,12 @@
-"""Real-browser test: JupyterLab + headless Chromium run notebook 06 and press the stepper's buttons.
+"""Real-browser test: JupyterLab + headless Chromium run notebooks 06 and 07 and press their widgets' buttons.
 
-Starts JupyterLab on localhost (token auth, no browser, a free port) serving a temporary copy of
-the notebook with its outputs cleared, opens it in Debian's Chromium through Playwright, runs all
-cells, then clicks "Add request" and "Step" in the rendered page and checks that the displayed
-generated-token count and the KV cache view change; "Run to end" and "Reset" follow. Screenshots
-go to docs/screenshots/.
+Starts JupyterLab on localhost (token auth, no browser, a free port) serving temporary copies of
+the notebooks with their outputs cleared, opens chapter 06 in Debian's Chromium through Playwright,
+runs all cells, then clicks "Add request" and "Step" in the rendered page and checks that the
+displayed generated-token count and the KV cache view change; "Run to end" and "Reset" follow.
+Then chapter 07 (split from 06: the latency calculator and the chunked-prefill demo) runs in a
+workspace of its own, and "measure this point" on the latency calculator measures again.
+Screenshots go to docs/screenshots/.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import pytest
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "06_prefill_vs_decode.ipynb"
+NOTEBOOK_07 = ROOT / "notebooks" / "07_latency.ipynb"
 SHOTS = ROOT / "docs" / "screenshots"
 COUNT = ".mv-engine-stepper .mv-generated-count"
 KV = ".mv-kv-cache-view .mv-kv-summary"
@@ -54,9 +57,11 @@ def _strip_outputs(src: Path, dst: Path) -> None:
 
 @pytest.fixture
 def jupyterlab(tmp_path):
-    """A JupyterLab server on a free localhost port serving a copy of notebook 06."""
-    if not NOTEBOOK.is_file():
-        pytest.skip(f"{NOTEBOOK} not built yet")
+    """A JupyterLab server on a free localhost port serving a copy of notebook 06 (the test adds 07
+    when it gets there)."""
+    for nb in (NOTEBOOK, NOTEBOOK_07):
+        if not nb.is_file():
+            pytest.skip(f"{nb} not built yet")
     work = tmp_path / "lab"
     work.mkdir()
     _strip_outputs(NOTEBOOK, work / NOTEBOOK.name)
@@ -105,7 +110,27 @@ def _text(locator) -> str:
     return (locator.first.text_content(timeout=10_000) or "").strip()
 
 
-def test_notebook_06_in_jupyterlab(jupyterlab):
+def _open_and_run_all(sync_api, page, url: str, token: str, path: str) -> None:
+    """Open ``path`` in JupyterLab, start its kernel, Run All Cells, wait until the quiz (every
+    chapter's last widget) has rendered and the kernel is idle, and check no cell raised."""
+    page.goto(f"{url}/{path}?token={token}", wait_until="domcontentloaded")
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+    select = page.locator(".jp-Dialog button", has_text="Select")
+    try:  # JupyterLab may ask which kernel to start
+        select.first.click(timeout=10_000)
+    except sync_api.TimeoutError:
+        pass
+    page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=60_000)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+    page.locator(".mv-quiz").first.wait_for(timeout=300_000)  # the last widget: every cell has run
+    page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=60_000)
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] "
+                          ":text('Traceback')")
+    assert errors.count() == 0, "a cell raised"
+
+
+def test_notebooks_06_and_07_in_jupyterlab(jupyterlab):
     sync_api = pytest.importorskip("playwright.sync_api")
     url, token, work = jupyterlab
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -116,26 +141,8 @@ def test_notebook_06_in_jupyterlab(jupyterlab):
                   "--disable-background-networking", "--disable-extensions", "--no-first-run"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{url}/lab/tree/{NOTEBOOK.name}?token={token}", wait_until="domcontentloaded")
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
-            select = page.locator(".jp-Dialog button", has_text="Select")
-            try:  # JupyterLab may ask which kernel to start
-                select.first.click(timeout=10_000)
-            except sync_api.TimeoutError:
-                pass
-            page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=60_000)
-
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-
+            _open_and_run_all(sync_api, page, url, token, f"lab/tree/{NOTEBOOK.name}")
             stepper = page.locator(".mv-engine-stepper").first
-            stepper.wait_for(timeout=90_000)
-            quiz = page.locator(".mv-quiz").first
-            quiz.wait_for(timeout=150_000)  # the last widget: every cell has run
-            page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=60_000)
-            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'] "
-                                  ":text('Traceback')")
-            assert errors.count() == 0, "a cell raised"
 
             count = page.locator(COUNT)
             kv_summary = page.locator(KV)
@@ -183,9 +190,25 @@ def test_notebook_06_in_jupyterlab(jupyterlab):
                                    timeout=30_000)
             page.wait_for_function(f"() => document.querySelector('{COUNT}').textContent.trim() === '0'",
                                    timeout=30_000)
+
+            # Chapter 07, in a workspace of its own (only that notebook open): the latency calculator.
+            page.close()
+            _strip_outputs(NOTEBOOK_07, work / NOTEBOOK_07.name)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            _open_and_run_all(sync_api, page, url, token, f"lab/workspaces/ch07/tree/{NOTEBOOK_07.name}")
             calc = page.locator(".mv-latency-calculator").first
             calc.scroll_into_view_if_needed()
+            assert calc.locator(".js-plotly-plot").count() >= 1  # its live chart rendered
+            table = ".mv-latency-calculator .mv-table"
+            before = _text(page.locator(table))
+            assert "–" not in before  # the notebook measured the sliders' point once
+            calc.locator("button.mv-measure").click()  # measure it again: new measured figures
+            page.wait_for_function(f"t => document.querySelector('{table}').textContent.trim() !== t",
+                                   arg=before, timeout=60_000)
             calc.screenshot(path=str(SHOTS / "latency_calculator.png"))
+            demo = page.locator(".mv-chunked-prefill-demo").first
+            demo.scroll_into_view_if_needed()
+            assert demo.locator(".js-plotly-plot").count() >= 1
         except Exception:
             shot = work.parent / "browser_failure.png"
             page.screenshot(path=str(shot), full_page=False)

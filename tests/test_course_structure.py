@@ -18,11 +18,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
-# Chapters not yet rewritten to these conventions (issue 14 in progress): each leaves this set when
-# its rewrite lands, and the set must end empty.
-PENDING = {
-    "06_prefill_vs_decode",
-}
 
 
 def _tags(cell) -> list[str]:
@@ -58,9 +53,6 @@ def structure_problems(nb) -> list[str]:
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
 def test_chapter_teaches_by_doing(src):
     problems = structure_problems(jupytext.read(src))
-    if src.stem in PENDING:
-        assert problems, f"{src.stem} meets the conventions: remove it from PENDING"
-        pytest.skip(f"{src.stem}: rewrite pending ({len(problems)} items)")
     assert not problems, f"{src.name}: " + "; ".join(problems)
 
 

@@ -1,0 +1,483 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · Latency: TTFT, TPOT and chunked prefill
+#
+# Chapter 06 measured what a prefill step and a decode step cost. A user does not see steps: they see
+# how long the first word takes to appear and how fast the rest streams. This chapter turns step
+# costs into those two latencies, fits a small latency model to this machine, and measures what
+# chunked prefill does for requests that are already streaming when a long prompt arrives.
+#
+# **Goal:** measure TTFT and TPOT per request, predict them from step costs, and explain who gains
+# and who pays when a long prompt is chunked.
+#
+# **Prerequisites:** chapter 05 (the scheduler and its token budget per step), chapter 06 (prefill is
+# compute-bound and grows with the prompt; a decode step is a weight read, shared by the batch).
+#
+# **Time:** about 30 minutes (reading and running; the cells themselves take a minute or two on a
+# 2-core CPU).
+#
+# **Map of this chapter**
+#
+# 1. *TTFT and TPOT*: five requests of different lengths, timed by the engine.
+# 2. *A latency calculator fitted to this machine*: predict a workload's latencies, then measure it;
+#    what batching does to TPOT.
+# 3. *Chunked prefill*: a long prompt arrives while others decode, with and without chunking.
+# 4. *Myths* about latency and chunking, checked; *why it matters*; a quiz and a recap.
+#
+# **You will:** read per-request timings from `RequestOutput.metrics` · predict the time to first
+# token of four prompts that arrive together, then measure it · watch a prompt split into chunks that
+# share steps with decodes · predict and measure what chunking costs the long prompt itself.
+
+# %% [markdown]
+# ## Setup
+#
+# The same parameters as chapter 06: the embedded `minivllm-tiny` unless `MINIVLLM_MODEL` names
+# another model, KV blocks of 16 tokens, and `MINIVLLM_THREADS` CPU threads (the stored outputs were
+# produced with 1 thread on a CPU shared with other work).
+
+# %% tags=["parameters"]
+import os
+import platform
+
+import torch
+
+# minivllm logs its startup (device, backend, KV cache size) at INFO; the course keeps those lines
+# out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
+os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
+from minivllm import LLM, SamplingParams
+
+MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
+DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
+BLOCK_SIZE = 16                            # tokens per KV block
+THREADS = int(os.environ.get("MINIVLLM_THREADS", "0"))  # CPU threads for torch; 0 keeps torch's default
+if THREADS > 0:
+    torch.set_num_threads(THREADS)
+
+# %%
+from minivllm.utils.env_report import describe
+
+mixed = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=128, max_num_batched_tokens=64,
+            max_num_seqs=8)
+me = mixed.llm_engine
+cfg = me.config
+DTYPE = str(cfg.dtype).removeprefix("torch.")
+print(f"machine : {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+      f"using {torch.get_num_threads()} thread(s)")
+print(f"device  : {cfg.device}; model {me.source.name}; dtype {DTYPE}; token budget per step "
+      f"{cfg.max_num_batched_tokens}")
+print(describe(mixed))
+WHERE = f"{me.source.name}, {cfg.device}, {DTYPE}, {torch.get_num_threads()} thread(s)"
+
+# %% [markdown]
+# ## 1. TTFT and TPOT
+#
+# Two latencies describe what a user of a served model feels:
+#
+# * **TTFT**, time to first token: from the request's arrival to its first output token. It is the
+#   wait in the queue plus every step that carried part of its prompt (the first token is sampled at
+#   the end of the step that finishes the prompt).
+# * **TPOT**, time per output token: the mean gap between later tokens, `(time of the last token -
+#   time of the first) / (tokens - 1)`. Each gap is one decode step of whatever batch the request
+#   shares, so TPOT is set by decode, and by everything else that runs in the same steps.
+#
+# The engine stamps every request with its times (`RequestOutput.metrics`: arrival, first scheduled,
+# first token, every token, finished). Here five requests of different lengths arrive together at an
+# engine whose step holds at most 64 tokens, so some prompts wait for others and prompts that do not
+# fit in a step are split across steps:
+
+# %%
+import random
+
+from widgets.measure import random_prompt
+
+rng = random.Random(6)
+WORKLOAD = {"a": (24, 16), "b": (100, 4), "c": (8, 24), "d": (60, 8), "e": (40, 12)}  # id: (prompt, output tokens)
+for rid, (n_prompt, n_out) in WORKLOAD.items():
+    me.add_request(rid, random_prompt(me, n_prompt, rng), SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
+mixed_records, finals = [], {}
+while me.has_unfinished_requests():
+    res = me.step_with_record()
+    mixed_records.append(res.record)
+    finals.update({o.request_id: o for o in res.outputs if o.finished})
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# Which steps each request's prompt went through, and the step that sampled its first token.
+for rid, (n_prompt, n_out) in WORKLOAD.items():
+    chunks = [(i, e.num_tokens) for i, r in enumerate(mixed_records) for e in r.scheduled
+              if e.request_id == rid and e.is_prefill]
+    first = next(i for i, r in enumerate(mixed_records) for e in r.scheduled if e.request_id == rid and e.sampled)
+    print(f"request {rid}: prompt {n_prompt:3d} tokens in chunks (step, tokens) {chunks}; first token at step {first}; "
+          f"{len(finals[rid].outputs[0].token_ids)} output tokens")
+print(f"{len(mixed_records)} steps; mixed prefill + decode steps: {sum(r.phase == 'mixed' for r in mixed_records)}")
+
+# %%
+import pandas as pd
+
+lat = pd.DataFrame([dict(request=rid, prompt=WORKLOAD[rid][0], output=WORKLOAD[rid][1],
+                         queue_ms=m.queue_ms, ttft_ms=m.ttft_ms, tpot_ms=m.tpot_ms, e2e_ms=m.e2e_ms)
+                    for rid, m in ((rid, finals[rid].metrics) for rid in WORKLOAD)]).set_index("request")
+lat["e2e / TTFT"] = lat.e2e_ms / lat.ttft_ms
+lat.round(2)
+
+# %%
+from widgets import check_claim, check_prediction, render
+
+slow_start = lat.ttft_ms.idxmax()
+long_tail, short_tail = lat["e2e / TTFT"].idxmax(), lat["e2e / TTFT"].idxmin()
+render(f"The last first token went to request **{slow_start}** ({lat.loc[slow_start, 'prompt']} prompt tokens, "
+       f"{lat.loc[slow_start, 'queue_ms']:.1f} ms of it queued, TTFT {lat.loc[slow_start, 'ttft_ms']:.1f} ms). "
+       f"Request **{long_tail}** ({lat.loc[long_tail, 'output']} output tokens) took "
+       f"{lat.loc[long_tail, 'e2e / TTFT']:.1f}x its TTFT in all, request **{short_tail}** "
+       f"({lat.loc[short_tail, 'output']} output tokens) only {lat.loc[short_tail, 'e2e / TTFT']:.1f}x. TPOT ranged from "
+       f"{lat.tpot_ms.min():.2f} to {lat.tpot_ms.max():.2f} ms: each request's decode steps were shared with "
+       f"different company, mixed steps with a prefill chunk in them included.");
+
+# %% [markdown]
+# Each request's TTFT is its wait plus the steps that carried its prompt, so it grows for requests
+# whose prompts are long or queued behind others. Note what is *not* a check: `TTFT + (output - 1) ×
+# TPOT` is, by the definition of TPOT, exactly the time of the last token, so it always matches the
+# end-to-end time `e2e_ms` up to the moment between the last token and the request being marked
+# finished. The informative columns are the measured ones: the queue, TTFT and TPOT.
+#
+# ## 2. A latency calculator, fitted to this machine
+#
+# A short sweep on the embedded model (the one of chapter 06's section 3): prefill steps for several
+# prompt lengths and decode steps at batch sizes 1 to 8, on an engine whose step holds up to 1024
+# tokens. The latency calculator fits a cost model to these steps: a fixed cost per step plus a cost
+# per prefill token, and a fixed cost per decode step plus a cost per sequence in the batch. It then
+# replays the scheduler's policy (decodes first, then prompt chunks up to the token budget) for any
+# workload.
+
+# %%
+from widgets import measure_decode_batch, measure_step_latency
+
+bench = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_num_batched_tokens=1024,
+            max_num_seqs=16)
+rows = measure_step_latency(bench, [16, 64, 128, 256, 512], decode_steps=3, repeats=2, roofline=False)
+decode_rows = measure_decode_batch(bench, batch_sizes=[1, 2, 4, 8], prompt_len=32, decode_steps=5)
+steps = pd.DataFrame(rows)
+pre = steps[steps.phase == "prefill"].groupby("prompt_len").wall_ms.median()
+dec = pd.DataFrame(decode_rows).groupby("batch").wall_ms.median()
+print("prefill step (one prompt, median of 2):",
+      ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in pre.items()))
+print("decode step (median of the steps at each batch):", ", ".join(f"batch {b} {ms:.2f} ms" for b, ms in dec.items()))
+
+# %% [markdown]
+# ### Exercise 1 · Four prompts arriving together
+#
+# Four requests, each with a 128-token prompt and a 12-token answer, arrive at this engine at the same
+# moment (budget 1024 tokens per step). Predict their mean time to first token, in ms, from the step
+# times just printed. Think about which step produces each request's first token.
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: the mean TTFT of the four requests, in ms
+
+# %% [markdown]
+# The calculator below is set to that point and has measured it once (the **measured** bars); move the
+# sliders to predict other points and press **measure this point** to run that exact workload on the
+# engine.
+
+# %%
+from widgets import LatencyCalculator
+
+calc = LatencyCalculator({me.source.name: bench}, sweeps={me.source.name: rows + decode_rows})
+calc.prompt_slider.value, calc.response_slider.value, calc.batch_slider.value = 128, 12, 4
+point = calc.measure()
+calc.display()
+
+# %%
+check_prediction(my_prediction, point["ttft_ms"], rel_tol=0.35, unit="ms", what="the mean TTFT of the four requests")
+render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".join(
+    f"| {name} | {point['predicted'][key]:.2f} ms | {point[key]:.2f} ms |"
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "total"))));
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# The four prompts hold 4 × 128 = 512 tokens, which fit in one step of the 1024-token budget, so the
+# scheduler prefills all four in the same step and samples all four first tokens at its end. Each
+# request's TTFT is therefore the time of one 512-token prefill step (plus a little scheduling), not
+# the time of a 128-token prefill: the sweep printed a 512-token prefill step, and that is the
+# estimate. A common slip is to take the 128-token figure: it ignores that the other three prompts
+# ride in the same step. (With a budget of 128 tokens the four would be served one after another, and
+# the mean TTFT would be about 2.5 prefill steps of 128 tokens.)
+#
+# The fitted model makes the same reasoning with its per-step and per-token costs; the table above
+# shows how close it and you came to the measurement.
+# </details>
+
+# %% [markdown]
+# ### What batching does to TPOT
+#
+# The decode steps of the sweep tell a second story. A bigger batch makes each step a little longer
+# (more rows of arithmetic), so each request's TPOT rises a little, while the step produces one token
+# for every request in it:
+
+# %%
+tpot_ratio = dec.iloc[-1] / dec.iloc[0]
+b_last = dec.index[-1]
+render(f"From batch 1 to batch {b_last}, the decode step went from {dec.iloc[0]:.2f} ms to {dec.iloc[-1]:.2f} ms: "
+       f"each request's TPOT **{tpot_ratio:.2f}x**, while the engine's decode throughput went from "
+       f"{1e3 / dec.iloc[0]:.0f} to {b_last * 1e3 / dec.iloc[-1]:.0f} tokens/s (**{b_last / tpot_ratio:.1f}x**).")
+check_claim(f"a decode step of {b_last} sequences takes at least as long as a step of one", tpot_ratio >= 1,
+            f"{dec.iloc[0]:.2f} -> {dec.iloc[-1]:.2f} ms",
+            why_it_may_not="On a busy machine one size's steps can be slowed by other processes; run the cell "
+                           "again to see whether it repeats.")
+check_claim(f"batching to {b_last} raised throughput by more than it raised TPOT", b_last / tpot_ratio > tpot_ratio,
+            f"TPOT {tpot_ratio:.2f}x, throughput {b_last / tpot_ratio:.1f}x");
+
+# %% [markdown]
+# So batching is a **throughput** lever, not a TPOT lever: it serves more users per second at the
+# price of a slightly slower stream for each. What lowers a request's TPOT is a cheaper decode step
+# (fewer bytes per weight, faster memory) or more tokens per step for that request (speculative
+# decoding); chapter 06 measured both. The calculator's constants are fitted to this machine, so on a
+# GPU with a real checkpoint the same cells fit different ones.
+#
+# ## 3. Chunked prefill
+#
+# A prompt longer than the step's token budget (`max_num_batched_tokens`) is split into chunks, one
+# per step. The point is not the long prompt's own latency; it is everybody else's. Requests already
+# decoding get their token in *every* step, mixed in with the chunk, instead of waiting for the whole
+# prompt. Here a request decodes while an 80-token prompt arrives at an engine whose budget is 32
+# tokens per step:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+small = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=64, max_num_batched_tokens=32)
+e = small.llm_engine
+e.add_request("chatting", "The module provides", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+e.step()  # its prefill
+e.add_request("long", list(range(1, 81)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # 80 token ids
+for i in range(5):
+    r = e.step_with_record().record
+    parts = ", ".join(f"{x.request_id}: {x.num_tokens} {'prefill' if x.is_prefill else 'decode'}" for x in r.scheduled)
+    print(f"step {i}: {r.phase:7s} [{parts}]")
+while e.has_unfinished_requests():
+    e.step()
+small.shutdown()
+
+# %% [markdown]
+# The 80-token prompt took three steps, and the decoding request got a token in each of them: its one
+# decode token plus a prefill chunk fill the 32-token budget. Without chunking the whole prompt runs
+# in one long step and the decoding requests wait for it.
+#
+# Now measured: three requests decode while a 384-token prompt arrives, once on an engine that chunks
+# (64-token budget) and once on one that schedules the prompt whole.
+#
+# ### Exercise 2 · What chunking costs the long prompt
+#
+# Predict the long prompt's own TTFT with chunking divided by its TTFT without (a ratio: below 1 if
+# chunking makes it faster, above 1 if slower).
+
+# %% tags=["exercise"]
+my_prediction = None  # your guess: long prompt's TTFT chunked / TTFT whole (x)
+
+# %%
+from widgets import ChunkedPrefillDemo
+
+demo = ChunkedPrefillDemo.from_model(MODEL, budget=64, max_model_len=512, long_prompt_len=384,
+                                     num_decoders=3, decode_tokens=20, device=DEVICE)
+demo.display()
+
+# %%
+c, w = demo.results["chunked"], demo.results["whole"]
+ttft_ratio = c["long_ttft_ms"] / w["long_ttft_ms"]
+check_prediction(my_prediction, ttft_ratio, rel_tol=0.3, unit="x", what="the long prompt's TTFT chunked / whole")
+render(f"""| | long prompt: steps | long prompt: TTFT | worst gap between a decoding request's tokens |
+|---|---|---|---|
+| chunked (64-token budget) | {c['prefill_steps']} | {c['long_ttft_ms']:.1f} ms | {c['max_itl_ms']:.1f} ms |
+| whole prompt in one step | {w['prefill_steps']} | {w['long_ttft_ms']:.1f} ms | {w['max_itl_ms']:.1f} ms |
+
+Chunking changed the long prompt's TTFT **{ttft_ratio:.2f}x** and the worst stall of the requests already streaming
+**{c['max_itl_ms'] / w['max_itl_ms']:.2f}x**.""")
+check_claim("chunking shortened the worst gap between a decoding request's tokens", c["max_itl_ms"] < w["max_itl_ms"],
+            f"{w['max_itl_ms']:.1f} -> {c['max_itl_ms']:.1f} ms")
+check_claim("chunking did not make the long prompt's own first token come sooner", ttft_ratio >= 1,
+            f"TTFT {w['long_ttft_ms']:.1f} -> {c['long_ttft_ms']:.1f} ms",
+            why_it_may_not="Noise on a busy machine can swing one run either way when the two are close.");
+
+# %% [markdown] tags=["solution"]
+# <details><summary>Worked solution</summary>
+#
+# Unchunked, the long prompt goes through the model in one step, and its first token comes at the end
+# of that step. Chunked, the same prompt tokens still have to be computed before its first token, now
+# spread over several steps, and each of those steps also carries the other requests' decodes and
+# reads all the weights again. So chunking does not bring the long prompt's first token sooner, and
+# usually delays it: expect a ratio of 1 or more. How much it adds depends on the fixed cost per
+# step: on this small model a step's fixed cost is a large share of a 64-token chunk's time, so
+# several steps cost visibly more than one; on a large model on a GPU, where a chunk of a few hundred
+# tokens is compute-bound, the ratio is closer to 1. The table above gives this run's figure.
+#
+# What chunking buys is the other column: the requests already decoding never wait for more than one
+# chunk.
+# </details>
+
+# %% [markdown]
+# Chunking costs the long prompt some of its own TTFT and buys a smaller worst-case stall for
+# everyone already streaming (the checks above say whether both held on this run). The size of the chunks is the knob between the two:
+
+# %% tags=["playground"]
+# Knob: BUDGET, the token budget per step (max_num_batched_tokens) of the chunking engine; try 32, 128, 256.
+# Look for the trade: a smaller budget means more chunks, a smaller worst gap for the decoding requests and a
+# longer TTFT for the long prompt; a larger one the reverse.
+from widgets.chunked_prefill_demo import itl_around_long_prompt
+
+BUDGET = 128
+knob = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET, max_model_len=512,
+           num_kvcache_blocks=128)
+res = itl_around_long_prompt(knob, num_decoders=3, decode_tokens=20, long_prompt_len=384)
+print(f"budget {BUDGET}: the 384-token prompt in {res['prefill_steps']} steps; worst gap {res['max_itl_ms']:.1f} ms; "
+      f"long prompt's TTFT {res['long_ttft_ms']:.1f} ms")
+knob.shutdown()
+
+# %% [markdown]
+# ## 4. Myths, checked
+#
+# **"TTFT and total response time are the same thing."** Section 1's table already answered it: the
+# total was a different multiple of TTFT for every request (its `e2e / TTFT` column), depending mostly
+# on how many tokens came after the first and how long each of their steps took. They are different measurements, tuned by different means (prefix
+# caching and chunk size for TTFT; batching, bandwidth, int8 and speculation for the decode part).
+#
+# **"Chunked prefill comes with `enforce_eager=False`."** `enforce_eager` decides whether decode steps
+# are replayed from captured CUDA graphs; chunking is the scheduler's `enable_chunked_prefill`. Run the
+# same workload (a request decoding while an 80-token prompt arrives, 32-token budget) under both
+# values of `enforce_eager`, then with chunking off:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def chunk_run(**engine_args):
+    sub = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=64, **engine_args)
+    e = sub.llm_engine
+    e.add_request("chatting", "The module provides", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    e.step()
+    e.add_request("long", list(range(1, 81)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    recs = []
+    while e.has_unfinished_requests():
+        recs.append(e.step_with_record().record)
+    graphs = e.runner.graph_runner is not None
+    sub.shutdown()
+    return recs, graphs
+
+
+graph_state = {}
+for args in (dict(enforce_eager=True, max_num_batched_tokens=32), dict(enforce_eager=False, max_num_batched_tokens=32),
+             dict(enable_chunked_prefill=False, max_num_batched_tokens=96, max_model_len=96)):
+    name = ", ".join(f"{k}={v}" for k, v in args.items())
+    recs, graph_state[name] = chunk_run(**args)
+    chunks = [x.num_tokens for r in recs for x in r.scheduled if x.request_id == "long" and x.is_prefill]
+    print(f"{name:78s}: the 80-token prompt in chunks {chunks}; mixed steps: "
+          f"{sum(r.phase == 'mixed' for r in recs)}")
+mixed_example = next(r for r in recs if r.phase == "mixed")
+print("a mixed step:", [(x.request_id, x.num_tokens, "prefill" if x.is_prefill else "decode") for x in mixed_example.scheduled])
+
+# %%
+import inspect
+
+import minivllm.engine.scheduler as scheduler_module
+
+for name, captured in graph_state.items():
+    print(f"device {cfg.device}, {name}: CUDA graphs captured: {captured}")
+check_claim("the scheduler, which decides the chunks, never reads enforce_eager",
+            "enforce_eager" not in inspect.getsource(scheduler_module),
+            "searched the source of minivllm/engine/scheduler.py");
+
+# %% [markdown]
+# What this shows, and what it does not. The chunks were the same under both values of
+# `enforce_eager` and changed only when `enable_chunked_prefill` was turned off; the scheduler that
+# makes the chunks does not even read `enforce_eager`. It shows nothing about CUDA graphs themselves
+# on a CPU: there are none to capture, so both runs were eager (the printout says so). On a GPU the
+# `enforce_eager=False` engine captures graphs for its decode steps and the chunks stay the same;
+# chapter 11 measures what the graphs buy.
+#
+# **"Engines like nano-vllm mix prefill and decode in one batch."** Ours does, as the mixed steps above
+# show: one forward pass holding a decode token and a prefill chunk. nano-vllm's scheduler (its
+# `Scheduler.schedule`) does not: each of its steps is prefill-only or decode-only, and it chunks only
+# the first waiting prompt. Mixing is what lets the decoding request above get a token in every step.
+#
+# ## 5. Why it matters
+#
+# * **Interactive use is judged on TTFT.** A slow first token feels like a hang however fast the rest
+#   streams; long prompts, queues and big batches of arriving prompts all lengthen it. Prefix caching
+#   (chapter 08) removes prefill work outright; the token budget decides how long one step can be.
+# * **Long answers are judged on TPOT.** For an essay or a code listing the decode part dominates the
+#   total; TPOT is one decode step of whatever batch the request shares.
+# * **A server trades one user's latency for everyone's throughput.** Batching raises tokens per second
+#   while each request's TPOT rises a little; chunking protects streaming requests while the long
+#   prompt waits a little longer. Serving targets are usually written as limits on both latencies.
+# * **Estimates come from step costs.** A few measured steps and the scheduler's policy predict a
+#   workload's latencies well enough to reason with; measure the point you care about to check.
+#
+# ## 6. Check yourself
+
+# %%
+from widgets import Question, Quiz
+
+longer = "longer" if ttft_ratio >= 1 else "shorter"
+Quiz([
+    Question(
+        "A request has a 2,000-token prompt and gets a 20-token answer. What sets its time to first token?",
+        ["The decode steps", "Queueing plus the prefill steps of its prompt",
+         "Prefill and decode equally", "The sampler"],
+        1,
+        ["Decode starts only after the first token exists; it sets the pace of the tokens that follow.",
+         "Right: the first token is sampled at the end of the step that finishes the prompt, so TTFT is the "
+         "wait in the queue plus every prefill step (chunks included).",
+         "The 20 decode steps all come after the first token; they add to the total time, not to TTFT.",
+         "Sampling one token from the logits is a tiny part of any step."],
+    ),
+    Question(
+        "With chunked prefill, who benefits when a long prompt arrives?",
+        ["The long prompt's own TTFT drops a lot", "Requests already decoding: a token every step",
+         "Nobody; it only changes memory use", "It is what enforce_eager=False turns on"],
+        1,
+        ["The long prompt still needs every chunk computed before its first token, and each chunk shares a "
+         f"step with the decodes: here its TTFT was {ttft_ratio:.2f}x ({longer}) with chunking "
+         f"({w['long_ttft_ms']:.1f} -> {c['long_ttft_ms']:.1f} ms).",
+         "Right: the token budget caps each step, so decodes are never stalled for a whole long prefill "
+         f"(worst gap {w['max_itl_ms']:.1f} -> {c['max_itl_ms']:.1f} ms here).",
+         "The chunked run above shows the decoding request getting a token in every step; that is a latency "
+         "change for it.",
+         "enforce_eager switches CUDA graphs off; chunking is the scheduler's enable_chunked_prefill."],
+    ),
+    Question(
+        f"Going from batch 1 to batch {b_last}, what happened to each request's TPOT on this machine?",
+        ["It fell in proportion to the batch", f"It changed far less than the batch ({tpot_ratio:.2f}x here) "
+         f"while throughput rose {b_last / tpot_ratio:.1f}x", "It stayed exactly the same",
+         "It rose in proportion to the batch"],
+        1,
+        ["Batching does not make any one request's steps faster: each step carries more rows.",
+         "Right: one weight read serves every sequence in the step, so the step grows far less than the batch; "
+         "batching is a throughput lever that costs each request a little TPOT.",
+         "The step does a little more arithmetic and reads a little more KV cache for each extra sequence.",
+         "That would mean no gain from batching; the weight read is shared, so the step grows far less."],
+    ),
+]).display()
+
+# %% [markdown]
+# ## You can now
+#
+# * read a request's TTFT, TPOT, queue time and end-to-end time from `RequestOutput.metrics`, and say
+#   which steps each one is made of;
+# * predict TTFT for prompts that arrive together from measured prefill step times and the token
+#   budget, and check the prediction with the latency calculator;
+# * explain why batching is a throughput lever that raises each request's TPOT a little;
+# * say who gains (requests already streaming) and who pays (the long prompt) when a prompt is chunked,
+#   and which setting controls it (`enable_chunked_prefill`, `max_num_batched_tokens`, not
+#   `enforce_eager`).
+#
+# Next: chapter 08, prefix caching, skips prefill for tokens the cache has already seen.
