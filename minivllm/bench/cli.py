@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: hf_generate, hf_generate_batch")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="batch size of transformers generate (default: 32 on CPU, 64 on GPU)")
-    p.add_argument("--sweep", action="store_true", help="decode vs batch and prefill vs length, with a roofline")
+    p.add_argument("--sweep", action="store_true",
+                   help="decode vs batch and prefill vs length, with a roofline; decode steps over their matmuls alone")
     p.add_argument("--html", default="bench_roofline.html", help="where --sweep writes its plotly roofline")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="for --sweep / --overhead")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="for --sweep")
