@@ -86,3 +86,18 @@ def test_final_only_requests_mixed_with_streamed_ones_give_the_same_outputs(tiny
                            output_kind="final_only")
         final, _ = run_to_end(engine)
         assert final["s"].outputs[0].finish_reason == "stop" and stop not in final["s"].outputs[0].text
+
+
+def test_overhead_ab_script_runs_two_trees_in_one_process():
+    """scripts/overhead_ab.py (a subprocess: it swaps the imported minivllm package)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "scripts/overhead_ab.py", root, root, "--batch-sizes", "2",
+                          "--steps", "3", "--prompt-len", "8"], cwd=root, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "batch    2 us/seq/step" in out.stdout and "median ratio" in out.stdout
