@@ -128,6 +128,8 @@ def test_sweep_smoke(tiny_ckpt, tmp_path):
     assert [p["prompt_len"] for p in r["prefill"]] == [8, 32]
     for p in r["decode"] + r["prefill"]:
         assert p["step_ms"] > 0 and p["flops"] > 0 and p["bytes"] > 0
+    for p in r["decode"]:  # each decode point carries its matmuls-alone time
+        assert p["matmul_ms"] > 0 and p["step_over_matmul"] == p["step_ms"] / p["matmul_ms"]
     # batching decode reuses every weight read: intensity grows with the batch
     assert r["decode"][1]["intensity"] > 2 * r["decode"][0]["intensity"]
     assert r["prefill"][1]["intensity"] > r["prefill"][0]["intensity"]
@@ -312,3 +314,29 @@ def test_stops_paying_is_the_first_batch_of_the_losing_tail():
     assert result([1.5, 0.9, 1.1, 0.8]).stops_paying("x") == 64
     assert result([1.5, 1.2, 1.1, 1.01]).stops_paying("x") is None
     assert result([0.9, 0.8, 0.7, 0.6]).stops_paying("x") == 1
+
+
+def test_matmul_share_records_one_decode_steps_linear_layers(tiny_ckpt):
+    """A decode step's recorded calls are every linear layer once (the LM head on the sampled
+    rows), in the step's row count; the replay runs the same weights on those shapes."""
+    import torch
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.bench.matmul_share import LinearReplay, record_linear_calls
+    from minivllm.layers import prepack
+
+    llm = LLM(str(tiny_ckpt), block_size=4, num_kvcache_blocks=64)
+    engine = llm.llm_engine
+    for i in range(3):
+        engine.add_request(f"m{i}", [5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()  # the prefill
+    with record_linear_calls() as calls:
+        assert engine.step_with_record().record.phase == "decode"
+    model = engine.runner.model
+    layers = [m for m in model.modules() if hasattr(m, "matmul_weight")]
+    assert len(calls) == len(layers) and all(shape[0] == 3 for shape, *_ in calls)
+    assert {id(w) for *_, w, _ in calls} == {id(m.matmul_weight) for m in layers}
+    assert prepack.linear is not None and LinearReplay(calls).seconds() > 0
+    with torch.inference_mode():  # recording is off again: nothing more is appended
+        engine.step()
+    assert len(calls) == len(layers)

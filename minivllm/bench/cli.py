@@ -42,7 +42,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="comma-separated: hf_generate, hf_generate_batch")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="batch size of transformers generate (default: 32 on CPU, 64 on GPU)")
-    p.add_argument("--sweep", action="store_true", help="decode vs batch and prefill vs length, with a roofline")
+    p.add_argument("--sweep", action="store_true",
+                   help="decode vs batch and prefill vs length, with a roofline; decode steps over their matmuls alone")
     p.add_argument("--html", default=None, metavar="PATH",
                    help="write --sweep's roofline chart (plotly HTML) to PATH; without it no file is written")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="for --sweep / --overhead")

@@ -77,6 +77,10 @@ def print_sweep_summary(result, log=print) -> None:
     four = next((q for q in result["decode"] if q["batch_size"] == 4), None)
     if one is not None and four is not None:
         log(f"decode step at batch 4 / batch 1: {four['step_ms'] / one['step_ms']:.2f}x")
+    for q in result["decode"]:
+        if q.get("step_over_matmul") and q["batch_size"] == 32:  # the design brief's batch
+            log(f"decode step at batch 32 / its matmuls alone: {q['step_over_matmul']:.2f}x "
+                f"({q['step_ms']:.2f} vs {q['matmul_ms']:.2f} ms)")
     log(f"ridge point: {pk['ridge_intensity']:.1f} FLOPs/byte (peaks {pk['flops_per_s'] / 1e9:.1f} GFLOP/s, "
         f"{pk['mbu_bytes_per_s'] / 1e9:.1f} GB/s)")
     log(weights_summary(result["model_cost"], result["dtype"]))

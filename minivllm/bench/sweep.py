@@ -10,6 +10,7 @@ from pathlib import Path
 
 from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, device_label, kv_bytes_for, loadavg,
                                    next_tag, wants_cuda)
+from minivllm.bench.matmul_share import LinearReplay, record_linear_calls
 from minivllm.bench.report import describe_peaks, peaks_summary, print_sweep_summary, write_roofline_html
 
 __all__ = ["SweepResult", "run_sweep"]
@@ -25,7 +26,9 @@ class SweepResult(ResultMixin):
         model_cost: the model's static cost figures (``ModelCost.to_dict()``).
         decode: one point per batch size: ``batch_size``, ``step_ms`` (median), ``flops``,
             ``bytes``, ``flops_per_s``, ``bytes_per_s``, ``intensity`` (FLOP/byte), ``mfu``,
-            ``mbu``, ``model_ms``, ``num_steps``.
+            ``mbu``, ``model_ms``, ``num_steps``, ``matmul_ms`` (the step's linear layers, same
+            weights and rows, run alone: ``minivllm.bench.matmul_share``) and
+            ``step_over_matmul`` (``step_ms / matmul_ms``).
         prefill: the same per prompt length (``prompt_len``).
         loadavg: 1/5/15-minute load averages at the end.
         html: where the roofline HTML was written, if anywhere.
@@ -98,7 +101,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
 
         decode = []
         log(describe_peaks(peaks))
-        log(f"decode sweep (context {context_len} tokens): batch, step ms, ms/seq, GFLOP/s, GB/s, MFU, MBU")
+        log(f"decode sweep (context {context_len} tokens): batch, step ms, ms/seq, GFLOP/s, GB/s, MFU, MBU, "
+            f"step / its matmuls alone")
         for b in batch_sizes:
             if context_len + warmup_steps + decode_steps + 2 > max_len:
                 raise ValueError(f"context_len={context_len} + steps does not fit max_model_len={max_len}")
@@ -107,19 +111,31 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                 engine.add_request(f"sweep{tag}-{i}", prompt(context_len),
                                    SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 1,
                                                   ignore_eos=True))
-            recs = []
+            recs, replay, matmul_s = [], None, []
             while engine.has_unfinished_requests():
-                rec = engine.step_with_record().record
+                if replay is None and recs:  # a warm-up step after a full decode: which matmuls it does
+                    with record_linear_calls() as calls:
+                        rec = engine.step_with_record().record
+                    if rec.phase == "decode" and rec.num_seqs == b:
+                        replay = LinearReplay(calls) if calls else False  # int8 layers: not recorded
+                else:
+                    rec = engine.step_with_record().record
                 if rec.phase == "decode" and rec.num_seqs == b:
                     recs.append(rec)
+                    if replay and len(recs) > warmup_steps:  # interleaved with the timed steps
+                        matmul_s.append(replay.seconds())
             recs = recs[warmup_steps:warmup_steps + decode_steps]
             if not recs:
                 log(f"  batch {b}: no full decode steps (KV pool too small?)")
                 continue
             p = point(recs, f"decode B={b}", batch_size=b, context_len=context_len)
+            # the same linear layers on the same rows, alone: how far the step is from its matmuls
+            p["matmul_ms"] = statistics.median(matmul_s) * 1e3 if matmul_s else None
+            p["step_over_matmul"] = p["step_ms"] / p["matmul_ms"] if p["matmul_ms"] else None
             decode.append(p)
+            share = f"{p['step_over_matmul']:9.2f}x" if p["step_over_matmul"] else f"{'-':>10}"
             log(f"  {b:5d} {p['step_ms']:9.2f} {p['step_ms'] / b:8.3f} {p['flops_per_s'] / 1e9:9.2f} "
-                f"{p['bytes_per_s'] / 1e9:8.2f} {p['mfu']:6.1%} {p['mbu']:6.1%}")
+                f"{p['bytes_per_s'] / 1e9:8.2f} {p['mfu']:6.1%} {p['mbu']:6.1%} {share}")
             engine.reset_prefix_cache()
 
         prefill = []

@@ -429,21 +429,28 @@ class LLMEngine:
     def _record(self, plan: SchedulerOutput, result: RunnerOutput, timer: StepTimer,
                 outputs: list[RequestOutput]) -> StepRecord:
         bm = self.block_manager
+        scheduled = plan.scheduled
         entries = [ScheduledEntry(e.seq.request_id, e.num_tokens, e.is_prefill, e.start_pos, e.samples)
-                   for e in plan.scheduled]
+                   for e in scheduled]
+        num_decodes = plan.num_decodes  # the scheduler's counts spare passes over a large batch
+        if num_decodes is None:
+            num_decodes = sum(1 for e in scheduled if not e.is_prefill)
+        num_drafts = plan.num_draft_tokens
+        if num_drafts is None:
+            num_drafts = sum(len(e.draft_token_ids) for e in scheduled)
+        num_free = bm.num_free_blocks
         record = StepRecord(
             index=self.step_index, start_time=timer.start, end_time=timer.last,
             num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
-            num_seqs=len(plan.scheduled), num_prefill_chunks=sum(1 for e in plan.scheduled if e.is_prefill),
+            num_seqs=len(scheduled), num_prefill_chunks=len(scheduled) - num_decodes,
             scheduled=entries, preempted=[s.request_id for s in plan.preempted],
-            finished=[o.request_id for o in outputs if o.finished],
-            kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks,
+            finished=[o.request_id for o in outputs if o.finished] if outputs else [],
+            kv_blocks_used=bm.num_blocks - num_free, kv_blocks_free=num_free,
             kv_blocks_cached=bm.num_cached_blocks, prefix_cache_hit_tokens=plan.prefix_cache_hit_tokens,
             attention_backend=self.config.attention_backend, schedule_ms=timer.schedule_ms,
             prepare_ms=result.prepare_ms, model_ms=result.model_ms, sample_ms=result.sample_ms,
-            postprocess_ms=timer.postprocess_ms,
-            num_draft_tokens=sum(len(e.draft_token_ids) for e in plan.scheduled),
-            num_accepted_draft_tokens=sum(map(len, result.more_token_ids.values())))
+            postprocess_ms=timer.postprocess_ms, num_draft_tokens=num_drafts,
+            num_accepted_draft_tokens=sum(map(len, result.more_token_ids.values())) if result.more_token_ids else 0)
         if entries:
             fill_step_record(record, self.model_cost, self.peaks)
         return record

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
 
 from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES
-from minivllm.engine.cuda_graph import fill_block_tables
 from minivllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_blocks_for_bytes
 from minivllm.engine.runner_config import RunnerConfig
 from minivllm.engine.scheduler import SchedulerOutput
@@ -184,13 +183,21 @@ def select_device(device: torch.device) -> torch.device:
 
 def block_table_array(tables: list[list[int]]) -> np.ndarray:
     """int32 ``[len(tables), longest]``, -1 past each row's blocks. A few rows go through one
-    ``np.array`` call (cheapest for a small decode batch), many through ``fill_block_tables``."""
+    ``np.array`` call (cheapest for a small batch), more as the padded rows chained into one
+    ``np.fromiter`` (measured cheaper than nested ``np.array`` and ``fill_block_tables``)."""
     width = max(map(len, tables))
+    neg = [-1] * width
     if len(tables) <= 8:
-        return np.array([t + [-1] * (width - len(t)) for t in tables], dtype=np.int32)
-    out = np.empty((len(tables), width), dtype=np.int32)
-    fill_block_tables(out, tables)
-    return out
+        return np.array([t + neg[len(t):] for t in tables], dtype=np.int32)
+    rows = [t if len(t) == width else t + neg[len(t):] for t in tables]  # full rows are not copied
+    flat = np.fromiter(chain.from_iterable(rows), np.int32, len(tables) * width)
+    return flat.reshape(len(tables), width)
+
+
+#: Plain decode steps with at least this many sequences take ``ModelRunner._decode_input``
+#: (measured: slower than the general loop at 4-8 sequences, faster from 12 up; tests raise
+#: it to compare the two paths).
+_VECTOR_DECODE_MIN = 9
 
 
 class _PinnedStaging:
@@ -440,6 +447,10 @@ class ModelRunner:
         bs = self.block_size
         if self._staging is not None:
             self._staging.begin_step()
+        if plan.all_plain_decodes and len(plan.scheduled) >= _VECTOR_DECODE_MIN and self.graph_runner is None:
+            fast = self._decode_input(plan)
+            if fast is not None:
+                return fast
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -500,6 +511,34 @@ class ModelRunner:
             meta=self._metadata(q_lens, context_lens, slots_t, table_arr),
             logits_indices=rows_t, sampling_seqs=sampling, drafts=drafts,
             host=(flat_host[:t], flat_host[stride:stride + t], flat_host[2 * stride:2 * stride + t],
+                  flat_host[3 * stride:], table_arr))
+
+    def _decode_input(self, plan: SchedulerOutput) -> ModelInput | None:
+        """``prepare_input`` for a step of plain decodes (one token each, no drafts): one list
+        comprehension per input instead of a loop of appends (about 1.5 us per sequence),
+        then the one numpy call and uploads of the general path. None if some entry does not
+        sample (never expected for a decode; the general path handles it)."""
+        scheduled = plan.scheduled
+        n = len(scheduled)
+        sampling = [e.seq for e in scheduled]
+        positions = [e.start_pos for e in scheduled]
+        input_ids = [seq.token_ids[-1] for seq in sampling]
+        if [len(seq.token_ids) for seq in sampling] != [p + 1 for p in positions]:
+            return None  # some entry is not at its last token (it would not sample)
+        bs = self.block_size
+        tables = [seq.block_table for seq in sampling]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        stride = cdiv(n, 2) * 2  # parts on 16-byte boundaries, as in prepare_input
+        pad = [0] * (stride - n)
+        flat_host = np.array(input_ids + pad + positions + pad + slots + pad + list(range(n)), dtype=np.int64)
+        table_arr = block_table_array(tables)
+        ids_t, pos_t, slots_t, rows_t = self._upload_parts(flat_host, (0, n), (stride, stride + n),
+                                                           (2 * stride, 2 * stride + n), (3 * stride, len(flat_host)))
+        return ModelInput(
+            input_ids=ids_t, positions=pos_t,
+            meta=self._metadata([1] * n, [p + 1 for p in positions], slots_t, table_arr),
+            logits_indices=rows_t, sampling_seqs=sampling,
+            host=(flat_host[:n], flat_host[stride:stride + n], flat_host[2 * stride:2 * stride + n],
                   flat_host[3 * stride:], table_arr))
 
     @torch.inference_mode()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer, unknown_id_text
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.undo import UndoLog
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -212,15 +212,19 @@ class OutputProcessor:
         A finished request's state is dropped."""
         outputs = []
         states, undo = self.states, self.undo
+        finished_status = SequenceStatus.FINISHED
         for seq in seqs:
             state = states[seq.request_id]
+            finished = seq.status is finished_status
+            if not (state.text_every_step or finished or (errors and seq in errors)):
+                continue  # final-only, no stop strings, still running: nothing to do this step
             # Snapshot before the first change: a final-only request without stop strings
             # changes nothing here until it finishes, so most steps copy nothing for it.
-            if undo is not None and (state.text_every_step or seq.is_finished or seq in errors):
+            if undo is not None:
                 undo.add(restore_state, snapshot_state(state))
             if seq in errors:
                 state.error = errors[seq]
-            if state.text_every_step or seq.is_finished:
+            if state.text_every_step or finished:
                 stop = update_text(state)
                 if stop is not None:
                     if seq.is_finished:  # the stop string showed up in the last token's text

@@ -59,8 +59,10 @@ class ScheduledSequence:
     #: sampled (fixed at planning time: the sequence grows after the step).
     samples: bool
     #: Speculative decoding: draft tokens scored after the last known token (a decode then
-    #: has ``1 + len(draft_token_ids)`` tokens and samples at each of them).
-    draft_token_ids: list[int] = field(default_factory=list)
+    #: has ``1 + len(draft_token_ids)`` tokens and samples at each of them). An empty tuple
+    #: when there are none: built for every sequence every step, a default_factory list
+    #: cost a call each.
+    draft_token_ids: list[int] | tuple = ()
     #: The distributions the drafts were drawn from (fp32 ``[len(drafts), vocab]``), or None
     #: for deterministic drafts; see ``minivllm/spec_decode/proposal.py``.
     draft_probs: object = None
@@ -73,6 +75,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     prefix_cache_hit_tokens: int = 0
+    #: Set by ``Scheduler.schedule``: the decode entries (the first ones) and their draft
+    #: tokens, so the step's counts cost no pass over a large batch; None: count.
+    num_decodes: int | None = None
+    num_draft_tokens: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -80,11 +86,20 @@ class SchedulerOutput:
 
     @property
     def num_prefill_tokens(self) -> int:
+        if self.num_decodes is not None:
+            return sum(s.num_tokens for s in self.scheduled[self.num_decodes:])
         return sum(s.num_tokens for s in self.scheduled if s.is_prefill)
 
     @property
     def num_decode_tokens(self) -> int:
+        if self.num_decodes is not None and self.num_draft_tokens is not None:
+            return self.num_decodes + self.num_draft_tokens
         return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
+
+    @property
+    def all_plain_decodes(self) -> bool:
+        """Every entry is one decode token without drafts (the runner's vectorised path)."""
+        return self.num_decodes == len(self.scheduled) and self.num_draft_tokens == 0
 
 
 class Scheduler:
@@ -125,50 +140,68 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        planned: dict[int, ScheduledSequence] = {}  # id(seq) -> entry
         bm = self.block_manager
-
-        # 1. Running sequences, oldest first: decodes, then unfinished prefills.
-        order = [s for s in self.running if not s.is_prefilling] + [s for s in self.running if s.is_prefilling]
         block_size = bm.block_size
-        proposals = self._propose(order, budget) if self.config.propose is not None else {}
-        for seq in order:
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+        propose = self.config.propose
+        running_status = SequenceStatus.RUNNING
+        decodes: list[ScheduledSequence] = []
+        prefills: list[ScheduledSequence] = []
+        num_drafts = 0
+
+        # 1. Running sequences, oldest first: decodes, then unfinished prefills (deferred to
+        # a second pass). One pass over a copy: preemption removes from self.running.
+        deferred: list[Sequence] = []
+        # One proposer call for all decoding sequences (a draft model runs them as one batch).
+        proposals = self._propose([s for s in self.running if not s.is_prefilling], budget) if propose else {}
+        for seqs in (list(self.running), deferred):
+            first_pass = seqs is not deferred
+            for seq in seqs:
+                if seq.status is not running_status:
+                    continue  # preempted earlier in this loop
+                computed = seq.num_computed_tokens
+                prefilling = computed < seq.prefill_target
+                if prefilling and first_pass:
+                    deferred.append(seq)
+                    continue
+                if budget == 0:
+                    break
+                n = min(seq.prefill_target - computed, budget) if prefilling else 1
+                drafts, draft_probs = (), None
+                proposal = proposals.get(seq) if proposals and not prefilling else None
+                if proposal is not None and proposal.token_ids:  # as many as this step's budget still allows
+                    proposal = proposal.truncated(self._draft_room(seq, budget))
+                    drafts, draft_probs = proposal.token_ids, proposal.probs
+                if drafts:
+                    if bm.can_grow(seq, computed + 1 + len(drafts)):
+                        n += len(drafts)
+                        num_drafts += len(drafts)
+                    else:  # no room to speculate: a plain decode, never a preemption for drafts
+                        drafts, draft_probs = (), None
+                total = computed + n
+                if total > len(seq.block_table) * block_size:  # needs a new block
+                    while not bm.can_grow(seq, total):
+                        victim = self.running[-1]  # most recently admitted
+                        budget += self._preempt(victim, decodes, prefills, out)
+                        if victim is seq:
+                            break
+                    if seq.status is not running_status:
+                        continue
+                    bm.grow(seq, total)
+                entry = ScheduledSequence(seq, n, computed, prefilling, total == len(seq.token_ids) + len(drafts),
+                                          drafts, draft_probs)
+                (prefills if prefilling else decodes).append(entry)
+                budget -= n
             if budget == 0:
                 break
-            computed = seq.num_computed_tokens
-            prefilling = computed < seq.prefill_target
-            n = min(seq.prefill_target - computed, budget) if prefilling else 1
-            proposal = proposals.get(seq) if not prefilling else None
-            drafts, draft_probs = [], None
-            if proposal is not None and proposal.token_ids:  # as many as this step's budget still allows
-                proposal = proposal.truncated(self._draft_room(seq, budget))
-                drafts, draft_probs = proposal.token_ids, proposal.probs
-            if drafts and not bm.can_grow(seq, computed + 1 + len(drafts)):
-                drafts, draft_probs = [], None  # no room to speculate: a plain decode, never a preemption for drafts
-            n += len(drafts)
-            total = computed + n
-            if total > len(seq.block_table) * block_size:  # needs a new block
-                while not bm.can_grow(seq, total):
-                    victim = self.running[-1]  # most recently admitted
-                    budget += self._preempt(victim, planned, out)
-                    if victim is seq:
-                        break
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue
-                bm.grow(seq, total)
-            planned[id(seq)] = ScheduledSequence(seq, n, computed, prefilling,
-                                                 total == len(seq.token_ids) + len(drafts), drafts, draft_probs)
-            budget -= n
 
         # 2. Admit waiting requests (not in a step that had to preempt).
         if not out.preempted:
-            budget = self._admit(budget, planned, out)
+            budget = self._admit(budget, prefills, out)
 
-        decodes = [e for e in planned.values() if not e.is_prefill]
-        prefills = [e for e in planned.values() if e.is_prefill]
-        out.scheduled = decodes + prefills
+        if out.preempted:  # a victim's drafts no longer count
+            num_drafts = sum(len(e.draft_token_ids) for e in decodes)
+        out.scheduled = decodes + prefills if prefills else decodes
+        out.num_decodes, out.num_draft_tokens = len(decodes), num_drafts
         return out
 
     def _draft_room(self, seq: Sequence, budget: int) -> int:
@@ -186,7 +219,7 @@ class Scheduler:
             return {}
         return {seq: p for (seq, _), p in zip(requests, self.config.propose(requests))}
 
-    def _admit(self, budget: int, planned: dict, out: SchedulerOutput) -> int:
+    def _admit(self, budget: int, prefills: list[ScheduledSequence], out: SchedulerOutput) -> int:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -220,17 +253,21 @@ class Scheduler:
             seq.prefill_target = len(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            planned[id(seq)] = ScheduledSequence(seq, n, cached, True, cached + n == len(seq))
+            prefills.append(ScheduledSequence(seq, n, cached, True, cached + n == len(seq)))
             out.prefix_cache_hit_tokens += cached
             budget -= n
         return budget
 
-    def _preempt(self, victim: Sequence, planned: dict, out: SchedulerOutput) -> int:
+    def _preempt(self, victim: Sequence, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],
+                 out: SchedulerOutput) -> int:
         """Recompute preemption of ``victim``; returns budget given back by unplanning it."""
         refund = 0
-        entry = planned.pop(id(victim), None)
-        if entry is not None:
-            refund = entry.num_tokens
+        for planned in (decodes, prefills):  # rare: a scan is fine
+            for i, entry in enumerate(planned):
+                if entry.seq is victim:
+                    refund = entry.num_tokens
+                    del planned[i]
+                    break
         self.running.remove(victim)
         self.block_manager.release(victim)
         victim.num_computed_tokens = 0
@@ -270,8 +307,8 @@ class Scheduler:
             seq = entry.seq
             if entry.draft_token_ids:
                 continue  # its valid KV is known once its tokens are appended (below)
-            seq.num_computed_tokens += entry.num_tokens
-            if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes) and seq not in failed:
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + entry.num_tokens
+            if caching and computed // block_size > len(seq.block_hashes) and seq not in failed:
                 bm.register_computed_blocks(seq)  # a block was completed this step
         if prompt_logprobs:
             for seq, (first, entries) in prompt_logprobs.items():
@@ -280,18 +317,24 @@ class Scheduler:
         finished = []
         now = time.perf_counter()
         more_token_ids = more_token_ids or {}
-        for i, (seq, token) in enumerate(zip(seqs, token_ids)):
-            if seq in failed:
-                self.finish(seq, "error")
-                finished.append(seq)
-                continue
-            if self._append(seq, token, now, logprobs[i] if logprobs is not None else None):
-                finished.append(seq)
-            elif (more := more_token_ids.get(seq)) is not None:
-                for t in more:
-                    if self._append(seq, t, now):
-                        finished.append(seq)
-                        break
+        append = self._append
+        if not (failed or logprobs is not None or more_token_ids):  # the usual step: tokens only
+            for seq, token in zip(seqs, token_ids):
+                if append(seq, token, now):
+                    finished.append(seq)
+        else:
+            for i, (seq, token) in enumerate(zip(seqs, token_ids)):
+                if seq in failed:
+                    self.finish(seq, "error")
+                    finished.append(seq)
+                    continue
+                if append(seq, token, now, logprobs[i] if logprobs is not None else None):
+                    finished.append(seq)
+                elif (more := more_token_ids.get(seq)) is not None:
+                    for t in more:
+                        if append(seq, t, now):
+                            finished.append(seq)
+                            break
         for entry in plan.scheduled:
             if entry.draft_token_ids:
                 self._apply_verified(entry, more_token_ids.get(entry.seq))
@@ -300,17 +343,24 @@ class Scheduler:
     def _append(self, seq: Sequence, token: int, now: float, logprob_entry=None) -> bool:
         """Append one sampled token (and its logprobs entry, when wanted) and apply the stops
         that need no text; True if it finished."""
-        seq.append_token(token, now)
+        # Sequence.append_token, inlined (this runs for every sequence every step)
+        token_ids = seq.token_ids
+        token_ids.append(token)
+        metrics = seq.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
         if logprob_entry is not None:
             seq.logprobs.append(logprob_entry)
             seq.cumulative_logprob += logprob_entry[1][0]  # the sampled token's own comes first
         p = seq.params
-        if token in p.stop_token_ids:
+        length = len(token_ids)
+        if p.stop_token_ids and token in p.stop_token_ids:
             self.finish(seq, "stop", token)
         elif token in self.config.eos_token_ids and not p.ignore_eos:
             self.finish(seq, "stop", None)
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
-                len(seq) >= self.config.max_model_len:
+        elif (p.max_tokens is not None and length - len(seq.prompt_token_ids) >= p.max_tokens) or \
+                length >= self.config.max_model_len:
             self.finish(seq, "length")
         else:
             return False

@@ -33,12 +33,13 @@ from minivllm.engine.undo import UndoLog
 
 def _snapshot_sequence(seq: Sequence) -> tuple:
     # Lists are grown in place (append) or replaced (admit/release): the old list object
-    # and its length are enough to restore them.
+    # and its length are enough to restore them. Logprob lists are None unless asked for.
+    # Taken for every running sequence every step: plain attribute reads, no helpers.
     metrics = seq.metrics
+    logprobs, prompt_logprobs = seq.logprobs, seq.prompt_logprobs
     return (seq, seq.__dict__.copy(), len(seq.token_ids), len(seq.block_table), len(seq.block_hashes),
             len(seq.block_refs), metrics.__dict__.copy(), len(metrics.token_times),
-            len(seq.logprobs) if seq.logprobs is not None else 0,
-            len(seq.prompt_logprobs) if seq.prompt_logprobs is not None else 0)
+            None if logprobs is None else len(logprobs), None if prompt_logprobs is None else len(prompt_logprobs))
 
 
 def _restore_sequence(snapshot: tuple) -> None:
@@ -48,9 +49,9 @@ def _restore_sequence(snapshot: tuple) -> None:
     del seq.block_table[n_table:]
     del seq.block_hashes[n_hashes:]
     del seq.block_refs[n_refs:]
-    if seq.logprobs is not None:
+    if n_logprobs is not None:
         del seq.logprobs[n_logprobs:]
-    if seq.prompt_logprobs is not None:
+    if n_prompt_logprobs is not None:
         del seq.prompt_logprobs[n_prompt_logprobs:]
     seq.metrics.__dict__.update(metrics)
     del seq.metrics.token_times[n_times:]
@@ -82,7 +83,7 @@ class StepTransaction:
         else:
             # Admission takes at most max_num_seqs - len(running) sequences from the queue's front.
             admissible = max(0, scheduler.config.max_num_seqs - len(scheduler.running))
-            self.seqs = [_snapshot_sequence(s) for s in chain(scheduler.running, islice(scheduler.waiting, admissible))]
+            self.seqs = list(map(_snapshot_sequence, chain(scheduler.running, islice(scheduler.waiting, admissible))))
         self.states: list[tuple] = []
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
         self.kv_written = False

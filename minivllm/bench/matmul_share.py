@@ -1,0 +1,75 @@
+"""How much of a decode step is its matmuls: the step's time over the time of the same linear
+layers (every ``*Linear`` and the LM head: same weights, same rows) run back to back alone.
+
+Used by ``bench --sweep`` (design-brief target: embedded model, batch-32 decode step <= 1.4x
+its matmuls alone). The calls are recorded during one real decode step through
+``minivllm.layers.prepack.linear`` (the function every linear layer calls), so the replay
+takes the same path (oneDNN prepacked weights or ``F.linear``) on inputs of the same shapes.
+Int8 layers do not go through it and are not counted.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+import minivllm.layers.embedding as embedding_mod
+import minivllm.layers.linear as linear_mod
+from minivllm.layers import prepack
+
+__all__ = ["LinearReplay", "record_linear_calls", "time_linear_calls"]
+
+_USERS = (linear_mod, embedding_mod)  # modules that call prepack.linear by name
+
+
+@contextlib.contextmanager
+def record_linear_calls():
+    """Within the block, every ``prepack.linear`` call made by the layers is appended to the
+    yielded list as ``(input shape, dtype, device, weight, bias)``."""
+    calls = []
+    real = prepack.linear
+
+    def recording(x, weight, bias=None):
+        calls.append((tuple(x.shape), x.dtype, x.device, weight, bias))
+        return real(x, weight, bias)
+
+    saved = [(m, m.linear) for m in _USERS]
+    try:
+        for m in _USERS:
+            m.linear = recording
+        yield calls
+    finally:
+        for m, fn in saved:
+            m.linear = fn
+
+
+class LinearReplay:
+    """The calls from :func:`record_linear_calls`, replayable on fresh random inputs of the
+    recorded shapes (made once, before any clock starts)."""
+
+    def __init__(self, calls):
+        self.calls = [(torch.randn(shape, dtype=dtype, device=device), weight, bias)
+                      for shape, dtype, device, weight, bias in calls]
+        self.cuda = any(x.device.type == "cuda" for x, _, _ in self.calls)
+
+    @torch.inference_mode()
+    def seconds(self) -> float:
+        """Wall time of one pass over every call, back to back."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for x, weight, bias in self.calls:
+            prepack.linear(x, weight, bias)
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def time_linear_calls(calls, repeats: int = 10, warmup: int = 2) -> float:
+    """Median milliseconds of ``repeats`` passes over ``calls`` (after ``warmup`` passes)."""
+    replay = LinearReplay(calls)
+    for _ in range(warmup):
+        replay.seconds()
+    return statistics.median(replay.seconds() for _ in range(repeats)) * 1e3
