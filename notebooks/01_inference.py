@@ -342,9 +342,11 @@ show_figure(fig)
 # exercise. Compare the two in the check line under the table: on a small model the time ratio
 # falls far short of the work ratio. Every forward pass, whatever its length, pays a fixed price:
 # Python code in every module, and dozens of small operations each launched separately (norms,
-# projections, attention, for each layer). For a model this small, a pass over a few dozen tokens adds comparatively little
-# arithmetic on top of that price: the second check under the table compares the engine's prefill
-# step (the whole prompt) with its decode steps (one token each). Both loops run the same *number*
+# projections, attention, for each layer). For a model this small, a pass over a few dozen tokens
+# does many times the arithmetic of a one-token pass, but where the fixed price dominates, its time
+# grows far less than its FLOPs, because that price is paid once either way. The second check under
+# the table tests this on this run: it compares the engine's prefill step (the whole prompt) with
+# its decode steps (one token each). Both loops run the same *number*
 # of passes (one per token), so the time ratio lands much nearer 1 than the token ratio. The bigger
 # the model, the more the arithmetic dominates each pass and the more closely time follows work;
 # chapter 03 measures both at longer lengths, and chapter 06 takes the fixed costs apart.
@@ -447,7 +449,7 @@ Quiz([
     ),
     Question(
         "With no cache, how does the total work of generating n tokens after a prompt of p tokens grow?",
-        ["Linearly in n", "About quadratically: step i processes p + i tokens",
+        ["Linearly in n", "About quadratically in tokens processed (step i processes p + i tokens; attention adds a term that grows even faster at long lengths)",
          "It stays constant", "Exponentially"],
         1,
         ["Each single step's work already grows with the sequence (step i processes p + i tokens), so the "

@@ -96,7 +96,8 @@ print(model.model.layers[0])
 #   `down_proj(silu(gate) * up)` where `gate_up_proj` computes gate and up in one matmul.
 #
 # minivllm packs q/k/v into one matrix and gate/up into another (one big matmul usually runs
-# faster than three small ones: fewer launches, better use of the hardware); the loader splits Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
+# faster than three small ones: fewer launches, better use of the hardware; this chapter does not
+# measure it); the loader splits Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
 # into them. Grouped-query attention (GQA): there are fewer key/value heads than query heads, and
 # each key/value head serves a group of query heads, which shrinks the KV cache (chapter 03).
 #
@@ -231,7 +232,8 @@ for name, c in [(engine.source.name, hf)] + list(configs.items()):
     layer_attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * hd \
         + c.num_attention_heads * hd * c.hidden_size
     layer_mlp = 3 * c.hidden_size * c.intermediate_size
-    rows.append(dict(model=name, params=nparams, from_config=mc.num_params, embedding=mc.embedding_params / nparams,
+    rows.append(dict(model=name, config=c, params=nparams, from_config=mc.num_params,
+                     embedding=mc.embedding_params / nparams,
                      attention=c.num_hidden_layers * layer_attn / nparams,
                      mlp=c.num_hidden_layers * layer_mlp / nparams, bf16_gib=nparams * 2 / 2**30))
 print(f"{'model':14s} {'parameters':>14s} {'from config':>14s} {'embedding':>10s} {'attention':>10s} {'MLP':>6s} "
@@ -257,17 +259,27 @@ _ = check_prediction(my_prediction, params06 / 1e6, rel_tol=0.05, unit="M",
 
 # %%
 real = rows[1:]  # the two Qwen3 configurations: same vocabulary, different widths and depths
+toy = rows[0]    # the loaded model
+share_text = f"{real[0]['embedding']:.0%} in {real[0]['model']}, {real[1]['embedding']:.0%} in {real[1]['model']}"
 _ = render("The embedding table holds " + ", ".join(f"**{r['embedding']:.0%}** of {r['model']}'s" for r in rows)
-           + " parameters. Between the two real models the vocabulary stays the same while the layers widen, so "
-           "the embedding's share falls as the model grows: the bigger the model, the more the decoder layers' "
-           "matmuls dominate. The norm gains are a rounding error in every one.")
+           + " parameters. Between the two real Qwen3 models the vocabulary stays the same while the layers widen, "
+           + (f"so the embedding's share falls as the model grows ({share_text}) and the decoder layers' matmuls "
+              "dominate more. "
+              if real[1]["embedding"] < real[0]["embedding"] else
+              f"yet the embedding's share does not fall here ({share_text}). ")
+           + (f"{toy['model']} is no point on that trend: its vocabulary ({toy['config'].vocab_size:,} entries, "
+              f"against {real[0]['config'].vocab_size:,} for Qwen3) is far smaller, but so are its layers, so its "
+              "share reflects how it was shrunk, not its size. "
+              if toy["config"].vocab_size < real[0]["config"].vocab_size else "")
+           + "The norm gains are a rounding error in every one.")
 _ = check_claim("in every model above, the MLP holds more parameters than attention",
                 all(r["mlp"] > r["attention"] for r in rows),
                 "; ".join(f"{r['model']}: MLP {r['mlp']:.0%}, attention {r['attention']:.0%}" for r in rows))
 _ = check_claim("the embedding's share is smaller in Qwen3-1.7B than in Qwen3-0.6B",
                 real[1]["embedding"] < real[0]["embedding"],
                 " vs ".join(f"{r['model']} {r['embedding']:.0%}" for r in real))
-#
+
+# %% [markdown]
 # ## 2. Tensor shapes along one forward pass
 #
 # Forward hooks are callbacks PyTorch runs after a module's forward. We register one on every
@@ -339,9 +351,9 @@ for name in order:
 # %% [markdown]
 # How to read it (`T` is the number of tokens in the step, the first dimension everywhere):
 #
-# * The embedding turns `T` ids into `T` vectors of the hidden size. Everything up to the final
-#   norm keeps that `[T, hidden]` shape: a decoder layer maps a sequence of vectors to a sequence of
-#   vectors.
+# * The embedding turns `T` ids into `T` vectors of the hidden size. Between layers (the residual
+#   stream, up to the final norm) the shape stays `[T, hidden]`: a decoder layer maps a sequence of
+#   vectors to a sequence of vectors. Inside a layer the projections widen it and narrow it back.
 # * `qkv_proj` widens each token to `(query heads + 2 x kv heads) x head_dim` columns; the attention
 #   backend receives them split per head: q `[T, query heads, head_dim]`, k and v
 #   `[T, kv heads, head_dim]`.
@@ -507,7 +519,7 @@ for calls, result in journey:
           f"KV blocks used {r.kv_blocks_used}, finished {r.finished}")
 
 # %% [markdown]
-# That is the whole journey from the design brief, with real values:
+# That is one request's whole journey, with real values:
 #
 # `add_request` validates and tokenizes the prompt and queues a `Sequence` → every `step()`:
 # `Scheduler.schedule` decides who runs and how many tokens each (and asks the block manager for KV
@@ -553,8 +565,9 @@ _ = render(f"On this run the forward pass took between **{min(shares):.0%} and {
 
 # %% [markdown]
 # The rest of each step is the engine's own Python bookkeeping (scheduling, building inputs,
-# sampling, detokenising); its work depends on the number of requests and tokens in the step, not
-# on the size of the model. With a real model on a GPU a step's forward pass can be short enough
+# sampling, detokenising); most of it depends on the number of requests and tokens in the step,
+# not on the model's depth or width (sampling also grows with the vocabulary, since it reads a row
+# of logits per request). With a real model on a GPU a step's forward pass can be short enough
 # that this bookkeeping matters, and the engine's job becomes keeping the GPU fed; later chapters
 # measure that.
 #

@@ -259,8 +259,8 @@ if wrong is not None:
 # The paged pool reserves blocks as tokens arrive, so each live request wastes at most the unused part
 # of its last block (at most `block_size - 1` slots).
 #
-# We run a mixed workload of 24 requests (prompts of 8 to 120 tokens, 4 to 64 new tokens, all
-# different) on a fresh engine and, **after every step, read the live block manager**: slots
+# We run a mixed workload of 24 requests (random lengths: prompts of 8 to 120 tokens, 4 to 64 new
+# tokens; each prompt a slice of the text from a random offset) on a fresh engine and, **after every step, read the live block manager**: slots
 # allocated (blocks in use x block size), slots actually holding KV (each live sequence's
 # `num_computed_tokens`), and what the two contiguous policies would reserve for the same live
 # requests.
@@ -336,6 +336,13 @@ from widgets import check_claim, render
 render(f"Summed over the run, the share of held slots that sat empty was **{waste['paged']:.1%}** for the paged "
        f"pool, **{waste['contiguous_max_tokens']:.1%}** for a contiguous `prompt + max_tokens` reservation and "
        f"**{waste['contiguous_max_len']:.1%}** for a contiguous `max_model_len` reservation.")
+over = [(k, name) for k, name in (("contiguous_max_tokens", "`prompt + max_tokens`"),
+                                  ("contiguous_max_len", "`max_model_len`")) if peak[k] > POOL_SLOTS]
+render(f"The pool has **{POOL_SLOTS:,}** slots, and the paged engine held at most **{peak['paged']:,}** of them in one "
+       "step. " + (" ".join(f"The contiguous {name} policy would have needed **{peak[k]:,}** slots at its peak: it "
+                            "could not have run this schedule in this pool at all, and would have had to admit "
+                            "fewer requests at once." for k, name in over)
+                   if over else "Both contiguous policies' peaks fit in the pool on this schedule."))
 gap = max(s["paged"] - s["used"] - s["live"] * (BLOCK_SIZE - 1) for s in samples)
 check_claim("the paged pool never holds more than block_size - 1 empty slots per live request", gap <= 0,
             f"largest excess over that bound in any step: {gap} slots");
@@ -353,7 +360,8 @@ check_claim("paged wastes less than either contiguous policy, and max_model_len 
 #   every request use all its `max_tokens`. Real requests often stop early, and then the slots they
 #   never use are wasted too.
 # * Reserving `max_model_len` per request wastes the most, and in the same memory it fits fewer
-#   requests at once. That is the capacity argument of the PagedAttention paper: less waste means
+#   requests at once (the sentence above the checks compares each policy's peak with the pool: a
+#   policy whose peak exceeds the pool could not have run this schedule at all). That is the capacity argument of the PagedAttention paper: less waste means
 #   bigger batches (section 4 shows why bigger batches mean more throughput).
 #
 # What paging costs: attention must find K and V through the block table instead of reading one
@@ -433,7 +441,9 @@ check_claim("a decode step of 8 sequences costs less than half of 8 steps of one
 # ## Playground
 #
 # The block size is the knob of paging: small blocks waste less in each request's last block but make
-# block tables longer (more entries to read per step); large blocks approach a contiguous reservation.
+# block tables longer (more entries to read per step); larger blocks waste more, and once one block
+# holds a whole request, paging has become a contiguous reservation. Well before that, the paged
+# waste can exceed that of the `prompt + max_tokens` policy (the cell says which way it went).
 # Change `PLAY_BLOCK_SIZE` (try 1, 4, 64, 256) and rerun: the paged waste grows with the block size,
 # while the two contiguous policies do not depend on it. The pool keeps the same number of slots.
 
@@ -445,6 +455,9 @@ play.shutdown()
 print(f"block size {PLAY_BLOCK_SIZE}: share of held slots that sat empty: "
       + ", ".join(f"{k} {v:.1%}" for k, v in play_waste.items())
       + f" (block size {BLOCK_SIZE}: paged {waste['paged']:.1%})")
+render(f"With blocks of {PLAY_BLOCK_SIZE} slots the paged pool left **{play_waste['paged']:.1%}** of its held slots "
+       f"empty, {'more' if play_waste['paged'] > play_waste['contiguous_max_tokens'] else 'less'} than the contiguous "
+       f"`prompt + max_tokens` reservation's **{play_waste['contiguous_max_tokens']:.1%}**.")
 if PLAY_BLOCK_SIZE != BLOCK_SIZE:
     bigger = PLAY_BLOCK_SIZE > BLOCK_SIZE
     check_claim(f"paged waste is {'larger' if bigger else 'smaller'} with blocks of {PLAY_BLOCK_SIZE} than of {BLOCK_SIZE}",
