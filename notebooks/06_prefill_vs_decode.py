@@ -101,8 +101,9 @@ print(describe(llm))
 # measured now. A peak measured while other processes share the machine reads low, so the
 # per-machine cache keeps the best figure measured so far (this run's included), and that best is
 # the ceiling used below. From here on every StepRecord of this engine carries its FLOPs, bytes,
-# MFU and MBU. MBU, the roofline and every memory floor use the READ bandwidth (the reduction): a
-# decode step mostly reads weights, and a copy's write stream makes the copy slower.
+# MFU and MBU. MBU, the roofline and every memory floor use the READ bandwidth (the reduction),
+# because a decode step mostly reads (its weights); the copy figure, which counts bytes read plus
+# bytes written, is printed for reference only.
 now = engine.measure_peaks(refresh=True)
 peaks = engine.measure_peaks()  # the cached best, this run's measurement included
 BW = peaks.mbu_bytes_per_s      # the one memory ceiling used in this chapter
@@ -138,7 +139,7 @@ WHERE = f"{cfg.device}, {DTYPE}, {torch.get_num_threads()} thread(s)"
 #   same bytes, so about **t/2 FLOP per byte**.
 #
 # FLOPs per byte moved is the **arithmetic intensity**. The cell counts both products for one
-# weight of 4096 × 4096 (64 MiB in fp32, far more than a CPU cache holds).
+# weight of 4096 × 4096 in fp32 (its size is in the printout: more than most CPU caches hold).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -246,13 +247,16 @@ check_claim("4 rows streamed the weights more slowly than 1 row",
 
 # %% tags=["playground"]
 # Knob: ROWS, the number of activation rows multiplied by the 4096 x 4096 weight (try 1, 8, 32, 64, 512).
-# Look for where the measured time stops staying close to the memory floor and starts following the
-# compute floor: near ROWS = 2 x ridge point in fp32, the intensity where the two floors cross.
+# Compare the measured time with the larger of the two floors, the best this machine could do. The
+# intensity is about ROWS/2 in fp32, so the floors cross near ROWS = 2 x ridge point: below it the memory
+# floor is the larger, above it the compute floor. On a CPU expect the measured time to sit well above both.
 ROWS = 32
 f, b = hand_count(ROWS)
 med_s, _, _ = time_rows(ROWS, repeats=3)
-print(f"{ROWS} rows: intensity {f / b:.1f} FLOP/byte; memory floor {b / BW * 1e3:.2f} ms, compute floor "
-      f"{f / peaks.flops_per_s * 1e3:.2f} ms, measured {med_s * 1e3:.2f} ms")
+mem_floor_ms, comp_floor_ms = b / BW * 1e3, f / peaks.flops_per_s * 1e3
+print(f"{ROWS} rows: intensity {f / b:.1f} FLOP/byte (ridge {peaks.ridge_intensity:.1f}); memory floor "
+      f"{mem_floor_ms:.2f} ms, compute floor {comp_floor_ms:.2f} ms, measured {med_s * 1e3:.2f} ms "
+      f"({med_s * 1e3 / max(mem_floor_ms, comp_floor_ms):.1f}x the larger floor)")
 del W_DEMO
 
 # %% [markdown]
@@ -278,22 +282,26 @@ PROMPT = 'Return a new list containing all items from the iterable in ascending 
 tok = llm.get_tokenizer()
 print(f"prompt: {len(tok.encode(PROMPT))} tokens -> {-(-len(tok.encode(PROMPT)) // BLOCK_SIZE)} KV blocks of {BLOCK_SIZE}")
 engine.add_request("by-hand", PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-n = 0
+n, blocks_after = 0, []
 while engine.has_unfinished_requests():
     result = engine.step_with_record()
     r = result.record
+    blocks_after.append(r.kv_blocks_used)
     new = result.outputs[0].outputs[0].token_ids[-1] if result.outputs else None
     print(f"step {n}: {r.phase:7s} tokens in the forward pass {r.num_tokens:3d}   "
           f"KV blocks in use after it {r.kv_blocks_used}   sampled token {new}")
     n += 1
 final = result.outputs[0]
 print("generated:", final.outputs[0].token_ids, repr(final.outputs[0].text))
+print("KV blocks during decode:", "rose above" if max(blocks_after) > blocks_after[0] else "stayed at",
+      f"the {blocks_after[0]} of the prefill (a new block is needed after every {BLOCK_SIZE} cached tokens)")
 
 # %% [markdown]
 # One prefill step carried the whole prompt; each decode step carried a single token. The block
-# count goes up when the sequence crosses a multiple of 16 tokens, and drops to zero when the
-# request finishes and its blocks return to the pool (they stay in the prefix cache, reusable,
-# until something else needs the space: chapter 08).
+# count goes up only when the sequence's cached tokens cross the next multiple of the block size
+# (`BLOCK_SIZE`), so a short answer may not add a block at all (the last line of the printout says
+# whether this one did), and it drops to zero when the request finishes and its blocks return to the
+# pool (they stay in the prefix cache, reusable, until something else needs the space: chapter 08).
 #
 # ### Step it yourself
 #
@@ -463,11 +471,13 @@ check_claim("on the embedded model, the weight-read floor is less than half of a
 #
 # `BIG_MODEL` has the shapes of Qwen3-0.6B (28 layers, hidden size 1024, a 151,936-token vocabulary)
 # with random weights: its answers are noise, but every step moves exactly as many bytes and does
-# exactly as many FLOPs as the real model would. A 64 MiB KV pool keeps its footprint down to the
-# weights.
+# exactly as many FLOPs as the real model would in the same dtype (printed below: fp32 on a CPU, where
+# each weight takes twice the bytes it has in the released bf16 checkpoint). A small KV pool
+# (`KV_POOL_BYTES`) keeps its footprint down to the weights.
 
 # %%
-big = LLM(BIG_MODEL, device=DEVICE, kv_cache_memory_bytes=64 << 20, max_num_seqs=16,
+KV_POOL_BYTES = 64 << 20  # the big model's KV pool: room for this section's short requests
+big = LLM(BIG_MODEL, device=DEVICE, kv_cache_memory_bytes=KV_POOL_BYTES, max_num_seqs=16,
           max_num_batched_tokens=256)
 big_engine = big.llm_engine
 print(describe(big))
@@ -563,7 +573,8 @@ show_figure(fig)
 # %% [markdown]
 # The sloped part of the roof is the memory ceiling (a step there can go no faster than its bytes
 # stream in), the flat part the compute ceiling; they meet at the ridge point (dotted). Decode steps
-# sit at about `B/2` FLOP/byte, prefill steps at about `T/2` for `T` prompt tokens. The gap between a
+# sit at about `B/2` FLOP/byte, prefill steps somewhat below `T/2` for `T` prompt tokens (the LM head
+# runs only on each sequence's last token, so its weights serve fewer rows). The gap between a
 # point and the roof is overhead and inefficiency: small matrix multiplies run below the big square
 # matmul that set the peak, and a step also spends time outside them.
 #
@@ -672,10 +683,10 @@ check_claim(f"decode at batch {b_max} produces more tokens per second than at ba
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
 #
-# A decode step at batch `B` reads the same ~2.4 GB of weights whatever `B` is and does `B` times the
-# arithmetic, so its intensity is about `B/2` FLOP/byte in fp32 (the shape table above). While `B/2`
-# is below the ridge point, the memory floor sets the step's time and `B` tokens cost about the same
-# as one: throughput grows almost in proportion to `B`. Once `B/2` passes the ridge, the compute floor
+# A decode step at batch `B` reads the same weights (the bytes printed by the intensity cell above)
+# whatever `B` is and does `B` times the arithmetic, so its intensity is about `B/2` FLOP/byte in
+# fp32 (the shape table above). While `B/2` is below the ridge point, the memory floor sets the step's
+# time and `B` tokens cost about the same as one: throughput grows almost in proportion to `B`. Once `B/2` passes the ridge, the compute floor
 # takes over and each extra row costs its own arithmetic, so throughput stops growing. On a CPU the
 # ridge point is low (this machine's is printed in the setup cell), so the ideal bound flattens at a
 # batch of about twice the ridge; the ideal speed-up at batch 16 is then roughly `2 × ridge`, not 16.
@@ -740,9 +751,11 @@ del big, big_engine
 # something measured in this notebook.
 #
 # **"A faster GPU always means faster generation."** It depends on which ceiling a step is under.
-# The side-by-side table in section 4 gave each step a compute floor and a memory floor: the decode
-# step would get faster only with more bandwidth (more FLOP/s could shave at most its small compute
-# floor), the long prefill step the other way round.
+# The side-by-side table in section 4 gave each step a compute floor and a memory floor: the batch-1
+# decode step's roofline bound would improve only with more bandwidth (more FLOP/s could shave at most
+# its small compute floor), the long prefill step's the other way round (the measured steps sit above
+# both floors; the table's MFU and MBU rows say how far). Past the ridge point, which larger decode
+# batches reach, FLOP/s matters to decode too.
 #
 # **"Prefill and decode use different weights."** Same weights, same code: the difference is how many
 # rows go through them per step. If that were not so, decoding token by token would give different
@@ -775,7 +788,7 @@ print("identical:", decoded == replayed)
 #   instead of four (fewer bytes to read per step; not exact, so the tokens may differ). Section 3
 #   found that reading the embedded model's weights is a small share of its step, so int8, which
 #   shrinks only the matrix multiplies, has less to gain there than on a large model; the cell also
-#   times section 1's 64 MiB weight, whose one-row product *is* a weight read, in fp32 and through
+#   times section 1's 4096 × 4096 weight, whose one-row product *is* a weight read, in fp32 and through
 #   the engine's int8 matmul (`minivllm.quantization.int8.Int8Weight`);
 # * **speculative decoding**: `speculative_config={"method": "ngram", ...}` proposes up to 4 tokens by
 #   looking up the latest earlier occurrence of the context's last 2 to 4 tokens, and the model checks
@@ -851,7 +864,7 @@ weights, no speculation, **{tps1:.0f} tokens/s**.
 {lines}
 
 Speculation accepted {spec_m.draft_acceptance_rate:.0%} of its draft tokens, {spec_m.mean_accepted_length:.2f} tokens
-per verification step. Where the weight read is the whole cost, section 1's 64 MiB weight times one row:
+per verification step. Where the weight read is the whole cost, section 1's {N_OUT * K_IN * BYTES / 2**20:.0f} MiB weight times one row:
 **{fp32_ms:.2f} ms** in fp32, **{int8_ms:.2f} ms** in int8 (**{fp32_ms / int8_ms:.1f}x** faster).""")
 check_claim("batching raises decode tokens/s over one request", lever_rows[0][1] > tps1,
             f"{lever_rows[0][1] / tps1:.2f}x")
@@ -904,6 +917,13 @@ del engines
 # %%
 from widgets import Question, Quiz
 
+# the largest measured batch still below the ridge point (memory-bound), for the first question's feedback
+b_mem = below[-1] if len(below) > 1 else None
+mem_example = (f"here batch {b_mem}, still below the ridge point, took "
+               f"{big_dec.wall_ms.loc[b_mem] / big_dec.wall_ms.loc[1]:.1f}x the time of batch 1 on the big model"
+               if b_mem is not None else "on this machine even batch 2 of the big model was past the ridge point, "
+               "so the sweep had no larger memory-bound batch to compare")
+ridge_batch = big_peaks.ridge_intensity * cost.weight_bytes / 2  # decode intensity B x 2 / bytes per weight = ridge
 Quiz([
     Question(
         "While decode is memory-bound, why does a step for 8 sequences cost far less than 8 steps for one?",
@@ -914,8 +934,7 @@ Quiz([
         1,
         ["The kernels are the same matrix multiplies; the batch just adds rows to them.",
          "Right: eight rows instead of one barely change the bytes moved, so while the step is memory-bound "
-         f"its time grows much less than eightfold (here batch 8 took {big_dec.wall_ms.loc[8] / big_dec.wall_ms.loc[1]:.1f}x "
-         "the time of batch 1 on the big model).",
+         f"its time grows less than in proportion to the batch ({mem_example}).",
          "Decode reads the KV cache of every earlier token; it is the prefill that starts with it empty.",
          "They run together in one forward pass: that is what batching means here."],
     ),
@@ -926,7 +945,8 @@ Quiz([
          "point, so arithmetic, not the weight read, set the step time",
          "Python overhead grows with the square of the batch", "Batching never helps decode on a CPU"],
         1,
-        ["The 64 MiB pool held every sequence of that workload; no request waited or was preempted.",
+        [f"The {KV_POOL_BYTES >> 20} MiB pool held every sequence of that workload; no request waited or was "
+         "preempted.",
          f"Right: the ridge point here is {big_peaks.ridge_intensity:.1f} FLOP/byte. Below it a bigger batch rides "
          "on the same weight read; past it the step is compute-bound and more rows cost proportionally more "
          "time. On a data-centre GPU the ridge is in the hundreds.",
@@ -934,14 +954,17 @@ Quiz([
          f"The measured throughput at batch {b_max} was {speedup:.1f}x that of batch 1."],
     ),
     Question(
-        "Which of these does NOT raise decode tokens per second on the same machine and model?",
+        "Starting from batch-1 decode (memory-bound), which of these does NOT raise decode tokens per second on "
+        "the same model?",
         ["Batching more requests into each decode step", "Storing the weights in int8",
          "Speculative decoding on text that repeats its context", "A GPU with more FLOP/s and the same bandwidth"],
         3,
         ["It does: one weight read serves every sequence in the step (section 5 measured it).",
          "It does where the weight read dominates: fewer bytes per weight, less to read per step.",
          "It does when drafts are accepted: several tokens come out of one verification step.",
-         "Right: a memory-bound decode step waits on bandwidth; more arithmetic units would sit idle."],
+         "Right, at small batches: a memory-bound decode step waits on bandwidth, and more arithmetic units "
+         "would sit idle. Past the ridge point (decode intensity B x 2 / bytes per weight reaches it near batch "
+         f"{ridge_batch:.0f} in {BIG_DTYPE} on this machine) the step is compute-bound and FLOP/s matters too."],
     ),
 ]).display()
 

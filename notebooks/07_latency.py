@@ -96,8 +96,9 @@ WHERE = f"{me.source.name}, {cfg.device}, {DTYPE}, {torch.get_num_threads()} thr
 #
 # The engine stamps every request with its times (`RequestOutput.metrics`: arrival, first scheduled,
 # first token, every token, finished). Here five requests of different lengths arrive together at an
-# engine whose step holds at most 64 tokens, so some prompts wait for others and prompts that do not
-# fit in a step are split across steps:
+# engine whose step holds at most 64 tokens, so some prompts wait for others, and a prompt that does
+# not fit in the budget left in a step is split across steps (even a short one: what counts is the room
+# the step has left, not the prompt's length):
 
 # %%
 import random
@@ -139,7 +140,15 @@ from widgets import check_claim, check_prediction, render
 
 slow_start = lat.ttft_ms.idxmax()
 long_tail, short_tail = lat["e2e / TTFT"].idxmax(), lat["e2e / TTFT"].idxmin()
-render(f"The last first token went to request **{slow_start}** ({lat.loc[slow_start, 'prompt']} prompt tokens, "
+# the step that sampled each request's first token; several requests can share the last such step
+first_step = {rid: next(i for i, r in enumerate(mixed_records) for e in r.scheduled if e.request_id == rid and e.sampled)
+              for rid in WORKLOAD}
+last_first = [f"**{rid}**" for rid, i in first_step.items() if i == max(first_step.values())]
+plural = "s" if len(last_first) > 1 else ""
+named = ", ".join(last_first[:-1]) + (" and " if plural else "") + last_first[-1]
+render(f"The last first token{plural} came at step {max(first_step.values())}, to request{plural} {named}; "
+       f"the longest TTFT "
+       f"was request **{slow_start}**'s ({lat.loc[slow_start, 'prompt']} prompt tokens, "
        f"{lat.loc[slow_start, 'queue_ms']:.1f} ms of it queued, TTFT {lat.loc[slow_start, 'ttft_ms']:.1f} ms). "
        f"Request **{long_tail}** ({lat.loc[long_tail, 'output']} output tokens) took "
        f"{lat.loc[long_tail, 'e2e / TTFT']:.1f}x its TTFT in all, request **{short_tail}** "
@@ -320,8 +329,10 @@ check_claim("chunking did not make the long prompt's own first token come sooner
 # reads all the weights again. So chunking does not bring the long prompt's first token sooner, and
 # usually delays it: expect a ratio of 1 or more. How much it adds depends on the fixed cost per
 # step: on this small model a step's fixed cost is a large share of a 64-token chunk's time, so
-# several steps cost visibly more than one; on a large model on a GPU, where a chunk of a few hundred
-# tokens is compute-bound, the ratio is closer to 1. The table above gives this run's figure.
+# several steps cost visibly more than one. On a large model on a GPU, where a chunk of a few hundred
+# tokens is compute-bound, we expect the ratio to be closer to 1; that is not measured here: run this
+# notebook with `MINIVLLM_MODEL` naming a real checkpoint on a GPU to measure it. The table above gives
+# this run's figure.
 #
 # What chunking buys is the other column: the requests already decoding never wait for more than one
 # chunk.
@@ -405,9 +416,10 @@ check_claim("the scheduler, which decides the chunks, never reads enforce_eager"
 # chapter 11 measures what the graphs buy.
 #
 # **"Engines like nano-vllm mix prefill and decode in one batch."** Ours does, as the mixed steps above
-# show: one forward pass holding a decode token and a prefill chunk. nano-vllm's scheduler (its
-# `Scheduler.schedule`) does not: each of its steps is prefill-only or decode-only, and it chunks only
-# the first waiting prompt. Mixing is what lets the decoding request above get a token in every step.
+# show: one forward pass holding a decode token and a prefill chunk. nano-vllm (commit bb823b3,
+# `nanovllm/engine/scheduler.py`, `Scheduler.schedule`) does not: each of its steps is prefill-only or
+# decode-only, and it chunks only the first prompt of a step. Mixing is what lets the decoding request
+# above get a token in every step.
 #
 # ## 5. Why it matters
 #
@@ -428,16 +440,19 @@ check_claim("the scheduler, which decides the chunks, never reads enforce_eager"
 from widgets import Question, Quiz
 
 longer = "longer" if ttft_ratio >= 1 else "shorter"
+Q_PROMPT, Q_ANSWER = 2000, 20  # the first question's request: prompt and answer tokens
 Quiz([
     Question(
-        "A request has a 2,000-token prompt and gets a 20-token answer. What sets its time to first token?",
+        f"A request has a {Q_PROMPT:,}-token prompt and gets a {Q_ANSWER}-token answer. What sets its time to "
+        "first token?",
         ["The decode steps", "Queueing plus the prefill steps of its prompt",
          "Prefill and decode equally", "The sampler"],
         1,
         ["Decode starts only after the first token exists; it sets the pace of the tokens that follow.",
          "Right: the first token is sampled at the end of the step that finishes the prompt, so TTFT is the "
          "wait in the queue plus every prefill step (chunks included).",
-         "The 20 decode steps all come after the first token; they add to the total time, not to TTFT.",
+         f"The {Q_ANSWER - 1} decode steps (the first of the {Q_ANSWER} tokens comes from the prefill) all come "
+         "after the first token; they add to the total time, not to TTFT.",
          "Sampling one token from the logits is a tiny part of any step."],
     ),
     Question(

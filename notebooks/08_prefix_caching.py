@@ -32,9 +32,10 @@
 #
 # **You will:** send requests that share a system prompt and watch them reuse the same physical KV
 # blocks · predict, then measure, the hit rate and the time to first token with and without caching ·
-# prove the output does not change · shrink the KV pool until cached blocks are evicted, least recently
-# used first, predict where the hit rate starts to fall and measure it · explore it live in the prefix
-# cache view.
+# check that the greedy output does not change (the reused KV is mathematically the same as the KV a
+# fresh prefill computes; section 1 compares the greedy tokens on this run) · shrink the KV pool until
+# cached blocks are evicted, least recently used first, predict where the hit rate starts to fall and
+# measure it · explore it live in the prefix cache view.
 
 # %% [markdown]
 # ## Setup
@@ -185,10 +186,10 @@ check_prediction(my_prediction, on.cached_tokens.sum() / on.prompt_tokens.sum(),
 # <details><summary>Worked solution</summary>
 #
 # Request 0 finds an empty cache: none of its tokens hit. Each of the nine others finds the system
-# prompt's full blocks cached, so all their tokens hit (section 1 printed whether the system prompt
-# ends on a block boundary; if not, its last partial block is computed with the question), and the
-# question after it is computed (it differs between requests, and the last prompt token is always
-# computed anyway). So the share is about
+# prompt's full blocks cached, so the tokens of those full blocks hit (section 1 printed whether the
+# system prompt ends on a block boundary; if not, its last partial block is computed with the
+# question), and the rest of the prompt, the question after them, is computed (it differs between
+# requests, and the last prompt token is always computed anyway). So the share is about
 #
 # `9 x (system-prompt tokens in full blocks) / (10 x prompt length)`,
 #
@@ -324,12 +325,14 @@ my_prediction = None  # your guess: the largest number of prefixes K that still 
 
 # %%
 import statistics
+import string
 
 
 def round_robin(llm, k: int, rounds: int = 3) -> dict:
     eng = llm.llm_engine
     eng.reset_prefix_cache()
-    names = "ABCDEF"[:k]
+    names = string.ascii_uppercase[:k]  # k distinct prefixes (up to 26)
+    assert len(names) == k, f"round_robin names at most 26 prefixes, asked for {k}"
     prefixes = {n: [rng.randrange(1, eng.vocab_size) for _ in range(4 * BLOCK_SIZE)] for n in names}
     hit = total = 0
     ttft = []
@@ -418,16 +421,19 @@ check_claim("once the prefixes outgrow the pool, the TTFT of rounds 2-3 rises", 
 # ## Playground
 #
 # `PLAY_POOL_BLOCKS` is the size of the KV pool in blocks. Change it (try 12, 20, 24, 32) and rerun: the
-# cell repeats the round-robin sweep on a fresh engine of that size and prints the hit rates (no
-# timing). Look for the K where the hit rate first drops, and compare it with `4K + 1 <= blocks`.
+# cell repeats the round-robin sweep on a fresh engine of that size, for K = 1 to `PLAY_MAX_K`
+# prefixes, and prints the hit rates (no timing). Look for the K where the hit rate first drops, and
+# compare it with `4K + 1 <= blocks`; the hit rate reaches zero about one K later, so for a pool of 32
+# blocks the sweep must reach K = 9 to show both (raise `PLAY_MAX_K` for larger pools).
 
 # %% tags=["playground"]
 PLAY_POOL_BLOCKS = 24  # KV blocks of 16 slots in the pool
+PLAY_MAX_K = 9         # the sweep runs K = 1 .. PLAY_MAX_K prefixes
 
 play = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=PLAY_POOL_BLOCKS, max_num_seqs=1)
-rates = [round_robin(play, k)["hit rate"] for k in range(1, 8)]
+rates = [round_robin(play, k)["hit rate"] for k in range(1, PLAY_MAX_K + 1)]
 play.shutdown()
-print(f"{PLAY_POOL_BLOCKS} blocks: hit rate for K = 1..7 prefixes:", " ".join(f"{r:.2f}" for r in rates))
+print(f"{PLAY_POOL_BLOCKS} blocks: hit rate for K = 1..{PLAY_MAX_K} prefixes:", " ".join(f"{r:.2f}" for r in rates))
 small.shutdown()
 
 # %% [markdown]
@@ -436,8 +442,11 @@ small.shutdown()
 # The view below runs four of the questions on the cached engine. For each request it shows the
 # prompt's KV blocks as hits (reused) or misses (computed), and measures its TTFT twice: *warm*
 # (the system prompt already cached by request 0) and *cold* (the cache cleared first), each the
-# median of two runs. The difference is the time the cache saved, measured. Press **Run** to
-# measure again.
+# median of two runs. For requests 1 to 3 the difference is the time the cache saved, measured; request
+# 0 has nothing to reuse in either run, so its difference is noise. The view tokenises the system
+# prompt and the question separately and joins the token ids, so a prompt's length can differ by a
+# token or so from the same text tokenised whole in section 1 (the printout below gives each prompt's
+# length). Press **Run** to measure again.
 
 # %%
 from widgets import PrefixCacheView
@@ -509,7 +518,8 @@ Quiz([
 #   measure it with `num_cached_tokens`;
 # * measure what caching does to time to first token, and say why the saving is smaller than the
 #   share of tokens skipped when per-step overhead is large;
-# * show that caching changes what is computed, not the result (identical greedy tokens);
+# * check that caching changes what is computed and not the result (the reused KV is mathematically
+#   the same; section 1 compares the greedy tokens with and without the cache);
 # * explain LRU eviction from the free list, compute the largest number of prefixes a pool can keep
 #   under a round-robin, and recognise the collapse past it.
 #
