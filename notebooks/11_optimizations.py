@@ -91,6 +91,7 @@ print(f"{hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
 # %%
 from widgets import EngineStepper
 
+# prompt= and max_tokens= only fill the widget's form; add_request below submits the one request.
 stepper = EngineStepper(llm, prompt="The module provides", max_tokens=12)
 stepper.add_request("Return a new list containing", max_tokens=12)
 stepper.step()  # the prefill
