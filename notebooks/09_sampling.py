@@ -22,7 +22,7 @@
 # **Prerequisites:** chapter 01 (logits, softmax, the generation loop) and chapter 05 (requests
 # batched together in one step). Basic probability: a distribution, sampling from it.
 #
-# **Time:** about 40 minutes (reading and running; the notebook itself runs in about a minute).
+# **Time:** about 40 minutes (reading and running).
 #
 # Every step, the model hands the engine one vector of scores (logits) per sequence, one score for
 # each token in the vocabulary. Turning that vector into *one* token is the sampler's job, and the
@@ -358,14 +358,26 @@ else:
 # In V1's order, top-p receives the distribution *renormalised over min-p's survivors*: each
 # survivor's probability is divided by the survivors' total mass, which is less than 1. The running
 # sum reaches 90% sooner, after fewer tokens. Every token V1 keeps also passes both original tests,
-# so V1 can keep fewer tokens, never more. It keeps fewer when min-p has removed part of the tail
-# that top-p would otherwise have walked through; when min-p alone already keeps fewer tokens than
-# top-p needs, as on a very confident prediction, the two orders can agree. The cell above prints
-# both counts for both prompts: compare them with this reasoning.
+# so V1 can keep fewer tokens, never more. The two orders agree when top-p, run on min-p's
+# renormalised survivors, still needs all of them: then both keep exactly min-p's survivors (the
+# extreme case is min-p keeping a single token, where there is nothing left to cut). As soon as
+# the renormalised survivors reach 90% before the last of them, V1 stops there, while minivllm's
+# top-p, counting on the original, smaller probabilities, usually has to go further. The cell
+# after this solution prints, for both prompts, what min-p keeps alone and what each order keeps:
+# compare them with this reasoning.
 # Both are reasonable definitions; they are not the same sampler, and settings tuned on one engine
 # can sample differently on the other.
 #
 # </details>
+
+# %%
+MINP_ALONE = {name: int((probs_under(LOGITS[name], SamplingParams(temperature=1.0, min_p=0.05)) > 0).sum())
+              for name in LOGITS}
+_ = render("On this run, with `top_p=0.9` and `min_p=0.05`: " + "; ".join(
+    f"the {name} prompt's min-p alone keeps **{MINP_ALONE[name]}** token(s), minivllm's order "
+    f"**{ORDER[name][0]}**, vLLM V1's **{ORDER[name][1]}** "
+    f"({'the orders agree' if ORDER[name][0] == ORDER[name][1] else 'V1 keeps fewer'})"
+    for name in LOGITS) + ".")
 
 # %% [markdown]
 # ### Playground · temperature before the filters
@@ -417,7 +429,8 @@ show_figure(fig)
 #
 # Now through the engine end to end: each setting generates 12 tokens for the same prompt, three
 # times. The sampled runs carry seeds 1, 2 and 3, so they are reproducible too (more on seeds in
-# section 5); without a seed they would differ on every run. Each request also asks for
+# section 5); without a per-request seed the three runs would still differ from each other, and
+# their tokens would depend on what else shares their steps. Each request also asks for
 # `logprobs=0`: the log-probability, under the model's raw distribution (before temperature or any
 # filter), of every token it generated, so we can measure how likely the chosen tokens were.
 
@@ -489,8 +502,8 @@ print(f"explorer, top_p=0.9 on {PROMPTS['confident']!r}: {explorer.kept} tokens 
 # own generator, so no other row can consume or shift its random numbers.
 #
 # Test: request A (seed 1234, temperature 1, top-p 0.95) runs alone; then again with seven other
-# requests around it (a greedy one, unseeded ones, other seeds, other filters, and a longer prompt
-# that forces mixed prefill/decode steps), added both before and after it.
+# requests around it (a greedy one, unseeded ones, other seeds, other filters, and a longer prompt),
+# added both before and after it.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -532,9 +545,10 @@ _ = check_claim("without a seed, the tokens alone and in the batch differ", no_s
 
 # %% [markdown]
 # The seed pins a request's tokens whatever shares its steps (first check), and the seed is what
-# decides them (second). A request *without* a seed draws from the engine-wide generator, whose
-# numbers are handed out row by row to whoever is in the step, so its tokens depend on the batch
-# (third); that is fine for a request that asked for no reproducibility.
+# decides them (second). A request *without* a seed draws from the engine-wide stream, whose
+# numbers are handed out row by row to whoever is in the step, so its tokens depend on everything
+# sampled before and beside it (third; its alone run also came after the batch had advanced the
+# stream); that is fine for a request that asked for no reproducibility.
 #
 # ## 6. Why the exponential race samples from the softmax
 #
@@ -666,7 +680,9 @@ Quiz([
         [f"Section 5 ran the same seeded request alone and in a batch of eight: identical tokens on this run: "
          f"{alone == in_batch}.",
          "Right: the noise for a seeded row comes only from that request's generator, seeded with 42 the first "
-         "time it samples.",
+         "time it samples. On GPUs, kernels that are not batch-invariant can still give slightly different "
+         "logits in another batch and flip a near-tied token; section 5 checked the seeded request on this "
+         f"run: identical alone and in a batch: {alone == in_batch}.",
          "That holds for requests without a seed (they share the engine-wide stream), not for seeded ones.",
          "Greedy needs no random numbers at all; the question is about sampling with a seed."],
     ),

@@ -23,7 +23,7 @@
 # `gate_up_proj`/`down_proj`, the embedding and LM head) and chapter 05 (the engine step: schedule,
 # run the model, sample). A matrix multiply written as dot products.
 #
-# **Time:** about 45 minutes (reading and running; the notebook itself runs in about a minute).
+# **Time:** about 45 minutes (reading and running).
 #
 # A model too big (or too slow) for one device can be cut into pieces that several devices run
 # together. **Tensor parallelism** cuts every weight matrix: each process (a *rank*) holds a slice
@@ -237,13 +237,17 @@ _ = check_claim("each rank's MLP partial sum is wrong alone and the sum of the p
                 f"a partial alone matches: {partial_alone_ok}; the sum matches: {partial_sum_ok}")
 _ = check_claim("the embedding (all-reduce) and LM head (all-gather) shards rebuild the full results",
                 embedding_ok and head_ok, f"embedding: {embedding_ok}; LM head: {head_ok}")
-#
+
+# %% [markdown]
 # ## 3. Two real processes
 #
 # `tensor_parallel_size=2` makes the engine start one worker process (rank 1); the notebook's own
 # process is rank 0. Rank 0 runs the scheduler and the block manager exactly as before, and before
-# every step **broadcasts the step's inputs** (token ids, positions, slot mapping, block tables) to
-# the workers; then every rank runs its shard of the model, and only rank 0 samples. Starting a
+# every step **broadcasts the step's inputs** to the workers, in two broadcasts: a small fixed-size
+# header (the command and the sizes of what follows), then one payload tensor packing the token ids,
+# positions, slot mapping, sequence lengths and block tables (`pack_step` in
+# `minivllm/executor/worker.py`; a worker needs the header's sizes to allocate the payload before it
+# can receive it). Then every rank runs its shard of the model, and only rank 0 samples. Starting a
 # fresh Python process that imports torch and builds its shard takes a while (the cell prints how
 # long):
 
@@ -280,7 +284,8 @@ _ = check_claim(f"{TP} processes give the same greedy tokens as one", same_token
                 f"{len(PROMPTS)} prompts x 12 tokens compared",
                 why_it_may_not="A near-tie between the two most likely tokens can flip under a different "
                                "summation order; a bigger model in bf16 makes that more likely.")
-#
+
+# %% [markdown]
 # ### Step it yourself
 #
 # The stepper drives the two-process engine one `step()` at a time. Nothing in it knows about the
@@ -290,6 +295,7 @@ _ = check_claim(f"{TP} processes give the same greedy tokens as one", same_token
 # %%
 from widgets import EngineStepper
 
+# prompt= and max_tokens= only fill the widget's form; add_request below submits the one request.
 stepper = EngineStepper(tp_llm, prompt="The module provides", max_tokens=8)
 stepper.add_request("Return a new list containing", max_tokens=8)
 stepper.step()  # the prefill
@@ -447,9 +453,8 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 # embedding adds one all-reduce (each rank looks up only the ids it owns): `2L + 1` for the forward
 # pass. A step that samples adds the LM head's all-gather, since sampling needs every rank's slice
 # of the logits. And before any of that, rank 0 broadcasts the step's inputs; minivllm sends them
-# as two broadcasts (a small header with the sizes, then the payload), which you could only guess
-# from section 3. With the layer count printed by the setup cell that gives the figure measured
-# above. The count does not depend on the batch or on the prompt: it is the same in every step.
+# as two broadcasts (a small header with the sizes, then the payload), as section 3 said. With the
+# layer count printed by the setup cell that gives the figure measured above. The count does not depend on the batch or on the prompt: it is the same in every step.
 #
 # **Exercise 2.** A row-parallel layer's all-reduce adds the ranks' partial outputs, one row of
 # `hidden_size` values per token in the step. In a prefill step every prompt token is in the step,
@@ -573,7 +578,8 @@ _ = check_prediction(my_prediction, TP_RATIO["decode"], rel_tol=0.3, unit="x",
 
 # %% [markdown]
 # Read the ratios printed above (the fastest steps' ratio is the one least disturbed by other
-# processes; the medians' ratio agrees with it on a quiet machine). With the embedded model on a CPU, expect the two-process step
+# processes; the next cell says whether the medians' ratio told the same story on this
+# run). With the embedded model on a CPU, expect the two-process step
 # to be *slower* than the single process, and the chart shows where the time goes. Each all-reduce
 # is a round trip between two processes through the operating system (gloo over local TCP), whose
 # cost (the times printed above) depends little on how few bytes it carries, and a step makes
@@ -601,6 +607,15 @@ _ = render(f"Communication (all-reduces, the all-gather and the broadcasts) took
            f"decode step's forward and **{COMM_SHARE['prefill']:.0%}** of a prefill step's on this run, and the "
            f"{TP}-process decode forward took **{TP_RATIO['decode']:.2f}x** the single process's (fastest steps; "
            f"{MEDIAN_RATIO['decode']:.2f}x by the medians).")
+# The two ratios "agree" here when they fall on the same side of 1 and within 20% of each other.
+RATIOS_AGREE = {ph: (TP_RATIO[ph] > 1) == (MEDIAN_RATIO[ph] > 1)
+                and abs(MEDIAN_RATIO[ph] / TP_RATIO[ph] - 1) < 0.2 for ph in TP_RATIO}
+_ = render("The fastest steps' ratio and the medians' ratio "
+           + ("**agreed** on this run" if all(RATIOS_AGREE.values()) else "**did not agree** on this run")
+           + " (same side of 1 and within 20% of each other: "
+           + ", ".join(f"{ph} {TP_RATIO[ph]:.2f}x vs {MEDIAN_RATIO[ph]:.2f}x" for ph in TP_RATIO) + ")"
+           + ("." if all(RATIOS_AGREE.values()) else
+              "; the medians include the steps slowed by other processes, so trust the fastest steps' ratio."))
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
@@ -677,7 +692,8 @@ Quiz([
          "The checkpoint stores gate_up transposed"],
         1,
         ["Row first would give partial sums after gate_up; SiLU is not linear, so they would have to be "
-         "all-reduced before the activation, and then again after down_proj: two collectives instead of one.",
+         "all-reduced before the activation, and down_proj's output, now split by feature, all-gathered: two "
+         "collectives instead of one.",
          "Right: the column-parallel output is already split the way the row-parallel input needs it, and "
          "the activation works element by element, so nothing crosses ranks until down_proj's all-reduce.",
          "Both splits do the same arithmetic per rank (half of the multiply-adds); what differs is where the "

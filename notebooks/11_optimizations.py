@@ -91,6 +91,7 @@ print(f"{hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
 # %%
 from widgets import EngineStepper
 
+# prompt= and max_tokens= only fill the widget's form; add_request below submits the one request.
 stepper = EngineStepper(llm, prompt="The module provides", max_tokens=12)
 stepper.add_request("Return a new list containing", max_tokens=12)
 stepper.step()  # the prefill
@@ -191,7 +192,7 @@ render(f"On this run the dispatch floor ({n_ops} operations x {per_op_us:.1f} µ
 # step is the figure just rendered. On a GPU the floor matters more: the GPU finishes a small kernel
 # quickly and then waits for the host to issue the next one, so a small model's decode step can take
 # longer than its arithmetic needs unless the launches are taken off the host (section 2 measures
-# this when a GPU is present).
+# this, and checks it, when a GPU is present).
 #
 # ## 2. CUDA graphs: issue the whole step at once
 #
@@ -245,6 +246,19 @@ if ON_CUDA:
         g.shutdown()
     graphs = pd.DataFrame(rows)
     display(graphs)
+    eager_b1 = graphs[(~graphs.cuda_graphs) & (graphs.batch == 1)].decode_step_ms
+    graph_b1 = graphs[graphs.cuda_graphs & (graphs.batch == 1)].decode_step_ms
+    if len(eager_b1) and len(graph_b1):
+        graph_speedup = float(eager_b1.iloc[0]) / float(graph_b1.iloc[0])
+        _ = check_claim("CUDA graphs shorten a batch-1 decode step", graph_speedup > 1,
+                        f"{float(eager_b1.iloc[0]):.2f} ms eager, {float(graph_b1.iloc[0]):.2f} ms with graphs",
+                        why_it_may_not="A large model's step is dominated by reading its weights, which "
+                                       "graphs do not shorten.")
+        _ = render(f"On this GPU the eager batch-1 decode step took **{graph_speedup:.2f}x** as long as the "
+                   "same step replayed from a CUDA graph (medians, from the table above).")
+    else:
+        print("The engine captured no CUDA graphs here (enforce_eager=False still ran eagerly: the attention "
+              "backend cannot be captured), so there is no graph to compare with.")
 else:
     print("No CUDA device here, so no CUDA graph to measure: on a GPU this cell times decode steps with "
           "enforce_eager=True and False. On this CPU the launch counts above are the measurement: "
@@ -258,8 +272,12 @@ else:
 # The engine's RMSNorm with a fused residual add (`minivllm/layers/norm.py`) is written as plain
 # PyTorch, one line per step of the formula: add the residual, cast to fp32, square, mean, add eps,
 # rsqrt, multiply, cast back, multiply by the weight. Not every line becomes an operation that does
-# work (in fp32 the two casts do nothing), and one line can run as more than one ATen operation; the
-# profiler counts what really runs below. Run eagerly, each of those operations is one kernel and one
+# work (in fp32 the two casts do nothing), and one line can run as more than one ATen operation. The
+# profiler below counts *leaf* operations, the innermost ATen calls, so an operation that calls
+# others internally shows up as those: `mean` runs a `sum` (whose accumulator is zeroed with a
+# `fill_`) and a division, the eps-add and `pow` first turn a Python number into a tensor (a `to`,
+# which copies with `copy_`), and `pow` itself is then hidden behind its helpers. So the names in the
+# list below do not match the formula's steps one for one (and vary between PyTorch versions). Run eagerly, each of those operations is one kernel and one
 # trip through memory. `torch.compile` traces the function and its backend (Inductor) generates one
 # fused kernel: C++ with OpenMP on a CPU, Triton on a GPU.
 #
@@ -448,8 +466,8 @@ render("Median of the timed repeats on this run:\n\n" + "\n".join(lines));
 # price of paging, a copy of every key and value the step reads, that `naive` does not pay; the loop's
 # per-sequence overhead grows with the number of sequences. A paged kernel (Triton or flash-attn)
 # avoids the copy: it reads the blocks in place, block by block, and fuses the softmax with both
-# matrix products so the attention scores never go to memory. On a GPU, with a real checkpoint, the
-# table above shows the difference; on a CPU only `torch` runs at speed.
+# matrix products so the attention scores never go to memory. On a GPU, where `triton` and
+# `flash_attn` also run, the table shows the difference; on a CPU only `torch` runs at speed.
 #
 # ### Our Triton kernels on a CPU: correct, not fast
 #
@@ -718,8 +736,8 @@ check_claim("int8 changes some greedy tokens of this model", agree["position_agr
 # five steps when it processes five tokens per sequence instead of one, so if something cheap can
 # **guess** the next few tokens, the model can check all the guesses in one step: it scores the last known token and the
 # k drafts together, keeps the drafts up to the first one it disagrees with, and adds its own token
-# after them. Greedy output is unchanged by construction (a draft is kept only when it is the model's
-# own arg-max); at temperature > 0 drafts are accepted by rejection sampling (Leviathan et al. 2023;
+# after them. Greedy output is unchanged by construction, up to floating-point near-ties (the check
+# below): a draft is kept only when it is the model's own arg-max; at temperature > 0 drafts are accepted by rejection sampling (Leviathan et al. 2023;
 # Chen et al. 2023), which leaves the output distribution unchanged.
 #
 # minivllm implements vLLM v1's `ngram` method (prompt lookup): the draft is whatever followed the
@@ -848,7 +866,7 @@ check_claim("a decode step that verifies 4 drafts costs less than two plain deco
 # sequence's drafts add rows to the step, and once the step is bound by its arithmetic, extra rows cost
 # their full price). Measured here on three workloads: the same prompt at batch 1 (above), 8 such
 # prompts at batch 8, and the batch-1 prompt **sampled at temperature 0.6** (seeded; nano-vllm's
-# benchmark samples at 0.6): sampled text repeats itself less, and a draft is only accepted with the
+# `bench.py` at commit 0e2a894 samples at 0.6; see chapter 12): sampled text repeats itself less, and a draft is only accepted with the
 # probability the model gives it. (A sampled request draws its random numbers differently with
 # speculation, so its tokens differ from the plain engine's even with the same seed; what rejection
 # sampling keeps equal is the distribution they are drawn from. The `identical` column applies to

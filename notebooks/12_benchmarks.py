@@ -40,8 +40,8 @@
 # %% [markdown]
 # ## Setup
 #
-# `BIG` is the random-weight model at Qwen3-0.6B's shapes (2.4 GB in fp32), used for the roofline
-# section: the embedded model is small (4 layers, hidden size 256) and its steps are dominated by
+# `BIG` is the random-weight model at Qwen3-0.6B's shapes (section 4 prints what its weights weigh
+# in the dtype they are held in), used for the roofline section: the embedded model is small (4 layers, hidden size 256) and its steps are dominated by
 # fixed costs, so it cannot show where a real model's steps sit.
 
 # %% tags=["parameters"]
@@ -102,13 +102,18 @@ print("first three requests: prompt lengths", [len(p) for p in wl.prompts[:3]], 
 # machine's peak matmul FLOP/s and memory bandwidth (a copy and a read; MFU and MBU are computed
 # against the matmul and the **read** figure), warms up, runs the workload with a utilisation sampler
 # alongside, then runs the **same prompts with the same weights** through transformers `generate`
-# (padded batches) in the same process, and prints one report: throughput, the ratio, latency
-# percentiles, where the step time went, and whether the greedy outputs are identical.
+# (padded batches) in the same process. While it runs it prints the peaks and the throughput table
+# (seconds, requests and tokens per second, and the ratio); `print_throughput`, which the command
+# line calls next, prints the rest of the report: latency percentiles, the roofline over the run,
+# where the step time went ("time in steps"), CPU or GPU utilisation, and whether the greedy
+# outputs are identical.
 
 # %%
 from minivllm.bench import run_throughput
+from minivllm.bench.report import print_throughput
 
 result = run_throughput(MODEL, workload=wl, peers=("hf_generate",), device=DEVICE, max_num_seqs=32)
+print_throughput(result)
 
 # %%
 import plotly.graph_objects as go
@@ -292,10 +297,13 @@ pg.shutdown()
 my_prediction = None  # your guess: FLOPs per byte of a 2-sequence decode step of BIG, in FLOP/byte
 
 # %%
+from minivllm.bench.report import weights_summary
 from widgets import UtilisationMonitor
 
 big = LLM(BIG, device=DEVICE, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
 print(describe(big))
+print(weights_summary(big.llm_engine.model_cost.to_dict(),
+                      str(big.llm_engine.config.dtype).removeprefix("torch.")))
 monitor = UtilisationMonitor(big, num_requests=2, prompt_len=16, max_tokens=3)
 records = monitor.run()
 monitor.display()
@@ -332,6 +340,14 @@ check_claim("the prefill step does more FLOPs per byte than the decode steps", p
 check_claim("the decode steps sit below the ridge point (memory-bound side of the roof)",
             decode_intensity < peaks.ridge_intensity,
             f"decode {decode_intensity:.2f} vs ridge {peaks.ridge_intensity:.1f} FLOP/byte");
+harness_read = result["peaks"]["mbu_bytes_per_s"]
+render(f"Two read bandwidths appear in this notebook. Section 2's harness measured its peaks once, at its "
+       f"start, under whatever else was running then: **{harness_read / 1e9:.1f} GB/s** read, the ceiling of the "
+       f"MBU in its report. The roofline and the MBU column in this section use the monitor's peaks "
+       f"({peaks.provenance}): **{peaks.mbu_bytes_per_s / 1e9:.1f} GB/s**, the best figure this machine's cache "
+       "has kept, because a ceiling measured while other processes share the machine reads low. The two MBUs "
+       "are shares of different ceilings (and of different models' steps), so they are not comparable; "
+       "only MBUs measured against the same peak are.");
 
 # %% [markdown]
 # The prefill step sits to the right of the decode steps: it multiplies every weight by all the
