@@ -86,7 +86,7 @@ def test_peaks_cache_round_trip(tmp_path, monkeypatch):
         raise AssertionError("cached peaks must not be re-measured")
 
     monkeypatch.setattr(peaks_mod, "measure_peaks", no_measure)
-    again = get_peaks("cpu", "float32")
+    again = get_peaks("cpu", "float32", **TINY)
     assert again == first and again.info["matmul_size"] == 32
     assert first.provenance == "measured now"
     assert again.provenance == f"cached, measured {first.info['measured_at']}"
@@ -95,16 +95,31 @@ def test_peaks_cache_round_trip(tmp_path, monkeypatch):
     fresh = Peaks(1.0, 2e30, "cpu", "float32", {"source": "measured", "measured_at": "now"}, 3.0)
     monkeypatch.setattr(peaks_mod, "measure_peaks", lambda *a, **k: calls.append(1) or fresh)
     # refresh returns this call's figures (never an older one as "measured now") ...
-    refreshed = get_peaks("cpu", "float32", refresh=True)
+    refreshed = get_peaks("cpu", "float32", refresh=True, **TINY)
     assert calls == [1] and refreshed == fresh and refreshed.provenance == "measured now"
     # ... and the cache keeps the best of old and new per figure (a loaded machine measures low)
     stored = json.loads(path.read_text())[key]
     assert stored["flops_per_s"] == first.flops_per_s and stored["bytes_per_s"] == 2e30
     assert stored["read_bytes_per_s"] == max(first.read_bytes_per_s, 3.0)
-    assert get_peaks("cpu", "float32").provenance.endswith("(best of several runs)")
-    overwritten = get_peaks("cpu", "float32", refresh=True, keep_best=False)
+    assert get_peaks("cpu", "float32", **TINY).provenance.endswith("(best of several runs)")
+    overwritten = get_peaks("cpu", "float32", refresh=True, keep_best=False, **TINY)
     assert calls == [1, 1] and overwritten.flops_per_s == 1.0
     assert json.loads(path.read_text())[key]["flops_per_s"] == 1.0
+
+
+def test_small_buffer_peaks_never_become_the_default_ceiling(tmp_path, monkeypatch):
+    """A test's 1 MiB buffers sit in the CPU's caches and read far faster than memory; with
+    keep_best they once raised the cached read ceiling of the default sizes (44 GB/s on one core),
+    halving every MBU computed against it."""
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    fast = Peaks(1e15, 1e15, "cpu", "float32", {"source": "measured", "measured_at": "t0"}, 1e15)
+    slow = Peaks(1e9, 1e9, "cpu", "float32", {"source": "measured", "measured_at": "t1"}, 1e9)
+    monkeypatch.setattr(peaks_mod, "measure_peaks", lambda *a, **k: fast if k else slow)
+    get_peaks("cpu", "float32", refresh=True, **TINY)
+    default = get_peaks("cpu", "float32")
+    assert default.read_bytes_per_s == 1e9 and default.provenance == "measured now"
+    assert get_peaks("cpu", "float32").read_bytes_per_s == 1e9  # cached, and still the memory figure
+    assert len(json.loads((tmp_path / "peaks.json").read_text())) == 2
 
 
 def test_peaks_cache_survives_corrupt_file(tmp_path, monkeypatch):

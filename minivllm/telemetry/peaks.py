@@ -284,8 +284,12 @@ def get_peaks(device: Any = None, dtype: Any = None, refresh: bool = False, keep
     measured now is always this call's. A peak is a ceiling and a measurement taken while
     other processes share the machine reads low, so with ``keep_best`` (default) the cache
     keeps, per figure, the larger of the cached and the new one for later cached reads;
-    ``keep_best=False`` overwrites. ``measure_kwargs`` go to :func:`measure_peaks`."""
+    ``keep_best=False`` overwrites. ``measure_kwargs`` go to :func:`measure_peaks` and are part
+    of the cache key: figures from other buffer sizes (small ones fit in the CPU's caches and read
+    far faster than memory) never become the default sizes' ceiling."""
     key = peaks_cache_key(device, dtype)
+    if measure_kwargs:  # e.g. a test's 1 MiB buffers fit in the CPU's caches: never the default ceiling
+        key += "|" + ",".join(f"{k}={v}" for k, v in sorted(measure_kwargs.items()))
     path = cache_dir() / "peaks.json"
     if not refresh:
         hit = _cached(_load_cache(path).get(key, {}))
