@@ -233,9 +233,9 @@ render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".
 # %% [markdown]
 # ### What batching does to TPOT
 #
-# The decode steps of the sweep tell a second story. A bigger batch makes each step a little longer
-# (more rows of arithmetic), so each request's TPOT rises a little, while the step produces one token
-# for every request in it:
+# The decode steps of the sweep tell a second story. A bigger batch tends to make each step a little
+# longer (more rows of arithmetic; on a noisy CPU run neighbouring sizes can come out of order), so each
+# request's TPOT rises a little, while the step produces one token for every request in it:
 
 # %%
 tpot_ratio = dec.iloc[-1] / dec.iloc[0]
@@ -282,7 +282,8 @@ small.shutdown()
 
 # %% [markdown]
 # The 80-token prompt took three steps, and the decoding request got a token in each of them: its one
-# decode token plus a prefill chunk fill the 32-token budget. Without chunking the whole prompt runs
+# decode token plus a prefill chunk fill the 32-token budget (1 + 31), and the last step takes the
+# prompt tokens that remain. Without chunking the whole prompt runs
 # in one long step and the decoding requests wait for it.
 #
 # Now measured: three requests decode while a 384-token prompt arrives, once on an engine that chunks
@@ -362,7 +363,8 @@ knob.shutdown()
 # **"TTFT and total response time are the same thing."** Section 1's table already answered it: the
 # total was a different multiple of TTFT for every request (its `e2e / TTFT` column), depending mostly
 # on how many tokens came after the first and how long each of their steps took. They are different measurements, tuned by different means (prefix
-# caching and chunk size for TTFT; batching, bandwidth, int8 and speculation for the decode part).
+# caching and chunk size for TTFT; bandwidth, int8 and speculation for the decode part, while batching
+# trades a little of each request's TPOT for throughput).
 #
 # **"Chunked prefill comes with `enforce_eager=False`."** `enforce_eager` decides whether decode steps
 # are replayed from captured CUDA graphs; chunking is the scheduler's `enable_chunked_prefill`. Run the

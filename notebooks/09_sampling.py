@@ -665,7 +665,8 @@ Quiz([
         2,
         ["That would be greedy (or a very small top-p or high min-p); top-k does not look at the probabilities.",
          "That describes top-p, which adapts to the distribution; top-k is a fixed count.",
-         "Right: top-k keeps exactly k tokens; the 49 unlikely ones just share the remaining 3% (section 2 "
+         "Right: top-k keeps exactly k tokens; the 49 others keep their small probabilities (part of the "
+         "remaining 3%), renormalised over the 50 (section 2 "
          "measured the same count on both prompts).",
          "Temperature changes the probabilities but not their order, and never sets any to zero, so the same "
          "50 tokens survive."],
