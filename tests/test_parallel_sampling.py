@@ -88,3 +88,25 @@ def test_aborting_a_parent_aborts_every_sample(llm):
 def test_n_is_validated():
     with pytest.raises(ValueError, match=r"SamplingParams\.n=0"):
         SamplingParams(n=0)
+
+
+def test_an_abort_interrupted_in_the_merge_still_forgets_the_parent(llm, monkeypatch):
+    """An abort of an n > 1 request interrupted while merging its second sample's output: before
+    the fix the first sample was already gone, the retry never merged it, and the parent stayed
+    registered for ever (found by the step fuzz)."""
+    from helpers_faults import Fault
+
+    engine = llm.llm_engine
+    engine.add_request("p", PROMPT, S(n=2, max_tokens=20))
+    engine.step()
+    with monkeypatch.context() as m:
+        Fault(m, "parallel sampling merge", at=1, exc=KeyboardInterrupt)
+        with pytest.raises(KeyboardInterrupt):
+            engine.abort_request("p")
+        engine.check_invariants()
+        out = engine.abort_request("p")  # the caller retries, as after Ctrl-C
+    assert out is not None and out.finished and [c.finish_reason for c in out.outputs] == ["abort", "abort"]
+    assert not engine.requests and "p" not in engine.parents
+    engine.add_request("p", PROMPT, S(n=2, max_tokens=2))  # the id is free again
+    while engine.has_unfinished_requests():
+        engine.step()

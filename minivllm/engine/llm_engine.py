@@ -341,15 +341,17 @@ class LLMEngine:
             ids = [c for c in parent.child_ids if c in self.requests] if parent is not None else [request_id]
             result = None
             for rid in ids:
-                out = self._abort_one(rid)
-                if out is None:
+                merged = self._abort_one(rid)
+                if merged is None:
                     continue
-                merged = self.parents.merge([out], None)
                 self._deliver(merged)  # a request aborted by someone else still reaches its caller
                 result = merged[-1] if merged else result
             return result
 
-    def _abort_one(self, request_id: str) -> RequestOutput | None:
+    def _abort_one(self, request_id: str) -> list[RequestOutput] | None:
+        """Abort one (child) request; returns its outputs after the n > 1 merge, or None if
+        it is not unfinished. The merge is inside the transaction: were it interrupted after
+        the child finished, the parent would never learn of it and never be forgotten."""
         state = self.requests.get(request_id)
         if state is None:
             return None
@@ -357,9 +359,9 @@ class LLMEngine:
             txn.protect_state(state)
             self.scheduler.finish(state.seq, "abort")
             update_text(state)  # final flush (a final-only request has not been decoded yet)
-            out = make_output(state)
+            merged = self.parents.merge([make_output(state)], txn.undo)
         del self.requests[state.seq.request_id]
-        return out
+        return merged
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
