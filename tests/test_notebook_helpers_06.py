@@ -13,8 +13,9 @@ import re
 from pathlib import Path
 
 import jupytext
-import nbformat
 import pytest
+
+from helpers_notebooks import executed_code_cells, stream_text
 
 ROOT = Path(__file__).resolve().parent.parent
 CH06 = ROOT / "notebooks" / "06_prefill_vs_decode.ipynb"
@@ -87,13 +88,8 @@ def test_checked_cells_print_no_timings(ipynb):
 
 @pytest.mark.parametrize("ipynb", [CH06, CH07], ids=lambda p: p.stem)
 def test_stored_outputs_are_real_and_small(ipynb):
-    assert ipynb.stat().st_size <= 1_000_000
-    nb = nbformat.read(ipynb, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    assert all(c.execution_count is not None for c in code), "notebook stored without executing"
-    for c in code:
-        assert not [o for o in c.outputs if o.output_type == "error"], c.source[:80]
-    streams = "".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
+    code = executed_code_cells(ipynb)
+    streams = stream_text(code)
     assert "machine:" in streams and "device" in streams
     # every chart has a static rendering for viewers without JavaScript (chapter 07's charts live in widgets)
     plotly = [o for c in code for o in c.outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
