@@ -85,27 +85,30 @@ def test_a_request_aborted_by_another_caller_ends_the_waiting_call(tiny_ckpt):
     assert {o.outputs[0].finish_reason for o in outs} <= {"abort", "length"}
 
 
-def _poison_rows(monkeypatch, rows_of):
-    """Make ``compute_logits`` return NaN in the rows of the requests ``rows_of`` names."""
+def _poison_rows(monkeypatch, rows_of, value=float("nan")):
+    """Make ``compute_logits`` return ``value`` (one entry) in the rows of the requests ``rows_of`` names."""
     original = ModelRunner.forward_logits
 
     def forward_logits(self, inp):
         logits = original(self, inp).clone()
         for i, seq in enumerate(inp.sampling_seqs):
             if seq.request_id in rows_of:
-                logits[i, 3] = float("nan")
+                logits[i, 3] = value
         return logits
 
     monkeypatch.setattr(ModelRunner, "forward_logits", forward_logits)
 
 
-@pytest.mark.parametrize("params", [greedy(8), SamplingParams(temperature=1.0, seed=3, max_tokens=8,
-                                                              ignore_eos=True)])
-def test_nonfinite_logits_end_that_request_with_an_error_and_spare_the_others(tiny_ckpt, monkeypatch, params):
+@pytest.mark.parametrize("params,value", [(greedy(8), float("nan")), (greedy(8), float("inf")),
+                                          (greedy(8), float("-inf")),
+                                          (SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True),
+                                           float("nan"))])
+def test_nonfinite_logits_end_that_request_with_an_error_and_spare_the_others(tiny_ckpt, monkeypatch, params, value):
+    """One non-finite entry (NaN, +inf or -inf) in a request's raw logits ends that request."""
     llm = make_llm(tiny_ckpt)
     prompts = prompts_of([5, 7, 9], seed=6)
     reference = _tokens(llm.generate(prompts, params, use_tqdm=False))
-    _poison_rows(monkeypatch, {"4"})  # the second prompt of the next call (ids 3, 4, 5)
+    _poison_rows(monkeypatch, {"4"}, value)  # the second prompt of the next call (ids 3, 4, 5)
     outs = llm.generate(prompts, params, use_tqdm=False)
     bad = outs[1]
     assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].token_ids == []

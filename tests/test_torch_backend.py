@@ -1,11 +1,23 @@
-"""The vectorised torch backend against a naive per-sequence loop written here."""
+"""The vectorised torch backend against a naive per-sequence loop written here, with decode
+groups through the gather + SDPA reference path and through the native CPU kernel
+(``cpu_decode``)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from helpers_models import allocate_block_tables, build_metadata
+from minivllm.layers.attention import cpu_decode
 from minivllm.layers.attention.torch_backend import TorchAttentionBackend
+
+
+@pytest.fixture(params=[False, True], ids=["sdpa_decode", "native_decode"])
+def native(request):
+    """Both decode paths; the native one is skipped (with the build error) where the kernel
+    cannot be built."""
+    if request.param and cpu_decode.load() is None:
+        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.unavailable_reason()}")
+    return request.param
 
 MIXED = [(0, 7), (5, 1), (12, 6), (3, 1), (0, 1), (20, 1), (8, 9), (17, 1)]
 
@@ -39,7 +51,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def run_case(seqs, block_size, dtype, heads=4, kv_heads=2, head_dim=16, num_pad=0, seed=0, device="cpu"):
+def run_case(seqs, block_size, dtype, heads=4, kv_heads=2, head_dim=16, num_pad=0, seed=0, device="cpu",
+             native=False):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 64
     tables = allocate_block_tables([c + n for c, n in seqs], block_size, num_blocks, seed=seed)
@@ -57,10 +70,10 @@ def run_case(seqs, block_size, dtype, heads=4, kv_heads=2, head_dim=16, num_pad=
     if device != "cpu":  # the naive reference runs on CPU on the same values
         dmeta = build_metadata(seqs, block_size, tables, device=device, num_pad_tokens=num_pad)
         kc, vc = k_cache.to(device), v_cache.to(device)
-        out = TorchAttentionBackend().forward(q.to(device), k.to(device), v.to(device), kc, vc, dmeta, scale)
+        out = TorchAttentionBackend(native).forward(q.to(device), k.to(device), v.to(device), kc, vc, dmeta, scale)
         out, k_cache, v_cache = out.cpu(), kc.cpu(), vc.cpu()
     else:
-        out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+        out = TorchAttentionBackend(native).forward(q, k, v, k_cache, v_cache, meta, scale)
     ref = naive_attention(q, k, v, k_ref, v_ref, seqs, tables, block_size, meta.slot_mapping.tolist(), scale)
     return out, ref, (k_cache, v_cache), (k_ref, v_ref), meta
 
@@ -69,8 +82,8 @@ def run_case(seqs, block_size, dtype, heads=4, kv_heads=2, head_dim=16, num_pad=
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
-def test_mixed_batch_matches_naive(block_size, dtype, heads, kv_heads, device):
-    out, ref, cache, cache_ref, _ = run_case(MIXED, block_size, dtype, heads, kv_heads, device=device)
+def test_mixed_batch_matches_naive(block_size, dtype, heads, kv_heads, device, native):
+    out, ref, cache, cache_ref, _ = run_case(MIXED, block_size, dtype, heads, kv_heads, device=device, native=native)
     assert out.dtype == dtype and out.shape == ref.shape
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=0)
@@ -78,8 +91,8 @@ def test_mixed_batch_matches_naive(block_size, dtype, heads, kv_heads, device):
 
 
 @pytest.mark.parametrize("seqs", [[(0, 1), (9, 1), (30, 1)], [(0, 13)], [(0, 5), (4, 3)], [(16, 16)]])
-def test_single_kind_batches(seqs):
-    out, ref, *_ = run_case(seqs, 4, torch.float32)
+def test_single_kind_batches(seqs, native):
+    out, ref, *_ = run_case(seqs, 4, torch.float32, native=native)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
@@ -121,15 +134,15 @@ def test_prepare_is_computed_once_per_step():
 
 @pytest.mark.parametrize("seqs,flag", [([(0, 1), (9, 1), (30, 1)], "all_decode"), ([(0, 13)], "single_fresh_prefill")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fast_paths_are_taken_and_match_naive(seqs, flag, dtype):
-    out, ref, _, _, meta = run_case(seqs, 4, dtype, 8, 2)
+def test_fast_paths_are_taken_and_match_naive(seqs, flag, dtype, native):
+    out, ref, _, _, meta = run_case(seqs, 4, dtype, 8, 2, native=native)
     assert getattr(meta.extras["torch_backend_plan"], flag)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
-def test_layers_sharing_the_gather_buffer_each_match_naive(block_size, heads, kv_heads):
+def test_layers_sharing_the_gather_buffer_each_match_naive(block_size, heads, kv_heads, native):
     """One backend, one step, two layers with different caches (the gathered K/V buffer is
     reused between them): each layer's output matches the naive loop, and the decode group
     attends through its additive bias, not a mask."""
@@ -137,7 +150,7 @@ def test_layers_sharing_the_gather_buffer_each_match_naive(block_size, heads, kv
     gen = torch.Generator().manual_seed(3)
     tables = allocate_block_tables([c + n for c, n in seqs], block_size, 64, seed=3)
     meta = build_metadata(seqs, block_size, tables)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(native)
     t, d = meta.num_tokens, 16
     outs, refs = [], []
     for _layer in range(2):
@@ -152,3 +165,84 @@ def test_layers_sharing_the_gather_buffer_each_match_naive(block_size, heads, kv
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     decode = [g for g in meta.extras["torch_backend_plan"].groups if g.max_q == 1]
     assert len(decode) == 1 and decode[0].mask is None and decode[0].bias is not None
+
+
+# --- the native decode kernel itself -------------------------------------------------------------
+
+def _kernel_or_skip():
+    kernel = cpu_decode.load()
+    if kernel is None:
+        pytest.skip(f"CPU decode kernel unavailable: {cpu_decode.unavailable_reason()}")
+    return kernel
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 256])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (8, 1, 64), (4, 4, 128), (16, 8, 64)])
+def test_native_decode_matches_naive_for_every_block_size_and_gqa_ratio(block_size, heads, kv_heads, head_dim):
+    """Decode-only steps (lengths from 1 token to several blocks, scattered blocks) through
+    the backend's native path, against the naive loop."""
+    _kernel_or_skip()
+    seqs = [(0, 1), (block_size - 1, 1), (block_size, 1), (3 * block_size + 2, 1), (37, 1)]
+    out, ref, cache, cache_ref, meta = run_case(seqs, block_size, torch.float32, heads, kv_heads, head_dim,
+                                                native=True)
+    assert meta.extras["torch_backend_plan"].groups[0].tables32 is not None  # the kernel's plan was built
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert torch.equal(cache[0], cache_ref[0]) and torch.equal(cache[1], cache_ref[1])
+
+
+def test_native_decode_split_over_threads_matches_one_thread():
+    """With several torch threads the kernel splits sequences into chunks on a thread pool;
+    the result is the same as one chunk."""
+    kernel = _kernel_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    g, heads, kv_heads, d, bs, nblocks = 40, 8, 2, 32, 4, 600
+    lens = torch.randint(1, 50, (g,), generator=gen, dtype=torch.int32)
+    tables = torch.randperm(nblocks, generator=gen)[: g * 13].view(g, 13).to(torch.int32).contiguous()
+    q = torch.randn(g, heads, d, generator=gen)
+    kc, vc = torch.randn(nblocks, bs, kv_heads, d, generator=gen), torch.randn(nblocks, bs, kv_heads, d, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, kc, vc, tables, lens, int(lens.max()), d ** -0.5)
+        torch.set_num_threads(4)
+        many = kernel(q, kc, vc, tables, lens, int(lens.max()), d ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_native_decode_refuses_wrong_dtypes_and_shapes():
+    kernel = _kernel_or_skip()
+    q, kc = torch.randn(2, 4, 8), torch.randn(4, 4, 2, 8)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_tables must be a contiguous CPU torch.int32"):
+        kernel(q, kc, kc, tables.long(), lens, 1, 1.0)
+    with pytest.raises(ValueError, match="q must be"):
+        kernel(q.half(), kc, kc, tables, lens, 1, 1.0)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        kernel(torch.randn(2, 3, 8), kc, kc, tables, lens, 1, 1.0)
+
+
+def test_native_plan_refuses_a_block_outside_the_cache():
+    """A block id past the cache (a corrupt table) raises before the kernel reads memory."""
+    _kernel_or_skip()
+    seqs = [(5, 1)]
+    tables = [[63, 0]]  # the new token writes to block 0; the kernel would read block 63
+    meta = build_metadata(seqs, 4, tables)
+    backend = TorchAttentionBackend(True)
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 1, 8)
+    kc = torch.zeros(8, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="block id 63 is outside the KV cache's 8 blocks"):
+        backend.forward(q, k, k, kc, kc.clone(), meta, 1.0)
+
+
+def test_native_decode_can_be_switched_off(monkeypatch):
+    """MINIVLLM_CPU_DECODE_KERNEL=0: load() gives None with the reason, and the backend keeps
+    the gather + SDPA path."""
+    monkeypatch.setattr(cpu_decode, "_state", {})
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    assert cpu_decode.load() is None
+    assert cpu_decode.unavailable_reason() == f"{cpu_decode.ENV_SWITCH}=0"
+    assert TorchAttentionBackend()._kernel is None
+    with pytest.raises(RuntimeError, match="CPU decode kernel is unavailable"):
+        TorchAttentionBackend(True)

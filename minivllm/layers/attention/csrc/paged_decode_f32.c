@@ -1,0 +1,72 @@
+/* Paged decode attention on the CPU, fp32: one query token per sequence, keys and values read
+   in place from the paged KV cache through the block table (no gathered copy, no mask).
+   Part of minivllm; built at first use by minivllm/layers/attention/cpu_decode.py and called
+   through ctypes (which releases the GIL, so chunks of sequences can run on several threads).
+
+   Per sequence: scores for every head in one sweep over its K slots (a slot holds all KV heads
+   of one token, so each slot is read once), a max-subtracted softmax per head, then one sweep
+   over its V slots accumulating every head's output. */
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+/* For each sequence g and query head h (kv head h / qpk):
+     out[g, h, :] = softmax_j(scale * q[g, h, :] . K_j[h / qpk, :]) @ V_j[h / qpk, :]
+   over its context_lens[g] keys, read in place from the paged cache through its block table:
+   key j is slot j % block_size of block block_tables[g, j / block_size].
+   Layouts (contiguous fp32): q, out [G, H, D]; k_cache, v_cache [num_blocks, block_size, Hk, D];
+   block_tables int32 [G, table_stride]; context_lens int32 [G]; scratch >= H * max(context_lens). */
+void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                                const int32_t *block_tables, int64_t table_stride,
+                                const int32_t *context_lens, float *out,
+                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale, float *scratch) {
+    const int64_t qpk = num_heads / num_kv_heads;
+    const int64_t row = num_kv_heads * head_dim;  /* floats per slot: all kv heads of one token */
+    for (int64_t g = 0; g < num_seqs; g++) {
+        const int64_t len = context_lens[g];
+        const int32_t *table = block_tables + g * table_stride;
+        const float *qg = q + g * num_heads * head_dim;
+        float *s = scratch;  /* scores [H, len] */
+        /* Pass 1: every head's scores, one sweep over the sequence's K slots. */
+        for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+            const float *kb = k_cache + (int64_t)table[j0 / block_size] * block_size * row;
+            const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+            for (int64_t t = 0; t < n; t++) {
+                const float *kr = kb + t * row;
+                for (int64_t h = 0; h < num_heads; h++) {
+                    const float *qh = qg + h * head_dim, *kh = kr + (h / qpk) * head_dim;
+                    float acc = 0.f;
+                    #pragma omp simd reduction(+:acc)
+                    for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * kh[d];
+                    s[h * len + j0 + t] = acc * scale;
+                }
+            }
+        }
+        /* Softmax of each head's row, in place (max subtracted: exp never overflows). */
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *sh = s + h * len, m = -INFINITY, sum = 0.f;
+            for (int64_t j = 0; j < len; j++) m = sh[j] > m ? sh[j] : m;
+            for (int64_t j = 0; j < len; j++) { sh[j] = expf(sh[j] - m); sum += sh[j]; }
+            const float inv = 1.f / sum;
+            #pragma omp simd
+            for (int64_t j = 0; j < len; j++) sh[j] *= inv;
+        }
+        /* Pass 2: weighted sum of V, one sweep over the V slots for all heads. */
+        float *og = out + g * num_heads * head_dim;
+        memset(og, 0, num_heads * head_dim * sizeof(float));
+        for (int64_t j0 = 0; j0 < len; j0 += block_size) {
+            const float *vb = v_cache + (int64_t)table[j0 / block_size] * block_size * row;
+            const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+            for (int64_t t = 0; t < n; t++) {
+                const float *vr = vb + t * row;
+                for (int64_t h = 0; h < num_heads; h++) {
+                    const float p = s[h * len + j0 + t], *vh = vr + (h / qpk) * head_dim;
+                    float *oh = og + h * head_dim;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) oh[d] += p * vh[d];
+                }
+            }
+        }
+    }
+}
