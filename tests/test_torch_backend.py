@@ -190,6 +190,25 @@ def test_native_decode_matches_naive_for_every_block_size_and_gqa_ratio(block_si
     assert torch.equal(cache[0], cache_ref[0]) and torch.equal(cache[1], cache_ref[1])
 
 
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
+def test_native_short_queries_match_naive(block_size, heads, kv_heads):
+    """Draft verification: several sequences each with a few new tokens after a cached context
+    (one mixed with a decode) go through the kernel one row per token, causally; a query
+    longer than MAX_QUERY_LEN stays on gather + SDPA."""
+    _kernel_or_skip()
+    seqs = [(20, 5), (3, 5), (40, 2), (0, 4), (9, 1)]
+    out, ref, *_, meta = run_case(seqs, block_size, torch.float32, heads, kv_heads, native=True)
+    groups = meta.extras["torch_backend_plan"].groups
+    assert all(g.tables32 is not None for g in groups) and {g.max_q for g in groups} == {1, 5}
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    long_q = cpu_decode.MAX_QUERY_LEN + 1
+    out, ref, *_, meta = run_case([(7, long_q), (30, 1)], block_size, torch.float32, heads, kv_heads, native=True)
+    by_q = {g.max_q: g for g in meta.extras["torch_backend_plan"].groups}
+    assert by_q[long_q].tables32 is None and by_q[1].tables32 is not None
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
 def test_native_decode_split_over_threads_matches_one_thread():
     """With several torch threads the kernel splits sequences into chunks on a thread pool;
     the result is the same as one chunk."""
@@ -200,12 +219,13 @@ def test_native_decode_split_over_threads_matches_one_thread():
     tables = torch.randperm(nblocks, generator=gen)[: g * 13].view(g, 13).to(torch.int32).contiguous()
     q = torch.randn(g, heads, d, generator=gen)
     kc, vc = torch.randn(nblocks, bs, kv_heads, d, generator=gen), torch.randn(nblocks, bs, kv_heads, d, generator=gen)
+    rows = torch.arange(g, dtype=torch.int32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel(q, kc, vc, tables, lens, int(lens.max()), d ** -0.5)
+        one = kernel(q, kc, vc, tables, rows, lens, int(lens.max()), d ** -0.5)
         torch.set_num_threads(4)
-        many = kernel(q, kc, vc, tables, lens, int(lens.max()), d ** -0.5)
+        many = kernel(q, kc, vc, tables, rows, lens, int(lens.max()), d ** -0.5)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
@@ -215,12 +235,15 @@ def test_native_decode_refuses_wrong_dtypes_and_shapes():
     kernel = _kernel_or_skip()
     q, kc = torch.randn(2, 4, 8), torch.randn(4, 4, 2, 8)
     tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    rows = torch.arange(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_tables must be a contiguous CPU torch.int32"):
-        kernel(q, kc, kc, tables.long(), lens, 1, 1.0)
+        kernel(q, kc, kc, tables.long(), rows, lens, 1, 1.0)
     with pytest.raises(ValueError, match="q must be"):
-        kernel(q.half(), kc, kc, tables, lens, 1, 1.0)
+        kernel(q.half(), kc, kc, tables, rows, lens, 1, 1.0)
     with pytest.raises(ValueError, match="inconsistent shapes"):
-        kernel(torch.randn(2, 3, 8), kc, kc, tables, lens, 1, 1.0)
+        kernel(torch.randn(2, 3, 8), kc, kc, tables, rows, lens, 1, 1.0)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        kernel(q, kc, kc, tables, rows[:1], lens, 1, 1.0)
 
 
 def test_native_plan_refuses_a_block_outside_the_cache():

@@ -39,9 +39,13 @@ logger = init_logger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_f32.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 ENV_SWITCH = "MINIVLLM_CPU_DECODE_KERNEL"
-#: below this many sequences per extra thread, splitting costs more than it saves (thread hand-off
-#: is tens of microseconds; one sequence of a few hundred tokens is a few microseconds)
-MIN_SEQS_PER_THREAD = 8
+#: below this many query rows per extra thread, splitting costs more than it saves (thread hand-off
+#: is tens of microseconds; one row over a few hundred tokens is a few microseconds)
+MIN_ROWS_PER_THREAD = 8
+#: longest query (tokens per sequence in a step) sent to the kernel: it reads a sequence's K/V once
+#: per query token (from the CPU's caches after the first), so it suits decode and draft
+#: verification, not prefill, which keeps the gather + SDPA path
+MAX_QUERY_LEN = 16
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "kernel" or "reason", filled once per process by load()
@@ -109,7 +113,7 @@ class PagedDecodeKernel:
     def __init__(self, lib: ctypes.CDLL):
         fn = lib.paged_decode_attention_f32
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
+        fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
         fn.restype = None
         self._fn = fn
         self._pool: ThreadPoolExecutor | None = None
@@ -117,55 +121,61 @@ class PagedDecodeKernel:
         self._scratch = torch.empty(0)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, max_context_len: int, scale: float,
+                 row_seq: torch.Tensor, row_lens: torch.Tensor, max_len: int, scale: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of one query token per sequence over its paged context.
+        """Attention of query rows over their paged contexts.
+
+        A row is one query token: a decode sequence is one row seeing its whole context; a
+        short causal query (draft verification) is one row per token, row ``i`` of ``n``
+        seeing ``context_len - n + 1 + i`` keys.
 
         Args:
-            q: fp32 ``[G, heads, head_dim]``, contiguous.
+            q: fp32 ``[R, heads, head_dim]``, contiguous.
             k_cache, v_cache: fp32 ``[num_blocks, block_size, kv_heads, head_dim]``, contiguous.
-            block_tables: int32 ``[G, max_blocks]``, contiguous; row ``g`` must hold valid block
-                ids for its first ``ceil(context_lens[g] / block_size)`` entries.
-            context_lens: int32 ``[G]``, each in ``1 .. max_blocks * block_size``.
-            max_context_len: ``max(context_lens)`` (sizes the score scratch).
+            block_tables: int32 ``[S, max_blocks]``, contiguous, one row per sequence.
+            row_seq: int32 ``[R]``: the block-table row of each query row.
+            row_lens: int32 ``[R]``: keys each row sees, ``1 .. max_blocks * block_size``; its
+                table row must hold valid block ids for the first ``ceil(len / block_size)`` entries.
+            max_len: ``max(row_lens)`` or more (sizes the score scratch).
             scale: softmax scale (``head_dim ** -0.5`` for Qwen3).
-            out: optional fp32 ``[G, heads, head_dim]`` to write into.
+            out: optional fp32 ``[R, heads, head_dim]`` to write into.
 
         Returns:
-            fp32 ``[G, heads, head_dim]``.
+            fp32 ``[R, heads, head_dim]``.
 
         Raises:
             ValueError: a dtype, device, layout or shape the kernel does not take. The caller
                 (the backend's step plan) checks the table entries and lengths once per step;
                 the kernel trusts them.
         """
-        g, heads, head_dim = q.shape
+        rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         for name, t, dt in (("q", q, torch.float32), ("k_cache", k_cache, torch.float32),
                             ("v_cache", v_cache, torch.float32), ("block_tables", block_tables, torch.int32),
-                            ("context_lens", context_lens, torch.int32)):
+                            ("row_seq", row_seq, torch.int32), ("row_lens", row_lens, torch.int32)):
             if t.dtype != dt or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"paged decode kernel: {name} must be a contiguous CPU {dt} tensor, got "
                                  f"{t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
         if (k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or heads % kv_heads
-                or block_tables.shape[0] != g or context_lens.shape != (g,)):
+                or block_tables.dim() != 2 or row_seq.shape != (rows,) or row_lens.shape != (rows,)):
             raise ValueError(f"paged decode kernel: inconsistent shapes q {tuple(q.shape)}, k_cache "
                              f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, block_tables "
-                             f"{tuple(block_tables.shape)}, context_lens {tuple(context_lens.shape)}")
+                             f"{tuple(block_tables.shape)}, row_seq {tuple(row_seq.shape)}, row_lens "
+                             f"{tuple(row_lens.shape)}")
         if out is None:
             out = torch.empty_like(q)
         block_size = k_cache.shape[1]
-        chunks = max(1, min(torch.get_num_threads(), g // MIN_SEQS_PER_THREAD))
-        per_chunk = heads * max_context_len
+        chunks = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
+        per_chunk = heads * max_len
         if self._scratch.numel() < chunks * per_chunk:
             self._scratch = torch.empty(chunks * per_chunk)
         stride = block_tables.stride(0)
-        qp, tp, lp, op, sp = (t.data_ptr() for t in (q, block_tables, context_lens, out, self._scratch))
-        kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
+        qp, sq, lp, op, sp = (t.data_ptr() for t in (q, row_seq, row_lens, out, self._scratch))
+        kp, vp, tp = k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr()
 
         def run(c: int) -> None:
-            lo, hi = g * c // chunks, g * (c + 1) // chunks
-            self._fn(qp + lo * heads * head_dim * 4, kp, vp, tp + lo * stride * 4, stride, lp + lo * 4,
+            lo, hi = rows * c // chunks, rows * (c + 1) // chunks
+            self._fn(qp + lo * heads * head_dim * 4, kp, vp, tp, stride, sq + lo * 4, lp + lo * 4,
                      op + lo * heads * head_dim * 4, hi - lo, heads, kv_heads, head_dim, block_size, scale,
                      sp + c * per_chunk * 4)
 

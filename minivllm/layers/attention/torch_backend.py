@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minivllm.layers.attention import cpu_decode
 from minivllm.layers.attention.backend import AttentionBackend
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.utils import cdiv
@@ -68,10 +69,12 @@ class _GroupPlan:
     block_ids: torch.Tensor  # int64 [G * nb]: physical blocks to gather, row-major (padding: block 0)
     mask: torch.Tensor | None  # bool [G, 1, max_q, max_k] with max_k = nb * block_size (prefill groups)
     bias: torch.Tensor | None  # fp32 [G, 1, max_k]: 0 attend, -inf past the length (decode groups)
-    # decode groups, for the native kernel (cpu_decode): int32 tables [G, width] and lengths [G],
-    # and the largest block id they reach (checked against the cache once per layer: a cheap int compare)
+    # For the native kernel (cpu_decode), groups with short queries only: int32 tables [G, width],
+    # each query token's table row and visible keys [n] (row_seq, row_lens; token order = q_src),
+    # and the largest block id they reach (checked against the cache per layer: an int compare)
     tables32: torch.Tensor | None = None
-    lens32: torch.Tensor | None = None
+    row_seq: torch.Tensor | None = None
+    row_lens: torch.Tensor | None = None
     max_block_id: int = -1
 
 
@@ -86,10 +89,6 @@ class _StepPlan:
     # a single sequence whose whole context is this step's tokens (a fresh prompt):
     # attend over the new K/V directly with a causal mask, no cache gather
     single_fresh_prefill: bool = False
-
-
-def cdiv_t(a: torch.Tensor, b: int) -> torch.Tensor:
-    return (a + b - 1) // b
 
 
 def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.device, native: bool = False) -> _GroupPlan:
@@ -120,23 +119,34 @@ def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.devic
     if max_q == 1:  # decode: key j is visible iff j < k_len (the query is the last position)
         bias = torch.zeros(g, 1, max_k, device=device).masked_fill_(~k_valid[:, None, :], float("-inf"))
         gp = _GroupPlan(g, max_q, max_k, q_src, q_dst, block_ids, None, bias)
-        if native and device.type == "cpu":
-            all_rows = seq_ids == list(range(meta.num_seqs))
-            t32 = meta.block_tables if all_rows else meta.block_tables[seq_t]
-            gp.tables32 = t32.to(torch.int32).contiguous()
-            gp.lens32 = k_lens.to(torch.int32)
-            needed = tables[torch.arange(n_blk_cols, device=device)[None, :] < cdiv_t(k_lens, bs)[:, None]]
-            if needed.numel() and int(needed.min()) < 0:
-                raise RuntimeError(f"attention plan: a decode sequence's block table has -1 within its "
-                                   f"{k_lens.tolist()} tokens (block manager state is corrupt)")
-            gp.max_block_id = int(needed.max()) if needed.numel() else -1
-        return gp
-    # Causal mask over absolute positions.
-    q_pos = (k_lens - q_lens)[:, None] + i[None, :]  # [G, max_q]
-    mask = (j[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
-    pad_rows = ~q_valid
-    mask[:, :, 0] |= pad_rows  # padded query rows see key 0: never a fully masked row
-    return _GroupPlan(g, max_q, max_k, q_src, q_dst, block_ids, mask.unsqueeze(1), None)
+    else:  # causal mask over absolute positions
+        q_pos = (k_lens - q_lens)[:, None] + i[None, :]  # [G, max_q]
+        mask = (j[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+        mask[:, :, 0] |= ~q_valid  # padded query rows see key 0: never a fully masked row
+        gp = _GroupPlan(g, max_q, max_k, q_src, q_dst, block_ids, mask.unsqueeze(1), None)
+    if native and device.type == "cpu" and max_q <= cpu_decode.MAX_QUERY_LEN:
+        _plan_native(gp, meta, seq_ids, seq_t, tables, q_lens, k_lens, q_valid, i)
+    return gp
+
+
+def _plan_native(gp: _GroupPlan, meta: AttentionMetadata, seq_ids: list[int], seq_t, tables, q_lens, k_lens,
+                 q_valid, i) -> None:
+    """The native kernel's view of a short-query group: one row per query token, seeing the keys
+    up to its own position. Refuses a table with -1 where a sequence has tokens."""
+    bs = meta.block_size
+    t32 = meta.block_tables if seq_ids == list(range(meta.num_seqs)) else meta.block_tables[seq_t]
+    gp.tables32 = t32.to(torch.int32).contiguous()
+    if gp.max_q == 1:
+        gp.row_seq = torch.arange(gp.num_seqs, dtype=torch.int32)
+        gp.row_lens = k_lens.to(torch.int32)
+    else:
+        gp.row_seq = torch.arange(gp.num_seqs, dtype=torch.int32)[:, None].expand(-1, gp.max_q)[q_valid].contiguous()
+        gp.row_lens = ((k_lens - q_lens)[:, None] + i[None, :] + 1)[q_valid].to(torch.int32)
+    needed = tables[torch.arange(tables.shape[1])[None, :] < ((k_lens + bs - 1) // bs)[:, None]]
+    if needed.numel() and int(needed.min()) < 0:
+        raise RuntimeError(f"attention plan: a block table has -1 within its sequence's {k_lens.tolist()} "
+                           f"tokens (block manager state is corrupt)")
+    gp.max_block_id = int(needed.max()) if needed.numel() else -1
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, gp: _GroupPlan,
@@ -174,7 +184,6 @@ class TorchAttentionBackend(AttentionBackend):
         """
         self._kernel = None
         if native_decode is not False:
-            from minivllm.layers.attention import cpu_decode
             self._kernel = cpu_decode.load()
             if self._kernel is None and native_decode:
                 raise RuntimeError(f"native_decode=True but the CPU decode kernel is unavailable: "
@@ -198,17 +207,17 @@ class TorchAttentionBackend(AttentionBackend):
         view = (gp.num_seqs, gp.max_k) + tuple(k_cache.shape[2:])
         return kg.view(view), vg.view(view)
 
-    def _decode(self, q, k_cache, v_cache, gp: _GroupPlan, scale: float, compute_dtype) -> torch.Tensor:
-        """A decode group's attention, ``q [G, heads, d]`` -> ``[G, heads, d]``: the native
-        kernel when the plan has its tables and every tensor is fp32 on the CPU, else gather +
-        SDPA."""
-        if (gp.tables32 is not None and q.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous()
-                and v_cache.is_contiguous()):
-            if gp.max_block_id >= k_cache.shape[0]:
-                raise RuntimeError(f"attention plan: block id {gp.max_block_id} is outside the KV cache's "
-                                   f"{k_cache.shape[0]} blocks")
-            return self._kernel(q.contiguous(), k_cache, v_cache, gp.tables32, gp.lens32, gp.max_k, scale)
-        return _decode_attention(q, *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype)
+    def _native(self, q, k_cache, v_cache, gp: _GroupPlan, scale: float) -> torch.Tensor | None:
+        """The group's attention through the native kernel, ``q [n, heads, d]`` (the group's
+        query tokens in ``q_src`` order) -> ``[n, heads, d]``; ``None`` when the plan has no
+        kernel view of it or a tensor is not fp32."""
+        if gp.tables32 is None or not q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
+            return None
+        if gp.max_block_id >= k_cache.shape[0]:
+            raise RuntimeError(f"attention plan: block id {gp.max_block_id} is outside the KV cache's "
+                               f"{k_cache.shape[0]} blocks")
+        return self._kernel(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), gp.tables32, gp.row_seq,
+                            gp.row_lens, gp.max_k, scale)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build the step plan once and store it in ``meta.extras`` (called lazily by
@@ -251,12 +260,20 @@ class TorchAttentionBackend(AttentionBackend):
                 v.to(compute_dtype).transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=gqa)
             return o[0].transpose(0, 1).to(q.dtype)
         if plan.all_decode:
-            return self._decode(q, k_cache, v_cache, plan.groups[0], scale, compute_dtype).to(q.dtype)
+            gp = plan.groups[0]
+            o = self._native(q, k_cache, v_cache, gp, scale)
+            if o is None:
+                o = _decode_attention(q, *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype)
+            return o.to(q.dtype)
         # Tokens not in any sequence (padding) get zeros.
         out = torch.zeros(q.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
         for gp in plan.groups:  # at most two: decodes, prefills
+            o = self._native(q[gp.q_src], k_cache, v_cache, gp, scale)
+            if o is not None:
+                out[gp.q_src] = o
+                continue
             if gp.bias is not None:
-                o = self._decode(q[gp.q_src], k_cache, v_cache, gp, scale, compute_dtype)
+                o = _decode_attention(q[gp.q_src], *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype)
                 out[gp.q_src] = o.to(q.dtype)
                 continue
             qp = q.new_zeros(gp.num_seqs * gp.max_q, num_heads, head_dim, dtype=compute_dtype)

@@ -10,23 +10,26 @@
 #include <math.h>
 #include <string.h>
 
-/* For each sequence g and query head h (kv head h / qpk):
-     out[g, h, :] = softmax_j(scale * q[g, h, :] . K_j[h / qpk, :]) @ V_j[h / qpk, :]
-   over its context_lens[g] keys, read in place from the paged cache through its block table:
-   key j is slot j % block_size of block block_tables[g, j / block_size].
-   Layouts (contiguous fp32): q, out [G, H, D]; k_cache, v_cache [num_blocks, block_size, Hk, D];
-   block_tables int32 [G, table_stride]; context_lens int32 [G]; scratch >= H * max(context_lens). */
+/* For each query row r (a token; rows of one sequence share its block table) and head h
+   (kv head h / qpk):
+     out[r, h, :] = softmax_j(scale * q[r, h, :] . K_j[h / qpk, :]) @ V_j[h / qpk, :]
+   over the row's first row_lens[r] keys, read in place from the paged cache through block table
+   row_seq[r]: key j is slot j % block_size of block block_tables[row_seq[r], j / block_size].
+   A decode step has one row per sequence with its whole context; a short causal query (draft
+   verification) has one row per token, each seeing the keys up to its own position.
+   Layouts (contiguous fp32): q, out [R, H, D]; k_cache, v_cache [num_blocks, block_size, Hk, D];
+   block_tables int32 [S, table_stride]; row_seq, row_lens int32 [R]; scratch >= H * max(row_lens). */
 void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                                 const int32_t *block_tables, int64_t table_stride,
-                                const int32_t *context_lens, float *out,
-                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                const int32_t *row_seq, const int32_t *row_lens, float *out,
+                                int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                 int64_t block_size, float scale, float *scratch) {
     const int64_t qpk = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim;  /* floats per slot: all kv heads of one token */
-    for (int64_t g = 0; g < num_seqs; g++) {
-        const int64_t len = context_lens[g];
-        const int32_t *table = block_tables + g * table_stride;
-        const float *qg = q + g * num_heads * head_dim;
+    for (int64_t r = 0; r < num_rows; r++) {
+        const int64_t len = row_lens[r];
+        const int32_t *table = block_tables + (int64_t)row_seq[r] * table_stride;
+        const float *qg = q + r * num_heads * head_dim;
         float *s = scratch;  /* scores [H, len] */
         /* Pass 1: every head's scores, one sweep over the sequence's K slots. */
         for (int64_t j0 = 0; j0 < len; j0 += block_size) {
@@ -53,7 +56,7 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
             for (int64_t j = 0; j < len; j++) sh[j] *= inv;
         }
         /* Pass 2: weighted sum of V, one sweep over the V slots for all heads. */
-        float *og = out + g * num_heads * head_dim;
+        float *og = out + r * num_heads * head_dim;
         memset(og, 0, num_heads * head_dim * sizeof(float));
         for (int64_t j0 = 0; j0 < len; j0 += block_size) {
             const float *vb = v_cache + (int64_t)table[j0 / block_size] * block_size * row;
