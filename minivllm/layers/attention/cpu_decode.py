@@ -3,8 +3,9 @@
 The reference path (``torch_backend``) copies every decode sequence's KV blocks into a padded
 tensor each layer and runs masked SDPA over it: two passes over the KV bytes plus a write,
 for a step that should be one read of them. ``csrc/paged_decode_f32.c`` reads K and V in place
-through the block table instead (fp32, one query token per sequence, any GQA ratio and block
-size). Measured on the 2-core dev EPYC, one thread, embedded model's shapes (32 sequences of
+through the block table instead (fp32, any GQA ratio and block size), for decode rows and for
+short causal queries (draft verification: up to ``MAX_QUERY_LEN`` tokens per sequence, one row
+per token). Measured on the 2-core dev EPYC, one thread, embedded model's shapes (32 sequences of
 200-260 tokens, 16-token blocks, 2 KV heads of 64): 0.8 ms per layer against 1.9 ms for
 gather + SDPA in the engine.
 

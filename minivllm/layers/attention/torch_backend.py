@@ -35,9 +35,11 @@ than both at batch <= 8. Gathered K/V land in one buffer reused by every layer a
 Low-precision inputs are upcast so the softmax runs in fp32; the output is cast back to
 ``q.dtype``.
 
-On the CPU in fp32, decode groups skip the gather and the SDPA call: our C kernel
+On the CPU in fp32, groups whose queries are short (decode; draft verification, up to
+``cpu_decode.MAX_QUERY_LEN`` tokens) skip the gather and the SDPA call: our C kernel
 (``cpu_decode``, built at first use) reads each sequence's K/V in place through the block
-table, which the plan hands it as int32 tables and lengths, checked once per step. It is the
+table, one row per query token, which the plan hands it as int32 tables, row-to-sequence
+indices and visible lengths, checked once per step. It is the
 fast path, not the reference: ``TorchAttentionBackend(native_decode=False)`` (or
 ``MINIVLLM_CPU_DECODE_KERNEL=0``) keeps every step on the gather + SDPA path above, and the
 tests run both against a naive loop.
