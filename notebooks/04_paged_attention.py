@@ -365,8 +365,9 @@ check_claim("paged wastes less than either contiguous policy, and max_model_len 
 #   bigger batches (section 4 shows why bigger batches mean more throughput).
 #
 # What paging costs: attention must find K and V through the block table instead of reading one
-# contiguous strip. The `torch` backend gathers them into a contiguous tensor before attending; the
-# Triton and flash-attn kernels (chapter 11) follow the block table inside the kernel.
+# contiguous strip. The `torch` backend gathers them into a contiguous tensor before attending (on a
+# CPU in fp32, its decode steps use a small C kernel that follows the block table in place instead);
+# the Triton and flash-attn kernels (chapter 11) follow the block table inside the kernel.
 
 # %%
 pool_slots = work.llm_engine.block_manager.num_blocks * BLOCK_SIZE

@@ -907,7 +907,7 @@ del engines
 #   `python -m minivllm bench --quantization int8` and `--speculative ngram draft` measure them on larger
 #   workloads.
 # * **Kernels are tuned per phase.** Prefill attention is a dense, compute-heavy product over many
-#   queries; decode attention is a gather of scattered KV blocks for one query per sequence, so the
+#   queries; decode attention reads scattered KV blocks for one query per sequence, so the
 #   two get different kernels (section 2 printed where they part; chapter 11 compares backends).
 # * **Estimates start from floors, not constants.** Weight bytes over bandwidth and FLOPs over peak
 #   FLOP/s bound any step on any machine; measure the point you care about to see how close it gets.

@@ -9,6 +9,12 @@ import os
 # tensor-parallel workers and notebook kernels (which inherit this environment) need.
 # Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Triton reads TRITON_INTERPRET once, at import. The Triton test modules set it at their own
+# import, but a module collected earlier (pytest.importorskip("triton") in the AOT test) would
+# import triton first in a run that selects only some files, and every interpreted kernel then
+# fails with "Cannot call @triton.jit'd outside of the scope of a kernel". In-process Triton in
+# this suite is always the interpreter; the AOT compile runs in a subprocess without the variable.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import shutil
 import sys
