@@ -76,3 +76,17 @@ def test_readme_streaming_snippets_end_their_line():
         last = max(i for i, line in enumerate(lines) if 'end=""' in line)
         after = [line.split("#")[0].strip() for line in lines[last + 1:]]
         assert "print()" in after, f"no print() after the streamed output in:\n{block}"
+
+
+def test_package_data_ships_every_non_python_file_the_package_reads():
+    """The CPU attention kernel's C source and the embedded checkpoints are read at run time
+    from the installed package, so a non-editable install must carry them."""
+    import fnmatch
+
+    from minivllm.layers.attention import cpu_decode
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["minivllm"]
+    pkg = ROOT / "minivllm"
+    for path in [cpu_decode.SOURCE, *sorted((pkg / "assets").rglob("*.json"))]:
+        rel = path.relative_to(pkg).as_posix()
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel
