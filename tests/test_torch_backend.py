@@ -231,6 +231,39 @@ def test_native_decode_split_over_threads_matches_one_thread():
     assert torch.equal(one, many)
 
 
+def test_native_decode_called_from_two_threads_at_once():
+    """The kernel object is shared by every backend in the process and ctypes drops the GIL:
+    two engines stepping in two threads must not share score scratch (each thread's results
+    equal its own single-threaded run)."""
+    import threading
+
+    kernel = _kernel_or_skip()
+    cases = []
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        g, heads, kv_heads, d, bs, nblocks = 6, 4, 2, 32, 4, 200
+        lens = torch.randint(20 * seed, 30 * seed, (g,), generator=gen, dtype=torch.int32)
+        tables = torch.randperm(nblocks, generator=gen)[: g * 16].view(g, 16).to(torch.int32).contiguous()
+        args = (torch.randn(g, heads, d, generator=gen), torch.randn(nblocks, bs, kv_heads, d, generator=gen),
+                torch.randn(nblocks, bs, kv_heads, d, generator=gen), tables, torch.arange(g, dtype=torch.int32),
+                lens, int(lens.max()), d ** -0.5)
+        cases.append((args, kernel(*args).clone()))
+    failures = []
+
+    def hammer(args, expected):
+        for _ in range(200):
+            if not torch.equal(kernel(*args), expected):
+                failures.append(args[5].tolist())
+                return
+
+    threads = [threading.Thread(target=hammer, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
 def test_native_decode_refuses_wrong_dtypes_and_shapes():
     kernel = _kernel_or_skip()
     q, kc = torch.randn(2, 4, 8), torch.randn(4, 4, 2, 8)

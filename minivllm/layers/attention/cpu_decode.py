@@ -117,9 +117,26 @@ class PagedDecodeKernel:
         fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
         fn.restype = None
         self._fn = fn
+        # One kernel object serves every backend in the process, and engines may step in
+        # different Python threads at once (ctypes drops the GIL): each calling thread gets its
+        # own score scratch, and the pool only ever grows, under a lock.
+        self._local = threading.local()
+        self._pool_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
-        self._scratch = torch.empty(0)
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < numel:
+            buf = self._local.scratch = torch.empty(numel)
+        return buf
+
+    def _thread_pool(self, workers: int) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool_size < workers:  # a replaced pool finishes its queued work and is collected
+                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="minivllm-attn")
+                self._pool_size = workers
+            return self._pool
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  row_seq: torch.Tensor, row_lens: torch.Tensor, max_len: int, scale: float,
@@ -168,10 +185,9 @@ class PagedDecodeKernel:
         block_size = k_cache.shape[1]
         chunks = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
         per_chunk = heads * max_len
-        if self._scratch.numel() < chunks * per_chunk:
-            self._scratch = torch.empty(chunks * per_chunk)
+        scratch = self._scratch(chunks * per_chunk)
         stride = block_tables.stride(0)
-        qp, sq, lp, op, sp = (t.data_ptr() for t in (q, row_seq, row_lens, out, self._scratch))
+        qp, sq, lp, op, sp = (t.data_ptr() for t in (q, row_seq, row_lens, out, scratch))
         kp, vp, tp = k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr()
 
         def run(c: int) -> None:
@@ -183,12 +199,8 @@ class PagedDecodeKernel:
         if chunks == 1:
             run(0)
         else:  # ctypes drops the GIL during the call, so the chunks run in parallel
-            if self._pool_size < chunks - 1:
-                if self._pool is not None:
-                    self._pool.shutdown()
-                self._pool = ThreadPoolExecutor(max_workers=chunks - 1, thread_name_prefix="minivllm-attn")
-                self._pool_size = chunks - 1
-            futures = [self._pool.submit(run, c) for c in range(1, chunks)]
+            pool = self._thread_pool(chunks - 1)
+            futures = [pool.submit(run, c) for c in range(1, chunks)]
             run(0)
             for f in futures:
                 f.result()
