@@ -138,7 +138,8 @@ def get_attention_backend(
     if resolved == "torch":
         from minivllm.layers.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        # the C decode kernel serves CPU tensors only: not built for a backend on another device
+        return TorchAttentionBackend(native_decode=None if torch.device(device).type == "cpu" else False)
     if resolved == "triton":
         from minivllm.layers.attention.triton_backend import TritonAttentionBackend
 

@@ -9,11 +9,13 @@ per token). Measured on the 2-core dev EPYC, one thread, embedded model's shapes
 200-260 tokens, 16-token blocks, 2 KV heads of 64): 0.8 ms per layer against 1.9 ms for
 gather + SDPA in the engine.
 
-It is compiled once per machine with the C compiler Python was built with (``$CC``
-overrides; ``-O3 -march=native``) into ``cache_dir()/kernels/`` under a hash of the source,
-compiler and flags, and loaded with ``ctypes``. Where that fails (no compiler, e.g. a bare
-Windows box) or ``MINIVLLM_CPU_DECODE_KERNEL=0`` is set, :func:`load` returns ``None`` with the
-reason in :func:`unavailable_reason`, and the backend keeps the gather + SDPA path.
+It is compiled at first use (``-O3 -march=native``) with the first compiler found (``$CC``, the
+one Python was built with, ``cc``, ``gcc``, ``clang``) into ``cache_dir()/kernels/`` (the temp
+directory if that is not writable) under a hash of the source, compiler, flags and CPU model and
+features, so later processes on the same CPU reuse it, and is loaded with ``ctypes``. Where that
+fails (no compiler, e.g. a bare Windows box) or ``MINIVLLM_CPU_DECODE_KERNEL=0`` is set,
+:func:`load` returns ``None`` with the reason in :func:`unavailable_reason`, and the backend keeps
+the gather + SDPA path.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import hashlib
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sysconfig
 import tempfile
@@ -44,26 +47,47 @@ ENV_SWITCH = "MINIVLLM_CPU_DECODE_KERNEL"
 #: is tens of microseconds; one row over a few hundred tokens is a few microseconds)
 MIN_ROWS_PER_THREAD = 8
 #: longest query (tokens per sequence in a step) sent to the kernel: it reads a sequence's K/V once
-#: per query token (from the CPU's caches after the first), so it suits decode and draft
-#: verification, not prefill, which keeps the gather + SDPA path
+#: per query token (from the CPU's caches after the first), so it suits decode, draft
+#: verification and short prompt chunks; longer queries (most prefills) keep gather + SDPA
 MAX_QUERY_LEN = 16
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "kernel" or "reason", filled once per process by load()
 
 
-def _compiler() -> list[str]:
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return shlex.split(cc)[:1]  # the compiler itself; sysconfig's CC may carry Python's own flags
+def _compilers() -> list[list[str]]:
+    """Candidate compiler commands, first that runs wins: ``$CC``, the one Python was built with
+    (``sysconfig``; conda and standalone Pythons may name one that is not installed), then
+    ``cc``, ``gcc``, ``clang``. A command keeps its words (``ccache gcc``, ``zig cc``)."""
+    found = []
+    for cc in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        try:
+            cmd = shlex.split(cc) if cc else []
+        except ValueError:  # unbalanced quotes in $CC
+            continue
+        if cmd and shutil.which(cmd[0]) and cmd not in found:
+            found.append(cmd)
+    return found
 
 
-def _build(out_dir: Path) -> Path:
-    """Compile the kernel into ``out_dir`` (atomic rename: concurrent builders are harmless)."""
-    cc = _compiler()
+def _cpu_fingerprint() -> str:
+    """What ``-march=native`` depends on: the CPU's model and instruction-set flags (Linux), else
+    the processor string. A cache shared between machines never loads another CPU's build."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(dict.fromkeys(lines))  # one copy per distinct line (every core repeats them)
+    except OSError:
+        return platform.processor() or platform.node()
+
+
+def _build(out_dir: Path, cc: list[str]) -> Path:
+    """Compile the kernel with ``cc`` into ``out_dir`` under a key of the source, compiler,
+    flags and CPU (atomic rename: concurrent builders are harmless)."""
     src = SOURCE.read_bytes()
     version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(src + repr((cc, FLAGS, version, platform.machine(), platform.node())).encode()).hexdigest()[:16]
-    lib = out_dir / f"paged_decode_f32-{key}.so"
+    key = hashlib.sha256(src + repr((cc, FLAGS, version, platform.machine(), _cpu_fingerprint())).encode())
+    lib = out_dir / f"paged_decode_f32-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +108,9 @@ def _build(out_dir: Path) -> Path:
 
 def load() -> "PagedDecodeKernel | None":
     """The compiled kernel, building it on first use; ``None`` when it cannot be had (see
-    :func:`unavailable_reason`). Thread-safe; builds at most once per process."""
+    :func:`unavailable_reason`). Thread-safe; builds at most once per process. Builds into
+    ``cache_dir()/kernels`` (``$MINIVLLM_CACHE_DIR`` or ``~/.cache/minivllm``), or the temp
+    directory when that is not writable."""
     with _lock:
         if "kernel" in _state or "reason" in _state:
             return _state.get("kernel")
@@ -92,15 +118,22 @@ def load() -> "PagedDecodeKernel | None":
             _state["reason"] = f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
             logger.info("CPU decode attention: gather + SDPA (%s)", _state["reason"])
             return None
-        try:
-            from minivllm.telemetry.peaks import cache_dir
-            path = _build(cache_dir() / "kernels")
-            _state["kernel"] = PagedDecodeKernel(ctypes.CDLL(str(path)))
-            logger.info("CPU decode attention: native paged kernel (%s)", path.name)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _state["reason"] = f"{type(e).__name__}: {e}"
-            logger.info("CPU decode attention: gather + SDPA (native kernel unavailable: %s)", _state["reason"])
-        return _state.get("kernel")
+        from minivllm.telemetry.peaks import cache_dir
+        user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "")
+        dirs = [cache_dir() / "kernels", Path(tempfile.gettempdir()) / f"minivllm-kernels-{user}"]
+        errors = []
+        for cc in _compilers():
+            for out_dir in dirs:
+                try:
+                    path = _build(out_dir, cc)
+                    _state["kernel"] = PagedDecodeKernel(ctypes.CDLL(str(path)))
+                    logger.info("CPU decode attention: native paged kernel (%s, built with %s)", path, " ".join(cc))
+                    return _state["kernel"]
+                except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+                    errors.append(f"{' '.join(cc)} into {out_dir}: {type(e).__name__}: {e}")
+        _state["reason"] = "; ".join(errors) if errors else "no C compiler found (tried $CC, Python's CC, cc, gcc, clang)"
+        logger.info("CPU decode attention: gather + SDPA (native kernel unavailable: %s)", _state["reason"])
+        return None
 
 
 def unavailable_reason() -> str | None:
@@ -128,7 +161,7 @@ class PagedDecodeKernel:
     def _scratch(self, numel: int) -> torch.Tensor:
         buf = getattr(self._local, "scratch", None)
         if buf is None or buf.numel() < numel:
-            buf = self._local.scratch = torch.empty(numel)
+            buf = self._local.scratch = torch.empty(numel, dtype=torch.float32, device="cpu")
         return buf
 
     def _thread_pool(self, workers: int) -> ThreadPoolExecutor:
@@ -166,6 +199,9 @@ class PagedDecodeKernel:
                 (the backend's step plan) checks the table entries and lengths once per step;
                 the kernel trusts them.
         """
+        if q.dim() != 3 or k_cache.dim() != 4:
+            raise ValueError(f"paged decode kernel: q must be [rows, heads, head_dim] and the caches "
+                             f"[blocks, block_size, kv_heads, head_dim], got {tuple(q.shape)} and {tuple(k_cache.shape)}")
         rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         for name, t, dt in (("q", q, torch.float32), ("k_cache", k_cache, torch.float32),
@@ -174,7 +210,7 @@ class PagedDecodeKernel:
             if t.dtype != dt or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"paged decode kernel: {name} must be a contiguous CPU {dt} tensor, got "
                                  f"{t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
-        if (k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or heads % kv_heads
+        if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or heads % kv_heads
                 or block_tables.dim() != 2 or row_seq.shape != (rows,) or row_lens.shape != (rows,)):
             raise ValueError(f"paged decode kernel: inconsistent shapes q {tuple(q.shape)}, k_cache "
                              f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, block_tables "
@@ -182,6 +218,9 @@ class PagedDecodeKernel:
                              f"{tuple(row_lens.shape)}")
         if out is None:
             out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"paged decode kernel: out must be a contiguous CPU float32 tensor of shape "
+                             f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)} on {out.device}")
         block_size = k_cache.shape[1]
         chunks = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
         per_chunk = heads * max_len

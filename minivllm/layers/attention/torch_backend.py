@@ -136,6 +136,9 @@ def _plan_native(gp: _GroupPlan, meta: AttentionMetadata, seq_ids: list[int], se
     """The native kernel's view of a short-query group: one row per query token, seeing the keys
     up to its own position. Refuses a table with -1 where a sequence has tokens."""
     bs = meta.block_size
+    if tables.shape[1] * bs < int(k_lens.max()):  # the kernel would read past a table row
+        raise RuntimeError(f"attention plan: block tables have {meta.block_tables.shape[1]} columns of {bs} "
+                           f"tokens, too few for a context of {int(k_lens.max())} tokens")
     t32 = meta.block_tables if seq_ids == list(range(meta.num_seqs)) else meta.block_tables[seq_t]
     gp.tables32 = t32.to(torch.int32).contiguous()
     if gp.max_q == 1:

@@ -1,9 +1,10 @@
-/* Paged decode attention on the CPU, fp32: one query token per sequence, keys and values read
-   in place from the paged KV cache through the block table (no gathered copy, no mask).
+/* Paged attention for short queries on the CPU, fp32 (decode: one query token per sequence;
+   draft verification and short chunks: a few, causal), keys and values read in place from the
+   paged KV cache through the block table (no gathered copy, no mask).
    Part of minivllm; built at first use by minivllm/layers/attention/cpu_decode.py and called
    through ctypes (which releases the GIL, so chunks of sequences can run on several threads).
 
-   Per sequence: scores for every head in one sweep over its K slots (a slot holds all KV heads
+   Per query row: scores for every head in one sweep over its K slots (a slot holds all KV heads
    of one token, so each slot is read once), a max-subtracted softmax per head, then one sweep
    over its V slots accumulating every head's output. */
 #include <stdint.h>
