@@ -273,6 +273,28 @@ def test_native_decode_called_from_two_threads_at_once():
     assert not failures
 
 
+def test_native_scratch_is_fp32_whatever_the_default_dtype():
+    """Model building sets torch's default dtype; the score scratch the C code writes as floats
+    must stay 4-byte floats (a bf16 buffer is half the bytes the kernel writes)."""
+    import threading
+
+    kernel = _kernel_or_skip()
+    seen = []
+
+    def in_fresh_thread():  # a fresh thread allocates its own scratch
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            seen.append(kernel._scratch(1000))
+        finally:
+            torch.set_default_dtype(previous)
+
+    t = threading.Thread(target=in_fresh_thread)
+    t.start()
+    t.join()
+    assert seen[0].dtype == torch.float32 and seen[0].device.type == "cpu" and seen[0].numel() >= 1000
+
+
 def test_native_decode_refuses_wrong_dtypes_and_shapes():
     kernel = _kernel_or_skip()
     q, kc = torch.randn(2, 4, 8), torch.randn(4, 4, 2, 8)
