@@ -338,6 +338,24 @@ def test_native_plan_refuses_minus_one_inside_a_context_and_a_too_narrow_table()
         backend.prepare(meta)
 
 
+def test_the_switch_is_read_for_every_backend_and_the_log_line_names_the_path(monkeypatch):
+    """Flipping MINIVLLM_CPU_DECODE_KERNEL between two engines in one process takes effect for
+    the second (it was read once per process), and the startup line says which path a model of
+    each dtype gets."""
+    from minivllm.layers.attention import get_attention_backend
+
+    _kernel_or_skip()
+    assert get_attention_backend("torch", "cpu", 16, torch.float32)._kernel is not None
+    assert cpu_decode.describe(torch.float32).startswith("native paged kernel")
+    assert get_attention_backend("torch", "cpu", 16, torch.bfloat16)._kernel is None
+    assert cpu_decode.describe(torch.bfloat16).startswith("gather + SDPA (the native kernel computes float32")
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "off")
+    assert get_attention_backend("torch", "cpu", 16, torch.float32)._kernel is None
+    assert cpu_decode.describe(torch.float32) == f"gather + SDPA (native kernel unavailable: {cpu_decode.ENV_SWITCH}=off)"
+    monkeypatch.delenv(cpu_decode.ENV_SWITCH)
+    assert get_attention_backend("torch", "cpu", 16, torch.float32)._kernel is not None
+
+
 def test_native_decode_can_be_switched_off(monkeypatch):
     """MINIVLLM_CPU_DECODE_KERNEL=0: load() gives None with the reason, and the backend keeps
     the gather + SDPA path."""

@@ -410,9 +410,12 @@ class LLMEngine:
         errors = {}
         for seq in failed:
             errors[seq] = (f"request {seq.request_id!r}: the model produced non-finite logits (NaN or inf) at "
-                           f"step {self.step_index}; its output so far is kept and it was ended. This usually "
-                           f"means activations overflowed in {self.config.dtype}: try dtype='float32' (or "
-                           f"'bfloat16' instead of 'float16').")
+                           f"step {self.step_index}; its output so far is kept and it was ended. "
+                           + (f"The model runs in dtype={self.config.dtype}, so this is not a low-precision "
+                              f"overflow: look for NaN/inf in the weights or inputs."
+                              if self.config.dtype == torch.float32 else
+                              f"This usually means activations overflowed in {self.config.dtype}: try "
+                              f"dtype='float32' (or 'bfloat16' instead of 'float16')."))
             logger.warning(errors[seq])
         return errors
 

@@ -138,8 +138,14 @@ def get_attention_backend(
     if resolved == "torch":
         from minivllm.layers.attention.torch_backend import TorchAttentionBackend
 
-        # the C decode kernel serves CPU tensors only: not built for a backend on another device
-        return TorchAttentionBackend(native_decode=None if torch.device(device).type == "cpu" else False)
+        # the C decode kernel serves fp32 CPU tensors only: not built for other devices or dtypes
+        if torch.device(device).type != "cpu":
+            return TorchAttentionBackend(native_decode=False)
+        from minivllm.layers.attention import cpu_decode
+        from minivllm.logger import init_logger
+
+        init_logger(__name__).info("CPU decode attention: %s", cpu_decode.describe(dtype))
+        return TorchAttentionBackend(native_decode=None if dtype in (None, torch.float32) else False)
     if resolved == "triton":
         from minivllm.layers.attention.triton_backend import TritonAttentionBackend
 

@@ -111,13 +111,11 @@ def load() -> "PagedDecodeKernel | None":
     :func:`unavailable_reason`). Thread-safe; builds at most once per process. Builds into
     ``cache_dir()/kernels`` (``$MINIVLLM_CACHE_DIR`` or ``~/.cache/minivllm``), or the temp
     directory when that is not writable."""
+    if switched_off():  # read at every call: flipping it between engines takes effect
+        return None
     with _lock:
         if "kernel" in _state or "reason" in _state:
             return _state.get("kernel")
-        if os.environ.get(ENV_SWITCH, "1").lower() in ("0", "false", "no", "off"):
-            _state["reason"] = f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
-            logger.info("CPU decode attention: gather + SDPA (%s)", _state["reason"])
-            return None
         from minivllm.telemetry.peaks import cache_dir
         user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "")
         dirs = [cache_dir() / "kernels", Path(tempfile.gettempdir()) / f"minivllm-kernels-{user}"]
@@ -127,18 +125,33 @@ def load() -> "PagedDecodeKernel | None":
                 try:
                     path = _build(out_dir, cc)
                     _state["kernel"] = PagedDecodeKernel(ctypes.CDLL(str(path)))
-                    logger.info("CPU decode attention: native paged kernel (%s, built with %s)", path, " ".join(cc))
+                    _state["path"] = f"{path}, built with {' '.join(cc)}"
                     return _state["kernel"]
                 except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
                     errors.append(f"{' '.join(cc)} into {out_dir}: {type(e).__name__}: {e}")
         _state["reason"] = "; ".join(errors) if errors else "no C compiler found (tried $CC, Python's CC, cc, gcc, clang)"
-        logger.info("CPU decode attention: gather + SDPA (native kernel unavailable: %s)", _state["reason"])
         return None
 
 
+def switched_off() -> bool:
+    """``MINIVLLM_CPU_DECODE_KERNEL`` is set to 0 / false / no / off."""
+    return os.environ.get(ENV_SWITCH, "1").lower() in ("0", "false", "no", "off")
+
+
 def unavailable_reason() -> str | None:
-    """Why :func:`load` returned ``None`` (``None`` if it has not failed)."""
+    """Why :func:`load` returned ``None`` (``None`` if it did not)."""
+    if switched_off():
+        return f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
     return _state.get("reason")  # type: ignore[return-value]
+
+
+def describe(dtype: torch.dtype | None) -> str:
+    """One line for an engine's startup log: which path its CPU decode attention takes in ``dtype``."""
+    if dtype is not None and dtype != torch.float32:
+        return f"gather + SDPA (the native kernel computes float32; this model runs in {dtype})"
+    if load() is None:
+        return f"gather + SDPA (native kernel unavailable: {unavailable_reason()})"
+    return f"native paged kernel ({_state.get('path')})"
 
 
 class PagedDecodeKernel:
