@@ -295,6 +295,39 @@ def test_native_scratch_is_fp32_whatever_the_default_dtype():
     assert seen[0].dtype == torch.float32 and seen[0].device.type == "cpu" and seen[0].numel() >= 1000
 
 
+def test_an_interrupt_while_workers_run_waits_for_them(monkeypatch):
+    """Ctrl-C while the calling thread waits for the pool: the KeyboardInterrupt is raised only
+    after every worker finished (they write into the caller's scratch, which its next call reuses)."""
+    kernel = _kernel_or_skip()
+    gen = torch.Generator().manual_seed(9)
+    g, heads, kv_heads, d, bs, nblocks = 32, 4, 2, 32, 4, 500
+    lens = torch.randint(10, 60, (g,), generator=gen, dtype=torch.int32)
+    tables = torch.randperm(nblocks, generator=gen)[: g * 15].view(g, 15).to(torch.int32).contiguous()
+    args = (torch.randn(g, heads, d, generator=gen), torch.randn(nblocks, bs, kv_heads, d, generator=gen),
+            torch.randn(nblocks, bs, kv_heads, d, generator=gen), tables, torch.arange(g, dtype=torch.int32),
+            lens, int(lens.max()), d ** -0.5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        expected = kernel(*args)
+        real_wait, calls = cpu_decode.wait, []
+
+        def interrupted_wait(futures):
+            calls.append(list(futures))
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return real_wait(futures)
+
+        monkeypatch.setattr(cpu_decode, "wait", interrupted_wait)
+        out = torch.zeros_like(expected)
+        with pytest.raises(KeyboardInterrupt):
+            kernel(*args, out=out)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2 and all(f.done() for f in calls[0])  # waited again after the interrupt
+    assert torch.equal(out, expected)  # every chunk was written before the interrupt left
+
+
 def test_native_decode_refuses_wrong_dtypes_and_shapes():
     kernel = _kernel_or_skip()
     q, kc = torch.randn(2, 4, 8), torch.randn(4, 4, 2, 8)

@@ -29,7 +29,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -253,7 +253,20 @@ class PagedDecodeKernel:
         else:  # ctypes drops the GIL during the call, so the chunks run in parallel
             pool = self._thread_pool(chunks - 1)
             futures = [pool.submit(run, c) for c in range(1, chunks)]
-            run(0)
+            interrupt = None
+            try:
+                run(0)
+            finally:
+                # Never leave while a worker still writes into this thread's scratch (the next call
+                # reuses it): an interrupt (Ctrl-C in a notebook) is re-raised once all are done.
+                while True:
+                    try:
+                        wait(futures)
+                        break
+                    except KeyboardInterrupt as e:
+                        interrupt = e
+            if interrupt is not None:
+                raise interrupt
             for f in futures:
-                f.result()
+                f.result()  # a worker's exception, if any
         return out

@@ -273,16 +273,17 @@ class TorchAttentionBackend(AttentionBackend):
         # Tokens not in any sequence (padding) get zeros.
         out = torch.zeros(q.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
         for gp in plan.groups:  # at most two: decodes, prefills
-            o = self._native(q[gp.q_src], k_cache, v_cache, gp, scale)
+            q_rows = q[gp.q_src]
+            o = self._native(q_rows, k_cache, v_cache, gp, scale)
             if o is not None:
                 out[gp.q_src] = o
                 continue
             if gp.bias is not None:
-                o = _decode_attention(q[gp.q_src], *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype)
+                o = _decode_attention(q_rows, *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype)
                 out[gp.q_src] = o.to(q.dtype)
                 continue
             qp = q.new_zeros(gp.num_seqs * gp.max_q, num_heads, head_dim, dtype=compute_dtype)
-            qp[gp.q_dst] = q[gp.q_src].to(compute_dtype)
+            qp[gp.q_dst] = q_rows.to(compute_dtype)
             qp = qp.view(gp.num_seqs, gp.max_q, num_heads, head_dim).transpose(1, 2)
             kg, vg = (t.to(compute_dtype).transpose(1, 2) for t in self._gather(k_cache, v_cache, gp))
             o = F.scaled_dot_product_attention(qp, kg, vg, attn_mask=gp.mask, scale=scale, enable_gqa=gqa)
