@@ -217,23 +217,28 @@ def test_native_short_queries_match_naive(block_size, heads, kv_heads):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
+def _kernel_args(seed, g, heads, kv_heads, d, bs, nblocks, len_range, width):
+    """Random arguments for a direct kernel call: ``g`` decode rows with lengths in ``len_range``,
+    each with ``width`` distinct random blocks of a pool of ``nblocks``."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(*len_range, (g,), generator=gen, dtype=torch.int32)
+    tables = torch.randperm(nblocks, generator=gen)[: g * width].view(g, width).to(torch.int32).contiguous()
+    return (torch.randn(g, heads, d, generator=gen), torch.randn(nblocks, bs, kv_heads, d, generator=gen),
+            torch.randn(nblocks, bs, kv_heads, d, generator=gen), tables, torch.arange(g, dtype=torch.int32),
+            lens, int(lens.max()), d ** -0.5)
+
+
 def test_native_decode_split_over_threads_matches_one_thread():
     """With several torch threads the kernel splits sequences into chunks on a thread pool;
     the result is the same as one chunk."""
     kernel = _kernel_or_skip()
-    gen = torch.Generator().manual_seed(5)
-    g, heads, kv_heads, d, bs, nblocks = 40, 8, 2, 32, 4, 600
-    lens = torch.randint(1, 50, (g,), generator=gen, dtype=torch.int32)
-    tables = torch.randperm(nblocks, generator=gen)[: g * 13].view(g, 13).to(torch.int32).contiguous()
-    q = torch.randn(g, heads, d, generator=gen)
-    kc, vc = torch.randn(nblocks, bs, kv_heads, d, generator=gen), torch.randn(nblocks, bs, kv_heads, d, generator=gen)
-    rows = torch.arange(g, dtype=torch.int32)
+    args = _kernel_args(5, 40, 8, 2, 32, 4, 600, (1, 50), 13)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel(q, kc, vc, tables, rows, lens, int(lens.max()), d ** -0.5)
+        one = kernel(*args)
         torch.set_num_threads(4)
-        many = kernel(q, kc, vc, tables, rows, lens, int(lens.max()), d ** -0.5)
+        many = kernel(*args)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
@@ -248,13 +253,7 @@ def test_native_decode_called_from_two_threads_at_once():
     kernel = _kernel_or_skip()
     cases = []
     for seed in (1, 2):
-        gen = torch.Generator().manual_seed(seed)
-        g, heads, kv_heads, d, bs, nblocks = 40, 4, 2, 32, 4, 700
-        lens = torch.randint(20 * seed, 30 * seed, (g,), generator=gen, dtype=torch.int32)
-        tables = torch.randperm(nblocks, generator=gen)[: g * 16].view(g, 16).to(torch.int32).contiguous()
-        args = (torch.randn(g, heads, d, generator=gen), torch.randn(nblocks, bs, kv_heads, d, generator=gen),
-                torch.randn(nblocks, bs, kv_heads, d, generator=gen), tables, torch.arange(g, dtype=torch.int32),
-                lens, int(lens.max()), d ** -0.5)
+        args = _kernel_args(seed, 40, 4, 2, 32, 4, 700, (20 * seed, 30 * seed), 16)
         cases.append((args, kernel(*args).clone()))
     failures = []
 
@@ -299,13 +298,7 @@ def test_an_interrupt_while_workers_run_waits_for_them(monkeypatch):
     """Ctrl-C while the calling thread waits for the pool: the KeyboardInterrupt is raised only
     after every worker finished (they write into the caller's scratch, which its next call reuses)."""
     kernel = _kernel_or_skip()
-    gen = torch.Generator().manual_seed(9)
-    g, heads, kv_heads, d, bs, nblocks = 32, 4, 2, 32, 4, 500
-    lens = torch.randint(10, 60, (g,), generator=gen, dtype=torch.int32)
-    tables = torch.randperm(nblocks, generator=gen)[: g * 15].view(g, 15).to(torch.int32).contiguous()
-    args = (torch.randn(g, heads, d, generator=gen), torch.randn(nblocks, bs, kv_heads, d, generator=gen),
-            torch.randn(nblocks, bs, kv_heads, d, generator=gen), tables, torch.arange(g, dtype=torch.int32),
-            lens, int(lens.max()), d ** -0.5)
+    args = _kernel_args(9, 32, 4, 2, 32, 4, 500, (10, 60), 15)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
