@@ -79,14 +79,15 @@ def test_readme_streaming_snippets_end_their_line():
 
 
 def test_package_data_ships_every_non_python_file_the_package_reads():
-    """The CPU attention kernel's C source and the embedded checkpoints are read at run time
-    from the installed package, so a non-editable install must carry them."""
+    """The C sources (CPU attention kernel, fused small ops) and the embedded checkpoints are
+    read at run time from the installed package, so a non-editable install must carry them."""
     import fnmatch
 
+    from minivllm.layers import cpu_fused
     from minivllm.layers.attention import cpu_decode
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["minivllm"]
     pkg = ROOT / "minivllm"
-    for path in [cpu_decode.SOURCE, *sorted((pkg / "assets").rglob("*.json"))]:
+    for path in [cpu_decode.SOURCE, cpu_fused.SOURCE, *sorted((pkg / "assets").rglob("*.json"))]:
         rel = path.relative_to(pkg).as_posix()
         assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel

@@ -162,9 +162,14 @@ class LLMEngine:
 
     def _optimise(self, args: EngineArgs, device: torch.device) -> None:
         """torch.compile of the small fused ops (default: on CUDA only, where it pays for its
-        start-up time) and decode CUDA graphs (CUDA, ``enforce_eager=False``, tp=1)."""
+        start-up time; a float32 CPU model gets our C versions of them instead) and decode CUDA
+        graphs (CUDA, ``enforce_eager=False``, tp=1)."""
         if args.compile if args.compile is not None else device.type == "cuda":
             self.runner.enable_compile()
+        elif device.type == "cpu" and self.config.dtype == torch.float32:
+            from minivllm.layers import cpu_fused
+            self.runner.enable_cpu_fused_ops()
+            logger.info("CPU norms, rotary and SiLU: %s", cpu_fused.describe())
         if device.type != "cuda" or args.enforce_eager:
             return
         if args.tensor_parallel_size > 1 or not self.runner.backend.supports_cuda_graphs:

@@ -400,6 +400,23 @@ class ModelRunner:
             elif isinstance(module, (SiluAndMul, RotaryEmbedding)):
                 module.forward = torch.compile(module.forward, dynamic=True, backend=backend)
 
+    def enable_cpu_fused_ops(self) -> bool:
+        """Run RMSNorm, the rotary embedding and SiLU-and-multiply as one C call each
+        (``minivllm.layers.cpu_fused``; CPU, float32). Returns whether the C ops loaded; the
+        modules keep their torch path for anything the C code does not take."""
+        from minivllm.layers import cpu_fused
+        from minivllm.layers.activation import SiluAndMul
+        from minivllm.layers.norm import RMSNorm
+        from minivllm.layers.rotary import RotaryEmbedding
+
+        ops = cpu_fused.load()
+        if ops is None:
+            return False
+        for module in self.model.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+                module.fused = ops
+        return True
+
     # -- one step ---------------------------------------------------------------------------
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array -> tensor on the model's device (zero-copy on CPU; on CUDA through the

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from minivllm.distributed.parallel_state import tp_scope
 from minivllm.executor import launch
 from minivllm.executor.launch import Connection
-from minivllm.executor.worker import COMPILE, HEADER_LEN, SHUTDOWN, ShardRunner, WorkerConfig, pack_step, serve
+from minivllm.executor.worker import COMPILE, CPU_FUSED, HEADER_LEN, SHUTDOWN, ShardRunner, WorkerConfig, pack_step, serve
 from minivllm.engine.model_runner import ModelInput
 from minivllm.engine.runner_config import RunnerConfig
 
@@ -160,6 +160,20 @@ class TPModelRunner(ShardRunner):
         with self._guard("enabling torch.compile"):
             launch.broadcast(self.conn.ctrl, header)
         super().enable_compile()
+
+    def enable_cpu_fused_ops(self) -> bool:
+        """Our C norms, rotary and SiLU on every rank, or on none: replicated ops must compute
+        the same values everywhere, so rank 0 tells the workers only once its own ops loaded
+        (each worker then builds or loads the same source; one that cannot keeps torch's ops,
+        which agree to float32 rounding)."""
+        self._check_usable()
+        if not super().enable_cpu_fused_ops():
+            return False
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0] = CPU_FUSED
+        with self._guard("enabling the CPU fused ops"):
+            launch.broadcast(self.conn.ctrl, header)
+        return True
 
     def enable_cuda_graphs(self, *args, **kwargs) -> None:
         raise NotImplementedError("CUDA graphs are not supported with tensor_parallel_size > 1")

@@ -19,7 +19,8 @@ Protocol (control group, gloo, CPU int64 tensors), one step:
 ``header = [cmd, num_tokens, num_seqs, num_sampling, table_width, payload_len]`` then, for
 ``cmd == STEP``, a payload of ``input_ids | positions | slot_mapping | q_lens |
 context_lens | block_tables (row-major) | logits_indices``. ``COMPILE`` makes the worker
-``torch.compile`` the same ops as rank 0 (``ModelRunner.enable_compile``); ``SHUTDOWN`` ends it.
+``torch.compile`` the same ops as rank 0 (``ModelRunner.enable_compile``), ``CPU_FUSED`` use the
+same C norms, rotary and SiLU (``ModelRunner.enable_cpu_fused_ops``); ``SHUTDOWN`` ends it.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from minivllm.engine.runner_config import RunnerConfig
 
 logger = logging.getLogger("minivllm")
 
-STEP, SHUTDOWN, COMPILE = 1, 2, 3
+STEP, SHUTDOWN, COMPILE, CPU_FUSED = 1, 2, 3, 4
 HEADER_LEN = 6
 #: Test hook: ``"<rank>:<step>"`` makes that worker raise at that step (exercises error reporting).
 FAULT_ENV = "MINIVLLM_TP_TEST_FAULT"
@@ -169,6 +170,9 @@ class Worker:
                 return
             if cmd == COMPILE:
                 self.runner.enable_compile()
+                continue
+            if cmd == CPU_FUSED:
+                self.runner.enable_cpu_fused_ops()
                 continue
             if cmd != STEP:
                 raise RuntimeError(f"worker rank {self.conn.rank}: unknown command {cmd}")

@@ -12,6 +12,12 @@ class SiluAndMul(nn.Module):
     The input is the packed ``gate_up_proj`` output: gate half first, then up half.
     """
 
+    fused = None  # CpuFusedOps, set by ModelRunner.enable_cpu_fused_ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            out = self.fused.silu_and_mul(x)
+            if out is not None:
+                return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

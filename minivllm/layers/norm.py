@@ -35,10 +35,12 @@ class RMSNorm(nn.Module):
     ``norm_fn`` / ``add_norm_fn`` are the functions it calls; ``ModelRunner.enable_compile``
     points every instance at one shared compiled version of each, so Dynamo compiles each
     shape/dtype case once for the whole model rather than per module or per call form.
+    ``fused`` (``ModelRunner.enable_cpu_fused_ops``) is tried first: one C call on a CPU.
     """
 
     norm_fn = staticmethod(rms_norm)
     add_norm_fn = staticmethod(add_rms_norm)
+    fused = None  # CpuFusedOps, set by ModelRunner.enable_cpu_fused_ops
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -62,6 +64,11 @@ class RMSNorm(nn.Module):
         With ``residual`` (same shape): returns ``(norm(x + residual), x + residual)``; the
         sum (in ``x.dtype``, as in the unfused model) is the residual stream for the next block.
         """
+        if self.fused is not None:
+            out = (self.fused.rms_norm(x, self.weight, self.eps) if residual is None
+                   else self.fused.add_rms_norm(x, residual, self.weight, self.eps))
+            if out is not None:
+                return out
         if residual is None:
             # As 2-D rows, so the per-head q/k norms ([tokens, heads, head_dim]) and the
             # hidden-state norms share one compiled kernel shape (see enable_compile).

@@ -28,6 +28,8 @@ class RotaryEmbedding(nn.Module):
         base: ``rope_theta``.
     """
 
+    fused = None  # CpuFusedOps, set by ModelRunner.enable_cpu_fused_ops
+
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
         if head_dim % 2 != 0:
@@ -50,6 +52,12 @@ class RotaryEmbedding(nn.Module):
 
         Returns new tensors of the same shapes and dtypes.
         """
+        if self.fused is not None:  # one C call per tensor on a CPU (ModelRunner.enable_cpu_fused_ops)
+            table = self.cos_sin_cache(q.device)
+            q_out = self.fused.rope(q, positions, table)
+            k_out = self.fused.rope(k, positions, table) if q_out is not None else None
+            if k_out is not None:
+                return q_out, k_out
         cos, sin = self.cos_sin_cache(q.device)[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, d/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -9,31 +9,22 @@ per token). Measured on the 2-core dev EPYC, one thread, embedded model's shapes
 200-260 tokens, 16-token blocks, 2 KV heads of 64): 0.8 ms per layer against 1.9 ms for
 gather + SDPA in the engine.
 
-It is compiled at first use (``-O3 -march=native``) with the first compiler found (``$CC``, the
-one Python was built with, ``cc``, ``gcc``, ``clang``) into ``cache_dir()/kernels/`` (the temp
-directory if that is not writable) under a hash of the source, compiler, flags and CPU model and
-features, so later processes on the same CPU reuse it, and is loaded with ``ctypes``. Where that
-fails (no compiler, e.g. a bare Windows box) or ``MINIVLLM_CPU_DECODE_KERNEL=0`` is set,
+It is compiled at first use and loaded with ``ctypes`` by ``minivllm.layers.native_build``
+(first compiler found, cached per source, compiler and CPU). Where that fails (no compiler, e.g. a bare Windows box) or ``MINIVLLM_CPU_DECODE_KERNEL=0`` is set,
 :func:`load` returns ``None`` with the reason in :func:`unavailable_reason`, and the backend keeps
 the gather + SDPA path.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shlex
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
+from minivllm.layers.native_build import NativeBuildError, build_and_load
 from minivllm.logger import init_logger
 
 __all__ = ["PagedDecodeKernel", "load", "unavailable_reason"]
@@ -41,7 +32,6 @@ __all__ = ["PagedDecodeKernel", "load", "unavailable_reason"]
 logger = init_logger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_f32.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 ENV_SWITCH = "MINIVLLM_CPU_DECODE_KERNEL"
 #: below this many query rows per extra thread, splitting costs more than it saves (thread hand-off
 #: is tens of microseconds; one row over a few hundred tokens is a few microseconds)
@@ -55,57 +45,6 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "kernel" or "reason", filled once per process by load()
 
 
-def _compilers() -> list[list[str]]:
-    """Candidate compiler commands, first that runs wins: ``$CC``, the one Python was built with
-    (``sysconfig``; conda and standalone Pythons may name one that is not installed), then
-    ``cc``, ``gcc``, ``clang``. A command keeps its words (``ccache gcc``, ``zig cc``)."""
-    found = []
-    for cc in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
-        try:
-            cmd = shlex.split(cc) if cc else []
-        except ValueError:  # unbalanced quotes in $CC
-            continue
-        if cmd and shutil.which(cmd[0]) and cmd not in found:
-            found.append(cmd)
-    return found
-
-
-def _cpu_fingerprint() -> str:
-    """What ``-march=native`` depends on: the CPU's model and instruction-set flags (Linux), else
-    the processor string. A cache shared between machines never loads another CPU's build."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(dict.fromkeys(lines))  # one copy per distinct line (every core repeats them)
-    except OSError:
-        return platform.processor() or platform.node()
-
-
-def _build(out_dir: Path, cc: list[str]) -> Path:
-    """Compile the kernel with ``cc`` into ``out_dir`` under a key of the source, compiler,
-    flags and CPU (atomic rename: concurrent builders are harmless)."""
-    src = SOURCE.read_bytes()
-    version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(src + repr((cc, FLAGS, version, platform.machine(), _cpu_fingerprint())).encode())
-    lib = out_dir / f"paged_decode_f32-{key.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # some compilers lack -march=native
-            proc = subprocess.run(cc + list(flags) + [str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                  timeout=120)
-            if proc.returncode == 0:
-                os.replace(tmp, lib)
-                return lib
-        raise RuntimeError(f"{' '.join(cc)} failed: {proc.stderr.strip()[-300:]}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def load() -> "PagedDecodeKernel | None":
     """The compiled kernel, building it on first use; ``None`` when it cannot be had (see
     :func:`unavailable_reason`). Thread-safe; builds at most once per process. Builds into
@@ -116,21 +55,12 @@ def load() -> "PagedDecodeKernel | None":
     with _lock:
         if "kernel" in _state or "reason" in _state:
             return _state.get("kernel")
-        from minivllm.telemetry.peaks import cache_dir
-        user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "")
-        dirs = [cache_dir() / "kernels", Path(tempfile.gettempdir()) / f"minivllm-kernels-{user}"]
-        errors = []
-        for cc in _compilers():
-            for out_dir in dirs:
-                try:
-                    path = _build(out_dir, cc)
-                    _state["kernel"] = PagedDecodeKernel(ctypes.CDLL(str(path)))
-                    _state["path"] = f"{path}, built with {' '.join(cc)}"
-                    return _state["kernel"]
-                except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-                    errors.append(f"{' '.join(cc)} into {out_dir}: {type(e).__name__}: {e}")
-        _state["reason"] = "; ".join(errors) if errors else "no C compiler found (tried $CC, Python's CC, cc, gcc, clang)"
-        return None
+        try:
+            lib, _state["path"] = build_and_load(SOURCE)
+            _state["kernel"] = PagedDecodeKernel(lib)
+        except (NativeBuildError, AttributeError) as e:
+            _state["reason"] = str(e)
+        return _state.get("kernel")
 
 
 def switched_off() -> bool:

@@ -1,0 +1,100 @@
+"""Build our C sources at first use and load them with ``ctypes`` (the CPU attention kernel in
+``attention/csrc`` and the fused per-layer ops in ``csrc``).
+
+A source is compiled (``-O3 -march=native``) with the first compiler that works (``$CC``, the
+one Python was built with, ``cc``, ``gcc``, ``clang``) into ``cache_dir()/kernels/`` (the temp
+directory if that is not writable), under a hash of the source, compiler, flags and CPU model
+and features, so later processes on the same CPU reuse it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+__all__ = ["FLAGS", "NativeBuildError", "build_and_load"]
+
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+
+
+class NativeBuildError(RuntimeError):
+    """No compiler produced a loadable library; the message lists every attempt."""
+
+
+def _compilers() -> list[list[str]]:
+    """Candidate compiler commands, first that runs wins: ``$CC``, the one Python was built with
+    (``sysconfig``; conda and standalone Pythons may name one that is not installed), then
+    ``cc``, ``gcc``, ``clang``. A command keeps its words (``ccache gcc``, ``zig cc``)."""
+    found = []
+    for cc in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        try:
+            cmd = shlex.split(cc) if cc else []
+        except ValueError:  # unbalanced quotes in $CC
+            continue
+        if cmd and shutil.which(cmd[0]) and cmd not in found:
+            found.append(cmd)
+    return found
+
+
+def _cpu_fingerprint() -> str:
+    """What ``-march=native`` depends on: the CPU's model and instruction-set flags (Linux), else
+    the processor string. A cache shared between machines never loads another CPU's build."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(dict.fromkeys(lines))  # one copy per distinct line (every core repeats them)
+    except OSError:
+        return platform.processor() or platform.node()
+
+
+def _build(source: Path, out_dir: Path, cc: list[str]) -> Path:
+    """Compile ``source`` with ``cc`` into ``out_dir`` under a key of the source, compiler,
+    flags and CPU (atomic rename: concurrent builders are harmless)."""
+    src = source.read_bytes()
+    version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(src + repr((cc, FLAGS, version, platform.machine(), _cpu_fingerprint())).encode())
+    lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # some compilers lack -march=native
+            proc = subprocess.run(cc + list(flags) + [str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                                  timeout=120)
+            if proc.returncode == 0:
+                os.replace(tmp, lib)
+                return lib
+        raise RuntimeError(f"{' '.join(cc)} failed: {proc.stderr.strip()[-300:]}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_and_load(source: Path) -> tuple[ctypes.CDLL, str]:
+    """``source`` compiled (or found already built) and loaded, with a line saying where from.
+
+    Raises:
+        NativeBuildError: no compiler found, or every compiler/directory pair failed (the
+            message has each error).
+    """
+    from minivllm.telemetry.peaks import cache_dir
+    user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "")
+    dirs = [cache_dir() / "kernels", Path(tempfile.gettempdir()) / f"minivllm-kernels-{user}"]
+    errors = []
+    for cc in _compilers():
+        for out_dir in dirs:
+            try:
+                path = _build(source, out_dir, cc)
+                return ctypes.CDLL(str(path)), f"{path}, built with {' '.join(cc)}"
+            except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+                errors.append(f"{' '.join(cc)} into {out_dir}: {type(e).__name__}: {e}")
+    raise NativeBuildError("; ".join(errors) if errors else "no C compiler found (tried $CC, Python's CC, cc, gcc, clang)")

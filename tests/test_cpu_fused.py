@@ -1,0 +1,183 @@
+"""Our C versions of the per-layer small ops (``minivllm.layers.cpu_fused``) against the torch
+reference they replace: RMSNorm (plain, per-head on a strided view, with the residual add),
+rotary embedding, SiLU-and-multiply; their fallbacks; and the engine wiring."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers_engine import generate_spying_logits, greedy, make_llm, prompts_of
+from minivllm.layers import cpu_fused
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.norm import RMSNorm, add_rms_norm, rms_norm
+from minivllm.layers.rotary import RotaryEmbedding
+
+ATOL = 2e-6  # float32: the C sums are reassociated (SIMD), so results differ in the last bits
+
+
+@pytest.fixture
+def ops():
+    """The loaded ops; a skip naming the build error where they cannot be built, or a failure
+    when ``MINIVLLM_REQUIRE_CPU_KERNEL=1`` (CI sets it: its machine has a compiler)."""
+    loaded = cpu_fused.load()
+    if loaded is None:
+        message = f"CPU fused ops unavailable: {cpu_fused.unavailable_reason()}"
+        if os.environ.get("MINIVLLM_REQUIRE_CPU_KERNEL") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return loaded
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 32])
+@pytest.mark.parametrize("dim", [8, 64, 100, 256])
+def test_rms_norm_matches_the_reference(ops, tokens, dim):
+    g = torch.Generator().manual_seed(tokens * 1000 + dim)
+    x, w = torch.randn(tokens, dim, generator=g) * 3, torch.randn(dim, generator=g)
+    got = ops.rms_norm(x, w, 1e-6)
+    assert got.is_contiguous() and got.dtype == torch.float32
+    torch.testing.assert_close(got, rms_norm(x, w, 1e-6), atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,head_dim", [(4, 64), (3, 16), (16, 128)])
+def test_per_head_norm_reads_a_strided_view_of_the_fused_projection(ops, heads, head_dim):
+    """q_norm / k_norm get ``[T, H, D]`` views cut from the qkv output (row stride wider than
+    ``H * D``); the C code reads them in place."""
+    g = torch.Generator().manual_seed(heads)
+    qkv = torch.randn(5, heads * head_dim * 2 + 7, generator=g)
+    q = qkv[:, 3:3 + heads * head_dim].view(5, heads, head_dim)
+    assert not q.is_contiguous()
+    w = torch.randn(head_dim, generator=g)
+    got = ops.rms_norm(q, w, 1e-6)
+    assert got.shape == q.shape and got.is_contiguous()
+    torch.testing.assert_close(got, rms_norm(q.reshape(-1, head_dim), w, 1e-6).view(q.shape), atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 17])
+def test_add_rms_norm_returns_the_norm_and_the_new_residual(ops, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    x, r, w = torch.randn(tokens, 96, generator=g), torch.randn(tokens, 96, generator=g), torch.randn(96, generator=g)
+    r_before = r.clone()
+    out, total = ops.add_rms_norm(x, r, w, 1e-5)
+    ref_out, ref_total = add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(total, ref_total, atol=0, rtol=0)  # one float add: exact
+    torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=1e-5)
+    assert torch.equal(r, r_before)  # the caller's residual is not overwritten
+
+
+@pytest.mark.parametrize("head_dim", [2, 16, 64, 128])
+def test_rope_matches_the_reference_on_strided_heads(ops, head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    rot = RotaryEmbedding(head_dim, 512, 1e6)
+    qkv = torch.randn(6, (4 + 2) * head_dim + 3, generator=g)
+    q = qkv[:, :4 * head_dim].view(6, 4, head_dim)
+    k = qkv[:, 4 * head_dim:6 * head_dim].view(6, 2, head_dim)
+    pos = torch.tensor([0, 1, 7, 300, 511, 42])
+    ref_q, ref_k = rot(pos, q, k)
+    rot.fused = ops
+    got_q, got_k = rot(pos, q, k)
+    torch.testing.assert_close(got_q, ref_q, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(got_k, ref_k, atol=ATOL, rtol=1e-5)
+
+
+def test_rope_refuses_a_position_outside_the_table(ops):
+    """The C code checks every position before reading the table (an index past it would read
+    other memory); the error names the position and the token."""
+    rot = RotaryEmbedding(16, 64, 1e4)
+    rot.fused = ops
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    for bad in (64, -1):
+        with pytest.raises(IndexError, match=rf"position {bad} \(token 1\) is outside the table of 64"):
+            rot(torch.tensor([5, bad, 6]), q, k)
+
+
+def test_silu_and_mul_matches_float64_silu_over_the_whole_range(ops):
+    """Our vectorised exp: relative error within a few float32 ulps from -100 to 100 (the clamp
+    at -87/88 included), zero at zero."""
+    gate = torch.cat([torch.linspace(-100, 100, 20001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.5, -87.5])])
+    up = torch.linspace(0.5, 2.0, gate.numel())
+    got = ops.silu_and_mul(torch.cat([gate, up]).view(1, -1))[0]
+    ref = (F.silu(gate.double()) * up.double()).float()
+    big = ref.abs() > 1e-30
+    assert ((got[big] - ref[big]).abs() / ref[big].abs()).max() < 5e-7
+    assert got[~big].abs().max() < 1e-30
+    x = torch.randn(7, 2 * 300)  # rows longer than the exp chunk (256) and a strided row layout
+    wide = torch.randn(7, 700)[:, 50:650]
+    for t in (x, wide):
+        torch.testing.assert_close(ops.silu_and_mul(t), F.silu(t[:, :300]) * t[:, 300:], atol=ATOL, rtol=1e-5)
+
+
+def test_outputs_are_float32_whatever_the_default_dtype(ops):
+    """The C code writes float32: its outputs must be float32 even when torch's default dtype is
+    bfloat16 (an output allocated in the default dtype would be half the bytes written)."""
+    x, w = torch.randn(4, 32), torch.randn(32)
+    ref = ops.rms_norm(x, w, 1e-6)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        outs = [ops.rms_norm(x, w, 1e-6), ops.rms_norm(x.view(4, 2, 16), w[:16], 1e-6),
+                ops.silu_and_mul(x), RotaryEmbedding(16, 8, 1e4).cos_sin_cache(x.device)]
+        rot = ops.rope(x.view(4, 2, 16), torch.arange(4), torch.randn(8, 16, dtype=torch.float32))
+    finally:
+        torch.set_default_dtype(old)
+    assert all(t.dtype == torch.float32 for t in outs[:3] + [rot])
+    assert torch.equal(outs[0], ref)
+
+
+def test_inputs_the_c_code_does_not_take_fall_back_to_the_reference(ops, monkeypatch):
+    """bf16, a transposed last dim, a 4-D input: the method returns None and the module computes
+    the reference; a large input with several torch threads goes to torch's parallel ops."""
+    w = torch.randn(16)
+    assert ops.rms_norm(torch.randn(4, 16, dtype=torch.bfloat16), w.bfloat16(), 1e-6) is None
+    assert ops.rms_norm(torch.randn(16, 4).t(), w, 1e-6) is None
+    assert ops.rms_norm(torch.randn(2, 2, 2, 16), w, 1e-6) is None
+    assert ops.silu_and_mul(torch.randn(3, 5)) is None  # odd width: no gate/up halves
+    norm = RMSNorm(16)
+    norm.weight.data.copy_(w)
+    norm.fused = ops
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    assert torch.equal(norm(x), rms_norm(x, w, 1e-6))
+    big = torch.randn(cpu_fused.SINGLE_THREAD_MAX_ELEMENTS // 16 + 1, 32)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert ops.silu_and_mul(big) is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert ops.silu_and_mul(big) is not None
+
+
+def test_engine_uses_them_for_a_float32_cpu_model_and_hooks_still_fire(tiny_ckpt, ops):
+    """Every RMSNorm, RotaryEmbedding and SiluAndMul of a float32 CPU engine points at the ops
+    (not for bfloat16); q_norm stays a module, so a forward hook on it fires (chapter 02 hooks
+    it); every step's logits match the torch path's, and so do the greedy tokens."""
+    llm = make_llm(tiny_ckpt)
+    model = llm.llm_engine.runner.model
+    owners = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul))]
+    # per layer 4 norms (input, post-attention, q, k) and the MLP activation; the final norm; one rotary
+    assert len(owners) == 5 * len(model.model.layers) + 2 and all(m.fused is ops for m in owners)
+    seen = []
+    model.model.layers[0].self_attn.q_norm.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))
+    prompt = prompts_of([13], seed=7)[0]
+    fused_out, fused_rows = generate_spying_logits(llm, prompt, greedy(6))
+    assert seen and seen[0][0] == 13  # the prefill's 13 tokens went through the hooked module
+    for m in owners:
+        m.fused = None
+    torch_out, torch_rows = generate_spying_logits(llm, prompt, greedy(6))
+    torch.testing.assert_close(torch.stack(fused_rows), torch.stack(torch_rows), atol=1e-5, rtol=1e-5)
+    assert fused_out.token_ids == torch_out.token_ids
+    llm.shutdown()
+    bf16 = make_llm(tiny_ckpt, dtype="bfloat16")
+    assert all(m.fused is None for m in bf16.llm_engine.runner.model.modules()
+               if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)))
+    bf16.shutdown()
+
+
+def test_the_switch_turns_them_off_and_the_log_says_so(tiny_ckpt, monkeypatch, caplog):
+    monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
+    assert cpu_fused.load() is None
+    assert cpu_fused.describe() == f"torch ops (fused C ops unavailable: {cpu_fused.ENV_SWITCH}=0)"
+    with caplog.at_level("INFO", logger="minivllm"):
+        llm = make_llm(tiny_ckpt)
+    assert all(m.fused is None for m in llm.llm_engine.runner.model.modules() if isinstance(m, RMSNorm))
+    assert f"CPU norms, rotary and SiLU: torch ops (fused C ops unavailable: {cpu_fused.ENV_SWITCH}=0)" in caplog.text
+    llm.shutdown()
