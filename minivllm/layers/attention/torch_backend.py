@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -67,17 +68,21 @@ class _GroupPlan:
     max_q: int
     max_k: int
     q_src: torch.Tensor  # int64 [n]: token index in the step
-    q_dst: torch.Tensor  # int64 [n]: row in the padded [G * max_q] layout
-    block_ids: torch.Tensor  # int64 [G * nb]: physical blocks to gather, row-major (padding: block 0)
+    q_dst: torch.Tensor | None  # int64 [n]: row in the padded [G * max_q] layout
+    block_ids: torch.Tensor | None  # int64 [G * nb]: physical blocks to gather, row-major (padding: block 0)
     mask: torch.Tensor | None  # bool [G, 1, max_q, max_k] with max_k = nb * block_size (prefill groups)
     bias: torch.Tensor | None  # fp32 [G, 1, max_k]: 0 attend, -inf past the length (decode groups)
     # For the native kernel (cpu_decode), groups with short queries only: int32 tables [G, width],
     # each query token's table row and visible keys [n] (row_seq, row_lens; token order = q_src),
-    # and the largest block id they reach (checked against the cache per layer: an int compare)
+    # and the largest block id they reach (checked against the cache per layer: an int compare).
+    # Such a plan has no gather fields: ``reference`` is the group's gather + SDPA plan, built
+    # only if a layer hands the backend tensors the kernel does not take (not float32).
     tables32: torch.Tensor | None = None
     row_seq: torch.Tensor | None = None
     row_lens: torch.Tensor | None = None
     max_block_id: int = -1
+    seq_ids: list[int] | None = None
+    reference: "_GroupPlan | None" = None
 
 
 @dataclass
@@ -93,7 +98,7 @@ class _StepPlan:
     single_fresh_prefill: bool = False
 
 
-def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.device, native: bool = False) -> _GroupPlan:
+def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.device) -> _GroupPlan:
     q_lens_l = [meta.q_lens_cpu[i] for i in seq_ids]
     k_lens_l = [meta.context_lens_cpu[i] for i in seq_ids]
     g, max_q, max_k = len(seq_ids), max(q_lens_l), max(k_lens_l)
@@ -126,32 +131,41 @@ def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.devic
         mask = (j[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
         mask[:, :, 0] |= ~q_valid  # padded query rows see key 0: never a fully masked row
         gp = _GroupPlan(g, max_q, max_k, q_src, q_dst, block_ids, mask.unsqueeze(1), None)
-    if native and device.type == "cpu" and max_q <= cpu_decode.MAX_QUERY_LEN:
-        _plan_native(gp, meta, seq_ids, seq_t, tables, q_lens, k_lens, q_valid, i)
     return gp
 
 
-def _plan_native(gp: _GroupPlan, meta: AttentionMetadata, seq_ids: list[int], seq_t, tables, q_lens, k_lens,
-                 q_valid, i) -> None:
-    """The native kernel's view of a short-query group: one row per query token, seeing the keys
-    up to its own position. Refuses a table with -1 where a sequence has tokens."""
+def _plan_native(meta: AttentionMetadata, seq_ids: list[int]) -> _GroupPlan:
+    """The native kernel's view of a short-query group on the CPU: one row per query token,
+    seeing the keys up to its own position. Host-side numpy (a few microseconds per array, where
+    the same in torch ops cost ~0.2 ms per step at batch 1). Refuses a table too narrow for a
+    context or with -1 where a sequence has tokens (the kernel would read outside the cache)."""
     bs = meta.block_size
-    if tables.shape[1] * bs < int(k_lens.max()):  # the kernel would read past a table row
-        raise RuntimeError(f"attention plan: block tables have {meta.block_tables.shape[1]} columns of {bs} "
-                           f"tokens, too few for a context of {int(k_lens.max())} tokens")
-    t32 = meta.block_tables if seq_ids == list(range(meta.num_seqs)) else meta.block_tables[seq_t]
-    gp.tables32 = t32.to(torch.int32).contiguous()
-    if gp.max_q == 1:
-        gp.row_seq = torch.arange(gp.num_seqs, dtype=torch.int32)
-        gp.row_lens = k_lens.to(torch.int32)
-    else:
-        gp.row_seq = torch.arange(gp.num_seqs, dtype=torch.int32)[:, None].expand(-1, gp.max_q)[q_valid].contiguous()
-        gp.row_lens = ((k_lens - q_lens)[:, None] + i[None, :] + 1)[q_valid].to(torch.int32)
-    needed = tables[torch.arange(tables.shape[1])[None, :] < ((k_lens + bs - 1) // bs)[:, None]]
-    if needed.numel() and int(needed.min()) < 0:
+    q_lens = np.array([meta.q_lens_cpu[i] for i in seq_ids], dtype=np.int64)
+    k_lens = np.array([meta.context_lens_cpu[i] for i in seq_ids], dtype=np.int64)
+    tables = meta.block_tables.to(torch.int32).numpy()
+    if len(seq_ids) != meta.num_seqs:
+        tables = tables[seq_ids]
+    max_k = int(k_lens.max())
+    if tables.shape[1] * bs < max_k:  # the kernel would read past a table row
+        raise RuntimeError(f"attention plan: block tables have {tables.shape[1]} columns of {bs} "
+                           f"tokens, too few for a context of {max_k} tokens")
+    used = tables[np.arange(tables.shape[1])[None, :] < ((k_lens + bs - 1) // bs)[:, None]]
+    if used.size and int(used.min()) < 0:
         raise RuntimeError(f"attention plan: a block table has -1 within its sequence's {k_lens.tolist()} "
                            f"tokens (block manager state is corrupt)")
-    gp.max_block_id = int(needed.max()) if needed.numel() else -1
+    starts = np.cumsum([0] + meta.q_lens_cpu)[seq_ids]  # each sequence's first token in the step
+    g, max_q = len(seq_ids), int(q_lens.max())
+    if max_q == 1:
+        q_src, row_seq, row_lens = starts, np.arange(g), k_lens
+    else:  # token i of n in a sequence of context k sees k - n + 1 + i keys
+        q_src = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])
+        row_seq = np.repeat(np.arange(g), q_lens)
+        row_lens = np.concatenate([np.arange(k - n + 1, k + 1) for n, k in zip(q_lens, k_lens)])
+    return _GroupPlan(g, max_q, max_k, torch.from_numpy(q_src.astype(np.int64)), None, None, None, None,
+                      tables32=torch.from_numpy(np.ascontiguousarray(tables)),
+                      row_seq=torch.from_numpy(row_seq.astype(np.int32)),
+                      row_lens=torch.from_numpy(row_lens.astype(np.int32)),
+                      max_block_id=int(used.max()) if used.size else -1, seq_ids=list(seq_ids))
 
 
 def _decode_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, gp: _GroupPlan,
@@ -224,6 +238,16 @@ class TorchAttentionBackend(AttentionBackend):
         return self._kernel(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), gp.tables32, gp.row_seq,
                             gp.row_lens, gp.max_k, scale)
 
+    @staticmethod
+    def _reference(meta: AttentionMetadata, gp: _GroupPlan) -> _GroupPlan:
+        """``gp`` itself, or for a group planned for the kernel its gather + SDPA plan (built
+        at its first use in the step, then kept on ``gp``)."""
+        if gp.seq_ids is None:
+            return gp
+        if gp.reference is None:
+            gp.reference = _plan_group(meta, gp.seq_ids, meta.slot_mapping.device)
+        return gp.reference
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build the step plan once and store it in ``meta.extras`` (called lazily by
         :meth:`forward` if the model runner did not call it)."""
@@ -234,7 +258,8 @@ class TorchAttentionBackend(AttentionBackend):
         decode_ids = [s for s, n in enumerate(meta.q_lens_cpu) if n == 1]
         prefill_ids = [s for s, n in enumerate(meta.q_lens_cpu) if n > 1]
         native = self._kernel is not None and device.type == "cpu"
-        groups = [_plan_group(meta, ids, device, native) for ids in (decode_ids, prefill_ids) if ids]
+        groups = [_plan_native(meta, ids) if native and max(meta.q_lens_cpu[i] for i in ids) <= cpu_decode.MAX_QUERY_LEN
+                  else _plan_group(meta, ids, device) for ids in (decode_ids, prefill_ids) if ids]
         num_tokens = meta.num_tokens
         all_decode = len(decode_ids) == meta.num_seqs == num_tokens
         single_fresh = (meta.num_seqs == 1 and meta.q_lens_cpu[0] == meta.context_lens_cpu[0] == num_tokens
@@ -268,6 +293,7 @@ class TorchAttentionBackend(AttentionBackend):
             gp = plan.groups[0]
             o = self._native(q, k_cache, v_cache, gp, scale)
             if o is None:
+                gp = self._reference(meta, gp)
                 o = _decode_attention(q, *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype)
             return o.to(q.dtype)
         # Tokens not in any sequence (padding) get zeros.
@@ -278,6 +304,7 @@ class TorchAttentionBackend(AttentionBackend):
             if o is not None:
                 out[gp.q_src] = o
                 continue
+            gp = self._reference(meta, gp)
             if gp.bias is not None:
                 o = _decode_attention(q_rows, *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype)
                 out[gp.q_src] = o.to(q.dtype)
