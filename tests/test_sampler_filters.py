@@ -1,4 +1,5 @@
-"""Top-p (and top-k with it) keep exactly the tokens their definitions say, fp32 rounding notwithstanding."""
+"""Top-p (and top-k with it) keep exactly the tokens their definitions say, fp32 rounding notwithstanding;
+the exponential race then samples the probabilities they leave."""
 from __future__ import annotations
 
 from fractions import Fraction
@@ -96,3 +97,24 @@ def test_matches_exact_rational_rule(weights, data):
         return  # top_p = 1 disables the filter (tested above)
     expected = set(order[:n + 1])
     assert kept([w / total for w in weights], top_p=float(target)) == expected
+
+
+def test_the_race_noise_is_exponential_and_the_race_samples_the_probabilities():
+    """Exp(1) noise as -log(U) (faster than torch's exponential_ on a CPU): a Kolmogorov-Smirnov
+    test against Exp(1), never 0 or NaN; and the race over fixed probabilities matches them by a
+    chi-square test, where a wrong noise (uniform instead of exponential) is rejected."""
+    from scipy.stats import chisquare, kstest
+
+    from minivllm.layers.sampler import exponential_noise_, exponential_race
+
+    gen = torch.Generator().manual_seed(11)
+    noise = exponential_noise_(torch.empty(200_000), gen)
+    assert noise.min() > 0 and not noise.isnan().any()
+    assert kstest(noise.numpy(), "expon").pvalue > 1e-3
+    p = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0])
+    rows = p.expand(60_000, -1).contiguous()
+    counts = torch.bincount(exponential_race(rows, [None] * len(rows), gen), minlength=6)
+    assert counts[5] == 0  # probability 0 never wins
+    assert chisquare(counts[:5].numpy(), (p[:5] * len(rows)).numpy()).pvalue > 1e-3
+    wrong = torch.bincount((rows / torch.rand(rows.shape, generator=gen)).argmax(-1), minlength=6)
+    assert chisquare(wrong[:5].numpy(), (p[:5] * len(rows)).numpy()).pvalue < 1e-6
