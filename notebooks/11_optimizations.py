@@ -285,7 +285,10 @@ else:
 # disk, so a later process may find the kernel already built). The engine's `compile=True` compiles
 # RMSNorm, SiLU-and-multiply and the rotary embedding this way (`dynamic=True`, so one kernel serves
 # every number of tokens); it is on by default on CUDA, off on CPU, where a notebook would wait for it
-# at every start. Here is that compile, once, on one op, at the size of Qwen3-0.6B's hidden state:
+# at every start. A float32 model on a CPU gets a third version instead: the same ops written once in
+# C by us (`minivllm/layers/csrc/cpu_fused_f32.c`, built at first use like the attention kernel of
+# section 4), one call each, with no tracing. Here is the compile, once, on one op, at the size of
+# Qwen3-0.6B's hidden state, and below, all three versions timed side by side:
 
 # %%
 from minivllm.layers.norm import RMSNorm
@@ -336,13 +339,27 @@ def bench_us(fn, args, repeats=7, number=100):
     return statistics.median(times)
 
 
+from minivllm.layers import cpu_fused
+
+c_norm = None  # the engine's C version (CPU, float32 only): the same module with its `fused` ops set
+if not ON_CUDA and norm.weight.dtype == torch.float32 and cpu_fused.load() is not None:
+    c_norm = RMSNorm(HIDDEN)
+    c_norm.fused = cpu_fused.load()
 rows = []
 for t, args in inputs.items():
     e_us, c_us = bench_us(norm.forward, args), bench_us(compiled, args)
     moved = 4 * t * HIDDEN * args[0].element_size()  # read x and residual, write y and the new residual
-    rows.append({"tokens": t, "eager µs": e_us, "compiled µs": c_us, "speed-up": e_us / c_us,
-                 "compiled GB/s (4 x tokens x hidden x 4 B)": moved / (c_us * 1e-6) / 1e9})
+    row = {"tokens": t, "eager µs": e_us, "compiled µs": c_us, "compiled speed-up": e_us / c_us,
+           "compiled GB/s (4 x tokens x hidden x 4 B)": moved / (c_us * 1e-6) / 1e9}
+    if c_norm is not None:
+        with torch.inference_mode():
+            same = all(torch.allclose(a, b, atol=1e-5) for a, b in zip(c_norm(*args), norm(*args)))
+        row.update({"C op µs": bench_us(c_norm.forward, args), "C op equals eager (atol 1e-5)": same})
+        row["C op speed-up"] = e_us / row["C op µs"]
+    rows.append(row)
 display(pd.DataFrame(rows).round(2))
+if c_norm is None:
+    print("no C version here:", "CUDA" if ON_CUDA else cpu_fused.describe())
 eager_list = ", ".join(f"{n.removeprefix('aten::')} x{c}" for n, c in eager_ops.items())
 render(f"Eager, in {str(norm.weight.dtype).removeprefix('torch.')} on {cfg.device}, the RMSNorm + residual ran "
        f"**{sum(eager_ops.values())} ATen operations that do work** ({eager_list}); compiled, "
@@ -358,7 +375,11 @@ render(f"Eager, in {str(norm.weight.dtype).removeprefix('torch.')} on {cfg.devic
 # On a GPU, where each eager operation is a separate kernel with its own trip through memory, fusion
 # is the reliable win, which is why the engine compiles by default on CUDA only. And whether the
 # seconds of compilation pay for themselves depends on how many calls follow: in a server running for
-# hours, yes; in a notebook that runs a few steps on a CPU, no.
+# hours, yes; in a notebook that runs a few steps on a CPU, no. The C version has none of the three
+# costs: no compile wait, no guards, one dispatch through `ctypes` and a loop the compiler vectorised.
+# Its column says what that is worth on this machine; a decode step calls five such ops per layer
+# (two norms with their residual adds, the q and k norms, SiLU-and-multiply) plus the rotary
+# embedding, so at decode sizes their fixed cost adds up.
 #
 # ## 4. Attention backends
 #
