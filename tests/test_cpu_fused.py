@@ -103,6 +103,10 @@ def test_silu_and_mul_matches_float64_silu_over_the_whole_range(ops):
     big = ref.abs() > 1e-30
     assert ((got[big] - ref[big]).abs() / ref[big].abs()).max() < 5e-7
     assert got[~big].abs().max() < 1e-30
+    # past exp's range (-g > 88) the reference's sigmoid is 0: silu is -0, NaN at -inf (found in review)
+    extreme = torch.tensor([-88.5, -100.0, -1e30, -1e38, float("-inf"), float("inf"), float("nan")])
+    got = ops.silu_and_mul(torch.cat([extreme, torch.ones_like(extreme)]).view(1, -1))[0]
+    torch.testing.assert_close(got, F.silu(extreme), atol=1e-35, rtol=1e-6, equal_nan=True)
     x = torch.randn(7, 2 * 300)  # rows longer than the exp chunk (256) and a strided row layout
     wide = torch.randn(7, 700)[:, 50:650]
     for t in (x, wide):
@@ -126,9 +130,22 @@ def test_outputs_are_float32_whatever_the_default_dtype(ops):
     assert torch.equal(outs[0], ref)
 
 
-def test_inputs_the_c_code_does_not_take_fall_back_to_the_reference(ops, monkeypatch):
-    """bf16, a transposed last dim, a 4-D input: the method returns None and the module computes
-    the reference; a large input with several torch threads goes to torch's parallel ops."""
+def test_outputs_are_cpu_tensors_whatever_the_default_device(ops):
+    """Under ``with torch.device("meta")`` (or a CUDA default device) an output allocated on the
+    default device would hand the C code a pointer it cannot write (a crash, found in review)."""
+    x, w, g = torch.randn(4, 32), torch.randn(32), torch.randn(4, 64)
+    with torch.device("meta"):
+        outs = [ops.rms_norm(x, w, 1e-6), ops.rms_norm(x.view(4, 2, 16), w[:16], 1e-6), ops.silu_and_mul(g),
+                ops.rope(x.view(4, 2, 16), torch.arange(4, device="cpu"), torch.randn(8, 16, device="cpu")),
+                *ops.add_rms_norm(x, x, w, 1e-6)]
+    assert all(t.device.type == "cpu" for t in outs)
+    torch.testing.assert_close(outs[0], rms_norm(x, w, 1e-6), atol=ATOL, rtol=1e-5)
+
+
+def test_inputs_the_c_code_does_not_take_fall_back_to_the_reference(ops):
+    """bf16, a transposed last dim, a 4-D input, a weight of the wrong length, an odd rotary size,
+    an input that needs gradients: the method returns None and the module computes the reference;
+    a large input goes to torch's ops (they use torch's threads)."""
     w = torch.randn(16)
     assert ops.rms_norm(torch.randn(4, 16, dtype=torch.bfloat16), w.bfloat16(), 1e-6) is None
     assert ops.rms_norm(torch.randn(16, 4).t(), w, 1e-6) is None
@@ -139,11 +156,14 @@ def test_inputs_the_c_code_does_not_take_fall_back_to_the_reference(ops, monkeyp
     norm.fused = ops
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     assert torch.equal(norm(x), rms_norm(x, w, 1e-6))
-    big = torch.randn(cpu_fused.SINGLE_THREAD_MAX_ELEMENTS // 16 + 1, 32)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert ops.silu_and_mul(big) is None
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert ops.silu_and_mul(big) is not None
+    big = torch.randn(cpu_fused.MAX_ELEMENTS // 32 + 1, 32)
+    assert ops.silu_and_mul(big) is None and ops.silu_and_mul(big[:-1]) is not None
+    # a weight of the wrong length would be read past its end (the reference raises or chunks)
+    assert ops.rms_norm(torch.ones(1, 8), torch.ones(4), 1e-6) is None
+    assert ops.add_rms_norm(torch.ones(1, 8), torch.ones(1, 8), torch.ones(4), 1e-6) is None
+    assert ops.rope(torch.randn(2, 1, 5), torch.arange(2), torch.randn(8, 5)) is None  # odd head size
+    x = torch.randn(3, 16, requires_grad=True)  # the C code records no autograd graph
+    assert ops.rms_norm(x, w, 1e-6) is None and norm(x).grad_fn is not None
 
 
 def test_engine_uses_them_for_a_float32_cpu_model_and_hooks_still_fire(tiny_ckpt, ops):

@@ -118,3 +118,16 @@ def test_the_race_noise_is_exponential_and_the_race_samples_the_probabilities():
     assert chisquare(counts[:5].numpy(), (p[:5] * len(rows)).numpy()).pvalue > 1e-3
     wrong = torch.bincount((rows / torch.rand(rows.shape, generator=gen)).argmax(-1), minlength=6)
     assert chisquare(wrong[:5].numpy(), (p[:5] * len(rows)).numpy()).pvalue < 1e-6
+
+
+def test_a_uniform_draw_of_zero_does_not_sample_a_filtered_token(monkeypatch):
+    """fp32 uniform_ returns exactly 0 once in 2^24 draws; as -log(0) = inf noise, a row whose
+    filters left one token would see p / E = 0 everywhere and argmax would return token 0, a
+    token of probability 0 (found in review). Every uniform draw is forced to 0 here."""
+    from minivllm.layers.sampler import exponential_noise_, exponential_race
+
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *args, **kwargs: self.zero_())
+    assert torch.isfinite(exponential_noise_(torch.empty(8), None)).all()
+    probs = torch.zeros(2, 10)
+    probs[0, 7] = probs[1, 3] = 1.0
+    assert exponential_race(probs, [None, torch.Generator().manual_seed(1)], None).tolist() == [7, 3]

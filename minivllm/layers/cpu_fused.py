@@ -10,7 +10,7 @@ the 2-core dev EPYC, one thread, 32 tokens of the embedded model: RMSNorm over 2
 :meth:`ModelRunner.enable_cpu_fused_ops` points every ``RMSNorm``, ``RotaryEmbedding`` and
 ``SiluAndMul`` at one :class:`CpuFusedOps` (their ``fused`` attribute); each method falls back
 to the module's torch reference for anything the C code does not take (another dtype or device,
-an unusual layout, a large input when torch has several threads to spread it over). The modules
+an unusual layout, a tensor that needs gradients, a large input that torch's threads can share). The modules
 stay in the model, so forward hooks on them still fire. ``MINIVLLM_CPU_FUSED_OPS=0`` switches
 this off (read at every engine start).
 """
@@ -29,10 +29,12 @@ __all__ = ["CpuFusedOps", "describe", "load", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_fused_f32.c"
 ENV_SWITCH = "MINIVLLM_CPU_FUSED_OPS"
-F32 = torch.float32  # outputs name it: the C code writes float32 whatever torch's default dtype is
-#: above this many elements, with more than one torch thread, torch's parallel ops win over one
-#: C loop (prefill of a long prompt); below it (decode) the C call does
-SINGLE_THREAD_MAX_ELEMENTS = 1 << 17
+F32 = torch.float32  # outputs name it and device="cpu": the C code writes float32 CPU memory whatever
+#                     torch's default dtype and device are
+#: above this many elements (a long prefill) the torch ops run instead: they spread over torch's
+#: threads, one C loop does not. Not a function of the thread count, so tensor-parallel ranks (which
+#: run with different counts) take the same path.
+MAX_ELEMENTS = 1 << 17
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -93,25 +95,27 @@ class CpuFusedOps:
 
     @staticmethod
     def _takes(x: torch.Tensor, *others: torch.Tensor) -> bool:
-        """All fp32 CPU tensors with unit stride in the last dim, ``x`` small enough for one
-        thread. (Plain attribute checks: this runs several times per layer and step.)"""
+        """All fp32 CPU tensors with unit stride in the last dim, none needing gradients (the C
+        code records no autograd graph), ``x`` at most ``MAX_ELEMENTS``. (Plain attribute checks:
+        this runs several times per layer and step.)"""
         for t in (x, *others):
-            if t.dtype is not F32 or not t.is_cpu or t.stride(-1) != 1:
+            if t.dtype is not F32 or not t.is_cpu or t.stride(-1) != 1 or t.requires_grad:
                 return False
-        return x.numel() <= SINGLE_THREAD_MAX_ELEMENTS or torch.get_num_threads() == 1
+        return x.numel() <= MAX_ELEMENTS
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``x [..., D]`` (a 2-D matrix or a 3-D ``[T, H, D]`` view with any outer strides) ->
         contiguous ``weight * x / sqrt(mean(x**2) + eps)`` of the same shape; ``None`` for
         inputs the C code does not take."""
-        if x.dim() not in (2, 3) or not self._takes(x, weight) or not weight.is_contiguous():
+        if (x.dim() not in (2, 3) or not self._takes(x, weight) or not weight.is_contiguous()
+                or weight.shape != x.shape[-1:]):
             return None
         if x.dim() == 2:
             (outer, dim), inner, s_inner = x.shape, 1, 0
-            out = torch.empty(outer, dim, dtype=F32)  # int sizes: a torch.Size argument costs 2x the call
+            out = torch.empty(outer, dim, dtype=F32, device="cpu")  # int sizes: a torch.Size argument costs 2x the call
         else:
             (outer, inner, dim), s_inner = x.shape, x.stride(1)
-            out = torch.empty(outer, inner, dim, dtype=F32)
+            out = torch.empty(outer, inner, dim, dtype=F32, device="cpu")
         self._rms(x.data_ptr(), outer, inner, x.stride(0), s_inner, weight.data_ptr(), out.data_ptr(), dim, eps)
         return out
 
@@ -119,7 +123,8 @@ class CpuFusedOps:
         """``(rms_norm(x + residual), x + residual)`` for ``x, residual [T, D]``; ``None`` for
         inputs the C code does not take."""
         if (x.dim() != 2 or x.shape != residual.shape or not self._takes(x, residual, weight)
-                or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())):
+                or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())
+                or weight.shape != x.shape[-1:]):
             return None
         total, out = torch.empty_like(x), torch.empty_like(x)
         self._add_rms(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), total.data_ptr(), out.data_ptr(),
@@ -136,10 +141,10 @@ class CpuFusedOps:
         """
         if (x.dim() != 3 or not self._takes(x, cos_sin) or not cos_sin.is_contiguous()
                 or positions.dtype is not torch.int64 or not positions.is_cpu or not positions.is_contiguous()
-                or positions.shape != (x.shape[0],) or cos_sin.shape[1] != x.shape[2]):
+                or positions.shape != (x.shape[0],) or cos_sin.shape[1] != x.shape[2] or x.shape[2] % 2):
             return None
         tokens, heads, dim = x.shape
-        out = torch.empty(tokens, heads, dim, dtype=F32)
+        out = torch.empty(tokens, heads, dim, dtype=F32, device="cpu")
         bad = self._rope(x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), positions.data_ptr(),
                          cos_sin.data_ptr(), cos_sin.shape[0], out.data_ptr(), dim)
         if bad >= 0:
@@ -153,6 +158,6 @@ class CpuFusedOps:
         if x.dim() != 2 or x.shape[1] % 2 or not self._takes(x):
             return None
         inter = x.shape[1] // 2
-        out = torch.empty(x.shape[0], inter, dtype=F32)
+        out = torch.empty(x.shape[0], inter, dtype=F32, device="cpu")
         self._silu(x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr(), inter)
         return out

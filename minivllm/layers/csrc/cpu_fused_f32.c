@@ -105,7 +105,9 @@ int64_t rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t s_tok, i
 }
 
 /* x [rows, 2 * inter] (gate | up, row stride s_row), out contiguous [rows, inter]:
-     out = silu(gate) * up,  silu(g) = g / (1 + exp(-g)) */
+     out = silu(gate) * up,  silu(g) = g / (1 + exp(-g))
+   For g < -88, exp(-g) overflows float32 (the reference's sigmoid is then 0): g * 0, which is -0 for
+   a finite g and NaN for -inf, as in torch. */
 void silu_and_mul_f32(const float *x, int64_t rows, int64_t s_row, float *out, int64_t inter) {
     for (int64_t r = 0; r < rows; r++) {
         const float *g = x + r * s_row, *u = g + inter;
@@ -114,7 +116,8 @@ void silu_and_mul_f32(const float *x, int64_t rows, int64_t s_row, float *out, i
             const int64_t n = inter - d0 < EXP_CHUNK ? inter - d0 : EXP_CHUNK;
             exp_neg_f32(g + d0, o + d0, n);  /* o holds exp(-g) until the next line */
             #pragma omp simd
-            for (int64_t d = d0; d < d0 + n; d++) o[d] = g[d] / (1.f + o[d]) * u[d];
+            for (int64_t d = d0; d < d0 + n; d++)  /* past the clamp exp(-g) is inf: silu(g) = g * 0 */
+                o[d] = (g[d] < -88.f ? g[d] * 0.f : g[d] / (1.f + o[d])) * u[d];
         }
     }
 }
