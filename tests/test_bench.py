@@ -340,3 +340,17 @@ def test_matmul_share_records_one_decode_steps_linear_layers(tiny_ckpt):
     with torch.inference_mode():  # recording is off again: nothing more is appended
         engine.step()
     assert len(calls) == len(layers)
+
+
+def test_device_label_and_load_read_as_words(monkeypatch):
+    """"1 thread" (not "1 threads"), and load averages as rounded figures, not raw floats."""
+    import torch
+
+    from minivllm.bench.common import device_label, format_load
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert device_label(torch.device("cpu")).endswith(", 1 thread)")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert device_label(torch.device("cpu")).endswith(", 2 threads)")
+    assert format_load([0.5, 0.86279296875, 1.025390625]) == "0.50 / 0.86 / 1.03"
+    assert format_load(None) == "n/a"

@@ -40,12 +40,18 @@ def device_label(device) -> str:
         return f"cuda ({torch.cuda.get_device_name(device)})"
     from minivllm.telemetry.peaks import _device_name
 
-    return f"cpu ({_device_name(device)}, {torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({_device_name(device)}, {n} thread{'s' if n != 1 else ''})"
 
 
 def loadavg() -> list[float] | None:
     """The 1, 5 and 15 minute load averages (``os.getloadavg``), or ``None`` where unavailable."""
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def format_load(load: list[float] | None) -> str:
+    """``"0.88 / 0.86 / 1.03"`` (1, 5, 15 minutes) or ``"n/a"``."""
+    return " / ".join(f"{x:.2f}" for x in load) if load else "n/a"
 
 
 def wants_cuda(engine_args: dict) -> bool:

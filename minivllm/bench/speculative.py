@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from minivllm.bench.common import ResultMixin, build_llm, device_label, loadavg
+from minivllm.bench.common import ResultMixin, build_llm, device_label, format_load, loadavg
 
 __all__ = ["SpeculativeResult", "run_speculative", "print_speculative", "repeat_prompts", "speculative_config"]
 
@@ -170,7 +170,7 @@ def print_speculative(result: SpeculativeResult, log=print) -> None:
     log(f"\nspeculative decoding ({', '.join(_describe(c) for c in configs)}; k="
         f"{configs[0]['num_speculative_tokens']}) on {result.model}, {result.device}, greedy, "
         f"{result.decode_tokens} new tokens, median of {result.rounds} alternating rounds; "
-        f"load {result.loadavg_before} -> {result.loadavg_after}")
+        f"load average (1 / 5 / 15 min) {format_load(result.loadavg_before)} -> {format_load(result.loadavg_after)}")
     log(f"{'method':>7} {'batch':>6} {'TPOT ms':>9} {'spec ms':>9} {'speedup':>8} {'accept':>7} {'mean len':>9} "
         f"{'agree':>6} identical")
     for r in result.rows:
