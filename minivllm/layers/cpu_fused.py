@@ -112,7 +112,7 @@ class CpuFusedOps:
             return None
         if x.dim() == 2:
             (outer, dim), inner, s_inner = x.shape, 1, 0
-            out = torch.empty(outer, dim, dtype=F32, device="cpu")  # int sizes: a torch.Size argument costs 2x the call
+            out = torch.empty(outer, dim, dtype=F32, device="cpu")  # int sizes: a torch.Size costs 2x the call
         else:
             (outer, inner, dim), s_inner = x.shape, x.stride(1)
             out = torch.empty(outer, inner, dim, dtype=F32, device="cpu")
@@ -131,7 +131,7 @@ class CpuFusedOps:
                       x.shape[0], x.shape[1], eps)
         return out, total
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
         """``x [T, H, D]`` rotated by ``positions`` (int64 ``[T]``) through the fp32 table
         ``cos_sin [max_position, D]`` -> contiguous ``[T, H, D]``; ``None`` for inputs the C
         code does not take (the caller then runs the reference).
