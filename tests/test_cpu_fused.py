@@ -195,9 +195,17 @@ def test_engine_uses_them_for_a_float32_cpu_model_and_hooks_still_fire(tiny_ckpt
 def test_the_switch_turns_them_off_and_the_log_says_so(tiny_ckpt, monkeypatch, caplog):
     monkeypatch.setenv(cpu_fused.ENV_SWITCH, "0")
     assert cpu_fused.load() is None
-    assert cpu_fused.describe() == f"torch ops (fused C ops unavailable: {cpu_fused.ENV_SWITCH}=0)"
+    assert cpu_fused.describe() == f"torch ops (switched off: {cpu_fused.ENV_SWITCH}=0)"
     with caplog.at_level("INFO", logger="minivllm"):
         llm = make_llm(tiny_ckpt)
     assert all(m.fused is None for m in llm.llm_engine.runner.model.modules() if isinstance(m, RMSNorm))
-    assert f"CPU norms, rotary and SiLU: torch ops (fused C ops unavailable: {cpu_fused.ENV_SWITCH}=0)" in caplog.text
+    assert f"CPU norms, rotary and SiLU: torch ops (switched off: {cpu_fused.ENV_SWITCH}=0)" in caplog.text
     llm.shutdown()
+
+
+def test_a_bfloat16_model_logs_its_path_too(tiny_ckpt, caplog):
+    """Every CPU engine logs the line (a bf16 model logged none, found in a user trial)."""
+    with caplog.at_level("INFO", logger="minivllm"):
+        make_llm(tiny_ckpt, dtype="bfloat16").shutdown()
+    assert ("CPU norms, rotary and SiLU: torch ops (the C ops compute float32; this model runs in torch.bfloat16)"
+            in caplog.text)

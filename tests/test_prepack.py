@@ -98,3 +98,18 @@ def test_unavailable_onednn_falls_back_to_f_linear_with_one_log_line(tmp_path, m
     assert not any(p.is_mkldnn for p in model.parameters())
     lines = [r.getMessage() for r in caplog.records if r.name == "minivllm.layers.prepack"]
     assert lines == ["CPU linears use F.linear (MKL): oneDNN prepacking unavailable: no oneDNN here"]
+
+
+def test_the_onednn_probe_runs_on_the_cpu_under_a_meta_default_device():
+    """The probe's answer is cached for the process: made under ``with torch.device("meta")`` its
+    tensors landed on meta, it failed, and every later engine fell back to F.linear (user trial)."""
+    from minivllm.layers.prepack import onednn_unavailable_reason
+
+    onednn_unavailable_reason.cache_clear()
+    try:
+        on_cpu = onednn_unavailable_reason(torch.float32)  # None where this torch has oneDNN
+        onednn_unavailable_reason.cache_clear()
+        with torch.device("meta"):
+            assert onednn_unavailable_reason(torch.float32) == on_cpu
+    finally:
+        onednn_unavailable_reason.cache_clear()

@@ -166,10 +166,11 @@ class LLMEngine:
         graphs (CUDA, ``enforce_eager=False``, tp=1)."""
         if args.compile if args.compile is not None else device.type == "cuda":
             self.runner.enable_compile()
-        elif device.type == "cpu" and self.config.dtype == torch.float32:
+        elif device.type == "cpu":
             from minivllm.layers import cpu_fused
-            self.runner.enable_cpu_fused_ops()
-            logger.info("CPU norms, rotary and SiLU: %s", cpu_fused.describe())
+            if self.config.dtype == torch.float32:
+                self.runner.enable_cpu_fused_ops()
+            logger.info("CPU norms, rotary and SiLU: %s", cpu_fused.describe(self.config.dtype))
         if device.type != "cuda" or args.enforce_eager:
             return
         if args.tensor_parallel_size > 1 or not self.runner.backend.supports_cuda_graphs:

@@ -67,8 +67,13 @@ def unavailable_reason() -> str | None:
     return _state.get("reason")  # type: ignore[return-value]
 
 
-def describe() -> str:
-    """One line for the startup log: which path the per-layer small ops take."""
+def describe(dtype: torch.dtype | None = None) -> str:
+    """One line for the startup log: which path the per-layer small ops of a CPU model in
+    ``dtype`` take."""
+    if dtype is not None and dtype != F32:
+        return f"torch ops (the C ops compute float32; this model runs in {dtype})"
+    if switched_off():
+        return f"torch ops (switched off: {unavailable_reason()})"
     if load() is None:
         return f"torch ops (fused C ops unavailable: {unavailable_reason()})"
     return f"fused C ops ({_state.get('path')})"

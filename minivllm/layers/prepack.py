@@ -44,9 +44,10 @@ def onednn_unavailable_reason(dtype: torch.dtype) -> str | None:
     if not torch.backends.mkldnn.is_available():
         return "torch was built without oneDNN (mkldnn)"
     try:
-        gen = torch.Generator().manual_seed(0)
-        w = torch.randn(8, 16, generator=gen).to(dtype)
-        x = torch.randn(3, 16, generator=gen).to(dtype)
+        gen = torch.Generator().manual_seed(0)  # on the CPU whatever torch's default device (the
+        # answer is cached for the process: a probe made under `with torch.device("meta")` failed once for all)
+        w = torch.randn(8, 16, generator=gen, device="cpu").to(dtype)
+        x = torch.randn(3, 16, generator=gen, device="cpu").to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, _HINT_CACHED)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except RuntimeError as e:  # unsupported dtype / ISA: torch's message says which
