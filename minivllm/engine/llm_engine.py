@@ -168,8 +168,7 @@ class LLMEngine:
             self.runner.enable_compile()
         elif device.type == "cpu":
             from minivllm.layers import cpu_fused
-            if self.config.dtype == torch.float32:
-                self.runner.enable_cpu_fused_ops()
+            self.runner.enable_cpu_fused_ops()  # float32 models only
             logger.info("CPU norms, rotary and SiLU: %s", cpu_fused.describe(self.config.dtype))
         if device.type != "cuda" or args.enforce_eager:
             return

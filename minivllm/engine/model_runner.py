@@ -402,14 +402,15 @@ class ModelRunner:
 
     def enable_cpu_fused_ops(self) -> bool:
         """Run RMSNorm, the rotary embedding and SiLU-and-multiply as one C call each
-        (``minivllm.layers.cpu_fused``; CPU, float32). Returns whether the C ops loaded; the
-        modules keep their torch path for anything the C code does not take."""
+        (``minivllm.layers.cpu_fused``). Returns whether they are on: only for a float32 model
+        on the CPU, with the C ops loaded; the modules keep their torch path for anything the C
+        code does not take."""
         from minivllm.layers import cpu_fused
         from minivllm.layers.activation import SiluAndMul
         from minivllm.layers.norm import RMSNorm
         from minivllm.layers.rotary import RotaryEmbedding
 
-        ops = cpu_fused.load()
+        ops = cpu_fused.load() if self.device.type == "cpu" and self.dtype == torch.float32 else None
         if ops is None:
             return False
         for module in self.model.modules():

@@ -86,8 +86,7 @@ class DraftModelProposer:
             kv_cache_memory_bytes=None, gpu_memory_utilization=1.0, max_num_batched_tokens=num_tokens,
             seed=target_config.seed, max_num_seqs=target_config.max_num_seqs))
         self.device = self.runner.device
-        if self.device.type == "cpu" and self.runner.dtype == torch.float32:
-            self.runner.enable_cpu_fused_ops()  # as a float32 CPU target's (the draft is never compiled)
+        self.runner.enable_cpu_fused_ops()  # float32 CPU models only; the draft is never compiled
         self.cache = DraftCache(blocks, bs)
         self.base_seed = target_config.seed if target_config.seed is not None else random.getrandbits(62)
         self.calls = 0
