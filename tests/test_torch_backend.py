@@ -389,7 +389,7 @@ def test_the_switch_is_read_for_every_backend_and_the_log_line_names_the_path(mo
 def test_native_decode_can_be_switched_off(monkeypatch):
     """MINIVLLM_CPU_DECODE_KERNEL=0: load() gives None with the reason, and the backend keeps
     the gather + SDPA path."""
-    monkeypatch.setattr(cpu_decode, "_state", {})
+    monkeypatch.setattr(cpu_decode._library, "_state", {})
     monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
     assert cpu_decode.load() is None
     assert cpu_decode.unavailable_reason() == f"{cpu_decode.ENV_SWITCH}=0"

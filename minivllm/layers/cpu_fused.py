@@ -17,13 +17,11 @@ this off (read at every engine start).
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from pathlib import Path
 
 import torch
 
-from minivllm.layers.native_build import NativeBuildError, build_and_load
+from minivllm.layers.native_build import NativeLibrary
 
 __all__ = ["CpuFusedOps", "describe", "load", "unavailable_reason"]
 
@@ -36,35 +34,23 @@ F32 = torch.float32  # outputs name it and device="cpu": the C code writes float
 #: run with different counts) take the same path.
 MAX_ELEMENTS = 1 << 17
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}
+_library = NativeLibrary(SOURCE, ENV_SWITCH, lambda lib: CpuFusedOps(lib))
 
 
 def switched_off() -> bool:
-    """``MINIVLLM_CPU_FUSED_OPS`` is set to 0 / false / no / off."""
-    return os.environ.get(ENV_SWITCH, "1").lower() in ("0", "false", "no", "off")
+    """``MINIVLLM_CPU_FUSED_OPS`` is set to 0 / false / no / off (read at every call)."""
+    return _library.switched_off()
 
 
 def load() -> "CpuFusedOps | None":
     """The compiled ops, built on first use; ``None`` when switched off or unbuildable (see
     :func:`unavailable_reason`). Thread-safe; builds at most once per process."""
-    if switched_off():
-        return None
-    with _lock:
-        if "ops" not in _state and "reason" not in _state:
-            try:
-                lib, _state["path"] = build_and_load(SOURCE)
-                _state["ops"] = CpuFusedOps(lib)
-            except (NativeBuildError, AttributeError) as e:
-                _state["reason"] = str(e)
-        return _state.get("ops")
+    return _library.load()
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`load` returned ``None`` (``None`` if it did not)."""
-    if switched_off():
-        return f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
-    return _state.get("reason")  # type: ignore[return-value]
+    return _library.unavailable_reason()
 
 
 def describe(dtype: torch.dtype | None = None) -> str:
@@ -76,7 +62,7 @@ def describe(dtype: torch.dtype | None = None) -> str:
         return f"torch ops (switched off: {unavailable_reason()})"
     if load() is None:
         return f"torch ops (fused C ops unavailable: {unavailable_reason()})"
-    return f"fused C ops ({_state.get('path')})"
+    return f"fused C ops ({_library.path})"
 
 
 class CpuFusedOps:

@@ -17,9 +17,13 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable, Generic, TypeVar
 
-__all__ = ["FLAGS", "NativeBuildError", "build_and_load"]
+__all__ = ["FLAGS", "NativeBuildError", "NativeLibrary", "build_and_load"]
+
+T = TypeVar("T")
 
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 
@@ -98,3 +102,41 @@ def build_and_load(source: Path) -> tuple[ctypes.CDLL, str]:
             except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
                 errors.append(f"{' '.join(cc)} into {out_dir}: {type(e).__name__}: {e}")
     raise NativeBuildError("; ".join(errors) if errors else "no C compiler found (tried $CC, Python's CC, cc, gcc, clang)")
+
+
+class NativeLibrary(Generic[T]):
+    """One of our C sources as a process-wide object: built and wrapped (``wrap(cdll)``) at the
+    first :meth:`load`, at most once per process (thread-safe), or the reason it could not be;
+    ``None`` while the environment variable ``env_switch`` is 0 / false / no / off (read at every
+    call, so flipping it between engines takes effect)."""
+
+    def __init__(self, source: Path, env_switch: str, wrap: Callable[[ctypes.CDLL], T]):
+        self.source, self.env_switch, self._wrap = source, env_switch, wrap
+        self._lock = threading.Lock()
+        self._state: dict[str, object] = {}  # "obj" and "path", or "reason"
+
+    def switched_off(self) -> bool:
+        return os.environ.get(self.env_switch, "1").lower() in ("0", "false", "no", "off")
+
+    def load(self) -> T | None:
+        if self.switched_off():
+            return None
+        with self._lock:
+            if "obj" not in self._state and "reason" not in self._state:
+                try:
+                    lib, self._state["path"] = build_and_load(self.source)
+                    self._state["obj"] = self._wrap(lib)
+                except (NativeBuildError, AttributeError) as e:  # AttributeError: a symbol missing
+                    self._state["reason"] = str(e)
+            return self._state.get("obj")  # type: ignore[return-value]
+
+    def unavailable_reason(self) -> str | None:
+        """Why :meth:`load` returned ``None`` (``None`` if it did not)."""
+        if self.switched_off():
+            return f"{self.env_switch}={os.environ[self.env_switch]}"
+        return self._state.get("reason")  # type: ignore[return-value]
+
+    @property
+    def path(self) -> str | None:
+        """Where the loaded library came from and which compiler built it."""
+        return self._state.get("path")  # type: ignore[return-value]

@@ -17,14 +17,13 @@ the gather + SDPA path.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
-from minivllm.layers.native_build import NativeBuildError, build_and_load
+from minivllm.layers.native_build import NativeLibrary
 from minivllm.logger import init_logger
 
 __all__ = ["PagedDecodeKernel", "load", "unavailable_reason"]
@@ -41,8 +40,7 @@ MIN_ROWS_PER_THREAD = 8
 #: verification and short prompt chunks; longer queries (most prefills) keep gather + SDPA
 MAX_QUERY_LEN = 16
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "kernel" or "reason", filled once per process by load()
+_library = NativeLibrary(SOURCE, ENV_SWITCH, lambda lib: PagedDecodeKernel(lib))
 
 
 def load() -> "PagedDecodeKernel | None":
@@ -50,29 +48,17 @@ def load() -> "PagedDecodeKernel | None":
     :func:`unavailable_reason`). Thread-safe; builds at most once per process. Builds into
     ``cache_dir()/kernels`` (``$MINIVLLM_CACHE_DIR`` or ``~/.cache/minivllm``), or the temp
     directory when that is not writable."""
-    if switched_off():  # read at every call: flipping it between engines takes effect
-        return None
-    with _lock:
-        if "kernel" in _state or "reason" in _state:
-            return _state.get("kernel")
-        try:
-            lib, _state["path"] = build_and_load(SOURCE)
-            _state["kernel"] = PagedDecodeKernel(lib)
-        except (NativeBuildError, AttributeError) as e:
-            _state["reason"] = str(e)
-        return _state.get("kernel")
+    return _library.load()
 
 
 def switched_off() -> bool:
-    """``MINIVLLM_CPU_DECODE_KERNEL`` is set to 0 / false / no / off."""
-    return os.environ.get(ENV_SWITCH, "1").lower() in ("0", "false", "no", "off")
+    """``MINIVLLM_CPU_DECODE_KERNEL`` is set to 0 / false / no / off (read at every call)."""
+    return _library.switched_off()
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`load` returned ``None`` (``None`` if it did not)."""
-    if switched_off():
-        return f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
-    return _state.get("reason")  # type: ignore[return-value]
+    return _library.unavailable_reason()
 
 
 def describe(dtype: torch.dtype | None) -> str:
@@ -81,7 +67,7 @@ def describe(dtype: torch.dtype | None) -> str:
         return f"gather + SDPA (the native kernel computes float32; this model runs in {dtype})"
     if load() is None:
         return f"gather + SDPA (native kernel unavailable: {unavailable_reason()})"
-    return f"native paged kernel ({_state.get('path')})"
+    return f"native paged kernel ({_library.path})"
 
 
 class PagedDecodeKernel:
