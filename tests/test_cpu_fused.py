@@ -3,13 +3,13 @@ reference they replace: RMSNorm (plain, per-head on a strided view, with the res
 rotary embedding, SiLU-and-multiply; their fallbacks; and the engine wiring."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from helpers_engine import generate_spying_logits, greedy, make_llm, prompts_of
+from helpers_native import native_or_skip
 from minivllm.layers import cpu_fused
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.norm import RMSNorm, add_rms_norm, rms_norm
@@ -20,15 +20,8 @@ ATOL = 2e-6  # float32: the C sums are reassociated (SIMD), so results differ in
 
 @pytest.fixture
 def ops():
-    """The loaded ops; a skip naming the build error where they cannot be built, or a failure
-    when ``MINIVLLM_REQUIRE_CPU_KERNEL=1`` (CI sets it: its machine has a compiler)."""
-    loaded = cpu_fused.load()
-    if loaded is None:
-        message = f"CPU fused ops unavailable: {cpu_fused.unavailable_reason()}"
-        if os.environ.get("MINIVLLM_REQUIRE_CPU_KERNEL") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return loaded
+    """The loaded ops, or a skip (a failure in CI) naming why they are missing."""
+    return native_or_skip(cpu_fused, "CPU fused ops")
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 32])

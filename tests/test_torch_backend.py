@@ -3,12 +3,11 @@ groups through the gather + SDPA reference path and through the native CPU kerne
 (``cpu_decode``)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from helpers_models import allocate_block_tables, build_metadata
+from helpers_native import native_or_skip
 from minivllm.layers.attention import cpu_decode
 from minivllm.layers.attention.torch_backend import TorchAttentionBackend
 
@@ -23,15 +22,8 @@ def native(request):
 
 
 def _kernel_or_skip():
-    """The kernel; a skip naming the build error where it cannot be built, or a failure when
-    ``MINIVLLM_REQUIRE_CPU_KERNEL=1`` (CI sets it: its machine has a compiler)."""
-    kernel = cpu_decode.load()
-    if kernel is None:
-        message = f"CPU decode kernel unavailable: {cpu_decode.unavailable_reason()}"
-        if os.environ.get("MINIVLLM_REQUIRE_CPU_KERNEL") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return kernel
+    """The kernel, or a skip (a failure in CI) naming why it is missing."""
+    return native_or_skip(cpu_decode, "CPU decode kernel")
 
 MIXED = [(0, 7), (5, 1), (12, 6), (3, 1), (0, 1), (20, 1), (8, 9), (17, 1)]
 
