@@ -29,6 +29,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.distributed import get_tp_rank, get_tp_size, set_tp, tp_scope
 from minivllm.layers.embedding import VocabParallelEmbedding
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minivllm.layers.prepack import dense
 
 
 @pytest.fixture
@@ -228,8 +229,9 @@ def test_tp2_vocab_1001_matches_tp1_and_never_samples_padding(ckpt_1001, tp2_100
     assert runner.model.lm_head.num_embeddings_padded == 1002  # this rank's shard: rows 0..500
     layer = runner.model.model.layers[0]  # rank 0 holds half of every sharded weight
     assert runner.model.lm_head.weight.shape == (501, 48)
-    assert layer.self_attn.qkv_proj.weight.shape == ((4 + 2 + 2) * 16 // 2, 48)
-    assert layer.mlp.down_proj.weight.shape == (48, 40)
+    # (dense(): on the CPU a weight is held packed, panels [out/16, in, 16] or oneDNN's layout)
+    assert dense(layer.self_attn.qkv_proj.weight).shape == ((4 + 2 + 2) * 16 // 2, 48)
+    assert dense(layer.mlp.down_proj.weight).shape == (48, 40)
     assert runner.kv_caches[0][0].shape[-2:] == (1, 16)  # one of the two KV heads
     widths = []
     sampler = runner.sampler

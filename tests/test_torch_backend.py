@@ -8,6 +8,7 @@ import torch
 
 from helpers_models import allocate_block_tables, build_metadata
 from helpers_native import native_or_skip
+from minivllm.layers import native_parallel
 from minivllm.layers.attention import cpu_decode
 from minivllm.layers.attention.torch_backend import TorchAttentionBackend
 
@@ -299,7 +300,7 @@ def test_an_interrupt_while_workers_run_waits_for_them(monkeypatch):
     torch.set_num_threads(4)
     try:
         expected = kernel(*args)
-        real_wait, calls = cpu_decode.wait, []
+        real_wait, calls = native_parallel.wait, []
 
         def interrupted_wait(futures):
             calls.append(list(futures))
@@ -307,7 +308,7 @@ def test_an_interrupt_while_workers_run_waits_for_them(monkeypatch):
                 raise KeyboardInterrupt
             return real_wait(futures)
 
-        monkeypatch.setattr(cpu_decode, "wait", interrupted_wait)
+        monkeypatch.setattr(native_parallel, "wait", interrupted_wait)  # the split shared with the panel GEMM
         out = torch.zeros_like(expected)
         with pytest.raises(KeyboardInterrupt):
             kernel(*args, out=out)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.prepack import PackedWeightMixin, dense, linear
+from minivllm.layers.prepack import PackedWeightMixin, dense, is_packed, linear
 from minivllm.quantization.layer import Int8LinearMixin
 from minivllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, \
     tensor_model_parallel_all_reduce
@@ -70,7 +70,7 @@ class ParallelLMHead(Int8LinearMixin, PackedWeightMixin, VocabParallelEmbedding)
 
     With tied embeddings the model points ``lm_head.weight`` at ``embed_tokens.weight``
     (same shard layout, so tying works at any tp size). On the CPU the head multiplies by a
-    oneDNN-packed weight (``minivllm.layers.prepack``); when tied, that is a packed copy beside
+    packed weight (panels or oneDNN, ``minivllm.layers.prepack``); when tied, that is a packed copy beside
     the embedding's plain table (the lookup needs the plain one), made after loading:
     reload through ``load_weights``/``init_random_weights`` (which repack), not by writing
     into ``embed_tokens.weight`` directly.
@@ -82,7 +82,7 @@ class ParallelLMHead(Int8LinearMixin, PackedWeightMixin, VocabParallelEmbedding)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         """As the embedding's; a packed head weight goes back to dense before it is written."""
-        if param is self.weight and (param.is_mkldnn or self.packed_copy is not None):
+        if param is self.weight and (is_packed(param) or self.packed_copy is not None):
             self.unpack_weights()
             param = self.weight
         super().weight_loader(param, loaded_weight, shard_id)

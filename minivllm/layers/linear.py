@@ -9,8 +9,8 @@ and ``y = x @ weight.T + bias``. Every parameter carries
 * ``param.full_shape``: the shape of the full tensor that loader expects with
   ``shard_id=None`` (used to draw random weights that are identical for every tp size).
 
-On the CPU the loaded weight is packed for oneDNN (``minivllm.layers.prepack``): ``weight``
-then holds the packed tensor, ``state_dict()`` still returns it dense, and every layer computes
+On the CPU the loaded weight is packed (``minivllm.layers.prepack``: panels for our GEMM in
+float32, else oneDNN): ``weight`` then holds the packed tensor, ``state_dict()`` still returns it dense, and every layer computes
 through :func:`minivllm.layers.prepack.linear`.
 
 With ``quantization="int8"`` every layer's weight is replaced after loading by its int8 form
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from minivllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from minivllm.layers.prepack import PackedWeightMixin, dense, linear
+from minivllm.layers.prepack import PackedWeightMixin, dense, is_packed, linear
 from minivllm.quantization.layer import Int8LinearMixin
 
 
@@ -87,7 +87,7 @@ class LinearBase(Int8LinearMixin, PackedWeightMixin, nn.Module):
         """The ``weight_loader`` attached to the parameters: a packed weight goes back to dense
         before it is written (``param`` may be the packed one, replaced since), and a packed
         source tensor is read dense."""
-        if param is self.weight and param.is_mkldnn:
+        if param is self.weight and is_packed(param):
             self.unpack_weights()
             param = self.weight
         self.weight_loader(param, dense(loaded_weight), shard_id)

@@ -25,7 +25,7 @@ __all__ = ["FLAGS", "NativeBuildError", "NativeLibrary", "build_and_load"]
 
 T = TypeVar("T")
 
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread", "-shared", "-fPIC")
 
 
 class NativeBuildError(RuntimeError):

@@ -1,17 +1,21 @@
-"""oneDNN prepacked weights for CPU linear layers.
+"""Prepacked weights for CPU linear layers: our panel GEMM in float32, else oneDNN.
 
 ``torch.nn.functional.linear`` on the CPU calls MKL sgemm, which is slow for the few rows of a
 decode step (measured on a 2-core EPYC: 1024 -> 3072 at 4 rows 2.3 ms vs 0.48 ms prepacked;
-``/work/shared/notes/cpu-probes.md``). torch also ships oneDNN: a weight reordered once with
-``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's blocked layout, then multiplied with
-``torch.ops.mkldnn._linear_pointwise``, the pair torch's inductor uses for CPU linears with
-frozen weights.
+``/work/shared/notes/cpu-probes.md``). Two packed forms, chosen once per weight at load:
+
+* float32 weights with a multiple of 16 output features: panels ``[N / 16, K, 16]`` for our C
+  kernel (:mod:`minivllm.layers.cpu_gemm`), which keeps a decode step of a few rows at about the
+  cost of one (figures there);
+* otherwise (bf16, no C compiler, ``MINIVLLM_CPU_GEMM=0``): oneDNN, the weight reordered once with
+  ``torch.ops.mkldnn._reorder_linear_weight`` into its blocked layout (an ``mkldnn`` tensor of
+  logical shape ``[out, in]``) and multiplied with ``torch.ops.mkldnn._linear_pointwise``, the pair
+  torch's inductor uses for CPU linears with frozen weights.
 
 A layer opts in by defining ``pack_weights()``. :func:`process_weights_after_loading` calls it
 on every such module once the weights are loaded; :func:`unpack_weights` undoes it before a
-(re)load writes into the parameters. A packed weight is an ``mkldnn``-layout tensor with the
-logical shape ``[out_features, in_features]``; ``state_dict()`` of a packed layer still returns
-the plain dense weight (see :class:`PackedWeightMixin`).
+(re)load writes into the parameters. ``state_dict()`` of a packed layer still returns the plain
+dense weight (see :class:`PackedWeightMixin`); :func:`dense` converts either form back.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minivllm.layers import cpu_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -58,26 +64,50 @@ def onednn_unavailable_reason(dtype: torch.dtype) -> str | None:
     return None
 
 
+def panels_available(dtype: torch.dtype) -> bool:
+    """Whether weights in ``dtype`` can go to our panel GEMM (float32, and the C library builds
+    and is not switched off: see :func:`minivllm.layers.cpu_gemm.unavailable_reason`)."""
+    return dtype == torch.float32 and cpu_gemm.load() is not None
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` (dense, CPU) -> the same values in oneDNN's blocked layout (an
-    ``mkldnn`` tensor of logical shape ``[out, in]``, a new allocation), laid out for one row
-    when the weight is larger than ``_STREAMED_BYTES`` (read from memory every step), else for
-    8 rows (see the measurements above)."""
+    """``weight [out, in]`` (dense, CPU) -> a packed copy (a new allocation): panels
+    ``[out / 16, in, 16]`` for the panel GEMM when :func:`panels_available` and ``out % 16 == 0``;
+    else oneDNN's blocked layout (an ``mkldnn`` tensor of logical shape ``[out, in]``), laid out
+    for one row when the weight is larger than ``_STREAMED_BYTES`` (read from memory every step),
+    else for 8 rows (see the measurements above)."""
+    if cpu_gemm.packable(weight) and panels_available(weight.dtype):
+        return cpu_gemm.pack_panels(weight)
     big = weight.numel() * weight.element_size() > _STREAMED_BYTES
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _HINT_STREAMED if big else _HINT_CACHED)
 
 
+def is_packed(t: torch.Tensor) -> bool:
+    """``t`` is a packed weight: oneDNN's (``is_mkldnn``) or panels (``[N / 16, K, 16]``)."""
+    return t.is_mkldnn or cpu_gemm.is_panels(t)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``y = x @ weight.T + bias`` for ``x [..., in]``, through oneDNN when ``weight`` is packed
-    (``weight.is_mkldnn``), else ``F.linear``. Output ``[..., out]`` in ``x``'s dtype."""
+    """``y = x @ weight.T + bias`` for ``x [..., in]``: through the panel GEMM when ``weight``
+    is panels (``[out / 16, in, 16]``), oneDNN when it is an ``mkldnn`` tensor, else
+    ``F.linear``. Output ``[..., out]`` in ``x``'s dtype. An input the panel GEMM does not take
+    (another dtype, one that needs gradients) gets ``F.linear`` on the unpacked weight."""
+    if cpu_gemm.is_panels(weight):
+        gemm = cpu_gemm.load()
+        if gemm is not None and gemm.takes(x, weight, bias):
+            return gemm(x, weight, bias)
+        return F.linear(x, cpu_gemm.unpack_panels(weight).to(x.dtype), bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a plain strided tensor (a packed weight is converted back; others returned as is)."""
-    return t.to_dense() if t.is_mkldnn else t
+    """``t`` as a plain ``[out, in]`` strided tensor (a packed weight is converted back; others
+    returned as is)."""
+    if t.is_mkldnn:
+        return t.to_dense()
+    return cpu_gemm.unpack_panels(t) if cpu_gemm.is_panels(t) else t
 
 
 class PackedWeightMixin:
@@ -113,9 +143,11 @@ class PackedWeightMixin:
         costs one more copy of this weight.
         """
         w = self.weight
-        if w.is_mkldnn or self.packed_copy is not None:
+        if is_packed(w) or self.packed_copy is not None:
             return True
-        if w.device.type != "cpu" or onednn_unavailable_reason(w.dtype) is not None:
+        if w.device.type != "cpu" or w.requires_grad:
+            return False
+        if not (cpu_gemm.packable(w) and panels_available(w.dtype)) and onednn_unavailable_reason(w.dtype) is not None:
             return False
         if shared:
             self.packed_copy = pack_weight(w)
@@ -126,14 +158,14 @@ class PackedWeightMixin:
     def unpack_weights(self) -> None:
         """Back to a dense ``self.weight`` (before new values are loaded into it)."""
         self.packed_copy = None
-        if self.weight.is_mkldnn:
-            self._replace_weight(self.weight.to_dense())
+        if is_packed(self.weight):
+            self._replace_weight(dense(self.weight))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "weight"
-        if key in destination and destination[key].is_mkldnn:
-            destination[key] = self.weight.to_dense()
+        if key in destination and is_packed(destination[key]):
+            destination[key] = dense(self.weight)
 
 
 def shared_parameter_ids(model: nn.Module) -> set[int]:
@@ -147,30 +179,37 @@ def shared_parameter_ids(model: nn.Module) -> set[int]:
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Pack every packable CPU linear of ``model`` for oneDNN, once its weights are loaded.
+    """Pack every packable CPU linear of ``model`` (:func:`pack_weight`), once its weights are loaded.
 
     A module whose weight is shared with another (the LM head tied to the token embedding,
     whose lookup needs the plain table) packs a private copy instead (``pack_weights(shared=True)``):
-    that one weight is then held twice, once per layout. Logs one line: how many layers
-    are packed, or why none could be (then every layer keeps ``F.linear``).
+    that one weight is then held twice, once per layout. Logs one line: how many layers took
+    each path, and why the faster ones were not taken where they were not.
     """
     # (a layer holding int8 weights has no float weight left, or a shared one it does not use)
     modules = [m for m in model.modules() if hasattr(m, "pack_weights") and getattr(m, "int8", None) is None]
-    if not modules:
-        return
-    shared = shared_parameter_ids(model)
-    devices = {m.weight.device.type for m in modules}
-    dtypes = {m.weight.dtype for m in modules}
-    if devices != {"cpu"}:
+    if not modules or {m.weight.device.type for m in modules} != {"cpu"}:
         return  # GPU linears: cuBLAS/hipBLAS already handle small batches
-    reasons = {onednn_unavailable_reason(dt) for dt in dtypes} - {None}
-    if reasons:
-        logger.info("CPU linears use F.linear (MKL): oneDNN prepacking unavailable: %s", "; ".join(sorted(reasons)))
-        return
-    packed = 0
+    shared = shared_parameter_ids(model)
+    counts = {"panels": 0, "onednn": 0, "plain": 0}
     for m in modules:
-        packed += bool(m.pack_weights(shared=id(m.weight) in shared))
-    logger.info("CPU linears use oneDNN prepacked weights (%d layers)", packed)
+        m.pack_weights(shared=id(m.weight) in shared)
+        w = m.matmul_weight
+        counts["panels" if cpu_gemm.is_panels(w) else "onednn" if w.is_mkldnn else "plain"] += 1
+    parts = []
+    if counts["panels"]:
+        parts.append(f"{counts['panels']} through our {cpu_gemm.describe()}")
+    if counts["onednn"]:
+        parts.append(f"{counts['onednn']} through oneDNN prepacked weights")
+    if counts["plain"]:
+        parts.append(f"{counts['plain']} through F.linear (MKL)")
+    dtypes = {m.weight.dtype for m in modules}
+    why = []
+    if torch.float32 in dtypes and not panels_available(torch.float32):
+        why.append(f"panel GEMM unavailable: {cpu_gemm.unavailable_reason()}")
+    if counts["plain"]:
+        why += [f"oneDNN unavailable: {r}" for r in sorted({onednn_unavailable_reason(dt) for dt in dtypes} - {None})]
+    logger.info("CPU linears: %s%s", ", ".join(parts), f" ({'; '.join(why)})" if why else "")
 
 
 def unpack_weights(model: nn.Module) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.layers.prepack import shared_parameter_ids
+from minivllm.layers.prepack import dense, shared_parameter_ids
 from minivllm.quantization.int8 import Int8Weight, describe_kernel
 
 logger = logging.getLogger("minivllm")
@@ -84,7 +84,7 @@ class Int8LinearMixin:
         attrs = {a: getattr(w, a) for a in ("weight_loader", "full_shape") if hasattr(w, a)}
         self._float_spec = (w.dtype, w.device, shared, attrs)
         with torch.no_grad():
-            self.int8 = Int8Weight(w, kernel)
+            self.int8 = Int8Weight(dense(w), kernel)  # a packed weight (panels or oneDNN) read back plain
         self.register_buffer("weight_scale", self.int8.scale)
         if self.int8.qweight is not None:
             self.register_buffer("weight_int8", self.int8.qweight)

@@ -4,7 +4,8 @@ with ``--engine random:qwen3-0.6b``, the int8 matmuls timed inside the engine in
 
 Candidates, each computing ``x [m, k] @ W.T`` for ``W [n, k]``:
 
-* ``fp32-onednn``: the fast fp32 path (oneDNN prepacked weight, :mod:`minivllm.layers.prepack`);
+* ``fp32-packed``: the engine's fp32 path (the weight packed as the engine packs it: panels for our
+  GEMM, else oneDNN; :mod:`minivllm.layers.prepack`);
 * ``fbgemm-dynamic``: :class:`minivllm.quantization.int8.Int8Weight` on torch's fbgemm dynamic linear;
 * ``int8pack-mm``: ``torch._weight_int8pack_mm`` (weight-only int8, torch's own CPU kernel);
 * ``reference``: dequantise + ``F.linear``.
@@ -72,14 +73,14 @@ def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, cold_by
         for m in rows:
             x = torch.randn(m, k, generator=gen)
             r = repeats if n < 100_000 else 1
-            cands = {"fp32-onednn": _Cycle(lambda p: linear(x, p), packed),
+            cands = {"fp32-packed": _Cycle(lambda p: linear(x, p), packed),
                      "fbgemm-dynamic": _Cycle(lambda iw: iw.matmul(x), fb),
                      "int8pack-mm": _Cycle(lambda qq: torch._weight_int8pack_mm(x, qq, scale), qs),
                      "reference": _Cycle(lambda iw: iw.matmul(x), ref)}
             ms = {name: _time_ms(f, r, trials) for name, f in cands.items()}
             out.append({"k": k, "n": n, "m": m, "ms": ms})
             log(f"{k:>5}->{n:<6} x{m:<2} " + "  ".join(
-                f"{name} {t:.3f} ms ({n * k * (4 if name == 'fp32-onednn' else 1) / t / 1e6:.1f} GB/s)"
+                f"{name} {t:.3f} ms ({n * k * (4 if name == 'fp32-packed' else 1) / t / 1e6:.1f} GB/s)"
                 for name, t in ms.items()))
     return out
 

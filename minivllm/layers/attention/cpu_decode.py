@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
 from minivllm.layers.native_build import NativeLibrary
+from minivllm.layers.native_parallel import run_chunks
 from minivllm.logger import init_logger
 
 __all__ = ["PagedDecodeKernel", "load", "unavailable_reason"]
@@ -81,24 +81,14 @@ class PagedDecodeKernel:
         self._fn = fn
         # One kernel object serves every backend in the process, and engines may step in
         # different Python threads at once (ctypes drops the GIL): each calling thread gets its
-        # own score scratch, and the pool only ever grows, under a lock.
+        # own score scratch.
         self._local = threading.local()
-        self._pool_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
 
     def _scratch(self, numel: int) -> torch.Tensor:
         buf = getattr(self._local, "scratch", None)
         if buf is None or buf.numel() < numel:
             buf = self._local.scratch = torch.empty(numel, dtype=torch.float32, device="cpu")
         return buf
-
-    def _thread_pool(self, workers: int) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool_size < workers:  # a replaced pool finishes its queued work and is collected
-                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="minivllm-attn")
-                self._pool_size = workers
-            return self._pool
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  row_seq: torch.Tensor, row_lens: torch.Tensor, max_len: int, scale: float,
@@ -164,25 +154,7 @@ class PagedDecodeKernel:
                      op + lo * heads * head_dim * 4, hi - lo, heads, kv_heads, head_dim, block_size, scale,
                      sp + c * per_chunk * 4)
 
-        if chunks == 1:
-            run(0)
-        else:  # ctypes drops the GIL during the call, so the chunks run in parallel
-            pool = self._thread_pool(chunks - 1)
-            futures = [pool.submit(run, c) for c in range(1, chunks)]
-            interrupt = None
-            try:
-                run(0)
-            finally:
-                # Never leave while a worker still writes into this thread's scratch (the next call
-                # reuses it): an interrupt (Ctrl-C in a notebook) is re-raised once all are done.
-                while True:
-                    try:
-                        wait(futures)
-                        break
-                    except KeyboardInterrupt as e:
-                        interrupt = e
-            if interrupt is not None:
-                raise interrupt
-            for f in futures:
-                f.result()  # a worker's exception, if any
+        # several chunks run on several threads (ctypes drops the GIL); run_chunks returns only once
+        # every chunk is done, so the scratch is free for the next call even after an interrupt
+        run_chunks(run, chunks)
         return out

@@ -1,0 +1,277 @@
+/* y = x @ W^T (+ bias) on the CPU in fp32 for the few rows of a decode step, with W stored in
+   column panels. Part of minivllm; built at first use by minivllm/layers/cpu_gemm.py and called
+   through ctypes.
+
+   Why: a decode step multiplies a handful of rows (one per sequence) by every weight, so it should
+   cost one read of the weights, as at one row. On the 2-core dev EPYC (AVX2, one thread) MKL's
+   sgemm and oneDNN's prepacked linear both cost 1.4-2.8x more at 4 rows than at one on the 0.6B
+   model's shapes; this kernel streams each weight once for up to 6 rows and keeps the FMA units
+   busy enough to stay at the memory's pace (probe and figures: cpu_gemm.py).
+
+   Layout: W [N, K] (N a multiple of 16) is stored as panels P [N / 16][K][16]: panel b holds
+   output columns 16b .. 16b + 15, one 64-byte line per k. A panel is read front to back once per
+   group of up to 6 rows of x, in chunks of KC values of k so the chunk stays in the L1/L2 cache
+   while several row groups (a prefill) reuse it. The inner loop is the outer-product form: per k,
+   two vector loads of the panel, one broadcast per row of x, two FMAs per row, accumulators in
+   registers (6 rows x 2 vectors = 12 of the 16 AVX2 registers). No horizontal sums. GCC's vector
+   extensions (not x86 intrinsics) so the same source builds for NEON.
+
+   Sums run over k in order within a chunk, so results differ from MKL's by float32 reassociation
+   (about 1e-6 relative). */
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <unistd.h>
+
+/* 8 floats; loads and stores through a v8 pointer may be unaligned and may alias float memory
+   (memcpy into locals instead made GCC keep the accumulators on the stack: 4x slower) */
+typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
+#define NR 16     /* output columns per panel */
+#define MR 6      /* rows of x per pass over a panel chunk */
+#define KC 256    /* k values per chunk (16 KiB of panel) */
+#define PF 128    /* prefetch distance in k: 8 KiB ahead in the panel stream (4 KiB read 11-12 GB/s at one row, 8 KiB 13-15) */
+
+static inline v8 splat(float s) { v8 v = {s, s, s, s, s, s, s, s}; return v; }
+
+/* `rows` rows (1..MR) of x times a chunk of kc values of k of `g` adjacent panels (pc: the first
+   panel's chunk; the next panel's is pstride floats on). rows and g are constants after inlining,
+   and rows * g <= 6 keeps the 2 * rows * g accumulators in registers. The accumulators start from
+   the bias (first chunk) or from y (later chunks). Reading g panels at once is g streams through
+   memory: at one row, one stream read 14 GB/s, four 19 GB/s (dev EPYC, 300 MB weight). */
+static inline __attribute__((always_inline)) void panel_rows(const int rows, const int g, const float *x,
+        int64_t ldx, const float *pc, int64_t pstride, int64_t kc, const float *init, int64_t ld_init,
+        float *y, int64_t ldy) {
+    v8 a0[MR][4], a1[MR][4];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < g; j++) {
+            if (init) {
+                a0[r][j] = *(const v8 *)(init + r * ld_init + j * NR);
+                a1[r][j] = *(const v8 *)(init + r * ld_init + j * NR + 8);
+            } else {
+                a0[r][j] = splat(0.f);
+                a1[r][j] = splat(0.f);
+            }
+        }
+    for (int64_t k = 0; k < kc; k++) {
+        v8 w0[4], w1[4];
+        for (int j = 0; j < g; j++) {
+            const float *q = pc + j * pstride + k * NR;
+            __builtin_prefetch(q + PF * NR);
+            w0[j] = *(const v8 *)q;
+            w1[j] = *(const v8 *)(q + 8);
+        }
+        for (int r = 0; r < rows; r++) {
+            v8 xb = splat(x[r * ldx + k]);
+            for (int j = 0; j < g; j++) {
+                a0[r][j] += xb * w0[j];
+                a1[r][j] += xb * w1[j];
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < g; j++) {
+            *(v8 *)(y + r * ldy + j * NR) = a0[r][j];
+            *(v8 *)(y + r * ldy + j * NR + 8) = a1[r][j];
+        }
+}
+
+/* one chunk of k for all m rows of g (1, 2 or 4) adjacent panels */
+static void panel_chunk(int g, const float *x, int64_t ldx, const float *pc, int64_t pstride, int64_t m,
+                        int64_t kc, const float *init, int64_t ld_init, float *y, int64_t ldy) {
+    if (g == 4) {  /* m == 1 */
+        panel_rows(1, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
+        return;
+    }
+    if (g == 2) {  /* m == 2 or 3 */
+        if (m == 2) panel_rows(2, 2, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
+        else panel_rows(3, 2, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
+        return;
+    }
+    int64_t r = 0;
+    for (; r + MR <= m; r += MR)
+        panel_rows(MR, 1, x + r * ldx, ldx, pc, pstride, kc, init ? init + r * ld_init : NULL, ld_init,
+                   y + r * ldy, ldy);
+    const float *ir = init ? init + r * ld_init : NULL;
+    const float *xr = x + r * ldx;
+    float *yr = y + r * ldy;
+    switch (m - r) {  /* the last 1-5 rows, each count its own unrolled code */
+        case 1: panel_rows(1, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        case 2: panel_rows(2, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        case 3: panel_rows(3, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        case 4: panel_rows(4, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        case 5: panel_rows(5, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        default: break;
+    }
+}
+
+/* y[m, 16 b0 .. 16 b1) = x [m, k] @ W^T (+ bias) for panels b0 .. b1 - 1 of P.
+   x: row stride ldx (floats), unit stride along k. y: row stride ldy, written, not read before.
+   bias: NULL or [N] fp32. Separate panel ranges may run on separate threads at once. */
+void panel_gemm_f32(const float *x, int64_t ldx, const float *p, const float *bias, int64_t m, int64_t k,
+                    float *y, int64_t ldy, int64_t b0, int64_t b1) {
+    const int group = m == 1 ? 4 : m <= 3 ? 2 : 1;  /* panels read at once: more streams for fewer rows */
+    for (int64_t b = b0; b < b1;) {
+        int g = b + group <= b1 ? group : 1;  /* the last few panels one at a time */
+        const float *pb = p + b * k * NR;
+        float *yb = y + b * NR;
+        for (int64_t k0 = 0; k0 < k; k0 += KC) {
+            int64_t kc = k - k0 < KC ? k - k0 : KC;
+            /* first chunk starts from the bias row (ld 0: the same row for every r) or zero */
+            const float *init = k0 ? yb : (bias ? bias + b * NR : NULL);
+            panel_chunk(g, x + k0, ldx, pb + k0 * NR, k * NR, m, kc, init, k0 ? ldy : 0, yb, ldy);
+        }
+        b += g;
+    }
+}
+
+/* ---- the split over threads ------------------------------------------------------------------
+   A persistent pool of POSIX threads. Waking a sleeping thread costs ~200 us on the dev VM (a
+   Python thread pool, ~110 us), more than a decode step's matmul of a 4 MiB weight takes, so a
+   worker that finishes a part keeps polling for the next task for up to SPIN_NS before it sleeps
+   on a condition variable: within a decode step the next linear comes sooner than that. The poll
+   is bounded (torch's OpenMP threads, by default, spin much longer), so a worker costs no CPU
+   once the engine is idle. One parallel call at a time: a second caller arriving meanwhile
+   (another Python thread) runs its call on its own thread. In a forked child the pool is
+   rebuilt (its threads did not fork). */
+#include <time.h>
+#define MAX_PARTS 64
+#define SPIN_NS 200000
+
+typedef struct {
+    const float *x, *p, *bias;
+    float *y;
+    int64_t ldx, m, k, ldy, nb;
+    int parts;
+} task_t;
+
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;   /* one parallel call at a time */
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;   /* guards sleepers and the waits */
+static pthread_cond_t work_cv = PTHREAD_COND_INITIALIZER, done_cv = PTHREAD_COND_INITIALIZER;
+static task_t task;            /* written by the caller before it publishes `word` */
+static uint64_t word;          /* (task number << 8) | parts, read atomically: a worker whose id is
+                                  not below parts never reads `task`, which the next call may be
+                                  rewriting; a worker whose id is below it is waited for */
+static int pending, workers, sleepers;
+static uint64_t born_at[MAX_PARTS];  /* `word` when each worker was created: it serves later ones */
+static pid_t owner;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* polls *addr until it differs from `old`, for at most SPIN_NS; returns the last value read */
+static uint64_t poll_u64(const uint64_t *addr, uint64_t old) {
+    uint64_t v = __atomic_load_n(addr, __ATOMIC_ACQUIRE);
+    int64_t start = now_ns();
+    for (int i = 1; v == old; i++) {
+        relax();
+        if ((i & 63) == 0 && now_ns() - start > SPIN_NS)
+            break;
+        v = __atomic_load_n(addr, __ATOMIC_ACQUIRE);
+    }
+    return v;
+}
+
+static void run_part(const task_t *t, int part) {
+    panel_gemm_f32(t->x, t->ldx, t->p, t->bias, t->m, t->k, t->y, t->ldy,
+                   t->nb * part / t->parts, t->nb * (part + 1) / t->parts);
+}
+
+static void *worker_main(void *arg) {
+    int id = (int)(intptr_t)arg;  /* runs part id of every task with more than id parts */
+    uint64_t seen = born_at[id];  /* not the current word: the first task may be published before we run */
+    for (;;) {
+        uint64_t w = poll_u64(&word, seen);
+        if (w == seen) {
+            pthread_mutex_lock(&pool_mu);
+            sleepers++;
+            while ((w = __atomic_load_n(&word, __ATOMIC_ACQUIRE)) == seen)
+                pthread_cond_wait(&work_cv, &pool_mu);
+            sleepers--;
+            pthread_mutex_unlock(&pool_mu);
+        }
+        seen = w;
+        if (id < (int)(w & 0xff)) {
+            task_t t = task;
+            run_part(&t, id);
+            if (__atomic_sub_fetch(&pending, 1, __ATOMIC_ACQ_REL) == 0) {
+                pthread_mutex_lock(&pool_mu);
+                pthread_cond_signal(&done_cv);
+                pthread_mutex_unlock(&pool_mu);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* workers 1 .. parts - 1 exist (fewer if the system refuses threads); returns how many parts
+   can run. Called with call_mu held. */
+static int ensure_workers(int parts) {
+    pid_t pid = getpid();
+    if (owner != pid) {  /* first call, or a forked child: no worker of ours runs here */
+        pthread_mutex_t m0 = PTHREAD_MUTEX_INITIALIZER;
+        pthread_cond_t c0 = PTHREAD_COND_INITIALIZER, c1 = PTHREAD_COND_INITIALIZER;
+        pool_mu = m0; work_cv = c0; done_cv = c1;
+        workers = sleepers = 0;
+        owner = pid;
+    }
+    while (workers < parts - 1) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        born_at[workers + 1] = word;  /* word changes only under call_mu, held here */
+        int rc = pthread_create(&th, &attr, worker_main, (void *)(intptr_t)(workers + 1));
+        pthread_attr_destroy(&attr);
+        if (rc != 0)
+            break;
+        workers++;
+    }
+    return parts < workers + 1 ? parts : workers + 1;
+}
+
+/* panel_gemm_f32 over all nb panels, split into `parts` ranges run at once (part 0 on the
+   calling thread). Returns when every part is written. */
+void panel_gemm_parallel_f32(const float *x, int64_t ldx, const float *p, const float *bias, int64_t m,
+                             int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
+    if (parts > MAX_PARTS)
+        parts = MAX_PARTS;
+    if (parts > nb)
+        parts = (int)nb;
+    if (parts <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
+        panel_gemm_f32(x, ldx, p, bias, m, k, y, ldy, 0, nb);
+        return;
+    }
+    parts = ensure_workers(parts);
+    task_t t = {x, p, bias, y, ldx, m, k, ldy, nb, parts};
+    task = t;
+    __atomic_store_n(&pending, parts - 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&word, ((word >> 8) + 1) << 8 | (uint64_t)parts, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&pool_mu);  /* a worker checks `word` under this lock before it sleeps */
+    if (sleepers)
+        pthread_cond_broadcast(&work_cv);
+    pthread_mutex_unlock(&pool_mu);
+    run_part(&t, 0);
+    int64_t start = now_ns();
+    for (int i = 1; __atomic_load_n(&pending, __ATOMIC_ACQUIRE) > 0; i++) {
+        relax();
+        if ((i & 63) == 0 && now_ns() - start > SPIN_NS) {
+            pthread_mutex_lock(&pool_mu);
+            while (__atomic_load_n(&pending, __ATOMIC_ACQUIRE) > 0)
+                pthread_cond_wait(&done_cv, &pool_mu);
+            pthread_mutex_unlock(&pool_mu);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&call_mu);
+}

@@ -1,0 +1,55 @@
+"""Run a C call split into chunks on several threads: ``ctypes`` drops the GIL for the length of
+a foreign call, so chunks given to a pool of Python threads run on separate cores. Used by the
+CPU decode-attention kernel (chunks of query rows) and the panel GEMM (chunks of output columns).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable
+
+__all__ = ["run_chunks"]
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _thread_pool(workers: int) -> ThreadPoolExecutor:
+    """The process-wide pool, grown to ``workers`` threads if smaller (a replaced pool finishes
+    its queued work and is collected)."""
+    global _pool, _pool_size
+    with _lock:
+        if _pool_size < workers:
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="minivllm-native")
+            _pool_size = workers
+        return _pool
+
+
+def run_chunks(run: Callable[[int], None], chunks: int) -> None:
+    """``run(c)`` for ``c in range(chunks)``: chunk 0 on the calling thread, the others on the
+    pool, returning when all are done.
+
+    Never returns while a worker may still write into memory the caller owns: an interrupt
+    (Ctrl-C in a notebook) during the wait is re-raised once every chunk has finished, and a
+    worker's exception is re-raised after that.
+    """
+    if chunks <= 1:
+        run(0)
+        return
+    pool = _thread_pool(chunks - 1)
+    futures = [pool.submit(run, c) for c in range(1, chunks)]
+    interrupt = None
+    try:
+        run(0)
+    finally:
+        while True:
+            try:
+                wait(futures)
+                break
+            except KeyboardInterrupt as e:
+                interrupt = e
+    if interrupt is not None:
+        raise interrupt
+    for f in futures:
+        f.result()

@@ -1,0 +1,133 @@
+"""The panel GEMM (``minivllm.layers.cpu_gemm``) against ``F.linear``: every row-count path of the
+kernel (1 row, 2-5 left over, whole groups of 6), K below, at and across its 256-value chunks,
+bias, strided and 3-D inputs, the split over threads, and the inputs it hands back to torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers_native import native_or_skip
+from minivllm.layers import cpu_gemm, prepack
+
+
+@pytest.fixture
+def gemm():
+    """The loaded kernel, or a skip (a failure in CI) naming why it is missing."""
+    return native_or_skip(cpu_gemm, "panel GEMM")
+
+
+def _case(m, k, n, seed=0):
+    g = torch.Generator().manual_seed(seed * 7919 + m * 131 + k * 17 + n)
+    return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5, torch.randn(n, generator=g)
+
+
+def test_packing_round_trips_and_puts_16_output_columns_per_k():
+    w = torch.arange(32 * 5, dtype=torch.float32).reshape(32, 5)
+    p = cpu_gemm.pack_panels(w)
+    assert p.shape == (2, 5, 16) and p.is_contiguous()
+    assert p[1, 3, 7] == w[16 + 7, 3]
+    assert torch.equal(cpu_gemm.unpack_panels(p), w)
+    assert cpu_gemm.is_panels(p) and not cpu_gemm.is_panels(w)
+    assert not cpu_gemm.packable(torch.zeros(24, 5))  # not a multiple of 16 rows
+    assert not cpu_gemm.packable(torch.zeros(32, 5, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 64])
+@pytest.mark.parametrize("k", [1, 7, 256, 300, 1000])
+def test_matches_f_linear_for_every_row_count_and_k(gemm, m, k):
+    x, w, _ = _case(m, k, 48)
+    got = gemm(x, cpu_gemm.pack_panels(w))
+    assert got.shape == (m, 48) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_bias_is_added_once_whatever_the_number_of_k_chunks(gemm, m):
+    x, w, b = _case(m, 600, 32)  # 600: three chunks of k
+    torch.testing.assert_close(gemm(x, cpu_gemm.pack_panels(w), b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_strided_rows_and_leading_dims(gemm):
+    x, w, _ = _case(6, 64, 32)
+    wide = torch.randn(6, 100)
+    wide[:, 10:74] = x
+    view = wide[:, 10:74]  # row stride 100, unit stride along k
+    p = cpu_gemm.pack_panels(w)
+    torch.testing.assert_close(gemm(view, p), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    x3 = x.reshape(2, 3, 64)
+    torch.testing.assert_close(gemm(x3, p), F.linear(x3, w), atol=1e-5, rtol=1e-5)
+    assert gemm(torch.empty(0, 64), p).shape == (0, 32)
+
+
+def test_split_over_threads_gives_the_same_result(gemm, monkeypatch):
+    x, w, b = _case(5, 256, 160)
+    p = cpu_gemm.pack_panels(w)
+    one = gemm(x, p, b)
+    monkeypatch.setattr(cpu_gemm, "MIN_MACS_PER_THREAD", 1)  # split even this small product
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        split = gemm(x, p, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, one)  # each panel is computed the same way whichever thread runs it
+
+
+def test_inputs_the_kernel_does_not_take_go_to_torch_through_linear(gemm):
+    x, w, b = _case(3, 64, 32)
+    p = cpu_gemm.pack_panels(w)
+    assert not gemm.takes(x.double(), p, None) and not gemm.takes(x.t().contiguous().t(), p, None)
+    with pytest.raises(ValueError, match="panel GEMM"):
+        gemm(x.double(), p)
+    xg = x.clone().requires_grad_()
+    y = prepack.linear(xg, p, b)  # F.linear on the unpacked weight: autograd still works
+    y.sum().backward()
+    torch.testing.assert_close(xg.grad, w.sum(0).expand(3, 64), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prepack.linear(x.t().contiguous().t(), p, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_concurrent_callers_and_a_forked_child_get_correct_results(gemm, monkeypatch):
+    """The C pool serves one parallel call at a time (a second caller runs on its own thread), and
+    a forked child, whose copy of the pool has no threads, builds its own instead of waiting forever."""
+    import os
+    import threading
+
+    monkeypatch.setattr(cpu_gemm, "MIN_MACS_PER_THREAD", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, w, b = _case(4, 128, 256)
+        p, want = cpu_gemm.pack_panels(w), F.linear(x, w, b)
+        errors = []
+
+        def hammer():
+            for _ in range(300):
+                if not torch.allclose(gemm(x, p, b), want, atol=1e-5, rtol=1e-5):
+                    errors.append("mismatch")
+
+        workers = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        assert not errors
+        if not hasattr(os, "fork"):
+            return
+        r, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: report and leave without running pytest's teardown
+            ok = torch.allclose(gemm(x, p, b), want, atol=1e-5, rtol=1e-5)
+            os.write(wfd, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(wfd)
+        import select
+        ready, _, _ = select.select([r], [], [], 60)
+        answer = os.read(r, 1) if ready else b"timeout"
+        os.close(r)
+        if not ready:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        assert answer == b"1"
+    finally:
+        torch.set_num_threads(threads)
