@@ -131,3 +131,16 @@ def test_concurrent_callers_and_a_forked_child_get_correct_results(gemm, monkeyp
         assert answer == b"1"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_torch_fallback_takes_any_dtype_with_a_bias_and_refused_panels_stay_refused(gemm):
+    """From a review: the fallback cast the weight to x's dtype but not the bias (F.linear then
+    raised for a float64 or bf16 input); panels that need gradients or hold no K went to the C code."""
+    x, w, b = _case(3, 64, 32)
+    p = cpu_gemm.pack_panels(w)
+    torch.testing.assert_close(prepack.linear(x.double(), p, b), F.linear(x.double(), w.double(), b.double()))
+    assert prepack.linear(x.bfloat16(), p, b).dtype == torch.bfloat16
+    assert not gemm.takes(x, p.clone().requires_grad_(), None)
+    empty = torch.zeros(2, 0, 16)
+    assert not gemm.takes(torch.zeros(3, 0), empty, None)
+    assert torch.equal(prepack.linear(torch.zeros(3, 0), empty), torch.zeros(3, 32))

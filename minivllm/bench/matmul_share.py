@@ -4,7 +4,7 @@ layers (every ``*Linear`` and the LM head: same weights, same rows) run back to 
 Used by ``bench --sweep`` (design-brief target: embedded model, batch-32 decode step <= 1.4x
 its matmuls alone). The calls are recorded during one real decode step through
 ``minivllm.layers.prepack.linear`` (the function every linear layer calls), so the replay
-takes the same path (oneDNN prepacked weights or ``F.linear``) on inputs of the same shapes.
+takes the same path (the panel GEMM, oneDNN or ``F.linear``) on inputs of the same shapes.
 Int8 layers do not go through it and are not counted.
 """
 from __future__ import annotations

@@ -2,18 +2,19 @@
 
 Why: a decode step multiplies a few rows by every weight, and should cost about one read of
 the weights whatever the row count. The libraries torch ships do not do that on the 2-core dev
-EPYC (AVX2): ``python scripts/probe_cpu_gemm.py`` (2026-12-01 22:59 UTC, one thread, load 0.8),
+EPYC (AVX2): ``python scripts/probe_cpu_gemm.py`` (2026-12-01 23:04 UTC, one thread, load 0.9),
 the four linears of one Qwen3-0.6B layer cycled over three copies of them (180 MiB, so every
 read comes from memory), milliseconds per pass:
 
     rows                     1      2      4      8     16
-    F.linear (MKL)         10.5   23.1   36.0   37.6   45.1
-    oneDNN, 1-row layout   10.8   23.5   29.5   30.3   39.0
-    oneDNN, 8-row layout   11.4   25.6   19.2   22.7   32.6
-    panel GEMM (this)       9.3   13.7   12.7   17.0   24.4
+    F.linear (MKL)         13.1   29.9   37.2   39.1   48.4
+    oneDNN, 1-row layout   13.0   26.2   30.2   33.2   47.4
+    oneDNN, 8-row layout   13.3   14.8   21.3   26.0   38.4
+    panel GEMM (this)      10.9   11.5   16.0   15.7   30.0
 
-and on cache-resident prefill shapes (64-512 rows) it ran at 78-85 GFLOP/s against 52-83 for the
-others. A shared machine's memory speed varies by 1.5x from run to run; compare within a run.
+and on cache-resident prefill shapes (64-512 rows) it ran level with them (58-69 GFLOP/s against
+48-73). A shared machine's memory speed varies by 1.5x from run to run (8 rows coming out faster
+than 4 here was not repeated in other runs); compare within a run.
 
 The C code splits the panels over ``torch.get_num_threads()`` threads of its own (a persistent
 pool that polls briefly between calls, then sleeps; see the source for why).
@@ -49,6 +50,12 @@ def load() -> "PanelGemm | None":
     """The compiled GEMM, built on first use; ``None`` when switched off or unbuildable (see
     :func:`unavailable_reason`). Thread-safe; builds at most once per process."""
     return _library.load()
+
+
+def loaded() -> "PanelGemm | None":
+    """The GEMM if :func:`load` has built it in this process, else ``None`` (no lock, no
+    environment lookup: for the per-call path; packing called :func:`load`)."""
+    return _library.loaded()
 
 
 def unavailable_reason() -> str | None:
@@ -97,12 +104,12 @@ class PanelGemm:
 
     @staticmethod
     def takes(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Float32 CPU ``x [..., K]`` with unit stride along ``K``, not needing gradients (the C
-        code records no autograd graph), contiguous panels of that ``K``, a contiguous float32
-        bias ``[N]`` or none."""
+        """Float32 CPU ``x [..., K]`` (``K >= 1``) with unit stride along ``K`` and contiguous CPU
+        panels of that ``K``, neither needing gradients (the C code records no autograd graph),
+        a contiguous float32 bias ``[N]`` or none."""
         if (x.dtype is not F32 or not x.is_cpu or x.requires_grad or x.dim() == 0 or x.stride(-1) != 1
-                or panels.dtype is not F32 or not is_panels(panels) or x.shape[-1] != panels.shape[1]
-                or not panels.is_contiguous()):
+                or panels.dtype is not F32 or not panels.is_cpu or panels.requires_grad or not is_panels(panels)
+                or x.shape[-1] != panels.shape[1] or x.shape[-1] == 0 or not panels.is_contiguous()):
             return False
         return bias is None or (bias.dtype is F32 and bias.is_cpu and bias.is_contiguous()
                                 and not bias.requires_grad and bias.shape == (panels.shape[0] * PANEL,))
@@ -119,17 +126,20 @@ class PanelGemm:
             raise ValueError(f"panel GEMM: x {x.dtype} {tuple(x.shape)} on {x.device}, panels {panels.dtype} "
                              f"{tuple(panels.shape)}: needs float32 CPU tensors, x [..., K] with unit stride "
                              f"along K, contiguous panels [N/16, K, 16], no gradients")
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k)  # a view where the leading dims allow it; unit stride along k either way
-        m, nb = x2.shape[0], panels.shape[0]
+        return self.run(x, panels, bias)
+
+    def run(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`__call__` without the checks, for a caller that has just called :meth:`takes`."""
+        flat = x.dim() == 2  # the layers' case: no reshapes (each costs microseconds per call)
+        x2 = x if flat else x.reshape(-1, x.shape[-1])  # unit stride along k either way
+        m, k = x2.shape
+        nb = panels.shape[0]
         n = nb * PANEL
         y = torch.empty(m, n, dtype=F32, device="cpu")
-        if m == 0:
-            return y.reshape(*lead, n)
-        ldx = x2.stride(0) if m > 1 else k
-        # the C code splits the panels over its own threads (torch's thread count of them); it returns
-        # when all are written, so an interrupt can only arrive after the call
-        parts = max(1, min(torch.get_num_threads(), nb, m * n * k // MIN_MACS_PER_THREAD))
-        self._fn(x2.data_ptr(), ldx, panels.data_ptr(), bias.data_ptr() if bias is not None else None, m, k,
-                 y.data_ptr(), n, nb, parts)
-        return y.reshape(*lead, n)
+        if m:
+            # the C code splits the panels over its own threads (torch's thread count of them); it
+            # returns when all are written, so an interrupt can only arrive after the call
+            parts = max(1, min(torch.get_num_threads(), nb, m * n * k // MIN_MACS_PER_THREAD))
+            self._fn(x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr(),
+                     bias.data_ptr() if bias is not None else None, m, k, y.data_ptr(), n, nb, parts)
+        return y if flat else y.reshape(*x.shape[:-1], n)

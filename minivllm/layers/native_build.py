@@ -130,6 +130,11 @@ class NativeLibrary(Generic[T]):
                     self._state["reason"] = str(e)
             return self._state.get("obj")  # type: ignore[return-value]
 
+    def loaded(self) -> T | None:
+        """The object if an earlier :meth:`load` built it, else ``None``, without the lock or the
+        environment switch (for per-call paths whose setup already called :meth:`load`)."""
+        return self._state.get("obj")  # type: ignore[return-value]
+
     def unavailable_reason(self) -> str | None:
         """Why :meth:`load` returned ``None`` (``None`` if it did not)."""
         if self.switched_off():

@@ -93,10 +93,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``F.linear``. Output ``[..., out]`` in ``x``'s dtype. An input the panel GEMM does not take
     (another dtype, one that needs gradients) gets ``F.linear`` on the unpacked weight."""
     if cpu_gemm.is_panels(weight):
-        gemm = cpu_gemm.load()
+        gemm = cpu_gemm.loaded() or cpu_gemm.load()  # loaded when the weight was packed (this runs per call)
         if gemm is not None and gemm.takes(x, weight, bias):
-            return gemm(x, weight, bias)
-        return F.linear(x, cpu_gemm.unpack_panels(weight).to(x.dtype), bias)
+            return gemm.run(x, weight, bias)
+        return F.linear(x, cpu_gemm.unpack_panels(weight).to(x.dtype), None if bias is None else bias.to(x.dtype))
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

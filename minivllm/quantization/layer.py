@@ -2,8 +2,8 @@
 
 A layer opts in by inheriting :class:`Int8LinearMixin` (before ``PackedWeightMixin``) and
 computing through ``self.int8.matmul`` when ``self.int8`` is set. :func:`quantize_model`
-runs after the weights are loaded (``minivllm.utils.loader`` calls it just before oneDNN
-packing); ``unpack_weights`` (called by the loader before a reload) turns the layer back
+runs after the weights are loaded (``minivllm.utils.loader`` calls it just before the
+weights are packed); ``unpack_weights`` (called by the loader before a reload) turns the layer back
 into a float one.
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Int8LinearMixin:
         if self.int8 is not None:
             return True
         if hasattr(self, "unpack_weights"):
-            self.packed_copy = None  # a oneDNN copy of a shared weight, if any
+            self.packed_copy = None  # a packed copy of a shared weight, if any
         w = self.weight
         attrs = {a: getattr(w, a) for a in ("weight_loader", "full_shape") if hasattr(w, a)}
         self._float_spec = (w.dtype, w.device, shared, attrs)
@@ -109,7 +109,7 @@ class Int8LinearMixin:
         self.int8 = None
         self._float_spec = None
 
-    # The oneDNN packing hooks: a quantised layer has nothing to pack, and a reload must
+    # The packing hooks (minivllm.layers.prepack): a quantised layer has nothing to pack, and a reload must
     # see the float weight again.
     def pack_weights(self, shared: bool = False) -> bool:
         if self.int8 is not None:

@@ -15,7 +15,7 @@ Both entry points (:func:`load_weights`, :func:`init_random_weights`) end with
 :func:`process_loaded_weights`: int8 quantisation when the model carries a ``quant_config``
 (:func:`minivllm.quantization.quantize_model`), then
 :func:`minivllm.layers.prepack.process_weights_after_loading` (the remaining CPU linears
-packed for oneDNN once, here); both start by undoing that, so a model can be loaded again.
+packed once, here: panels for our GEMM, else oneDNN); both start by undoing that, so a model can be loaded again.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def checkpoint_files(checkpoint_dir) -> list[Path]:
 
 def process_loaded_weights(model: nn.Module) -> None:
     """What runs once the float weights are in place: int8 quantisation of the layers
-    ``model.quant_config`` asks for (none without one), then oneDNN packing of the CPU
+    ``model.quant_config`` asks for (none without one), then packing (panels or oneDNN) of the CPU
     linears still in float. Undone by :func:`minivllm.layers.prepack.unpack_weights`."""
     quantize_model(model)
     process_weights_after_loading(model)

@@ -4,9 +4,9 @@
 
    Why: a decode step multiplies a handful of rows (one per sequence) by every weight, so it should
    cost one read of the weights, as at one row. On the 2-core dev EPYC (AVX2, one thread) MKL's
-   sgemm and oneDNN's prepacked linear both cost 1.4-2.8x more at 4 rows than at one on the 0.6B
+   sgemm and oneDNN's prepacked linear cost 1.6-2.8x more at 4 rows than at one on the 0.6B
    model's shapes; this kernel streams each weight once for up to 6 rows and keeps the FMA units
-   busy enough to stay at the memory's pace (probe and figures: cpu_gemm.py).
+   busy enough to stay near the memory's pace (probe and figures: cpu_gemm.py).
 
    Layout: W [N, K] (N a multiple of 16) is stored as panels P [N / 16][K][16]: panel b holds
    output columns 16b .. 16b + 15, one 64-byte line per k. A panel is read front to back once per
@@ -21,7 +21,6 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <unistd.h>
 
 /* 8 floats; loads and stores through a v8 pointer may be unaligned and may alias float memory
    (memcpy into locals instead made GCC keep the accumulators on the stack: 4x slower) */
@@ -35,7 +34,9 @@ static inline v8 splat(float s) { v8 v = {s, s, s, s, s, s, s, s}; return v; }
 
 /* `rows` rows (1..MR) of x times a chunk of kc values of k of `g` adjacent panels (pc: the first
    panel's chunk; the next panel's is pstride floats on). rows and g are constants after inlining,
-   and rows * g <= 6 keeps the 2 * rows * g accumulators in registers. The accumulators start from
+   and rows * g <= 6 keeps the 2 * rows * g accumulators within AVX2's 16 vector registers (with
+   the panel vectors, 1 x 4 and 3 x 2 need one more, which the compiler folds into the FMAs'
+   memory operands or spills). The accumulators start from
    the bias (first chunk) or from y (later chunks). Reading g panels at once is g streams through
    memory: at one row, one stream read 14 GB/s, four 19 GB/s (dev EPYC, 300 MB weight). */
 static inline __attribute__((always_inline)) void panel_rows(const int rows, const int g, const float *x,
@@ -82,9 +83,15 @@ static void panel_chunk(int g, const float *x, int64_t ldx, const float *pc, int
         panel_rows(1, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
         return;
     }
-    if (g == 2) {  /* m == 2 or 3 */
-        if (m == 2) panel_rows(2, 2, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
-        else panel_rows(3, 2, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
+    if (g == 2) {  /* 2 <= m <= 6: rows in groups of 3 (the second group reads the two panels from cache;
+                       at 8 rows, three groups measured slower than one panel at a time) */
+        int64_t r = 0;
+        for (; r + 3 <= m; r += 3)
+            panel_rows(3, 2, x + r * ldx, ldx, pc, pstride, kc, init ? init + r * ld_init : NULL, ld_init,
+                       y + r * ldy, ldy);
+        const float *ir = init ? init + r * ld_init : NULL;
+        if (m - r == 2) panel_rows(2, 2, x + r * ldx, ldx, pc, pstride, kc, ir, ld_init, y + r * ldy, ldy);
+        else if (m - r == 1) panel_rows(1, 2, x + r * ldx, ldx, pc, pstride, kc, ir, ld_init, y + r * ldy, ldy);
         return;
     }
     int64_t r = 0;
@@ -109,7 +116,9 @@ static void panel_chunk(int g, const float *x, int64_t ldx, const float *pc, int
    bias: NULL or [N] fp32. Separate panel ranges may run on separate threads at once. */
 void panel_gemm_f32(const float *x, int64_t ldx, const float *p, const float *bias, int64_t m, int64_t k,
                     float *y, int64_t ldy, int64_t b0, int64_t b1) {
-    const int group = m == 1 ? 4 : m <= 3 ? 2 : 1;  /* panels read at once: more streams for fewer rows */
+    const int group = m <= 0 ? 0 : m == 1 ? 4 : m <= 6 ? 2 : 1;  /* panels read at once: more streams for fewer rows */
+    if (m <= 0)
+        return;
     for (int64_t b = b0; b < b1;) {
         int g = b + group <= b1 ? group : 1;  /* the last few panels one at a time */
         const float *pb = p + b * k * NR;
@@ -131,8 +140,9 @@ void panel_gemm_f32(const float *x, int64_t ldx, const float *p, const float *bi
    on a condition variable: within a decode step the next linear comes sooner than that. The poll
    is bounded (torch's OpenMP threads, by default, spin much longer), so a worker costs no CPU
    once the engine is idle. One parallel call at a time: a second caller arriving meanwhile
-   (another Python thread) runs its call on its own thread. In a forked child the pool is
-   rebuilt (its threads did not fork). */
+   (another Python thread) runs its call on its own thread. A forked child starts with an empty
+   pool and unlocked locks (pthread_atfork): the parent's threads did not fork, and a lock held
+   by one of them at the fork would otherwise stay held in the child. */
 #include <time.h>
 #define MAX_PARTS 64
 #define SPIN_NS 200000
@@ -153,7 +163,17 @@ static uint64_t word;          /* (task number << 8) | parts, read atomically: a
                                   rewriting; a worker whose id is below it is waited for */
 static int pending, workers, sleepers;
 static uint64_t born_at[MAX_PARTS];  /* `word` when each worker was created: it serves later ones */
-static pid_t owner;
+
+static void reset_in_child(void) {
+    pthread_mutex_t m0 = PTHREAD_MUTEX_INITIALIZER, m1 = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c0 = PTHREAD_COND_INITIALIZER, c1 = PTHREAD_COND_INITIALIZER;
+    call_mu = m0; pool_mu = m1; work_cv = c0; done_cv = c1;
+    workers = sleepers = pending = 0;
+}
+
+__attribute__((constructor)) static void register_fork_handler(void) {
+    pthread_atfork(NULL, NULL, reset_in_child);
+}
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -217,14 +237,6 @@ static void *worker_main(void *arg) {
 /* workers 1 .. parts - 1 exist (fewer if the system refuses threads); returns how many parts
    can run. Called with call_mu held. */
 static int ensure_workers(int parts) {
-    pid_t pid = getpid();
-    if (owner != pid) {  /* first call, or a forked child: no worker of ours runs here */
-        pthread_mutex_t m0 = PTHREAD_MUTEX_INITIALIZER;
-        pthread_cond_t c0 = PTHREAD_COND_INITIALIZER, c1 = PTHREAD_COND_INITIALIZER;
-        pool_mu = m0; work_cv = c0; done_cv = c1;
-        workers = sleepers = 0;
-        owner = pid;
-    }
     while (workers < parts - 1) {
         pthread_t th;
         pthread_attr_t attr;
