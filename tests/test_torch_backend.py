@@ -116,13 +116,25 @@ def test_slot_minus_one_writes_nothing(native):
 
 def test_decodes_not_padded_to_prefill_length(native):
     backend = TorchAttentionBackend(native)
-    seqs = [(0, 40)] + [(i, 1) for i in range(3, 20)]
+    seqs = [(5, 40)] + [(i, 1) for i in range(3, 20)]  # a prefill after a 5-token cached prefix
     tables = allocate_block_tables([c + n for c, n in seqs], 16, 64)
     meta = build_metadata(seqs, 16, tables)
     backend.prepare(meta)
     plan = meta.extras["torch_backend_plan"]
     shapes = sorted((g.num_seqs, g.max_q) for g in plan.groups)
-    assert shapes == [(1, 40), (17, 1)]
+    assert shapes == [(1, 40), (17, 1)] and not plan.fresh
+
+
+def test_fresh_prompts_attend_one_by_one_without_a_group(native):
+    """Prompts with no cached prefix are neither padded nor gathered: each is one causal SDPA over
+    its own tokens (a step of 32 fresh prompts spent half its time in one padded, masked SDPA)."""
+    seqs = [(0, 40), (0, 7), (3, 9)] + [(i, 1) for i in range(3, 6)]
+    tables = allocate_block_tables([c + n for c, n in seqs], 16, 64)
+    meta = build_metadata(seqs, 16, tables)
+    TorchAttentionBackend(native).prepare(meta)
+    plan = meta.extras["torch_backend_plan"]
+    assert plan.fresh == [(0, 40), (40, 7)]  # (start, length) in the step's tokens
+    assert sorted((g.num_seqs, g.max_q) for g in plan.groups) == [(1, 9), (3, 1)]
 
 
 def test_prepare_is_computed_once_per_step():
