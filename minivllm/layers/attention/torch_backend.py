@@ -273,8 +273,9 @@ class TorchAttentionBackend(AttentionBackend):
         write_tokens = torch.nonzero(slots >= 0).flatten()
         decode_ids = [s for s, n in enumerate(meta.q_lens_cpu) if n == 1]
         # A prefill whose context is all new tokens attends over its own K/V (is_causal, no gather):
-        # one padded SDPA with a mask over a step of 32 prompts of 17-236 tokens did ~6x the causal
-        # work and took half the step (embedded model, one thread)
+        # one padded SDPA with a mask over a step of 32 prompts of 17-236 tokens did several times
+        # the causal work (torch.profiler, embedded model, one thread: SDPA 176 -> 60 ms of the
+        # step's self time; the step's wall time moved within the machine's noise, 0.75-0.96 s)
         fresh, prefill_ids, start = [], [], 0  # (tokens lie in sequence order: cu_seqlens_q)
         for s, (n, ctx) in enumerate(zip(meta.q_lens_cpu, meta.context_lens_cpu)):
             if n > 1 and n == ctx:
