@@ -7,7 +7,7 @@ import pytest
 
 
 def native_or_skip(module, what: str):
-    """``module.load()`` (``cpu_decode`` or ``cpu_fused``); where it is ``None``, a skip naming the
+    """``module.load()`` (``cpu_decode``, ``cpu_fused`` or ``cpu_gemm``); where it is ``None``, a skip naming the
     build error, or a failure when ``MINIVLLM_REQUIRE_CPU_KERNEL=1`` (CI sets it: its machine has a
     compiler)."""
     loaded = module.load()

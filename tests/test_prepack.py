@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from helpers_models import make_hf_checkpoint
+from helpers_native import native_or_skip
 from minivllm.distributed import tp_scope
 from minivllm.layers import cpu_gemm, prepack
 from minivllm.layers.embedding import ParallelLMHead
@@ -26,8 +27,7 @@ def form(request, monkeypatch):
     """Which packed form float32 weights take: panels (where the C GEMM loads) or oneDNN (with
     ``MINIVLLM_CPU_GEMM=0``)."""
     if request.param == "panels":
-        if cpu_gemm.load() is None:
-            pytest.skip(f"panel GEMM unavailable: {cpu_gemm.unavailable_reason()}")
+        native_or_skip(cpu_gemm, "panel GEMM")
     else:
         if prepack.onednn_unavailable_reason(torch.float32) is not None:
             pytest.skip("oneDNN prepacking unavailable on this CPU/torch")
@@ -60,8 +60,7 @@ def test_loading_packs_every_linear_once_without_a_dense_copy(tmp_path, tied, fo
 
 
 def test_a_vocabulary_that_is_a_multiple_of_16_gets_a_panel_head(tmp_path):
-    if cpu_gemm.load() is None:
-        pytest.skip(f"panel GEMM unavailable: {cpu_gemm.unavailable_reason()}")
+    native_or_skip(cpu_gemm, "panel GEMM")
     path = make_hf_checkpoint(tmp_path, vocab_size=160, tie_word_embeddings=False)
     model = _model(path)
     load_weights(model, path)
@@ -134,8 +133,9 @@ def test_with_neither_packed_form_every_layer_keeps_f_linear_and_one_log_line_sa
 
 
 def test_the_log_line_counts_the_layers_of_each_form(tmp_path, caplog):
-    if cpu_gemm.load() is None or prepack.onednn_unavailable_reason(torch.float32) is not None:
-        pytest.skip("needs both the panel GEMM and oneDNN")
+    native_or_skip(cpu_gemm, "panel GEMM")
+    if prepack.onednn_unavailable_reason(torch.float32) is not None:
+        pytest.skip("oneDNN prepacking unavailable on this CPU/torch")
     path = make_hf_checkpoint(tmp_path, vocab_size=100)  # 100 rows: the head goes to oneDNN
     with caplog.at_level(logging.INFO, logger="minivllm.layers.prepack"):
         load_weights(_model(path), path)
