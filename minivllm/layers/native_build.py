@@ -1,10 +1,11 @@
 """Build our C sources at first use and load them with ``ctypes`` (the CPU attention kernel in
-``attention/csrc`` and the fused per-layer ops in ``csrc``).
+``attention/csrc``, the fused per-layer ops and the panel GEMM in ``csrc``).
 
 A source is compiled (``-O3 -march=native``) with the first compiler that works (``$CC``, the
 one Python was built with, ``cc``, ``gcc``, ``clang``) into ``cache_dir()/kernels/`` (the temp
-directory if that is not writable), under a hash of the source, compiler, flags and CPU model
-and features, so later processes on the same CPU reuse it.
+directory if that is not writable), under a hash of the source (with the ``#include "..."``
+headers of ours it names), compiler, flags and CPU model and features, so later processes on the
+same CPU reuse it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -62,6 +64,8 @@ def _build(source: Path, out_dir: Path, cc: list[str]) -> Path:
     """Compile ``source`` with ``cc`` into ``out_dir`` under a key of the source, compiler,
     flags and CPU (atomic rename: concurrent builders are harmless)."""
     src = source.read_bytes()
+    for header in re.findall(rb'#include "([^"]+)"', src):  # our own headers are part of the source's key
+        src += (source.parent / header.decode()).read_bytes()
     version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + repr((cc, FLAGS, version, platform.machine(), _cpu_fingerprint())).encode())
     lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -11,6 +11,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "../../csrc/vec_exp_f32.h"
+
 /* For each query row r (a token; rows of one sequence share its block table) and head h
    (kv head h / qpk):
      out[r, h, :] = softmax_j(scale * q[r, h, :] . K_j[h / qpk, :]) @ V_j[h / qpk, :]
@@ -63,11 +65,21 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
                 }
             }
         }
-        /* Softmax of each head's row, in place (max subtracted: exp never overflows). */
+        /* Softmax of each head's row, in place (max subtracted: exp never overflows), exp
+           vectorised in chunks: with libm's expf, one value at a time, a layer of 32 sequences
+           of 200-260 keys (the embedded model's shapes, caches hot) took 0.67-0.94 ms, with this
+           0.66-0.76 ms in the same runs (dev EPYC, one thread, 2026-12-01). */
         for (int64_t h = 0; h < num_heads; h++) {
-            float *sh = s + h * len, m = -INFINITY, sum = 0.f;
+            float *sh = s + h * len, m = -INFINITY, sum = 0.f, gap[EXP_CHUNK];
             for (int64_t j = 0; j < len; j++) m = sh[j] > m ? sh[j] : m;
-            for (int64_t j = 0; j < len; j++) { sh[j] = expf(sh[j] - m); sum += sh[j]; }
+            for (int64_t j0 = 0; j0 < len; j0 += EXP_CHUNK) {
+                const int64_t n = len - j0 < EXP_CHUNK ? len - j0 : EXP_CHUNK;
+                #pragma omp simd
+                for (int64_t j = 0; j < n; j++) gap[j] = m - sh[j0 + j];
+                exp_neg_f32(gap, sh + j0, n);
+            }
+            #pragma omp simd reduction(+:sum)
+            for (int64_t j = 0; j < len; j++) sum += sh[j];
             const float inv = 1.f / sum;
             #pragma omp simd
             for (int64_t j = 0; j < len; j++) sh[j] *= inv;
