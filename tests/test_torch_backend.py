@@ -320,7 +320,7 @@ def test_an_interrupt_while_workers_run_waits_for_them(monkeypatch):
                 raise KeyboardInterrupt
             return real_wait(futures)
 
-        monkeypatch.setattr(native_parallel, "wait", interrupted_wait)  # the split shared with the panel GEMM
+        monkeypatch.setattr(native_parallel, "wait", interrupted_wait)  # where run_chunks waits
         out = torch.zeros_like(expected)
         with pytest.raises(KeyboardInterrupt):
             kernel(*args, out=out)

@@ -70,13 +70,18 @@ def panels_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and cpu_gemm.load() is not None
 
 
+def _to_panels(weight: torch.Tensor) -> bool:
+    """``weight`` goes to the panel GEMM: packable (float32 CPU, ``out % 16 == 0``) and the GEMM loads."""
+    return cpu_gemm.packable(weight) and panels_available(weight.dtype)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` (dense, CPU) -> a packed copy (a new allocation): panels
     ``[out / 16, in, 16]`` for the panel GEMM when :func:`panels_available` and ``out % 16 == 0``;
     else oneDNN's blocked layout (an ``mkldnn`` tensor of logical shape ``[out, in]``), laid out
     for one row when the weight is larger than ``_STREAMED_BYTES`` (read from memory every step),
     else for 8 rows (see the measurements above)."""
-    if cpu_gemm.packable(weight) and panels_available(weight.dtype):
+    if _to_panels(weight):
         return cpu_gemm.pack_panels(weight)
     big = weight.numel() * weight.element_size() > _STREAMED_BYTES
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _HINT_STREAMED if big else _HINT_CACHED)
@@ -147,7 +152,7 @@ class PackedWeightMixin:
             return True
         if w.device.type != "cpu" or w.requires_grad:
             return False
-        if not (cpu_gemm.packable(w) and panels_available(w.dtype)) and onednn_unavailable_reason(w.dtype) is not None:
+        if not _to_panels(w) and onednn_unavailable_reason(w.dtype) is not None:
             return False
         if shared:
             self.packed_copy = pack_weight(w)
