@@ -183,6 +183,8 @@ class BlockManager:
     def admit(self, seq: Sequence, hit_block_ids: list[int], hit_hashes: list[int]) -> None:
         """Give ``seq`` the matched prefix blocks (reference counts go up)."""
         undo = self.undo
+        if undo is not None:
+            undo.touch(seq)
         for b in hit_block_ids:
             block = self.blocks[b]
             if block.ref_count == 0:
@@ -213,6 +215,8 @@ class BlockManager:
         need = self.num_blocks_needed(seq, num_tokens)
         if need > self.num_free_blocks:
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
+        if need and self.undo is not None:
+            self.undo.touch(seq)
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
 
@@ -261,6 +265,8 @@ class BlockManager:
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
         undo = self.undo
+        if undo is not None and num_full > len(seq.block_hashes):
+            undo.touch(seq)
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             parent_ref = seq.block_refs[-1] if seq.block_refs else None
@@ -295,6 +301,8 @@ class BlockManager:
         (heads are the parts other requests are most likely to share).
         """
         undo = self.undo
+        if undo is not None:
+            undo.touch(seq)
         for b in reversed(seq.block_table):
             block = self.blocks[b]
             if undo is not None:

@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
+from operator import attrgetter
 
 import torch
 
@@ -39,6 +41,10 @@ from minivllm.telemetry.step_record import ScheduledEntry, StepRecord
 from minivllm.utils.model_source import resolve_model
 
 logger = logging.getLogger("minivllm")
+
+_new_entry = partial(tuple.__new__, ScheduledEntry)
+_REQUEST_ID, _NUM_TOKENS, _IS_PREFILL, _START_POS, _SAMPLES = map(
+    attrgetter, ("seq.request_id", "num_tokens", "is_prefill", "start_pos", "samples"))
 
 
 @dataclass
@@ -440,8 +446,10 @@ class LLMEngine:
                 outputs: list[RequestOutput]) -> StepRecord:
         bm = self.block_manager
         scheduled = plan.scheduled
-        entries = [ScheduledEntry(e.seq.request_id, e.num_tokens, e.is_prefill, e.start_pos, e.samples)
-                   for e in scheduled]
+        # entries built in C (attribute getters, tuple.__new__): this runs for every sequence every step
+        entries = list(map(_new_entry, zip(map(_REQUEST_ID, scheduled), map(_NUM_TOKENS, scheduled),
+                                           map(_IS_PREFILL, scheduled), map(_START_POS, scheduled),
+                                           map(_SAMPLES, scheduled))))
         num_decodes = plan.num_decodes  # the scheduler's counts spare passes over a large batch
         if num_decodes is None:
             num_decodes = sum(1 for e in scheduled if not e.is_prefill)

@@ -228,6 +228,8 @@ class OutputProcessor:
                 stop = update_text(state)
                 if stop is not None:
                     if seq.is_finished:  # the stop string showed up in the last token's text
+                        if undo is not None:
+                            undo.touch(seq)
                         seq.finish_reason, seq.stop_reason = "stop", stop
                     else:
                         self.finish(seq, "stop", stop)

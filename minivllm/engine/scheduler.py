@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from functools import partial
 from dataclasses import dataclass, field
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -47,9 +48,11 @@ class SchedulerConfig:
     propose: Callable[[list[tuple[Sequence, int]]], list] | None = None
 
 
-@dataclass(slots=True)
-class ScheduledSequence:
-    """One sequence's work this step: tokens ``start_pos .. start_pos + num_tokens - 1``."""
+class ScheduledSequence(NamedTuple):
+    """One sequence's work this step: tokens ``start_pos .. start_pos + num_tokens - 1``.
+
+    A named tuple: one is built per scheduled sequence every step, and the decode loop of
+    ``Scheduler.schedule`` builds it in C (``_new_decode``)."""
 
     seq: Sequence
     num_tokens: int
@@ -60,8 +63,7 @@ class ScheduledSequence:
     samples: bool
     #: Speculative decoding: draft tokens scored after the last known token (a decode then
     #: has ``1 + len(draft_token_ids)`` tokens and samples at each of them). An empty tuple
-    #: when there are none: built for every sequence every step, a default_factory list
-    #: cost a call each.
+    #: when there are none.
     draft_token_ids: list[int] | tuple = ()
     #: The distributions the drafts were drawn from (fp32 ``[len(drafts), vocab]``), or None
     #: for deterministic drafts; see ``minivllm/spec_decode/proposal.py``.
@@ -102,6 +104,10 @@ class SchedulerOutput:
         return self.num_decodes == len(self.scheduled) and self.num_draft_tokens == 0
 
 
+#: ``ScheduledSequence`` from a 7-tuple, without the Python-level ``__new__`` (the decode loop).
+_new_decode = partial(tuple.__new__, ScheduledSequence)
+
+
 class Scheduler:
     """Owns the waiting queue and the running list; decides every step's batch."""
 
@@ -125,6 +131,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """End ``seq`` (from either queue) and release its blocks."""
+        if self.undo is not None:
+            self.undo.touch(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -159,6 +167,17 @@ class Scheduler:
                 if seq.status is not running_status:
                     continue  # preempted earlier in this loop
                 computed = seq.num_computed_tokens
+                if not proposals and computed >= seq.prefill_target:  # a plain decode: the usual case
+                    if budget == 0:
+                        break
+                    total = computed + 1
+                    if total > len(seq.block_table) * block_size:  # needs a new block
+                        budget += self._grow_or_preempt(seq, total, decodes, prefills, out)
+                        if seq.status is not running_status:
+                            continue
+                    decodes.append(_new_decode((seq, 1, computed, False, total == len(seq.token_ids), (), None)))
+                    budget -= 1
+                    continue
                 prefilling = computed < seq.prefill_target
                 if prefilling and first_pass:
                     deferred.append(seq)
@@ -179,14 +198,9 @@ class Scheduler:
                         drafts, draft_probs = (), None
                 total = computed + n
                 if total > len(seq.block_table) * block_size:  # needs a new block
-                    while not bm.can_grow(seq, total):
-                        victim = self.running[-1]  # most recently admitted
-                        budget += self._preempt(victim, decodes, prefills, out)
-                        if victim is seq:
-                            break
+                    budget += self._grow_or_preempt(seq, total, decodes, prefills, out)
                     if seq.status is not running_status:
                         continue
-                    bm.grow(seq, total)
                 entry = ScheduledSequence(seq, n, computed, prefilling, total == len(seq.token_ids) + len(drafts),
                                           drafts, draft_probs)
                 (prefills if prefilling else decodes).append(entry)
@@ -203,6 +217,20 @@ class Scheduler:
         out.scheduled = decodes + prefills if prefills else decodes
         out.num_decodes, out.num_draft_tokens = len(decodes), num_drafts
         return out
+
+    def _grow_or_preempt(self, seq: Sequence, total: int, decodes: list[ScheduledSequence],
+                         prefills: list[ScheduledSequence], out: SchedulerOutput) -> int:
+        """Give ``seq`` the blocks for ``total`` tokens, preempting the most recently admitted
+        running sequences while the pool is short (``seq`` itself last: then it is no longer
+        RUNNING and gets nothing). Returns the budget given back by unplanning victims."""
+        bm, refund = self.block_manager, 0
+        while not bm.can_grow(seq, total):
+            victim = self.running[-1]  # most recently admitted
+            refund += self._preempt(victim, decodes, prefills, out)
+            if victim is seq:
+                return refund
+        bm.grow(seq, total)
+        return refund
 
     def _draft_room(self, seq: Sequence, budget: int) -> int:
         """Most drafts a decoding sequence may get: what the budget, ``max_tokens`` and
@@ -243,6 +271,7 @@ class Scheduler:
             self.waiting.popleft()
             if self.undo is not None:
                 self.undo.add(self.waiting.appendleft, seq)
+                self.undo.touch(seq)
             bm.admit(seq, hit_ids, hit_hashes)
             bm.grow(seq, cached + n)
             first_time = seq.metrics.first_scheduled_time is None
@@ -268,6 +297,8 @@ class Scheduler:
                     refund = entry.num_tokens
                     del planned[i]
                     break
+        if self.undo is not None:
+            self.undo.touch(victim)
         self.running.remove(victim)
         self.block_manager.release(victim)
         victim.num_computed_tokens = 0
@@ -303,6 +334,24 @@ class Scheduler:
         """
         bm = self.block_manager
         caching, block_size = bm.enable_prefix_caching, bm.block_size
+        undo = self.undo
+        if undo is not None:
+            # The usual changes (computed counts, one token and its time) are undone from the
+            # plan; whatever else changes a sequence snapshots it first (undo.touch).
+            undo.add(_unapply_tokens, plan.scheduled)
+            if plan.num_draft_tokens != 0:
+                for entry in plan.scheduled:
+                    if entry.draft_token_ids:
+                        undo.touch(entry.seq)
+            if logprobs is not None:
+                for seq, entry in zip(seqs, logprobs):
+                    if entry is not None:
+                        undo.touch(seq)
+            for seq in prompt_logprobs or ():
+                undo.touch(seq)
+        if plan.all_plain_decodes and len(seqs) == len(plan.scheduled) and not (
+                failed or logprobs is not None or prompt_logprobs or more_token_ids):
+            return self._apply_plain_decodes(plan.scheduled, token_ids)
         for entry in plan.scheduled:
             seq = entry.seq
             if entry.draft_token_ids:
@@ -338,6 +387,38 @@ class Scheduler:
         for entry in plan.scheduled:
             if entry.draft_token_ids:
                 self._apply_verified(entry, more_token_ids.get(entry.seq))
+        return finished
+
+    def _apply_plain_decodes(self, scheduled: list[ScheduledSequence], token_ids: list[int]) -> list[Sequence]:
+        """``update_from_output`` for a step of plain decodes, every entry one token that
+        sampled ``token_ids[i]``: the same changes in one pass, ``_append`` inlined (this runs
+        for every sequence every step). Returns the sequences that finished."""
+        bm = self.block_manager
+        caching, block_size, register = bm.enable_prefix_caching, bm.block_size, bm.register_computed_blocks
+        eos_ids, max_model_len = self.config.eos_token_ids, self.config.max_model_len
+        now, finished = time.perf_counter(), []
+        for entry, token in zip(scheduled, token_ids):
+            seq = entry.seq
+            computed = seq.num_computed_tokens = entry.start_pos + 1
+            if caching and computed // block_size > len(seq.block_hashes):
+                register(seq)  # a block was completed this step
+            ids = seq.token_ids
+            ids.append(token)
+            metrics = seq.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.token_times.append(now)
+            p = seq.params
+            if p.stop_token_ids and token in p.stop_token_ids:
+                self.finish(seq, "stop", token)
+            elif token in eos_ids and not p.ignore_eos:
+                self.finish(seq, "stop", None)
+            elif (p.max_tokens is not None and len(ids) - len(seq.prompt_token_ids) >= p.max_tokens) or \
+                    len(ids) >= max_model_len:
+                self.finish(seq, "length")
+            else:
+                continue
+            finished.append(seq)
         return finished
 
     def _append(self, seq: Sequence, token: int, now: float, logprob_entry=None) -> bool:
@@ -380,3 +461,24 @@ class Scheduler:
         bm = self.block_manager
         if bm.enable_prefix_caching and seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
             bm.register_computed_blocks(seq)
+
+
+def _unapply_tokens(scheduled: list[ScheduledSequence]) -> None:
+    """Undo what ``update_from_output`` does to every entry without drafts (its computed count,
+    the token it sampled and that token's time) from the plan alone: set, not subtract, so it
+    is right wherever the update was interrupted. Entries with drafts, and any other change,
+    are restored from snapshots (``UndoLog.touch``)."""
+    for entry in scheduled:
+        if entry.draft_token_ids:
+            continue
+        seq = entry.seq
+        seq.num_computed_tokens = entry.start_pos
+        if entry.samples:
+            length = entry.start_pos + entry.num_tokens  # its tokens when the step was planned
+            if len(seq.token_ids) > length:
+                del seq.token_ids[length:]
+                metrics = seq.metrics
+                num_out = length - len(seq.prompt_token_ids)
+                del metrics.token_times[num_out:]  # one time per output token
+                if num_out == 0:
+                    metrics.first_token_time = None

@@ -94,3 +94,31 @@ class Sequence:
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.token_times.append(now)
+
+
+def snapshot_sequence(seq: Sequence) -> tuple:
+    """What ``restore_sequence`` needs to put ``seq`` back as it is now (a step's rollback).
+
+    Lists are grown in place (append) or replaced (admit/release): the old list object and
+    its length are enough to restore them. Logprob lists are None unless asked for.
+    """
+    metrics = seq.metrics
+    logprobs, prompt_logprobs = seq.logprobs, seq.prompt_logprobs
+    return (seq, seq.__dict__.copy(), len(seq.token_ids), len(seq.block_table), len(seq.block_hashes),
+            len(seq.block_refs), metrics.__dict__.copy(), len(metrics.token_times),
+            None if logprobs is None else len(logprobs), None if prompt_logprobs is None else len(prompt_logprobs))
+
+
+def restore_sequence(snapshot: tuple) -> None:
+    seq, fields, n_tokens, n_table, n_hashes, n_refs, metrics, n_times, n_logprobs, n_prompt_logprobs = snapshot
+    seq.__dict__.update(fields)
+    del seq.token_ids[n_tokens:]
+    del seq.block_table[n_table:]
+    del seq.block_hashes[n_hashes:]
+    del seq.block_refs[n_refs:]
+    if n_logprobs is not None:
+        del seq.logprobs[n_logprobs:]
+    if n_prompt_logprobs is not None:
+        del seq.prompt_logprobs[n_prompt_logprobs:]
+    seq.metrics.__dict__.update(metrics)
+    del seq.metrics.token_times[n_times:]

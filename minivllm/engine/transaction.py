@@ -6,11 +6,14 @@ the request states (text, stream cursors) and random generators. An exception ca
 arrive at any point of it (a bug, bad numerics, a learner pressing "interrupt kernel").
 So that no request is lost or corrupted, the step runs inside a ``StepTransaction``:
 
-* the block manager and scheduler record the inverse of each queue / pool mutation in
-  an ``UndoLog``;
-* the fields of every sequence the step can touch (running ones, and the waiting ones
-  it could admit), of each request state before ``OutputProcessor.process`` changes it, and the states of
-  the random generators that will draw, are snapshotted before they change;
+* the block manager, scheduler and output processor record the inverse of each queue,
+  pool and sequence mutation in an ``UndoLog``: a sequence is snapshotted whole right
+  before the step first changes it (admission, a new block, a preemption, a finish, a
+  prefix-cache registration, logprobs, drafts), while the one change every decode makes
+  (its computed count, one token and its time) is undone from the step's plan, so a
+  decode step of a large batch copies nothing per sequence;
+* each request state is snapshotted before ``OutputProcessor.process`` changes it, and
+  the states of the random generators that will draw before the forward pass;
 * on an exception, ``rollback()`` undoes all of it, newest first. The KV cache itself
   is not restored (too large): the step only wrote slots past each sequence's computed
   tokens, which are recomputed, and into blocks it took from the free list; a cached
@@ -21,40 +24,12 @@ The result: after any exception, the engine is exactly where it was before the s
 """
 from __future__ import annotations
 
-from itertools import chain, islice
-
 import torch
 
 from minivllm.engine.output_processor import OutputProcessor, RequestState, restore_state, snapshot_state
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.undo import UndoLog
-
-
-def _snapshot_sequence(seq: Sequence) -> tuple:
-    # Lists are grown in place (append) or replaced (admit/release): the old list object
-    # and its length are enough to restore them. Logprob lists are None unless asked for.
-    # Taken for every running sequence every step: plain attribute reads, no helpers.
-    metrics = seq.metrics
-    logprobs, prompt_logprobs = seq.logprobs, seq.prompt_logprobs
-    return (seq, seq.__dict__.copy(), len(seq.token_ids), len(seq.block_table), len(seq.block_hashes),
-            len(seq.block_refs), metrics.__dict__.copy(), len(metrics.token_times),
-            None if logprobs is None else len(logprobs), None if prompt_logprobs is None else len(prompt_logprobs))
-
-
-def _restore_sequence(snapshot: tuple) -> None:
-    seq, fields, n_tokens, n_table, n_hashes, n_refs, metrics, n_times, n_logprobs, n_prompt_logprobs = snapshot
-    seq.__dict__.update(fields)
-    del seq.token_ids[n_tokens:]
-    del seq.block_table[n_table:]
-    del seq.block_hashes[n_hashes:]
-    del seq.block_refs[n_refs:]
-    if n_logprobs is not None:
-        del seq.logprobs[n_logprobs:]
-    if n_prompt_logprobs is not None:
-        del seq.prompt_logprobs[n_prompt_logprobs:]
-    seq.metrics.__dict__.update(metrics)
-    del seq.metrics.token_times[n_times:]
 
 
 class StepTransaction:
@@ -79,11 +54,7 @@ class StepTransaction:
         self.waiting = None
         if only is not None:
             self.waiting = list(scheduler.waiting)
-            self.seqs = [_snapshot_sequence(only)]
-        else:
-            # Admission takes at most max_num_seqs - len(running) sequences from the queue's front.
-            admissible = max(0, scheduler.config.max_num_seqs - len(scheduler.running))
-            self.seqs = list(map(_snapshot_sequence, chain(scheduler.running, islice(scheduler.waiting, admissible))))
+            self.undo.touch(only)
         self.states: list[tuple] = []
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
         self.kv_written = False
@@ -100,12 +71,15 @@ class StepTransaction:
         self.kv_written = True
         unseeded = False
         for entry in plan.scheduled:
-            if not entry.samples:
-                continue
+            params = entry.seq.params
+            if not params.uses_rng or not entry.samples:
+                continue  # greedy and unseeded: no generator draws or is made
             seq = entry.seq
             if seq.generator is not None:
                 self.generators.append((seq.generator, seq.generator.get_state()))
-            elif seq.params.temperature > 0 and seq.params.seed is None:
+            elif params.seed is not None:
+                self.undo.touch(seq)  # the sampler creates its generator
+            else:
                 unseeded = True
         if unseeded and self.engine_generator is not None:
             self.generators.append((self.engine_generator, self.engine_generator.get_state()))
@@ -129,8 +103,6 @@ class StepTransaction:
         if self.waiting is not None:
             self.scheduler.waiting.clear()
             self.scheduler.waiting.extend(self.waiting)
-        for snapshot in self.seqs:
-            _restore_sequence(snapshot)
         for snapshot in self.states:
             restore_state(snapshot)
         for generator, state in self.generators:

@@ -1,27 +1,40 @@
 """An undo log: how a step interrupted half-way (an exception, a learner's KeyboardInterrupt)
 is rolled back exactly.
 
-While a step runs, the block manager and the scheduler record the inverse of every
-mutation they make; ``rollback()`` replays those inverses newest first, which restores
-free-list order, reference counts and prefix-cache registrations as they were before
-the step. Sequence fields are restored from snapshots (``minivllm/engine/transaction.py``).
+While a step runs, the block manager, the scheduler and the output processor record the
+inverse of every mutation they make; ``rollback()`` replays those inverses newest first,
+which restores free-list order, reference counts, prefix-cache registrations and sequence
+fields as they were before the step. A sequence is snapshotted whole (``touch``) right
+before the first change a step makes to it outside the usual decode update, which the
+scheduler undoes from the step's plan instead (``Scheduler.update_from_output``): a decode
+step of a large batch then copies nothing per sequence.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from minivllm.engine.sequence import Sequence, restore_sequence, snapshot_sequence
+
 
 class UndoLog:
     """Inverse operations of one step, replayed in reverse order by ``rollback()``."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "touched")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Callable[..., Any], tuple]] = []
+        self.touched: set[Sequence] = set()
 
     def add(self, fn: Callable[..., Any], *args) -> None:
         """Record ``fn(*args)`` as the inverse of a mutation just made (or about to be made)."""
         self.entries.append((fn, args))
+
+    def touch(self, seq: Sequence) -> None:
+        """Call right before changing ``seq``: the first call in a step snapshots it whole
+        (restored in its place in the newest-first replay), later calls cost a set lookup."""
+        if seq not in self.touched:
+            self.touched.add(seq)
+            self.entries.append((restore_sequence, (snapshot_sequence(seq),)))
 
     def rollback(self) -> None:
         entries = self.entries
