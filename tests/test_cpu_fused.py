@@ -86,6 +86,39 @@ def test_rope_refuses_a_position_outside_the_table(ops):
             rot(torch.tensor([5, bad, 6]), q, k)
 
 
+def test_a_large_input_split_over_threads_gives_the_same_bits(ops, monkeypatch):
+    """A prefill-sized input is split by rows over torch's threads (here forced with a tiny
+    per-thread minimum): every op gives bit for bit what one call over all rows gives, and a bad
+    position in the second half is reported with its own token index."""
+    g = torch.Generator().manual_seed(5)
+    x3 = torch.randn(37, 3 * 64 + 5, generator=g)[:, :2 * 64].view(37, 2, 64)  # strided heads
+    x, r, w = torch.randn(37, 96, generator=g), torch.randn(37, 96, generator=g), torch.randn(96, generator=g)
+    gate_up = torch.randn(37, 2 * 96 + 4, generator=g)[:, :2 * 96]
+    cos_sin, pos = torch.randn(128, 64, generator=g), torch.randint(0, 128, (37,), generator=g)
+    calls = {"rms": lambda: ops.rms_norm(x, w, 1e-6), "rms per head": lambda: ops.rms_norm(x3, w[:64], 1e-6),
+             "add rms": lambda: ops.add_rms_norm(x, r, w, 1e-6), "rope": lambda: ops.rope(x3, pos, cos_sin),
+             "silu": lambda: ops.silu_and_mul(gate_up)}
+    whole = {name: fn() for name, fn in calls.items()}
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_fused, "MIN_ELEMENTS_PER_THREAD", 64)
+    split_calls, real_run_chunks = [], cpu_fused.run_chunks  # the chunks run on real threads
+    monkeypatch.setattr(cpu_fused, "run_chunks", lambda run, chunks: (split_calls.append(chunks),
+                                                                      real_run_chunks(run, chunks)))
+    torch.set_num_threads(3)
+    try:
+        for name, fn in calls.items():
+            got, ref = fn(), whole[name]
+            for a, b in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+                assert torch.equal(a, b), name
+        bad = pos.clone()
+        bad[30] = 128
+        with pytest.raises(IndexError, match=r"position 128 \(token 30\)"):
+            ops.rope(x3, bad, cos_sin)
+    finally:
+        torch.set_num_threads(threads)
+    assert split_calls and all(c == 3 for c in split_calls)
+
+
 def test_silu_and_mul_matches_float64_silu_over_the_whole_range(ops):
     """Our vectorised exp: relative error within a few float32 ulps from -100 to 100 (the clamp
     at -87/88 included), zero at zero."""
@@ -137,8 +170,7 @@ def test_outputs_are_cpu_tensors_whatever_the_default_device(ops):
 
 def test_inputs_the_c_code_does_not_take_fall_back_to_the_reference(ops):
     """bf16, a transposed last dim, a 4-D input, a weight of the wrong length, an odd rotary size,
-    an input that needs gradients: the method returns None and the module computes the reference;
-    a large input goes to torch's ops (they use torch's threads)."""
+    an input that needs gradients: the method returns None and the module computes the reference."""
     w = torch.randn(16)
     assert ops.rms_norm(torch.randn(4, 16, dtype=torch.bfloat16), w.bfloat16(), 1e-6) is None
     assert ops.rms_norm(torch.randn(16, 4).t(), w, 1e-6) is None
@@ -149,8 +181,6 @@ def test_inputs_the_c_code_does_not_take_fall_back_to_the_reference(ops):
     norm.fused = ops
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     assert torch.equal(norm(x), rms_norm(x, w, 1e-6))
-    big = torch.randn(cpu_fused.MAX_ELEMENTS // 32 + 1, 32)
-    assert ops.silu_and_mul(big) is None and ops.silu_and_mul(big[:-1]) is not None
     # a weight of the wrong length would be read past its end (the reference raises or chunks)
     assert ops.rms_norm(torch.ones(1, 8), torch.ones(4), 1e-6) is None
     assert ops.add_rms_norm(torch.ones(1, 8), torch.ones(1, 8), torch.ones(4), 1e-6) is None

@@ -53,7 +53,7 @@ def test_a_faulted_step_restores_every_sequence_field(tiny_ckpt, monkeypatch, po
     checked = drafts = 0
     for at in (0, 2, 5):
         with monkeypatch.context() as m:
-            fault = Fault(m, point, at=at)
+            Fault(m, point, at=at)
             for rid, prompt, params in _requests(f"{at}-"):
                 engine.add_request(rid, prompt, params, output_kind="final_only")
             while engine.has_unfinished_requests():

@@ -10,7 +10,9 @@ the 2-core dev EPYC, one thread, 32 tokens of the embedded model: RMSNorm over 2
 :meth:`ModelRunner.enable_cpu_fused_ops` points every ``RMSNorm``, ``RotaryEmbedding`` and
 ``SiluAndMul`` at one :class:`CpuFusedOps` (their ``fused`` attribute); each method falls back
 to the module's torch reference for anything the C code does not take (another dtype or device,
-an unusual layout, a tensor that needs gradients, a large input that torch's threads can share). The modules
+an unusual layout, a tensor that needs gradients). A large input (a prefill) is split by rows over
+torch's thread count (``native_parallel.run_chunks``): every row is computed the same way whatever
+the split, so tensor-parallel ranks running with different thread counts agree bit for bit. The modules
 stay in the model, so forward hooks on them still fire. ``MINIVLLM_CPU_FUSED_OPS=0`` switches
 this off (read at every engine start).
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from minivllm.layers.native_build import NativeLibrary
+from minivllm.layers.native_parallel import run_chunks
 
 __all__ = ["CpuFusedOps", "describe", "load", "unavailable_reason"]
 
@@ -29,10 +32,11 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_fused_f32.c"
 ENV_SWITCH = "MINIVLLM_CPU_FUSED_OPS"
 F32 = torch.float32  # outputs name it and device="cpu": the C code writes float32 CPU memory whatever
 #                     torch's default dtype and device are
-#: above this many elements (a long prefill) the torch ops run instead: they spread over torch's
-#: threads, one C loop does not. Not a function of the thread count, so tensor-parallel ranks (which
-#: run with different counts) take the same path.
-MAX_ELEMENTS = 1 << 17
+#: elements per thread below which an op is not split (handing a chunk to a Python thread costs
+#: ~0.1 ms; a C pass over 256 K floats takes about that). Until session 7 larger inputs went to the
+#: torch ops instead, which on one thread took 13.4 ms for the embedded model's prefill SiLU of
+#: 4004 x 768 (dev EPYC, 2026-12-02) where this loop takes a few.
+MIN_ELEMENTS_PER_THREAD = 1 << 18
 
 _library = NativeLibrary(SOURCE, ENV_SWITCH, lambda lib: CpuFusedOps(lib))
 
@@ -87,12 +91,24 @@ class CpuFusedOps:
     @staticmethod
     def _takes(x: torch.Tensor, *others: torch.Tensor) -> bool:
         """All fp32 CPU tensors with unit stride in the last dim, none needing gradients (the C
-        code records no autograd graph), ``x`` at most ``MAX_ELEMENTS``. (Plain attribute checks:
-        this runs several times per layer and step.)"""
+        code records no autograd graph). (Plain attribute checks: this runs several times per
+        layer and step.)"""
         for t in (x, *others):
             if t.dtype is not F32 or not t.is_cpu or t.stride(-1) != 1 or t.requires_grad:
                 return False
-        return x.numel() <= MAX_ELEMENTS
+        return True
+
+    @staticmethod
+    def _split(rows: int, numel: int, run) -> None:
+        """``run(lo, hi)`` over row ranges covering ``range(rows)``, one range per thread (at most
+        ``torch.get_num_threads()``, each of at least ``MIN_ELEMENTS_PER_THREAD``), run
+        concurrently. The methods call the C function directly below ``2 * MIN_ELEMENTS_PER_THREAD``
+        (a decode step: no closure, no extra call)."""
+        chunks = min(torch.get_num_threads(), rows, numel // MIN_ELEMENTS_PER_THREAD)
+        if chunks <= 1:
+            run(0, rows)
+            return
+        run_chunks(lambda c: run(rows * c // chunks, rows * (c + 1) // chunks), chunks)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``x [..., D]`` (a 2-D matrix or a 3-D ``[T, H, D]`` view with any outer strides) ->
@@ -107,7 +123,12 @@ class CpuFusedOps:
         else:
             (outer, inner, dim), s_inner = x.shape, x.stride(1)
             out = torch.empty(outer, inner, dim, dtype=F32, device="cpu")
-        self._rms(x.data_ptr(), outer, inner, x.stride(0), s_inner, weight.data_ptr(), out.data_ptr(), dim, eps)
+        xp, s_outer, wp, op = x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr()
+        if outer * inner * dim < 2 * MIN_ELEMENTS_PER_THREAD:
+            self._rms(xp, outer, inner, s_outer, s_inner, wp, op, dim, eps)
+            return out
+        self._split(outer, out.numel(), lambda lo, hi: self._rms(
+            xp + lo * s_outer * 4, hi - lo, inner, s_outer, s_inner, wp, op + lo * inner * dim * 4, dim, eps))
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -118,8 +139,13 @@ class CpuFusedOps:
                 or weight.shape != x.shape[-1:]):
             return None
         total, out = torch.empty_like(x), torch.empty_like(x)
-        self._add_rms(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), total.data_ptr(), out.data_ptr(),
-                      x.shape[0], x.shape[1], eps)
+        (rows, dim), wp = x.shape, weight.data_ptr()
+        xp, rp, tp, op = x.data_ptr(), residual.data_ptr(), total.data_ptr(), out.data_ptr()
+        if rows * dim < 2 * MIN_ELEMENTS_PER_THREAD:
+            self._add_rms(xp, rp, wp, tp, op, rows, dim, eps)
+            return out, total
+        self._split(rows, x.numel(), lambda lo, hi: self._add_rms(
+            xp + lo * dim * 4, rp + lo * dim * 4, wp, tp + lo * dim * 4, op + lo * dim * 4, hi - lo, dim, eps))
         return out, total
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
@@ -136,8 +162,20 @@ class CpuFusedOps:
             return None
         tokens, heads, dim = x.shape
         out = torch.empty(tokens, heads, dim, dtype=F32, device="cpu")
-        bad = self._rope(x.data_ptr(), tokens, heads, x.stride(0), x.stride(1), positions.data_ptr(),
-                         cos_sin.data_ptr(), cos_sin.shape[0], out.data_ptr(), dim)
+        xp, s_tok, s_head, pp, op = x.data_ptr(), x.stride(0), x.stride(1), positions.data_ptr(), out.data_ptr()
+        cp, max_position, firsts_bad = cos_sin.data_ptr(), cos_sin.shape[0], []
+
+        def run(lo: int, hi: int) -> None:
+            found = self._rope(xp + lo * s_tok * 4, hi - lo, heads, s_tok, s_head, pp + lo * 8, cp, max_position,
+                               op + lo * heads * dim * 4, dim)
+            if found >= 0:
+                firsts_bad.append(lo + found)
+
+        if tokens * heads * dim < 2 * MIN_ELEMENTS_PER_THREAD:
+            run(0, tokens)
+        else:
+            self._split(tokens, out.numel(), run)
+        bad = min(firsts_bad, default=-1)
         if bad >= 0:
             raise IndexError(f"rotary embedding: position {int(positions[bad])} (token {bad}) is outside the "
                              f"table of {cos_sin.shape[0]} positions (max_position_embeddings)")
@@ -148,7 +186,12 @@ class CpuFusedOps:
         C code does not take."""
         if x.dim() != 2 or x.shape[1] % 2 or not self._takes(x):
             return None
-        inter = x.shape[1] // 2
-        out = torch.empty(x.shape[0], inter, dtype=F32, device="cpu")
-        self._silu(x.data_ptr(), x.shape[0], x.stride(0), out.data_ptr(), inter)
+        rows, inter = x.shape[0], x.shape[1] // 2
+        out = torch.empty(rows, inter, dtype=F32, device="cpu")
+        xp, s_row, op = x.data_ptr(), x.stride(0), out.data_ptr()
+        if rows * inter < MIN_ELEMENTS_PER_THREAD:  # x has 2 * rows * inter elements
+            self._silu(xp, rows, s_row, op, inter)
+            return out
+        self._split(rows, x.numel(), lambda lo, hi: self._silu(xp + lo * s_row * 4, hi - lo, s_row,
+                                                              op + lo * inter * 4, inter))
         return out
