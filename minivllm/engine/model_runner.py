@@ -438,7 +438,7 @@ class ModelRunner:
         dev = self._to_device(host)
         return [dev[a:b] for a, b in bounds]
 
-    def _metadata(self, q_lens: list[int], context_lens: list[int] | np.ndarray, slot_mapping: torch.Tensor,
+    def _metadata(self, q_lens: list[int], context_lens: list[int], slot_mapping: torch.Tensor,
                   tables: list[list[int]] | np.ndarray) -> AttentionMetadata:
         num_seqs = len(q_lens)
         if isinstance(tables, np.ndarray):
@@ -449,16 +449,9 @@ class ModelRunner:
         # part on a 16-byte boundary (Triton specialises kernels on pointer alignment: an
         # unaligned part would compile a second variant in the middle of serving).
         stride = cdiv(num_seqs + 1, 4) * 4
-        if isinstance(context_lens, np.ndarray):  # the decode path: numpy in, the lists derived
-            host = np.zeros(2 * stride + num_seqs, dtype=np.int32)
-            host[1:num_seqs + 1] = np.arange(1, num_seqs + 1) if max(q_lens) == 1 else np.cumsum(q_lens)
-            np.cumsum(context_lens, out=host[stride + 1:stride + num_seqs + 1])
-            host[2 * stride:] = context_lens
-            context_lens = context_lens.tolist()
-        else:
-            pad = [0] * (stride - num_seqs - 1)
-            host = np.array(list(accumulate(q_lens, initial=0)) + pad + list(accumulate(context_lens, initial=0))
-                            + pad + context_lens, dtype=np.int32)
+        pad = [0] * (stride - num_seqs - 1)
+        host = np.array(list(accumulate(q_lens, initial=0)) + pad + list(accumulate(context_lens, initial=0))
+                        + pad + context_lens, dtype=np.int32)
         cu_q, cu_k, ctx_lens = self._upload_parts(host, (0, num_seqs + 1), (stride, stride + num_seqs + 1),
                                                   (2 * stride, len(host)))
         return AttentionMetadata(
