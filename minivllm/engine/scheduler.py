@@ -391,34 +391,18 @@ class Scheduler:
 
     def _apply_plain_decodes(self, scheduled: list[ScheduledSequence], token_ids: list[int]) -> list[Sequence]:
         """``update_from_output`` for a step of plain decodes, every entry one token that
-        sampled ``token_ids[i]``: the same changes in one pass, ``_append`` inlined (this runs
-        for every sequence every step). Returns the sequences that finished."""
+        sampled ``token_ids[i]``: the same changes in one pass (this runs for every sequence
+        every step). Returns the sequences that finished."""
         bm = self.block_manager
         caching, block_size, register = bm.enable_prefix_caching, bm.block_size, bm.register_computed_blocks
-        eos_ids, max_model_len = self.config.eos_token_ids, self.config.max_model_len
-        now, finished = time.perf_counter(), []
+        append, now, finished = self._append, time.perf_counter(), []
         for entry, token in zip(scheduled, token_ids):
             seq = entry.seq
             computed = seq.num_computed_tokens = entry.start_pos + 1
             if caching and computed // block_size > len(seq.block_hashes):
                 register(seq)  # a block was completed this step
-            ids = seq.token_ids
-            ids.append(token)
-            metrics = seq.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.token_times.append(now)
-            p = seq.params
-            if p.stop_token_ids and token in p.stop_token_ids:
-                self.finish(seq, "stop", token)
-            elif token in eos_ids and not p.ignore_eos:
-                self.finish(seq, "stop", None)
-            elif (p.max_tokens is not None and len(ids) - len(seq.prompt_token_ids) >= p.max_tokens) or \
-                    len(ids) >= max_model_len:
-                self.finish(seq, "length")
-            else:
-                continue
-            finished.append(seq)
+            if append(seq, token, now):
+                finished.append(seq)
         return finished
 
     def _append(self, seq: Sequence, token: int, now: float, logprob_entry=None) -> bool:
