@@ -111,9 +111,6 @@ class SamplingParams:
     has_logits_processors: bool = field(init=False, repr=False, compare=False)
     #: Filled by __post_init__: greedy, no penalty, no processor, no logprobs: the argmax fast path.
     plain_greedy: bool = field(init=False, repr=False, compare=False)
-    #: Filled by __post_init__: sampling may draw random numbers (temperature > 0) or a seeded
-    #: generator is made for it; a step's transaction snapshots only these requests' generators.
-    uses_rng: bool = field(init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value) -> None:
         ready = self.__dict__.get("_validated", False)
@@ -231,7 +228,6 @@ class SamplingParams:
             or self.allowed_token_ids or self.bad_words)
         self.plain_greedy = (self.temperature == 0 and self.repetition_penalty == 1.0
                              and not self.has_logits_processors and self.logprobs is None)
-        self.uses_rng = self.temperature > 0 or self.seed is not None
         object.__setattr__(self, "_validated", True)
 
     def clone(self) -> "SamplingParams":

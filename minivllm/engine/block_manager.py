@@ -222,12 +222,13 @@ class BlockManager:
 
     def _take_free_block(self) -> int:
         free = self._free_plain or self._free_cached  # evict cached blocks only when no plain one is left
-        block_id, _ = free.popitem(last=False)         # least recently freed first
+        block_id = next(iter(free))                    # least recently freed first
         block = self.blocks[block_id]
         undo = self.undo
-        if undo is not None:
+        if undo is not None:  # recorded before the pop (putting a present key first is a no-op)
             undo.add(_push_front, free, block_id)
             undo.add(setattr, block, "ref_count", block.ref_count)
+        del free[block_id]
         if block.hash is not None:  # evict its cached content
             if undo is not None:
                 undo.add(self._reregister, block, block.hash, block.parent_hash, block.token_ids, block.parent,
@@ -282,17 +283,17 @@ class BlockManager:
                 seq.block_refs.append(self.blocks[other].ref if same else None)
                 continue
             block = self.blocks[seq.block_table[i]]
-            if undo is not None:
-                undo.add(self._unregister_new, block, h)
+            if undo is not None:  # h is in no block's name yet (checked above): unmapping it restores the map
+                undo.add(self._unregister_new, block, h, block.generation)
             block.hash, block.parent_hash, block.token_ids, block.parent = h, parent, chunk, parent_ref
             block.generation += 1
             self.hash_to_block[h] = block.block_id
             seq.block_refs.append(block.ref)
 
-    def _unregister_new(self, block: KVBlock, h) -> None:
-        del self.hash_to_block[h]
+    def _unregister_new(self, block: KVBlock, h, generation: int) -> None:
+        self.hash_to_block.pop(h, None)
         block.hash = block.parent_hash = block.token_ids = block.parent = None
-        block.generation -= 1
+        block.generation = generation
 
     def release(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks reaching zero join the free list.
@@ -310,9 +311,9 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 free = self._free_plain if block.hash is None else self._free_cached
-                free[b] = None  # appended: the most recently freed
                 if undo is not None:
-                    undo.add(free.__delitem__, b)
+                    undo.add(free.pop, b, None)
+                free[b] = None  # appended: the most recently freed
         seq.block_table = []
         seq.block_hashes = []
         seq.block_refs = []

@@ -235,9 +235,9 @@ class OutputProcessor:
                         self.finish(seq, "stop", stop)
             if seq.is_finished:
                 outputs.append(make_output(state))
+                if undo is not None:
+                    undo.add(states.__setitem__, seq.request_id, state)
                 del states[seq.request_id]
-                if self.undo is not None:
-                    self.undo.add(states.__setitem__, seq.request_id, state)
             elif state.kind is not OutputKind.FINAL_ONLY:
                 outputs.append(make_output(state))
         return outputs

@@ -105,8 +105,8 @@ class ParentRequests:
         return merged
 
     def _forget(self, parent: ParentRequest, undo: UndoLog | None) -> None:
+        if undo is not None:  # recorded first: add() puts back whatever was already removed
+            undo.add(self.add, parent)
         del self.parents[parent.request_id]
         for cid in parent.child_ids:
             del self.child_of[cid]
-        if undo is not None:
-            undo.add(self.add, parent)

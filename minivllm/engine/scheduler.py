@@ -268,10 +268,10 @@ class Scheduler:
                 break  # without chunking a prompt is scheduled whole
             if bm.num_blocks_to_admit(hit_ids, cached + n) > bm.num_free_blocks:
                 break
-            self.waiting.popleft()
             if self.undo is not None:
-                self.undo.add(self.waiting.appendleft, seq)
+                self.undo.save_contents(self.waiting)
                 self.undo.touch(seq)
+            self.waiting.popleft()
             bm.admit(seq, hit_ids, hit_hashes)
             bm.grow(seq, cached + n)
             first_time = seq.metrics.first_scheduled_time is None
@@ -304,9 +304,9 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.prefill_target = 0
         victim.status = SequenceStatus.WAITING
-        self.waiting.appendleft(victim)
         if self.undo is not None:
-            self.undo.add(self.waiting.popleft)
+            self.undo.save_contents(self.waiting)
+        self.waiting.appendleft(victim)
         out.preempted.append(victim)
         return refund
 

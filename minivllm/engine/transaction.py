@@ -65,39 +65,48 @@ class StepTransaction:
         self.states.append(snapshot_state(state))
 
     def protect(self, plan: SchedulerOutput) -> None:
-        """Snapshot the random generators the step's sampling will advance (request states are
+        """Snapshot the random generators the step's sampling may advance (request states are
         snapshotted by ``OutputProcessor.process`` before it changes them). From here on the
-        KV cache may be written (see ``rollback``)."""
+        KV cache may be written (see ``rollback``).
+
+        The engine-wide generator is always saved (a few microseconds): the sampler draws from
+        it for every row without a generator of its own, greedy rows included, whenever one row
+        of the batch samples. A request's own generator (seeded) is saved when it samples, or
+        the request is snapshotted when the sampler is about to create it."""
         self.kv_written = True
-        unseeded = False
+        if self.engine_generator is not None:
+            self.generators.append((self.engine_generator, self.engine_generator.get_state()))
         for entry in plan.scheduled:
             params = entry.seq.params
-            if not params.uses_rng or not entry.samples:
-                continue  # greedy and unseeded: no generator draws or is made
+            if params.seed is None or not entry.samples:
+                continue  # no generator of its own
             seq = entry.seq
             if seq.generator is not None:
                 self.generators.append((seq.generator, seq.generator.get_state()))
-            elif params.seed is not None:
-                self.undo.touch(seq)  # the sampler creates its generator
             else:
-                unseeded = True
-        if unseeded and self.engine_generator is not None:
-            self.generators.append((self.engine_generator, self.engine_generator.get_state()))
+                self.undo.touch(seq)  # the sampler creates its generator
 
     def __enter__(self) -> "StepTransaction":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.rollback()
+        try:
+            if exc_type is not None:
+                self._restore()
+        finally:
+            self._detach()  # also after an interrupt landing here: the log never stays attached
         return False  # re-raise
 
     def commit(self) -> None:
         self._detach()
 
     def rollback(self) -> None:
+        try:
+            self._restore()
+        finally:
+            self._detach()
+
+    def _restore(self) -> None:
         self.undo.rollback()
         self.scheduler.running[:] = self.running
         if self.waiting is not None:
@@ -109,7 +118,6 @@ class StepTransaction:
             generator.set_state(state)
         if self.kv_written:
             self.scheduler.block_manager.forget_evicted()
-        self._detach()
 
     def _detach(self) -> None:
         bm = self.scheduler.block_manager

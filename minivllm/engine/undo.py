@@ -1,7 +1,9 @@
 """An undo log: how a step interrupted half-way (an exception, a learner's KeyboardInterrupt)
 is rolled back exactly.
 
-While a step runs, the block manager, the scheduler and the output processor record the
+Every inverse is recorded *before* its change and restores a state rather than reversing an
+operation (set this value, put back these items), so an interrupt between the record and the
+change leaves nothing to undo wrongly. While a step runs, the block manager, the scheduler and the output processor record the
 inverse of every mutation they make; ``rollback()`` replays those inverses newest first,
 which restores free-list order, reference counts, prefix-cache registrations and sequence
 fields as they were before the step. A sequence is snapshotted whole (``touch``) right
@@ -19,11 +21,12 @@ from minivllm.engine.sequence import Sequence, restore_sequence, snapshot_sequen
 class UndoLog:
     """Inverse operations of one step, replayed in reverse order by ``rollback()``."""
 
-    __slots__ = ("entries", "touched")
+    __slots__ = ("entries", "touched", "saved")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Callable[..., Any], tuple]] = []
         self.touched: set[Sequence] = set()
+        self.saved: set[int] = set()  # ids of the containers whose contents are recorded
 
     def add(self, fn: Callable[..., Any], *args) -> None:
         """Record ``fn(*args)`` as the inverse of a mutation just made (or about to be made)."""
@@ -36,8 +39,22 @@ class UndoLog:
             self.touched.add(seq)
             self.entries.append((restore_sequence, (snapshot_sequence(seq),)))
 
+    def save_contents(self, container) -> None:
+        """Call right before changing a list or deque (the waiting queue): the first call in a
+        step records its items, restored in their order by the rollback. Recording the whole
+        queue, not each push or pop, leaves no moment where a change is made but its inverse
+        is not yet recorded."""
+        if id(container) not in self.saved:
+            self.saved.add(id(container))
+            self.entries.append((_restore_contents, (container, list(container))))
+
     def rollback(self) -> None:
         entries = self.entries
         while entries:
             fn, args = entries.pop()
             fn(*args)
+
+
+def _restore_contents(container, items: list) -> None:
+    container.clear()
+    container.extend(items)
