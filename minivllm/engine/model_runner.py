@@ -391,7 +391,8 @@ class ModelRunner:
         rotary embedding), where kernel fusion saves memory round trips. Each op is compiled
         once and shared by every module using it (one Dynamo cache, shapes dynamic), so a
         model's dozens of norm layers and a second engine in the process do not exhaust
-        Dynamo's recompile limit. ``backend``: torch.compile's (tests use "eager")."""
+        Dynamo's recompile limit. They replace the CPU fused C ops where those were on
+        (``enable_cpu_fused_ops``). ``backend``: torch.compile's (tests use "eager")."""
         from minivllm.layers import norm
         from minivllm.layers.activation import SiluAndMul
         from minivllm.layers.rotary import RotaryEmbedding
@@ -401,7 +402,9 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, norm.RMSNorm):
                 module.norm_fn, module.add_norm_fn = norm_fn, add_norm_fn
+                module.fused = None
             elif isinstance(module, (SiluAndMul, RotaryEmbedding)):
+                module.fused = None  # a ctypes call inside a compiled frame would break its graph
                 module.forward = torch.compile(module.forward, dynamic=True, backend=backend)
 
     def enable_cpu_fused_ops(self) -> bool:
