@@ -200,3 +200,21 @@ def test_an_interrupt_at_any_line_of_a_step_changes_nothing(tiny_ckpt, monkeypat
         steps += 1
     assert faults > 100 * steps // stride
     llm.shutdown()
+
+
+def test_a_rolled_back_step_restores_the_engine_generator_a_seeded_batch_drew_from(tiny_ckpt, monkeypatch):
+    """A batch of a seeded sampled request and a greedy one: the sampler draws the greedy row's
+    noise from the engine-wide generator (the rows share one race), so a rolled-back step must
+    restore it, or later unseeded requests would draw other tokens than an uninterrupted run."""
+    llm = make_llm(tiny_ckpt, seed=0)
+    engine = llm.llm_engine
+    engine.add_request("seeded", [1, 2, 3, 4, 5], SamplingParams(temperature=0.9, seed=7, max_tokens=4))
+    engine.add_request("greedy", [6, 7, 8], SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # both prefills
+    before = _fingerprint(engine)
+    with monkeypatch.context() as m:
+        Fault(m, "postprocess")  # after sampling
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    assert _fingerprint(engine) == before
+    llm.shutdown()

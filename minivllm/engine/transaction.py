@@ -69,22 +69,26 @@ class StepTransaction:
         snapshotted by ``OutputProcessor.process`` before it changes them). From here on the
         KV cache may be written (see ``rollback``).
 
-        The engine-wide generator is always saved (a few microseconds): the sampler draws from
-        it for every row without a generator of its own, greedy rows included, whenever one row
-        of the batch samples. A request's own generator (seeded) is saved when it samples, or
-        the request is snapshotted when the sampler is about to create it."""
+        The engine-wide generator is saved when a sampled row has a temperature above 0: the
+        sampler then draws from it for every row without a generator of its own, greedy rows
+        included. A seeded request's own generator is saved when it samples, or the request is
+        snapshotted when the sampler is about to create it."""
         self.kv_written = True
-        if self.engine_generator is not None:
-            self.generators.append((self.engine_generator, self.engine_generator.get_state()))
+        draws = False
         for entry in plan.scheduled:
             params = entry.seq.params
-            if params.seed is None or not entry.samples:
-                continue  # no generator of its own
+            if not entry.samples or (params.temperature == 0 and params.seed is None):
+                continue  # greedy without a seed: draws nothing, owns no generator
+            draws = draws or params.temperature > 0
+            if params.seed is None:
+                continue
             seq = entry.seq
             if seq.generator is not None:
                 self.generators.append((seq.generator, seq.generator.get_state()))
             else:
                 self.undo.touch(seq)  # the sampler creates its generator
+        if draws and self.engine_generator is not None:
+            self.generators.append((self.engine_generator, self.engine_generator.get_state()))
 
     def __enter__(self) -> "StepTransaction":
         return self
