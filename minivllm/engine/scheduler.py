@@ -135,8 +135,10 @@ class Scheduler:
             self.undo.touch(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)  # only outside a step (abort): not recorded for undo
+        elif seq.status is SequenceStatus.WAITING:  # an abort
+            if self.undo is not None:
+                self.undo.save_contents(self.waiting)
+            self.waiting.remove(seq)
         else:
             return
         self.block_manager.release(seq)

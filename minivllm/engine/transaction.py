@@ -43,7 +43,7 @@ class StepTransaction:
     def __init__(self, scheduler: Scheduler, output_processor: OutputProcessor,
                  engine_generator: torch.Generator | None = None, only: Sequence | None = None):
         """``only``: an operation on one request outside a step (an abort): snapshot just it
-        (and the waiting queue, from which it may be removed)."""
+        (the waiting queue, from which it may be removed, is saved by ``Scheduler.finish``)."""
         self.scheduler, self.output_processor = scheduler, output_processor
         self.engine_generator = engine_generator
         self.undo = UndoLog()
@@ -51,9 +51,7 @@ class StepTransaction:
         bm.undo = scheduler.undo = output_processor.undo = self.undo
         bm.evicted = []
         self.running = list(scheduler.running)
-        self.waiting = None
         if only is not None:
-            self.waiting = list(scheduler.waiting)
             self.undo.touch(only)
         self.states: list[tuple] = []
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
@@ -113,9 +111,6 @@ class StepTransaction:
     def _restore(self) -> None:
         self.undo.rollback()
         self.scheduler.running[:] = self.running
-        if self.waiting is not None:
-            self.scheduler.waiting.clear()
-            self.scheduler.waiting.extend(self.waiting)
         for snapshot in self.states:
             restore_state(snapshot)
         for generator, state in self.generators:

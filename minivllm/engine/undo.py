@@ -1,12 +1,12 @@
 """An undo log: how a step interrupted half-way (an exception, a learner's KeyboardInterrupt)
 is rolled back exactly.
 
-Every inverse is recorded *before* its change and restores a state rather than reversing an
-operation (set this value, put back these items), so an interrupt between the record and the
-change leaves nothing to undo wrongly. While a step runs, the block manager, the scheduler and the output processor record the
+While a step runs, the block manager, the scheduler and the output processor record the
 inverse of every mutation they make; ``rollback()`` replays those inverses newest first,
 which restores free-list order, reference counts, prefix-cache registrations and sequence
-fields as they were before the step. A sequence is snapshotted whole (``touch``) right
+fields as they were before the step. Every inverse is recorded *before* its change and
+restores a state rather than reversing an operation (set this value, put back these items),
+so an interrupt between the record and the change leaves nothing to undo wrongly. A sequence is snapshotted whole (``touch``) right
 before the first change a step makes to it outside the usual decode update, which the
 scheduler undoes from the step's plan instead (``Scheduler.update_from_output``): a decode
 step of a large batch then copies nothing per sequence.
@@ -29,7 +29,8 @@ class UndoLog:
         self.saved: set[int] = set()  # ids of the containers whose contents are recorded
 
     def add(self, fn: Callable[..., Any], *args) -> None:
-        """Record ``fn(*args)`` as the inverse of a mutation just made (or about to be made)."""
+        """Record ``fn(*args)`` as the inverse of a mutation about to be made (it must also be
+        right if the mutation never happens: restore a state, do not reverse an operation)."""
         self.entries.append((fn, args))
 
     def touch(self, seq: Sequence) -> None:
