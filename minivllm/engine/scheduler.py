@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 
 from typing import Callable, NamedTuple
 
