@@ -26,8 +26,8 @@
 # **Time:** about 45 minutes (reading and running).
 #
 # A decode step of a small model does little arithmetic, yet it is not free of other costs: the host
-# issues hundreds of small operations one after another, each with a fixed dispatch cost, and every
-# weight crosses memory once per step. This chapter measures both on your machine, then looks at the
+# issues many small operations one after another (PyTorch operations, and on a CPU minivllm's own C
+# calls), each with a fixed cost before it touches a byte, and every weight crosses memory once per step. This chapter measures both on your machine, then looks at the
 # tools an inference engine uses against them: **CUDA graphs** (issue a whole step with one call),
 # **torch.compile** (fuse small operations into one kernel), **attention kernels** written for the job
 # (minivllm's Triton kernels, flash-attn), **int8 weights** (fewer bytes per step) and **speculative
@@ -186,8 +186,7 @@ render(f"On this run the dispatch floor ({n_ops} operations x {per_op_us:.1f} µ
 
 # %% [markdown]
 # The step issues the same operations at batch 1 and batch 4, on taller tensors; the cell above the
-# timing names any operation whose *count* differs (on the CPU backend, memory copies PyTorch makes when
-# the attention output's layout cannot be reshaped in place). So the dispatch cost is a nearly fixed
+# timing names any operation whose *count* differs (an empty list when none does). So the dispatch cost is a nearly fixed
 # floor under every decode step, paid again at every step whatever the batch, and its share of the
 # step is the figure just rendered. On a GPU the floor matters more: the GPU finishes a small kernel
 # quickly and then waits for the host to issue the next one, so a small model's decode step can take
@@ -269,14 +268,12 @@ else:
 #
 # CUDA graphs remove the *launch* cost but still run every kernel. Many of a transformer's small
 # operations are element-wise and each one reads its input from memory and writes its output back.
-# The engine's RMSNorm with a fused residual add (`minivllm/layers/norm.py`) is written as plain
-# PyTorch, one line per step of the formula: add the residual, cast to fp32, square, mean, add eps,
-# rsqrt, multiply, cast back, multiply by the weight. Not every line becomes an operation that does
+# The engine's RMSNorm with a fused residual add (`minivllm/layers/norm.py`) is plain PyTorch: add the
+# residual, cast to fp32, `torch.nn.functional.rms_norm` (the mean of squares, eps and the reciprocal
+# square root), cast back, multiply by the weight. Not every line becomes an operation that does
 # work (in fp32 the two casts do nothing), and one line can run as more than one ATen operation. The
 # profiler below counts *leaf* operations, the innermost ATen calls, so an operation that calls
-# others internally shows up as those: `mean` runs a `sum` (whose accumulator is zeroed with a
-# `fill_`) and a division, the eps-add and `pow` first turn a Python number into a tensor (a `to`,
-# which copies with `copy_`), and `pow` itself is then hidden behind its helpers. So the names in the
+# others internally shows up as those (`rms_norm` as the kernels it is built from). So the names in the
 # list below do not match the formula's steps one for one (and vary between PyTorch versions). Run eagerly, each of those operations is one kernel and one
 # trip through memory. `torch.compile` traces the function and its backend (Inductor) generates one
 # fused kernel: C++ with OpenMP on a CPU, Triton on a GPU.
@@ -649,9 +646,10 @@ check_claim("int8 weights do not make this model's batch-1 decode step anywhere 
 # <details><summary>Worked solution</summary>
 #
 # A step's time is a sum of parts, and int8 changes only one of them: the matrix multiplies of the
-# linear layers and the LM head. The rest, the dispatch of a couple of hundred operations (section 1),
-# the engine's Python work, attention, norms and sampling, does not depend on the weights' dtype, and
-# the int8 path adds a little of its own (rounding each activation row before the matmul). Amdahl's
+# linear layers and the LM head. The rest, the dispatch of the step's operations (section 1), the
+# engine's Python work, attention, norms and sampling, does not depend on the weights' dtype, and the
+# int8 path adds work of its own (quantising each activation row before the matmul, and the fixed cost
+# of each quantized-linear call). Amdahl's
 # law then bounds the gain: if the matmuls are a share `f` of the step and get `s` times faster, the
 # step gets `1 / ((1 - f) + f / s)` times faster, which stays far below `s` unless `f` is close to 1.
 #
@@ -660,8 +658,9 @@ check_claim("int8 weights do not make this model's batch-1 decode step anywhere 
 # at all: this model's weights (their size is printed above) are too few for their traffic to matter
 # beside the fixed costs.
 # (The matmuls do take longer than that floor, because a one-row matmul of a small layer runs far
-# below the memory's bandwidth, and int8's kernel also does its arithmetic in cheaper units; that is
-# why the step can gain a little more than the floor alone would allow.) On a model large enough that
+# below the memory's bandwidth. And int8's own per-call costs can outweigh the bytes it saves on layers
+# this small, so the step can come out slower, not faster: the ratio rendered above says which
+# happened on your run.) On a model large enough that
 # the weights dominate the step, the next cell's layer, one of Qwen3-0.6B's, shows int8 coming much
 # closer to its byte ratio.
 #
