@@ -99,7 +99,7 @@ _ENGINE_FILES = tuple(f"/minivllm/engine/{name}.py" for name in (
     "transaction", "model_runner"))
 _UNDOING = {"__exit__", "commit", "rollback", "_restore", "_detach", "restore_sequence", "_unapply_tokens",
             "restore_state", "_restore_contents", "_push_front", "_restore_dict", "_reregister", "_unregister_new",
-            "forget_evicted", "_restore"}
+            "forget_evicted"}
 
 
 def _outside_the_transaction() -> set[int]:
