@@ -56,7 +56,8 @@ class EngineArgs:
             is verified against the block's stored tokens and parent chain, so a collision
             costs a cache miss, never wrong KV; sha256 also makes crafting collisions (to
             evict or probe other users' cached prefixes) infeasible.
-        enforce_eager: disable CUDA graphs.
+        enforce_eager: disable decode graphs: CUDA graphs on a GPU, CPU graphs on a CPU
+            (``minivllm/layers/cpu_graph.py``); every step then runs the model's forward.
         tensor_parallel_size: processes the model is sharded over.
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1".
         dtype: "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16".

@@ -58,8 +58,8 @@ MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
 
 # %%
-# enforce_eager: every step runs the model eagerly (on a GPU, no CUDA-graph replay), so the
-# hooks and tracers below see every pass. On a CPU it changes nothing.
+# enforce_eager: every step runs the model's forward (no replay of a recorded decode graph: CUDA
+# graphs on a GPU, CPU graphs on a CPU, chapter 11), so the tracers below see every pass.
 from widgets import check_claim, check_prediction, render
 
 llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64, enforce_eager=True)

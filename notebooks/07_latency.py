@@ -367,7 +367,8 @@ knob.shutdown()
 # trades a little of each request's TPOT for throughput).
 #
 # **"Chunked prefill comes with `enforce_eager=False`."** `enforce_eager` decides whether decode steps
-# are replayed from captured CUDA graphs; chunking is the scheduler's `enable_chunked_prefill`. Run the
+# are replayed from recorded graphs (CUDA graphs on a GPU, CPU graphs on a CPU: chapter 11); chunking is
+# the scheduler's `enable_chunked_prefill`. Run the
 # same workload (a request decoding while an 80-token prompt arrives, 32-token budget) under both
 # values of `enforce_eager`, then with chunking off:
 
@@ -382,7 +383,8 @@ def chunk_run(**engine_args):
     recs = []
     while e.has_unfinished_requests():
         recs.append(e.step_with_record().record)
-    graphs = e.runner.graph_runner is not None
+    g = e.runner.graph_runner
+    graphs = g.num_replays if g is not None else None
     sub.shutdown()
     return recs, graphs
 
@@ -403,8 +405,9 @@ import inspect
 
 import minivllm.engine.scheduler as scheduler_module
 
-for name, captured in graph_state.items():
-    print(f"device {cfg.device}, {name}: CUDA graphs captured: {captured}")
+for name, replays in graph_state.items():
+    print(f"device {cfg.device}, {name}: decode steps replayed from a graph: "
+          f"{'none (graphs off)' if replays is None else replays}")
 check_claim("the scheduler, which decides the chunks, never reads enforce_eager",
             "enforce_eager" not in inspect.getsource(scheduler_module),
             "searched the source of minivllm/engine/scheduler.py");
@@ -412,10 +415,9 @@ check_claim("the scheduler, which decides the chunks, never reads enforce_eager"
 # %% [markdown]
 # What this shows, and what it does not. The chunks were the same under both values of
 # `enforce_eager` and changed only when `enable_chunked_prefill` was turned off; the scheduler that
-# makes the chunks does not even read `enforce_eager`. It shows nothing about CUDA graphs themselves
-# on a CPU: there are none to capture, so both runs were eager (the printout says so). On a GPU the
-# `enforce_eager=False` engine captures graphs for its decode steps and the chunks stay the same;
-# chapter 11 measures what the graphs buy.
+# makes the chunks does not even read `enforce_eager`. The `enforce_eager=False` engine replayed its
+# plain decode steps from graphs (the printout counts them; mixed steps always run eagerly), and the
+# chunks stayed the same; chapter 11 measures what the graphs buy.
 #
 # **"Engines like nano-vllm mix prefill and decode in one batch."** Ours does, as the mixed steps above
 # show: one forward pass holding a decode token and a prefill chunk. nano-vllm (commit bb823b3,
@@ -469,7 +471,7 @@ Quiz([
          f"(worst gap {w['max_itl_ms']:.1f} -> {c['max_itl_ms']:.1f} ms here).",
          "The chunked run above shows the decoding request getting a token in every step; that is a latency "
          "change for it.",
-         "enforce_eager switches CUDA graphs off; chunking is the scheduler's enable_chunked_prefill."],
+         "enforce_eager switches decode graphs off; chunking is the scheduler's enable_chunked_prefill."],
     ),
     Question(
         f"Going from batch 1 to batch {b_last}, what happened to each request's TPOT on this machine?",

@@ -28,14 +28,14 @@
 # A decode step of a small model does little arithmetic, yet it is not free of other costs: the host
 # issues many small operations one after another (PyTorch operations, and on a CPU minivllm's own C
 # calls), each with a fixed cost before it touches a byte, and every weight crosses memory once per step. This chapter measures both on your machine, then looks at the
-# tools an inference engine uses against them: **CUDA graphs** (issue a whole step with one call),
+# tools an inference engine uses against them: **CUDA graphs**, and their CPU counterpart (issue a whole step with one call),
 # **torch.compile** (fuse small operations into one kernel), **attention kernels** written for the job
 # (minivllm's Triton kernels, flash-attn), **int8 weights** (fewer bytes per step) and **speculative
 # decoding** (several tokens per step).
 #
 # **You will:** count the operations one decode step issues, with the PyTorch profiler, and measure
-# what their dispatch costs here · see how the engine prepares CUDA graphs for decode batches (and
-# measure them when a GPU is present) · compile the engine's fused RMSNorm + residual with
+# what their dispatch costs here · see how the engine prepares graphs for decode batches and
+# measure what they save (CUDA graphs on a GPU, CPU graphs on a CPU) · compile the engine's fused RMSNorm + residual with
 # `torch.compile` and time the compile and the result · time the attention backends this machine
 # has, fairly, and check our Triton kernels in Triton's interpreter · predict, then measure, what int8
 # weights and speculative decoding do to a decode step here.
@@ -67,13 +67,15 @@ MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
 
 # %%
-llm = LLM(MODEL, device=DEVICE, num_kvcache_blocks=128, max_num_seqs=8)
+# enforce_eager=True: every step runs the model's forward operation by operation, which is what
+# section 1 counts; section 2 turns the recorded decode graphs on and times both.
+llm = LLM(MODEL, device=DEVICE, num_kvcache_blocks=128, max_num_seqs=8, enforce_eager=True)
 engine = llm.llm_engine
 cfg, hf = engine.config, engine.source.hf_config
 ON_CUDA = cfg.device.type == "cuda"
 print(describe(llm))
 print(f"{hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
-      f"CUDA graphs captured: {engine.runner.graph_runner is not None}")
+      f"decode graphs: {engine.runner.graph_runner is not None}")
 
 # %% [markdown]
 # ## 1. What a decode step issues
@@ -193,13 +195,13 @@ render(f"On this run the dispatch floor ({n_ops} operations x {per_op_us:.1f} µ
 # longer than its arithmetic needs unless the launches are taken off the host (section 2 measures
 # this, and checks it, when a GPU is present).
 #
-# ## 2. CUDA graphs: issue the whole step at once
+# ## 2. CUDA graphs (and CPU graphs): issue the whole step at once
 #
 # A CUDA graph records every kernel launch of one forward pass, with its arguments, and replays the
 # whole sequence with a single call: the host cost of hundreds of launches becomes the cost of one.
 # The price is rigidity: a graph replays fixed shapes at fixed memory addresses. The engine
-# (`minivllm/engine/cuda_graph.py`, switched on by `ModelRunner.enable_cuda_graphs` when the device
-# is CUDA, `enforce_eager=False` and the attention backend can be captured) therefore
+# (`minivllm/engine/cuda_graph.py`, switched on by `ModelRunner.enable_cuda_graphs` when
+# `enforce_eager=False` and the attention backend can be captured) therefore
 #
 # * captures one graph per **batch-size bucket** and runs a step of `n` sequences in the smallest
 #   bucket `>= n`, padding the extra rows (they write no KV and attend to one dummy key);
@@ -208,60 +210,72 @@ render(f"On this run the dispatch floor ({n_ops} operations x {per_op_us:.1f} µ
 # * captures decode steps only: prefill shapes vary too much, and a prefill has enough work per
 #   launch that launches matter less.
 #
+# A CPU has no kernel launches, but the same idea applies to the Python around our C calls: a float32
+# decode step on a CPU is a few dozen calls into our C code (GEMMs, norms, rotary, attention), each
+# behind module calls, shape checks and tensor allocations. A **CPU graph**
+# (`minivllm/layers/cpu_graph.py`) records those calls with the memory addresses they were given while
+# one step runs, then replays them in a loop with nothing else around them. Every rule above carries
+# over (buckets, static buffers, padding); in addition, an ATen operation that would hand back a
+# fresh tensor cannot be replayed (the calls after it would never see the new tensor), so the
+# recorder refuses it and the engine stays eager. It records each bucket at its first step instead of
+# ahead of time, and up to 64 sequences (`CPU_MAX_CAPTURE_SIZE`), where a CPU step's arithmetic has
+# long outgrown the Python.
+#
 # The bucket choice is plain Python and runs anywhere:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minivllm.engine.cuda_graph import capture_batch_sizes, select_bucket
+from minivllm.engine.cuda_graph import CPU_MAX_CAPTURE_SIZE, capture_batch_sizes, select_bucket
 
 for max_num_seqs in (8, 32, 256):
     print(f"max_num_seqs={max_num_seqs}: graphs for batch sizes {capture_batch_sizes(max_num_seqs)}")
+print(f"on a CPU, max_num_seqs=256: {capture_batch_sizes(256, CPU_MAX_CAPTURE_SIZE)}")
 buckets = capture_batch_sizes(32)
 print("a decode batch of n runs the graph of:",
       ", ".join(f"{n}->{select_bucket(n, buckets)}" for n in (1, 3, 5, 9, 17, 31)),
       f"; 33 -> {select_bucket(33, buckets)} (eager)")
-print(f"this engine ({cfg.device}): graphs captured = {engine.runner.graph_runner is not None}")
+print(f"this engine ({cfg.device}, enforce_eager=True): graphs = {engine.runner.graph_runner is not None}")
 
 # %%
 import pandas as pd
 
-if ON_CUDA:
-    # Measured: decode step time with and without CUDA graphs, same model and prompts.
-    rows = []
-    for eager in (True, False):
-        g = LLM(MODEL, device=DEVICE, enforce_eager=eager, max_num_seqs=8, gpu_memory_utilization=0.3)
-        e = g.llm_engine
-        for b in (1, 8):
-            for i in range(b):
-                e.add_request(f"g{eager}-{b}-{i}", "The module provides",
-                              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-            steps = []
-            while e.has_unfinished_requests():
-                r = e.step_with_record().record
-                if r.phase == "decode" and r.num_seqs == b:
-                    steps.append(r)
-            rows.append(dict(cuda_graphs=not eager and e.runner.graph_runner is not None, batch=b,
-                             decode_step_ms=statistics.median(r.wall_ms for r in steps[5:])))
-        g.shutdown()
-    graphs = pd.DataFrame(rows)
-    display(graphs)
-    eager_b1 = graphs[(~graphs.cuda_graphs) & (graphs.batch == 1)].decode_step_ms
-    graph_b1 = graphs[graphs.cuda_graphs & (graphs.batch == 1)].decode_step_ms
-    if len(eager_b1) and len(graph_b1):
-        graph_speedup = float(eager_b1.iloc[0]) / float(graph_b1.iloc[0])
-        _ = check_claim("CUDA graphs shorten a batch-1 decode step", graph_speedup > 1,
-                        f"{float(eager_b1.iloc[0]):.2f} ms eager, {float(graph_b1.iloc[0]):.2f} ms with graphs",
-                        why_it_may_not="A large model's step is dominated by reading its weights, which "
-                                       "graphs do not shorten.")
-        _ = render(f"On this GPU the eager batch-1 decode step took **{graph_speedup:.2f}x** as long as the "
-                   "same step replayed from a CUDA graph (medians, from the table above).")
-    else:
-        print("The engine captured no CUDA graphs here (enforce_eager=False still ran eagerly: the attention "
-              "backend cannot be captured), so there is no graph to compare with.")
+# Measured: decode step time with and without graphs (CUDA graphs on a GPU, CPU graphs on a CPU),
+# same model and prompts; the graph engine's first step at each batch size records its graph.
+rows = []
+for eager in (True, False):
+    memory = dict(gpu_memory_utilization=0.3) if ON_CUDA else dict(num_kvcache_blocks=128)
+    g = LLM(MODEL, device=DEVICE, enforce_eager=eager, max_num_seqs=8, **memory)
+    e = g.llm_engine
+    for b in (1, 8):
+        for i in range(b):
+            e.add_request(f"g{eager}-{b}-{i}", "The module provides",
+                          SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        steps = []
+        while e.has_unfinished_requests():
+            r = e.step_with_record().record
+            if r.phase == "decode" and r.num_seqs == b:
+                steps.append(r)
+        rows.append(dict(graphs=not eager and e.runner.graph_runner is not None, batch=b,
+                         decode_step_ms=statistics.median(r.wall_ms for r in steps[5:])))
+    replays = e.runner.graph_runner.num_replays if e.runner.graph_runner is not None else 0
+    g.shutdown()
+graphs = pd.DataFrame(rows)
+display(graphs)
+print(f"decode steps replayed from a graph by the graph engine: {replays}")
+eager_b1 = graphs[(~graphs.graphs) & (graphs.batch == 1)].decode_step_ms
+graph_b1 = graphs[graphs.graphs & (graphs.batch == 1)].decode_step_ms
+if len(eager_b1) and len(graph_b1) and replays:
+    graph_speedup = float(eager_b1.iloc[0]) / float(graph_b1.iloc[0])
+    _ = check_claim("decode graphs shorten a batch-1 decode step", graph_speedup > 1,
+                    f"{float(eager_b1.iloc[0]):.2f} ms eager, {float(graph_b1.iloc[0]):.2f} ms with graphs",
+                    why_it_may_not="A large model's step is dominated by reading its weights, which "
+                                   "graphs do not shorten.")
+    _ = render(f"On this {'GPU' if ON_CUDA else 'CPU'} ({cfg.device}, {engine.source.name}) the eager batch-1 "
+               f"decode step took **{graph_speedup:.2f}x** as long as the same step replayed from a "
+               f"{'CUDA' if ON_CUDA else 'CPU'} graph (medians, from the table above).")
 else:
-    print("No CUDA device here, so no CUDA graph to measure: on a GPU this cell times decode steps with "
-          "enforce_eager=True and False. On this CPU the launch counts above are the measurement: "
-          "every one of those operations is host work each step, with or without a graph.")
+    print("The engine recorded no graphs here (enforce_eager=False still ran eagerly: the attention "
+          "backend or the dtype cannot be recorded), so there is no graph to compare with.")
 
 # %% [markdown]
 # ## 3. torch.compile: fewer, fused kernels
@@ -993,8 +1007,8 @@ Quiz([
          "Right: the dispatch cost is paid per operation, not per row; this is one reason batching makes "
          "decode cheaper per token.",
          "Each operation processes all sequences at once; the batch is a dimension of the tensors.",
-         "The profiled steps ran eagerly, operation by operation; a CUDA graph would replay the kernels "
-         "without issuing them from Python, and the engine captures graphs on CUDA only."],
+         "The profiled steps ran eagerly, operation by operation (that engine has enforce_eager=True); a "
+         "graph would replay the recorded kernels or C calls without issuing them from Python (section 2)."],
     ),
     Question(
         "Why does the engine capture CUDA graphs for decode steps but not for prefill steps?",

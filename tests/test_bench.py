@@ -318,11 +318,12 @@ def test_stops_paying_is_the_first_batch_of_the_losing_tail():
 
 def test_matmul_share_records_one_decode_steps_linear_layers(tiny_ckpt):
     """A decode step's recorded calls are every linear layer once (the LM head on the sampled
-    rows), in the step's row count; the replay runs the same weights on those shapes."""
+    rows), in the step's row count (run eagerly: a CPU graph's step is padded to its bucket, 4,
+    and a replay calls no layer); the replay runs the same weights on those shapes."""
     import torch
 
     from minivllm import LLM, SamplingParams
-    from minivllm.bench.matmul_share import LinearReplay, record_linear_calls
+    from minivllm.bench.matmul_share import LinearReplay, eager_steps, record_linear_calls
     from minivllm.layers import prepack
 
     llm = LLM(str(tiny_ckpt), block_size=4, num_kvcache_blocks=64)
@@ -330,7 +331,12 @@ def test_matmul_share_records_one_decode_steps_linear_layers(tiny_ckpt):
     for i in range(3):
         engine.add_request(f"m{i}", [5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.step()  # the prefill
+    engine.step()  # a decode step: records the CPU graph of bucket 4
+    assert engine.runner.graph_runner.graph_keys
     with record_linear_calls() as calls:
+        engine.step()  # replayed: no decoder layer is called, only the LM head (outside the graph)
+    assert [id(w) for *_, w, _ in calls] == [id(engine.runner.model.lm_head.matmul_weight)]
+    with record_linear_calls() as calls, eager_steps(engine):
         assert engine.step_with_record().record.phase == "decode"
     model = engine.runner.model
     layers = [m for m in model.modules() if hasattr(m, "matmul_weight")]

@@ -139,15 +139,18 @@ def test_runner_refuses_backends_that_plan_on_the_host():
                               4, 2, 8, "cpu", torch.float32, emulate=True)
 
 
-def test_runner_needs_cuda_unless_emulated():
+def test_runner_on_cpu_records_cpu_graphs_only_for_backends_that_support_them():
     pytest.importorskip("triton")
     if "minivllm.layers.attention.triton_kernels" in sys.modules:
         importlib.reload(sys.modules["minivllm.layers.attention.triton_kernels"])
     from minivllm.layers.attention.triton_backend import TritonAttentionBackend
 
-    with pytest.raises(ValueError, match="CUDA device"):
+    with pytest.raises(ValueError, match="CPU graph"):
         CudaGraphDecodeRunner(None, [(torch.zeros(1, 16, 1, 8),) * 2], TritonAttentionBackend(),
                               4, 2, 8, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="CUDA or CPU device"):
+        CudaGraphDecodeRunner(None, [(torch.zeros(1, 16, 1, 8),) * 2], TritonAttentionBackend(),
+                              4, 2, 8, "meta", torch.float32)
 
 
 def _tiny_model():

@@ -25,7 +25,8 @@ def _same_input(a, b) -> None:
 
 
 def test_vectorised_decode_inputs_match_the_general_path(tiny_ckpt, monkeypatch):
-    llm = make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=512)
+    # eager: with CPU graphs both paths stage into the graphs' buffers (test_cpu_graph compares those steps)
+    llm = make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=512, enforce_eager=True)
     runner = llm.llm_engine.runner
     original, compared = runner.prepare_input, []
 

@@ -2,7 +2,7 @@
 layers (every ``*Linear`` and the LM head: same weights, same rows) run back to back alone.
 
 Used by ``bench --sweep`` (design-brief target: embedded model, batch-32 decode step <= 1.4x
-its matmuls alone). The calls are recorded during one real decode step through
+its matmuls alone). The calls are recorded during one real decode step, run eagerly, through
 ``minivllm.layers.prepack.linear`` (the function every linear layer calls), so the replay
 takes the same path (the panel GEMM, oneDNN or ``F.linear``) on inputs of the same shapes.
 Int8 layers do not go through it and are not counted.
@@ -19,7 +19,7 @@ import minivllm.layers.embedding as embedding_mod
 import minivllm.layers.linear as linear_mod
 from minivllm.layers import prepack
 
-__all__ = ["LinearReplay", "record_linear_calls", "time_linear_calls"]
+__all__ = ["LinearReplay", "eager_steps", "record_linear_calls", "time_linear_calls"]
 
 _USERS = (linear_mod, embedding_mod)  # modules that call prepack.linear by name
 
@@ -43,6 +43,18 @@ def record_linear_calls():
     finally:
         for m, fn in saved:
             m.linear = fn
+
+
+@contextlib.contextmanager
+def eager_steps(engine):
+    """Within the block, ``engine``'s steps run their forward eagerly (a decode graph's replay
+    calls no layer, so :func:`record_linear_calls` would see only the LM head)."""
+    runner = engine.runner
+    saved, runner.graph_runner = runner.graph_runner, None
+    try:
+        yield
+    finally:
+        runner.graph_runner = saved
 
 
 class LinearReplay:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, device_label, kv_bytes_for, loadavg,
                                    next_tag, wants_cuda)
-from minivllm.bench.matmul_share import LinearReplay, record_linear_calls
+from minivllm.bench.matmul_share import LinearReplay, eager_steps, record_linear_calls
 from minivllm.bench.report import describe_peaks, peaks_summary, print_sweep_summary, write_roofline_html
 
 __all__ = ["SweepResult", "run_sweep"]
@@ -114,7 +114,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             recs, replay, matmul_s = [], None, []
             while engine.has_unfinished_requests():
                 if replay is None and recs:  # a warm-up step after a full decode: which matmuls it does
-                    with record_linear_calls() as calls:
+                    with record_linear_calls() as calls, eager_steps(engine):
                         rec = engine.step_with_record().record
                     if rec.phase == "decode" and rec.num_seqs == b:
                         replay = LinearReplay(calls) if calls else False  # int8 layers: not recorded

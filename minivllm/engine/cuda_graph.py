@@ -24,24 +24,50 @@ Graphs are captured largest bucket first and share one memory pool, so the small
 graphs reuse the larger one's activation memory (PyTorch docs, "CUDA Graphs",
 ``torch.cuda.graph(pool=...)``). Only backends whose decode forward reads nothing but
 device tensors (``supports_cuda_graphs = True``: triton, flash_attn) can be captured.
+
+On a CPU the same runner records CPU graphs (``minivllm/layers/cpu_graph.py``: the forward's C
+calls with their pointers) for a float32 model with our C ops and the torch backend's native
+decode kernel (``supports_cpu_graphs``). They differ from CUDA graphs in three ways: a graph is
+recorded at the first step of its (bucket, context bound, thread count), while that step runs,
+not ahead; the static buffers are host memory the graphs read directly (nothing to upload);
+and the runner checks each step that the model is still what the graphs recorded: with a
+forward hook on some module the step runs eagerly (a replay calls no module), and after a
+parameter is replaced the graphs are recorded again. Block tables are checked while staging
+(the kernels trust them). A forward with an operation a CPU graph cannot replay switches CPU
+graphs off for the engine, with a warning naming the operation.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
 from dataclasses import dataclass
+from functools import partial
+from itertools import chain
+from operator import attrgetter, is_not
 from typing import Callable
 
 import numpy as np
 import torch
+import torch.nn.modules.module as _module_mod
 
 from minivllm.layers.attention.backend import AttentionBackend
 from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.layers.cpu_graph import CpuGraph, GraphPool, NotCapturable
+from minivllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_FORWARD_HOOKS, _FORWARD_PRE_HOOKS = attrgetter("_forward_hooks"), attrgetter("_forward_pre_hooks")
+_not_none = partial(is_not, None)
 
 #: largest batch size a graph is captured for by default (bigger decode batches are
 #: compute-heavy enough that launch overhead no longer matters)
 DEFAULT_MAX_CAPTURE_SIZE = 512
+#: the same for CPU graphs: a CPU graph holds every intermediate of its forward in its pool
+#: (no reuse within a graph), and from a few dozen rows a CPU step's arithmetic dwarfs the
+#: Python a graph saves (~2-3 ms per step, embedded model)
+CPU_MAX_CAPTURE_SIZE = 64
 
 
 def capture_batch_sizes(max_num_seqs: int, max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE) -> list[int]:
@@ -281,13 +307,19 @@ class CudaGraphDecodeRunner:
         hidden_size: int,
         device: torch.device | str,
         dtype: torch.dtype,
-        max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE,
+        max_capture_size: int | None = None,
         emulate: bool = False,
     ) -> None:
         self.device = torch.device(device)
-        if not emulate and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
-        if not getattr(backend, "supports_cuda_graphs", False):
+        #: "cuda": torch.cuda.CUDAGraph; "cpu": CpuGraph (recorded C calls); "emulate": eager re-runs
+        self.kind = "emulate" if emulate else self.device.type
+        if self.kind == "cpu":
+            if not getattr(backend, "supports_cpu_graphs", False):
+                raise ValueError(f"attention backend {getattr(backend, 'name', backend)!r} cannot be recorded in a "
+                                 "CPU graph (it needs the native decode kernel); or enforce_eager=True")
+        elif not emulate and self.device.type != "cuda":
+            raise ValueError(f"decode graphs need a CUDA or CPU device, got {self.device}")
+        elif not getattr(backend, "supports_cuda_graphs", False):
             raise ValueError(
                 f"attention backend {getattr(backend, 'name', backend)!r} cannot be captured in a "
                 "CUDA graph (it plans each step on the host); use triton or flash_attn, "
@@ -305,6 +337,8 @@ class CudaGraphDecodeRunner:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.emulate = emulate
+        if max_capture_size is None:
+            max_capture_size = CPU_MAX_CAPTURE_SIZE if self.kind == "cpu" else DEFAULT_MAX_CAPTURE_SIZE
         self.buckets = capture_batch_sizes(max_num_seqs, max_capture_size)
         self.max_seqlen_k = max_blocks_per_seq * self.block_size
         plan = getattr(backend, "decode_context_buckets", None)
@@ -313,14 +347,21 @@ class CudaGraphDecodeRunner:
         for bs in self.buckets:
             bounds = sorted(set(plan(bs, self.max_seqlen_k, kv_caches[0][0]))) if plan else []
             self.context_buckets[bs] = [b for b in bounds if b < self.max_seqlen_k] + [self.max_seqlen_k]
-        self._graphs: dict[tuple[int, int], object] = {}
-        self._pool = None
+        self._graphs: dict[tuple, object] = {}
+        self._modules: list | None = None  # the model's modules (_model_changed), listed at first use
+        self._weights: tuple | None = None  # the parameters (and their addresses) the CPU graphs were recorded with
+        self._pool = GraphPool() if self.kind == "cpu" else None
+        self._ready = False  # capture() called (CPU graphs are then recorded at each key's first step)
+        #: why CPU graphs were switched off (an operation a graph cannot replay), else None
+        self.not_capturable: str | None = None
         self.num_replays = 0
         top = self.buckets[-1]
         self.layout = StagingLayout(top, max_blocks_per_seq)
-        self._dev_bytes = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=self.device)
         self._host_bytes = torch.zeros(self.layout.nbytes, dtype=torch.uint8,
                                        pin_memory=self.device.type == "cuda")
+        # on the CPU the graphs read the host buffer itself: nothing to upload
+        self._dev_bytes = (self._host_bytes if self.kind == "cpu"
+                           else torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=self.device))
         dev, host = self.layout.views(self._dev_bytes), self.layout.views(self._host_bytes)
         self._host = {k: v.numpy() for k, v in host.items()}
         self._buf = DecodeBatch(dev["input_ids"], dev["positions"], dev["slot_mapping"], dev["context_lens"],
@@ -334,11 +375,16 @@ class CudaGraphDecodeRunner:
 
     @property
     def captured(self) -> bool:
+        """Steps can replay: graphs were captured (CPU: recording was enabled and nothing was
+        found that a graph cannot replay)."""
+        if self.kind == "cpu":
+            return self._ready and self.not_capturable is None
         return bool(self._graphs)
 
     @property
-    def graph_keys(self) -> list[tuple[int, int]]:
-        """``(batch bucket, context bound)`` of every captured graph."""
+    def graph_keys(self) -> list[tuple]:
+        """``(batch bucket, context bound)`` of every captured graph (CPU graphs: ``(batch
+        bucket, context bound, torch threads)``, recorded at first use)."""
         return sorted(self._graphs)
 
     # -- static inputs ------------------------------------------------------------------------
@@ -353,6 +399,8 @@ class CudaGraphDecodeRunner:
         h["block_tables"][lo:hi, 0] = 0
 
     def _upload(self, rows: int) -> None:
+        if self._dev_bytes is self._host_bytes:
+            return
         n = self.layout.step_bytes(rows)
         self._dev_bytes[:n].copy_(self._host_bytes[:n], non_blocking=True)
         if self._copy_done is not None:
@@ -391,7 +439,9 @@ class CudaGraphDecodeRunner:
         h["positions"][:n] = positions
         h["slot_mapping"][:n] = slot_mapping
         h["context_lens"][:n] = ctx
-        fill_block_tables(h["block_tables"][:n], block_tables)
+        used = fill_block_tables(h["block_tables"][:n], block_tables)
+        if self.kind == "cpu":
+            self._check_tables(n, used)
         if self._staged is None or self._staged[0] != n:
             self._fill_padding(n, bucket)
         cu = h["cu_seqlens_k"]
@@ -403,6 +453,22 @@ class CudaGraphDecodeRunner:
         bound = bounds[min(bisect.bisect_left(bounds, max_ctx), len(bounds) - 1)]
         self._staged = (n, bucket, bound)
         return n
+
+    def _check_tables(self, n: int, used: np.ndarray | None) -> None:
+        """The CPU kernels trust the block tables (a replay makes no check): refuse a step whose
+        tables point outside the KV cache or hold -1 within a sequence's tokens. ``used``: the
+        tables' block ids when they came as lists (each list is its sequence's blocks)."""
+        if used is None:
+            h = self._host
+            tables, lens = h["block_tables"][:n], h["context_lens"][:n]
+            bs = self.block_size
+            used = tables[np.arange(tables.shape[1])[None, :] < ((lens + bs - 1) // bs)[:, None]]
+        num_blocks = int(self.kv_caches[0][0].shape[0])
+        if used.size and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+            self._staged = None
+            raise RuntimeError(f"decode graph: a block table holds {int(used.min())}..{int(used.max())} within its "
+                               f"sequence's tokens, outside the KV cache's {num_blocks} blocks (block manager state "
+                               "is corrupt)")
 
     def static_input_ids(self, n: int) -> torch.Tensor:
         """The static ``input_ids`` buffer's first ``n`` rows (int64, device)."""
@@ -449,6 +515,14 @@ class CudaGraphDecodeRunner:
         ids, pos = self._buf.input_ids[:bs], self._buf.positions[:bs]
         out = self._hidden[:bs]
 
+        if self.kind == "cpu":  # planned once: a CPU graph records the forward, not the plan
+            self.backend.prepare_cpu_graph(meta)
+
+            def fn() -> None:
+                out.copy_(self.model(ids, pos, ctx))
+
+            return fn
+
         def fn() -> None:
             meta.extras.clear()
             self.backend.prepare(meta)
@@ -462,7 +536,14 @@ class CudaGraphDecodeRunner:
 
         Each graph first runs ``warmup_iters`` eager forwards on the all-padding static
         buffers (compiles Triton kernels, sets up cuBLAS workspaces; writes no KV).
+
+        CPU graphs are not recorded here but at the first step of each (bucket, context bound,
+        thread count): that step's forward runs for real while it is recorded (nothing to warm
+        up, no memory for buckets never used).
         """
+        if self.kind == "cpu":
+            self._ready = True
+            return
         for bs in reversed(self.buckets):
             for bound in reversed(self.context_buckets[bs]):
                 fn = self._forward_into_static(bs, bound)
@@ -487,6 +568,38 @@ class CudaGraphDecodeRunner:
         return self.can_run_step(meta.num_seqs, meta.num_tokens, meta.is_decode_only, meta.block_size,
                                  int(meta.block_tables.shape[1]))
 
+    def reset(self) -> None:
+        """Drop every recorded CPU graph: each is recorded again at its next step (after changing
+        the model's code on a live engine, which the runner cannot see). CUDA graphs: refused."""
+        if self.kind != "cpu":
+            raise ValueError("reset() drops CPU graphs; CUDA graphs are captured once, at start-up")
+        self._graphs.clear()
+
+    def _model_changed(self) -> bool:
+        """A CPU graph would not replay the model as it now is: some module has a forward hook or
+        pre-hook (or one is registered for all modules: a replay calls no module, so such steps
+        run eagerly), or a parameter of the modules listed at the first step was replaced or given
+        new storage since the graphs were recorded (they are then dropped and recorded again).
+        C-level ``map``s: a few microseconds for the embedded model."""
+        if self._modules is None:
+            self._modules = list(self.model.modules()) if isinstance(self.model, torch.nn.Module) else []
+            self._param_dicts = [m._parameters for m in self._modules]
+        if (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks
+                or any(map(_FORWARD_HOOKS, self._modules)) or any(map(_FORWARD_PRE_HOOKS, self._modules))):
+            return True
+        params = tuple(filter(_not_none, chain.from_iterable(map(dict.values, self._param_dicts))))
+        try:
+            addresses = tuple(map(torch.Tensor.data_ptr, params))
+        except RuntimeError:  # an opaque (oneDNN-packed) weight has no data pointer: its identity is its id
+            addresses = tuple(0 if p.is_mkldnn else p.data_ptr() for p in params)
+        key = (tuple(map(id, params)), addresses)
+        if self._weights is None or key != self._weights[1]:
+            if self._weights is not None:
+                logger.info("CPU graphs: the model's parameters changed; recording the graphs again")
+            self._graphs.clear()
+            self._weights = (params, key)  # holds the parameters: their ids stay theirs, their memory valid
+        return False
+
     def can_run_step(self, num_seqs: int, num_tokens: int, decode_only: bool, block_size: int,
                      table_width: int) -> bool:
         """``can_run`` from host values (no metadata built yet)."""
@@ -498,6 +611,7 @@ class CudaGraphDecodeRunner:
             and select_bucket(num_seqs, self.buckets) is not None
             and block_size == self.block_size
             and table_width <= self.max_blocks_per_seq
+            and (self.kind != "cpu" or not self._model_changed())
         )
 
     def replay(self, n: int) -> torch.Tensor:
@@ -511,7 +625,36 @@ class CudaGraphDecodeRunner:
             raise ValueError(f"replay({n}): the staged step has {None if self._staged is None else self._staged[0]} "
                              "sequences; call stage() first")
         _, bucket, bound = self._staged
-        self._graphs[(bucket, bound)].replay()
+        if self.kind == "cpu":
+            key = (bucket, bound, torch.get_num_threads())  # a graph's calls split work for its thread count
+            graph = self._graphs.get(key)
+            if graph is None:
+                return self._record_cpu(key, n)
+            graph.replay()
+        else:
+            self._graphs[(bucket, bound)].replay()
+        self.num_replays += 1
+        return self._hidden[:n]
+
+    def _record_cpu(self, key: tuple, n: int) -> torch.Tensor:
+        """Run the staged step while recording it as the CPU graph of ``key``. If the forward does
+        something a graph cannot replay, CPU graphs are switched off (``not_capturable`` says why)
+        and this step's forward runs again, eagerly, into the same static output: the recorded
+        part only wrote what the eager run writes again (this step's K/V, intermediates)."""
+        bucket, bound, _ = key
+        fn = self._forward_into_static(bucket, bound)
+        graph = CpuGraph(self._pool)
+        with torch.inference_mode():
+            try:
+                with graph.capture():
+                    fn()
+            except NotCapturable as e:
+                self.not_capturable = str(e)
+                logger.warning("CPU graphs off for this engine: %s", e)
+                fn()
+                return self._hidden[:n]
+        graph.keep_alive(fn)  # its metadata hold the static plan's tensors the calls point into
+        self._graphs[key] = graph
         self.num_replays += 1
         return self._hidden[:n]
 
@@ -540,13 +683,16 @@ class CudaGraphDecodeRunner:
         return self.replay(n)
 
 
-def fill_block_tables(out: np.ndarray, tables) -> None:
+def fill_block_tables(out: np.ndarray, tables) -> np.ndarray | None:
     """Write ``tables`` into ``out [n, width]`` with -1 past each row's blocks, without a
     Python loop over rows.
 
     Args:
         out: int32 ``[n, width]`` (a view is written in place).
         tables: an int ``[n, w]`` array with ``w <= width`` (-1 padded), or ``n`` block-id lists.
+
+    Returns:
+        For lists, every block id they hold (int32, concatenated); for an array, None.
 
     Raises:
         ValueError: a row is longer than ``width``.
@@ -558,10 +704,11 @@ def fill_block_tables(out: np.ndarray, tables) -> None:
         w = tables.shape[1]
         out[:, :w] = tables
         out[:, w:] = -1
-        return
+        return None
     lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=n)
     if n and int(lens.max(initial=0)) > width:
         raise ValueError(f"a block table has {int(lens.max())} blocks, more than the width {width}")
     flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
     out.fill(-1)
     out[np.arange(width)[None, :] < lens[:, None]] = flat  # row-major order matches the concatenation
+    return flat

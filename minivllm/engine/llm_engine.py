@@ -168,19 +168,26 @@ class LLMEngine:
 
     def _optimise(self, args: EngineArgs, device: torch.device) -> None:
         """torch.compile of the small fused ops (default: on CUDA only, where it pays for its
-        start-up time; a float32 CPU model gets our C versions of them instead) and decode CUDA
-        graphs (CUDA, ``enforce_eager=False``, tp=1)."""
+        start-up time; a float32 CPU model gets our C versions of them instead) and decode graphs
+        (``enforce_eager=False``, tp=1): CUDA graphs on CUDA; CPU graphs on a CPU for a float32,
+        unquantised model with the C ops and the native decode kernel."""
         if args.compile if args.compile is not None else device.type == "cuda":
             self.runner.enable_compile()
         elif device.type == "cpu":
             from minivllm.layers import cpu_fused
-            self.runner.enable_cpu_fused_ops()  # float32 models only
+            self.runner.cpu_fused_ops = self.runner.enable_cpu_fused_ops()  # float32 models only
             logger.info("CPU norms, rotary and SiLU: %s", cpu_fused.describe(self.config.dtype))
-        if device.type != "cuda" or args.enforce_eager:
+        if args.enforce_eager or device.type not in ("cuda", "cpu"):
             return
-        if args.tensor_parallel_size > 1 or not self.runner.backend.supports_cuda_graphs:
-            logger.info("CUDA graphs off: attention backend %s / tensor_parallel_size=%d",
-                        self.runner.backend.name, args.tensor_parallel_size)
+        kind = "CUDA" if device.type == "cuda" else "CPU"
+        supported = getattr(self.runner.backend, f"supports_{kind.lower()}_graphs", False)
+        if kind == "CPU" and (self.config.dtype != torch.float32 or not self.runner.cpu_fused_ops
+                              or args.quantization is not None):
+            supported = False  # the torch paths (and int8's ops) allocate fresh tensors each call: nothing to replay
+        if args.tensor_parallel_size > 1 or not supported:
+            logger.info("%s graphs off: attention backend %s, dtype %s, quantization %s, tensor_parallel_size=%d",
+                        kind, self.runner.backend.name, self.config.dtype, args.quantization,
+                        args.tensor_parallel_size)
             return
         self.runner.enable_cuda_graphs(args.max_num_seqs, self.config.max_model_len)
 

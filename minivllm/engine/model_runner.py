@@ -48,7 +48,7 @@ class ModelInput:
             decode has one row per scored token: the last known token and each draft).
         drafts: speculative decodes: sequence -> (its first row, its draft token ids, the
             distributions they were drawn from or None; see ``minivllm/spec_decode/proposal.py``).
-        graph_rows: set when the step was staged into the decode CUDA graphs' static
+        graph_rows: set when the step was staged into the decode graphs' static
             buffers (``input_ids``/``positions``/``meta`` are then views of them): replay
             with ``graph_runner.replay(graph_rows)``.
         host: the step's host arrays, views of what was uploaded: int64 ``input_ids``,
@@ -279,7 +279,8 @@ class ModelRunner:
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, self.block_size,
                                                           self.dtype, self.device, self.tp_size)
-        self.graph_runner = None  # decode CUDA graphs, see enable_cuda_graphs
+        self.graph_runner = None  # decode graphs (CUDA or CPU), see enable_cuda_graphs
+        self.cpu_fused_ops = False  # set by the engine (enable_cpu_fused_ops)
 
     # -- set-up ---------------------------------------------------------------------------
     def _size_kv_cache(self) -> int:
@@ -374,7 +375,8 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, emulate: bool = False) -> None:
         """Capture decode CUDA graphs for batch-size buckets up to ``max_num_seqs``, with block
-        tables wide enough for ``max_model_len`` (see ``minivllm/engine/cuda_graph.py``).
+        tables wide enough for ``max_model_len`` (see ``minivllm/engine/cuda_graph.py``); on a
+        CPU, CPU graphs (``minivllm/layers/cpu_graph.py``), recorded at each bucket's first step.
         ``emulate=True`` replays eagerly through the same static buffers (tests on CPU)."""
         from minivllm.engine.cuda_graph import CudaGraphDecodeRunner
 
@@ -383,8 +385,12 @@ class ModelRunner:
             self.model, self.kv_caches, self.backend, max_num_seqs, cdiv(max_model_len, self.block_size),
             self.hf_config.hidden_size, self.device, self.dtype, emulate=emulate)
         self.graph_runner.capture()
-        logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graph_runner.buckets,
-                    time.perf_counter() - t0)
+        if self.graph_runner.kind == "cpu":
+            logger.info("CPU graphs: decode steps of up to %d sequences are recorded at their first step "
+                        "(buckets %s) and replayed", self.graph_runner.buckets[-1], self.graph_runner.buckets)
+        else:
+            logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graph_runner.buckets,
+                        time.perf_counter() - t0)
 
     def enable_compile(self, backend: str = "inductor") -> None:
         """``torch.compile`` the small elementwise-heavy ops (RMSNorm + residual, SiLU-and-mul,
@@ -472,7 +478,8 @@ class ModelRunner:
         bs = self.block_size
         if self._staging is not None:
             self._staging.begin_step()
-        if plan.all_plain_decodes and len(plan.scheduled) >= _VECTOR_DECODE_MIN and self.graph_runner is None:
+        g = self.graph_runner
+        if plan.all_plain_decodes and (len(plan.scheduled) >= _VECTOR_DECODE_MIN or (g is not None and g.captured)):
             fast = self._decode_input(plan)
             if fast is not None:
                 return fast
@@ -513,9 +520,8 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
         t = len(input_ids)
-        g = self.graph_runner
         if g is not None and g.can_run_step(len(q_lens), t, max(q_lens) == 1, bs, max(map(len, tables))):
-            # decode step for a CUDA graph: padded on the host, one upload into its static buffers
+            # decode step for a graph: padded on the host, one upload into its static buffers
             n = g.stage(np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
                         np.asarray(slots, dtype=np.int64), np.asarray(context_lens, dtype=np.int32), tables)
             meta = g.staged_meta(context_lens)
@@ -541,7 +547,8 @@ class ModelRunner:
     def _decode_input(self, plan: SchedulerOutput) -> ModelInput | None:
         """``prepare_input`` for a step of plain decodes (one token each, no drafts): C-level
         gathers (``map`` over attribute getters) and one list comprehension per input instead
-        of a loop of appends, then the one numpy call and uploads of the general path. None if
+        of a loop of appends, then the one numpy call and uploads of the general path, or the
+        decode graphs' staging when they take the step. None if
         some entry does not sample (never expected for a decode; the general path handles it)."""
         scheduled = plan.scheduled
         if not all(map(_SAMPLES, scheduled)):
@@ -553,6 +560,13 @@ class ModelRunner:
         bs = self.block_size
         tables = list(map(_BLOCK_TABLE, sampling))
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        g = self.graph_runner
+        if g is not None and g.can_run_step(n, n, True, bs, max(map(len, tables))):
+            context_lens = [p + 1 for p in positions]
+            g.stage(input_ids, positions, slots, context_lens, tables)  # into the graphs' static buffers
+            return ModelInput(input_ids=g.static_input_ids(n), positions=g.static_positions(n),
+                              meta=g.staged_meta(context_lens), logits_indices=None, sampling_seqs=sampling,
+                              graph_rows=n)
         stride = cdiv(n, 2) * 2  # parts on 16-byte boundaries, as in prepare_input
         pad = [0] * (stride - n)
         flat_host = np.array(input_ids + pad + positions + pad + slots + pad + list(range(n)), dtype=np.int64)
@@ -595,7 +609,7 @@ class ModelRunner:
         """One forward over tokens placed by the caller (a draft model's proposer, which keeps
         its own block tables): each sequence's new tokens back to back (``q_lens``), their
         ``positions`` and KV cache ``slots``, each sequence's KV length after the step
-        (``context_lens``) and block table. Eager (no CUDA graph). Returns fp32 logits
+        (``context_lens``) and block table. Eager (no decode graph). Returns fp32 logits
         ``[len(rows), vocab_size]`` of the token rows ``rows``."""
         if self._staging is not None:
             self._staging.begin_step()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm.layers.cpu_graph import launch
 from minivllm.layers.native_build import NativeLibrary
 from minivllm.layers.native_parallel import run_chunks
 
@@ -125,9 +126,9 @@ class CpuFusedOps:
             out = torch.empty(outer, inner, dim, dtype=F32, device="cpu")
         xp, s_outer, wp, op = x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr()
         if outer * inner * dim < 2 * MIN_ELEMENTS_PER_THREAD:
-            self._rms(xp, outer, inner, s_outer, s_inner, wp, op, dim, eps)
+            launch(self._rms, xp, outer, inner, s_outer, s_inner, wp, op, dim, eps)
             return out
-        self._split(outer, out.numel(), lambda lo, hi: self._rms(
+        launch(self._split, outer, out.numel(), lambda lo, hi: self._rms(
             xp + lo * s_outer * 4, hi - lo, inner, s_outer, s_inner, wp, op + lo * inner * dim * 4, dim, eps))
         return out
 
@@ -142,9 +143,9 @@ class CpuFusedOps:
         (rows, dim), wp = x.shape, weight.data_ptr()
         xp, rp, tp, op = x.data_ptr(), residual.data_ptr(), total.data_ptr(), out.data_ptr()
         if rows * dim < 2 * MIN_ELEMENTS_PER_THREAD:
-            self._add_rms(xp, rp, wp, tp, op, rows, dim, eps)
+            launch(self._add_rms, xp, rp, wp, tp, op, rows, dim, eps)
             return out, total
-        self._split(rows, x.numel(), lambda lo, hi: self._add_rms(
+        launch(self._split, rows, x.numel(), lambda lo, hi: self._add_rms(
             xp + lo * dim * 4, rp + lo * dim * 4, wp, tp + lo * dim * 4, op + lo * dim * 4, hi - lo, dim, eps))
         return out, total
 
@@ -163,22 +164,19 @@ class CpuFusedOps:
         tokens, heads, dim = x.shape
         out = torch.empty(tokens, heads, dim, dtype=F32, device="cpu")
         xp, s_tok, s_head, pp, op = x.data_ptr(), x.stride(0), x.stride(1), positions.data_ptr(), out.data_ptr()
-        cp, max_position, firsts_bad = cos_sin.data_ptr(), cos_sin.shape[0], []
+        cp, max_position = cos_sin.data_ptr(), cos_sin.shape[0]
 
         def run(lo: int, hi: int) -> None:
             found = self._rope(xp + lo * s_tok * 4, hi - lo, heads, s_tok, s_head, pp + lo * 8, cp, max_position,
                                op + lo * heads * dim * 4, dim)
-            if found >= 0:
-                firsts_bad.append(lo + found)
+            if found >= 0:  # raised here, so a CPU graph's replay checks too
+                raise IndexError(f"rotary embedding: position {int(positions[lo + found])} (token {lo + found}) "
+                                 f"is outside the table of {max_position} positions (max_position_embeddings)")
 
         if tokens * heads * dim < 2 * MIN_ELEMENTS_PER_THREAD:
-            run(0, tokens)
+            launch(run, 0, tokens)
         else:
-            self._split(tokens, out.numel(), run)
-        bad = min(firsts_bad, default=-1)
-        if bad >= 0:
-            raise IndexError(f"rotary embedding: position {int(positions[bad])} (token {bad}) is outside the "
-                             f"table of {cos_sin.shape[0]} positions (max_position_embeddings)")
+            launch(self._split, tokens, out.numel(), run)
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -190,8 +188,8 @@ class CpuFusedOps:
         out = torch.empty(rows, inter, dtype=F32, device="cpu")
         xp, s_row, op = x.data_ptr(), x.stride(0), out.data_ptr()
         if rows * inter < MIN_ELEMENTS_PER_THREAD:  # x has 2 * rows * inter elements
-            self._silu(xp, rows, s_row, op, inter)
+            launch(self._silu, xp, rows, s_row, op, inter)
             return out
-        self._split(rows, x.numel(), lambda lo, hi: self._silu(xp + lo * s_row * 4, hi - lo, s_row,
+        launch(self._split, rows, x.numel(), lambda lo, hi: self._silu(xp + lo * s_row * 4, hi - lo, s_row,
                                                               op + lo * inter * 4, inter))
         return out

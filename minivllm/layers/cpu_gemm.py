@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm.layers.cpu_graph import launch
 from minivllm.layers.native_build import NativeLibrary
 
 __all__ = ["PanelGemm", "describe", "is_panels", "load", "pack_panels", "packable", "unavailable_reason", "unpack_panels"]
@@ -140,6 +141,6 @@ class PanelGemm:
             # the C code splits the panels over its own threads (torch's thread count of them); it
             # returns when all are written, so an interrupt can only arrive after the call
             parts = max(1, min(torch.get_num_threads(), nb, m * n * k // MIN_MACS_PER_THREAD))
-            self._fn(x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr(),
+            launch(self._fn, x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr(),
                      bias.data_ptr() if bias is not None else None, m, k, y.data_ptr(), n, nb, parts)
         return y if flat else y.reshape(*x.shape[:-1], n)

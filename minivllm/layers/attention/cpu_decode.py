@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm.layers import cpu_graph
 from minivllm.layers.native_build import NativeLibrary
 from minivllm.layers.native_parallel import run_chunks
 from minivllm.logger import init_logger
@@ -79,6 +80,10 @@ class PagedDecodeKernel:
         fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
         fn.restype = None
         self._fn = fn
+        store = lib.paged_store_kv_f32
+        store.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64]
+        store.restype = i64
+        self._store = store
         # One kernel object serves every backend in the process, and engines may step in
         # different Python threads at once (ctypes drops the GIL): each calling thread gets its
         # own score scratch.
@@ -156,5 +161,45 @@ class PagedDecodeKernel:
 
         # several chunks run on several threads (ctypes drops the GIL); run_chunks returns only once
         # every chunk is done, so the scratch is free for the next call even after an interrupt
-        run_chunks(run, chunks)
+        cpu_graph.launch(run_chunks, run, chunks)
+        graph = cpu_graph.capturing()
+        if graph is not None:
+            graph.keep_alive(scratch)  # the thread's scratch may be replaced by a larger one later
         return out
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> bool:
+        """Write token ``t``'s ``k[t]`` and ``v[t]`` (``[T, kv_heads, head_dim]`` fp32, each token's
+        heads contiguous) at slot ``slot_mapping[t]`` (int64 ``[T]``, contiguous; -1: skipped) of
+        the caches (``[num_blocks, block_size, kv_heads, head_dim]`` fp32, contiguous). Returns
+        False, writing nothing, for tensors it does not take (the caller then uses ``index_copy_``).
+
+        Raises:
+            IndexError: a slot outside ``[-1, num_blocks * block_size)``, naming it.
+        """
+        tokens = k.shape[0]
+        if (k.dim() != 3 or v.shape != k.shape or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape
+                or slot_mapping.shape != (tokens,) or slot_mapping.dtype is not torch.int64
+                or not slot_mapping.is_contiguous() or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
+            return False
+        for t in (k, v, k_cache, v_cache):
+            if t.dtype is not torch.float32 or not t.is_cpu:
+                return False
+        row = k.shape[1] * k.shape[2]
+        if tokens > 1 and (k.stride(1) != k.shape[2] or k.stride(2) != 1 or v.stride(1) != v.shape[2]
+                           or v.stride(2) != 1):
+            return False
+        if tokens == 1 and not (k[0].is_contiguous() and v[0].is_contiguous()):
+            return False
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        args = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), tokens, row,
+                k_cache.data_ptr(), v_cache.data_ptr(), num_slots)
+
+        def store() -> None:
+            bad = self._store(*args)
+            if bad >= 0:
+                raise IndexError(f"KV cache write: slot {int(slot_mapping[bad])} (token {bad}) is outside the "
+                                 f"cache's {num_slots} slots")
+
+        cpu_graph.launch(store)
+        return True

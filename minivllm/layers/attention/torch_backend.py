@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from minivllm.layers.attention import cpu_decode
 from minivllm.layers.attention.backend import AttentionBackend
 from minivllm.layers.attention.metadata import AttentionMetadata
+from minivllm.layers.cpu_graph import NotCapturable
 from minivllm.utils import cdiv
 
 _EXTRAS_KEY = "torch_backend_plan"
@@ -90,8 +91,8 @@ class _GroupPlan:
 
 @dataclass
 class _StepPlan:
-    write_tokens: torch.Tensor  # int64 [m]: tokens whose slot is not -1
-    write_slots: torch.Tensor  # int64 [m]: their cache slots
+    write_tokens: torch.Tensor | None  # int64 [m]: tokens whose slot is not -1 (None: a CPU graph's plan)
+    write_slots: torch.Tensor | None  # int64 [m]: their cache slots
     groups: list[_GroupPlan]
     # Fast paths (same results, less copying), decided once per step:
     # every token is a decode of its own sequence, in order: no query scatter/gather
@@ -293,6 +294,32 @@ class TorchAttentionBackend(AttentionBackend):
         meta.extras[_EXTRAS_KEY] = _StepPlan(write_tokens, slots[write_tokens], groups, all_decode, single_fresh,
                                              None if single_fresh else fresh)
 
+    @property
+    def supports_cpu_graphs(self) -> bool:
+        """Decode steps can be recorded in a CPU graph (``minivllm/layers/cpu_graph.py``): the
+        native kernel is loaded, so a decode step's attention and KV write are C calls reading
+        the step's static metadata."""
+        return self._kernel is not None
+
+    def prepare_cpu_graph(self, meta: AttentionMetadata) -> None:
+        """The step plan of a CPU graph's decode step: ``meta``'s tensors are the graph's static
+        buffers (``block_tables`` int32 ``[n, width]`` contiguous, ``context_lens`` int32 ``[n]``,
+        ``slot_mapping`` int64 ``[n]``), read by the kernel at every replay; nothing here reads
+        their values, so the plan serves every replay. Keys are bounded by ``meta.max_seqlen_k``
+        (the table's width in tokens: it sizes the score scratch).
+
+        Raises:
+            NotCapturable: no native kernel, or metadata the kernel does not take as they are.
+        """
+        tables, lens = meta.block_tables, meta.context_lens
+        if (self._kernel is None or tables.dtype != torch.int32 or not tables.is_contiguous() or lens.dtype != torch.int32
+                or meta.slot_mapping.device.type != "cpu" or not meta.is_decode_only):
+            raise NotCapturable("CPU graph: decode attention needs the native kernel and int32 CPU metadata")
+        n = meta.num_seqs
+        gp = _GroupPlan(n, 1, meta.max_seqlen_k, None, None, None, None, None, tables32=tables,
+                        row_seq=torch.arange(n, dtype=torch.int32), row_lens=lens)
+        meta.extras[_EXTRAS_KEY] = _StepPlan(None, None, [gp], all_decode=True)
+
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         plan: _StepPlan | None = meta.extras.get(_EXTRAS_KEY)
         if plan is None:
@@ -301,12 +328,16 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, kv_heads, head_dim)
         v_flat = v_cache.view(num_blocks * block_size, kv_heads, head_dim)
-        if plan.write_tokens.numel() == k.shape[0]:  # no padding tokens: every row is written
-            k_new, v_new = k, v
-        else:
-            k_new, v_new = k[plan.write_tokens], v[plan.write_tokens]
-        k_flat.index_copy_(0, plan.write_slots, k_new.to(k_cache.dtype))
-        v_flat.index_copy_(0, plan.write_slots, v_new.to(v_cache.dtype))
+        # fp32 on the CPU: one C call writes every token's K and V (slot -1 skipped)
+        if self._kernel is None or not self._kernel.store_kv(k, v, k_cache, v_cache, meta.slot_mapping):
+            if plan.write_tokens is None:
+                raise NotCapturable(f"CPU graph: the KV cache write takes fp32 CPU tensors, got {k.dtype} on {k.device}")
+            if plan.write_tokens.numel() == k.shape[0]:  # no padding tokens: every row is written
+                k_new, v_new = k, v
+            else:
+                k_new, v_new = k[plan.write_tokens], v[plan.write_tokens]
+            k_flat.index_copy_(0, plan.write_slots, k_new.to(k_cache.dtype))
+            v_flat.index_copy_(0, plan.write_slots, v_new.to(v_cache.dtype))
 
         num_heads = q.shape[1]
         compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype

@@ -152,3 +152,20 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
         }
     }
 }
+
+/* Write each token's new K and V into the paged cache: token t's row (all kv heads, ``row``
+   floats, unit stride) goes to slot slots[t] of both caches ([num_slots, row] each); slot -1 is
+   skipped (a padded row of a decode graph). Returns the first token whose slot is outside
+   [-1, num_slots), nothing written from it on, or -1 when all were in range. */
+int64_t paged_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                           const int64_t *slots, int64_t tokens, int64_t row, float *k_cache, float *v_cache,
+                           int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t s = slots[t];
+        if (s == -1) continue;
+        if (s < -1 || s >= num_slots) return t;
+        memcpy(k_cache + s * row, k + t * k_stride, row * sizeof(float));
+        memcpy(v_cache + s * row, v + t * v_stride, row * sizeof(float));
+    }
+    return -1;
+}

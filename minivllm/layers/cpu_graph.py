@@ -1,0 +1,208 @@
+"""CPU graphs: record one forward's calls once, replay them without the Python around them.
+
+On a CPU our decode forward is a few dozen C calls (GEMMs, norms, rotary, attention) wrapped in
+module calls, shape checks and tensor allocations; for a small model that Python costs as much
+as the arithmetic (the embedded model's batch-1 decode step: ~1.3 ms of GEMM in ~4-5 ms). A CUDA
+graph removes the same cost on a GPU by recording kernel launches (``minivllm/engine/cuda_graph.py``);
+a :class:`CpuGraph` records the C calls instead, with the pointers they were given, and
+:meth:`CpuGraph.replay` makes those calls again in order, nothing else.
+
+The same rules as a CUDA graph follow: inputs must be copied into static buffers before a replay,
+the output is read from a static buffer, and every intermediate must sit at the address it had
+at capture. So while capturing:
+
+* our C wrappers hand their call to :func:`launch`, which runs it and records it;
+* a ``TorchDispatchMode`` sees every ATen operation: view operations (no data moved) are not
+  recorded; allocations (``torch.empty`` and kin) are served from the graph's :class:`GraphPool`,
+  whose memory lives as long as the graph; in-place and ``out=`` operations on tensors that keep
+  their addresses are recorded and replayed as they are, and a few operations whose result's
+  shape depends only on their inputs' shapes (the embedding lookup) are recorded as their
+  ``out=`` form writing into the pool; any other operation raises
+  :class:`NotCapturable` naming it (its result would be a fresh tensor at replay, invisible to
+  the calls after it), and the caller keeps running that forward eagerly.
+
+Graphs share one pool (allocation restarts at its beginning for each capture), as CUDA graphs
+share a memory pool: only one replays at a time and each writes every intermediate before it
+reads it.
+"""
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CpuGraph", "GraphPool", "NotCapturable", "launch", "capturing"]
+
+aten = torch.ops.aten
+
+_current: ContextVar["CpuGraph | None"] = ContextVar("minivllm_cpu_graph", default=None)
+
+#: allocations served from the pool (their result is fresh memory, no values read)
+_FACTORIES = {aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+              aten.empty_strided.default}
+#: operations whose output's shape and dtype follow from their inputs' shapes alone: recorded
+#: as their ``out=`` overload writing into a pool tensor (the embedding lookup of the token ids)
+_SHAPE_STATIC = {aten.embedding.default: aten.embedding.out, aten.index_select.default: aten.index_select.out}
+_ALIGNMENT = 64  # bytes: every pool allocation starts on a cache line
+
+
+class NotCapturable(RuntimeError):
+    """A forward did something a CPU graph cannot replay (names the operation)."""
+
+
+def capturing() -> "CpuGraph | None":
+    """The graph being captured on this thread (or context), else ``None``."""
+    return _current.get()
+
+
+def launch(fn: Callable[..., object], *args) -> None:
+    """Call ``fn(*args)``; while a graph is captured, also record the call for its replays.
+
+    ``args`` are what the call needs again at replay: pointers (ints) into tensors whose memory
+    stays put (static inputs, weights, the KV cache, the pool), sizes, scalars. ``fn`` returns
+    nothing useful: a check of its result belongs inside ``fn`` so the replay makes it too.
+    """
+    fn(*args)
+    graph = _current.get()
+    if graph is not None:
+        graph._calls.append((fn, args))
+
+
+class GraphPool:
+    """Memory for the tensors allocated while capturing: one growing list of byte buffers,
+    handed out in order (each allocation cache-line aligned). :meth:`rewind` starts the next
+    capture at the beginning; a buffer is added when a capture needs more than the pool holds.
+    Buffers are never freed while the pool lives (graphs hold raw pointers into them)."""
+
+    def __init__(self, chunk_bytes: int = 1 << 20):
+        self._chunk_bytes = chunk_bytes
+        self._chunks: list[torch.Tensor] = []
+        self._chunk, self._offset = 0, 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(c.numel() for c in self._chunks)
+
+    def rewind(self) -> None:
+        self._chunk, self._offset = 0, 0
+
+    def allocate(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype`` in the pool."""
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        need = -(-max(numel * dtype.itemsize, 1) // _ALIGNMENT) * _ALIGNMENT
+        while True:
+            if self._chunk == len(self._chunks):
+                buf = torch.empty(max(self._chunk_bytes, need) + _ALIGNMENT, dtype=torch.uint8)
+                self._chunks.append(buf)
+            buf = self._chunks[self._chunk]
+            start = -buf.data_ptr() % _ALIGNMENT + self._offset
+            if start + need <= buf.numel():
+                self._offset = start - (-buf.data_ptr() % _ALIGNMENT) + need
+                return buf[start:start + numel * dtype.itemsize].view(dtype).view(tuple(int(s) for s in shape))
+            self._chunk, self._offset = self._chunk + 1, 0
+
+
+class _Recorder(TorchDispatchMode):
+    """Sorts each ATen operation of a capture (see the module docstring)."""
+
+    def __init__(self, graph: "CpuGraph"):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES:
+            like = args[0] if func in (aten.empty_like.default, aten.new_empty.default) else None
+            shape = args[1] if func is aten.new_empty.default else (like.shape if like is not None else args[0])
+            dtype = kwargs.get("dtype") or (like.dtype if like is not None else torch.get_default_dtype())
+            device = kwargs.get("device") or (like.device if like is not None else torch.device("cpu"))
+            if torch.device(device).type != "cpu":
+                raise NotCapturable(f"CPU graph: {func} allocates on {device}")
+            return self.graph.pool.allocate(shape, dtype)
+        if func.is_view or func in (aten.detach.default, aten.alias.default, aten._unsafe_view.default):
+            return func(*args, **kwargs)
+        if func in _SHAPE_STATIC:
+            ref = func(*args, **kwargs)  # (once, at capture: gives the output's shape and dtype)
+            out = self.graph.pool.allocate(ref.shape, ref.dtype)
+            out_func = _SHAPE_STATIC[func]
+            out_func(*args, **kwargs, out=out)
+            self.graph._calls.append((_call_op, (out_func, args, {**kwargs, "out": out})))
+            return out
+        schema = func._schema
+        mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        if not mutates:
+            raise NotCapturable(f"CPU graph: {func} returns a new tensor; a replay would not see it")
+        out = func(*args, **kwargs)
+        self.graph._calls.append((_call_op, (func, args, kwargs)))
+        return out
+
+
+def _call_op(func, args, kwargs) -> None:
+    func(*args, **kwargs)
+
+
+class CpuGraph:
+    """One recorded forward.
+
+    Usage::
+
+        graph = CpuGraph(pool)
+        with graph.capture():
+            out_static.copy_(model(ids_static, pos_static, ctx))  # runs for real, and records
+        ...                                                       # new inputs into the statics
+        graph.replay()                                            # out_static holds the new result
+
+    Attributes:
+        num_calls: calls a replay makes.
+    """
+
+    def __init__(self, pool: GraphPool | None = None):
+        self.pool = pool if pool is not None else GraphPool()
+        self._calls: list[tuple[Callable[..., object], tuple]] = []
+        self._keep: list[object] = []
+        self.complete = False
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._calls)
+
+    def keep_alive(self, *objs: object) -> None:
+        """Hold ``objs`` (tensors a recorded call points into that live outside the pool, or what
+        holds them) for the graph's lifetime."""
+        self._keep.extend(objs)
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Run the body for real while recording it. On any exception (:class:`NotCapturable`, a
+        ``KeyboardInterrupt``) the graph stays empty and incomplete, and the exception propagates."""
+        if _current.get() is not None:
+            raise RuntimeError("CPU graph: a capture is already in progress")
+        self._calls, self._keep, self.complete = [], [], False
+        self.pool.rewind()
+        token = _current.set(self)
+        try:
+            with _Recorder(self):
+                yield self
+            self.complete = True
+        except BaseException:
+            self._calls, self._keep = [], []
+            raise
+        finally:
+            _current.reset(token)
+
+    def replay(self) -> None:
+        """Make the recorded calls again, in order.
+
+        Raises:
+            RuntimeError: the graph was not captured completely.
+        """
+        if not self.complete:
+            raise RuntimeError("CPU graph: replay of a graph that was not captured")
+        for fn, args in self._calls:
+            fn(*args)

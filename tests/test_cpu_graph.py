@@ -1,0 +1,244 @@
+"""CPU graphs (minivllm/layers/cpu_graph.py): recording and replaying a decode forward's C calls.
+
+The engine records a graph per (batch bucket, context bound, thread count) at its first decode step
+and replays it after; every test here compares against the same engine with ``enforce_eager=True``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.layers import cpu_graph
+from minivllm.layers.attention import cpu_decode
+from minivllm.layers.cpu_graph import CpuGraph, GraphPool, NotCapturable
+
+from helpers_engine import prompts_of
+
+pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="the native decode kernel does not build here")
+
+
+def _llm(**kw) -> LLM:
+    return LLM("minivllm-tiny", seed=0, **kw)
+
+
+def _run(llm: LLM, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _logits_of_steps(llm: LLM, prompts, max_tokens: int):
+    """Every decode step's fp32 logits, added one request at a time so batch sizes vary (1..n)."""
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    seen, original = [], runner.forward_logits
+
+    def spy(inp, *args):
+        out = original(inp, *args)
+        if inp.meta.is_decode_only:
+            seen.append(out.clone())
+        return out
+
+    runner.forward_logits = spy
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        runner.forward_logits = original
+    return seen
+
+
+def test_replayed_steps_match_eager_bit_for_bit_and_leave_the_same_kv_cache():
+    """Batches of 1..5 sequences (buckets 1, 2, 4, 8: padded rows in most), prompts of 3..40 tokens:
+    the same logits bit for bit, and the same KV cache (padded rows write nothing)."""
+    prompts = prompts_of([3, 17, 40, 9, 25], seed=1, vocab=4000)
+    graph, eager = _llm(), _llm(enforce_eager=True)
+    got, want = _logits_of_steps(graph, prompts, 12), _logits_of_steps(eager, prompts, 12)
+    g = graph.llm_engine.runner.graph_runner
+    assert g.kind == "cpu" and g.not_capturable is None
+    assert g.num_replays >= len(got) - 1 and len({k[0] for k in g.graph_keys}) >= 3
+    assert eager.llm_engine.runner.graph_runner is None
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    for (kg, vg), (ke, ve) in zip(graph.llm_engine.runner.kv_caches, eager.llm_engine.runner.kv_caches):
+        assert torch.equal(kg, ke) and torch.equal(vg, ve)
+
+
+def test_an_operation_a_graph_cannot_replay_switches_graphs_off_and_the_step_still_runs():
+    """A norm taking its torch path (fresh tensors each call) makes the recording fail: the engine
+    says why, runs that step and the later ones eagerly, and generates what enforce_eager does."""
+    prompts = prompts_of([5, 11, 7], seed=2, vocab=4000)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = _llm()
+    llm.llm_engine.runner.model.model.layers[1].input_layernorm.fused = None
+    got = _run(llm, prompts, params)
+    g = llm.llm_engine.runner.graph_runner
+    assert g.not_capturable is not None and "returns a new tensor" in g.not_capturable
+    assert not g.captured and g.graph_keys == []
+    eager = _llm(enforce_eager=True)
+    eager.llm_engine.runner.model.model.layers[1].input_layernorm.fused = None
+    assert got == _run(eager, prompts, params)
+
+
+def test_an_interrupt_while_recording_keeps_no_graph_and_the_next_step_records_again(monkeypatch):
+    llm = _llm()
+    engine = llm.llm_engine
+    engine.add_request("a", prompts_of([6], seed=3, vocab=4000)[0],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.step()  # the prefill (eager: graphs are for decode steps)
+    g = engine.runner.graph_runner
+    real, calls = cpu_graph.launch, []
+
+    def interrupted(fn, *args):
+        calls.append(fn)
+        if len(calls) == 5 and cpu_graph.capturing() is not None:
+            raise KeyboardInterrupt
+        real(fn, *args)
+
+    for mod in ("minivllm.layers.cpu_fused", "minivllm.layers.cpu_gemm"):
+        monkeypatch.setattr(f"{mod}.launch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert g.graph_keys == [] and cpu_graph.capturing() is None
+    monkeypatch.undo()
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    assert len(g.graph_keys) == 1 and g.num_replays >= 4
+    eager = _llm(enforce_eager=True)
+    assert final["a"] == _run(eager, prompts_of([6], seed=3, vocab=4000),
+                              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+
+
+def test_a_graph_per_thread_count(monkeypatch):
+    llm = _llm()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = prompts_of([8], seed=4, vocab=4000)
+    first = _run(llm, prompt, params)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert _run(llm, prompt, params) == first
+    finally:
+        torch.set_num_threads(threads)
+    assert {k[2] for k in llm.llm_engine.runner.graph_runner.graph_keys} == {threads, threads + 1}
+
+
+def test_a_corrupt_block_table_is_refused_before_a_replay_reads_it():
+    llm = _llm()
+    engine = llm.llm_engine
+    engine.add_request("a", prompts_of([6], seed=5, vocab=4000)[0],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.step()
+    g = engine.runner.graph_runner
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        g.stage([1], [6], [0], [7], [[engine.runner.num_kv_blocks + 3]])
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        g.stage([1], [20], [0], [21], [[0, -1]])
+
+
+def test_graph_records_out_and_in_place_operations_and_refuses_fresh_results():
+    a, b, c = torch.ones(4), torch.full((4,), 2.0), torch.empty(4)
+    graph = CpuGraph()
+    with graph.capture():
+        torch.add(a, b, out=c)
+        c.mul_(3)
+        tmp = torch.empty(4)  # from the pool
+        torch.mul(c, 2, out=tmp)
+        c.add_(tmp)
+    assert torch.equal(c, torch.full((4,), 27.0)) and graph.num_calls == 4
+    a.fill_(5)
+    graph.replay()
+    assert torch.equal(c, torch.full((4,), 63.0))
+    bad = CpuGraph()
+    with pytest.raises(NotCapturable, match="aten.add.Tensor"):
+        with bad.capture():
+            a + b
+    assert not bad.complete
+    with pytest.raises(RuntimeError, match="not captured"):
+        bad.replay()
+
+
+def test_launch_records_only_while_capturing():
+    seen = []
+    cpu_graph.launch(seen.append, 1)
+    graph = CpuGraph()
+    with graph.capture():
+        cpu_graph.launch(seen.append, 2)
+    graph.replay()
+    graph.replay()
+    assert seen == [1, 2, 2, 2] and graph.num_calls == 1
+
+
+def test_pool_allocations_are_aligned_and_each_capture_starts_over():
+    pool = GraphPool(chunk_bytes=256)
+    x = pool.allocate((3, 5), torch.float32)
+    y = pool.allocate((100,), torch.float32)  # larger than a chunk: a chunk of its own
+    assert x.data_ptr() % 64 == 0 and y.data_ptr() % 64 == 0 and y.shape == (100,)
+    assert x.data_ptr() + x.numel() * 4 <= y.data_ptr() or y.data_ptr() + 400 <= x.data_ptr()
+    pool.rewind()
+    assert pool.allocate((3, 5), torch.float32).data_ptr() == x.data_ptr()
+
+
+def test_kv_store_skips_padding_and_names_a_slot_outside_the_cache():
+    kernel = cpu_decode.load()
+    k_cache, v_cache = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    assert kernel.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    flat_k, flat_v = k_cache.view(8, 2, 8), v_cache.view(8, 2, 8)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[0], k[2]) and torch.equal(flat_v[5], v[0])
+    assert int((flat_k.abs().sum(dim=(1, 2)) > 0).sum()) == 2
+    with pytest.raises(IndexError, match="slot 8 "):
+        kernel.store_kv(k, v, k_cache, v_cache, torch.tensor([1, 8, 2]))
+    assert not kernel.store_kv(k.double(), v.double(), k_cache, v_cache, torch.tensor([1, 2, 3]))
+
+
+def test_steps_run_eagerly_while_a_module_has_a_forward_hook():
+    """A replay calls no module: with a hook registered, decode steps take the eager forward, so
+    the hook sees every step (the course hooks layers to show shapes and activations)."""
+    llm = _llm()
+    mlp = llm.llm_engine.runner.model.model.layers[0].mlp
+    seen = []
+    handle = mlp.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.shape)))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompt = prompts_of([7], seed=6, vocab=4000)
+    try:
+        first = _run(llm, prompt, params)
+    finally:
+        handle.remove()
+    g = llm.llm_engine.runner.graph_runner
+    assert len(seen) == 5 and g.num_replays == 0  # the prefill and four decode steps, all eager
+    assert _run(llm, prompt, params) == first and g.num_replays >= 3
+
+
+def test_graphs_are_recorded_again_after_a_parameter_is_replaced():
+    """Replacing a weight (a new tensor, or new storage under the same parameter) between steps:
+    the next step records the graphs again and generates what an eager engine with the same
+    weights does."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = prompts_of([9], seed=7, vocab=4000)
+    llm, eager = _llm(), _llm(enforce_eager=True)
+    assert _run(llm, prompt, params) == _run(eager, prompt, params)
+    for engine in (llm, eager):
+        norm = engine.llm_engine.runner.model.model.layers[2].post_attention_layernorm
+        norm.weight = torch.nn.Parameter(norm.weight.detach() * 3, requires_grad=False)
+        layer = engine.llm_engine.runner.model.model.layers[0].input_layernorm
+        layer.weight.data = layer.weight.detach() * -1.5
+    g = llm.llm_engine.runner.graph_runner
+    assert _run(llm, prompt, params) == _run(eager, prompt, params)
+    assert g.num_replays >= 4
+
+
+def test_reset_drops_the_graphs_and_the_next_steps_record_them_again():
+    llm = _llm()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompt = prompts_of([6], seed=8, vocab=4000)
+    first = _run(llm, prompt, params)
+    g = llm.llm_engine.runner.graph_runner
+    assert g.graph_keys
+    g.reset()
+    assert g.graph_keys == []
+    assert _run(llm, prompt, params) == first and len(g.graph_keys) == 1
