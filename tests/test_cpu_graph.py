@@ -242,3 +242,61 @@ def test_reset_drops_the_graphs_and_the_next_steps_record_them_again():
     g.reset()
     assert g.graph_keys == []
     assert _run(llm, prompt, params) == first and len(g.graph_keys) == 1
+
+
+def test_buffers_made_while_recording_that_outlive_the_step_stay_out_of_the_shared_pool():
+    """Regression: the attention kernel's per-thread score scratch, first made while a small
+    bucket's graph was recorded, came from the graphs' shared pool, where the next bucket's graph
+    put its own tensors: replays overwrote each other's data (bench: 25/32 requests matched
+    transformers, 32/32 eagerly). The bench's flow: a 2-request warm-up, then the workload."""
+    from minivllm.bench.common import drive
+    from minivllm.bench.workload import make_workload
+
+    work = make_workload("cpu", 4096)  # the bench's 32 requests
+    tokens = {}
+    for eager in (True, False):
+        llm = _llm(enforce_eager=eager)
+        engine = llm.llm_engine
+        drive(engine, make_workload("cpu", 4096, num_requests=2, input_len=(8, 16), output_len=(4, 4), seed=1))
+        outs, *_ = drive(engine, work)
+        tokens[eager] = [o.outputs[0].token_ids for o in outs]
+        if not eager:
+            scratch = cpu_decode.load()._local.scratch.data_ptr()
+            pool = engine.runner.graph_runner._pool._chunks
+            assert not any(c.data_ptr() <= scratch < c.data_ptr() + c.numel() for c in pool)
+    assert tokens[False] == tokens[True]
+
+
+def _logits_of_steps_params(llm: LLM, prompts, params):
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    seen, original = [], runner.forward_logits
+
+    def spy(inp, *args):
+        out = original(inp, *args)
+        seen.append(out.clone())
+        return out
+
+    runner.forward_logits = spy
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"q{i}", p, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        runner.forward_logits = original
+    return seen
+
+
+def test_a_tensor_made_while_recording_that_outlives_the_step_is_refused():
+    graph = CpuGraph()
+    with graph.capture():
+        kept = torch.empty(8)  # from the pool, and still referenced below
+        with cpu_graph.persistent():
+            ordinary = torch.empty(8)  # not from the pool
+    pool = graph.pool._chunks[0]
+    assert pool.data_ptr() <= kept.data_ptr() < pool.data_ptr() + pool.numel()
+    assert not pool.data_ptr() <= ordinary.data_ptr() < pool.data_ptr() + pool.numel()
+    with pytest.raises(NotCapturable, match=r"1 tensor\(s\) made while recording outlive the step \(first: \(8,\)"):
+        graph.check_nothing_outlives()
+    del kept
+    graph.check_nothing_outlives()

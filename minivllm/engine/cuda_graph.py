@@ -648,10 +648,12 @@ class CudaGraphDecodeRunner:
             try:
                 with graph.capture():
                     fn()
+                graph.check_nothing_outlives()
             except NotCapturable as e:
                 self.not_capturable = str(e)
                 logger.warning("CPU graphs off for this engine: %s", e)
-                fn()
+                if not graph.complete:
+                    fn()  # the recording stopped part-way: this step's forward again, eagerly
                 return self._hidden[:n]
         graph.keep_alive(fn)  # its metadata hold the static plan's tensors the calls point into
         self._graphs[key] = graph

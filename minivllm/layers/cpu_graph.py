@@ -14,7 +14,8 @@ at capture. So while capturing:
 * our C wrappers hand their call to :func:`launch`, which runs it and records it;
 * a ``TorchDispatchMode`` sees every ATen operation: view operations (no data moved) are not
   recorded; allocations (``torch.empty`` and kin) are served from the graph's :class:`GraphPool`,
-  whose memory lives as long as the graph; in-place and ``out=`` operations on tensors that keep
+  whose memory lives as long as the graph (a buffer meant to outlive the step is allocated inside
+  :func:`persistent` instead); in-place and ``out=`` operations on tensors that keep
   their addresses are recorded and replayed as they are, and a few operations whose result's
   shape depends only on their inputs' shapes (the embedding lookup) are recorded as their
   ``out=`` form writing into the pool; any other operation raises
@@ -28,13 +29,14 @@ reads it.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from contextvars import ContextVar
 from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CpuGraph", "GraphPool", "NotCapturable", "launch", "capturing"]
+__all__ = ["CpuGraph", "GraphPool", "NotCapturable", "capturing", "launch", "persistent"]
 
 aten = torch.ops.aten
 
@@ -56,6 +58,22 @@ class NotCapturable(RuntimeError):
 def capturing() -> "CpuGraph | None":
     """The graph being captured on this thread (or context), else ``None``."""
     return _current.get()
+
+
+@contextlib.contextmanager
+def persistent():
+    """Allocations inside the block are ordinary tensors even while a graph is recorded: for
+    buffers that outlive the step (a kernel's reusable scratch). Without it they would come from
+    the graphs' shared pool, where the next graph recorded puts its own tensors."""
+    graph = _current.get()
+    if graph is None:
+        yield
+        return
+    graph._outside_pool += 1
+    try:
+        yield
+    finally:
+        graph._outside_pool -= 1
 
 
 def launch(fn: Callable[..., object], *args) -> None:
@@ -117,6 +135,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _FACTORIES and self.graph._outside_pool:
+            return func(*args, **kwargs)
         if func in _FACTORIES:
             like = args[0] if func in (aten.empty_like.default, aten.new_empty.default) else None
             shape = args[1] if func is aten.new_empty.default else (like.shape if like is not None else args[0])
@@ -124,12 +144,12 @@ class _Recorder(TorchDispatchMode):
             device = kwargs.get("device") or (like.device if like is not None else torch.device("cpu"))
             if torch.device(device).type != "cpu":
                 raise NotCapturable(f"CPU graph: {func} allocates on {device}")
-            return self.graph.pool.allocate(shape, dtype)
+            return self.graph._made_in_pool(self.graph.pool.allocate(shape, dtype))
         if func.is_view or func in (aten.detach.default, aten.alias.default, aten._unsafe_view.default):
             return func(*args, **kwargs)
         if func in _SHAPE_STATIC:
             ref = func(*args, **kwargs)  # (once, at capture: gives the output's shape and dtype)
-            out = self.graph.pool.allocate(ref.shape, ref.dtype)
+            out = self.graph._made_in_pool(self.graph.pool.allocate(ref.shape, ref.dtype))
             out_func = _SHAPE_STATIC[func]
             out_func(*args, **kwargs, out=out)
             self.graph._calls.append((_call_op, (out_func, args, {**kwargs, "out": out})))
@@ -166,11 +186,35 @@ class CpuGraph:
         self.pool = pool if pool is not None else GraphPool()
         self._calls: list[tuple[Callable[..., object], tuple]] = []
         self._keep: list[object] = []
+        self._outside_pool = 0  # > 0 inside persistent()
+        self._pool_tensors: list[weakref.ref] = []  # what the recording took from the pool
         self.complete = False
 
     @property
     def num_calls(self) -> int:
         return len(self._calls)
+
+    def _made_in_pool(self, t: torch.Tensor) -> torch.Tensor:
+        self._pool_tensors.append(weakref.ref(t))
+        return t
+
+    def check_nothing_outlives(self) -> None:
+        """After the recorded step has returned: every tensor served from the pool is gone, but
+        those the recorded ATen calls hold themselves. One still alive (a buffer some code keeps
+        for later steps) would share memory with the tensors of graphs recorded later, and replays
+        would overwrite it.
+
+        Raises:
+            NotCapturable: such a tensor exists (its shape says which).
+        """
+        own = {id(a) for fn, call in self._calls if fn is _call_op  # tensors the recorded ATen calls hold
+               for a in (*call[1], *call[2].values()) if isinstance(a, torch.Tensor)}
+        alive = [t for t in (r() for r in self._pool_tensors) if t is not None and id(t) not in own]
+        self._pool_tensors = []
+        if alive:
+            raise NotCapturable(f"CPU graph: {len(alive)} tensor(s) made while recording outlive the step "
+                                f"(first: {tuple(alive[0].shape)} {alive[0].dtype}); a buffer kept for later "
+                                "must be allocated inside cpu_graph.persistent()")
 
     def keep_alive(self, *objs: object) -> None:
         """Hold ``objs`` (tensors a recorded call points into that live outside the pool, or what
@@ -183,7 +227,7 @@ class CpuGraph:
         ``KeyboardInterrupt``) the graph stays empty and incomplete, and the exception propagates."""
         if _current.get() is not None:
             raise RuntimeError("CPU graph: a capture is already in progress")
-        self._calls, self._keep, self.complete = [], [], False
+        self._calls, self._keep, self._pool_tensors, self.complete = [], [], [], False
         self.pool.rewind()
         token = _current.set(self)
         try:

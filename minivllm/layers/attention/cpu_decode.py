@@ -92,7 +92,8 @@ class PagedDecodeKernel:
     def _scratch(self, numel: int) -> torch.Tensor:
         buf = getattr(self._local, "scratch", None)
         if buf is None or buf.numel() < numel:
-            buf = self._local.scratch = torch.empty(numel, dtype=torch.float32, device="cpu")
+            with cpu_graph.persistent():  # reused by later calls: never from a CPU graph's pool
+                buf = self._local.scratch = torch.empty(numel, dtype=torch.float32, device="cpu")
         return buf
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
