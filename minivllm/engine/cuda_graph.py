@@ -41,9 +41,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
-from functools import partial
-from itertools import chain
-from operator import attrgetter, is_not
+from operator import getitem
 from typing import Callable
 
 import numpy as np
@@ -57,9 +55,6 @@ from minivllm.layers.cpu_graph import CpuGraph, GraphPool, NotCapturable
 from minivllm.logger import init_logger
 
 logger = init_logger(__name__)
-
-_FORWARD_HOOKS, _FORWARD_PRE_HOOKS = attrgetter("_forward_hooks"), attrgetter("_forward_pre_hooks")
-_not_none = partial(is_not, None)
 
 #: largest batch size a graph is captured for by default (bigger decode batches are
 #: compute-heavy enough that launch overhead no longer matters)
@@ -350,6 +345,8 @@ class CudaGraphDecodeRunner:
         self._graphs: dict[tuple, object] = {}
         self._modules: list | None = None  # the model's modules (_model_changed), listed at first use
         self._weights: tuple | None = None  # the parameters (and their addresses) the CPU graphs were recorded with
+        self._slot_dicts: list = []  # where those parameters are: module._parameters dicts and keys
+        self._slot_keys: list = []
         self._pool = GraphPool() if self.kind == "cpu" else None
         self._ready = False  # capture() called (CPU graphs are then recorded at each key's first step)
         #: why CPU graphs were switched off (an operation a graph cannot replay), else None
@@ -364,6 +361,13 @@ class CudaGraphDecodeRunner:
                            else torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=self.device))
         dev, host = self.layout.views(self._dev_bytes), self.layout.views(self._host_bytes)
         self._host = {k: v.numpy() for k, v in host.items()}
+        # input_ids, positions and slot_mapping lie back to back, equally spaced: one [3, rows] view
+        ids = self._host["input_ids"]
+        gap = self.layout.offsets["positions"][0] - self.layout.offsets["input_ids"][0]
+        self._ids_pos_slots = np.lib.stride_tricks.as_strided(ids, shape=(3, top), strides=(gap, 8))
+        assert self.layout.offsets["slot_mapping"][0] == 2 * gap
+        #: the bucket of a step of n sequences, n = 0..largest (None: no bucket)
+        self._bucket_of = [None] + [select_bucket(n, self.buckets) for n in range(1, top + 1)]
         self._buf = DecodeBatch(dev["input_ids"], dev["positions"], dev["slot_mapping"], dev["context_lens"],
                                 dev["block_tables"],
                                 torch.arange(top + 1, dtype=torch.int32, device=self.device), dev["cu_seqlens_k"])
@@ -372,6 +376,7 @@ class CudaGraphDecodeRunner:
         self._upload(top)
         self._hidden = torch.zeros(top, hidden_size, dtype=dtype, device=self.device)
         self._staged: tuple[int, int, int] | None = None  # (rows, bucket, context bound) staged
+        self._row_views: dict[int, DecodeBatch] = {}
 
     @property
     def captured(self) -> bool:
@@ -424,7 +429,7 @@ class CudaGraphDecodeRunner:
                 or a table is wider than ``max_blocks_per_seq``.
         """
         n = len(input_ids)
-        bucket = select_bucket(max(n, 1), self.buckets) if n else None
+        bucket = self._bucket_of[n] if n < len(self._bucket_of) else None
         if bucket is None:
             raise ValueError(f"a decode step of {n} sequences fits no bucket (buckets 1..{self.buckets[-1]})")
         for name, x in (("positions", positions), ("slot_mapping", slot_mapping),
@@ -434,23 +439,29 @@ class CudaGraphDecodeRunner:
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous upload has left the host mirror
         h = self._host
-        ctx = np.asarray(context_lens, dtype=np.int32)
-        h["input_ids"][:n] = input_ids
-        h["positions"][:n] = positions
-        h["slot_mapping"][:n] = slot_mapping
-        h["context_lens"][:n] = ctx
-        used = fill_block_tables(h["block_tables"][:n], block_tables)
-        if self.kind == "cpu":
-            self._check_tables(n, used)
+        self._ids_pos_slots[:, :n] = (input_ids, positions, slot_mapping)  # one numpy call for the three
+        h["context_lens"][:n] = context_lens
+        if self.kind == "cpu" and n <= 8 and isinstance(block_tables, list):
+            # a few rows: a row at a time beats the vectorised fill's fixed cost (~20 us)
+            rows = h["block_tables"]
+            for i, t in enumerate(block_tables):
+                rows[i, :len(t)] = t
+                rows[i, len(t):] = -1
+            lo, hi = min(map(min, block_tables)), max(map(max, block_tables))
+            self._check_range(lo, hi)
+        else:
+            used = fill_block_tables(h["block_tables"][:n], block_tables)
+            if self.kind == "cpu":
+                self._check_tables(n, used)
         if self._staged is None or self._staged[0] != n:
             self._fill_padding(n, bucket)
         cu = h["cu_seqlens_k"]
         cu[0] = 0
         np.cumsum(h["context_lens"][:bucket], out=cu[1:bucket + 1])
         self._upload(bucket)
-        max_ctx = int(ctx.max())
         bounds = self.context_buckets[bucket]
-        bound = bounds[min(bisect.bisect_left(bounds, max_ctx), len(bounds) - 1)]
+        bound = bounds[0] if len(bounds) == 1 else bounds[min(bisect.bisect_left(bounds, int(max(context_lens))),
+                                                                  len(bounds) - 1)]
         self._staged = (n, bucket, bound)
         return n
 
@@ -463,20 +474,31 @@ class CudaGraphDecodeRunner:
             tables, lens = h["block_tables"][:n], h["context_lens"][:n]
             bs = self.block_size
             used = tables[np.arange(tables.shape[1])[None, :] < ((lens + bs - 1) // bs)[:, None]]
+        if used.size:
+            self._check_range(int(used.min()), int(used.max()))
+
+    def _check_range(self, lo: int, hi: int) -> None:
         num_blocks = int(self.kv_caches[0][0].shape[0])
-        if used.size and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        if lo < 0 or hi >= num_blocks:
             self._staged = None
-            raise RuntimeError(f"decode graph: a block table holds {int(used.min())}..{int(used.max())} within its "
-                               f"sequence's tokens, outside the KV cache's {num_blocks} blocks (block manager state "
-                               "is corrupt)")
+            raise RuntimeError(f"decode graph: a block table holds {lo}..{hi} within its sequence's tokens, "
+                               f"outside the KV cache's {num_blocks} blocks (block manager state is corrupt)")
+
+    def _rows(self, n: int) -> DecodeBatch:
+        """Views of the static buffers' first ``n`` rows, made once per ``n`` (seven slicing ops
+        cost ~10 us a step)."""
+        b = self._row_views.get(n)
+        if b is None:
+            b = self._row_views[n] = self._buf.rows(n)
+        return b
 
     def static_input_ids(self, n: int) -> torch.Tensor:
         """The static ``input_ids`` buffer's first ``n`` rows (int64, device)."""
-        return self._buf.input_ids[:n]
+        return self._rows(n).input_ids
 
     def static_positions(self, n: int) -> torch.Tensor:
         """The static ``positions`` buffer's first ``n`` rows (int64, device)."""
-        return self._buf.positions[:n]
+        return self._rows(n).positions
 
     def staged_meta(self, context_lens: list[int]) -> AttentionMetadata:
         """Metadata of the staged step's ``n`` real rows (views of the static buffers), for
@@ -484,7 +506,7 @@ class CudaGraphDecodeRunner:
         if self._staged is None:
             raise ValueError("no step staged")
         n = self._staged[0]
-        b = self._buf.rows(n)
+        b = self._rows(n)
         return AttentionMetadata(
             cu_seqlens_q=b.cu_seqlens_q, cu_seqlens_k=b.cu_seqlens_k, context_lens=b.context_lens,
             slot_mapping=b.slot_mapping, block_tables=b.block_tables, max_seqlen_q=1,
@@ -578,27 +600,39 @@ class CudaGraphDecodeRunner:
     def _model_changed(self) -> bool:
         """A CPU graph would not replay the model as it now is: some module has a forward hook or
         pre-hook (or one is registered for all modules: a replay calls no module, so such steps
-        run eagerly), or a parameter of the modules listed at the first step was replaced or given
-        new storage since the graphs were recorded (they are then dropped and recorded again).
-        C-level ``map``s: a few microseconds for the embedded model."""
+        run eagerly), or a parameter of the modules listed at the first step was replaced, removed
+        or given new storage since the graphs were recorded (they are then dropped and recorded
+        again). C-level ``map``s over lists made once: a few microseconds for the embedded model."""
         if self._modules is None:
             self._modules = list(self.model.modules()) if isinstance(self.model, torch.nn.Module) else []
-            self._param_dicts = [m._parameters for m in self._modules]
-        if (_module_mod._global_forward_hooks or _module_mod._global_forward_pre_hooks
-                or any(map(_FORWARD_HOOKS, self._modules)) or any(map(_FORWARD_PRE_HOOKS, self._modules))):
+            # registering a hook adds to these dicts in place; an empty dict is falsy
+            self._hook_dicts = ([m._forward_hooks for m in self._modules] + [m._forward_pre_hooks for m in self._modules]
+                                + [_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks])
+        if any(self._hook_dicts):
             return True
-        params = tuple(filter(_not_none, chain.from_iterable(map(dict.values, self._param_dicts))))
-        try:
-            addresses = tuple(map(torch.Tensor.data_ptr, params))
-        except RuntimeError:  # an opaque (oneDNN-packed) weight has no data pointer: its identity is its id
-            addresses = tuple(0 if p.is_mkldnn else p.data_ptr() for p in params)
-        key = (tuple(map(id, params)), addresses)
+        key = self._weights_key()
         if self._weights is None or key != self._weights[1]:
             if self._weights is not None:
                 logger.info("CPU graphs: the model's parameters changed; recording the graphs again")
             self._graphs.clear()
-            self._weights = (params, key)  # holds the parameters: their ids stay theirs, their memory valid
+            slots = [(m._parameters, k) for m in self._modules for k, v in m._parameters.items() if v is not None]
+            self._slot_dicts, self._slot_keys = [d for d, _ in slots], [k for _, k in slots]
+            params = [d[k] for d, k in slots]
+            self._weights = (params, self._weights_key())  # holds the parameters: ids stay theirs, memory valid
         return False
+
+    def _weights_key(self) -> tuple | None:
+        """Identity and address of each parameter slot listed when the graphs were (re)recorded;
+        None when a slot is gone or empty."""
+        try:
+            params = tuple(map(getitem, self._slot_dicts, self._slot_keys))
+            try:
+                addresses = tuple(map(torch.Tensor.data_ptr, params))
+            except RuntimeError:  # an opaque (oneDNN-packed) weight has no data pointer: its id stands in
+                addresses = tuple(0 if p.is_mkldnn else p.data_ptr() for p in params)
+        except (KeyError, TypeError, AttributeError):  # a parameter removed or set to None
+            return None
+        return tuple(map(id, params)), addresses
 
     def can_run_step(self, num_seqs: int, num_tokens: int, decode_only: bool, block_size: int,
                      table_width: int) -> bool:
