@@ -797,6 +797,12 @@ print("identical:", decoded == replayed)
 #   each prompt asks the model to copy a document, gives the document twice and then the start of a
 #   third copy (documents from Python's built-in `pydoc_data` help topics, the workload of
 #   `python -m minivllm bench --speculative ngram`).
+#
+# All three engines run every step eagerly (`enforce_eager=True`). By default the engine replays a plain
+# decode step from a recorded graph (chapter 11), which on a CPU removes most of the Python around the
+# model's C calls, but it runs a speculative verification step eagerly (its shape changes with the
+# number of drafts accepted): with graphs on, the comparison would mostly measure that difference.
+# `python -m minivllm bench --speculative ngram` measures speculation against the default engine.
 
 # %%
 from minivllm.bench.speculative import repeat_prompts
@@ -806,7 +812,9 @@ greedy = SamplingParams(temperature=0, max_tokens=LEVER_TOKENS, ignore_eos=True)
 copy_prompts = repeat_prompts(8)  # 8 different documents, each to be copied
 print(repr(copy_prompts[0][:160]), "...")
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-lever_args = dict(device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=512, max_num_seqs=8)
+# enforce_eager=True for all three: otherwise a CPU replays plain decode steps from a recorded graph
+# (chapter 11) while speculation's verification steps run eagerly, and the table would measure that
+lever_args = dict(device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=512, max_num_seqs=8, enforce_eager=True)
 engines = {"baseline": LLM(MODEL, **lever_args), "int8": LLM(MODEL, quantization="int8", **lever_args),
            "ngram": LLM(MODEL, speculative_config=SPEC, **lever_args)}
 RUNS = {"batch 1": ("baseline", copy_prompts[:1]), "batch 8": ("baseline", copy_prompts),

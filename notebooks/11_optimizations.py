@@ -813,7 +813,10 @@ def repeating_prompt(i=0):
     return "".join(f"def {n}(a, b):\n    return a {op} b\n\n\n" for n, op in (OPS[(i + j) % 8] for j in range(4)))
 
 
-s_llm = LLM(MODEL, device=DEVICE, speculative_config=SPEC, num_kvcache_blocks=128, max_num_seqs=8)
+# eager, like section 1's engine it is compared with: a graph engine would replay its plain decode
+# steps but run verification steps (whose shape varies with the drafts) eagerly (section 2)
+s_llm = LLM(MODEL, device=DEVICE, speculative_config=SPEC, num_kvcache_blocks=128, max_num_seqs=8,
+            enforce_eager=True)
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 print(repeating_prompt(0) + "----- continuation -----")
 print(llm.generate([repeating_prompt(0)], GREEDY, use_tqdm=False)[0].outputs[0].text)
@@ -981,7 +984,7 @@ check_claim("sampling at T = 0.6 leaves speculation fewer accepted drafts than t
 # TPOT (it stops improving once the rejected drafts cost more than the accepted ones save).
 K = 4
 pg = LLM(MODEL, device=DEVICE, speculative_config={**SPEC, "num_speculative_tokens": K},
-         num_kvcache_blocks=128, max_num_seqs=8)
+         num_kvcache_blocks=128, max_num_seqs=8, enforce_eager=True)
 pg.generate([repeating_prompt(0)], GREEDY, use_tqdm=False)  # warm-up
 out = pg.generate([repeating_prompt(0)], GREEDY, use_tqdm=False)[0]
 m = out.metrics
