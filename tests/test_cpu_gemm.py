@@ -60,6 +60,20 @@ def test_strided_rows_and_leading_dims(gemm):
     assert gemm(torch.empty(0, 64), p).shape == (0, 32)
 
 
+def test_a_prefill_sized_input_in_row_chunks_matches_and_each_row_is_computed_alike(gemm):
+    """More rows than one call takes (``ROWS_PER_CALL``): strided rows, a bias, the chunks'
+    boundaries; a row gets the same bits as when it is multiplied alone."""
+    m = 2 * cpu_gemm.ROWS_PER_CALL + 7
+    x, w, b = _case(m, 96, 48)
+    wide = torch.randn(m, 120)
+    wide[:, 5:101] = x
+    p = cpu_gemm.pack_panels(w)
+    got = gemm(wide[:, 5:101], p, b)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    for r in (0, cpu_gemm.ROWS_PER_CALL - 1, cpu_gemm.ROWS_PER_CALL, m - 1):
+        assert torch.equal(got[r], gemm(x[r:r + 1], p, b)[0])
+
+
 def test_split_over_threads_gives_the_same_result(gemm, monkeypatch):
     x, w, b = _case(5, 256, 160)
     p = cpu_gemm.pack_panels(w)
