@@ -267,26 +267,6 @@ def test_buffers_made_while_recording_that_outlive_the_step_stay_out_of_the_shar
     assert tokens[False] == tokens[True]
 
 
-def _logits_of_steps_params(llm: LLM, prompts, params):
-    engine, runner = llm.llm_engine, llm.llm_engine.runner
-    seen, original = [], runner.forward_logits
-
-    def spy(inp, *args):
-        out = original(inp, *args)
-        seen.append(out.clone())
-        return out
-
-    runner.forward_logits = spy
-    try:
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            engine.add_request(f"q{i}", p, sp)
-        while engine.has_unfinished_requests():
-            engine.step()
-    finally:
-        runner.forward_logits = original
-    return seen
-
-
 def test_a_tensor_made_while_recording_that_outlives_the_step_is_refused():
     graph = CpuGraph()
     with graph.capture():

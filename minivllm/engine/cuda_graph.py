@@ -642,7 +642,7 @@ class CudaGraphDecodeRunner:
             and decode_only
             and num_tokens == num_seqs
             and num_seqs >= 1
-            and select_bucket(num_seqs, self.buckets) is not None
+            and num_seqs < len(self._bucket_of)
             and block_size == self.block_size
             and table_width <= self.max_blocks_per_seq
             and (self.kind != "cpu" or not self._model_changed())

@@ -91,8 +91,7 @@ class _GroupPlan:
 
 @dataclass
 class _StepPlan:
-    write_tokens: torch.Tensor | None  # int64 [m]: tokens whose slot is not -1 (None: a CPU graph's plan)
-    write_slots: torch.Tensor | None  # int64 [m]: their cache slots
+    slots: torch.Tensor | None  # int64 [T]: each token's cache slot, -1 for none (None: a CPU graph's plan)
     groups: list[_GroupPlan]
     # Fast paths (same results, less copying), decided once per step:
     # every token is a decode of its own sequence, in order: no query scatter/gather
@@ -103,6 +102,16 @@ class _StepPlan:
     # (start, length) in the step's tokens of each other fresh prompt (or first chunk) of several
     # tokens: attended one by one, causally over its own new K/V (no gather, no padding, no mask)
     fresh: list[tuple[int, int]] | None = None
+    _writes: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def writes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens whose slot is not -1, their slots)``, int64, for the ``index_copy_`` write
+        (made at the first layer that needs them: a float32 CPU step writes through the C call,
+        which skips -1 itself, and never does; a host sync on a GPU)."""
+        if self._writes is None:
+            tokens = torch.nonzero(self.slots >= 0).flatten()
+            self._writes = (tokens, self.slots[tokens])
+        return self._writes
 
 
 def _plan_group(meta: AttentionMetadata, seq_ids: list[int], device: torch.device) -> _GroupPlan:
@@ -270,8 +279,6 @@ class TorchAttentionBackend(AttentionBackend):
         :meth:`forward` if the model runner did not call it)."""
         device = meta.slot_mapping.device
         slots = meta.slot_mapping.to(torch.int64)
-        # One host sync per step (not per layer): which tokens write to the cache.
-        write_tokens = torch.nonzero(slots >= 0).flatten()
         decode_ids = [s for s, n in enumerate(meta.q_lens_cpu) if n == 1]
         # A prefill whose context is all new tokens attends over its own K/V (is_causal, no gather):
         # one padded SDPA with a mask over a step of 32 prompts of 17-236 tokens did several times
@@ -291,7 +298,7 @@ class TorchAttentionBackend(AttentionBackend):
         all_decode = len(decode_ids) == meta.num_seqs == num_tokens
         single_fresh = (meta.num_seqs == 1 and meta.q_lens_cpu[0] == meta.context_lens_cpu[0] == num_tokens
                         and meta.q_lens_cpu[0] > 1)
-        meta.extras[_EXTRAS_KEY] = _StepPlan(write_tokens, slots[write_tokens], groups, all_decode, single_fresh,
+        meta.extras[_EXTRAS_KEY] = _StepPlan(slots, groups, all_decode, single_fresh,
                                              None if single_fresh else fresh)
 
     @property
@@ -318,7 +325,7 @@ class TorchAttentionBackend(AttentionBackend):
         n = meta.num_seqs
         gp = _GroupPlan(n, 1, meta.max_seqlen_k, None, None, None, None, None, tables32=tables,
                         row_seq=torch.arange(n, dtype=torch.int32), row_lens=lens)
-        meta.extras[_EXTRAS_KEY] = _StepPlan(None, None, [gp], all_decode=True)
+        meta.extras[_EXTRAS_KEY] = _StepPlan(None, [gp], all_decode=True)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         plan: _StepPlan | None = meta.extras.get(_EXTRAS_KEY)
@@ -330,14 +337,15 @@ class TorchAttentionBackend(AttentionBackend):
         v_flat = v_cache.view(num_blocks * block_size, kv_heads, head_dim)
         # fp32 on the CPU: one C call writes every token's K and V (slot -1 skipped)
         if self._kernel is None or not self._kernel.store_kv(k, v, k_cache, v_cache, meta.slot_mapping):
-            if plan.write_tokens is None:
+            if plan.slots is None:
                 raise NotCapturable(f"CPU graph: the KV cache write takes fp32 CPU tensors, got {k.dtype} on {k.device}")
-            if plan.write_tokens.numel() == k.shape[0]:  # no padding tokens: every row is written
+            write_tokens, write_slots = plan.writes()  # one host sync per step (not per layer)
+            if write_tokens.numel() == k.shape[0]:  # no padding tokens: every row is written
                 k_new, v_new = k, v
             else:
-                k_new, v_new = k[plan.write_tokens], v[plan.write_tokens]
-            k_flat.index_copy_(0, plan.write_slots, k_new.to(k_cache.dtype))
-            v_flat.index_copy_(0, plan.write_slots, v_new.to(v_cache.dtype))
+                k_new, v_new = k[write_tokens], v[write_tokens]
+            k_flat.index_copy_(0, write_slots, k_new.to(k_cache.dtype))
+            v_flat.index_copy_(0, write_slots, v_new.to(v_cache.dtype))
 
         num_heads = q.shape[1]
         compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
