@@ -280,3 +280,20 @@ def test_a_tensor_made_while_recording_that_outlives_the_step_is_refused():
         graph.check_nothing_outlives()
     del kept
     graph.check_nothing_outlives()
+
+
+def test_recording_does_not_import_torch_dynamo():
+    """Regression: torch wraps a dispatch mode's handler in torch._dynamo.disable, which imports
+    torch._dynamo at the first recorded operation (4-7 s here): the first decode step of every
+    process took seconds (chapter 07's latencies were dominated by it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom minivllm import LLM, SamplingParams\n"
+            "llm = LLM('minivllm-tiny')\n"
+            "llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)\n"
+            "assert llm.llm_engine.runner.graph_runner.graph_keys\n"
+            "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "no dynamo"

@@ -133,6 +133,14 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable unless this says no, and
+        # that wrapper imports torch._dynamo at the first operation: 4-7 s on the dev machine, paid
+        # by the first decode step of every process. A recording never runs under torch.compile
+        # (the engine records no graphs with compile=True), so there is nothing to disable.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _FACTORIES and self.graph._outside_pool:
