@@ -219,7 +219,7 @@ render(f"Here 128 times the arithmetic took **{t128 / t1:.1f}x** the time: the o
 # so its floor is the memory one: about `4·k·n / bandwidth`. The 128-row product has intensity near
 # 64 FLOP/byte, above the ridge, so its floor is the compute one: `2·128·k·n / peak FLOP/s`. The ratio
 # of the two floors is `(128/2) / ridge`: the intensity of the big product divided by the ridge point.
-# With a ridge of a few FLOP/byte that is a few tens, not 128 and not 1.
+# With a ridge of a few FLOP/byte that is somewhere between ten and a few tens, not 128 and not 1.
 #
 # The measured ratio differs from that estimate because neither product reaches its ceiling: the
 # table above shows how far the one-row product's GB/s and the 128-row product's GFLOP/s fall short
@@ -352,9 +352,10 @@ print(inspect.getsource(TritonAttentionBackend.forward))
 print("backend that runs this notebook's steps:", cfg.attention_backend)
 
 # %% [markdown]
-# The `torch` backend (the reference, used on CPU by default) makes the same split with plain
-# PyTorch: it groups a step's sequences into decodes and prefills and runs one batched attention per
-# group. Every backend is tested against it on the same inputs.
+# The `torch` backend (the reference, used on CPU by default) makes the same split: it groups a step's
+# sequences into decodes and prefills and runs one attention call per group, in plain PyTorch, except
+# that on a CPU in float32 its decode group goes to a small C kernel that reads the paged cache in
+# place (chapter 11, section 4). Every backend is tested against the plain PyTorch path on the same inputs.
 #
 # ## 3. Step time against prompt length
 #
@@ -444,7 +445,7 @@ check_claim("decode's intensity moves from the weights' value towards the KV cac
 # Second, decode's MBU on this tiny model (the `mbu` column) is far from 100 %. The reason is not
 # memory at all: the
 # model's weights are so small that reading them takes a small part of the step, and fixed costs per
-# step (Python, scheduling, building input tensors, hundreds of small kernel calls) take the rest. If
+# step (scheduling, building input tensors, sampling, the calls that make up the forward) take the rest. If
 # the weights came from a CPU cache instead of main memory, the step could only get *faster* than
 # the memory floor, and MBU would rise, not fall. The cell compares the floor with the step:
 
@@ -528,8 +529,11 @@ BATCHES = [1, 2, 4, 8, 16]
 big_rows = []
 for b in BATCHES:
     big_engine.reset_prefix_cache()
-    _, records = run_requests(big, [random_prompt(big_engine, 4, rng) for _ in range(b)], 3)
-    for r in records:
+    _, records = run_requests(big, [random_prompt(big_engine, 4, rng) for _ in range(b)], 4)
+    # the first decode step at a new batch size records the engine's CPU graph for it (chapter 11):
+    # set aside, so each size keeps two replayed decode steps
+    first_decode = next((r for r in records if r.phase == "decode"), None)
+    for r in (r for r in records if r is not first_decode):
         big_rows.append(dict(batch=b, phase=r.phase, tokens=r.num_tokens, wall_ms=r.wall_ms,
                              flops=r.flops, bytes=r.bytes_moved, mfu=r.mfu, mbu=r.mbu))
 big_df = pd.DataFrame(big_rows)
@@ -693,9 +697,9 @@ check_claim(f"decode at batch {b_max} produces more tokens per second than at ba
 #
 # The measured gain differs from that ideal because each measured point sits under its bound by a
 # different margin (the `measured / bound` column): on a CPU the maths library can run a few rows
-# through a weight less efficiently than one (section 1's table), and a batch-1 step can fall further
-# short of its memory floor than a large batch does of its compute floor. The rendered sentence and
-# the table give this run's figures.
+# through a weight less efficiently than one (section 1's table), and the step's other costs grow
+# with the batch too (attention over each sequence's KV, sampling, bookkeeping). The rendered sentence
+# and the table give this run's figures, and which points sit closest to their bound.
 # </details>
 
 # %% [markdown]
@@ -786,7 +790,7 @@ print("identical:", decoded == replayed)
 # * **batching**: 8 requests decoding together instead of one (one weight read serves 8 tokens);
 # * **int8 weights**: `LLM(..., quantization="int8")` stores every linear layer's weights in one byte
 #   instead of four (fewer bytes to read per step; not exact, so the tokens may differ). Section 3
-#   found that reading the embedded model's weights is a small share of its step, so int8, which
+#   measured what share of the embedded model's step reading its weights is, so int8, which
 #   shrinks only the matrix multiplies, has less to gain there than on a large model; the cell also
 #   times section 1's 4096 × 4096 weight, whose one-row product *is* a weight read, in fp32 and through
 #   the engine's int8 matmul (`minivllm.quantization.int8.Int8Weight`);
@@ -886,12 +890,14 @@ check_claim("int8 weights make a product that is one weight read faster", int8_m
 
 # %% [markdown]
 # The three work for the same reason: where a decode step's time is the weight read, any way of
-# getting more tokens out of one read (batching, speculation) or of reading fewer bytes (int8) helps.
+# getting more tokens out of one read (batching, speculation) or of reading fewer bytes (int8) can help.
 # Faster memory and smaller models are two more ways, not the only ones. int8 shows the condition
 # plainly: it speeds up only the matrix multiplies, so what it gains on a whole step depends on their
 # share of the step: large for a real model, smaller on the embedded one, whose steps are mostly
-# fixed costs (compare its row in the table with the single-weight figure; on a busy machine the
-# whole-step figure is also the noisiest). `python -m minivllm bench --model random:qwen3-0.6b
+# other costs. There it can even come out below 1 (its row in the table says which way it went on
+# this run): the int8 engine swaps our float32 GEMM for torch's int8 linear, whose fixed costs per
+# call a 256-wide layer does not amortise. Compare that row with the single-weight figure; on a busy
+# machine the whole-step figure is also the noisiest. `python -m minivllm bench --model random:qwen3-0.6b
 # --quantization int8` measures it on a memory-bound model. Batching raises throughput
 # but not each request's own speed (chapter 07 measures what it costs a request's time per token);
 # speculation raises both while its drafts are accepted, and its outputs are the greedy tokens exactly;

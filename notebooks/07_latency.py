@@ -220,9 +220,9 @@ render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".
 #
 # The four prompts hold 4 × 128 = 512 tokens, which fit in one step of the 1024-token budget, so the
 # scheduler prefills all four in the same step and samples all four first tokens at its end. Each
-# request's TTFT is therefore the time of one 512-token prefill step (plus a little scheduling), not
-# the time of a 128-token prefill: the sweep printed a 512-token prefill step, and that is the
-# estimate. A common slip is to take the 128-token figure: it ignores that the other three prompts
+# request's TTFT is therefore about the time of one 512-token prefill step, not the time of a
+# 128-token prefill: the sweep printed a 512-token prefill step, and that is the estimate (single
+# steps on a CPU vary from run to run, so the measured mean can land on either side of it). A common slip is to take the 128-token figure: it ignores that the other three prompts
 # ride in the same step. (With a budget of 128 tokens the four would be served one after another, and
 # the mean TTFT would be about 2.5 prefill steps of 128 tokens.)
 #
@@ -233,9 +233,9 @@ render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".
 # %% [markdown]
 # ### What batching does to TPOT
 #
-# The decode steps of the sweep tell a second story. A bigger batch tends to make each step a little
-# longer (more rows of arithmetic; on a noisy CPU run neighbouring sizes can come out of order), so each
-# request's TPOT rises a little, while the step produces one token for every request in it:
+# The decode steps of the sweep tell a second story. A bigger batch tends to make each step longer
+# (more rows of arithmetic; on a noisy CPU run neighbouring sizes can come out of order), so each
+# request's TPOT rises, while the step produces one token for every request in it. By how much, here:
 
 # %%
 tpot_ratio = dec.iloc[-1] / dec.iloc[0]
@@ -252,7 +252,7 @@ check_claim(f"batching to {b_last} raised throughput by more than it raised TPOT
 
 # %% [markdown]
 # So batching is a **throughput** lever, not a TPOT lever: it serves more users per second at the
-# price of a slightly slower stream for each. What lowers a request's TPOT is a cheaper decode step
+# price of a slower stream for each (by the TPOT factor just rendered). What lowers a request's TPOT is a cheaper decode step
 # (fewer bytes per weight, faster memory) or more tokens per step for that request (speculative
 # decoding); chapter 06 measured both. The calculator's constants are fitted to this machine, so on a
 # GPU with a real checkpoint the same cells fit different ones.
@@ -384,7 +384,7 @@ def chunk_run(**engine_args):
     while e.has_unfinished_requests():
         recs.append(e.step_with_record().record)
     g = e.runner.graph_runner
-    graphs = g.num_replays if g is not None else None
+    graphs = (g.num_recordings, g.num_replays) if g is not None else None
     sub.shutdown()
     return recs, graphs
 
@@ -405,9 +405,9 @@ import inspect
 
 import minivllm.engine.scheduler as scheduler_module
 
-for name, replays in graph_state.items():
-    print(f"device {cfg.device}, {name}: decode steps replayed from a graph: "
-          f"{'none (graphs off)' if replays is None else replays}")
+for name, counts in graph_state.items():
+    print(f"device {cfg.device}, {name}: decode graphs recorded / replayed: "
+          f"{'none (graphs off)' if counts is None else '%d / %d' % counts}")
 check_claim("the scheduler, which decides the chunks, never reads enforce_eager",
             "enforce_eager" not in inspect.getsource(scheduler_module),
             "searched the source of minivllm/engine/scheduler.py");
@@ -415,8 +415,9 @@ check_claim("the scheduler, which decides the chunks, never reads enforce_eager"
 # %% [markdown]
 # What this shows, and what it does not. The chunks were the same under both values of
 # `enforce_eager` and changed only when `enable_chunked_prefill` was turned off; the scheduler that
-# makes the chunks does not even read `enforce_eager`. The `enforce_eager=False` engine replayed its
-# plain decode steps from graphs (the printout counts them; mixed steps always run eagerly), and the
+# makes the chunks does not even read `enforce_eager`. The `enforce_eager=False` engine ran its plain
+# decode steps from graphs, recording one at the first plain decode step of each batch size and
+# replaying it at any later one (the printout counts both; mixed steps always run eagerly), and the
 # chunks stayed the same; chapter 11 measures what the graphs buy.
 #
 # **"Engines like nano-vllm mix prefill and decode in one batch."** Ours does, as the mixed steps above
@@ -433,7 +434,7 @@ check_claim("the scheduler, which decides the chunks, never reads enforce_eager"
 # * **Long answers are judged on TPOT.** For an essay or a code listing the decode part dominates the
 #   total; TPOT is one decode step of whatever batch the request shares.
 # * **A server trades one user's latency for everyone's throughput.** Batching raises tokens per second
-#   while each request's TPOT rises a little; chunking protects streaming requests while the long
+#   while each request's TPOT rises; chunking protects streaming requests while the long
 #   prompt waits a little longer. Serving targets are usually written as limits on both latencies.
 # * **Estimates come from step costs.** A few measured steps and the scheduler's policy predict a
 #   workload's latencies well enough to reason with; measure the point you care about to check.
@@ -481,7 +482,7 @@ Quiz([
         1,
         ["Batching does not make any one request's steps faster: each step carries more rows.",
          "Right: one weight read serves every sequence in the step, so the step grows far less than the batch; "
-         "batching is a throughput lever that costs each request a little TPOT.",
+         "batching is a throughput lever that costs each request some TPOT.",
          "The step does a little more arithmetic and reads a little more KV cache for each extra sequence.",
          "That would mean no gain from batching; the weight read is shared, so the step grows far less."],
     ),
@@ -494,7 +495,7 @@ Quiz([
 #   which steps each one is made of;
 # * predict TTFT for prompts that arrive together from measured prefill step times and the token
 #   budget, and check the prediction with the latency calculator;
-# * explain why batching is a throughput lever that raises each request's TPOT a little;
+# * explain why batching is a throughput lever that raises each request's TPOT;
 # * say who gains (requests already streaming) and who pays (the long prompt) when a prompt is chunked,
 #   and which setting controls it (`enable_chunked_prefill`, `max_num_batched_tokens`, not
 #   `enforce_eager`).

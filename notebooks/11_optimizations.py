@@ -219,7 +219,9 @@ render(f"On this run the dispatch floor ({n_ops} operations x {per_op_us:.1f} µ
 # fresh tensor cannot be replayed (the calls after it would never see the new tensor), so the
 # recorder refuses it and the engine stays eager. It records each bucket at its first step instead of
 # ahead of time, and up to 64 sequences (`CPU_MAX_CAPTURE_SIZE`), where a CPU step's arithmetic has
-# long outgrown the Python.
+# long outgrown the Python. On either device only plain decode steps are recorded: a step with a
+# prefill chunk in it, or one that verifies speculative drafts (its token count depends on the drafts
+# proposed), runs eagerly.
 #
 # The bucket choice is plain Python and runs anywhere:
 
@@ -903,9 +905,9 @@ check_claim("a decode step that verifies 4 drafts costs less than two plain deco
 # drafts are proposed when no n-gram matches). What such a step costs relative to a plain decode
 # step decides the rest: the speed-up is roughly `tokens per verification x (plain step time /
 # verification step time)`. On this model a step is dominated by costs that do not grow with its
-# token count (section 1: dispatch, Python, the engine's bookkeeping), so checking 5 tokens instead of
-# 1 costs far less than 5 plain steps: compare the two medians rendered above (on a loaded machine
-# single steps vary a lot).
+# token count (the Python around the model's calls, which section 2's graphs remove, and the engine's
+# bookkeeping), so checking 5 tokens instead of 1 costs far less than 5 plain steps: compare the two
+# medians rendered above (on a loaded machine single steps vary a lot).
 # The first tokens of the continuation are new text with no n-gram to match, so those steps are plain
 # decodes; speculation pays once the model starts repeating itself, and the TPOT ratio should sit
 # below the tokens per verification, pulled down by the plain steps and the extra cost of the wider

@@ -280,7 +280,8 @@ class CudaGraphDecodeRunner:
             padding and buffer logic be tested without a GPU.
 
     Attributes:
-        num_replays: graph replays so far (one per decode step run through a graph).
+        num_replays: graph replays so far (one per decode step run through a graph; a CPU
+            graph's first step, which records it, counts in ``num_recordings`` instead).
 
     Usage::
 
@@ -352,6 +353,7 @@ class CudaGraphDecodeRunner:
         #: why CPU graphs were switched off (an operation a graph cannot replay), else None
         self.not_capturable: str | None = None
         self.num_replays = 0
+        self.num_recordings = 0  # CPU graphs recorded (each while its first step ran)
         top = self.buckets[-1]
         self.layout = StagingLayout(top, max_blocks_per_seq)
         self._host_bytes = torch.zeros(self.layout.nbytes, dtype=torch.uint8,
@@ -691,7 +693,7 @@ class CudaGraphDecodeRunner:
                 return self._hidden[:n]
         graph.keep_alive(fn)  # its metadata hold the static plan's tensors the calls point into
         self._graphs[key] = graph
-        self.num_replays += 1
+        self.num_recordings += 1
         return self._hidden[:n]
 
     @torch.inference_mode()
