@@ -298,3 +298,102 @@ def test_recording_does_not_import_torch_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "no dynamo"
+
+
+def test_engines_replaying_in_two_threads_use_their_own_scratch():
+    """Regression: a recording baked the recording thread's attention scratch into its calls, so
+    two engines whose graphs were recorded on one thread shared a scratch, and stepping them in two
+    threads at once gave wrong tokens."""
+    import threading
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = {"a": prompts_of([120, 100, 130, 110], seed=11, vocab=4000),
+               "b": prompts_of([90, 140, 105, 125], seed=12, vocab=4000)}
+    engines = {name: _llm() for name in prompts}
+    for name, llm in engines.items():  # graphs for bucket 4, recorded on this thread
+        _run(llm, prompts_of([5] * 4, seed=1, vocab=4000), SamplingParams(temperature=0, max_tokens=3))
+    kept = {name: {t.data_ptr() for g in llm.llm_engine.runner.graph_runner._graphs.values()
+                   for t in g._keep if isinstance(t, torch.Tensor)} for name, llm in engines.items()}
+    assert kept["a"] and not kept["a"] & kept["b"]
+    eager = _llm(enforce_eager=True)
+    want = {name: _run(eager, p, params) for name, p in prompts.items()}
+    got = {}
+    threads = [threading.Thread(target=lambda n=name: got.__setitem__(n, _run(engines[n], prompts[n], params)))
+               for name in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+
+
+def test_an_interrupt_while_staging_leaves_no_stale_padding_row(monkeypatch):
+    """Regression: an interrupt after a step's rows were written but before stage() finished kept
+    the old row count as staged, so the next step of that count skipped refilling its padding rows,
+    and a padding row went on writing K/V at a slot of the interrupted step's (now another
+    sequence's) block on every replay."""
+    from minivllm.engine import cuda_graph
+
+    llm = _llm()
+    g = llm.llm_engine.runner.graph_runner
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    _run(llm, prompts_of([20, 30, 25], seed=13, vocab=4000), params)  # bucket 4 staged with 3 rows
+    real = cuda_graph.fill_block_tables
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cuda_graph, "fill_block_tables", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # 10 rows: the vectorised fill, after ids/positions/slots
+        g.stage(list(range(10)), [40] * 10, list(range(500, 510)), [41] * 10, [[31, 32, 33]] * 10)
+    monkeypatch.setattr(cuda_graph, "fill_block_tables", real)
+    g.stage([1, 2, 3], [7, 7, 7], [1, 2, 3], [8, 8, 8], [[0], [1], [2]])
+    assert list(g._host["slot_mapping"][3:4]) == [-1]  # the padding row is padding again
+
+
+def test_a_swapped_submodule_is_recorded_again():
+    """Regression: the runner listed the model's modules once, so a module swapped on a live engine
+    kept being replayed as the old one (and hooks on the new one went unseen)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = prompts_of([9], seed=14, vocab=4000)
+    llm, eager = _llm(), _llm(enforce_eager=True)
+    assert _run(llm, prompt, params) == _run(eager, prompt, params)
+    for engine in (llm, eager):
+        layer = engine.llm_engine.runner.model.model.layers[1]
+        old = layer.post_attention_layernorm
+        new = type(old)(old.hidden_size, eps=old.eps)
+        new.weight.data.copy_(old.weight.detach() * 2.5)
+        new.fused = old.fused
+        layer.post_attention_layernorm = new
+    assert _run(llm, prompt, params) == _run(eager, prompt, params)
+    g = llm.llm_engine.runner.graph_runner
+    new = llm.llm_engine.runner.model.model.layers[1].post_attention_layernorm
+    seen = []
+    handle = new.register_forward_hook(lambda *a: seen.append(1))
+    try:
+        _run(llm, prompt, params)
+    finally:
+        handle.remove()
+    assert len(seen) == 6 and g.num_recordings >= 2
+
+
+def test_a_block_table_shorter_than_its_context_is_refused_when_staged():
+    llm = _llm()
+    _run(llm, prompts_of([5], seed=15, vocab=4000), SamplingParams(temperature=0, max_tokens=3))
+    g = llm.llm_engine.runner.graph_runner
+    with pytest.raises(RuntimeError, match="covers fewer than its 41 tokens"):
+        g.stage([1], [40], [5], [41], [[3]])
+    import numpy as np
+    with pytest.raises(RuntimeError, match="block manager state is corrupt"):
+        g.stage(np.array([1]), np.array([40]), np.array([5]), np.array([41]), np.array([[3, -1, -1]], dtype=np.int32))
+    with pytest.raises(RuntimeError, match="block manager state is corrupt"):
+        g.stage(np.array([1]), np.array([40]), np.array([5]), np.array([41]), np.array([[3, 4]], dtype=np.int32))
+
+
+def test_replay_outside_inference_mode():
+    llm = _llm()
+    _run(llm, prompts_of([5], seed=16, vocab=4000), SamplingParams(temperature=0, max_tokens=3))
+    g = llm.llm_engine.runner.graph_runner
+    assert not torch.is_inference_mode_enabled()
+    hidden = g.replay(g.stage([1], [6], [6], [7], [[0]]))
+    assert hidden.shape == (1, llm.llm_engine.runner.hf_config.hidden_size) and bool(torch.isfinite(hidden).all())

@@ -32,7 +32,7 @@ recorded at the first step of its (bucket, context bound, thread count), while t
 not ahead; the static buffers are host memory the graphs read directly (nothing to upload);
 and the runner checks each step that the model is still what the graphs recorded: with a
 forward hook on some module the step runs eagerly (a replay calls no module), and after a
-parameter is replaced the graphs are recorded again. Block tables are checked while staging
+submodule or a parameter is replaced the graphs are recorded again. Block tables are checked while staging
 (the kernels trust them). A forward with an operation a CPU graph cannot replay switches CPU
 graphs off for the engine, with a warning naming the operation.
 """
@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass
+from itertools import chain
 from operator import getitem
 from typing import Callable
 
@@ -441,6 +442,9 @@ class CudaGraphDecodeRunner:
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous upload has left the host mirror
         h = self._host
+        # nothing counts as staged until every row is written: an interrupt below leaves padding
+        # rows that the next stage() must refill (they could hold a slot of a live sequence)
+        self._staged = None
         self._ids_pos_slots[:, :n] = (input_ids, positions, slot_mapping)  # one numpy call for the three
         h["context_lens"][:n] = context_lens
         if self.kind == "cpu" and n <= 8 and isinstance(block_tables, list):
@@ -455,6 +459,8 @@ class CudaGraphDecodeRunner:
             used = fill_block_tables(h["block_tables"][:n], block_tables)
             if self.kind == "cpu":
                 self._check_tables(n, used)
+        if self.kind == "cpu":
+            self._check_lengths(block_tables, context_lens)
         if self._staged is None or self._staged[0] != n:
             self._fill_padding(n, bucket)
         cu = h["cu_seqlens_k"]
@@ -478,6 +484,18 @@ class CudaGraphDecodeRunner:
             used = tables[np.arange(tables.shape[1])[None, :] < ((lens + bs - 1) // bs)[:, None]]
         if used.size:
             self._check_range(int(used.min()), int(used.max()))
+
+    def _check_lengths(self, tables, context_lens) -> None:
+        """Each table has a block for every token of its context (the kernel reads them all)."""
+        bs = self.block_size
+        if isinstance(tables, np.ndarray):
+            short = [i for i, c in enumerate(context_lens) if c > tables.shape[1] * bs or tables[i, (c - 1) // bs] < 0]
+        else:
+            short = [i for i, (t, c) in enumerate(zip(tables, context_lens)) if len(t) * bs < c]
+        if short:
+            i = short[0]
+            raise RuntimeError(f"decode graph: sequence {i}'s block table covers fewer than its {context_lens[i]} "
+                               f"tokens (block manager state is corrupt)")
 
     def _check_range(self, lo: int, hi: int) -> None:
         num_blocks = int(self.kv_caches[0][0].shape[0])
@@ -598,18 +616,27 @@ class CudaGraphDecodeRunner:
         if self.kind != "cpu":
             raise ValueError("reset() drops CPU graphs; CUDA graphs are captured once, at start-up")
         self._graphs.clear()
+        self._modules, self._weights = None, None  # listed again at the next step
 
     def _model_changed(self) -> bool:
         """A CPU graph would not replay the model as it now is: some module has a forward hook or
         pre-hook (or one is registered for all modules: a replay calls no module, so such steps
-        run eagerly), or a parameter of the modules listed at the first step was replaced, removed
-        or given new storage since the graphs were recorded (they are then dropped and recorded
-        again). C-level ``map``s over lists made once: a few microseconds for the embedded model."""
+        run eagerly), or since the graphs were recorded a submodule was swapped, added or removed,
+        or a parameter was replaced, removed or given new storage (the graphs are then dropped
+        and recorded again). C-level ``map``s over lists made once: a few microseconds for the
+        embedded model."""
+        if self._modules is not None and tuple(map(id, chain.from_iterable(map(dict.values, self._child_dicts)))) \
+                != self._children:  # a submodule was swapped, added or removed: list everything again
+            logger.info("CPU graphs: the model's modules changed; recording the graphs again")
+            self._modules, self._weights = None, None
+            self._graphs.clear()
         if self._modules is None:
             self._modules = list(self.model.modules()) if isinstance(self.model, torch.nn.Module) else []
             # registering a hook adds to these dicts in place; an empty dict is falsy
             self._hook_dicts = ([m._forward_hooks for m in self._modules] + [m._forward_pre_hooks for m in self._modules]
                                 + [_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks])
+            self._child_dicts = [m._modules for m in self._modules]
+            self._children = tuple(map(id, chain.from_iterable(map(dict.values, self._child_dicts))))
         if any(self._hook_dicts):
             return True
         key = self._weights_key()
@@ -666,7 +693,8 @@ class CudaGraphDecodeRunner:
             graph = self._graphs.get(key)
             if graph is None:
                 return self._record_cpu(key, n)
-            graph.replay()
+            with torch.inference_mode():  # the recorded calls write inference tensors in place
+                graph.replay()
         else:
             self._graphs[(bucket, bound)].replay()
         self.num_replays += 1

@@ -149,7 +149,13 @@ class PagedDecodeKernel:
         block_size = k_cache.shape[1]
         chunks = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
         per_chunk = heads * max_len
-        scratch = self._scratch(chunks * per_chunk)
+        graph = cpu_graph.capturing()
+        if graph is None:
+            scratch = self._scratch(chunks * per_chunk)
+        else:  # a graph gets a scratch of its own: its replays may run in any thread, beside other graphs'
+            with cpu_graph.persistent():
+                scratch = torch.empty(chunks * per_chunk, dtype=torch.float32, device="cpu")
+            graph.keep_alive(scratch)
         stride = block_tables.stride(0)
         qp, sq, lp, op, sp = (t.data_ptr() for t in (q, row_seq, row_lens, out, scratch))
         kp, vp, tp = k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr()
@@ -163,9 +169,6 @@ class PagedDecodeKernel:
         # several chunks run on several threads (ctypes drops the GIL); run_chunks returns only once
         # every chunk is done, so the scratch is free for the next call even after an interrupt
         cpu_graph.launch(run_chunks, run, chunks)
-        graph = cpu_graph.capturing()
-        if graph is not None:
-            graph.keep_alive(scratch)  # the thread's scratch may be replaced by a larger one later
         return out
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
