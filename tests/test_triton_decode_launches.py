@@ -50,8 +50,10 @@ def test_decode_step_launches(monkeypatch):
     cfg = Qwen3Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
                       tie_word_embeddings=False)
-    torch.manual_seed(0)
+    from minivllm.utils.loader import init_random_weights
+
     model = Qwen3ForCausalLM(cfg).float().eval()
+    init_random_weights(model, 0)  # the constructor leaves parameters uninitialised (garbage can be inf/NaN)
     _, kv = allocate_kv_cache(cfg, 8, 16, torch.float32, "cpu")
     runner = CudaGraphDecodeRunner(model, kv, TritonAttentionBackend(), 4, 4, cfg.hidden_size, "cpu",
                                    torch.float32, emulate=True)
