@@ -398,11 +398,13 @@ class ModelRunner:
         once and shared by every module using it (one Dynamo cache, shapes dynamic), so a
         model's dozens of norm layers and a second engine in the process do not exhaust
         Dynamo's recompile limit. They replace the CPU fused C ops where those were on
-        (``enable_cpu_fused_ops``). ``backend``: torch.compile's (tests use "eager")."""
+        (``enable_cpu_fused_ops``), and switch CPU graphs off. ``backend``: torch.compile's (tests use "eager")."""
         from minivllm.layers import norm
         from minivllm.layers.activation import SiluAndMul
         from minivllm.layers.rotary import RotaryEmbedding
 
+        if self.graph_runner is not None and self.graph_runner.kind == "cpu":
+            self.graph_runner = None  # CPU graphs record our C calls, which compiled modules no longer make
         norm_fn = _compiled(norm.rms_norm, backend)
         add_norm_fn = _compiled(norm.add_rms_norm, backend)
         for module in self.model.modules():
