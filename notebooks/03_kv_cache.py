@@ -166,8 +166,10 @@ print(repr(PROMPT + tok.decode(with_cache)))
 #
 # * **without a cache**: one forward pass over all `L` tokens;
 # * **with a cache**: one forward pass over one token that attends to `L` cached keys and values;
-# * **the engine**: a decode step at that length, from its `StepRecord` (the same work as "with a
-#   cache", plus the engine's scheduling and bookkeeping).
+# * **the engine**: a decode step at that length, from its `StepRecord` (the same arithmetic as "with
+#   a cache", plus the engine's scheduling and bookkeeping, but on a CPU replayed from a recorded graph
+#   of C calls instead of run operation by operation from Python: chapter 11; so it can come out
+#   faster than the by-hand step).
 #
 # Each by-hand route is timed five times at every length. We keep the **fastest** of the five:
 # other processes on a shared machine can only add time to a run, never remove it, so the fastest

@@ -426,10 +426,10 @@ check_claim("a decode step of 8 sequences costs less than half of 8 steps of one
 # Split a decode step into what is paid once per step and what is paid per sequence.
 #
 # * Once per step: reading every weight matrix (the model's parameters), launching the layers'
-#   operations, Python bookkeeping in the scheduler and runner. On this tiny model the fixed overhead
-#   dominates; on a real model on a GPU the weight read does.
-# * Per sequence: one row in each matrix multiplication (8 rows cost little more than 1 while the
-#   weights are being read anyway), attention over that sequence's own KV, sampling one token.
+#   operations, Python bookkeeping in the scheduler and runner. On this tiny model that fixed part is
+#   a large share of a batch-1 step; on a real model on a GPU the weight read dominates it.
+# * Per sequence: one row in each matrix multiplication (8 rows cost far less than 8 single rows while
+#   the weights are being read anyway), attention over that sequence's own KV, sampling one token.
 #
 # So the ratio lands far below 8, nearer 1 than 8 on a small model: the once-per-step part does not
 # grow with the batch.

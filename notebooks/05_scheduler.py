@@ -210,8 +210,8 @@ d1, d4 = statistics.median(decode_ms[1]), statistics.median(decode_ms[SEATS])
 render(f"Both runs computed the same tokens (checked above). Continuous batching needed **{len(cont_steps)}** "
        f"steps where static batching needed **{len(static_steps)}**, with seats in use "
        f"**{occupancy(cont_steps):.0%}** against **{occupancy(static_steps):.0%}** on average per step: static batching "
-       f"spent many steps with seats empty, waiting for the longest request of its batch. A fuller step is not "
-       f"much dearer: the median decode step with {SEATS} sequences took **{d4:.2f} ms**, with 1 sequence "
+       f"spent many steps with seats empty, waiting for the longest request of its batch. A fuller step costs far less "
+       f"than its seats' worth of 1-sequence steps: the median decode step with {SEATS} sequences took **{d4:.2f} ms**, with 1 sequence "
        f"**{d1:.2f} ms** ({d4 / d1:.2f}x), because much of a step's cost (launching operations, bookkeeping "
        f"and, on larger models, reading the weights) is paid once per step, however many sequences it serves "
        f"(chapter 06).")
@@ -233,7 +233,7 @@ check_claim("continuous batching's throughput gain is real but smaller than its 
 # If every step cost the same, the time would be proportional to the number of steps, and the gain
 # would equal the ratio of static to continuous steps. Two things pull the measured gain below that.
 # Steps are not equally expensive: continuous batching's steps carry more sequences on average (its
-# seat occupancy is higher), and a step with more sequences costs no less, usually a little more (the
+# seat occupancy is higher), and a step with more sequences costs no less, usually more (the
 # 4-sequence against 1-sequence decode step ratio printed with the check; the table's `mean step ms`,
 # seconds over steps of the same run, compares whole runs). And the prompts' prefill is the same work in
 # both runs, a shared cost that dilutes any ratio. So expect a gain that is real but usually smaller
