@@ -158,3 +158,16 @@ def test_the_torch_fallback_takes_any_dtype_with_a_bias_and_refused_panels_stay_
     empty = torch.zeros(2, 0, 16)
     assert not gemm.takes(torch.zeros(3, 0), empty, None)
     assert torch.equal(prepack.linear(torch.zeros(3, 0), empty), torch.zeros(3, 32))
+
+
+@pytest.mark.parametrize("n", [16, 48, 112])
+def test_every_row_count_gets_a_rows_bits_alone(gemm, n):
+    """Whatever pass a row lands in (one row, groups of up to 6 or 12 rows, one to four panels
+    at once: the AVX2 and AVX-512 builds group them differently), it gets the bits it gets alone,
+    so a sequence's tokens do not depend on the batch around it."""
+    x, w, b = _case(27, 300, n)  # 300: two chunks of k; 112: seven panels (a group of 4, then 2 + 1)
+    p = cpu_gemm.pack_panels(w)
+    alone = torch.cat([gemm(x[r:r + 1], p, b) for r in range(27)])
+    torch.testing.assert_close(alone, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    for m in range(1, 28):
+        assert torch.equal(gemm(x[:m], p, b), alone[:m]), m
