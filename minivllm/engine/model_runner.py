@@ -490,6 +490,7 @@ class ModelRunner:
         slots: list[int] = []
         q_lens, context_lens, tables, logits_rows, sampling = [], [], [], [], []
         drafts = {}
+        chunked = False  # some entry brings several tokens that are not drafts (a prefill chunk)
         for entry in plan.scheduled:
             seq, start, n = entry.seq, entry.start_pos, entry.num_tokens
             table = seq.block_table
@@ -511,6 +512,7 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                chunked = True
                 input_ids.extend(seq.token_ids[start:start + n])
                 pos = np.arange(start, start + n)
                 positions.extend(pos.tolist())
@@ -530,6 +532,10 @@ class ModelRunner:
             rows = None if logits_rows == list(range(n)) else self._to_device(np.array(logits_rows, dtype=np.int64))
             return ModelInput(input_ids=g.static_input_ids(n), positions=g.static_positions(n), meta=meta,
                               logits_indices=rows, sampling_seqs=sampling, graph_rows=n)
+        if drafts and not chunked and g is not None and g.kind == "cpu" \
+                and g.can_run_step(t, t, True, bs, max(map(len, tables))):
+            return self._verify_as_decode_rows(g, input_ids, positions, slots, q_lens, tables, logits_rows,
+                                               sampling, drafts)
         # One int64 host buffer, one transfer: [input_ids | positions | slot_mapping | logits rows],
         # each part starting on a 16-byte boundary (Triton specialises on pointer alignment).
         # Built from one Python list: a single numpy call is cheapest at small batches.
@@ -545,6 +551,22 @@ class ModelRunner:
             logits_indices=rows_t, sampling_seqs=sampling, drafts=drafts,
             host=(flat_host[:t], flat_host[stride:stride + t], flat_host[2 * stride:2 * stride + t],
                   flat_host[3 * stride:], table_arr))
+
+    def _verify_as_decode_rows(self, g, input_ids, positions, slots, q_lens, tables, logits_rows, sampling,
+                               drafts) -> ModelInput:
+        """A step of decodes and draft verifications staged for the CPU decode graphs, one graph
+        row per token: token ``i`` at position ``p`` becomes a decode row with its sequence's block
+        table and a context of ``p + 1`` keys. Every token's K and V are written before any row's
+        attention reads the cache, so each row sees the tokens before it in its own sequence, as
+        the eager step's causal rows do (the same kernel, the same keys, the same bits)."""
+        row_tables = [table for table, n in zip(tables, q_lens) for _ in range(n)]
+        context_lens = [p + 1 for p in positions]
+        n = g.stage(np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                    np.asarray(slots, dtype=np.int64), np.asarray(context_lens, dtype=np.int32), row_tables)
+        rows = None if logits_rows == list(range(n)) else self._to_device(np.array(logits_rows, dtype=np.int64))
+        return ModelInput(input_ids=g.static_input_ids(n), positions=g.static_positions(n),
+                          meta=g.staged_meta(context_lens), logits_indices=rows, sampling_seqs=sampling,
+                          drafts=drafts, graph_rows=n)
 
     def _decode_input(self, plan: SchedulerOutput) -> ModelInput | None:
         """``prepare_input`` for a step of plain decodes (one token each, no drafts): C-level
