@@ -399,36 +399,51 @@ def test_replay_outside_inference_mode():
     assert hidden.shape == (1, llm.llm_engine.runner.hf_config.hidden_size) and bool(torch.isfinite(hidden).all())
 
 
-def test_draft_verification_steps_replay_a_decode_graph_bit_for_bit():
-    """n-gram speculation: a step of decodes and draft verifications is staged one graph row per
-    token (a verified token is a decode row seeing the keys up to its position), so it replays the
-    decode graphs; its logits and the KV cache match an eager engine bit for bit, and so do the
-    outputs."""
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+def _verification_steps(llm: LLM, prompts, params):
+    """Outputs, and for each step that verified drafts: (replayed from a graph, the most tokens a
+    sequence scored in it, its logits)."""
+    runner, seen = llm.llm_engine.runner, []
+    original = runner.forward_logits
+
+    def spy(inp, *args):
+        out = original(inp, *args)
+        if inp.drafts:
+            seen.append((inp.graph_rows is not None, max(len(d[1]) + 1 for d in inp.drafts.values()), out.clone()))
+        return out
+
+    runner.forward_logits = spy
+    try:
+        return _run(llm, prompts, params), seen
+    finally:
+        runner.forward_logits = original
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("spec", [
+    NGRAM,
+    {"method": "draft_model", "model": "minivllm-tiny-draft", "num_speculative_tokens": 15},
+    # 17 scored tokens per sequence: the eager step attends through gather + SDPA (the kernel takes at
+    # most cpu_decode.MAX_QUERY_LEN), so such a step must not replay the kernel's graph
+    {"method": "draft_model", "model": "minivllm-tiny-draft", "num_speculative_tokens": 16},
+])
+def test_draft_verification_steps_replay_a_decode_graph_bit_for_bit(spec):
+    """Speculation: a step of decodes and draft verifications is staged one graph row per token (a
+    verified token is a decode row seeing the keys up to its position), so it replays the decode
+    graphs; its logits and the KV cache match an eager engine bit for bit, and so do the outputs.
+    Steps whose queries the eager step does not give the kernel run eagerly."""
     prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [40], prompts_of([23], seed=3, vocab=4000)[0]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-    def run(llm):
-        runner, seen = llm.llm_engine.runner, []
-        original = runner.forward_logits
-
-        def spy(inp, *args):
-            out = original(inp, *args)
-            if inp.drafts:
-                seen.append((inp.graph_rows is not None, out.clone()))
-            return out
-
-        runner.forward_logits = spy
-        try:
-            return _run(llm, prompts, params), seen
-        finally:
-            runner.forward_logits = original
-
-    graph, eager = _llm(speculative_config=ngram), _llm(speculative_config=ngram, enforce_eager=True)
-    (got, got_steps), (want, want_steps) = run(graph), run(eager)
+    graph, eager = _llm(speculative_config=spec), _llm(speculative_config=spec, enforce_eager=True)
+    (got, got_steps), (want, want_steps) = _verification_steps(graph, prompts, params), \
+        _verification_steps(eager, prompts, params)
     assert got == want
     assert len(got_steps) == len(want_steps) >= 3
-    assert all(replayed for replayed, _ in got_steps) and not any(replayed for replayed, _ in want_steps)
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got_steps, want_steps))
+    assert [r for r, _, _ in got_steps] == [q <= cpu_decode.MAX_QUERY_LEN for _, q, _ in got_steps]
+    assert any(r for r, _, _ in got_steps) and not any(r for r, _, _ in want_steps)
+    if spec["num_speculative_tokens"] + 1 > cpu_decode.MAX_QUERY_LEN:
+        assert not all(r for r, _, _ in got_steps)
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(got_steps, want_steps))
     for (kg, vg), (ke, ve) in zip(graph.llm_engine.runner.kv_caches, eager.llm_engine.runner.kv_caches):
         assert torch.equal(kg, ke) and torch.equal(vg, ve)

@@ -23,6 +23,9 @@ from minivllm.engine.runner_config import RunnerConfig
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.attention import get_attention_backend
+# the eager step takes the native kernel only for queries this short (longer: gather + SDPA); a graph
+# replay must make the same choice to give the same bits
+from minivllm.layers.attention.cpu_decode import MAX_QUERY_LEN
 from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.logits_processors import row_processing
@@ -532,7 +535,7 @@ class ModelRunner:
             rows = None if logits_rows == list(range(n)) else self._to_device(np.array(logits_rows, dtype=np.int64))
             return ModelInput(input_ids=g.static_input_ids(n), positions=g.static_positions(n), meta=meta,
                               logits_indices=rows, sampling_seqs=sampling, graph_rows=n)
-        if drafts and not chunked and g is not None and g.kind == "cpu" \
+        if drafts and not chunked and g is not None and g.kind == "cpu" and max(q_lens) <= MAX_QUERY_LEN \
                 and g.can_run_step(t, t, True, bs, max(map(len, tables))):
             return self._verify_as_decode_rows(g, input_ids, positions, slots, q_lens, tables, logits_rows,
                                                sampling, drafts)
@@ -558,7 +561,9 @@ class ModelRunner:
         row per token: token ``i`` at position ``p`` becomes a decode row with its sequence's block
         table and a context of ``p + 1`` keys. Every token's K and V are written before any row's
         attention reads the cache, so each row sees the tokens before it in its own sequence, as
-        the eager step's causal rows do (the same kernel, the same keys, the same bits)."""
+        the eager step's causal rows do (the same kernel, the same keys, the same bits; the caller
+        sends only steps whose sequences score at most ``MAX_QUERY_LEN`` tokens, those the eager step
+        gives the kernel too)."""
         row_tables = [table for table, n in zip(tables, q_lens) for _ in range(n)]
         context_lens = [p + 1 for p in positions]
         n = g.stage(np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
