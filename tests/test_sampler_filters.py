@@ -131,3 +131,24 @@ def test_a_uniform_draw_of_zero_does_not_sample_a_filtered_token(monkeypatch):
     probs = torch.zeros(2, 10)
     probs[0, 7] = probs[1, 3] = 1.0
     assert exponential_race(probs, [None, torch.Generator().manual_seed(1)], None).tolist() == [7, 3]
+
+
+def test_argmax_rows_matches_torch_argmax_ties_nan_inf_and_strided_rows():
+    """The CPU fast path (numpy's argmax) picks what torch's argmax picks: the first maximum of a
+    row with ties, the first NaN of a row holding one, +inf over finite values; strided rows too."""
+    from minivllm.layers.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 50, generator=g)
+    x[1, [3, 7, 20]] = 5.0  # a tie: the first wins
+    x[2, [4, 9]] = float("nan")
+    x[3, 11] = float("inf")
+    x[4, :] = float("-inf")
+    x[5, [2, 30]] = float("inf")
+    x[6, [6]] = float("nan")
+    x[6, [1]] = float("inf")
+    x[7] = x[7].round()  # many ties
+    for t in (x, x[:, ::2], x.t().contiguous().t(), x[::2]):
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x.double()), x.double().argmax(dim=-1))  # other dtypes: torch's

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minivllm.layers.logits_processors import (RowProcessing, apply_frequency_presence_penalties,
@@ -152,6 +153,16 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D ``x [N, V]`` -> int64 ``[N]``: the first maximum of each row
+    (the first NaN in a row holding one, as torch does). A float32 CPU tensor goes through numpy's
+    argmax: torch 2.13's CPU argmax over rows took 166 us for 32 x 4096 values, numpy's 7 us (one
+    thread, 2-core Xeon, 2026-12-02), about 5% of a batch-32 decode step of the embedded model."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def exponential_noise_(out: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Fill ``out`` in place with Exp(1) draws, as ``-log(U)`` for ``U`` uniform on [0, 1).
 
@@ -178,7 +189,7 @@ def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | Non
     for i, g in enumerate(generators):
         if g is not None:
             exponential_noise_(noise[i], g)
-    return (probs / noise).argmax(dim=-1)
+    return argmax_rows(probs / noise)
 
 
 class Sampler:
@@ -209,7 +220,7 @@ class Sampler:
         if batch.all_greedy and not batch.any_penalty and processing is None:
             if batch.keep_processed:
                 self.processed_logits = logits
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         logits = logits.float().clone()
         if processing is not None:
             apply_logits_processors(logits, processing)
@@ -217,7 +228,7 @@ class Sampler:
             apply_repetition_penalty(logits, batch)
         if processing is not None:
             apply_frequency_presence_penalties(logits, processing)
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if batch.all_greedy:
             if batch.keep_processed:
                 self.processed_logits = logits
