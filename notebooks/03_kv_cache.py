@@ -291,7 +291,8 @@ _ = check_prediction(my_prediction, df["time ratio"][longest], rel_tol=0.5, unit
 # weights); a 512-token step reads the same weights once and does 512 times the arithmetic, so on
 # a large GPU it can be limited by arithmetic instead. The time ratio is then far below the FLOP
 # ratio; chapter 06 draws this as a roofline. A guess near the FLOP ratio fits only where both
-# steps are bound by arithmetic; for this small model, the fixed cost decides first.
+# steps are bound by arithmetic; for this small model, fixed costs and its weight reads (from a CPU
+# cache, where its few megabytes fit) decide first.
 # </details>
 
 # %% [markdown]

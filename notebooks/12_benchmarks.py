@@ -41,8 +41,9 @@
 # ## Setup
 #
 # `BIG` is the random-weight model at Qwen3-0.6B's shapes (section 4 prints what its weights weigh
-# in the dtype they are held in), used for the roofline section: the embedded model is small (4 layers, hidden size 256) and its steps are dominated by
-# fixed costs, so it cannot show where a real model's steps sit.
+# in the dtype they are held in), used for the roofline section: the embedded model is small (4 layers, hidden size 256):
+# its steps carry fixed costs a real model amortises, and its few megabytes of weights can stay in a
+# CPU cache, so it cannot show where a real model's steps sit.
 
 # %% tags=["parameters"]
 import os
@@ -351,7 +352,9 @@ render(f"Two read bandwidths appear in this notebook. Section 2's harness measur
 
 # %% [markdown]
 # The prefill step sits to the right of the decode steps: it multiplies every weight by all the
-# prompt's tokens, so it does many FLOPs per byte and reaches towards the compute ceiling (MFU). The
+# prompt's tokens, so it does many more FLOPs per byte, and past the ridge point it reaches towards
+# the compute ceiling (MFU; whether this prompt is long enough to pass the ridge on this machine, the
+# intensities above say). The
 # decode steps do a few FLOPs per byte at most (the figure measured in exercise 2) and sit under the
 # sloped, memory-bound part of the roof, as the checks above test;
 # their figure of merit is MBU, the share of the measured read bandwidth they use. `python -m minivllm
