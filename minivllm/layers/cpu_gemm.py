@@ -14,7 +14,10 @@ read comes from memory), milliseconds per pass:
 
 and on cache-resident prefill shapes (64-512 rows) it ran level with them (58-69 GFLOP/s against
 48-73). A shared machine's memory speed varies by 1.5x from run to run (8 rows coming out faster
-than 4 here was not repeated in other runs); compare within a run.
+than 4 here was not repeated in other runs); compare within a run. Built where the CPU has AVX-512,
+the kernel's passes of two or more rows use 512-bit vectors (same bits); on a 2-core Xeon (one thread,
+2026-12-02) they ran cache-resident linears at 167-198 GFLOP/s from 32 rows up, against 104-117 for the
+256-bit passes and 101-187 for ``F.linear``, and took 1024 -> 3072 at 4 rows in 0.45 ms against MKL's 0.89.
 
 The C code splits the panels over ``torch.get_num_threads()`` threads of its own (a persistent
 pool that polls briefly between calls, then sleeps; see the source for why).
