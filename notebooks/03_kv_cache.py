@@ -292,7 +292,7 @@ _ = check_prediction(my_prediction, df["time ratio"][longest], rel_tol=0.5, unit
 # a large GPU it can be limited by arithmetic instead. The time ratio is then far below the FLOP
 # ratio; chapter 06 draws this as a roofline. A guess near the FLOP ratio fits only where both
 # steps are bound by arithmetic; for this small model, fixed costs and its weight reads (from a CPU
-# cache, where its few megabytes fit) decide first.
+# cache, where its 17 MB can fit) decide first.
 # </details>
 
 # %% [markdown]
@@ -328,8 +328,8 @@ _ = check_claim("with a cache the time per token grows far less than without one
 # long (the `with cache` column printed above). The measured *time* of so short a step may not
 # visibly grow at all: its fixed costs dominate, and run-to-run noise can exceed the extra attention.
 # Where the time ratio falls short of the FLOP ratio, the reason is that a one-token step on a
-# small model is dominated by fixed costs (Python, launching dozens of small operations), not by
-# FLOPs; chapter 06 takes those costs apart.
+# small model is dominated by costs that barely grow with the context (Python, launching dozens of
+# small operations, reading its weights once), not by FLOPs; chapter 06 takes those costs apart.
 #
 # Over a whole generation the difference compounds: producing token `L` costs about `a + b·L`
 # without a cache, so `n` tokens cost about `n·a + b·n²/2`, quadratic in the length. We have not

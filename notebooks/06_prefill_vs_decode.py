@@ -224,8 +224,8 @@ render(f"Here 128 times the arithmetic took **{t128 / t1:.1f}x** the time: the o
 #
 # The measured ratio differs from that estimate because neither product sits exactly on its floor.
 # The 128-row product runs below the peak FLOP/s (the table's GFLOP/s column against the peak). The
-# one-row product can run either side of its memory floor: below it when the maths library streams
-# a thin product slowly, above it when a large CPU cache still holds part of the weight, since the
+# one-row product can run either side of its memory floor: slower when the maths library streams
+# a thin product slowly, faster when a large CPU cache still holds part of the weight, since the
 # measured read ceiling is main memory's (compare its GB/s with the ceiling in the sentence above).
 # The lesson stands either way: 128 times the arithmetic cost far less than 128 times the time,
 # because the weights were read once for all 128 rows.
@@ -448,7 +448,7 @@ check_claim("decode's intensity moves from the weights' value towards the KV cac
 # %% [markdown]
 # Second, decode's MBU on this tiny model (the `mbu` column). Two things move it away from what a
 # large model shows. Fixed costs per step (scheduling, building input tensors, sampling, the calls that
-# make up the forward) take time whatever the weights, which pulls MBU down. And a few megabytes of
+# make up the forward) take time whatever the weights, which pulls MBU down. And some 17 MB of
 # weights may stay in a CPU cache between steps, so the step can read them faster than main memory
 # allows, which pushes MBU up (past 100 % even: MBU divides by main memory's bandwidth). Which of the
 # two wins depends on the machine. The cell compares the memory floor with the step:
@@ -462,9 +462,13 @@ render(f"The embedded model's weights are {tiny_weight_bytes / 1e6:.1f} MB; at t
        f"stream in **{tiny_floor_ms:.2f} ms**, while a decode step took **{tiny_dec.wall_ms.median():.2f} ms** "
        f"(of which {tiny_dec.model_ms.median():.2f} ms in the model's forward pass), median MBU "
        f"{tiny_dec.mbu.median():.0%}. The memory floor is {tiny_share:.0%} of the step: "
-       + ("fixed per-step work takes most of it on this machine." if tiny_share < 0.5 else
-          "on this machine most of the step is the weight read (or less, where a cache serves the weights), "
-          "and fixed per-step work is the smaller part."));
+       + ("the forward pass took less than reading the weights from main memory would, so a CPU cache held "
+          "them between steps; outside the forward pass, the engine's per-step work took "
+          f"{tiny_dec.wall_ms.median() - tiny_dec.model_ms.median():.2f} ms."
+          if tiny_dec.model_ms.median() < tiny_floor_ms else
+          "fixed per-step work takes most of the step on this machine." if tiny_share < 0.5 else
+          "reading the weights from main memory is most of the step on this machine, fixed per-step work "
+          "the smaller part."));
 
 # %% [markdown]
 # To see the memory wall itself we need a model whose weights dwarf every cache and every fixed cost.
@@ -792,9 +796,9 @@ print("identical:", decoded == replayed)
 # * **batching**: 8 requests decoding together instead of one (one weight read serves 8 tokens);
 # * **int8 weights**: `LLM(..., quantization="int8")` stores every linear layer's weights in one byte
 #   instead of four (fewer bytes to read per step; not exact, so the tokens may differ). It shrinks
-#   only the matrix multiplies' reads, and section 3 measured that the embedded model's step is more
-#   than its weight read (with weights small enough to sit in a CPU cache), so int8 has less to gain
-#   there than on a large model; the cell also
+#   only the matrix multiplies' reads, and section 3 measured how the embedded model's step compares
+#   with reading its weights from main memory (weights small enough to stay in a CPU cache gain little
+#   from fewer bytes), so int8 has less to gain there than on a large model; the cell also
 #   times section 1's 4096 × 4096 weight, whose one-row product *is* a weight read, in fp32 and through
 #   the engine's int8 matmul (`minivllm.quantization.int8.Int8Weight`);
 # * **speculative decoding**: `speculative_config={"method": "ngram", ...}` proposes up to 4 tokens by
@@ -805,10 +809,10 @@ print("identical:", decoded == replayed)
 #   third copy (documents from Python's built-in `pydoc_data` help topics, the workload of
 #   `python -m minivllm bench --speculative ngram`).
 #
-# All three engines run every step eagerly (`enforce_eager=True`). By default the engine replays a plain
-# decode step from a recorded graph (chapter 11), which on a CPU removes most of the Python around the
-# model's C calls, but it runs a speculative verification step eagerly (its shape changes with the
-# number of drafts accepted): with graphs on, the comparison would mostly measure that difference.
+# All three engines run every step eagerly (`enforce_eager=True`). By default a float32 engine replays
+# its decode steps, speculation's verification steps included, from recorded graphs (chapter 11), which
+# on a CPU removes most of the Python around the model's C calls, but an int8 engine is not recorded:
+# with graphs on, the comparison would partly measure that difference.
 # `python -m minivllm bench --speculative ngram` measures speculation against the default engine.
 
 # %%
@@ -819,8 +823,8 @@ greedy = SamplingParams(temperature=0, max_tokens=LEVER_TOKENS, ignore_eos=True)
 copy_prompts = repeat_prompts(8)  # 8 different documents, each to be copied
 print(repr(copy_prompts[0][:160]), "...")
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-# enforce_eager=True for all three: otherwise a CPU replays plain decode steps from a recorded graph
-# (chapter 11) while speculation's verification steps run eagerly, and the table would measure that
+# enforce_eager=True for all three: otherwise a CPU replays the float32 engines' steps from recorded
+# graphs (chapter 11) while the int8 engine runs eagerly, and the table would measure that
 lever_args = dict(device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=512, max_num_seqs=8, enforce_eager=True)
 engines = {"baseline": LLM(MODEL, **lever_args), "int8": LLM(MODEL, quantization="int8", **lever_args),
            "ngram": LLM(MODEL, speculative_config=SPEC, **lever_args)}
@@ -897,7 +901,7 @@ check_claim("int8 weights make a product that is one weight read faster", int8_m
 # Faster memory and smaller models are two more ways, not the only ones. int8 shows the condition
 # plainly: it speeds up only the matrix multiplies, so what it gains on a whole step depends on their
 # share of the step and on how slowly they read their weights: large for a real model, smaller on the
-# embedded one, whose few megabytes of weights can stay in a CPU cache and whose step has fixed costs
+# embedded one, whose 17 MB of weights can stay in a CPU cache and whose step has fixed costs
 # beside them. There it can even come out below 1 (its row in the table says which way it went on
 # this run): the int8 engine swaps our float32 GEMM for torch's int8 linear, whose fixed costs per
 # call a 256-wide layer does not amortise. Compare that row with the single-weight figure; on a busy

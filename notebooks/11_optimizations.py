@@ -220,9 +220,9 @@ render(f"On this run the dispatch floor ({n_ops} operations x {per_op_us:.1f} µ
 # fresh tensor cannot be replayed (the calls after it would never see the new tensor), so the
 # recorder refuses it and the engine stays eager. It records each bucket at its first step instead of
 # ahead of time, and up to 64 sequences (`CPU_MAX_CAPTURE_SIZE`), where a CPU step's arithmetic has
-# long outgrown the Python. On either device only plain decode steps are recorded: a step with a
-# prefill chunk in it, or one that verifies speculative drafts (its token count depends on the drafts
-# proposed), runs eagerly.
+# long outgrown the Python. On either device a step with a prefill chunk in it runs eagerly. A step
+# that verifies speculative drafts is replayed on a CPU, one graph row per scored token (a scored token
+# is a decode row that sees the keys up to its own position), and runs eagerly on a GPU.
 #
 # The bucket choice is plain Python and runs anywhere:
 
@@ -673,9 +673,9 @@ check_claim("int8 weights do not make this model's batch-1 decode step anywhere 
 # How large is `f` here, and how much does int8 speed the matmuls up? The rendered sentence gives
 # the weight-read floor's share of the step. Where that share is small, the step is bound by its fixed
 # costs, not its weight reads. Where it is large, the matmuls are most of the step, but this model's
-# few megabytes of weights may not come from main memory at all: a large CPU cache can hold them
-# between steps (the engine's replayed step can then come out below the floor computed from main
-# memory's bandwidth), and a cached read gains little from fewer bytes. int8's own per-call costs can
+# 17 MB of weights may not come from main memory at all: a large CPU cache can hold them between
+# steps (a step's matmuls can then take less time than the floor computed from main memory's
+# bandwidth), and a cached read gains little from fewer bytes. int8's own per-call costs can
 # also outweigh the bytes it saves on layers this small, so the step can even come out slower: the
 # ratio rendered above says which happened on your run. On a model large enough that
 # the weights dominate the step, the next cell's layer, one of Qwen3-0.6B's, shows int8 coming much
@@ -816,8 +816,8 @@ def repeating_prompt(i=0):
     return "".join(f"def {n}(a, b):\n    return a {op} b\n\n\n" for n, op in (OPS[(i + j) % 8] for j in range(4)))
 
 
-# eager, like section 1's engine it is compared with: a graph engine would replay its plain decode
-# steps but run verification steps (whose shape varies with the drafts) eagerly (section 2)
+# eager, like section 1's engine it is compared with: with graphs (section 2) the comparison would
+# also measure what replaying saves on each kind of step
 s_llm = LLM(MODEL, device=DEVICE, speculative_config=SPEC, num_kvcache_blocks=128, max_num_seqs=8,
             enforce_eager=True)
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -906,8 +906,8 @@ check_claim("a decode step that verifies 4 drafts costs less than two plain deco
 # drafts are proposed when no n-gram matches). What such a step costs relative to a plain decode
 # step decides the rest: the speed-up is roughly `tokens per verification x (plain step time /
 # verification step time)`. On this model a step is dominated by costs that do not grow with its
-# token count (the Python around the model's calls, which section 2's graphs remove, and the engine's
-# bookkeeping), so checking 5 tokens instead of 1 costs far less than 5 plain steps: compare the two
+# token count (the Python around the model's calls, which section 2's graphs remove, reading the
+# weights once, and the engine's bookkeeping), so checking 5 tokens instead of 1 costs far less than 5 plain steps: compare the two
 # medians rendered above (on a loaded machine single steps vary a lot).
 # The first tokens of the continuation are new text with no n-gram to match, so those steps are plain
 # decodes; speculation pays once the model starts repeating itself, and the TPOT ratio should sit
