@@ -154,15 +154,15 @@ static inline __attribute__((always_inline)) void panel_rows16(const int rows, c
             *(v16 *)(y + r * ldy + j * NR) = a[r][j];
 }
 
-/* rows (1 .. MR16, or 1 .. 6 with four panels) as a compile-time constant */
-#define ROWS_CASES(G, n, ...) switch (n) { \
+/* case labels turning a row count (1 .. 6, 7 .. 12) into a compile-time constant */
+#define ROWS_1_6(G, ...) \
     case 1: panel_rows16(1, G, __VA_ARGS__); break;  case 2: panel_rows16(2, G, __VA_ARGS__); break; \
     case 3: panel_rows16(3, G, __VA_ARGS__); break;  case 4: panel_rows16(4, G, __VA_ARGS__); break; \
-    case 5: panel_rows16(5, G, __VA_ARGS__); break;  case 6: panel_rows16(6, G, __VA_ARGS__); break; \
+    case 5: panel_rows16(5, G, __VA_ARGS__); break;  case 6: panel_rows16(6, G, __VA_ARGS__); break;
+#define ROWS_7_12(G, ...) \
     case 7: panel_rows16(7, G, __VA_ARGS__); break;  case 8: panel_rows16(8, G, __VA_ARGS__); break; \
     case 9: panel_rows16(9, G, __VA_ARGS__); break;  case 10: panel_rows16(10, G, __VA_ARGS__); break; \
-    case 11: panel_rows16(11, G, __VA_ARGS__); break; case 12: panel_rows16(12, G, __VA_ARGS__); break; \
-    default: break; }
+    case 11: panel_rows16(11, G, __VA_ARGS__); break; case 12: panel_rows16(12, G, __VA_ARGS__); break;
 
 /* one chunk of k for all m rows of g adjacent panels: g == 4 for up to 6 rows (every panel line
    read once for all of them), else rows in groups of 12 over g (2 or 1) panels */
@@ -174,22 +174,19 @@ static void panel_chunk(int g, const float *x, int64_t ldx, const float *pc, int
         return;
     }
     if (g == 4) {  /* m <= 6 */
-        switch (m) {
-            case 1: panel_rows16(1, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy); break;
-            case 2: panel_rows16(2, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy); break;
-            case 3: panel_rows16(3, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy); break;
-            case 4: panel_rows16(4, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy); break;
-            case 5: panel_rows16(5, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy); break;
-            case 6: panel_rows16(6, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy); break;
-            default: break;
-        }
+        switch (m) { ROWS_1_6(4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy) default: break; }
         return;
     }
     for (int64_t r = 0; r < m; r += MR16) {
         const int64_t n = m - r < MR16 ? m - r : MR16;
-        const float *ir = init ? init + r * ld_init : NULL;
-        if (g == 2) { ROWS_CASES(2, n, x + r * ldx, ldx, pc, pstride, kc, ir, ld_init, y + r * ldy, ldy) }
-        else { ROWS_CASES(1, n, x + r * ldx, ldx, pc, pstride, kc, ir, ld_init, y + r * ldy, ldy) }
+        const float *xr = x + r * ldx, *ir = init ? init + r * ld_init : NULL;
+        float *yr = y + r * ldy;
+        if (g == 2)
+            switch (n) { ROWS_1_6(2, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy)
+                         ROWS_7_12(2, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy) default: break; }
+        else
+            switch (n) { ROWS_1_6(1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy)
+                         ROWS_7_12(1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy) default: break; }
     }
 }
 #define PANEL_GROUP(m) ((m) <= 6 ? 4 : 2)
