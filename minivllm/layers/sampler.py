@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from minivllm.layers.logits_processors import (RowProcessing, apply_frequency_presence_penalties,
