@@ -527,18 +527,12 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
         t = len(input_ids)
-        if g is not None and g.can_run_step(len(q_lens), t, max(q_lens) == 1, bs, max(map(len, tables))):
-            # decode step for a graph: padded on the host, one upload into its static buffers
-            n = g.stage(np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
-                        np.asarray(slots, dtype=np.int64), np.asarray(context_lens, dtype=np.int32), tables)
-            meta = g.staged_meta(context_lens)
-            rows = None if logits_rows == list(range(n)) else self._to_device(np.array(logits_rows, dtype=np.int64))
-            return ModelInput(input_ids=g.static_input_ids(n), positions=g.static_positions(n), meta=meta,
-                              logits_indices=rows, sampling_seqs=sampling, graph_rows=n)
-        if drafts and not chunked and g is not None and g.kind == "cpu" and max(q_lens) <= MAX_QUERY_LEN \
+        # decodes (and, for CPU graphs, draft verifications): one graph row per token, padded on the host
+        # into the graphs' static buffers
+        if g is not None and not chunked and max(q_lens) <= (MAX_QUERY_LEN if g.kind == "cpu" else 1) \
                 and g.can_run_step(t, t, True, bs, max(map(len, tables))):
-            return self._verify_as_decode_rows(g, input_ids, positions, slots, q_lens, tables, logits_rows,
-                                               sampling, drafts)
+            return self._stage_as_decode_rows(g, input_ids, positions, slots, q_lens, tables, logits_rows,
+                                              sampling, drafts)
         # One int64 host buffer, one transfer: [input_ids | positions | slot_mapping | logits rows],
         # each part starting on a 16-byte boundary (Triton specialises on pointer alignment).
         # Built from one Python list: a single numpy call is cheapest at small batches.
@@ -555,15 +549,15 @@ class ModelRunner:
             host=(flat_host[:t], flat_host[stride:stride + t], flat_host[2 * stride:2 * stride + t],
                   flat_host[3 * stride:], table_arr))
 
-    def _verify_as_decode_rows(self, g, input_ids, positions, slots, q_lens, tables, logits_rows, sampling,
-                               drafts) -> ModelInput:
-        """A step of decodes and draft verifications staged for the CPU decode graphs, one graph
-        row per token: token ``i`` at position ``p`` becomes a decode row with its sequence's block
-        table and a context of ``p + 1`` keys. Every token's K and V are written before any row's
-        attention reads the cache, so each row sees the tokens before it in its own sequence, as
-        the eager step's causal rows do (the same kernel, the same keys, the same bits; the caller
-        sends only steps whose sequences score at most ``MAX_QUERY_LEN`` tokens, those the eager step
-        gives the kernel too)."""
+    def _stage_as_decode_rows(self, g, input_ids, positions, slots, q_lens, tables, logits_rows, sampling,
+                              drafts) -> ModelInput:
+        """A step of decodes, and on a CPU of draft verifications too, staged for the decode graphs
+        one graph row per token: token ``i`` at position ``p`` becomes a decode row with its
+        sequence's block table and a context of ``p + 1`` keys. Every token's K and V are written
+        before any row's attention reads the cache, so each row sees the tokens before it in its own
+        sequence, as the eager step's causal rows do (the same kernel, the same keys, the same bits;
+        the caller sends only steps whose sequences score at most ``MAX_QUERY_LEN`` tokens, those the
+        eager step gives the kernel too)."""
         row_tables = [table for table, n in zip(tables, q_lens) for _ in range(n)]
         context_lens = [p + 1 for p in positions]
         n = g.stage(np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
