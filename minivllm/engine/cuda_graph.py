@@ -28,8 +28,8 @@ device tensors (``supports_cuda_graphs = True``: triton, flash_attn) can be capt
 On a CPU the same runner records CPU graphs (``minivllm/layers/cpu_graph.py``: the forward's C
 calls with their pointers) for a float32 model with our C ops and the torch backend's native
 decode kernel (``supports_cpu_graphs``). A step of decodes and draft verifications replays them
-too, staged one row per token (``ModelRunner._stage_as_decode_rows``). They differ from CUDA graphs in three ways: a graph is
-recorded at the first step of its (bucket, context bound, thread count), while that step runs,
+too, staged one row per token (``ModelRunner._stage_as_decode_rows``). They differ from CUDA
+graphs in three ways: a graph is recorded at the first step of its (bucket, context bound, thread count), while that step runs,
 not ahead; the static buffers are host memory the graphs read directly (nothing to upload);
 and the runner checks each step that the model is still what the graphs recorded: with a
 forward hook on some module the step runs eagerly (a replay calls no module), and after a
