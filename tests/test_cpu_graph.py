@@ -447,3 +447,8 @@ def test_draft_verification_steps_replay_a_decode_graph_bit_for_bit(spec):
     assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(got_steps, want_steps))
     for (kg, vg), (ke, ve) in zip(graph.llm_engine.runner.kv_caches, eager.llm_engine.runner.kv_caches):
         assert torch.equal(kg, ke) and torch.equal(vg, ve)
+    if spec["method"] == "draft_model":  # the draft's own forwards replay graphs of the draft's, with the same bits
+        g_draft, e_draft = (llm.llm_engine.scheduler.config.propose.runner for llm in (graph, eager))
+        assert g_draft.graph_runner.num_replays > 0 and e_draft.graph_runner is None
+        for (kg, vg), (ke, ve) in zip(g_draft.kv_caches, e_draft.kv_caches):
+            assert torch.equal(kg, ke) and torch.equal(vg, ve)

@@ -164,7 +164,12 @@ class LLMEngine:
             return NgramProposer(config)
         from minivllm.spec_decode.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config, self.source.hf_config.vocab_size, runner_config, kv_tokens)
+        proposer = DraftModelProposer(config, self.source.hf_config.vocab_size, runner_config, kv_tokens)
+        g = self.runner.graph_runner
+        if g is not None and g.kind == "cpu" and proposer.enable_cpu_graphs(self.config.args.max_num_seqs,
+                                                                          self.config.max_model_len):
+            logger.info("draft model: its forwards replay CPU graphs too")
+        return proposer
 
     def _optimise(self, args: EngineArgs, device: torch.device) -> None:
         """torch.compile of the small fused ops (default: on CUDA only, where it pays for its

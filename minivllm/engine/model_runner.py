@@ -632,11 +632,21 @@ class ModelRunner:
         """One forward over tokens placed by the caller (a draft model's proposer, which keeps
         its own block tables): each sequence's new tokens back to back (``q_lens``), their
         ``positions`` and KV cache ``slots``, each sequence's KV length after the step
-        (``context_lens``) and block table. Eager (no decode graph). Returns fp32 logits
-        ``[len(rows), vocab_size]`` of the token rows ``rows``."""
+        (``context_lens``) and block table. Replays the CPU decode graphs, one row per token, when
+        every sequence brings at most ``MAX_QUERY_LEN`` tokens (as ``prepare_input`` does for draft
+        verification), else runs eagerly. Returns fp32 logits ``[len(rows), vocab_size]`` of the
+        token rows ``rows``."""
         if self._staging is not None:
             self._staging.begin_step()
         t = len(input_ids)
+        g = self.graph_runner
+        if g is not None and g.kind == "cpu" and max(q_lens) <= MAX_QUERY_LEN \
+                and g.can_run_step(t, t, True, self.block_size, max(map(len, tables))):
+            inp = self._stage_as_decode_rows(g, input_ids, positions, slots, q_lens, tables, rows, [], {})
+            with torch.inference_mode():
+                hidden = g.replay(inp.graph_rows)
+                return self.model.compute_logits(
+                    hidden if inp.logits_indices is None else hidden[inp.logits_indices]).float()
         stride = cdiv(t, 2) * 2  # int64 parts on 16-byte boundaries, as prepare_input
         pad = [0] * (stride - t)
         host = np.array(input_ids + pad + positions + pad + slots + pad + rows, dtype=np.int64)

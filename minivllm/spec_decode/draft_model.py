@@ -86,7 +86,7 @@ class DraftModelProposer:
             kv_cache_memory_bytes=None, gpu_memory_utilization=1.0, max_num_batched_tokens=num_tokens,
             seed=target_config.seed, max_num_seqs=target_config.max_num_seqs))
         self.device = self.runner.device
-        self.runner.enable_cpu_fused_ops()  # float32 CPU models only; the draft is never compiled
+        self.runner.cpu_fused_ops = self.runner.enable_cpu_fused_ops()  # float32 CPU models only; never compiled
         self.cache = DraftCache(blocks, bs)
         self.base_seed = target_config.seed if target_config.seed is not None else random.getrandbits(62)
         self.calls = 0
@@ -103,6 +103,17 @@ class DraftModelProposer:
         free, _ = torch.cuda.mem_get_info(target_config.device)
         per_block = kv_bytes_per_token(hf_config, target_config.dtype) * target_config.block_size
         return max(1, min(blocks, int(0.9 * free) // per_block))
+
+    def enable_cpu_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:
+        """Replay the draft's forwards from CPU graphs too (the target engine calls this when its
+        own steps replay them): a float32 draft with the C ops and the native decode kernel, as for
+        the target. Returns whether they are on."""
+        r = self.runner
+        if (r.device.type != "cpu" or r.dtype != torch.float32 or not r.cpu_fused_ops
+                or not getattr(r.backend, "supports_cpu_graphs", False)):
+            return False
+        r.enable_cuda_graphs(max_num_seqs, max_model_len)
+        return True
 
     # -- the proposal --------------------------------------------------------------------------
     def __call__(self, requests) -> list[Proposal]:
