@@ -30,11 +30,11 @@ calls with their pointers) for a float32 model with our C ops and the torch back
 decode kernel (``supports_cpu_graphs``). A step of decodes and draft verifications replays them
 too, staged one row per token (``ModelRunner._stage_as_decode_rows``). They differ from CUDA
 graphs in three ways: a graph is recorded at the first step of its (bucket, context bound,
-thread count), while that step runs, not ahead; the static buffers are host memory the graphs read directly (nothing to upload);
-and the runner checks each step that the model is still what the graphs recorded: with a
-forward hook on some module the step runs eagerly (a replay calls no module), and after a
-submodule or a parameter is replaced the graphs are recorded again. Block tables are checked while staging
-(the kernels trust them). A forward with an operation a CPU graph cannot replay switches CPU
+thread count), while that step runs, not ahead; the static buffers are host memory the graphs
+read directly (nothing to upload); and the runner checks each step that the model is still what
+the graphs recorded: with a forward hook on some module the step runs eagerly (a replay calls no
+module), and after a submodule or a parameter is replaced the graphs are recorded again. Block
+tables are checked while staging (the kernels trust them). A forward with an operation a CPU graph cannot replay switches CPU
 graphs off for the engine, with a warning naming the operation.
 """
 from __future__ import annotations

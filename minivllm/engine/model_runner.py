@@ -529,8 +529,7 @@ class ModelRunner:
         t = len(input_ids)
         # decodes (and, for CPU graphs, draft verifications): one graph row per token, padded on the host
         # into the graphs' static buffers
-        if g is not None and not chunked and max(q_lens) <= (MAX_QUERY_LEN if g.kind == "cpu" else 1) \
-                and g.can_run_step(t, t, True, bs, max(map(len, tables))):
+        if not chunked and self._replays_as_decode_rows(q_lens, t, tables):
             return self._stage_as_decode_rows(g, input_ids, positions, slots, q_lens, tables, logits_rows,
                                               sampling, drafts)
         # One int64 host buffer, one transfer: [input_ids | positions | slot_mapping | logits rows],
@@ -548,6 +547,14 @@ class ModelRunner:
             logits_indices=rows_t, sampling_seqs=sampling, drafts=drafts,
             host=(flat_host[:t], flat_host[stride:stride + t], flat_host[2 * stride:2 * stride + t],
                   flat_host[3 * stride:], table_arr))
+
+    def _replays_as_decode_rows(self, q_lens: list[int], num_tokens: int, tables: list) -> bool:
+        """Whether a step of ``num_tokens`` tokens (``q_lens`` per sequence) can replay the decode
+        graphs one row per token: CUDA graphs take plain decodes only, CPU graphs also sequences of
+        up to ``MAX_QUERY_LEN`` tokens (the longest query the eager step gives the same kernel)."""
+        g = self.graph_runner
+        return (g is not None and max(q_lens) <= (MAX_QUERY_LEN if g.kind == "cpu" else 1)
+                and g.can_run_step(num_tokens, num_tokens, True, self.block_size, max(map(len, tables))))
 
     def _stage_as_decode_rows(self, g, input_ids, positions, slots, q_lens, tables, logits_rows, sampling,
                               drafts) -> ModelInput:
@@ -640,8 +647,7 @@ class ModelRunner:
             self._staging.begin_step()
         t = len(input_ids)
         g = self.graph_runner
-        if g is not None and g.kind == "cpu" and max(q_lens) <= MAX_QUERY_LEN \
-                and g.can_run_step(t, t, True, self.block_size, max(map(len, tables))):
+        if self._replays_as_decode_rows(q_lens, t, tables):
             inp = self._stage_as_decode_rows(g, input_ids, positions, slots, q_lens, tables, rows, [], {})
             with torch.inference_mode():
                 hidden = g.replay(inp.graph_rows)

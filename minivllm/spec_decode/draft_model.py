@@ -29,7 +29,7 @@ import torch
 
 from minivllm.engine.kv_cache import kv_bytes_per_token
 from minivllm.engine.runner_config import RunnerConfig
-from minivllm.layers.sampler import SamplingBatch, exponential_race, filtered_probs
+from minivllm.layers.sampler import SamplingBatch, argmax_rows, exponential_race, filtered_probs
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_cache import DraftCache
 from minivllm.spec_decode.proposal import NO_PROPOSAL, Proposal, may_speculate
@@ -187,7 +187,7 @@ class DraftModelProposer:
         out = {}
         greedy_rows = [r for r, j in enumerate(active) if not sampled[j]]
         if greedy_rows:
-            top = logits[greedy_rows].argmax(dim=-1).tolist()
+            top = argmax_rows(logits[greedy_rows]).tolist()
             for r, t in zip(greedy_rows, top):
                 out[active[r]] = t
         sample_rows = [r for r, j in enumerate(active) if sampled[j]]
