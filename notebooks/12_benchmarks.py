@@ -101,7 +101,8 @@ print("first three requests: prompt lengths", [len(p) for p in wl.prompts[:3]], 
 #
 # `run_throughput` is what `python -m minivllm bench` calls. It builds its own engine, measures this
 # machine's peak matmul FLOP/s and memory bandwidth (a copy and a read; MFU and MBU are computed
-# against the matmul and the **read** figure), warms up, runs the workload with a utilisation sampler
+# against the matmul and the **read** figure), warms each engine up off the clock (the workload's
+# prompt lengths with two output tokens each), runs the workload with a utilisation sampler
 # alongside, then runs the **same prompts with the same weights** through transformers `generate`
 # (padded batches) in the same process. While it runs it prints the peaks and the throughput table
 # (seconds, requests and tokens per second, and the ratio); `print_throughput`, which the command

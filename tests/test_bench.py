@@ -67,6 +67,15 @@ def test_make_workload_is_reproducible_and_in_range():
             make_workload(**{"name": "cpu", **bad})
 
 
+def test_warm_up_workload_has_the_prompt_lengths_and_shares_no_prefix():
+    w = make_workload("cpu", vocab_size=97, seed=3)
+    warm = w.warm_up(97)
+    assert [len(p) for p in warm.prompts] == [len(p) for p in w.prompts]
+    assert warm.output_lens == [2] * w.num_requests
+    assert all(a[0] != b[0] for a, b in zip(warm.prompts, w.prompts))  # no prefix-cache hit on the timed run
+    assert all(0 <= t < 97 for p in warm.prompts for t in p)
+
+
 def test_threads_option():
     assert choose_threads("3").threads == 3
     # auto: the cores the load average leaves idle, at least one
@@ -109,6 +118,7 @@ def test_throughput_smoke_with_peers(tiny_ckpt):
     assert mine["output_tokens_per_s"] == pytest.approx(w["num_output_tokens"] / mine["seconds"])
     assert mine["ttft_ms"]["p50"] > 0 and mine["roofline"]["flops"] > 0
     assert mine["utilisation"]["num_samples"] >= 1
+    assert mine["prefix_cache_hit_tokens"] == 0  # the warm-up's prompts left nothing the timed run reuses
     gen = r["peers"]["hf_generate"]
     assert gen["available"], gen
     assert gen["speedup"] == pytest.approx(gen["seconds"] / mine["seconds"])

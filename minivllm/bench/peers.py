@@ -39,7 +39,6 @@ def hf_state_from_ours(model, config) -> dict:
 def load_hf_model(engine):
     """The same weights as ``engine``'s model, as a transformers model on the same device
     and dtype: loaded from the checkpoint directory, or (random models) copied from ours."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from transformers.utils import logging as hf_logging
@@ -132,16 +131,6 @@ def run_hf_continuous_batching(hf, workload: Workload, device) -> dict:
         sync(device)
         t1 = time.perf_counter()
     return {"seconds": t1 - t0, "outputs": [list(results[r].generated_tokens) for r in rids]}
-
-
-def warm_peer(hf, workload, device, pad):
-    """One tiny generate so the peer's first-call costs stay out of its timing."""
-    import torch
-
-    with torch.inference_mode():
-        ids = torch.tensor([workload.prompts[0][:8]], device=device)
-        hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=2,
-                    eos_token_id=None, pad_token_id=pad)
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:

@@ -7,7 +7,7 @@ from typing import Any
 
 from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, device_label, drive, kv_bytes_for,
                                    loadavg, percentiles, summarise_roofline, summarise_samples, wants_cuda)
-from minivllm.bench.peers import agreement, load_hf_model, run_hf_continuous_batching, run_hf_generate, warm_peer
+from minivllm.bench.peers import agreement, load_hf_model, run_hf_continuous_batching, run_hf_generate
 from minivllm.bench.report import describe_peaks, peaks_summary, throughput_header, throughput_row
 from minivllm.bench.workload import WORKLOADS, Workload, make_workload
 
@@ -25,7 +25,7 @@ class ThroughputResult(ResultMixin):
         torch / transformers: library versions.
         loadavg: 1/5/15-minute load averages at the start (None where unavailable).
         minivllm: seconds, requests/s, tokens/s, latency percentiles, roofline, utilisation,
-            time breakdown, preemptions.
+            time breakdown, preemptions, prefix-cache hit tokens (0: the warm-up shares no prompt).
         peers: peer name -> its figures (``available``, ``seconds``, ``speedup`` = peer
             seconds / minivllm seconds, greedy ``agreement``) or ``available: False`` + reason.
     """
@@ -50,6 +50,10 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
                    hf_batch_size: int | None = None, sample_period_s: float = 0.1, log=print,
                    peak_kwargs: dict | None = None, **engine_args) -> ThroughputResult:
     """Run the offline workload on minivllm and on the transformers peers.
+
+    Before its timed run each engine runs ``workload.warm_up()`` off the clock: the same prompt
+    lengths (other token ids) with 2 output tokens each, so neither is timed with first-call
+    costs such as its allocator's first growth to a full prefill's activations.
 
     ``peers``: any of "hf_generate", "hf_generate_batch" (empty: minivllm only).
     ``peak_kwargs`` go to ``measure_peaks``; ``engine_args`` go to ``LLM`` (e.g. ``device``,
@@ -97,8 +101,10 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
             f"(mean {w['output_len_mean']:.0f}); random token ids, greedy, ignore_eos")
         log(describe_peaks(peaks))
 
-        # warm-up: kernels, allocator, lazy imports
-        warm = make_workload("cpu", cfg.vocab_size, num_requests=2, input_len=(8, 16), output_len=(4, 4), seed=seed + 1)
+        # Warm-up, off the clock, the same for every engine: the workload's prompt lengths with 2
+        # output tokens each (kernels, lazy imports, and the allocator's first growth to the largest
+        # activations: a 4004-token prefill's first run here paid ~12% of the whole run in page faults)
+        warm = workload.warm_up(cfg.vocab_size)
         drive(engine, warm)
         engine.reset_prefix_cache()
 
@@ -124,6 +130,7 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
             "time_breakdown_ms": {k: sum(getattr(r, k) for r in records) for k in
                                   ("schedule_ms", "prepare_ms", "model_ms", "sample_ms", "postprocess_ms")},
             "preemptions": sum(len(r.preempted) for r in records),
+            "prefix_cache_hit_tokens": sum(r.prefix_cache_hit_tokens for r in records),
         }
         if sampler.nvml_error:
             mine["utilisation"]["nvml_error"] = sampler.nvml_error
@@ -149,7 +156,7 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
                 try:
                     if p == "hf_generate":
                         bs = hf_batch_size or (64 if device.type == "cuda" else min(32, workload.num_requests))
-                        warm_peer(hf, workload, device, pad)
+                        run_hf_generate(hf, warm, bs, pad, device)  # the same warm-up as minivllm's
                         r = run_hf_generate(hf, workload, bs, pad, device)
                         label = f"hf generate (batch {bs})"
                     elif p == "hf_generate_batch":

@@ -39,6 +39,13 @@ class Workload:
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
 
+    def warm_up(self, vocab_size: int, output_len: int = 2) -> "Workload":
+        """The same prompt lengths with every token id moved by one (so nothing the timed run
+        computes is in a prefix cache) and ``output_len`` tokens each: a warm-up that allocates
+        and touches each engine's largest activations (the prefill of every prompt) off the clock."""
+        prompts = [[(t + 1) % vocab_size for t in p] for p in self.prompts]
+        return Workload(f"{self.name}-warm-up", prompts, [output_len] * len(prompts), self.seed)
+
     def describe(self) -> dict:
         pl = [len(p) for p in self.prompts]
         return {"name": self.name, "num_requests": self.num_requests, "seed": self.seed,
