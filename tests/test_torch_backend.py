@@ -126,7 +126,7 @@ def test_decodes_not_padded_to_prefill_length(native):
 
 
 def test_fresh_prompts_attend_one_by_one_without_a_group(native):
-    """Prompts with no cached prefix are neither padded nor gathered: each is one causal SDPA over
+    """Prompts with no cached prefix are neither padded nor gathered: each attends causally over
     its own tokens (a step of 32 fresh prompts spent half its time in one padded, masked SDPA)."""
     seqs = [(0, 40), (0, 7), (3, 9)] + [(i, 1) for i in range(3, 6)]
     tables = allocate_block_tables([c + n for c, n in seqs], 16, 64)
@@ -224,6 +224,63 @@ def test_native_short_queries_match_naive(block_size, heads, kv_heads):
     by_q = {g.max_q: g for g in meta.extras["torch_backend_plan"].groups}
     assert by_q[long_q].tables32 is None and by_q[1].tables32 is not None
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (8, 1, 64), (4, 4, 128), (16, 8, 64), (6, 3, 40)])
+def test_native_fresh_prompts_match_naive(heads, kv_heads, head_dim, monkeypatch):
+    """Fresh prompts (lengths across the kernel's 8-key and 4-row tiles and its 256-score exp
+    chunks), alone, one alone, and beside a cached-prefix chunk and decodes, through the kernel's
+    causal path, against the naive loop. head_dim 40 takes the 32-float pass and one 8-float tail."""
+    kernel = _kernel_or_skip()
+    calls = []
+    real = type(kernel).causal_self_attention
+    monkeypatch.setattr(type(kernel), "causal_self_attention",
+                        lambda self, *a: calls.append(a[3]) or real(self, *a))
+    for seqs in ([(0, 1), (0, 2), (0, 7), (0, 9), (0, 33), (0, 300)], [(0, 45)],
+                 [(0, 12), (5, 20), (3, 1), (0, 8), (9, 1)]):
+        calls.clear()
+        out, ref, cache, cache_ref, _ = run_case(seqs, 16, torch.float32, heads, kv_heads, head_dim, native=True)
+        assert calls, "the causal kernel was not called"
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+        assert torch.equal(cache[0], cache_ref[0]) and torch.equal(cache[1], cache_ref[1])
+
+
+def test_native_fresh_prompts_take_strided_values_and_split_over_threads():
+    """v as a view of a fused QKV output (row stride wider than its heads); several threads give
+    each prompt the bits one thread gives; rows outside every span are left alone; spans outside
+    the step raise; a head_dim the kernel does not take returns False."""
+    kernel = _kernel_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, lens = 8, 2, 32, [300, 5, 77, 1, 260, 64]
+    t = sum(lens) + 3  # three trailing rows in no span
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
+    q = qkv[:, : heads * d].reshape(t, heads, d).contiguous()
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d)
+    spans, start = [], 0
+    for n in lens:
+        spans.append((start, n))
+        start += n
+    outs = {}
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 4):
+            torch.set_num_threads(n_threads)
+            outs[n_threads] = torch.full((t, heads, d), 7.0)
+            assert kernel.causal_self_attention(q, k, v, spans, d ** -0.5, outs[n_threads])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[1], outs[4])
+    assert torch.equal(outs[1][-3:], torch.full((3, heads, d), 7.0))
+    for s0, n in spans:
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[s0:s0 + n].transpose(0, 1), k[s0:s0 + n].transpose(0, 1), v[s0:s0 + n].transpose(0, 1),
+            is_causal=True, scale=d ** -0.5, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(outs[1][s0:s0 + n], ref, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"spans \[\(0, 5\), \(5, 2000\)\] do not lie in the step's"):
+        kernel.causal_self_attention(q, k, v, [(0, 5), (5, 2000)], 1.0, outs[1])
+    odd = torch.randn(4, 2, 12)
+    assert not kernel.causal_self_attention(odd, odd, odd, [(0, 4)], 1.0, torch.empty_like(odd))
 
 
 def _kernel_args(seed, g, heads, kv_heads, d, bs, nblocks, len_range, width):

@@ -7,7 +7,9 @@ through the block table instead (fp32, any GQA ratio and block size), for decode
 short causal queries (draft verification: up to ``MAX_QUERY_LEN`` tokens per sequence, one row
 per token). Measured on the 2-core dev EPYC, one thread, embedded model's shapes (32 sequences of
 200-260 tokens, 16-token blocks, 2 KV heads of 64): 0.8 ms per layer against 1.9 ms for
-gather + SDPA in the engine.
+gather + SDPA in the engine. The same library computes the causal self-attention of fresh prompts
+(no cached prefix) from the step's own K and V (:meth:`PagedDecodeKernel.causal_self_attention`),
+in place of one SDPA call per prompt.
 
 It is compiled at first use and loaded with ``ctypes`` by ``minivllm.layers.native_build``
 (first compiler found, cached per source, compiler and CPU). Where that fails (no compiler, e.g. a bare Windows box) or ``MINIVLLM_CPU_DECODE_KERNEL=0`` is set,
@@ -40,6 +42,10 @@ MIN_ROWS_PER_THREAD = 8
 #: per query token (from the CPU's caches after the first), so it suits decode, draft
 #: verification and short prompt chunks; longer queries (most prefills) keep gather + SDPA
 MAX_QUERY_LEN = 16
+
+#: below this much causal work (sum of squared prompt lengths) the fresh-prompt attention runs on the
+#: calling thread alone (a 256-token prompt's attention takes about a millisecond per layer)
+MIN_CAUSAL_WORK_PER_THREAD = 1 << 16
 
 _library = NativeLibrary(SOURCE, ENV_SWITCH, lambda lib: PagedDecodeKernel(lib))
 
@@ -80,6 +86,10 @@ class PagedDecodeKernel:
         fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
         fn.restype = None
         self._fn = fn
+        causal = lib.causal_self_attention_f32
+        causal.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, p]
+        causal.restype = None
+        self._causal = causal
         store = lib.paged_store_kv_f32
         store.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64]
         store.restype = i64
@@ -170,6 +180,57 @@ class PagedDecodeKernel:
         # every chunk is done, so the scratch is free for the next call even after an interrupt
         cpu_graph.launch(run_chunks, run, chunks)
         return out
+
+    def causal_self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
+                              scale: float, out: torch.Tensor) -> bool:
+        """Causal attention of fresh prompts over their own tokens (no cached prefix), written into
+        ``out``: for each ``(start, n)`` in ``spans``, token ``start + i`` sees tokens ``start ..
+        start + i`` of ``k`` and ``v``. Rows of ``out`` outside every span are not written.
+
+        Args:
+            q, out: fp32 ``[T, heads, head_dim]``; k, v: fp32 ``[T, kv_heads, head_dim]``; each
+                token's heads contiguous (any row stride: ``v`` may be a view of the fused QKV
+                output), ``out`` contiguous. ``head_dim`` a multiple of 8.
+            spans: ``(start, n)`` per prompt, inside ``[0, T)``.
+            scale: softmax scale.
+
+        Returns:
+            False, writing nothing, for tensors it does not take (the caller then uses SDPA).
+        """
+        tokens, heads, head_dim = q.shape
+        if (out.shape != q.shape or k.dim() != 3 or v.shape != k.shape or k.shape[0] != tokens
+                or k.shape[2] != head_dim or heads % k.shape[1] or head_dim % 8 or not out.is_contiguous()):
+            return False
+        for t in (q, k, v, out):
+            if t.dtype is not torch.float32 or not t.is_cpu or t.stride(2) != 1 or t.stride(1) != head_dim:
+                return False
+        if any(start < 0 or n < 1 or start + n > tokens for start, n in spans):
+            raise ValueError(f"causal attention: spans {spans} do not lie in the step's {tokens} tokens")
+        # chunks of consecutive prompts with about equal work (a prompt's costs ~ n^2), one per thread
+        work = [n * n for _, n in spans]
+        chunks = min(torch.get_num_threads(), len(spans)) if sum(work) >= MIN_CAUSAL_WORK_PER_THREAD else 1
+        bounds, acc, total = [0], 0, sum(work)
+        for i, w in enumerate(work):
+            acc += w
+            if len(bounds) < chunks and acc * chunks >= total * len(bounds):
+                bounds.append(i + 1)
+        bounds.append(len(spans))
+        meta = torch.tensor(spans, dtype=torch.int64).reshape(-1, 2).t().contiguous()  # [2, S]: starts, lens
+        npad = (max(n for _, n in spans) + 7) // 8 * 8
+        per_chunk = (head_dim + 8) * npad  # transposed keys + scores of one tile (TILE = 8)
+        scratch = self._scratch(len(bounds) * per_chunk)
+        sp, lp, scp = meta[0].data_ptr(), meta[1].data_ptr(), scratch.data_ptr()
+        args = (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
+                out.stride(0))
+
+        def run(c: int) -> None:
+            lo, hi = bounds[c], bounds[c + 1]
+            if hi > lo:
+                self._causal(*args, sp + lo * 8, lp + lo * 8, hi - lo, heads, k.shape[1], head_dim, scale,
+                             scp + c * per_chunk * 4)
+
+        cpu_graph.launch(run_chunks, run, len(bounds) - 1)
+        return True
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> bool:

@@ -351,6 +351,9 @@ class TorchAttentionBackend(AttentionBackend):
         compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         gqa = num_heads != kv_heads
         if plan.single_fresh_prefill:
+            out = torch.empty_like(q)
+            if self._kernel is not None and self._kernel.causal_self_attention(q, k, v, [(0, q.shape[0])], scale, out):
+                return out
             return _causal_self_attention(q, k, v, scale, compute_dtype, gqa)
         if plan.all_decode:
             gp = plan.groups[0]
@@ -359,11 +362,16 @@ class TorchAttentionBackend(AttentionBackend):
                 gp = self._reference(meta, gp)
                 o = _decode_attention(q, *self._gather(k_cache, v_cache, gp), gp, scale, compute_dtype)
             return o.to(q.dtype)
-        # Tokens not in any sequence (padding) get zeros.
-        out = torch.zeros(q.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
-        for start, n in plan.fresh or ():
-            out[start:start + n] = _causal_self_attention(q[start:start + n], k[start:start + n], v[start:start + n],
-                                                          scale, compute_dtype, gqa)
+        # Tokens not in any sequence (padding) get zeros; a step of fresh prompts alone writes every row.
+        fresh = plan.fresh or ()
+        if not plan.groups and sum(n for _, n in fresh) == q.shape[0]:
+            out = torch.empty(q.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
+        else:
+            out = torch.zeros(q.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
+        if not (fresh and self._kernel is not None and self._kernel.causal_self_attention(q, k, v, fresh, scale, out)):
+            for start, n in fresh:
+                out[start:start + n] = _causal_self_attention(q[start:start + n], k[start:start + n],
+                                                              v[start:start + n], scale, compute_dtype, gqa)
         for gp in plan.groups:  # at most two: decodes, prefills
             q_rows = q[gp.q_src]
             o = self._native(q_rows, k_cache, v_cache, gp, scale)

@@ -6,7 +6,8 @@
 
    Per query row: scores for every head in one sweep over its K slots (a slot holds all KV heads
    of one token, so each slot is read once), a max-subtracted softmax per head, then one sweep
-   over its V slots accumulating every head's output. */
+   over its V slots accumulating every head's output.
+   Also here: causal self-attention of fresh prompts (causal_self_attention_f32, at the end). */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -168,4 +169,122 @@ int64_t paged_store_kv_f32(const float *k, int64_t k_stride, const float *v, int
         memcpy(v_cache + s * row, v + t * v_stride, row * sizeof(float));
     }
     return -1;
+}
+
+/* ---- Causal self-attention of fresh prompts ------------------------------------------------
+   A prompt computed from its first token (no cached prefix) attends only over its own tokens, so
+   its K and V are read from the step's k and v, not the paged cache. torch's CPU flash SDPA, one
+   call per prompt, took 14.9 ms per layer for the embedded model's 32 prompts of 17-236 tokens
+   (4004 tokens, dev EPYC Zen 4, one thread, 2026-12-02); the row-at-a-time kernel above, 17.0 ms.
+   Here up to TILE query vectors (rows x the heads sharing one KV head) are scored together
+   against eight keys at a time from a transposed copy of the head's keys: each key vector loaded
+   feeds TILE multiply-adds, as in a GEMM. */
+typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
+#define TILE 8
+
+static inline v8f splat8(float s) { v8f v = {s, s, s, s, s, s, s, s}; return v; }
+
+/* For each prompt s (tokens starts[s] .. starts[s] + lens[s] - 1 of the step) and head h:
+     out[t, h, :] = softmax_{j <= i}(scale * q[t, h, :] . k[t0 + j, h / qpk, :]) @ v[t0 + j, h / qpk, :]
+   for its token t = t0 + i. q, k, v, out: rows of heads x head_dim floats, unit stride inside a
+   row, row strides q_stride, k_stride, v_stride, out_stride (floats). head_dim % 8 == 0.
+   scratch: >= (head_dim + TILE) * npad floats, npad = max(lens) rounded up to 8. */
+void causal_self_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                               const float *v, int64_t v_stride, float *out, int64_t out_stride,
+                               const int64_t *starts, const int64_t *lens, int64_t num_seqs, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, float scale, float *scratch) {
+    const int64_t qpk = num_heads / num_kv_heads;
+    const int64_t rows_per_block = qpk >= TILE ? 1 : TILE / qpk;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t t0 = starts[s], n = lens[s], npad = (n + 7) & ~(int64_t)7;
+        float *kt = scratch, *sc = scratch + head_dim * npad;  /* kt [head_dim, npad]; sc [TILE, npad] */
+        for (int64_t g = 0; g < num_kv_heads; g++) {
+            for (int64_t j = 0; j < n; j++) {  /* the head's keys, transposed */
+                const float *kj = k + (t0 + j) * k_stride + g * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) kt[d * npad + j] = kj[d];
+            }
+            for (int64_t d = 0; d < head_dim; d++)  /* padding keys: zero (scored, then dropped) */
+                for (int64_t j = n; j < npad; j++) kt[d * npad + j] = 0.f;
+            for (int64_t i0 = 0; i0 < n; i0 += rows_per_block) {
+                const int64_t rows = n - i0 < rows_per_block ? n - i0 : rows_per_block;
+                for (int64_t a0 = 0; a0 < rows * qpk; a0 += TILE) {  /* query vectors a = r * qpk + head */
+                    const int64_t na = rows * qpk - a0 < TILE ? rows * qpk - a0 : TILE;
+                    const float *qa[TILE];
+                    int64_t len[TILE], kmax = 0;
+                    for (int64_t a = 0; a < TILE; a++) {  /* unused slots repeat the first (not stored) */
+                        const int64_t b = a < na ? a : 0, r = (a0 + b) / qpk, h = g * qpk + (a0 + b) % qpk;
+                        qa[a] = q + (t0 + i0 + r) * q_stride + h * head_dim;
+                        len[a] = i0 + r + 1;  /* row i0 + r sees keys 0 .. i0 + r */
+                        kmax = len[a] > kmax ? len[a] : kmax;
+                    }
+                    const int64_t kpad = (kmax + 7) & ~(int64_t)7;
+                    /* scores of the tile, eight keys per vector */
+                    for (int64_t j0 = 0; j0 < kpad; j0 += 8) {
+                        v8f acc[TILE];
+                        for (int64_t a = 0; a < TILE; a++) acc[a] = splat8(0.f);
+                        for (int64_t d = 0; d < head_dim; d++) {
+                            const v8f kv = *(const v8f *)(kt + d * npad + j0);
+                            for (int64_t a = 0; a < TILE; a++) acc[a] += splat8(qa[a][d]) * kv;
+                        }
+                        for (int64_t a = 0; a < na; a++) *(v8f *)(sc + a * npad + j0) = acc[a] * splat8(scale);
+                    }
+                    /* softmax of each vector's first len[a] scores (max subtracted), later keys 0 */
+                    for (int64_t a = 0; a < na; a++) {
+                        float *sa = sc + a * npad, m = -INFINITY, sum = 0.f, gap[EXP_CHUNK];
+                        const int64_t la = len[a];
+                        for (int64_t j = 0; j < la; j++) m = sa[j] > m ? sa[j] : m;
+                        for (int64_t c = 0; c < la; c += EXP_CHUNK) {
+                            const int64_t cn = la - c < EXP_CHUNK ? la - c : EXP_CHUNK;
+                            #pragma omp simd
+                            for (int64_t j = 0; j < cn; j++) gap[j] = m - sa[c + j];
+                            exp_neg_f32(gap, sa + c, cn);
+                        }
+                        #pragma omp simd reduction(+:sum)
+                        for (int64_t j = 0; j < la; j++) sum += sa[j];
+                        const float inv = 1.f / sum;
+                        #pragma omp simd
+                        for (int64_t j = 0; j < la; j++) sa[j] *= inv;
+                        for (int64_t j = la; j < kpad; j++) sa[j] = 0.f;
+                    }
+                    /* weighted sums of V: two vectors at a time, 32 output floats per pass */
+                    for (int64_t a = 0; a < na; a += 2) {
+                        const int two = a + 1 < na;
+                        const float *p0 = sc + a * npad, *p1 = sc + (a + two) * npad;
+                        const int64_t jn = len[a] > len[a + two] ? len[a] : len[a + two];
+                        const int64_t h0 = g * qpk + (a0 + a) % qpk, h1 = g * qpk + (a0 + a + two) % qpk;
+                        float *o0 = out + (t0 + i0 + (a0 + a) / qpk) * out_stride + h0 * head_dim;
+                        float *o1 = out + (t0 + i0 + (a0 + a + two) / qpk) * out_stride + h1 * head_dim;
+                        int64_t d0 = 0;
+                        for (; d0 + 32 <= head_dim; d0 += 32) {  /* eight accumulators, in registers */
+                            v8f x0 = splat8(0.f), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
+                            for (int64_t j = 0; j < jn; j++) {
+                                const float *vj = v + (t0 + j) * v_stride + g * head_dim + d0;
+                                const v8f w0 = splat8(p0[j]), w1 = splat8(p1[j]);
+                                const v8f e0 = *(const v8f *)vj, e1 = *(const v8f *)(vj + 8);
+                                const v8f e2 = *(const v8f *)(vj + 16), e3 = *(const v8f *)(vj + 24);
+                                x0 += w0 * e0; x1 += w0 * e1; x2 += w0 * e2; x3 += w0 * e3;
+                                y0 += w1 * e0; y1 += w1 * e1; y2 += w1 * e2; y3 += w1 * e3;
+                            }
+                            *(v8f *)(o0 + d0) = x0; *(v8f *)(o0 + d0 + 8) = x1;
+                            *(v8f *)(o0 + d0 + 16) = x2; *(v8f *)(o0 + d0 + 24) = x3;
+                            if (two) {
+                                *(v8f *)(o1 + d0) = y0; *(v8f *)(o1 + d0 + 8) = y1;
+                                *(v8f *)(o1 + d0 + 16) = y2; *(v8f *)(o1 + d0 + 24) = y3;
+                            }
+                        }
+                        for (; d0 < head_dim; d0 += 8) {  /* head_dim not a multiple of 32: the rest */
+                            v8f x0 = splat8(0.f), y0 = x0;
+                            for (int64_t j = 0; j < jn; j++) {
+                                const v8f e0 = *(const v8f *)(v + (t0 + j) * v_stride + g * head_dim + d0);
+                                x0 += splat8(p0[j]) * e0;
+                                y0 += splat8(p1[j]) * e0;
+                            }
+                            *(v8f *)(o0 + d0) = x0;
+                            if (two) *(v8f *)(o1 + d0) = y0;
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
