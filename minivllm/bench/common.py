@@ -102,7 +102,9 @@ def kv_bytes_for(model, tokens: int, dtype: str | None = None) -> int | None:
 
 
 def drive(engine, workload: Workload, temperature: float = 0.0):
-    """Add every request at once and step the engine until all finish.
+    """Add every request at once and step the engine until all finish. Each request's output
+    comes when it finishes (``output_kind="final_only"``, as ``LLM.generate`` asks; per-step
+    cumulative outputs would build a text and an output object per request per step).
 
     Returns ``(outputs in workload order, step records, t_start, t_end)``.
     """
@@ -114,7 +116,8 @@ def drive(engine, workload: Workload, temperature: float = 0.0):
     records = []
     t0 = time.perf_counter()
     for rid, prompt, n in zip(rids, workload.prompts, workload.output_lens):
-        engine.add_request(rid, prompt, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True))
+        engine.add_request(rid, prompt, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True),
+                           output_kind="final_only")
     while engine.has_unfinished_requests():
         res = engine.step_with_record()
         records.append(res.record)
