@@ -281,6 +281,9 @@ def test_native_fresh_prompts_take_strided_values_and_split_over_threads():
         kernel.causal_self_attention(q, k, v, [(0, 5), (5, 2000)], 1.0, outs[1])
     odd = torch.randn(4, 2, 12)
     assert not kernel.causal_self_attention(odd, odd, odd, [(0, 4)], 1.0, torch.empty_like(odd))
+    from minivllm.layers.cpu_graph import CpuGraph
+    with CpuGraph().capture():  # graphs record decode steps only: a prompt's attention stays eager
+        assert not kernel.causal_self_attention(q, k, v, spans, d ** -0.5, outs[1])
 
 
 def _kernel_args(seed, g, heads, kv_heads, d, bs, nblocks, len_range, width):

@@ -195,9 +195,12 @@ class PagedDecodeKernel:
             scale: softmax scale.
 
         Returns:
-            False, writing nothing, for tensors it does not take (the caller then uses SDPA).
+            False, writing nothing, for tensors it does not take, or while a CPU graph records (the
+            caller then uses SDPA).
         """
         tokens, heads, head_dim = q.shape
+        if cpu_graph.capturing() is not None:  # graphs record decode steps only; keep a prompt's path eager
+            return False
         if (out.shape != q.shape or k.dim() != 3 or v.shape != k.shape or k.shape[0] != tokens
                 or k.shape[2] != head_dim or heads % k.shape[1] or head_dim % 8 or not out.is_contiguous()):
             return False
