@@ -14,21 +14,6 @@
 
 #include "../../csrc/vec_exp_f32.h"
 
-/* For each query row r (a token; rows of one sequence share its block table) and head h
-   (kv head h / qpk):
-     out[r, h, :] = softmax_j(scale * q[r, h, :] . K_j[h / qpk, :]) @ V_j[h / qpk, :]
-   over the row's first row_lens[r] keys, read in place from the paged cache through block table
-   row_seq[r]: key j is slot j % block_size of block block_tables[row_seq[r], j / block_size].
-   A decode step has one row per sequence with its whole context; a short causal query (draft
-   verification) has one row per token, each seeing the keys up to its own position.
-   Layouts (contiguous fp32): q, out [R, H, D]; k_cache, v_cache [num_blocks, block_size, Hk, D];
-   block_tables int32 [S, table_stride]; row_seq, row_lens int32 [R]; scratch >= H * max(row_lens). */
-/* Software prefetch of the next query row's K and V while this row is processed. Read from DRAM,
-   the sweeps below ran at ~5 GB/s (the embedded model's batch-32 layer: 0.85 ms in the engine,
-   0.35 ms with its KV in cache), far below a streaming read: a sequence's blocks are 8 KiB
-   pieces at scattered addresses and the hardware prefetcher does not follow a block table (nor
-   cross a 4 KiB page). The cursor walks the next row's K blocks then its V blocks, a 64-byte
-   line per hint, at the pace this row reads its own (so about a row ahead). */
 /* Softmax of s[0 .. len) in place, max subtracted (exp never overflows), exp vectorised in chunks:
    with libm's expf, one value at a time, a layer of 32 sequences of 200-260 keys (the embedded
    model's shapes, caches hot) took 0.67-0.94 ms, with this 0.66-0.76 ms in the same runs (dev EPYC,
@@ -49,6 +34,21 @@ static inline void softmax_f32(float *s, int64_t len) {
     for (int64_t j = 0; j < len; j++) s[j] *= inv;
 }
 
+/* For each query row r (a token; rows of one sequence share its block table) and head h
+   (kv head h / qpk):
+     out[r, h, :] = softmax_j(scale * q[r, h, :] . K_j[h / qpk, :]) @ V_j[h / qpk, :]
+   over the row's first row_lens[r] keys, read in place from the paged cache through block table
+   row_seq[r]: key j is slot j % block_size of block block_tables[row_seq[r], j / block_size].
+   A decode step has one row per sequence with its whole context; a short causal query (draft
+   verification) has one row per token, each seeing the keys up to its own position.
+   Layouts (contiguous fp32): q, out [R, H, D]; k_cache, v_cache [num_blocks, block_size, Hk, D];
+   block_tables int32 [S, table_stride]; row_seq, row_lens int32 [R]; scratch >= H * max(row_lens). */
+/* Software prefetch of the next query row's K and V while this row is processed. Read from DRAM,
+   the sweeps below ran at ~5 GB/s (the embedded model's batch-32 layer: 0.85 ms in the engine,
+   0.35 ms with its KV in cache), far below a streaming read: a sequence's blocks are 8 KiB
+   pieces at scattered addresses and the hardware prefetcher does not follow a block table (nor
+   cross a 4 KiB page). The cursor walks the next row's K blocks then its V blocks, a 64-byte
+   line per hint, at the pace this row reads its own (so about a row ahead). */
 typedef struct {
     const float *k_cache, *v_cache;
     const int32_t *table;      /* the next row's block-table row; NULL: nothing (left) to prefetch */
@@ -176,10 +176,10 @@ int64_t paged_store_kv_f32(const float *k, int64_t k_stride, const float *v, int
 
 /* ---- Causal self-attention of fresh prompts ------------------------------------------------
    A prompt computed from its first token (no cached prefix) attends only over its own tokens, so
-   its K and V are read from the step's k and v, not the paged cache. torch's CPU flash SDPA, one
-   call per prompt, took 14.9 ms per layer for the embedded model's 32 prompts of 17-236 tokens
-   (4004 tokens, dev EPYC Zen 4, one thread, 2026-12-02); the row-at-a-time kernel above, 17.0 ms.
-   Here up to TILE query vectors (rows x the heads sharing one KV head) are scored together
+   its K and V are read from the step's k and v, not the paged cache. For the embedded model's 32
+   prompts of 17-236 tokens (4004 tokens; dev EPYC Zen 4, one thread, 2026-12-02) torch's CPU flash
+   SDPA, one call per prompt, took 14.9 ms per layer and the row-at-a-time kernel above 17.0 ms in
+   one run; in another, SDPA 13.7 ms and this function 8.9 ms. Here up to TILE query vectors (rows x the heads sharing one KV head) are scored together
    against eight keys at a time from a transposed copy of the head's keys: each key vector loaded
    feeds TILE multiply-adds, as in a GEMM. */
 typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
