@@ -76,6 +76,21 @@ def test_warm_up_workload_has_the_prompt_lengths_and_shares_no_prefix():
     assert all(0 <= t < 97 for p in warm.prompts for t in p)
 
 
+def test_frozen_heap_leaves_the_collector_as_it_found_it():
+    import gc
+
+    from minivllm.bench.common import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0 and gc.isenabled()  # the old heap frozen, the collector on
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(KeyboardInterrupt):
+        with frozen_heap():
+            raise KeyboardInterrupt  # a learner interrupting the timed run
+    assert gc.get_freeze_count() == 0
+
+
 def test_threads_option():
     assert choose_threads("3").threads == 3
     # auto: the cores the load average leaves idle, at least one

@@ -228,9 +228,10 @@ def test_native_short_queries_match_naive(block_size, heads, kv_heads):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (8, 1, 64), (4, 4, 128), (16, 8, 64), (6, 3, 40)])
 def test_native_fresh_prompts_match_naive(heads, kv_heads, head_dim, monkeypatch):
-    """Fresh prompts (lengths across the kernel's 8-key and 4-row tiles and its 256-score exp
-    chunks), alone, one alone, and beside a cached-prefix chunk and decodes, through the kernel's
-    causal path, against the naive loop. head_dim 40 takes the 32-float pass and one 8-float tail."""
+    """Fresh prompts (lengths across the kernel's 8-key tiles, its tiles of 8 / (heads per KV head)
+    rows and its 256-score exp chunks), alone, one alone, and beside a cached-prefix chunk and
+    decodes, through the kernel's causal path, against the naive loop. head_dim 40 takes the
+    32-float pass and one 8-float tail."""
     kernel = _kernel_or_skip()
     calls = []
     real = type(kernel).causal_self_attention
@@ -245,13 +246,17 @@ def test_native_fresh_prompts_match_naive(heads, kv_heads, head_dim, monkeypatch
         assert torch.equal(cache[0], cache_ref[0]) and torch.equal(cache[1], cache_ref[1])
 
 
-def test_native_fresh_prompts_take_strided_values_and_split_over_threads():
-    """v as a view of a fused QKV output (row stride wider than its heads); several threads give
-    each prompt the bits one thread gives; rows outside every span are left alone; spans outside
-    the step raise; a head_dim the kernel does not take returns False."""
+@pytest.mark.parametrize("kv_heads,lens", [(2, [300, 5, 77, 1, 260, 64]), (2, [700]), (4, [300, 5, 77, 1, 260, 64])],
+                         ids=["prompts-split", "one-prompt-heads-split", "heads-split"])
+def test_native_fresh_prompts_take_strided_values_and_split_over_threads(kv_heads, lens, monkeypatch):
+    """v as a view of a fused QKV output (row stride wider than its heads); 4 threads (splitting
+    the prompts, or the KV heads: one long prompt, or as many KV heads as threads) give each
+    prompt the bits one thread gives; rows outside every span are left alone; spans outside the
+    step or overlapping raise; no span writes nothing; a head_dim the kernel does not take
+    returns False."""
     kernel = _kernel_or_skip()
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, d, lens = 8, 2, 32, [300, 5, 77, 1, 260, 64]
+    heads, d = 8, 32
     t = sum(lens) + 3  # three trailing rows in no span
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)
     q = qkv[:, : heads * d].reshape(t, heads, d).contiguous()
@@ -261,7 +266,9 @@ def test_native_fresh_prompts_take_strided_values_and_split_over_threads():
     for n in lens:
         spans.append((start, n))
         start += n
-    outs = {}
+    outs, split = {}, []
+    real_run_chunks = cpu_decode.run_chunks
+    monkeypatch.setattr(cpu_decode, "run_chunks", lambda run, n: split.append(n) or real_run_chunks(run, n))
     threads = torch.get_num_threads()
     try:
         for n_threads in (1, 4):
@@ -270,6 +277,7 @@ def test_native_fresh_prompts_take_strided_values_and_split_over_threads():
             assert kernel.causal_self_attention(q, k, v, spans, d ** -0.5, outs[n_threads])
     finally:
         torch.set_num_threads(threads)
+    assert split == [1, 4 if len(lens) > 1 else kv_heads]  # chunks: one per thread, or one per KV head
     assert torch.equal(outs[1], outs[4])
     assert torch.equal(outs[1][-3:], torch.full((3, heads, d), 7.0))
     for s0, n in spans:
@@ -279,6 +287,10 @@ def test_native_fresh_prompts_take_strided_values_and_split_over_threads():
         torch.testing.assert_close(outs[1][s0:s0 + n], ref, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match=r"spans \[\(0, 5\), \(5, 2000\)\] do not lie in the step's"):
         kernel.causal_self_attention(q, k, v, [(0, 5), (5, 2000)], 1.0, outs[1])
+    with pytest.raises(ValueError, match=r"spans \[\(4, 3\), \(0, 5\)\] do not lie .* without overlapping"):
+        kernel.causal_self_attention(q, k, v, [(4, 3), (0, 5)], 1.0, outs[1])
+    before = outs[1].clone()
+    assert kernel.causal_self_attention(q, k, v, [], 1.0, outs[1]) and torch.equal(outs[1], before)
     odd = torch.randn(4, 2, 12)
     assert not kernel.causal_self_attention(odd, odd, odd, [(0, 4)], 1.0, torch.empty_like(odd))
     from minivllm.layers.cpu_graph import CpuGraph

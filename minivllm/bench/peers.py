@@ -94,8 +94,9 @@ def run_hf_generate(hf, workload: Workload, batch_size: int, pad_token_id: int, 
 
 def run_hf_continuous_batching(hf, workload: Workload, device) -> dict:
     """transformers' continuous batching manager (the machinery behind ``generate_batch``),
-    one request per prompt with its own ``max_new_tokens``, eos disabled. Set-up (cache
-    allocation, warm-up) is outside the timed region, as for minivllm."""
+    one request per prompt with its own ``max_new_tokens``, eos disabled. The manager's set-up
+    (cache allocation; on CUDA its own warm-up) is outside the timed region; ``run_throughput``
+    warms it up first as it does minivllm."""
     import torch
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, device_label, drive, kv_bytes_for,
-                                   loadavg, percentiles, summarise_roofline, summarise_samples, wants_cuda)
+from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, device_label, drive, frozen_heap,
+                                   kv_bytes_for, loadavg, percentiles, summarise_roofline, summarise_samples,
+                                   wants_cuda)
 from minivllm.bench.peers import agreement, load_hf_model, run_hf_continuous_batching, run_hf_generate
 from minivllm.bench.report import describe_peaks, peaks_summary, throughput_header, throughput_row
 from minivllm.bench.workload import WORKLOADS, Workload, make_workload
@@ -51,9 +52,11 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
                    peak_kwargs: dict | None = None, **engine_args) -> ThroughputResult:
     """Run the offline workload on minivllm and on the transformers peers.
 
-    Before its timed run each engine runs ``workload.warm_up()`` off the clock: the same prompt
-    lengths (other token ids) with 2 output tokens each, so neither is timed with first-call
-    costs such as its allocator's first growth to a full prefill's activations.
+    Before its timed run each engine (minivllm and each peer) runs ``workload.warm_up()`` off the
+    clock: the same prompt lengths (other token ids) with 2 output tokens each, so none is timed
+    with first-call costs such as its allocator's first growth to a full prefill's activations.
+    Each timed run is inside :func:`~minivllm.bench.common.frozen_heap` (garbage collected, the
+    heap that exists before it left out of the collector's full passes).
 
     ``peers``: any of "hf_generate", "hf_generate_batch" (empty: minivllm only).
     ``peak_kwargs`` go to ``measure_peaks``; ``engine_args`` go to ``LLM`` (e.g. ``device``,
@@ -109,7 +112,7 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
         engine.reset_prefix_cache()
 
         sampler = UtilisationSampler(sample_period_s, device=str(device))
-        with sampler:
+        with frozen_heap(), sampler:
             outs, records, t0, t1 = drive(engine, workload)
         secs = t1 - t0
         ours_tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -157,10 +160,13 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
                     if p == "hf_generate":
                         bs = hf_batch_size or (64 if device.type == "cuda" else min(32, workload.num_requests))
                         run_hf_generate(hf, warm, bs, pad, device)  # the same warm-up as minivllm's
-                        r = run_hf_generate(hf, workload, bs, pad, device)
+                        with frozen_heap():
+                            r = run_hf_generate(hf, workload, bs, pad, device)
                         label = f"hf generate (batch {bs})"
                     elif p == "hf_generate_batch":
-                        r = run_hf_continuous_batching(hf, workload, device)
+                        run_hf_continuous_batching(hf, warm, device)  # the same warm-up as minivllm's
+                        with frozen_heap():
+                            r = run_hf_continuous_batching(hf, workload, device)
                         label = "hf generate_batch (CB)"
                     else:
                         raise ValueError(f"unknown peer {p!r}: choose hf_generate or hf_generate_batch")

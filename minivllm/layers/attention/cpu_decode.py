@@ -43,10 +43,10 @@ MIN_ROWS_PER_THREAD = 8
 #: verification and short prompt chunks; longer queries (most prefills) keep gather + SDPA
 MAX_QUERY_LEN = 16
 
-#: below this much causal work (sum of squared prompt lengths) the fresh-prompt attention runs on the
-#: calling thread alone: a 256-token prompt's is about a millisecond per layer at the embedded model's
-#: shapes (32 prompts with 627k of it took 8.9 ms on one thread), far above a thread hand-off
-MIN_CAUSAL_WORK_PER_THREAD = 1 << 16
+#: below this much causal work in a step (sum of squared prompt lengths) the fresh-prompt attention runs
+#: on the calling thread alone: a 256-token prompt's is about a millisecond per layer at the embedded
+#: model's shapes (32 prompts with 627k of it took 8.9 ms on one thread), far above a thread hand-off
+MIN_CAUSAL_WORK_TO_SPLIT = 1 << 16
 
 _library = NativeLibrary(SOURCE, ENV_SWITCH, lambda lib: PagedDecodeKernel(lib))
 
@@ -88,7 +88,7 @@ class PagedDecodeKernel:
         fn.restype = None
         self._fn = fn
         causal = lib.causal_self_attention_f32
-        causal.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, ctypes.c_float, p]
+        causal.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p]
         causal.restype = None
         self._causal = causal
         store = lib.paged_store_kv_f32
@@ -198,6 +198,9 @@ class PagedDecodeKernel:
         Returns:
             False, writing nothing, for tensors it does not take, or while a CPU graph records (the
             caller then uses SDPA).
+
+        Raises:
+            ValueError: a span outside ``[0, T)``, empty, or overlapping another (naming them all).
         """
         tokens, heads, head_dim = q.shape
         if cpu_graph.capturing() is not None:  # graphs record decode steps only; keep a prompt's path eager
@@ -208,32 +211,45 @@ class PagedDecodeKernel:
         for t in (q, k, v, out):
             if t.dtype is not torch.float32 or not t.is_cpu or t.stride(2) != 1 or t.stride(1) != head_dim:
                 return False
-        if any(start < 0 or n < 1 or start + n > tokens for start, n in spans):
-            raise ValueError(f"causal attention: spans {spans} do not lie in the step's {tokens} tokens")
-        # chunks of consecutive prompts with about equal work (a prompt's costs ~ n^2), one per thread
-        work = [n * n for _, n in spans]
-        chunks = min(torch.get_num_threads(), len(spans)) if sum(work) >= MIN_CAUSAL_WORK_PER_THREAD else 1
-        bounds, acc, total = [0], 0, sum(work)
-        for i, w in enumerate(work):
-            acc += w
-            if len(bounds) < chunks and acc * chunks >= total * len(bounds):
-                bounds.append(i + 1)
-        bounds.append(len(spans))
+        if not spans:
+            return True
+        ends = [start + n for start, n in spans]
+        order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+        if (any(start < 0 or n < 1 or start + n > tokens for start, n in spans)
+                or any(ends[a] > spans[b][0] for a, b in zip(order, order[1:]))):
+            raise ValueError(f"causal attention: spans {spans} do not lie in the step's {tokens} tokens "
+                             f"without overlapping")
+        kv_heads = k.shape[1]
+        work = [n * n for _, n in spans]  # a prompt's cost grows as its length squared
+        threads = torch.get_num_threads() if sum(work) >= MIN_CAUSAL_WORK_TO_SPLIT else 1
+        # One chunk per thread: every prompt over a share of the KV heads (equal work whatever the
+        # lengths, one long prompt included), or, with fewer KV heads than threads, runs of
+        # consecutive prompts of about equal work.
+        if kv_heads < threads and len(spans) > 1:
+            bounds, acc, total = [0], 0, sum(work)
+            for i, w in enumerate(work):
+                acc += w
+                if len(bounds) < threads and acc * threads >= total * len(bounds):
+                    bounds.append(i + 1)
+            bounds.append(len(spans))
+            chunks = [(lo, hi, 0, kv_heads) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        else:
+            parts = min(threads, kv_heads)  # 1 when not split
+            chunks = [(0, len(spans), kv_heads * c // parts, kv_heads * (c + 1) // parts) for c in range(parts)]
         meta = torch.tensor(spans, dtype=torch.int64).reshape(-1, 2).t().contiguous()  # [2, S]: starts, lens
         npad = (max(n for _, n in spans) + 7) // 8 * 8
         per_chunk = (head_dim + 8) * npad  # transposed keys + scores of one tile (TILE = 8)
-        scratch = self._scratch(len(bounds) * per_chunk)
+        scratch = self._scratch(len(chunks) * per_chunk)
         sp, lp, scp = meta[0].data_ptr(), meta[1].data_ptr(), scratch.data_ptr()
         args = (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
                 out.stride(0))
 
         def run(c: int) -> None:
-            lo, hi = bounds[c], bounds[c + 1]
-            if hi > lo:
-                self._causal(*args, sp + lo * 8, lp + lo * 8, hi - lo, heads, k.shape[1], head_dim, scale,
-                             scp + c * per_chunk * 4)
+            lo, hi, g_lo, g_hi = chunks[c]
+            self._causal(*args, sp + lo * 8, lp + lo * 8, hi - lo, heads, kv_heads, g_lo, g_hi, head_dim, scale,
+                         scp + c * per_chunk * 4)
 
-        cpu_graph.launch(run_chunks, run, len(bounds) - 1)
+        cpu_graph.launch(run_chunks, run, len(chunks))
         return True
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -190,18 +190,21 @@ static inline v8f splat8(float s) { v8f v = {s, s, s, s, s, s, s, s}; return v; 
 /* For each prompt s (tokens starts[s] .. starts[s] + lens[s] - 1 of the step) and head h:
      out[t, h, :] = softmax_{j <= i}(scale * q[t, h, :] . k[t0 + j, h / qpk, :]) @ v[t0 + j, h / qpk, :]
    for its token t = t0 + i. q, k, v, out: rows of heads x head_dim floats, unit stride inside a
-   row, row strides q_stride, k_stride, v_stride, out_stride (floats). head_dim % 8 == 0.
+   row, row strides q_stride, k_stride, v_stride, out_stride (floats). head_dim % 8 == 0. Only KV
+   heads g_lo .. g_hi - 1 (and their query heads) are computed: calls for disjoint ranges may run
+   on separate threads (one long prompt split over threads).
    scratch: >= (head_dim + TILE) * npad floats, npad = max(lens) rounded up to 8. */
 void causal_self_attention_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
                                const float *v, int64_t v_stride, float *out, int64_t out_stride,
                                const int64_t *starts, const int64_t *lens, int64_t num_seqs, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, float scale, float *scratch) {
+                               int64_t num_kv_heads, int64_t g_lo, int64_t g_hi, int64_t head_dim, float scale,
+                               float *scratch) {
     const int64_t qpk = num_heads / num_kv_heads;
     const int64_t rows_per_block = qpk >= TILE ? 1 : TILE / qpk;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t t0 = starts[s], n = lens[s], npad = (n + 7) & ~(int64_t)7;
         float *kt = scratch, *sc = scratch + head_dim * npad;  /* kt [head_dim, npad]; sc [TILE, npad] */
-        for (int64_t g = 0; g < num_kv_heads; g++) {
+        for (int64_t g = g_lo; g < g_hi; g++) {
             for (int64_t j = 0; j < n; j++) {  /* the head's keys, transposed */
                 const float *kj = k + (t0 + j) * k_stride + g * head_dim;
                 for (int64_t d = 0; d < head_dim; d++) kt[d * npad + j] = kj[d];
