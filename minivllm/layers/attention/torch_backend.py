@@ -351,9 +351,10 @@ class TorchAttentionBackend(AttentionBackend):
         compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         gqa = num_heads != kv_heads
         if plan.single_fresh_prefill:
-            out = torch.empty_like(q)
-            if self._kernel is not None and self._kernel.causal_self_attention(q, k, v, [(0, q.shape[0])], scale, out):
-                return out
+            if self._kernel is not None and q.dtype == torch.float32 and q.is_cpu:
+                out = torch.empty_like(q)
+                if self._kernel.causal_self_attention(q, k, v, [(0, q.shape[0])], scale, out):
+                    return out
             return _causal_self_attention(q, k, v, scale, compute_dtype, gqa)
         if plan.all_decode:
             gp = plan.groups[0]
