@@ -249,7 +249,7 @@ def test_buffers_made_while_recording_that_outlive_the_step_stay_out_of_the_shar
     """Regression: the attention kernel's per-thread score scratch, first made while a small
     bucket's graph was recorded, came from the graphs' shared pool, where the next bucket's graph
     put its own tensors: replays overwrote each other's data (bench: 25/32 requests matched
-    transformers, 32/32 eagerly). The bench's flow: a 2-request warm-up, then the workload."""
+    transformers, 32/32 eagerly). The bench's flow then: a 2-request warm-up, then the workload."""
     from minivllm.bench.common import drive
     from minivllm.bench.workload import make_workload
 
