@@ -126,6 +126,26 @@ def test_arithmetic_intensity_decode_vs_prefill():
     assert arithmetic_intensity(6.0, 3.0) == 2.0
 
 
+@pytest.mark.parametrize("kind", ["decodes", "mixed"])
+def test_fill_step_record_sums_equal_step_cost(kind):
+    """The one-token-per-entry fast path and the general loop give step_cost's figures."""
+    import random
+
+    rng = random.Random(kind)
+    ns = [1] * 40 if kind == "decodes" else [rng.choice([0, 1, 2, 7]) for _ in range(40)]
+    scheduled = [ScheduledEntry(f"r{i}", n, n > 1, rng.randint(0, 500), rng.random() < 0.8 and n > 0)
+                 for i, n in enumerate(ns)]
+    rec = StepRecord(
+        index=0, start_time=1.0, end_time=1.5, num_prefill_tokens=0, num_decode_tokens=sum(ns),
+        num_seqs=len(ns), num_prefill_chunks=0, scheduled=scheduled, preempted=[], finished=[],
+        kv_blocks_used=2, kv_blocks_free=6, kv_blocks_cached=1, prefix_cache_hit_tokens=0, attention_backend="torch")
+    c = small_cost()
+    fill_step_record(rec, c)
+    want = step_cost(c, [(e.num_tokens, e.first_position + e.num_tokens) for e in scheduled],
+                     sum(e.sampled for e in scheduled))
+    assert (rec.flops, rec.bytes_moved) == want
+
+
 def test_fill_step_record():
     rec = StepRecord(
         index=0, start_time=1.0, end_time=1.5, num_prefill_tokens=3, num_decode_tokens=1,

@@ -39,6 +39,7 @@ attention is not modelled (Qwen3 dense checkpoints ship
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from operator import attrgetter
 from typing import Any, Iterable, Mapping, Sequence
 
 from minivllm.telemetry.peaks import Peaks
@@ -353,6 +354,9 @@ def entries_from_record(record: Any) -> tuple[list[tuple[int, int]], int]:
     return entries, num_sampled
 
 
+_NUM_TOKENS, _FIRST_POSITION, _SAMPLED = attrgetter("num_tokens"), attrgetter("first_position"), attrgetter("sampled")
+
+
 def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
                      seconds: float | None = None) -> Any:
     """Set ``record.flops`` and ``record.bytes_moved`` from its scheduled entries,
@@ -365,17 +369,24 @@ def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
     ``seconds`` defaults to the step's wall time (``record.wall_ms / 1e3``).
     Returns the record (modified in place).
     """
-    # One pass over the entries (this runs every engine step): the sums of step_cost.
-    T = A = K = S = 0
-    for e in record.scheduled:
-        n = e.num_tokens
-        if n:
-            c = e.first_position + n
-            T += n
-            K += c
-            A += c if n == 1 else n * c - n * (n - 1) // 2
-        if e.sampled:
-            S += 1
+    # The sums of step_cost (this runs every engine step). A step of one token per entry (every
+    # decode step) in C-level passes: a token at position p attends p + 1 keys, so A == K.
+    entries = record.scheduled
+    counts = list(map(_NUM_TOKENS, entries))
+    T = sum(counts)
+    if counts.count(1) == len(counts):
+        K = A = sum(map(_FIRST_POSITION, entries)) + T
+        S = sum(map(_SAMPLED, entries))
+    else:
+        A = K = S = 0
+        for e in entries:
+            n = e.num_tokens
+            if n:
+                c = e.first_position + n
+                K += c
+                A += c if n == 1 else n * c - n * (n - 1) // 2
+            if e.sampled:
+                S += 1
     flops, nbytes = _cost_from_sums(cost, T, A, K, S)
     record.flops = flops
     record.bytes_moved = nbytes
