@@ -172,31 +172,3 @@ def test_sha256_prefix_hashing_hits_like_xxhash(tiny_ckpt):
     assert outs["xxhash"] == outs["sha256"]
     with pytest.raises(ValueError, match="prefix_caching_hash_algo='md5'"):
         make_llm(tiny_ckpt, prefix_caching_hash_algo="md5")
-
-
-def test_protect_saves_nothing_for_greedy_unseeded_steps_and_still_sees_a_seed_of_zero(tiny_ckpt):
-    """The greedy, unseeded step's shortcut (C-level passes over the plan) must not skip a request
-    whose seed is 0 (falsy, but a seed): its generator is saved or the request snapshotted."""
-    from minivllm.engine.transaction import StepTransaction
-
-    llm = make_llm(tiny_ckpt)  # held: the engine shuts down with it
-    engine = llm.llm_engine
-    prompt = prompts_of([6], seed=5)[0]
-    engine.add_request("plain", prompt, greedy(4))
-    engine.step()  # prefill: "plain" now decodes
-
-    def protected() -> int:
-        """Generators saved plus sequences snapshotted by protect() in a step's transaction."""
-        with StepTransaction(engine.scheduler, engine.output_processor, engine._engine_generator()) as txn:
-            plan = engine.scheduler.schedule()
-            touched = len(txn.undo.touched)
-            txn.protect(plan)
-            saved = len(txn.generators) + len(txn.undo.touched) - touched
-            txn.rollback()
-        return saved
-
-    assert protected() == 0
-    engine.add_request("seeded", prompt, SamplingParams(temperature=0.0, seed=0, max_tokens=4, ignore_eos=True))
-    engine.step()  # "seeded" prefilled (its generator made), "plain" decoded
-    assert protected() == 1
-    engine.check_invariants()

@@ -24,17 +24,12 @@ The result: after any exception, the engine is exactly where it was before the s
 """
 from __future__ import annotations
 
-from operator import attrgetter
-
 import torch
 
 from minivllm.engine.output_processor import OutputProcessor, RequestState, restore_state, snapshot_state
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.undo import UndoLog
-
-
-_TEMPERATURE, _SEED = attrgetter("seq.params.temperature"), attrgetter("seq.params.seed")
 
 
 class StepTransaction:
@@ -77,11 +72,8 @@ class StepTransaction:
         included. A seeded request's own generator is saved when it samples, or the request is
         snapshotted when the sampler is about to create it."""
         self.kv_written = True
-        scheduled = plan.scheduled
-        if not any(map(_TEMPERATURE, scheduled)) and list(map(_SEED, scheduled)).count(None) == len(scheduled):
-            return  # every request greedy and unseeded (C-level passes: this runs every step)
         draws = False
-        for entry in scheduled:
+        for entry in plan.scheduled:
             params = entry.seq.params
             if not entry.samples or (params.temperature == 0 and params.seed is None):
                 continue  # greedy without a seed: draws nothing, owns no generator
