@@ -405,8 +405,9 @@ render(f"Eager, in {str(norm.weight.dtype).removeprefix('torch.')} on {cfg.devic
 # * `torch`: the reference, plain PyTorch on any device: gathers the keys and values through the block
 #   table into dense tensors, then calls `scaled_dot_product_attention`. On a CPU in fp32 its decode
 #   sequences (one query token each) go instead through a small C kernel of ours
-#   (`minivllm/layers/attention/csrc/`, compiled on first use) that reads the blocks in place; the
-#   table below times both, the plain path as `torch (gather + SDPA)`;
+#   (`minivllm/layers/attention/csrc/`, compiled on first use) that reads the blocks in place, and a
+#   fresh prompt (no cached prefix) through a causal kernel in the same C file that reads the step's
+#   own keys and values; the table below times both, the plain path as `torch (gather + SDPA)`;
 # * `triton`: our Triton kernels, reading the paged cache directly (no gathered copy); on GPUs;
 # * `flash_attn`: flash-attn 2's paged kernels; CUDA only, and blocks of a multiple of 256 tokens.
 #
@@ -424,7 +425,7 @@ from minivllm.layers.attention import flash_attn_available, get_attention_backen
 from minivllm.testing import make_case, naive_attention
 
 runnable = {"torch": True,
-            "torch (gather + SDPA)": not ON_CUDA,  # the same backend with the C decode kernel switched off
+            "torch (gather + SDPA)": not ON_CUDA,  # the same backend with its C kernels switched off
             "triton": triton_available() and ON_CUDA,
             "flash_attn": flash_attn_available() and ON_CUDA}
 print(f"triton installed: {triton_available()}; flash-attn installed: {flash_attn_available()}; device {cfg.device}")
@@ -504,6 +505,11 @@ if not ON_CUDA:
                          for b in ("torch", "torch (gather + SDPA)"))
     lines.append(f"* {dec}: the C decode kernel {t_native:.2f} ms against gather + SDPA {t_plain:.2f} ms: "
                  f"**{t_plain / t_native:.1f}x** faster reading the blocks in place")
+    pre = list(CASES)[1]
+    p_native, p_plain = (attn[(attn.case == pre) & (attn.backend == b)]["median ms"].item()
+                         for b in ("torch", "torch (gather + SDPA)"))
+    lines.append(f"* {pre}: the C causal kernel {p_native:.2f} ms against one SDPA call per prompt "
+                 f"{p_plain:.2f} ms ({p_plain / p_native:.2f}x)")
 render("Median of the timed repeats on this run:\n\n" + "\n".join(lines))
 if not ON_CUDA:
     check_claim("on this CPU, reading the blocks in place beats gathering them for the decode case",
@@ -520,8 +526,10 @@ if not ON_CUDA:
 # paging, a copy of every key and value the step reads, that `naive` does not pay; the loop's
 # per-sequence overhead grows with the number of sequences. A paged kernel avoids the copy: it reads
 # the blocks in place, block by block. That is what Triton and flash-attn do on a GPU, and what the
-# `torch` backend's C decode kernel does on a CPU for one-token queries; prefill keeps the gather and
-# SDPA, so the two `torch` rows differ only in the decode case.
+# `torch` backend's C decode kernel does on a CPU for one-token queries. The prefill case's two prompts
+# have no cached prefix, so neither `torch` row gathers there: each attends over its own new keys and
+# values, through the C causal kernel (several query rows against eight keys at a time) or through one
+# causal SDPA call per prompt.
 #
 # ### Our Triton kernels on a CPU: correct, not fast
 #

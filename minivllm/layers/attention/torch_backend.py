@@ -8,7 +8,8 @@ split into two groups, decodes (one query token) and prefills (several query tok
 chunks of a prompt, prompts after a prefix-cache hit), so one long prefill does not pad
 hundreds of decodes to its length. A fresh prompt (or a prompt's first chunk: its whole
 context is this step's tokens) is in neither group: each attends causally over its own new
-K/V in one SDPA call (``is_causal``, no gather, no padding, no mask). For each group of ``G``
+K/V in one SDPA call (``is_causal``, no gather, no padding, no mask), or on the CPU in fp32 all
+of the step's fresh prompts in one call of our C causal kernel. For each group of ``G``
 sequences it builds
 
 * ``block_ids [G * nb]``: the physical blocks of each sequence's block table (``nb`` =
@@ -42,10 +43,10 @@ On the CPU in fp32, groups whose queries are short (decode; draft verification, 
 ``cpu_decode.MAX_QUERY_LEN`` tokens) skip the gather and the SDPA call: our C kernel
 (``cpu_decode``, built at first use) reads each sequence's K/V in place through the block
 table, one row per query token, which the plan hands it as int32 tables, row-to-sequence
-indices and visible lengths, checked once per step. It is the
-fast path, not the reference: ``TorchAttentionBackend(native_decode=False)`` (or
-``MINIVLLM_CPU_DECODE_KERNEL=0``) keeps every step on the gather + SDPA path above, and the
-tests run both against a naive loop.
+indices and visible lengths, checked once per step; fresh prompts go through the same library's
+causal kernel. It is the fast path, not the reference: ``TorchAttentionBackend(native_decode=False)``
+(or ``MINIVLLM_CPU_DECODE_KERNEL=0``) keeps every step on the SDPA paths above, and the tests run
+both against a naive loop.
 """
 from __future__ import annotations
 
@@ -219,9 +220,9 @@ class TorchAttentionBackend(AttentionBackend):
     # supports_cuda_graphs stays False: prepare() reads host-side lengths and syncs once per step
 
     def __init__(self, native_decode: bool | None = None):
-        """``native_decode``: run fp32 CPU decode groups through our C kernel
-        (``cpu_decode``: reads K/V in place, no gather, no mask). ``None`` (default): when it
-        builds on this machine; ``False``: never (the gather + SDPA reference path);
+        """``native_decode``: run fp32 CPU decode groups (and fresh prompts' causal attention)
+        through our C kernels (``cpu_decode``: K/V read in place, no gather, no mask). ``None``
+        (default): when they build on this machine; ``False``: never (the SDPA reference paths);
         ``True``: required.
 
         Raises:
