@@ -359,7 +359,8 @@ print("backend that runs this notebook's steps:", cfg.attention_backend)
 # The `torch` backend (the reference, used on CPU by default) makes the same split: it groups a step's
 # sequences into decodes and prefills and runs one attention call per group, in plain PyTorch, except
 # that on a CPU in float32 its decode group goes to a small C kernel that reads the paged cache in
-# place (chapter 11, section 4). Every backend is tested against the plain PyTorch path on the same inputs.
+# place, and prompts with no cached prefix to a causal C kernel over their own keys and values
+# (chapter 11, section 4). Every backend is tested against the plain PyTorch path on the same inputs.
 #
 # ## 3. Step time against prompt length
 #
