@@ -377,6 +377,45 @@ def test_a_swapped_submodule_is_recorded_again():
     assert len(seen) == 6 and g.num_recordings >= 2
 
 
+def test_a_removed_layer_and_a_parameter_set_straight_into_its_dict_are_recorded_again():
+    """Changes torch's registration hooks do not see: a layer taken out of the ModuleList's dict
+    (the graphs are dropped at once) and put back, and a parameter written straight into
+    ``_parameters`` (as ``Module._apply`` does when it overwrites). The graph engine then
+    generates what an eager engine with the same change does."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = prompts_of([9], seed=17, vocab=4000)
+    llm, eager = _llm(), _llm(enforce_eager=True)
+    first = _run(llm, prompt, params)
+    assert first == _run(eager, prompt, params)
+    g = llm.llm_engine.runner.graph_runner
+    recorded = g.num_recordings
+    layers = llm.llm_engine.runner.model.model.layers
+    layer = layers._modules.pop("3")
+    assert g._model_changed() is False and g.graph_keys == []
+    layers._modules["3"] = layer
+    assert _run(llm, prompt, params) == first and g.num_recordings > recorded
+    recorded = g.num_recordings
+    for engine in (llm, eager):
+        norm = engine.llm_engine.runner.model.model.norm
+        norm._parameters["weight"] = torch.nn.Parameter(norm.weight.detach() * -1, requires_grad=False)
+    assert _run(llm, prompt, params) == _run(eager, prompt, params) != first
+    assert g.num_recordings > recorded
+
+
+def test_modules_made_elsewhere_do_not_record_the_graphs_again():
+    """Another model built in the same process (a notebook's reference model) moves the
+    process-wide registration count; the runner compares its own modules and keeps its graphs."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = prompts_of([9], seed=18, vocab=4000)
+    llm = _llm()
+    first = _run(llm, prompt, params)
+    g = llm.llm_engine.runner.graph_runner
+    recorded, replays = g.num_recordings, g.num_replays
+    torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert _run(llm, prompt, params) == first
+    assert g.num_recordings == recorded and g.num_replays > replays
+
+
 def test_a_block_table_shorter_than_its_context_is_refused_when_staged():
     llm = _llm()
     _run(llm, prompts_of([5], seed=15, vocab=4000), SamplingParams(temperature=0, max_tokens=3))

@@ -44,7 +44,7 @@ import itertools
 from dataclasses import dataclass
 from itertools import chain
 from operator import getitem
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -347,7 +347,10 @@ class CudaGraphDecodeRunner:
             self.context_buckets[bs] = [b for b in bounds if b < self.max_seqlen_k] + [self.max_seqlen_k]
         self._graphs: dict[tuple, object] = {}
         self._modules: list | None = None  # the model's modules (_model_changed), listed at first use
-        self._weights: tuple | None = None  # the parameters (and their addresses) the CPU graphs were recorded with
+        self._weights: _Weights | None = None  # the parameters the CPU graphs were recorded with
+        self._seen_registrations = -1  # _registrations[0] when the modules were last compared
+        if self.kind == "cpu":
+            _count_registrations()
         self._slot_dicts: list = []  # where those parameters are: module._parameters dicts and keys
         self._slot_keys: list = []
         self._pool = GraphPool() if self.kind == "cpu" else None
@@ -624,45 +627,55 @@ class CudaGraphDecodeRunner:
         pre-hook (or one is registered for all modules: a replay calls no module, so such steps
         run eagerly), or since the graphs were recorded a submodule was swapped, added or removed,
         or a parameter was replaced, removed or given new storage (the graphs are then dropped
-        and recorded again). C-level ``map``s over lists made once: a few microseconds for the
-        embedded model."""
-        if self._modules is not None and tuple(map(id, chain.from_iterable(map(dict.values, self._child_dicts)))) \
-                != self._children:  # a submodule was swapped, added or removed: list everything again
-            logger.info("CPU graphs: the model's modules changed; recording the graphs again")
-            self._modules, self._weights = None, None
-            self._graphs.clear()
+        and recorded again).
+
+        Runs before every replay, so it reads little: whether any hook dict is non-empty, the
+        sizes of the modules' submodule dicts (a removal), the addresses of what the parameter
+        slots hold (a new tensor, new storage under the same parameter, a removal), and a
+        process-wide count of submodule, parameter and buffer assignments kept by torch's global
+        registration hooks (``_count_registrations``): only when that count moved, or a size,
+        are the submodules compared one by one (a swap keeps the sizes). C-level ``map``s over
+        lists made once."""
+        if self._modules is not None and (_registrations[0] != self._seen_registrations
+                                          or list(map(len, self._child_dicts)) != self._sizes):
+            if tuple(map(id, chain.from_iterable(map(dict.values, self._child_dicts)))) != self._children:
+                logger.info("CPU graphs: the model's modules changed; recording the graphs again")
+                self._modules, self._weights = None, None
+                self._graphs.clear()
+            else:
+                self._seen_registrations = _registrations[0]
         if self._modules is None:
+            self._seen_registrations = _registrations[0]
             self._modules = list(self.model.modules()) if isinstance(self.model, torch.nn.Module) else []
             # registering a hook adds to these dicts in place; an empty dict is falsy
             self._hook_dicts = ([m._forward_hooks for m in self._modules] + [m._forward_pre_hooks for m in self._modules]
                                 + [_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks])
             self._child_dicts = [m._modules for m in self._modules]
             self._children = tuple(map(id, chain.from_iterable(map(dict.values, self._child_dicts))))
+            self._sizes = list(map(len, self._child_dicts))
         if any(self._hook_dicts):
             return True
-        key = self._weights_key()
-        if self._weights is None or key != self._weights[1]:
-            if self._weights is not None:
-                logger.info("CPU graphs: the model's parameters changed; recording the graphs again")
-            self._graphs.clear()
-            slots = [(m._parameters, k) for m in self._modules for k, v in m._parameters.items() if v is not None]
-            self._slot_dicts, self._slot_keys = [d for d, _ in slots], [k for _, k in slots]
-            params = [d[k] for d, k in slots]
-            self._weights = (params, self._weights_key())  # holds the parameters: ids stay theirs, memory valid
+        w = self._weights
+        if w is not None and self._slot_addresses() == w.addresses:
+            return False  # the slots hold tensors at the addresses the graphs read
+        if w is not None:
+            logger.info("CPU graphs: the model's parameters changed; recording the graphs again")
+        self._graphs.clear()
+        slots = [(m._parameters, k) for m in self._modules for k, v in m._parameters.items() if v is not None]
+        self._slot_dicts, self._slot_keys = [d for d, _ in slots], [k for _, k in slots]
+        params = [d[k] for d, k in slots]
+        self._weights = _Weights(params, _addresses(params))
         return False
 
-    def _weights_key(self) -> tuple | None:
-        """Identity and address of each parameter slot listed when the graphs were (re)recorded;
-        None when a slot is gone or empty."""
+    def _slot_addresses(self) -> tuple | None:
+        """The addresses of what each parameter slot listed when the graphs were (re)recorded
+        holds now; None when a slot is gone or empty. The recorded parameters are held, so a
+        new tensor in a slot cannot reuse an old one's address unless it shares its memory
+        (which the graphs then read as before)."""
         try:
-            params = tuple(map(getitem, self._slot_dicts, self._slot_keys))
-            try:
-                addresses = tuple(map(torch.Tensor.data_ptr, params))
-            except RuntimeError:  # an opaque (oneDNN-packed) weight has no data pointer: its id stands in
-                addresses = tuple(0 if p.is_mkldnn else p.data_ptr() for p in params)
+            return _addresses(tuple(map(getitem, self._slot_dicts, self._slot_keys)))
         except (KeyError, TypeError, AttributeError):  # a parameter removed or set to None
             return None
-        return tuple(map(id, params)), addresses
 
     def can_run_step(self, num_seqs: int, num_tokens: int, decode_only: bool, block_size: int,
                      table_width: int) -> bool:
@@ -748,6 +761,42 @@ class CudaGraphDecodeRunner:
         self.stage(input_ids.cpu().numpy(), positions.cpu().numpy(), meta.slot_mapping.cpu().numpy(),
                    meta.context_lens.cpu().numpy(), meta.block_tables.cpu().numpy())
         return self.replay(n)
+
+
+#: How many submodule, parameter and buffer assignments torch has made on any module of this
+#: process (``Module.__setattr__``, ``register_parameter`` ...), counted by its global
+#: registration hooks, installed with the first CPU graph runner. A runner compares its model's
+#: submodules one by one only after this moved (see ``CudaGraphRunner._model_changed``).
+_registrations = [0]
+_counting = False
+
+
+def _count_registration(*_args) -> None:
+    _registrations[0] += 1
+
+
+def _count_registrations() -> None:
+    global _counting
+    if not _counting:
+        _counting = True
+        _module_mod.register_module_module_registration_hook(_count_registration)
+        _module_mod.register_module_parameter_registration_hook(_count_registration)
+        _module_mod.register_module_buffer_registration_hook(_count_registration)
+
+
+def _addresses(params) -> tuple:
+    """Each tensor's storage address; an opaque (oneDNN-packed) tensor has none: its id stands in."""
+    try:
+        return tuple(map(torch.Tensor.data_ptr, params))
+    except RuntimeError:
+        return tuple(id(p) if p.is_mkldnn else p.data_ptr() for p in params)
+
+
+class _Weights(NamedTuple):
+    """The parameters the CPU graphs were recorded with (held: their memory stays valid) and
+    their addresses (``_addresses``)."""
+    params: list
+    addresses: tuple
 
 
 def fill_block_tables(out: np.ndarray, tables) -> np.ndarray | None:
