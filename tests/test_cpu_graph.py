@@ -429,6 +429,83 @@ def test_a_block_table_shorter_than_its_context_is_refused_when_staged():
         g.stage(np.array([1]), np.array([40]), np.array([5]), np.array([41]), np.array([[3, 4]], dtype=np.int32))
 
 
+def test_a_staged_row_keeps_its_table_until_its_version_changes(monkeypatch):
+    """With table versions, stage() writes only the rows whose version differs from the one
+    staged in that row by the last completed call; an interrupt while writing rows makes the next
+    call write every row again."""
+    llm = _llm()
+    _run(llm, prompts_of([5], seed=19, vocab=4000), SamplingParams(temperature=0, max_tokens=3))
+    g = llm.llm_engine.runner.graph_runner
+    written, real = [], g._write_table_rows
+
+    def spy(rows, tables):
+        written.append(list(rows))
+        return real(rows, tables)
+
+    monkeypatch.setattr(g, "_write_table_rows", spy)
+    g.stage([1, 2, 3], [5, 5, 5], [5, 21, 37], [6, 6, 6], [[0], [1], [2]], [10, 11, 12])
+    g.stage([1, 2, 3], [6, 6, 6], [6, 22, 38], [7, 7, 7], [[0], [1], [2]], [10, 11, 12])
+    g.stage([1, 2, 3], [6, 6, 6], [6, 22, 38], [7, 7, 7], [[0], [1, 4], [2]], [10, 13, 12])
+    assert written[1:] == [[], [1]]
+    assert g._host["block_tables"][1, :3].tolist() == [1, 4, -1]
+
+    def interrupted(rows, tables):
+        real(list(rows)[:1], tables)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(g, "_write_table_rows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        g.stage([1, 2, 3], [6, 6, 6], [6, 22, 38], [7, 7, 7], [[5], [6], [7]], [20, 21, 22])
+    monkeypatch.setattr(g, "_write_table_rows", spy)
+    written.clear()
+    g.stage([1, 2, 3], [6, 6, 6], [6, 22, 38], [7, 7, 7], [[0], [1, 4], [2]], [10, 13, 12])
+    assert written == [[0, 1, 2]] and g._host["block_tables"][:3, 0].tolist() == [0, 1, 2]
+
+
+def test_the_context_check_reads_the_staged_rows_not_the_lists():
+    """A table changed without a new version (a broken invariant) keeps its staged row; the check
+    that each row covers its context reads that row, which the kernels read, so a context past it
+    is refused instead of read through a -1 entry."""
+    llm = _llm()
+    _run(llm, prompts_of([5], seed=20, vocab=4000), SamplingParams(temperature=0, max_tokens=3))
+    g = llm.llm_engine.runner.graph_runner
+    bs = g.block_size
+    g.stage([1], [bs - 2], [bs - 2], [bs - 1], [[3]], [30])
+    with pytest.raises(RuntimeError, match=f"covers fewer than its {bs + 1} tokens"):
+        g.stage([1], [bs], [4 * bs], [bs + 1], [[3, 4]], [30])
+
+
+def test_block_table_versions_change_with_the_table_and_roll_back_with_it(monkeypatch):
+    """admit, grow and release give a sequence a new table version; a step interrupted after its
+    scheduler grew a table restores the table and the version together."""
+    llm = _llm(block_size=16)
+    engine = llm.llm_engine
+    engine.add_request("v", prompts_of([14], seed=21, vocab=4000)[0],
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    seq = engine.requests["v"].seq
+    versions = [seq.table_version]
+    engine.step()  # admitted: one block for 14 tokens
+    versions.append(seq.table_version)
+    engine.step()  # token 15 of 16: same block
+    assert seq.table_version == versions[-1]
+    engine.step()  # token 16 fits; the next needs a second block
+    before = (seq.table_version, list(seq.block_table))
+
+    def interrupted(plan):
+        assert len(seq.block_table) == 2 and seq.table_version != before[0]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.runner, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()  # the scheduler grew the table, then the forward was interrupted
+    assert (seq.table_version, seq.block_table) == before
+    monkeypatch.undo()
+    engine.step()
+    assert len(seq.block_table) == 2 and seq.table_version not in versions + [before[0]]
+    engine.abort_request("v")
+    assert seq.block_table == [] and seq.table_version > max(versions)
+
+
 def test_replay_outside_inference_mode():
     llm = _llm()
     _run(llm, prompts_of([5], seed=16, vocab=4000), SamplingParams(temperature=0, max_tokens=3))

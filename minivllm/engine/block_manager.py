@@ -20,6 +20,7 @@ a step interrupted half-way is rolled back exactly.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -54,6 +55,12 @@ def hash_block_sha256(parent_hash: bytes | None, token_ids) -> bytes:
 
 
 _HASH_FUNCTIONS = {"xxhash": hash_block, "sha256": hash_block_sha256}
+
+#: ``Sequence.table_version`` numbers, never reused in the process: a sequence gets the next one
+#: right before each change to its block table (so an interrupt between the two leaves a new
+#: version on an old table, which costs the decode graphs' staging one needless row write, never
+#: an old version on a new table).
+_table_versions = itertools.count(1)
 
 #: A registered block's place in a prefix chain: (block id, registration generation).
 BlockRef = tuple[int, int]
@@ -194,6 +201,7 @@ class BlockManager:
             if undo is not None:
                 undo.add(setattr, block, "ref_count", block.ref_count)
             block.ref_count += 1
+        seq.table_version = next(_table_versions)  # before the change: see _table_versions
         seq.block_table = list(hit_block_ids)
         seq.block_hashes = list(hit_hashes)
         seq.block_refs = [self.blocks[b].ref for b in hit_block_ids]
@@ -218,6 +226,7 @@ class BlockManager:
         if need and self.undo is not None:
             self.undo.touch(seq)
         for _ in range(need):
+            seq.table_version = next(_table_versions)
             seq.block_table.append(self._take_free_block())
 
     def _take_free_block(self) -> int:
@@ -314,6 +323,7 @@ class BlockManager:
                 if undo is not None:
                     undo.add(free.pop, b, None)
                 free[b] = None  # appended: the most recently freed
+        seq.table_version = next(_table_versions)
         seq.block_table = []
         seq.block_hashes = []
         seq.block_refs = []

@@ -379,6 +379,12 @@ class CudaGraphDecodeRunner:
                                 dev["block_tables"],
                                 torch.arange(top + 1, dtype=torch.int32, device=self.device), dev["cu_seqlens_k"])
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        #: per host row: the table version staged there (-1: unknown), and how many of its
+        #: entries are blocks (the rest -1); ``_rows_trusted``: both are what the rows hold
+        self._row_versions = [-1] * top
+        self._row_blocks = [0] * top
+        self._rows_trusted = False
+        self._padded: tuple[int, int] | None = None  # (rows, bucket) of the last completed stage()
         self._fill_padding(0, top)
         self._upload(top)
         self._hidden = torch.zeros(top, hidden_size, dtype=dtype, device=self.device)
@@ -409,6 +415,8 @@ class CudaGraphDecodeRunner:
         h["context_lens"][lo:hi] = 1
         h["block_tables"][lo:hi] = -1
         h["block_tables"][lo:hi, 0] = 0
+        self._row_versions[lo:hi] = [-1] * (hi - lo)
+        self._row_blocks[lo:hi] = [1] * (hi - lo)
 
     def _upload(self, rows: int) -> None:
         if self._dev_bytes is self._host_bytes:
@@ -418,7 +426,7 @@ class CudaGraphDecodeRunner:
         if self._copy_done is not None:
             self._copy_done.record()
 
-    def stage(self, input_ids, positions, slot_mapping, context_lens, block_tables) -> int:
+    def stage(self, input_ids, positions, slot_mapping, context_lens, block_tables, table_versions=None) -> int:
         """Pad a decode step of ``n`` sequences to its bucket in the host mirror and upload it
         with one copy; ``replay(n)`` then runs it.
 
@@ -427,6 +435,10 @@ class CudaGraphDecodeRunner:
             context_lens: int ``[n]``.
             block_tables: int ``[n, w]`` numpy array (``w <= max_blocks_per_seq``, padded
                 with -1), or a list of ``n`` block-id lists.
+            table_versions: optional, with lists: one int per row that changes whenever its
+                table does (``Sequence.table_version``): a row whose table has the version
+                already staged in that row by the last completed call is not written again
+                (a decode step's tables change only when a sequence gets a new block).
 
         Returns:
             ``n``.
@@ -434,6 +446,8 @@ class CudaGraphDecodeRunner:
         Raises:
             ValueError: ``n`` is 0 or above the largest bucket, a field has another length,
                 or a table is wider than ``max_blocks_per_seq``.
+            RuntimeError: a table holds a block outside the KV cache, or covers fewer blocks
+                than its context needs (the kernels trust the staged tables).
         """
         n = len(input_ids)
         bucket = self._bucket_of[n] if n < len(self._bucket_of) else None
@@ -443,29 +457,39 @@ class CudaGraphDecodeRunner:
                         ("context_lens", context_lens), ("block_tables", block_tables)):
             if len(x) != n:
                 raise ValueError(f"{name} has {len(x)} rows, input_ids has {n}")
+        if table_versions is not None and (len(table_versions) != n or not isinstance(block_tables, list)):
+            raise ValueError(f"table_versions needs one version per row ({n}) and the tables as lists")
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous upload has left the host mirror
         h = self._host
-        # nothing counts as staged until every row is written: an interrupt below leaves padding
-        # rows that the next stage() must refill (they could hold a slot of a live sequence)
+        # Nothing counts as staged, and no row's version as written, until every row is: an
+        # interrupt below leaves rows that the next stage() must write again.
         self._staged = None
+        trusted, self._rows_trusted = self._rows_trusted, False
         self._ids_pos_slots[:, :n] = (input_ids, positions, slot_mapping)  # one numpy call for the three
         h["context_lens"][:n] = context_lens
-        if self.kind == "cpu" and n <= 8 and isinstance(block_tables, list):
-            # a few rows: a row at a time beats the vectorised fill's fixed cost (~20 us)
-            rows = h["block_tables"]
-            for i, t in enumerate(block_tables):
-                rows[i, :len(t)] = t
-                rows[i, len(t):] = -1
-            lo, hi = min(map(min, block_tables)), max(map(max, block_tables))
-            self._check_range(lo, hi)
+        staged = self._row_versions
+        if table_versions is not None:
+            rows = [i for i, v, w in zip(range(n), table_versions, staged) if v != w] if trusted else range(n)
+            self._write_table_rows(rows, block_tables)
+            staged[:n] = table_versions
+        elif self.kind == "cpu" and n <= 8 and isinstance(block_tables, list):
+            self._write_table_rows(range(n), block_tables)
+            staged[:n] = [-1] * n
         else:
             used = fill_block_tables(h["block_tables"][:n], block_tables)
+            staged[:n] = [-1] * n
+            self._row_blocks[:n] = (h["block_tables"][:n] >= 0).sum(axis=1).tolist() if used is None else \
+                list(map(len, block_tables))
             if self.kind == "cpu":
                 self._check_tables(n, used)
-        if self.kind == "cpu":
-            self._check_lengths(block_tables, context_lens)
-        if self._staged is None or self._staged[0] != n:
+        if self.kind == "cpu":  # what the kernels will read: each row's blocks cover its context
+            bs = self.block_size
+            short = [i for i, b, c in zip(range(n), self._row_blocks, context_lens) if b * bs < c]
+            if short:
+                raise RuntimeError(f"decode graph: sequence {short[0]}'s block table covers fewer than its "
+                                   f"{context_lens[short[0]]} tokens (block manager state is corrupt)")
+        if n < bucket and not (trusted and self._padded == (n, bucket)):  # else they are padding already
             self._fill_padding(n, bucket)
         cu = h["cu_seqlens_k"]
         cu[0] = 0
@@ -474,8 +498,22 @@ class CudaGraphDecodeRunner:
         bounds = self.context_buckets[bucket]
         bound = bounds[0] if len(bounds) == 1 else bounds[min(bisect.bisect_left(bounds, int(max(context_lens))),
                                                                   len(bounds) - 1)]
+        self._padded, self._rows_trusted = (n, bucket), True
         self._staged = (n, bucket, bound)
         return n
+
+    def _write_table_rows(self, rows, tables: list) -> None:
+        """Write ``tables[i]`` into host row ``i`` (-1 after its blocks) for each ``i`` in ``rows``,
+        refusing a block outside the KV cache first; a row at a time (a few rows: cheaper than the
+        vectorised fill's fixed cost, ~20 us)."""
+        out, blocks = self._host["block_tables"], self._row_blocks
+        for i in rows:
+            t = tables[i]
+            if t:
+                self._check_range(min(t), max(t))
+            out[i, :len(t)] = t
+            out[i, len(t):] = -1
+            blocks[i] = len(t)
 
     def _check_tables(self, n: int, used: np.ndarray | None) -> None:
         """The CPU kernels trust the block tables (a replay makes no check): refuse a step whose
@@ -488,18 +526,6 @@ class CudaGraphDecodeRunner:
             used = tables[np.arange(tables.shape[1])[None, :] < ((lens + bs - 1) // bs)[:, None]]
         if used.size:
             self._check_range(int(used.min()), int(used.max()))
-
-    def _check_lengths(self, tables, context_lens) -> None:
-        """Each table has a block for every token of its context (the kernel reads them all)."""
-        bs = self.block_size
-        if isinstance(tables, np.ndarray):
-            short = [i for i, c in enumerate(context_lens) if c > tables.shape[1] * bs or tables[i, (c - 1) // bs] < 0]
-        else:
-            short = [i for i, (t, c) in enumerate(zip(tables, context_lens)) if len(t) * bs < c]
-        if short:
-            i = short[0]
-            raise RuntimeError(f"decode graph: sequence {i}'s block table covers fewer than its {context_lens[i]} "
-                               f"tokens (block manager state is corrupt)")
 
     def _check_range(self, lo: int, hi: int) -> None:
         num_blocks = int(self.kv_caches[0][0].shape[0])

@@ -199,7 +199,7 @@ def block_table_array(tables: list[list[int]]) -> np.ndarray:
 
 
 _SAMPLES, _SEQ, _START_POS = attrgetter("samples"), attrgetter("seq"), attrgetter("start_pos")
-_BLOCK_TABLE = attrgetter("block_table")
+_BLOCK_TABLE, _TABLE_VERSION = attrgetter("block_table"), attrgetter("table_version")
 
 #: Plain decode steps with at least this many sequences take ``ModelRunner._decode_input``
 #: (measured: slower than the general loop at 4-8 sequences, faster from 12 up; tests raise
@@ -593,7 +593,8 @@ class ModelRunner:
         g = self.graph_runner
         if g is not None and g.can_run_step(n, n, True, bs, max(map(len, tables))):
             context_lens = [p + 1 for p in positions]
-            g.stage(input_ids, positions, slots, context_lens, tables)  # into the graphs' static buffers
+            # into the graphs' static buffers; a row keeps its staged table while its version holds
+            g.stage(input_ids, positions, slots, context_lens, tables, list(map(_TABLE_VERSION, sampling)))
             return ModelInput(input_ids=g.static_input_ids(n), positions=g.static_positions(n),
                               meta=g.staged_meta(context_lens), logits_indices=None, sampling_seqs=sampling,
                               graph_rows=n)

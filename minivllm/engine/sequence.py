@@ -36,6 +36,10 @@ class Sequence:
     prefill_target: int = 0
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache (first admission)
     block_table: list[int] = field(default_factory=list)
+    # A new number (process-wide, from the block manager) each time block_table changes (admitted,
+    # grown, released); a rollback restores it with the table. Equal versions mean equal tables,
+    # so the decode graphs' staging writes a row's table only when its version changed.
+    table_version: int = 0
     # Hash of each full block in block_table whose KV is computed (the prefix chain) and the
     # (block id, generation) of the registered block holding that content, or None when it
     # could not be linked (see BlockManager.register_computed_blocks).
