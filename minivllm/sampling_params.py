@@ -111,6 +111,9 @@ class SamplingParams:
     has_logits_processors: bool = field(init=False, repr=False, compare=False)
     #: Filled by __post_init__: greedy, no penalty, no processor, no logprobs: the argmax fast path.
     plain_greedy: bool = field(init=False, repr=False, compare=False)
+    #: Filled by __post_init__: sampling may draw random numbers (a temperature above 0) or owns
+    #: a generator (a seed), so a step's rollback must save a generator's state.
+    draws_random: bool = field(init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value) -> None:
         ready = self.__dict__.get("_validated", False)
@@ -228,6 +231,7 @@ class SamplingParams:
             or self.allowed_token_ids or self.bad_words)
         self.plain_greedy = (self.temperature == 0 and self.repetition_penalty == 1.0
                              and not self.has_logits_processors and self.logprobs is None)
+        self.draws_random = self.temperature > 0 or self.seed is not None
         object.__setattr__(self, "_validated", True)
 
     def clone(self) -> "SamplingParams":

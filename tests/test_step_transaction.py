@@ -172,3 +172,36 @@ def test_sha256_prefix_hashing_hits_like_xxhash(tiny_ckpt):
     assert outs["xxhash"] == outs["sha256"]
     with pytest.raises(ValueError, match="prefix_caching_hash_algo='md5'"):
         make_llm(tiny_ckpt, prefix_caching_hash_algo="md5")
+
+
+def test_a_greedy_batch_saves_no_generator_and_one_sampled_request_saves_them(tiny_ckpt):
+    """``StepTransaction.protect`` skips its per-entry pass when no request draws random numbers
+    (``SamplingParams.draws_random``, refreshed when a field changes); a batch with one sampled
+    request saves the engine-wide generator, and a seeded one its own."""
+    from minivllm.engine.transaction import StepTransaction
+
+    p = SamplingParams(temperature=0)
+    assert not p.draws_random
+    p.temperature = 0.7
+    assert p.draws_random
+    p.temperature, p.seed = 0, 3
+    assert p.draws_random
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    prompts = prompts_of([5, 6], seed=30)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"g{i}", prompt, greedy(max_tokens=4))
+    engine.step()
+    plan = engine.scheduler.schedule()
+    txn = StepTransaction(engine.scheduler, engine.output_processor, engine._engine_generator())
+    txn.protect(plan)
+    txn.commit()
+    assert txn.generators == [] and txn.kv_written
+    engine.add_request("s", prompts[0], SamplingParams(temperature=0.8, max_tokens=4))
+    engine.step()
+    plan = engine.scheduler.schedule()
+    txn = StepTransaction(engine.scheduler, engine.output_processor, engine._engine_generator())
+    txn.protect(plan)
+    txn.commit()
+    assert [g for g, _ in txn.generators] == [engine._engine_generator()]
+    llm.shutdown()

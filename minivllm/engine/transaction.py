@@ -24,12 +24,16 @@ The result: after any exception, the engine is exactly where it was before the s
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from minivllm.engine.output_processor import OutputProcessor, RequestState, restore_state, snapshot_state
 from minivllm.engine.scheduler import Scheduler, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.undo import UndoLog
+
+_DRAWS_RANDOM = attrgetter("seq.params.draws_random")
 
 
 class StepTransaction:
@@ -72,6 +76,8 @@ class StepTransaction:
         included. A seeded request's own generator is saved when it samples, or the request is
         snapshotted when the sampler is about to create it."""
         self.kv_written = True
+        if not any(map(_DRAWS_RANDOM, plan.scheduled)):
+            return  # every request greedy without a seed (the usual batch): nothing draws
         draws = False
         for entry in plan.scheduled:
             params = entry.seq.params
