@@ -49,6 +49,34 @@ def test_vectorised_decode_inputs_match_the_general_path(tiny_ckpt, monkeypatch)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in slow]
 
 
+def test_kept_decode_tables_match_the_general_path_as_the_batch_shrinks_and_preempts(tiny_ckpt, monkeypatch):
+    """The eager decode path keeps its block-table array across steps (``DecodeTables``): rows
+    shift as requests finish at different steps, preempted requests come back with new tables,
+    and every step's inputs still equal the general path's."""
+    llm = make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=40, enforce_eager=True)
+    runner = llm.llm_engine.runner
+    original, compared = runner.prepare_input, []
+
+    def both(plan):
+        fast = original(plan)
+        if plan.all_plain_decodes and len(plan.scheduled) >= model_runner._VECTOR_DECODE_MIN:
+            with monkeypatch.context() as m:
+                m.setattr(model_runner, "_VECTOR_DECODE_MIN", 10**9)
+                _same_input(fast, original(plan))
+            compared.append(len(plan.scheduled))
+        return fast
+
+    monkeypatch.setattr(runner, "prepare_input", both)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts_of([3 + i % 5 for i in range(14)], seed=8)):
+        engine.add_request(f"k{i}", p, SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True))
+    preempted = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        preempted += len(engine.last_step_record.preempted)
+    assert preempted and len(set(compared)) >= 3
+
+
 def test_step_record_counts_match_the_scheduled_entries(tiny_ckpt):
     """StepRecord counts come from the scheduler's tallies, not a pass over the entries:
     they must agree with the entries for mixed prefill/decode steps and preemptions."""
@@ -102,3 +130,21 @@ def test_overhead_ab_script_runs_two_trees_in_one_process():
                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "batch    2 us/seq/step" in out.stdout and "median ratio" in out.stdout
+
+
+def test_decode_tables_rewrite_changed_rows_and_everything_after_a_failed_build():
+    from minivllm.engine.decode_tables import DecodeTables
+
+    dt = DecodeTables()
+    assert dt.build([[1, 2], [3]], [10, 11]).tolist() == [[1, 2], [3, -1]]
+    # same versions: the kept rows stand (a version is the promise that the table is the same)
+    assert dt.build([[9, 9], [9]], [10, 11]).tolist() == [[1, 2], [3, -1]]
+    assert dt.build([[1, 2], [3, 4]], [10, 12]).tolist() == [[1, 2], [3, 4]]
+    assert dt.build([[5], [6]], [13, 14]).tolist() == [[5], [6]]  # narrower: a new array
+    try:  # fails at its second row: no row's version counts as written
+        dt.build([[5], ["not a block id"]], [13, 16])
+    except ValueError:
+        pass
+    assert dt.build([[5], [8]], [13, 16]).tolist() == [[5], [8]]
+    many = [[i, i + 1] for i in range(12)]
+    assert dt.build(many, list(range(100, 112))).tolist() == many  # more than a few rows: one vectorised build

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from itertools import accumulate, chain
+from itertools import accumulate
 from operator import attrgetter
 
 import numpy as np
 import torch
 
 from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from minivllm.engine.decode_tables import DecodeTables, block_table_array
 from minivllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_blocks_for_bytes
 from minivllm.engine.runner_config import RunnerConfig
 from minivllm.engine.scheduler import SchedulerOutput
@@ -185,19 +186,6 @@ def select_device(device: torch.device) -> torch.device:
     return device
 
 
-def block_table_array(tables: list[list[int]]) -> np.ndarray:
-    """int32 ``[len(tables), longest]``, -1 past each row's blocks. A few rows go through one
-    ``np.array`` call (cheapest for a small batch), more as the padded rows chained into one
-    ``np.fromiter`` (measured cheaper than nested ``np.array`` and ``fill_block_tables``)."""
-    width = max(map(len, tables))
-    neg = [-1] * width
-    if len(tables) <= 8:
-        return np.array([t + neg[len(t):] for t in tables], dtype=np.int32)
-    rows = [t if len(t) == width else t + neg[len(t):] for t in tables]  # full rows are not copied
-    flat = np.fromiter(chain.from_iterable(rows), np.int32, len(tables) * width)
-    return flat.reshape(len(tables), width)
-
-
 _SAMPLES, _SEQ, _START_POS = attrgetter("samples"), attrgetter("seq"), attrgetter("start_pos")
 _BLOCK_TABLE, _TABLE_VERSION = attrgetter("block_table"), attrgetter("table_version")
 
@@ -283,6 +271,7 @@ class ModelRunner:
         self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, self.block_size,
                                                           self.dtype, self.device, self.tp_size)
         self.graph_runner = None  # decode graphs (CUDA or CPU), see enable_cuda_graphs
+        self._decode_tables = DecodeTables()  # the eager decode steps' block tables, kept across steps
         self.cpu_fused_ops = False  # set by the engine (enable_cpu_fused_ops)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -601,15 +590,34 @@ class ModelRunner:
         stride = cdiv(n, 2) * 2  # parts on 16-byte boundaries, as in prepare_input
         pad = [0] * (stride - n)
         flat_host = np.array(input_ids + pad + positions + pad + slots + pad + list(range(n)), dtype=np.int64)
-        table_arr = block_table_array(tables)
+        table_arr = self._decode_tables.build(tables, list(map(_TABLE_VERSION, sampling)))
         ids_t, pos_t, slots_t, rows_t = self._upload_parts(flat_host, (0, n), (stride, stride + n),
                                                            (2 * stride, 2 * stride + n), (3 * stride, len(flat_host)))
         return ModelInput(
             input_ids=ids_t, positions=pos_t,
-            meta=self._metadata([1] * n, [p + 1 for p in positions], slots_t, table_arr),
+            meta=self._decode_metadata(flat_host[stride:stride + n], slots_t, table_arr),
             logits_indices=rows_t, sampling_seqs=sampling,
             host=(flat_host[:n], flat_host[stride:stride + n], flat_host[2 * stride:2 * stride + n],
                   flat_host[3 * stride:], table_arr))
+
+    def _decode_metadata(self, positions: np.ndarray, slot_mapping: torch.Tensor,
+                         table_arr: np.ndarray) -> AttentionMetadata:
+        """``_metadata`` for one token per sequence at ``positions`` (int64 ``[n]``): the same
+        int32 host buffer ``[cu_seqlens_q | cu_seqlens_k | context_lens]``, from numpy calls
+        (``cu_seqlens_q`` is ``0..n``) instead of Python lists."""
+        n = len(positions)
+        stride = cdiv(n + 1, 4) * 4
+        host = np.zeros(2 * stride + n, dtype=np.int32)
+        host[:n + 1] = np.arange(n + 1, dtype=np.int32)
+        ctx = host[2 * stride:]
+        np.add(positions, 1, out=ctx, casting="unsafe")
+        np.cumsum(ctx, out=host[stride + 1:stride + n + 1])
+        cu_q, cu_k, ctx_lens = self._upload_parts(host, (0, n + 1), (stride, stride + n + 1), (2 * stride, len(host)))
+        context_lens = ctx.tolist()
+        return AttentionMetadata(
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, context_lens=ctx_lens, slot_mapping=slot_mapping,
+            block_tables=self._to_device(table_arr), max_seqlen_q=1, max_seqlen_k=max(context_lens),
+            block_size=self.block_size, is_decode_only=True, q_lens_cpu=[1] * n, context_lens_cpu=context_lens)
 
     @torch.inference_mode()
     def forward_logits(self, inp: ModelInput, extra_rows: torch.Tensor | None = None):
