@@ -161,3 +161,36 @@ def test_fill_step_record():
     assert rec.mbu == pytest.approx(9568 / 0.5 / 1e4)
     fill_step_record(rec, c, peaks, seconds=0.25)
     assert rec.mfu == pytest.approx(15744 / 0.25 / 1e5)
+
+
+def test_a_decode_step_record_builds_its_entries_when_read_and_its_sums_match_them():
+    """The engine records a step of plain decodes with ``PlannedEntries`` (built on first read)
+    and the roofline sums from the plan; both equal what the built entries give."""
+    import copy
+    import pickle
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.telemetry.step_record import PlannedEntries
+
+    llm = LLM("minivllm-tiny", seed=0)
+    engine = llm.llm_engine
+    for i, n in enumerate((5, 9, 17)):
+        engine.add_request(f"p{i}", list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    rec = engine.step_with_record().record
+    assert isinstance(rec.scheduled, PlannedEntries) and rec.scheduled._entries is None and len(rec.scheduled) == 3
+    built = list(rec.scheduled)
+    assert rec.scheduled._planned is None  # the plan (and its sequences) let go once built
+    assert [(e.request_id, e.num_tokens, e.is_prefill, e.first_position, e.sampled) for e in built] == [
+        ("p0", 1, False, 5, True), ("p1", 1, False, 9, True), ("p2", 1, False, 17, True)]
+    assert rec.scheduled == built and built == rec.scheduled and rec.scheduled[1] == built[1]
+    assert pickle.loads(pickle.dumps(rec.scheduled)) == built and copy.deepcopy(rec.scheduled) == built
+    assert rec.to_dict()["scheduled"] == [e._asdict() for e in built]
+    again = StepRecord(**{**{f: getattr(rec, f) for f in ("index", "start_time", "end_time", "num_prefill_tokens",
+                                                         "num_decode_tokens", "num_seqs", "num_prefill_chunks",
+                                                         "preempted", "finished", "kv_blocks_used", "kv_blocks_free",
+                                                         "kv_blocks_cached", "prefix_cache_hit_tokens",
+                                                         "attention_backend")}, "scheduled": built})
+    fill_step_record(again, engine.model_cost, engine.peaks)
+    assert (again.flops, again.bytes_moved) == (rec.flops, rec.bytes_moved) and rec.flops > 0
+    llm.shutdown()

@@ -15,7 +15,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from functools import partial
 from operator import attrgetter
 
 import torch
@@ -37,14 +36,12 @@ from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.telemetry.peaks import Peaks, get_peaks
 from minivllm.telemetry.roofline import ModelCost, fill_step_record
-from minivllm.telemetry.step_record import ScheduledEntry, StepRecord
+from minivllm.telemetry.step_record import PlannedEntries, StepRecord, entries_of
 from minivllm.utils.model_source import resolve_model
 
 logger = logging.getLogger("minivllm")
 
-_new_entry = partial(tuple.__new__, ScheduledEntry)
-_REQUEST_ID, _NUM_TOKENS, _IS_PREFILL, _START_POS, _SAMPLES = map(
-    attrgetter, ("seq.request_id", "num_tokens", "is_prefill", "start_pos", "samples"))
+_START_POS, _SAMPLES = attrgetter("start_pos"), attrgetter("samples")
 
 
 @dataclass
@@ -458,10 +455,14 @@ class LLMEngine:
                 outputs: list[RequestOutput]) -> StepRecord:
         bm = self.block_manager
         scheduled = plan.scheduled
-        # entries built in C (attribute getters, tuple.__new__): this runs for every sequence every step
-        entries = list(map(_new_entry, zip(map(_REQUEST_ID, scheduled), map(_NUM_TOKENS, scheduled),
-                                           map(_IS_PREFILL, scheduled), map(_START_POS, scheduled),
-                                           map(_SAMPLES, scheduled))))
+        sums = None
+        if plan.all_plain_decodes:  # every step of a decode batch: entries built when read, roofline sums in C
+            entries = PlannedEntries(scheduled)
+            n = len(scheduled)
+            keys = sum(map(_START_POS, scheduled)) + n  # a token at position p reads p + 1 keys
+            sums = (n, keys, keys, sum(map(_SAMPLES, scheduled)))  # fill_step_record's (T, A, K, S)
+        else:  # a prefill or speculative step: built now (a plan with drafts holds their probabilities)
+            entries = entries_of(scheduled)
         num_decodes = plan.num_decodes  # the scheduler's counts spare passes over a large batch
         if num_decodes is None:
             num_decodes = sum(1 for e in scheduled if not e.is_prefill)
@@ -482,7 +483,7 @@ class LLMEngine:
             postprocess_ms=timer.postprocess_ms, num_draft_tokens=num_drafts,
             num_accepted_draft_tokens=sum(map(len, result.more_token_ids.values())) if result.more_token_ids else 0)
         if entries:
-            fill_step_record(record, self.model_cost, self.peaks)
+            fill_step_record(record, self.model_cost, self.peaks, sums=sums)
         return record
 
     def measure_peaks(self, refresh: bool = False) -> Peaks:

@@ -358,7 +358,7 @@ _NUM_TOKENS, _FIRST_POSITION, _SAMPLED = attrgetter("num_tokens"), attrgetter("f
 
 
 def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
-                     seconds: float | None = None) -> Any:
+                     seconds: float | None = None, sums: tuple[int, int, int, int] | None = None) -> Any:
     """Set ``record.flops`` and ``record.bytes_moved`` from its scheduled entries,
     and ``record.mfu`` / ``record.mbu`` when ``peaks`` is given::
 
@@ -366,15 +366,20 @@ def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
         mbu = bytes / seconds / peaks.mbu_bytes_per_s  # the measured read bandwidth (a step's
                                                        # bytes are nearly all reads), else the copy's
 
-    ``seconds`` defaults to the step's wall time (``record.wall_ms / 1e3``).
+    ``seconds`` defaults to the step's wall time (``record.wall_ms / 1e3``). ``sums``: the
+    caller's ``(T, A, K, S)`` of :func:`step_cost` (tokens, attended keys, keys read, sampled
+    rows), when it has them at hand (the engine, for a step of plain decodes), else they are
+    summed from ``record.scheduled``.
     Returns the record (modified in place).
     """
     # The sums of step_cost (this runs every engine step). A step of one token per entry (every
     # decode step) in C-level passes: a token at position p attends p + 1 keys, so A == K.
     entries = record.scheduled
-    counts = list(map(_NUM_TOKENS, entries))
+    counts = [] if sums is not None else list(map(_NUM_TOKENS, entries))
     T = sum(counts)
-    if counts.count(1) == len(counts):
+    if sums is not None:
+        T, A, K, S = sums
+    elif counts.count(1) == len(counts):
         K = A = sum(map(_FIRST_POSITION, entries)) + T
         S = sum(map(_SAMPLED, entries))
     else:
