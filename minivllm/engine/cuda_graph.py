@@ -34,7 +34,9 @@ thread count), while that step runs, not ahead; the static buffers are host memo
 read directly (nothing to upload); and the runner checks each step that the model is still what
 the graphs recorded: with a forward hook on some module the step runs eagerly (a replay calls no
 module), and after a submodule or a parameter is replaced the graphs are recorded again. Block
-tables are checked while staging (the kernels trust them). A forward with an operation a CPU graph cannot replay switches CPU
+tables are checked while staging (the kernels trust them); a row's table is written only when its
+sequence's ``table_version`` changed since it was staged there (a decode step's tables change only
+when a sequence gets a new block). A forward with an operation a CPU graph cannot replay switches CPU
 graphs off for the engine, with a warning naming the operation.
 """
 from __future__ import annotations
