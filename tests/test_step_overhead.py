@@ -24,9 +24,9 @@ def _same_input(a, b) -> None:
         assert x.dtype == y.dtype and np.array_equal(x, y)
 
 
-def test_vectorised_decode_inputs_match_the_general_path(tiny_ckpt, monkeypatch):
-    # eager: with CPU graphs both paths stage into the graphs' buffers (test_cpu_graph compares those steps)
-    llm = make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=512, enforce_eager=True)
+def _compare_every_vectorised_step(llm, monkeypatch) -> list[int]:
+    """From now on, each step that takes the vectorised decode path is also prepared by the
+    general path and the two inputs compared; returns the list of the compared steps' sizes."""
     runner = llm.llm_engine.runner
     original, compared = runner.prepare_input, []
 
@@ -40,6 +40,13 @@ def test_vectorised_decode_inputs_match_the_general_path(tiny_ckpt, monkeypatch)
         return fast
 
     monkeypatch.setattr(runner, "prepare_input", both)
+    return compared
+
+
+def test_vectorised_decode_inputs_match_the_general_path(tiny_ckpt, monkeypatch):
+    # eager: with CPU graphs both paths stage into the graphs' buffers (test_cpu_graph compares those steps)
+    llm = make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=512, enforce_eager=True)
+    compared = _compare_every_vectorised_step(llm, monkeypatch)
     # Prompts of different lengths: decodes cross block boundaries at different steps.
     prompts = prompts_of([3 + i for i in range(20)], seed=7)
     fast = llm.generate(prompts, greedy(9), use_tqdm=False)
@@ -54,19 +61,7 @@ def test_kept_decode_tables_match_the_general_path_as_the_batch_shrinks_and_pree
     shift as requests finish at different steps, preempted requests come back with new tables,
     and every step's inputs still equal the general path's."""
     llm = make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=40, enforce_eager=True)
-    runner = llm.llm_engine.runner
-    original, compared = runner.prepare_input, []
-
-    def both(plan):
-        fast = original(plan)
-        if plan.all_plain_decodes and len(plan.scheduled) >= model_runner._VECTOR_DECODE_MIN:
-            with monkeypatch.context() as m:
-                m.setattr(model_runner, "_VECTOR_DECODE_MIN", 10**9)
-                _same_input(fast, original(plan))
-            compared.append(len(plan.scheduled))
-        return fast
-
-    monkeypatch.setattr(runner, "prepare_input", both)
+    compared = _compare_every_vectorised_step(llm, monkeypatch)
     engine = llm.llm_engine
     for i, p in enumerate(prompts_of([3 + i % 5 for i in range(14)], seed=8)):
         engine.add_request(f"k{i}", p, SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True))
