@@ -402,6 +402,37 @@ def test_a_removed_layer_and_a_parameter_set_straight_into_its_dict_are_recorded
     assert g.num_recordings > recorded
 
 
+def _swap_first_layers(model):  # straight in the ModuleList's dict: no torch hook sees it
+    d = model.layers._modules
+    d["0"], d["1"] = d["1"], d["0"]
+
+
+def _broadcast_embedding(model):  # a new Parameter at the old one's address, another layout
+    w = model.embed_tokens.weight
+    model.embed_tokens.weight = torch.nn.Parameter(w.detach()[:1].expand_as(w), requires_grad=False)
+
+
+def _bias_where_there_was_none(model):  # a parameter slot that was empty when the graphs were recorded
+    o = model.layers[0].self_attn.o_proj
+    assert o.bias is None
+    o.bias = torch.nn.Parameter(torch.full((model.norm.weight.shape[0],), 3.0), requires_grad=False)
+
+
+@pytest.mark.parametrize("change", [_swap_first_layers, _broadcast_embedding, _bias_where_there_was_none])
+def test_changes_that_keep_sizes_or_addresses_are_recorded_again(change):
+    """Regressions a reviewer found in a cheaper per-step check (sizes and addresses only): each
+    change here keeps the dicts' sizes or the weights' addresses, and the graph engine must still
+    generate what an eager engine with the same change does."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = prompts_of([9], seed=17, vocab=4000)
+    llm, eager = _llm(), _llm(enforce_eager=True)
+    first = _run(llm, prompt, params)
+    assert first == _run(eager, prompt, params)
+    for engine in (llm, eager):
+        change(engine.llm_engine.runner.model.model)
+    assert _run(llm, prompt, params) == _run(eager, prompt, params) != first
+
+
 def test_modules_made_elsewhere_do_not_record_the_graphs_again():
     """Another model built in the same process (a notebook's reference model) moves the
     process-wide registration count; the runner compares its own modules and keeps its graphs."""
@@ -460,6 +491,19 @@ def test_a_staged_row_keeps_its_table_until_its_version_changes(monkeypatch):
     written.clear()
     g.stage([1, 2, 3], [6, 6, 6], [6, 22, 38], [7, 7, 7], [[0], [1, 4], [2]], [10, 13, 12])
     assert written == [[0, 1, 2]] and g._host["block_tables"][:3, 0].tolist() == [0, 1, 2]
+    # Interrupted again; then a smaller step completes before the three rows come back: the row
+    # the interrupted call overwrote and the smaller step did not reach is written again too.
+    def interrupted_later(rows, tables):
+        real(list(rows)[:2], tables)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(g, "_write_table_rows", interrupted_later)
+    with pytest.raises(KeyboardInterrupt):
+        g.stage([1, 2, 3], [6, 6, 6], [6, 22, 38], [7, 7, 7], [[5], [6], [7]], [20, 21, 22])
+    monkeypatch.setattr(g, "_write_table_rows", real)
+    g.stage([1], [6], [6], [7], [[0]], [10])
+    g.stage([1, 2, 3], [6, 6, 6], [6, 22, 38], [7, 7, 7], [[0], [1, 4], [2]], [10, 13, 12])
+    assert g._host["block_tables"][:3, :2].tolist() == [[0, -1], [1, 4], [2, -1]]
 
 
 def test_the_context_check_reads_the_staged_rows_not_the_lists():

@@ -184,6 +184,7 @@ def test_a_decode_step_record_builds_its_entries_when_read_and_its_sums_match_th
     assert [(e.request_id, e.num_tokens, e.is_prefill, e.first_position, e.sampled) for e in built] == [
         ("p0", 1, False, 5, True), ("p1", 1, False, 9, True), ("p2", 1, False, 17, True)]
     assert rec.scheduled == built and built == rec.scheduled and rec.scheduled[1] == built[1]
+    assert rec.scheduled + built[:1] == built + built[:1] and built[:1] + rec.scheduled == built[:1] + built
     assert pickle.loads(pickle.dumps(rec.scheduled)) == built and copy.deepcopy(rec.scheduled) == built
     assert rec.to_dict()["scheduled"] == [e._asdict() for e in built]
     again = StepRecord(**{**{f: getattr(rec, f) for f in ("index", "start_time", "end_time", "num_prefill_tokens",

@@ -211,3 +211,27 @@ def test_the_embedded_draft_model_works_offline_with_its_default_k():
     outs = spec.generate(prompts, greedy(24), use_tqdm=False)
     assert _tokens(outs) == _tokens(plain.generate(prompts, greedy(24), use_tqdm=False))
     assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_a_proposal_cut_to_no_drafts_keeps_no_view_of_its_probabilities(tiny_ckpt, draft_ckpt):
+    """A 5-token budget: the first decode takes 1 + 3 drafts, the next one's proposal is cut to
+    none. Such an entry keeps ``draft_probs=None`` (a step record of plain decodes keeps the
+    plan's entries until read, and a ``probs[:0]`` view would keep the whole proposal alive)."""
+    spec = make_llm(tiny_ckpt, speculative_config=_draft(draft_ckpt), max_num_batched_tokens=5,
+                    enable_chunked_prefill=True)
+    engine = spec.llm_engine
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    for i, p in enumerate(_prompts()):
+        engine.add_request(f"c{i}", p, params)
+    seen, original = [], engine.scheduler.schedule
+
+    def spy():
+        plan = original()
+        seen.extend(e for e in plan.scheduled if not e.is_prefill)
+        return plan
+
+    engine.scheduler.schedule = spy
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(e.draft_token_ids for e in seen) and any(not e.draft_token_ids for e in seen)
+    assert all(e.draft_probs is None for e in seen if not e.draft_token_ids)

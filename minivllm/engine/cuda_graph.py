@@ -350,9 +350,6 @@ class CudaGraphDecodeRunner:
         self._graphs: dict[tuple, object] = {}
         self._modules: list | None = None  # the model's modules (_model_changed), listed at first use
         self._weights: _Weights | None = None  # the parameters the CPU graphs were recorded with
-        self._seen_registrations = -1  # _registrations[0] when the modules were last compared
-        if self.kind == "cpu":
-            _count_registrations()
         self._slot_dicts: list = []  # where those parameters are: module._parameters dicts and keys
         self._slot_keys: list = []
         self._pool = GraphPool() if self.kind == "cpu" else None
@@ -468,6 +465,9 @@ class CudaGraphDecodeRunner:
         # interrupt below leaves rows that the next stage() must write again.
         self._staged = None
         trusted, self._rows_trusted = self._rows_trusted, False
+        if not trusted:  # after an interrupted call any row may hold anything: none is known
+            self._row_versions[:] = [-1] * len(self._row_versions)
+            self._padded = None
         self._ids_pos_slots[:, :n] = (input_ids, positions, slot_mapping)  # one numpy call for the three
         h["context_lens"][:n] = context_lens
         staged = self._row_versions
@@ -654,56 +654,42 @@ class CudaGraphDecodeRunner:
         """A CPU graph would not replay the model as it now is: some module has a forward hook or
         pre-hook (or one is registered for all modules: a replay calls no module, so such steps
         run eagerly), or since the graphs were recorded a submodule was swapped, added or removed,
-        or a parameter was replaced, removed or given new storage (the graphs are then dropped
-        and recorded again).
+        or a parameter slot (empty ones included) was given another tensor, emptied or removed, or
+        a parameter new storage (the graphs are then dropped and recorded again).
 
-        Runs before every replay, so it reads little: whether any hook dict is non-empty, the
-        sizes of the modules' submodule dicts (a removal), the addresses of what the parameter
-        slots hold (a new tensor, new storage under the same parameter, a removal), and a
-        process-wide count of submodule, parameter and buffer assignments kept by torch's global
-        registration hooks (``_count_registrations``): only when that count moved, or a size,
-        are the submodules compared one by one (a swap keeps the sizes). C-level ``map``s over
-        lists made once."""
-        if self._modules is not None and (_registrations[0] != self._seen_registrations
-                                          or list(map(len, self._child_dicts)) != self._sizes):
-            if tuple(map(id, chain.from_iterable(map(dict.values, self._child_dicts)))) != self._children:
-                logger.info("CPU graphs: the model's modules changed; recording the graphs again")
-                self._modules, self._weights = None, None
-                self._graphs.clear()
-            else:
-                self._seen_registrations = _registrations[0]
+        Runs before every replay, so it reads little, in C-level ``map``s over lists made once:
+        whether any hook dict is non-empty, the submodules (compared as a list: by identity, as
+        ``nn.Module`` defines no ``__eq__``), the ids of what the parameter slots hold and the
+        data pointers of the parameters the graphs hold."""
+        if self._modules is not None and list(chain.from_iterable(map(dict.values, self._child_dicts))) != self._children:
+            logger.info("CPU graphs: the model's modules changed; recording the graphs again")
+            self._modules, self._weights = None, None
+            self._graphs.clear()
         if self._modules is None:
-            self._seen_registrations = _registrations[0]
             self._modules = list(self.model.modules()) if isinstance(self.model, torch.nn.Module) else []
             # registering a hook adds to these dicts in place; an empty dict is falsy
             self._hook_dicts = ([m._forward_hooks for m in self._modules] + [m._forward_pre_hooks for m in self._modules]
                                 + [_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks])
             self._child_dicts = [m._modules for m in self._modules]
-            self._children = tuple(map(id, chain.from_iterable(map(dict.values, self._child_dicts))))
-            self._sizes = list(map(len, self._child_dicts))
+            self._children = list(chain.from_iterable(map(dict.values, self._child_dicts)))
         if any(self._hook_dicts):
             return True
         w = self._weights
-        if w is not None and self._slot_addresses() == w.addresses:
-            return False  # the slots hold tensors at the addresses the graphs read
         if w is not None:
+            try:
+                held = tuple(map(id, map(getitem, self._slot_dicts, self._slot_keys)))
+            except KeyError:  # a parameter removed
+                held = None
+            if held == w.ids and _addresses(w.tensors) == w.addresses:
+                return False  # the same tensors (held: their ids stay theirs) on the same storage
             logger.info("CPU graphs: the model's parameters changed; recording the graphs again")
         self._graphs.clear()
-        slots = [(m._parameters, k) for m in self._modules for k, v in m._parameters.items() if v is not None]
+        slots = [(m._parameters, k) for m in self._modules for k in m._parameters]
         self._slot_dicts, self._slot_keys = [d for d, _ in slots], [k for _, k in slots]
         params = [d[k] for d, k in slots]
-        self._weights = _Weights(params, _addresses(params))
+        tensors = [p for p in params if p is not None]
+        self._weights = _Weights(params, tuple(map(id, params)), tensors, _addresses(tensors))
         return False
-
-    def _slot_addresses(self) -> tuple | None:
-        """The addresses of what each parameter slot listed when the graphs were (re)recorded
-        holds now; None when a slot is gone or empty. The recorded parameters are held, so a
-        new tensor in a slot cannot reuse an old one's address unless it shares its memory
-        (which the graphs then read as before)."""
-        try:
-            return _addresses(tuple(map(getitem, self._slot_dicts, self._slot_keys)))
-        except (KeyError, TypeError, AttributeError):  # a parameter removed or set to None
-            return None
 
     def can_run_step(self, num_seqs: int, num_tokens: int, decode_only: bool, block_size: int,
                      table_width: int) -> bool:
@@ -791,27 +777,6 @@ class CudaGraphDecodeRunner:
         return self.replay(n)
 
 
-#: How many submodule, parameter and buffer assignments torch has made on any module of this
-#: process (``Module.__setattr__``, ``register_parameter`` ...), counted by its global
-#: registration hooks, installed with the first CPU graph runner. A runner compares its model's
-#: submodules one by one only after this moved (see ``CudaGraphRunner._model_changed``).
-_registrations = [0]
-_counting = False
-
-
-def _count_registration(*_args) -> None:
-    _registrations[0] += 1
-
-
-def _count_registrations() -> None:
-    global _counting
-    if not _counting:
-        _counting = True
-        _module_mod.register_module_module_registration_hook(_count_registration)
-        _module_mod.register_module_parameter_registration_hook(_count_registration)
-        _module_mod.register_module_buffer_registration_hook(_count_registration)
-
-
 def _addresses(params) -> tuple:
     """Each tensor's storage address; an opaque (oneDNN-packed) tensor has none: its id stands in."""
     try:
@@ -821,9 +786,12 @@ def _addresses(params) -> tuple:
 
 
 class _Weights(NamedTuple):
-    """The parameters the CPU graphs were recorded with (held: their memory stays valid) and
-    their addresses (``_addresses``)."""
+    """What the parameter slots held when the CPU graphs were (re)recorded: every slot's value
+    (None for an empty one; held, so the ids stay theirs and the memory valid), their ids, the
+    tensors among them and those tensors' addresses (``_addresses``)."""
     params: list
+    ids: tuple
+    tensors: list
     addresses: tuple
 
 

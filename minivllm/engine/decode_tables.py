@@ -49,13 +49,13 @@ class DecodeTables:
         ``Sequence.table_version``. Returns a view ``[len(tables), width]`` of the kept array."""
         n, width = len(tables), max(map(len, tables))
         arr, written = self._arr, self._versions
-        if arr is None or arr.shape[1] != width or arr.shape[0] < n:
-            rows = max(n, 0 if arr is None else arr.shape[0])
-            arr = self._arr = np.full((rows, width), -1, dtype=np.int32)
-            written = self._versions = [-1] * rows
         # Until every row is written, no row's version is trusted: an interrupt below leaves
         # rows that the next build must write again.
         self._versions = [-1] * len(written)
+        if arr is None or arr.shape[1] != width or arr.shape[0] < n:
+            rows = max(n, 0 if arr is None else arr.shape[0])
+            written = self._versions = [-1] * rows
+            arr = self._arr = np.full((rows, width), -1, dtype=np.int32)
         stale = [i for i, v, w in zip(range(n), versions, written) if v != w]
         if len(stale) > _ROW_AT_A_TIME:
             sub = block_table_array([tables[i] for i in stale])

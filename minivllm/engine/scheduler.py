@@ -192,6 +192,8 @@ class Scheduler:
                 if proposal is not None and proposal.token_ids:  # as many as this step's budget still allows
                     proposal = proposal.truncated(self._draft_room(seq, budget))
                     drafts, draft_probs = proposal.token_ids, proposal.probs
+                    if not drafts:  # cut to none: keep no view of the proposal's probabilities
+                        drafts, draft_probs = (), None
                 if drafts:
                     if bm.can_grow(seq, computed + 1 + len(drafts)):
                         n += len(drafts)

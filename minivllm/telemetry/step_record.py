@@ -73,6 +73,12 @@ class PlannedEntries(Sequence):
 
     __hash__ = None
 
+    def __add__(self, other) -> list[ScheduledEntry]:
+        return self._list() + list(other)
+
+    def __radd__(self, other) -> list[ScheduledEntry]:
+        return list(other) + self._list()
+
     def __repr__(self) -> str:
         return repr(self._list())
 
