@@ -96,7 +96,7 @@ def test_a_faulted_step_restores_every_sequence_field(tiny_ckpt, monkeypatch, po
 #: inside the rollback itself is another matter: it re-raises and leaves the engine as it stands)
 _ENGINE_FILES = tuple(f"/minivllm/engine/{name}.py" for name in (
     "scheduler", "block_manager", "output_processor", "parallel_sampling", "sequence", "undo", "llm_engine",
-    "transaction", "model_runner"))
+    "transaction", "model_runner", "cuda_graph", "decode_tables"))
 _UNDOING = {"__exit__", "commit", "rollback", "_restore", "_detach", "restore_sequence", "_unapply_tokens",
             "restore_state", "_restore_contents", "_push_front", "_restore_dict", "_reregister", "_unregister_new",
             "forget_evicted"}

@@ -666,12 +666,13 @@ class CudaGraphDecodeRunner:
             self._modules, self._weights = None, None
             self._graphs.clear()
         if self._modules is None:
-            self._modules = list(self.model.modules()) if isinstance(self.model, torch.nn.Module) else []
+            modules = list(self.model.modules()) if isinstance(self.model, torch.nn.Module) else []
             # registering a hook adds to these dicts in place; an empty dict is falsy
-            self._hook_dicts = ([m._forward_hooks for m in self._modules] + [m._forward_pre_hooks for m in self._modules]
+            self._hook_dicts = ([m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
                                 + [_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks])
-            self._child_dicts = [m._modules for m in self._modules]
+            self._child_dicts = [m._modules for m in modules]
             self._children = list(chain.from_iterable(map(dict.values, self._child_dicts)))
+            self._modules = modules  # last: an interrupt above leaves the listing to the next call
         if any(self._hook_dicts):
             return True
         w = self._weights
