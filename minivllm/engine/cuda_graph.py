@@ -45,7 +45,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 from itertools import chain
-from operator import getitem
+from operator import getitem, is_
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -659,8 +659,8 @@ class CudaGraphDecodeRunner:
 
         Runs before every replay, so it reads little, in C-level ``map``s over lists made once:
         whether any hook dict is non-empty, the submodules (compared as a list: by identity, as
-        ``nn.Module`` defines no ``__eq__``), the ids of what the parameter slots hold and the
-        data pointers of the parameters the graphs hold."""
+        ``nn.Module`` defines no ``__eq__``), whether the parameter slots hold the tensors (or
+        None) they held, and those tensors' data pointers."""
         if self._modules is not None and list(chain.from_iterable(map(dict.values, self._child_dicts))) != self._children:
             logger.info("CPU graphs: the model's modules changed; recording the graphs again")
             self._modules, self._weights = None, None
@@ -678,18 +678,18 @@ class CudaGraphDecodeRunner:
         w = self._weights
         if w is not None:
             try:
-                held = tuple(map(id, map(getitem, self._slot_dicts, self._slot_keys)))
+                same = all(map(is_, map(getitem, self._slot_dicts, self._slot_keys), w.params))
             except KeyError:  # a parameter removed
-                held = None
-            if held == w.ids and _addresses(w.tensors) == w.addresses:
-                return False  # the same tensors (held: their ids stay theirs) on the same storage
+                same = False
+            if same and _addresses(w.tensors) == w.addresses:
+                return False  # the same tensors (held, so no other can take their ids) on the same storage
             logger.info("CPU graphs: the model's parameters changed; recording the graphs again")
         self._graphs.clear()
         slots = [(m._parameters, k) for m in self._modules for k in m._parameters]
         self._slot_dicts, self._slot_keys = [d for d, _ in slots], [k for _, k in slots]
         params = [d[k] for d, k in slots]
         tensors = [p for p in params if p is not None]
-        self._weights = _Weights(params, tuple(map(id, params)), tensors, _addresses(tensors))
+        self._weights = _Weights(params, tensors, _addresses(tensors))
         return False
 
     def can_run_step(self, num_seqs: int, num_tokens: int, decode_only: bool, block_size: int,
@@ -788,10 +788,9 @@ def _addresses(params) -> tuple:
 
 class _Weights(NamedTuple):
     """What the parameter slots held when the CPU graphs were (re)recorded: every slot's value
-    (None for an empty one; held, so the ids stay theirs and the memory valid), their ids, the
-    tensors among them and those tensors' addresses (``_addresses``)."""
+    (None for an empty one; held, so the memory stays valid), the tensors among them and those
+    tensors' addresses (``_addresses``)."""
     params: list
-    ids: tuple
     tensors: list
     addresses: tuple
 
