@@ -377,16 +377,23 @@ def test_a_swapped_submodule_is_recorded_again():
     assert len(seen) == 6 and g.num_recordings >= 2
 
 
-def test_a_removed_layer_and_a_parameter_set_straight_into_its_dict_are_recorded_again():
-    """Changes torch's registration hooks do not see: a layer taken out of the ModuleList's dict
-    (the graphs are dropped at once) and put back, and a parameter written straight into
-    ``_parameters`` (as ``Module._apply`` does when it overwrites). The graph engine then
-    generates what an eager engine with the same change does."""
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+def _graph_and_eager_engines(max_tokens: int):
+    """An engine with CPU graphs and an eager one, and the tokens both generate for one prompt
+    (asserted equal): ``(llm, eager, prompt, params, first)``."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompt = prompts_of([9], seed=17, vocab=4000)
     llm, eager = _llm(), _llm(enforce_eager=True)
     first = _run(llm, prompt, params)
     assert first == _run(eager, prompt, params)
+    return llm, eager, prompt, params, first
+
+
+def test_a_removed_layer_and_a_parameter_set_straight_into_its_dict_are_recorded_again():
+    """Changes no torch hook sees: a layer taken out of the ModuleList's dict (the graphs are
+    dropped at once) and put back, and a parameter written straight into ``_parameters`` (as
+    ``Module._apply`` does when it overwrites). The graph engine then generates what an eager
+    engine with the same change does."""
+    llm, eager, prompt, params, first = _graph_and_eager_engines(max_tokens=6)
     g = llm.llm_engine.runner.graph_runner
     recorded = g.num_recordings
     layers = llm.llm_engine.runner.model.model.layers
@@ -423,11 +430,7 @@ def test_changes_that_keep_sizes_or_addresses_are_recorded_again(change):
     """Regressions a reviewer found in a cheaper per-step check (sizes and addresses only): each
     change here keeps the dicts' sizes or the weights' addresses, and the graph engine must still
     generate what an eager engine with the same change does."""
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prompt = prompts_of([9], seed=17, vocab=4000)
-    llm, eager = _llm(), _llm(enforce_eager=True)
-    first = _run(llm, prompt, params)
-    assert first == _run(eager, prompt, params)
+    llm, eager, prompt, params, first = _graph_and_eager_engines(max_tokens=8)
     for engine in (llm, eager):
         change(engine.llm_engine.runner.model.model)
     assert _run(llm, prompt, params) == _run(eager, prompt, params) != first
@@ -480,11 +483,13 @@ def test_a_staged_row_keeps_its_table_until_its_version_changes(monkeypatch):
     assert written[1:] == [[], [1]]
     assert g._host["block_tables"][1, :3].tolist() == [1, 4, -1]
 
-    def interrupted(rows, tables):
-        real(list(rows)[:1], tables)
-        raise KeyboardInterrupt
+    def interrupted_after(k):  # writes the first k rows asked for, then the interrupt
+        def write(rows, tables):
+            real(list(rows)[:k], tables)
+            raise KeyboardInterrupt
+        return write
 
-    monkeypatch.setattr(g, "_write_table_rows", interrupted)
+    monkeypatch.setattr(g, "_write_table_rows", interrupted_after(1))
     with pytest.raises(KeyboardInterrupt):
         g.stage([1, 2, 3], [6, 6, 6], [6, 22, 38], [7, 7, 7], [[5], [6], [7]], [20, 21, 22])
     monkeypatch.setattr(g, "_write_table_rows", spy)
@@ -493,11 +498,7 @@ def test_a_staged_row_keeps_its_table_until_its_version_changes(monkeypatch):
     assert written == [[0, 1, 2]] and g._host["block_tables"][:3, 0].tolist() == [0, 1, 2]
     # Interrupted again; then a smaller step completes before the three rows come back: the row
     # the interrupted call overwrote and the smaller step did not reach is written again too.
-    def interrupted_later(rows, tables):
-        real(list(rows)[:2], tables)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(g, "_write_table_rows", interrupted_later)
+    monkeypatch.setattr(g, "_write_table_rows", interrupted_after(2))
     with pytest.raises(KeyboardInterrupt):
         g.stage([1, 2, 3], [6, 6, 6], [6, 22, 38], [7, 7, 7], [[5], [6], [7]], [20, 21, 22])
     monkeypatch.setattr(g, "_write_table_rows", real)
