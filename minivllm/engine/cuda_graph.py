@@ -472,7 +472,7 @@ class CudaGraphDecodeRunner:
         h["context_lens"][:n] = context_lens
         staged = self._row_versions
         if table_versions is not None:
-            rows = [i for i, v, w in zip(range(n), table_versions, staged) if v != w] if trusted else range(n)
+            rows = [i for i, v, w in zip(range(n), table_versions, staged) if v != w]  # all, when untrusted
             self._write_table_rows(rows, block_tables)
             staged[:n] = table_versions
         elif self.kind == "cpu" and n <= 8 and isinstance(block_tables, list):
@@ -491,7 +491,7 @@ class CudaGraphDecodeRunner:
             if short:
                 raise RuntimeError(f"decode graph: sequence {short[0]}'s block table covers fewer than its "
                                    f"{context_lens[short[0]]} tokens (block manager state is corrupt)")
-        if n < bucket and not (trusted and self._padded == (n, bucket)):  # else they are padding already
+        if n < bucket and self._padded != (n, bucket):  # else they are padding already (None when untrusted)
             self._fill_padding(n, bucket)
         cu = h["cu_seqlens_k"]
         cu[0] = 0

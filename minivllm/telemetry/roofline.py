@@ -357,6 +357,27 @@ def entries_from_record(record: Any) -> tuple[list[tuple[int, int]], int]:
 _NUM_TOKENS, _FIRST_POSITION, _SAMPLED = attrgetter("num_tokens"), attrgetter("first_position"), attrgetter("sampled")
 
 
+def _entry_sums(entries) -> tuple[int, int, int, int]:
+    """The sums of :func:`step_cost` (tokens, attended keys, keys read, sampled rows) over a step
+    record's entries; this runs every engine step. A step of one token per entry (every decode
+    step) in C-level passes: a token at position p attends p + 1 keys, so A == K."""
+    counts = list(map(_NUM_TOKENS, entries))
+    T = sum(counts)
+    if counts.count(1) == len(counts):
+        K = sum(map(_FIRST_POSITION, entries)) + T
+        return T, K, K, sum(map(_SAMPLED, entries))
+    A = K = S = 0
+    for e in entries:
+        n = e.num_tokens
+        if n:
+            c = e.first_position + n
+            K += c
+            A += c if n == 1 else n * c - n * (n - 1) // 2
+        if e.sampled:
+            S += 1
+    return T, A, K, S
+
+
 def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
                      seconds: float | None = None, sums: tuple[int, int, int, int] | None = None) -> Any:
     """Set ``record.flops`` and ``record.bytes_moved`` from its scheduled entries,
@@ -372,26 +393,7 @@ def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
     summed from ``record.scheduled``.
     Returns the record (modified in place).
     """
-    # The sums of step_cost (this runs every engine step). A step of one token per entry (every
-    # decode step) in C-level passes: a token at position p attends p + 1 keys, so A == K.
-    entries = record.scheduled
-    counts = [] if sums is not None else list(map(_NUM_TOKENS, entries))
-    T = sum(counts)
-    if sums is not None:
-        T, A, K, S = sums
-    elif counts.count(1) == len(counts):
-        K = A = sum(map(_FIRST_POSITION, entries)) + T
-        S = sum(map(_SAMPLED, entries))
-    else:
-        A = K = S = 0
-        for e in entries:
-            n = e.num_tokens
-            if n:
-                c = e.first_position + n
-                K += c
-                A += c if n == 1 else n * c - n * (n - 1) // 2
-            if e.sampled:
-                S += 1
+    T, A, K, S = sums if sums is not None else _entry_sums(record.scheduled)
     flops, nbytes = _cost_from_sums(cost, T, A, K, S)
     record.flops = flops
     record.bytes_moved = nbytes
