@@ -9,13 +9,26 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.engine import model_check
 from minivllm.layers import cpu_graph
 from minivllm.layers.attention import cpu_decode
 from minivllm.layers.cpu_graph import CpuGraph, GraphPool, NotCapturable
 
 from helpers_engine import prompts_of
+from helpers_native import native_or_skip
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="the native decode kernel does not build here")
+
+
+@pytest.fixture(params=["c", "python"])
+def check(request, monkeypatch):
+    """The model-change tests run with the model check's C pass (minivllm/engine/model_check.py)
+    and with the Python check alone (``MINIVLLM_C_MODEL_CHECK=0``); engines made in the test read
+    the switch when they start."""
+    if request.param == "c":
+        native_or_skip(model_check, "the C model check")
+    monkeypatch.setenv(model_check.ENV_SWITCH, "1" if request.param == "c" else "0")
+    return request.param
 
 
 def _llm(**kw) -> LLM:
@@ -197,7 +210,7 @@ def test_kv_store_skips_padding_and_names_a_slot_outside_the_cache():
     assert not kernel.store_kv(k.double(), v.double(), k_cache, v_cache, torch.tensor([1, 2, 3]))
 
 
-def test_steps_run_eagerly_while_a_module_has_a_forward_hook():
+def test_steps_run_eagerly_while_a_module_has_a_forward_hook(check):
     """A replay calls no module: with a hook registered, decode steps take the eager forward, so
     the hook sees every step (the course hooks layers to show shapes and activations)."""
     llm = _llm()
@@ -213,9 +226,19 @@ def test_steps_run_eagerly_while_a_module_has_a_forward_hook():
     g = llm.llm_engine.runner.graph_runner
     assert len(seen) == 5 and g.num_replays == 0  # the prefill and four decode steps, all eager
     assert _run(llm, prompt, params) == first and g.num_replays >= 3
+    # a hook on a model whose graphs exist: eager while it is there; its removal hands the C pass
+    # its lists again (else every later step would pay the Python check)
+    handle = mlp.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.shape)))
+    replays = g.num_replays
+    try:
+        assert _run(llm, prompt, params) == first and g.num_replays == replays and len(seen) == 10
+    finally:
+        handle.remove()
+    assert _run(llm, prompt, params) == first and g.num_replays >= replays + 3
+    assert (g._c_unchanged is not None, g._c_args is not None) == ((check == "c",) * 2)
 
 
-def test_graphs_are_recorded_again_after_a_parameter_is_replaced():
+def test_graphs_are_recorded_again_after_a_parameter_is_replaced(check):
     """Replacing a weight (a new tensor, or new storage under the same parameter) between steps:
     the next step records the graphs again and generates what an eager engine with the same
     weights does."""
@@ -351,7 +374,7 @@ def test_an_interrupt_while_staging_leaves_no_stale_padding_row(monkeypatch):
     assert list(g._host["slot_mapping"][3:4]) == [-1]  # the padding row is padding again
 
 
-def test_a_swapped_submodule_is_recorded_again():
+def test_a_swapped_submodule_is_recorded_again(check):
     """Regression: the runner listed the model's modules once, so a module swapped on a live engine
     kept being replayed as the old one (and hooks on the new one went unseen)."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -388,7 +411,7 @@ def _graph_and_eager_engines(max_tokens: int):
     return llm, eager, prompt, params, first
 
 
-def test_a_removed_layer_and_a_parameter_set_straight_into_its_dict_are_recorded_again():
+def test_a_removed_layer_and_a_parameter_set_straight_into_its_dict_are_recorded_again(check):
     """Changes no torch hook sees: a layer taken out of the ModuleList's dict (the graphs are
     dropped at once) and put back, and a parameter written straight into ``_parameters`` (as
     ``Module._apply`` does when it overwrites). The graph engine then generates what an eager
@@ -426,7 +449,7 @@ def _bias_where_there_was_none(model):  # a parameter slot that was empty when t
 
 
 @pytest.mark.parametrize("change", [_swap_first_layers, _broadcast_embedding, _bias_where_there_was_none])
-def test_changes_that_keep_sizes_or_addresses_are_recorded_again(change):
+def test_changes_that_keep_sizes_or_addresses_are_recorded_again(change, check):
     """Regressions a reviewer found in a cheaper per-step check (sizes and addresses only): each
     change here keeps the dicts' sizes or the weights' addresses, and the graph engine must still
     generate what an eager engine with the same change does."""
@@ -436,7 +459,7 @@ def test_changes_that_keep_sizes_or_addresses_are_recorded_again(change):
     assert _run(llm, prompt, params) == _run(eager, prompt, params) != first
 
 
-def test_modules_made_elsewhere_do_not_record_the_graphs_again():
+def test_modules_made_elsewhere_do_not_record_the_graphs_again(check):
     """Another model built in the same process (a notebook's reference model) moves the
     process-wide registration count; the runner compares its own modules and keeps its graphs."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

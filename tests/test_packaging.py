@@ -88,6 +88,8 @@ def test_package_data_ships_every_non_python_file_the_package_reads():
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["minivllm"]
     pkg = ROOT / "minivllm"
-    for path in [cpu_decode.SOURCE, cpu_fused.SOURCE, *sorted((pkg / "assets").rglob("*.json"))]:
+    c_sources = sorted(p for p in pkg.rglob("*") if p.suffix in (".c", ".h"))  # the model check's too
+    assert cpu_decode.SOURCE in c_sources and cpu_fused.SOURCE in c_sources
+    for path in [*c_sources, *sorted((pkg / "assets").rglob("*.json"))]:
         rel = path.relative_to(pkg).as_posix()
         assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from minivllm.engine import model_check
 from minivllm.engine.decode_tables import DecodeTables, block_table_array
 from minivllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_blocks_for_bytes
 from minivllm.engine.runner_config import RunnerConfig
@@ -379,7 +380,8 @@ class ModelRunner:
         self.graph_runner.capture()
         if self.graph_runner.kind == "cpu":
             logger.info("CPU graphs: decode steps of up to %d sequences are recorded at their first step "
-                        "(buckets %s) and replayed", self.graph_runner.buckets[-1], self.graph_runner.buckets)
+                        "(buckets %s) and replayed; model check before each replay: %s",
+                        self.graph_runner.buckets[-1], self.graph_runner.buckets, model_check.describe())
         else:
             logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graph_runner.buckets,
                         time.perf_counter() - t0)
@@ -611,7 +613,7 @@ class ModelRunner:
         host[:n + 1] = np.arange(n + 1, dtype=np.int32)
         ctx = host[2 * stride:]
         np.add(positions, 1, out=ctx, casting="unsafe")
-        np.cumsum(ctx, out=host[stride + 1:stride + n + 1])
+        np.add.accumulate(ctx, out=host[stride + 1:stride + n + 1])  # np.cumsum without its wrapper
         cu_q, cu_k, ctx_lens = self._upload_parts(host, (0, n + 1), (stride, stride + n + 1), (2 * stride, len(host)))
         context_lens = ctx.tolist()
         return AttentionMetadata(

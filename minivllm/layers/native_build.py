@@ -1,5 +1,7 @@
 """Build our C sources at first use and load them with ``ctypes`` (the CPU attention kernel in
-``attention/csrc``, the fused per-layer ops and the panel GEMM in ``csrc``).
+``attention/csrc``, the fused per-layer ops and the panel GEMM in ``csrc``, the CPU graphs' model
+check in ``engine/csrc``, which reads Python objects and so is built against Python's headers and
+called with the GIL held).
 
 A source is compiled (``-O3 -march=native``) with the first compiler that works (``$CC``, the
 one Python was built with, ``cc``, ``gcc``, ``clang``) into ``cache_dir()/kernels/`` (the temp
@@ -17,6 +19,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading
@@ -60,14 +63,24 @@ def _cpu_fingerprint() -> str:
         return platform.processor() or platform.node()
 
 
-def _build(source: Path, out_dir: Path, cc: list[str]) -> Path:
+def _python_flags() -> tuple[str, ...]:
+    """Compiler flags of a source that uses Python's C API: the running Python's headers (its
+    symbols resolve against the interpreter when the library is loaded)."""
+    paths = sysconfig.get_paths()
+    return tuple(f"-I{d}" for d in dict.fromkeys((paths["include"], paths["platinclude"])))
+
+
+def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False) -> Path:
     """Compile ``source`` with ``cc`` into ``out_dir`` under a key of the source, compiler,
-    flags and CPU (atomic rename: concurrent builders are harmless)."""
+    flags and CPU (atomic rename: concurrent builders are harmless); ``python_api``: with the
+    running Python's headers (:func:`_python_flags`)."""
+    extra = _python_flags() if python_api else ()
     src = source.read_bytes()
     for header in re.findall(rb'#include "([^"]+)"', src):  # our own headers are part of the source's key
         src += (source.parent / header.decode()).read_bytes()
     version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(src + repr((cc, FLAGS, version, platform.machine(), _cpu_fingerprint())).encode())
+    key = hashlib.sha256(src + repr((cc, FLAGS + extra, version, platform.machine(), _cpu_fingerprint(),
+                                     sys.version if python_api else None)).encode())
     lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
@@ -76,8 +89,8 @@ def _build(source: Path, out_dir: Path, cc: list[str]) -> Path:
     os.close(fd)
     try:
         for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # some compilers lack -march=native
-            proc = subprocess.run(cc + list(flags) + [str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
-                                  timeout=120)
+            proc = subprocess.run(cc + list(flags) + list(extra) + [str(source), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
             if proc.returncode == 0:
                 os.replace(tmp, lib)
                 return lib
@@ -87,8 +100,11 @@ def _build(source: Path, out_dir: Path, cc: list[str]) -> Path:
             os.unlink(tmp)
 
 
-def build_and_load(source: Path) -> tuple[ctypes.CDLL, str]:
+def build_and_load(source: Path, python_api: bool = False) -> tuple[ctypes.CDLL, str]:
     """``source`` compiled (or found already built) and loaded, with a line saying where from.
+    ``python_api``: the source uses Python's C API; it is built against the running Python's
+    headers and loaded as a ``ctypes.PyDLL`` (its functions are called holding the GIL; a
+    ``CDLL`` releases it around each call).
 
     Raises:
         NativeBuildError: no compiler found, or every compiler/directory pair failed (the
@@ -101,8 +117,9 @@ def build_and_load(source: Path) -> tuple[ctypes.CDLL, str]:
     for cc in _compilers():
         for out_dir in dirs:
             try:
-                path = _build(source, out_dir, cc)
-                return ctypes.CDLL(str(path)), f"{path}, built with {' '.join(cc)}"
+                path = _build(source, out_dir, cc, python_api)
+                loader = ctypes.PyDLL if python_api else ctypes.CDLL
+                return loader(str(path)), f"{path}, built with {' '.join(cc)}"
             except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
                 errors.append(f"{' '.join(cc)} into {out_dir}: {type(e).__name__}: {e}")
     raise NativeBuildError("; ".join(errors) if errors else "no C compiler found (tried $CC, Python's CC, cc, gcc, clang)")
@@ -112,10 +129,10 @@ class NativeLibrary(Generic[T]):
     """One of our C sources as a process-wide object: built and wrapped (``wrap(cdll)``) at the
     first :meth:`load`, at most once per process (thread-safe), or the reason it could not be;
     ``None`` while the environment variable ``env_switch`` is 0 / false / no / off (read at every
-    call, so flipping it between engines takes effect)."""
+    call, so flipping it between engines takes effect). ``python_api``: see :func:`build_and_load`."""
 
-    def __init__(self, source: Path, env_switch: str, wrap: Callable[[ctypes.CDLL], T]):
-        self.source, self.env_switch, self._wrap = source, env_switch, wrap
+    def __init__(self, source: Path, env_switch: str, wrap: Callable[[ctypes.CDLL], T], python_api: bool = False):
+        self.source, self.env_switch, self._wrap, self.python_api = source, env_switch, wrap, python_api
         self._lock = threading.Lock()
         self._state: dict[str, object] = {}  # "obj" and "path", or "reason"
 
@@ -128,7 +145,7 @@ class NativeLibrary(Generic[T]):
         with self._lock:
             if "obj" not in self._state and "reason" not in self._state:
                 try:
-                    lib, self._state["path"] = build_and_load(self.source)
+                    lib, self._state["path"] = build_and_load(self.source, self.python_api)
                     self._state["obj"] = self._wrap(lib)
                 except (NativeBuildError, AttributeError) as e:  # AttributeError: a symbol missing
                     self._state["reason"] = str(e)

@@ -1,0 +1,126 @@
+"""The C pass of the CPU graphs' model check (minivllm/engine/csrc/model_check.c): it answers 1
+("unchanged") only when every hook dict is empty, the child dicts hold the listed children in
+order and every parameter slot holds its listed tensor; any change, or arguments of another
+shape, gives 0 (the engine then runs the Python check). End to end: tests/test_cpu_graph.py runs
+its model-change tests with the C pass and without it."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from itertools import chain
+
+import pytest
+import torch
+
+from minivllm.engine import model_check
+
+from helpers_native import native_or_skip
+
+
+@pytest.fixture(scope="module")
+def unchanged():
+    return native_or_skip(model_check, "the C model check")
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 2)))
+
+
+def _args(model: torch.nn.Module) -> tuple:
+    """The six lists, made as the graph runner makes them."""
+    modules = list(model.modules())
+    hooks = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
+    child_dicts = [m._modules for m in modules]
+    slots = [(m._parameters, k) for m in modules for k in m._parameters]
+    return (hooks, child_dicts, list(chain.from_iterable(map(dict.values, child_dicts))),
+            [d for d, _ in slots], [k for _, k in slots], [d[k] for d, k in slots])
+
+
+def _hook(m):
+    m.register_forward_hook(lambda *a: None)
+
+
+def _pre_hook(m):
+    m[1][0].register_forward_pre_hook(lambda *a: None)
+
+
+def _swap_children(m):
+    d = m[1]._modules
+    d["0"], d["1"] = d["1"], d["0"]
+
+
+def _reinsert_same_child(m):  # same key -> value, another order: a ModuleList would iterate differently
+    d = m[1]._modules
+    d["0"] = d.pop("0")
+
+
+def _add_child(m):
+    m[1].add_module("extra", torch.nn.ReLU())
+
+
+def _remove_child(m):
+    del m[1]._modules["1"]
+
+
+def _replace_parameter(m):
+    m[0].weight = torch.nn.Parameter(m[0].weight.detach().clone())
+
+
+def _empty_slot(m):
+    m[0]._parameters["bias"] = None
+
+
+def _remove_slot(m):
+    del m[0]._parameters["bias"]
+
+
+def _fill_empty_slot(m):
+    m[1][1].register_parameter("bias", None)  # listed as an empty slot below, then filled
+
+
+@pytest.mark.parametrize("change", [_hook, _pre_hook, _swap_children, _reinsert_same_child, _add_child,
+                                    _remove_child, _replace_parameter, _empty_slot, _remove_slot])
+def test_a_change_is_never_answered_unchanged(change, unchanged):
+    model = _model()
+    args = _args(model)
+    assert unchanged(args) == 1
+    change(model)
+    assert unchanged(args) == 0
+
+
+def test_an_empty_slot_filled_is_a_change(unchanged):
+    model = _model()
+    _fill_empty_slot(model)
+    args = _args(model)
+    assert unchanged(args) == 1 and None in args[5]
+    model[1][1].bias = torch.nn.Parameter(torch.zeros(2))
+    assert unchanged(args) == 0
+
+
+def test_in_place_updates_and_other_models_are_not_changes(unchanged):
+    """A replay reads the parameters' memory, so values written in place need no new graph."""
+    model = _model()
+    args = _args(model)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    _model().register_forward_hook(lambda *a: None)
+    assert unchanged(args) == 1
+
+
+def test_arguments_of_another_shape_answer_changed(unchanged):
+    model = _model()
+    args = _args(model)
+    assert unchanged(args[:5]) == 0
+    assert unchanged(tuple(args[:2]) + (tuple(args[2]),) + tuple(args[3:])) == 0  # a tuple where a list was
+    assert unchanged((args[0] + [[]],) + args[1:]) == 0  # a list where a dict was
+    assert unchanged(args[:3] + (args[3], args[4][:-1], args[5])) == 0  # keys shorter than dicts
+    assert unchanged(args[:2] + (args[2][:-1],) + args[3:]) == 0  # fewer children listed than the dicts hold
+    assert unchanged(args[:2] + (args[2] + [None],) + args[3:]) == 0  # more
+    assert unchanged(args) == 1
+
+
+def test_hook_dicts_that_are_ordered_dicts_count_when_not_empty(unchanged):
+    args = _args(_model())
+    extra = OrderedDict()
+    assert unchanged(([*args[0], extra],) + args[1:]) == 1
+    extra[0] = print
+    assert unchanged(([*args[0], extra],) + args[1:]) == 0
