@@ -8,7 +8,7 @@ from minivllm import bench
 from minivllm.bench import make_workload, run_overhead, run_sweep, run_throughput
 from minivllm.bench.common import percentiles
 from minivllm.bench.overhead import OverheadResult
-from minivllm.bench.peers import PeerOverhead, agreement, hf_state_from_ours, run_nanovllm_overhead
+from minivllm.bench.peers import NanoVllmOverhead, PeerOverhead, PeerUnavailable, agreement, hf_state_from_ours
 from minivllm.utils.threads import choose_threads
 
 # A toy peaks microbenchmark (the real one sums 1 GiB).
@@ -174,26 +174,61 @@ def test_overhead_smoke_without_peer(tiny_ckpt, tmp_path):
     assert any("nano-vllm peer unavailable" in line for line in lines)
 
 
-def test_nanovllm_peer_output_is_parsed_and_compared(tmp_path):
-    """A stand-in peer script printing the real script's JSON shape: its medians are read and
-    the ratio is minivllm / nano-vllm per batch size."""
+_STAND_IN_PEER = (
+    "import json, sys\n"
+    "calls = []\n"
+    "def main(argv):\n"
+    "    b = int(argv[argv.index('--batch') + 1])\n"
+    "    calls.append((b, argv))\n"
+    "    print('progress line')\n"
+    "    print(json.dumps({'results': [{'B': b, 'sched_prepare_post_incl_sample': {'median': 2.0 * b + len(calls)}}]}))\n")
+
+
+def test_nanovllm_peer_rounds_are_read_and_compared_round_by_round(tmp_path):
+    """A stand-in peer script with the real script's ``main(argv)`` and JSON shape: each round
+    is one call at one batch size, and the ratio is the median over the rounds of minivllm's
+    round median / nano-vllm's."""
     script = tmp_path / "peer.py"
-    script.write_text(
-        "import json, sys\n"
-        "bs = [int(x) for x in sys.argv[sys.argv.index('--batch') + 1:]]\n"
-        "print('progress line')\n"
-        "print(json.dumps({'results': [{'B': b, 'sched_prepare_post_incl_sample': {'median': 2.0 * b}} "
-        "for b in bs]}))\n")
-    peer = run_nanovllm_overhead(script, (1, 4))
-    assert peer.available and peer.us_per_seq_step == {1: 2.0, 4: 8.0}
-    result = OverheadResult("overhead", "m", "cpu", 16, 4, rows=[
-        {"batch_size": 1, "us_per_seq_step_median": 3.0}, {"batch_size": 4, "us_per_seq_step_median": 4.0}],
-        peer=peer)
-    assert result.ratios() == {1: 1.5, 4: 0.5}
+    script.write_text(_STAND_IN_PEER)
+    peer = NanoVllmOverhead(script)
+    us, seconds = peer.measure(4, 8, 1)
+    assert us == 9.0 and seconds >= 0
+    argv = peer._main.__globals__["calls"][0][1]
+    assert argv[argv.index("--steps") + 1] == "50" and argv[argv.index("--reps") + 1] == "1"  # the script's minimum
+    result = PeerOverhead(True)
+    for theirs in (2.0, 4.0, 8.0):
+        result.add_round(1, theirs, 0.5)
+    assert result.us_per_seq_step == {1: 4.0} and result.seconds == 1.5
+    r = OverheadResult("overhead", "m", "cpu", 16, 4, peer=result, rows=[
+        {"batch_size": 1, "us_per_seq_step_median": 5.0, "round_medians": [3.0, 2.0, 4.0]}])
+    assert r.ratios() == {1: 0.5}  # rounds' ratios 1.5, 0.5, 0.5 (the ratio of the medians would be 0.75)
     failing = tmp_path / "fail.py"
-    failing.write_text("import sys; sys.exit('boom')\n")
-    bad = run_nanovllm_overhead(failing, (1,))
-    assert isinstance(bad, PeerOverhead) and not bad.available and "boom" in bad.reason
+    failing.write_text("import sys\ndef main(argv):\n    sys.exit('boom')\n")
+    with pytest.raises(PeerUnavailable, match="boom"):
+        NanoVllmOverhead(failing).measure(1, 50, 1)
+    exits_at_import = tmp_path / "exits.py"
+    exits_at_import.write_text("raise SystemExit('no nano-vllm here')\n")
+    with pytest.raises(PeerUnavailable, match="no nano-vllm here"):
+        NanoVllmOverhead(exits_at_import)
+    silent = tmp_path / "silent.py"
+    silent.write_text("def main(argv):\n    print('no json')\n")
+    with pytest.raises(PeerUnavailable, match="unreadable"):
+        NanoVllmOverhead(silent).measure(1, 50, 1)
+
+
+def test_overhead_rounds_alternate_with_the_peer(tiny_ckpt, tmp_path):
+    script = tmp_path / "peer.py"
+    script.write_text(_STAND_IN_PEER)
+    lines = []
+    r = run_overhead(str(tiny_ckpt), batch_sizes=(1, 2), prompt_len=8, decode_steps=3, warmup_steps=1, rounds=3,
+                     log=lines.append, nanovllm_script=script)
+    assert r.peer.available and r.peer.rounds == {1: [3.0, 4.0, 5.0], 2: [8.0, 9.0, 10.0]}  # calls in order
+    for row in r.rows:
+        assert len(row["round_medians"]) == 3 and all(x > 0 for x in row["round_medians"])
+    assert set(r.ratios()) == {1, 2}
+    assert any("3 alternating rounds" in line for line in lines)
+    with pytest.raises(ValueError, match="rounds"):
+        run_overhead(str(tiny_ckpt), rounds=0, nanovllm=False)
 
 
 def test_main_writes_json(tiny_ckpt, tmp_path):

@@ -26,8 +26,9 @@ them. Modules: ``workload`` (prompts and lengths), ``peers`` (transformers, nano
 * ``--overhead``: the engine's own CPU cost (scheduler, block manager, input
   preparation, postprocessing) with the model and sampler replaced by a stub that
   returns a fixed token, in microseconds per sequence per decode step, beside nano-vllm's
-  figure from its peer script (``../shared/peers/nanovllm_overhead.py``) run in a
-  subprocess in the same session.
+  figure from its peer script (``../shared/peers/nanovllm_overhead.py``), loaded into the
+  same process: ``--rounds`` rounds (default 5) of each, alternating, and the median of the
+  rounds' ratios.
 
 Workloads: ``nano`` is nano-vllm's benchmark (256 requests, prompt and output
 lengths uniform in 100..1024, random token ids); ``cpu`` is a CPU-sized one
@@ -36,14 +37,14 @@ lengths uniform in 100..1024, random token ids); ``cpu`` is a CPU-sized one
 """
 from minivllm.bench.cli import build_parser, main, run_cli
 from minivllm.bench.overhead import OverheadResult, run_overhead
-from minivllm.bench.peers import (PeerOverhead, load_hf_model, run_hf_continuous_batching, run_hf_generate,
-                                  run_nanovllm_overhead)
+from minivllm.bench.peers import (NanoVllmOverhead, PeerOverhead, PeerUnavailable, load_hf_model,
+                                  run_hf_continuous_batching, run_hf_generate)
 from minivllm.bench.report import roofline_figure, write_roofline_html
 from minivllm.bench.sweep import SweepResult, run_sweep
 from minivllm.bench.throughput import ThroughputResult, run_throughput
 from minivllm.bench.workload import WORKLOADS, Workload, make_workload
 
 __all__ = ["WORKLOADS", "Workload", "make_workload", "run_throughput", "ThroughputResult", "run_sweep",
-           "SweepResult", "run_overhead", "OverheadResult", "run_nanovllm_overhead", "PeerOverhead",
+           "SweepResult", "run_overhead", "OverheadResult", "NanoVllmOverhead", "PeerOverhead", "PeerUnavailable",
            "load_hf_model", "run_hf_generate", "run_hf_continuous_batching", "roofline_figure",
            "write_roofline_html", "build_parser", "run_cli", "main"]

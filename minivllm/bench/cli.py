@@ -58,7 +58,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--nanovllm-script", default=None,
                    help="nano-vllm's overhead script for --overhead (default: ../shared/peers/nanovllm_overhead.py "
                         "beside the repository)")
-    p.add_argument("--no-nanovllm", action="store_true", help="--overhead without the nano-vllm peer run")
+    p.add_argument("--no-nanovllm", action="store_true", help="--overhead without the nano-vllm peer rounds")
     p.add_argument("--speculative", default=None, nargs="+", choices=["ngram", "draft"],
                    help="greedy decode TPOT with and without speculative decoding (ngram: prompt lookup; draft: "
                         "the draft model --draft-model) on prompts whose continuation repeats their context, at "
@@ -70,7 +70,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="batch-1 decode of LLM(quantization=...) against the unquantised engine in the same run "
                         "(speed ratio, MBU on int8 bytes, greedy agreement); --decode-steps tokens per round")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per engine for --quantization")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds per engine: --quantization (default 3); --overhead (default 5), each "
+                        "minivllm round followed by one of nano-vllm's, the ratio the median of the rounds'")
     p.add_argument("--no-quantize-lm-head", action="store_true", help="--quantization with the LM head kept in float")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="print nothing (with --json: the results only go there)")
@@ -132,6 +134,8 @@ def _run_modes(args, log, peak_kwargs) -> dict:
         kw = {"decode_steps": args.decode_steps} if args.decode_steps else {}
         if args.batch_sizes:
             kw["batch_sizes"] = tuple(args.batch_sizes)
+        if args.rounds:
+            kw["rounds"] = args.rounds
         results["overhead"] = run_overhead(args.model, seed=args.seed, log=log, nanovllm=not args.no_nanovllm,
                                            nanovllm_script=args.nanovllm_script, **kw, **engine_args)
     if args.speculative:
@@ -150,7 +154,7 @@ def _run_modes(args, log, peak_kwargs) -> dict:
         kw = {"decode_tokens": args.decode_steps} if args.decode_steps else {}
         results["quantization"] = run_quantization(
             args.model, quantization=args.quantization, quantize_lm_head=not args.no_quantize_lm_head,
-            rounds=args.rounds, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw, **engine_args)
+            rounds=args.rounds or 3, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw, **engine_args)
         print_quantization(results["quantization"], log)
     if not (args.sweep or args.overhead or args.speculative or args.quantization):
         peers = () if args.no_peers else tuple(x.strip() for x in args.peers.split(",") if x.strip())

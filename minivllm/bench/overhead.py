@@ -1,6 +1,6 @@
 """Engine overhead: ``LLMEngine.step()`` with the model and sampler stubbed out (a fixed
-token), in microseconds per sequence per decode step, beside nano-vllm's figure measured in
-the same session by its peer script."""
+token), in microseconds per sequence per decode step, beside nano-vllm's figure measured by its
+peer script in rounds that alternate with minivllm's."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minivllm.bench.common import ResultMixin, build_llm, device_label, loadavg, next_tag
-from minivllm.bench.peers import PeerOverhead, run_nanovllm_overhead
+from minivllm.bench.peers import NanoVllmOverhead, PeerOverhead, PeerUnavailable
 from minivllm.bench.report import overhead_row, print_overhead_comparison
 from minivllm.utils import cdiv
 
@@ -24,12 +24,13 @@ class OverheadResult(ResultMixin):
 
     Attributes:
         model / device: what ran; prompt_len / decode_steps: the set-up.
-        rows: one per batch size: ``us_per_seq_step`` (mean), ``us_per_seq_step_median``,
-            ``step_ms_mean`` and the StepRecord breakdown (``schedule_ms``, ``prepare_ms``,
-            ``postprocess_ms``, ``other_ms``: the rest of ``step()``).
-        loadavg: 1/5/15-minute load averages after minivllm's run; loadavg_after_peer after
-            nano-vllm's.
-        peer: nano-vllm's figures from the same session (``None`` when not asked for).
+        rows: one per batch size: ``us_per_seq_step`` (mean), ``us_per_seq_step_median`` (over
+            every timed step), ``round_medians`` (each round's median), ``step_ms_mean`` and the
+            StepRecord breakdown (``schedule_ms``, ``prepare_ms``, ``postprocess_ms``,
+            ``other_ms``: the rest of ``step()``).
+        loadavg: 1/5/15-minute load averages after the run (both engines').
+        peer: nano-vllm's figures, its rounds alternating with minivllm's (``None`` when not
+            asked for).
     """
 
     mode: str
@@ -40,15 +41,22 @@ class OverheadResult(ResultMixin):
     rows: list = field(default_factory=list)
     loadavg: list | None = None
     peer: PeerOverhead | None = None
-    loadavg_after_peer: list | None = None
 
     def ratios(self) -> dict[int, float]:
-        """batch size -> minivllm median / nano-vllm median (below 1: minivllm is cheaper);
-        empty without an available peer."""
+        """batch size -> minivllm / nano-vllm (below 1: minivllm is cheaper): the median over
+        the rounds of each round's ratio of medians (the two ran back to back, under the same
+        load), or without rounds the ratio of the medians; empty without an available peer."""
         if self.peer is None or not self.peer.available:
             return {}
-        return {r["batch_size"]: r["us_per_seq_step_median"] / self.peer.us_per_seq_step[r["batch_size"]]
-                for r in self.rows if self.peer.us_per_seq_step.get(r["batch_size"])}
+        out = {}
+        for r in self.rows:
+            b = r["batch_size"]
+            ours, theirs = r.get("round_medians"), self.peer.rounds.get(b)
+            if ours and theirs and len(ours) == len(theirs):
+                out[b] = statistics.median(x / y for x, y in zip(ours, theirs))
+            elif self.peer.us_per_seq_step.get(b):
+                out[b] = r["us_per_seq_step_median"] / self.peer.us_per_seq_step[b]
+        return out
 
 
 def stub_run(runner, token_id: int):
@@ -67,27 +75,41 @@ def stub_run(runner, token_id: int):
 
 
 def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prompt_len: int = 128,
-                 decode_steps: int = 64, warmup_steps: int = 8, seed: int = 0, log=print,
+                 decode_steps: int = 64, warmup_steps: int = 8, rounds: int = 5, seed: int = 0, log=print,
                  nanovllm: bool = True, nanovllm_script: str | Path | None = None, **engine_args) -> OverheadResult:
     """Engine overhead with the model stubbed out: per batch size, the mean and median of
-    ``LLMEngine.step()`` wall time over ``decode_steps`` decode-only steps, per sequence
-    (microseconds), with the StepRecord breakdown (schedule / prepare / postprocess).
+    ``LLMEngine.step()`` wall time over ``rounds`` x ``decode_steps`` decode-only steps, per
+    sequence (microseconds), with the StepRecord breakdown (schedule / prepare / postprocess).
 
     With ``nanovllm`` (default), nano-vllm's overhead script
-    (:func:`minivllm.bench.peers.run_nanovllm_overhead`, ``nanovllm_script`` or the shared
-    default path) runs right after, in a subprocess, at the same batch sizes: the ratio of
-    the two medians is the comparison (only figures from one session compare on a shared
-    machine). A missing or failing peer is reported in ``OverheadResult.peer``, not raised.
+    (:class:`minivllm.bench.peers.NanoVllmOverhead`, ``nanovllm_script`` or the shared default
+    path) runs a round of its own after each of minivllm's rounds, at the same batch size, in
+    this process: the ratio is the median over the rounds of the two rounds' medians, so both
+    figures of a ratio come from the same few hundred milliseconds (a shared machine's speed
+    drifts by 2x over minutes). A missing or failing peer is reported in
+    ``OverheadResult.peer``, not raised.
     """
+    import torch
+
     from minivllm.sampling_params import SamplingParams
 
+    if rounds < 1 or decode_steps < 1:
+        raise ValueError(f"rounds and decode_steps must be >= 1, got rounds={rounds}, decode_steps={decode_steps}")
+    peer, peer_result = None, None
+    if nanovllm:
+        peer_result = PeerOverhead(True, script=str(nanovllm_script or ""))
+        try:
+            peer = NanoVllmOverhead(nanovllm_script)
+            peer_result.script = str(peer.path)
+        except PeerUnavailable as e:
+            peer_result.available, peer_result.reason = False, str(e)
     bmax = max(batch_sizes)
     block = engine_args.get("block_size") or 16
     budget = engine_args.get("max_num_batched_tokens") or 8192
     # With chunked prefill the first-admitted sequences start decoding while later ones
     # still prefill, so they run ahead by up to this many steps: give every request room.
     lead = cdiv(bmax * prompt_len, budget) + 2
-    max_tokens = warmup_steps + decode_steps + lead + 1
+    max_tokens = warmup_steps + rounds * decode_steps + lead + 1
     per_seq = cdiv(prompt_len + max_tokens + 1, block)
     engine_args.setdefault("num_kvcache_blocks", bmax * per_seq + 8)
     engine_args.setdefault("max_num_seqs", max(256, bmax))
@@ -105,8 +127,9 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
                 os.getloadavg()[0] > 0.75 * (os.cpu_count() or 1):
             log(f"note: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: other processes compete "
                 f"for the CPU, so the times below read high")
-        log(f"engine overhead, model stubbed (fixed token), {prompt_len}-token prompts, "
-            f"{decode_steps} decode steps per batch size")
+        log(f"engine overhead, model stubbed (fixed token), {prompt_len}-token prompts, {rounds} rounds of "
+            f"{decode_steps} decode steps per batch size" + (", each followed by a round of nano-vllm's"
+                                                              if peer is not None else ""))
         log(f"{'batch':>6}{'us/seq/step':>13}{'(median)':>10}{'step ms':>9}{'sched':>8}{'prep':>8}{'post':>8}"
             f"{'other':>8}")
         for b in batch_sizes:
@@ -123,21 +146,31 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
                     break
             for _ in range(warmup_steps - 1):
                 engine.step()
-            times, recs = [], []
-            for _ in range(decode_steps):
-                t0 = time.perf_counter()
-                res = engine.step_with_record()
-                times.append(time.perf_counter() - t0)
-                if res.record.phase != "decode" or res.record.num_seqs != b:
-                    raise RuntimeError(f"overhead run: expected a decode step of {b} sequences, "
-                                       f"got {res.record.phase} with {res.record.num_seqs}")
-                recs.append(res.record)
+            times, recs, round_medians = [], [], []
+            for _ in range(rounds):
+                block_times = []
+                for _ in range(decode_steps):
+                    t0 = time.perf_counter()
+                    res = engine.step_with_record()
+                    block_times.append(time.perf_counter() - t0)
+                    if res.record.phase != "decode" or res.record.num_seqs != b:
+                        raise RuntimeError(f"overhead run: expected a decode step of {b} sequences, "
+                                           f"got {res.record.phase} with {res.record.num_seqs}")
+                    recs.append(res.record)
+                times += block_times
+                round_medians.append(statistics.median(block_times) / b * 1e6)
+                if peer is not None:
+                    try:
+                        peer_result.add_round(b, *peer.measure(b, decode_steps, torch.get_num_threads()))
+                    except PeerUnavailable as e:
+                        peer, peer_result.available, peer_result.reason = None, False, str(e)
             for rid in rids:
                 engine.abort_request(rid)
             engine.reset_prefix_cache()
             mean_us = statistics.fmean(times) / b * 1e6
             row = {"batch_size": b, "us_per_seq_step": mean_us,
                    "us_per_seq_step_median": statistics.median(times) / b * 1e6,
+                   "round_medians": round_medians,
                    "step_ms_mean": statistics.fmean(times) * 1e3,
                    "schedule_ms": statistics.fmean(r.schedule_ms for r in recs),
                    "prepare_ms": statistics.fmean(r.prepare_ms for r in recs),
@@ -147,14 +180,8 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
             rows.append(row)
             log(overhead_row(row))
         result = OverheadResult("overhead", engine.source.name, device_label(engine.config.device), prompt_len,
-                                decode_steps, rows, loadavg())
+                                decode_steps, rows, loadavg(), peer_result)
     finally:
         llm.shutdown()
-    if nanovllm:
-        log("nano-vllm overhead (its peer script, same session) ...")
-        result.peer = run_nanovllm_overhead(nanovllm_script, tuple(batch_sizes))
-        result.loadavg_after_peer = loadavg()
     print_overhead_comparison(result, log)
     return result
-
-

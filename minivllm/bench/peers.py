@@ -1,12 +1,10 @@
 """Peers run side by side with minivllm: Hugging Face transformers (``generate`` on padded
 batches, and its continuous-batching manager) on the same weights, and nano-vllm's engine
-overhead through its measurement script in a subprocess."""
+overhead through its measurement script, in rounds alternating with minivllm's."""
 from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,15 +155,17 @@ def default_nanovllm_script() -> Path:
 
 @dataclass
 class PeerOverhead:
-    """nano-vllm's engine overhead from its peer script, run in a subprocess.
+    """nano-vllm's engine overhead from its peer script, measured in this process in rounds
+    that alternate with minivllm's (:class:`NanoVllmOverhead`).
 
     Attributes:
-        available: whether the script ran and printed its JSON.
-        us_per_seq_step: batch size -> median us per sequence per decode step of
-            schedule + prepare + postprocess + prepare_sample (the figure comparable with
-            minivllm's step time per sequence, per the peer's README).
+        available: whether every round ran and printed its JSON.
+        us_per_seq_step: batch size -> median over the rounds of each round's median us per
+            sequence per decode step of schedule + prepare + postprocess + prepare_sample (the
+            figure comparable with minivllm's step time per sequence, per the peer's README).
+        rounds: batch size -> each round's median, in the order they ran.
         reason: why not available (missing script, failure), else "".
-        script: the script path; seconds: its run time.
+        script: the script path; seconds: the time spent in it, all rounds together.
     """
 
     available: bool
@@ -173,32 +173,74 @@ class PeerOverhead:
     reason: str = ""
     script: str = ""
     seconds: float = 0.0
+    rounds: dict[int, list[float]] = field(default_factory=dict)
+
+    def add_round(self, batch_size: int, us: float, seconds: float) -> None:
+        """Record one round's figure for ``batch_size``."""
+        runs = self.rounds.setdefault(batch_size, [])
+        runs.append(us)
+        self.us_per_seq_step[batch_size] = statistics.median(runs)
+        self.seconds += seconds
 
 
-def run_nanovllm_overhead(script: str | Path | None = None, batch_sizes=(1, 16, 64, 256),
-                          timeout_s: float = 600.0) -> PeerOverhead:
-    """Run nano-vllm's overhead script (default :func:`default_nanovllm_script`) with
-    ``--batch`` ``batch_sizes`` in a subprocess of this Python and parse its last stdout line
-    (one JSON object). Never raises for a missing or failing peer: the result says why."""
-    path = Path(script) if script is not None else default_nanovllm_script()
-    if not path.is_file():
-        return PeerOverhead(False, reason=f"peer script not found: {path}", script=str(path))
-    cmd = [sys.executable, str(path), "--batch", *map(str, batch_sizes)]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return PeerOverhead(False, reason=f"timed out after {timeout_s:.0f} s", script=str(path))
-    secs = time.perf_counter() - t0
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return PeerOverhead(False, reason=f"exit status {proc.returncode}: {tail[0][:200]}", script=str(path),
-                            seconds=secs)
-    try:
-        rows = json.loads(lines[-1])["results"]
-        figures = {int(r["B"]): float(r["sched_prepare_post_incl_sample"]["median"]) for r in rows}
-    except (ValueError, KeyError, TypeError) as e:
-        return PeerOverhead(False, reason=f"unreadable peer output ({type(e).__name__}: {e})", script=str(path),
-                            seconds=secs)
-    return PeerOverhead(True, figures, "", str(path), secs)
+class PeerUnavailable(RuntimeError):
+    """nano-vllm's peer script is missing, failed, or printed something unreadable."""
+
+
+class NanoVllmOverhead:
+    """nano-vllm's overhead script (default :func:`default_nanovllm_script`) loaded into this
+    process, run one batch size and one round at a time through its own ``main(argv)``, its
+    figure read from the JSON line it prints. One round between two of minivllm's keeps both
+    under the same load: on the shared 2-core machine the two measured minutes apart (the
+    script in a subprocess after minivllm's whole run) gave ratios from 0.7x to 3x in
+    consecutive runs.
+
+    Raises:
+        PeerUnavailable: from the constructor when the script is missing or does not import,
+            from :meth:`measure` when a round fails (the message names why).
+    """
+
+    FIGURE = "sched_prepare_post_incl_sample"
+
+    def __init__(self, script: str | Path | None = None):
+        import importlib.util
+
+        self.path = Path(script) if script is not None else default_nanovllm_script()
+        if not self.path.is_file():
+            raise PeerUnavailable(f"peer script not found: {self.path}")
+        spec = importlib.util.spec_from_file_location("minivllm_peer_nanovllm_overhead", self.path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as e:  # noqa: BLE001  (a script that exits at import is a missing peer)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise PeerUnavailable(f"{self.path.name} did not import: {type(e).__name__}: {e}") from None
+        self._main = getattr(module, "main", None)
+        if not callable(self._main):
+            raise PeerUnavailable(f"{self.path.name} has no main(argv)")
+
+    def measure(self, batch_size: int, steps: int, threads: int) -> tuple[float, float]:
+        """One round at ``batch_size``: ``steps`` timed decode steps of one fresh scheduler
+        (the script's ``--reps 1``) on ``threads`` torch threads. Returns (median us per
+        sequence per decode step, seconds the round took)."""
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        argv = ["--batch", str(batch_size), "--steps", str(max(steps, 50)), "--reps", "1", "--threads", str(threads)]
+        t0 = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(out):
+                self._main(argv)
+        except BaseException as e:  # noqa: BLE001  (argparse and the script stop with SystemExit)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise PeerUnavailable(f"{self.path.name} {' '.join(argv)} failed: {type(e).__name__}: {e}") from None
+        seconds = time.perf_counter() - t0
+        lines = out.getvalue().strip().splitlines()
+        try:
+            rows = json.loads(lines[-1])["results"]
+            return float(next(r for r in rows if int(r["B"]) == batch_size)[self.FIGURE]["median"]), seconds
+        except (IndexError, ValueError, KeyError, TypeError, StopIteration) as e:
+            raise PeerUnavailable(f"unreadable peer output ({type(e).__name__}: {e})") from None

@@ -2,6 +2,7 @@
 them into lines and figures)."""
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 __all__ = ["describe_peaks", "peaks_summary", "print_throughput", "print_sweep_summary", "weights_summary",
@@ -118,24 +119,29 @@ def overhead_row(row: dict) -> str:
 
 
 def print_overhead_comparison(result, log=print) -> None:
-    """minivllm's median us/seq/step beside nano-vllm's from the same session, and the ratio;
-    or why the peer is missing."""
+    """minivllm's median us/seq/step beside nano-vllm's, their rounds alternating, and the
+    median of the rounds' ratios with its range; or why the peer is missing."""
     peer = result.peer
     if peer is None:
         return
     if not peer.available:
         log(f"nano-vllm peer unavailable ({peer.reason}): no comparison")
         return
-    log(f"median us per sequence per decode step, same session (nano-vllm: {peer.script}, {peer.seconds:.0f} s):")
-    log(f"{'batch':>6}{'minivllm':>10}{'nano-vllm':>11}{'ratio':>8}")
+    n = max(map(len, peer.rounds.values()), default=0)
+    log(f"median us per sequence per decode step, {n} alternating rounds each (nano-vllm: {peer.script}, "
+        f"{peer.seconds:.0f} s in all):")
+    log(f"{'batch':>6}{'minivllm':>10}{'nano-vllm':>11}{'ratio':>8}  (rounds' ratios: min - max)")
     ratios = result.ratios()
     for row in result.rows:
         b = row["batch_size"]
         theirs = peer.us_per_seq_step.get(b)
+        ours = statistics.median(row["round_medians"]) if row.get("round_medians") else row["us_per_seq_step_median"]
         if theirs is None:
-            log(f"{b:>6}{row['us_per_seq_step_median']:>10.2f}{'-':>11}{'-':>8}")
-        else:
-            log(f"{b:>6}{row['us_per_seq_step_median']:>10.2f}{theirs:>11.2f}{ratios[b]:>7.2f}x")
+            log(f"{b:>6}{ours:>10.2f}{'-':>11}{'-':>8}")
+            continue
+        per_round = [x / y for x, y in zip(row.get("round_medians") or [], peer.rounds.get(b) or [])]
+        spread = f"  ({min(per_round):.2f} - {max(per_round):.2f})" if per_round else ""
+        log(f"{b:>6}{ours:>10.2f}{theirs:>11.2f}{ratios[b]:>7.2f}x{spread}")
 
 
 def roofline_figure(sweep):
