@@ -19,8 +19,10 @@ a step interrupted half-way is rolled back exactly.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -36,14 +38,24 @@ HASH_ALGOS = ("xxhash", "sha256")
 
 
 def hash_block(parent_hash: int | None, token_ids) -> int:
-    """xxh64 of the parent block's hash followed by this block's token ids (int64 bytes).
+    """xxh64 of the parent block's hash (uint64) followed by this block's token ids (int64),
+    little-endian bytes.
 
-    Fast, 64 bits, not collision resistant: a hit is always verified (``match_prefix``)."""
-    h = xxhash.xxh64()
-    if parent_hash is not None:
-        h.update(parent_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
+    Fast, 64 bits, not collision resistant: a hit is always verified (``match_prefix``). The
+    bytes come from one ``struct`` pack (~0.3 us for a 16-token block; a numpy array and two
+    hasher updates took ~1 us, paid at every block a decode fills)."""
+    n = len(token_ids)
+    if parent_hash is None:
+        return _xxh64(_packer(False, n).pack(*token_ids))
+    return _xxh64(_packer(True, n).pack(parent_hash, *token_ids))
+
+
+_xxh64 = xxhash.xxh64_intdigest
+
+
+@functools.lru_cache(maxsize=64)
+def _packer(with_parent: bool, n: int) -> struct.Struct:
+    return struct.Struct(f"<Q{n}q" if with_parent else f"<{n}q")
 
 
 def hash_block_sha256(parent_hash: bytes | None, token_ids) -> bytes:
@@ -223,8 +235,8 @@ class BlockManager:
         need = self.num_blocks_needed(seq, num_tokens)
         if need > self.num_free_blocks:
             raise RuntimeError(f"KV pool exhausted: need {need} blocks, {self.num_free_blocks} free")
-        if need and self.undo is not None:
-            self.undo.touch(seq)
+        if need and self.undo is not None:  # the table as long as it is, under its version (no snapshot)
+            self.undo.add(_restore_table, seq, len(seq.block_table), seq.table_version)
         for _ in range(need):
             seq.table_version = next(_table_versions)
             seq.block_table.append(self._take_free_block())
@@ -275,8 +287,8 @@ class BlockManager:
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
         undo = self.undo
-        if undo is not None and num_full > len(seq.block_hashes):
-            undo.touch(seq)
+        if undo is not None and num_full > len(seq.block_hashes):  # the chain as long as it is (no snapshot)
+            undo.add(_restore_chain, seq, len(seq.block_hashes), len(seq.block_refs))
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             parent_ref = seq.block_refs[-1] if seq.block_refs else None
@@ -385,6 +397,18 @@ class BlockManager:
                 raise RuntimeError(f"cached block {b} does not hold a full block of tokens")
             if self._hash(block.parent_hash, block.token_ids) != h:
                 raise RuntimeError(f"cached block {b}: hash does not match its tokens")
+
+
+def _restore_table(seq: Sequence, length: int, version: int) -> None:
+    """Undo of ``grow``: ``seq``'s table back to ``length`` blocks, under its old version."""
+    del seq.block_table[length:]
+    seq.table_version = version
+
+
+def _restore_chain(seq: Sequence, num_hashes: int, num_refs: int) -> None:
+    """Undo of ``register_computed_blocks`` on ``seq``: its prefix chain back to its length."""
+    del seq.block_hashes[num_hashes:]
+    del seq.block_refs[num_refs:]
 
 
 def _push_front(d: OrderedDict, key) -> None:
