@@ -477,7 +477,8 @@ class CudaGraphDecodeRunner:
         staged = self._row_versions
         if table_versions is not None:
             rows = [i for i, v, w in zip(range(n), table_versions, staged) if v != w]  # all, when untrusted
-            self._write_table_rows(rows, block_tables)
+            if rows:
+                self._write_table_rows(rows, block_tables)
             staged[:n] = table_versions
         elif self.kind == "cpu" and n <= 8 and isinstance(block_tables, list):
             self._write_table_rows(range(n), block_tables)

@@ -455,26 +455,27 @@ class LLMEngine:
                 outputs: list[RequestOutput]) -> StepRecord:
         bm = self.block_manager
         scheduled = plan.scheduled
-        sums = None
-        if plan.all_plain_decodes:  # every step of a decode batch: entries built when read, roofline sums in C
+        n = len(scheduled)
+        if plan.all_plain_decodes:  # every step of a decode batch: entries built when read, counts from the plan
             entries = PlannedEntries(scheduled)
-            n = len(scheduled)
             keys = sum(map(_START_POS, scheduled)) + n  # a token at position p reads p + 1 keys
             sums = (n, keys, keys, sum(map(_SAMPLES, scheduled)))  # fill_step_record's (T, A, K, S)
+            num_prefill_tokens, num_decode_tokens, num_decodes, num_drafts = 0, n, n, 0
         else:  # a prefill or speculative step: built now (a plan with drafts holds their probabilities)
-            entries = entries_of(scheduled)
-        num_decodes = plan.num_decodes  # the scheduler's counts spare passes over a large batch
-        if num_decodes is None:
-            num_decodes = sum(1 for e in scheduled if not e.is_prefill)
-        num_drafts = plan.num_draft_tokens
-        if num_drafts is None:
-            num_drafts = sum(len(e.draft_token_ids) for e in scheduled)
+            entries, sums = entries_of(scheduled), None
+            num_prefill_tokens, num_decode_tokens = plan.num_prefill_tokens, plan.num_decode_tokens
+            num_decodes = plan.num_decodes  # the scheduler's counts spare passes over a large batch
+            if num_decodes is None:
+                num_decodes = sum(1 for e in scheduled if not e.is_prefill)
+            num_drafts = plan.num_draft_tokens
+            if num_drafts is None:
+                num_drafts = sum(len(e.draft_token_ids) for e in scheduled)
         num_free = bm.num_free_blocks
         record = StepRecord(
             index=self.step_index, start_time=timer.start, end_time=timer.last,
-            num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
-            num_seqs=len(scheduled), num_prefill_chunks=len(scheduled) - num_decodes,
-            scheduled=entries, preempted=[s.request_id for s in plan.preempted],
+            num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_decode_tokens,
+            num_seqs=n, num_prefill_chunks=n - num_decodes,
+            scheduled=entries, preempted=[s.request_id for s in plan.preempted] if plan.preempted else [],
             finished=[o.request_id for o in outputs if o.finished] if outputs else [],
             kv_blocks_used=bm.num_blocks - num_free, kv_blocks_free=num_free,
             kv_blocks_cached=bm.num_cached_blocks, prefix_cache_hit_tokens=plan.prefix_cache_hit_tokens,
