@@ -216,6 +216,33 @@ def test_nanovllm_peer_rounds_are_read_and_compared_round_by_round(tmp_path):
         NanoVllmOverhead(silent).measure(1, 50, 1)
 
 
+def test_the_peer_leaves_no_nanovllm_modules_or_path_behind(tmp_path, monkeypatch):
+    """The real script registers a bare ``nanovllm`` package and puts nano-vllm's source first on
+    ``sys.path``; after a round both are as before (a real nano-vllm imported later still loads)."""
+    import sys
+    import types
+
+    script = tmp_path / "peer.py"
+    script.write_text(
+        "import json, sys, types\n"
+        "def main(argv):\n"
+        "    sys.path.insert(0, '/nonexistent/nanovllm-src')\n"
+        "    sys.modules['nanovllm'] = types.ModuleType('nanovllm')\n"
+        "    sys.modules['nanovllm.engine'] = types.ModuleType('nanovllm.engine')\n"
+        "    print(json.dumps({'results': [{'B': 1, 'sched_prepare_post_incl_sample': {'median': 1.0}}]}))\n")
+    mine = types.ModuleType("nanovllm")
+    monkeypatch.setitem(sys.modules, "nanovllm", mine)
+    path = list(sys.path)
+    assert NanoVllmOverhead(script).measure(1, 50, 1)[0] == 1.0
+    assert sys.path == path and sys.modules["nanovllm"] is mine and "nanovllm.engine" not in sys.modules
+
+
+def test_zero_rounds_is_refused(tiny_ckpt):
+    with pytest.raises(ValueError, match="rounds"):
+        bench.run_cli(["--model", str(tiny_ckpt), "--overhead", "--rounds", "0", "--no-nanovllm", "--quiet",
+                       "--batch-sizes", "1", "--decode-steps", "2"])
+
+
 def test_overhead_rounds_alternate_with_the_peer(tiny_ckpt, tmp_path):
     script = tmp_path / "peer.py"
     script.write_text(_STAND_IN_PEER)

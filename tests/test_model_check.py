@@ -124,3 +124,12 @@ def test_hook_dicts_that_are_ordered_dicts_count_when_not_empty(unchanged):
     assert unchanged(([*args[0], extra],) + args[1:]) == 1
     extra[0] = print
     assert unchanged(([*args[0], extra],) + args[1:]) == 0
+
+
+def test_a_free_threaded_python_keeps_the_python_check(monkeypatch):
+    """The C pass reads dicts through borrowed references: without the GIL another thread could
+    free them under it, so a free-threaded build never loads it."""
+    monkeypatch.setattr(model_check, "_FREE_THREADED", True)
+    monkeypatch.delenv(model_check.ENV_SWITCH, raising=False)
+    assert model_check.load() is None
+    assert "free-threaded" in model_check.unavailable_reason() and model_check.describe().startswith("Python")

@@ -134,7 +134,7 @@ def _run_modes(args, log, peak_kwargs) -> dict:
         kw = {"decode_steps": args.decode_steps} if args.decode_steps else {}
         if args.batch_sizes:
             kw["batch_sizes"] = tuple(args.batch_sizes)
-        if args.rounds:
+        if args.rounds is not None:
             kw["rounds"] = args.rounds
         results["overhead"] = run_overhead(args.model, seed=args.seed, log=log, nanovllm=not args.no_nanovllm,
                                            nanovllm_script=args.nanovllm_script, **kw, **engine_args)
@@ -154,7 +154,7 @@ def _run_modes(args, log, peak_kwargs) -> dict:
         kw = {"decode_tokens": args.decode_steps} if args.decode_steps else {}
         results["quantization"] = run_quantization(
             args.model, quantization=args.quantization, quantize_lm_head=not args.no_quantize_lm_head,
-            rounds=args.rounds or 3, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw, **engine_args)
+            rounds=3 if args.rounds is None else args.rounds, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw, **engine_args)
         print_quantization(results["quantization"], log)
     if not (args.sweep or args.overhead or args.speculative or args.quantization):
         peers = () if args.no_peers else tuple(x.strip() for x in args.peers.split(",") if x.strip())

@@ -80,6 +80,9 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
     """Engine overhead with the model stubbed out: per batch size, the mean and median of
     ``LLMEngine.step()`` wall time over ``rounds`` x ``decode_steps`` decode-only steps, per
     sequence (microseconds), with the StepRecord breakdown (schedule / prepare / postprocess).
+    Each round admits its own batch of ``prompt_len``-token requests, prefills them, runs
+    ``warmup_steps`` decode steps, times ``decode_steps`` and aborts them, so every round (and
+    nano-vllm's, which starts a fresh scheduler) decodes over the same context lengths.
 
     With ``nanovllm`` (default), nano-vllm's overhead script
     (:class:`minivllm.bench.peers.NanoVllmOverhead`, ``nanovllm_script`` or the shared default
@@ -109,7 +112,7 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
     # With chunked prefill the first-admitted sequences start decoding while later ones
     # still prefill, so they run ahead by up to this many steps: give every request room.
     lead = cdiv(bmax * prompt_len, budget) + 2
-    max_tokens = warmup_steps + rounds * decode_steps + lead + 1
+    max_tokens = warmup_steps + decode_steps + lead + 1
     per_seq = cdiv(prompt_len + max_tokens + 1, block)
     engine_args.setdefault("num_kvcache_blocks", bmax * per_seq + 8)
     engine_args.setdefault("max_num_seqs", max(256, bmax))
@@ -128,26 +131,26 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
             log(f"note: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: other processes compete "
                 f"for the CPU, so the times below read high")
         log(f"engine overhead, model stubbed (fixed token), {prompt_len}-token prompts, {rounds} rounds of "
-            f"{decode_steps} decode steps per batch size" + (", each followed by a round of nano-vllm's"
-                                                              if peer is not None else ""))
+            f"{warmup_steps} warm-up and {decode_steps} timed decode steps per batch size, each round its own "
+            f"requests" + (" and followed by a round of nano-vllm's" if peer is not None else ""))
         log(f"{'batch':>6}{'us/seq/step':>13}{'(median)':>10}{'step ms':>9}{'sched':>8}{'prep':>8}{'post':>8}"
             f"{'other':>8}")
         for b in batch_sizes:
-            tag = next_tag()
-            rids = [f"ovh{tag}-{i}" for i in range(b)]
-            for rid in rids:
-                engine.add_request(rid, [rng.randint(0, high) for _ in range(prompt_len)],
-                                   SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                                   output_kind="final_only")  # as LLM.generate (and nano-vllm) do
-            # prefill (possibly several chunked steps), then warm-up decodes
-            while True:
-                rec = engine.step_with_record().record
-                if rec.phase == "decode" and rec.num_seqs == b:
-                    break
-            for _ in range(warmup_steps - 1):
-                engine.step()
             times, recs, round_medians = [], [], []
-            for _ in range(rounds):
+            for _ in range(rounds):  # each round its own requests: every round (and the peer's) starts at 128 tokens
+                tag = next_tag()
+                rids = [f"ovh{tag}-{i}" for i in range(b)]
+                for rid in rids:
+                    engine.add_request(rid, [rng.randint(0, high) for _ in range(prompt_len)],
+                                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                                       output_kind="final_only")  # as LLM.generate (and nano-vllm) do
+                # prefill (possibly several chunked steps), then warm-up decodes
+                while True:
+                    rec = engine.step_with_record().record
+                    if rec.phase == "decode" and rec.num_seqs == b:
+                        break
+                for _ in range(warmup_steps - 1):
+                    engine.step()
                 block_times = []
                 for _ in range(decode_steps):
                     t0 = time.perf_counter()
@@ -157,6 +160,9 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
                         raise RuntimeError(f"overhead run: expected a decode step of {b} sequences, "
                                            f"got {res.record.phase} with {res.record.num_seqs}")
                     recs.append(res.record)
+                for rid in rids:
+                    engine.abort_request(rid)
+                engine.reset_prefix_cache()
                 times += block_times
                 round_medians.append(statistics.median(block_times) / b * 1e6)
                 if peer is not None:
@@ -164,9 +170,6 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
                         peer_result.add_round(b, *peer.measure(b, decode_steps, torch.get_num_threads()))
                     except PeerUnavailable as e:
                         peer, peer_result.available, peer_result.reason = None, False, str(e)
-            for rid in rids:
-                engine.abort_request(rid)
-            engine.reset_prefix_cache()
             mean_us = statistics.fmean(times) / b * 1e6
             row = {"batch_size": b, "us_per_seq_step": mean_us,
                    "us_per_seq_step_median": statistics.median(times) / b * 1e6,

@@ -3,8 +3,10 @@ batches, and its continuous-batching manager) on the same weights, and nano-vllm
 overhead through its measurement script, in rounds alternating with minivllm's."""
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,6 +185,21 @@ class PeerOverhead:
         self.seconds += seconds
 
 
+@contextlib.contextmanager
+def _imports_restored():
+    """``sys.path`` and the ``nanovllm`` modules as they were before the block."""
+    path = list(sys.path)
+    before = {k: v for k, v in sys.modules.items() if k == "nanovllm" or k.startswith("nanovllm.")}
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        for k in [k for k in sys.modules if k == "nanovllm" or k.startswith("nanovllm.")]:
+            if k not in before:
+                del sys.modules[k]
+        sys.modules.update(before)
+
+
 class PeerUnavailable(RuntimeError):
     """nano-vllm's peer script is missing, failed, or printed something unreadable."""
 
@@ -211,7 +228,8 @@ class NanoVllmOverhead:
         spec = importlib.util.spec_from_file_location("minivllm_peer_nanovllm_overhead", self.path)
         module = importlib.util.module_from_spec(spec)
         try:
-            spec.loader.exec_module(module)
+            with _imports_restored():
+                spec.loader.exec_module(module)
         except BaseException as e:  # noqa: BLE001  (a script that exits at import is a missing peer)
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -223,15 +241,17 @@ class NanoVllmOverhead:
     def measure(self, batch_size: int, steps: int, threads: int) -> tuple[float, float]:
         """One round at ``batch_size``: ``steps`` timed decode steps of one fresh scheduler
         (the script's ``--reps 1``) on ``threads`` torch threads. Returns (median us per
-        sequence per decode step, seconds the round took)."""
-        import contextlib
+        sequence per decode step, seconds the round took). The script's ``nanovllm`` package
+        and its ``sys.path`` entry are taken out again afterwards (a real nano-vllm install
+        imported later in the process is not shadowed); in-process, a peer that hangs hangs the
+        benchmark (the script is the project's own, in ``../shared/peers``)."""
         import io
 
         out = io.StringIO()
         argv = ["--batch", str(batch_size), "--steps", str(max(steps, 50)), "--reps", "1", "--threads", str(threads)]
         t0 = time.perf_counter()
         try:
-            with contextlib.redirect_stdout(out):
+            with contextlib.redirect_stdout(out), _imports_restored():
                 self._main(argv)
         except BaseException as e:  # noqa: BLE001  (argparse and the script stop with SystemExit)
             if isinstance(e, KeyboardInterrupt):

@@ -15,6 +15,7 @@ compiler or Python's headers the engine keeps it too, and the startup log says w
 from __future__ import annotations
 
 import ctypes
+import sysconfig
 from pathlib import Path
 from typing import Callable
 
@@ -34,18 +35,25 @@ def _wrap(lib: ctypes.PyDLL) -> Callable[[tuple], int]:
 
 
 _library = NativeLibrary(SOURCE, ENV_SWITCH, _wrap, python_api=True)
+_FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
 def load() -> Callable[[tuple], int] | None:
     """``model_unchanged(args) -> 1 | 0``, ``args`` the six lists ``(hook_dicts, child_dicts,
     children, slot_dicts, slot_keys, slot_values)``: 1 when every hook dict is empty, the child
     dicts' values in order are ``children`` (by identity) and ``slot_dicts[i][slot_keys[i]] is
-    slot_values[i]`` for every ``i``; else 0. ``None`` when switched off or unbuildable."""
+    slot_values[i]`` for every ``i``; else 0. ``None`` when switched off, unbuildable, or on a
+    free-threaded Python (the C pass reads the dicts through borrowed references, safe only
+    while the GIL keeps other threads out)."""
+    if _FREE_THREADED:
+        return None
     return _library.load()
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`load` returned ``None`` (``None`` if it did not)."""
+    if _FREE_THREADED and not _library.switched_off():
+        return "a free-threaded Python (the C pass needs the GIL)"
     return _library.unavailable_reason()
 
 
@@ -54,5 +62,5 @@ def describe() -> str:
     if _library.switched_off():
         return f"Python (the C pass is switched off: {_library.unavailable_reason()})"
     if load() is None:
-        return f"Python (the C pass is unavailable: {_library.unavailable_reason()})"
+        return f"Python (the C pass is unavailable: {unavailable_reason()})"
     return f"C ({_library.path})"

@@ -80,7 +80,7 @@ def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False)
         src += (source.parent / header.decode()).read_bytes()
     version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + repr((cc, FLAGS + extra, version, platform.machine(), _cpu_fingerprint(),
-                                     sys.version if python_api else None)).encode())
+                                     (sys.version, sysconfig.get_config_var("SOABI")) if python_api else None)).encode())
     lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
