@@ -154,7 +154,8 @@ def _run_modes(args, log, peak_kwargs) -> dict:
         kw = {"decode_tokens": args.decode_steps} if args.decode_steps else {}
         results["quantization"] = run_quantization(
             args.model, quantization=args.quantization, quantize_lm_head=not args.no_quantize_lm_head,
-            rounds=3 if args.rounds is None else args.rounds, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw, **engine_args)
+            rounds=3 if args.rounds is None else args.rounds, seed=args.seed, log=log, peak_kwargs=peak_kwargs,
+            **kw, **engine_args)
         print_quantization(results["quantization"], log)
     if not (args.sweep or args.overhead or args.speculative or args.quantization):
         peers = () if args.no_peers else tuple(x.strip() for x in args.peers.split(",") if x.strip())

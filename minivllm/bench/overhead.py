@@ -51,12 +51,21 @@ class OverheadResult(ResultMixin):
         out = {}
         for r in self.rows:
             b = r["batch_size"]
-            ours, theirs = r.get("round_medians"), self.peer.rounds.get(b)
-            if ours and theirs and len(ours) == len(theirs):
-                out[b] = statistics.median(x / y for x, y in zip(ours, theirs))
+            per_round = self.round_ratios(r)
+            if per_round:
+                out[b] = statistics.median(per_round)
             elif self.peer.us_per_seq_step.get(b):
                 out[b] = r["us_per_seq_step_median"] / self.peer.us_per_seq_step[b]
         return out
+
+    def round_ratios(self, row: dict) -> list[float]:
+        """Each round's minivllm median / nano-vllm median for ``row``'s batch size, in the
+        order they ran; empty unless both have every round."""
+        ours = row.get("round_medians")
+        theirs = self.peer.rounds.get(row["batch_size"]) if self.peer is not None else None
+        if not ours or not theirs or len(ours) != len(theirs):
+            return []
+        return [x / y for x, y in zip(ours, theirs)]
 
 
 def stub_run(runner, token_id: int):
@@ -137,7 +146,7 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
             f"{'other':>8}")
         for b in batch_sizes:
             times, recs, round_medians = [], [], []
-            for _ in range(rounds):  # each round its own requests: every round (and the peer's) starts at 128 tokens
+            for _ in range(rounds):  # each round its own requests: every round (and the peer's) starts at its prompts
                 tag = next_tag()
                 rids = [f"ovh{tag}-{i}" for i in range(b)]
                 for rid in rids:

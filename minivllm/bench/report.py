@@ -139,7 +139,7 @@ def print_overhead_comparison(result, log=print) -> None:
         if theirs is None:
             log(f"{b:>6}{ours:>10.2f}{'-':>11}{'-':>8}")
             continue
-        per_round = [x / y for x, y in zip(row.get("round_medians") or [], peer.rounds.get(b) or [])]
+        per_round = result.round_ratios(row)
         spread = f"  ({min(per_round):.2f} - {max(per_round):.2f})" if per_round else ""
         log(f"{b:>6}{ours:>10.2f}{theirs:>11.2f}{ratios[b]:>7.2f}x{spread}")
 
