@@ -4,6 +4,7 @@ requests."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import minivllm.engine.model_runner as model_runner
@@ -43,8 +44,11 @@ def _compare_every_vectorised_step(llm, monkeypatch) -> list[int]:
     return compared
 
 
-def test_vectorised_decode_inputs_match_the_general_path(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("numpy_slots", [False, True], ids=["list-slots", "numpy-slots"])
+def test_vectorised_decode_inputs_match_the_general_path(tiny_ckpt, monkeypatch, numpy_slots):
     # eager: with CPU graphs both paths stage into the graphs' buffers (test_cpu_graph compares those steps)
+    if numpy_slots:  # the slot mapping from the block-table array, as for more than 32 rows
+        monkeypatch.setattr(model_runner, "_LIST_SLOTS_MAX", 0)
     llm = make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=512, enforce_eager=True)
     compared = _compare_every_vectorised_step(llm, monkeypatch)
     # Prompts of different lengths: decodes cross block boundaries at different steps.
@@ -56,10 +60,14 @@ def test_vectorised_decode_inputs_match_the_general_path(tiny_ckpt, monkeypatch)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in slow]
 
 
-def test_kept_decode_tables_match_the_general_path_as_the_batch_shrinks_and_preempts(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("numpy_slots", [False, True], ids=["list-slots", "numpy-slots"])
+def test_kept_decode_tables_match_the_general_path_as_the_batch_shrinks_and_preempts(tiny_ckpt, monkeypatch,
+                                                                                     numpy_slots):
     """The eager decode path keeps its block-table array across steps (``DecodeTables``): rows
     shift as requests finish at different steps, preempted requests come back with new tables,
     and every step's inputs still equal the general path's."""
+    if numpy_slots:
+        monkeypatch.setattr(model_runner, "_LIST_SLOTS_MAX", 0)
     llm = make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=40, enforce_eager=True)
     compared = _compare_every_vectorised_step(llm, monkeypatch)
     engine = llm.llm_engine
@@ -70,6 +78,29 @@ def test_kept_decode_tables_match_the_general_path_as_the_batch_shrinks_and_pree
         engine.step()
         preempted += len(engine.last_step_record.preempted)
     assert preempted and len(set(compared)) >= 3
+
+
+def test_numpy_slot_mapping_refuses_a_table_without_the_block_of_its_position(tiny_ckpt, monkeypatch):
+    """A corrupt table (a -1 where the position's block should be, as past a row's blocks in the
+    table array) must fail the step, rolled back, not write KV at a negative slot."""
+    monkeypatch.setattr(model_runner, "_LIST_SLOTS_MAX", 0)
+    llm = make_llm(tiny_ckpt, block_size=4, num_kvcache_blocks=512, enforce_eager=True)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts_of([6 + i for i in range(12)], seed=3)):
+        engine.add_request(f"r{i}", p, greedy(20))
+    engine.step()  # the prefills
+    engine.step()
+    # a sequence whose next position is in a block it holds (not one the next step grows)
+    seq = next(s for s in engine.scheduler.running if (len(s) - 1) // 4 < len(s.block_table))
+    last = (len(seq) - 1) // 4
+    block, seq.block_table[last] = seq.block_table[last], -1
+    seq.table_version += 1
+    with pytest.raises(RuntimeError, match="corrupt"):
+        engine.step()
+    seq.block_table[last] = block
+    seq.table_version += 1
+    final, _ = run_to_end(engine)
+    assert len(final) == 12
 
 
 def test_step_record_counts_match_the_scheduled_entries(tiny_ckpt):

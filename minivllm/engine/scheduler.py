@@ -121,6 +121,14 @@ class Scheduler:
 
     # -- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq``, fixing its stop rule (the stops that need no text) for ``_append``:
+        the token ids that end it (its ``stop_token_ids``, and the eos ids unless
+        ``ignore_eos``) and the length at which it ends (its prompt plus ``max_tokens``, at most
+        ``max_model_len``)."""
+        p = seq.params
+        seq.stop_ids = frozenset(p.stop_token_ids or ()) | (frozenset() if p.ignore_eos else frozenset(self.config.eos_token_ids))
+        max_len = self.config.max_model_len
+        seq.max_len = max_len if p.max_tokens is None else min(max_len, seq.num_prompt_tokens + p.max_tokens)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -395,17 +403,24 @@ class Scheduler:
 
     def _apply_plain_decodes(self, scheduled: list[ScheduledSequence], token_ids: list[int]) -> list[Sequence]:
         """``update_from_output`` for a step of plain decodes, every entry one token that
-        sampled ``token_ids[i]``: the same changes in one pass (this runs for every sequence
-        every step). Returns the sequences that finished."""
+        sampled ``token_ids[i]``: the same changes in one pass, ``_append`` inlined (this runs
+        for every sequence every step). Returns the sequences that finished."""
         bm = self.block_manager
         caching, block_size, register = bm.enable_prefix_caching, bm.block_size, bm.register_computed_blocks
-        append, now, finished = self._append, time.perf_counter(), []
+        now, finished = time.perf_counter(), []
         for entry, token in zip(scheduled, token_ids):
             seq = entry.seq
             computed = seq.num_computed_tokens = entry.start_pos + 1
             if caching and computed // block_size > len(seq.block_hashes):
                 register(seq)  # a block was completed this step
-            if append(seq, token, now):
+            tokens = seq.token_ids
+            tokens.append(token)
+            metrics = seq.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.token_times.append(now)
+            if token in seq.stop_ids or len(tokens) >= seq.max_len:
+                self._stop(seq, token)
                 finished.append(seq)
         return finished
 
@@ -422,18 +437,21 @@ class Scheduler:
         if logprob_entry is not None:
             seq.logprobs.append(logprob_entry)
             seq.cumulative_logprob += logprob_entry[1][0]  # the sampled token's own comes first
-        p = seq.params
-        length = len(token_ids)
-        if p.stop_token_ids and token in p.stop_token_ids:
+        if token in seq.stop_ids or len(token_ids) >= seq.max_len:
+            self._stop(seq, token)
+            return True
+        return False
+
+    def _stop(self, seq: Sequence, token: int) -> None:
+        """Finish ``seq``, which met its stop rule (see ``add``) with ``token``: a stop token
+        (reason "stop", stop_reason the token), an eos ("stop", None), or its length."""
+        stop_token_ids = seq.params.stop_token_ids
+        if stop_token_ids and token in stop_token_ids:
             self.finish(seq, "stop", token)
-        elif token in self.config.eos_token_ids and not p.ignore_eos:
+        elif token in seq.stop_ids:
             self.finish(seq, "stop", None)
-        elif (p.max_tokens is not None and length - len(seq.prompt_token_ids) >= p.max_tokens) or \
-                length >= self.config.max_model_len:
-            self.finish(seq, "length")
         else:
-            return False
-        return True
+            self.finish(seq, "length")
 
     def _apply_verified(self, entry: ScheduledSequence, more: list[int] | None) -> None:
         """A speculative decode: count the drafts and the accepted ones, and mark KV valid

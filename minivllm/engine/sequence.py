@@ -60,6 +60,10 @@ class Sequence:
     #: For samples 1..n-1 of a request with n > 1: sample 0, whose prompt blocks they reuse
     #: through the prefix cache (admitted once it has sampled; see Scheduler._admit).
     prefix_leader: "Sequence | None" = None
+    #: The stops that need no text, set by ``Scheduler.add``: the token ids that end the request
+    #: and its length (tokens) at which it ends.
+    stop_ids: frozenset = frozenset()
+    max_len: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
