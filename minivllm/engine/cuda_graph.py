@@ -45,7 +45,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 from itertools import chain
-from operator import getitem, is_
+from operator import getitem, is_, lt
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -382,10 +382,11 @@ class CudaGraphDecodeRunner:
                                 dev["block_tables"],
                                 torch.arange(top + 1, dtype=torch.int32, device=self.device), dev["cu_seqlens_k"])
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
-        #: per host row: the table version staged there (-1: unknown), and how many of its
-        #: entries are blocks (the rest -1); ``_rows_trusted``: both are what the rows hold
+        #: per host row: the table version staged there (-1: unknown), and how many tokens its
+        #: blocks hold (its entries that are not -1, times the block size); ``_rows_trusted``:
+        #: both are what the rows hold
         self._row_versions = [-1] * top
-        self._row_blocks = [0] * top
+        self._row_capacity = [0] * top
         self._rows_trusted = False
         self._padded: tuple[int, int] | None = None  # (rows, bucket) of the last completed stage()
         self._fill_padding(0, top)
@@ -419,7 +420,7 @@ class CudaGraphDecodeRunner:
         h["block_tables"][lo:hi] = -1
         h["block_tables"][lo:hi, 0] = 0
         self._row_versions[lo:hi] = [-1] * (hi - lo)
-        self._row_blocks[lo:hi] = [1] * (hi - lo)
+        self._row_capacity[lo:hi] = [self.block_size] * (hi - lo)
 
     def _upload(self, rows: int) -> None:
         if self._dev_bytes is self._host_bytes:
@@ -456,10 +457,11 @@ class CudaGraphDecodeRunner:
         bucket = self._bucket_of[n] if n < len(self._bucket_of) else None
         if bucket is None:
             raise ValueError(f"a decode step of {n} sequences fits no bucket (buckets 1..{self.buckets[-1]})")
-        for name, x in (("positions", positions), ("slot_mapping", slot_mapping),
-                        ("context_lens", context_lens), ("block_tables", block_tables)):
-            if len(x) != n:
-                raise ValueError(f"{name} has {len(x)} rows, input_ids has {n}")
+        if not len(positions) == len(slot_mapping) == len(context_lens) == len(block_tables) == n:
+            for name, x in (("positions", positions), ("slot_mapping", slot_mapping),
+                            ("context_lens", context_lens), ("block_tables", block_tables)):
+                if len(x) != n:
+                    raise ValueError(f"{name} has {len(x)} rows, input_ids has {n}")
         if table_versions is not None and (len(table_versions) != n or not isinstance(block_tables, list)):
             raise ValueError(f"table_versions needs one version per row ({n}) and the tables as lists")
         if self._copy_done is not None:
@@ -476,26 +478,25 @@ class CudaGraphDecodeRunner:
         h["context_lens"][:n] = context_lens
         staged = self._row_versions
         if table_versions is not None:
-            rows = [i for i, v, w in zip(range(n), table_versions, staged) if v != w]  # all, when untrusted
-            if rows:
-                self._write_table_rows(rows, block_tables)
-            staged[:n] = table_versions
+            if table_versions != staged[:n]:  # some row's table changed (all, when untrusted)
+                self._write_table_rows([i for i, v, w in zip(range(n), table_versions, staged) if v != w],
+                                       block_tables)
+                staged[:n] = table_versions
         elif self.kind == "cpu" and n <= 8 and isinstance(block_tables, list):
             self._write_table_rows(range(n), block_tables)
             staged[:n] = [-1] * n
         else:
             used = fill_block_tables(h["block_tables"][:n], block_tables)
             staged[:n] = [-1] * n
-            self._row_blocks[:n] = (h["block_tables"][:n] >= 0).sum(axis=1).tolist() if used is None else \
-                list(map(len, block_tables))
+            blocks = (h["block_tables"][:n] >= 0).sum(axis=1).tolist() if used is None else list(map(len, block_tables))
+            self._row_capacity[:n] = [b * self.block_size for b in blocks]
             if self.kind == "cpu":
                 self._check_tables(n, used)
         if self.kind == "cpu":  # what the kernels will read: each row's blocks cover its context
-            bs = self.block_size
-            short = [i for i, b, c in zip(range(n), self._row_blocks, context_lens) if b * bs < c]
-            if short:
-                raise RuntimeError(f"decode graph: sequence {short[0]}'s block table covers fewer than its "
-                                   f"{context_lens[short[0]]} tokens (block manager state is corrupt)")
+            if any(map(lt, self._row_capacity, context_lens)):
+                short = next(i for i, (cap, c) in enumerate(zip(self._row_capacity, context_lens)) if cap < c)
+                raise RuntimeError(f"decode graph: sequence {short}'s block table covers fewer than its "
+                                   f"{context_lens[short]} tokens (block manager state is corrupt)")
         if n < bucket and self._padded != (n, bucket):  # else they are padding already (None when untrusted)
             self._fill_padding(n, bucket)
         cu = h["cu_seqlens_k"]
@@ -513,14 +514,14 @@ class CudaGraphDecodeRunner:
         """Write ``tables[i]`` into host row ``i`` (-1 after its blocks) for each ``i`` in ``rows``,
         refusing a block outside the KV cache first; a row at a time (a few rows: cheaper than the
         vectorised fill's fixed cost, ~20 us)."""
-        out, blocks = self._host["block_tables"], self._row_blocks
+        out, capacity, bs = self._host["block_tables"], self._row_capacity, self.block_size
         for i in rows:
             t = tables[i]
             if t:
                 self._check_range(min(t), max(t))
             out[i, :len(t)] = t
             out[i, len(t):] = -1
-            blocks[i] = len(t)
+            capacity[i] = len(t) * bs
 
     def _check_tables(self, n: int, used: np.ndarray | None) -> None:
         """The CPU kernels trust the block tables (a replay makes no check): refuse a step whose
