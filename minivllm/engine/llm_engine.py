@@ -380,7 +380,7 @@ class LLMEngine:
             self.scheduler.finish(state.seq, "abort")
             update_text(state)  # final flush (a final-only request has not been decoded yet)
             merged = self.parents.merge([make_output(state)], txn.undo)
-        del self.requests[state.seq.request_id]
+        self.output_processor.drop(state.seq.request_id)
         return merged
 
     def has_unfinished_requests(self) -> bool:
@@ -405,10 +405,10 @@ class LLMEngine:
                 timer.schedule_ms = timer.lap()
                 result = self.runner.run(plan) if plan.scheduled else RunnerOutput.empty()
                 timer.lap()
-                self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed,
-                                                  result.logprobs, result.prompt_logprobs,
-                                                  more_token_ids=result.more_token_ids)
-                outputs = self.output_processor.process(result.seqs, self._errors(result.failed))
+                finished = self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed,
+                                                             result.logprobs, result.prompt_logprobs,
+                                                             more_token_ids=result.more_token_ids)
+                outputs = self.output_processor.process(result.seqs, self._errors(result.failed), finished)
                 outputs = self.parents.merge(outputs, txn.undo)
                 timer.postprocess_ms = timer.lap()
                 record = self._record(plan, result, timer, outputs)
@@ -508,6 +508,9 @@ class LLMEngine:
                 raise RuntimeError(f"waiting request {seq.request_id} holds blocks {seq.block_table}")
         if set(self.requests) != {s.request_id for s in live}:
             raise RuntimeError("request table and scheduler queues disagree")
+        missing = {rid for rid, state in self.requests.items() if state.text_every_step} - self.output_processor.every_step
+        if missing:
+            raise RuntimeError(f"requests {sorted(missing)} want work every step but are not listed for it")
         check_proposer = getattr(self.scheduler.config.propose, "check_invariants", None)
         if check_proposer is not None:
             check_proposer()

@@ -200,18 +200,34 @@ class OutputProcessor:
     def __init__(self, finish: Callable[..., None]):
         self.finish = finish
         self.states: dict[str, RequestState] = {}
+        #: Ids of the requests whose states want work every step (``text_every_step``), so a step
+        #: in which there are none looks only at the requests that finished. Kept conservative:
+        #: an id may outlive its state (an interrupted ``drop``), never the other way round.
+        self.every_step: set[str] = set()
         #: Set by the engine during a step (request states themselves are snapshotted).
         self.undo: UndoLog | None = None
 
     def add_request(self, state: RequestState) -> None:
+        if state.text_every_step:
+            self.every_step.add(state.seq.request_id)
         self.states[state.seq.request_id] = state
 
-    def process(self, seqs: list[Sequence], errors: dict[Sequence, str]) -> list[RequestOutput]:
+    def drop(self, request_id: str) -> None:
+        """Forget a request's state (an aborted request, outside a step)."""
+        del self.states[request_id]
+        self.every_step.discard(request_id)
+
+    def process(self, seqs: list[Sequence], errors: dict[Sequence, str],
+                finished: list[Sequence] | None = None) -> list[RequestOutput]:
         """Outputs of the requests that sampled this step (``seqs``, tokens already appended
         and token/eos/length stops applied); ``errors`` gives the reason of each that failed.
-        A finished request's state is dropped."""
+        ``finished``: those of ``seqs`` that finished (``Scheduler.update_from_output``'s
+        answer), if known: when no request wants work every step and none failed, only they
+        are looked at. A finished request's state is dropped."""
         outputs = []
         states, undo = self.states, self.undo
+        if finished is not None and not errors and not self.every_step:
+            seqs = finished  # every request is final-only without stop strings: nothing else to do
         finished_status = SequenceStatus.FINISHED
         for seq in seqs:
             state = states[seq.request_id]
@@ -238,6 +254,10 @@ class OutputProcessor:
                 if undo is not None:
                     undo.add(states.__setitem__, seq.request_id, state)
                 del states[seq.request_id]
+                if state.text_every_step:
+                    if undo is not None:
+                        undo.add(self.every_step.add, seq.request_id)
+                    self.every_step.discard(seq.request_id)
             elif state.kind is not OutputKind.FINAL_ONLY:
                 outputs.append(make_output(state))
         return outputs
