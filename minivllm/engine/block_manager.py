@@ -221,10 +221,10 @@ class BlockManager:
     # -- growth ----------------------------------------------------------------------
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so its table covers ``num_tokens`` tokens."""
-        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))  # cdiv, inlined: every block boundary
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_blocks_needed(seq, num_tokens) <= self.num_free_blocks
+        return -(-num_tokens // self.block_size) - len(seq.block_table) <= self.num_free_blocks
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Append fresh blocks to ``seq``'s table until it covers ``num_tokens``.
@@ -246,9 +246,8 @@ class BlockManager:
         block_id = next(iter(free))                    # least recently freed first
         block = self.blocks[block_id]
         undo = self.undo
-        if undo is not None:  # recorded before the pop (putting a present key first is a no-op)
-            undo.add(_push_front, free, block_id)
-            undo.add(setattr, block, "ref_count", block.ref_count)
+        if undo is not None:  # recorded before the pop
+            undo.add(_put_back, free, block, block.ref_count)
         del free[block_id]
         if block.hash is not None:  # evict its cached content
             if undo is not None:
@@ -411,9 +410,12 @@ def _restore_chain(seq: Sequence, num_hashes: int, num_refs: int) -> None:
     del seq.block_refs[num_refs:]
 
 
-def _push_front(d: OrderedDict, key) -> None:
-    d[key] = None
-    d.move_to_end(key, last=False)
+def _put_back(free: OrderedDict, block: KVBlock, ref_count: int) -> None:
+    """Undo of ``_take_free_block``: ``block`` first in its free list again (putting a present
+    key first is a no-op), with its count."""
+    free[block.block_id] = None
+    free.move_to_end(block.block_id, last=False)
+    block.ref_count = ref_count
 
 
 def _restore_dict(d: OrderedDict, saved: OrderedDict) -> None:
