@@ -174,6 +174,27 @@ def test_overhead_smoke_without_peer(tiny_ckpt, tmp_path):
     assert any("nano-vllm peer unavailable" in line for line in lines)
 
 
+def test_the_stub_builds_the_samplers_settings_like_the_peers_prepare_sample(tiny_ckpt):
+    """The stubbed step skips the model and the sampling, not the sampler's per-row settings
+    (nano-vllm's peer times its prepare_sample): ``sampling_batch`` runs for the sampling rows."""
+    from helpers_engine import greedy, make_llm, prompts_of
+
+    from minivllm.bench.overhead import stub_run
+
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    runner, seen = engine.runner, []
+    real = runner.sampling_batch
+    runner.sampling_batch = lambda seqs: seen.append([s.request_id for s in seqs]) or real(seqs)
+    runner.run = stub_run(runner, 7)
+    for i, p in enumerate(prompts_of([5, 8], seed=1)):
+        engine.add_request(f"r{i}", p, greedy(3))
+    engine.step()
+    engine.step()
+    assert seen == [["r0", "r1"], ["r0", "r1"]]
+    assert engine.last_step_record.sample_ms > 0
+
+
 _STAND_IN_PEER = (
     "import json, sys\n"
     "calls = []\n"

@@ -24,8 +24,8 @@ them. Modules: ``workload`` (prompts and lengths), ``peers`` (transformers, nano
   same unmodified engine, with token agreement and the batch size from which speculation stops
   paying (``speculative``).
 * ``--overhead``: the engine's own CPU cost (scheduler, block manager, input
-  preparation, postprocessing) with the model and sampler replaced by a stub that
-  returns a fixed token, in microseconds per sequence per decode step, beside nano-vllm's
+  preparation, the sampler's per-row settings, postprocessing) with the model and the
+  sampling replaced by a stub that returns a fixed token, in microseconds per sequence per decode step, beside nano-vllm's
   figure from its peer script (``../shared/peers/nanovllm_overhead.py``), loaded into the
   same process: ``--rounds`` rounds (default 5) of each, alternating, and the median of the
   rounds' ratios.

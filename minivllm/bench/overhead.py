@@ -1,6 +1,7 @@
-"""Engine overhead: ``LLMEngine.step()`` with the model and sampler stubbed out (a fixed
-token), in microseconds per sequence per decode step, beside nano-vllm's figure measured by its
-peer script in rounds that alternate with minivllm's."""
+"""Engine overhead: ``LLMEngine.step()`` with the model and the sampling stubbed out (a fixed
+token; the sampler's per-row settings are still built), in microseconds per sequence per
+decode step, beside nano-vllm's figure measured by its peer script in rounds that alternate
+with minivllm's."""
 from __future__ import annotations
 
 import os
@@ -70,15 +71,21 @@ class OverheadResult(ResultMixin):
 
 def stub_run(runner, token_id: int):
     """Replacement for ``ModelRunner.run``: build the real inputs (ids, positions, attention
-    metadata, on the engine's device), skip the model and sampler, return ``token_id`` for
-    every sequence that samples."""
+    metadata, on the engine's device) and the sampler's per-row settings
+    (``ModelRunner.sampling_batch``, as nano-vllm's peer builds its temperatures in
+    ``prepare_sample``), skip the model and the sampling itself, return ``token_id`` for every
+    sequence that samples."""
     from minivllm.engine.model_runner import RunnerOutput
 
     def run(plan):
         t0 = time.perf_counter()
         inp = runner.prepare_input(plan)
         t1 = time.perf_counter()
-        return RunnerOutput(inp.sampling_seqs, [token_id] * len(inp.sampling_seqs), set(), (t1 - t0) * 1e3, 0.0, 0.0)
+        if inp.sampling_seqs:
+            runner.sampling_batch(inp.sampling_seqs)
+        t2 = time.perf_counter()
+        return RunnerOutput(inp.sampling_seqs, [token_id] * len(inp.sampling_seqs), set(), (t1 - t0) * 1e3, 0.0,
+                            (t2 - t1) * 1e3)
 
     return run
 

@@ -189,6 +189,7 @@ def select_device(device: torch.device) -> torch.device:
 
 _SAMPLES, _SEQ, _START_POS = attrgetter("samples"), attrgetter("seq"), attrgetter("start_pos")
 _BLOCK_TABLE, _TABLE_VERSION = attrgetter("block_table"), attrgetter("table_version")
+_PARAMS, _PLAIN_GREEDY = attrgetter("params"), attrgetter("plain_greedy")
 
 #: Plain decode steps with at least this many sequences take ``ModelRunner._decode_input``
 #: (measured: slower than the general loop at 4-8 sequences, faster from 12 up; tests raise
@@ -695,8 +696,8 @@ class ModelRunner:
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """Per-row sampling settings; tensors are only built when some row is not greedy."""
-        params = [s.params for s in seqs]
-        if all(p.plain_greedy for p in params):
+        params = list(map(_PARAMS, seqs))
+        if all(map(_PLAIN_GREEDY, params)):  # C-level passes: this runs every step
             return SamplingBatch.greedy(len(seqs))
         dev = self.device
         gens = []
