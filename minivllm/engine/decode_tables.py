@@ -56,7 +56,8 @@ class DecodeTables:
             rows = max(n, 0 if arr is None else arr.shape[0])
             written = self._versions = [-1] * rows
             arr = self._arr = np.full((rows, width), -1, dtype=np.int32)
-        stale = [i for i, v, w in zip(range(n), versions, written) if v != w]
+        # one list comparison first: most steps no table changed
+        stale = [i for i, v, w in zip(range(n), versions, written) if v != w] if versions != written[:n] else ()
         if len(stale) > _ROW_AT_A_TIME:
             sub = block_table_array([tables[i] for i in stale])
             arr[stale, :sub.shape[1]] = sub
