@@ -289,3 +289,42 @@ def test_sampler_without_nvml_reports_why(monkeypatch):
         pass
     assert "NVML unavailable" in s.nvml_error
     assert s.samples and s.samples[-1].gpu_util_percent is None
+
+
+def test_step_record_field_order_the_engine_relies_on():
+    """``LLMEngine._record`` builds StepRecord positionally (keywords cost ~0.9 us a step):
+    reordering or inserting a field before these must update that call."""
+    from dataclasses import fields
+
+    assert [f.name for f in fields(StepRecord)][:22] == [
+        "index", "start_time", "end_time", "num_prefill_tokens", "num_decode_tokens", "num_seqs",
+        "num_prefill_chunks", "scheduled", "preempted", "finished", "kv_blocks_used", "kv_blocks_free",
+        "kv_blocks_cached", "prefix_cache_hit_tokens", "attention_backend", "schedule_ms", "prepare_ms",
+        "model_ms", "sample_ms", "postprocess_ms", "num_draft_tokens", "num_accepted_draft_tokens"]
+
+
+def test_engine_step_records_carry_each_value_in_its_field(tiny_ckpt):
+    from helpers_engine import greedy, make_llm, prompts_of
+
+    llm = make_llm(tiny_ckpt, num_kvcache_blocks=64)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts_of([5, 9], seed=4)):
+        engine.add_request(f"r{i}", p, greedy(3))
+    records = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        records.append(engine.last_step_record)
+    bm = engine.block_manager
+    assert [r.index for r in records] == list(range(records[0].index, records[0].index + len(records)))
+    assert records[0].num_prefill_tokens == 14 and records[0].num_decode_tokens == 0
+    assert records[0].num_seqs == 2 and records[0].num_prefill_chunks == 2
+    assert records[1].num_decode_tokens == 2 and records[1].num_prefill_chunks == 0
+    assert records[-1].finished == ["r0", "r1"] and records[0].preempted == []
+    assert records[-1].kv_blocks_free == bm.num_free_blocks != records[-1].kv_blocks_used
+    for r in records:
+        assert r.start_time <= r.end_time and r.attention_backend == engine.config.attention_backend
+        assert r.kv_blocks_used + r.kv_blocks_free == bm.num_blocks and r.kv_blocks_cached >= 0
+        assert r.prefix_cache_hit_tokens == 0 and r.num_draft_tokens == r.num_accepted_draft_tokens == 0
+        assert all(isinstance(getattr(r, k), float) for k in ("schedule_ms", "prepare_ms", "model_ms",
+                                                                   "sample_ms", "postprocess_ms"))
+        assert r.model_ms > 0 and r.flops > 0
