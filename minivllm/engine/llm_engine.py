@@ -41,7 +41,7 @@ from minivllm.utils.model_source import resolve_model
 
 logger = logging.getLogger("minivllm")
 
-_START_POS, _SAMPLES = attrgetter("start_pos"), attrgetter("samples")
+_START_POS = attrgetter("start_pos")
 
 
 @dataclass
@@ -459,7 +459,7 @@ class LLMEngine:
         if plan.all_plain_decodes:  # every step of a decode batch: entries built when read, counts from the plan
             entries = PlannedEntries(scheduled)
             keys = sum(map(_START_POS, scheduled)) + n  # a token at position p reads p + 1 keys
-            sums = (n, keys, keys, sum(map(_SAMPLES, scheduled)))  # fill_step_record's (T, A, K, S)
+            sums = (n, keys, keys, len(result.seqs))  # fill_step_record's (T, A, K, S): the rows that sampled
             num_prefill_tokens, num_decode_tokens, num_decodes, num_drafts = 0, n, n, 0
         else:  # a prefill or speculative step: built now (a plan with drafts holds their probabilities)
             entries, sums = entries_of(scheduled), None
