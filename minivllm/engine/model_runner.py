@@ -696,9 +696,9 @@ class ModelRunner:
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """Per-row sampling settings; tensors are only built when some row is not greedy."""
-        params = list(map(_PARAMS, seqs))
-        if all(map(_PLAIN_GREEDY, params)):  # C-level passes: this runs every step
+        if all(map(_PLAIN_GREEDY, map(_PARAMS, seqs))):  # one C-level pass: this runs every step
             return SamplingBatch.greedy(len(seqs))
+        params = list(map(_PARAMS, seqs))
         dev = self.device
         gens = []
         for s in seqs:
