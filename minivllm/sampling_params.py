@@ -74,7 +74,8 @@ class SamplingParams:
 
     Fields may be changed after construction (vLLM's scripts do ``params.max_tokens = 64``):
     each assignment is validated like the constructor's arguments, and an invalid value is
-    refused (``ValueError``) and not kept.
+    refused (``ValueError``) and not kept. A request keeps a copy of the parameters it was
+    added with (as in vLLM), so a change applies to the requests added after it.
 
     Raises:
         ValueError: naming the offending field and value.

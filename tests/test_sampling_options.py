@@ -235,3 +235,34 @@ def test_stop_strings_completing_in_one_token_earliest_end_wins(text_ckpt):
         out = llm.generate("x", G(3, logit_bias={the[0]: 100.0}, stop=stop), use_tqdm=False)[0].outputs[0]
         assert (out.text, out.stop_reason) == expected, stop
     llm.shutdown()
+
+
+def test_a_request_keeps_the_parameters_it_was_added_with():
+    """The engine copies a request's SamplingParams when it is added (as vLLM does): the stop rule
+    it fixes then (stop ids, end length) and what the sampler reads stay consistent when the
+    caller changes the object later. Before the copy, a stop token removed from the object after
+    admission still ended the request, reported as an eos (stop_reason None)."""
+    from minivllm import LLM
+
+    llm = LLM("minivllm-tiny", enforce_eager=True)  # its greedy tokens here do not repeat early
+    engine = llm.llm_engine
+    prompt = prompts_of([7], seed=3)[0]
+    reference = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(reference) if i >= 4 and t not in reference[:i])  # first seen late
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+    engine.add_request("kept", prompt, params, output_kind="final_only")
+    engine.step()
+    engine.step()
+    params.stop_token_ids, params.max_tokens, params.temperature = [], 3, 0.9  # after admission
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+    out = final["kept"]
+    first = reference.index(stop)
+    assert out.token_ids == reference[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    engine.add_request("after", prompt, params, output_kind="final_only")  # the change applies from now on
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+    assert len(final["after"].token_ids) == 3 and final["after"].finish_reason == "length"

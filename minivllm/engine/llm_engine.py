@@ -283,7 +283,8 @@ class LLMEngine:
         "delta" (only what is new, as ``LLM.stream`` uses) or "final_only" (one output when
         finished, as ``LLM.generate`` uses). ``sink``: a callable that also receives each
         of the request's outputs once its step is applied (``LLM`` collects its own
-        requests' outputs this way, whoever steps the engine).
+        requests' outputs this way, whoever steps the engine). The request keeps a copy of
+        ``sampling_params``: changing the object afterwards does not change it.
         """
         try:
             kind = OutputKind(output_kind)
@@ -292,6 +293,10 @@ class LLMEngine:
         request_id = str(request_id)
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.check_sampling_params(params)
+        # The request keeps the parameters it was added with (vLLM copies them too): the engine
+        # fixes what it derives from them (stop rule, sampling flags) when a request is queued,
+        # and a changed object applies to the requests added after the change.
+        params = params.clone()
         text, ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
         self._warn_if_max_tokens_capped(params, len(ids))
         with self._lock:
