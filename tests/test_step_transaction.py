@@ -204,4 +204,9 @@ def test_a_greedy_batch_saves_no_generator_and_one_sampled_request_saves_them(ti
     txn.protect(plan)
     txn.commit()
     assert [g for g, _ in txn.generators] == [engine._engine_generator()]
+    assert {s.request_id for s in engine.scheduler.random_seqs} == {"s"}  # listed from its admission
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+    assert engine.scheduler.random_seqs == set()  # and forgotten when it finished
     llm.shutdown()

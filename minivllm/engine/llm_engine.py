@@ -514,6 +514,10 @@ class LLMEngine:
                 raise RuntimeError(f"waiting request {seq.request_id} holds blocks {seq.block_table}")
         if set(self.requests) != {s.request_id for s in live}:
             raise RuntimeError("request table and scheduler queues disagree")
+        unlisted = {s for s in live if s.params.draws_random} - self.scheduler.random_seqs
+        if unlisted:
+            raise RuntimeError(f"requests {sorted(s.request_id for s in unlisted)} draw random numbers but are not "
+                               "listed as doing so")
         missing = {rid for rid, state in self.requests.items() if state.text_every_step} - self.output_processor.every_step
         if missing:
             raise RuntimeError(f"requests {sorted(missing)} want work every step but are not listed for it")

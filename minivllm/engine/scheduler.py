@@ -118,6 +118,12 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         #: Set by the engine during a step; the running list is snapshotted whole instead.
         self.undo: UndoLog | None = None
+        #: The live sequences whose sampling may draw random numbers or owns a generator
+        #: (``SamplingParams.draws_random``; a request's params are its own copy): while there are
+        #: none, a step saves no generator state without looking at its entries
+        #: (``StepTransaction.protect``). Conservative: a sequence may outlive its finish here
+        #: (an interrupted ``finish``), never the other way round.
+        self.random_seqs: set[Sequence] = set()
 
     # -- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -129,6 +135,8 @@ class Scheduler:
         seq.stop_ids = frozenset(p.stop_token_ids or ()) | (frozenset() if p.ignore_eos else frozenset(self.config.eos_token_ids))
         max_len = self.config.max_model_len
         seq.max_len = max_len if p.max_tokens is None else min(max_len, seq.num_prompt_tokens + p.max_tokens)
+        if p.draws_random:
+            self.random_seqs.add(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -150,6 +158,10 @@ class Scheduler:
         else:
             return
         self.block_manager.release(seq)
+        if seq in self.random_seqs:
+            if self.undo is not None:
+                self.undo.add(self.random_seqs.add, seq)
+            self.random_seqs.discard(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.metrics.finished_time = time.perf_counter()

@@ -76,7 +76,7 @@ class StepTransaction:
         included. A seeded request's own generator is saved when it samples, or the request is
         snapshotted when the sampler is about to create it."""
         self.kv_written = True
-        if not any(map(_DRAWS_RANDOM, plan.scheduled)):
+        if not self.scheduler.random_seqs or not any(map(_DRAWS_RANDOM, plan.scheduled)):
             return  # every request greedy without a seed (the usual batch): nothing draws
         draws = False
         for entry in plan.scheduled:
