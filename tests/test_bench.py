@@ -185,7 +185,7 @@ def test_the_stub_builds_the_samplers_settings_like_the_peers_prepare_sample(tin
     engine = llm.llm_engine
     runner, seen = engine.runner, []
     real = runner.sampling_batch
-    runner.sampling_batch = lambda seqs: seen.append([s.request_id for s in seqs]) or real(seqs)
+    runner.sampling_batch = lambda seqs, *hint: seen.append([s.request_id for s in seqs]) or real(seqs, *hint)
     runner.run = stub_run(runner, 7)
     for i, p in enumerate(prompts_of([5, 8], seed=1)):
         engine.add_request(f"r{i}", p, greedy(3))

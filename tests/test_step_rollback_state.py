@@ -34,7 +34,8 @@ def _fingerprint(engine, with_blocks: bool = True) -> dict:
              "engine generator": bytes(engine._engine_generator().get_state().numpy()),
              "parents": sorted(engine.parents.parents), "children": sorted(engine.parents.child_of),
              "every step": sorted(engine.output_processor.every_step),
-             "random": sorted(s.request_id for s in engine.scheduler.random_seqs)}
+             "random": sorted(s.request_id for s in engine.scheduler.random_seqs),
+             "not greedy": sorted(s.request_id for s in engine.scheduler.non_greedy_seqs)}
     for seq in sched.live_sequences():
         fields = {k: _plain(v) for k, v in vars(seq).items() if k not in ("metrics", "generator")}
         fields["metrics"] = {k: _plain(v) for k, v in vars(seq.metrics).items()}

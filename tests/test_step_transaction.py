@@ -197,6 +197,7 @@ def test_a_greedy_batch_saves_no_generator_and_one_sampled_request_saves_them(ti
     txn.protect(plan)
     txn.commit()
     assert txn.generators == [] and txn.kv_written
+    assert plan.all_plain_greedy  # the sampler builds no per-row settings either
     engine.add_request("s", prompts[0], SamplingParams(temperature=0.8, max_tokens=4))
     engine.step()
     plan = engine.scheduler.schedule()
@@ -204,9 +205,13 @@ def test_a_greedy_batch_saves_no_generator_and_one_sampled_request_saves_them(ti
     txn.protect(plan)
     txn.commit()
     assert [g for g, _ in txn.generators] == [engine._engine_generator()]
+    assert not plan.all_plain_greedy
     assert {s.request_id for s in engine.scheduler.random_seqs} == {"s"}  # listed from its admission
+    assert {s.request_id for s in engine.scheduler.non_greedy_seqs} == {"s"}
     while engine.has_unfinished_requests():
         engine.step()
         engine.check_invariants()
-    assert engine.scheduler.random_seqs == set()  # and forgotten when it finished
+    assert engine.scheduler.random_seqs == engine.scheduler.non_greedy_seqs == set()  # forgotten when it finished
+    engine.add_request("g", prompts[0], greedy(max_tokens=2))
+    assert engine.scheduler.schedule().all_plain_greedy
     llm.shutdown()

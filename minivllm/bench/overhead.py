@@ -82,7 +82,7 @@ def stub_run(runner, token_id: int):
         inp = runner.prepare_input(plan)
         t1 = time.perf_counter()
         if inp.sampling_seqs:
-            runner.sampling_batch(inp.sampling_seqs)
+            runner.sampling_batch(inp.sampling_seqs, plan.all_plain_greedy)
         t2 = time.perf_counter()
         return RunnerOutput(inp.sampling_seqs, [token_id] * len(inp.sampling_seqs), set(), (t1 - t0) * 1e3, 0.0,
                             (t2 - t1) * 1e3)

@@ -514,10 +514,12 @@ class LLMEngine:
                 raise RuntimeError(f"waiting request {seq.request_id} holds blocks {seq.block_table}")
         if set(self.requests) != {s.request_id for s in live}:
             raise RuntimeError("request table and scheduler queues disagree")
-        unlisted = {s for s in live if s.params.draws_random} - self.scheduler.random_seqs
-        if unlisted:
-            raise RuntimeError(f"requests {sorted(s.request_id for s in unlisted)} draw random numbers but are not "
-                               "listed as doing so")
+        sched = self.scheduler
+        for listed, needs, what in ((sched.random_seqs, lambda p: p.draws_random, "draw random numbers"),
+                                    (sched.non_greedy_seqs, lambda p: not p.plain_greedy, "are not plain greedy")):
+            unlisted = {s for s in live if needs(s.params)} - listed
+            if unlisted:
+                raise RuntimeError(f"requests {sorted(s.request_id for s in unlisted)} {what} but are not listed")
         missing = {rid for rid, state in self.requests.items() if state.text_every_step} - self.output_processor.every_step
         if missing:
             raise RuntimeError(f"requests {sorted(missing)} want work every step but are not listed for it")

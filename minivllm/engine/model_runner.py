@@ -694,9 +694,10 @@ class ModelRunner:
         hidden = self.model(ids_t, pos_t, ForwardContext(meta, self.backend, self.kv_caches))
         return self.model.compute_logits(hidden[rows_t]).float()
 
-    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        """Per-row sampling settings; tensors are only built when some row is not greedy."""
-        if all(map(_PLAIN_GREEDY, map(_PARAMS, seqs))):  # one C-level pass: this runs every step
+    def sampling_batch(self, seqs: list[Sequence], all_plain_greedy: bool = False) -> SamplingBatch:
+        """Per-row sampling settings; tensors are only built when some row is not greedy.
+        ``all_plain_greedy``: the caller knows every row is (``SchedulerOutput.all_plain_greedy``)."""
+        if all_plain_greedy or all(map(_PLAIN_GREEDY, map(_PARAMS, seqs))):  # one C-level pass: every step
             return SamplingBatch.greedy(len(seqs))
         params = list(map(_PARAMS, seqs))
         dev = self.device
@@ -745,7 +746,7 @@ class ModelRunner:
         tokens, failed, seqs, more, logprobs, prompt_logprobs = [], set(), inp.sampling_seqs, {}, None, None
         if inp.sampling_seqs:
             with torch.inference_mode():
-                batch = self.sampling_batch(inp.sampling_seqs)
+                batch = self.sampling_batch(inp.sampling_seqs, plan.all_plain_greedy)
                 processed = self.logprobs_mode.startswith("processed")
                 batch.keep_processed = processed and batch.num_logprobs is not None
                 sampled = self.sampler(logits, batch)

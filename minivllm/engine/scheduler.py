@@ -81,6 +81,9 @@ class SchedulerOutput:
     #: tokens, so the step's counts cost no pass over a large batch; None: count.
     num_decodes: int | None = None
     num_draft_tokens: int | None = None
+    #: Set by ``Scheduler.schedule``: no live request samples other than by plain argmax
+    #: (``SamplingParams.plain_greedy``), so the sampler needs no per-row settings.
+    all_plain_greedy: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -124,6 +127,10 @@ class Scheduler:
         #: (``StepTransaction.protect``). Conservative: a sequence may outlive its finish here
         #: (an interrupted ``finish``), never the other way round.
         self.random_seqs: set[Sequence] = set()
+        #: Likewise, the live sequences that do not sample by plain argmax
+        #: (``SamplingParams.plain_greedy``): while there are none, a step's sampler builds no
+        #: per-row settings (``SchedulerOutput.all_plain_greedy``).
+        self.non_greedy_seqs: set[Sequence] = set()
 
     # -- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -137,6 +144,8 @@ class Scheduler:
         seq.max_len = max_len if p.max_tokens is None else min(max_len, seq.num_prompt_tokens + p.max_tokens)
         if p.draws_random:
             self.random_seqs.add(seq)
+        if not p.plain_greedy:
+            self.non_greedy_seqs.add(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -158,10 +167,11 @@ class Scheduler:
         else:
             return
         self.block_manager.release(seq)
-        if seq in self.random_seqs:
-            if self.undo is not None:
-                self.undo.add(self.random_seqs.add, seq)
-            self.random_seqs.discard(seq)
+        for listed in (self.random_seqs, self.non_greedy_seqs):
+            if seq in listed:
+                if self.undo is not None:
+                    self.undo.add(listed.add, seq)
+                listed.discard(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.metrics.finished_time = time.perf_counter()
@@ -240,6 +250,7 @@ class Scheduler:
             num_drafts = sum(len(e.draft_token_ids) for e in decodes)
         out.scheduled = decodes + prefills if prefills else decodes
         out.num_decodes, out.num_draft_tokens = len(decodes), num_drafts
+        out.all_plain_greedy = not self.non_greedy_seqs
         return out
 
     def _grow_or_preempt(self, seq: Sequence, total: int, decodes: list[ScheduledSequence],
