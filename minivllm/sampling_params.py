@@ -1,6 +1,7 @@
 """How to pick each next token, and when to stop: vLLM's ``SamplingParams``."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -236,10 +237,15 @@ class SamplingParams:
         object.__setattr__(self, "_validated", True)
 
     def clone(self) -> "SamplingParams":
-        """An independent copy (vLLM's ``SamplingParams.clone``)."""
-        import copy
-
-        return copy.deepcopy(self)
+        """An independent copy (vLLM's ``SamplingParams.clone``): its lists and dicts are copied
+        too; their items (ints, floats, strings) are immutable, so nothing deeper is (a deep copy
+        cost ~25 us, and milliseconds for a long ``allowed_token_ids`` or ``logit_bias``, per
+        request: the engine clones every request's parameters)."""
+        new = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, (list, dict)):
+                object.__setattr__(new, name, value.copy())
+        return new
 
     @property
     def greedy(self) -> bool:

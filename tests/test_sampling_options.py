@@ -266,3 +266,25 @@ def test_a_request_keeps_the_parameters_it_was_added_with():
     while engine.has_unfinished_requests():
         final.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
     assert len(final["after"].token_ids) == 3 and final["after"].finish_reason == "length"
+
+
+def test_clone_copies_every_list_and_dict_and_keeps_the_derived_fields():
+    """``SamplingParams.clone`` (the engine copies each request's parameters with it) is
+    independent of the original for every container field, and keeps what __post_init__ derived;
+    an attribute deepcopy could not copy (a lock) does not stop it."""
+    import threading
+
+    params = SamplingParams(temperature=0.7, stop=["a", "b"], stop_token_ids=[3], logit_bias={1: 2.0},
+                            allowed_token_ids=[1, 2, 3], bad_words=["x"], seed=4)
+    params.note = threading.Lock()
+    twin = params.clone()
+    assert twin == params and twin.draws_random and not twin.plain_greedy and twin.stop_strings == ["a", "b"]
+    for name in ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "stop_strings"):
+        assert getattr(twin, name) is not getattr(params, name), name
+    params.stop_token_ids.append(9)
+    params.logit_bias[5] = 1.0
+    assert twin.stop_token_ids == [3] and twin.logit_bias == {1: 2.0}
+    twin.max_tokens = 3  # still validated on assignment
+    assert params.max_tokens == 16
+    with pytest.raises(ValueError, match="max_tokens"):
+        twin.max_tokens = 0
