@@ -221,7 +221,8 @@ class BlockManager:
     # -- growth ----------------------------------------------------------------------
     def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so its table covers ``num_tokens`` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))  # cdiv, inlined: every block boundary
+        # cdiv inlined: this runs at every block boundary
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return -(-num_tokens // self.block_size) - len(seq.block_table) <= self.num_free_blocks

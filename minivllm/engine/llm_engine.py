@@ -520,7 +520,8 @@ class LLMEngine:
             unlisted = {s for s in live if needs(s.params)} - listed
             if unlisted:
                 raise RuntimeError(f"requests {sorted(s.request_id for s in unlisted)} {what} but are not listed")
-        missing = {rid for rid, state in self.requests.items() if state.text_every_step} - self.output_processor.every_step
+        every_step = {rid for rid, state in self.requests.items() if state.text_every_step}
+        missing = every_step - self.output_processor.every_step
         if missing:
             raise RuntimeError(f"requests {sorted(missing)} want work every step but are not listed for it")
         check_proposer = getattr(self.scheduler.config.propose, "check_invariants", None)

@@ -139,7 +139,8 @@ class Scheduler:
         ``ignore_eos``) and the length at which it ends (its prompt plus ``max_tokens``, at most
         ``max_model_len``)."""
         p = seq.params
-        seq.stop_ids = frozenset(p.stop_token_ids or ()) | (frozenset() if p.ignore_eos else frozenset(self.config.eos_token_ids))
+        eos = frozenset() if p.ignore_eos else frozenset(self.config.eos_token_ids)
+        seq.stop_ids = frozenset(p.stop_token_ids or ()) | eos
         max_len = self.config.max_model_len
         seq.max_len = max_len if p.max_tokens is None else min(max_len, seq.num_prompt_tokens + p.max_tokens)
         if p.draws_random:
