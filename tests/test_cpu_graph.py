@@ -636,3 +636,43 @@ def test_draft_verification_steps_replay_a_decode_graph_bit_for_bit(spec):
         assert g_draft.graph_runner.num_replays > 0 and e_draft.graph_runner is None
         for (kg, vg), (ke, ve) in zip(g_draft.kv_caches, e_draft.kv_caches):
             assert torch.equal(kg, ke) and torch.equal(vg, ve)
+
+
+def test_a_staged_step_builds_its_metadata_only_when_read_and_then_as_the_eager_step_does(monkeypatch):
+    """A replayed step's ``ModelInput.meta`` is not built unless someone reads it (the replay reads
+    the static buffers); read, it describes the step as the eager runner's metadata does; read
+    after a later stage of another size, it refuses instead of describing that step."""
+    from minivllm.engine.cuda_graph import CudaGraphDecodeRunner
+
+    built = []
+    original = CudaGraphDecodeRunner.staged_meta
+    monkeypatch.setattr(CudaGraphDecodeRunner, "staged_meta", lambda self, n: built.append(n) or original(self, n))
+    llm = _llm()
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    prompts = prompts_of([5, 21, 40], seed=3, vocab=4000)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"m{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    seen, real_prepare = [], runner.prepare_input
+    runner.prepare_input = lambda plan: seen.append((plan, real_prepare(plan))) or seen[-1][1]
+    for _ in range(4):
+        engine.step()
+    staged = [(plan, inp) for plan, inp in seen if inp.graph_rows is not None]
+    assert staged and built == []  # four steps, three replayed, no metadata built
+    plan, inp = staged[-1]
+    meta = inp.meta  # read: built now, from the staged buffers
+    assert built == [3] and inp.meta is meta
+    positions = [e.start_pos for e in plan.scheduled]
+    tables = [e.seq.block_table for e in plan.scheduled]
+    bs = meta.block_size
+    assert meta.is_decode_only and meta.q_lens_cpu == [1, 1, 1]
+    assert meta.context_lens_cpu == [p + 1 for p in positions] == meta.context_lens.tolist()
+    assert meta.max_seqlen_k == max(positions) + 1
+    assert meta.slot_mapping.tolist() == [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+    assert [row[:len(t)] for row, t in zip(meta.block_tables.tolist(), tables)] == tables
+    engine.abort_request("m0")
+    engine.step()  # stages a step of two rows
+    stale = staged[-2][1]
+    with pytest.raises(ValueError, match="no step of 3 rows staged"):
+        stale.meta
+    runner.prepare_input = real_prepare
+    llm.shutdown()

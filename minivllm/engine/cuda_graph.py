@@ -558,18 +558,24 @@ class CudaGraphDecodeRunner:
         """The static ``positions`` buffer's first ``n`` rows (int64, device)."""
         return self._rows(n).positions
 
-    def staged_meta(self, context_lens: list[int]) -> AttentionMetadata:
-        """Metadata of the staged step's ``n`` real rows (views of the static buffers), for
-        callers that inspect the step; the replay does not read it."""
-        if self._staged is None:
-            raise ValueError("no step staged")
-        n = self._staged[0]
+    def staged_meta(self, n: int) -> AttentionMetadata:
+        """Metadata of the staged step's ``n`` real rows (views of the static buffers, valid
+        until the next ``stage``), for callers that inspect the step: the replay does not read
+        it (the runner builds it only when read: ``StagedModelInput``).
+
+        Raises:
+            ValueError: the staged step (if any) is not one of ``n`` rows.
+        """
+        if self._staged is None or self._staged[0] != n:
+            raise ValueError(f"no step of {n} rows staged (staged: "
+                             f"{None if self._staged is None else self._staged[0]}): a later stage replaced it")
         b = self._rows(n)
+        context_lens = self._host["context_lens"][:n].tolist()
         return AttentionMetadata(
             cu_seqlens_q=b.cu_seqlens_q, cu_seqlens_k=b.cu_seqlens_k, context_lens=b.context_lens,
             slot_mapping=b.slot_mapping, block_tables=b.block_tables, max_seqlen_q=1,
             max_seqlen_k=max(context_lens), block_size=self.block_size, is_decode_only=True,
-            q_lens_cpu=[1] * n, context_lens_cpu=list(context_lens))
+            q_lens_cpu=[1] * n, context_lens_cpu=context_lens)
 
     def _meta(self, bs: int, max_seqlen_k: int) -> AttentionMetadata:
         """Metadata whose tensors are views of the static buffers (what the graph reads)."""

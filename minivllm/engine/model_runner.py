@@ -54,8 +54,9 @@ class ModelInput:
         drafts: speculative decodes: sequence -> (its first row, its draft token ids, the
             distributions they were drawn from or None; see ``minivllm/spec_decode/proposal.py``).
         graph_rows: set when the step was staged into the decode graphs' static
-            buffers (``input_ids``/``positions``/``meta`` are then views of them): replay
-            with ``graph_runner.replay(graph_rows)``.
+            buffers (``input_ids``/``positions``/``meta`` are then views of them, valid until
+            the next stage; see :class:`StagedModelInput`): replay with
+            ``graph_runner.replay(graph_rows)``.
         host: the step's host arrays, views of what was uploaded: int64 ``input_ids``,
             ``positions``, ``slot_mapping``, ``logits rows`` and the int32 block table
             ``[num_seqs, width]`` (what tensor parallelism sends to its workers without
@@ -70,6 +71,30 @@ class ModelInput:
     drafts: dict = field(default_factory=dict)
     graph_rows: int | None = None
     host: tuple[np.ndarray, ...] | None = None
+
+
+class StagedModelInput(ModelInput):
+    """A ``ModelInput`` staged into the decode graphs' static buffers (``graph_rows`` rows).
+    Its ``meta`` is built when first read (views of the buffers, valid until the next stage;
+    ``CudaGraphDecodeRunner.staged_meta``): a replay reads the buffers, not metadata, so a
+    step nobody inspects does not build it (~2 us of a batch-1 step's overhead)."""
+
+    def __init__(self, graph, n: int, sampling_seqs: list[Sequence], logits_indices: torch.Tensor | None = None,
+                 drafts: dict | None = None):
+        self._graph = graph
+        super().__init__(graph.static_input_ids(n), graph.static_positions(n), None, logits_indices, sampling_seqs,
+                         {} if drafts is None else drafts, n)
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        meta = self._meta
+        if meta is None:
+            meta = self._meta = self._graph.staged_meta(self.graph_rows)
+        return meta
+
+    @meta.setter
+    def meta(self, value: AttentionMetadata | None) -> None:
+        self._meta = value
 
 
 @dataclass
@@ -565,9 +590,7 @@ class ModelRunner:
         n = g.stage(np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
                     np.asarray(slots, dtype=np.int64), np.asarray(context_lens, dtype=np.int32), row_tables)
         rows = None if logits_rows == list(range(n)) else self._to_device(np.array(logits_rows, dtype=np.int64))
-        return ModelInput(input_ids=g.static_input_ids(n), positions=g.static_positions(n),
-                          meta=g.staged_meta(context_lens), logits_indices=rows, sampling_seqs=sampling,
-                          drafts=drafts, graph_rows=n)
+        return StagedModelInput(g, n, sampling, rows, drafts)
 
     def _decode_input(self, plan: SchedulerOutput) -> ModelInput | None:
         """``prepare_input`` for a step of plain decodes (one token each, no drafts): C-level
@@ -587,12 +610,10 @@ class ModelRunner:
         g = self.graph_runner
         if g is not None and g.can_run_step(n, n, True, bs, max(map(len, tables))):
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
-            context_lens = [p + 1 for p in positions]
             # into the graphs' static buffers; a row keeps its staged table while its version holds
-            g.stage(input_ids, positions, slots, context_lens, tables, list(map(_TABLE_VERSION, sampling)))
-            return ModelInput(input_ids=g.static_input_ids(n), positions=g.static_positions(n),
-                              meta=g.staged_meta(context_lens), logits_indices=None, sampling_seqs=sampling,
-                              graph_rows=n)
+            g.stage(input_ids, positions, slots, [p + 1 for p in positions], tables,
+                    list(map(_TABLE_VERSION, sampling)))
+            return StagedModelInput(g, n, sampling)
         stride = cdiv(n, 2) * 2  # parts on 16-byte boundaries, as in prepare_input
         table_arr = self._decode_tables.build(tables, list(map(_TABLE_VERSION, sampling)))
         if n <= _LIST_SLOTS_MAX:  # one numpy call over Python lists: cheapest for few rows
