@@ -216,6 +216,10 @@ def test_nanovllm_peer_rounds_are_read_and_compared_round_by_round(tmp_path):
     assert us == 9.0 and seconds >= 0
     argv = peer._main.__globals__["calls"][0][1]
     assert argv[argv.index("--steps") + 1] == "50" and argv[argv.index("--reps") + 1] == "1"  # the script's minimum
+    assert "--block-size" not in argv  # the script's own default unless asked
+    peer.measure(4, 8, 1, 16)
+    argv = peer._main.__globals__["calls"][1][1]
+    assert argv[argv.index("--block-size") + 1] == "16"
     result = PeerOverhead(True)
     for theirs in (2.0, 4.0, 8.0):
         result.add_round(1, theirs, 0.5)
@@ -265,12 +269,14 @@ def test_zero_rounds_is_refused(tiny_ckpt):
 
 
 def test_overhead_rounds_alternate_with_the_peer(tiny_ckpt, tmp_path):
-    script = tmp_path / "peer.py"
-    script.write_text(_STAND_IN_PEER)
+    script = tmp_path / "peer.py"  # the stand-in, refusing a round at another block size than the engine's
+    script.write_text(_STAND_IN_PEER.replace(
+        "    calls.append((b, argv))\n", "    calls.append((b, argv))\n    assert argv[argv.index('--block-size') + 1] == '8'\n"))
     lines = []
     r = run_overhead(str(tiny_ckpt), batch_sizes=(1, 2), prompt_len=8, decode_steps=3, warmup_steps=1, rounds=3,
-                     log=lines.append, nanovllm_script=script)
+                     log=lines.append, nanovllm_script=script, block_size=8)
     assert r.peer.available and r.peer.rounds == {1: [3.0, 4.0, 5.0], 2: [8.0, 9.0, 10.0]}  # calls in order
+    assert r.block_size == 8 and any("both at 8-token KV blocks" in line for line in lines)
     for row in r.rows:
         assert len(row["round_medians"]) == 3 and all(x > 0 for x in row["round_medians"])
     assert set(r.ratios()) == {1, 2}

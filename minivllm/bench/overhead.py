@@ -24,7 +24,8 @@ class OverheadResult(ResultMixin):
     """What :func:`run_overhead` measured.
 
     Attributes:
-        model / device: what ran; prompt_len / decode_steps: the set-up.
+        model / device: what ran; prompt_len / decode_steps / block_size: the set-up (the
+            peer's rounds run at the same block size).
         rows: one per batch size: ``us_per_seq_step`` (mean), ``us_per_seq_step_median`` (over
             every timed step), ``round_medians`` (each round's median), ``step_ms_mean`` and the
             StepRecord breakdown (``schedule_ms``, ``prepare_ms``, ``postprocess_ms``,
@@ -42,6 +43,7 @@ class OverheadResult(ResultMixin):
     rows: list = field(default_factory=list)
     loadavg: list | None = None
     peer: PeerOverhead | None = None
+    block_size: int | None = None
 
     def ratios(self) -> dict[int, float]:
         """batch size -> minivllm / nano-vllm (below 1: minivllm is cheaper): the median over
@@ -105,7 +107,8 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
     path) runs a round of its own after each of minivllm's rounds, at the same batch size, in
     this process: the ratio is the median over the rounds of the two rounds' medians, so both
     figures of a ratio come from the same few hundred milliseconds (a shared machine's speed
-    drifts by 2x over minutes). A missing or failing peer is reported in
+    drifts by 2x over minutes), and at the engine's block size (a block boundary costs each
+    engine an allocation and a block hash). A missing or failing peer is reported in
     ``OverheadResult.peer``, not raised.
     """
     import torch
@@ -146,7 +149,9 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
                 os.getloadavg()[0] > 0.75 * (os.cpu_count() or 1):
             log(f"note: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: other processes compete "
                 f"for the CPU, so the times below read high")
-        log(f"engine overhead, model stubbed (fixed token), {prompt_len}-token prompts, {rounds} rounds of "
+        block_size = engine.config.block_size  # resolved by the engine (the backend's default when unset)
+        log(f"engine overhead, model stubbed (fixed token), {prompt_len}-token prompts, {block_size}-token KV blocks, "
+            f"{rounds} rounds of "
             f"{warmup_steps} warm-up and {decode_steps} timed decode steps per batch size, each round its own "
             f"requests" + (" and followed by a round of nano-vllm's" if peer is not None else ""))
         log(f"{'batch':>6}{'us/seq/step':>13}{'(median)':>10}{'step ms':>9}{'sched':>8}{'prep':>8}{'post':>8}"
@@ -183,7 +188,8 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
                 round_medians.append(statistics.median(block_times) / b * 1e6)
                 if peer is not None:
                     try:
-                        peer_result.add_round(b, *peer.measure(b, decode_steps, torch.get_num_threads()))
+                        peer_result.add_round(b, *peer.measure(b, decode_steps, torch.get_num_threads(),
+                                                                 block_size))
                     except PeerUnavailable as e:
                         peer, peer_result.available, peer_result.reason = None, False, str(e)
             mean_us = statistics.fmean(times) / b * 1e6
@@ -199,7 +205,7 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
             rows.append(row)
             log(overhead_row(row))
         result = OverheadResult("overhead", engine.source.name, device_label(engine.config.device), prompt_len,
-                                decode_steps, rows, loadavg(), peer_result)
+                                decode_steps, rows, loadavg(), peer_result, block_size)
     finally:
         llm.shutdown()
     print_overhead_comparison(result, log)

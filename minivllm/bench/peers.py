@@ -238,9 +238,12 @@ class NanoVllmOverhead:
         if not callable(self._main):
             raise PeerUnavailable(f"{self.path.name} has no main(argv)")
 
-    def measure(self, batch_size: int, steps: int, threads: int) -> tuple[float, float]:
+    def measure(self, batch_size: int, steps: int, threads: int, block_size: int | None = None) -> tuple[float, float]:
         """One round at ``batch_size``: ``steps`` timed decode steps of one fresh scheduler
-        (the script's ``--reps 1``) on ``threads`` torch threads. Returns (median us per
+        (the script's ``--reps 1``) on ``threads`` torch threads, with KV blocks of
+        ``block_size`` tokens (the script's own default, nano-vllm's 256, when None: a block
+        boundary costs an allocation and a block hash, so the two engines are compared at
+        the same block size). Returns (median us per
         sequence per decode step, seconds the round took). The script's ``nanovllm`` package
         and its ``sys.path`` entry are taken out again afterwards (a real nano-vllm install
         imported later in the process is not shadowed); in-process, a peer that hangs hangs the
@@ -249,6 +252,8 @@ class NanoVllmOverhead:
 
         out = io.StringIO()
         argv = ["--batch", str(batch_size), "--steps", str(max(steps, 50)), "--reps", "1", "--threads", str(threads)]
+        if block_size is not None:
+            argv += ["--block-size", str(block_size)]
         t0 = time.perf_counter()
         try:
             with contextlib.redirect_stdout(out), _imports_restored():

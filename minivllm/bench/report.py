@@ -128,7 +128,8 @@ def print_overhead_comparison(result, log=print) -> None:
         log(f"nano-vllm peer unavailable ({peer.reason}): no comparison")
         return
     n = max(map(len, peer.rounds.values()), default=0)
-    log(f"median us per sequence per decode step, {n} alternating rounds each (nano-vllm: {peer.script}, "
+    block = f", both at {result.block_size}-token KV blocks" if getattr(result, "block_size", None) else ""
+    log(f"median us per sequence per decode step, {n} alternating rounds each{block} (nano-vllm: {peer.script}, "
         f"{peer.seconds:.0f} s in all):")
     log(f"{'batch':>6}{'minivllm':>10}{'nano-vllm':>11}{'ratio':>8}  (rounds' ratios: min - max)")
     ratios = result.ratios()
