@@ -642,6 +642,8 @@ def test_a_staged_step_builds_its_metadata_only_when_read_and_then_as_the_eager_
     """A replayed step's ``ModelInput.meta`` is not built unless someone reads it (the replay reads
     the static buffers); read, it describes the step as the eager runner's metadata does; read
     after a later stage of another size, it refuses instead of describing that step."""
+    from itertools import accumulate
+
     from minivllm.engine.cuda_graph import CudaGraphDecodeRunner
 
     built = []
@@ -666,6 +668,8 @@ def test_a_staged_step_builds_its_metadata_only_when_read_and_then_as_the_eager_
     bs = meta.block_size
     assert meta.is_decode_only and meta.q_lens_cpu == [1, 1, 1]
     assert meta.context_lens_cpu == [p + 1 for p in positions] == meta.context_lens.tolist()
+    assert meta.cu_seqlens_k.tolist() == [0, *accumulate(p + 1 for p in positions)]
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3]
     assert meta.max_seqlen_k == max(positions) + 1
     assert meta.slot_mapping.tolist() == [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
     assert [row[:len(t)] for row, t in zip(meta.block_tables.tolist(), tables)] == tables

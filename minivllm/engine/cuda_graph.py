@@ -116,7 +116,8 @@ class DecodeBatch:
         block_tables: int32 ``[bucket, max_blocks_per_seq]`` (-1 past each row's blocks;
             padded rows: ``[0, -1, ...]``, i.e. their single key is slot 0 of block 0).
         cu_seqlens_q: int32 ``[bucket + 1]``: ``0, 1, ..., bucket``.
-        cu_seqlens_k: int32 ``[bucket + 1]``: prefix sums of ``context_lens``.
+        cu_seqlens_k: int32 ``[bucket + 1]``: prefix sums of ``context_lens`` (on a CPU
+            written only when ``staged_meta`` is read: no decode kernel reads it).
     """
 
     input_ids: torch.Tensor
@@ -499,9 +500,8 @@ class CudaGraphDecodeRunner:
                                    f"{context_lens[short]} tokens (block manager state is corrupt)")
         if n < bucket and self._padded != (n, bucket):  # else they are padding already (None when untrusted)
             self._fill_padding(n, bucket)
-        cu = h["cu_seqlens_k"]
-        cu[0] = 0
-        np.add.accumulate(h["context_lens"][:bucket], out=cu[1:bucket + 1])  # np.cumsum without its ~1.5 us wrapper
+        if self.kind != "cpu":  # no decode kernel reads it (flash-attn's reads context_lens); a CPU
+            self._fill_cu_seqlens_k(bucket)  # stage leaves it to staged_meta (~1 us of a batch-1 step)
         self._upload(bucket)
         bounds = self.context_buckets[bucket]
         bound = bounds[0] if len(bounds) == 1 else bounds[min(bisect.bisect_left(bounds, int(max(context_lens))),
@@ -509,6 +509,11 @@ class CudaGraphDecodeRunner:
         self._padded, self._rows_trusted = (n, bucket), True
         self._staged = (n, bucket, bound)
         return n
+
+    def _fill_cu_seqlens_k(self, rows: int) -> None:
+        cu = self._host["cu_seqlens_k"]
+        cu[0] = 0
+        np.add.accumulate(self._host["context_lens"][:rows], out=cu[1:rows + 1])  # np.cumsum without its ~1.5 us wrapper
 
     def _write_table_rows(self, rows, tables: list) -> None:
         """Write ``tables[i]`` into host row ``i`` (-1 after its blocks) for each ``i`` in ``rows``,
@@ -569,6 +574,8 @@ class CudaGraphDecodeRunner:
         if self._staged is None or self._staged[0] != n:
             raise ValueError(f"no step of {n} rows staged (staged: "
                              f"{None if self._staged is None else self._staged[0]}): a later stage replaced it")
+        if self.kind == "cpu":  # host and device are one buffer there; stage() left this out
+            self._fill_cu_seqlens_k(n)
         b = self._rows(n)
         context_lens = self._host["context_lens"][:n].tolist()
         return AttentionMetadata(
