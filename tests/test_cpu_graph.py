@@ -641,14 +641,15 @@ def test_draft_verification_steps_replay_a_decode_graph_bit_for_bit(spec):
 def test_a_staged_step_builds_its_metadata_only_when_read_and_then_as_the_eager_step_does(monkeypatch):
     """A replayed step's ``ModelInput.meta`` is not built unless someone reads it (the replay reads
     the static buffers); read, it describes the step as the eager runner's metadata does; read
-    after a later stage of another size, it refuses instead of describing that step."""
+    after a later stage (of the same size or another), it refuses instead of describing that step."""
     from itertools import accumulate
 
     from minivllm.engine.cuda_graph import CudaGraphDecodeRunner
 
     built = []
     original = CudaGraphDecodeRunner.staged_meta
-    monkeypatch.setattr(CudaGraphDecodeRunner, "staged_meta", lambda self, n: built.append(n) or original(self, n))
+    monkeypatch.setattr(CudaGraphDecodeRunner, "staged_meta",
+                        lambda self, n, stage=None: built.append(n) or original(self, n, stage))
     llm = _llm()
     engine, runner = llm.llm_engine, llm.llm_engine.runner
     prompts = prompts_of([5, 21, 40], seed=3, vocab=4000)
@@ -673,10 +674,14 @@ def test_a_staged_step_builds_its_metadata_only_when_read_and_then_as_the_eager_
     assert meta.max_seqlen_k == max(positions) + 1
     assert meta.slot_mapping.tolist() == [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
     assert [row[:len(t)] for row, t in zip(meta.block_tables.tolist(), tables)] == tables
+    same_size = staged[-2][1]  # a step of three rows too, staged before the last one
+    with pytest.raises(ValueError, match="a later stage replaced it"):
+        same_size.meta
+    assert "built when read" in repr(same_size) and same_size != inp and inp == inp
     engine.abort_request("m0")
     engine.step()  # stages a step of two rows
-    stale = staged[-2][1]
-    with pytest.raises(ValueError, match="no step of 3 rows staged"):
-        stale.meta
+    with pytest.raises(ValueError, match="a later stage replaced it"):
+        staged[-3][1].meta
+    assert inp.meta is meta  # built before: kept (its tensors are views, as every staged step's are)
     runner.prepare_input = real_prepare
     llm.shutdown()

@@ -394,6 +394,7 @@ class CudaGraphDecodeRunner:
         self._upload(top)
         self._hidden = torch.zeros(top, hidden_size, dtype=dtype, device=self.device)
         self._staged: tuple[int, int, int] | None = None  # (rows, bucket, context bound) staged
+        self.num_stages = 0  # completed stage() calls: which step the static buffers hold
         self._row_views: dict[int, DecodeBatch] = {}
 
     @property
@@ -508,6 +509,7 @@ class CudaGraphDecodeRunner:
                                                                   len(bounds) - 1)]
         self._padded, self._rows_trusted = (n, bucket), True
         self._staged = (n, bucket, bound)
+        self.num_stages += 1
         return n
 
     def _fill_cu_seqlens_k(self, rows: int) -> None:
@@ -563,17 +565,19 @@ class CudaGraphDecodeRunner:
         """The static ``positions`` buffer's first ``n`` rows (int64, device)."""
         return self._rows(n).positions
 
-    def staged_meta(self, n: int) -> AttentionMetadata:
+    def staged_meta(self, n: int, stage: int | None = None) -> AttentionMetadata:
         """Metadata of the staged step's ``n`` real rows (views of the static buffers, valid
         until the next ``stage``), for callers that inspect the step: the replay does not read
-        it (the runner builds it only when read: ``StagedModelInput``).
+        it (the runner builds it only when read: ``StagedModelInput``). ``stage``: the
+        ``num_stages`` the caller's step was staged as, refused once a later stage replaced it.
 
         Raises:
-            ValueError: the staged step (if any) is not one of ``n`` rows.
+            ValueError: no step of ``n`` rows is staged, or not the one of ``stage``.
         """
-        if self._staged is None or self._staged[0] != n:
-            raise ValueError(f"no step of {n} rows staged (staged: "
-                             f"{None if self._staged is None else self._staged[0]}): a later stage replaced it")
+        if self._staged is None or self._staged[0] != n or stage not in (None, self.num_stages):
+            raise ValueError(f"the step of {n} rows staged as number {stage} is no longer in the graphs' buffers "
+                             f"(now: {None if self._staged is None else self._staged[0]} rows, stage "
+                             f"{self.num_stages}): a later stage replaced it")
         if self.kind == "cpu":  # host and device are one buffer there; stage() left this out
             self._fill_cu_seqlens_k(n)
         b = self._rows(n)

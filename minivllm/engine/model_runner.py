@@ -77,11 +77,16 @@ class StagedModelInput(ModelInput):
     """A ``ModelInput`` staged into the decode graphs' static buffers (``graph_rows`` rows).
     Its ``meta`` is built when first read (views of the buffers, valid until the next stage;
     ``CudaGraphDecodeRunner.staged_meta``): a replay reads the buffers, not metadata, so a
-    step nobody inspects does not build it (~2 us of a batch-1 step's overhead)."""
+    step nobody inspects does not build it (~2 us of a batch-1 step's overhead). Read after
+    a later step was staged, it raises ``ValueError`` rather than describe that step.
+    Compared by identity (the fields are views of buffers every step reuses)."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def __init__(self, graph, n: int, sampling_seqs: list[Sequence], logits_indices: torch.Tensor | None = None,
                  drafts: dict | None = None):
-        self._graph = graph
+        self._graph, self._stage = graph, graph.num_stages
         super().__init__(graph.static_input_ids(n), graph.static_positions(n), None, logits_indices, sampling_seqs,
                          {} if drafts is None else drafts, n)
 
@@ -89,12 +94,18 @@ class StagedModelInput(ModelInput):
     def meta(self) -> AttentionMetadata:
         meta = self._meta
         if meta is None:
-            meta = self._meta = self._graph.staged_meta(self.graph_rows)
+            meta = self._meta = self._graph.staged_meta(self.graph_rows, self._stage)
         return meta
 
     @meta.setter
     def meta(self, value: AttentionMetadata | None) -> None:
         self._meta = value
+
+    def __repr__(self) -> str:
+        meta = "<built when read>" if self._meta is None else self._meta
+        return (f"StagedModelInput(graph_rows={self.graph_rows}, stage={self._stage}, input_ids={self.input_ids!r}, "
+                f"positions={self.positions!r}, meta={meta!r}, logits_indices={self.logits_indices!r}, "
+                f"sampling_seqs=[{len(self.sampling_seqs)} sequences], drafts={self.drafts!r})")
 
 
 @dataclass
