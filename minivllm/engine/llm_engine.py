@@ -302,20 +302,47 @@ class LLMEngine:
         with self._lock:
             if request_id in self.requests or request_id in self.parents:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            if params.n == 1:
-                self._queue(request_id, text, ids, params, kind)
-            else:  # n samples: n child requests (minivllm/engine/parallel_sampling.py)
-                parent = ParentRequest(request_id, params.n, kind)
+            parent = ParentRequest(request_id, params.n, kind) if params.n > 1 else None
+            if parent is not None:
                 clash = [c for c in parent.child_ids if c in self.requests or c in self.parents]
                 if clash:
                     raise ValueError(f"request_id {request_id!r}: child id {clash[0]!r} is already in use")
-                leader = None
-                for i, cid in enumerate(parent.child_ids):
-                    seq = self._queue(cid, text, ids, child_params(params, i), kind)
-                    seq.prefix_leader, leader = leader, leader or seq
-                self.parents.add(parent)
-            if sink is not None:
-                self._sinks[request_id] = sink
+            try:
+                if parent is None:
+                    self._queue(request_id, text, ids, params, kind)
+                else:  # n samples: n child requests (minivllm/engine/parallel_sampling.py)
+                    leader = None
+                    for i, cid in enumerate(parent.child_ids):
+                        seq = self._queue(cid, text, ids, child_params(params, i), kind)
+                        seq.prefix_leader, leader = leader, leader or seq
+                    self.parents.add(parent)
+                if sink is not None:
+                    self._sinks[request_id] = sink
+            except BaseException:  # an interrupt part-way (a learner's "interrupt kernel"): queue nothing
+                self._unqueue(request_id, [request_id] if parent is None else parent.child_ids)
+                raise
+
+    def _unqueue(self, request_id: str, ids: list[str]) -> None:
+        """Take back whatever an interrupted ``add_request`` recorded of ``request_id`` (its
+        queue ids ``ids``), in any part: the request is then as if never added. The ids were
+        checked unused before anything was recorded, so all that is found under them is its."""
+        self._sinks.pop(request_id, None)
+        self.parents.parents.pop(request_id, None)
+        sched = self.scheduler
+        for rid in ids:
+            link = self.parents.child_of.get(rid)
+            if link is not None and link[0].request_id == request_id:
+                del self.parents.child_of[rid]
+            state = self.requests.get(rid)
+            self.output_processor.every_step.discard(rid)
+            if state is None:  # _queue records the state first: nothing else of rid was
+                continue
+            del self.requests[rid]
+            seq = state.seq
+            sched.random_seqs.discard(seq)
+            sched.non_greedy_seqs.discard(seq)
+            if seq in sched.waiting:  # identity: Sequence compares by identity (eq=False)
+                sched.waiting.remove(seq)
 
     def _queue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                kind: OutputKind) -> Sequence:
