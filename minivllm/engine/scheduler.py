@@ -244,11 +244,10 @@ class Scheduler:
                 break
 
         # 2. Admit waiting requests (not in a step that had to preempt).
-        if not out.preempted:
-            budget = self._admit(budget, prefills, out)
-
         if out.preempted:  # a victim's drafts no longer count
             num_drafts = sum(len(e.draft_token_ids) for e in decodes)
+        elif self.waiting:
+            budget = self._admit(budget, prefills, out)
         out.scheduled = decodes + prefills if prefills else decodes
         out.num_decodes, out.num_draft_tokens = len(decodes), num_drafts
         out.all_plain_greedy = not self.non_greedy_seqs
