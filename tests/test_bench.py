@@ -1,5 +1,6 @@
 """Smoke runs of every benchmark mode at toy sizes, plus the workload and weight-copy helpers."""
 import json
+import statistics
 
 import pytest
 import torch
@@ -281,6 +282,8 @@ def test_overhead_rounds_alternate_with_the_peer(tiny_ckpt, tmp_path):
         assert len(row["round_medians"]) == 3 and all(x > 0 for x in row["round_medians"])
     assert set(r.ratios()) == {1, 2}
     assert any("3 alternating rounds" in line for line in lines)
+    ours = statistics.median(r.rows[0]["round_medians"])  # the batch-1 row: ratio and the columns' quotient
+    assert [f"{ours:.2f}", "4.00", f"{r.ratios()[1]:.2f}x", f"{ours / 4.0:.2f}x"] in [line.split()[1:5] for line in lines]
     with pytest.raises(ValueError, match="rounds"):
         run_overhead(str(tiny_ckpt), rounds=0, nanovllm=False)
 

@@ -685,3 +685,13 @@ def test_a_staged_step_builds_its_metadata_only_when_read_and_then_as_the_eager_
     assert inp.meta is meta  # built before: kept (its tensors are views, as every staged step's are)
     runner.prepare_input = real_prepare
     llm.shutdown()
+
+
+def test_the_startup_log_says_when_enforce_eager_turns_the_graphs_off(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        llm = _llm(enforce_eager=True)
+    assert "CPU graphs off: enforce_eager=True" in caplog.text
+    assert llm.llm_engine.runner.graph_runner is None
+    llm.shutdown()

@@ -83,7 +83,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one engine step")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one engine step")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
-    e.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (CUDA only)")
+    e.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no decode graphs: CUDA graphs on a GPU, CPU graphs on a CPU")
     return p
 
 

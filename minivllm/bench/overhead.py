@@ -153,7 +153,10 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
         log(f"engine overhead, model stubbed (fixed token), {prompt_len}-token prompts, {block_size}-token KV blocks, "
             f"{rounds} rounds of "
             f"{warmup_steps} warm-up and {decode_steps} timed decode steps per batch size, each round its own "
-            f"requests" + (" and followed by a round of nano-vllm's" if peer is not None else ""))
+            f"requests" + (f" and followed by a round of nano-vllm's (its script's 5 warm-up and "
+                           f"{max(decode_steps, 50)} timed steps)" if peer is not None else ""))
+        log("us/seq/step: mean over every timed step, (median): their median; step ms and sched / prep / post / "
+            "other: mean ms per step (the StepRecord's phases; other: the rest of step())")
         log(f"{'batch':>6}{'us/seq/step':>13}{'(median)':>10}{'step ms':>9}{'sched':>8}{'prep':>8}{'post':>8}"
             f"{'other':>8}")
         for b in batch_sizes:

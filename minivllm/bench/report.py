@@ -131,18 +131,21 @@ def print_overhead_comparison(result, log=print) -> None:
     block = f", both at {result.block_size}-token KV blocks" if getattr(result, "block_size", None) else ""
     log(f"median us per sequence per decode step, {n} alternating rounds each{block} (nano-vllm: {peer.script}, "
         f"{peer.seconds:.0f} s in all):")
-    log(f"{'batch':>6}{'minivllm':>10}{'nano-vllm':>11}{'ratio':>8}  (rounds' ratios: min - max)")
+    log("each engine's column: the median of its rounds' medians; ratio: the median over the rounds of minivllm's "
+        "round median / nano-vllm's round right after it (below 1: minivllm is cheaper); the columns' quotient "
+        "beside it, which drifts between rounds move")
+    log(f"{'batch':>6}{'minivllm':>10}{'nano-vllm':>11}{'ratio':>8}{'quotient':>10}  (rounds' ratios: min - max)")
     ratios = result.ratios()
     for row in result.rows:
         b = row["batch_size"]
         theirs = peer.us_per_seq_step.get(b)
         ours = statistics.median(row["round_medians"]) if row.get("round_medians") else row["us_per_seq_step_median"]
         if theirs is None:
-            log(f"{b:>6}{ours:>10.2f}{'-':>11}{'-':>8}")
+            log(f"{b:>6}{ours:>10.2f}{'-':>11}{'-':>8}{'-':>10}")
             continue
         per_round = result.round_ratios(row)
         spread = f"  ({min(per_round):.2f} - {max(per_round):.2f})" if per_round else ""
-        log(f"{b:>6}{ours:>10.2f}{theirs:>11.2f}{ratios[b]:>7.2f}x{spread}")
+        log(f"{b:>6}{ours:>10.2f}{theirs:>11.2f}{ratios[b]:>7.2f}x{ours / theirs:>9.2f}x{spread}")
 
 
 def roofline_figure(sweep):

@@ -179,9 +179,12 @@ class LLMEngine:
             from minivllm.layers import cpu_fused
             self.runner.cpu_fused_ops = self.runner.enable_cpu_fused_ops()  # float32 models only
             logger.info("CPU norms, rotary and SiLU: %s", cpu_fused.describe(self.config.dtype))
-        if args.enforce_eager or device.type not in ("cuda", "cpu"):
+        if device.type not in ("cuda", "cpu"):
             return
         kind = "CUDA" if device.type == "cuda" else "CPU"
+        if args.enforce_eager:
+            logger.info("%s graphs off: enforce_eager=True (every step runs eagerly)", kind)
+            return
         supported = getattr(self.runner.backend, f"supports_{kind.lower()}_graphs", False)
         if kind == "CPU" and (self.config.dtype != torch.float32 or not self.runner.cpu_fused_ops
                               or args.quantization is not None):
