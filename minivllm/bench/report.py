@@ -128,7 +128,7 @@ def print_overhead_comparison(result, log=print) -> None:
         log(f"nano-vllm peer unavailable ({peer.reason}): no comparison")
         return
     n = max(map(len, peer.rounds.values()), default=0)
-    block = f", both at {result.block_size}-token KV blocks" if getattr(result, "block_size", None) else ""
+    block = f", both at {result.block_size}-token KV blocks" if result.block_size else ""
     log(f"median us per sequence per decode step, {n} alternating rounds each{block} (nano-vllm: {peer.script}, "
         f"{peer.seconds:.0f} s in all):")
     log("each engine's column: the median of its rounds' medians; ratio: the median over the rounds of minivllm's "

@@ -501,8 +501,10 @@ class CudaGraphDecodeRunner:
                                    f"{context_lens[short]} tokens (block manager state is corrupt)")
         if n < bucket and self._padded != (n, bucket):  # else they are padding already (None when untrusted)
             self._fill_padding(n, bucket)
-        if self.kind != "cpu":  # no decode kernel reads it (flash-attn's reads context_lens); a CPU
-            self._fill_cu_seqlens_k(bucket)  # stage leaves it to staged_meta (~1 us of a batch-1 step)
+        # No decode kernel reads cu_seqlens_k (flash-attn's reads context_lens): a CPU stage leaves it
+        # to staged_meta (~1 us of a batch-1 step); a GPU's goes up with the step's one upload.
+        if self.kind != "cpu":
+            self._fill_cu_seqlens_k(bucket)
         self._upload(bucket)
         bounds = self.context_buckets[bucket]
         bound = bounds[0] if len(bounds) == 1 else bounds[min(bisect.bisect_left(bounds, int(max(context_lens))),
