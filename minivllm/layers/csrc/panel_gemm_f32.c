@@ -33,7 +33,7 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 #define PF 128    /* prefetch distance in k: 8 KiB ahead in the panel stream (4 KiB read 11-12 GB/s at one row, 8 KiB 13-15) */
 /* Software prefetch only in passes of at least PF_MIN_ROWS rows. On the AVX-512 Zen 4 dev EPYC
    (2026-12-03, one thread, 180 MiB of Qwen3-0.6B layer weights) the hardware prefetcher alone
-   streamed passes of 1-4 rows 15-20% faster (one row: 22 against 18 GB/s), while 8 and 16 rows
+   streamed passes of 1, 2, 4 and 6 rows 10-20% faster (one row: 21-23 against 19 GB/s), while 8 and 16 rows
    ran 4-13% slower without the software prefetch; on the AVX2 EPYC it helped at one row (above).
    The AVX-512 Xeon was not measured again. */
 #ifdef __AVX512F__
