@@ -194,10 +194,13 @@ def test_layers_sharing_the_gather_buffer_each_match_naive(block_size, heads, kv
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16, 256])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (8, 1, 64), (4, 4, 128), (16, 8, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (4, 2, 16), (8, 1, 64), (4, 4, 128), (16, 8, 64), (8, 2, 128),  # 16-dot tiles, shapes compiled as constants
+    (16, 1, 64), (8, 2, 48),  # 16-dot tiles, shapes read at run time (one key per tile; three vectors a chunk)
+    (6, 3, 40), (12, 4, 32), (4, 2, 256)])  # the generic loops: head_dim 40; 3 query heads per KV head; 256
 def test_native_decode_matches_naive_for_every_block_size_and_gqa_ratio(block_size, heads, kv_heads, head_dim):
     """Decode-only steps (lengths from 1 token to several blocks, scattered blocks) through
-    the backend's native path, against the naive loop."""
+    the backend's native path, against the naive loop, for each of the kernel's code paths."""
     _kernel_or_skip()
     seqs = [(0, 1), (block_size - 1, 1), (block_size, 1), (3 * block_size + 2, 1), (37, 1)]
     out, ref, cache, cache_ref, meta = run_case(seqs, block_size, torch.float32, heads, kv_heads, head_dim,
