@@ -152,3 +152,34 @@ def test_argmax_rows_matches_torch_argmax_ties_nan_inf_and_strided_rows():
         got = argmax_rows(t)
         assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
     assert torch.equal(argmax_rows(x.double()), x.double().argmax(dim=-1))  # other dtypes: torch's
+
+
+def test_greedy_token_ids_match_the_general_path_and_mark_non_finite_rows():
+    """The plain-greedy CPU path (numpy) gives what the sampler followed by the runner's check
+    gives: each row's first maximum, -1 for a row holding NaN, +inf or -inf; it declines (None)
+    every batch or tensor the general path must take."""
+    from minivllm.layers.sampler import Sampler
+
+    sampler = Sampler(0, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 50, generator=g)
+    x[1, [3, 7]] = 5.0  # a tie
+    x[2, 4] = float("nan")
+    x[3, 11] = float("inf")
+    x[4, 9] = float("-inf")
+    x[5] = x[5].round()
+    greedy = SamplingBatch.greedy(8)
+    general = sampler(x, greedy).masked_fill(~torch.isfinite(x.sum(dim=-1)), -1).tolist()
+    assert general[2] == general[3] == general[4] == -1
+    for t in (x, x[:, ::2].contiguous(), x[:, ::2]):
+        want = sampler(t, greedy).masked_fill(~torch.isfinite(t.sum(dim=-1)), -1).tolist()
+        assert sampler.greedy_token_ids(t, greedy) == want
+    assert sampler.greedy_token_ids(x, greedy) == general
+    finite = x[[0, 1, 5, 6, 7]]
+    assert sampler.greedy_token_ids(finite, SamplingBatch.greedy(5)) == finite.argmax(dim=-1).tolist()
+    assert sampler.greedy_token_ids(x.double(), greedy) is None
+    for field, value in (("all_greedy", False), ("any_penalty", True), ("processing", [None] * 8),
+                         ("keep_processed", True), ("num_logprobs", [1] * 8)):
+        batch = SamplingBatch.greedy(8)
+        setattr(batch, field, value)
+        assert sampler.greedy_token_ids(x, batch) is None, field

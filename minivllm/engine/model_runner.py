@@ -781,15 +781,17 @@ class ModelRunner:
                 batch = self.sampling_batch(inp.sampling_seqs, plan.all_plain_greedy)
                 processed = self.logprobs_mode.startswith("processed")
                 batch.keep_processed = processed and batch.num_logprobs is not None
-                sampled = self.sampler(logits, batch)
-                # A row with NaN/inf logits samples garbage (argmax of NaN): mark it -1. A row's
-                # fp32 sum is non-finite iff an entry is (finite logits are far from overflowing
-                # it); one reduction, ~15x cheaper on a CPU than isfinite().all() over the row.
-                sampled = sampled.masked_fill(~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)), -1)
-                if batch.num_logprobs is not None:
-                    values = self.sampler.processed_logits if processed else logits
-                    logprobs = self._logprobs(values, sampled, batch.num_logprobs)
-                tokens = sampled.tolist()
+                tokens = self.sampler.greedy_token_ids(logits, batch)  # a plain greedy CPU batch, or None
+                if tokens is None:
+                    sampled = self.sampler(logits, batch)
+                    # A row with NaN/inf logits samples garbage (argmax of NaN): mark it -1. A row's
+                    # fp32 sum is non-finite iff an entry is (finite logits are far from overflowing
+                    # it); one reduction, ~15x cheaper on a CPU than isfinite().all() over the row.
+                    sampled = sampled.masked_fill(~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32)), -1)
+                    if batch.num_logprobs is not None:
+                        values = self.sampler.processed_logits if processed else logits
+                        logprobs = self._logprobs(values, sampled, batch.num_logprobs)
+                    tokens = sampled.tolist()
                 if inp.drafts:  # requests with logprobs get no drafts: their entries are first rows
                     seqs, tokens, more, first_rows = self._verify_drafts(inp, logits, batch, tokens)
                     if logprobs is not None:
