@@ -1,7 +1,9 @@
 """``LLM``: the offline facade (vLLM's shape): generate, stream, chat."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 import numbers
 from collections import deque
@@ -12,6 +14,26 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.generation_config import default_sampling_params
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+
+
+@contextlib.contextmanager
+def _heap_frozen():
+    """Steps run with the objects that existed before them out of the garbage collector's
+    generations (``gc.freeze``, undone after), so that a full collection triggered inside a step
+    walks what the steps made, not the process's whole heap: with torch, transformers and the
+    embedded model loaded (~220k tracked objects), one took 98 ms in the middle of 60 batch-32
+    decode steps of ~6 ms (dev EPYC, 2026-12-03), none with the heap frozen. vLLM freezes its
+    engine process's heap after start-up; here the process is the user's, so nothing stays frozen
+    between calls (a frozen cycle would never be collected). A freeze made by someone else is
+    left as it is."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()  # O(1): the generations' lists are moved, not walked
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _as_prompt_list(prompts) -> list:
@@ -132,8 +154,10 @@ class LLM:
         pending = set(ids)
         try:
             while pending:
-                while not inbox:
-                    self._step()
+                if not inbox:
+                    with _heap_frozen():
+                        while not inbox:
+                            self._step()
                 out = inbox.popleft()
                 if out.finished:
                     pending.discard(out.request_id)

@@ -189,3 +189,37 @@ def test_chat_without_template_is_a_clear_error(text_ckpt, tmp_path):
     llm = make_llm(ckpt)
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat([{"role": "user", "content": "hi"}], greedy(2))
+
+
+def test_steps_run_with_the_heap_frozen_and_the_freeze_is_undone(tiny_ckpt):
+    """generate and stream step the engine with the objects made before out of the collector's
+    generations (a full collection mid-step walks only what the steps made); afterwards nothing
+    stays frozen, and a freeze the caller made is neither extended nor undone."""
+    import gc
+
+    llm = make_llm(tiny_ckpt)
+    counts = []
+    real_step = llm.engine.step_with_record
+
+    def step_with_record():
+        counts.append(gc.get_freeze_count())
+        return real_step()
+
+    llm.engine.step_with_record = step_with_record
+    before = gc.get_freeze_count()
+    assert before == 0
+    llm.generate(prompts_of([4, 6, 5]), greedy(5), use_tqdm=False)
+    assert counts and min(counts) > 0 and gc.get_freeze_count() == 0
+    counts.clear()
+    stream = llm.stream(prompts_of([3, 7]), greedy(4))
+    next(stream)
+    assert counts and min(counts) > 0 and gc.get_freeze_count() == 0  # not frozen while the caller runs
+    list(stream)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        llm.generate(prompts_of([5, 2]), greedy(3), use_tqdm=False)
+        assert 0 < gc.get_freeze_count() <= frozen  # still the caller's (objects that died left it)
+    finally:
+        gc.unfreeze()
