@@ -175,7 +175,7 @@ def make_output(state: RequestState) -> RequestOutput:
         state.sent_text, state.sent_tokens = visible, len(out_ids)
     else:
         first_token = 0
-        text, token_ids = state.text, list(out_ids)
+        text, token_ids = state.text, out_ids  # output_token_ids is a fresh slice: the caller's own list
     logprobs = prompt_logprobs = None
     if seq.logprobs is not None:
         logprobs = logprob_dicts(seq.logprobs[first_token:first_token + len(token_ids)], state.detokenizer)
