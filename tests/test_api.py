@@ -191,35 +191,66 @@ def test_chat_without_template_is_a_clear_error(text_ckpt, tmp_path):
         llm.chat([{"role": "user", "content": "hi"}], greedy(2))
 
 
-def test_steps_run_with_the_heap_frozen_and_the_freeze_is_undone(tiny_ckpt):
+def test_steps_run_with_the_heap_frozen_and_the_freeze_is_undone(tiny_ckpt, monkeypatch):
     """generate and stream step the engine with the objects made before out of the collector's
     generations (a full collection mid-step walks only what the steps made); afterwards nothing
-    stays frozen, and a freeze the caller made is neither extended nor undone."""
+    stays frozen, and a freeze the caller made is neither extended nor undone. Whether the caller
+    froze is asked once per call (gc.get_freeze_count walks the frozen objects), not per step."""
     import gc
 
     llm = make_llm(tiny_ckpt)
     counts = []
-    real_step = llm.engine.step_with_record
+    real_step, real_count = llm.engine.step_with_record, gc.get_freeze_count
+    asked = []
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: asked.append(1) or real_count())
 
     def step_with_record():
-        counts.append(gc.get_freeze_count())
+        counts.append(real_count())
         return real_step()
 
     llm.engine.step_with_record = step_with_record
-    before = gc.get_freeze_count()
+    before = real_count()
     assert before == 0
     llm.generate(prompts_of([4, 6, 5]), greedy(5), use_tqdm=False)
-    assert counts and min(counts) > 0 and gc.get_freeze_count() == 0
+    assert counts and min(counts) > 0 and real_count() == 0
+    assert len(asked) == 1 and len(counts) > 3
     counts.clear()
     stream = llm.stream(prompts_of([3, 7]), greedy(4))
     next(stream)
-    assert counts and min(counts) > 0 and gc.get_freeze_count() == 0  # not frozen while the caller runs
+    assert counts and min(counts) > 0 and real_count() == 0  # not frozen while the caller runs
     list(stream)
-    assert gc.get_freeze_count() == 0
+    assert real_count() == 0
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        frozen = real_count()
         llm.generate(prompts_of([5, 2]), greedy(3), use_tqdm=False)
-        assert 0 < gc.get_freeze_count() <= frozen  # still the caller's (objects that died left it)
+        assert 0 < real_count() <= frozen  # still the caller's (objects that died left it)
     finally:
         gc.unfreeze()
+
+
+def test_heap_freeze_is_shared_by_overlapping_users_and_undone_by_the_last():
+    """Two LLMs stepping at once in two threads share the process-wide freeze: the first one out
+    must not unfreeze the heap under the other."""
+    import gc
+    import threading
+
+    from minivllm.llm import _heap_frozen
+
+    inside, release = threading.Event(), threading.Event()
+
+    def other():
+        with _heap_frozen():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    with _heap_frozen():
+        t.start()
+        assert inside.wait(10)
+    assert gc.get_freeze_count() > 0  # the other thread is still stepping
+    release.set()
+    t.join(10)
+    assert gc.get_freeze_count() == 0
+    with _heap_frozen(False):
+        assert gc.get_freeze_count() == 0

@@ -2,6 +2,7 @@
 the exponential race then samples the probabilities they leave."""
 from __future__ import annotations
 
+import warnings
 from fractions import Fraction
 
 import pytest
@@ -178,6 +179,11 @@ def test_greedy_token_ids_match_the_general_path_and_mark_non_finite_rows():
     finite = x[[0, 1, 5, 6, 7]]
     assert sampler.greedy_token_ids(finite, SamplingBatch.greedy(5)) == finite.argmax(dim=-1).tolist()
     assert sampler.greedy_token_ids(x.double(), greedy) is None
+    mixed = torch.zeros(3, 8)
+    mixed[0, 1], mixed[1, 2] = float("inf"), float("-inf")  # their sum is NaN: numpy would warn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning turned into an error must not fail the step
+        assert sampler.greedy_token_ids(mixed, SamplingBatch.greedy(3)) == [-1, -1, 0]
     for field, value in (("all_greedy", False), ("any_penalty", True), ("processing", [None] * 8),
                          ("keep_processed", True), ("num_logprobs", [1] * 8)):
         batch = SamplingBatch.greedy(8)

@@ -226,8 +226,9 @@ class Sampler:
         self.processed_logits = None
         values = logits.numpy()
         ids = values.argmax(axis=-1)
-        if not np.isfinite(values.sum()):  # a row's fp32 sum is non-finite iff one of its values is
-            ids[~np.isfinite(values.sum(axis=-1))] = -1
+        with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf: NaN, as torch, without a warning
+            if not np.isfinite(values.sum()):  # a row's fp32 sum is non-finite iff one of its values is
+                ids[~np.isfinite(values.sum(axis=-1))] = -1
         return ids.tolist()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

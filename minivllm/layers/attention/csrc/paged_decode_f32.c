@@ -220,7 +220,8 @@ static inline __attribute__((always_inline)) void decode_row_tiled(
         for (int64_t g = 0; g < Hk; g++) {
             const float *qh = qg + g * qpk * D;
             for (int64_t t = 0; t < n; t += nk) {
-                prefetch_advance(pf, nk * D);  /* spread out: a burst of hints stalls on a full miss queue */
+                const int64_t m = n - t < nk ? n - t : nk;  /* keys in this tile */
+                prefetch_advance(pf, m * D);  /* spread out: a burst of hints stalls on a full miss queue */
                 vecf acc[VW];
                 for (int64_t k = 0; k < nk; k++) {
                     const float *kr = kb + (t + k < n ? t + k : t) * row + g * D;  /* past the block: repeat a key */
@@ -231,7 +232,6 @@ static inline __attribute__((always_inline)) void decode_row_tiled(
                     }
                 }
                 const vecf dots = sum_lanes(acc) * splatv(scale);
-                const int64_t m = n - t < nk ? n - t : nk;
                 for (int64_t k = 0; k < m; k++)
                     for (int64_t hh = 0; hh < qpk; hh++) s[(g * qpk + hh) * len + j0 + t + k] = dots[k * qpk + hh];
             }
