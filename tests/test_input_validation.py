@@ -149,3 +149,27 @@ def test_llm_on_a_truncated_checkpoint_says_so(tmp_path):
     _corrupt(path, "truncated")
     with pytest.raises(ValueError, match="is corrupt or truncated"):
         LLM(str(path), block_size=4, num_kvcache_blocks=64)
+
+
+# -- prompt token ids ------------------------------------------------------------------------
+def test_integer_scalars_are_token_ids_and_other_values_are_named(tiny_ckpt):
+    """``list(np.array(...))`` or ``list(torch.tensor(...))`` as a prompt runs like the same Python
+    ints (they were refused as "outside the vocabulary"); a float, str or bool is refused as not
+    an integer, naming it and its type, and the engine keeps serving."""
+    import numpy as np
+    import torch
+
+    llm = make_llm(tiny_ckpt)
+    ids = prompts_of([6], seed=3)[0]
+    want = llm.generate([ids], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+    for form in (list(np.array(ids)), list(torch.tensor(ids)), tuple(np.array(ids, dtype=np.int32))):
+        out = llm.generate([{"prompt_token_ids": form}], greedy(4), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want and out.prompt_token_ids == ids
+        assert all(type(t) is int for t in out.prompt_token_ids)
+    for bad, shown in ((3.0, "3.0 (float)"), ("7", "'7' (str)"), (True, "True (bool)"), (np.float32(2), "float32")):
+        with pytest.raises(ValueError, match="is not an integer") as err:
+            llm.generate([ids[:2] + [bad]], greedy(2), use_tqdm=False)
+        assert shown in str(err.value)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, np.int64(97)]], greedy(2), use_tqdm=False)
+    assert_still_serving(llm)

@@ -12,6 +12,7 @@ while a cell calls ``generate``) interleave whole steps.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +43,21 @@ from minivllm.utils.model_source import resolve_model
 logger = logging.getLogger("minivllm")
 
 _START_POS = attrgetter("start_pos")
+
+
+def _token_id(t) -> int:
+    """A prompt's token id as a Python int: ints and integer scalars (numpy's, a 0-d integer torch
+    tensor: what ``list(array)`` gives) are taken; anything else (bool, float, str) is refused.
+
+    Raises:
+        ValueError: naming the value and its type.
+    """
+    if not isinstance(t, bool):  # numpy's bool has no __index__
+        try:
+            return operator.index(t)
+        except TypeError:
+            pass
+    raise ValueError(f"token id {t!r} ({type(t).__name__}) is not an integer")
 
 
 @dataclass
@@ -231,9 +247,9 @@ class LLMEngine:
                 raise ValueError(f"prompt text {prompt[:40]!r} encodes to token id {bad[0]}, outside the "
                                  f"model's vocabulary [0, {self.vocab_size})")
         elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
+            text, ids = None, [_token_id(t) for t in prompt]
             for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                if not 0 <= t < self.vocab_size:
                     raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
         else:
             raise ValueError(f"prompt {prompt!r}: expected str, list[int] or {{'prompt_token_ids': [...]}}")
