@@ -465,9 +465,16 @@ def test_the_switch_is_read_for_every_backend_and_the_log_line_names_the_path(mo
     assert cpu_decode.describe(torch.bfloat16).startswith("gather + SDPA (the native kernel computes float32")
     monkeypatch.setenv(cpu_decode.ENV_SWITCH, "off")
     assert get_attention_backend("torch", "cpu", 16, torch.float32)._kernel is None
-    assert cpu_decode.describe(torch.float32) == f"gather + SDPA (native kernel unavailable: {cpu_decode.ENV_SWITCH}=off)"
+    assert cpu_decode.describe(torch.float32) == f"gather + SDPA (switched off: {cpu_decode.ENV_SWITCH}=off)"
     monkeypatch.delenv(cpu_decode.ENV_SWITCH)
     assert get_attention_backend("torch", "cpu", 16, torch.float32)._kernel is not None
+    # with the model's heads the line names the kernel's loops, as the C code picks them
+    width = cpu_decode.load().vector_width()
+    assert width in (8, 16)
+    assert f"{width} dots at a time (head_dim {width * 4}, 2 query heads" in cpu_decode.describe(torch.float32, (4, 2, width * 4))
+    assert "portable loops (head_dim 40, 2 query heads" in cpu_decode.describe(torch.float32, (6, 3, 40))
+    assert "portable loops (head_dim 256" in cpu_decode.describe(torch.float32, (4, 2, 256))
+    assert cpu_decode.load().tile_width(12, 4, 32) == 0 and cpu_decode.load().tile_width(16, 1, 64) in (0, 16)
 
 
 def test_native_decode_can_be_switched_off(monkeypatch):

@@ -33,6 +33,7 @@ from minivllm.layers.attention.metadata import AttentionMetadata
 from minivllm.layers.logits_processors import row_processing
 from minivllm.layers.logprobs import logprob_entries
 from minivllm.layers.sampler import Sampler, SamplingBatch
+from minivllm.models.hf_config import get_head_dim
 from minivllm.models.registry import get_model_class
 from minivllm.utils import cdiv
 from minivllm.utils.model_source import ModelSource
@@ -306,7 +307,9 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self._staging = _PinnedStaging(device) if device.type == "cuda" else None
         self.model = build_model(config.source, device, config.dtype, config.seed, config.quant_config)
-        self.backend = get_attention_backend(config.attention_backend, device, config.block_size, config.dtype)
+        heads = (self.hf_config.num_attention_heads // self.tp_size, max(1, self.hf_config.num_key_value_heads // self.tp_size),
+                 get_head_dim(self.hf_config))
+        self.backend = get_attention_backend(config.attention_backend, device, config.block_size, config.dtype, heads)
         self.sampler = Sampler(config.seed, device)
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, self.block_size,

@@ -124,7 +124,8 @@ def resolve_backend_name(
 
 
 def get_attention_backend(
-    name: str, device: torch.device | str, block_size: int, dtype: torch.dtype | None = None
+    name: str, device: torch.device | str, block_size: int, dtype: torch.dtype | None = None,
+    heads: tuple[int, int, int] | None = None,
 ) -> AttentionBackend:
     """Build the backend ``resolve_backend_name(name, device, block_size)`` picks.
 
@@ -133,6 +134,8 @@ def get_attention_backend(
         device: where the model runs.
         block_size: KV block size in tokens (flash_attn refuses sizes not a multiple of 256).
         dtype: the model's dtype, when known (see ``resolve_backend_name``).
+        heads: (query heads, KV heads, head_dim) of one rank, when known: the CPU startup log line
+            then says which loops the C decode kernel runs for them.
     """
     resolved = resolve_backend_name(name, device, block_size, dtype)
     if resolved == "torch":
@@ -144,7 +147,7 @@ def get_attention_backend(
         from minivllm.layers.attention import cpu_decode
         from minivllm.logger import init_logger
 
-        init_logger(__name__).info("CPU decode attention: %s", cpu_decode.describe(dtype))
+        init_logger(__name__).info("CPU decode attention: %s", cpu_decode.describe(dtype, heads))
         return TorchAttentionBackend(native_decode=None if dtype in (None, torch.float32) else False)
     if resolved == "triton":
         from minivllm.layers.attention.triton_backend import TritonAttentionBackend

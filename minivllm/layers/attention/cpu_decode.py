@@ -69,13 +69,25 @@ def unavailable_reason() -> str | None:
     return _library.unavailable_reason()
 
 
-def describe(dtype: torch.dtype | None) -> str:
-    """One line for an engine's startup log: which path its CPU decode attention takes in ``dtype``."""
+def describe(dtype: torch.dtype | None, heads: tuple[int, int, int] | None = None) -> str:
+    """One line for an engine's startup log: which path its CPU decode attention takes in ``dtype``;
+    with ``heads`` (query heads, KV heads, head_dim of a rank), also which loops the kernel runs
+    for them."""
     if dtype is not None and dtype != torch.float32:
         return f"gather + SDPA (the native kernel computes float32; this model runs in {dtype})"
-    if load() is None:
-        return f"gather + SDPA (native kernel unavailable: {unavailable_reason()})"
-    return f"native paged kernel ({_library.path})"
+    kernel = load()
+    if kernel is None:
+        how = "switched off" if switched_off() else "native kernel unavailable"
+        return f"gather + SDPA ({how}: {unavailable_reason()})"
+    if heads is None:
+        return f"native paged kernel ({_library.path})"
+    num_heads, kv_heads, head_dim = heads
+    width, vector = kernel.tile_width(num_heads, kv_heads, head_dim), kernel.vector_width()
+    shape = f"head_dim {head_dim}, {num_heads // max(kv_heads, 1)} query heads per KV head"
+    loops = (f"{width} dots at a time ({shape})" if width else
+             f"portable loops ({shape}; the tiled loops need head_dim a multiple of {vector} up to "
+             f"{8 * vector} and query heads per KV head dividing {vector})")
+    return f"native paged kernel, {loops} ({_library.path})"
 
 
 class PagedDecodeKernel:
@@ -91,6 +103,10 @@ class PagedDecodeKernel:
         causal.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p]
         causal.restype = None
         self._causal = causal
+        self._tile_width = lib.paged_decode_tile_width
+        self._tile_width.argtypes, self._tile_width.restype = [i64, i64, i64], i64
+        self._vector_width = lib.paged_decode_vector_width
+        self._vector_width.argtypes, self._vector_width.restype = [], i64
         store = lib.paged_store_kv_f32
         store.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64]
         store.restype = i64
@@ -99,6 +115,15 @@ class PagedDecodeKernel:
         # different Python threads at once (ctypes drops the GIL): each calling thread gets its
         # own score scratch.
         self._local = threading.local()
+
+    def tile_width(self, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+        """How many query-head x key dot products the kernel computes at once for these heads (its
+        vector width in floats), 0 where it runs its portable loops instead."""
+        return int(self._tile_width(num_heads, num_kv_heads, head_dim))
+
+    def vector_width(self) -> int:
+        """This build's vector width in floats (16 with AVX-512, else 8)."""
+        return int(self._vector_width())
 
     def _scratch(self, numel: int) -> torch.Tensor:
         buf = getattr(self._local, "scratch", None)

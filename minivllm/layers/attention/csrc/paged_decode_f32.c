@@ -281,6 +281,16 @@ static inline __attribute__((always_inline)) void decode_row_tiled(
         continue;                                                                                             \
     }
 
+/* The vector width (floats) decode_row_tiled uses for these heads, 0 where the rows take
+   decode_row_generic (for the engine's startup log). */
+int64_t paged_decode_tile_width(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+    const int64_t qpk = num_kv_heads > 0 && num_heads % num_kv_heads == 0 ? num_heads / num_kv_heads : 0;
+    return qpk && head_dim % VW == 0 && VW % qpk == 0 && head_dim <= 8 * VW ? VW : 0;
+}
+
+/* The vector width of this build. */
+int64_t paged_decode_vector_width(void) { return VW; }
+
 /* For each query row r (a token; rows of one sequence share its block table) and head h
    (kv head h / qpk):
      out[r, h, :] = softmax_j(scale * q[r, h, :] . K_j[h / qpk, :]) @ V_j[h / qpk, :]
@@ -299,7 +309,7 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
     const int64_t row = num_kv_heads * head_dim;
     /* at most 8 vectors a dot: beyond, the query rows no longer fit the registers (AVX2, head_dim
        128, 4 query heads per KV head: 15% slower than the generic loops) */
-    const int tiled = head_dim % VW == 0 && VW % qpk == 0 && head_dim <= 8 * VW;
+    const int tiled = paged_decode_tile_width(num_heads, num_kv_heads, head_dim) != 0;
     for (int64_t r = 0; r < num_rows; r++) {
         const int64_t len = row_lens[r];
         const int32_t *table = block_tables + (int64_t)row_seq[r] * table_stride;
