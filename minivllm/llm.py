@@ -36,7 +36,8 @@ def _heap_frozen(enabled: bool = True):
     walks what the steps made, not the process's whole heap: with torch, transformers and the
     embedded model loaded (~220k tracked objects), one took 98 ms in the middle of 60 batch-32
     decode steps of ~6 ms (dev EPYC, 2026-12-03), none with the heap frozen. vLLM freezes its
-    engine process's heap after start-up; here the process is the user's, so nothing stays frozen
+    server's heap once, after start-up (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``); here the
+    process is the user's, so nothing stays frozen
     between calls (a frozen cycle would never be collected). Threads stepping at once share one
     freeze, undone when the last of them is out. ``enabled=False`` (the caller froze the heap
     itself, :func:`_caller_froze_heap`): nothing is done, so that freeze is left as it is."""
