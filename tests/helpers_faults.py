@@ -21,7 +21,7 @@ FAULT_POINTS = [
     ("block allocation", BlockManager, "grow"),
     ("input preparation", ModelRunner, "prepare_input"),
     ("forward", ModelRunner, "forward_logits"),
-    ("sampling", Sampler, "__call__"),
+    ("sampling", Sampler, ("__call__", "greedy_token_ids")),  # the general path, a plain greedy batch's
     ("postprocess", Scheduler, "update_from_output"),
     ("block registration", BlockManager, "register_computed_blocks"),
     ("stop checks", Scheduler, "finish"),
@@ -52,14 +52,17 @@ DRAFT_FAULT_NAMES = [name for name, _, _ in DRAFT_FAULT_POINTS]
 
 
 class Fault:
-    """Raise ``exc`` from the ``at``-th call (0-based) of the named fault point, once."""
+    """Raise ``exc`` from the ``at``-th call (0-based) of the named fault point, once. A point may
+    name several attributes (one place reached by different paths): their calls count together."""
 
     def __init__(self, monkeypatch, name: str, at: int = 0, exc: type[BaseException] = KeyboardInterrupt):
-        owner, attr = next((o, a) for n, o, a in FAULT_POINTS + OPTION_FAULT_POINTS + DRAFT_FAULT_POINTS
-                           if n == name)
-        original = getattr(owner, attr)
+        owner, attrs = next((o, a) for n, o, a in FAULT_POINTS + OPTION_FAULT_POINTS + DRAFT_FAULT_POINTS
+                            if n == name)
         self.calls, self.fired = 0, False
+        for attr in (attrs,) if isinstance(attrs, str) else attrs:
+            monkeypatch.setattr(owner, attr, self._faulty(getattr(owner, attr), name, at, exc))
 
+    def _faulty(self, original, name, at, exc):
         @functools.wraps(original)
         def faulty(*args, **kwargs):
             if not self.fired and self.calls == at:
@@ -68,4 +71,4 @@ class Fault:
             self.calls += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(owner, attr, faulty)
+        return faulty

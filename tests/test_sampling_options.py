@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_engine import generate_spying_logits, make_llm, prompts_of
+from helpers_engine import generate_spying_logits, greedy, make_llm, prompts_of
 from minivllm import SamplingParams
 from minivllm.engine.output_processor import find_stop
 from minivllm.layers.logits_processors import banned_by_bad_words
@@ -288,3 +288,24 @@ def test_clone_copies_every_list_and_dict_and_keeps_the_derived_fields():
     assert params.max_tokens == 16
     with pytest.raises(ValueError, match="max_tokens"):
         twin.max_tokens = 0
+
+
+def test_a_sampler_put_in_the_stock_ones_place_sees_greedy_batches_too(tiny_ckpt):
+    """Plain greedy CPU batches skip the sampler call (numpy fast path), but only the stock
+    Sampler's: a callable a caller puts in its place (a notebook's logits tap) is called every
+    step, and its tokens are the ones emitted."""
+    llm = make_llm(tiny_ckpt)
+    runner = llm.llm_engine.runner
+    stock, seen = runner.sampler, []
+
+    def tap(logits, batch):
+        seen.append(logits.shape[0])
+        return stock(logits, batch)
+
+    want = llm.generate(prompts_of([5, 7]), greedy(4), use_tqdm=False)
+    runner.sampler = tap
+    got = llm.generate(prompts_of([5, 7]), greedy(4), use_tqdm=False)
+    assert len(seen) >= 4 and [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    runner.sampler = lambda logits, batch: torch.full((logits.shape[0],), 3, dtype=torch.long)
+    assert all(o.outputs[0].token_ids == [3, 3] for o in llm.generate(prompts_of([4, 6]), greedy(2), use_tqdm=False))
+    llm.shutdown()

@@ -784,7 +784,10 @@ class ModelRunner:
                 batch = self.sampling_batch(inp.sampling_seqs, plan.all_plain_greedy)
                 processed = self.logprobs_mode.startswith("processed")
                 batch.keep_processed = processed and batch.num_logprobs is not None
-                tokens = self.sampler.greedy_token_ids(logits, batch)  # a plain greedy CPU batch, or None
+                # A plain greedy CPU batch's ids without torch calls; a sampler a caller put in the
+                # stock one's place (a notebook's logits tap, tensor parallelism's vocabulary mask)
+                # is always called.
+                tokens = self.sampler.greedy_token_ids(logits, batch) if isinstance(self.sampler, Sampler) else None
                 if tokens is None:
                     sampled = self.sampler(logits, batch)
                     # A row with NaN/inf logits samples garbage (argmax of NaN): mark it -1. A row's
