@@ -380,6 +380,14 @@ def test_sweep_cli_writes_the_roofline_html_only_when_asked(tiny_ckpt, tmp_path,
     assert "--html PATH writes it" in capsys.readouterr().out
     res = bench.run_cli(args + ["--html", "out/roof.html"], peak_kwargs=PEAKS)
     assert res["sweep"].html == "out/roof.html" and (cwd / "out" / "roof.html").exists()
+    res = bench.run_cli(args + ["--context-len", "24"], peak_kwargs=PEAKS)  # the decode rows' context
+    assert [p["context_len"] for p in res["sweep"].decode] == [24]
+    assert "decode sweep (context 24 tokens)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="context_len=0"):
+        bench.run_cli(args + ["--context-len", "0"], peak_kwargs=PEAKS)
+    capsys.readouterr()
+    assert bench.main(["--sweep", "--batch-sizes", "0", "--threads", "1"]) == 2  # before any engine is built
+    assert "error: batch_sizes=[0]: each must be at least 1" in capsys.readouterr().err
 
 
 def test_weights_line_says_what_it_counts():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--html", default=None, metavar="PATH",
                    help="write --sweep's roofline chart (plotly HTML) to PATH; without it no file is written")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="for --sweep / --overhead")
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="for --sweep")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="for --sweep: the prefill rows' prompt lengths")
+    p.add_argument("--context-len", type=int, default=None,
+                   help="for --sweep: the decode rows' prompt length in tokens (default 128)")
     p.add_argument("--overhead", action="store_true", help="engine overhead with the model stubbed out")
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps for --sweep / --overhead")
     p.add_argument("--threads", default="auto",
@@ -89,8 +92,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m minivllm bench``: prints the results, returns exit status 0."""
-    run_cli(argv)
+    """Entry point of ``python -m minivllm bench``: prints the results, returns exit status 0; a bad
+    argument (a ``ValueError`` naming it) is printed as ``error: ...`` with exit status 2."""
+    try:
+        run_cli(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -128,6 +136,8 @@ def _run_modes(args, log, peak_kwargs) -> dict:
     results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "loadavg": loadavg()}
     if args.sweep:
         kw = {"decode_steps": args.decode_steps} if args.decode_steps else {}
+        if args.context_len is not None:
+            kw["context_len"] = args.context_len
         results["sweep"] = run_sweep(args.model, batch_sizes=args.batch_sizes, prompt_lens=args.prompt_lens,
                                      html=args.html, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw,
                                      **engine_args)

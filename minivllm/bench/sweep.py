@@ -57,10 +57,18 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
     Writes a plotly roofline to ``html`` if given. ``peak_kwargs`` go to ``measure_peaks``.
 
     Raises:
-        ValueError: ``context_len`` plus the steps does not fit the model's length.
+        ValueError: ``context_len``, a batch size or a prompt length below 1, or ``context_len`` with
+            the steps not fitting the model's length.
     """
     from minivllm.sampling_params import SamplingParams
     from minivllm.telemetry.roofline import arithmetic_intensity, fill_step_record
+
+    if context_len < 1:
+        raise ValueError(f"context_len={context_len}: a decode row needs a prompt of at least one token")
+    if batch_sizes is not None and any(b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes={list(batch_sizes)}: each must be at least 1")
+    if prompt_lens is not None and any(n < 1 for n in prompt_lens):
+        raise ValueError(f"prompt_lens={list(prompt_lens)}: each must be at least 1")
 
     cuda = wants_cuda(engine_args)
     batch_sizes = list(batch_sizes or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 2, 4, 8, 16, 32]))
