@@ -1,12 +1,13 @@
 """Time CPU linears on this machine: F.linear (MKL), oneDNN prepacked (1-row and 8-row layouts)
-and minivllm's panel GEMM, on the shapes of Qwen3-0.6B's layers.
+and minivllm's panel GEMM (float32 panels, and 16-bit panels of the same weights rounded to
+bfloat16 / float16 as a 16-bit checkpoint holds them), on the shapes of Qwen3-0.6B's layers.
 
     python scripts/probe_cpu_gemm.py [--threads 1] [--cold-mib 176]
 
 Two tables. Decode: the four linears of one layer (qkv 1024->4096, o 2048->1024, gate_up
 1024->6144, down 3072->1024), over enough copies of their weights to exceed the CPU's caches,
 so every call reads its weight from memory as an engine step does; milliseconds per pass over
-all copies (median of 7) and the weight bytes read per second. Prefill: one layer's qkv and down
+all copies (median of 7) and the weight bytes read per second (16-bit panels read 2 bytes a weight). Prefill: one layer's qkv and down
 shapes at 64-512 rows, cache-resident, GFLOP/s (median of 5). The figures in
 ``minivllm/layers/cpu_gemm.py`` came from this script.
 """
@@ -28,14 +29,19 @@ LAYER = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]  # (in, out)
 
 
 def paths(w: torch.Tensor) -> dict:
-    """name -> (packed weight, call(x, packed))."""
-    out = {"F.linear (MKL)": (w, F.linear)}
+    """name -> (packed weight, call(x, packed), bytes read per weight)."""
+    out = {"F.linear (MKL)": (w, F.linear, 4)}
     for hint in (1, 8):
         out[f"oneDNN {hint}-row layout"] = (torch.ops.mkldnn._reorder_linear_weight(w, hint),
-                                           lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+                                           lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+                                           4)
     gemm = cpu_gemm.load()
     if gemm is not None:
-        out["panel GEMM"] = (cpu_gemm.pack_panels(w), gemm)
+        out["panel GEMM"] = (cpu_gemm.pack_panels(w), gemm, 4)
+        for dtype in (torch.bfloat16, torch.float16):
+            if dtype in gemm.panel_dtypes:  # the weight's values rounded to dtype, as a checkpoint holds them
+                name = f"panels {str(dtype).removeprefix('torch.')}"
+                out[name] = (cpu_gemm.pack_panels(w.to(dtype).float(), dtype), gemm, 2)
     return out
 
 
@@ -55,9 +61,11 @@ def decode_table(cold_bytes: int, rows_list: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for _ in range(copies) for i, o in LAYER]
     per_path: dict[str, list] = {}
+    width: dict[str, int] = {}
     for w in weights:
-        for name, pair in paths(w).items():
-            per_path.setdefault(name, []).append(pair)
+        for name, (p, call, nbytes) in paths(w).items():
+            per_path.setdefault(name, []).append((p, call))
+            width[name] = nbytes
     del weights
     total = copies * layer_bytes
     print(f"\nDecode: {len(LAYER)} linears of one Qwen3-0.6B layer x {copies} copies ({total / 2**20:.0f} MiB), "
@@ -72,7 +80,7 @@ def decode_table(cold_bytes: int, rows_list: list[int]) -> None:
                     k = p.shape[1]
                     call(xs[k], p)
             s = median_seconds(one_pass, 7)
-            cells.append(f"{s * 1e3:9.2f} ms {total / s / 1e9:5.1f} GB/s")
+            cells.append(f"{s * 1e3:9.2f} ms {total * width[name] / 4 / s / 1e9:5.1f} GB/s")
         print(f"{rows:5d}  " + "  ".join(f"{c:>24s}" for c in cells))
 
 
@@ -84,7 +92,7 @@ def prefill_table(rows_list: list[int]) -> None:
         for rows in rows_list:
             x = torch.randn(rows, i, generator=gen)
             cells = []
-            for name, (p, call) in paths(w).items():
+            for name, (p, call, _) in paths(w).items():
                 s = median_seconds(lambda: call(x, p), 5)
                 cells.append(f"{name} {2 * rows * i * o / s / 1e9:5.1f}")
             print(f"  {i}->{o} x {rows:3d} rows: " + ", ".join(cells))

@@ -338,7 +338,8 @@ class EngineStepper(CourseWidget):
         from minivllm.telemetry.roofline import ModelCost, fill_step_record
 
         if self._cost is None:
-            self._cost = ModelCost.from_config(self.engine.source.hf_config, dtype=self.engine.config.dtype)
+            self._cost = ModelCost.from_config(self.engine.source.hf_config, dtype=self.engine.config.dtype,
+                                               weight_storage=getattr(self.engine, "weight_storage", None))
         if self._peaks is None:
             self._peaks = get_peaks(self.engine.config.device, self.engine.config.dtype)
         fill_step_record(record, self._cost, self._peaks)

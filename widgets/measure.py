@@ -80,7 +80,8 @@ def _roofline(engine, record, row: dict) -> None:
 
     if record.mfu is None:
         if engine not in _cost_cache:
-            _cost_cache[engine] = (ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype),
+            _cost_cache[engine] = (ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype,
+                                                         weight_storage=getattr(engine, "weight_storage", None)),
                                 get_peaks(engine.config.device, engine.config.dtype))
         cost, peaks = _cost_cache[engine]
         fill_step_record(record, cost, peaks)

@@ -99,7 +99,8 @@ class UtilisationMonitor(CourseWidget):
         if engine.has_unfinished_requests():
             self.readout.value = "<div class='mv-box' style='color:#b00'>the engine is busy; reset it first</div>"
             return []
-        cost = ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype)
+        cost = ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype,
+                                     weight_storage=getattr(engine, "weight_storage", None))
         peaks = self.peaks
         rng = random.Random(0)
         engine.reset_prefix_cache()

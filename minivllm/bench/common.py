@@ -78,7 +78,8 @@ def cost_and_peaks(engine, log=None, peak_kwargs: dict | None = None):
 
     cost = ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype,
                                  quantization=getattr(engine.args, "quantization", None),
-                                 quantize_lm_head=getattr(engine.args, "quantize_lm_head", True))
+                                 quantize_lm_head=getattr(engine.args, "quantize_lm_head", True),
+                                 weight_storage=getattr(engine, "weight_storage", None))
     peaks = get_peaks(engine.config.device, engine.config.dtype, refresh=True, **(peak_kwargs or {}))
     if log is not None and engine.config.device.type == "cpu" and hasattr(os, "getloadavg"):
         load, cores = os.getloadavg()[0], os.cpu_count() or 1

@@ -97,11 +97,17 @@ def weights_summary(cost: dict, dtype: str) -> str:
     body, head = cost["body_weight_bytes"], cost["lm_head_bytes"]
     embed = cost["embedding_params"] * cost["weight_bytes"]
     int8_head = cost.get("quantization") == "int8" and cost.get("quantize_lm_head", True)
-    shared = cost["tie_word_embeddings"] and not int8_head  # one matrix serves as embedding and LM head
+    narrow = {cost.get("matmul_weight_bytes"), cost.get("lm_head_weight_bytes")} - {None, cost["weight_bytes"]}
+    narrow_head = not int8_head and cost.get("lm_head_weight_bytes") not in (None, cost["weight_bytes"])
+    shared = cost["tie_word_embeddings"] and not int8_head and not narrow_head  # one matrix, two roles
     total = body + head + (0 if shared else embed)
     quant = f", {cost['quantization']} layers" if cost.get("quantization") else ""
+    if narrow and not cost.get("quantization"):  # 16-bit panels (minivllm.layers.cpu_gemm)
+        quant = ", linear weights held in 16 bits (the checkpoint's values, exactly)"
     if shared:
         embedding = "embedding tied to the LM head, counted once"
+    elif narrow_head and cost["tie_word_embeddings"]:
+        embedding = f"{dtype} embedding plus the 16-bit copy of it that serves as LM head"
     elif cost["tie_word_embeddings"]:
         embedding = "float embedding plus the int8 copy of it that serves as LM head"
     else:

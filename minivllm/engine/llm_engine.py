@@ -159,9 +159,12 @@ class LLMEngine:
         self.parents = ParentRequests()  # requests with n > 1
         # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
         # once peaks are measured (``measure_peaks``), since that takes a moment.
+        #: bytes per element of the linears' weights as held (16-bit panels: 2), or None
+        self.weight_storage = self._weight_storage()
         self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size,  # per rank
                                                 quantization=args.quantization,
-                                                quantize_lm_head=args.quantize_lm_head)
+                                                quantize_lm_head=args.quantize_lm_head,
+                                                weight_storage=self.weight_storage)
         self.peaks: Peaks | None = None
         logger.info("minivllm engine: model=%s device=%s dtype=%s attention_backend=%s block_size=%d "
                     "kv_blocks=%d max_model_len=%d max_num_batched_tokens=%d", self.source.name, device,
@@ -472,6 +475,14 @@ class LLMEngine:
         with self._lock:
             outputs = self.step()
             return StepResult(outputs, self.last_step_record)
+
+    def _weight_storage(self) -> tuple[float, float] | None:
+        """:func:`~minivllm.layers.prepack.matmul_bytes_per_weight` of this process's model (a
+        tensor-parallel engine's other ranks hold their shards the same way), ``None`` without one."""
+        from minivllm.layers.prepack import matmul_bytes_per_weight
+
+        model = getattr(self.runner, "model", None)
+        return matmul_bytes_per_weight(model) if isinstance(model, torch.nn.Module) else None
 
     def _engine_generator(self):
         sampler = getattr(self.runner, "sampler", None)

@@ -23,9 +23,20 @@ The C code splits the panels over ``torch.get_num_threads()`` threads of its own
 pool that polls briefly between calls, then sleeps; see the source for why).
 
 A weight ``[N, K]`` (``N`` a multiple of 16) is stored as panels ``[N / 16, K, 16]``
-(:func:`pack_panels`): a 3-D float32 tensor in a linear layer's ``weight`` means this layout, and
-:func:`unpack_panels` gives back the plain weight. Packing replaces the weight (no second copy).
+(:func:`pack_panels`): a 3-D tensor in a linear layer's ``weight`` means this layout, and
+:func:`unpack_panels` gives back the plain float32 weight. Packing replaces the weight (no second copy).
 ``MINIVLLM_CPU_GEMM=0`` (read when an engine packs its weights) leaves the layers to oneDNN.
+
+16-bit panels. A float32 weight whose every value is a float16 (or a bfloat16) value, as when a
+checkpoint stored in that type is loaded into a float32 model, is held in that type
+(:func:`compact_dtype`): the kernel widens each value back to the same float32 as it loads it
+(exact), multiplies in float32 as before, and reads half the bytes. Same results bit for bit;
+half the memory. Measured on the dev EPYC (Zen 4, AVX-512, one thread, 2026-12-03, medians of
+interleaved passes): the embedded model's linears (float16 checkpoint) at 1 / 4 / 32 rows took
+0.69 / 0.66 / 0.94x the float32 panels' time; Qwen3-0.6B layer shapes streamed from memory at
+1 / 4 / 8 rows 0.61 / 0.62 / 0.60x (float16) and 0.65 / 0.64 / 0.58x (bfloat16), level at 32 rows
+(``python scripts/probe_cpu_gemm.py`` compares them). ``MINIVLLM_PANELS_16BIT=0`` (read when
+weights are packed) keeps every panel in float32.
 """
 from __future__ import annotations
 
@@ -37,12 +48,16 @@ import torch
 from minivllm.layers.cpu_graph import launch
 from minivllm.layers.native_build import NativeLibrary
 
-__all__ = ["PanelGemm", "describe", "is_panels", "load", "pack_panels", "packable", "unavailable_reason", "unpack_panels"]
+__all__ = ["PanelGemm", "compact_dtype", "describe", "is_panels", "load", "pack_panels", "packable",
+           "unavailable_reason", "unpack_panels"]
 
 SOURCE = Path(__file__).with_name("csrc") / "panel_gemm_f32.c"
 ENV_SWITCH = "MINIVLLM_CPU_GEMM"
+ENV_16BIT = "MINIVLLM_PANELS_16BIT"
 PANEL = 16  # output columns per panel (the kernel's NR)
 F32 = torch.float32
+#: panel dtype -> the kernel's weight-type code (WT_* in the C source)
+_WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: below this many multiply-adds per extra thread, waking another thread (a few microseconds) costs
 #: more than it saves
 MIN_MACS_PER_THREAD = 1 << 18
@@ -83,23 +98,52 @@ def packable(weight: torch.Tensor) -> bool:
             and weight.shape[0] % PANEL == 0)
 
 
+def compact_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype that holds every value of float32 ``weight`` exactly (float16 first: its
+    widening is one instruction), or ``None`` (some value needs float32, the loaded GEMM does not
+    take the type, or ``MINIVLLM_PANELS_16BIT=0``). Reads the weight once or twice."""
+    import os
+
+    gemm = loaded() or load()
+    if gemm is None or weight.dtype != F32 or os.environ.get(ENV_16BIT, "1").strip() == "0":
+        return None
+    w = weight.detach()
+    for dtype in (torch.float16, torch.bfloat16):
+        if dtype not in gemm.panel_dtypes:
+            continue
+        if dtype == torch.bfloat16:  # a bfloat16 value is a float32 whose low 16 bits are zero
+            exact = not bool((w.view(torch.int32) & 0xFFFF).any())
+        else:  # (NaN != NaN: a weight holding NaN stays float32, which is fine)
+            exact = torch.equal(w.to(dtype).to(F32), w)
+        if exact:
+            return dtype
+    return None
+
+
 def is_panels(t: torch.Tensor) -> bool:
     """``t`` has the panel layout's shape ``[N / 16, K, 16]`` (a linear layer's weight is 2-D
     otherwise, so in a weight this shape means panels)."""
     return not t.is_mkldnn and t.dim() == 3 and t.shape[2] == PANEL
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` (float32, CPU, ``N % 16 == 0``) -> panels ``[N / 16, K, 16]``, contiguous:
-    ``panels[b, k, j] == weight[16 * b + j, k]`` (a new allocation)."""
+def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:
+    """``weight [N, K]`` (float32, CPU, ``N % 16 == 0``) -> panels ``[N / 16, K, 16]`` in ``dtype``,
+    contiguous: ``panels[b, k, j] == weight[16 * b + j, k]`` (a new allocation). A 16-bit ``dtype``
+    should come from :func:`compact_dtype` (else values are rounded: the results change).
+
+    Raises:
+        ValueError: ``dtype`` is not float32, float16 or bfloat16."""
+    if dtype not in _WEIGHT_TYPES:
+        raise ValueError(f"panels hold float32, float16 or bfloat16 values, not {dtype}")
     n, k = weight.shape
-    return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).to(dtype).contiguous()
 
 
 def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
-    """Panels ``[N / 16, K, 16]`` -> the plain weight ``[N, K]`` (a new allocation)."""
+    """Panels ``[N / 16, K, 16]`` -> the plain float32 weight ``[N, K]`` (a new allocation; 16-bit
+    panels widened, exactly)."""
     nb, k, nr = panels.shape
-    return panels.transpose(1, 2).reshape(nb * nr, k)
+    return panels.transpose(1, 2).reshape(nb * nr, k).to(F32)
 
 
 class PanelGemm:
@@ -107,17 +151,20 @@ class PanelGemm:
 
     def __init__(self, lib: ctypes.CDLL):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn = lib.panel_gemm_parallel_f32
-        self._fn.argtypes = [p, i64, p, p, i64, i64, p, i64, i64, ctypes.c_int]
+        self._fn = lib.panel_gemm_parallel_w
+        self._fn.argtypes = [ctypes.c_int, p, i64, p, p, i64, i64, p, i64, i64, ctypes.c_int]
         self._fn.restype = None
+        lib.panel_gemm_has_f16.restype = ctypes.c_int
+        #: the dtypes panels may hold: float16 where this build widens it in hardware (x86 F16C)
+        self.panel_dtypes = frozenset(dt for dt in _WEIGHT_TYPES
+                                      if dt != torch.float16 or lib.panel_gemm_has_f16())
 
-    @staticmethod
-    def takes(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def takes(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Float32 CPU ``x [..., K]`` (``K >= 1``) with unit stride along ``K`` and contiguous CPU
-        panels of that ``K``, neither needing gradients (the C code records no autograd graph),
-        a contiguous float32 bias ``[N]`` or none."""
+        panels of that ``K`` in a dtype of :attr:`panel_dtypes`, neither needing gradients (the C
+        code records no autograd graph), a contiguous float32 bias ``[N]`` or none."""
         if (x.dtype is not F32 or not x.is_cpu or x.requires_grad or x.dim() == 0 or x.stride(-1) != 1
-                or panels.dtype is not F32 or not panels.is_cpu or panels.requires_grad or not is_panels(panels)
+                or panels.dtype not in self.panel_dtypes or not panels.is_cpu or panels.requires_grad or not is_panels(panels)
                 or x.shape[-1] != panels.shape[1] or x.shape[-1] == 0 or not panels.is_contiguous()):
             return False
         return bias is None or (bias.dtype is F32 and bias.is_cpu and bias.is_contiguous()
@@ -125,7 +172,7 @@ class PanelGemm:
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., K] @ W.T (+ bias)`` -> float32 ``[..., N]`` for ``W`` held as ``panels``
-        ``[N / 16, K, 16]``, split over ``torch.get_num_threads()`` threads by panels when the
+        ``[N / 16, K, 16]`` (float32, or 16-bit values widened to float32 as they are read), split over ``torch.get_num_threads()`` threads by panels when the
         work is large enough.
 
         Raises:
@@ -133,7 +180,8 @@ class PanelGemm:
         """
         if not self.takes(x, panels, bias):
             raise ValueError(f"panel GEMM: x {x.dtype} {tuple(x.shape)} on {x.device}, panels {panels.dtype} "
-                             f"{tuple(panels.shape)}: needs float32 CPU tensors, x [..., K] with unit stride "
+                             f"{tuple(panels.shape)}: needs float32 CPU tensors (panels: one of "
+                             f"{sorted(str(d) for d in self.panel_dtypes)}), x [..., K] with unit stride "
                              f"along K, contiguous panels [N/16, K, 16], no gradients")
         return self.run(x, panels, bias)
 
@@ -150,9 +198,10 @@ class PanelGemm:
             # returns when all are written, so an interrupt can only arrive after the call
             rows = min(m, ROWS_PER_CALL)
             parts = max(1, min(torch.get_num_threads(), nb, rows * n * k // MIN_MACS_PER_THREAD))
+            wt = _WEIGHT_TYPES[panels.dtype]
             xp, stride, pp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr()
             bp, yp = bias.data_ptr() if bias is not None else None, y.data_ptr()
             for r0 in range(0, m, rows):  # one call for a decode step; a prefill's rows in L2-sized chunks
-                launch(self._fn, xp + r0 * stride * 4, stride, pp, bp, min(rows, m - r0), k, yp + r0 * n * 4, n, nb,
+                launch(self._fn, wt, xp + r0 * stride * 4, stride, pp, bp, min(rows, m - r0), k, yp + r0 * n * 4, n, nb,
                        parts)
         return y if flat else y.reshape(*x.shape[:-1], n)

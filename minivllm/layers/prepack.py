@@ -6,7 +6,8 @@ decode step (measured on a 2-core EPYC: 1024 -> 3072 at 4 rows 2.3 ms vs 0.48 ms
 
 * float32 weights with a multiple of 16 output features: panels ``[N / 16, K, 16]`` for our C
   kernel (:mod:`minivllm.layers.cpu_gemm`), which keeps a decode step of a few rows at about the
-  cost of one (figures there);
+  cost of one (figures there); held in float16 or bfloat16 when every value of the weight is one
+  (a checkpoint stored in 16 bits), which halves the bytes a step reads and changes no result;
 * otherwise (bf16, no C compiler, ``MINIVLLM_CPU_GEMM=0``): oneDNN, the weight reordered once with
   ``torch.ops.mkldnn._reorder_linear_weight`` into its blocked layout (an ``mkldnn`` tensor of
   logical shape ``[out, in]``) and multiplied with ``torch.ops.mkldnn._linear_pointwise``, the pair
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -77,12 +79,13 @@ def _to_panels(weight: torch.Tensor) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` (dense, CPU) -> a packed copy (a new allocation): panels
-    ``[out / 16, in, 16]`` for the panel GEMM when :func:`panels_available` and ``out % 16 == 0``;
+    ``[out / 16, in, 16]`` for the panel GEMM when :func:`panels_available` and ``out % 16 == 0``
+    (in float16 / bfloat16 when that holds every value exactly: :func:`cpu_gemm.compact_dtype`);
     else oneDNN's blocked layout (an ``mkldnn`` tensor of logical shape ``[out, in]``), laid out
     for one row when the weight is larger than ``_STREAMED_BYTES`` (read from memory every step),
     else for 8 rows (see the measurements above)."""
     if _to_panels(weight):
-        return cpu_gemm.pack_panels(weight)
+        return cpu_gemm.pack_panels(weight, cpu_gemm.compact_dtype(weight) or torch.float32)
     big = weight.numel() * weight.element_size() > _STREAMED_BYTES
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _HINT_STREAMED if big else _HINT_CACHED)
 
@@ -197,13 +200,17 @@ def process_weights_after_loading(model: nn.Module) -> None:
         return  # GPU linears: cuBLAS/hipBLAS already handle small batches
     shared = shared_parameter_ids(model)
     counts = {"panels": 0, "onednn": 0, "plain": 0}
+    compact: dict[str, int] = {}  # 16-bit panel dtype -> layers
     for m in modules:
         m.pack_weights(shared=id(m.weight) in shared)
         w = m.matmul_weight
         counts["panels" if cpu_gemm.is_panels(w) else "onednn" if w.is_mkldnn else "plain"] += 1
+        if cpu_gemm.is_panels(w) and w.dtype != torch.float32:
+            compact[str(w.dtype).removeprefix("torch.")] = compact.get(str(w.dtype).removeprefix("torch."), 0) + 1
     parts = []
     if counts["panels"]:
-        parts.append(f"{counts['panels']} through our {cpu_gemm.describe()}")
+        held = "".join(f", {n} of them holding their values in {dt} (exactly)" for dt, n in sorted(compact.items()))
+        parts.append(f"{counts['panels']} through our {cpu_gemm.describe()}{held}")
     if counts["onednn"]:
         parts.append(f"{counts['onednn']} through oneDNN prepacked weights")
     if counts["plain"]:
@@ -215,6 +222,29 @@ def process_weights_after_loading(model: nn.Module) -> None:
     if counts["plain"]:
         why += [f"oneDNN unavailable: {r}" for r in sorted({onednn_unavailable_reason(dt) for dt in dtypes} - {None})]
     logger.info("CPU linears: %s%s", ", ".join(parts), f" ({'; '.join(why)})" if why else "")
+
+
+def matmul_bytes_per_weight(model: nn.Module) -> tuple[float, float] | None:
+    """Bytes per element of the weights the linears multiply by, as held (packed 16-bit panels: 2),
+    averaged over ``(the decoder layers' linears, the LM head)`` by element count; ``None`` for
+    a model with no such linear on the CPU. For the roofline's bytes moved
+    (:class:`minivllm.telemetry.roofline.ModelCost`); int8 layers are left to its own formula."""
+    body = [0, 0]  # bytes, elements
+    head = [0, 0]
+    for name, m in model.named_modules():
+        if not hasattr(m, "pack_weights") or getattr(m, "int8", None) is not None:
+            continue
+        w = m.matmul_weight
+        if w.device.type != "cpu":
+            return None
+        numel = w.numel() if not w.is_mkldnn else math.prod(w.shape)
+        acc = head if name.split(".")[-1] == "lm_head" else body
+        acc[0] += numel * w.element_size()
+        acc[1] += numel
+    if not body[1] and not head[1]:
+        return None
+    per = [b / n if n else 0.0 for b, n in (body, head)]
+    return per[0] or per[1], per[1] or per[0]
 
 
 def unpack_weights(model: nn.Module) -> None:

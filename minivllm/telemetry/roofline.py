@@ -108,6 +108,10 @@ class ModelCost:
             channel (:mod:`minivllm.quantization.int8`); norms, biases and the embedding
             rows stay at ``weight_bytes``.
         quantize_lm_head: whether the LM head is int8 under ``quantization="int8"``.
+        matmul_weight_bytes / lm_head_weight_bytes: bytes per element of the layers' matmul
+            weights / the LM head as the engine holds them, where that differs from
+            ``weight_bytes`` (a float32 model whose weights are float16 values keeps them in
+            16-bit panels on the CPU: 2); ``None``: ``weight_bytes``. Unused under int8.
     """
 
     hidden_size: int
@@ -124,6 +128,8 @@ class ModelCost:
     tp_size: int = 1
     quantization: str | None = None
     quantize_lm_head: bool = True
+    matmul_weight_bytes: float | None = None
+    lm_head_weight_bytes: float | None = None
 
     @classmethod
     def from_config(
@@ -134,11 +140,14 @@ class ModelCost:
         kv_dtype: Any = None,
         quantization: str | None = None,
         quantize_lm_head: bool = True,
+        weight_storage: tuple[float, float] | None = None,
     ) -> "ModelCost":
         """Build from a ``transformers`` Qwen3 config (or any object / dict with
         the same attribute names). ``dtype``: weight dtype (torch dtype, name or
         byte count); ``kv_dtype`` defaults to ``dtype``; ``quantization`` /
-        ``quantize_lm_head``: as the engine arguments of the same names.
+        ``quantize_lm_head``: as the engine arguments of the same names; ``weight_storage``:
+        bytes per element of the layers' matmul weights and of the LM head as held, if not
+        ``dtype``'s (:func:`minivllm.layers.prepack.matmul_bytes_per_weight`).
 
         Raises:
             ValueError: a bad tp_size, config value or quantization (names it)."""
@@ -178,6 +187,8 @@ class ModelCost:
             tp_size=tp_size,
             quantization=quantization,
             quantize_lm_head=bool(quantize_lm_head),
+            matmul_weight_bytes=None if weight_storage is None else float(weight_storage[0]),
+            lm_head_weight_bytes=None if weight_storage is None else float(weight_storage[1]),
         )
 
     # --- parameter counts (elements, per rank) ---
@@ -229,7 +240,11 @@ class ModelCost:
         """Bytes of the decoder layers + final norm, read once by every step. With int8:
         ``L * ((matmul weights) * 1 + output_channels * 4 + biases * weight_bytes) + norms * weight_bytes``."""
         if self.quantization != "int8":
-            return (self.matmul_params + self.norm_params) * self.weight_bytes
+            if self.matmul_weight_bytes is None:
+                return (self.matmul_params + self.norm_params) * self.weight_bytes
+            bias = self.num_layers * self.layer_bias_params  # biases are not packed
+            return round((self.matmul_params - bias) * self.matmul_weight_bytes) \
+                + (bias + self.norm_params) * self.weight_bytes
         from minivllm.quantization.int8 import SCALE_BYTES
 
         bias = self.layer_bias_params
@@ -245,6 +260,8 @@ class ModelCost:
             from minivllm.quantization.int8 import SCALE_BYTES
 
             return self.lm_head_params + self.vocab_size * SCALE_BYTES
+        if self.lm_head_weight_bytes is not None:
+            return round(self.lm_head_params * self.lm_head_weight_bytes)
         return self.lm_head_params * self.weight_bytes
 
     @property

@@ -30,6 +30,7 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 #define NR 16     /* output columns per panel */
 #define MR 6      /* rows of x per pass over a panel chunk */
 #define KC 256    /* k values per chunk (16 KiB of panel) */
+#define WSIZE(wt) ((wt) == WT_F32 ? 4 : 2)
 #define PF 128    /* prefetch distance in k: 8 KiB ahead in the panel stream (4 KiB read 11-12 GB/s at one row, 8 KiB 13-15) */
 /* Software prefetch only in passes of at least PF_MIN_ROWS rows. On the AVX-512 Zen 4 dev EPYC
    (2026-12-03, one thread, 180 MiB of Qwen3-0.6B layer weights) the hardware prefetcher alone
@@ -44,6 +45,46 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 
 static inline v8 splat(float s) { v8 v = {s, s, s, s, s, s, s, s}; return v; }
 
+/* Weight types: the panels hold float32 (WT_F32), or the 16-bit values a checkpoint stored, widened
+   to float32 exactly as they are loaded (WT_F16: IEEE half; WT_BF16: bfloat16, the top half of a
+   float32). The arithmetic is float32 either way, so a weight that round-trips through the 16-bit
+   type gives the same bits as its float32 panel; a decode step reads half the bytes. `wt` is a
+   constant after inlining. */
+#define WT_F32 0
+#define WT_F16 1
+#define WT_BF16 2
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+/* Half floats widen in one instruction with F16C (x86: vcvtph2ps; GCC 12 turned a vector
+   conversion of _Float16 into a lane-by-lane call, 2x slower than float32 panels); elsewhere
+   the library makes no half-precision panels. */
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__F16C__)
+#define HAVE_F16 1
+#else
+#define HAVE_F16 0
+#endif
+
+static inline __attribute__((always_inline)) v8 load_w8(const int wt, const void *base, int64_t i) {
+#if HAVE_F16
+    if (wt == WT_F16)
+        return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+#endif
+    if (wt == WT_BF16) {  /* the bits of a float32 whose low half is zero */
+#if defined(__AVX2__)  /* (GCC 12 split the generic form into halves and an insert: 1.4x slower) */
+        return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))), 16);
+#else
+        return (v8)(__builtin_convertvector(*(const u16x8 *)((const uint16_t *)base + i), u32x8) << 16);
+#endif
+    }
+    return *(const v8 *)((const float *)base + i);
+}
+
+/* 1 when this build widens half-precision panels in hardware (else they are not made) */
+int panel_gemm_has_f16(void) { return HAVE_F16; }
+
 /* `rows` rows (1..MR) of x times a chunk of kc values of k of `g` adjacent panels (pc: the first
    panel's chunk; the next panel's is pstride floats on). rows and g are constants after inlining,
    and rows * g <= 6 keeps the 2 * rows * g accumulators within AVX2's 16 vector registers (with
@@ -51,8 +92,8 @@ static inline v8 splat(float s) { v8 v = {s, s, s, s, s, s, s, s}; return v; }
    memory operands or spills). The accumulators start from
    the bias (first chunk) or from y (later chunks). Reading g panels at once is g streams through
    memory: at one row, one stream read 14 GB/s, four 19 GB/s (dev EPYC, 300 MB weight). */
-static inline __attribute__((always_inline)) void panel_rows(const int rows, const int g, const float *x,
-        int64_t ldx, const float *pc, int64_t pstride, int64_t kc, const float *init, int64_t ld_init,
+static inline __attribute__((always_inline)) void panel_rows(const int wt, const int rows, const int g, const float *x,
+        int64_t ldx, const void *pc, int64_t pstride, int64_t kc, const float *init, int64_t ld_init,
         float *y, int64_t ldy) {
     v8 a0[MR][4], a1[MR][4];
     for (int r = 0; r < rows; r++)
@@ -68,11 +109,11 @@ static inline __attribute__((always_inline)) void panel_rows(const int rows, con
     for (int64_t k = 0; k < kc; k++) {
         v8 w0[4], w1[4];
         for (int j = 0; j < g; j++) {
-            const float *q = pc + j * pstride + k * NR;
+            const int64_t q = j * pstride + k * NR;
             if (rows >= PF_MIN_ROWS)  /* a constant after inlining */
-                __builtin_prefetch(q + PF * NR);
-            w0[j] = *(const v8 *)q;
-            w1[j] = *(const v8 *)(q + 8);
+                __builtin_prefetch((const char *)pc + (q + PF * NR) * WSIZE(wt));
+            w0[j] = load_w8(wt, pc, q);
+            w1[j] = load_w8(wt, pc, q + 8);
         }
         for (int r = 0; r < rows; r++) {
             v8 xb = splat(x[r * ldx + k]);
@@ -91,36 +132,37 @@ static inline __attribute__((always_inline)) void panel_rows(const int rows, con
 
 #if !defined(__AVX512F__)
 /* one chunk of k for all m rows of g (1, 2 or 4) adjacent panels */
-static void panel_chunk(int g, const float *x, int64_t ldx, const float *pc, int64_t pstride, int64_t m,
+static inline __attribute__((always_inline)) void panel_chunk(const int wt, int g, const float *x, int64_t ldx,
+        const void *pc, int64_t pstride, int64_t m,
                         int64_t kc, const float *init, int64_t ld_init, float *y, int64_t ldy) {
     if (g == 4) {  /* m == 1 */
-        panel_rows(1, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
+        panel_rows(wt, 1, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
         return;
     }
     if (g == 2) {  /* 2 <= m <= 6: rows in groups of 3 (the second group reads the two panels from cache;
                        at 8 rows, three groups measured slower than one panel at a time) */
         int64_t r = 0;
         for (; r + 3 <= m; r += 3)
-            panel_rows(3, 2, x + r * ldx, ldx, pc, pstride, kc, init ? init + r * ld_init : NULL, ld_init,
+            panel_rows(wt, 3, 2, x + r * ldx, ldx, pc, pstride, kc, init ? init + r * ld_init : NULL, ld_init,
                        y + r * ldy, ldy);
         const float *ir = init ? init + r * ld_init : NULL;
-        if (m - r == 2) panel_rows(2, 2, x + r * ldx, ldx, pc, pstride, kc, ir, ld_init, y + r * ldy, ldy);
-        else if (m - r == 1) panel_rows(1, 2, x + r * ldx, ldx, pc, pstride, kc, ir, ld_init, y + r * ldy, ldy);
+        if (m - r == 2) panel_rows(wt, 2, 2, x + r * ldx, ldx, pc, pstride, kc, ir, ld_init, y + r * ldy, ldy);
+        else if (m - r == 1) panel_rows(wt, 1, 2, x + r * ldx, ldx, pc, pstride, kc, ir, ld_init, y + r * ldy, ldy);
         return;
     }
     int64_t r = 0;
     for (; r + MR <= m; r += MR)
-        panel_rows(MR, 1, x + r * ldx, ldx, pc, pstride, kc, init ? init + r * ld_init : NULL, ld_init,
+        panel_rows(wt, MR, 1, x + r * ldx, ldx, pc, pstride, kc, init ? init + r * ld_init : NULL, ld_init,
                    y + r * ldy, ldy);
     const float *ir = init ? init + r * ld_init : NULL;
     const float *xr = x + r * ldx;
     float *yr = y + r * ldy;
     switch (m - r) {  /* the last 1-5 rows, each count its own unrolled code */
-        case 1: panel_rows(1, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
-        case 2: panel_rows(2, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
-        case 3: panel_rows(3, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
-        case 4: panel_rows(4, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
-        case 5: panel_rows(5, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        case 1: panel_rows(wt, 1, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        case 2: panel_rows(wt, 2, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        case 3: panel_rows(wt, 3, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        case 4: panel_rows(wt, 4, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
+        case 5: panel_rows(wt, 5, 1, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy); break;
         default: break;
     }
 }
@@ -140,8 +182,18 @@ typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 
 static inline v16 splat16(float s) { v16 v = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; return v; }
 
-static inline __attribute__((always_inline)) void panel_rows16(const int rows, const int g, const float *x,
-        int64_t ldx, const float *pc, int64_t pstride, int64_t kc, const float *init, int64_t ld_init,
+static inline __attribute__((always_inline)) v16 load_w16(const int wt, const void *base, int64_t i) {
+#if HAVE_F16
+    if (wt == WT_F16)
+        return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
+#endif
+    if (wt == WT_BF16)
+        return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))), 16);
+    return *(const v16 *)((const float *)base + i);
+}
+
+static inline __attribute__((always_inline)) void panel_rows16(const int wt, const int rows, const int g,
+        const float *x, int64_t ldx, const void *pc, int64_t pstride, int64_t kc, const float *init, int64_t ld_init,
         float *y, int64_t ldy) {
     v16 a[MR16][4];
     for (int r = 0; r < rows; r++)
@@ -150,10 +202,10 @@ static inline __attribute__((always_inline)) void panel_rows16(const int rows, c
     for (int64_t k = 0; k < kc; k++) {
         v16 w[4];
         for (int j = 0; j < g; j++) {
-            const float *q = pc + j * pstride + k * NR;
+            const int64_t q = j * pstride + k * NR;
             if (rows >= PF_MIN_ROWS)  /* a constant after inlining */
-                __builtin_prefetch(q + PF * NR);
-            w[j] = *(const v16 *)q;
+                __builtin_prefetch((const char *)pc + (q + PF * NR) * WSIZE(wt));
+            w[j] = load_w16(wt, pc, q);
         }
         for (int r = 0; r < rows; r++) {
             v16 xb = splat16(x[r * ldx + k]);
@@ -168,21 +220,22 @@ static inline __attribute__((always_inline)) void panel_rows16(const int rows, c
 
 /* case labels turning a row count (1 .. 6, 7 .. 12) into a compile-time constant */
 #define ROWS_1_6(G, ...) \
-    case 1: panel_rows16(1, G, __VA_ARGS__); break;  case 2: panel_rows16(2, G, __VA_ARGS__); break; \
-    case 3: panel_rows16(3, G, __VA_ARGS__); break;  case 4: panel_rows16(4, G, __VA_ARGS__); break; \
-    case 5: panel_rows16(5, G, __VA_ARGS__); break;  case 6: panel_rows16(6, G, __VA_ARGS__); break;
+    case 1: panel_rows16(wt, 1, G, __VA_ARGS__); break;  case 2: panel_rows16(wt, 2, G, __VA_ARGS__); break; \
+    case 3: panel_rows16(wt, 3, G, __VA_ARGS__); break;  case 4: panel_rows16(wt, 4, G, __VA_ARGS__); break; \
+    case 5: panel_rows16(wt, 5, G, __VA_ARGS__); break;  case 6: panel_rows16(wt, 6, G, __VA_ARGS__); break;
 #define ROWS_7_12(G, ...) \
-    case 7: panel_rows16(7, G, __VA_ARGS__); break;  case 8: panel_rows16(8, G, __VA_ARGS__); break; \
-    case 9: panel_rows16(9, G, __VA_ARGS__); break;  case 10: panel_rows16(10, G, __VA_ARGS__); break; \
-    case 11: panel_rows16(11, G, __VA_ARGS__); break; case 12: panel_rows16(12, G, __VA_ARGS__); break;
+    case 7: panel_rows16(wt, 7, G, __VA_ARGS__); break;  case 8: panel_rows16(wt, 8, G, __VA_ARGS__); break; \
+    case 9: panel_rows16(wt, 9, G, __VA_ARGS__); break;  case 10: panel_rows16(wt, 10, G, __VA_ARGS__); break; \
+    case 11: panel_rows16(wt, 11, G, __VA_ARGS__); break; case 12: panel_rows16(wt, 12, G, __VA_ARGS__); break;
 
 /* one chunk of k for all m rows of g adjacent panels: g == 4 for up to 6 rows (every panel line
    read once for all of them), else rows in groups of 12 over g (2 or 1) panels */
-static void panel_chunk(int g, const float *x, int64_t ldx, const float *pc, int64_t pstride, int64_t m,
+static inline __attribute__((always_inline)) void panel_chunk(const int wt, int g, const float *x, int64_t ldx,
+        const void *pc, int64_t pstride, int64_t m,
                         int64_t kc, const float *init, int64_t ld_init, float *y, int64_t ldy) {
     if (m == 1) {  /* the 256-bit pass: faster at one row (8 independent accumulators, not 4) */
-        if (g == 4) panel_rows(1, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
-        else panel_rows(1, 1, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
+        if (g == 4) panel_rows(wt, 1, 4, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
+        else panel_rows(wt, 1, 1, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
         return;
     }
     if (g == 4) {  /* m <= 6 */
@@ -206,26 +259,50 @@ static void panel_chunk(int g, const float *x, int64_t ldx, const float *pc, int
 #define PANEL_GROUP(m) ((m) == 1 ? 4 : (m) <= 6 ? 2 : 1)
 #endif
 
-/* y[m, 16 b0 .. 16 b1) = x [m, k] @ W^T (+ bias) for panels b0 .. b1 - 1 of P.
-   x: row stride ldx (floats), unit stride along k. y: row stride ldy, written, not read before.
-   bias: NULL or [N] fp32. Separate panel ranges may run on separate threads at once. */
-void panel_gemm_f32(const float *x, int64_t ldx, const float *p, const float *bias, int64_t m, int64_t k,
-                    float *y, int64_t ldy, int64_t b0, int64_t b1) {
+/* one chunk, the weight type a constant in each copy (the compiler specialises the loads) */
+typedef void chunk_fn(int g, const float *x, int64_t ldx, const void *pc, int64_t pstride, int64_t m, int64_t kc,
+                      const float *init, int64_t ld_init, float *y, int64_t ldy);
+#define CHUNK_OF(WT, NAME) \
+    static void NAME(int g, const float *x, int64_t ldx, const void *pc, int64_t pstride, int64_t m, int64_t kc, \
+                     const float *init, int64_t ld_init, float *y, int64_t ldy) { \
+        panel_chunk(WT, g, x, ldx, pc, pstride, m, kc, init, ld_init, y, ldy); }
+CHUNK_OF(WT_F32, chunk_f32)
+CHUNK_OF(WT_BF16, chunk_bf16)
+#if HAVE_F16
+CHUNK_OF(WT_F16, chunk_f16)
+#endif
+
+/* y[m, 16 b0 .. 16 b1) = x [m, k] @ W^T (+ bias) for panels b0 .. b1 - 1 of P, whose values are of
+   type wt (WT_*). x: row stride ldx (floats), unit stride along k. y: row stride ldy, written, not
+   read before. bias: NULL or [N] fp32. Separate panel ranges may run on separate threads at once. */
+void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m, int64_t k,
+                  float *y, int64_t ldy, int64_t b0, int64_t b1) {
     if (m <= 0)
         return;
+    chunk_fn *chunk = wt == WT_BF16 ? chunk_bf16 :
+#if HAVE_F16
+                      wt == WT_F16 ? chunk_f16 :
+#endif
+                      chunk_f32;
+    const int64_t size = WSIZE(wt);
     const int group = PANEL_GROUP(m);  /* panels read at once: more streams for fewer rows */
     for (int64_t b = b0; b < b1;) {
         int g = b + group <= b1 ? group : 1;  /* the last few panels one at a time */
-        const float *pb = p + b * k * NR;
+        const char *pb = (const char *)p + b * k * NR * size;
         float *yb = y + b * NR;
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             int64_t kc = k - k0 < KC ? k - k0 : KC;
             /* first chunk starts from the bias row (ld 0: the same row for every r) or zero */
             const float *init = k0 ? yb : (bias ? bias + b * NR : NULL);
-            panel_chunk(g, x + k0, ldx, pb + k0 * NR, k * NR, m, kc, init, k0 ? ldy : 0, yb, ldy);
+            chunk(g, x + k0, ldx, pb + k0 * NR * size, k * NR, m, kc, init, k0 ? ldy : 0, yb, ldy);
         }
         b += g;
     }
+}
+
+void panel_gemm_f32(const float *x, int64_t ldx, const float *p, const float *bias, int64_t m, int64_t k,
+                    float *y, int64_t ldy, int64_t b0, int64_t b1) {
+    panel_gemm_w(WT_F32, x, ldx, p, bias, m, k, y, ldy, b0, b1);
 }
 
 /* ---- the split over threads ------------------------------------------------------------------
@@ -243,7 +320,9 @@ void panel_gemm_f32(const float *x, int64_t ldx, const float *p, const float *bi
 #define SPIN_NS 200000
 
 typedef struct {
-    const float *x, *p, *bias;
+    const float *x, *bias;
+    const void *p;
+    int wt;
     float *y;
     int64_t ldx, m, k, ldy, nb;
     int parts;
@@ -298,8 +377,8 @@ static uint64_t poll_u64(const uint64_t *addr, uint64_t old) {
 }
 
 static void run_part(const task_t *t, int part) {
-    panel_gemm_f32(t->x, t->ldx, t->p, t->bias, t->m, t->k, t->y, t->ldy,
-                   t->nb * part / t->parts, t->nb * (part + 1) / t->parts);
+    panel_gemm_w(t->wt, t->x, t->ldx, t->p, t->bias, t->m, t->k, t->y, t->ldy,
+                 t->nb * part / t->parts, t->nb * (part + 1) / t->parts);
 }
 
 static void *worker_main(void *arg) {
@@ -347,20 +426,20 @@ static int ensure_workers(int parts) {
     return parts < workers + 1 ? parts : workers + 1;
 }
 
-/* panel_gemm_f32 over all nb panels, split into `parts` ranges run at once (part 0 on the
+/* panel_gemm_w over all nb panels, split into `parts` ranges run at once (part 0 on the
    calling thread). Returns when every part is written. */
-void panel_gemm_parallel_f32(const float *x, int64_t ldx, const float *p, const float *bias, int64_t m,
-                             int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
+void panel_gemm_parallel_w(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m,
+                           int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
     if (parts > MAX_PARTS)
         parts = MAX_PARTS;
     if (parts > nb)
         parts = (int)nb;
     if (parts <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
-        panel_gemm_f32(x, ldx, p, bias, m, k, y, ldy, 0, nb);
+        panel_gemm_w(wt, x, ldx, p, bias, m, k, y, ldy, 0, nb);
         return;
     }
     parts = ensure_workers(parts);
-    task_t t = {x, p, bias, y, ldx, m, k, ldy, nb, parts};
+    task_t t = {x, bias, p, wt, y, ldx, m, k, ldy, nb, parts};
     task = t;
     __atomic_store_n(&pending, parts - 1, __ATOMIC_RELAXED);
     __atomic_store_n(&word, ((word >> 8) + 1) << 8 | (uint64_t)parts, __ATOMIC_RELEASE);
@@ -381,4 +460,9 @@ void panel_gemm_parallel_f32(const float *x, int64_t ldx, const float *p, const 
         }
     }
     pthread_mutex_unlock(&call_mu);
+}
+
+void panel_gemm_parallel_f32(const float *x, int64_t ldx, const float *p, const float *bias, int64_t m,
+                             int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
+    panel_gemm_parallel_w(WT_F32, x, ldx, p, bias, m, k, y, ldy, nb, parts);
 }
