@@ -65,9 +65,10 @@ def test_compact_dtype_takes_only_exact_values(gemm, monkeypatch):
         half.bfloat16().float(), half) else None))
     tiny = _weight(32, 8, torch.bfloat16) * 2.0 ** -30  # bfloat16 values below float16's range
     assert cpu_gemm.compact_dtype(tiny) == torch.bfloat16
-    almost = half.clone()
-    almost[3, 5] = torch.nextafter(almost[3, 5], torch.tensor(1.0))  # one value needs float32
-    assert cpu_gemm.compact_dtype(almost) is None
+    almost = _weight(2 * cpu_gemm._CHECK_ROWS + 16, 8, torch.bfloat16)  # checked in three parts
+    assert cpu_gemm.compact_dtype(almost) is not None
+    almost[cpu_gemm._CHECK_ROWS + 3, 5] = torch.nextafter(almost[cpu_gemm._CHECK_ROWS + 3, 5], torch.tensor(1.0))
+    assert cpu_gemm.compact_dtype(almost) is None  # one value, in the second part, needs float32
     assert cpu_gemm.compact_dtype(torch.randn(32, 8)) is None
     monkeypatch.setenv(cpu_gemm.ENV_16BIT, "0")
     assert cpu_gemm.compact_dtype(half) is None

@@ -101,7 +101,9 @@ def packable(weight: torch.Tensor) -> bool:
 def compact_dtype(weight: torch.Tensor) -> torch.dtype | None:
     """The 16-bit dtype that holds every value of float32 ``weight`` exactly (float16 first: its
     widening is one instruction), or ``None`` (some value needs float32, the loaded GEMM does not
-    take the type, or ``MINIVLLM_PANELS_16BIT=0``). Reads the weight once or twice."""
+    take the type, or ``MINIVLLM_PANELS_16BIT=0``). Checks ``_CHECK_ROWS`` rows at a time, so the
+    temporaries stay small (a 0.6B model's LM head is 622 MB) and a float32 weight is usually
+    refused at its first rows."""
     import os
 
     gemm = loaded() or load()
@@ -109,15 +111,18 @@ def compact_dtype(weight: torch.Tensor) -> torch.dtype | None:
         return None
     w = weight.detach()
     for dtype in (torch.float16, torch.bfloat16):
-        if dtype not in gemm.panel_dtypes:
-            continue
-        if dtype == torch.bfloat16:  # a bfloat16 value is a float32 whose low 16 bits are zero
-            exact = not bool((w.view(torch.int32) & 0xFFFF).any())
-        else:  # (NaN != NaN: a weight holding NaN stays float32, which is fine)
-            exact = torch.equal(w.to(dtype).to(F32), w)
-        if exact:
+        if dtype in gemm.panel_dtypes and all(_exact_in(part, dtype) for part in w.split(_CHECK_ROWS)):
             return dtype
     return None
+
+
+_CHECK_ROWS = 1024
+
+
+def _exact_in(w: torch.Tensor, dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:  # a bfloat16 value is a float32 whose low 16 bits are zero
+        return not bool((w.view(torch.int32) & 0xFFFF).any())
+    return torch.equal(w.to(dtype).to(F32), w)  # (NaN != NaN: a weight holding NaN stays float32)
 
 
 def is_panels(t: torch.Tensor) -> bool:
@@ -136,7 +141,8 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:
     if dtype not in _WEIGHT_TYPES:
         raise ValueError(f"panels hold float32, float16 or bfloat16 values, not {dtype}")
     n, k = weight.shape
-    return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).to(dtype).contiguous()
+    panels = torch.empty((n // PANEL, k, PANEL), dtype=dtype, device=weight.device)
+    return panels.copy_(weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2))  # (one copy, converting)
 
 
 def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
