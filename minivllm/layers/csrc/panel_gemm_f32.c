@@ -9,14 +9,15 @@
    busy enough to stay near the memory's pace (probe and figures: cpu_gemm.py).
 
    Layout: W [N, K] (N a multiple of 16) is stored as panels P [N / 16][K][16]: panel b holds
-   output columns 16b .. 16b + 15, one 64-byte line per k. A panel is read front to back once per
-   group of up to 6 rows of x, in chunks of KC values of k so the chunk stays in the L1/L2 cache
-   while several row groups (a prefill) reuse it. The inner loop is the outer-product form: per k,
-   two vector loads of the panel, one broadcast per row of x, two FMAs per row, accumulators in
-   registers (6 rows x 2 vectors = 12 of the 16 AVX2 registers). No horizontal sums. GCC's vector
-   extensions (not x86 intrinsics) so the same source builds for NEON. Built for a CPU with
-   AVX-512 (-march=native defines __AVX512F__), passes of two or more rows use 16-float vectors
-   and more accumulators instead (below).
+   output columns 16b .. 16b + 15, one 64-byte line per k (32 bytes for 16-bit values: below). A
+   panel is read front to back once per group of up to 6 rows of x, in chunks of KC values of k so
+   the chunk stays in the L1/L2 cache while several row groups (a prefill) reuse it. The inner loop
+   is the outer-product form: per k, two vector loads of the panel, one broadcast per row of x, two
+   FMAs per row, accumulators in registers (6 rows x 2 vectors = 12 of the 16 AVX2 registers). No
+   horizontal sums. GCC's vector extensions so the same source builds for NEON (x86 intrinsics only
+   to widen 16-bit values, behind their feature macros). Built for a CPU with AVX-512 (-march=native
+   defines __AVX512F__), passes of two or more rows use 16-float vectors and more accumulators
+   instead (below).
 
    Sums run over k in order within a chunk, so results differ from MKL's by float32 reassociation
    (about 1e-6 relative). */
@@ -86,7 +87,7 @@ static inline __attribute__((always_inline)) v8 load_w8(const int wt, const void
 int panel_gemm_has_f16(void) { return HAVE_F16; }
 
 /* `rows` rows (1..MR) of x times a chunk of kc values of k of `g` adjacent panels (pc: the first
-   panel's chunk; the next panel's is pstride floats on). rows and g are constants after inlining,
+   panel's chunk; the next panel's is pstride elements on). rows and g are constants after inlining,
    and rows * g <= 6 keeps the 2 * rows * g accumulators within AVX2's 16 vector registers (with
    the panel vectors, 1 x 4 and 3 x 2 need one more, which the compiler folds into the FMAs'
    memory operands or spills). The accumulators start from
@@ -300,11 +301,6 @@ void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const floa
     }
 }
 
-void panel_gemm_f32(const float *x, int64_t ldx, const float *p, const float *bias, int64_t m, int64_t k,
-                    float *y, int64_t ldy, int64_t b0, int64_t b1) {
-    panel_gemm_w(WT_F32, x, ldx, p, bias, m, k, y, ldy, b0, b1);
-}
-
 /* ---- the split over threads ------------------------------------------------------------------
    A persistent pool of POSIX threads. Waking a sleeping thread costs ~200 us on the dev VM (a
    Python thread pool, ~110 us), more than a decode step's matmul of a 4 MiB weight takes, so a
@@ -460,9 +456,4 @@ void panel_gemm_parallel_w(int wt, const float *x, int64_t ldx, const void *p, c
         }
     }
     pthread_mutex_unlock(&call_mu);
-}
-
-void panel_gemm_parallel_f32(const float *x, int64_t ldx, const float *p, const float *bias, int64_t m,
-                             int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
-    panel_gemm_parallel_w(WT_F32, x, ldx, p, bias, m, k, y, ldy, nb, parts);
 }
