@@ -1,9 +1,14 @@
 """Sizing and allocating the paged KV cache."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from minivllm.models.hf_config import get_head_dim
+from minivllm.utils.hugepages import advise_huge, transparent_hugepage_mode
+
+logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -22,8 +27,22 @@ def allocate_kv_cache(hf_config, num_blocks: int, block_size: int, dtype: torch.
                       tp_size: int = 1) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """One zeroed tensor ``[2, num_layers, num_blocks, block_size, kv_heads/tp, head_dim]``
     and per-layer ``(k_cache, v_cache)`` views into it. Zeroed, not empty: reference
-    attention gathers padding slots before masking them, and 0 x NaN would be NaN."""
+    attention gathers padding slots before masking them, and 0 x NaN would be NaN.
+
+    On a CPU the pool asks for 2 MiB pages before it is zeroed (:mod:`minivllm.utils.hugepages`):
+    a decode step reads every sequence's blocks at scattered places, each read a TLB miss with
+    4 KiB pages. The embedded model at batch 32 (contexts ~150, dev EPYC Zen 4 VM, one thread,
+    2026-12-03): the decode attention of a step 1.14-1.27 ms with them, 1.31-1.54 ms without, in
+    three alternating pairs of runs."""
     kv_heads = hf_config.num_key_value_heads // tp_size
-    cache = torch.zeros(2, hf_config.num_hidden_layers, num_blocks, block_size, kv_heads,
-                        get_head_dim(hf_config), dtype=dtype, device=device)
+    shape = (2, hf_config.num_hidden_layers, num_blocks, block_size, kv_heads, get_head_dim(hf_config))
+    if torch.device(device).type != "cpu":
+        cache = torch.zeros(shape, dtype=dtype, device=device)
+    else:
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        huge = advise_huge(cache)  # before the first write: the pages are made as it is zeroed
+        cache.zero_()
+        logger.info("CPU KV cache: %.0f MiB, %s", cache.nbytes / 2**20,
+                    "2 MiB pages requested (madvise)" if huge else
+                    f"4 KiB pages (transparent huge pages: {transparent_hugepage_mode() or 'not on this system'})")
     return cache, [(cache[0, i], cache[1, i]) for i in range(hf_config.num_hidden_layers)]
