@@ -31,9 +31,9 @@ def allocate_kv_cache(hf_config, num_blocks: int, block_size: int, dtype: torch.
 
     On a CPU the pool asks for 2 MiB pages before it is zeroed (:mod:`minivllm.utils.hugepages`):
     a decode step reads every sequence's blocks at scattered places, each read a TLB miss with
-    4 KiB pages. The embedded model at batch 32 (contexts ~150, dev EPYC Zen 4 VM, one thread,
-    2026-12-03): the decode attention of a step 1.14-1.27 ms with them, 1.31-1.54 ms without, in
-    three alternating pairs of runs."""
+    4 KiB pages. The embedded model at batch 32 (contexts ~150, a 512 MiB pool, dev EPYC Zen 4 VM,
+    one thread, 2026-12-03): the decode attention of a step 1.14-1.27 ms with them, 1.31-1.54 ms
+    without, in three alternating pairs of runs (whole steps: within the machine's noise)."""
     kv_heads = hf_config.num_key_value_heads // tp_size
     shape = (2, hf_config.num_hidden_layers, num_blocks, block_size, kv_heads, get_head_dim(hf_config))
     if torch.device(device).type != "cpu":
