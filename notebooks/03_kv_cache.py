@@ -292,7 +292,7 @@ _ = check_prediction(my_prediction, df["time ratio"][longest], rel_tol=0.5, unit
 # a large GPU it can be limited by arithmetic instead. The time ratio is then far below the FLOP
 # ratio; chapter 06 draws this as a roofline. A guess near the FLOP ratio fits only where both
 # steps are bound by arithmetic; for this small model, fixed costs and its weight reads (from a CPU
-# cache, where its 17 MB can fit) decide first.
+# cache, which can hold its few MB) decide first.
 # </details>
 
 # %% [markdown]

@@ -427,30 +427,45 @@ check_claim(f"the {longest}-token prefill is above the ridge point and the decod
 # intensity a step needs before arithmetic, not memory, limits it; the checks above place the long
 # prefill and the decode step on either side of it.
 #
-# Two details of the table deserve a closer look. First, decode's intensity is not constant: it
-# changes with the context, because every cached token adds attention FLOPs and KV bytes in a ratio of
-# its own, which the next cell computes from the model's shape.
+# Two details of the table deserve a closer look. First, decode's intensity can change with the
+# context: every cached token adds attention FLOPs and KV bytes in a ratio of its own, which the next
+# cell computes from the model's shape and compares with the weights' ratio (2 FLOPs per weight over
+# the bytes the engine holds it in). Where the two ratios differ, the context moves decode's intensity
+# from one towards the other; where they happen to be equal, it stays put.
 
 # %%
 cost_tiny = bench.llm_engine.model_cost
 kv_flops = 4 * cost_tiny.head_dim * cost_tiny.num_heads * cost_tiny.num_layers  # QK^T and PV per cached token
 kv_intensity = kv_flops / cost_tiny.kv_bytes_per_token
-weights_intensity = 2 / cost_tiny.weight_bytes
+weights_intensity = 2 / cost_tiny.held_weight_bytes  # bytes per weight as the engine holds it
 d_first, d_last = ai["decode"][PROMPT_LENS[0]], ai["decode"][longest]
+same = abs(kv_intensity - weights_intensity) < 0.01 * weights_intensity
 render(f"Each cached token costs a decode step {kv_flops:,} FLOPs and {cost_tiny.kv_bytes_per_token:,} bytes of KV "
        f"reads: **{kv_intensity:.2f} FLOP/byte** ({cost_tiny.num_heads} query heads share "
-       f"{cost_tiny.num_kv_heads} KV heads), against **{weights_intensity:.2f}** for the weights. So as the "
-       f"context grows, decode's intensity moves towards {kv_intensity:.2f}: here it went from {d_first:.3f} at "
-       f"{PROMPT_LENS[0]} tokens to {d_last:.3f} at {longest} tokens.")
-check_claim("decode's intensity moves from the weights' value towards the KV cache's as the context grows",
-            (d_last - d_first) * (kv_intensity - weights_intensity) > 0,
-            f"{d_first:.3f} -> {d_last:.3f} FLOP/byte; weights {weights_intensity:.2f}, KV {kv_intensity:.2f}");
+       f"{cost_tiny.num_kv_heads} KV heads, {cost_tiny.kv_dtype_bytes} bytes per KV value), against "
+       f"**{weights_intensity:.2f}** for the weights ({cost_tiny.held_weight_bytes:g} bytes per weight as held). "
+       + (f"The two are equal for this model, so the context leaves decode's intensity where it is: "
+          f"{d_first:.3f} at {PROMPT_LENS[0]} tokens, {d_last:.3f} at {longest}. (With the weights held in 32 bits, "
+          f"`MINIVLLM_PANELS_16BIT=0` before the engine starts, the weights' ratio halves and the context pulls "
+          f"decode's intensity up towards the KV cache's.)"
+          if same else
+          f"So as the context grows, decode's intensity moves towards {kv_intensity:.2f}: here it went from "
+          f"{d_first:.3f} at {PROMPT_LENS[0]} tokens to {d_last:.3f} at {longest} tokens."))
+if same:
+    check_claim("with equal FLOP/byte ratios for the weights and the KV cache, the context leaves decode's "
+                "intensity within 2% of that ratio",
+                abs(d_last / d_first - 1) < 0.02 and abs(d_last / kv_intensity - 1) < 0.02,
+                f"{d_first:.3f} -> {d_last:.3f} FLOP/byte; weights {weights_intensity:.2f}, KV {kv_intensity:.2f}")
+else:
+    check_claim("decode's intensity moves from the weights' value towards the KV cache's as the context grows",
+                (d_last - d_first) * (kv_intensity - weights_intensity) > 0,
+                f"{d_first:.3f} -> {d_last:.3f} FLOP/byte; weights {weights_intensity:.2f}, KV {kv_intensity:.2f}")
 
 # %% [markdown]
 # Second, decode's MBU on this tiny model (the `mbu` column). Two things move it away from what a
 # large model shows. Fixed costs per step (scheduling, building input tensors, sampling, the calls that
-# make up the forward) take time whatever the weights, which pulls MBU down. And some 17 MB of
-# weights may stay in a CPU cache between steps, so the step can read them faster than main memory
+# make up the forward) take time whatever the weights, which pulls MBU down. And its few MB of
+# weights (the cell below gives the figure) may stay in a CPU cache between steps, so the step can read them faster than main memory
 # allows, which pushes MBU up (past 100 % even: MBU divides by main memory's bandwidth). Which of the
 # two wins depends on the machine. The cell compares the memory floor with the step:
 
@@ -505,13 +520,13 @@ BIG_DTYPE = str(big_engine.config.dtype).removeprefix("torch.")
 # NBVAL_CHECK_OUTPUT
 N = cost.matmul_params
 print(f"weights in the layers' matrix multiplies N = {N:,}; LM head {cost.lm_head_params:,} "
-      f"(tied to the embedding: {cost.tie_word_embeddings}); {cost.weight_bytes} bytes per weight")
+      f"(tied to the embedding: {cost.tie_word_embeddings}); {cost.held_weight_bytes:g} bytes per weight")
 print(f"FLOPs per token through the layers: 2N = {2 * N / 1e9:.3f} GFLOP")
 print(f"bytes every step reads for the weights: {(cost.body_weight_bytes + cost.lm_head_bytes) / 1e9:.3f} GB "
       f"(+ {cost.kv_bytes_per_token:,} bytes of KV cache per token attended to or written)")
 for T in (1, 16, 128):
     print(f"  {T:3d} tokens in a step: intensity of the weight traffic 2N*T/bytes = "
-          f"{2 * N * T / (N * cost.weight_bytes):5.1f} FLOP/byte")
+          f"{2 * N * T / (N * cost.held_weight_bytes):5.1f} FLOP/byte")
 
 # %% [markdown]
 # ### Exercise 2 · Decode throughput at batch 16
@@ -902,7 +917,7 @@ check_claim("int8 weights make a product that is one weight read faster", int8_m
 # Faster memory and smaller models are two more ways, not the only ones. int8 shows the condition
 # plainly: it speeds up only the matrix multiplies, so what it gains on a whole step depends on their
 # share of the step and on how slowly they read their weights: large for a real model, smaller on the
-# embedded one, whose 17 MB of weights can stay in a CPU cache and whose step has fixed costs
+# embedded one, whose few MB of weights can stay in a CPU cache and whose step has fixed costs
 # beside them. There it can even come out below 1 (its row in the table says which way it went on
 # this run): the int8 engine swaps our float32 GEMM for torch's int8 linear, whose fixed costs per
 # call a 256-wide layer does not amortise. Compare that row with the single-weight figure; on a busy
@@ -946,7 +961,7 @@ mem_example = (f"here batch {b_mem}, still below the ridge point, took "
                f"{big_dec.wall_ms.loc[b_mem] / big_dec.wall_ms.loc[1]:.1f}x the time of batch 1 on the big model"
                if b_mem is not None else "on this machine even batch 2 of the big model was past the ridge point, "
                "so the sweep had no larger memory-bound batch to compare")
-ridge_batch = big_peaks.ridge_intensity * cost.weight_bytes / 2  # decode intensity B x 2 / bytes per weight = ridge
+ridge_batch = big_peaks.ridge_intensity * cost.held_weight_bytes / 2  # decode intensity B x 2 / bytes per weight = ridge
 Quiz([
     Question(
         "While decode is memory-bound, why does a step for 8 sequences cost far less than 8 steps for one?",

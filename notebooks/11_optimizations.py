@@ -620,7 +620,9 @@ print(f"bytes ratio fp32 / int8: {wbytes['fp32'] / wbytes['int8']:.2f}x")
 # %% [markdown]
 # ### Exercise 1 · How much faster is an int8 decode step here?
 #
-# The int8 engine reads roughly a quarter of the fp32 engine's weight bytes (printed above). Predict
+# The int8 engine reads fewer weight bytes than the fp32 engine (the ratio is printed above; on a CPU
+# the fp32 engine keeps a 16-bit checkpoint's values, such as the embedded model's, in 16 bits:
+# `minivllm/layers/cpu_gemm.py`). Predict
 # the speed-up of a **batch-1 decode step of this notebook's model** with int8 weights: fp32 step time
 # divided by int8 step time (1.0 = no change). Think about what else a step spends its time on
 # (section 1) before you write a number.
@@ -681,7 +683,7 @@ check_claim("int8 weights do not make this model's batch-1 decode step anywhere 
 # How large is `f` here, and how much does int8 speed the matmuls up? The rendered sentence gives
 # the weight-read floor's share of the step. Where that share is small, the step is bound by its fixed
 # costs, not its weight reads. Where it is large, the matmuls are most of the step, but this model's
-# 17 MB of weights may not come from main memory at all: a large CPU cache can hold them between
+# few MB of weights may not come from main memory at all: a large CPU cache can hold them between
 # steps (a step's matmuls can then take less time than the floor computed from main memory's
 # bandwidth), and a cached read gains little from fewer bytes. int8's own per-call costs can
 # also outweigh the bytes it saves on layers this small, so the step can even come out slower: the

@@ -42,7 +42,7 @@
 #
 # `BIG` is the random-weight model at Qwen3-0.6B's shapes (section 4 prints what its weights weigh
 # in the dtype they are held in), used for the roofline section: the embedded model is small (4 layers, hidden size 256):
-# its steps carry fixed costs a real model amortises, and its 17 MB of weights can stay in a
+# its steps carry fixed costs a real model amortises, and its few MB of weights can stay in a
 # CPU cache, so it cannot show where a real model's steps sit.
 
 # %% tags=["parameters"]

@@ -41,6 +41,7 @@ weights are packed) keeps every panel in float32.
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import torch
@@ -61,6 +62,8 @@ _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 #: below this many multiply-adds per extra thread, waking another thread (a few microseconds) costs
 #: more than it saves
 MIN_MACS_PER_THREAD = 1 << 18
+#: rows of a weight :func:`compact_dtype` checks at a time
+_CHECK_ROWS = 1024
 #: a call multiplies at most this many rows: the kernel reads the rows once per panel, so for a
 #: prefill of thousands of tokens they must stay in the L2 cache between panels. Measured on the
 #: dev EPYC (one thread, 4004 rows): 1024 -> 4096 and 3072 -> 1024 at 31-34 GFLOP/s in one call,
@@ -104,8 +107,6 @@ def compact_dtype(weight: torch.Tensor) -> torch.dtype | None:
     take the type, or ``MINIVLLM_PANELS_16BIT=0``). Checks ``_CHECK_ROWS`` rows at a time, so the
     temporaries stay small (a 0.6B model's LM head is 622 MB) and a float32 weight is usually
     refused at its first rows."""
-    import os
-
     gemm = loaded() or load()
     if gemm is None or weight.dtype != F32 or os.environ.get(ENV_16BIT, "1").strip() == "0":
         return None
@@ -114,9 +115,6 @@ def compact_dtype(weight: torch.Tensor) -> torch.dtype | None:
         if dtype in gemm.panel_dtypes and all(_exact_in(part, dtype) for part in w.split(_CHECK_ROWS)):
             return dtype
     return None
-
-
-_CHECK_ROWS = 1024
 
 
 def _exact_in(w: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -170,7 +168,8 @@ class PanelGemm:
         panels of that ``K`` in a dtype of :attr:`panel_dtypes`, neither needing gradients (the C
         code records no autograd graph), a contiguous float32 bias ``[N]`` or none."""
         if (x.dtype is not F32 or not x.is_cpu or x.requires_grad or x.dim() == 0 or x.stride(-1) != 1
-                or panels.dtype not in self.panel_dtypes or not panels.is_cpu or panels.requires_grad or not is_panels(panels)
+                or panels.dtype not in self.panel_dtypes or not panels.is_cpu or panels.requires_grad
+                or not is_panels(panels)
                 or x.shape[-1] != panels.shape[1] or x.shape[-1] == 0 or not panels.is_contiguous()):
             return False
         return bias is None or (bias.dtype is F32 and bias.is_cpu and bias.is_contiguous()
@@ -178,8 +177,8 @@ class PanelGemm:
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., K] @ W.T (+ bias)`` -> float32 ``[..., N]`` for ``W`` held as ``panels``
-        ``[N / 16, K, 16]`` (float32, or 16-bit values widened to float32 as they are read), split over ``torch.get_num_threads()`` threads by panels when the
-        work is large enough.
+        ``[N / 16, K, 16]`` (float32, or 16-bit values widened to float32 as they are read), split
+        over ``torch.get_num_threads()`` threads by panels when the work is large enough.
 
         Raises:
             ValueError: inputs :meth:`takes` refuses (the caller checks first).
@@ -208,6 +207,6 @@ class PanelGemm:
             xp, stride, pp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr()
             bp, yp = bias.data_ptr() if bias is not None else None, y.data_ptr()
             for r0 in range(0, m, rows):  # one call for a decode step; a prefill's rows in L2-sized chunks
-                launch(self._fn, wt, xp + r0 * stride * 4, stride, pp, bp, min(rows, m - r0), k, yp + r0 * n * 4, n, nb,
-                       parts)
+                launch(self._fn, wt, xp + r0 * stride * 4, stride, pp, bp, min(rows, m - r0), k, yp + r0 * n * 4,
+                       n, nb, parts)
         return y if flat else y.reshape(*x.shape[:-1], n)

@@ -265,6 +265,12 @@ class ModelCost:
         return self.lm_head_params * self.weight_bytes
 
     @property
+    def held_weight_bytes(self) -> float:
+        """Bytes per element of the layers' matmul weights as held: ``matmul_weight_bytes`` where set
+        (16-bit panels of a float32 model: 2), else ``weight_bytes`` (int8 layers: see ``body_weight_bytes``)."""
+        return self.matmul_weight_bytes if self.matmul_weight_bytes is not None else self.weight_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
 
@@ -272,7 +278,7 @@ class ModelCost:
         d = asdict(self)
         for k in ("layer_matmul_params", "matmul_params", "norm_params", "lm_head_params",
                   "embedding_params", "num_params", "body_weight_bytes", "lm_head_bytes",
-                  "kv_bytes_per_token"):
+                  "held_weight_bytes", "kv_bytes_per_token"):
             d[k] = getattr(self, k)
         return d
 
