@@ -659,7 +659,7 @@ check_prediction(my_prediction, int8_speedup, rel_tol=0.25, unit="x",
 # %%
 render(f"On this run int8 changed the batch-1 decode step from {step['fp32']:.2f} ms to {step['int8']:.2f} ms: "
        f"**{int8_speedup:.2f}x**, while the weights shrank {wbytes['fp32'] / wbytes['int8']:.2f}x. Reading the "
-       f"fp32 weights once at the measured read bandwidth would take {read_ms['fp32']:.2f} ms, "
+       f"fp32 engine's weights once, as it holds them, at the measured read bandwidth would take {read_ms['fp32']:.2f} ms, "
        f"**{read_ms['fp32'] / step['fp32']:.0%}** of the fp32 step.")
 check_claim("int8 makes this model's decode step faster by less than its weights shrank",
             int8_speedup < wbytes["fp32"] / wbytes["int8"],
