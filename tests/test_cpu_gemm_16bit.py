@@ -70,6 +70,18 @@ def test_compact_dtype_takes_only_exact_values(gemm, monkeypatch):
     almost[cpu_gemm._CHECK_ROWS + 3, 5] = torch.nextafter(almost[cpu_gemm._CHECK_ROWS + 3, 5], torch.tensor(1.0))
     assert cpu_gemm.compact_dtype(almost) is None  # one value, in the second part, needs float32
     assert cpu_gemm.compact_dtype(torch.randn(32, 8)) is None
+    nan = _weight(32, 8, torch.bfloat16)
+    nan.view(torch.int32)[2, 3] = 0x7FC00001  # a NaN whose payload neither 16-bit type holds
+    assert cpu_gemm.compact_dtype(nan) is None
+    # whatever is chosen, packing and unpacking give every value's bits back (NaN payloads, -0.0, inf,
+    # float16 subnormals, values only bfloat16 reaches)
+    for bits in (0x7FC50000, 0xFFC50000, 0x80000000, 0x7F800000, 0x33800000, 0x2F000000, 0x00010000):
+        special = _weight(32, 8, torch.bfloat16)
+        special.view(torch.int32)[5, 6] = bits - (1 << 32) if bits >= 1 << 31 else bits
+        dtype = cpu_gemm.compact_dtype(special)
+        if dtype is not None:
+            back = cpu_gemm.unpack_panels(cpu_gemm.pack_panels(special, dtype))
+            assert torch.equal(back.view(torch.int32), special.view(torch.int32)), (hex(bits), dtype)
     monkeypatch.setenv(cpu_gemm.ENV_16BIT, "0")
     assert cpu_gemm.compact_dtype(half) is None
 
@@ -87,12 +99,14 @@ def test_a_layer_of_16bit_values_packs_into_16bits_and_saves_float32(gemm):
     assert saved.dtype == torch.float32 and torch.equal(saved, w)
     x = torch.randn(5, 64)
     assert torch.equal(layer(x), gemm(x, cpu_gemm.pack_panels(w)))
-    assert prepack.matmul_bytes_per_weight(layer) == (2.0, 2.0)
+    assert prepack.matmul_bytes_per_weight(layer) == (2.0, None)  # (no LM head in a lone layer)
 
 
 def test_the_embedded_engine_holds_16bit_panels_with_the_same_logits(gemm, monkeypatch, caplog):
     """The embedded checkpoint is float16: its linears go to 16-bit panels, the logits are bit for
     bit those of float32 panels, and the roofline counts 2 bytes per matmul weight."""
+    if torch.float16 not in gemm.panel_dtypes:
+        pytest.skip("this build of the GEMM widens no float16 (no F16C): the embedded model keeps float32 panels")
     from minivllm.engine.model_runner import build_model
     from minivllm.telemetry.roofline import ModelCost
     from minivllm.utils.model_source import resolve_model
@@ -118,3 +132,47 @@ def test_the_embedded_engine_holds_16bit_panels_with_the_same_logits(gemm, monke
         for a, b in zip(narrow.model.layers, wide.model.layers):
             h = torch.randn(4, cfg.hidden_size)
             assert torch.equal(a.mlp(h), b.mlp(h))
+
+
+def test_flush_denormal_mode_does_not_let_a_float32_subnormal_into_16_bits(gemm):
+    w = _weight(32, 8, torch.bfloat16)
+    w.view(torch.int32)[1, 1] = 0x00011170  # a float32 subnormal: not a float16 value, not a bfloat16 one
+    old = torch.set_flush_denormal(True)
+    try:
+        assert cpu_gemm.compact_dtype(w) is None  # (compared by value it equals 0 in this mode)
+    finally:
+        torch.set_flush_denormal(False)
+    del old
+
+
+def test_int8_quantisation_of_a_16bit_packed_model_survives_a_reload(gemm):
+    """int8 kept the packed weight's dtype (float16) as the layer's, and a reload then rebuilt a
+    float16 weight in a float32 model, whose forward failed (a reviewer's find)."""
+    from minivllm.engine.model_runner import build_model
+    from minivllm.quantization import QuantConfig, quantize_model
+    from minivllm.utils.loader import load_weights
+    from minivllm.utils.model_source import resolve_model
+
+    source = resolve_model(None)
+    model = build_model(source, torch.device("cpu"), torch.float32, 0, None)
+    quantize_model(model, QuantConfig("int8"))
+    model.quant_config = None
+    load_weights(model, source.checkpoint_dir)  # dequantise, load, pack again
+    layer = model.model.layers[0].mlp.down_proj
+    assert prepack.is_packed(layer.weight)
+    assert {v.dtype for v in model.state_dict().values()} == {torch.float32}
+    with torch.inference_mode():
+        assert layer(torch.randn(2, 768)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", " off "])
+def test_every_off_spelling_keeps_float32_panels_and_the_log_says_why(gemm, monkeypatch, caplog, value):
+    from minivllm.engine.model_runner import build_model
+    from minivllm.utils.model_source import resolve_model
+
+    monkeypatch.setenv(cpu_gemm.ENV_16BIT, value)
+    assert cpu_gemm.compact_dtype(_weight(32, 8, torch.bfloat16)) is None
+    with caplog.at_level(logging.INFO, logger="minivllm.layers.prepack"):
+        model = build_model(resolve_model(None), torch.device("cpu"), torch.float32, 0, None)
+    assert model.lm_head.matmul_weight.dtype == torch.float32
+    assert f"16-bit panels switched off: {cpu_gemm.ENV_16BIT}={value}" in caplog.text

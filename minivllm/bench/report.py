@@ -88,26 +88,29 @@ def print_sweep_summary(result, log=print) -> None:
 
 
 def weights_summary(cost: dict, dtype: str) -> str:
-    """One line saying what the model's weights weigh in the dtype the engine holds them in, and
-    which of them a decode step reads.
+    """One line saying what the model's weights weigh in its dtype, and the bytes of them a decode
+    step reads as the engine holds them.
 
     A checkpoint's size on disk is that of its stored dtype (bf16 for Qwen3), and ``random:`` models
-    and CPU runs hold fp32, so the same model weighs twice as much here; a tied embedding is one
-    matrix, stored and counted once. ``cost`` is ``ModelCost.to_dict()``."""
+    and CPU runs are fp32, so the same model weighs twice as much here; a tied embedding is one
+    matrix, counted once. Where the linears keep a 16-bit checkpoint's values in 16 bits (CPU
+    panels: ``ModelCost.matmul_weight_bytes``), the step's bytes are those, and the line says so.
+    ``cost`` is ``ModelCost.to_dict()``."""
     body, head = cost["body_weight_bytes"], cost["lm_head_bytes"]
     embed = cost["embedding_params"] * cost["weight_bytes"]
     int8_head = cost.get("quantization") == "int8" and cost.get("quantize_lm_head", True)
-    narrow = {cost.get("matmul_weight_bytes"), cost.get("lm_head_weight_bytes")} - {None, cost["weight_bytes"]}
-    narrow_head = not int8_head and cost.get("lm_head_weight_bytes") not in (None, cost["weight_bytes"])
-    shared = cost["tie_word_embeddings"] and not int8_head and not narrow_head  # one matrix, two roles
-    total = body + head + (0 if shared else embed)
+    shared = cost["tie_word_embeddings"] and not int8_head  # one matrix serves as embedding and LM head
+    # 16-bit panels (minivllm.layers.cpu_gemm): the size is the model's in its dtype, the step's reads as held
+    narrow = not cost.get("quantization") and ({cost.get("matmul_weight_bytes"), cost.get("lm_head_weight_bytes")}
+                                               - {None, cost["weight_bytes"]})
+    if narrow:
+        total = cost["num_params"] * cost["weight_bytes"]
+    else:
+        total = body + head + (0 if shared else embed)
     quant = f", {cost['quantization']} layers" if cost.get("quantization") else ""
-    if narrow and not cost.get("quantization"):  # 16-bit panels (minivllm.layers.cpu_gemm)
-        quant = ", linear weights held in 16 bits (the checkpoint's values, exactly)"
+    held = " as held: their linears keep the checkpoint's 16-bit values in 16 bits" if narrow else ""
     if shared:
         embedding = "embedding tied to the LM head, counted once"
-    elif narrow_head and cost["tie_word_embeddings"]:
-        embedding = f"{dtype} embedding plus the 16-bit copy of it that serves as LM head"
     elif cost["tie_word_embeddings"]:
         embedding = "float embedding plus the int8 copy of it that serves as LM head"
     else:
@@ -115,7 +118,7 @@ def weights_summary(cost: dict, dtype: str) -> str:
     return (f"weights: {cost['num_params'] / 1e6:.1f}M parameters, {total / 2**20:.1f} MiB "
             f"({total / 1e9:.2f} GB) in {dtype}{quant} "
             f"({embedding}); a decode step reads the decoder layers ({body / 2**20:.1f} MiB) and the LM head "
-            f"({head / 2**20:.1f} MiB)")
+            f"({head / 2**20:.1f} MiB){held}")
 
 
 def overhead_row(row: dict) -> str:

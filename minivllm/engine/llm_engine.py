@@ -477,8 +477,9 @@ class LLMEngine:
             return StepResult(outputs, self.last_step_record)
 
     def _weight_storage(self) -> tuple[float, float] | None:
-        """:func:`~minivllm.layers.prepack.matmul_bytes_per_weight` of this process's model (a
-        tensor-parallel engine's other ranks hold their shards the same way), ``None`` without one."""
+        """:func:`~minivllm.layers.prepack.matmul_bytes_per_weight` of this process's model, ``None``
+        without one. With tensor parallelism, rank 0's: the other ranks pack their shards by the
+        same rule, but each shard's own values decide whether it holds 16 bits."""
         from minivllm.layers.prepack import matmul_bytes_per_weight
 
         model = getattr(self.runner, "model", None)

@@ -35,8 +35,8 @@ half the memory. Measured on the dev EPYC (Zen 4, AVX-512, one thread, 2026-12-0
 interleaved passes): the embedded model's linears (float16 checkpoint) at 1 / 4 / 32 rows took
 0.69 / 0.66 / 0.94x the float32 panels' time; Qwen3-0.6B layer shapes streamed from memory at
 1 / 4 / 8 rows 0.61 / 0.62 / 0.60x (float16) and 0.65 / 0.64 / 0.58x (bfloat16), level at 32 rows
-(``python scripts/probe_cpu_gemm.py`` compares them). ``MINIVLLM_PANELS_16BIT=0`` (read when
-weights are packed) keeps every panel in float32.
+(``python scripts/probe_cpu_gemm.py`` compares them). ``MINIVLLM_PANELS_16BIT=0`` (or false, no,
+off; read when weights are packed) keeps every panel in float32, and the startup log says so.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def compact_dtype(weight: torch.Tensor) -> torch.dtype | None:
     temporaries stay small (a 0.6B model's LM head is 622 MB) and a float32 weight is usually
     refused at its first rows."""
     gemm = loaded() or load()
-    if gemm is None or weight.dtype != F32 or os.environ.get(ENV_16BIT, "1").strip() == "0":
+    if gemm is None or weight.dtype != F32 or sixteen_bit_switched_off():
         return None
     w = weight.detach()
     for dtype in (torch.float16, torch.bfloat16):
@@ -117,10 +117,19 @@ def compact_dtype(weight: torch.Tensor) -> torch.dtype | None:
     return None
 
 
+def sixteen_bit_switched_off() -> bool:
+    """``MINIVLLM_PANELS_16BIT`` is 0, false, no or off (as the kernels' other switches)."""
+    return os.environ.get(ENV_16BIT, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def _exact_in(w: torch.Tensor, dtype: torch.dtype) -> bool:
-    if dtype == torch.bfloat16:  # a bfloat16 value is a float32 whose low 16 bits are zero
-        return not bool((w.view(torch.int32) & 0xFFFF).any())
-    return torch.equal(w.to(dtype).to(F32), w)  # (NaN != NaN: a weight holding NaN stays float32)
+    """Every value of ``w`` comes back from ``dtype`` with the same bits. Bits, not values: a NaN's
+    payload or a float32 subnormal that compares equal to 0 under flush-denormal mode would
+    otherwise change in the round trip (a reviewer's find)."""
+    bits = w.view(torch.int32)
+    if dtype == torch.bfloat16 and bool((bits & 0xFFFF).any()):
+        return False  # a bfloat16 value is a float32 whose low 16 bits are zero: the cheap refusal first
+    return torch.equal(w.to(dtype).to(F32).view(torch.int32), bits)
 
 
 def is_panels(t: torch.Tensor) -> bool:

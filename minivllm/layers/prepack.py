@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +125,8 @@ class PackedWeightMixin:
     Packing replaces ``self.weight`` with an ``nn.Parameter`` holding the packed tensor (the
     dense copy is freed, so memory is not doubled) and keeps the loader attributes
     (``weight_loader``, ``full_shape``). ``state_dict()`` converts it back to dense, so saving,
-    comparing and copying weights to another model work unchanged.
+    comparing and copying weights into an unpacked model work unchanged; loading a state dict into
+    a packed model needs :func:`unpack_weights` first (the loaders do that).
     """
 
     def _replace_weight(self, data: torch.Tensor) -> None:
@@ -199,6 +201,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
     if not modules or {m.weight.device.type for m in modules} != {"cpu"}:
         return  # GPU linears: cuBLAS/hipBLAS already handle small batches
     shared = shared_parameter_ids(model)
+    dtypes = {m.weight.dtype for m in modules}  # the model's, before packing (panels may hold 16 bits)
     counts = {"panels": 0, "onednn": 0, "plain": 0}
     compact: dict[str, int] = {}  # 16-bit panel dtype -> layers
     for m in modules:
@@ -215,20 +218,22 @@ def process_weights_after_loading(model: nn.Module) -> None:
         parts.append(f"{counts['onednn']} through oneDNN prepacked weights")
     if counts["plain"]:
         parts.append(f"{counts['plain']} through F.linear (MKL)")
-    dtypes = {m.weight.dtype for m in modules}
     why = []
     if torch.float32 in dtypes and not panels_available(torch.float32):
         why.append(f"panel GEMM unavailable: {cpu_gemm.unavailable_reason()}")
+    elif counts["panels"] and not compact and cpu_gemm.sixteen_bit_switched_off():
+        why.append(f"16-bit panels switched off: {cpu_gemm.ENV_16BIT}={os.environ.get(cpu_gemm.ENV_16BIT)}")
     if counts["plain"]:
         why += [f"oneDNN unavailable: {r}" for r in sorted({onednn_unavailable_reason(dt) for dt in dtypes} - {None})]
     logger.info("CPU linears: %s%s", ", ".join(parts), f" ({'; '.join(why)})" if why else "")
 
 
-def matmul_bytes_per_weight(model: nn.Module) -> tuple[float, float] | None:
+def matmul_bytes_per_weight(model: nn.Module) -> tuple[float | None, float | None] | None:
     """Bytes per element of the weights the linears multiply by, as held (packed 16-bit panels: 2),
-    averaged over ``(the decoder layers' linears, the LM head)`` by element count; ``None`` for
-    a model with no such linear on the CPU. For the roofline's bytes moved
-    (:class:`minivllm.telemetry.roofline.ModelCost`); int8 layers are left to its own formula."""
+    averaged over ``(the decoder layers' linears, the LM head)`` by element count, ``None`` for a
+    part without such a linear (int8 layers are left to the roofline's own formula); ``None`` for a
+    model with none on the CPU. For the roofline's bytes moved
+    (:class:`minivllm.telemetry.roofline.ModelCost`)."""
     body = [0, 0]  # bytes, elements
     head = [0, 0]
     for name, m in model.named_modules():
@@ -243,8 +248,7 @@ def matmul_bytes_per_weight(model: nn.Module) -> tuple[float, float] | None:
         acc[1] += numel
     if not body[1] and not head[1]:
         return None
-    per = [b / n if n else 0.0 for b, n in (body, head)]
-    return per[0] or per[1], per[1] or per[0]
+    return tuple(b / n if n else None for b, n in (body, head))
 
 
 def unpack_weights(model: nn.Module) -> None:

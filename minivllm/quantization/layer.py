@@ -82,9 +82,11 @@ class Int8LinearMixin:
             self.packed_copy = None  # a packed copy of a shared weight, if any
         w = self.weight
         attrs = {a: getattr(w, a) for a in ("weight_loader", "full_shape") if hasattr(w, a)}
-        self._float_spec = (w.dtype, w.device, shared, attrs)
         with torch.no_grad():
-            self.int8 = Int8Weight(dense(w), kernel)  # a packed weight (panels or oneDNN) read back plain
+            plain = dense(w)  # a packed weight (panels or oneDNN) read back plain
+            self.int8 = Int8Weight(plain, kernel)
+        # the layer's dtype: a packed weight's own may differ (16-bit panels of a float32 model)
+        self._float_spec = (plain.dtype, w.device, shared, attrs)
         self.register_buffer("weight_scale", self.int8.scale)
         if self.int8.qweight is not None:
             self.register_buffer("weight_int8", self.int8.qweight)

@@ -147,7 +147,7 @@ class ModelCost:
         byte count); ``kv_dtype`` defaults to ``dtype``; ``quantization`` /
         ``quantize_lm_head``: as the engine arguments of the same names; ``weight_storage``:
         bytes per element of the layers' matmul weights and of the LM head as held, if not
-        ``dtype``'s (:func:`minivllm.layers.prepack.matmul_bytes_per_weight`).
+        ``dtype``'s (:func:`minivllm.layers.prepack.matmul_bytes_per_weight`; ``None`` for either: ``dtype``'s).
 
         Raises:
             ValueError: a bad tp_size, config value or quantization (names it)."""
@@ -187,8 +187,10 @@ class ModelCost:
             tp_size=tp_size,
             quantization=quantization,
             quantize_lm_head=bool(quantize_lm_head),
-            matmul_weight_bytes=None if weight_storage is None else float(weight_storage[0]),
-            lm_head_weight_bytes=None if weight_storage is None else float(weight_storage[1]),
+            matmul_weight_bytes=None if weight_storage is None or weight_storage[0] is None
+            else float(weight_storage[0]),
+            lm_head_weight_bytes=None if weight_storage is None or weight_storage[1] is None
+            else float(weight_storage[1]),
         )
 
     # --- parameter counts (elements, per rank) ---

@@ -32,7 +32,7 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 #define MR 6      /* rows of x per pass over a panel chunk */
 #define KC 256    /* k values per chunk (16 KiB of panel) */
 #define WSIZE(wt) ((wt) == WT_F32 ? 4 : 2)
-#define PF 128    /* prefetch distance in k: 8 KiB ahead in the panel stream (4 KiB read 11-12 GB/s at one row, 8 KiB 13-15) */
+#define PF 128    /* prefetch distance: PF lines of float32 panel, 8 KiB ahead in the stream whatever the panel type (4 KiB read 11-12 GB/s at one row, 8 KiB 13-15) */
 /* Software prefetch only in passes of at least PF_MIN_ROWS rows. On the AVX-512 Zen 4 dev EPYC
    (2026-12-03, one thread, 180 MiB of Qwen3-0.6B layer weights) the hardware prefetcher alone
    streamed passes of 1, 2, 4 and 6 rows 10-20% faster (one row: 21-23 against 19 GB/s), while 8 and 16 rows
@@ -112,7 +112,7 @@ static inline __attribute__((always_inline)) void panel_rows(const int wt, const
         for (int j = 0; j < g; j++) {
             const int64_t q = j * pstride + k * NR;
             if (rows >= PF_MIN_ROWS)  /* a constant after inlining */
-                __builtin_prefetch((const char *)pc + (q + PF * NR) * WSIZE(wt));
+                __builtin_prefetch((const char *)pc + q * WSIZE(wt) + PF * NR * 4);  /* PF lines of float32 ahead */
             w0[j] = load_w8(wt, pc, q);
             w1[j] = load_w8(wt, pc, q + 8);
         }
@@ -205,7 +205,7 @@ static inline __attribute__((always_inline)) void panel_rows16(const int wt, con
         for (int j = 0; j < g; j++) {
             const int64_t q = j * pstride + k * NR;
             if (rows >= PF_MIN_ROWS)  /* a constant after inlining */
-                __builtin_prefetch((const char *)pc + (q + PF * NR) * WSIZE(wt));
+                __builtin_prefetch((const char *)pc + q * WSIZE(wt) + PF * NR * 4);
             w[j] = load_w16(wt, pc, q);
         }
         for (int r = 0; r < rows; r++) {
@@ -280,6 +280,8 @@ void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const floa
                   float *y, int64_t ldy, int64_t b0, int64_t b1) {
     if (m <= 0)
         return;
+    if (wt == WT_F16 && !HAVE_F16)
+        __builtin_trap();  /* the Python side never sends it (PanelGemm.panel_dtypes): a bug, not data */
     chunk_fn *chunk = wt == WT_BF16 ? chunk_bf16 :
 #if HAVE_F16
                       wt == WT_F16 ? chunk_f16 :
