@@ -492,9 +492,11 @@ render(f"The embedded model's weights are {tiny_weight_bytes / 1e6:.1f} MB; at t
 # ## 4. A memory-bound model: roofline, the two phases side by side, batching
 #
 # `BIG_MODEL` has the shapes of Qwen3-0.6B (28 layers, hidden size 1024, a 151,936-token vocabulary)
-# with random weights: its answers are noise, but every step moves exactly as many bytes and does
-# exactly as many FLOPs as the real model would in the same dtype (printed below: fp32 on a CPU, where
-# each weight takes twice the bytes it has in the released bf16 checkpoint). A small KV pool
+# with random weights: its answers are noise, but every step does exactly as many FLOPs as the real
+# model would, and moves as many bytes as the real model would with its weights in the dtype printed
+# below (fp32 on a CPU: random values need all 32 bits, so each weight takes 4 bytes; the released bf16
+# checkpoint's values would be held in 2, as the CPU linears keep a 16-bit checkpoint's values in 16
+# bits). A small KV pool
 # (`KV_POOL_BYTES`) keeps its footprint down to the weights.
 
 # %%
@@ -811,7 +813,8 @@ print("identical:", decoded == replayed)
 #
 # * **batching**: 8 requests decoding together instead of one (one weight read serves 8 tokens);
 # * **int8 weights**: `LLM(..., quantization="int8")` stores every linear layer's weights in one byte
-#   instead of four (fewer bytes to read per step; not exact, so the tokens may differ). It shrinks
+#   (plus a scale per output channel) instead of the baseline's two (the embedded model's float16
+#   values, held in 16 bits) or four (fewer bytes to read per step; not exact, so the tokens may differ). It shrinks
 #   only the matrix multiplies' reads, and section 3 measured how the embedded model's step compares
 #   with reading its weights from main memory (weights small enough to stay in a CPU cache gain little
 #   from fewer bytes), so int8 has less to gain there than on a large model; the cell also
