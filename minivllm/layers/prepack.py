@@ -209,7 +209,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
         w = m.matmul_weight
         counts["panels" if cpu_gemm.is_panels(w) else "onednn" if w.is_mkldnn else "plain"] += 1
         if cpu_gemm.is_panels(w) and w.dtype != torch.float32:
-            compact[str(w.dtype).removeprefix("torch.")] = compact.get(str(w.dtype).removeprefix("torch."), 0) + 1
+            name = str(w.dtype).removeprefix("torch.")
+            compact[name] = compact.get(name, 0) + 1
     parts = []
     if counts["panels"]:
         held = "".join(f", {n} of them holding their values in {dt} (exactly)" for dt, n in sorted(compact.items()))

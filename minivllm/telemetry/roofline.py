@@ -111,7 +111,8 @@ class ModelCost:
         matmul_weight_bytes / lm_head_weight_bytes: bytes per element of the layers' matmul
             weights / the LM head as the engine holds them, where that differs from
             ``weight_bytes`` (a float32 model whose weights are float16 values keeps them in
-            16-bit panels on the CPU: 2); ``None``: ``weight_bytes``. Unused under int8.
+            16-bit panels on the CPU: 2); ``None``: ``weight_bytes``. Int8 layers (and an int8
+            LM head) follow their own formula instead.
     """
 
     hidden_size: int
@@ -147,7 +148,8 @@ class ModelCost:
         byte count); ``kv_dtype`` defaults to ``dtype``; ``quantization`` /
         ``quantize_lm_head``: as the engine arguments of the same names; ``weight_storage``:
         bytes per element of the layers' matmul weights and of the LM head as held, if not
-        ``dtype``'s (:func:`minivllm.layers.prepack.matmul_bytes_per_weight`; ``None`` for either: ``dtype``'s).
+        ``dtype``'s (:func:`minivllm.layers.prepack.matmul_bytes_per_weight`; ``None`` for either
+        part: ``dtype``'s).
 
         Raises:
             ValueError: a bad tp_size, config value or quantization (names it)."""
