@@ -595,7 +595,9 @@ for row in interp.itertuples():
 # CUDA, through our Triton kernel, which converts int8 weight tiles to the activation dtype inside
 # the matmul loop (weight-only).
 #
-# Two engines of the same model, side by side: the fp32 one from the setup cell and an int8 one.
+# Two engines of the same model, side by side: the fp32 one from the setup cell and an int8 one. (On a
+# CPU the fp32 engine holds a 16-bit checkpoint's values, such as the embedded model's float16 ones, in
+# 16-bit panels: there int8 halves the bytes read rather than quartering them. The cell prints both.)
 # First what int8 should save, from each engine's cost model and this machine's measured read
 # bandwidth (the time to read the weights once is a floor under every decode step):
 
@@ -661,7 +663,7 @@ render(f"On this run int8 changed the batch-1 decode step from {step['fp32']:.2f
        f"**{int8_speedup:.2f}x**, while the weights shrank {wbytes['fp32'] / wbytes['int8']:.2f}x. Reading the "
        f"fp32 engine's weights once, as it holds them, at the measured read bandwidth would take {read_ms['fp32']:.2f} ms, "
        f"**{read_ms['fp32'] / step['fp32']:.0%}** of the fp32 step.")
-check_claim("int8 makes this model's decode step faster by less than its weights shrank",
+check_claim("int8 changes this model's decode step by less than its weights shrank (a figure below 1x: slower)",
             int8_speedup < wbytes["fp32"] / wbytes["int8"],
             f"{int8_speedup:.2f}x against {wbytes['fp32'] / wbytes['int8']:.2f}x fewer bytes")
 check_claim("int8 weights do not make this model's batch-1 decode step 2x faster",
@@ -729,7 +731,7 @@ with torch.inference_mode():
 del copies
 layer_speedup = layer_ms["fp32"] / layer_ms["int8"]
 render(f"One Qwen3-0.6B-sized layer at one row: int8 is **{layer_speedup:.2f}x** faster than fp32 here, for "
-       f"{layer_bytes['fp32'] / layer_bytes['int8']:.2f}x fewer bytes; the whole tiny-model step above gained "
+       f"{layer_bytes['fp32'] / layer_bytes['int8']:.2f}x fewer bytes; the whole tiny-model step above changed by "
        f"{int8_speedup:.2f}x.")
 check_claim("int8 gains more on a large layer that reads its weight from memory than on the tiny model's whole step",
             layer_speedup > int8_speedup, f"layer {layer_speedup:.2f}x, tiny-model step {int8_speedup:.2f}x",
