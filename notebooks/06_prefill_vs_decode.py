@@ -894,8 +894,9 @@ fp32_ms = median_ms(lambda: torch.nn.functional.linear(x1, w_fp32))
 int8_ms = median_ms(lambda: w_int8.matmul(x1))
 del w_fp32, w_int8
 lines = "\n".join(f"| {name} | {tps:.0f} | **{tps / tps1:.2f}x** | {agreement(ref, toks)} |" for name, tps, toks in lever_rows)
-render(f"""Decode throughput on {engine.source.name} ({WHERE}), median of 3 rounds; baseline: one request, {DTYPE}
-weights, no speculation, **{tps1:.0f} tokens/s**.
+held = engines["baseline"].llm_engine.model_cost.held_weight_bytes
+render(f"""Decode throughput on {engine.source.name} ({WHERE}), median of 3 rounds; baseline: one request, a {DTYPE}
+model whose linears hold {held:g} bytes a weight, no speculation, **{tps1:.0f} tokens/s**.
 
 | lever | decode tokens/s | vs baseline | greedy tokens equal to the baseline's (first request) |
 |---|---|---|---|
@@ -922,13 +923,13 @@ check_claim("int8 weights make a product that is one weight read faster", int8_m
 # share of the step and on how slowly they read their weights: large for a real model, smaller on the
 # embedded one, whose few MB of weights can stay in a CPU cache and whose step has fixed costs
 # beside them. There it can even come out below 1 (its row in the table says which way it went on
-# this run): the int8 engine swaps our float32 GEMM for torch's int8 linear, whose fixed costs per
-# call a 256-wide layer does not amortise. Compare that row with the single-weight figure; on a busy
+# this run): the int8 engine swaps our panel GEMM (float32 arithmetic on the weights as held) for
+# torch's int8 linear, whose fixed costs per call a 256-wide layer does not amortise. Compare that row with the single-weight figure; on a busy
 # machine the whole-step figure is also the noisiest. `python -m minivllm bench --model random:qwen3-0.6b
 # --quantization int8` measures it on a memory-bound model. Batching raises throughput
 # but not each request's own speed (chapter 07 measures what it costs a request's time per token);
 # speculation raises both while its drafts are accepted, and its outputs are the greedy tokens exactly;
-# int8 trades a little accuracy for bytes, so its tokens can drift from the fp32 ones.
+# int8 trades a little accuracy for bytes, so its tokens can drift from the baseline's.
 
 # %%
 for e_ in engines.values():
