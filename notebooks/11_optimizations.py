@@ -85,11 +85,15 @@ print(f"{hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
 # That costs around a microsecond or more of host time per operation whatever the tensor size (the
 # cells below measure it on this machine). A decode step
 # runs every layer's operations for a handful of rows, so the fixed cost per operation can outweigh
-# the arithmetic.
+# the arithmetic. On a CPU, minivllm's layers do most of their work in its own compiled C functions
+# (the GEMMs, norms, rotary, SiLU, attention and KV writes) instead of ATen operations; each is called
+# from Python through `ctypes`, behind a wrapper that checks the tensors and allocates the output, so it
+# has a fixed host cost of its own.
 #
 # The stepper below holds a request; we let it prefill and decode once, then record its next decode
 # step with `torch.profiler` and count the ATen operations that do work (views and reshapes, which
-# only relabel memory, are left out). On a GPU each of these is at least one kernel launch.
+# only relabel memory, are left out), and with `minivllm.layers.cpu_graph.count_calls` the calls into
+# minivllm's C code. On a GPU each ATen operation is at least one kernel launch.
 
 # %%
 from widgets import EngineStepper
@@ -106,6 +110,8 @@ from collections import Counter
 
 from torch.profiler import ProfilerActivity, profile
 
+from minivllm.layers.cpu_graph import count_calls
+
 # Operations that only relabel or allocate memory, or convert a tensor that already has the
 # right dtype/device: no kernel of their own on a GPU.
 NO_KERNEL = {"aten::view", "aten::as_strided", "aten::reshape", "aten::_reshape_alias", "aten::transpose",
@@ -117,18 +123,19 @@ NO_KERNEL = {"aten::view", "aten::as_strided", "aten::reshape", "aten::_reshape_
 
 
 def profile_call(fn):
-    """Run fn() under the profiler; returns (its result, Counter of leaf ATen ops that do work, kernels on GPU)."""
+    """Run fn() under the profiler; returns (its result, Counter of leaf ATen ops that do work,
+    Counter of calls into minivllm's C code, kernels on GPU)."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_CUDA else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts) as prof, count_calls() as c_calls:
         out = fn()
     events = prof.events()
     ops = Counter(e.name for e in events if e.name.startswith("aten::") and e.name not in NO_KERNEL
                   and not any(c.name.startswith("aten::") for c in e.cpu_children))
     kernels = sum(1 for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    return out, ops, kernels
+    return out, ops, c_calls, kernels
 
 
-rec, ops, kernels = profile_call(stepper.step)
+rec, ops, c_calls, kernels = profile_call(stepper.step)
 # The same at batch 4: three more requests join the stepper's, then one 4-sequence decode step is profiled.
 for i in range(3):
     engine.add_request(f"extra-{i}", "The module provides" + " and" * i,
@@ -136,20 +143,23 @@ for i in range(3):
 while engine.has_unfinished_requests():
     if engine.step_with_record().record.phase == "decode":
         break
-rec4, ops4, kernels4 = profile_call(lambda: engine.step_with_record().record)
+rec4, ops4, c_calls4, kernels4 = profile_call(lambda: engine.step_with_record().record)
 while engine.has_unfinished_requests():
     engine.step()
-print(f"{rec.phase} step of {rec.num_seqs} sequence: {sum(ops.values())} ATen operations that do work")
-print("   most frequent:", ", ".join(f"{n.removeprefix('aten::')} x{c}" for n, c in ops.most_common(8)))
-print(f"{rec4.phase} step of {rec4.num_seqs} sequences: {sum(ops4.values())} ATen operations that do work")
+for r, o, c in ((rec, ops, c_calls), (rec4, ops4, c_calls4)):
+    print(f"{r.phase} step of {r.num_seqs} sequence{'s' if r.num_seqs > 1 else ''}: {sum(o.values())} ATen operations that do work, "
+          f"{sum(c.values())} calls into minivllm's C code")
+print("   most frequent at batch 1:", ", ".join(f"{n.removeprefix('aten::')} x{k}"
+                                             for n, k in (ops + c_calls).most_common(8)))
 
 # %%
 # NBVAL_CHECK_OUTPUT
 # (The exact counts change whenever the model or backend code does; this checks which operations run:)
 print(f"profiled: a {rec.phase} step of {rec.num_seqs} sequence and a {rec4.phase} step of {rec4.num_seqs}")
-print("operations at batch 1 and at batch 4:", "the same" if set(ops) == set(ops4) else "different")
-print("operations whose count differs between the two:", sorted(op for op in set(ops) | set(ops4)
-                                                              if ops[op] != ops4[op]))
+calls1, calls4 = ops + c_calls, ops4 + c_calls4  # ATen operations and C calls together
+print("operations at batch 1 and at batch 4:", "the same" if set(calls1) == set(calls4) else "different")
+print("operations whose count differs between the two:", sorted(op for op in set(calls1) | set(calls4)
+                                                              if calls1[op] != calls4[op]))
 
 # %%
 if ON_CUDA:
@@ -168,21 +178,39 @@ if ON_CUDA:
     torch.cuda.synchronize()
 per_op_us = (time.perf_counter() - t0) / 20000 * 1e6
 
+# What one of minivllm's C calls costs the host: an RMSNorm of one 256-value row through its wrapper
+# (checks, output allocation, the ctypes call; the arithmetic itself is a fraction of a microsecond).
+n_c = sum(c_calls.values())
+per_c_us = 0.0
+from minivllm.layers import cpu_fused
+
+fused = cpu_fused.load() if n_c else None  # None: no C calls here (a GPU), or the fused ops are off
+if fused is not None:
+    row, ones = torch.randn(1, 256), torch.ones(256)
+    for _ in range(2000):
+        fused.rms_norm(row, ones, 1e-6)
+    t0 = time.perf_counter()
+    for _ in range(20000):
+        fused.rms_norm(row, ones, 1e-6)
+    per_c_us = (time.perf_counter() - t0) / 20000 * 1e6
+
 # Unprofiled decode steps at batch 1, for comparison.
 engine.add_request("timing", "The module provides", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
 decode = [r for r in (engine.step_with_record().record for _ in range(24)) if r.phase == "decode"][4:]
 n_ops = sum(ops.values())
-print(f"one tiny operation: {per_op_us:.1f} µs of host time")
+print(f"one tiny ATen operation: {per_op_us:.1f} µs of host time"
+      + (f"; one tiny C call through its wrapper: {per_c_us:.1f} µs" if n_c else ""))
 step_ms = statistics.median(r.wall_ms for r in decode)
-print(f"{n_ops} operations x {per_op_us:.1f} µs = {n_ops * per_op_us / 1e3:.2f} ms of pure dispatch per step")
+floor_ms = (n_ops * per_op_us + n_c * per_c_us) / 1e3
+floor_terms = f"{n_ops} ATen operations x {per_op_us:.1f} µs" + (f" + {n_c} C calls x {per_c_us:.1f} µs" if n_c else "")
+print(f"{floor_terms} = {floor_ms:.2f} ms of pure dispatch per step")
 print(f"measured decode step at batch 1: median {step_ms:.2f} ms, of which the model's forward pass "
       f"{statistics.median(r.model_ms for r in decode):.2f} ms; the dispatch floor is "
-      f"{n_ops * per_op_us / 1e3 / step_ms:.0%} of the step")
+      f"{floor_ms / step_ms:.0%} of the step")
 
 # %%
-floor_ms = n_ops * per_op_us / 1e3
 floor_share = floor_ms / step_ms
-render(f"On this run the dispatch floor ({n_ops} operations x {per_op_us:.1f} µs = {floor_ms:.2f} ms) is "
+render(f"On this run the dispatch floor ({floor_terms} = {floor_ms:.2f} ms) is "
        f"**{floor_share:.0%}** of a batch-1 decode step of {step_ms:.2f} ms. The other {1 - floor_share:.0%} "
        "is the model's Python code, the engine's own work (scheduling, building inputs, sampling) and the "
        "arithmetic itself, including reading every weight once.");
@@ -322,8 +350,8 @@ if ON_CUDA:
 compile_s = time.perf_counter() - t0
 print(f"first call of the compiled RMSNorm + residual (trace + code generation + build): {compile_s:.1f} s")
 with torch.inference_mode():
-    _, eager_ops, _ = profile_call(lambda: norm(*inputs[8]))
-    _, compiled_ops, _ = profile_call(lambda: compiled(*inputs[8]))
+    _, eager_ops, _, _ = profile_call(lambda: norm(*inputs[8]))
+    _, compiled_ops, _, _ = profile_call(lambda: compiled(*inputs[8]))
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -1060,8 +1088,9 @@ Quiz([
 # %% [markdown]
 # ## You can now
 #
-# * count the operations a decode step issues with `torch.profiler`, time one dispatch, and say what
-#   share of a step the dispatch floor is on a given machine;
+# * count the operations a decode step issues with `torch.profiler` (and on a CPU minivllm's C calls
+#   with `count_calls`), time one dispatch, and say what share of a step the dispatch floor is on a
+#   given machine;
 # * explain what a CUDA graph removes (the host's launches), why it needs fixed shapes, and how the
 #   engine buckets decode batch sizes and pads to capture them;
 # * compile a chain of element-wise operations with `torch.compile`, check it against eager, and weigh

@@ -104,11 +104,11 @@ def test_an_interrupt_while_recording_keeps_no_graph_and_the_next_step_records_a
     g = engine.runner.graph_runner
     real, calls = cpu_graph.launch, []
 
-    def interrupted(fn, *args):
+    def interrupted(fn, *args, name=None):
         calls.append(fn)
         if len(calls) == 5 and cpu_graph.capturing() is not None:
             raise KeyboardInterrupt
-        real(fn, *args)
+        real(fn, *args, name=name)
 
     for mod in ("minivllm.layers.cpu_fused", "minivllm.layers.cpu_gemm"):
         monkeypatch.setattr(f"{mod}.launch", interrupted)
@@ -185,6 +185,37 @@ def test_launch_records_only_while_capturing():
     graph.replay()
     graph.replay()
     assert seen == [1, 2, 2, 2] and graph.num_calls == 1
+
+
+def test_count_calls_counts_launches_by_name_in_its_block_only_and_not_replays():
+    seen = []
+    cpu_graph.launch(seen.append, 0, name="before")
+    graph = CpuGraph()
+    with cpu_graph.count_calls() as calls:
+        cpu_graph.launch(seen.append, 1, name="c_fn")
+        cpu_graph.launch(seen.append, 2, name="c_fn")
+        cpu_graph.launch(seen.append, 3)  # no name: the function's
+        with graph.capture():
+            cpu_graph.launch(seen.append, 4, name="recorded")
+        graph.replay()  # a replay issues its calls without launch: not counted
+    cpu_graph.launch(seen.append, 5, name="after")
+    assert calls == {"c_fn": 2, "append": 1, "recorded": 1}
+    assert seen == [0, 1, 2, 3, 4, 4, 5]
+
+
+def test_count_calls_sees_every_c_call_of_an_eager_decode_step():
+    llm = _llm(enforce_eager=True, num_kvcache_blocks=64)
+    try:
+        engine = llm.llm_engine
+        engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        engine.step()  # the prefill
+        layers = engine.source.hf_config.num_hidden_layers
+        with cpu_graph.count_calls() as calls:
+            assert engine.step_with_record().record.phase == "decode"
+    finally:
+        llm.shutdown()
+    # one attention and one KV store per layer, whatever else the build's fused ops and GEMMs take
+    assert calls["paged_decode_attention_f32"] == layers and calls["paged_store_kv_f32"] == layers
 
 
 def test_pool_allocations_are_aligned_and_each_capture_starts_over():

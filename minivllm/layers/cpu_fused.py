@@ -126,10 +126,10 @@ class CpuFusedOps:
             out = torch.empty(outer, inner, dim, dtype=F32, device="cpu")
         xp, s_outer, wp, op = x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr()
         if outer * inner * dim < 2 * MIN_ELEMENTS_PER_THREAD:
-            launch(self._rms, xp, outer, inner, s_outer, s_inner, wp, op, dim, eps)
+            launch(self._rms, xp, outer, inner, s_outer, s_inner, wp, op, dim, eps, name="rms_norm_f32")
             return out
         launch(self._split, outer, out.numel(), lambda lo, hi: self._rms(
-            xp + lo * s_outer * 4, hi - lo, inner, s_outer, s_inner, wp, op + lo * inner * dim * 4, dim, eps))
+            xp + lo * s_outer * 4, hi - lo, inner, s_outer, s_inner, wp, op + lo * inner * dim * 4, dim, eps), name="rms_norm_f32")
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -143,10 +143,10 @@ class CpuFusedOps:
         (rows, dim), wp = x.shape, weight.data_ptr()
         xp, rp, tp, op = x.data_ptr(), residual.data_ptr(), total.data_ptr(), out.data_ptr()
         if rows * dim < 2 * MIN_ELEMENTS_PER_THREAD:
-            launch(self._add_rms, xp, rp, wp, tp, op, rows, dim, eps)
+            launch(self._add_rms, xp, rp, wp, tp, op, rows, dim, eps, name="add_rms_norm_f32")
             return out, total
         launch(self._split, rows, x.numel(), lambda lo, hi: self._add_rms(
-            xp + lo * dim * 4, rp + lo * dim * 4, wp, tp + lo * dim * 4, op + lo * dim * 4, hi - lo, dim, eps))
+            xp + lo * dim * 4, rp + lo * dim * 4, wp, tp + lo * dim * 4, op + lo * dim * 4, hi - lo, dim, eps), name="add_rms_norm_f32")
         return out, total
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
@@ -174,9 +174,9 @@ class CpuFusedOps:
                                  f"is outside the table of {max_position} positions (max_position_embeddings)")
 
         if tokens * heads * dim < 2 * MIN_ELEMENTS_PER_THREAD:
-            launch(run, 0, tokens)
+            launch(run, 0, tokens, name="rope_f32")
         else:
-            launch(self._split, tokens, out.numel(), run)
+            launch(self._split, tokens, out.numel(), run, name="rope_f32")
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -188,8 +188,8 @@ class CpuFusedOps:
         out = torch.empty(rows, inter, dtype=F32, device="cpu")
         xp, s_row, op = x.data_ptr(), x.stride(0), out.data_ptr()
         if rows * inter < MIN_ELEMENTS_PER_THREAD:  # x has 2 * rows * inter elements
-            launch(self._silu, xp, rows, s_row, op, inter)
+            launch(self._silu, xp, rows, s_row, op, inter, name="silu_and_mul_f32")
             return out
         launch(self._split, rows, x.numel(), lambda lo, hi: self._silu(xp + lo * s_row * 4, hi - lo, s_row,
-                                                              op + lo * inter * 4, inter))
+                                                              op + lo * inter * 4, inter), name="silu_and_mul_f32")
         return out

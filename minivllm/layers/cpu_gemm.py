@@ -217,5 +217,5 @@ class PanelGemm:
             bp, yp = bias.data_ptr() if bias is not None else None, y.data_ptr()
             for r0 in range(0, m, rows):  # one call for a decode step; a prefill's rows in L2-sized chunks
                 launch(self._fn, wt, xp + r0 * stride * 4, stride, pp, bp, min(rows, m - r0), k, yp + r0 * n * 4,
-                       n, nb, parts)
+                       n, nb, parts, name="panel_gemm_parallel_w")
         return y if flat else y.reshape(*x.shape[:-1], n)

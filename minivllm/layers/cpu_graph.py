@@ -30,17 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import Counter
 from contextvars import ContextVar
 from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CpuGraph", "GraphPool", "NotCapturable", "capturing", "launch", "persistent"]
+__all__ = ["CpuGraph", "GraphPool", "NotCapturable", "capturing", "count_calls", "launch", "persistent"]
 
 aten = torch.ops.aten
 
 _current: ContextVar["CpuGraph | None"] = ContextVar("minivllm_cpu_graph", default=None)
+_tally: ContextVar["Counter[str] | None"] = ContextVar("minivllm_c_call_tally", default=None)
 
 #: allocations served from the pool (their result is fresh memory, no values read)
 _FACTORIES = {aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
@@ -76,17 +78,38 @@ def persistent():
         graph._outside_pool -= 1
 
 
-def launch(fn: Callable[..., object], *args) -> None:
+def launch(fn: Callable[..., object], *args, name: str | None = None) -> None:
     """Call ``fn(*args)``; while a graph is captured, also record the call for its replays.
 
     ``args`` are what the call needs again at replay: pointers (ints) into tensors whose memory
     stays put (static inputs, weights, the KV cache, the pool), sizes, scalars. ``fn`` returns
     nothing useful: a check of its result belongs inside ``fn`` so the replay makes it too.
+    ``name``: what :func:`count_calls` counts the call as (the C function's name; default
+    ``fn.__name__``).
     """
     fn(*args)
     graph = _current.get()
     if graph is not None:
         graph._calls.append((fn, args))
+    tally = _tally.get()
+    if tally is not None:
+        tally[name or getattr(fn, "__name__", repr(fn))] += 1
+
+
+@contextlib.contextmanager
+def count_calls():
+    """Within the block, every call into minivllm's compiled CPU code made through :func:`launch`
+    (GEMMs, norms, rotary, SiLU, attention, KV stores: each a call from Python through ``ctypes``,
+    with its own host cost, as an ATen operation has) is counted by name in the yielded
+    ``Counter``. A CPU graph's replay issues its recorded calls without :func:`launch` and is
+    not counted; neither are ATen operations (``torch.profiler`` sees those). Counts the calls
+    made in this thread (and context) only."""
+    tally: Counter[str] = Counter()
+    token = _tally.set(tally)
+    try:
+        yield tally
+    finally:
+        _tally.reset(token)
 
 
 class GraphPool:

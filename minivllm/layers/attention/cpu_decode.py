@@ -204,7 +204,7 @@ class PagedDecodeKernel:
 
         # several chunks run on several threads (ctypes drops the GIL); run_chunks returns only once
         # every chunk is done, so the scratch is free for the next call even after an interrupt
-        cpu_graph.launch(run_chunks, run, chunks)
+        cpu_graph.launch(run_chunks, run, chunks, name="paged_decode_attention_f32")
         return out
 
     def causal_self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
@@ -274,7 +274,7 @@ class PagedDecodeKernel:
             self._causal(*args, sp + lo * 8, lp + lo * 8, hi - lo, heads, kv_heads, g_lo, g_hi, head_dim, scale,
                          scp + c * per_chunk * 4)
 
-        cpu_graph.launch(run_chunks, run, len(chunks))
+        cpu_graph.launch(run_chunks, run, len(chunks), name="causal_self_attention_f32")
         return True
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -311,5 +311,5 @@ class PagedDecodeKernel:
                 raise IndexError(f"KV cache write: slot {int(slot_mapping[bad])} (token {bad}) is outside the "
                                  f"cache's {num_slots} slots")
 
-        cpu_graph.launch(store)
+        cpu_graph.launch(store, name="paged_store_kv_f32")
         return True
