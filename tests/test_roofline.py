@@ -195,3 +195,30 @@ def test_a_decode_step_record_builds_its_entries_when_read_and_its_sums_match_th
     fill_step_record(again, engine.model_cost, engine.peaks)
     assert (again.flops, again.bytes_moved) == (rec.flops, rec.bytes_moved) and rec.flops > 0
     llm.shutdown()
+
+
+def test_widgets_and_benchmarks_count_an_int8_engine_as_the_engine_does():
+    """engine_cost: the widgets built ModelCost without the engine's quantization, so an int8
+    engine's steps were counted as reading float32 weights."""
+    from minivllm import LLM
+    from minivllm.telemetry.roofline import engine_cost
+    from widgets.measure import _roofline
+
+    llm = LLM("minivllm-tiny", quantization="int8", num_kvcache_blocks=32, enforce_eager=True)
+    try:
+        engine = llm.llm_engine
+        cost = engine_cost(engine)
+        assert cost == engine.model_cost and cost.quantization == "int8"
+        float_cost = ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype)
+        assert cost.body_weight_bytes < float_cost.body_weight_bytes / 2
+        record = StepRecord(
+            index=0, start_time=1.0, end_time=1.5, num_prefill_tokens=0, num_decode_tokens=1, num_seqs=1,
+            num_prefill_chunks=0, scheduled=[ScheduledEntry("r", 1, False, 9, True)], preempted=[], finished=[],
+            kv_blocks_used=1, kv_blocks_free=7, kv_blocks_cached=0, prefix_cache_hit_tokens=0,
+            attention_backend="torch")
+        row = {}
+        _roofline(engine, record, row)  # the widgets' path when the engine has not filled the record
+        assert row["bytes"] == step_cost(engine.model_cost, [(1, 10)], 1)[1]
+        assert row["bytes"] < step_cost(float_cost, [(1, 10)], 1)[1]
+    finally:
+        llm.shutdown()

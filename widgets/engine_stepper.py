@@ -335,11 +335,10 @@ class EngineStepper(CourseWidget):
         if record.mfu is not None or record.num_tokens == 0:
             return
         from minivllm.telemetry.peaks import get_peaks
-        from minivllm.telemetry.roofline import ModelCost, fill_step_record
+        from minivllm.telemetry.roofline import engine_cost, fill_step_record
 
         if self._cost is None:
-            self._cost = ModelCost.from_config(self.engine.source.hf_config, dtype=self.engine.config.dtype,
-                                               weight_storage=getattr(self.engine, "weight_storage", None))
+            self._cost = engine_cost(self.engine)
         if self._peaks is None:
             self._peaks = get_peaks(self.engine.config.device, self.engine.config.dtype)
         fill_step_record(record, self._cost, self._peaks)

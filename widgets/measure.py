@@ -76,13 +76,11 @@ _cost_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine
 def _roofline(engine, record, row: dict) -> None:
     """Add the roofline figures of ``record`` to ``row`` (engine-filled when present)."""
     from minivllm.telemetry.peaks import get_peaks
-    from minivllm.telemetry.roofline import ModelCost, arithmetic_intensity, fill_step_record
+    from minivllm.telemetry.roofline import arithmetic_intensity, engine_cost, fill_step_record
 
     if record.mfu is None:
         if engine not in _cost_cache:
-            _cost_cache[engine] = (ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype,
-                                                         weight_storage=getattr(engine, "weight_storage", None)),
-                                get_peaks(engine.config.device, engine.config.dtype))
+            _cost_cache[engine] = (engine_cost(engine), get_peaks(engine.config.device, engine.config.dtype))
         cost, peaks = _cost_cache[engine]
         fill_step_record(record, cost, peaks)
     row.update(flops=record.flops, bytes=record.bytes_moved,

@@ -92,15 +92,14 @@ class UtilisationMonitor(CourseWidget):
 
     def run(self) -> list:
         """Run the workload, sampling all along; returns the step records."""
-        from minivllm.telemetry.roofline import ModelCost, fill_step_record
+        from minivllm.telemetry.roofline import engine_cost, fill_step_record
         from minivllm.telemetry.utilisation import UtilisationSampler
 
         engine = self.engine
         if engine.has_unfinished_requests():
             self.readout.value = "<div class='mv-box' style='color:#b00'>the engine is busy; reset it first</div>"
             return []
-        cost = ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype,
-                                     weight_storage=getattr(engine, "weight_storage", None))
+        cost = engine_cost(engine)
         peaks = self.peaks
         rng = random.Random(0)
         engine.reset_prefix_cache()

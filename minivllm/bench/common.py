@@ -74,12 +74,9 @@ def cost_and_peaks(engine, log=None, peak_kwargs: dict | None = None):
     cache keeps the best figure seen for later cached reads). ``peak_kwargs`` go to
     ``measure_peaks`` (sizes, repeats)."""
     from minivllm.telemetry.peaks import get_peaks
-    from minivllm.telemetry.roofline import ModelCost
+    from minivllm.telemetry.roofline import engine_cost
 
-    cost = ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype,
-                                 quantization=getattr(engine.args, "quantization", None),
-                                 quantize_lm_head=getattr(engine.args, "quantize_lm_head", True),
-                                 weight_storage=getattr(engine, "weight_storage", None))
+    cost = engine_cost(engine)
     peaks = get_peaks(engine.config.device, engine.config.dtype, refresh=True, **(peak_kwargs or {}))
     if log is not None and engine.config.device.type == "cpu" and hasattr(os, "getloadavg"):
         load, cores = os.getloadavg()[0], os.cpu_count() or 1

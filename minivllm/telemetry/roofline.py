@@ -38,7 +38,7 @@ attention is not modelled (Qwen3 dense checkpoints ship
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from operator import attrgetter
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -49,6 +49,7 @@ from minivllm.utils.dtypes import DTYPES, canonical_dtype_name
 __all__ = [
     "ModelCost",
     "Peaks",
+    "engine_cost",
     "step_cost",
     "entries_from_record",
     "fill_step_record",
@@ -285,6 +286,21 @@ class ModelCost:
                   "held_weight_bytes", "kv_bytes_per_token"):
             d[k] = getattr(self, k)
         return d
+
+
+def engine_cost(engine: Any) -> ModelCost:
+    """The whole model's :class:`ModelCost` as ``engine`` holds it: its dtype, int8 quantisation
+    (``quantization`` / ``quantize_lm_head``) and 16-bit panels (``engine.weight_storage``), for
+    ``tp_size=1`` (``engine.model_cost`` is one rank's). What benchmarks and widgets that fill step
+    records themselves should use, so their bytes per step match the engine's own."""
+    own = getattr(engine, "model_cost", None)
+    if isinstance(own, ModelCost):
+        return replace(own, tp_size=1)
+    args = getattr(engine, "args", None)
+    return ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype,
+                                 quantization=getattr(args, "quantization", None),
+                                 quantize_lm_head=getattr(args, "quantize_lm_head", True),
+                                 weight_storage=getattr(engine, "weight_storage", None))
 
 
 def attended_keys(num_new_tokens: int, context_len_after: int) -> int:
