@@ -84,6 +84,30 @@ def test_state_dict_is_dense_and_reload_after_packing_works(tmp_path, form):
         torch.testing.assert_close(sa[k], sb[k], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_load_state_dict_into_a_packed_model_loads_every_layer_and_packs_it_again(tmp_path, form, tied):
+    """It raised on the panels' shape after loading the layers before it, and a tied LM head's
+    packed copy kept the old table."""
+    path = make_hf_checkpoint(tmp_path, tie_word_embeddings=tied)
+    a, b = _model(path), _model(path)
+    load_weights(a, path)
+    init_random_weights(b, 3)  # packed, with other values
+    b.load_state_dict(a.state_dict())
+    for name, p in b.named_parameters():
+        assert prepack.is_packed(p) == prepack.is_packed(dict(a.named_parameters())[name]), name
+    assert (b.lm_head.packed_copy is not None) == tied
+    mods_a = dict(a.named_modules())
+    with torch.inference_mode():
+        for name, m in b.named_modules():
+            if hasattr(m, "pack_weights"):  # every linear and the LM head multiplies by a's values
+                w = m.matmul_weight
+                x = torch.randn(3, prepack.dense(w).shape[1])
+                torch.testing.assert_close(prepack.linear(x, w), prepack.linear(x, mods_a[name].matmul_weight),
+                                           atol=0, rtol=0, msg=name)
+        h = torch.randn(3, b.lm_head.embedding_dim)
+        torch.testing.assert_close(b.compute_logits(h), a.compute_logits(h), atol=0, rtol=0)
+
+
 def test_packed_layers_match_f_linear_under_tensor_parallel_shards(form):
     gen = torch.Generator().manual_seed(0)
     hidden, inter = 32, 64  # every local output a multiple of 16 at tp 2 (panels where the GEMM loads)

@@ -125,8 +125,10 @@ class PackedWeightMixin:
     Packing replaces ``self.weight`` with an ``nn.Parameter`` holding the packed tensor (the
     dense copy is freed, so memory is not doubled) and keeps the loader attributes
     (``weight_loader``, ``full_shape``). ``state_dict()`` converts it back to dense, so saving,
-    comparing and copying weights into an unpacked model work unchanged; loading a state dict into
-    a packed model needs :func:`unpack_weights` first (the loaders do that).
+    comparing and copying weights into an unpacked model work unchanged; ``load_state_dict()`` into
+    a packed model unpacks each layer, loads it and packs it again (new tensors: a CPU graph sees
+    the new storage and is recorded again; the engine's roofline keeps the bytes per weight it
+    found at load, should new values no longer fit 16-bit panels).
     """
 
     def _replace_weight(self, data: torch.Tensor) -> None:
@@ -176,6 +178,20 @@ class PackedWeightMixin:
         key = prefix + "weight"
         if key in destination and is_packed(destination[key]):
             destination[key] = dense(self.weight)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # ``model.load_state_dict(...)`` of dense weights into a packed model: back to dense, load,
+        # pack again. Without it the panels' shape was refused after the other layers had loaded,
+        # and a packed copy beside a tied weight kept multiplying by the old values.
+        packed = getattr(self, "int8", None) is None and (is_packed(self.weight) or self.packed_copy is not None)
+        shared = self.packed_copy is not None
+        if packed:
+            self.unpack_weights()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if packed:
+            self.pack_weights(shared=shared)
 
 
 def shared_parameter_ids(model: nn.Module) -> set[int]:
