@@ -139,6 +139,22 @@ def test_silu_and_mul_matches_float64_silu_over_the_whole_range(ops):
         torch.testing.assert_close(ops.silu_and_mul(t), F.silu(t[:, :300]) * t[:, 300:], atol=ATOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [0, 1, 32])
+def test_embedding_lookup_matches_f_embedding_and_names_an_id_outside_the_table(ops, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    table = torch.randn(50, 24, generator=g)
+    ids = torch.randint(0, 50, (tokens,), generator=g)
+    got = ops.embedding(ids, table)
+    assert got.is_contiguous() and got.shape == (tokens, 24)
+    assert torch.equal(got, F.embedding(ids, table))
+    for bad in (50, -1):
+        with pytest.raises(IndexError, match=f"id {bad} \\(token 1\\) is outside the vocabulary of 50 rows"):
+            ops.embedding(torch.tensor([3, bad, 4]), table)
+    # what the C code does not take: the module's F.embedding runs instead
+    assert ops.embedding(ids.int(), table) is None and ops.embedding(ids, table.double()) is None
+    assert ops.embedding(ids, table.t().contiguous().t()) is None and ops.embedding(ids.view(1, -1), table) is None
+
+
 def test_outputs_are_float32_whatever_the_default_dtype(ops):
     """The C code writes float32: its outputs must be float32 even when torch's default dtype is
     bfloat16 (an output allocated in the default dtype would be half the bytes written)."""
@@ -198,6 +214,8 @@ def test_engine_uses_them_for_a_float32_cpu_model_and_hooks_still_fire(tiny_ckpt
     owners = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul))]
     # per layer 4 norms (input, post-attention, q, k) and the MLP activation; the final norm; one rotary
     assert len(owners) == 5 * len(model.model.layers) + 2 and all(m.fused is ops for m in owners)
+    owners.append(model.model.embed_tokens)  # and the token embedding (not the LM head that may share its table)
+    assert model.model.embed_tokens.fused is ops and model.lm_head.fused is None
     seen = []
     model.model.layers[0].self_attn.q_norm.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))
     prompt = prompts_of([13], seed=7)[0]
@@ -222,7 +240,7 @@ def test_the_switch_turns_them_off_and_the_log_says_so(tiny_ckpt, monkeypatch, c
     with caplog.at_level("INFO", logger="minivllm"):
         llm = make_llm(tiny_ckpt)
     assert all(m.fused is None for m in llm.llm_engine.runner.model.modules() if isinstance(m, RMSNorm))
-    assert f"CPU norms, rotary and SiLU: torch ops (switched off: {cpu_fused.ENV_SWITCH}=0)" in caplog.text
+    assert f"CPU norms, rotary, SiLU and embedding lookup: torch ops (switched off: {cpu_fused.ENV_SWITCH}=0)" in caplog.text
     llm.shutdown()
 
 
@@ -230,5 +248,5 @@ def test_a_bfloat16_model_logs_its_path_too(tiny_ckpt, caplog):
     """Every CPU engine logs the line (a bf16 model logged none, found in a user trial)."""
     with caplog.at_level("INFO", logger="minivllm"):
         make_llm(tiny_ckpt, dtype="bfloat16").shutdown()
-    assert ("CPU norms, rotary and SiLU: torch ops (the C ops compute float32; this model runs in torch.bfloat16)"
+    assert ("CPU norms, rotary, SiLU and embedding lookup: torch ops (the C ops compute float32; this model runs in torch.bfloat16)"
             in caplog.text)

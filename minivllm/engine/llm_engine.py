@@ -197,7 +197,7 @@ class LLMEngine:
         elif device.type == "cpu":
             from minivllm.layers import cpu_fused
             self.runner.cpu_fused_ops = self.runner.enable_cpu_fused_ops()  # float32 models only
-            logger.info("CPU norms, rotary and SiLU: %s", cpu_fused.describe(self.config.dtype))
+            logger.info("CPU norms, rotary, SiLU and embedding lookup: %s", cpu_fused.describe(self.config.dtype))
         if device.type not in ("cuda", "cpu"):
             return
         kind = "CUDA" if device.type == "cuda" else "CPU"

@@ -453,12 +453,13 @@ class ModelRunner:
                 module.forward = torch.compile(module.forward, dynamic=True, backend=backend)
 
     def enable_cpu_fused_ops(self) -> bool:
-        """Run RMSNorm, the rotary embedding and SiLU-and-multiply as one C call each
-        (``minivllm.layers.cpu_fused``). Returns whether they are on: only for a float32 model
+        """Run RMSNorm, the rotary embedding, SiLU-and-multiply and the token embedding's lookup
+        as one C call each (``minivllm.layers.cpu_fused``). Returns whether they are on: only for a float32 model
         on the CPU, with the C ops loaded; the modules keep their torch path for anything the C
         code does not take."""
         from minivllm.layers import cpu_fused
         from minivllm.layers.activation import SiluAndMul
+        from minivllm.layers.embedding import VocabParallelEmbedding
         from minivllm.layers.norm import RMSNorm
         from minivllm.layers.rotary import RotaryEmbedding
 
@@ -466,7 +467,7 @@ class ModelRunner:
         if ops is None:
             return False
         for module in self.model.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+            if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)) or type(module) is VocabParallelEmbedding:
                 module.fused = ops
         return True
 

@@ -86,6 +86,9 @@ class CpuFusedOps:
         self._rope.restype = i64
         self._silu = lib.silu_and_mul_f32
         self._silu.argtypes = [p, i64, i64, p, i64]
+        self._embedding = lib.embedding_f32
+        self._embedding.argtypes = [p, i64, i64, p, i64, p]
+        self._embedding.restype = i64
         for fn in (self._rms, self._add_rms, self._silu):
             fn.restype = None
 
@@ -192,4 +195,28 @@ class CpuFusedOps:
             return out
         launch(self._split, rows, x.numel(), lambda lo, hi: self._silu(xp + lo * s_row * 4, hi - lo, s_row,
                                                               op + lo * inter * 4, inter), name="silu_and_mul_f32")
+        return out
+
+    def embedding(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
+        """``table[ids]``: int64 ``ids [T]`` (contiguous, CPU) into a contiguous fp32 CPU ``table
+        [V, D]`` -> contiguous ``[T, D]``, as ``F.embedding``; ``None`` for inputs the C code does not
+        take.
+
+        Raises:
+            IndexError: an id outside ``[0, V)``, naming it (as ``F.embedding`` raises for one).
+        """
+        if (ids.dim() != 1 or ids.dtype is not torch.int64 or not ids.is_cpu or not ids.is_contiguous()
+                or table.dim() != 2 or not self._takes(table) or not table.is_contiguous()):
+            return None
+        (tokens,), (vocab, dim) = ids.shape, table.shape
+        out = torch.empty(tokens, dim, dtype=F32, device="cpu")
+        args = (table.data_ptr(), vocab, dim, ids.data_ptr(), tokens, out.data_ptr())
+
+        def lookup() -> None:
+            bad = self._embedding(*args)
+            if bad >= 0:  # raised here, so a CPU graph's replay checks too
+                raise IndexError(f"token embedding: id {int(ids[bad])} (token {bad}) is outside the "
+                                 f"vocabulary of {vocab} rows")
+
+        launch(lookup, name="embedding_f32")
         return out

@@ -52,8 +52,15 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n_real:].zero_()
         param.data[:n_real].copy_(loaded_weight[self.vocab_start:self.vocab_start + n_real])
 
+    #: CpuFusedOps, set by ModelRunner.enable_cpu_fused_ops: the lookup as one C call on a CPU
+    fused = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
+            if self.fused is not None:
+                out = self.fused.embedding(input_ids, self.weight)
+                if out is not None:
+                    return out
             return F.embedding(input_ids, self.weight)
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)

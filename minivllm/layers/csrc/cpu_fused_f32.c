@@ -88,3 +88,16 @@ void silu_and_mul_f32(const float *x, int64_t rows, int64_t s_row, float *out, i
         }
     }
 }
+
+/* The token embedding's lookup: out[t] = table[ids[t]] for a contiguous table [vocab, dim] and out
+   [n, dim]. Returns the first t whose id is outside [0, vocab), nothing written from it on, or -1.
+   (F.embedding in a CPU graph's replay is an ATen dispatch that, right after a step has streamed
+   the KV cache and the weights, ran from cold caches: 100-150 us for 32 rows of the embedded model.) */
+int64_t embedding_f32(const float *table, int64_t vocab, int64_t dim, const int64_t *ids, int64_t n, float *out) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t id = ids[t];
+        if (id < 0 || id >= vocab) return t;
+        memcpy(out + t * dim, table + id * dim, (size_t)dim * sizeof(float));
+    }
+    return -1;
+}
