@@ -379,7 +379,8 @@ def chunk_run(**engine_args):
     e = sub.llm_engine
     e.add_request("chatting", "The module provides", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     e.step()
-    e.add_request("long", list(range(1, 81)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    # (8 tokens: after its chunks, plain decode steps enough for a graph to be replayed, not only recorded)
+    e.add_request("long", list(range(1, 81)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     recs = []
     while e.has_unfinished_requests():
         recs.append(e.step_with_record().record)
@@ -411,6 +412,12 @@ for name, counts in graph_state.items():
 check_claim("the scheduler, which decides the chunks, never reads enforce_eager",
             "enforce_eager" not in inspect.getsource(scheduler_module),
             "searched the source of minivllm/engine/scheduler.py");
+graphs_on = graph_state["enforce_eager=False, max_num_batched_tokens=32"]
+check_claim("the enforce_eager=False engine replayed recorded graphs for plain decode steps",
+            graphs_on is not None and graphs_on[1] > 0,
+            "recorded / replayed: " + ("none (graphs off)" if graphs_on is None else "%d / %d" % graphs_on),
+            why_it_may_not="Graphs are off for some backends, dtypes and tensor parallelism (the engine's startup "
+                           "log says why); the chunks are the same either way.");
 
 # %% [markdown]
 # What this shows, and what it does not. The chunks were the same under both values of

@@ -72,7 +72,10 @@ TP = 2                                     # tensor-parallel ranks
 if DEVICE == "auto" and torch.cuda.is_available() and torch.cuda.device_count() < TP:
     DEVICE = "cpu"  # tensor parallelism on CUDA needs one GPU per rank
     print(f"{torch.cuda.device_count()} GPU(s) for {TP} ranks: running both engines on the CPU (gloo)")
-single = LLM(MODEL, device=DEVICE, num_kvcache_blocks=64, max_num_seqs=8)
+# Eager, like the tensor-parallel engine below (which records no decode graphs): section 5 compares
+# the two step for step, and a graph replay would make the single process faster for a reason that
+# has nothing to do with splitting the work (chapter 11 measures what graphs save).
+single = LLM(MODEL, device=DEVICE, num_kvcache_blocks=64, max_num_seqs=8, enforce_eager=True)
 hf = single.llm_engine.source.hf_config
 print(describe(single))
 # Names the run in the chart title: model, dtype, device and threads of rank 0.
@@ -469,7 +472,9 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 # Same wrapper, now a small batch of requests so the steps have some work, timing every collective
 # on rank 0 and comparing with the step's model time (`StepRecord.model_ms`: on rank 0 of a
 # tensor-parallel engine, the broadcast of the inputs and the forward pass with its collectives) and
-# with the same workload on the single process.
+# with the same workload on the single process. Both engines run every step eagerly (a
+# tensor-parallel engine records no decode graphs, and `single` was made with `enforce_eager=True`),
+# so the comparison is of the split alone.
 #
 # ### Exercise 3 · Two processes against one
 #
@@ -632,8 +637,12 @@ _ = render("The fastest steps' ratio and the medians' ratio "
 # small model on a CPU, whose whole forward takes milliseconds, is that case, and the check
 # cell above says whether it held here. Plug the medians printed above into the formula to see how
 # close it gets to the measured ratio; what it misses is the time a rank waits for the other (on a
-# shared machine the two ranks also take turns on the cores). For the ratio to fall below 1 the
-# halved arithmetic must outweigh the calls: bigger matrices, or a faster link.
+# shared machine the two ranks also take turns on the cores), and that the single process's forward
+# is not all arithmetic: on a model this small much of it is the host's fixed cost per call (chapter
+# 11, section 1), which the split does not halve, since each rank makes every call on its half. Compare
+# the chart's "forward minus collectives" bar with the diamond to see how much of the forward that is.
+# For the ratio to fall below 1 the halved arithmetic must outweigh the calls: bigger matrices, or a
+# faster link.
 #
 # </details>
 #
