@@ -37,6 +37,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'minivllm' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # the lazy names too, so tab completion in Jupyter offers `minivllm.LLM` before its first use
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
 if TYPE_CHECKING:  # pragma: no cover
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine, StepResult

@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
               "  both take --threads {auto,N}: torch CPU threads (auto: the cores the load average leaves idle)\n"
               f"  {prog} generate --help, {prog} bench --help: every option",
               file=sys.stdout if asked else sys.stderr)
+        if argv and not asked:
+            print(f"error: unknown command {argv[0]!r} (choose generate or bench)", file=sys.stderr)
         return 0 if asked else 2
     return commands[argv[0]](argv[1:])
 

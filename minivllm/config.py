@@ -79,6 +79,10 @@ class EngineArgs:
             (:mod:`minivllm.quantization`); embeddings stay in ``dtype``.
         quantize_lm_head: with ``quantization="int8"``, quantise the LM head too (default;
             it is the largest single weight read of a small model).
+        tokenizer: the tokenizer to use in place of the model's (vLLM's argument): None (the
+            model's), a local directory holding Hugging Face tokenizer files, or an embedded
+            model's name.
+        kv_cache_dtype: vLLM's argument; only ``"auto"`` (the KV cache holds the model's dtype).
 
     Raises:
         ValueError: a bad value (the message names the argument and the value).
@@ -107,6 +111,8 @@ class EngineArgs:
     logprobs_mode: str = "raw_logprobs"
     quantization: str | None = None
     quantize_lm_head: bool = True
+    tokenizer: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "tensor_parallel_size"]
@@ -135,6 +141,9 @@ class EngineArgs:
         check_quantization(self.quantization)
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"quantize_lm_head={self.quantize_lm_head!r}: must be a bool")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: minivllm keeps the KV cache in the model's "
+                             "dtype; give 'auto' (or leave it out)")
 
     @property
     def quant_config(self):

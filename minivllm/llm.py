@@ -62,7 +62,8 @@ def _as_prompt_list(prompts) -> list:
     """One prompt (str, list[int], dict) or a list of them -> a list of prompts.
 
     A flat list holding any number is one prompt of token ids, so every element must
-    then be an int: ``[5, 2.0, 7]`` is a malformed prompt, not three prompts.
+    then be an integer (``int`` or a numpy integer): ``[5, 2.0, 7]`` is a malformed prompt, not
+    three prompts.
 
     Raises:
         ValueError: a non-int in a token-id prompt (naming the element and its index),
@@ -73,10 +74,10 @@ def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (list, tuple)):
         if any(isinstance(t, numbers.Number) for t in prompts):  # bool is a Number too
             for i, t in enumerate(prompts):
-                if isinstance(t, bool) or not isinstance(t, int):
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                     raise ValueError(f"prompt token ids: element {i} is {t!r} ({type(t).__name__}), "
                                      "not an int token id")
-            return [list(prompts)]  # a single prompt of token ids
+            return [[int(t) for t in prompts]]  # a single prompt of token ids (numpy ints as ints)
         return list(prompts)
     raise ValueError(f"prompts {prompts!r}: expected a str, list[int], dict, or a list of them")
 

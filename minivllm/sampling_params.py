@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -136,6 +137,16 @@ class SamplingParams:
         def bad(name: str, value, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={value!r}: {why}")
 
+        # numpy (or other) scalars, as a sweep over np.linspace gives them: Python numbers from here on
+        for name in _INT_FIELDS + _REAL_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, (bool, int, float)) or value is None:
+                continue
+            if isinstance(value, numbers.Integral):
+                object.__setattr__(self, name, int(value))
+            elif isinstance(value, numbers.Real) and name in _REAL_FIELDS:
+                object.__setattr__(self, name, float(value))
+
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -262,3 +273,7 @@ class SamplingParams:
 
 
 _PUBLIC_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+#: numeric fields a numpy scalar may be given for (converted to int / float before validation)
+_INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "truncate_prompt_tokens", "logprobs",
+               "prompt_logprobs")
+_REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")

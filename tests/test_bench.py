@@ -485,3 +485,26 @@ def test_device_label_and_load_read_as_words(monkeypatch):
     assert device_label(torch.device("cpu")).endswith(", 2 threads)")
     assert format_load([0.5, 0.86279296875, 1.025390625]) == "0.50 / 0.86 / 1.03"
     assert format_load(None) == "n/a"
+
+
+def test_the_quantization_summary_says_slower_for_a_ratio_below_one_and_formats_the_load():
+    """It printed '0.24x faster' for an int8 engine 4.2x slower, and the raw load floats."""
+    from minivllm.bench.quant import QuantizationResult, print_quantization
+
+    engine = dict(median_itl_ms=1.0, best_tpot_ms=1.0, weight_bytes=2**20, bytes_per_step=2**20,
+                  achieved_bytes_per_s=1e9, mbu=None)
+    r = QuantizationResult(mode="quantization", model="m", device="cpu", dtype="float32", quantization="int8",
+                           quantize_lm_head=True, kernel="k", prompt_len=8, decode_tokens=4, rounds=1,
+                           loadavg_start=[1.82470703125, 1.3, 1.0], loadavg_end=[1.0, 1.0, 1.0], base=engine,
+                           quant=engine, speedup=0.24,
+                           agreement=dict(num_prompts=1, max_tokens=4, prefix_agreement=1.0,
+                                          position_agreement=1.0, identical=1))
+    lines = []
+    print_quantization(r, log=lines.append)
+    text = "\n".join(lines)
+    assert "int8 vs float32: 4.17x slower per decode token (median ITL ratio 0.24x)" in text
+    assert "load 1.82 / 1.30 / 1.00 -> 1.00 / 1.00 / 1.00" in text
+    r.speedup = 2.5
+    lines.clear()
+    print_quantization(r, log=lines.append)
+    assert "int8 vs float32: 2.50x faster per decode token" in "\n".join(lines)

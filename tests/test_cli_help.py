@@ -87,6 +87,13 @@ def test_top_level_usage_names_both_commands_and_goes_to_stdout_when_asked(capsy
     assert "generate" in out.out and "bench" in out.out and out.err == ""
     _check_help_text(out.out, "minivllm --help")
     assert main([]) == 2 and "usage:" in capsys.readouterr().err
+    assert main(["foo"]) == 2 and "error: unknown command 'foo'" in capsys.readouterr().err
+
+
+def test_dir_lists_the_lazy_exports():
+    import minivllm
+
+    assert {"LLM", "SamplingParams", "RequestOutput"} <= set(dir(minivllm))
 
 
 def test_console_script_is_named_as_started(monkeypatch):

@@ -69,6 +69,32 @@ def test_meaningless_vllm_arguments_warn_once_unknown_ones_raise(tiny_ckpt, capl
         make_llm(tiny_ckpt, swap_spaces=4)
 
 
+def test_vllm_tokenizer_and_kv_cache_dtype_arguments(tiny_ckpt, tmp_path):
+    """``LLM(model, tokenizer=model)`` and ``kv_cache_dtype="auto"``, common in vLLM scripts, were refused
+    as unknown arguments."""
+    from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
+
+    def text(**kw):
+        llm = LLM("minivllm-tiny", num_kvcache_blocks=32, **kw)
+        try:
+            return llm.generate("The list type", SamplingParams(temperature=0, max_tokens=4),
+                                use_tqdm=False)[0].outputs[0].text
+        finally:
+            llm.shutdown()
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_MODEL_DIR / name, tok_dir / name)
+    want = text()
+    assert text(tokenizer="minivllm-tiny", kv_cache_dtype="auto") == want
+    assert text(tokenizer=str(tok_dir)) == want
+    with pytest.raises(FileNotFoundError, match="tokenizer '/no/such/tokenizer'"):
+        make_llm(tiny_ckpt, tokenizer="/no/such/tokenizer")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        make_llm(tiny_ckpt, kv_cache_dtype="fp8")
+
+
 def test_nano_vllm_block_size_spelling(tiny_ckpt):
     llm = LLM(str(tiny_ckpt), kvcache_block_size=8, num_kvcache_blocks=64)
     assert llm.llm_engine.config.block_size == 8

@@ -172,4 +172,24 @@ def test_integer_scalars_are_token_ids_and_other_values_are_named(tiny_ckpt):
         assert shown in str(err.value)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[5, np.int64(97)]], greedy(2), use_tqdm=False)
+    # one bare prompt of numpy ints (it was refused, "not an int token id", where the same list in a dict ran)
+    out = llm.generate(list(np.array(ids)), greedy(4), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want and all(type(t) is int for t in out.prompt_token_ids)
+    with pytest.raises(ValueError, match=r"element 1 is np.float32\(2.0\) \(float32\), not an int token id"):
+        llm.generate([ids[0], np.float32(2)], greedy(2), use_tqdm=False)
     assert_still_serving(llm)
+
+
+def test_numpy_scalars_in_sampling_params_are_numbers():
+    """np.float32(0.5) was refused as "must be a finite number" (it is one), np.int64 seeds and lengths as not ints."""
+    import numpy as np
+
+    p = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), seed=np.int64(3), max_tokens=np.int32(7),
+                       top_k=np.int64(5), n=np.int64(2), logprobs=np.int8(1))
+    assert (p.temperature, p.seed, p.max_tokens, p.top_k, p.n, p.logprobs) == (0.5, 3, 7, 5, 2, 1)
+    assert type(p.temperature) is float and type(p.seed) is int and type(p.max_tokens) is int
+    p.temperature = np.float32(0.25)  # assignment validates (and converts) too
+    assert p.temperature == 0.25 and type(p.temperature) is float
+    for field, value in (("temperature", np.float32("nan")), ("top_k", np.float32(2.0)), ("max_tokens", np.bool_(True))):
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+            SamplingParams(**{field: value})

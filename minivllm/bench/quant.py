@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from minivllm.bench.common import ResultMixin, build_llm, device_label, loadavg
+from minivllm.bench.common import ResultMixin, build_llm, device_label, format_load, loadavg
 
 __all__ = ["QuantizationResult", "run_quantization", "print_quantization"]
 
@@ -147,14 +147,16 @@ def run_quantization(model: str | None = None, *, quantization: str = "int8", qu
 def print_quantization(r: QuantizationResult, log=print) -> None:
     """The summary lines of :func:`run_quantization`."""
     log(f"\n{r.model} on {r.device}, {r.dtype}: batch-1 decode, {r.prompt_len}-token prompt, "
-        f"{r.decode_tokens} tokens x {r.rounds} rounds (alternating); load {r.loadavg_start} -> {r.loadavg_end}")
+        f"{r.decode_tokens} tokens x {r.rounds} rounds (alternating); load {format_load(r.loadavg_start)} -> "
+        f"{format_load(r.loadavg_end)}")
     for key, name in (("base", r.dtype), ("quant", r.quantization)):
         f = r[key]
         mbu = "" if f["mbu"] is None else f", MBU {f['mbu']:.1%}"
         log(f"  {name:>8}: median ITL {f['median_itl_ms']:.2f} ms (best TPOT {f['best_tpot_ms']:.2f} ms), "
             f"weights {f['weight_bytes'] / 2**20:.0f} MiB, {f['bytes_per_step'] / 2**20:.0f} MiB/step -> "
             f"{f['achieved_bytes_per_s'] / 1e9:.2f} GB/s{mbu}")
-    log(f"  {r.quantization} vs {r.dtype}: {r.speedup:.2f}x faster per decode token (median ITL ratio)")
+    way = f"{r.speedup:.2f}x faster" if r.speedup >= 1 else f"{1 / r.speedup:.2f}x slower"
+    log(f"  {r.quantization} vs {r.dtype}: {way} per decode token (median ITL ratio {r.speedup:.2f}x)")
     a = r.agreement
     log(f"  greedy agreement ({a['num_prompts']} prompts x {a['max_tokens']} tokens): {a['prefix_agreement']:.1%} "
         f"of tokens before the first difference, {a['position_agreement']:.1%} position-wise, "

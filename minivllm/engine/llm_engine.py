@@ -38,7 +38,7 @@ from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.telemetry.peaks import Peaks, get_peaks
 from minivllm.telemetry.roofline import ModelCost, fill_step_record
 from minivllm.telemetry.step_record import PlannedEntries, StepRecord, entries_of
-from minivllm.utils.model_source import resolve_model
+from minivllm.utils.model_source import resolve_model, resolve_tokenizer_dir
 
 logger = logging.getLogger("minivllm")
 
@@ -105,7 +105,7 @@ class LLMEngine:
         dtype = resolve_dtype(args.dtype, device)
         backend_name = resolve_backend_name(args.attention_backend, device, args.block_size, dtype)
         block_size = args.block_size or default_block_size(backend_name)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer_dir(args.tokenizer, self.source))
         # the largest step resolve_lengths can allow (the memory profile runs one this long)
         positions = hf.max_position_embeddings  # an explicit max_model_len above it is capped to it
         budget_hint = args.max_num_batched_tokens or (

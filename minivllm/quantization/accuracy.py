@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from minivllm.bench.common import format_load
 from minivllm.quantization.int8 import Int8Weight
 
 #: prompts of the greedy-agreement check (fixed; a mix of prose and code, as the corpus is)
@@ -269,7 +270,9 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(sys.argv),
                  "loadavg_start": list(os.getloadavg()), "torch": torch.__version__,
                  "threads": torch.get_num_threads()}
-    print(f"{out['date_utc']} UTC, torch {torch.__version__}, {out['threads']} threads, load {out['loadavg_start']}")
+    threads = out["threads"]
+    print(f"{out['date_utc']} UTC, torch {torch.__version__}, {threads} thread{'s' if threads != 1 else ''}, "
+          f"load {format_load(out['loadavg_start'])}")
     if "loss" not in args.skip:
         r = out["heldout_loss"] = heldout_loss_change()
         for k, loss in r["int8"].items():

@@ -34,7 +34,7 @@ from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.draft_cache import DraftCache
 from minivllm.spec_decode.proposal import NO_PROPOSAL, Proposal, may_speculate
 from minivllm.utils import cdiv
-from minivllm.utils.model_source import resolve_model
+from minivllm.utils.model_source import EMBEDDED_DRAFT_NAME, resolve_model
 
 logger = logging.getLogger("minivllm")
 
@@ -70,7 +70,11 @@ class DraftModelProposer:
                  num_tokens: int):
         from minivllm.engine.model_runner import ModelRunner
 
-        source = resolve_model(config.model)
+        try:
+            source = resolve_model(config.model)
+        except FileNotFoundError as e:  # say it is the draft, and which draft ships with the package
+            raise FileNotFoundError(f"speculative_config model={config.model!r} (the draft model): {e} The embedded "
+                                    f"target's draft is {EMBEDDED_DRAFT_NAME!r}.") from None
         vocab = source.hf_config.vocab_size
         if vocab != target_vocab_size:
             raise ValueError(f"speculative_config model={config.model!r}: the draft's vocabulary has {vocab} "

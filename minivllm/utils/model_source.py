@@ -86,3 +86,22 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     tokenizer_dir = directory if (directory / "tokenizer_config.json").is_file() or \
         (directory / "tokenizer.json").is_file() else EMBEDDED_MODEL_DIR
     return ModelSource(name, cfg, directory, tokenizer_dir, _eos_ids(directory, tokenizer_dir))
+
+
+def resolve_tokenizer_dir(tokenizer: str | os.PathLike | None, source: ModelSource) -> Path:
+    """Resolve ``LLM(tokenizer=...)``: ``None`` or the model's own name -> the model's tokenizer;
+    an embedded model's name -> its directory; else a local directory holding Hugging Face
+    tokenizer files (``tokenizer.json`` or ``tokenizer_config.json``; nothing is downloaded).
+
+    Raises:
+        FileNotFoundError: neither, naming the value.
+    """
+    if tokenizer is None or str(tokenizer) == source.name:
+        return source.tokenizer_dir
+    directory = EMBEDDED_CHECKPOINTS.get(str(tokenizer)) or Path(tokenizer).expanduser()
+    if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()):
+        raise FileNotFoundError(
+            f"tokenizer {str(tokenizer)!r}: no tokenizer.json or tokenizer_config.json in {str(directory)!r}. Give a "
+            f"local directory with a Hugging Face tokenizer, {EMBEDDED_MODEL_NAME!r}, or None for the model's own "
+            "(nothing is downloaded at run time).")
+    return directory
