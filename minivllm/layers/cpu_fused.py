@@ -132,7 +132,8 @@ class CpuFusedOps:
             launch(self._rms, xp, outer, inner, s_outer, s_inner, wp, op, dim, eps, name="rms_norm_f32")
             return out
         launch(self._split, outer, out.numel(), lambda lo, hi: self._rms(
-            xp + lo * s_outer * 4, hi - lo, inner, s_outer, s_inner, wp, op + lo * inner * dim * 4, dim, eps), name="rms_norm_f32")
+            xp + lo * s_outer * 4, hi - lo, inner, s_outer, s_inner, wp, op + lo * inner * dim * 4, dim, eps),
+            name="rms_norm_f32")
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -149,7 +150,8 @@ class CpuFusedOps:
             launch(self._add_rms, xp, rp, wp, tp, op, rows, dim, eps, name="add_rms_norm_f32")
             return out, total
         launch(self._split, rows, x.numel(), lambda lo, hi: self._add_rms(
-            xp + lo * dim * 4, rp + lo * dim * 4, wp, tp + lo * dim * 4, op + lo * dim * 4, hi - lo, dim, eps), name="add_rms_norm_f32")
+            xp + lo * dim * 4, rp + lo * dim * 4, wp, tp + lo * dim * 4, op + lo * dim * 4, hi - lo, dim, eps),
+            name="add_rms_norm_f32")
         return out, total
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
