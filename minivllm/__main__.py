@@ -53,6 +53,10 @@ def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def _generate(argv: list[str]) -> int:
     parser = build_generate_parser()
     args = parser.parse_args(argv)
+    if not args.prompt:  # before the model loads (the engine would refuse it a second and a half later)
+        print("error: the prompt is empty: give the text to continue, e.g. generate \"The list type\"",
+              file=sys.stderr)
+        return 2
 
     import torch
 

@@ -354,6 +354,15 @@ def test_generate_threads_option(capsys):
     assert "--threads '0'" in capsys.readouterr().err
 
 
+def test_generate_refuses_an_empty_prompt_before_loading_the_model(capsys, monkeypatch):
+    from minivllm import llm as llm_module
+    from minivllm.__main__ import main as cli
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli(["generate", ""]) == 2
+    assert "error: the prompt is empty" in capsys.readouterr().err
+
+
 def test_speculative_mode_compares_the_same_tokens_with_and_without_drafts():
     from minivllm.bench import run_cli
 
