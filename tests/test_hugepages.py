@@ -39,12 +39,33 @@ def test_cpu_kv_pool_is_zeroed_and_says_which_pages_it_asked_for(caplog):
     assert "CPU KV cache: 16 MiB, " + want in caplog.text
 
 
+def _thp_eligible(address: int) -> bool | None:
+    """The ``THPeligible`` flag of the mapping holding ``address`` (/proc/self/smaps), None if unreadable."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+            start, end = (int(v, 16) for v in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    return None
+
+
 @pytest.mark.skipif(hugepages.transparent_hugepage_mode() not in ("madvise", "always") or _huge_kb() is None,
                     reason="transparent huge pages off (or /proc unreadable) here")
-def test_the_advice_gives_huge_pages_where_the_kernel_has_them():
-    before = _huge_kb()
+def test_the_kv_pool_is_eligible_for_huge_pages_where_the_kernel_has_them():
+    """The advice is what the engine controls: the pool's mapping is eligible for 2 MiB pages. Whether
+    the kernel finds free 2 MiB pages at that moment depends on the host (CI once saw none granted on a
+    fragmented host, so the pages themselves are not asserted)."""
     cache, _ = allocate_kv_cache(_Cfg, 1024, 16, torch.float32, torch.device("cpu"))  # 32 MiB
-    after = _huge_kb()
-    # a hint: a fragmented host may have no free 2 MiB pages, so this asks for one at least
-    assert after - before >= 2048, (before, after)
+    inside = -(-cache.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE  # an aligned 2 MiB range's start
+    eligible = _thp_eligible(inside)
+    if eligible is None:
+        pytest.skip("this kernel's /proc/self/smaps has no THPeligible field")
+    assert eligible
     del cache
