@@ -222,3 +222,16 @@ def test_widgets_and_benchmarks_count_an_int8_engine_as_the_engine_does():
         assert row["bytes"] < step_cost(float_cost, [(1, 10)], 1)[1]
     finally:
         llm.shutdown()
+
+
+def test_engine_cost_is_the_whole_model_for_a_tensor_parallel_engine():
+    """engine_cost once relabelled rank 0's ModelCost (heads, MLP and vocabulary already halved) as tp_size=1."""
+    from types import SimpleNamespace
+
+    from minivllm.telemetry.roofline import engine_cost
+
+    whole = ModelCost.from_config(SMALL, dtype="float32")
+    engine = SimpleNamespace(source=SimpleNamespace(hf_config=SMALL), config=SimpleNamespace(dtype=torch.float32),
+                             args=SimpleNamespace(quantization=None, quantize_lm_head=True), weight_storage=None,
+                             model_cost=ModelCost.from_config(SMALL, dtype="float32", tp_size=2))
+    assert engine_cost(engine) == whole and engine.model_cost.num_heads == whole.num_heads // 2

@@ -38,7 +38,7 @@ attention is not modelled (Qwen3 dense checkpoints ship
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from operator import attrgetter
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -290,12 +290,10 @@ class ModelCost:
 
 def engine_cost(engine: Any) -> ModelCost:
     """The whole model's :class:`ModelCost` as ``engine`` holds it: its dtype, int8 quantisation
-    (``quantization`` / ``quantize_lm_head``) and 16-bit panels (``engine.weight_storage``), for
-    ``tp_size=1`` (``engine.model_cost`` is one rank's). What benchmarks and widgets that fill step
-    records themselves should use, so their bytes per step match the engine's own."""
-    own = getattr(engine, "model_cost", None)
-    if isinstance(own, ModelCost):
-        return replace(own, tp_size=1)
+    (``quantization`` / ``quantize_lm_head``) and 16-bit panels (``engine.weight_storage``), with
+    ``tp_size=1`` (``engine.model_cost`` is one rank's share, its figures already divided). What
+    benchmarks and widgets that fill step records themselves should use, so their bytes per step
+    count the weights as the engine holds them."""
     args = getattr(engine, "args", None)
     return ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype,
                                  quantization=getattr(args, "quantization", None),
