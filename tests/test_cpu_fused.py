@@ -150,6 +150,12 @@ def test_embedding_lookup_matches_f_embedding_and_names_an_id_outside_the_table(
     for bad in (50, -1):
         with pytest.raises(IndexError, match=f"id {bad} \\(token 1\\) is outside the vocabulary of 50 rows"):
             ops.embedding(torch.tensor([3, bad, 4]), table)
+    from minivllm.layers.cpu_graph import CpuGraph
+
+    graph = CpuGraph()
+    with pytest.raises(IndexError, match="id 50 \\(token 0\\)"):  # was NotCapturable (.item() while recording)
+        with graph.capture():
+            ops.embedding(torch.tensor([50]), table)
     # what the C code does not take: the module's F.embedding runs instead
     assert ops.embedding(ids.int(), table) is None and ops.embedding(ids, table.double()) is None
     assert ops.embedding(ids, table.t().contiguous().t()) is None and ops.embedding(ids.view(1, -1), table) is None

@@ -214,11 +214,15 @@ class CpuFusedOps:
         out = torch.empty(tokens, dim, dtype=F32, device="cpu")
         args = (table.data_ptr(), vocab, dim, ids.data_ptr(), tokens, out.data_ptr())
 
+        ids_ptr = ids.data_ptr()
+
         def lookup() -> None:
             bad = self._embedding(*args)
             if bad >= 0:  # raised here, so a CPU graph's replay checks too
-                raise IndexError(f"token embedding: id {int(ids[bad])} (token {bad}) is outside the "
-                                 f"vocabulary of {vocab} rows")
+                # the id read without torch: while a graph records, an ATen read (.item()) is refused
+                value = ctypes.c_int64.from_address(ids_ptr + 8 * bad).value
+                raise IndexError(f"token embedding: id {value} (token {bad}) is outside the vocabulary of "
+                                 f"{vocab} rows")
 
         launch(lookup, name="embedding_f32")
         return out
