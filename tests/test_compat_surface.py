@@ -91,6 +91,20 @@ def test_vllm_tokenizer_and_kv_cache_dtype_arguments(tiny_ckpt, tmp_path):
     assert text(tokenizer=str(tok_dir)) == want
     with pytest.raises(FileNotFoundError, match="tokenizer '/no/such/tokenizer'"):
         make_llm(tiny_ckpt, tokenizer="/no/such/tokenizer")
+    # the end-of-sequence ids come from the given tokenizer where the checkpoint has no generation_config.json
+    eos_dir = tmp_path / "eos"
+    eos_dir.mkdir()
+    tok = json.loads((tok_dir / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    tok["added_tokens"].append({**tok["added_tokens"][0], "id": vocab["."], "content": "."})  # "." as a special token
+    (eos_dir / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config["eos_token"] = "."
+    (eos_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    llm = make_llm(tiny_ckpt, tokenizer=str(eos_dir))
+    assert not (tiny_ckpt / "generation_config.json").exists()
+    assert llm.llm_engine.eos_token_ids == {llm.get_tokenizer().eos_token_id} == {vocab["."]}
+    llm.shutdown()
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
         make_llm(tiny_ckpt, kv_cache_dtype="fp8")
 

@@ -38,7 +38,7 @@ from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.telemetry.peaks import Peaks, get_peaks
 from minivllm.telemetry.roofline import ModelCost, fill_step_record
 from minivllm.telemetry.step_record import PlannedEntries, StepRecord, entries_of
-from minivllm.utils.model_source import resolve_model, resolve_tokenizer_dir
+from minivllm.utils.model_source import resolve_model, with_tokenizer
 
 logger = logging.getLogger("minivllm")
 
@@ -99,13 +99,13 @@ class LLMEngine:
         from transformers import AutoTokenizer
 
         self.args = args
-        self.source = resolve_model(args.model)
+        self.source = with_tokenizer(resolve_model(args.model), args.tokenizer)
         hf = self.source.hf_config
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         backend_name = resolve_backend_name(args.attention_backend, device, args.block_size, dtype)
         block_size = args.block_size or default_block_size(backend_name)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer_dir(args.tokenizer, self.source))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
         # the largest step resolve_lengths can allow (the memory profile runs one this long)
         positions = hf.max_position_embeddings  # an explicit max_model_len above it is capped to it
         budget_hint = args.max_num_batched_tokens or (

@@ -1,6 +1,7 @@
 """Where a model comes from: the embedded checkpoint, a local directory, or a random preset."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -88,20 +89,23 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     return ModelSource(name, cfg, directory, tokenizer_dir, _eos_ids(directory, tokenizer_dir))
 
 
-def resolve_tokenizer_dir(tokenizer: str | os.PathLike | None, source: ModelSource) -> Path:
-    """Resolve ``LLM(tokenizer=...)``: ``None`` or the model's own name -> the model's tokenizer;
-    an embedded model's name -> its directory; else a local directory holding Hugging Face
-    tokenizer files (``tokenizer.json`` or ``tokenizer_config.json``; nothing is downloaded).
+def with_tokenizer(source: ModelSource, tokenizer: str | os.PathLike | None) -> ModelSource:
+    """``source`` with ``LLM(tokenizer=...)`` applied: ``None`` or the model's own name -> ``source``
+    itself; an embedded model's name -> its directory; else a local directory holding Hugging Face
+    tokenizer files (``tokenizer.json`` or ``tokenizer_config.json``; nothing is downloaded). The
+    end-of-sequence ids follow the same rule as the model's own: its generation_config.json if it
+    has one, else the given tokenizer's.
 
     Raises:
         FileNotFoundError: neither, naming the value.
     """
     if tokenizer is None or str(tokenizer) == source.name:
-        return source.tokenizer_dir
+        return source
     directory = EMBEDDED_CHECKPOINTS.get(str(tokenizer)) or Path(tokenizer).expanduser()
     if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()):
         raise FileNotFoundError(
             f"tokenizer {str(tokenizer)!r}: no tokenizer.json or tokenizer_config.json in {str(directory)!r}. Give a "
             f"local directory with a Hugging Face tokenizer, {EMBEDDED_MODEL_NAME!r}, or None for the model's own "
             "(nothing is downloaded at run time).")
-    return directory
+    model_dir = source.checkpoint_dir or EMBEDDED_MODEL_DIR  # (random weights: the embedded generation config)
+    return dataclasses.replace(source, tokenizer_dir=directory, eos_token_ids=_eos_ids(model_dir, directory))
