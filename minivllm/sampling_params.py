@@ -140,7 +140,7 @@ class SamplingParams:
         # numpy (or other) scalars, as a sweep over np.linspace gives them: Python numbers from here on
         for name in _INT_FIELDS + _REAL_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, (bool, int, float)) or value is None:
+            if value is None or type(value) in (bool, int, float):  # (np.float64 is a float subclass: converted)
                 continue
             if isinstance(value, numbers.Integral):
                 object.__setattr__(self, name, int(value))

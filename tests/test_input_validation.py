@@ -188,6 +188,7 @@ def test_numpy_scalars_in_sampling_params_are_numbers():
                        top_k=np.int64(5), n=np.int64(2), logprobs=np.int8(1))
     assert (p.temperature, p.seed, p.max_tokens, p.top_k, p.n, p.logprobs) == (0.5, 3, 7, 5, 2, 1)
     assert type(p.temperature) is float and type(p.seed) is int and type(p.max_tokens) is int
+    assert type(p.top_p) is float  # np.float64 too
     p.temperature = np.float32(0.25)  # assignment validates (and converts) too
     assert p.temperature == 0.25 and type(p.temperature) is float
     for field, value in (("temperature", np.float32("nan")), ("top_k", np.float32(2.0)), ("max_tokens", np.bool_(True))):
