@@ -332,6 +332,44 @@ def test_native_decode_split_over_threads_matches_one_thread():
     assert torch.equal(one, many)
 
 
+def test_native_decode_splits_on_the_panel_gemm_threads(monkeypatch):
+    """With several threads the rows split on the panel GEMM's C pool, not a Python thread pool
+    (which woke a thread of its own for each layer's attention while the GEMM's polled on the same
+    cores), eagerly and in a CPU graph's replays; without the GEMM library, the Python pool."""
+    from minivllm.layers import cpu_gemm
+    from minivllm.layers.cpu_graph import CpuGraph
+
+    kernel = _kernel_or_skip()
+    if cpu_gemm.load() is None:
+        pytest.skip(f"panel GEMM unavailable: {cpu_gemm.unavailable_reason()}")
+    args = list(_kernel_args(6, 33, 4, 2, 64, 16, 400, (1, 150), 10))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(*args)
+        torch.set_num_threads(3)
+        monkeypatch.setattr(cpu_decode, "run_chunks", lambda run, n: run(0) if n == 1 else pytest.fail(f"Python pool used ({n} chunks)"))
+        assert torch.equal(kernel(*args), one)
+        out, q = torch.empty_like(one), args[0]
+        graph = CpuGraph()
+        with graph.capture():
+            kernel(*args, out=out)
+        fresh = torch.randn_like(q)
+        q.copy_(fresh)  # the replay reads the new query rows through the recorded structure
+        out.zero_()
+        graph.replay()
+        torch.set_num_threads(1)
+        assert torch.equal(out, kernel(*args))
+        monkeypatch.undo()
+        chunks = []
+        monkeypatch.setattr(cpu_decode, "run_chunks", lambda run, n: chunks.append(n) or native_parallel.run_chunks(run, n))
+        monkeypatch.setattr(cpu_gemm, "load", lambda: None)
+        torch.set_num_threads(3)
+        assert torch.equal(kernel(*args), out) and chunks == [3]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_native_decode_called_from_two_threads_at_once():
     """The kernel object is shared by every backend in the process and ctypes drops the GIL:
     two engines stepping in two threads must not share score scratch (each thread's results
@@ -385,7 +423,10 @@ def test_native_scratch_is_fp32_whatever_the_default_dtype():
 def test_an_interrupt_while_workers_run_waits_for_them(monkeypatch):
     """Ctrl-C while the calling thread waits for the pool: the KeyboardInterrupt is raised only
     after every worker finished (they write into the caller's scratch, which its next call reuses)."""
+    from minivllm.layers import cpu_gemm
+
     kernel = _kernel_or_skip()
+    monkeypatch.setattr(cpu_gemm, "load", lambda: None)  # the Python pool's split (the C pool's cannot be interrupted)
     args = _kernel_args(9, 32, 4, 2, 32, 4, 500, (10, 60), 15)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)

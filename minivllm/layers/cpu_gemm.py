@@ -168,6 +168,12 @@ class PanelGemm:
         self._fn.argtypes = [ctypes.c_int, p, i64, p, p, i64, i64, p, i64, i64, ctypes.c_int]
         self._fn.restype = None
         lib.panel_gemm_has_f16.restype = ctypes.c_int
+        #: ``parallel_run(fn, ctx, parts)``: the C function at address ``fn`` called as
+        #: ``fn(ctx, part, n)`` for each part on this library's threads (see ``native_parallel_run``
+        #: in the C source); the CPU decode attention splits its rows through it
+        self.parallel_run = lib.native_parallel_run
+        self.parallel_run.argtypes = [p, p, ctypes.c_int]
+        self.parallel_run.restype = None
         #: the dtypes panels may hold: float16 where this build widens it in hardware (x86 F16C)
         self.panel_dtypes = frozenset(dt for dt in _WEIGHT_TYPES
                                       if dt != torch.float16 or lib.panel_gemm_has_f16())

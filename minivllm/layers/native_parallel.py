@@ -1,7 +1,9 @@
 """Run a C call split into chunks on several threads: ``ctypes`` drops the GIL for the length of
 a foreign call, so chunks given to a pool of Python threads run on separate cores. Used by the
-CPU decode-attention kernel (chunks of query rows). The panel GEMM splits inside its C code
-instead: handing a chunk to a Python thread cost ~110 us per call, more than most of its calls take.
+causal attention of fresh prompts, the fused CPU ops on large inputs, and the decode attention
+where the panel GEMM library is unavailable. The panel GEMM splits inside its C code instead
+(handing a chunk to a Python thread cost ~110 us per call, more than most of its calls take),
+and so does the decode attention, on the GEMM's threads (``native_parallel_run``).
 """
 from __future__ import annotations
 

@@ -317,6 +317,8 @@ void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const floa
 #define MAX_PARTS 64
 #define SPIN_NS 200000
 
+typedef void part_fn(void *ctx, int part, int parts);
+
 typedef struct {
     const float *x, *bias;
     const void *p;
@@ -324,6 +326,8 @@ typedef struct {
     float *y;
     int64_t ldx, m, k, ldy, nb;
     int parts;
+    part_fn *fn;   /* non-NULL: a caller's task (native_parallel_run), not a GEMM */
+    void *ctx;
 } task_t;
 
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER;   /* one parallel call at a time */
@@ -375,6 +379,10 @@ static uint64_t poll_u64(const uint64_t *addr, uint64_t old) {
 }
 
 static void run_part(const task_t *t, int part) {
+    if (t->fn) {
+        t->fn(t->ctx, part, t->parts);
+        return;
+    }
     panel_gemm_w(t->wt, t->x, t->ldx, t->p, t->bias, t->m, t->k, t->y, t->ldy,
                  t->nb * part / t->parts, t->nb * (part + 1) / t->parts);
 }
@@ -424,23 +432,12 @@ static int ensure_workers(int parts) {
     return parts < workers + 1 ? parts : workers + 1;
 }
 
-/* panel_gemm_w over all nb panels, split into `parts` ranges run at once (part 0 on the
-   calling thread). Returns when every part is written. */
-void panel_gemm_parallel_w(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m,
-                           int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
-    if (parts > MAX_PARTS)
-        parts = MAX_PARTS;
-    if (parts > nb)
-        parts = (int)nb;
-    if (parts <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
-        panel_gemm_w(wt, x, ldx, p, bias, m, k, y, ldy, 0, nb);
-        return;
-    }
-    parts = ensure_workers(parts);
-    task_t t = {x, bias, p, wt, y, ldx, m, k, ldy, nb, parts};
+/* Publishes t (t.parts parts, workers 1 .. t.parts - 1 existing), runs part 0, and returns when
+   every part has returned. Called with call_mu held; releases it. */
+static void run_task(task_t t) {
     task = t;
-    __atomic_store_n(&pending, parts - 1, __ATOMIC_RELAXED);
-    __atomic_store_n(&word, ((word >> 8) + 1) << 8 | (uint64_t)parts, __ATOMIC_RELEASE);
+    __atomic_store_n(&pending, t.parts - 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&word, ((word >> 8) + 1) << 8 | (uint64_t)t.parts, __ATOMIC_RELEASE);
     pthread_mutex_lock(&pool_mu);  /* a worker checks `word` under this lock before it sleeps */
     if (sleepers)
         pthread_cond_broadcast(&work_cv);
@@ -458,4 +455,44 @@ void panel_gemm_parallel_w(int wt, const float *x, int64_t ldx, const void *p, c
         }
     }
     pthread_mutex_unlock(&call_mu);
+}
+
+/* panel_gemm_w over all nb panels, split into `parts` ranges run at once (part 0 on the
+   calling thread). Returns when every part is written. */
+void panel_gemm_parallel_w(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m,
+                           int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
+    if (parts > MAX_PARTS)
+        parts = MAX_PARTS;
+    if (parts > nb)
+        parts = (int)nb;
+    if (parts <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
+        panel_gemm_w(wt, x, ldx, p, bias, m, k, y, ldy, 0, nb);
+        return;
+    }
+    parts = ensure_workers(parts);
+    task_t t = {x, bias, p, wt, y, ldx, m, k, ldy, nb, parts, NULL, NULL};
+    run_task(t);
+}
+
+/* fn(ctx, part, n) for every part 0 .. n - 1 on the same pool (part 0 on the calling thread), n
+   being `parts` or fewer (as many as the pool can run; fn takes n as given). For the CPU
+   decode attention (another library, passing its function's address): one set of threads
+   serves every split call of a step, still polling between them, where a second pool (Python
+   threads) woke its own thread for each layer's attention while this one's polled on the
+   same cores. With another call in progress (another Python thread), every part runs here,
+   in order. Returns when every part has returned. */
+void native_parallel_run(part_fn *fn, void *ctx, int parts) {
+    if (parts > MAX_PARTS)
+        parts = MAX_PARTS;
+    if (parts <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
+        for (int part = 0; part < parts; part++)
+            fn(ctx, part, parts);
+        return;
+    }
+    parts = ensure_workers(parts);
+    task_t t = {0};
+    t.parts = parts;
+    t.fn = fn;
+    t.ctx = ctx;
+    run_task(t);
 }

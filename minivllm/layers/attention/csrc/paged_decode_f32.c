@@ -334,6 +334,32 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
 }
 
 
+/* paged_decode_attention_f32's arguments, for a split over threads (native_parallel_run in the
+   panel GEMM library calls paged_decode_part for each part). scratch holds parts x scratch_floats. */
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int32_t *block_tables;
+    int64_t table_stride;
+    const int32_t *row_seq, *row_lens;
+    float *out;
+    int64_t num_rows, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    float *scratch;
+    int64_t scratch_floats;
+} decode_call;
+
+/* Rows num_rows * part / parts up to the next part's first, with the part's own scratch. */
+void paged_decode_part(void *ctx, int part, int parts) {
+    const decode_call *a = (const decode_call *)ctx;
+    const int64_t lo = a->num_rows * part / parts, hi = a->num_rows * (part + 1) / parts;
+    const int64_t per_row = a->num_heads * a->head_dim;
+    if (hi > lo)
+        paged_decode_attention_f32(a->q + lo * per_row, a->k_cache, a->v_cache, a->block_tables, a->table_stride,
+                                   a->row_seq + lo, a->row_lens + lo, a->out + lo * per_row, hi - lo, a->num_heads,
+                                   a->num_kv_heads, a->head_dim, a->block_size, a->scale,
+                                   a->scratch + part * a->scratch_floats);
+}
+
 /* Write each token's new K and V into the paged cache: token t's row (all kv heads, ``row``
    floats, unit stride) goes to slot slots[t] of both caches ([num_slots, row] each); slot -1 is
    skipped (a padded row of a decode graph). Returns the first token whose slot is outside
