@@ -36,7 +36,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.telemetry.peaks import Peaks, get_peaks
-from minivllm.telemetry.roofline import ModelCost, fill_step_record
+from minivllm.telemetry.roofline import engine_cost, fill_step_record
 from minivllm.telemetry.step_record import PlannedEntries, StepRecord, entries_of
 from minivllm.utils.model_source import resolve_model, with_tokenizer
 
@@ -161,10 +161,7 @@ class LLMEngine:
         # once peaks are measured (``measure_peaks``), since that takes a moment.
         #: bytes per element of the linears' weights as held (16-bit panels: 2), or None
         self.weight_storage = self._weight_storage()
-        self.model_cost = ModelCost.from_config(hf, dtype, tp_size=args.tensor_parallel_size,  # per rank
-                                                quantization=args.quantization,
-                                                quantize_lm_head=args.quantize_lm_head,
-                                                weight_storage=self.weight_storage)
+        self.model_cost = engine_cost(self, tp_size=args.tensor_parallel_size)  # per rank
         self.peaks: Peaks | None = None
         logger.info("minivllm engine: model=%s device=%s dtype=%s attention_backend=%s block_size=%d "
                     "kv_blocks=%d max_model_len=%d max_num_batched_tokens=%d", self.source.name, device,

@@ -288,14 +288,15 @@ class ModelCost:
         return d
 
 
-def engine_cost(engine: Any) -> ModelCost:
-    """The whole model's :class:`ModelCost` as ``engine`` holds it: its dtype, int8 quantisation
-    (``quantization`` / ``quantize_lm_head``) and 16-bit panels (``engine.weight_storage``), with
-    ``tp_size=1`` (``engine.model_cost`` is one rank's share, its figures already divided). What
-    benchmarks and widgets that fill step records themselves should use, so their bytes per step
-    count the weights as the engine holds them."""
+def engine_cost(engine: Any, tp_size: int = 1) -> ModelCost:
+    """The :class:`ModelCost` of the model as ``engine`` holds it: its dtype, int8 quantisation
+    (``quantization`` / ``quantize_lm_head``) and 16-bit panels (``engine.weight_storage``). With
+    the default ``tp_size=1`` the whole model: what benchmarks and widgets that fill step records
+    themselves should use, so their bytes per step count the weights as the engine holds them
+    (``engine.model_cost``, which the engine builds with its ``tensor_parallel_size``, is one
+    rank's share, its figures already divided)."""
     args = getattr(engine, "args", None)
-    return ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype,
+    return ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype, tp_size=tp_size,
                                  quantization=getattr(args, "quantization", None),
                                  quantize_lm_head=getattr(args, "quantize_lm_head", True),
                                  weight_storage=getattr(engine, "weight_storage", None))
