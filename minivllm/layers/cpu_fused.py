@@ -212,9 +212,8 @@ class CpuFusedOps:
             return None
         (tokens,), (vocab, dim) = ids.shape, table.shape
         out = torch.empty(tokens, dim, dtype=F32, device="cpu")
-        args = (table.data_ptr(), vocab, dim, ids.data_ptr(), tokens, out.data_ptr())
-
         ids_ptr = ids.data_ptr()
+        args = (table.data_ptr(), vocab, dim, ids_ptr, tokens, out.data_ptr())
 
         def lookup() -> None:
             bad = self._embedding(*args)
