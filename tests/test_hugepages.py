@@ -39,8 +39,9 @@ def test_cpu_kv_pool_is_zeroed_and_says_which_pages_it_asked_for(caplog):
     assert "CPU KV cache: 16 MiB, " + want in caplog.text
 
 
-def _thp_eligible(address: int) -> bool | None:
-    """The ``THPeligible`` flag of the mapping holding ``address`` (/proc/self/smaps), None if unreadable."""
+def _smaps_field(address: int, field: str) -> str | None:
+    """The value of ``field`` (e.g. ``THPeligible``) of the mapping holding ``address``
+    (/proc/self/smaps), None if unreadable or absent."""
     try:
         lines = open("/proc/self/smaps").read().splitlines()
     except OSError:
@@ -51,9 +52,37 @@ def _thp_eligible(address: int) -> bool | None:
         if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
             start, end = (int(v, 16) for v in head.split("-"))
             inside = start <= address < end
-        elif inside and line.startswith("THPeligible:"):
-            return line.split()[1] == "1"
+        elif inside and line.startswith(field + ":"):
+            return line.split()[1]
     return None
+
+
+def _thp_eligible(address: int) -> bool | None:
+    value = _smaps_field(address, "THPeligible")
+    return None if value is None else value == "1"
+
+
+def _resident_kib() -> int | None:
+    """This process's resident memory (VmRSS in /proc/self/status), None if unreadable."""
+    try:
+        text = open("/proc/self/status").read()
+    except OSError:
+        return None
+    return int(text.split("VmRSS:")[1].split()[0]) if "VmRSS:" in text else None
+
+
+@pytest.mark.skipif(_resident_kib() is None, reason="no /proc/self/status here")
+def test_the_kv_pool_is_not_written_when_it_is_made():
+    """The pool's zeros are the operating system's (an anonymous mapping): making a 256 MiB pool
+    writes none of it, so an engine starts without zeroing a pool it mostly never uses (the
+    default 512 MiB took 0.9 s to zero on the dev EPYC)."""
+    before = _resident_kib()
+    cache, layers = allocate_kv_cache(_Cfg, 8192, 16, torch.float32, torch.device("cpu"))  # 256 MiB
+    grown = _resident_kib() - before
+    assert grown < 64 * 1024, f"the process grew by {grown} KiB making a 256 MiB pool"
+    layers[1][1][100].fill_(1.0)  # written through a layer's view: a page is made, the rest stays zero
+    assert cache.sum().item() == 16 * 2 * 64 and cache.data_ptr() % hugepages.HUGE_PAGE == 0
+    del cache, layers
 
 
 @pytest.mark.skipif(hugepages.transparent_hugepage_mode() not in ("madvise", "always") or _huge_kb() is None,
