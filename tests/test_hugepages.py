@@ -14,12 +14,17 @@ class _Cfg:
     num_key_value_heads, num_hidden_layers, head_dim, hidden_size, num_attention_heads = 2, 2, 64, 128, 2
 
 
-def _huge_kb() -> int | None:
+def _proc_kib(path: str, field: str) -> int | None:
+    """A ``field: N kB`` line's N in ``path`` (a /proc file of this process), None if unreadable."""
     try:
-        text = open("/proc/self/smaps_rollup").read()
+        text = open(path).read()
     except OSError:
         return None
-    return int(text.split("AnonHugePages:")[1].split()[0]) if "AnonHugePages:" in text else None
+    return int(text.split(field + ":")[1].split()[0]) if field + ":" in text else None
+
+
+def _huge_kb() -> int | None:
+    return _proc_kib("/proc/self/smaps_rollup", "AnonHugePages")
 
 
 def test_advise_huge_asks_only_for_whole_2mib_ranges_of_cpu_tensors():
@@ -63,12 +68,7 @@ def _thp_eligible(address: int) -> bool | None:
 
 
 def _resident_kib() -> int | None:
-    """This process's resident memory (VmRSS in /proc/self/status), None if unreadable."""
-    try:
-        text = open("/proc/self/status").read()
-    except OSError:
-        return None
-    return int(text.split("VmRSS:")[1].split()[0]) if "VmRSS:" in text else None
+    return _proc_kib("/proc/self/status", "VmRSS")  # this process's resident memory
 
 
 @pytest.mark.skipif(_resident_kib() is None, reason="no /proc/self/status here")
