@@ -10,6 +10,7 @@ import threading
 from collections import deque
 from typing import Iterator, Sequence as Seq
 
+from minivllm.chat import text_messages
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.generation_config import default_sampling_params
@@ -138,13 +139,18 @@ class LLM:
             self._default_params = default_sampling_params(self.engine.source.checkpoint_dir)
         return dataclasses.replace(self._default_params)
 
-    def _submit(self, prompts, sampling_params, output_kind: str, inbox: deque, lora_request=None) -> list[str]:
+    def _submit(self, prompts, sampling_params, output_kind: str, inbox: deque, lora_request=None,
+                priority=None) -> list[str]:
         """Validate every prompt, then queue them all, their outputs routed to ``inbox``;
         returns their request ids in order."""
         if lora_request is not None:
             raise ValueError(f"lora_request={lora_request!r}: minivllm does not support LoRA adapters "
                              "(only lora_request=None is accepted)")
         plist = _as_prompt_list(prompts)
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(plist)
+                                     or any(p != 0 for p in priority)):
+            raise ValueError(f"priority={priority!r}: minivllm schedules first come, first served (only None or "
+                             f"a list of {len(plist)} zeros, one per prompt, is accepted)")
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(plist):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(plist)} prompts")
@@ -204,19 +210,20 @@ class LLM:
 
     # -- public API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns one ``RequestOutput`` per prompt, in prompt order.
 
         ``prompts``: one prompt or a list (a ``str``, a ``list[int]``, a ``TextPrompt`` or a
         ``TokensPrompt``). ``sampling_params``: one for all, one per prompt, or None for
-        ``get_default_sampling_params()``. ``lora_request``: vLLM's; only None is accepted.
+        ``get_default_sampling_params()``. ``lora_request`` and ``priority``: vLLM's; only None
+        (or, for ``priority``, zeros: first come, first served) is accepted.
 
         Raises:
-            ValueError: a bad prompt or parameter (naming its index and value), or a
-                ``lora_request``, before anything is scheduled.
+            ValueError: a bad prompt or parameter (naming its index and value), a
+                ``lora_request`` or a nonzero ``priority``, before anything is scheduled.
         """
         inbox: deque[RequestOutput] = deque()
-        ids = self._submit(prompts, sampling_params, "final_only", inbox, lora_request)
+        ids = self._submit(prompts, sampling_params, "final_only", inbox, lora_request, priority)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -248,7 +255,9 @@ class LLM:
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              **template_kwargs) -> list[RequestOutput]:
         """Render one conversation (a list of ``{"role", "content"}`` dicts) or a list of them
-        with a chat template, then ``generate`` (vLLM's ``LLM.chat``).
+        with a chat template, then ``generate`` (vLLM's ``LLM.chat``). ``content`` may be a
+        string, None, or OpenAI-style text parts (joined by newlines, as vLLM renders them for
+        string templates: :func:`minivllm.chat.text_messages`).
 
         Args:
             chat_template: a Jinja template used instead of the tokenizer's.
@@ -262,7 +271,8 @@ class LLM:
 
         Raises:
             ValueError: no chat template (neither given nor the tokenizer's), both
-                ``add_generation_prompt`` and ``continue_final_message``, or a bad prompt.
+                ``add_generation_prompt`` and ``continue_final_message``, a malformed message or
+                a non-text content part (naming it), or a bad prompt.
         """
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
@@ -276,10 +286,10 @@ class LLM:
         else:
             conversations = list(messages)
         variables = {**template_kwargs, **(chat_template_kwargs or {})}
-        prompts = [tok.apply_chat_template(list(conv), tokenize=False, chat_template=chat_template, tools=tools,
+        prompts = [tok.apply_chat_template(text_messages(conv, i), tokenize=False, chat_template=chat_template, tools=tools,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **variables)
-                   for conv in conversations]
+                   for i, conv in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:

@@ -29,7 +29,8 @@ class SamplingParams:
             a logit of a token already in the prompt or output is divided by the
             penalty when positive and multiplied by it when negative.
         seed: a per-request seed: the request then samples the same tokens
-            whatever else is in the batch.
+            whatever else is in the batch. In ``[-2**63, 2**64 - 1]`` (``torch.Generator``'s
+            range), ``seed + n - 1`` too.
         max_tokens: most tokens to generate (>= 1), or None: until ``max_model_len``.
         ignore_eos: keep generating past the model's end-of-sequence token.
         stop: a string or a list of strings that end generation; the returned text ends
@@ -71,7 +72,8 @@ class SamplingParams:
             position, plus the sampled token's own (k >= 0), by default from the raw model
             logits, before any penalty or temperature (vLLM v1's default; the engine argument
             ``logprobs_mode`` selects the processed distribution or the logits instead).
-        prompt_logprobs: the same for every prompt token (k >= 0). Prompt positions are
+            ``-1``: the whole vocabulary (as vLLM).
+        prompt_logprobs: the same for every prompt token (k >= 0, or -1). Prompt positions are
             computed, not read from the prefix cache, for such requests.
 
     Fields may be changed after construction (vLLM's scripts do ``params.max_tokens = 64``):
@@ -192,6 +194,10 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "must be an int >= 1")
+        if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:  # completion i: seed + i
+            raise bad("seed", self.seed, "must be in [-2**63, 2**64 - 1] (torch.Generator's range)" +
+                      (f", and so must seed + n - 1 (n={self.n}): completion i draws with seed + i"
+                       if self.n > 1 else ""))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
@@ -237,8 +243,8 @@ class SamplingParams:
             raise bad("truncate_prompt_tokens", t, "must be an int >= 1, -1 (up to max_model_len - 1), or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 0):
-                raise bad(name, value, "must be an int >= 0 (how many top tokens), or None")
+            if value is not None and (not is_int(value) or value < -1):
+                raise bad(name, value, "must be an int >= 0 (how many top tokens), -1 (all), or None")
         self.has_logits_processors = bool(
             self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias
             or self.allowed_token_ids or self.bad_words)

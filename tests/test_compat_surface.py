@@ -189,6 +189,68 @@ def test_chat_options_reach_the_template(text_llm):
         text_llm.chat(conv, greedy(1), continue_final_message=True, **kw)
 
 
+# Qwen3's own template keeps a message's content only when it is a string (else ''), as many do
+STRING_ONLY = ("{% for m in messages %}{% if m.content is string %}{% set c = m.content %}{% else %}"
+               "{% set c = '' %}{% endif %}<{{ m.role }}>{{ c }}</{{ m.role }}>{% endfor %}")
+
+
+def test_chat_takes_openai_text_parts_and_none_content(text_llm):
+    """vLLM joins a message's text parts with newlines and renders None as '' for such templates;
+    passed through as a list, the user's words vanished from the prompt without an error."""
+    tok = text_llm.tokenizer
+    conv = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": None, "tool_calls": []}]
+    out = text_llm.chat(conv, greedy(1), chat_template=STRING_ONLY, add_generation_prompt=False, use_tqdm=False)[0]
+    assert _rendered(out, tok) == "<user>Hi\nthere</user><assistant></assistant>"
+    assert conv[0]["content"][0] == {"type": "text", "text": "Hi"}  # the caller's messages are not changed
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match=r"conversation 1, message 0, content part 0: .*image_url.* text only"):
+        text_llm.chat([conv, image], greedy(1), chat_template=STRING_ONLY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"conversation 0, message 1: must be a dict with a 'role'"):
+        text_llm.chat([{"role": "user", "content": "Hi"}, {"content": "no role"}], greedy(1),
+                      chat_template=STRING_ONLY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"message 0: content must be a str.*got int"):
+        text_llm.chat([{"role": "user", "content": 5}], greedy(1), chat_template=STRING_ONLY, use_tqdm=False)
+    assert not text_llm.llm_engine.has_unfinished_requests()
+
+
+def test_vllm_request_arguments_priority_and_arrival_time(llm):
+    import time
+
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"priority=1: .*first come, first served"):
+        engine.add_request("p", [1, 2, 3], greedy(1), priority=1)
+    with pytest.raises(ValueError, match="lora_request"):
+        engine.add_request("p", [1, 2, 3], greedy(1), None, object())
+    with pytest.raises(ValueError, match=r"priority=\[0, 1\]"):
+        llm.generate([[1, 2], [3, 4]], greedy(1), use_tqdm=False, priority=[0, 1])
+    assert not engine.has_unfinished_requests()
+    outs = llm.generate([[1, 2], [3, 4]], greedy(1), use_tqdm=False, priority=[0, 0])
+    assert len(outs) == 2
+    # a time.time() stamp 3 s ago, as vLLM takes it: the request has waited 3 s (perf_counter metrics)
+    engine.add_request("late", [1, 2, 3], greedy(1), time.time() - 3.0, priority=0)
+    while engine.has_unfinished_requests():
+        done = [o for o in engine.step() if o.finished]
+    assert 3000 <= done[0].metrics.queue_ms < 60_000
+    with pytest.raises(ValueError, match="arrival_time='now'"):
+        engine.add_request("x", [1, 2, 3], greedy(1), "now")
+
+
+def test_seed_outside_torch_generators_range_is_refused_at_once(llm):
+    """Such a seed was accepted, then every step failed with torch's 'Overflow when unpacking long
+    long' (not naming the field) until the request was aborted."""
+    SamplingParams(seed=2**64 - 1)
+    SamplingParams(seed=-2**63)
+    for seed, n in ((2**64, 1), (-2**63 - 1, 1), (2**64 - 1, 2)):
+        with pytest.raises(ValueError, match=r"SamplingParams.seed=-?\d+: must be in \[-2\*\*63, 2\*\*64 - 1\]"):
+            SamplingParams(seed=seed, n=n, temperature=1.0)
+    params = SamplingParams(seed=5)
+    with pytest.raises(ValueError, match="seed"):
+        params.seed = 2**64
+    out = llm.generate([1, 2, 3], SamplingParams(seed=2**64 - 2, n=2, max_tokens=2), use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+
+
 def test_max_tokens_capped_by_max_model_len_warns_once_per_engine(tiny_ckpt, caplog):
     llm = make_llm(tiny_ckpt, max_model_len=16)
     with caplog.at_level(logging.WARNING, logger="minivllm"):

@@ -91,6 +91,22 @@ def test_prompt_logprobs_bypass_the_prefix_cache(setup):
     assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
 
 
+def test_minus_one_is_the_whole_vocabulary(setup):
+    """vLLM's logprobs=-1 / prompt_logprobs=-1: every token's (it was refused as < 0)."""
+    llm, hf = setup
+    prompt = prompts_of([5], seed=11)[0]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    c, vocab = out.outputs[0], llm.llm_engine.vocab_size
+    ref = reference(hf, prompt + c.token_ids)
+    for i, token in enumerate(c.token_ids):
+        check_position(c.logprobs[i], ref[len(prompt) - 1 + i], token, vocab)
+    for j in range(1, len(prompt)):
+        check_position(out.prompt_logprobs[j], ref[j - 1], prompt[j], vocab)
+    with pytest.raises(ValueError, match=r"logprobs=-2: .*-1 \(all\)"):
+        SamplingParams(logprobs=-2)
+
+
 def test_detokenize_false_leaves_decoded_tokens_out(setup):
     llm, _ = setup
     c = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=2, logprobs=1, detokenize=False),

@@ -12,6 +12,7 @@ while a cell calls ``generate``) interleave whole steps.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import threading
 import time
@@ -295,8 +296,14 @@ class LLMEngine:
         return out
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    *, output_kind: OutputKind | str = OutputKind.CUMULATIVE, sink=None) -> None:
+                    arrival_time: float | None = None, lora_request=None, *, priority: int = 0,
+                    output_kind: OutputKind | str = OutputKind.CUMULATIVE, sink=None) -> None:
         """Validate and queue a request (raises ``ValueError`` at once on bad input).
+
+        ``arrival_time``, ``lora_request`` and ``priority`` are vLLM's: ``arrival_time`` is a
+        ``time.time()`` timestamp (default: now), moved onto the metrics' ``time.perf_counter``
+        clock; only ``lora_request=None`` and ``priority=0`` (first come, first served) are
+        accepted.
 
         ``output_kind``: "cumulative" (default: every step returns all text so far),
         "delta" (only what is new, as ``LLM.stream`` uses) or "final_only" (one output when
@@ -310,6 +317,17 @@ class LLMEngine:
         except ValueError:
             raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
         request_id = str(request_id)
+        if lora_request is not None:
+            raise ValueError(f"lora_request={lora_request!r}: minivllm does not support LoRA adapters "
+                             "(only lora_request=None is accepted)")
+        if priority != 0:
+            raise ValueError(f"priority={priority!r}: minivllm schedules first come, first served "
+                             "(only priority=0 is accepted)")
+        if arrival_time is not None:
+            if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) \
+                    or not math.isfinite(arrival_time):
+                raise ValueError(f"arrival_time={arrival_time!r}: must be a time.time() timestamp (seconds)")
+            arrival_time = time.perf_counter() - (time.time() - arrival_time)
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.check_sampling_params(params)
         # The request keeps the parameters it was added with (vLLM copies them too): the engine
@@ -328,11 +346,11 @@ class LLMEngine:
                     raise ValueError(f"request_id {request_id!r}: child id {clash[0]!r} is already in use")
             try:
                 if parent is None:
-                    self._queue(request_id, text, ids, params, kind)
+                    self._queue(request_id, text, ids, params, kind, arrival_time)
                 else:  # n samples: n child requests (minivllm/engine/parallel_sampling.py)
                     leader = None
                     for i, cid in enumerate(parent.child_ids):
-                        seq = self._queue(cid, text, ids, child_params(params, i), kind)
+                        seq = self._queue(cid, text, ids, child_params(params, i), kind, arrival_time)
                         seq.prefix_leader, leader = leader, leader or seq
                     self.parents.add(parent)
                 if sink is not None:
@@ -364,8 +382,9 @@ class LLMEngine:
                 sched.waiting.remove(seq)
 
     def _queue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-               kind: OutputKind) -> Sequence:
-        seq = Sequence(request_id, text, ids, params)
+               kind: OutputKind, arrival_time: float | None = None) -> Sequence:
+        seq = Sequence(request_id, text, ids, params) if arrival_time is None else \
+            Sequence(request_id, text, ids, params, arrival_time=arrival_time)
         if params.bad_words:
             seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.min_tokens:

@@ -27,7 +27,7 @@ def logprob_entries(logits: torch.Tensor, chosen: torch.Tensor, ks: list[int],
     Args:
         logits: fp32 ``[R, V]`` logits (raw, or processed for the "processed" modes).
         chosen: int64 ``[R]``: the token whose own logprob and rank each row reports.
-        ks: per row, how many top tokens to add (>= 0).
+        ks: per row, how many top tokens to add (>= 0; -1: the whole vocabulary).
         normalize: report ``log_softmax(logits)`` (the "*_logprobs" modes), else the logits
             themselves (the "*_logits" modes).
 
@@ -36,6 +36,7 @@ def logprob_entries(logits: torch.Tensor, chosen: torch.Tensor, ks: list[int],
     """
     if logits.shape[0] == 0:
         return []
+    ks = [logits.shape[-1] if k == -1 else k for k in ks]
     lp = logits.float().log_softmax(dim=-1) if normalize else logits.float()
     own = lp.gather(1, chosen.unsqueeze(1))
     ranks = ((lp > own).sum(dim=-1) + 1).tolist()

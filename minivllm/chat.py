@@ -1,0 +1,52 @@
+"""Chat messages as a chat template expects them (for ``LLM.chat``).
+
+vLLM accepts OpenAI-style messages: ``content`` a string, a list of parts such as
+``{"type": "text", "text": ...}``, or None (an assistant turn that only calls tools), and
+renders most templates (Qwen3's among them) with the text parts joined into one string by
+``"\\n"`` and None as ``""``. Templates test ``message.content is string`` and drop anything
+else, so passing the parts through would lose the user's words without an error. This engine
+is text-only: an image, audio or other part is refused by name.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["text_messages"]
+
+
+def text_messages(conversation, index: int) -> list[dict]:
+    """``conversation`` (a list of message mappings) with every ``content`` made a string; the
+    other keys (``role``, ``tool_calls``, ``name``, ...) are kept as they are.
+
+    Raises:
+        ValueError: a message that is not a mapping with a string ``role``, or content that is
+            neither a string, None, nor a list of text parts (naming conversation ``index``,
+            the message and the part).
+    """
+    if isinstance(conversation, (str, bytes, Mapping)) or not hasattr(conversation, "__iter__"):
+        raise ValueError(f"conversation {index}: must be a list of messages ({{'role': ..., 'content': ...}}), "
+                         f"got {type(conversation).__name__}")
+    out = []
+    for m, message in enumerate(conversation):
+        where = f"conversation {index}, message {m}"
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ValueError(f"{where}: must be a dict with a 'role' string, got {message!r}")
+        content = message.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, (list, tuple)):
+            pieces = []
+            for p, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"{where}, content part {p}: {part!r} is not a text part "
+                                     "({'type': 'text', 'text': ...}); this engine's models take text only")
+                pieces.append(part["text"])
+            text = "\n".join(pieces)
+        else:
+            raise ValueError(f"{where}: content must be a str, a list of text parts, or None, "
+                             f"got {type(content).__name__}")
+        out.append({**message, "content": text})
+    return out
