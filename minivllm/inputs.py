@@ -16,6 +16,8 @@ class TextPrompt(TypedDict):
     prompt: str
     #: Accepted for vLLM compatibility; minivllm has no multimodal models (must be absent or None).
     multi_modal_data: NotRequired[None]
+    #: Prefix-cache salt: the prompt's cached blocks are shared only with prompts of the same salt.
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
@@ -24,6 +26,22 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     #: Accepted for vLLM compatibility; minivllm has no multimodal models (must be absent or None).
     multi_modal_data: NotRequired[None]
+    #: Prefix-cache salt: the prompt's cached blocks are shared only with prompts of the same salt.
+    cache_salt: NotRequired[str]
 
 
 PromptType = Union[str, list[int], TextPrompt, TokensPrompt]
+
+
+def cache_salt_of(prompt) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's: requests with different salts, or a salt and none,
+    never share prefix-cache blocks, so one user's prompts cannot be probed through another's
+    cache hits), None where there is none.
+
+    Raises:
+        ValueError: a salt that is not a non-empty ``str``, naming it.
+    """
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt={salt!r}: must be a non-empty str (or left out)")
+    return salt

@@ -14,6 +14,7 @@ from minivllm.chat import text_messages
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.generation_config import default_sampling_params
+from minivllm.inputs import cache_salt_of
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -164,6 +165,7 @@ class LLM:
             try:
                 self.engine.check_sampling_params(p)  # all checked before any is queued
                 self.engine.encode_prompt(prompt, p.truncate_prompt_tokens)
+                cache_salt_of(prompt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = []

@@ -52,6 +52,32 @@ def test_hash_collision_is_caught_by_the_token_check():
     assert bm.match_prefix(seq_of([1, 2, 3, 4, 5], "b"))[0] == []
 
 
+@pytest.mark.parametrize("algo", ["xxhash", "sha256"])
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt(algo):
+    """vLLM's cache_salt: a salted prompt's blocks are hit by the same salt only, never by another
+    salt or by unsalted prompts (nor the other way round), even when the hash map is fooled."""
+    bm = BlockManager(32, BS, hash_algo=algo)
+
+    def salted(tokens, rid, salt):
+        seq = seq_of(tokens, rid)
+        seq.cache_salt = salt
+        return seq
+
+    tokens = list(range(1, 10))  # 2 full blocks, both hittable
+    assert run_prefill(bm, salted(tokens, "a", "alice")) == 0
+    assert len(bm.match_prefix(salted(tokens, "a2", "alice"))[0]) == 2
+    assert bm.match_prefix(salted(tokens, "b", "bob"))[0] == []
+    assert bm.match_prefix(seq_of(tokens, "plain"))[0] == []
+    run_prefill(bm, seq_of(tokens, "plain2"))
+    assert bm.match_prefix(salted(tokens, "c", "carol"))[0] == []
+    assert len(bm.match_prefix(seq_of(tokens, "plain3"))[0]) == 2
+    # a (crafted) collision: bob's first-block hash made to point at alice's block
+    bob = salted(tokens, "b2", "bob")
+    alice_first = bm.match_prefix(salted(tokens, "a3", "alice"))[0][0]
+    bm.hash_to_block[bm._hash(bm._chain_root(bob), tokens[:BS])] = alice_first
+    assert bm.match_prefix(bob)[0] == []
+
+
 def test_release_keeps_cached_blocks_reusable_and_plain_blocks_go_first():
     bm = BlockManager(6, BS)
     a = seq_of(range(1, 10), "a")  # 2 full blocks + 1 partial

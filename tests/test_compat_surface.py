@@ -138,6 +138,24 @@ def test_prompt_typed_dicts(llm):
         llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": 1}}, greedy(1), use_tqdm=False)
 
 
+def test_cache_salt_keeps_prefix_hits_within_a_salt(tiny_ckpt):
+    """It was accepted and ignored: prompts with different salts shared cached blocks."""
+    llm = make_llm(tiny_ckpt, block_size=4)
+    ids = prompts_of([13], seed=3)[0]
+
+    def cached(**salt):
+        return llm.generate({"prompt_token_ids": ids, **salt}, greedy(1), use_tqdm=False)[0].num_cached_tokens
+
+    assert cached(cache_salt="alice") == 0 and cached(cache_salt="alice") == 12
+    assert cached(cache_salt="bob") == 0 and cached() == 0 and cached() == 12
+    with pytest.raises(ValueError, match=r"prompt 1: cache_salt=5: must be a non-empty str"):
+        llm.generate([ids, {"prompt_token_ids": ids, "cache_salt": 5}], greedy(1), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"cache_salt='': must be a non-empty str"):
+        llm.llm_engine.add_request("x", {"prompt": "Hi", "cache_salt": ""}, greedy(1))
+    assert not llm.llm_engine.has_unfinished_requests()
+    llm.shutdown()
+
+
 def test_max_model_len_above_positions_is_capped_with_one_warning(tiny_ckpt, caplog):
     # the tiny checkpoint has max_position_embeddings=256 (nano-vllm's bench passes 4096)
     with caplog.at_level(logging.WARNING, logger="minivllm"):

@@ -176,7 +176,7 @@ class BlockManager:
             return [], []
         bs = self.block_size
         ids, hashes = [], []
-        parent, parent_ref = None, None
+        parent, parent_ref = self._chain_root(seq), None
         tokens = seq.token_ids
         for i in range((len(tokens) - 1) // bs):
             chunk = tokens[i * bs:(i + 1) * bs]
@@ -185,9 +185,9 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            # The hash only finds a candidate: its tokens and its parent link must match
-            # too, else it is a collision and counts as a miss.
-            if block.token_ids != tuple(chunk) or block.parent != parent_ref:
+            # The hash only finds a candidate: its tokens and its parent link (for a first
+            # block, the salt's root) must match too, else it is a collision and counts as a miss.
+            if block.token_ids != tuple(chunk) or block.parent != parent_ref or block.parent_hash != parent:
                 break
             ids.append(block_id)
             hashes.append(h)
@@ -290,7 +290,7 @@ class BlockManager:
         if undo is not None and num_full > len(seq.block_hashes):  # the chain as long as it is (no snapshot)
             undo.add(_restore_chain, seq, len(seq.block_hashes), len(seq.block_refs))
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else self._chain_root(seq)
             parent_ref = seq.block_refs[-1] if seq.block_refs else None
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = self._hash(parent, chunk)
@@ -300,7 +300,8 @@ class BlockManager:
                 continue
             other = self.hash_to_block.get(h)
             if other is not None:
-                same = self.blocks[other].token_ids == chunk and self.blocks[other].parent == parent_ref
+                theirs = self.blocks[other]
+                same = theirs.token_ids == chunk and theirs.parent == parent_ref and theirs.parent_hash == parent
                 seq.block_refs.append(self.blocks[other].ref if same else None)
                 continue
             block = self.blocks[seq.block_table[i]]
@@ -310,6 +311,15 @@ class BlockManager:
             block.generation += 1
             self.hash_to_block[h] = block.block_id
             seq.block_refs.append(block.ref)
+
+    def _chain_root(self, seq: Sequence):
+        """The parent hash of ``seq``'s first block: None, or with a ``cache_salt`` the salt's own hash,
+        so salted chains (and their verification, which compares it) never meet other chains."""
+        salt = seq.cache_salt
+        if salt is None:
+            return None
+        data = b"cache_salt:" + salt.encode("utf-8", "surrogatepass")
+        return hashlib.sha256(data).digest() if self.hash_algo == "sha256" else _xxh64(data)
 
     def _unregister_new(self, block: KVBlock, h, generation: int) -> None:
         self.hash_to_block.pop(h, None)

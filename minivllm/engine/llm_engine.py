@@ -30,6 +30,7 @@ from minivllm.engine.parallel_sampling import ParentRequest, ParentRequests, chi
 from minivllm.engine.output_processor import OutputKind, OutputProcessor, RequestState, make_output, update_text
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
+from minivllm.inputs import cache_salt_of
 from minivllm.engine.transaction import StepTransaction
 from minivllm.layers.attention import default_block_size, resolve_backend_name
 from minivllm.outputs import RequestOutput
@@ -335,6 +336,7 @@ class LLMEngine:
         # and a changed object applies to the requests added after the change.
         params = params.clone()
         text, ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
+        salt = cache_salt_of(prompt)
         self._warn_if_max_tokens_capped(params, len(ids))
         with self._lock:
             if request_id in self.requests or request_id in self.parents:
@@ -346,11 +348,11 @@ class LLMEngine:
                     raise ValueError(f"request_id {request_id!r}: child id {clash[0]!r} is already in use")
             try:
                 if parent is None:
-                    self._queue(request_id, text, ids, params, kind, arrival_time)
+                    self._queue(request_id, text, ids, params, kind, arrival_time, salt)
                 else:  # n samples: n child requests (minivllm/engine/parallel_sampling.py)
                     leader = None
                     for i, cid in enumerate(parent.child_ids):
-                        seq = self._queue(cid, text, ids, child_params(params, i), kind, arrival_time)
+                        seq = self._queue(cid, text, ids, child_params(params, i), kind, arrival_time, salt)
                         seq.prefix_leader, leader = leader, leader or seq
                     self.parents.add(parent)
                 if sink is not None:
@@ -382,9 +384,9 @@ class LLMEngine:
                 sched.waiting.remove(seq)
 
     def _queue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-               kind: OutputKind, arrival_time: float | None = None) -> Sequence:
-        seq = Sequence(request_id, text, ids, params) if arrival_time is None else \
-            Sequence(request_id, text, ids, params, arrival_time=arrival_time)
+               kind: OutputKind, arrival_time: float | None = None, cache_salt: str | None = None) -> Sequence:
+        seq = Sequence(request_id, text, ids, params, cache_salt=cache_salt,
+                       **({} if arrival_time is None else {"arrival_time": arrival_time}))
         if params.bad_words:
             seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.min_tokens:

@@ -45,6 +45,8 @@ class Sequence:
     # could not be linked (see BlockManager.register_computed_blocks).
     block_hashes: list = field(default_factory=list)
     block_refs: list = field(default_factory=list)
+    #: The prompt's ``cache_salt`` (vLLM's): its prefix blocks are shared only with requests of the same salt.
+    cache_salt: str | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     generator: object = None             # torch.Generator for a seeded request (made by the runner)
