@@ -44,6 +44,7 @@
 
 # %% tags=["parameters"]
 import os
+import collections
 from collections import defaultdict
 
 import torch
@@ -181,8 +182,12 @@ attn = len(model.model.layers) * (expected["self_attn.qkv_proj"] + expected["sel
 mlp = len(model.model.layers) * (expected["mlp.gate_up_proj"] + expected["mlp.down_proj"])
 print(f"embedding table: {share['embed_tokens']:.0%} of all parameters; attention matmuls {attn / total_unique:.0%}; "
       f"MLP matmuls {mlp / total_unique:.0%}; norms {1 - share['embed_tokens'] - (attn + mlp) / total_unique:.2%}")
-bytes_per = torch.empty((), dtype=engine.config.dtype).element_size()
-print(f"weights in memory: {total_unique * bytes_per / 2**20:.1f} MiB in {engine.config.dtype}")
+# as held: the engine may keep a float32 model's linears in 16 bits where the checkpoint's values fit exactly
+held = collections.Counter()
+for p in model.parameters():
+    held[p.dtype] += p.numel() * p.element_size()
+print(f"weights in memory: {sum(held.values()) / 2**20:.1f} MiB as held ("
+      + ", ".join(f"{b / 2**20:.1f} MiB in {dt}" for dt, b in held.items()) + f"; engine dtype {engine.config.dtype})")
 
 # %% [markdown]
 # When weights are **tied** (`tie_word_embeddings`), the LM head reuses the embedding matrix, so it

@@ -230,9 +230,10 @@ check_claim("the TTFT ratio is smaller than the ratio of computed prompt tokens"
 # only what follows the last shared block (the question); without caching every request pays the full
 # prefill. The TTFT ratio is smaller than the ratio of computed tokens because part of every TTFT is
 # fixed per-step overhead (scheduling, building the inputs, sampling, the layers' launches) that no
-# cache removes; with the embedded model on a CPU that part is large. How much time the cache saves
-# grows with the shared prefix's length and the model's size; run this notebook with a real checkpoint
-# (`MINIVLLM_MODEL`) to measure it there.
+# cache removes; with the embedded model on a CPU that part is large. The prefill work the cache skips
+# is the shared prefix's tokens times the model's FLOPs per token (chapter 06), so it grows with both,
+# while the fixed part does not; run this notebook with a real checkpoint (`MINIVLLM_MODEL`) to measure
+# what that does to the TTFT ratio there.
 #
 # ## 3. When the pool fills: eviction, least recently used first
 #

@@ -228,7 +228,7 @@ PROBS = {(name, s): probs_under(LOGITS[name], params) for name in LOGITS for s, 
 print(f"{'setting':22s}" + "".join(f"{name + ': tokens kept':>28s}" for name in LOGITS))
 for s in SETTINGS:
     print(f"{s:22s}" + "".join(f"{int((PROBS[(name, s)] > 0).sum()):>28d}" for name in LOGITS))
-print(f"{'greedy (T=0)':22s}" + "".join(f"{1:>28d}" for _ in LOGITS))
+print(f"{'greedy (T=0): argmax':22s}" + "".join(f"{'1 (by definition)':>28s}" for _ in LOGITS))
 
 # %%
 VOCAB = engine.source.hf_config.vocab_size
@@ -464,9 +464,9 @@ _ = check_claim("low temperature picks likelier tokens than high temperature",
 
 # %% [markdown]
 # Greedy always takes the single most likely token. Low temperature stays closer to the likely
-# tokens, high temperature wanders into rare ones (the mean log-probabilities above), and on a
-# model this small rare tokens quickly turn into nonsense. The filtered settings sample, but only
-# among the tokens each filter keeps at every step.
+# tokens, high temperature wanders into rare ones (the mean log-probabilities above). The filtered
+# settings sample, but only among the tokens each filter keeps at every step. How likely each token
+# was does not say how readable a 12-token sample of a model this small is: compare the texts above.
 
 # %% [markdown]
 # ## 4. The sampling explorer

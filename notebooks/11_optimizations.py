@@ -21,7 +21,9 @@
 # int8 and speculative decoding.
 #
 # **Prerequisites:** chapter 02 (the model's layers), 04 (the paged KV cache and its block tables),
-# 06 (decode is memory-bound: a step reads every weight once) and 07 (TPOT).
+# 06 (decode of a model whose weights stream from main memory is memory-bound: a step reads every weight
+# once; the embedded model's weights fit in a CPU cache, and section 1 below measures what else its decode
+# step spends its time on) and 07 (TPOT).
 #
 # **Time:** about 45 minutes (reading and running).
 #
@@ -691,13 +693,12 @@ render(f"On this run int8 changed the batch-1 decode step from {step['fp32']:.2f
        f"**{int8_speedup:.2f}x**, while the weights shrank {wbytes['fp32'] / wbytes['int8']:.2f}x. Reading the "
        f"fp32 engine's weights once, as it holds them, at the measured read bandwidth would take {read_ms['fp32']:.2f} ms, "
        f"**{read_ms['fp32'] / step['fp32']:.0%}** of the fp32 step.")
-check_claim("int8 changes this model's decode step by less than its weights shrank (a figure below 1x: slower)",
+check_claim("int8 speeds this model's decode step up by less than its weights shrank",
             int8_speedup < wbytes["fp32"] / wbytes["int8"],
-            f"{int8_speedup:.2f}x against {wbytes['fp32'] / wbytes['int8']:.2f}x fewer bytes")
-check_claim("int8 weights do not make this model's batch-1 decode step 2x faster",
-            int8_speedup < 2.0, f"measured {int8_speedup:.2f}x with {wbytes['fp32'] / wbytes['int8']:.2f}x fewer bytes",
-            why_it_may_not="This model's step is then bound by reading its weights from main memory here, and "
-                           "torch's int8 linear costs little per call.");
+            f"{int8_speedup:.2f}x ({'slower' if int8_speedup < 1 else 'faster'}) against "
+            f"{wbytes['fp32'] / wbytes['int8']:.2f}x fewer bytes",
+            why_it_may_not="A step bound by reading its weights from main memory, with an int8 linear that costs "
+                           "little per call, would approach the bytes' ratio; this model's weights fit in a CPU cache.");
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>

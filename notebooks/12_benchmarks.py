@@ -41,8 +41,8 @@
 # ## Setup
 #
 # `BIG` is the random-weight model at Qwen3-0.6B's shapes (section 4 prints what its weights weigh
-# in the dtype they are held in), used for the roofline section: the embedded model is small (4 layers, hidden size 256):
-# its steps carry fixed costs a real model amortises, and its few MB of weights can stay in a
+# in the dtype they are held in), used for the roofline section: the embedded model is small (chapter 02
+# counts its layers and parameters): its steps carry fixed costs a real model amortises, and its few MB of weights can stay in a
 # CPU cache, so it cannot show where a real model's steps sit.
 
 # %% tags=["parameters"]
@@ -146,7 +146,9 @@ table.round(2)
 # request that wanted 8 tokens rides along, computing padding, until the one that wanted 64 finishes,
 # and no new request can take its place. minivllm schedules per step: a finished request leaves at
 # once, its KV blocks go back to the pool, and a waiting one takes its slot (continuous batching,
-# chapter 05). The more the output lengths vary and the longer the queue, the larger that gap.
+# chapter 05). The padding a batch of `generate` computes is, summed over its requests, how many tokens
+# each is short of the batch's longest, so it grows with the spread of the output lengths; this notebook
+# measures one workload.
 #
 # Against that, on a CPU with the tiny embedded model every engine step pays fixed host costs
 # (scheduling, building inputs, Python in the model) that a single padded `generate` loop pays less
@@ -267,13 +269,14 @@ check_claim("TPOT varies less across requests than TTFT (relative spread)", cv["
 # Try 64, 256, 1024, 2048. Look at the TTFT of the first and the last request (a larger budget
 # admits more prompts per step: a flatter staircase, but longer steps), and at the TPOT (decodes wait
 # behind the prefill chunks that share their steps).
-TOKEN_BUDGET = 1024
+TOKEN_BUDGET = 2048
 pg = LLM(MODEL, device=DEVICE, max_num_seqs=32, max_num_batched_tokens=TOKEN_BUDGET)
 pg.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
 pg.reset_prefix_cache()
 pg_outs = pg.generate(wl.prompts, params, use_tqdm=False)
 ttfts = [o.metrics.ttft_ms for o in pg_outs]
-print(f"budget {TOKEN_BUDGET}: TTFT first request {ttfts[0]:.1f} ms, last {ttfts[-1]:.1f} ms, slowest {max(ttfts):.1f} ms; "
+print(f"budget {TOKEN_BUDGET} ({sum(len(o.prompt_token_ids) for o in pg_outs)} prompt tokens in all): "
+      f"TTFT first request {ttfts[0]:.1f} ms, last {ttfts[-1]:.1f} ms, slowest {max(ttfts):.1f} ms; "
       f"median TPOT {statistics.median(o.metrics.tpot_ms for o in pg_outs):.2f} ms")
 pg.shutdown()
 

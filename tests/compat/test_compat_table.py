@@ -72,6 +72,7 @@ FEATURES = [
      lambda llm: _gen(llm, logprobs=2, prompt_logprobs=1).prompt_logprobs[0] is None),
     ("`n` > 1", "yes", "no", lambda llm: len(_gen(llm, n=2, temperature=1.0).outputs) == 2),
     ("Prefix caching", "yes", "yes", lambda llm: _gen(llm, "x" * 60) and _gen(llm, "x" * 60).num_cached_tokens > 0),
+    ("Prefix-cache isolation (`cache_salt` in a prompt)", "yes", "no", lambda llm: _salted()),
     ("Chunked prefill mixed with decodes", "yes", "no", lambda llm: _mixed_chunked()),
     ("`max_model_len` above the model's positions", "refused", "capped",
      lambda llm: _capped()),
@@ -96,6 +97,15 @@ def _engine_step(llm) -> bool:
     while engine.has_unfinished_requests():
         outs += engine.step()
     return outs[-1].finished and outs[-1].request_id == "probe"
+
+
+def _salted() -> bool:
+    """A salted prompt hits its own salt's cached blocks, not another salt's."""
+    def cached(salt):
+        return _gen(llm, {"prompt": "y" * 60, "cache_salt": salt}).num_cached_tokens
+
+    with LLM(str(EMBEDDED_MODEL_DIR), num_kvcache_blocks=64) as llm:
+        return cached("a") == 0 and cached("a") > 0 and cached("b") == 0
 
 
 def _mixed_chunked() -> bool:
