@@ -135,7 +135,7 @@ def test_a_hanging_section_is_killed_and_recorded(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(SCRIPT.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--sections", "kernels",
-                          "--inject-fault", "kernels=hang", "--section-timeout-s", "20"],
+                          "--inject-fault", "kernels=hang", "--section-timeout-s", "12"],
                          capture_output=True, text=True, env=env, timeout=300)
     payload = json.loads(out.read_text())
     assert res.returncode == 1
