@@ -3,9 +3,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
+
+
+class OutputKind(enum.Enum):
+    """What ``LLMEngine.step()`` returns for a request (vLLM's ``RequestOutputKind``, also importable
+    under that name)."""
+
+    CUMULATIVE = "cumulative"  # every step: all text and tokens so far
+    DELTA = "delta"            # every step: only what is new (LLM.stream)
+    FINAL_ONLY = "final_only"  # once, when finished (LLM.generate): no per-step work
+
+
+RequestOutputKind = OutputKind
 
 
 @dataclass
@@ -73,7 +86,11 @@ class SamplingParams:
             logits, before any penalty or temperature (vLLM v1's default; the engine argument
             ``logprobs_mode`` selects the processed distribution or the logits instead).
             ``-1``: the whole vocabulary (as vLLM).
-        prompt_logprobs: the same for every prompt token (k >= 0, or -1). Prompt positions are
+        prompt_logprobs: the same for every prompt token (k >= 0, or -1).
+        output_kind: what ``LLMEngine.step()`` returns for the request (vLLM's
+            ``RequestOutputKind``): ``CUMULATIVE`` (all so far, every step), ``DELTA`` (only what
+            is new) or ``FINAL_ONLY`` (once, finished); ``LLM.generate`` always gives final
+            outputs and ``LLM.stream`` deltas, as in vLLM. An ``OutputKind`` or its value. Prompt positions are
             computed, not read from the prefix cache, for such requests.
 
     Fields may be changed after construction (vLLM's scripts do ``params.max_tokens = 64``):
@@ -109,6 +126,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    output_kind: OutputKind = OutputKind.CUMULATIVE
     # Filled by __post_init__: ``stop`` as a list.
     stop_strings: list[str] = field(init=False, repr=False, compare=False)
     #: Filled by __post_init__: True when a logits processor beyond the classic five applies
@@ -245,6 +263,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < -1):
                 raise bad(name, value, "must be an int >= 0 (how many top tokens), -1 (all), or None")
+        if not isinstance(self.output_kind, OutputKind):
+            try:
+                object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
+            except ValueError:
+                raise bad("output_kind", self.output_kind,
+                          f"choose from RequestOutputKind's {[k.value for k in OutputKind]}") from None
         self.has_logits_processors = bool(
             self.presence_penalty or self.frequency_penalty or self.min_tokens or self.logit_bias
             or self.allowed_token_ids or self.bad_words)

@@ -254,6 +254,29 @@ def test_vllm_request_arguments_priority_and_arrival_time(llm):
         engine.add_request("x", [1, 2, 3], greedy(1), "now")
 
 
+def test_sampling_params_output_kind_asks_the_engine_for_deltas(llm):
+    """vLLM's SamplingParams(output_kind=RequestOutputKind.DELTA) (it raised TypeError); LLM.generate
+    still returns final outputs whatever the parameters say, as in vLLM."""
+    from minivllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("d", [1, 2, 3], params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [o.outputs[0].token_ids for o in engine.step()]
+    assert [len(d) for d in deltas] == [1, 1, 1, 1]
+    assert llm.generate([1, 2, 3], params, use_tqdm=False)[0].outputs[0].token_ids == sum(deltas, [])
+    engine.add_request("c", [1, 2, 3], greedy(3))  # the default: cumulative
+    cumulative = []
+    while engine.has_unfinished_requests():
+        cumulative += [len(o.outputs[0].token_ids) for o in engine.step()]
+    assert cumulative == [1, 2, 3]
+    assert SamplingParams(output_kind="final_only").output_kind is RequestOutputKind.FINAL_ONLY
+    with pytest.raises(ValueError, match=r"SamplingParams.output_kind='stream': choose from"):
+        SamplingParams(output_kind="stream")
+
+
 def test_seed_outside_torch_generators_range_is_refused_at_once(llm):
     """Such a seed was accepted, then every step failed with torch's 'Overflow when unpacking long
     long' (not naming the field) until the request was aborted."""

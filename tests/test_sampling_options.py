@@ -34,7 +34,7 @@ def run(llm, params, prompt=PROMPT):
     ("logit_bias", [1, 2]), ("allowed_token_ids", []), ("allowed_token_ids", [1, -2]), ("bad_words", ["ok", ""]),
     ("bad_words", "word"), ("include_stop_str_in_output", 1), ("skip_special_tokens", None),
     ("spaces_between_special_tokens", "no"), ("detokenize", 0), ("max_tokens", 0), ("truncate_prompt_tokens", 0),
-    ("truncate_prompt_tokens", -2), ("logprobs", -1), ("prompt_logprobs", 1.5), ("n", 0),
+    ("truncate_prompt_tokens", -2), ("logprobs", -2), ("prompt_logprobs", 1.5), ("n", 0),
 ])
 def test_each_new_field_is_validated_by_name(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):

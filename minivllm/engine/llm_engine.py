@@ -298,7 +298,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None, lora_request=None, *, priority: int = 0,
-                    output_kind: OutputKind | str = OutputKind.CUMULATIVE, sink=None) -> None:
+                    output_kind: OutputKind | str | None = None, sink=None) -> None:
         """Validate and queue a request (raises ``ValueError`` at once on bad input).
 
         ``arrival_time``, ``lora_request`` and ``priority`` are vLLM's: ``arrival_time`` is a
@@ -306,15 +306,16 @@ class LLMEngine:
         clock; only ``lora_request=None`` and ``priority=0`` (first come, first served) are
         accepted.
 
-        ``output_kind``: "cumulative" (default: every step returns all text so far),
-        "delta" (only what is new, as ``LLM.stream`` uses) or "final_only" (one output when
-        finished, as ``LLM.generate`` uses). ``sink``: a callable that also receives each
+        ``output_kind``: "cumulative" (every step returns all text so far), "delta" (only what
+        is new, as ``LLM.stream`` uses) or "final_only" (one output when finished, as
+        ``LLM.generate`` uses); None (default): the parameters' ``output_kind`` (vLLM's way to ask
+        the engine for deltas), itself cumulative by default. ``sink``: a callable that also receives each
         of the request's outputs once its step is applied (``LLM`` collects its own
         requests' outputs this way, whoever steps the engine). The request keeps a copy of
         ``sampling_params``: changing the object afterwards does not change it.
         """
         try:
-            kind = OutputKind(output_kind)
+            kind = None if output_kind is None else OutputKind(output_kind)
         except ValueError:
             raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
         request_id = str(request_id)
@@ -335,6 +336,7 @@ class LLMEngine:
         # fixes what it derives from them (stop rule, sampling flags) when a request is queued,
         # and a changed object applies to the requests added after the change.
         params = params.clone()
+        kind = params.output_kind if kind is None else kind
         text, ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
         salt = cache_salt_of(prompt)
         self._warn_if_max_tokens_capped(params, len(ids))

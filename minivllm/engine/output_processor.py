@@ -8,7 +8,6 @@ request's output kind.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,14 +15,7 @@ from minivllm.engine.detokenizer import IncrementalDetokenizer, unknown_id_text
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.undo import UndoLog
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-
-
-class OutputKind(enum.Enum):
-    """What ``LLMEngine.step()`` returns for a request (vLLM's ``RequestOutputKind``)."""
-
-    CUMULATIVE = "cumulative"  # every step: all text and tokens so far
-    DELTA = "delta"            # every step: only what is new (LLM.stream)
-    FINAL_ONLY = "final_only"  # once, when finished (LLM.generate): no per-step work
+from minivllm.sampling_params import OutputKind
 
 
 @dataclass
