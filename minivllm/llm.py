@@ -12,7 +12,7 @@ from typing import Iterator, Sequence as Seq
 
 from minivllm.chat import text_messages
 from minivllm.config import EngineArgs
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine, refuse_lora
 from minivllm.generation_config import default_sampling_params
 from minivllm.inputs import cache_salt_of
 from minivllm.outputs import RequestOutput
@@ -144,9 +144,7 @@ class LLM:
                 priority=None) -> list[str]:
         """Validate every prompt, then queue them all, their outputs routed to ``inbox``;
         returns their request ids in order."""
-        if lora_request is not None:
-            raise ValueError(f"lora_request={lora_request!r}: minivllm does not support LoRA adapters "
-                             "(only lora_request=None is accepted)")
+        refuse_lora(lora_request)
         plist = _as_prompt_list(prompts)
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(plist)
                                      or any(p != 0 for p in priority)):

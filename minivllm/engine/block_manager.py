@@ -302,7 +302,7 @@ class BlockManager:
             if other is not None:
                 theirs = self.blocks[other]
                 same = theirs.token_ids == chunk and theirs.parent == parent_ref and theirs.parent_hash == parent
-                seq.block_refs.append(self.blocks[other].ref if same else None)
+                seq.block_refs.append(theirs.ref if same else None)
                 continue
             block = self.blocks[seq.block_table[i]]
             if undo is not None:  # h is in no block's name yet (checked above): unmapping it restores the map

@@ -30,8 +30,8 @@ from minivllm.engine.parallel_sampling import ParentRequest, ParentRequests, chi
 from minivllm.engine.output_processor import OutputKind, OutputProcessor, RequestState, make_output, update_text
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
-from minivllm.inputs import cache_salt_of
 from minivllm.engine.transaction import StepTransaction
+from minivllm.inputs import cache_salt_of
 from minivllm.layers.attention import default_block_size, resolve_backend_name
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -89,6 +89,13 @@ class StepTimer:
         now = time.perf_counter()
         ms, self.last = (now - self.last) * 1e3, now
         return ms
+
+
+def refuse_lora(lora_request) -> None:
+    """vLLM's ``lora_request`` argument: only None is accepted (ValueError naming anything else)."""
+    if lora_request is not None:
+        raise ValueError(f"lora_request={lora_request!r}: minivllm does not support LoRA adapters "
+                         "(only lora_request=None is accepted)")
 
 
 class LLMEngine:
@@ -319,9 +326,7 @@ class LLMEngine:
         except ValueError:
             raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
         request_id = str(request_id)
-        if lora_request is not None:
-            raise ValueError(f"lora_request={lora_request!r}: minivllm does not support LoRA adapters "
-                             "(only lora_request=None is accepted)")
+        refuse_lora(lora_request)
         if priority != 0:
             raise ValueError(f"priority={priority!r}: minivllm schedules first come, first served "
                              "(only priority=0 is accepted)")
