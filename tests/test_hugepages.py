@@ -75,7 +75,7 @@ def _resident_kib() -> int | None:
 def test_the_kv_pool_is_not_written_when_it_is_made():
     """The pool's zeros are the operating system's (an anonymous mapping): making a 256 MiB pool
     writes none of it, so an engine starts without zeroing a pool it mostly never uses (the
-    default 512 MiB took 0.9 s to zero on the dev EPYC)."""
+    default 512 MiB made a process's first engine take 1.8 s to build on the dev EPYC)."""
     before = _resident_kib()
     cache, layers = allocate_kv_cache(_Cfg, 8192, 16, torch.float32, torch.device("cpu"))  # 256 MiB
     grown = _resident_kib() - before
