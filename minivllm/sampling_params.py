@@ -86,12 +86,12 @@ class SamplingParams:
             logits, before any penalty or temperature (vLLM v1's default; the engine argument
             ``logprobs_mode`` selects the processed distribution or the logits instead).
             ``-1``: the whole vocabulary (as vLLM).
-        prompt_logprobs: the same for every prompt token (k >= 0, or -1).
+        prompt_logprobs: the same for every prompt token (k >= 0, or -1). Prompt positions are
+            computed, not read from the prefix cache, for such requests.
         output_kind: what ``LLMEngine.step()`` returns for the request (vLLM's
             ``RequestOutputKind``): ``CUMULATIVE`` (all so far, every step), ``DELTA`` (only what
             is new) or ``FINAL_ONLY`` (once, finished); ``LLM.generate`` always gives final
-            outputs and ``LLM.stream`` deltas, as in vLLM. An ``OutputKind`` or its value. Prompt positions are
-            computed, not read from the prefix cache, for such requests.
+            outputs and ``LLM.stream`` deltas, as in vLLM. An ``OutputKind`` or its value.
 
     Fields may be changed after construction (vLLM's scripts do ``params.max_tokens = 64``):
     each assignment is validated like the constructor's arguments, and an invalid value is
