@@ -24,10 +24,16 @@ def _batch(top_p: list[float], top_k: list[int] | None = None) -> SamplingBatch:
 
 
 def kept(probs: list[float], top_p: float, top_k: int = 0) -> set[int]:
-    """Token ids that survive the filters, for one row given as probabilities."""
+    """Token ids that survive the filters, for one row given as probabilities; the CPU sampler's
+    selection (minivllm/layers/cpu_sampling.py, no sort) must keep the same ones."""
+    from minivllm.layers.cpu_sampling import kept_token_ids
+
     logits = torch.tensor([probs], dtype=torch.float32).log()
     out = filtered_probs(logits, _batch([top_p], [top_k]))
-    return set(torch.nonzero(out[0] > 0).flatten().tolist())
+    want = set(torch.nonzero(out[0] > 0).flatten().tolist())
+    ids = kept_token_ids(logits[0].numpy(), top_k, top_p)
+    assert (set(range(len(probs))) if ids is None else set(ids.tolist())) == want
+    return want
 
 
 def test_issue_example_drops_the_token_past_the_boundary():

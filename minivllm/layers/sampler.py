@@ -179,21 +179,32 @@ def exponential_noise_(out: torch.Tensor, generator: torch.Generator | None) -> 
     return out.uniform_(generator=generator).clamp_min_(torch.finfo(out.dtype).tiny).log_().neg_()
 
 
-def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
-                     default: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of ``probs`` (fp32 ``[N, V]``) -> int64 ``[N]``."""
-    noise = torch.empty_like(probs)
+def race_uniforms(probs: torch.Tensor, generators: list[torch.Generator | None],
+                  default: torch.Generator | None) -> torch.Tensor:
+    """The race's uniform draws for ``probs`` (``[N, V]``): fp32 ``U`` on [0, 1) of its shape, the
+    rows without a generator of their own from ``default`` in one call (row order), each other row
+    from its own generator. Every sampling path draws through here, so a seed gives the same
+    ``U`` whichever path turns it into a token."""
+    u = torch.empty_like(probs)
     shared_rows = [i for i, g in enumerate(generators) if g is None]
     if shared_rows:
         if len(shared_rows) == len(generators):
-            exponential_noise_(noise, default)
+            u.uniform_(generator=default)
         else:
             idx = torch.tensor(shared_rows, device=probs.device)
-            noise[idx] = exponential_noise_(torch.empty((len(shared_rows), probs.shape[1]), device=probs.device,
-                                                        dtype=probs.dtype), default)
+            u[idx] = torch.empty((len(shared_rows), probs.shape[1]), device=probs.device,
+                                 dtype=probs.dtype).uniform_(generator=default)
     for i, g in enumerate(generators):
         if g is not None:
-            exponential_noise_(noise[i], g)
+            u[i].uniform_(generator=g)
+    return u
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None],
+                     default: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of ``probs`` (fp32 ``[N, V]``) -> int64 ``[N]``: ``argmax p / E`` with
+    ``E = -log(U)`` (see :func:`exponential_noise_` for the clamp), ``U`` from :func:`race_uniforms`."""
+    noise = race_uniforms(probs, generators, default).clamp_min_(torch.finfo(probs.dtype).tiny).log_().neg_()
     return argmax_rows(probs / noise)
 
 
@@ -261,6 +272,11 @@ class Sampler:
             if batch.keep_processed:
                 self.processed_logits = logits
             return greedy
+        if logits.device.type == "cpu" and (batch.any_top_k or batch.any_top_p) and not batch.keep_processed:
+            # the same draw without sorting the vocabulary (minivllm/layers/cpu_sampling.py)
+            from minivllm.layers.cpu_sampling import sample_rows
+
+            return torch.where(batch.temperatures > 0, sample_rows(logits, batch, self.generator), greedy)
         probs = filtered_probs(logits, batch)
         if batch.keep_processed:
             temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))

@@ -1,0 +1,105 @@
+"""The CPU sampler's draw without a sort (minivllm/layers/cpu_sampling.py) picks the token the
+reference path (sort, filtered_probs, exponential_race) picks from the same generator states:
+top-k, top-p, min-p, their mixes, greedy rows, seeded rows, ties, banned tokens, and rows flat
+enough that top-p's buckets are split again."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minivllm.layers.cpu_sampling import kept_token_ids, top_token_ids
+from minivllm.layers.sampler import Sampler, SamplingBatch, exponential_race, filtered_probs
+
+
+def _batch(temps, top_k, top_p, min_p, generators) -> SamplingBatch:
+    f = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    n = len(temps)
+    return SamplingBatch(
+        temperatures=f(temps), top_k=torch.tensor(top_k, dtype=torch.int64), top_p=f(top_p), min_p=f(min_p),
+        repetition_penalties=torch.ones(n), seen_token_ids=[None] * n, generators=generators,
+        all_greedy=all(t == 0 for t in temps), any_top_k=any(k > 0 for k in top_k),
+        any_top_p=any(p < 1 for p in top_p), any_min_p=any(p > 0 for p in min_p), any_penalty=False)
+
+
+def _reference(logits, batch, default):
+    """The reference draw (what CUDA runs), from the same generator states."""
+    greedy = logits.argmax(dim=-1)
+    sampled = exponential_race(filtered_probs(logits.clone(), batch), batch.generators, default)
+    return torch.where(batch.temperatures > 0, sampled, greedy)
+
+
+def _both(logits, temps, top_k, top_p, min_p, seeds):
+    """Tokens from the CPU sampler and from the reference, each from fresh generators seeded alike."""
+    out = []
+    for _ in range(2):
+        default = torch.Generator().manual_seed(1234)
+        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        batch = _batch(temps, top_k, top_p, min_p, gens)
+        out.append((Sampler(0, torch.device("cpu")) if not out else None, batch, default))
+    (sampler, batch, default), (_, ref_batch, ref_default) = out
+    sampler.generator = default
+    got = sampler(logits, batch)
+    want = _reference(logits, ref_batch, ref_default)
+    return got.tolist(), want.tolist()
+
+
+@pytest.mark.parametrize("vocab,scale", [(50, 3.0), (4096, 3.0), (4096, 0.3), (60_000, 1.0), (60_000, 0.05)])
+@pytest.mark.parametrize("case", range(4))
+def test_the_cpu_draw_matches_the_reference(vocab, scale, case):
+    """16 rows mixing every filter, a greedy row and seeded rows, over several draws; flat rows
+    (scale 0.05 over 60,000 tokens) put thousands of tokens in top-p's cut bucket."""
+    rng = np.random.default_rng(case * 7919 + vocab)
+    n = 16
+    temps = [0.0] + [float(t) for t in rng.uniform(0.3, 1.5, n - 1)]
+    top_k = [int(k) for k in rng.choice([0, 0, 1, 5, 50, vocab // 3, vocab, vocab + 5], n)]
+    top_p = [float(p) for p in rng.choice([1.0, 1.0, 0.05, 0.5, 0.9, 0.95, 0.999], n)]
+    min_p = [float(p) for p in rng.choice([0.0, 0.0, 0.0, 0.05, 0.3], n)]
+    seeds = [None if rng.random() < 0.5 else int(rng.integers(1 << 30)) for _ in range(n)]
+    logits = torch.from_numpy((rng.standard_normal((n, vocab)) * scale).astype(np.float32))
+    logits[3] = logits[3].round()  # many ties
+    logits[4, rng.choice(vocab, vocab // 10, replace=False)] = float("-inf")  # banned tokens
+    for _ in range(3):
+        got, want = _both(logits, temps, top_k, top_p, min_p, seeds)
+        assert got == want
+        logits = logits.roll(1, dims=1)
+
+
+def test_top_token_ids_break_ties_by_id_as_a_stable_sort():
+    y = np.array([1, 3, 3, 2, 3, 3, 0, 3], dtype=np.float32)
+    for c in range(1, 9):
+        want = np.argsort(-y, kind="stable")[:c]
+        assert top_token_ids(y, c).tolist() == want.tolist()
+    big = np.repeat(np.arange(10, dtype=np.float32), 100)  # 100 tokens at each value, k inside a tie
+    assert top_token_ids(big, 150).tolist() == list(range(900, 1000)) + list(range(800, 850))
+
+
+def test_top_p_splits_a_flat_row_and_keeps_what_the_sort_keeps():
+    """A row of 60,000 nearly equal logits: the cut bucket holds far more than the sort limit, so
+    it is split again; the kept ids are the reference's."""
+    rng = np.random.default_rng(0)
+    y = (rng.standard_normal(60_000) * 0.01).astype(np.float32)
+    for top_p in (0.3, 0.9, 0.999):
+        ids = kept_token_ids(y, 0, top_p)
+        probs = filtered_probs(torch.from_numpy(y)[None], _batch([1.0], [0], [top_p], [0.0], [None]))
+        assert set(ids.tolist()) == set(torch.nonzero(probs[0] > 0).flatten().tolist())
+    same = np.zeros(10_000, dtype=np.float32)  # every key equal: no split, one sort
+    assert sorted(kept_token_ids(same, 0, 0.5).tolist()) == list(range(5000))
+
+
+def test_nan_and_all_banned_rows_do_not_raise_and_other_rows_are_drawn():
+    logits = torch.randn(3, 100)
+    logits[0, 5] = float("nan")
+    logits[1] = float("-inf")
+    got, want = _both(logits, [1.0, 1.0, 1.0], [10, 10, 10], [0.9, 0.9, 0.9], [0.0] * 3, [None, None, 7])
+    assert got[2] == want[2]
+
+
+def test_a_uniform_draw_of_zero_keeps_the_cpu_draw_on_a_kept_token(monkeypatch):
+    """As the reference's test: U = 0 gives finite noise, so a row whose filters left one token
+    draws it, not token 0."""
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *args, **kwargs: self.zero_())
+    logits = torch.zeros(2, 10)
+    logits[0, 7] = logits[1, 3] = 5.0
+    batch = _batch([1.0, 1.0], [1, 0], [1.0, 0.01], [0.0, 0.0], [None, torch.Generator().manual_seed(1)])
+    assert Sampler(0, torch.device("cpu"))(logits, batch).tolist() == [7, 3]
