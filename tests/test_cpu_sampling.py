@@ -31,16 +31,15 @@ def _reference(logits, batch, default):
 
 def _both(logits, temps, top_k, top_p, min_p, seeds):
     """Tokens from the CPU sampler and from the reference, each from fresh generators seeded alike."""
-    out = []
-    for _ in range(2):
-        default = torch.Generator().manual_seed(1234)
+    def fresh():
         gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-        batch = _batch(temps, top_k, top_p, min_p, gens)
-        out.append((Sampler(0, torch.device("cpu")) if not out else None, batch, default))
-    (sampler, batch, default), (_, ref_batch, ref_default) = out
+        return _batch(temps, top_k, top_p, min_p, gens), torch.Generator().manual_seed(1234)
+
+    batch, default = fresh()
+    sampler = Sampler(0, torch.device("cpu"))
     sampler.generator = default
     got = sampler(logits, batch)
-    want = _reference(logits, ref_batch, ref_default)
+    want = _reference(logits, *fresh())
     return got.tolist(), want.tolist()
 
 
