@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.layers.sampler import SamplingBatch, filtered_probs
+from minivllm.layers.sampler import SamplingBatch, filtered_probs, sorted_drop_mask
 
 
 def _batch(top_p: list[float], top_k: list[int] | None = None) -> SamplingBatch:
@@ -29,10 +29,11 @@ def kept(probs: list[float], top_p: float, top_k: int = 0) -> set[int]:
     from minivllm.layers.cpu_sampling import kept_token_ids
 
     logits = torch.tensor([probs], dtype=torch.float32).log()
-    out = filtered_probs(logits, _batch([top_p], [top_k]))
+    out = filtered_probs(logits, _batch([top_p], [top_k]), drop=sorted_drop_mask)
     want = set(torch.nonzero(out[0] > 0).flatten().tolist())
     ids = kept_token_ids(logits[0].numpy(), top_k, top_p)
     assert (set(range(len(probs))) if ids is None else set(ids.tolist())) == want
+    assert torch.equal(filtered_probs(logits, _batch([top_p], [top_k])), out)  # the CPU default: no sort
     return want
 
 

@@ -1,6 +1,6 @@
 """The sampler's draw on a CPU: temperature, top-k, top-p and min-p without sorting the vocabulary.
 
-The reference path (:func:`~minivllm.layers.sampler.filtered_probs`, then
+The reference rule (:func:`~minivllm.layers.sampler.sorted_drop_mask`, then
 :func:`~minivllm.layers.sampler.exponential_race`) sorts every row of logits whenever a row
 asks for top-k or top-p. On a CPU that sort is most of a sampled step: a stable sort of one
 row of Qwen3's 151,936 logits took 17.7 ms, against 0.5-0.7 ms for a partial selection of
@@ -17,6 +17,10 @@ need the head of the sorted order, so this path works per row in numpy:
   from the same uniform draws (:func:`~minivllm.layers.sampler.race_uniforms`), so a seed
   picks the same token as on the reference path, up to ties within fp32 rounding.
 
+:func:`drop_mask` gives :func:`~minivllm.layers.sampler.filtered_probs` the same selection on a
+CPU (the draft model's draws, speculative decoding's verification, the sampling notebook and
+widget), and :func:`sample_rows` is the sampler's draw.
+
 Rows are independent: a row's result does not depend on the others (beyond the engine-wide
 generator's draws, as on the reference path).
 """
@@ -27,7 +31,7 @@ import torch
 
 from minivllm.layers.sampler import TOP_P_TOLERANCE, SamplingBatch, argmax_rows, race_uniforms
 
-__all__ = ["kept_token_ids", "sample_rows", "top_token_ids"]
+__all__ = ["drop_mask", "kept_token_ids", "sample_rows", "top_token_ids"]
 
 # top-p's buckets: 1024 over the row's range of log-probability, at most 32 nats (the last
 # gathers every token further below the most likely one: a probability ratio below 1e-14);
@@ -117,9 +121,32 @@ def kept_token_ids(y: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None
     return ids[_before_threshold(e / e.sum(), threshold)]
 
 
+def drop_mask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Which tokens top-k and top-p drop (what :func:`~minivllm.layers.sampler.sorted_drop_mask`
+    gives) from fp32 CPU ``logits [N, V]`` after temperature -> bool ``[N, V]``, True where
+    dropped. A row holding NaN or without a finite maximum drops nothing (its probabilities are
+    not finite either way)."""
+    y = logits.numpy()
+    n, v = y.shape
+    drop = np.zeros((n, v), dtype=bool)
+    top_k = batch.top_k.numpy() if batch.any_top_k else None
+    top_p = batch.top_p.numpy() if batch.any_top_p else None
+    for i in range(n):
+        m = y[i].max()
+        if not np.isfinite(m):
+            continue
+        ids = kept_token_ids(y[i], int(top_k[i]) if top_k is not None else 0,
+                             float(top_p[i]) if top_p is not None else 1.0)
+        if ids is not None:
+            drop[i] = True
+            drop[i, ids] = False
+    return torch.from_numpy(drop)
+
+
 def sample_rows(logits: torch.Tensor, batch: SamplingBatch, default: torch.Generator | None) -> torch.Tensor:
     """One draw per row of processed CPU logits (fp32 ``[N, V]``, after processors and
-    penalties) -> int64 ``[N]``: what ``filtered_probs`` then ``exponential_race`` draw, from the
+    penalties) -> int64 ``[N]``: what ``filtered_probs`` then ``exponential_race`` draw (with the
+    sort, or with :func:`drop_mask`), from the
     same uniform draws (``default``: the engine-wide generator; a row's own in
     ``batch.generators``). Greedy rows (temperature 0) and rows whose maximum is not finite
     (NaN, or every token banned) get 0: the caller takes their argmax, or marks them failed."""

@@ -129,27 +129,42 @@ def top_p_drop_mask(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Te
     return drop & (top_p < 1).unsqueeze(1)
 
 
-def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def sorted_drop_mask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Which tokens top-k and top-p drop, by sorting each row (the reference rule, and the path
+    on a GPU): ``logits`` fp32 ``[N, V]`` after temperature -> bool ``[N, V]``, True where dropped."""
+    # Stable, so tied tokens keep id order and the kept set does not vary between runs.
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if batch.any_top_k:
+        k = batch.top_k.clamp(min=0)
+        k = torch.where(k > 0, k, torch.full_like(k, logits.shape[-1]))
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        mask |= ranks >= k.unsqueeze(1)
+    if batch.any_top_p:
+        mask |= top_p_drop_mask(sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1), batch.top_p)
+    return torch.zeros_like(mask).scatter(1, sorted_idx, mask)
+
+
+def drop_mask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """:func:`sorted_drop_mask`'s result; for fp32 CPU logits without sorting the vocabulary
+    (:func:`minivllm.layers.cpu_sampling.drop_mask`, the same tokens)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        from minivllm.layers import cpu_sampling
+
+        return cpu_sampling.drop_mask(logits, batch)
+    return sorted_drop_mask(logits, batch)
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch, drop=drop_mask) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p (fp32 ``[N, V]``).
 
-    Greedy rows are given temperature 1 here; their result is not used.
+    Greedy rows are given temperature 1 here; their result is not used. ``drop``: how the
+    tokens top-k and top-p drop are found (:func:`drop_mask`; tests pass :func:`sorted_drop_mask`).
     """
     temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
     logits = logits / temps.unsqueeze(1)
     if batch.any_top_k or batch.any_top_p:
-        # Stable, so tied tokens keep id order and the kept set does not vary between runs.
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
-        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if batch.any_top_k:
-            k = batch.top_k.clamp(min=0)
-            k = torch.where(k > 0, k, torch.full_like(k, logits.shape[-1]))
-            ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
-            mask |= ranks >= k.unsqueeze(1)
-        if batch.any_top_p:
-            sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-            mask |= top_p_drop_mask(sorted_logits.softmax(dim=-1), batch.top_p)
-        sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+        logits = logits.masked_fill(drop(logits, batch), float("-inf"))
     probs = logits.softmax(dim=-1)
     if batch.any_min_p:
         threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
