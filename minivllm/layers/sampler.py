@@ -10,6 +10,10 @@ The draw uses the exponential race (the Gumbel-max trick in another guise): with
 ``E_i ~ Exp(1)`` independent, ``argmax_i p_i / E_i`` is distributed as ``p``.
 It needs no cumulative sums, and a request with its own seed draws its own ``E``
 from its own generator, so its tokens do not depend on what else is in the batch.
+
+Top-k and top-p are defined on each row sorted most likely first (:func:`sorted_drop_mask`,
+what a GPU runs). On a CPU the same tokens are found without the sort, and the sampler's draw
+over them is :func:`minivllm.layers.cpu_sampling.sample_rows` (see that module).
 """
 from __future__ import annotations
 
