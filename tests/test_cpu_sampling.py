@@ -142,3 +142,24 @@ def test_a_uniform_draw_of_zero_keeps_the_cpu_draw_on_a_kept_token(monkeypatch):
     logits[0, 7] = logits[1, 3] = 5.0
     batch = _batch([1.0, 1.0], [1, 0], [1.0, 0.01], [0.0, 0.0], [None, torch.Generator().manual_seed(1)])
     assert Sampler(0, torch.device("cpu"))(logits, batch).tolist() == [7, 3]
+
+
+def test_top_p_orders_its_cut_bucket_by_logit_not_by_its_rounded_key():
+    """Two distinct logits can round to one key (max - logit) in fp32; ordered by key, the tie
+    went to the lower id and top-p kept the less likely token (found in review)."""
+    a = np.float32(0.3)
+    y = torch.tensor([[a, np.nextafter(a, np.float32(1)), 8.0]])
+    batch = _batch([1.0], [0], [0.99955], [0.0], [None])
+    assert torch.equal(drop_mask(y, batch), sorted_drop_mask(y, batch))
+    assert drop_mask(y, batch)[0].tolist() == [True, False, False]
+
+
+def test_a_row_too_narrow_to_split_is_sorted_not_raised():
+    """A row whose logits span less than fp32 can divide into buckets (tiny logits, or a huge
+    temperature, which SamplingParams accepts) raised ValueError from np.bincount (found in review)."""
+    tiny = torch.tensor([[1e-38, 0.0, 0.0, 0.0]])
+    batch = _batch([1.0], [0], [0.9], [0.0], [None])
+    assert torch.equal(drop_mask(tiny, batch), sorted_drop_mask(tiny, batch))
+    logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(0))
+    got, want = _both(logits, [1e37], [0], [0.9], [0.0], [None])
+    assert got == want

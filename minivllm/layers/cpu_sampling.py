@@ -40,6 +40,7 @@ _BUCKETS = 1024
 _SPAN_NATS = 32.0
 _SORT_AT_MOST = 2048
 _TINY = np.finfo(np.float32).tiny
+_FP32_MAX = float(np.finfo(np.float32).max)
 
 
 def top_token_ids(y: np.ndarray, c: int) -> np.ndarray:
@@ -79,8 +80,12 @@ def _top_p_ids(y: np.ndarray, threshold: float) -> np.ndarray:
     lo, hi = 0.0, min(float(key.max()), _SPAN_NATS)
     ids, mass_above, kept = None, 0.0, []  # ids None: the whole row (no gathers over it)
     while (ids is None or ids.size > _SORT_AT_MOST) and hi > lo:
+        scale = _BUCKETS / (hi - lo)
+        if scale > _FP32_MAX:  # a range too narrow for fp32 to split: sort what is left
+            break
+        scale = np.float32(scale)
         k, p = (key, probs) if ids is None else (key[ids], probs[ids])
-        b = np.clip((k - np.float32(lo)) * np.float32(_BUCKETS / (hi - lo)), 0, _BUCKETS - 1).astype(np.intp)
+        b = np.clip((k - np.float32(lo)) * scale, 0, _BUCKETS - 1).astype(np.intp)
         mass = mass_above + np.cumsum(np.bincount(b, weights=p, minlength=_BUCKETS))
         reached = np.flatnonzero(mass >= threshold)
         if reached.size == 0:  # fp32 rounding left the mass below top_p: keep every token left
@@ -96,7 +101,7 @@ def _top_p_ids(y: np.ndarray, threshold: float) -> np.ndarray:
         lo, hi = lo + c * (hi - lo) / _BUCKETS, lo + (c + 1) * (hi - lo) / _BUCKETS
     if ids is None:
         ids = np.arange(y.shape[0])
-    ids = ids[np.lexsort((ids, key[ids]))]
+    ids = ids[np.lexsort((ids, -y[ids]))]  # by logit: two logits can round to one key
     keep = _before_threshold(probs[ids], threshold, mass_above)
     return np.concatenate(kept + [ids[keep]])
 
@@ -111,9 +116,10 @@ def kept_token_ids(y: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None
     ``top_p`` less ``TOP_P_TOLERANCE``, ties in id order; the sums are in fp64."""
     v = y.shape[0]
     k = top_k if 0 < top_k < v else v
+    top_p = float(np.float32(top_p))  # as the reference holds it
     if top_p >= 1:
         return None if k == v else top_token_ids(y, k)
-    threshold = float(np.float32(top_p)) - TOP_P_TOLERANCE  # top_p as the reference holds it: fp32
+    threshold = top_p - TOP_P_TOLERANCE
     if k == v:
         return _top_p_ids(y, threshold)
     ids = top_token_ids(y, k)

@@ -152,7 +152,7 @@ def sorted_drop_mask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 def drop_mask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """:func:`sorted_drop_mask`'s result; for fp32 CPU logits without sorting the vocabulary
     (:func:`minivllm.layers.cpu_sampling.drop_mask`, the same tokens)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         from minivllm.layers import cpu_sampling
 
         return cpu_sampling.drop_mask(logits, batch)
@@ -291,7 +291,8 @@ class Sampler:
             if batch.keep_processed:
                 self.processed_logits = logits
             return greedy
-        if logits.device.type == "cpu" and (batch.any_top_k or batch.any_top_p) and not batch.keep_processed:
+        if (logits.device.type == "cpu" and (batch.any_top_k or batch.any_top_p) and not batch.keep_processed
+                and not logits.requires_grad):
             # the same draw without sorting the vocabulary (minivllm/layers/cpu_sampling.py)
             from minivllm.layers.cpu_sampling import sample_rows
 
