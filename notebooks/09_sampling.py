@@ -655,25 +655,36 @@ _ = check_claim("the chi-square test rejects the wrong trick", wrong_p < 1e-6, f
 # ### 6b. The filters without a sort
 #
 # The race needs no sort, but top-k and top-p are *defined* on the sorted row: keep the `k` most
-# likely tokens, or the most likely ones until their mass reaches `top_p`. A GPU sorts a row in
-# microseconds. A CPU's sort of a whole vocabulary takes far longer, once per sampled row per step,
-# so on a CPU the engine finds the same tokens another way (`minivllm/layers/cpu_sampling.py`):
+# likely tokens, or the most likely ones until their mass reaches `top_p`. On a GPU the engine keeps
+# the sort (one kernel over the whole batch). On a CPU, sorting a whole vocabulary for every sampled
+# row at every step costs more than the rest of the draw, so there the engine finds the same tokens,
+# up to rounding at top-p's cut (the table below counts them), another way
+# (`minivllm/layers/cpu_sampling.py`):
 #
-# * **top-k** only needs to know which `k` tokens are largest, not their order: a partial
-#   selection (numpy's `argpartition`, linear time) finds the `k`-th largest logit, and ties at it go
-#   to the lowest ids, as a stable sort would order them;
-# * **top-p** groups the tokens into buckets by how far their log-probability lies below the
-#   favourite's. A bucket is a run of the sorted order, so adding up the buckets' mass from the top
-#   finds the bucket where the mass reaches `top_p`: every bucket before it is kept whole, every one
-#   after it dropped, and only the tokens of that one bucket are sorted to place the cut (a crowded
-#   bucket is split the same way again first).
+# * **top-k** only needs to know which `k` tokens are largest. A *partial selection* (numpy's
+#   `argpartition`) finds the `k`-th largest logit in one linear pass without ordering the rest;
+#   ties at that value go to the lowest ids, as a stable sort would order them. Only the `k`
+#   tokens found are then sorted. When `k` is a quarter of the vocabulary or more, the selection
+#   would save little, and the whole row is sorted.
+# * **top-p** needs no softmax to rank the tokens: a token's log-probability minus the favourite's
+#   equals its logit minus the largest logit. The path splits the range below the favourite, up to
+#   32 nats (a probability ratio of about 1e-14; anything further down goes in the last bucket),
+#   into 1024 equal buckets. Placing every token in its bucket and adding up each bucket's
+#   probability is one linear pass. Each bucket holds a *run of the sorted order*: every token in it
+#   ranks after every token of the bucket above and before every token of the bucket below. So
+#   adding up the buckets' mass from the top finds the bucket where the mass reaches `top_p`: the
+#   buckets above it are kept whole, the ones below it dropped, and only that one bucket's tokens are
+#   sorted to place the cut. A crowded bucket (more than 2,048 tokens) is first split into 1024
+#   buckets again, the same way.
+# * **both**: top-k runs first, and top-p then works over the `k` tokens it kept, already sorted
+#   (no buckets).
 #
 # The cell below times the sorting rule (`sorted_drop_mask`, what a GPU runs) against the CPU path
-# (`drop_mask`) on this model's real logits, and on a row of random logits as long as Qwen3's
-# vocabulary (its size read from the packaged Qwen3-0.6B config). It also works the rule out in
-# float64 (numpy, sorting; not timed) and counts, for each path, the tokens it keeps or drops
-# against that exact answer: both paths add up fp32 probabilities, in a different order, so a
-# token whose mass sits on top-p's cut within rounding can land on either side.
+# (`drop_mask`) on CPU tensors: this model's real logits, and a row of random logits as long as
+# Qwen3's vocabulary (its size read from the packaged Qwen3-0.6B config). It also works the rule out
+# in float64 (numpy, sorting; not timed) and counts, for each path, the tokens it keeps or drops
+# against that exact answer: both paths add up fp32 probabilities, in a different order, so a token
+# whose mass sits on top-p's cut within rounding can land on either side.
 
 # %%
 import time
@@ -696,12 +707,13 @@ def median_ms(fn, repeats: int = 7) -> float:
 
 def exact_drop(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Top-k then top-p at temperature 1 worked in float64: True where a token is dropped ([vocab])."""
+    assert params.temperature == 1.0, "the rule is worked on the logits as they are"
     y = row.double().numpy()
     order = np.lexsort((np.arange(y.size), -y))  # most likely first, ties by id
     order = order[:params.top_k] if 0 < params.top_k < y.size else order
     keep = np.zeros(y.size, dtype=bool)
     keep[order] = True
-    if params.top_p < 1:
+    if np.float32(params.top_p) < 1:  # as the engine holds top_p
         e = np.exp(y[order] - y[order[0]])
         p = e / e.sum()
         keep[order] = np.cumsum(p) - p < float(np.float32(params.top_p)) - TOP_P_TOLERANCE
@@ -736,17 +748,44 @@ _ = check_claim("the CPU path keeps exactly the tokens of the float64 rule, on e
                 all(cpu == 0 for _, cpu in OFF.values()),
                 ", ".join(f"{r.split(',')[0]} {f}: {cpu} off" for (r, f), (_, cpu) in OFF.items()),
                 why_it_may_not="A token whose mass sits on top-p's cut within fp32 rounding can land on either side.")
-long_name = "random logits, Qwen3's vocabulary"
-speedups = {f: TIMES[(long_name, f)][0] / TIMES[(long_name, f)][1] for f in FILTERS}
+long_name, short_name = "random logits, Qwen3's vocabulary", next(iter(ROWS))
+speedup = {(r, f): TIMES[(r, f)][0] / TIMES[(r, f)][1] for r in ROWS for f in FILTERS}
 _ = check_claim("over Qwen3's vocabulary the CPU path is faster than the sort for both filters",
-                min(speedups.values()) > 1, ", ".join(f"{f}: {v:.1f}x" for f, v in speedups.items()))
+                min(speedup[(long_name, f)] for f in FILTERS) > 1,
+                ", ".join(f"{f}: {speedup[(long_name, f)]:.1f}x" for f in FILTERS),
+                why_it_may_not="Timings on a machine loaded by other processes can swing either way.")
+_ = check_claim("the saving grows with the row's length, for both filters",
+                all(speedup[(long_name, f)] > speedup[(short_name, f)] for f in FILTERS),
+                ", ".join(f"{f}: {speedup[(short_name, f)]:.1f}x at {ROWS[short_name].numel():,} tokens, "
+                          f"{speedup[(long_name, f)]:.1f}x at {ROWS[long_name].numel():,}" for f in FILTERS),
+                why_it_may_not="Timings on a machine loaded by other processes can swing either way.")
 
 # %% [markdown]
-# What the CPU path saves grows with the row's length: the table shows both lengths on this
-# machine. Where the sort's column is not 0, its kept set departs from the exact rule: torch's fp32
-# softmax adds up a long sorted row less exactly than the CPU path's pairwise sums, which moves the
-# cut by a token or a few. Either way the race uses the same uniform random numbers, so a seed draws
-# the same token on both paths wherever they keep the same tokens.
+# Where the sort's column is not 0, its kept set departs from the exact rule. The reason is in how
+# the probabilities add up: the cell below sums, in float64, the fp32 probabilities each path
+# computes for the long row. Torch's CPU softmax adds a row up as a handful of running totals (one
+# per lane of the CPU's vector unit), one term after another; over the *sorted* row the largest terms
+# come first, so each small one lands on a total already near its final size and loses its low bits.
+# The CPU path's sums are numpy's pairwise ones (add neighbours, then neighbouring sums, and so on),
+# whose error grows far more slowly with the row's length. An error in the total moves every cumulative mass along the row, and with it the
+# place where the mass reaches `top_p`.
+
+# %%
+sorted_probs = long_row.sort(descending=True, stable=True).values.softmax(dim=-1)
+e = (long_row - long_row.max()).exp().numpy()
+cpu_probs = e / np.float32(e.sum())  # as cpu_sampling computes them for top-p: a numpy sum
+SUM_OFF = {"sort (torch softmax of the sorted row)": float(sorted_probs.double().sum()) - 1,
+           "CPU path (numpy pairwise sums)": float(cpu_probs.astype(np.float64).sum()) - 1}
+for name, off in SUM_OFF.items():
+    print(f"{name:40s} probabilities sum to 1 {off:+.1e}")
+print(f"top-p's slack TOP_P_TOLERANCE = {TOP_P_TOLERANCE:.0e}; {long_row.numel():,} tokens; {RUN}")
+sort_off, cpu_off = SUM_OFF.values()
+_ = check_claim("the CPU path's probabilities add up to 1 more closely than the sort's", abs(cpu_off) < abs(sort_off),
+                f"{cpu_off:+.1e} against {sort_off:+.1e}")
+
+# %% [markdown]
+# Either way the race uses the same uniform random numbers, so a seed draws the same token on both
+# paths wherever they keep the same tokens, up to ties within fp32 rounding.
 
 # %% [markdown]
 # ## 7. Check yourself
@@ -826,6 +865,8 @@ Quiz([
 # * make sampling reproducible with a per-request `seed`, and explain why in minivllm a seeded
 #   request's tokens do not depend on the rest of the batch;
 # * explain why `argmax p_i / E_i` with exponential `E_i` is an exact, sort-free draw, and test a
-#   sampler with a chi-square goodness-of-fit test (which caught `argmax p_i * U_i`).
+#   sampler with a chi-square goodness-of-fit test (which caught `argmax p_i * U_i`);
+# * say how a CPU applies top-k (a partial selection) and top-p (buckets of log-probability) without
+#   sorting the vocabulary, and why a sorted fp32 sum can move top-p's cut.
 #
 # Next: chapter 10 splits the model itself across processes.

@@ -100,7 +100,10 @@ def test_the_cpu_draw_matches_the_reference(vocab, scale, case):
                 assert got[i] == want[i], i
                 agreed += 1
         logits = logits.roll(1, dims=1)
-    assert agreed >= 40  # of 45 rows: a cut within rounding is rare
+    # Of 45 rows. How many the sort moves depends on the CPU's vector width (torch's softmax sums
+    # in one running total per lane): fewer than 6 on the AVX2 EPYC this was written on, 6 on an
+    # AVX-512 one.
+    assert agreed >= 36
 
 
 def test_top_token_ids_break_ties_by_id_as_a_stable_sort():

@@ -9,13 +9,20 @@ need the head of the sorted order, so this path works per row in numpy:
 
 - top-k: the ``k`` largest logits by a partial selection (``np.argpartition``), ties at the
   ``k``-th value broken by id as a stable sort breaks them;
-- top-p: the most likely ``c`` tokens, sorted, for ``c`` = 64, 512, ... until their mass
-  reaches ``top_p`` (the cut then lies among them), with the probabilities' normaliser taken
-  over the whole row (or the top-k set), so the kept set is the sorted path's;
+- top-p over the whole row: the tokens go into 1024 buckets by log-probability below the most
+  likely one (up to 32 nats); a bucket is a run of the sorted order, so the buckets' cumulative
+  mass finds the one bucket where the mass reaches ``top_p``, and only its tokens are sorted to
+  place the cut (a bucket of more than 2048 tokens is split the same way first);
+- top-p after top-k: over the ``k`` tokens kept, sorted, renormalised among themselves;
 - min-p and the race over the kept tokens only: ``argmax e_i / E_i`` with ``e_i =
   exp(y_i - max y)``, the probabilities up to their common normaliser, and ``E_i = -log U_i``
   from the same uniform draws (:func:`~minivllm.layers.sampler.race_uniforms`), so a seed
   picks the same token as on the reference path, up to ties within fp32 rounding.
+
+Probabilities are fp32 as the reference's, their cumulative mass fp64; the fp32 normaliser is
+numpy's pairwise sum, which over a long row is closer to exact than torch's CPU softmax of the
+sorted row (measured in chapter 09, section 6b). The kept set is therefore the reference's up to
+a token whose mass sits on top-p's cut within that rounding.
 
 :func:`drop_mask` gives :func:`~minivllm.layers.sampler.filtered_probs` the same selection on a
 CPU (the draft model's draws, speculative decoding's verification, the sampling notebook and

@@ -98,11 +98,14 @@ def apply_repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> torc
     return logits
 
 
-# Slack in top-p's "mass reaches top_p" test. An fp32 softmax probability is off by a
-# few units of fp32 roundoff (u = 2**-24) from exp and the division, plus up to about
-# log2(V) u from the normalising sum over V tokens (a tree reduction; V is ~1.5e5 for
-# Qwen3, so ~17 u); top_p itself is rounded to fp32 (u/2). 1e-5 (~170 u) covers all of
-# that with room, and is far below any difference between top_p values a user means.
+# Slack in top-p's "mass reaches top_p" test, for the rounding in fp32 probabilities (u =
+# 2**-24): a few u each from exp and the division, u/2 in top_p itself, and the normalising
+# sum's error. A pairwise sum over V tokens is off by about log2(V) u (~17 u for Qwen3's
+# 151,936), which 1e-5 (~170 u) covers with room; torch's CPU softmax sums a row in a few
+# sequential running totals, and over a sorted row of that length its probabilities summed to
+# 1 + 0.9-1.4e-5 (torch 2.13, random logits; chapter 09 section 6b prints it), so on that path a
+# token at the cut can still land on either side. 1e-5 is far below any difference between
+# top_p values a user means.
 TOP_P_TOLERANCE = 1e-5
 
 
