@@ -655,33 +655,36 @@ _ = check_claim("the chi-square test rejects the wrong trick", wrong_p < 1e-6, f
 # ### 6b. The filters without a sort
 #
 # The race needs no sort, but top-k and top-p are *defined* on the sorted row: keep the `k` most
-# likely tokens, or the most likely ones until their mass reaches `top_p`. On a GPU the engine keeps
-# the sort (one kernel over the whole batch). On a CPU, sorting a whole vocabulary for every sampled
-# row at every step costs more than the rest of the draw, so there the engine finds the same tokens,
-# up to rounding at top-p's cut (the table below counts them), another way
-# (`minivllm/layers/cpu_sampling.py`):
+# likely tokens, or the most likely ones until their mass reaches `top_p`. (Exactly: a token is kept
+# while the mass of the tokens ranked before it is below `top_p` less a slack, `TOP_P_TOLERANCE` =
+# 1e-5, that absorbs fp32 rounding in the probabilities.) On a GPU the engine keeps the sort (one
+# batched sort call). On a CPU, sorting a whole vocabulary for every sampled row at every step is
+# slow (the table below times it), so there the engine finds the same tokens, up to rounding at
+# top-p's cut (the table counts them), another way (`minivllm/layers/cpu_sampling.py`):
 #
 # * **top-k** only needs to know which `k` tokens are largest. A *partial selection* (numpy's
-#   `argpartition`) finds the `k`-th largest logit in one linear pass without ordering the rest;
-#   ties at that value go to the lowest ids, as a stable sort would order them. Only the `k`
-#   tokens found are then sorted. When `k` is a quarter of the vocabulary or more, the selection
-#   would save little, and the whole row is sorted.
+#   `argpartition`) finds the `k`-th largest logit in linear time (a few passes over the row)
+#   without ordering the rest; ties at that value go to the lowest ids, as a *stable* sort (one that
+#   keeps equal values in their original order) would order them. Only the `k` tokens found are
+#   then sorted. When `k` is a quarter of the vocabulary or more, the selection would save little,
+#   and the whole row is sorted.
 # * **top-p** needs no softmax to rank the tokens: a token's log-probability minus the favourite's
 #   equals its logit minus the largest logit. The path splits the range below the favourite, up to
 #   32 nats (a probability ratio of about 1e-14; anything further down goes in the last bucket),
 #   into 1024 equal buckets. Placing every token in its bucket and adding up each bucket's
-#   probability is one linear pass. Each bucket holds a *run of the sorted order*: every token in it
-#   ranks after every token of the bucket above and before every token of the bucket below. So
-#   adding up the buckets' mass from the top finds the bucket where the mass reaches `top_p`: the
-#   buckets above it are kept whole, the ones below it dropped, and only that one bucket's tokens are
-#   sorted to place the cut. A crowded bucket (more than 2,048 tokens) is first split into 1024
-#   buckets again, the same way.
+#   probability takes linear time too (a few passes over the row, no sort). Each bucket holds a
+#   *run of the sorted order*: every token in it ranks after every token of the bucket above and
+#   before every token of the bucket below. So adding up the buckets' mass from the top finds the
+#   bucket where the mass reaches `top_p`: the buckets above it are kept whole, the ones below it
+#   dropped, and only that one bucket's tokens are sorted to place the cut. A crowded bucket (more
+#   than 2,048 tokens) is first split into 1024 buckets again, the same way.
 # * **both**: top-k runs first, and top-p then works over the `k` tokens it kept, already sorted
 #   (no buckets).
 #
 # The cell below times the sorting rule (`sorted_drop_mask`, what a GPU runs) against the CPU path
-# (`drop_mask`) on CPU tensors: this model's real logits, and a row of random logits as long as
-# Qwen3's vocabulary (its size read from the packaged Qwen3-0.6B config). It also works the rule out
+# (`drop_mask`) on CPU tensors: this model's real logits, a row of random logits as long as Qwen3's
+# vocabulary (its size read from the packaged Qwen3-0.6B config), and that row's first 4,096 values
+# (as many as this model's vocabulary). It also works the rule out
 # in float64 (numpy, sorting; not timed) and counts, for each path, the tokens it keeps or drops
 # against that exact answer: both paths add up fp32 probabilities, in a different order, so a token
 # whose mass sits on top-p's cut within rounding can land on either side.
@@ -724,7 +727,8 @@ def exact_drop(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 QWEN3_VOCAB = load_preset_config("qwen3-0.6b").vocab_size
 long_row = torch.randn(QWEN3_VOCAB, generator=torch.Generator().manual_seed(0)) * 3
 ROWS = {f"{engine.source.name}, uncertain prompt": LOGITS["uncertain"].float().cpu(),
-        "random logits, Qwen3's vocabulary": long_row}
+        "random logits, Qwen3's vocabulary": long_row,
+        "random logits, its first 4,096": long_row[:4096].clone()}
 FILTERS = {"top_k=50": SamplingParams(temperature=1.0, top_k=50),
            "top_p=0.9": SamplingParams(temperature=1.0, top_p=0.9)}
 TIMES, OFF = {}, {}
@@ -746,15 +750,15 @@ print(f"off exact: tokens kept or dropped against the float64 rule. Timed: one c
 # %%
 _ = check_claim("the CPU path keeps exactly the tokens of the float64 rule, on every row and filter above",
                 all(cpu == 0 for _, cpu in OFF.values()),
-                ", ".join(f"{r.split(',')[0]} {f}: {cpu} off" for (r, f), (_, cpu) in OFF.items()),
+                ", ".join(f"{r.split(',')[0]} ({ROWS[r].numel():,}) {f}: {cpu} off" for (r, f), (_, cpu) in OFF.items()),
                 why_it_may_not="A token whose mass sits on top-p's cut within fp32 rounding can land on either side.")
-long_name, short_name = "random logits, Qwen3's vocabulary", next(iter(ROWS))
+long_name, short_name = "random logits, Qwen3's vocabulary", "random logits, its first 4,096"
 speedup = {(r, f): TIMES[(r, f)][0] / TIMES[(r, f)][1] for r in ROWS for f in FILTERS}
-_ = check_claim("over Qwen3's vocabulary the CPU path is faster than the sort for both filters",
+_ = check_claim("on a random row as long as Qwen3's vocabulary the CPU path is faster than the sort for both filters",
                 min(speedup[(long_name, f)] for f in FILTERS) > 1,
                 ", ".join(f"{f}: {speedup[(long_name, f)]:.1f}x" for f in FILTERS),
                 why_it_may_not="Timings on a machine loaded by other processes can swing either way.")
-_ = check_claim("the saving grows with the row's length, for both filters",
+_ = check_claim("on the random rows, the saving grows with the row's length, for both filters",
                 all(speedup[(long_name, f)] > speedup[(short_name, f)] for f in FILTERS),
                 ", ".join(f"{f}: {speedup[(short_name, f)]:.1f}x at {ROWS[short_name].numel():,} tokens, "
                           f"{speedup[(long_name, f)]:.1f}x at {ROWS[long_name].numel():,}" for f in FILTERS),
@@ -763,29 +767,50 @@ _ = check_claim("the saving grows with the row's length, for both filters",
 # %% [markdown]
 # Where the sort's column is not 0, its kept set departs from the exact rule. The reason is in how
 # the probabilities add up: the cell below sums, in float64, the fp32 probabilities each path
-# computes for the long row. Torch's CPU softmax adds a row up as a handful of running totals (one
-# per lane of the CPU's vector unit), one term after another; over the *sorted* row the largest terms
-# come first, so each small one lands on a total already near its final size and loses its low bits.
-# The CPU path's sums are numpy's pairwise ones (add neighbours, then neighbouring sums, and so on),
-# whose error grows far more slowly with the row's length. An error in the total moves every cumulative mass along the row, and with it the
-# place where the mass reaches `top_p`.
+# computes for the long row (the sort run here, on a CPU; a GPU's softmax adds up in another order).
+# Torch's CPU softmax adds a row up as a handful of running totals (8 or 16, each adding one term at
+# a time), so every small term lands on a total far larger than itself and loses its low bits; over
+# the *sorted* row the largest terms come first, which the cell shows makes it worse. The CPU path's
+# sums are numpy's pairwise ones (add neighbours, then neighbouring sums, and so on), whose error
+# grows with the logarithm of the row's length rather than with the length. An error in the total
+# moves every cumulative mass along the row, and with it the place where the mass reaches `top_p`.
 
 # %%
 sorted_probs = long_row.sort(descending=True, stable=True).values.softmax(dim=-1)
 e = (long_row - long_row.max()).exp().numpy()
 cpu_probs = e / np.float32(e.sum())  # as cpu_sampling computes them for top-p: a numpy sum
 SUM_OFF = {"sort (torch softmax of the sorted row)": float(sorted_probs.double().sum()) - 1,
-           "CPU path (numpy pairwise sums)": float(cpu_probs.astype(np.float64).sum()) - 1}
+           "CPU path (numpy pairwise sums)": float(cpu_probs.astype(np.float64).sum()) - 1,
+           "torch softmax of the unsorted row": float(long_row.softmax(dim=-1).double().sum()) - 1}
 for name, off in SUM_OFF.items():
     print(f"{name:40s} probabilities sum to 1 {off:+.1e}")
 print(f"top-p's slack TOP_P_TOLERANCE = {TOP_P_TOLERANCE:.0e}; {long_row.numel():,} tokens; {RUN}")
-sort_off, cpu_off = SUM_OFF.values()
+sort_off, cpu_off, unsorted_off = SUM_OFF.values()
 _ = check_claim("the CPU path's probabilities add up to 1 more closely than the sort's", abs(cpu_off) < abs(sort_off),
                 f"{cpu_off:+.1e} against {sort_off:+.1e}")
+_ = check_claim("torch's CPU softmax adds up the sorted row less closely than the unsorted one",
+                abs(sort_off) > abs(unsorted_off), f"{sort_off:+.1e} against {unsorted_off:+.1e}")
 
 # %% [markdown]
-# Either way the race uses the same uniform random numbers, so a seed draws the same token on both
-# paths wherever they keep the same tokens, up to ties within fp32 rounding.
+# Either way the race uses the same uniform random numbers, so on the same device and generator a
+# seed draws the same token on both paths wherever they keep the same tokens, up to ties within fp32
+# rounding. The cell below draws 300 seeded tokens from this model's row with `top_p=0.9` both ways:
+# the sampler's CPU path (`sample_rows`), and the sort's probabilities (`filtered_probs` with
+# `drop=sorted_drop_mask`) followed by the race (`exponential_race`).
+
+# %%
+from minivllm.layers.cpu_sampling import sample_rows
+
+model_row = next(iter(ROWS))
+x, batch = ROWS[model_row][None].contiguous(), one_row_batch(FILTERS["top_p=0.9"])
+same = sum(int(sample_rows(x, batch, torch.Generator().manual_seed(seed))[0])
+           == int(exponential_race(filtered_probs(x, batch, drop=sorted_drop_mask), [None],
+                                   torch.Generator().manual_seed(seed))[0])
+           for seed in range(300))
+_ = check_claim("with the same generator seed both paths draw the same token", same == 300,
+                f"{same} of 300 seeds on {model_row.split(',')[0]}'s row at top_p=0.9 (tokens off the exact "
+                f"rule: sort {OFF[(model_row, 'top_p=0.9')][0]}, CPU path {OFF[(model_row, 'top_p=0.9')][1]})",
+                why_it_may_not="The paths' kept sets differ on this row, or two tokens tie within fp32 rounding.")
 
 # %% [markdown]
 # ## 7. Check yourself

@@ -17,7 +17,8 @@ need the head of the sorted order, so this path works per row in numpy:
 - min-p and the race over the kept tokens only: ``argmax e_i / E_i`` with ``e_i =
   exp(y_i - max y)``, the probabilities up to their common normaliser, and ``E_i = -log U_i``
   from the same uniform draws (:func:`~minivllm.layers.sampler.race_uniforms`), so a seed
-  picks the same token as on the reference path, up to ties within fp32 rounding.
+  picks the same token as the reference path does with the same generator, up to ties within
+  fp32 rounding.
 
 Probabilities are fp32 as the reference's, their cumulative mass fp64; the fp32 normaliser is
 numpy's pairwise sum, which over a long row is closer to exact than torch's CPU softmax of the
