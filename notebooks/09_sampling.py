@@ -662,12 +662,12 @@ _ = check_claim("the chi-square test rejects the wrong trick", wrong_p < 1e-6, f
 # slow (the table below times it), so there the engine finds the same tokens, up to rounding at
 # top-p's cut (the table counts them), another way (`minivllm/layers/cpu_sampling.py`):
 #
-# * **top-k** only needs to know which `k` tokens are largest. A *partial selection* (numpy's
-#   `argpartition`) finds the `k`-th largest logit in linear time (a few passes over the row)
-#   without ordering the rest; ties at that value go to the lowest ids, as a *stable* sort (one that
-#   keeps equal values in their original order) would order them. Only the `k` tokens found are
-#   then sorted. When `k` is a quarter of the vocabulary or more, the selection would save little,
-#   and the whole row is sorted.
+# * **top-k** only needs to know which `k` tokens are largest. A *partial selection* (torch's
+#   `topk`, one call for every row of the batch) finds the `k` largest logits without ordering the
+#   rest of the row. Ties at the `k`-th value go to the lowest ids, as a *stable* sort (one that
+#   keeps equal values in their original order) would order them: `topk` also returns the next
+#   value, so a row with a tie across the cut is seen and settled by id. When `k` is a quarter of
+#   the vocabulary or more, the selection would save little, and the whole row is sorted.
 # * **top-p** needs no softmax to rank the tokens: a token's log-probability minus the favourite's
 #   equals its logit minus the largest logit. The path splits the range below the favourite, up to
 #   32 nats (a probability ratio of about 1e-14; anything further down goes in the last bucket),
@@ -678,8 +678,8 @@ _ = check_claim("the chi-square test rejects the wrong trick", wrong_p < 1e-6, f
 #   bucket where the mass reaches `top_p`: the buckets above it are kept whole, the ones below it
 #   dropped, and only that one bucket's tokens are sorted to place the cut. A crowded bucket (more
 #   than 2,048 tokens) is first split into 1024 buckets again, the same way.
-# * **both**: top-k runs first, and top-p then works over the `k` tokens it kept, already sorted
-#   (no buckets).
+# * **both**: top-k runs first, and top-p then works over the `k` tokens it kept, sorted (a sort of
+#   only `k` values; no buckets).
 #
 # The cell below times the sorting rule (`sorted_drop_mask`, what a GPU runs) against the CPU path
 # (`drop_mask`) on CPU tensors: this model's real logits, a row of random logits as long as Qwen3's

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm.layers.cpu_sampling import kept_token_ids, top_token_ids
+from minivllm.layers.cpu_sampling import kept_token_ids, top_k_rows, top_token_ids
 from minivllm.layers.sampler import (TOP_P_TOLERANCE, Sampler, SamplingBatch, drop_mask, exponential_race,
                                      filtered_probs, sorted_drop_mask)
 
@@ -114,6 +114,33 @@ def test_top_token_ids_break_ties_by_id_as_a_stable_sort():
     big = np.repeat(np.arange(10, dtype=np.float32), 100)  # 100 tokens at each value, k inside a tie
     assert top_token_ids(big, 150).tolist() == list(range(900, 1000)) + list(range(800, 850))
 
+
+
+def test_top_k_rows_gives_each_row_the_set_of_top_token_ids():
+    """The batched selection (one torch.topk) against the row-by-row one: per-row k (off, 1, in
+    the middle, at V / 4 and above), ties inside the set, ties across the cut, banned tokens,
+    a NaN row and a +inf row."""
+    rng = np.random.default_rng(3)
+    v = 400
+    y = rng.standard_normal((10, v)).astype(np.float32)
+    y[1] = np.round(y[1])  # a handful of values: ties across every cut
+    y[2, :5] = y[2].max() + 1  # five equal largest values, inside the set for k >= 5
+    y[3, rng.choice(v, v - 20, replace=False)] = -np.inf  # k beyond the finite values: ties at -inf
+    y[4, 7] = np.nan
+    y[5, 9] = np.inf
+    ks = np.array([5, 30, 7, 50, 3, 3, 0, v, 1, 99], dtype=np.int64)
+    got = top_k_rows(y, ks)
+    for i, k in enumerate(ks):
+        if i in (4, 5) or not 0 < k < v:
+            assert got[i] is None, i
+            continue
+        want = top_token_ids(y[i], int(k))
+        assert sorted(got[i].tolist()) == sorted(want.tolist()), i
+        vals = y[i, got[i]]
+        assert (vals[:-1] >= vals[1:]).all(), i  # largest first
+    big_k = top_k_rows(y[:2], np.array([100, 120]))  # k * 4 >= V: the sorted path, per row
+    assert [r.tolist() for r in big_k] == [top_token_ids(y[0], 100).tolist(), top_token_ids(y[1], 120).tolist()]
+    assert top_k_rows(y, None) == [None] * 10
 
 def test_top_p_splits_a_flat_row_and_keeps_what_the_sort_keeps():
     """A row of 60,000 nearly equal logits: the cut bucket holds far more than the sort limit, so
