@@ -115,7 +115,6 @@ def test_top_token_ids_break_ties_by_id_as_a_stable_sort():
     assert top_token_ids(big, 150).tolist() == list(range(900, 1000)) + list(range(800, 850))
 
 
-
 def test_top_k_rows_gives_each_row_the_set_of_top_token_ids():
     """The batched selection (one torch.topk) against the row-by-row one: per-row k (off, 1, in
     the middle, at V / 4 and above), ties inside the set, ties across the cut, banned tokens,
@@ -141,6 +140,27 @@ def test_top_k_rows_gives_each_row_the_set_of_top_token_ids():
     big_k = top_k_rows(y[:2], np.array([100, 120]))  # k * 4 >= V: the sorted path, per row
     assert [r.tolist() for r in big_k] == [top_token_ids(y[0], 100).tolist(), top_token_ids(y[1], 120).tolist()]
     assert top_k_rows(y, None) == [None] * 10
+
+
+
+def test_a_long_kept_set_races_alone(monkeypatch):
+    """Rows race together padded to the longest kept set; a flat row whose top-p keeps tens of
+    thousands of tokens races alone, so a batch of them does not pad every row to its length
+    (a review found ~1 GB of temporaries for 256 such rows). Tokens stay the reference's."""
+    from minivllm.layers import cpu_sampling
+
+    widths = []
+    race = cpu_sampling._race_over
+    monkeypatch.setattr(cpu_sampling, "_race_over",
+                        lambda ids, *a: widths.append((len(ids), max(map(len, ids)))) or race(ids, *a))
+    rng = np.random.default_rng(5)
+    logits = torch.from_numpy(rng.standard_normal((6, 60_000)).astype(np.float32))
+    logits[:2] *= 0.01  # flat: top-p 0.999 keeps nearly every token
+    top_k, top_p = [0, 0, 5, 50, 0, 2], [0.999, 0.999, 1.0, 0.9, 0.5, 1.0]
+    got, want = _both(logits, [1.0] * 6, top_k, top_p, [0.0] * 6, [None, 7, None, 3, None, None])
+    assert got == want
+    assert all(rows == 1 for rows, width in widths if width > cpu_sampling._RACE_TOGETHER_AT_MOST), widths
+    assert sorted(rows for rows, _ in widths) == [1, 1, 1, 3], widths  # top_p=0.5 keeps ~9,700 here
 
 def test_top_p_splits_a_flat_row_and_keeps_what_the_sort_keeps():
     """A row of 60,000 nearly equal logits: the cut bucket holds far more than the sort limit, so

@@ -15,8 +15,9 @@ the sorted order, so this path finds it without the sort:
   mass finds the one bucket where the mass reaches ``top_p``, and only its tokens are sorted to
   place the cut (a bucket of more than 2048 tokens is split the same way first);
 - top-p after top-k: over the ``k`` tokens kept, sorted, renormalised among themselves;
-- min-p and the race over the kept tokens only, the rows together (:func:`_race_over`): ``argmax e_i / E_i`` with ``e_i =
-  exp(y_i - max y)``, the probabilities up to their common normaliser, and ``E_i = -log U_i``
+- min-p and the race over the kept tokens only, rows together (:func:`_race_over`):
+  ``argmax e_i / E_i`` with ``e_i = exp(y_i - max y)``, the probabilities up to their common
+  normaliser, and ``E_i = -log U_i``
   from the same uniform draws (:func:`~minivllm.layers.sampler.race_uniforms`), so a seed
   picks the same token as the reference path does with the same generator, up to ties within
   fp32 rounding.
@@ -48,6 +49,9 @@ __all__ = ["drop_mask", "kept_token_ids", "sample_rows", "top_k_rows", "top_toke
 _BUCKETS = 1024
 _SPAN_NATS = 32.0
 _SORT_AT_MOST = 2048
+# Rows whose kept sets are at most this long race together (padded to the longest); a longer
+# one (a flat row under top-p) races alone, so a batch's padding stays small.
+_RACE_TOGETHER_AT_MOST = 4096
 _TINY = np.finfo(np.float32).tiny
 _FP32_MAX = float(np.finfo(np.float32).max)
 
@@ -155,7 +159,8 @@ def _top_p_ids(y: np.ndarray, threshold: float) -> np.ndarray:
     return np.concatenate(kept + [ids[keep]])
 
 
-def kept_token_ids(y: np.ndarray, top_k: int, top_p: float, top_ids: np.ndarray | None = None) -> np.ndarray | None:
+def kept_token_ids(y: np.ndarray, top_k: int, top_p: float,
+                   top_ids: np.ndarray | None = None) -> np.ndarray | None:
     """The token ids that top-k then top-p keep in one row of temperature-scaled logits ``y``
     (fp32 ``[V]``, finite maximum, no NaN), in no particular order; ``None`` when they keep every
     token. ``top_k <= 0`` or ``>= V`` and ``top_p >= 1`` disable their filter.
@@ -253,10 +258,13 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, default: torch.Gener
         else:
             kept.append(j)
             kept_ids.append(ids)
-    if kept:
-        j = np.asarray(kept)
+    groups = [[r for r, ids in zip(kept, kept_ids) if ids.size <= _RACE_TOGETHER_AT_MOST]]
+    groups += [[r] for r, ids in zip(kept, kept_ids) if ids.size > _RACE_TOGETHER_AT_MOST]
+    ids_of = dict(zip(kept, kept_ids))
+    for group in filter(None, groups):
+        j = np.asarray(group)
         i = rows[j]
-        out[i] = _race_over(kept_ids, y[j], m[j], u[i], min_p[i])
+        out[i] = _race_over([ids_of[r] for r in group], y[j], m[j], u[i], min_p[i])
     if whole:  # as the reference draws them (no sort there), in torch: its exp and log are the faster here
         j = np.asarray(whole)
         i = rows[j]
