@@ -39,7 +39,9 @@ def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="> 1 makes tokens already in the prompt or output less likely (default 1.0: off)")
     parser.add_argument("--seed", type=int, default=None,
-                        help="seed of this request's sampling, for reproducible output at temperature > 0")
+                        help="seed of this request's own generator at temperature > 0; without it the engine-wide "
+                             "generator draws, seeded with 0 when the engine starts, so this "
+                             "one-request command repeats its output either way")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--attention-backend", default="auto", help=BACKEND_HELP)
