@@ -168,18 +168,18 @@ def kept_token_ids(y: np.ndarray, top_k: int, top_p: float,
     The rule is :func:`~minivllm.layers.sampler.top_p_drop_mask`'s: after top-k, keep the
     smallest set of most likely tokens whose mass (renormalised over the top-k set) reaches
     ``top_p`` less ``TOP_P_TOLERANCE``, ties in id order; the sums are in fp64. ``top_ids``: the
-    row's :func:`top_token_ids` for ``top_k`` if already found (:func:`top_k_rows`)."""
+    set :func:`top_token_ids` gives for ``top_k``, in any order, if already found (:func:`top_k_rows`)."""
     v = y.shape[0]
-    k = top_k if 0 < top_k < v else v
     top_p = float(np.float32(top_p))  # as the reference holds it
+    ids = None
+    if 0 < top_k < v:
+        ids = top_ids if top_ids is not None else top_token_ids(y, top_k)
     if top_p >= 1:
-        return None if k == v else (top_ids if top_ids is not None else top_token_ids(y, k))
-    if top_ids is not None:  # most likely first, equal values in id order
-        top_ids = top_ids[np.lexsort((top_ids, -y[top_ids]))]
+        return ids
     threshold = top_p - TOP_P_TOLERANCE
-    if k == v:
+    if ids is None:
         return _top_p_ids(y, threshold)
-    ids = top_ids if top_ids is not None else top_token_ids(y, k)
+    ids = ids[np.lexsort((ids, -y[ids]))]  # most likely first, equal values in id order
     e = np.exp(y[ids] - y[ids[0]])
     return ids[_before_threshold(e / e.sum(), threshold)]
 
