@@ -245,7 +245,7 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, default: torch.Gener
     top_k = batch.top_k.numpy() if batch.any_top_k else None
     top_p = batch.top_p.numpy() if batch.any_top_p else None
     min_p = batch.min_p.numpy() if batch.any_min_p else np.zeros(n, dtype=np.float32)
-    whole, kept, kept_ids = [], [], []  # rows drawn over every token / over their kept ids, together
+    whole, kept = [], {}  # rows drawn over every token / each row's kept ids: drawn together
     tops = top_k_rows(y, top_k[rows] if top_k is not None else None)
     for j, i in enumerate(rows):
         if not np.isfinite(m[j, 0]):
@@ -256,15 +256,13 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, default: torch.Gener
         if ids is None:
             whole.append(j)
         else:
-            kept.append(j)
-            kept_ids.append(ids)
-    groups = [[r for r, ids in zip(kept, kept_ids) if ids.size <= _RACE_TOGETHER_AT_MOST]]
-    groups += [[r] for r, ids in zip(kept, kept_ids) if ids.size > _RACE_TOGETHER_AT_MOST]
-    ids_of = dict(zip(kept, kept_ids))
+            kept[j] = ids
+    groups = [[r for r, ids in kept.items() if ids.size <= _RACE_TOGETHER_AT_MOST]]
+    groups += [[r] for r, ids in kept.items() if ids.size > _RACE_TOGETHER_AT_MOST]
     for group in filter(None, groups):
         j = np.asarray(group)
         i = rows[j]
-        out[i] = _race_over([ids_of[r] for r in group], y[j], m[j], u[i], min_p[i])
+        out[i] = _race_over([kept[r] for r in group], y[j], m[j], u[i], min_p[i])
     if whole:  # as the reference draws them (no sort there), in torch: its exp and log are the faster here
         j = np.asarray(whole)
         i = rows[j]
