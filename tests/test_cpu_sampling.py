@@ -162,13 +162,21 @@ def test_a_long_kept_set_races_alone(monkeypatch):
     assert all(rows == 1 for rows, width in widths if width > cpu_sampling._RACE_TOGETHER_AT_MOST), widths
     assert sorted(rows for rows, _ in widths) == [1, 1, 1, 3], widths  # top_p=0.5 keeps ~9,700 here
 
-def test_top_p_splits_a_flat_row_and_keeps_what_the_sort_keeps():
-    """A row of 60,000 nearly equal logits: the cut bucket holds far more than the sort limit, so
-    it is split again; the kept ids are the reference's."""
+def test_top_p_splits_a_flat_row_and_keeps_what_the_sort_keeps(monkeypatch):
+    """A row of 60,000 nearly equal logits and one 30 nats below them: the first split's buckets
+    span those 30 nats, so the cut bucket holds all but one token, far more than the sort limit,
+    and is split again; the kept ids are the reference's. (Until 2026-12-04 this row had no
+    outlier, and its cut bucket held a few hundred tokens: nothing was split again.)"""
+    splits = []
+    real = np.bincount
+    monkeypatch.setattr(np, "bincount", lambda x, *a, **k: splits.append(len(x)) or real(x, *a, **k))
     rng = np.random.default_rng(0)
-    y = (rng.standard_normal(60_000) * 0.01).astype(np.float32)
+    y = (rng.standard_normal(60_000) * 1e-3).astype(np.float32)
+    y[0] = -30.0
     for top_p in (0.3, 0.9, 0.999):
+        splits.clear()
         ids = kept_token_ids(y, 0, top_p)
+        assert len(splits) >= 2 and splits[1] == 59_999, splits  # a second split of the cut bucket
         probs = filtered_probs(torch.from_numpy(y)[None], _batch([1.0], [0], [top_p], [0.0], [None]),
                                drop=sorted_drop_mask)
         assert set(ids.tolist()) == set(torch.nonzero(probs[0] > 0).flatten().tolist())

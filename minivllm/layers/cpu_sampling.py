@@ -13,7 +13,9 @@ the sorted order, so this path finds it without the sort:
 - top-p over the whole row: the tokens go into 1024 buckets by log-probability below the most
   likely one (up to 32 nats); a bucket is a run of the sorted order, so the buckets' cumulative
   mass finds the one bucket where the mass reaches ``top_p``, and only its tokens are sorted to
-  place the cut (a bucket of more than 2048 tokens is split the same way first);
+  place the cut (a bucket of more than 2048 tokens is split the same way first); the split and
+  that sort are one C call for a batch's rows where a C compiler is found
+  (:mod:`minivllm.layers.top_p_native`: the same operations in the same order, so the same ids);
 - top-p after top-k: over the ``k`` tokens kept, sorted, renormalised among themselves;
 - min-p and the race over the kept tokens only, rows together (:func:`_race_over`):
   ``argmax e_i / E_i`` with ``e_i = exp(y_i - max y)``, the probabilities up to their common
@@ -39,9 +41,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from minivllm.layers import top_p_native
 from minivllm.layers.sampler import TOP_P_TOLERANCE, SamplingBatch, argmax_rows, race_uniforms
 
-__all__ = ["drop_mask", "kept_token_ids", "sample_rows", "top_k_rows", "top_token_ids"]
+__all__ = ["drop_mask", "kept_rows", "kept_token_ids", "sample_rows", "top_k_rows", "top_token_ids"]
 
 # top-p's buckets: 1024 over the row's range of log-probability, at most 32 nats (the last
 # gathers every token further below the most likely one: a probability ratio below 1e-14);
@@ -49,6 +52,11 @@ __all__ = ["drop_mask", "kept_token_ids", "sample_rows", "top_k_rows", "top_toke
 _BUCKETS = 1024
 _SPAN_NATS = 32.0
 _SORT_AT_MOST = 2048
+# Rows split in one C call hold at most this many logits together (or one row), so its temporaries
+# (the rows' exponentials, probabilities and keys, room for their ids, the C code's scratch: ~40
+# bytes a logit) stay small enough for the allocator to reuse: 8 rows of 151,936 at once spent
+# about as long again in page faults on fresh memory as in the work.
+_SPLIT_TOGETHER_ELEMENTS = 1 << 16
 # Rows whose kept sets are at most this long race together (padded to the longest); a longer
 # one (a flat row under top-p) races alone, so a batch's padding stays small.
 _RACE_TOGETHER_AT_MOST = 4096
@@ -159,6 +167,34 @@ def _top_p_ids(y: np.ndarray, threshold: float) -> np.ndarray:
     return np.concatenate(kept + [ids[keep]])
 
 
+def _top_p_rows(y: np.ndarray, thresholds: np.ndarray) -> list[np.ndarray]:
+    """:func:`_top_p_ids` of each row of ``y`` (fp32 ``[R, V]``, finite maxima, no NaN) with its
+    threshold (``thresholds``: ``[R]``), the rows' splits in one C call where it is built
+    (:mod:`minivllm.layers.top_p_native`: the same operations, so the same ids; a row it leaves,
+    whose cut bucket needs splitting again, takes :func:`_top_p_ids`)."""
+    native = top_p_native.load() if y.dtype == np.float32 else None
+    if native is None:
+        return [_top_p_ids(y[i], float(t)) for i, t in enumerate(thresholds)]
+    group = max(1, _SPLIT_TOGETHER_ELEMENTS // y.shape[1])
+    if y.shape[0] > group:
+        return [ids for lo in range(0, y.shape[0], group)
+                for ids in _top_p_rows(y[lo:lo + group], thresholds[lo:lo + group])]
+    y = np.ascontiguousarray(y)
+    m = y.max(axis=1, keepdims=True)
+    e = y - m
+    for row in e:  # row by row, as _top_p_ids: a row's values do not depend on the batch
+        torch.from_numpy(row).exp_()
+    probs = e / e.sum(axis=1, keepdims=True)  # each row's own numpy sum, as _top_p_ids
+    key = m - y
+    hi = np.minimum(key.max(axis=1).astype(np.float64), _SPAN_NATS)
+    with np.errstate(divide="ignore"):
+        scale = _BUCKETS / hi  # inf for a row of equal logits
+    scales = np.where((hi > 0) & (scale <= _FP32_MAX), scale, 0).astype(np.float32)  # 0: not split here
+    thresholds = np.asarray(thresholds, dtype=np.float64)
+    found = top_p_native.kept_rows(native, y, key, probs, scales, thresholds, _SORT_AT_MOST)
+    return [ids if ids is not None else _top_p_ids(y[i], float(thresholds[i])) for i, ids in enumerate(found)]
+
+
 def kept_token_ids(y: np.ndarray, top_k: int, top_p: float,
                    top_ids: np.ndarray | None = None) -> np.ndarray | None:
     """The token ids that top-k then top-p keep in one row of temperature-scaled logits ``y``
@@ -178,10 +214,35 @@ def kept_token_ids(y: np.ndarray, top_k: int, top_p: float,
         return ids
     threshold = top_p - TOP_P_TOLERANCE
     if ids is None:
-        return _top_p_ids(y, threshold)
+        return _top_p_rows(y[None], np.array([threshold]))[0]
     ids = ids[np.lexsort((ids, -y[ids]))]  # most likely first, equal values in id order
     e = np.exp(y[ids] - y[ids[0]])
     return ids[_before_threshold(e / e.sum(), threshold)]
+
+
+def kept_rows(y: np.ndarray, top_k: np.ndarray | None, top_p: np.ndarray | None) -> list[np.ndarray | None]:
+    """:func:`kept_token_ids` of every row of ``y`` (fp32 ``[R, V]``, temperature-scaled logits),
+    row ``r`` with ``top_k[r]`` and ``top_p[r]`` (``None``: that filter off in every row) -> per
+    row its kept ids in no particular order, or ``None`` where it keeps every token or its
+    maximum is not finite (NaN, +inf, or every token banned: callers skip such rows). The rows
+    under top-p alone take :func:`_top_p_rows` together."""
+    r, v = y.shape
+    out: list[np.ndarray | None] = [None] * r
+    finite = np.isfinite(y.max(axis=1))
+    tops = top_k_rows(y, top_k)
+    alone, thresholds = [], []  # rows under top-p without top-k
+    for i in np.flatnonzero(finite):
+        k = int(top_k[i]) if top_k is not None else 0
+        p = float(np.float32(top_p[i])) if top_p is not None else 1.0  # as the reference holds it
+        if not 0 < k < v and p < 1:
+            alone.append(i)
+            thresholds.append(p - TOP_P_TOLERANCE)
+        else:
+            out[i] = kept_token_ids(y[i], k, p, tops[i])
+    if alone:
+        for i, ids in zip(alone, _top_p_rows(y[alone], np.array(thresholds))):
+            out[i] = ids
+    return out
 
 
 def drop_mask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -190,17 +251,10 @@ def drop_mask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     dropped. A row holding NaN or without a finite maximum drops nothing (its probabilities are
     not finite either way)."""
     y = logits.numpy()
-    n, v = y.shape
-    drop = np.zeros((n, v), dtype=bool)
-    top_k = batch.top_k.numpy() if batch.any_top_k else None
-    top_p = batch.top_p.numpy() if batch.any_top_p else None
-    tops = top_k_rows(y, top_k)
-    for i in range(n):
-        m = y[i].max()
-        if not np.isfinite(m):
-            continue
-        ids = kept_token_ids(y[i], int(top_k[i]) if top_k is not None else 0,
-                             float(top_p[i]) if top_p is not None else 1.0, tops[i])
+    drop = np.zeros(y.shape, dtype=bool)
+    kept = kept_rows(y, batch.top_k.numpy() if batch.any_top_k else None,
+                     batch.top_p.numpy() if batch.any_top_p else None)
+    for i, ids in enumerate(kept):
         if ids is not None:
             drop[i] = True
             drop[i, ids] = False
@@ -246,13 +300,11 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, default: torch.Gener
     top_p = batch.top_p.numpy() if batch.any_top_p else None
     min_p = batch.min_p.numpy() if batch.any_min_p else np.zeros(n, dtype=np.float32)
     whole, kept = [], {}  # rows drawn over every token / each row's kept ids: drawn together
-    tops = top_k_rows(y, top_k[rows] if top_k is not None else None)
-    for j, i in enumerate(rows):
+    filtered = [None] * rows.size if top_k is None and top_p is None else \
+        kept_rows(y, None if top_k is None else top_k[rows], None if top_p is None else top_p[rows])
+    for j, ids in enumerate(filtered):
         if not np.isfinite(m[j, 0]):
             continue
-        ids = None if top_k is None and top_p is None else kept_token_ids(
-            y[j], int(top_k[i]) if top_k is not None else 0, float(top_p[i]) if top_p is not None else 1.0,
-            tops[j])
         if ids is None:
             whole.append(j)
         else:
