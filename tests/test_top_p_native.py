@@ -41,27 +41,28 @@ def test_the_c_split_keeps_the_numpy_splits_ids(v):
         assert got == _numpy_split(y, thresholds), (v, trial)
 
 
-def test_a_flat_row_is_split_further_in_numpy_and_a_row_does_not_depend_on_its_batch(monkeypatch):
+def test_a_flat_row_is_split_again_in_c_and_a_row_does_not_depend_on_its_batch(monkeypatch):
     """60,000 nearly equal logits and one far below them (the buckets span 30 nats) put all but
-    one token in the cut bucket, far more than the sort limit: the C code leaves that row (None)
-    and numpy splits it again; the other row comes from C. A row's ids are the same alone and in
-    a batch (4,099 tokens: rows do not start on a vector boundary; 20 rows: two C calls)."""
+    one token in the cut bucket, far more than the sort limit: the C code splits it again, as
+    numpy does, and no row goes to numpy. A row's ids are the same alone and in a batch (4,099
+    tokens: rows do not start on a vector boundary; 20 rows: two C calls)."""
     native_or_skip(top_p_native, "the C top-p split")
     rng = np.random.default_rng(1)
     flat = np.stack([(rng.standard_normal(60_000) * 1e-3).astype(np.float32), _row(rng, 60_000, 2)])
     flat[0, 0] = -30.0
-    left = []
-    real = top_p_native.kept_rows
-    monkeypatch.setattr(top_p_native, "kept_rows", lambda *a: left.append(found := real(*a)) or found)
     thresholds = np.array([0.9, 0.9]) - TOP_P_TOLERANCE
+    want = _numpy_split(flat, thresholds)
+    calls = []
+    real = top_p_native.kept_rows
+    monkeypatch.setattr(top_p_native, "kept_rows", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_sampling, "_top_p_ids", lambda *a: pytest.fail("a row went to numpy"))
     got = [sorted(ids.tolist()) for ids in cpu_sampling._top_p_rows(flat, thresholds)]
-    assert [ids is None for call in left for ids in call] == [True, False]
-    assert got == _numpy_split(flat, thresholds)
+    assert got == want
     y = np.stack([_row(rng, 4099, kind % 10) for kind in range(20)])  # more than one C call's rows
     thresholds = np.full(20, 0.9 - TOP_P_TOLERANCE)
-    left.clear()
+    calls.clear()
     together = cpu_sampling._top_p_rows(y, thresholds)
-    assert len(left) == 2
+    assert len(calls) == 2
     for i in range(20):
         assert np.array_equal(np.sort(cpu_sampling._top_p_rows(y[i:i + 1], thresholds[:1])[0]), np.sort(together[i]))
 
@@ -85,6 +86,8 @@ def test_the_c_split_refuses_arrays_it_does_not_take():
     fn = native_or_skip(top_p_native, "the C top-p split")
     y = np.zeros((2, 8), dtype=np.float32)
     with pytest.raises(ValueError, match="float64"):
-        top_p_native.kept_rows(fn, y.astype(np.float64), y, y, np.ones(2, np.float32), np.ones(2), 2048)
-    with pytest.raises(ValueError, match="fp32 scales"):
-        top_p_native.kept_rows(fn, y, y, y, np.ones(3, np.float32), np.ones(2), 2048)
+        top_p_native.kept_rows(fn, y.astype(np.float64), y, y, np.ones(2), np.ones(2), 2048)
+    with pytest.raises(ValueError, match="fp64 his"):
+        top_p_native.kept_rows(fn, y, y, y, np.ones(3), np.ones(2), 2048)
+    with pytest.raises(ValueError, match=r"his must be >= 0, got \[nan, 1.0\]"):
+        top_p_native.kept_rows(fn, y, y, y, np.array([np.nan, 1.0]), np.ones(2), 2048)

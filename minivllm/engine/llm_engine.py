@@ -204,6 +204,7 @@ class LLMEngine:
             from minivllm.layers import cpu_fused
             self.runner.cpu_fused_ops = self.runner.enable_cpu_fused_ops()  # float32 models only
             logger.info("CPU norms, rotary, SiLU and embedding lookup: %s", cpu_fused.describe(self.config.dtype))
+        if device.type == "cpu":
             from minivllm.layers import top_p_native
             logger.info("CPU sampler, top-p without a sort: %s", top_p_native.describe())
         if device.type not in ("cuda", "cpu"):

@@ -13,9 +13,10 @@ the sorted order, so this path finds it without the sort:
 - top-p over the whole row: the tokens go into 1024 buckets by log-probability below the most
   likely one (up to 32 nats); a bucket is a run of the sorted order, so the buckets' cumulative
   mass finds the one bucket where the mass reaches ``top_p``, and only its tokens are sorted to
-  place the cut (a bucket of more than 2048 tokens is split the same way first); the split and
-  that sort are one C call for a batch's rows where a C compiler is found
-  (:mod:`minivllm.layers.top_p_native`: the same operations in the same order, so the same ids);
+  place the cut (a bucket of more than 2048 tokens is split the same way first); where a C
+  compiler is found, the splits and that sort are one C call for the rows of a batch, up to
+  65,536 logits a call (:mod:`minivllm.layers.top_p_native`: the same operations in the same
+  order, so the same ids);
 - top-p after top-k: over the ``k`` tokens kept, sorted, renormalised among themselves;
 - min-p and the race over the kept tokens only, rows together (:func:`_race_over`):
   ``argmax e_i / E_i`` with ``e_i = exp(y_i - max y)``, the probabilities up to their common
@@ -169,9 +170,10 @@ def _top_p_ids(y: np.ndarray, threshold: float) -> np.ndarray:
 
 def _top_p_rows(y: np.ndarray, thresholds: np.ndarray) -> list[np.ndarray]:
     """:func:`_top_p_ids` of each row of ``y`` (fp32 ``[R, V]``, finite maxima, no NaN) with its
-    threshold (``thresholds``: ``[R]``), the rows' splits in one C call where it is built
-    (:mod:`minivllm.layers.top_p_native`: the same operations, so the same ids; a row it leaves,
-    whose cut bucket needs splitting again, takes :func:`_top_p_ids`)."""
+    threshold (``thresholds``: ``[R]``). Where the C split is built (:mod:`minivllm.layers.top_p_native`:
+    the same operations in the same order, so the same ids) the rows' softmax and keys are computed
+    here as :func:`_top_p_ids` computes them, and their splits and sorts are one C call for every
+    ``_SPLIT_TOGETHER_ELEMENTS`` logits (or one row); else each row takes :func:`_top_p_ids`."""
     native = top_p_native.load() if y.dtype == np.float32 else None
     if native is None:
         return [_top_p_ids(y[i], float(t)) for i, t in enumerate(thresholds)]
@@ -186,13 +188,9 @@ def _top_p_rows(y: np.ndarray, thresholds: np.ndarray) -> list[np.ndarray]:
         torch.from_numpy(row).exp_()
     probs = e / e.sum(axis=1, keepdims=True)  # each row's own numpy sum, as _top_p_ids
     key = m - y
-    hi = np.minimum(key.max(axis=1).astype(np.float64), _SPAN_NATS)
-    with np.errstate(divide="ignore"):
-        scale = _BUCKETS / hi  # inf for a row of equal logits
-    scales = np.where((hi > 0) & (scale <= _FP32_MAX), scale, 0).astype(np.float32)  # 0: not split here
-    thresholds = np.asarray(thresholds, dtype=np.float64)
-    found = top_p_native.kept_rows(native, y, key, probs, scales, thresholds, _SORT_AT_MOST)
-    return [ids if ids is not None else _top_p_ids(y[i], float(thresholds[i])) for i, ids in enumerate(found)]
+    his = np.minimum(key.max(axis=1).astype(np.float64), _SPAN_NATS)
+    return top_p_native.kept_rows(native, y, key, probs, his, np.asarray(thresholds, dtype=np.float64),
+                                  _SORT_AT_MOST)
 
 
 def kept_token_ids(y: np.ndarray, top_k: int, top_p: float,

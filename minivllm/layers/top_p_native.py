@@ -1,10 +1,10 @@
-"""Top-p's kept sets of a batch's rows in one C call (``csrc/top_p_f32.c``, built at first use), for
-:mod:`minivllm.layers.cpu_sampling`: each row's bucket split and the sort of its cut bucket.
+"""Top-p's kept sets of rows of logits by one C call (``csrc/top_p_f32.c``, built at first use), for
+:mod:`minivllm.layers.cpu_sampling`: each row's bucket splits and the sort of its cut bucket.
 
-Why: the numpy split of a row is some twenty numpy calls, and over a small vocabulary each costs
+Why: the numpy splits of a row are some twenty numpy calls, and over a small vocabulary each costs
 about its call overhead: ~66 us a row of 4,096 tokens (one thread, Zen 4 EPYC, 2026-12-04), about
 half of the sampler's time at 8 rows with ``top_p``. The C function makes the same operations in
-the same order (fp32 products and clip, fp64 sums), so it keeps the same ids;
+the same order (fp32 differences, products and clip, fp64 sums), so it keeps the same ids;
 ``tests/test_top_p_native.py`` checks that against the numpy path. The rows' softmax stays in
 torch and numpy, computed as before, for the same reason. ``MINIVLLM_CPU_TOP_P=0`` switches it off
 (read at every call); without a C compiler the numpy path runs.
@@ -22,7 +22,7 @@ __all__ = ["describe", "kept_rows", "load", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("csrc") / "top_p_f32.c"
 ENV_SWITCH = "MINIVLLM_CPU_TOP_P"
-_SCRATCH_BYTES = 18  # a token's room in the C code's scratch: a (float, int64) sort entry, a 16-bit bucket
+_SCRATCH_BYTES = 36  # a token's room in the C code's scratch: a (float, int64) sort entry, two ids, a bucket
 
 
 def _wrap(lib: ctypes.CDLL):
@@ -52,38 +52,39 @@ def describe() -> str:
         return f"numpy, row by row (switched off: {unavailable_reason()})"
     if load() is None:
         return f"numpy, row by row (the C split unavailable: {unavailable_reason()})"
-    return f"one C call for a batch's rows ({_library.path})"
+    return f"C, one call for up to 65,536 logits of a batch's rows ({_library.path})"
 
 
-def kept_rows(fn, y: np.ndarray, key: np.ndarray, probs: np.ndarray, scales: np.ndarray,
-              thresholds: np.ndarray, sort_at_most: int) -> list[np.ndarray | None]:
-    """The ids top-p keeps in each row (int64, in no particular order), one C call for the rows;
-    ``None`` for a row whose scale is 0 or whose bucket holding the cut has more than
-    ``sort_at_most`` tokens but not all of them (the caller splits those further).
+def kept_rows(fn, y: np.ndarray, key: np.ndarray, probs: np.ndarray, his: np.ndarray,
+              thresholds: np.ndarray, sort_at_most: int) -> list[np.ndarray]:
+    """The ids top-p keeps in each row (int64, in no particular order), one C call for the rows.
 
     Args:
         fn: :func:`load`'s result.
         y, key, probs: fp32 ``[R, V]`` C-contiguous: the rows' logits, ``max(y) - y`` and their
             softmax (no NaN).
-        scales: fp32 ``[R]``, buckets per nat of key (finite, > 0; 0: leave the row to the caller).
+        his: fp64 ``[R]``, the top of each row's range of keys split into buckets (the largest
+            key, at most the span), >= 0.
         thresholds: fp64 ``[R]``, top_p less the slack.
+        sort_at_most: a bucket holding the cut is split again while it has more tokens than this.
 
     Raises:
-        ValueError: arrays of other dtypes, shapes or layouts.
+        ValueError: arrays of other dtypes, shapes or layouts, or a ``his`` entry NaN or negative.
     """
     r, v = y.shape
     for a in (y, key, probs):
-        if a.dtype != np.float32 or a.shape != (r, v) or not a.flags.c_contiguous:
-            raise ValueError(f"top_p_native.kept_rows: fp32 C-contiguous [{r}, {v}] arrays expected, "
+        if a.dtype != np.float32 or a.shape != (r, v) or not (a.flags.c_contiguous and a.flags.aligned):
+            raise ValueError(f"top_p_native.kept_rows: aligned fp32 C-contiguous [{r}, {v}] arrays expected, "
                              f"got {a.dtype} {a.shape}")
-    if scales.dtype != np.float32 or thresholds.dtype != np.float64 or scales.shape != (r,) \
-            or thresholds.shape != (r,):
-        raise ValueError(f"top_p_native.kept_rows: fp32 scales and fp64 thresholds of {r} rows expected, got "
-                         f"{scales.dtype} {scales.shape} and {thresholds.dtype} {thresholds.shape}")
-    scales, thresholds = np.ascontiguousarray(scales), np.ascontiguousarray(thresholds)
+    if his.dtype != np.float64 or thresholds.dtype != np.float64 or his.shape != (r,) or thresholds.shape != (r,):
+        raise ValueError(f"top_p_native.kept_rows: fp64 his and thresholds of {r} rows expected, got "
+                         f"{his.dtype} {his.shape} and {thresholds.dtype} {thresholds.shape}")
+    if not (his >= 0).all():
+        raise ValueError(f"top_p_native.kept_rows: his must be >= 0, got {his.tolist()}")
+    his, thresholds = np.ascontiguousarray(his), np.ascontiguousarray(thresholds)
     out = np.empty((r, v), dtype=np.int64)
     counts = np.empty(r, dtype=np.int64)
     scratch = np.empty(v * _SCRATCH_BYTES, dtype=np.uint8)
-    fn(y.ctypes.data, key.ctypes.data, probs.ctypes.data, r, v, scales.ctypes.data, thresholds.ctypes.data,
+    fn(y.ctypes.data, key.ctypes.data, probs.ctypes.data, r, v, his.ctypes.data, thresholds.ctypes.data,
        sort_at_most, out.ctypes.data, counts.ctypes.data, scratch.ctypes.data)
-    return [None if n < 0 else out[i, :n] for i, n in enumerate(counts.tolist())]
+    return [out[i, :n] for i, n in enumerate(counts.tolist())]
