@@ -53,10 +53,10 @@ __all__ = ["drop_mask", "kept_rows", "kept_token_ids", "sample_rows", "top_k_row
 _BUCKETS = 1024
 _SPAN_NATS = 32.0
 _SORT_AT_MOST = 2048
-# Rows split in one C call hold at most this many logits together (or one row), so its temporaries
-# (the rows' exponentials, probabilities and keys, room for their ids, the C code's scratch: ~40
-# bytes a logit) stay small enough for the allocator to reuse: 8 rows of 151,936 at once spent
-# about as long again in page faults on fresh memory as in the work.
+# Rows split in one C call hold at most this many logits together (or one row), so the arrays made
+# for them (exponentials, probabilities, keys, room for the kept ids) stay under 4 MiB: numpy asks
+# the OS for 2 MiB pages for larger ones, and such fresh memory is zeroed 2 MiB at a touch (8 rows
+# of 151,936 at once spent about as long again in that as in the work).
 _SPLIT_TOGETHER_ELEMENTS = 1 << 16
 # Rows whose kept sets are at most this long race together (padded to the longest); a longer
 # one (a flat row under top-p) races alone, so a batch's padding stays small.

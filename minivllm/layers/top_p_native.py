@@ -22,14 +22,13 @@ __all__ = ["describe", "kept_rows", "load", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("csrc") / "top_p_f32.c"
 ENV_SWITCH = "MINIVLLM_CPU_TOP_P"
-_SCRATCH_BYTES = 36  # a token's room in the C code's scratch: a (float, int64) sort entry, two ids, a bucket
 
 
 def _wrap(lib: ctypes.CDLL):
     fn = lib.top_p_rows_f32
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, i64, i64, p, p, i64, p, p, p]
-    fn.restype = None
+    fn.argtypes = [p, p, p, i64, i64, p, p, i64, p, p]
+    fn.restype = ctypes.c_int
     return fn
 
 
@@ -70,6 +69,7 @@ def kept_rows(fn, y: np.ndarray, key: np.ndarray, probs: np.ndarray, his: np.nda
 
     Raises:
         ValueError: arrays of other dtypes, shapes or layouts, or a ``his`` entry NaN or negative.
+        MemoryError: the C code's working memory (~20 bytes a logit of one row) could not be had.
     """
     r, v = y.shape
     for a in (y, key, probs):
@@ -84,7 +84,7 @@ def kept_rows(fn, y: np.ndarray, key: np.ndarray, probs: np.ndarray, his: np.nda
     his, thresholds = np.ascontiguousarray(his), np.ascontiguousarray(thresholds)
     out = np.empty((r, v), dtype=np.int64)
     counts = np.empty(r, dtype=np.int64)
-    scratch = np.empty(v * _SCRATCH_BYTES, dtype=np.uint8)
-    fn(y.ctypes.data, key.ctypes.data, probs.ctypes.data, r, v, his.ctypes.data, thresholds.ctypes.data,
-       sort_at_most, out.ctypes.data, counts.ctypes.data, scratch.ctypes.data)
+    if fn(y.ctypes.data, key.ctypes.data, probs.ctypes.data, r, v, his.ctypes.data, thresholds.ctypes.data,
+          sort_at_most, out.ctypes.data, counts.ctypes.data):
+        raise MemoryError(f"top_p_native.kept_rows: the C split ran out of memory ({r} rows of {v} logits)")
     return [out[i, :n] for i, n in enumerate(counts.tolist())]

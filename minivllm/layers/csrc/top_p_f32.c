@@ -36,25 +36,30 @@ static inline uint16_t bucket_of(float key, float lo, float scale) {
 
 /* One row. y, key, probs: its fp32 logits, keys and probabilities [v] (no NaN); hi: the range's
    top, min(max key, the span), >= 0; threshold: top_p less the slack. Writes the kept ids (in no
-   particular order) to out [v] and returns how many. scratch: 36 bytes a token (v ranked entries,
-   two id lists of v, v buckets). */
+   particular order) to out [v] and returns how many; -1 if memory ran out. Its working memory is
+   malloc'd at the sizes a row needs, not handed in: numpy asks for 2 MiB pages for arrays of 4 MiB
+   or more, and touching one page of such a buffer zeroes 2 MiB (8 rows of 151,936: ~2 ms a call). */
 static int64_t top_p_row(const float *y, const float *key, const float *probs, int64_t v, double hi,
-                         double threshold, int64_t sort_at_most, int64_t *out, void *scratch) {
-    ranked *sorted = (ranked *)scratch;
-    int64_t *cur = (int64_t *)(sorted + v), *next = cur + v;
-    uint16_t *bucket = (uint16_t *)(next + v);
-    int64_t n = v, kept = 0;  /* cur[0 .. n): the tokens of the bucket holding the cut */
+                         double threshold, int64_t sort_at_most, int64_t *out) {
+    uint16_t *bucket = (uint16_t *)malloc((size_t)v * sizeof(uint16_t));
+    int64_t *lists[2] = {NULL, NULL};
+    ranked *sorted = NULL;
+    int64_t kept = -1;
+    if (!bucket) goto done;
+    /* cur[0 .. n): the tokens of the bucket holding the cut; NULL: every token (ids 0 .. v - 1) */
+    const int64_t *cur = NULL;
+    int64_t n = v, which = 0;
     double lo = 0.0, above = 0.0;  /* above: the mass of the tokens ranked before them */
-    for (int64_t j = 0; j < v; j++) cur[j] = j;
-    while ((n == v || n > sort_at_most) && hi > lo) {
+    kept = 0;
+    while ((cur == NULL || n > sort_at_most) && hi > lo) {
         const double wide = BUCKETS / (hi - lo);
         if (wide > FLT_MAX) break;  /* a range too narrow for fp32 to split: sort what is left */
         const float scale = (float)wide, lo32 = (float)lo;
         double mass[BUCKETS] = {0};
         int64_t count[BUCKETS] = {0};
-        for (int64_t i = 0; i < n; i++) bucket[i] = bucket_of(key[cur[i]], lo32, scale);
+        for (int64_t i = 0; i < n; i++) bucket[i] = bucket_of(key[cur ? cur[i] : i], lo32, scale);
         for (int64_t i = 0; i < n; i++) {
-            mass[bucket[i]] += (double)probs[cur[i]];
+            mass[bucket[i]] += (double)probs[cur ? cur[i] : i];
             count[bucket[i]]++;
         }
         double cum = 0.0, before_mass = 0.0;
@@ -68,23 +73,37 @@ static int64_t top_p_row(const float *y, const float *key, const float *probs, i
             before_mass = above + cum;
         }
         if (c < 0) {  /* fp32 rounding left the mass below top_p: keep every token left */
-            for (int64_t i = 0; i < n; i++) out[kept++] = cur[i];
-            return kept;
+            for (int64_t i = 0; i < n; i++) out[kept++] = cur ? cur[i] : i;
+            goto done;
         }
         if (count[c] == n) break;  /* no split (equal keys): sort them */
-        int64_t m = 0;
+        if (!lists[which] && !(lists[which] = (int64_t *)malloc((size_t)count[c] * sizeof(int64_t)))) {
+            kept = -1;
+            goto done;
+        }
+        int64_t *next = lists[which], m = 0;
         for (int64_t i = 0; i < n; i++) {
-            if (bucket[i] < c) out[kept++] = cur[i];
-            else if (bucket[i] == c) next[m++] = cur[i];
+            const int64_t id = cur ? cur[i] : i;
+            if (bucket[i] < c) out[kept++] = id;
+            else if (bucket[i] == c) next[m++] = id;
         }
         if (c > 0) above = before_mass;
-        int64_t *t = cur; cur = next; next = t;
+        cur = next;
+        which ^= 1;  /* the next split writes the other list; each split keeps fewer tokens than the one before,
+                        so a list reused two splits later is long enough */
         n = m;
         const double step = hi - lo;
         hi = lo + (double)(c + 1) * step / BUCKETS;
         lo = lo + (double)c * step / BUCKETS;
     }
-    for (int64_t i = 0; i < n; i++) sorted[i] = (ranked){-y[cur[i]], cur[i]};
+    if (!(sorted = (ranked *)malloc((size_t)(n > 0 ? n : 1) * sizeof(ranked)))) {
+        kept = -1;
+        goto done;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = cur ? cur[i] : i;
+        sorted[i] = (ranked){-y[id], id};
+    }
     qsort(sorted, (size_t)n, sizeof(ranked), by_rank);
     double run = 0.0;
     for (int64_t t = 0; t < n; t++) {  /* keep while the mass before the token is below the threshold */
@@ -92,16 +111,24 @@ static int64_t top_p_row(const float *y, const float *key, const float *probs, i
         run += p;
         if ((run - p) + above < threshold || (t == 0 && above == 0.0)) out[kept++] = sorted[t].id;
     }
+done:
+    free(bucket);
+    free(lists[0]);
+    free(lists[1]);
+    free(sorted);
     return kept;
 }
 
 /* For rows r = 0 .. rows - 1 of [rows, v] arrays (C-contiguous), row r with his[r] and
    thresholds[r] (see top_p_row): its kept ids to out + r * v and their number to counts[r].
-   scratch: 36 bytes a token of one row. */
-void top_p_rows_f32(const float *y, const float *key, const float *probs, int64_t rows, int64_t v,
-                    const double *his, const double *thresholds, int64_t sort_at_most, int64_t *out,
-                    int64_t *counts, void *scratch) {
-    for (int64_t r = 0; r < rows; r++)
+   Returns 0, or -1 if memory ran out (the counts from that row on are not set). */
+int top_p_rows_f32(const float *y, const float *key, const float *probs, int64_t rows, int64_t v,
+                   const double *his, const double *thresholds, int64_t sort_at_most, int64_t *out,
+                   int64_t *counts) {
+    for (int64_t r = 0; r < rows; r++) {
         counts[r] = top_p_row(y + r * v, key + r * v, probs + r * v, v, his[r], thresholds[r], sort_at_most,
-                              out + r * v, scratch);
+                              out + r * v);
+        if (counts[r] < 0) return -1;
+    }
+    return 0;
 }
