@@ -69,7 +69,7 @@ def kept_rows(fn, y: np.ndarray, key: np.ndarray, probs: np.ndarray, his: np.nda
 
     Raises:
         ValueError: arrays of other dtypes, shapes or layouts, or a ``his`` entry NaN or negative.
-        MemoryError: the C code's working memory (~20 bytes a logit of one row) could not be had.
+        MemoryError: the C code's working memory (up to ~34 bytes a logit of one row) could not be had.
     """
     r, v = y.shape
     for a in (y, key, probs):
