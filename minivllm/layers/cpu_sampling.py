@@ -193,6 +193,13 @@ def _top_p_rows(y: np.ndarray, thresholds: np.ndarray) -> list[np.ndarray]:
                                   _SORT_AT_MOST)
 
 
+def _top_p_threshold(top_p: float) -> float | None:
+    """The mass top-p's kept tokens must reach: ``top_p`` as the reference holds it (fp32) less
+    ``TOP_P_TOLERANCE``; ``None`` when top-p is off (``top_p >= 1``)."""
+    top_p = float(np.float32(top_p))
+    return None if top_p >= 1 else top_p - TOP_P_TOLERANCE
+
+
 def kept_token_ids(y: np.ndarray, top_k: int, top_p: float,
                    top_ids: np.ndarray | None = None) -> np.ndarray | None:
     """The token ids that top-k then top-p keep in one row of temperature-scaled logits ``y``
@@ -204,13 +211,12 @@ def kept_token_ids(y: np.ndarray, top_k: int, top_p: float,
     ``top_p`` less ``TOP_P_TOLERANCE``, ties in id order; the sums are in fp64. ``top_ids``: the
     set :func:`top_token_ids` gives for ``top_k``, in any order, if already found (:func:`top_k_rows`)."""
     v = y.shape[0]
-    top_p = float(np.float32(top_p))  # as the reference holds it
+    threshold = _top_p_threshold(top_p)
     ids = None
     if 0 < top_k < v:
         ids = top_ids if top_ids is not None else top_token_ids(y, top_k)
-    if top_p >= 1:
+    if threshold is None:
         return ids
-    threshold = top_p - TOP_P_TOLERANCE
     if ids is None:
         return _top_p_rows(y[None], np.array([threshold]))[0]
     ids = ids[np.lexsort((ids, -y[ids]))]  # most likely first, equal values in id order
@@ -231,10 +237,11 @@ def kept_rows(y: np.ndarray, top_k: np.ndarray | None, top_p: np.ndarray | None)
     alone, thresholds = [], []  # rows under top-p without top-k
     for i in np.flatnonzero(finite):
         k = int(top_k[i]) if top_k is not None else 0
-        p = float(np.float32(top_p[i])) if top_p is not None else 1.0  # as the reference holds it
-        if not 0 < k < v and p < 1:
+        p = float(top_p[i]) if top_p is not None else 1.0
+        threshold = _top_p_threshold(p)
+        if not 0 < k < v and threshold is not None:
             alone.append(i)
-            thresholds.append(p - TOP_P_TOLERANCE)
+            thresholds.append(threshold)
         else:
             out[i] = kept_token_ids(y[i], k, p, tops[i])
     if alone:
