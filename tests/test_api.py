@@ -46,7 +46,9 @@ def test_text_prompt(text_ckpt, tiny_ckpt):
 def test_unknown_engine_argument_and_bad_model_path(tmp_path):
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(str(tmp_path), max_num_seq=3)
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="no config.json in"):
+        LLM(str(tmp_path))  # a directory, not a checkpoint
+    with pytest.raises(FileNotFoundError, match="no such directory: '.*nowhere'"):
         LLM(str(tmp_path / "nowhere"))
 
 

@@ -112,7 +112,8 @@ def test_long_text_prompt_gets_our_error_without_the_tokenizer_warning(text_ckpt
     records = _Records()
     logging.getLogger("transformers").addHandler(records)
     try:
-        with pytest.raises(ValueError, match=r"prompt of \d+ tokens leaves no room to generate: max_model_len=256"):
+        with pytest.raises(ValueError, match=r"prompt of \d+ tokens leaves no room to generate: max_model_len=256 "
+                                             r"\(keep its last tokens with SamplingParams\(truncate_prompt_tokens=N\)"):
             llm.generate(text, greedy(3), use_tqdm=False)
     finally:
         logging.getLogger("transformers").removeHandler(records)

@@ -272,7 +272,8 @@ class LLMEngine:
             ids = ids[-keep:]
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate: "
-                             f"max_model_len={self.config.max_model_len}")
+                             f"max_model_len={self.config.max_model_len} (keep its last tokens with "
+                             f"SamplingParams(truncate_prompt_tokens=N), or give a larger max_model_len)")
         return text, ids
 
     def check_sampling_params(self, params: SamplingParams) -> None:

@@ -80,8 +80,10 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         return ModelSource(name, cfg, None, EMBEDDED_MODEL_DIR, _eos_ids(EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_DIR))
     directory = EMBEDDED_CHECKPOINTS.get(name) or Path(name).expanduser()
     if not (directory / "config.json").is_file():
+        # a missing directory is named as such: "no config.json in it" sent people looking inside it
+        what = "no config.json in" if directory.is_dir() else "no such directory:"
         raise FileNotFoundError(
-            f"model {name!r}: no config.json in {str(directory)!r}. Give a local Hugging Face checkpoint "
+            f"model {name!r}: {what} {str(directory)!r}. Give a local Hugging Face checkpoint "
             f"directory, {EMBEDDED_MODEL_NAME!r}, or 'random:<preset>' (nothing is downloaded at run time).")
     cfg = AutoConfig.from_pretrained(directory)
     tokenizer_dir = directory if (directory / "tokenizer_config.json").is_file() or \
