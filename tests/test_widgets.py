@@ -549,6 +549,24 @@ def test_utilisation_monitor_runs_a_workload(llm):
     assert llm.llm_engine.block_manager.num_used_blocks == 0
 
 
+def test_utilisation_monitor_says_where_its_peaks_come_from(llm):
+    """The readout said "peaks measured here" for figures read from the cache (chapter 12 printed
+    it beside "cached, measured 2026-12-03T17:10:05Z"): it gives the peaks' own provenance."""
+    from dataclasses import replace
+
+    from minivllm.telemetry.peaks import Peaks
+    from widgets import UtilisationMonitor
+
+    base = Peaks(flops_per_s=50e9, bytes_per_s=20e9, read_bytes_per_s=25e9, info={})
+    for info, said in [({"source": "cached", "measured_at": "2026-12-03T17:10:05Z"},
+                        "peaks (cached, measured 2026-12-03T17:10:05Z)"),
+                       ({"source": "measured", "measured_at": "now"}, "peaks (measured now)")]:
+        mon = UtilisationMonitor(llm, num_requests=1, prompt_len=8, max_tokens=2, period_s=0.02,
+                                 peaks=replace(base, info=info))
+        mon.run_button.click()
+        assert said in mon.readout.value and "measured here" not in mon.readout.value, mon.readout.value
+
+
 def test_static_fallback_without_chrome_is_an_svg(monkeypatch, llm):
     import plotly.graph_objects as go
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import time
+from html import escape
 
 import ipywidgets as W
 
@@ -165,7 +166,7 @@ class UtilisationMonitor(CourseWidget):
         if pts:
             best = max(pts, key=lambda r: r.mfu or 0)
             self.readout.value = (
-                f"<div class='mv-box'>{len(self.records)} steps, {len(s)} samples · peaks measured here: "
+                f"<div class='mv-box'>{len(self.records)} steps, {len(s)} samples · peaks ({escape(peaks.provenance)}): "
                 f"{fmt_si(peaks.flops_per_s, 'FLOP/s')}, {fmt_si(peaks.mbu_bytes_per_s, 'B/s')} read (ridge at "
                 f"{peaks.ridge_intensity:.1f} FLOP/byte) · best MFU {100 * (best.mfu or 0):.2f} % "
                 f"({best.phase} step)</div>")
