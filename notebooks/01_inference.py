@@ -38,8 +38,9 @@
 # %% [markdown]
 # ## Setup
 #
-# The parameters cell picks the model: the embedded `minivllm-tiny` (a 4M-parameter model with the
-# Qwen3 architecture, trained on Python's documentation; it ships with the repo) unless the
+# The parameters cell picks the model: the embedded `minivllm-tiny` (a model of a few million
+# parameters with the Qwen3 architecture, trained on Python's documentation; it ships with the repo;
+# chapter 02 counts its parameters) unless the
 # environment variable `MINIVLLM_MODEL` names another (a Qwen3 checkpoint directory, or
 # `random:qwen3-0.6b` for random weights at the real shape). `DEVICE = "auto"` uses a GPU when there
 # is one, otherwise the CPU in fp32.
@@ -300,15 +301,17 @@ for i in (0, 1, NEW_TOKENS // 2, NEW_TOKENS - 1):
 print(f"total for {NEW_TOKENS} tokens: by hand {sum(by_hand_ms):.1f} ms, engine {sum(engine_ms):.1f} ms")
 _ = check_prediction(my_prediction, time_ratio, rel_tol=0.3, unit="x", what="the time ratio (by hand / engine)")
 flop_ratio = sum(hand_mflop) / sum(engine_mflop)
-_ = check_claim("the time ratio is well below (under half) the work ratio", time_ratio < 0.5 * flop_ratio,
+_ = check_claim("the time ratio is below the work ratio", time_ratio < flop_ratio,
                 f"time {time_ratio:.1f}x, FLOPs {flop_ratio:.1f}x",
                 why_it_may_not="On a large model, or one whose passes are long enough for the arithmetic to dominate, "
                                "time follows work more closely.")
-prefill_vs_decode_ms = engine_ms[0] / statistics.median(engine_ms[1:])
-prefill_vs_decode_flop = engine_mflop[0] / statistics.median(engine_mflop[1:])
-_ = check_claim("the engine's prefill step costs far less time, relative to a decode step, than its FLOPs would "
-                "suggest (under half)", prefill_vs_decode_ms < 0.5 * prefill_vs_decode_flop,
-                f"prefill / decode: time {prefill_vs_decode_ms:.2f}x, FLOPs {prefill_vs_decode_flop:.1f}x",
+# Inside the hand-written loop every pass takes the same code path, only longer: its first and last
+# passes compare like with like.
+hand_time_growth = by_hand_ms[-1] / by_hand_ms[0]
+hand_flop_growth = hand_mflop[-1] / hand_mflop[0]
+_ = check_claim("from the hand-written loop's first pass to its last, the time grows by less than the FLOPs",
+                hand_time_growth < hand_flop_growth,
+                f"last / first pass: time {hand_time_growth:.2f}x, FLOPs {hand_flop_growth:.1f}x",
                 why_it_may_not="Where arithmetic dominates a pass (a large model, a long prompt), time follows FLOPs.")
 
 # %%
@@ -339,17 +342,20 @@ show_figure(fig)
 # <details><summary>Worked solution</summary>
 #
 # If time followed the work, the time ratio would equal the FLOP ratio from the cell before the
-# exercise. Compare the two in the check line under the table: on a small model the time ratio
-# falls far short of the work ratio. Every forward pass, whatever its length, pays a fixed price:
-# Python code in every module, and dozens of small operations each launched separately (norms,
-# projections, attention, for each layer). For a model this small, a pass over a few dozen tokens
-# does many times the arithmetic of a one-token pass, but where the fixed price dominates, its time
-# grows far less than its FLOPs, because that price is paid once either way. The second check under
-# the table tests this on this run: it compares the engine's prefill step (the whole prompt) with
-# its decode steps (one token each). Both loops run the same *number*
-# of passes (one per token), so the time ratio lands much nearer 1 than the token ratio. The bigger
-# the model, the more the arithmetic dominates each pass and the more closely time follows work;
-# chapter 03 measures both at longer lengths, and chapter 06 takes the fixed costs apart.
+# exercise. The first check under the table compares the two on this run: on a small model the time
+# ratio falls short of the work ratio. Every forward pass, whatever its length, pays a fixed price:
+# dozens of small operations each launched separately (norms, projections, attention, for each
+# layer) and, in the hand-written loop, Python code in every module and a fresh scratch KV cache each
+# call. For a model this small, that price is a large part of a pass, so a pass over a few dozen
+# tokens takes far less than a few dozen times as long as a one-token pass. The second check tests
+# this where the comparison is fair, inside the hand-written loop (the same code for every pass, only
+# longer): from its first pass to its last, the FLOPs grow by more than the time does. Comparing an
+# engine step with a hand-written pass mixes in other differences: an engine step also schedules,
+# samples and detokenises, and its decode steps replay a recorded graph of the forward's operations
+# without the Python around them (chapter 11), while its prefill step runs them one by one (the
+# table shows what that costs on this machine). The bigger the model, the more the arithmetic
+# dominates each pass and the more closely time follows work; chapter 03 measures both at longer
+# lengths, and chapter 06 takes the fixed costs apart.
 # </details>
 
 # %% [markdown]

@@ -211,9 +211,12 @@ for i, entry in enumerate(plan.scheduled):
     row += entry.num_tokens
 
 # %% [markdown]
-# The runner pads the block tables of a step into one `[num_seqs, max_blocks]` tensor (`-1` past a
+# The runner pads the block tables of a step into one tensor with a row per sequence (`-1` past a
 # sequence's last block); the attention backend finds the K and V of positions
-# `0 .. context_len - 1` of each sequence through its row.
+# `0 .. context_len - 1` of each sequence through its row. In a step run eagerly the rows are as wide
+# as the step's longest table. The rows printed above are wider: this decode step was replayed from a
+# recorded graph (chapter 11), whose input keeps one shape from step to step, so its rows have room
+# for the longest table `max_model_len` allows (`max_model_len / block_size` entries).
 #
 # ### Proof by reading the cache
 #

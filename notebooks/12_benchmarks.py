@@ -42,8 +42,8 @@
 #
 # `BIG` is the random-weight model at Qwen3-0.6B's shapes (section 4 prints what its weights weigh
 # in the dtype they are held in), used for the roofline section: the embedded model is small (chapter 02
-# counts its layers and parameters): its steps carry fixed costs a real model amortises, and its few MB of weights can stay in a
-# CPU cache, so it cannot show where a real model's steps sit.
+# counts its layers and parameters): its steps carry fixed costs a real model amortises, and its weights are small enough to
+# stay largely in a CPU's caches, so it cannot show where a real model's steps sit.
 
 # %% tags=["parameters"]
 import os
@@ -145,9 +145,11 @@ table.round(2)
 # How to read the ratio. `generate` runs each padded batch until its **longest** request is done: a
 # request that wanted 8 tokens rides along, computing padding, until the one that wanted 64 finishes,
 # and no new request can take its place. minivllm schedules per step: a finished request leaves at
-# once, its KV blocks go back to the pool, and a waiting one takes its slot (continuous batching,
-# chapter 05). The padding a batch of `generate` computes is, summed over its requests, how many tokens
-# each is short of the batch's longest, so it grows with the spread of the output lengths; this notebook
+# once and costs nothing more, its KV blocks go back to the pool, and when more requests wait than
+# a step can hold, a waiting one takes its slot (continuous batching, chapter 05; in this workload
+# every request fits in the first batch, so none waits). The padding a batch of `generate` computes is,
+# summed over its requests, how many tokens each is short of the batch's longest, so it grows with the
+# spread of the output lengths (and `generate` pads the prompts to the longest too); this notebook
 # measures one workload.
 #
 # Against that, on a CPU with the tiny embedded model every engine step pays fixed host costs
@@ -160,9 +162,11 @@ table.round(2)
 # ## 3. Latency: distributions, not averages
 #
 # Throughput says how fast the batch finished; users feel per-request latency. The harness reports
-# percentiles; here is every request of the same workload on the notebook's engine (a token budget
-# of 256 per step), with its TTFT (time to first token) and TPOT (mean time per output token after
-# the first).
+# percentiles (its ITL, inter-token latency, is the time between two consecutive tokens of one
+# request, over every gap of every request; TPOT is a request's mean gap). Here is every request of the
+# same workload on the notebook's engine, with the token budget per step set in the setup cell (the
+# harness built an engine of its own, with its own settings), with its TTFT (time to first token) and
+# TPOT (mean time per output token after the first).
 #
 # ### Exercise 1 · How many steps until everyone has a first token?
 #
@@ -261,7 +265,9 @@ check_claim("TPOT varies less across requests than TTFT (relative spread)", cv["
 # the prompts together, every prompt would be prefilled in the first step and the TTFTs would be
 # nearly equal, and that first step would be long (the playground below lets you try).
 # TPOT depends on something else: each request's decode steps are shared with whoever else is running
-# at that moment, so it follows how full the batch was during the request's life. This is why serving
+# at that moment, so it follows how full the batch was during the request's life, and how many prefill
+# tokens shared those steps (the first requests' early decodes ride in steps that also carry later
+# prompts' chunks: the prefill and decode counts printed in Exercise 1). This is why serving
 # systems quote p90 or p99 latencies: the mean hides the request that waited.
 
 # %% tags=["playground"]
@@ -333,7 +339,7 @@ check_prediction(my_prediction, decode_intensity, rel_tol=0.2, unit="FLOP/byte",
 # Each weight is read once per step (4 bytes in fp32) and used once per sequence in a multiply-add
 # (2 FLOPs). With 2 sequences that is 4 FLOPs per 4 bytes: about 1 FLOP per byte. The KV cache and the
 # activations add a few bytes and attention a few FLOPs, all small beside the weights at a context of
-# 16 to 19 tokens, so the measured median above sits close to that. In bf16 the same step would do
+# 17 and 18 tokens (the monitor's 16-token prompts, one more token a step), so the measured median above sits close to that. In bf16 the same step would do
 # 2 FLOPs per byte; in int8, 4.
 #
 # </details>
@@ -412,13 +418,14 @@ print(f"{d['num_requests']} requests; prompt tokens {nano.num_prompt_tokens:,} "
 # ignored, both produce exactly the requested number of tokens, so the work is the same apart from
 # the sampler), and its requests are its own random draws, the same in distribution up to the one
 # extra token id. Compare its `Throughput` with the `out tok/s` column. Report the GPU, the driver,
-# the torch version and both commands with the numbers. All the options:
+# the torch version and both commands with the numbers. Its usage line (`python -m minivllm bench
+# --help` explains every option):
 
 # %%
 from minivllm.bench import build_parser
 
-os.environ["COLUMNS"] = "110"  # argparse wraps the help to the terminal width
-print(build_parser().format_help())
+os.environ["COLUMNS"] = "110"  # argparse wraps the usage to the terminal width
+print(build_parser().format_usage())
 big.shutdown()
 
 # %% [markdown]
@@ -443,7 +450,7 @@ Quiz([
          "A latency figure does not tell you whether the two did the same work."],
     ),
     Question(
-        "In the offline run above, all requests arrived at once. Why did their TTFTs differ?",
+        "In section 3, all requests arrived at once at the notebook's engine. Why did their TTFTs differ?",
         ["Random noise", "Each step's token budget admits prompts in turn, so later ones wait for earlier prefills",
          "Longer prompts always get their first token first", "TTFT only measures decode"],
         1,
