@@ -213,7 +213,7 @@ class PagedDecodeKernel:
             # the rows split on the panel GEMM's threads, which poll between a step's calls: a pool
             # of its own (Python threads, below) woke a sleeping thread for each layer while the
             # GEMM's polled on the same cores (2 cores, 2 threads, the embedded model's batch-32
-            # step: 11.1-14.3 ms against 5.9-7.1 ms this way; README, run AF)
+            # step: 11.1-14.3 ms against 5.9-7.1 ms this way; docs/benchmarks.md, run AF)
             call = _DecodeCall(qp, kp, vp, tp, stride, sq, lp, op, rows, heads, kv_heads, head_dim, block_size,
                                scale, sp, per_chunk)
             if graph is not None:
