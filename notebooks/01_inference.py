@@ -346,16 +346,16 @@ show_figure(fig)
 # ratio falls short of the work ratio. Every forward pass, whatever its length, pays a fixed price:
 # dozens of small operations each launched separately (norms, projections, attention, for each
 # layer) and, in the hand-written loop, Python code in every module and a fresh scratch KV cache each
-# call. For a model this small, that price is a large part of a pass, so a pass over a few dozen
-# tokens takes far less than a few dozen times as long as a one-token pass. The second check tests
-# this where the comparison is fair, inside the hand-written loop (the same code for every pass, only
-# longer): from its first pass to its last, the FLOPs grow by more than the time does. Comparing an
-# engine step with a hand-written pass mixes in other differences: an engine step also schedules,
-# samples and detokenises, and its decode steps replay a recorded graph of the forward's operations
-# without the Python around them (chapter 11), while its prefill step runs them one by one (the
-# table shows what that costs on this machine). The bigger the model, the more the arithmetic
-# dominates each pass and the more closely time follows work; chapter 03 measures both at longer
-# lengths, and chapter 06 takes the fixed costs apart.
+# call. For a model this small, that price is a large part of a pass, so a longer pass takes far less
+# longer than its extra FLOPs would say. The second check tests this where the comparison is fair,
+# inside the hand-written loop (the same code for every pass, only longer): from its first pass to its
+# last, the FLOPs grow by more than the time does. Comparing an engine step with a hand-written pass
+# mixes in other differences: an engine step also schedules, samples and detokenises, and its decode
+# steps replay a recorded graph of the forward's operations without the Python around them (chapter
+# 11), while its prefill step runs them one by one, with the engine's own work around them (the table
+# shows how its prefill step compares with the hand-written pass over the same tokens on this run). The
+# bigger the model, the more the arithmetic dominates each pass and the more closely time follows work;
+# chapter 03 measures both at longer lengths, and chapter 11 takes the fixed costs apart.
 # </details>
 
 # %% [markdown]

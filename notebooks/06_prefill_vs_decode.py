@@ -49,7 +49,7 @@
 # %% [markdown]
 # ## Setup
 #
-# The parameters cell chooses the model: the embedded `minivllm-tiny` (a 4M-parameter Qwen3-shaped
+# The parameters cell chooses the model: the embedded `minivllm-tiny` (a Qwen3-shaped
 # model that ships with the repo) unless the environment variable `MINIVLLM_MODEL` names another one
 # (a Qwen3 checkpoint directory, or `random:qwen3-0.6b`). `BIG_MODEL` is the model of section 4: random
 # weights at Qwen3-0.6B's shapes, too big for any CPU cache. `MINIVLLM_THREADS` sets torch's CPU

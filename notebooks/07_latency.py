@@ -27,8 +27,7 @@
 # **Prerequisites:** chapter 05 (the scheduler and its token budget per step), chapter 06 (prefill is
 # compute-bound and grows with the prompt; a decode step is a weight read, shared by the batch).
 #
-# **Time:** about 30 minutes (reading and running; the cells themselves take a minute or two on a
-# 2-core CPU).
+# **Time:** about 30 minutes (reading and running).
 #
 # **Map of this chapter**
 #
@@ -221,8 +220,10 @@ render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".
 # The four prompts hold 4 × 128 = 512 tokens, which fit in one step of the 1024-token budget, so the
 # scheduler prefills all four in the same step and samples all four first tokens at its end. Each
 # request's TTFT is therefore about the time of one 512-token prefill step, not the time of a
-# 128-token prefill: the sweep printed a 512-token prefill step, and that is the estimate (single
-# steps on a CPU vary from run to run, so the measured mean can land on either side of it). A common slip is to take the 128-token figure: it ignores that the other three prompts
+# 128-token prefill: the sweep printed a 512-token prefill step, and that is the estimate. Expect the
+# measured mean to come out somewhat below it: four prompts of 128 tokens do less attention work than
+# one of 512 (each token attends only over its own prompt), and single steps on a CPU also vary from run
+# to run. A common slip is to take the 128-token figure: it ignores that the other three prompts
 # ride in the same step. (With a budget of 128 tokens the four would be served one after another, and
 # the mean TTFT would be about 2.5 prefill steps of 128 tokens.)
 #
@@ -257,16 +258,19 @@ render(f"Here throughput grew **{'more' if b_last / tpot_ratio > tpot_ratio else
        + ("the batch-1 step is mostly a cost every step pays whatever its rows (reading the weights, launching the "
           "operations), and the added rows cost little beside it."
           if b_last / tpot_ratio > tpot_ratio else
-          "this model's weights are so few that a few sequences' arithmetic already outweighs reading them (the "
-          "step is past the ridge point), so every added row costs its own arithmetic; a real model's decode step "
-          "stays memory-bound to far larger batches, and there TPOT barely moves while throughput grows almost "
-          "with the batch."));
+          "at batch b a decode step does about 2b FLOPs for each weight it reads, whatever the model's size, so "
+          "once 2b over the bytes each weight is held in passes the machine's ridge point (FLOPs per byte), the "
+          "step is arithmetic-bound and every added row costs its own arithmetic. On a CPU, whose ridge point is "
+          "a few FLOPs per byte, that comes at a few sequences (chapter 06 finds the bend); on a GPU, whose ridge "
+          "point is typically in the hundreds, a decode step stays memory-bound to far larger batches, and there "
+          "TPOT barely moves while throughput grows almost with the batch."));
 
 # %% [markdown]
 # So batching is a **throughput** lever, not a TPOT lever: it serves more users per second at the
-# price of a slower stream for each (by the TPOT factor just rendered). What lowers a request's TPOT is a cheaper decode step
-# (fewer bytes per weight, faster memory) or more tokens per step for that request (speculative
-# decoding); chapter 06 measured both. The calculator's constants are fitted to this machine, so on a
+# price of a slower stream for each (by the TPOT factor just rendered). What can lower a request's TPOT
+# is a cheaper decode step (fewer bytes per weight, which pays where the step is bound by reading its
+# weights; faster memory) or more tokens per step for that request (speculative decoding); chapters 06
+# and 11 measure both on this machine, and what they find depends on that condition. The calculator's constants are fitted to this machine, so on a
 # GPU with a real checkpoint the same cells fit different ones.
 #
 # ## 3. Chunked prefill
@@ -340,9 +344,9 @@ check_claim("chunking did not make the long prompt's own first token come sooner
 # of that step. Chunked, the same prompt tokens still have to be computed before its first token, now
 # spread over several steps, and each of those steps also carries the other requests' decodes and
 # reads all the weights again. So chunking does not bring the long prompt's first token sooner, and
-# usually delays it: expect a ratio of 1 or more. How much it adds depends on the fixed cost per
-# step: on this small model a step's fixed cost is a large share of a 64-token chunk's time, so
-# several steps cost visibly more than one. On a large model on a GPU, where a chunk of a few hundred
+# usually delays it: expect a ratio of 1 or more. How much it adds depends on what each extra step
+# costs beyond its share of the prompt: the other requests' decodes it carries, reading the weights
+# again, and the engine's own work per step. On a large model on a GPU, where a chunk of a few hundred
 # tokens is compute-bound, we expect the ratio to be closer to 1; that is not measured here: run this
 # notebook with `MINIVLLM_MODEL` naming a real checkpoint on a GPU to measure it. The table above gives
 # this run's figure.

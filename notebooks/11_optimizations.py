@@ -22,7 +22,7 @@
 #
 # **Prerequisites:** chapter 02 (the model's layers), 04 (the paged KV cache and its block tables),
 # 06 (decode of a model whose weights stream from main memory is memory-bound: a step reads every weight
-# once; the embedded model's weights fit in a CPU cache, and section 1 below measures what else its decode
+# once; the embedded model's weights are few, and section 1 below measures what else its decode
 # step spends its time on) and 07 (TPOT).
 #
 # **Time:** about 45 minutes (reading and running).
@@ -692,13 +692,16 @@ check_prediction(my_prediction, int8_speedup, rel_tol=0.25, unit="x",
 render(f"On this run int8 changed the batch-1 decode step from {step['fp32']:.2f} ms to {step['int8']:.2f} ms: "
        f"**{int8_speedup:.2f}x**, while the weights shrank {wbytes['fp32'] / wbytes['int8']:.2f}x. Reading the "
        f"fp32 engine's weights once, as it holds them, at the measured read bandwidth would take {read_ms['fp32']:.2f} ms, "
-       f"**{read_ms['fp32'] / step['fp32']:.0%}** of the fp32 step.")
+       f"**{read_ms['fp32'] / step['fp32']:.0%}** of the fp32 step. (These steps are timed from the outside, as the gaps "
+       "between one request's tokens through `generate`, so everything between two tokens counts; section 1's figure "
+       "is the engine's own record of its steps, from another engine and run.)")
 check_claim("int8 speeds this model's decode step up by less than its weights shrank",
             int8_speedup < wbytes["fp32"] / wbytes["int8"],
             f"{int8_speedup:.2f}x ({'slower' if int8_speedup < 1 else 'faster'}) against "
             f"{wbytes['fp32'] / wbytes['int8']:.2f}x fewer bytes",
             why_it_may_not="A step bound by reading its weights from main memory, with an int8 linear that costs "
-                           "little per call, would approach the bytes' ratio; this model's weights fit in a CPU cache.");
+                           "little per call, would approach the bytes' ratio; reading this model's weights is a small part "
+                           "of its step (the line above).");
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
