@@ -169,7 +169,9 @@ render(f"The last first token{plural} came at step {max(first_step.values())}, t
 # tokens. The latency calculator fits a cost model to these steps: a fixed cost per step plus a cost
 # per prefill token, and a fixed cost per decode step plus a cost per sequence in the batch. It then
 # replays the scheduler's policy (decodes first, then prompt chunks up to the token budget) for any
-# workload.
+# workload. (The fitted prefill "fixed cost" can come out near zero or even negative: a prefill step's
+# time grows a little faster than its token count, because each token's attention reads all the
+# tokens before it, and a straight line through such points meets zero tokens below zero.)
 
 # %%
 from widgets import measure_decode_batch, measure_step_latency
