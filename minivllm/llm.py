@@ -1,12 +1,9 @@
 """``LLM``: the offline facade (vLLM's shape): generate, stream, chat."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import itertools
 import numbers
-import threading
 from collections import deque
 from typing import Iterator, Sequence as Seq
 
@@ -17,47 +14,7 @@ from minivllm.generation_config import default_sampling_params
 from minivllm.inputs import cache_salt_of
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-
-
-_gc_lock = threading.Lock()
-_gc_holders = 0  # threads inside _heap_frozen (gc.freeze is process-wide: the last one out undoes it)
-
-
-def _caller_froze_heap() -> bool:
-    """Someone other than these LLMs has frozen the heap (``gc.freeze``). Asked once per
-    ``generate`` / ``stream`` call: ``gc.get_freeze_count`` walks the frozen objects (~4-20 ms for
-    the ~200k of torch and transformers), so it is not asked per step."""
-    with _gc_lock:
-        return _gc_holders == 0 and gc.get_freeze_count() > 0
-
-
-@contextlib.contextmanager
-def _heap_frozen(enabled: bool = True):
-    """Steps run with the objects that existed before them out of the garbage collector's
-    generations (``gc.freeze``, undone after), so that a full collection triggered inside a step
-    walks what the steps made, not the process's whole heap: with torch, transformers and the
-    embedded model loaded (~220k tracked objects), one took 98 ms in the middle of 60 batch-32
-    decode steps of ~6 ms (dev EPYC, 2026-12-03), none with the heap frozen. vLLM freezes its
-    server's heap once, after start-up (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``); here the
-    process is the user's, so nothing stays frozen
-    between calls (a frozen cycle would never be collected). Threads stepping at once share one
-    freeze, undone when the last of them is out. ``enabled=False`` (the caller froze the heap
-    itself, :func:`_caller_froze_heap`): nothing is done, so that freeze is left as it is."""
-    global _gc_holders
-    if not enabled:
-        yield
-        return
-    with _gc_lock:
-        if _gc_holders == 0:
-            gc.freeze()  # O(1) in CPython's default build: the generations' lists are moved, not walked
-        _gc_holders += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_holders -= 1
-            if _gc_holders == 0:
-                gc.unfreeze()
+from minivllm.utils.gc_heap import caller_froze_heap, heap_frozen
 
 
 def _as_prompt_list(prompts) -> list:
@@ -181,11 +138,11 @@ class LLM:
         """This call's outputs as they arrive: step the engine while the inbox is empty.
         Steps run by another thread deliver to this inbox too."""
         pending = set(ids)
-        freeze = not _caller_froze_heap()
+        freeze = not caller_froze_heap()  # asked once per call, not per step
         try:
             while pending:
                 if not inbox:
-                    with _heap_frozen(freeze):
+                    with heap_frozen(freeze):
                         while not inbox:
                             self._step()
                 out = inbox.popleft()

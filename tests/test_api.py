@@ -237,22 +237,22 @@ def test_heap_freeze_is_shared_by_overlapping_users_and_undone_by_the_last():
     import gc
     import threading
 
-    from minivllm.llm import _heap_frozen
+    from minivllm.utils.gc_heap import heap_frozen
 
     inside, release = threading.Event(), threading.Event()
 
     def other():
-        with _heap_frozen():
+        with heap_frozen():
             inside.set()
             release.wait(10)
 
     t = threading.Thread(target=other)
-    with _heap_frozen():
+    with heap_frozen():
         t.start()
         assert inside.wait(10)
     assert gc.get_freeze_count() > 0  # the other thread is still stepping
     release.set()
     t.join(10)
     assert gc.get_freeze_count() == 0
-    with _heap_frozen(False):
+    with heap_frozen(False):
         assert gc.get_freeze_count() == 0

@@ -144,9 +144,20 @@ def test_throughput_smoke_with_peers(tiny_ckpt):
     assert cb["available"] is False or cb["agreement"]["num_requests"] == 4
 
 
-def test_sweep_smoke(tiny_ckpt, tmp_path):
+def test_sweep_smoke(tiny_ckpt, tmp_path, monkeypatch):
+    import gc
+
+    from minivllm.engine.llm_engine import LLMEngine
+
     pytest.importorskip("plotly")
     html = tmp_path / "roof.html"
+    real_step, frozen = LLMEngine.step_with_record, []
+
+    def step_with_record(self):
+        frozen.append(gc.get_freeze_count() > 0)
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step_with_record", step_with_record)
     r = run_sweep(str(tiny_ckpt), batch_sizes=[1, 4], prompt_lens=[8, 32], context_len=8, decode_steps=2,
                   warmup_steps=1, repeats=1, html=html, log=_quiet, peak_kwargs=PEAKS)
     assert r.html == str(html) and r.to_dict()["decode"] == r.decode
@@ -160,6 +171,8 @@ def test_sweep_smoke(tiny_ckpt, tmp_path):
     assert r["decode"][1]["intensity"] > 2 * r["decode"][0]["intensity"]
     assert r["prefill"][1]["intensity"] > r["prefill"][0]["intensity"]
     assert html.exists() and "plotly" in html.read_text()[:5000].lower()
+    # the timed steps ran with the older objects frozen (a full collection is not the step), undone after
+    assert sum(frozen) >= 2 * (1 + 2) + 2 and gc.get_freeze_count() == 0
 
 
 def test_overhead_smoke_without_peer(tiny_ckpt, tmp_path):

@@ -7,6 +7,7 @@ import random
 import ipywidgets as W
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import STYLE, CourseWidget
 from ._engine import engine_of, fmt_ms, titled
@@ -44,17 +45,18 @@ def itl_around_long_prompt(llm, num_decoders: int = 3, decoder_prompt_len: int =
     arrival = None
     prefill_steps = 0
     try:
-        step = 0
-        while engine.has_unfinished_requests():
-            if step == arrive_after:
-                engine.add_request(long_id, random_prompt(engine, long_prompt_len, rng),
-                                   SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-                long_seq = engine.requests[long_id].seq
-                arrival = time.perf_counter()
-            rec = engine.step_with_record().record
-            if any(e.request_id == long_id and e.is_prefill for e in rec.scheduled):
-                prefill_steps += 1
-            step += 1
+        with heap_frozen():  # the steps' times are the engine's, not a full collection's (minivllm.utils.gc_heap)
+            step = 0
+            while engine.has_unfinished_requests():
+                if step == arrive_after:
+                    engine.add_request(long_id, random_prompt(engine, long_prompt_len, rng),
+                                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+                    long_seq = engine.requests[long_id].seq
+                    arrival = time.perf_counter()
+                rec = engine.step_with_record().record
+                if any(e.request_id == long_id and e.is_prefill for e in rec.scheduled):
+                    prefill_steps += 1
+                step += 1
     finally:
         for rid in ids + [long_id]:
             engine.abort_request(rid)

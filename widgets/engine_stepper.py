@@ -15,6 +15,7 @@ import ipywidgets as W
 from minivllm.sampling_params import SamplingParams
 from minivllm.telemetry.step_record import StepRecord
 from minivllm.utils import cdiv
+from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import PALETTE, STYLE, CourseWidget
 from ._engine import engine_of, fmt_ms, fmt_si, parse_prompt, titled, tok_span
@@ -251,7 +252,8 @@ class EngineStepper(CourseWidget):
                 self.render()
             return None
         self._ensure_sampler()
-        record = self.engine.step_with_record().record
+        with heap_frozen():  # the step's time is the engine's, not a full collection's (minivllm.utils.gc_heap)
+            record = self.engine.step_with_record().record
         self._fill_roofline(record)
         self.steps.append(record)
         self._message(f"step {record.index}: {record.phase}, {record.num_prefill_tokens} prefill + "
@@ -305,14 +307,15 @@ class EngineStepper(CourseWidget):
         """Step until idle, stopped or ``max_run_steps``; yields the count after each step and
         re-renders at most every ``render_every`` seconds."""
         taken, last_render = 0, time.perf_counter()
-        while self._running and not self._stop_requested and taken < self.max_run_steps:
-            if self._step_once(render=False) is None:
-                break
-            taken += 1
-            if time.perf_counter() - last_render > render_every:
-                self.render()
-                last_render = time.perf_counter()
-            yield taken
+        with heap_frozen():  # one freeze for the run (each step's own, nested, then costs nothing)
+            while self._running and not self._stop_requested and taken < self.max_run_steps:
+                if self._step_once(render=False) is None:
+                    break
+                taken += 1
+                if time.perf_counter() - last_render > render_every:
+                    self.render()
+                    last_render = time.perf_counter()
+                yield taken
 
     def _finish_run(self, taken: int, interrupted: bool) -> None:
         how = "interrupted" if interrupted else "stopped" if self._stop_requested else "done"

@@ -12,6 +12,7 @@ import statistics
 import weakref
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils.gc_heap import heap_frozen
 
 from ._engine import engine_of
 
@@ -57,12 +58,13 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, 
         ids.append(rid)
     final, records = {}, []
     try:
-        while engine.has_unfinished_requests():
-            res = engine.step_with_record()
-            records.append(res.record)
-            for out in res.outputs:
-                if out.finished:
-                    final[out.request_id] = out
+        with heap_frozen():  # a full collection of the process's heap is not the step (minivllm.utils.gc_heap)
+            while engine.has_unfinished_requests():
+                res = engine.step_with_record()
+                records.append(res.record)
+                for out in res.outputs:
+                    if out.finished:
+                        final[out.request_id] = out
     finally:
         for rid in ids:  # an interrupt leaves nothing behind
             if rid not in final:

@@ -8,6 +8,7 @@ from html import escape
 import ipywidgets as W
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import STYLE, CourseWidget
 from ._engine import engine_of, fmt_si, titled
@@ -115,15 +116,16 @@ class UtilisationMonitor(CourseWidget):
         last = t0
         sampler.start()
         try:
-            while engine.has_unfinished_requests():
-                rec = engine.step_with_record().record
-                if rec.mfu is None and rec.num_tokens:
-                    fill_step_record(rec, cost, peaks)
-                self.records.append(rec)
-                if time.perf_counter() - last > 0.25:  # live update while it runs
-                    self.samples = sampler.samples
-                    self._redraw(t0)
-                    last = time.perf_counter()
+            with heap_frozen():  # a full collection of the process's heap is not a step (minivllm.utils.gc_heap)
+                while engine.has_unfinished_requests():
+                    rec = engine.step_with_record().record
+                    if rec.mfu is None and rec.num_tokens:
+                        fill_step_record(rec, cost, peaks)
+                    self.records.append(rec)
+                    if time.perf_counter() - last > 0.25:  # live update while it runs
+                        self.samples = sampler.samples
+                        self._redraw(t0)
+                        last = time.perf_counter()
         finally:
             sampler.stop()
             for rid in ids:

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from minivllm.bench.workload import Workload
+from minivllm.utils.gc_heap import heap_frozen
 
 _ids = itertools.count()  # request-id prefixes unique within the process
 
@@ -103,18 +104,15 @@ def kv_bytes_for(model, tokens: int, dtype: str | None = None) -> int | None:
 
 @contextlib.contextmanager
 def frozen_heap():
-    """Around a timed run: collect garbage, then move every object that survives out of the
-    collector's generations (``gc.freeze``) until the block ends, so that a full collection during
-    the run walks only what the run itself made, not the process's whole heap (torch,
+    """Around a timed run: collect garbage, then run with every object that survives out of the
+    collector's generations (:func:`~minivllm.utils.gc_heap.heap_frozen`), so that a full collection
+    during the run walks only what the run itself made, not the process's whole heap (torch,
     transformers, the models: a full collection inside the throughput run took 106-138 ms of its
     ~1.1 s, in two of two traced runs). The collector stays on; Python's ``timeit`` switches it off
     for the same reason."""
     gc.collect()
-    gc.freeze()
-    try:
+    with heap_frozen():
         yield
-    finally:
-        gc.unfreeze()
 
 
 def drive(engine, workload: Workload, temperature: float = 0.0):

@@ -12,6 +12,7 @@ from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, devic
                                    next_tag, wants_cuda)
 from minivllm.bench.matmul_share import LinearReplay, eager_steps, record_linear_calls
 from minivllm.bench.report import describe_peaks, peaks_summary, print_sweep_summary, write_roofline_html
+from minivllm.utils.gc_heap import heap_frozen
 
 __all__ = ["SweepResult", "run_sweep"]
 
@@ -120,18 +121,19 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                                    SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 1,
                                                   ignore_eos=True))
             recs, replay, matmul_s = [], None, []
-            while engine.has_unfinished_requests():
-                if replay is None and recs:  # a warm-up step after a full decode: which matmuls it does
-                    with record_linear_calls() as calls, eager_steps(engine):
+            with heap_frozen():  # a full collection of the whole process is not the engine's step
+                while engine.has_unfinished_requests():
+                    if replay is None and recs:  # a warm-up step after a full decode: which matmuls it does
+                        with record_linear_calls() as calls, eager_steps(engine):
+                            rec = engine.step_with_record().record
+                        if rec.phase == "decode" and rec.num_seqs == b:
+                            replay = LinearReplay(calls) if calls else False  # int8 layers: not recorded
+                    else:
                         rec = engine.step_with_record().record
                     if rec.phase == "decode" and rec.num_seqs == b:
-                        replay = LinearReplay(calls) if calls else False  # int8 layers: not recorded
-                else:
-                    rec = engine.step_with_record().record
-                if rec.phase == "decode" and rec.num_seqs == b:
-                    recs.append(rec)
-                    if replay and len(recs) > warmup_steps:  # interleaved with the timed steps
-                        matmul_s.append(replay.seconds())
+                        recs.append(rec)
+                        if replay and len(recs) > warmup_steps:  # interleaved with the timed steps
+                            matmul_s.append(replay.seconds())
             recs = recs[warmup_steps:warmup_steps + decode_steps]
             if not recs:
                 log(f"  batch {b}: no full decode steps (KV pool too small?)")
@@ -154,14 +156,15 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                 log(f"  {n}: skipped (max_model_len {max_len}, step budget {budget})")
                 continue
             recs = []
-            for _ in range(repeats):
-                engine.add_request(f"sweep{next_tag()}", prompt(n),
-                                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-                while engine.has_unfinished_requests():
-                    rec = engine.step_with_record().record
-                    if rec.phase == "prefill":
-                        recs.append(rec)
-                engine.reset_prefix_cache()
+            with heap_frozen():
+                for _ in range(repeats):
+                    engine.add_request(f"sweep{next_tag()}", prompt(n),
+                                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                    while engine.has_unfinished_requests():
+                        rec = engine.step_with_record().record
+                        if rec.phase == "prefill":
+                            recs.append(rec)
+                    engine.reset_prefix_cache()
             p = point(recs, f"prefill L={n}", prompt_len=n)
             prefill.append(p)
             log(f"  {n:5d} {p['step_ms']:9.2f} {n / p['step_ms'] * 1e3:9.0f} {p['flops_per_s'] / 1e9:9.2f} "
