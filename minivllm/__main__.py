@@ -38,6 +38,12 @@ def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="sample from the K most likely tokens (default 0: all)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="> 1 makes tokens already in the prompt or output less likely (default 1.0: off)")
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="end the completion where its text reaches TEXT (left out of the output); "
+                             "repeat for several. Backslash escapes as in Python: --stop '\\n' stops at the end "
+                             "of the line")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep generating past the end-of-sequence token (to --max-tokens)")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of this request's own generator at temperature > 0; without it the engine-wide "
                              "generator draws, seeded with 0 when the engine starts, so this "
@@ -50,6 +56,18 @@ def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
                              "idle, at least 1 (OpenMP threads wait on each other, so a thread on a core another "
                              "process holds slows every step down); an int N: exactly N")
     return parser
+
+
+def _unescape(text: str) -> str:
+    """A command-line stop string with Python's backslash escapes applied (``\\n`` -> newline), so a
+    shell need not pass control characters.
+
+    Raises:
+        ValueError: a malformed escape, naming the string."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--stop '{text}': not a valid backslash escape ({e.reason})") from None
 
 
 def _generate(argv: list[str]) -> int:
@@ -76,9 +94,10 @@ def _generate(argv: list[str]) -> int:
         print(f"# {choice.reason}", file=sys.stderr)
 
     try:
+        stop = [_unescape(text) for text in args.stop] if args.stop else None
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 repetition_penalty=args.repetition_penalty, seed=args.seed,
-                                max_tokens=args.max_tokens)
+                                max_tokens=args.max_tokens, stop=stop, ignore_eos=args.ignore_eos)
         t0 = time.perf_counter()
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)
         load_s = time.perf_counter() - t0
@@ -99,7 +118,9 @@ def _generate(argv: list[str]) -> int:
     n = len(m.token_times)
     tps = n / ((m.finished_time - m.first_scheduled_time) or float("nan"))
     tpot = f"{m.tpot_ms:.2f} ms" if m.tpot_ms is not None else "n/a (1 token)"
-    print(f"# {n} tokens ({last.outputs[0].finish_reason}); TTFT {m.ttft_ms:.2f} ms; TPOT {tpot}; "
+    out = last.outputs[0]
+    why = out.finish_reason + (f" at {out.stop_reason!r}" if isinstance(out.stop_reason, str) else "")
+    print(f"# {n} tokens ({why}); TTFT {m.ttft_ms:.2f} ms; TPOT {tpot}; "
           f"{tps:.1f} tokens/s (measured on {engine.config.device})", file=sys.stderr)
     llm.shutdown()
     return 0

@@ -367,6 +367,33 @@ def test_generate_threads_option(capsys):
     assert "--threads '0'" in capsys.readouterr().err
 
 
+def test_generate_stop_strings_and_ignore_eos(capsys, monkeypatch):
+    """``--stop`` (repeatable, backslash escapes applied) and ``--ignore-eos`` reach the request's
+    SamplingParams; the completion ends before the stop string and the summary names it."""
+    from minivllm import llm as llm_module
+    from minivllm.__main__ import main as cli
+
+    seen = []
+    real_stream = llm_module.LLM.stream
+
+    def stream(self, prompts, params=None, **kw):
+        seen.append(params)
+        return real_stream(self, prompts, params, **kw)
+
+    monkeypatch.setattr(llm_module.LLM, "stream", stream)
+    assert cli(["generate", "def", "--max-tokens", "40", "--threads", "1", "--stop", "\\n", "--stop", ")",
+                "--ignore-eos"]) == 0
+    params = seen[-1]
+    assert params.stop == ["\n", ")"] and params.ignore_eos
+    out = capsys.readouterr()
+    # the embedded model's 40 greedy tokens after "def" reach a line end or a ")"; neither is printed
+    assert "(stop at '\\n')" in out.err or "(stop at ')')" in out.err, out.err
+    completion = out.out[:-1]  # the command ends its output with one newline
+    assert completion.startswith("def") and "\n" not in completion and ")" not in completion
+    assert cli(["generate", "def", "--stop", "\\x"]) == 2
+    assert "--stop '\\x': not a valid backslash escape" in capsys.readouterr().err
+
+
 def test_generate_refuses_an_empty_prompt_before_loading_the_model(capsys, monkeypatch):
     from minivllm import llm as llm_module
     from minivllm.__main__ import main as cli
