@@ -25,6 +25,7 @@ import itertools
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import xxhash
@@ -135,6 +136,11 @@ class BlockManager:
         self._free_plain: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int | bytes, int] = {}
+        #: The highest block id handed out so far (plain blocks go out in ascending order until
+        #: each has been used once), and a hook called with each new one: the CPU pool's
+        #: :class:`~minivllm.engine.kv_prefault.KVPrefaulter` makes the memory of the blocks ahead.
+        self.high_water = -1
+        self.on_fresh_block: Callable[[int], None] | None = None
 
     # -- pool state ----------------------------------------------------------------
     @property
@@ -257,6 +263,10 @@ class BlockManager:
                 self.evicted.append(block_id)
             self._unregister(block)
         block.ref_count = 1
+        if block_id > self.high_water:  # not undone by a rollback: it only says how far memory is in use
+            self.high_water = block_id
+            if self.on_fresh_block is not None:
+                self.on_fresh_block(block_id)
         return block_id
 
     def _unregister(self, block: KVBlock) -> None:

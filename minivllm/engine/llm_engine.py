@@ -146,6 +146,10 @@ class LLMEngine:
         self.runner.logprobs_mode = args.logprobs_mode
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, args.enable_prefix_caching,
                                           args.prefix_caching_hash_algo)
+        prefaulter = getattr(self.runner, "kv_prefaulter", None)
+        if prefaulter is not None:  # the CPU pool's first pages are made now, in the background
+            self.block_manager.on_fresh_block = prefaulter.note
+            prefaulter.note(-1)
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
         self.speculative_config = (SpeculativeConfig.from_dict(args.speculative_config)
                                    if args.speculative_config is not None else None)

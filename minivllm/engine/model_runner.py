@@ -21,6 +21,7 @@ from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES
 from minivllm.engine import model_check
 from minivllm.engine.decode_tables import DecodeTables, block_table_array
 from minivllm.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token, num_blocks_for_bytes
+from minivllm.engine.kv_prefault import KVPrefaulter
 from minivllm.engine.runner_config import RunnerConfig
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
@@ -314,6 +315,9 @@ class ModelRunner:
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, self.block_size,
                                                           self.dtype, self.device, self.tp_size)
+        #: CPU pools: makes the pool's pages ahead of the blocks in use (see kv_prefault.py); the
+        #: engine connects it to its block manager
+        self.kv_prefaulter = KVPrefaulter.for_pool(self.kv_cache)
         self.graph_runner = None  # decode graphs (CUDA or CPU), see enable_cuda_graphs
         self._decode_tables = DecodeTables()  # the eager decode steps' block tables, kept across steps
         #: the last sampled batch's rows (their sequences and generators) and its SamplingBatch, which a
@@ -892,6 +896,9 @@ class ModelRunner:
         return out
 
     def shutdown(self) -> None:
+        if getattr(self, "kv_prefaulter", None) is not None:
+            self.kv_prefaulter.close()
+            self.kv_prefaulter = None
         self.graph_runner = None
         self.kv_caches = []
         self.kv_cache = None
