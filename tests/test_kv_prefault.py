@@ -124,3 +124,19 @@ def test_the_engine_makes_its_pool_pages_ahead_and_stops_at_shutdown(tiny_ckpt):
     assert pf.done == min(pf.region_bytes, (bm.high_water + 1) * pf.block_bytes + pf.ahead_bytes)
     llm.shutdown()
     assert runner.kv_prefaulter is None and pf._thread is None and pf._pool is None
+
+
+@linux_only
+def test_a_thread_that_cannot_start_leaves_the_step_alone(monkeypatch):
+    """note() runs inside a step's scheduling: a thread refused by the system must not fail the step."""
+    import threading
+
+    pf = KVPrefaulter.for_pool(_pool(64))
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    pf.note(3)  # does not raise
+    assert pf.error is not None and "can't start new thread" in pf.error and pf._thread is None
+    pf.note(40)  # and stays quiet after

@@ -96,7 +96,8 @@ class KVPrefaulter:
 
     def note(self, block_id: int) -> None:
         """Block ``block_id`` (the highest handed out so far) is about to be written: make sure the
-        pages up to ``ahead_bytes`` past it are being made. Cheap when nothing changes."""
+        pages up to ``ahead_bytes`` past it are being made. Cheap when nothing changes; never raises
+        (it runs inside a step's scheduling)."""
         want = min(self.region_bytes, (block_id + 1) * self.block_bytes + self.ahead_bytes)
         if want <= self._target or self._closed or self.error is not None:
             return
@@ -105,8 +106,13 @@ class KVPrefaulter:
                 return
             self._target = want
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="minivllm-kv-prefault", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="minivllm-kv-prefault", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as e:  # no thread to be had: the step goes on, its pages made as written
+                    self.error = f"no background thread ({e})"
+                    return
+                self._thread = thread
 
     def _run(self) -> None:
         fn = _madvise()
