@@ -82,7 +82,9 @@ def setting(llm):
 #
 # How is a hit found? After a step computes a **full** block of a sequence, the block manager hashes
 # it: the hash covers the block's 16 token ids *and* the hash of the block before it, so equal hashes
-# mean equal token prefixes from position 0, not just equal 16-token windows. A new request walks its
+# mean equal token prefixes from position 0, not just equal 16-token windows. (Two different prefixes
+# can share a 64-bit hash, rarely; so a hit is also checked against the block's own token ids, and
+# `prefix_caching_hash_algo="sha256"` makes such a collision practically impossible.) A new request walks its
 # prompt block by block, looks each hash up, and stops at the first miss. Matching blocks are added to
 # its block table (their reference count goes up); prefill starts after them. A block only becomes
 # hittable once the step that wrote its KV has finished, and the last prompt token is always computed
@@ -231,7 +233,8 @@ check_claim("the TTFT ratio is smaller than the ratio of computed prompt tokens"
 # prefill. The TTFT ratio is smaller than the ratio of computed tokens because part of every TTFT is
 # fixed per-step overhead (scheduling, building the inputs, sampling, the layers' launches) that no
 # cache removes; with the embedded model on a CPU that part is large. The prefill work the cache skips
-# is the shared prefix's tokens times the model's FLOPs per token (chapter 06), so it grows with both,
+# is at least the shared prefix's tokens times the model's FLOPs per token (chapter 06; attention over
+# the prefix adds a part that grows with its square), so it grows with both,
 # while the fixed part does not; run this notebook with a real checkpoint (`MINIVLLM_MODEL`) to measure
 # what that does to the TTFT ratio there.
 #
@@ -244,7 +247,10 @@ check_claim("the TTFT ratio is smaller than the ratio of computed prompt tokens"
 # then forgotten. That is an **LRU eviction** (least recently used, since a hit takes a block off the
 # free list and its release puts it back at the end). (Within one request, blocks are released tail
 # first, so a prompt's tail is evicted before its head; heads are what other requests are most likely
-# to share.)
+# to share.) Taking plain blocks first is this engine's policy. vLLM's V1 allocator keeps a single
+# queue of every unreferenced block, a finished request's blocks appended tail first whether they are
+# cached or not, and takes from its front, evicting a cached block it finds there even while plain ones
+# wait behind it; the pool below would then lose more of the cached prefixes.
 #
 # A small pool of 16 blocks makes it visible. Four different "system prompts" (random token ids),
 # each 4 full blocks plus 8 tokens, so a request uses 5 blocks while it runs and leaves 4 cached
@@ -294,8 +300,9 @@ sm.check_invariants()
 # Follow it through. A, B and C fit (12 cached blocks; the other 4 hold nothing reusable). D needs 5
 # blocks: it takes the 4 plain ones and evicts a single cached block, the one freed longest ago, which
 # is A's tail (A finished first, and its tail was released before its head). A comes back and hits 3
-# of its 4 blocks; the one block it recomputes evicts B's tail, and so on: each returning prefix loses
-# one block per round. The cell below checks this story against the trace printed above.
+# of its 4 blocks; it needs two blocks, one for its recomputed 4th block and one for its partial tail:
+# it takes the plain block D's tail left and evicts one cached block, B's tail (the one freed longest
+# ago), and so on: each returning prefix loses one block per round. The cell below checks this story against the trace printed above.
 
 # %%
 after_d = trace[3][2]

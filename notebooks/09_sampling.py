@@ -29,8 +29,8 @@
 # settings you pass in `SamplingParams` (temperature, top-k, top-p, min-p, seed) are instructions to
 # it. In this chapter you take the logits the engine really produced for a prompt, reshape them with
 # each setting and look at what survives; you check that a seeded request gets the same tokens
-# whatever else shares its batch; and you test, with many draws, the trick the engine uses to draw
-# a token without ever computing a cumulative sum.
+# whatever else shares its batch; and you test, with many draws, the trick the engine uses for the
+# draw itself, which needs no cumulative sum (the top-p filter before it still does; section 6b).
 #
 # **You will:** read the model's real next-token distribution · predict, then measure, what
 # temperature, top-k, top-p and min-p keep on a confident and on an uncertain prediction · see
@@ -167,7 +167,11 @@ _ = render(f"The confident prompt gives its favourite token **{TOP.loc['confiden
 # minivllm's sampler (`minivllm/layers/sampler.py`, `Sampler.__call__` and `filtered_probs`)
 # applies, in this order: the per-request logits processors (allowed tokens, bad words, logit
 # bias, ...), the repetition penalty, the frequency and presence penalties, then **temperature**,
-# **top-k**, **top-p**, **min-p**, and one draw from what is left.
+# **top-k**, **top-p**, **min-p**, and one draw from what is left. (The penalties, as in vLLM: the
+# repetition penalty divides the positive logit, or multiplies the negative one, of every token seen
+# in the prompt or the output by the penalty; the frequency penalty subtracts the penalty times the
+# number of times a token appears in the output; the presence penalty subtracts it once for any token
+# that appears in the output. This chapter leaves them off.)
 #
 # * **temperature** `T` divides the logits before the softmax: `softmax(z / T)`. `T < 1` sharpens
 #   the distribution (towards greedy), `T > 1` flattens it. `T = 0` is special-cased as greedy:
@@ -299,9 +303,10 @@ _ = check_prediction(my_prediction, p_top_cold, rel_tol=0.05,
 # Dividing the logits by `T = 0.5` doubles them, and `exp(2 z_i) = exp(z_i)^2`, so every
 # probability is squared before renormalising: `p'_i = p_i^2 / Σ_j p_j^2`. The favourite's `p_1^2`
 # stays large, while every other token, already small, becomes much smaller (a token at 1% goes to
-# 0.01%). The denominator is therefore `p_1^2` plus a little, and the favourite ends close to 1: a
-# good guess is `p_1^2 / (p_1^2 + Σ_{j>1} p_j^2)` with the tail's squares neglected. The
-# measured value printed above is that ratio on the real logits. Temperature below 1 makes a
+# 0.01% before renormalising). The denominator is therefore `p_1^2` plus a little, and the favourite
+# ends close to 1: neglecting the other tokens' squares gives exactly 1, and the exact value,
+# `p_1^2 / Σ_j p_j^2`, is a little below it. The measured value printed above is that ratio on the
+# real logits. Temperature below 1 makes a
 # confident model almost greedy, without ever making another token impossible.
 #
 # </details>
@@ -467,6 +472,10 @@ _ = check_claim("low temperature picks likelier tokens than high temperature",
 # tokens, high temperature wanders into rare ones (the mean log-probabilities above). The filtered
 # settings sample, but only among the tokens each filter keeps at every step. How likely each token
 # was does not say how readable a 12-token sample of a model this small is: compare the texts above.
+# Runs with the same seed can share their first tokens across settings: a seed fixes the noise `E_i`
+# of every draw (section 6 shows how the draw uses it), and the same noise often wins the race for the
+# same token under two settings that reshape the probabilities only a little, until one draw differs
+# and the texts part.
 
 # %% [markdown]
 # ## 4. The sampling explorer
@@ -564,7 +573,8 @@ _ = check_claim("without a seed, the tokens alone and in the batch differ", no_s
 # `log p_i - log E_i = log p_i + G_i` with `G_i = -log E_i` a standard Gumbel variable: this is the
 # **Gumbel-max trick**.
 #
-# Why the engine likes it: no sort and no cumulative sum (one elementwise divide and an argmax, which
+# Why the engine likes it: the draw needs no sort and no cumulative sum (one elementwise divide and an
+# argmax, which
 # parallelise trivially on a GPU), and each row needs only its own noise, which is what makes
 # per-request seeds independent of the batch (section 5).
 #
@@ -641,7 +651,8 @@ show_figure(fig)
 
 # %%
 half = K // 2
-_ = check_claim("the exponential race is as close to the softmax as torch.multinomial", race_tv < 2 * ref_tv,
+_ = check_claim("the exponential race's distance from the softmax is of the size torch.multinomial's is",
+            race_tv < 2 * ref_tv,
             f"total variation {race_tv:.4f} against {ref_tv:.4f}; chi-square p-value {race_p:.3g}",
             why_it_may_not="One run in a few dozen lands far out by chance; rerun with another generator seed.")
 _ = check_claim("argmax p*U over-picks the most likely token",
@@ -829,8 +840,8 @@ Quiz([
          "Right: top-k keeps exactly k tokens; the 49 others keep their small probabilities (part of the "
          "remaining 3%), renormalised over the 50 (section 2 "
          "measured the same count on both prompts).",
-         "Temperature changes the probabilities but not their order, and never sets any to zero, so the same "
-         "50 tokens survive."],
+         "For any temperature above 0, temperature changes the probabilities but not their order, and never "
+         "sets any to zero, so the same 50 tokens survive (temperature 0 is greedy: one token)."],
     ),
     Question(
         "Two users send the same prompt with seed=42 to a server that batches requests. Do they get the same "
@@ -850,8 +861,8 @@ Quiz([
     ),
     Question(
         "Why does the engine draw with argmax(p / E), E exponential, instead of a cumulative-sum lookup?",
-        ["It is an approximation that is faster", "It is exact, needs no sort or cumulative sum, and each "
-         "row uses only its own noise", "It samples more diverse tokens than the softmax",
+        ["It is an approximation that is faster", "It is exact, the draw needs no sort or cumulative sum, "
+         "and each row uses only its own noise", "It samples more diverse tokens than the softmax",
          "It is needed for top-p"],
         1,
         ["It is not an approximation: the first of independent exponential clocks with rates p_i is j with "

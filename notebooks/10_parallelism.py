@@ -37,8 +37,9 @@
 # **You will:** see how each layer type splits its weights, with the shapes every rank holds ·
 # redo the split by hand (no processes) and check that the pieces add up to the full layer · start
 # a two-process engine and check it produces the same tokens as one process · predict, then count,
-# the collective calls of a step and the bytes each carries · predict, then measure, how much of a
-# step the communication takes here.
+# the collective calls of a step and the bytes each carries · predict, then measure, how a
+# two-process step's forward compares with one process's here, and how much of it the communication
+# takes.
 
 # %% [markdown]
 # ## Setup
@@ -148,7 +149,8 @@ for r, m in enumerate(ranks):
 # %% [markdown]
 # Read the table row by row. `qkv_proj` halves its output rows: each rank gets half the query heads
 # *and* half the KV heads (this is why the engine refuses a TP size that does not divide the head
-# counts). `o_proj` and `down_proj` halve their *input* columns: they are the row-parallel layers.
+# counts; vLLM instead gives each rank a copy of one KV head when the TP size exceeds the number of KV
+# heads, which the TP size must then be a multiple of). `o_proj` and `down_proj` halve their *input* columns: they are the row-parallel layers.
 # `gate_up_proj` halves each of its two packed parts. The norms are small and copied whole to every
 # rank (replicated), so a rank should hold a little more than half of the parameters:
 
@@ -207,7 +209,7 @@ with torch.inference_mode():
               f"-> down (partial) {tuple(y.shape)}")
     partial_alone_ok = any(torch.allclose(y, y_full, atol=1e-5) for y in partial)
     partial_sum_ok = torch.allclose(sum(partial), y_full, atol=1e-5)
-    print("each partial alone equals the full MLP output:", partial_alone_ok)
+    print("a partial alone equals the full MLP output:", partial_alone_ok)
     print("sum of the partials equals the full MLP output (atol 1e-5):", partial_sum_ok)
 
     V, Hd = hf.vocab_size, hf.hidden_size
@@ -525,7 +527,7 @@ for label, recs in (("1 process", one_steps), (f"{TP} processes", tp_steps)):
 df = pd.DataFrame(rows)
 summary = df.groupby(["engine", "phase"])[["tokens", "wall_ms", "model_ms", "all_reduce_ms",
                                            "all_gather_ms", "broadcast_ms"]].median()
-summary.round(3)
+summary.round(3).T  # one column per engine and phase
 
 # %%
 import plotly.graph_objects as go
@@ -620,7 +622,21 @@ _ = render("The fastest steps' ratio and the medians' ratio "
            + " (same side of 1 and within 20% of each other: "
            + ", ".join(f"{ph} {TP_RATIO[ph]:.2f}x vs {MEDIAN_RATIO[ph]:.2f}x" for ph in TP_RATIO) + ")"
            + ("." if all(RATIOS_AGREE.values()) else
-              "; the medians include the steps slowed by other processes, so trust the fastest steps' ratio."))
+              "; the medians include the most delayed steps (waits between the ranks, other processes), so the "
+              "fastest steps' ratio is the cleaner figure."))
+# Section 4's all-reduces (its run's decode steps, each call timed) against those inside the timed steps above.
+calls_per_decode = len(steps[-1][1]["all-reduce"])
+ar_in_steps_us = 1e3 * med.loc["decode", "all_reduce_ms"] / calls_per_decode
+ar_alone_us = 1e6 * pd.Series(ar_decode).median()
+_ = render(f"Inside the timed decode steps an all-reduce took **{ar_in_steps_us:.0f} µs** on average "
+           f"({med.loc['decode', 'all_reduce_ms']:.2f} ms over {calls_per_decode} calls, medians), against "
+           f"**{ar_alone_us:.0f} µs** (median) in section 4's run of one prompt. A call timed inside a step "
+           f"includes the wait for the other rank to reach the same call, so these times move with the work "
+           f"between the calls and with the load on the machine; the counts do not.")
+estimate = (0.5 * one_med["decode"] + calls_per_decode * ar_alone_us / 1e3) / one_med["decode"]
+_ = render(f"The worked solution's rough model below, (0.5 x {one_med['decode']:.2f} ms + {calls_per_decode} calls "
+           f"x {ar_alone_us:.0f} µs) / {one_med['decode']:.2f} ms, estimates **{estimate:.2f}x** for the decode "
+           f"forward; measured: {TP_RATIO['decode']:.2f}x (fastest steps), {MEDIAN_RATIO['decode']:.2f}x (medians).")
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
@@ -635,8 +651,8 @@ _ = render("The fastest steps' ratio and the medians' ratio "
 #
 # The ratio is above 1 whenever the calls cost more than the half of the arithmetic they save; a
 # small model on a CPU, whose whole forward takes milliseconds, is that case, and the check
-# cell above says whether it held here. Plug the medians printed above into the formula to see how
-# close it gets to the measured ratio; what it misses is the time a rank waits for the other (on a
+# cell above says whether it held here. The cell above plugged section 4's median all-reduce and the
+# single process's median decode forward into the formula; what it misses is the time a rank waits for the other (on a
 # shared machine the two ranks also take turns on the cores), and that the single process's forward
 # is not all arithmetic: on a model this small much of it is the host's fixed cost per call (chapter
 # 11, section 1), which the split does not halve, since each rank makes every call on its half. Compare
