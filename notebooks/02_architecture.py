@@ -104,7 +104,7 @@ print(model.model.layers[0])
 #
 # ### Exercise 1 · One decoder layer's parameters
 #
-# The two cells above give everything you need: the hidden size, the head counts and head
+# The printout above gives everything you need: the hidden size, the head counts and head
 # dimension, the MLP width, and each layer's modules with their `in_features` and `out_features`. A
 # linear layer without bias holds `in x out` weights; an RMSNorm holds one gain per element of the
 # vector it normalises. How many parameters does one decoder layer hold?
@@ -190,6 +190,12 @@ print(f"weights in memory: {sum(held.values()) / 2**20:.1f} MiB as held ("
       + ", ".join(f"{b / 2**20:.1f} MiB in {dt}" for dt, b in held.items()) + f"; engine dtype {engine.config.dtype})")
 
 # %% [markdown]
+# The last line counts the weights as the engine holds them. The embedded model's checkpoint is
+# stored in float16; the engine computes in float32 but keeps each linear layer's weights in float16
+# when every value fits exactly (its matrix multiply widens them back to the same float32 values as it
+# reads them: same results, half the bytes; `minivllm/layers/cpu_gemm.py`). The embedding table and
+# the norms stay in float32.
+#
 # When weights are **tied** (`tie_word_embeddings`), the LM head reuses the embedding matrix, so it
 # adds no parameters. How the rest divides up depends on the model's shape, so let us set this toy
 # model beside real ones.
@@ -242,10 +248,11 @@ for name, c in [(engine.source.name, hf)] + list(configs.items()):
                      attention=c.num_hidden_layers * layer_attn / nparams,
                      mlp=c.num_hidden_layers * layer_mlp / nparams, bf16_gib=nparams * 2 / 2**30))
 print(f"{'model':14s} {'parameters':>14s} {'from config':>14s} {'embedding':>10s} {'attention':>10s} {'MLP':>6s} "
-      f"{'bf16 weights':>13s}")
+      f"{'in bf16 (*)':>13s}")
 for r in rows:
     print(f"{r['model']:14s} {r['params']:14,d} {r['from_config']:14,d} {r['embedding']:10.1%} {r['attention']:10.1%} "
           f"{r['mlp']:6.1%} {r['bf16_gib']:9.2f} GiB")
+print("(*) what the weights take stored in bfloat16: parameters x 2 bytes")
 params06 = next(r["params"] for r in rows if r["model"] == "Qwen3-0.6B")
 _ = check_prediction(my_prediction, params06 / 1e6, rel_tol=0.05, unit="M",
                      what="the parameters counted on the model built from the config")
@@ -512,6 +519,7 @@ finally:  # put every original back
 
 # %%
 # NBVAL_CHECK_OUTPUT
+print("(step numbers count this engine's steps since it was built, earlier cells' included)")
 for calls, result in journey:
     r = result.record
     print(f"step {r.index} ({r.phase})")
@@ -537,7 +545,9 @@ for calls, result in journey:
 #
 # The slot numbers are the block id times the block size plus the offset in the block: chapter 04
 # is about exactly that. In the decode steps only one token enters the model, at the next position,
-# into the next slot.
+# into the next slot. The request's block need not be block 0: the blocks that this engine's earlier
+# requests filled stay cached for reuse (chapter 08), so the block manager hands out the next block
+# no one has used yet.
 #
 # ### Where the time of each step went
 #
