@@ -779,8 +779,9 @@ _ = check_claim("on the random rows, the saving grows with the row's length, for
 # Where the sort's column is not 0, its kept set departs from the exact rule. The reason is in how
 # the probabilities add up: the cell below sums, in float64, the fp32 probabilities each path
 # computes for the long row (the sort run here, on a CPU; a GPU's softmax adds up in another order).
-# Torch's CPU softmax adds a row up as a handful of running totals (8 or 16, each adding one term at
-# a time), so every small term lands on a total far larger than itself and loses its low bits; over
+# Torch's CPU softmax adds a row up in vector lanes, a few running totals each adding one term at a
+# time (as vectorised sums do; this chapter does not take torch's kernel apart), so every small term
+# lands on a total far larger than itself and loses its low bits; over
 # the *sorted* row the largest terms come first, which the cell shows makes it worse. The CPU path's
 # sums are numpy's pairwise ones (add neighbours, then neighbouring sums, and so on), whose error
 # grows with the logarithm of the row's length rather than with the length. An error in the total
