@@ -14,7 +14,7 @@ from minivllm.generation_config import default_sampling_params
 from minivllm.inputs import cache_salt_of
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.utils.gc_heap import caller_froze_heap, heap_frozen
+from minivllm.utils.gc_heap import heap_frozen
 
 
 def _as_prompt_list(prompts) -> list:
@@ -138,17 +138,20 @@ class LLM:
         """This call's outputs as they arrive: step the engine while the inbox is empty.
         Steps run by another thread deliver to this inbox too."""
         pending = set(ids)
-        freeze = not caller_froze_heap()  # asked once per call, not per step
+        # One freeze for the whole call, across the yields: a freeze per step would reset the
+        # collector's count of new objects at every step, so a stream's consumer whose loop makes
+        # fewer objects than the first threshold (700) a step would never see its garbage cycles
+        # collected. Objects made while frozen (the consumer's included) are collected as usual; the
+        # freeze ends with the call, or when the stream is closed or dropped.
         try:
-            while pending:
-                if not inbox:
-                    with heap_frozen(freeze):
-                        while not inbox:
-                            self._step()
-                out = inbox.popleft()
-                if out.finished:
-                    pending.discard(out.request_id)
-                yield out
+            with heap_frozen():  # asks once per call whether the caller froze the heap itself
+                while pending:
+                    while not inbox:
+                        self._step()
+                    out = inbox.popleft()
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
         finally:
             self._abort(pending)  # on an exception (e.g. KeyboardInterrupt) or an early close
 

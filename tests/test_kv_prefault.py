@@ -51,15 +51,15 @@ def test_pages_are_made_ahead_of_the_highest_block_and_no_further():
         for layer in range(2):
             pages = _resident(cache[k, layer].data_ptr(), cache[k, layer].nbytes)
             assert all(pages[:256]) and not any(pages[1024:])  # the first MiB made; past 4 MiB untouched
-    pf.note(300)  # block 300 in use: up to 301 blocks + 1 MiB
-    assert pf.wait() and pf.done == 301 * 8192 + (1 << 20)
+    pf.note(300)  # block 300 in use: 301 blocks + 1 MiB, rounded up to a whole huge page: 4 MiB
+    assert pf.wait() and pf.done == 4 << 20
     pages = _resident(region.data_ptr(), region.nbytes)
     assert all(pages[:pf.done // 4096]) and not any(pages[-256:])
     pf.note(100)  # lower than before: nothing to do
-    assert pf.done == 301 * 8192 + (1 << 20)
+    assert pf.done == 4 << 20
     pf.close()
     pf.note(900)  # closed: no more work
-    assert pf.done == 301 * 8192 + (1 << 20) and pf._thread is None
+    assert pf.done == 4 << 20 and pf._thread is None
 
 
 @linux_only
@@ -121,7 +121,8 @@ def test_the_engine_makes_its_pool_pages_ahead_and_stops_at_shutdown(tiny_ckpt):
     llm.generate(prompts_of([30, 50, 20]), greedy(20), use_tqdm=False)
     assert bm.high_water >= 0
     assert pf.wait() and pf.error is None, pf.error
-    assert pf.done == min(pf.region_bytes, (bm.high_water + 1) * pf.block_bytes + pf.ahead_bytes)
+    want = (bm.high_water + 1) * pf.block_bytes + pf.ahead_bytes
+    assert pf.done == min(pf.region_bytes, -(-want // (2 << 20)) * (2 << 20))
     llm.shutdown()
     assert runner.kv_prefaulter is None and pf._thread is None and pf._pool is None
 
@@ -140,3 +141,60 @@ def test_a_thread_that_cannot_start_leaves_the_step_alone(monkeypatch):
     pf.note(3)  # does not raise
     assert pf.error is not None and "can't start new thread" in pf.error and pf._thread is None
     pf.note(40)  # and stays quiet after
+
+
+class _SmallBlocks:  # 2 KV heads of 16: a block of 16 tokens is 2 KiB, half a page
+    num_key_value_heads, num_hidden_layers, head_dim, hidden_size, num_attention_heads = 2, 2, 16, 32, 2
+
+
+@linux_only
+def test_blocks_and_regions_that_are_not_whole_pages():
+    """A block of 2 KiB and a region of 1001 blocks (neither a multiple of the 4 KiB page): every
+    madvise start is rounded down to a page, so nothing fails and every region is made to its end."""
+    cache, _ = allocate_kv_cache(_SmallBlocks, 1001, 16, torch.float32, torch.device("cpu"))
+    pf = KVPrefaulter.for_pool(cache, ahead_bytes=4096)
+    assert pf.block_bytes == 2048 and pf.region_bytes % 4096 != 0
+    for b in (-1, 0, 1, 7, 1000):
+        pf.note(b)
+        assert pf.wait() and pf.error is None, pf.error
+    assert pf.done == pf.region_bytes
+    for k in range(2):
+        for layer in range(2):
+            assert all(_resident(cache[k, layer].data_ptr(), cache[k, layer].nbytes))
+    pf.close()
+
+
+@linux_only
+def test_a_thread_starts_once_per_huge_page_of_growth_not_per_block(monkeypatch):
+    """Each new highest block raises the target by a block; the target moves a whole huge page at a
+    time, so blocks handed out one by one start a thread only when they cross into a new one."""
+    import threading
+
+    cache = _pool(2048)  # 16 MiB per region: 256 blocks of 8 KiB to a huge page
+    pf = KVPrefaulter.for_pool(cache, ahead_bytes=2 << 20)
+    starts, real_start = [], threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: starts.append(1) or real_start(self))
+    for b in range(-1, 1000):
+        pf.note(b)
+        pf.wait()
+    assert pf.error is None and len(starts) <= 1 + 1000 // 256 + 1, len(starts)
+    pf.close()
+
+
+def test_a_tensor_parallel_worker_notes_the_highest_slot_of_each_step():
+    """Worker ranks have no block manager: the step message's slot mapping says which blocks the
+    step writes, and the worker's prefaulter is told the highest (padding slots are -1)."""
+    import types
+
+    from minivllm.executor.worker import unpack_step
+
+    seen = []
+    runner = types.SimpleNamespace(device=torch.device("cpu"), block_size=16,
+                                   kv_prefaulter=types.SimpleNamespace(note=seen.append),
+                                   _metadata=lambda *a: "meta")
+    ids, pos, slots = [5, 6, 7], [40, 17, 3], [640, 273, -1]  # three tokens; the last row is padding
+    q_lens, ctx_lens, tables, rows = [1, 1, 1], [41, 18, 4], [40, 0, 17, 0, 0, 0], [0, 1, 2]
+    payload = torch.tensor(ids + pos + slots + q_lens + ctx_lens + tables + rows, dtype=torch.int64)
+    header = torch.tensor([0, 3, 3, 3, 2, payload.numel()], dtype=torch.int64)
+    inp = unpack_step(runner, header, payload)
+    assert inp.meta == "meta" and seen == [640 // 16]

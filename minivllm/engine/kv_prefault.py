@@ -26,6 +26,7 @@ import ctypes.util
 import errno
 import functools
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -42,6 +43,7 @@ _MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
 ENV_SWITCH = "MINIVLLM_KV_PREFAULT"
 #: how far past the highest block handed out each region's pages are made: two huge pages
 AHEAD_BYTES = 2 * HUGE_PAGE
+_PAGE = mmap.PAGESIZE
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,13 +98,15 @@ class KVPrefaulter:
 
     def note(self, block_id: int) -> None:
         """Block ``block_id`` (the highest handed out so far) is about to be written: make sure the
-        pages up to ``ahead_bytes`` past it are being made. Cheap when nothing changes; never raises
-        (it runs inside a step's scheduling)."""
-        want = min(self.region_bytes, (block_id + 1) * self.block_bytes + self.ahead_bytes)
+        pages up to ``ahead_bytes`` past it are being made. The target moves a huge page at a time,
+        so most calls return at the first comparison (and a thread starts once per 2 MiB of
+        growth, not per block); never raises (it runs inside a step's scheduling)."""
+        want = (block_id + 1) * self.block_bytes + self.ahead_bytes
+        want = min(self.region_bytes, -(-want // HUGE_PAGE) * HUGE_PAGE)
         if want <= self._target or self._closed or self.error is not None:
             return
         with self._lock:
-            if want <= self._target or self._closed:
+            if want <= self._target or self._closed or self.error is not None:
                 return
             self._target = want
             if self._thread is None:
@@ -126,7 +130,8 @@ class KVPrefaulter:
             for base in self._regions:
                 if self._closed:
                     break
-                if fn(base + lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+                start = (base + lo) // _PAGE * _PAGE  # madvise wants a page-aligned start (a region's or
+                if fn(start, base + hi - start, _MADV_POPULATE_WRITE) != 0:  # block's bytes need not be)
                     err = ctypes.get_errno()
                     self.error = (f"madvise(MADV_POPULATE_WRITE) failed: "
                                   f"{errno.errorcode.get(err, err)} ({'kernel older than 5.14?' if err == errno.EINVAL else 'stopped'})")
@@ -134,7 +139,8 @@ class KVPrefaulter:
                     with self._lock:
                         self._thread = None
                     return
-            self.done = hi
+            with self._lock:
+                self.done = max(self.done, hi)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread (between two calls of at most one huge page each) and drop the pool."""
@@ -143,6 +149,8 @@ class KVPrefaulter:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+            if thread.is_alive():
+                return  # still inside one madvise call: it keeps the pool (and its addresses) alive
         self._pool = None
 
     def wait(self, timeout: float = 10.0) -> bool:

@@ -99,6 +99,9 @@ def unpack_step(runner: ModelRunner, header: torch.Tensor, payload: torch.Tensor
     ids, pos, slots, q_lens, ctx_lens, tables, rows = payload.split(
         [n_tok, n_tok, n_tok, n_seqs, n_seqs, n_seqs * width, n_sample])
     dev = runner.device
+    prefaulter = getattr(runner, "kv_prefaulter", None)
+    if prefaulter is not None and n_tok:  # a worker has no block manager: the step's highest slot says how far
+        prefaulter.note(int(slots.max()) // runner.block_size)
     meta = runner._metadata(q_lens.tolist(), ctx_lens.tolist(), slots.to(dev),
                             tables.view(n_seqs, width).tolist())
     return ModelInput(input_ids=ids.to(dev), positions=pos.to(dev), meta=meta, logits_indices=rows.to(dev),
@@ -155,6 +158,8 @@ class Worker:
         conn.model = launch.create_model_group(conn, cfg.dist_backend, self.device)
         set_tp(conn.rank, conn.world_size, conn.model)
         self.runner = ShardRunner(conn, replace(cfg.runner, device=self.device))
+        if self.runner.kv_prefaulter is not None:  # this rank's pool: its first pages now, in the background
+            self.runner.kv_prefaulter.note(-1)
         fault = os.environ.get(FAULT_ENV, "")
         rank, _, step = fault.partition(":")
         self.fault_step = int(step) if fault and int(rank) == conn.rank else None

@@ -9,11 +9,13 @@ walks only what the steps made.
 
 vLLM freezes its server's heap once, after start-up (``freeze_gc_heap`` in
 ``vllm/utils/gc_utils.py``). Here the process is the user's (a notebook, a script), so the freeze
-lasts only while steps run: :func:`heap_frozen` around ``LLM.generate``'s steps, the benchmarks'
-timed runs and the widgets' and course helpers' stepping loops, never around a bare
-``LLMEngine.step()`` (a loop of them would then never collect young garbage: ``gc.freeze`` also
-resets the young generation's allocation count). A cycle frozen with the rest is collected after
-the freeze is undone, as if no freeze had happened.
+lasts only while steps run: :func:`heap_frozen` around a ``LLM.generate`` or ``LLM.stream`` call
+(a stream's whole life, its consumer's turns included), the benchmarks' timed runs and the widgets'
+and course helpers' stepping loops, once around each loop, never around each bare
+``LLMEngine.step()``: ``gc.freeze`` also resets the collector's count of new objects, so in a loop
+frozen step by step, steps making fewer objects than the first threshold (700) would never start a
+collection and garbage cycles would pile up. A cycle frozen with the rest is collected after the
+freeze is undone, as if no freeze had happened.
 """
 from __future__ import annotations
 
