@@ -22,9 +22,7 @@ off; read when an engine starts) leaves every page to be made when first written
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
-import functools
 import logging
 import mmap
 import os
@@ -33,7 +31,7 @@ import threading
 
 import torch
 
-from minivllm.utils.hugepages import HUGE_PAGE
+from minivllm.utils.hugepages import HUGE_PAGE, _madvise  # libc madvise through ctypes, one binding
 
 __all__ = ["KVPrefaulter"]
 
@@ -44,15 +42,6 @@ ENV_SWITCH = "MINIVLLM_KV_PREFAULT"
 #: how far past the highest block handed out each region's pages are made: two huge pages
 AHEAD_BYTES = 2 * HUGE_PAGE
 _PAGE = mmap.PAGESIZE
-
-
-@functools.lru_cache(maxsize=None)
-def _madvise():
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 class KVPrefaulter:
