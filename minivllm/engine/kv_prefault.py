@@ -12,11 +12,11 @@ the host, 0.17 ms when it was not; 4 KiB pages took 0.7 ms per 2 MiB either way.
 
 Here a background thread asks the kernel to make the pages (``madvise(MADV_POPULATE_WRITE)``,
 Linux 5.14+) from the start of each layer's K and V region up to ``ahead_bytes`` past the highest
-block handed out so far. It makes pages without writing to them: a page that exists (the engine
+block handed out so far, rounded up to a whole huge page. It makes pages without writing to them: a page that exists (the engine
 wrote it first) is left as it is, so the thread never races the engine's KV writes. The thread
 runs only while there is work (started again by :meth:`KVPrefaulter.note`) and stops at
 :meth:`KVPrefaulter.close`; the pool's memory is still made only as far as blocks are used, plus
-``ahead_bytes`` per region. Results never depend on it; ``MINIVLLM_KV_PREFAULT=0`` (or false, no,
+``ahead_bytes`` and a huge page per region. Results never depend on it; ``MINIVLLM_KV_PREFAULT=0`` (or false, no,
 off; read when an engine starts) leaves every page to be made when first written.
 """
 from __future__ import annotations
@@ -50,7 +50,8 @@ class KVPrefaulter:
     Each ``(K or V, layer)`` slice of the pool is one contiguous region of ``num_blocks`` blocks;
     block ``b`` of every region is written when the block manager hands ``b`` out. ``note(b)``
     (the block manager's ``on_fresh_block`` hook, called with each new highest block id) raises
-    the target to ``(b + 1) * block_bytes + ahead_bytes`` bytes into every region, and a thread
+    the target to ``(b + 1) * block_bytes + ahead_bytes`` bytes into every region (rounded up to a
+    whole 2 MiB page, at most the region), and a thread
     makes the pages up to it, one huge page of each region in turn.
 
     Use :meth:`for_pool`, which returns None where this does not apply (not a CPU tensor, not
