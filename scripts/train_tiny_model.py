@@ -45,7 +45,6 @@ import ast
 import hashlib
 import json
 import math
-import os
 import platform
 import sys
 import sysconfig

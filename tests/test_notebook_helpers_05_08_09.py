@@ -41,7 +41,7 @@ def test_conventions(chapter):
     assert len(params) == 1
     assert 'os.environ.get("MINIVLLM_MODEL")' in params[0].source and 'DEVICE = "auto"' in params[0].source
     assert any("print(describe(" in c.source for c in code)
-    assert any(f"from widgets import" in c.source and WIDGETS[num] in c.source for c in code)
+    assert any("from widgets import" in c.source and WIDGETS[num] in c.source for c in code)
     assert "Quiz(" in code[-1].source
     # The closing recap: "## Takeaways" before the course conventions, "## You can now" after (issue 14).
     assert nb.cells[-1].cell_type == "markdown" and nb.cells[-1].source.startswith(("## Takeaways", "## You can now"))
