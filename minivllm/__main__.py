@@ -70,6 +70,19 @@ def _unescape(text: str) -> str:
         raise ValueError(f"--stop '{text}': not a valid backslash escape ({e.reason})") from None
 
 
+#: SamplingParams fields this command sets, by their option
+_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
+          "repetition_penalty": "--repetition-penalty", "max_tokens": "--max-tokens", "stop": "--stop"}
+
+
+def _with_flag(message: str) -> str:
+    """A ``SamplingParams.<field>=...`` error with the option that set the field in front of it."""
+    for field, flag in _FLAGS.items():
+        if message.startswith(f"SamplingParams.{field}="):
+            return f"{flag}: {message}"
+    return message
+
+
 def _generate(argv: list[str]) -> int:
     parser = build_generate_parser()
     args = parser.parse_args(argv)
@@ -111,12 +124,12 @@ def _generate(argv: list[str]) -> int:
             sys.stdout.flush()
             last = out
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_with_flag(str(e))}", file=sys.stderr)
         return 2
     sys.stdout.write("\n")
     m = last.metrics
     n = len(m.token_times)
-    tps = n / ((m.finished_time - m.first_scheduled_time) or float("nan"))
+    tps = n / ((m.e2e_ms or float("nan")) / 1e3)  # from the request's arrival, as TTFT is
     tpot = f"{m.tpot_ms:.2f} ms" if m.tpot_ms is not None else "n/a (1 token)"
     out = last.outputs[0]
     why = out.finish_reason + (f" at {out.stop_reason!r}" if isinstance(out.stop_reason, str) else "")

@@ -394,6 +394,33 @@ def test_generate_stop_strings_and_ignore_eos(capsys, monkeypatch):
     assert "--stop '\\x': not a valid backslash escape" in capsys.readouterr().err
 
 
+def test_generate_names_the_option_of_a_bad_sampling_value_and_reports_tokens_per_second_from_arrival(
+        capsys, monkeypatch):
+    """A bad sampling value is named by its option (the field's message follows); tokens/s is the
+    tokens over the request's end-to-end time, measured from its arrival as TTFT is."""
+    import re
+
+    from minivllm import llm as llm_module
+    from minivllm.__main__ import main as cli
+
+    assert cli(["generate", "def", "--top-p", "2"]) == 2
+    assert "error: --top-p: SamplingParams.top_p=2.0" in capsys.readouterr().err
+    last = []
+    real_stream = llm_module.LLM.stream
+
+    def stream(self, prompts, params=None, **kw):
+        for out in real_stream(self, prompts, params, **kw):
+            last.append(out)
+            yield out
+
+    monkeypatch.setattr(llm_module.LLM, "stream", stream)
+    assert cli(["generate", "def", "--max-tokens", "12", "--threads", "1", "--ignore-eos"]) == 0
+    err = capsys.readouterr().err
+    printed = float(re.search(r"; ([0-9.]+) tokens/s", err).group(1))
+    m = last[-1].metrics
+    assert printed == pytest.approx(len(m.token_times) / (m.e2e_ms / 1e3), abs=0.1), err
+
+
 def test_generate_refuses_an_empty_prompt_before_loading_the_model(capsys, monkeypatch):
     from minivllm import llm as llm_module
     from minivllm.__main__ import main as cli
