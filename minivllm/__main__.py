@@ -70,16 +70,12 @@ def _unescape(text: str) -> str:
         raise ValueError(f"--stop '{text}': not a valid backslash escape ({e.reason})") from None
 
 
-#: SamplingParams fields this command sets, by their option
-_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
-          "repetition_penalty": "--repetition-penalty", "max_tokens": "--max-tokens", "stop": "--stop"}
-
-
-def _with_flag(message: str) -> str:
-    """A ``SamplingParams.<field>=...`` error with the option that set the field in front of it."""
-    for field, flag in _FLAGS.items():
-        if message.startswith(f"SamplingParams.{field}="):
-            return f"{flag}: {message}"
+def _with_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """A ``SamplingParams.<field>=...`` error with the option that set the field in front of it (the
+    options' names are the fields', as argparse derives them: ``--top-p`` sets ``top_p``)."""
+    for action in parser._actions:
+        if action.option_strings and message.startswith(f"SamplingParams.{action.dest}="):
+            return f"{action.option_strings[0]}: {message}"
     return message
 
 
@@ -124,7 +120,7 @@ def _generate(argv: list[str]) -> int:
             sys.stdout.flush()
             last = out
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {_with_flag(str(e))}", file=sys.stderr)
+        print(f"error: {_with_flag(str(e), parser)}", file=sys.stderr)
         return 2
     sys.stdout.write("\n")
     m = last.metrics
