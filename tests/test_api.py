@@ -169,6 +169,21 @@ def test_context_manager_and_shutdown(tiny_ckpt):
         llm.generate([1, 2], greedy(1), use_tqdm=False)
 
 
+def test_an_engine_whose_llm_is_gone_says_so(tiny_ckpt):
+    """``engine = LLM(...).llm_engine`` leaves the engine without its LLM, which shuts it down when
+    collected: using the engine then raises a RuntimeError that says what happened (it was an
+    AttributeError on None inside step)."""
+    import gc
+
+    engine = make_llm(tiny_ckpt).llm_engine
+    gc.collect()
+    with pytest.raises(RuntimeError, match="shut down .*keep a reference to the LLM"):
+        engine.add_request("a", [1, 2, 3], greedy(2))
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.step()
+    assert not engine.has_unfinished_requests()
+
+
 def test_chat_applies_the_template(text_ckpt):
     llm = make_llm(text_ckpt)
     tok = llm.get_tokenizer()

@@ -328,7 +328,11 @@ class LLMEngine:
         of the request's outputs once its step is applied (``LLM`` collects its own
         requests' outputs this way, whoever steps the engine). The request keeps a copy of
         ``sampling_params``: changing the object afterwards does not change it.
+
+        Raises:
+            RuntimeError: the engine has been shut down (see :meth:`shutdown`).
         """
+        self._require_live()
         try:
             kind = None if output_kind is None else OutputKind(output_kind)
         except ValueError:
@@ -483,7 +487,11 @@ class LLMEngine:
         Returns the ``RequestOutput`` of every request that got a token or finished (per
         its output kind); the step's ``StepRecord`` is then at ``last_step_record``.
         All or nothing: if anything raises, every request is as it was before the call.
+
+        Raises:
+            RuntimeError: the engine has been shut down (see :meth:`shutdown`).
         """
+        self._require_live()
         with self._lock:
             timer = StepTimer()  # the transaction's snapshots count as scheduling time
             with StepTransaction(self.scheduler, self.output_processor, self._engine_generator()) as txn:
@@ -619,8 +627,16 @@ class LLMEngine:
         if check_proposer is not None:
             check_proposer()
 
+    def _require_live(self) -> None:
+        if self.runner is None:
+            raise RuntimeError(
+                "this engine has been shut down (LLM.shutdown(), or the LLM that made it was garbage-collected: "
+                "keep a reference to the LLM for as long as you use llm.llm_engine)")
+
     def shutdown(self) -> None:
-        """Abort everything and free the KV cache and model."""
+        """Abort everything and free the KV cache and model. An ``LLM`` shuts its engine down when it
+        is shut down or garbage-collected; later calls to :meth:`add_request` or :meth:`step` raise
+        ``RuntimeError``."""
         for rid in list(self.requests):
             self.abort_request(rid)
         if self.runner is not None:
