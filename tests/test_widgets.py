@@ -642,7 +642,7 @@ def test_every_chart_title_names_device_model_dtype_and_threads(llm, model_path)
     every axis labelled."""
     import torch
 
-    from minivllm.utils.env_report import chart_provenance
+    from minivllm.utils.env_report import chart_provenance, cpu_name
 
     charts, whole = _charts_of_every_widget(llm, model_path)
     try:
@@ -651,7 +651,7 @@ def test_every_chart_title_names_device_model_dtype_and_threads(llm, model_path)
         for name, fig, measured in charts:
             title = fig.layout.title.text
             assert chart_provenance(measured) in title, name
-            assert f"measured on {cfg.device}" in title and llm.llm_engine.source.name in title, name
+            assert f"measured on {cfg.device} ({cpu_name()})" in title and llm.llm_engine.source.name in title, name
             assert "float32" in title and f"{n} CPU thread" in title, name
             for axis in ("xaxis", "yaxis"):
                 label = fig.layout[axis].title.text

@@ -22,8 +22,9 @@ def engine_of(llm):
 
 
 def provenance(llm) -> str:
-    """Where a chart's measurements come from: ``"measured on cpu · minivllm-tiny · float32 · 1 CPU
-    thread"`` (device, model, dtype of the live engine, torch's CPU threads), for chart subtitles;
+    """Where a chart's measurements come from: ``"measured on cpu (AMD EPYC 9R14) · minivllm-tiny ·
+    float32 · 1 CPU thread"`` (device and its name, model, dtype of the live engine, torch's CPU
+    threads), for chart subtitles;
     the one function every widget's chart uses (``minivllm.utils.env_report.chart_provenance``).
 
     Raises:

@@ -42,14 +42,16 @@ def describe(llm) -> str:
 
 def chart_provenance(llm) -> str:
     """Where a chart's measurements come from, for its subtitle:
-    ``"measured on cpu · minivllm-tiny · float32 · 1 CPU thread"`` (device, model and dtype of the
-    live engine, and torch's CPU thread count now). ``llm``: an ``LLM`` or its ``LLMEngine``."""
+    ``"measured on cpu (AMD EPYC 9R14) · minivllm-tiny · float32 · 1 CPU thread"`` (device with the
+    processor's or GPU's name, model and dtype of the live engine, and torch's CPU thread count now).
+    ``llm``: an ``LLM`` or its ``LLMEngine``."""
     import torch
 
     engine = getattr(llm, "llm_engine", llm)
     cfg = engine.config
     n = torch.get_num_threads()
-    return (f"measured on {cfg.device} · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')} · "
+    name = torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else cpu_name()
+    return (f"measured on {cfg.device} ({name}) · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')} · "
             f"{n} CPU thread{'s' if n != 1 else ''}")
 
 
