@@ -1,4 +1,4 @@
-"""Weight-only int8 (``LLM(..., quantization="int8")``): the quantiser, the CPU matmul path,
+"""int8 weights (``LLM(..., quantization="int8")``): the quantiser, the CPU matmul path,
 the layers, the engine against fp32, validation, tensor parallelism and the roofline bytes.
 
 The Triton kernel is tested under the interpreter in ``test_int8_triton.py``.

@@ -1,4 +1,5 @@
-"""Weight-only int8: per-output-channel symmetric quantisation and the int8 matmul paths.
+"""int8 weights: per-output-channel symmetric quantisation and the int8 matmul paths (weight-only on
+CUDA; on a CPU, fbgemm's dynamic int8 linear quantises each token's activations too: dynamic W8A8).
 
 Quantisation (computed once, at load, from weights of any float dtype, in fp32)::
 
