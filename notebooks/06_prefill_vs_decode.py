@@ -112,7 +112,10 @@ print(f"ceilings    : {peaks.flops_per_s / 1e9:.1f} GFLOP/s (matmul), read {BW /
       f"(copy {peaks.bytes_per_s / 1e9:.1f} GB/s, not used); ridge point {peaks.ridge_intensity:.1f} FLOP/byte; "
       f"{peaks.provenance}")
 # every chart built below names what it measured
-WHERE = f"{cfg.device}, {DTYPE}, {torch.get_num_threads()} thread(s)"
+from minivllm.utils.env_report import cpu_name
+
+DEVICE_NAME = f"{cfg.device} ({torch.cuda.get_device_name(cfg.device) if cfg.device.type == 'cuda' else cpu_name()})"
+WHERE = f"{DEVICE_NAME}, {DTYPE}, {torch.get_num_threads()} thread(s)"
 
 # %% [markdown]
 # ## 1. An intuition first
@@ -246,8 +249,12 @@ check_claim("4 rows streamed the weights more slowly than 1 row",
                            "one.");
 
 # %% [markdown]
-# That will matter in section 4. Try it yourself: the playground cell below times any number of rows
-# against the two floors.
+# That is a property of the maths library, not of the hardware, and the engine does not take that
+# path: on a CPU its linear layers go through minivllm's own matrix multiply, the *panel GEMM*
+# (`minivllm/layers/cpu_gemm.py`, chapter 11), written so that a few rows stream the weights about as
+# fast as one. Section 4 measures whether a decode step of 4 sequences costs about what a step of one
+# does. Try the library's path yourself: the playground cell below times any number of rows against
+# the two floors.
 
 # %% tags=["playground"]
 # Knob: ROWS, the number of activation rows multiplied by the 4096 x 4096 weight (try 1, 8, 32, 64, 512).
@@ -305,7 +312,8 @@ print("KV blocks during decode:", "rose above" if max(blocks_after) > blocks_aft
 # count goes up only when the sequence's cached tokens cross the next multiple of the block size
 # (`BLOCK_SIZE`), so a short answer may not add a block at all (the last line of the printout says
 # whether this one did), and it drops to zero when the request finishes and its blocks return to the
-# pool (they stay in the prefix cache, reusable, until something else needs the space: chapter 08).
+# pool (its full blocks stay in the prefix cache, reusable, until something else needs the space; a
+# partly filled last block is not cached: chapter 08).
 #
 # ### Step it yourself
 #
@@ -369,7 +377,15 @@ print("backend that runs this notebook's steps:", cfg.attention_backend)
 # machine has hiccups). A separate engine with a larger token budget is used so the widgets above
 # keep their state. Every step's FLOPs and bytes come from the roofline model in
 # `minivllm.telemetry.roofline` (what the step must compute and move, from the model's shape), and
-# MFU / MBU divide them by the step's time and this machine's peak FLOP/s / read bandwidth.
+# MFU / MBU divide them by the step's time and this machine's peak FLOP/s / read bandwidth: the
+# ceilings of the setup cell, the best measured on this machine, not a data sheet's peak (which the
+# usual definition of MFU, PaLM's, divides by), so they say how close a step came to what this CPU
+# was seen to do.
+#
+# The bytes count each weight as the engine holds it. The embedded model's checkpoint stores its
+# weights as float16; a float32 engine computes in float32, but on a CPU its linear layers keep the
+# 16-bit values as they are and widen them inside the panel GEMM (section 1), so a step reads 2
+# bytes per weight, not 4. The intensities below follow from that.
 
 # %%
 from widgets import measure_step_latency
@@ -516,7 +532,9 @@ BIG_DTYPE = str(big_engine.config.dtype).removeprefix("torch.")
 # `N` weights in the layers' matrix multiplies, and reads all `N` weights whatever `T` is. The
 # intensity of the weight traffic is `2·N·T / (N · bytes per weight)`: `T/2` FLOP/byte in fp32, `T` in
 # bf16. Prefill of a long prompt (large `T`) is far up the intensity axis; decode at batch `B`
-# (`T = B`) is at `B/2` in fp32. Attention and the KV cache add a little on both sides.
+# (`T = B`) is at `B/2` in fp32. At this section's short contexts (4 to 8 tokens) attention and the
+# KV cache add only a little on both sides; at long contexts they do not, as the GPU cell below
+# computes.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -583,19 +601,24 @@ fig = go.Figure()
 fig.add_scatter(x=xs, y=roof, mode="lines", line=dict(color="#333", width=2),
                 name="measured ceilings (matmul peak, read bandwidth)")
 fig.add_vline(x=big_peaks.ridge_intensity, line=dict(color="#999", dash="dot"))
+fig.add_annotation(x=np.log10(big_peaks.ridge_intensity), xref="x", y=0.02, yref="paper", xanchor="left",
+                   showarrow=False, text=f" ridge point {big_peaks.ridge_intensity:.1f} FLOP/byte")
 for phase, colour in (("prefill", "#e4572e"), ("decode", "#f0a202")):
     pts = big_df[big_df.phase == phase]
     # label each batch once: prefill steps by their tokens, decode steps by their batch
-    labels = [("" if dup else (f"{t} tok" if phase == "prefill" else f"B={b}"))
+    labels = [("" if dup else (f"{b}×{t // b} tok" if phase == "prefill" else f"B={b}"))
               for b, t, dup in zip(pts.batch, pts.tokens, pts.batch.duplicated())]
     fig.add_scatter(x=pts.intensity, y=pts["GFLOP/s"], mode="markers+text", text=labels,
-                    textposition="top center" if phase == "prefill" else "bottom center",
+                    # a prefill of b x 4 tokens sits near the decode step of batch 2b: labels on opposite sides
+                    textposition="middle left" if phase == "prefill" else "middle right",
                     marker=dict(color=colour, size=10), name=f"{phase} steps")
 fig.update_layout(title=f"Roofline: every step of the batch sweep<br><sup>measured: {big_engine.source.name} "
-                        f"({cost.num_params / 1e6:.0f} M parameters), {big_engine.config.device}, {BIG_DTYPE}, "
+                        f"({cost.num_params / 1e6:.0f} M parameters), {DEVICE_NAME}, {BIG_DTYPE}, "
                         f"{torch.get_num_threads()} thread(s)</sup>",
-                  xaxis=dict(type="log", title="arithmetic intensity (FLOP per byte moved, log scale)"),
-                  yaxis=dict(type="log", title="achieved GFLOP/s (log scale)"), height=440)
+                  xaxis=dict(type="log", title="arithmetic intensity (FLOP per byte moved, log scale)",
+                             range=[np.log10(xs[0]), np.log10(xs[-1])]),
+                  yaxis=dict(type="log", title="achieved GFLOP/s (log scale)"), height=480,
+                  legend=dict(orientation="h", y=-0.22))
 show_figure(fig)
 
 # %% [markdown]
@@ -684,7 +707,7 @@ fig.add_scatter(x=big_dec.index, y=big_dec["roofline tokens/s"], mode="lines", n
 fig.add_scatter(x=big_dec.index, y=big_dec["tokens/s"].iloc[0] * big_dec.index, mode="lines",
                 name="batch 1 x B (perfect scaling)", line=dict(color="#aaa", dash="dot"))
 fig.update_layout(title=f"Decode throughput against batch size<br><sup>measured: {big_engine.source.name}, "
-                        f"{big_engine.config.device}, {BIG_DTYPE}, {torch.get_num_threads()} thread(s); bars: "
+                        f"{DEVICE_NAME}, {BIG_DTYPE}, {torch.get_num_threads()} thread(s); bars: "
                         f"fastest and slowest step</sup>",
                   xaxis_title="sequences in the decode step (batch)", yaxis_title="output tokens per second",
                   height=400)
@@ -707,7 +730,14 @@ render(f"From batch 1 to batch {b_max} the decode step grew from {big_dec.wall_m
        f"({big_peaks.ridge_intensity:.1f} FLOP/byte). The measured points sit furthest below the bound at "
        f"**batch {worst}** ({big_dec.loc[worst, 'measured / bound']:.0%} of it).")
 check_claim(f"decode at batch {b_max} produces more tokens per second than at batch 1 on the same weights and memory",
-            speedup > 1, f"{speedup:.2f}x");
+            speedup > 1, f"{speedup:.2f}x")
+check_claim("the engine's decode step at batch 4 took less than 1.5x its batch-1 step (section 1's library path "
+            f"took {rows_df.loc[1, 'GB/s of weights'] / rows_df.loc[4, 'GB/s of weights']:.1f}x as long per weight read "
+            "at 4 rows as at 1)",
+            big_dec.wall_ms.loc[4] < 1.5 * big_dec.wall_ms.loc[1],
+            f"{big_dec.wall_ms.loc[4]:.0f} vs {big_dec.wall_ms.loc[1]:.0f} ms",
+            why_it_may_not="Without the native panel GEMM (no C compiler at first use) the engine falls back to "
+                           "oneDNN or torch's own matmul; a busy machine also widens single steps.");
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
@@ -722,16 +752,22 @@ check_claim(f"decode at batch {b_max} produces more tokens per second than at ba
 # not 16; with a higher ridge every batch measured here is still under it, and the ideal is about 16.
 #
 # The measured gain differs from that ideal because each measured point sits under its bound by a
-# different margin (the `measured / bound` column): on a CPU the maths library can run a few rows
-# through a weight less efficiently than one (section 1's table), and the step's other costs grow
-# with the batch too (attention over each sequence's KV, sampling, bookkeeping). The rendered sentence
-# and the table give this run's figures, and which points sit closest to their bound.
+# different margin (the `measured / bound` column). Below the ridge the engine's panel GEMM streams
+# a few rows about as fast as one (the check under the table), so those points keep close to the
+# same margin; past the ridge the step's matrix multiplies are compute-bound but small, and run well
+# below the peak that one large square matmul set; and the step's other costs grow with the batch
+# too (attention over each sequence's KV, sampling, bookkeeping). The rendered sentence and the table
+# give this run's figures, and which points sit closest to their bound.
 # </details>
 
 # %% [markdown]
-# On a data-centre GPU the picture is the same with a much higher ridge point, so bf16 decode stays
-# memory-bound up to batches in the hundreds. The figures below are the vendors' data sheets, not
-# measurements:
+# On a data-centre GPU the picture is the same with a much higher ridge point, so the weight traffic
+# of a bf16 decode step stays memory-bound up to batches in the hundreds. The GPU figures below are
+# the vendors' data sheets, not measurements. That counts the weights only: each sequence also reads
+# its own keys and values, which the batch does not share and whose FLOP/byte is fixed by the model's
+# shape (section 3), so at long contexts the KV reads keep decode memory-bound at any batch. The
+# second part of the cell computes it for section 4's model shape in bf16 (arithmetic from the shape,
+# not a measurement):
 
 # %%
 # External figures (NVIDIA data sheets): dense bf16 tensor-core FLOP/s (without sparsity) and HBM bandwidth.
@@ -740,8 +776,20 @@ GPUS = {"H100 SXM5 (80 GB HBM3), NVIDIA H100 data sheet": (989e12, 3.35e12),
 WEIGHTS_7B_BF16 = 7e9 * 2  # a 7B-parameter model in bf16: 2 bytes per weight
 for name, (flops, bw) in GPUS.items():
     ridge = flops / bw
-    print(f"{name}: ridge point {ridge:.0f} FLOP/byte -> bf16 decode (intensity ~B) memory-bound up to "
-          f"batch ~{ridge:.0f}; weight-read floor of a 7B bf16 decode step {WEIGHTS_7B_BF16 / bw * 1e3:.1f} ms")
+    print(f"{name}: ridge point {ridge:.0f} FLOP/byte -> the weight traffic of bf16 decode (intensity ~B) is "
+          f"memory-bound up to batch ~{ridge:.0f}; weight-read floor of a 7B bf16 decode step "
+          f"{WEIGHTS_7B_BF16 / bw * 1e3:.1f} ms")
+# Section 4's model shape in bf16 (2 bytes a weight, 2 bytes a KV value), batch 256, C cached tokens per sequence
+B_GPU = 256
+w_params = cost.matmul_params + cost.lm_head_params
+kv_flops_tok = 4 * cost.head_dim * cost.num_heads * cost.num_layers     # QK^T and PV, per cached token
+kv_bytes_tok = cost.kv_bytes_per_token // cost.kv_dtype_bytes * 2       # its keys and values in bf16
+print(f"{big_engine.source.name} shape in bf16, batch {B_GPU}: KV cache alone {kv_flops_tok / kv_bytes_tok:.1f} FLOP/byte")
+for C in (0, 1024, 8192):
+    f_step = 2 * w_params * B_GPU + B_GPU * C * kv_flops_tok
+    b_step = 2 * w_params + B_GPU * C * kv_bytes_tok
+    print(f"  context {C:5d} tokens: reads {b_step / 1e9:6.1f} GB a step ({B_GPU * C * kv_bytes_tok / b_step:4.0%} of "
+          f"it KV), intensity {f_step / b_step:6.1f} FLOP/byte")
 
 # %% [markdown]
 # ### The weight-read floor of a decode step
@@ -749,9 +797,9 @@ for name, (flops, bw) in GPUS.items():
 # A decode step cannot finish before its weights have streamed through the memory system once. That
 # floor is the weight bytes divided by the bandwidth, here with the read bandwidth measured on this
 # machine, beside the measured step. The same arithmetic for the 7B model on the GPUs above gave a
-# few milliseconds per step, shared by the whole batch: a fixed "milliseconds per output token"
-# constant is never right in general, because it depends on the model's bytes, the memory's speed
-# and the batch.
+# few milliseconds per step for the weights, a read shared by the whole batch (the KV reads come on
+# top, one per sequence): a fixed "milliseconds per output token" constant is never right in general,
+# because it depends on the model's bytes, the memory's speed, the batch and the contexts.
 
 # %%
 weight_bytes = cost.body_weight_bytes + cost.lm_head_bytes
@@ -1027,7 +1075,8 @@ Quiz([
          "It does when drafts are accepted: several tokens come out of one verification step.",
          "Right, at small batches: a memory-bound decode step waits on bandwidth, and more arithmetic units "
          "would sit idle. Past the ridge point (decode intensity B x 2 / bytes per weight reaches it near batch "
-         f"{ridge_batch:.0f} in {BIG_DTYPE} on this machine) the step is compute-bound and FLOP/s matters too."],
+         f"{ridge_batch:.0f} in {BIG_DTYPE} on this machine, at short contexts) the step is compute-bound and "
+         "FLOP/s matters too; long contexts add KV reads that keep it memory-bound (section 4's GPU cell)."],
     ),
 ]).display()
 
