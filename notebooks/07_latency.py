@@ -46,7 +46,8 @@
 #
 # The same parameters as chapter 06: the embedded `minivllm-tiny` unless `MINIVLLM_MODEL` names
 # another model, KV blocks of 16 tokens, and `MINIVLLM_THREADS` CPU threads (the stored outputs were
-# produced with 1 thread on a CPU shared with other work).
+# produced with 1 thread; the setup cell prints the machine's load, since other busy processes slow
+# every timing below).
 
 # %% tags=["parameters"]
 import os
@@ -79,6 +80,9 @@ print(f"machine : {platform.machine()} {platform.system()}, {os.cpu_count()} CPU
 print(f"device  : {cfg.device}; model {me.source.name}; dtype {DTYPE}; token budget per step "
       f"{cfg.max_num_batched_tokens}")
 print(describe(mixed))
+import psutil
+
+print("load average (1, 5, 15 min):", ", ".join(f"{x:.2f}" for x in psutil.getloadavg()), f"on {os.cpu_count()} CPUs")
 WHERE = f"{me.source.name}, {cfg.device}, {DTYPE}, {torch.get_num_threads()} thread(s)"
 
 # %% [markdown]
@@ -97,7 +101,10 @@ WHERE = f"{me.source.name}, {cfg.device}, {DTYPE}, {torch.get_num_threads()} thr
 # first token, every token, finished). Here five requests of different lengths arrive together at an
 # engine whose step holds at most 64 tokens, so some prompts wait for others, and a prompt that does
 # not fit in the budget left in a step is split across steps (even a short one: what counts is the room
-# the step has left, not the prompt's length):
+# the step has left, not the prompt's length). The same workload runs once first and is thrown away:
+# an engine's first steps pay one-off costs (memory allocation, recording a decode graph for each new
+# batch size, chapter 11) that are not what a user of a running server feels. The prompts are made
+# before the clock starts, so the five arrivals are moments apart:
 
 # %%
 import random
@@ -106,13 +113,24 @@ from widgets.measure import random_prompt
 
 rng = random.Random(6)
 WORKLOAD = {"a": (24, 16), "b": (100, 4), "c": (8, 24), "d": (60, 8), "e": (40, 12)}  # id: (prompt, output tokens)
-for rid, (n_prompt, n_out) in WORKLOAD.items():
-    me.add_request(rid, random_prompt(me, n_prompt, rng), SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
-mixed_records, finals = [], {}
-while me.has_unfinished_requests():
-    res = me.step_with_record()
-    mixed_records.append(res.record)
-    finals.update({o.request_id: o for o in res.outputs if o.finished})
+prompts = {rid: random_prompt(me, n_prompt, rng) for rid, (n_prompt, _) in WORKLOAD.items()}
+
+
+def run_workload(tag=""):
+    """Add the five requests together, step until all finish: the step records and final outputs."""
+    for rid, (_, n_out) in WORKLOAD.items():
+        me.add_request(tag + rid, prompts[rid], SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
+    records, done = [], {}
+    while me.has_unfinished_requests():
+        res = me.step_with_record()
+        records.append(res.record)
+        done.update({o.request_id.removeprefix(tag): o for o in res.outputs if o.finished})
+    me.reset_prefix_cache()  # the measured run computes every prompt again
+    return records, done
+
+
+warm_records, _ = run_workload("warm-")  # one-off costs, thrown away
+mixed_records, finals = run_workload()
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -153,7 +171,9 @@ render(f"The last first token{plural} came at step {max(first_step.values())}, t
        f"{lat.loc[long_tail, 'e2e / TTFT']:.1f}x its TTFT in all, request **{short_tail}** "
        f"({lat.loc[short_tail, 'output']} output tokens) only {lat.loc[short_tail, 'e2e / TTFT']:.1f}x. TPOT ranged from "
        f"{lat.tpot_ms.min():.2f} to {lat.tpot_ms.max():.2f} ms: each request's decode steps were shared with "
-       f"different company, mixed steps with a prefill chunk in them included.");
+       f"different company, mixed steps with a prefill chunk in them included. (The first step, with the same tokens "
+       f"in it, took {warm_records[0].wall_ms:.1f} ms in the thrown-away run and {mixed_records[0].wall_ms:.1f} ms in "
+       f"this one.)");
 
 # %% [markdown]
 # Each request's TTFT is its wait plus the steps that carried its prompt, so it grows for requests
@@ -255,17 +275,27 @@ check_claim(f"a decode step of {b_last} sequences takes at least as long as a st
                            "again to see whether it repeats.")
 check_claim(f"batching to {b_last} raised the decode throughput", b_last / tpot_ratio > 1,
             f"TPOT {tpot_ratio:.2f}x, throughput {b_last / tpot_ratio:.1f}x");
-# Which grew more depends on where the step sits on the roofline (chapter 06): said from this run.
-render(f"Here throughput grew **{'more' if b_last / tpot_ratio > tpot_ratio else 'less'}** than TPOT did: "
-       + ("the batch-1 step is mostly a cost every step pays whatever its rows (reading the weights, launching the "
-          "operations), and the added rows cost little beside it."
-          if b_last / tpot_ratio > tpot_ratio else
-          "at batch b a decode step does about 2b FLOPs for each weight it reads, whatever the model's size, so "
-          "once 2b over the bytes each weight is held in passes the machine's ridge point (FLOPs per byte), the "
-          "step is arithmetic-bound and every added row costs its own arithmetic. On a CPU, whose ridge point is "
-          "a few FLOPs per byte, that comes at a few sequences (chapter 06 finds the bend); on a GPU, whose ridge "
-          "point is typically in the hundreds, a decode step stays memory-bound to far larger batches, and there "
-          "TPOT barely moves while throughput grows almost with the batch."));
+# Which grew more depends on where the step sits on the roofline (chapter 06): the batch-b step's
+# FLOPs and weight bytes from the model's shape, against this machine's measured ceilings.
+cost7, peaks7 = bench.llm_engine.model_cost, bench.llm_engine.measure_peaks()
+flops_b = 2 * (cost7.matmul_params + cost7.lm_head_params) * b_last  # the matrix multiplies, 2 FLOPs a weight a row
+weight_bytes7 = cost7.body_weight_bytes + cost7.lm_head_bytes
+intensity_b = flops_b / weight_bytes7
+achieved_b = flops_b / (dec.iloc[-1] * 1e-3)
+past_ridge = intensity_b >= peaks7.ridge_intensity
+render(f"Here throughput grew **{'more' if b_last / tpot_ratio > tpot_ratio else 'less'}** than TPOT did. At batch "
+       f"{b_last} the step's matrix multiplies do {flops_b / 1e6:.0f} MFLOP over {weight_bytes7 / 1e6:.1f} MB of weights: "
+       f"intensity **{intensity_b:.1f} FLOP/byte** against this machine's ridge point of {peaks7.ridge_intensity:.1f} "
+       f"({peaks7.provenance}), and the whole step ran at {achieved_b / 1e9:.0f} GFLOP/s of them, "
+       f"{achieved_b / peaks7.flops_per_s:.0%} of the measured matmul peak. "
+       + ("So the step is past the ridge: arithmetic, not the weight read, sets its time, and every added row costs "
+          "its own arithmetic. "
+          if past_ridge else
+          "So the step is still below the ridge: by the roofline the weight read, not the arithmetic, bounds its "
+          "matrix multiplies, and what grew with the batch is what every row brings (attention over its own KV, "
+          "its norms and sampling, its bookkeeping) and small matrix multiplies running below the peak. ")
+       + "On a GPU, whose ridge point is typically in the hundreds, a decode step stays memory-bound to far larger "
+         "batches, and there TPOT barely moves while throughput grows almost with the batch.");
 
 # %% [markdown]
 # So batching is a **throughput** lever, not a TPOT lever: it serves more users per second at the
@@ -387,8 +417,9 @@ knob.shutdown()
 # **"Chunked prefill comes with `enforce_eager=False`."** `enforce_eager` decides whether decode steps
 # are replayed from recorded graphs (CUDA graphs on a GPU, CPU graphs on a CPU: chapter 11); chunking is
 # the scheduler's `enable_chunked_prefill`. Run the
-# same workload (a request decoding while an 80-token prompt arrives, 32-token budget) under both
-# values of `enforce_eager`, then with chunking off:
+# same workload (a request decoding while a 60-token and an 80-token prompt arrive together, a step
+# budget of 96 tokens) under both values of `enforce_eager`, then with chunking off and nothing else
+# changed. Both prompts fit the budget; they do not both fit the room one step has:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -397,8 +428,9 @@ def chunk_run(**engine_args):
     e = sub.llm_engine
     e.add_request("chatting", "The module provides", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     e.step()
-    # (8 tokens: after its chunks, plain decode steps enough for a graph to be replayed, not only recorded)
-    e.add_request("long", list(range(1, 81)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    # (8 tokens: after their chunks, plain decode steps enough for a graph to be replayed, not only recorded)
+    e.add_request("mid", list(range(1, 61)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    e.add_request("long", list(range(101, 181)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     recs = []
     while e.has_unfinished_requests():
         recs.append(e.step_with_record().record)
@@ -408,14 +440,15 @@ def chunk_run(**engine_args):
     return recs, graphs
 
 
-graph_state = {}
-for args in (dict(enforce_eager=True, max_num_batched_tokens=32), dict(enforce_eager=False, max_num_batched_tokens=32),
-             dict(enable_chunked_prefill=False, max_num_batched_tokens=96, max_model_len=96)):
+graph_state, chunks_by = {}, {}
+SAME = dict(max_num_batched_tokens=96, max_model_len=96)  # without chunking a prompt must fit one step
+for args in (dict(enforce_eager=True), dict(enforce_eager=False), dict(enable_chunked_prefill=False)):
     name = ", ".join(f"{k}={v}" for k, v in args.items())
-    recs, graph_state[name] = chunk_run(**args)
-    chunks = [x.num_tokens for r in recs for x in r.scheduled if x.request_id == "long" and x.is_prefill]
-    print(f"{name:78s}: the 80-token prompt in chunks {chunks}; mixed steps: "
-          f"{sum(r.phase == 'mixed' for r in recs)}")
+    recs, graph_state[name] = chunk_run(**args, **SAME)
+    chunks_by[name] = {rid: [(i, x.num_tokens) for i, r in enumerate(recs) for x in r.scheduled
+                             if x.request_id == rid and x.is_prefill] for rid in ("mid", "long")}
+    print(f"{name:28s}: chunks (step, tokens) of the 60-token prompt {chunks_by[name]['mid']}, "
+          f"of the 80-token prompt {chunks_by[name]['long']}; mixed steps {sum(r.phase == 'mixed' for r in recs)}")
 mixed_example = next(r for r in recs if r.phase == "mixed")
 print("a mixed step:", [(x.request_id, x.num_tokens, "prefill" if x.is_prefill else "decode") for x in mixed_example.scheduled])
 
@@ -430,7 +463,10 @@ for name, counts in graph_state.items():
 check_claim("the scheduler, which decides the chunks, never reads enforce_eager",
             "enforce_eager" not in inspect.getsource(scheduler_module),
             "searched the source of minivllm/engine/scheduler.py");
-graphs_on = graph_state["enforce_eager=False, max_num_batched_tokens=32"]
+graphs_on = graph_state["enforce_eager=False"]
+check_claim("the chunks were the same under both values of enforce_eager and different with chunking off",
+            chunks_by["enforce_eager=True"] == chunks_by["enforce_eager=False"] != chunks_by["enable_chunked_prefill=False"],
+            "; ".join(f"{k}: 80-token prompt {v['long']}" for k, v in chunks_by.items()))
 check_claim("the enforce_eager=False engine replayed recorded graphs for plain decode steps",
             graphs_on is not None and graphs_on[1] > 0,
             "recorded / replayed: " + ("none (graphs off)" if graphs_on is None else "%d / %d" % graphs_on),
