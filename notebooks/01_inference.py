@@ -44,6 +44,9 @@
 # environment variable `MINIVLLM_MODEL` names another (a Qwen3 checkpoint directory, or
 # `random:qwen3-0.6b` for random weights at the real shape). `DEVICE = "auto"` uses a GPU when there
 # is one, otherwise the CPU in fp32.
+# The stored outputs were produced by `scripts/execute_notebook.py` with one CPU thread
+# (`OMP_NUM_THREADS=1`): on a CPU shared with other work one thread gives the steadiest timings. The
+# setup cell prints how many threads this run uses.
 
 # %% tags=["parameters"]
 import os
@@ -396,8 +399,8 @@ stepper.display()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for r in stepper.steps:
-    print(f"step {r.index}: {r.phase:7s} {r.num_tokens} token(s) through the model")
+for i, r in enumerate(stepper.steps):  # (r.index counts every step this engine ran, the cells above included)
+    print(f"stepper step {i}: {r.phase:7s} {r.num_tokens} token(s) through the model")
 so_far = stepper.sequence(stepper.request_ids[0]).output_token_ids
 print("tokens so far:", so_far, "| the same as the first ones by hand:", so_far == by_hand[:len(so_far)])
 

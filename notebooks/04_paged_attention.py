@@ -45,6 +45,9 @@
 # The embedded `minivllm-tiny` unless `MINIVLLM_MODEL` says otherwise. A small pool (64 blocks of
 # 16 token slots) keeps every block visible. Prefix caching is switched off here so that every block
 # belongs to exactly one request (sharing blocks between requests is chapter 08).
+# The stored outputs were produced by `scripts/execute_notebook.py` with one CPU thread
+# (`OMP_NUM_THREADS=1`): on a CPU shared with other work one thread gives the steadiest timings. The
+# setup cell prints how many threads this run uses.
 
 # %% tags=["parameters"]
 import os
@@ -204,11 +207,14 @@ for i, entry in enumerate(plan.scheduled):
     p, table = entry.start_pos, tables[i]
     expected = table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
     name = next(k for k, v in requests.items() if v == entry.seq.request_id)
+    table_row = inp.meta.block_tables[i].tolist()
+    held = [b for b in table_row if b >= 0]
     print(f"{name}: new token at position {p}: block_table[{p} // {BLOCK_SIZE}] = "
           f"{table[p // BLOCK_SIZE]}, offset {p % BLOCK_SIZE} -> slot {expected}; runner's slot_mapping "
-          f"{slots[row]}; block table row {inp.meta.block_tables[i].tolist()}")
+          f"{slots[row]}; block table row {held} then {len(table_row) - len(held)} x -1")
     assert slots[row] == expected
     row += entry.num_tokens
+print(f"each row has {len(table_row)} entries: max_model_len {engine.config.max_model_len} / block_size {BLOCK_SIZE}")
 
 # %% [markdown]
 # The runner pads the block tables of a step into one tensor with a row per sequence (`-1` past a
@@ -216,7 +222,8 @@ for i, entry in enumerate(plan.scheduled):
 # `0 .. context_len - 1` of each sequence through its row. In a step run eagerly the rows are as wide
 # as the step's longest table. The rows printed above are wider: this decode step was replayed from a
 # recorded graph (chapter 11), whose input keeps one shape from step to step, so its rows have room
-# for the longest table `max_model_len` allows (`max_model_len / block_size` entries).
+# for the longest table `max_model_len` allows (`max_model_len / block_size` entries; this engine's
+# `max_model_len` is in the last line: no more than its 64-block pool can hold).
 #
 # ### Proof by reading the cache
 #
@@ -328,6 +335,8 @@ for key, name, dash in (("contiguous_max_len", f"contiguous, max_model_len ({MAX
                         ("paged", f"paged: blocks allocated x {BLOCK_SIZE}", "solid"),
                         ("used", "slots holding KV", "solid")):
     fig.add_scatter(x=steps, y=[s[key] for s in samples], mode="lines", name=name, line=dict(dash=dash))
+fig.add_hline(y=POOL_SLOTS, line=dict(color="#c03", dash="dashdot"), annotation_text=f"the pool: {POOL_SLOTS:,} slots",
+              annotation_position="top left")
 fig.update_layout(title=f"KV slots held per step, 24 mixed requests (live block manager)<br><sub>{setting(llm)}</sub>",
                   xaxis_title="engine step", yaxis_title="token slots held", height=440,
                   yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.25))
