@@ -731,13 +731,14 @@ render(f"From batch 1 to batch {b_max} the decode step grew from {big_dec.wall_m
        f"**batch {worst}** ({big_dec.loc[worst, 'measured / bound']:.0%} of it).")
 check_claim(f"decode at batch {b_max} produces more tokens per second than at batch 1 on the same weights and memory",
             speedup > 1, f"{speedup:.2f}x")
-check_claim("the engine's decode step at batch 4 took less than 1.5x its batch-1 step (section 1's library path "
-            f"took {rows_df.loc[1, 'GB/s of weights'] / rows_df.loc[4, 'GB/s of weights']:.1f}x as long per weight read "
-            "at 4 rows as at 1)",
-            big_dec.wall_ms.loc[4] < 1.5 * big_dec.wall_ms.loc[1],
-            f"{big_dec.wall_ms.loc[4]:.0f} vs {big_dec.wall_ms.loc[1]:.0f} ms",
+# fastest steps: a single step slowed by another process says nothing about the matmul path
+check_claim("the engine's fastest decode step at batch 4 took less than 1.5x its fastest at batch 1 (section 1's "
+            f"library path took {rows_df.loc[1, 'GB/s of weights'] / rows_df.loc[4, 'GB/s of weights']:.1f}x as long "
+            "per weight read at 4 rows as at 1)",
+            big_dec.lo_ms.loc[4] < 1.5 * big_dec.lo_ms.loc[1],
+            f"{big_dec.lo_ms.loc[4]:.0f} vs {big_dec.lo_ms.loc[1]:.0f} ms",
             why_it_may_not="Without the native panel GEMM (no C compiler at first use) the engine falls back to "
-                           "oneDNN or torch's own matmul; a busy machine also widens single steps.");
+                           "oneDNN or torch's own matmul; a busy machine can also slow every step of one size.");
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>

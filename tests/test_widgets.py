@@ -108,6 +108,26 @@ def test_stepper_step_button_runs_prefill_then_decodes(llm):
     engine.check_invariants()
 
 
+def test_stepper_names_the_engines_own_peaks_when_they_filled_the_record(llm):
+    """An engine that measured its peaks (``LLMEngine.measure_peaks``) fills its records' MFU and
+    MBU itself; the stepper's MBU line then names those peaks (it printed "(... moved; )")."""
+    from minivllm.telemetry.peaks import Peaks
+    from widgets import EngineStepper
+
+    engine = llm.llm_engine
+    saved = engine.peaks
+    engine.peaks = Peaks(1e11, 2e10, "cpu", "float32", {"source": "measured", "measured_at": "t0"}, 2.5e10)
+    try:
+        s = EngineStepper(llm)
+        s.add_request("[" + ", ".join(map(str, ids(8))) + "]", max_tokens=2)
+        s.step()
+        assert s.steps[-1].mfu is not None
+        assert "moved; peaks on this device" in s.step_pane.value and "; )" not in s.step_pane.value
+        s.step()
+    finally:
+        engine.peaks = saved
+
+
 def test_stepper_chunks_a_long_prompt_and_mixes_decodes(llm):
     from widgets import EngineStepper
 

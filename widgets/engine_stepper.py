@@ -446,14 +446,15 @@ class EngineStepper(CourseWidget):
                 f"{self._bar(r.num_accepted_draft_tokens / r.num_draft_tokens, '#54a24b')}"
                 f"{self._bar(rejected / r.num_draft_tokens, '#e45756')}</span></div>")
         if r.mfu is not None:
-            p = self._peaks
-            peak_note = (f"peaks on this device ({p.provenance}): {fmt_si(p.flops_per_s, 'FLOP/s')} matmul, "
+            # the peaks that filled the record: the engine's own when it measured them, else the stepper's
+            p = self._peaks if self._peaks is not None else getattr(self.engine, "peaks", None)
+            peak_note = (f"; peaks on this device ({p.provenance}): {fmt_si(p.flops_per_s, 'FLOP/s')} matmul, "
                          f"{fmt_si(p.mbu_bytes_per_s, 'B/s')} read" if p is not None else "")
             lines.append(
                 f"<div class='mv-box'><b>MFU</b><span class='mv-bartrack'>{self._bar(r.mfu, '#4c78a8')}</span>"
                 f"{100 * r.mfu:.2f} % <span class='mv-small'>({fmt_si(r.flops, 'FLOP')} in the step)</span><br>"
                 f"<b>MBU</b><span class='mv-bartrack'>{self._bar(r.mbu, '#54a24b')}</span>"
-                f"{100 * r.mbu:.2f} % <span class='mv-small'>({fmt_si(r.bytes_moved, 'B')} moved; "
+                f"{100 * r.mbu:.2f} % <span class='mv-small'>({fmt_si(r.bytes_moved, 'B')} moved"
                 f"{peak_note})</span></div>")
         if self._sampler is not None:
             samples = self._sampler.samples
