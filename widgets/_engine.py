@@ -41,12 +41,24 @@ def titled(title: str, llm) -> str:
     return chart_title(title, engine_of(llm))
 
 
+# what a learner typing token ids may get wrong: only digits, signs, commas and spaces after a "["
+_IDS_ATTEMPT_RE = re.compile(r"^\s*\[[\s\d,+-]*\]?\s*$")
+
+
 def parse_prompt(text: str):
     """A prompt typed into a text box: ``"[1, 2, 3]"`` (brackets required) means token ids,
-    anything else is text. Returns ``str`` or ``list[int]``."""
+    anything else is text. Returns ``str`` or ``list[int]``.
+
+    Raises:
+        ValueError: the text looks like token ids but is not a valid list of them (``"[-1]"``,
+            ``"[1, 2,"``, ``"[1 2]"``, ``"[1,,2]"``): such a prompt is a typo, not text.
+    """
     if _IDS_RE.match(text or ""):
         inner = text.strip()[1:-1]
         return [int(t) for t in inner.replace(" ", "").split(",") if t]
+    if _IDS_ATTEMPT_RE.match(text or "") and text.strip() != "[":
+        raise ValueError(f"{text.strip()!r} is not a list of token ids: write them as [1, 2, 3] (non-negative "
+                         "integers, comma-separated, in brackets)")
     return text
 
 

@@ -69,6 +69,7 @@ class EngineStepper(CourseWidget):
                  temperature: float = 0.0, peaks=None, show_chart: bool = True, max_run_steps: int = 10_000):
         super().__init__()
         self.engine = engine_of(llm)
+        self.llm = llm  # held: an LLM shuts its engine down when collected (EngineStepper(LLM(...)) must work)
         self.tokenizer = self.engine.tokenizer
         self.steps: list[StepRecord] = []
         self.request_ids: list[str] = []
@@ -81,6 +82,7 @@ class EngineStepper(CourseWidget):
         self._stop_requested = False
         self._running = False
         self._task = None
+        self._reset_during_run = False  # a Reset cancelled the async run: its end is not reported over Reset's
         self._peaks = peaks
         self._cost = None
         self._sampler = None
@@ -129,9 +131,14 @@ class EngineStepper(CourseWidget):
         ``sampling`` takes any other ``SamplingParams`` field (top_k, seed, ignore_eos, ...).
 
         Raises:
-            ValueError: a bad prompt or sampling value (the engine's message).
+            ValueError: a bad prompt or sampling value (the engine's message), or ``n`` above 1
+                (the stepper follows one sequence per request).
+            RuntimeError: the engine has been shut down.
         """
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling)
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the stepper follows one sequence per request; use n=1 here "
+                             "(LLM.generate runs parallel samples)")
         while f"step-{self._next_id}" in self.engine.requests:
             self._next_id += 1
         rid = f"step-{self._next_id}"
@@ -165,6 +172,8 @@ class EngineStepper(CourseWidget):
         if self._running:
             self._message("already running")
             return 0
+        if self._engine_gone():
+            return 0
         if not self.engine.has_unfinished_requests():
             self._message("nothing to run: add a request first" if not self.steps else "all requests finished")
             self.render()
@@ -175,9 +184,11 @@ class EngineStepper(CourseWidget):
             except RuntimeError:
                 loop = None
             if loop is not None:
-                self._running = True
+                # Stop can arrive before the task's first tick: the flag is cleared here, not in the task
+                self._running, self._stop_requested = True, False
                 self._task = loop.create_task(self._run_async())
                 return 0
+        self._stop_requested = False
         return self._run_blocking()
 
     def stop(self) -> None:
@@ -194,7 +205,10 @@ class EngineStepper(CourseWidget):
             self._stop_requested = True
             if self._task is not None:
                 self._task.cancel()  # cancellation lands at an await, i.e. between steps
+                self._reset_during_run = True
             self._running = False
+        if self._engine_gone():
+            return
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
         self.engine.reset_prefix_cache()
@@ -244,7 +258,17 @@ class EngineStepper(CourseWidget):
         return self._colour.get(request_id, "#888888")
 
     # -- stepping ---------------------------------------------------------------------------
+    def _engine_gone(self) -> bool:
+        """Says so in the status line when the engine has been shut down (``LLM.shutdown()``)."""
+        if self.engine.runner is not None:
+            return False
+        self._message("this engine has been shut down (LLM.shutdown()): make a new LLM and a new stepper",
+                      error=True)
+        return True
+
     def _step_once(self, render: bool) -> StepRecord | None:
+        if self._engine_gone():
+            return None
         if not self.engine.has_unfinished_requests():
             self._message("nothing to run: add a request first" if not self.steps else
                           "all requests finished: add another or press Reset")
@@ -264,8 +288,8 @@ class EngineStepper(CourseWidget):
         return record
 
     def _run_blocking(self) -> int:
-        with self._run_session() as run:
-            for run.taken in self._steps(render_every=0.2):
+        with self._run_session() as run, self._interrupt_stops(run):  # the cell is this run: the whole of it
+            for run.taken in self._steps(run, render_every=0.2):
                 pass
         if run.interrupted:
             raise KeyboardInterrupt
@@ -274,42 +298,61 @@ class EngineStepper(CourseWidget):
     async def _run_async(self) -> None:
         try:
             with self._run_session() as run:
-                for run.taken in self._steps(render_every=0.1):
+                for run.taken in self._steps(run, render_every=0.1, guard_each_step=True):
                     await asyncio.sleep(0.001)  # let Stop / Reset clicks in between steps
-        except asyncio.CancelledError:
-            pass
+        except (asyncio.CancelledError, KeyboardInterrupt, Exception):
+            pass  # the widget's status line says how the run ended (_finish_run); the task ends quietly
         finally:
             self._task = None
 
     @contextlib.contextmanager
     def _run_session(self):
-        """A "Run to end": marks the widget running, turns a kernel interrupt (SIGINT, main
-        thread only) into a stop between steps, and reports how the run ended."""
-        self._running, self._stop_requested = True, False
-        run = types.SimpleNamespace(taken=0, interrupted=False)
+        """A "Run to end": marks the widget running and reports how the run ended (done,
+        stopped, interrupted, or the error a step raised: the engine rolled that step back)."""
+        self._running = True
+        run = types.SimpleNamespace(taken=0, interrupted=False, error=None)
+        try:
+            yield run
+        except KeyboardInterrupt:
+            run.interrupted = True
+            raise
+        except Exception as e:
+            run.error = e
+            raise
+        finally:
+            self._running = False
+            self._finish_run(run)
+
+    @contextlib.contextmanager
+    def _interrupt_stops(self, run):
+        """While the block runs (main thread only), a kernel interrupt (SIGINT) stops the run
+        after the current step instead of raising inside it. Synchronous blocks only, so that
+        handlers are restored in the reverse order they were installed: an async run guards each
+        step (an interrupt between its steps belongs to whatever cell is running then)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
 
         def on_sigint(signum, frame):
             run.interrupted = True
             self._stop_requested = True
 
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGINT, on_sigint)
+        previous = signal.signal(signal.SIGINT, on_sigint)
         try:
-            yield run
+            yield
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-            self._running = False
-            self._finish_run(run.taken, run.interrupted)
+            signal.signal(signal.SIGINT, previous)
 
-    def _steps(self, render_every: float):
+    def _steps(self, run, render_every: float, guard_each_step: bool = False):
         """Step until idle, stopped or ``max_run_steps``; yields the count after each step and
-        re-renders at most every ``render_every`` seconds."""
+        re-renders at most every ``render_every`` seconds. ``guard_each_step``: each step under
+        :meth:`_interrupt_stops` (async runs)."""
         taken, last_render = 0, time.perf_counter()
         with heap_frozen():  # one freeze for the run (each step's own, nested, then costs nothing)
             while self._running and not self._stop_requested and taken < self.max_run_steps:
-                if self._step_once(render=False) is None:
+                with self._interrupt_stops(run) if guard_each_step else contextlib.nullcontext():
+                    record = self._step_once(render=False)
+                if record is None:
                     break
                 taken += 1
                 if time.perf_counter() - last_render > render_every:
@@ -317,11 +360,21 @@ class EngineStepper(CourseWidget):
                     last_render = time.perf_counter()
                 yield taken
 
-    def _finish_run(self, taken: int, interrupted: bool) -> None:
-        how = "interrupted" if interrupted else "stopped" if self._stop_requested else "done"
+    def _finish_run(self, run) -> None:
+        stopped, self._stop_requested = self._stop_requested, False
+        if self._reset_during_run:  # Reset has said what happened
+            self._reset_during_run = False
+            return
+        if self.engine.runner is None:
+            self._engine_gone()
+            return
         idle = "" if self.engine.has_unfinished_requests() else "; engine idle"
-        self._stop_requested = False
-        self._message(f"run {how} after {taken} steps{idle}")
+        if run.error is not None:
+            self._message(f"run stopped after {run.taken} steps: a step raised {type(run.error).__name__}: "
+                          f"{run.error} (that step was rolled back){idle}", error=True)
+        else:
+            how = "interrupted" if run.interrupted else "stopped" if stopped else "done"
+            self._message(f"run {how} after {run.taken} steps{idle}")
         self.render()
 
     # -- measurement helpers ------------------------------------------------------------------
@@ -360,11 +413,17 @@ class EngineStepper(CourseWidget):
         try:
             self.add_request(parse_prompt(self.prompt_box.value), int(self.max_tokens_box.value),
                              float(self.temperature_box.value), ignore_eos=bool(self.ignore_eos_box.value))
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             self._message(f"not added: {e}", error=True)
 
     def _on_step(self, _):
-        self.step()
+        # a click's exception would only reach the kernel's log: say it here (the engine rolled the step back)
+        try:
+            self.step()
+        except KeyboardInterrupt:
+            self._message("step interrupted (rolled back): the engine is as it was before it", error=True)
+        except Exception as e:
+            self._message(f"the step raised {type(e).__name__}: {e} (rolled back)", error=True)
 
     def _on_run(self, _):
         try:

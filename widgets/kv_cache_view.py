@@ -40,6 +40,7 @@ class KVCacheView(CourseWidget):
     def __init__(self, llm, stepper=None, max_blocks: int = 512):
         super().__init__()
         self.engine = engine_of(llm)
+        self.llm = llm  # held: an LLM shuts its engine down when collected
         self.tokenizer = self.engine.tokenizer
         self.max_blocks = max_blocks
         self.stepper = None

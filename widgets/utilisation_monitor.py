@@ -107,9 +107,15 @@ class UtilisationMonitor(CourseWidget):
         engine.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=int(self.max_tokens.value), ignore_eos=True)
         ids = [f"util-{i}" for i in range(int(self.num_requests.value))]
-        for rid in ids:
-            engine.add_request(rid, random_prompt(engine, int(self.prompt_len.value), rng), params,
-                               output_kind="final_only")
+        try:
+            for rid in ids:
+                engine.add_request(rid, random_prompt(engine, int(self.prompt_len.value), rng), params,
+                                   output_kind="final_only")
+        except ValueError as e:  # a prompt length the engine cannot take: said here, nothing left queued
+            for rid in ids:
+                engine.abort_request(rid)
+            self.readout.value = f"<div class='mv-box' style='color:#b00'>{escape(str(e))}</div>"
+            return []
         sampler = UtilisationSampler(period_s=self.period_s, device=str(engine.config.device))
         self.records = []
         t0 = time.perf_counter()
