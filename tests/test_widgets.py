@@ -356,6 +356,19 @@ def test_latency_model_recovers_a_known_linear_cost_and_replays_scheduling():
         LatencyModel.fit(rows[3:])
 
 
+def test_latency_model_slopes_are_never_negative():
+    """Two decode batch sizes whose noisy steps came out faster at batch 2 than at 1 gave a
+    negative cost per sequence, and predictions that fell with the batch."""
+    from widgets import LatencyModel
+
+    rows = [dict(phase="prefill", tokens=n, wall_ms=2.0 + 0.01 * n) for n in (16, 64)]
+    rows += [dict(phase="decode", batch=1, wall_ms=1.30), dict(phase="decode", batch=2, wall_ms=1.245)]
+    m = LatencyModel.fit(rows)
+    assert m.ms_per_decode_seq == 0.0 and m.decode_base_ms == pytest.approx((1.30 + 1.245) / 2)
+    assert m.ms_per_prefill_token == pytest.approx(0.01)
+    assert m.predict(16, 8, batch=8)["tpot_ms"] >= m.predict(16, 8, batch=1)["tpot_ms"] > 0
+
+
 @pytest.mark.slow
 def test_measure_decode_batch_leaves_out_the_warm_up_steps(llm, monkeypatch):
     """The first decode steps after a prefill (a graph recorded, caches the prefill left cold) took
