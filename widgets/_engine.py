@@ -16,7 +16,7 @@ def engine_of(llm):
     engine = getattr(llm, "llm_engine", llm)
     if engine is None or not hasattr(engine, "step") or not hasattr(engine, "block_manager"):
         raise ValueError(f"expected a minivllm LLM or LLMEngine, got {llm!r}")
-    if getattr(engine, "runner", None) is None:
+    if engine.is_shut_down:
         raise ValueError(f"{llm!r} has been shut down")
     return engine
 

@@ -260,7 +260,7 @@ class EngineStepper(CourseWidget):
     # -- stepping ---------------------------------------------------------------------------
     def _engine_gone(self) -> bool:
         """Says so in the status line when the engine has been shut down (``LLM.shutdown()``)."""
-        if self.engine.runner is not None:
+        if not self.engine.is_shut_down:
             return False
         self._message("this engine has been shut down (LLM.shutdown()): make a new LLM and a new stepper",
                       error=True)
@@ -365,8 +365,7 @@ class EngineStepper(CourseWidget):
         if self._reset_during_run:  # Reset has said what happened
             self._reset_during_run = False
             return
-        if self.engine.runner is None:
-            self._engine_gone()
+        if self._engine_gone():
             return
         idle = "" if self.engine.has_unfinished_requests() else "; engine idle"
         if run.error is not None:
@@ -421,7 +420,8 @@ class EngineStepper(CourseWidget):
         try:
             self.step()
         except KeyboardInterrupt:
-            self._message("step interrupted (rolled back): the engine is as it was before it", error=True)
+            self._message("step interrupted (a step cut short is rolled back: the engine stays consistent)",
+                          error=True)
         except Exception as e:
             self._message(f"the step raised {type(e).__name__}: {e} (rolled back)", error=True)
 

@@ -627,8 +627,13 @@ class LLMEngine:
         if check_proposer is not None:
             check_proposer()
 
+    @property
+    def is_shut_down(self) -> bool:
+        """True once :meth:`shutdown` has run (its model and KV cache are gone)."""
+        return self.runner is None
+
     def _require_live(self) -> None:
-        if self.runner is None:
+        if self.is_shut_down:
             raise RuntimeError(
                 "this engine has been shut down (LLM.shutdown(), or the LLM that made it was garbage-collected: "
                 "keep a reference to the LLM for as long as you use llm.llm_engine)")
