@@ -67,25 +67,35 @@ def test_overlapping_async_runs_leave_the_interrupt_handler_as_it_was(llm):
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_between_an_async_runs_steps_an_interrupt_belongs_to_the_other_cells(llm):
-    """While a background run waits for its next tick, other code runs (a learner's next cell):
-    a kernel interrupt then must reach it, so the stepper's handler is installed only during a step."""
+def test_an_interrupt_between_a_background_runs_steps_stops_every_run(llm):
+    """In a kernel a background run spends part of its time between steps (the event loop idle,
+    where ipykernel itself ignores SIGINT): an interrupt there must still stop it, and it stops
+    every run in progress, then the handler from before the runs is back."""
+    import os
+
     from widgets import EngineStepper
 
-    s = EngineStepper(llm, show_chart=False)
-    s.add_request(ids(10), max_tokens=20, ignore_eos=True)
-    before, seen = None, []
+    a, b = EngineStepper(llm, show_chart=False), EngineStepper(llm, show_chart=False)
+    a.add_request(ids(10), max_tokens=60, ignore_eos=True)
 
     async def scenario():
-        nonlocal before
-        before = signal.getsignal(signal.SIGINT)  # asyncio.run's own
-        s.run_button.click()
-        while s.is_running:
-            seen.append(signal.getsignal(signal.SIGINT))  # this coroutine runs between the run's steps
+        before = signal.getsignal(signal.SIGINT)
+        a.run_button.click()
+        await asyncio.sleep(0.01)
+        b.add_request(ids(10, 3), max_tokens=60, ignore_eos=True)
+        b.run_button.click()
+        while len(b.steps) < 2:
             await asyncio.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered here, between the runs' steps
+        while a.is_running or b.is_running:
+            await asyncio.sleep(0.002)
+        return before
 
-    asyncio.run(scenario())
-    assert len(s.steps) > 1 and seen and all(h == before for h in seen)
+    before = asyncio.run(scenario())
+    assert "interrupted" in a.last_message and "interrupted" in b.last_message
+    assert len(a.steps) < 60 and len(b.steps) < 60
+    assert before is not None
+    llm.llm_engine.check_invariants()
 
 
 def test_a_step_that_raises_ends_the_run_with_the_error_in_the_status_line(llm):

@@ -23,6 +23,49 @@ from ._engine import engine_of, fmt_ms, fmt_si, parse_prompt, titled, tok_span
 PHASE_COLOURS = {"prefill": "#e4572e", "decode": "#f0a202", "mixed": "#8f5ea2", "idle": "#999999"}
 
 
+class _InterruptStopsRuns:
+    """One SIGINT handler for every "Run to end" in progress (main thread only): a kernel
+    interrupt stops them all after their current step instead of raising inside one. Installed
+    when the first run starts, the previous handler put back when the last one ends, whatever
+    order runs end in (each run saving and restoring its own left a finished run's handler
+    installed when two overlapped). A background run holds it between its steps too: ipykernel
+    ignores SIGINT while idle and installs its own handler while a cell executes, so an interrupt
+    reaches the run when nothing else is running and the cell when one is."""
+
+    def __init__(self):
+        self.runs: list = []      # (stepper, run) pairs
+        self.saved = None         # the handler before the first run
+
+    def _handle(self, signum, frame):
+        if not self.runs:  # put back by someone who saved it while runs were active: act as the old one
+            if callable(self.saved):
+                return self.saved(signum, frame)
+            if self.saved != signal.SIG_IGN:
+                raise KeyboardInterrupt
+            return None
+        for stepper, run in list(self.runs):
+            run.interrupted = True
+            stepper._stop_requested = True
+
+    @contextlib.contextmanager
+    def during(self, stepper, run):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        if not self.runs:
+            self.saved = signal.signal(signal.SIGINT, self._handle)
+        self.runs.append((stepper, run))
+        try:
+            yield
+        finally:
+            self.runs.remove((stepper, run))
+            if not self.runs and signal.getsignal(signal.SIGINT) == self._handle:
+                signal.signal(signal.SIGINT, self.saved)
+
+
+_INTERRUPTS = _InterruptStopsRuns()
+
+
 class EngineStepper(CourseWidget):
     """Add requests, then press "Step" to run exactly one ``LLMEngine.step()`` and see it.
 
@@ -288,8 +331,8 @@ class EngineStepper(CourseWidget):
         return record
 
     def _run_blocking(self) -> int:
-        with self._run_session() as run, self._interrupt_stops(run):  # the cell is this run: the whole of it
-            for run.taken in self._steps(run, render_every=0.2):
+        with self._run_session() as run:
+            for run.taken in self._steps(render_every=0.2):
                 pass
         if run.interrupted:
             raise KeyboardInterrupt
@@ -298,7 +341,7 @@ class EngineStepper(CourseWidget):
     async def _run_async(self) -> None:
         try:
             with self._run_session() as run:
-                for run.taken in self._steps(run, render_every=0.1, guard_each_step=True):
+                for run.taken in self._steps(render_every=0.1):
                     await asyncio.sleep(0.001)  # let Stop / Reset clicks in between steps
         except (asyncio.CancelledError, KeyboardInterrupt, Exception):
             pass  # the widget's status line says how the run ended (_finish_run); the task ends quietly
@@ -307,12 +350,14 @@ class EngineStepper(CourseWidget):
 
     @contextlib.contextmanager
     def _run_session(self):
-        """A "Run to end": marks the widget running and reports how the run ended (done,
+        """A "Run to end": marks the widget running, turns a kernel interrupt into a stop after
+        the current step (:class:`_InterruptStopsRuns`), and reports how the run ended (done,
         stopped, interrupted, or the error a step raised: the engine rolled that step back)."""
         self._running = True
         run = types.SimpleNamespace(taken=0, interrupted=False, error=None)
         try:
-            yield run
+            with _INTERRUPTS.during(self, run):
+                yield run
         except KeyboardInterrupt:
             run.interrupted = True
             raise
@@ -323,36 +368,13 @@ class EngineStepper(CourseWidget):
             self._running = False
             self._finish_run(run)
 
-    @contextlib.contextmanager
-    def _interrupt_stops(self, run):
-        """While the block runs (main thread only), a kernel interrupt (SIGINT) stops the run
-        after the current step instead of raising inside it. Synchronous blocks only, so that
-        handlers are restored in the reverse order they were installed: an async run guards each
-        step (an interrupt between its steps belongs to whatever cell is running then)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def on_sigint(signum, frame):
-            run.interrupted = True
-            self._stop_requested = True
-
-        previous = signal.signal(signal.SIGINT, on_sigint)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    def _steps(self, run, render_every: float, guard_each_step: bool = False):
+    def _steps(self, render_every: float):
         """Step until idle, stopped or ``max_run_steps``; yields the count after each step and
-        re-renders at most every ``render_every`` seconds. ``guard_each_step``: each step under
-        :meth:`_interrupt_stops` (async runs)."""
+        re-renders at most every ``render_every`` seconds."""
         taken, last_render = 0, time.perf_counter()
         with heap_frozen():  # one freeze for the run (each step's own, nested, then costs nothing)
             while self._running and not self._stop_requested and taken < self.max_run_steps:
-                with self._interrupt_stops(run) if guard_each_step else contextlib.nullcontext():
-                    record = self._step_once(render=False)
-                if record is None:
+                if self._step_once(render=False) is None:
                     break
                 taken += 1
                 if time.perf_counter() - last_render > render_every:

@@ -46,7 +46,9 @@ FEATURES = [
                               chat_template_kwargs={"enable_thinking": False})) == 1),
     ("`LLM.get_default_sampling_params()`", "yes", "no",
      lambda llm: isinstance(llm.get_default_sampling_params(), SamplingParams)),
-    ("`llm.tokenizer` / `llm.get_tokenizer()`", "yes", "yes", lambda llm: llm.tokenizer is llm.get_tokenizer()),
+    ("`llm.tokenizer`", "yes", "yes", lambda llm: llm.tokenizer is not None),
+    # nano-vllm's LLMEngine sets self.tokenizer and has no get_tokenizer (nanovllm/engine/llm_engine.py, bb823b3)
+    ("`llm.get_tokenizer()`", "yes", "no", lambda llm: llm.tokenizer is llm.get_tokenizer()),
     ("`LLMEngine.add_request` / `step()` returning `RequestOutput`s", "yes", "no",
      lambda llm: _engine_step(llm)),
     ("Streaming deltas (`LLM.stream`)", "no", "no", lambda llm: len(list(llm.stream("a", SamplingParams(max_tokens=2)))) == 2),
