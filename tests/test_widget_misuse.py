@@ -15,33 +15,16 @@ pytest.importorskip("plotly")
 
 from minivllm import LLM  # noqa: E402
 
-from test_widgets import BLOCK, _model_path, ids  # noqa: E402
+import test_widgets as _widgets  # noqa: E402
+from test_widgets import BLOCK, ids  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    return _model_path(tmp_path_factory)
+# the widget tests' fixtures (embedded model, one shared LLM per module, left idle and unfrozen after each test)
+model_path, shared_llm, llm = _widgets.model_path, _widgets.shared_llm, _widgets.llm
 
 
 def make(model_path) -> LLM:
+    """A fresh LLM like the shared one, for tests that shut theirs down or drop it."""
     return LLM(model_path, block_size=BLOCK, num_kvcache_blocks=64, max_num_batched_tokens=64, max_num_seqs=8)
-
-
-@pytest.fixture(scope="module")
-def shared(model_path):
-    llm = make(model_path)
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture
-def llm(shared):
-    yield shared
-    engine = shared.llm_engine
-    engine.check_invariants()
-    for rid in list(engine.requests):
-        engine.abort_request(rid)
-    assert gc.get_freeze_count() == 0
 
 
 def test_overlapping_async_runs_leave_the_interrupt_handler_as_it_was(llm):

@@ -4,6 +4,7 @@ with the same tokenizer when the embedded one is absent)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
@@ -62,6 +63,7 @@ def llm(shared_llm):
         engine.abort_request(rid)
     engine.reset_prefix_cache()
     assert engine.block_manager.num_used_blocks == 0
+    assert gc.get_freeze_count() == 0  # no widget leaves the heap frozen
 
 
 def ids(n: int, start: int = 5) -> list[int]:
