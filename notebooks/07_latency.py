@@ -171,9 +171,10 @@ render(f"The last first token{plural} came at step {max(first_step.values())}, t
        f"{lat.loc[long_tail, 'e2e / TTFT']:.1f}x its TTFT in all, request **{short_tail}** "
        f"({lat.loc[short_tail, 'output']} output tokens) only {lat.loc[short_tail, 'e2e / TTFT']:.1f}x. TPOT ranged from "
        f"{lat.tpot_ms.min():.2f} to {lat.tpot_ms.max():.2f} ms: each request's decode steps were shared with "
-       f"different company, mixed steps with a prefill chunk in them included. (The first step, with the same tokens "
-       f"in it, took {warm_records[0].wall_ms:.1f} ms in the thrown-away run and {mixed_records[0].wall_ms:.1f} ms in "
-       f"this one.)");
+       f"different company, mixed steps with a prefill chunk in them included. (The thrown-away run took "
+       f"{sum(r.wall_ms for r in warm_records):.1f} ms over its {len(warm_records)} steps, its slowest "
+       f"{max(r.wall_ms for r in warm_records):.1f} ms; this one {sum(r.wall_ms for r in mixed_records):.1f} ms, its "
+       f"slowest {max(r.wall_ms for r in mixed_records):.1f} ms.)");
 
 # %% [markdown]
 # Each request's TTFT is its wait plus the steps that carried its prompt, so it grows for requests

@@ -321,11 +321,12 @@ if len(eager_b1) and len(graph_b1) and replays:
                f"decode step took **{graph_speedup:.2f}x** as long as the same step replayed from a "
                f"{'CUDA' if ON_CUDA else 'CPU'} graph (medians of three rounds, from the table above).")
     s1_b1 = float(graphs[(graphs.engine == "eager (section 1's engine)") & (graphs.batch == 1)].decode_step_ms.iloc[0])
-    _ = render(f"Section 1's engine, eager too, took {s1_b1:.2f} ms a batch-1 decode step in these rounds, against "
-               f"{step_ms:.2f} ms when section 1 timed it alone and {float(eager_b1.iloc[0]):.2f} ms for the fresh eager "
-               "engine here. Single figures taken at different moments of one run differ by that much (other processes, "
-               "what the caches hold), more than two engines built alike do, which is why this comparison alternates "
-               "them.")
+    s1_range = graphs[(graphs.engine == "eager (section 1's engine)") & (graphs.batch == 1)].rounds_ms.iloc[0]
+    _ = render(f"Section 1's engine, eager too, took {s1_b1:.2f} ms a batch-1 decode step in these rounds (rounds "
+               f"{s1_range} ms), the fresh eager engine {float(eager_b1.iloc[0]):.2f} ms, and section 1 timed it at "
+               f"{step_ms:.2f} ms alone. Figures taken at different moments of one run move by this much (other "
+               "processes, what the caches hold), which is why this comparison alternates the engines and gives each "
+               "one's range over the rounds.")
 else:
     print("The engine recorded no graphs here (enforce_eager=False still ran eagerly: the attention "
           "backend or the dtype cannot be recorded), so there is no graph to compare with.")
