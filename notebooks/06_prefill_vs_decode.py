@@ -112,9 +112,9 @@ print(f"ceilings    : {peaks.flops_per_s / 1e9:.1f} GFLOP/s (matmul), read {BW /
       f"(copy {peaks.bytes_per_s / 1e9:.1f} GB/s, not used); ridge point {peaks.ridge_intensity:.1f} FLOP/byte; "
       f"{peaks.provenance}")
 # every chart built below names what it measured
-from minivllm.utils.env_report import cpu_name
+from minivllm.utils.env_report import device_name
 
-DEVICE_NAME = f"{cfg.device} ({torch.cuda.get_device_name(cfg.device) if cfg.device.type == 'cuda' else cpu_name()})"
+DEVICE_NAME = f"{cfg.device} ({device_name(cfg.device)})"
 WHERE = f"{DEVICE_NAME}, {DTYPE}, {torch.get_num_threads()} thread(s)"
 
 # %% [markdown]

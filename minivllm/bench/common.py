@@ -41,10 +41,10 @@ def device_label(device) -> str:
 
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    from minivllm.telemetry.peaks import _device_name
+    from minivllm.utils.env_report import device_name
 
     n = torch.get_num_threads()
-    return f"cpu ({_device_name(device)}, {n} thread{'s' if n != 1 else ''})"
+    return f"cpu ({device_name(device)}, {n} thread{'s' if n != 1 else ''})"
 
 
 def loadavg() -> list[float] | None:

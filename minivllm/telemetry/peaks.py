@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from minivllm.utils.env_report import device_name
+
 __all__ = ["Peaks", "measure_peaks", "get_peaks", "cache_dir", "peaks_cache_key"]
 
 
@@ -114,23 +116,13 @@ def _resolve(device: Any, dtype: Any):
     return dev, dtype
 
 
-def _device_name(dev) -> str:
-    import torch
-
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    from minivllm.utils.env_report import cpu_name
-
-    return cpu_name()
-
-
 def peaks_cache_key(device: Any = None, dtype: Any = None) -> str:
     """The cache key: host, device name, dtype, CPU threads (on CPU), torch version."""
     import torch
 
     dev, dt = _resolve(device, dtype)
     threads = f"|threads={torch.get_num_threads()}" if dev.type == "cpu" else ""
-    return (f"{platform.node()}|{dev}|{_device_name(dev)}|{str(dt).removeprefix('torch.')}"
+    return (f"{platform.node()}|{dev}|{device_name(dev)}|{str(dt).removeprefix('torch.')}"
             f"{threads}|torch={torch.__version__}")
 
 
@@ -236,7 +228,7 @@ def measure_peaks(
     del big
 
     info = {
-        "device_name": _device_name(dev),
+        "device_name": device_name(dev),
         "matmul_size": n,
         "matmul_best_s": t_mm / inner,
         "copy_bytes": numel * 4,

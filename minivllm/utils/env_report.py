@@ -18,6 +18,15 @@ def cpu_name() -> str:
     return name
 
 
+def device_name(device) -> str:
+    """What a ``torch.device`` is: the GPU's name for CUDA, else the CPU model (:func:`cpu_name`)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
+
+
 def machine_summary() -> str:
     """CPU model and core count, RAM, and the GPU name when CUDA is available."""
     import psutil
@@ -50,8 +59,7 @@ def chart_provenance(llm) -> str:
     engine = getattr(llm, "llm_engine", llm)
     cfg = engine.config
     n = torch.get_num_threads()
-    name = torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else cpu_name()
-    return (f"measured on {cfg.device} ({name}) · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')} · "
+    return (f"measured on {cfg.device} ({device_name(cfg.device)}) · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')} · "
             f"{n} CPU thread{'s' if n != 1 else ''}")
 
 
