@@ -1,7 +1,7 @@
 """The C pass of the CPU graphs' model check (minivllm/engine/csrc/model_check.c): it answers 1
 ("unchanged") only when every hook dict is empty, the child dicts hold the listed children in
-order and every parameter slot holds its listed tensor; any change, or arguments of another
-shape, gives 0 (the engine then runs the Python check). End to end: tests/test_cpu_graph.py runs
+order, every parameter slot holds its listed tensor and every tensor is at its listed address; any
+change, or arguments of another shape, gives 0 (the engine then runs the Python check). End to end: tests/test_cpu_graph.py runs
 its model-change tests with the C pass and without it."""
 from __future__ import annotations
 
@@ -26,13 +26,15 @@ def _model() -> torch.nn.Module:
 
 
 def _args(model: torch.nn.Module) -> tuple:
-    """The six lists, made as the graph runner makes them."""
+    """The eight lists, made as the graph runner makes them."""
     modules = list(model.modules())
     hooks = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
     child_dicts = [m._modules for m in modules]
     slots = [(m._parameters, k) for m in modules for k in m._parameters]
+    params = [d[k] for d, k in slots]
+    tensors = [p for p in params if p is not None]
     return (hooks, child_dicts, list(chain.from_iterable(map(dict.values, child_dicts))),
-            [d for d, _ in slots], [k for _, k in slots], [d[k] for d, k in slots])
+            [d for d, _ in slots], [k for _, k in slots], params, tensors, [t.data_ptr() for t in tensors])
 
 
 def _hook(m):
@@ -65,6 +67,15 @@ def _replace_parameter(m):
     m[0].weight = torch.nn.Parameter(m[0].weight.detach().clone())
 
 
+def _new_storage(m):  # the same Parameter object, its data elsewhere (what module.to() does)
+    m[0].weight.data = m[0].weight.detach().clone()
+
+
+def _set_storage(m):
+    with torch.no_grad():
+        m[1][1].bias.set_(torch.zeros(2))
+
+
 def _empty_slot(m):
     m[0]._parameters["bias"] = None
 
@@ -78,7 +89,8 @@ def _fill_empty_slot(m):
 
 
 @pytest.mark.parametrize("change", [_hook, _pre_hook, _swap_children, _reinsert_same_child, _add_child,
-                                    _remove_child, _replace_parameter, _empty_slot, _remove_slot])
+                                    _remove_child, _replace_parameter, _new_storage, _set_storage, _empty_slot,
+                                    _remove_slot])
 def test_a_change_is_never_answered_unchanged(change, unchanged):
     model = _model()
     args = _args(model)
@@ -109,13 +121,28 @@ def test_in_place_updates_and_other_models_are_not_changes(unchanged):
 def test_arguments_of_another_shape_answer_changed(unchanged):
     model = _model()
     args = _args(model)
-    assert unchanged(args[:5]) == 0
+    assert unchanged(args[:7]) == 0
+    assert unchanged(args + ([],)) == 0
     assert unchanged(tuple(args[:2]) + (tuple(args[2]),) + tuple(args[3:])) == 0  # a tuple where a list was
     assert unchanged((args[0] + [[]],) + args[1:]) == 0  # a list where a dict was
     assert unchanged(args[:3] + (args[3], args[4][:-1], args[5])) == 0  # keys shorter than dicts
     assert unchanged(args[:2] + (args[2][:-1],) + args[3:]) == 0  # fewer children listed than the dicts hold
     assert unchanged(args[:2] + (args[2] + [None],) + args[3:]) == 0  # more
+    assert unchanged(args[:7] + (args[7][:-1],)) == 0  # fewer addresses than tensors
+    assert unchanged(args[:7] + ([str(a) for a in args[7]],)) == 0  # an address that is not an int
+    assert unchanged(args[:6] + ([object()] * len(args[6]), args[7])) == 0  # data_ptr raises: not a tensor
     assert unchanged(args) == 1
+
+
+def test_an_address_listed_as_none_is_not_read(unchanged):
+    """An opaque oneDNN tensor has no data pointer: listed as None, only its slot's identity counts."""
+    model = _model()
+    args = _args(model)
+    args = args[:7] + ([None] + args[7][1:],)
+    model[0].weight.data = model[0].weight.detach().clone()
+    assert unchanged(args) == 1
+    model[0].bias.data = model[0].bias.detach().clone()
+    assert unchanged(args) == 0
 
 
 def test_hook_dicts_that_are_ordered_dicts_count_when_not_empty(unchanged):

@@ -357,7 +357,7 @@ class CudaGraphDecodeRunner:
         self._slot_keys: list = []
         #: the C check's "nothing changed" (minivllm/engine/model_check.py), None: Python only
         self._c_unchanged = model_check.load() if self.kind == "cpu" else None
-        self._c_args: tuple | None = None  # its six lists, set once the modules and weights are listed
+        self._c_args: tuple | None = None  # its eight lists, set once the modules and weights are listed
         self._pool = GraphPool() if self.kind == "cpu" else None
         self._ready = False  # capture() called (CPU graphs are then recorded at each key's first step)
         #: why CPU graphs were switched off (an operation a graph cannot replay), else None
@@ -694,11 +694,11 @@ class CudaGraphDecodeRunner:
         Runs before every replay, so it reads little, in C-level ``map``s over lists made once:
         whether any hook dict is non-empty, the submodules (compared as a list: by identity, as
         ``nn.Module`` defines no ``__eq__``), whether the parameter slots hold the tensors (or
-        None) they held, and those tensors' data pointers. The first three in one C pass when
-        it is built (``model_check.py``), which answers only "unchanged": otherwise the Python
-        check below runs and decides."""
+        None) they held, and those tensors' data pointers. All four in one C pass when it is
+        built (``model_check.py``), which answers only "unchanged": otherwise the Python check
+        below runs and decides."""
         args = self._c_args
-        if args is not None and self._c_unchanged(args) and _addresses(self._weights.tensors) == self._weights.addresses:
+        if args is not None and self._c_unchanged(args):
             return False
         self._c_args = None  # listed again below if anything changed
         if self._modules is not None and list(chain.from_iterable(map(dict.values, self._child_dicts))) != self._children:
@@ -738,8 +738,10 @@ class CudaGraphDecodeRunner:
         """After the Python check found the model as recorded: hand the C check its lists (set
         last, so an interrupt while listing leaves the next step to the Python check)."""
         if self._c_unchanged is not None:
+            w = self._weights
+            addresses = [None if t.is_mkldnn else a for t, a in zip(w.tensors, w.addresses)]  # opaque: no data_ptr
             self._c_args = (self._hook_dicts, self._child_dicts, self._children, self._slot_dicts, self._slot_keys,
-                            self._weights.params)
+                            w.params, w.tensors, addresses)
 
     def can_run_step(self, num_seqs: int, num_tokens: int, decode_only: bool, block_size: int,
                      table_width: int) -> bool:
