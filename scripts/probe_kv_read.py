@@ -12,7 +12,11 @@ other data read between steps (an engine step streams its weights between the la
 - the decode attention kernel (``minivllm/layers/attention/csrc/paged_decode_f32.c``) on every layer;
 - a bare read of the same blocks through the same block table, with the kernel's software
   prefetch of the next sequence's blocks, and without it (a loop of vector adds, no attention);
-- ``torch.sum`` over as many contiguous bytes (the read bandwidth ``get_peaks`` measures).
+- ``torch.sum`` over as many contiguous bytes (the read bandwidth ``get_peaks`` measures);
+- the kernel one layer at a time, 2 MiB of other data (a layer's weights) read before each, its
+  time alone summed over the layers: as the step runs it ("cold"), and with the layer's blocks read
+  just before the call ("KV in cache"): what software prefetch of a layer's KV during the layer
+  before it could save at best.
 
 Milliseconds per step (median of --steps) and the KV bytes read per second.
 """
@@ -127,15 +131,35 @@ def main() -> None:
                      BLOCK * KV_HEADS * HEAD_DIM, prefetch)
         return run
 
+    layer_weights = torch.randn(512 << 10)  # 2 MiB: about a layer's weights
+
+    def per_layer(warm: bool):
+        def run() -> float:
+            total = 0.0
+            for k, v in caches:
+                layer_weights.sum()
+                if warm:
+                    bare(k.data_ptr(), v.data_ptr(), table.data_ptr(), table.stride(0), args.seqs, blocks,
+                         BLOCK * KV_HEADS * HEAD_DIM, 0)
+                t0 = time.perf_counter()
+                fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), table.stride(0), row_seq.data_ptr(),
+                   lens.data_ptr(), out.data_ptr(), args.seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK, HEAD_DIM ** -0.5,
+                   scratch.data_ptr())
+                total += time.perf_counter() - t0
+            return total
+        return run
+
     ways = {"decode attention kernel": attention, "bare read, the kernel's prefetch": read(1),
-            "bare read, no software prefetch": read(0), "torch.sum, the same bytes contiguous": flat.sum}
+            "bare read, no software prefetch": read(0), "torch.sum, the same bytes contiguous": flat.sum,
+            "kernel by layer, cold (summed)": per_layer(False),
+            "kernel by layer, KV in cache (summed)": per_layer(True)}
     times = {name: [] for name in ways}
     for _ in range(args.steps):  # the ways alternate step by step, so a slow moment hits them all
         for name, way in ways.items():
             other.sum()
             t0 = time.perf_counter()
-            way()
-            times[name].append(time.perf_counter() - t0)
+            alone = way()  # the per-layer ways return their own sum of the kernel's calls
+            times[name].append(alone if isinstance(alone, float) else time.perf_counter() - t0)
     print(f"{args.seqs} sequences x {args.context} keys, {LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}, "
           f"{BLOCK}-token blocks: {kv_bytes / 1e6:.1f} MB of K and V a step; "
           f"{platform.processor() or platform.machine()}, {args.threads} thread(s), "
