@@ -198,3 +198,32 @@ def test_a_plain_block_freed_later_is_used_before_evicting_an_older_cached_one()
     assert len(bm.match_prefix(seq_of([1, 1, 1, 1, 2]))[0]) == 1
     bm.release(z)
     bm.check_invariants([])
+
+
+def test_admitting_a_long_cached_prefix_records_the_free_order_once_and_rolls_back_exactly():
+    """Each hit on a free cached block removes it from the middle of the free list; the undo
+    log copied the whole cached free list at every such hit (admission cost O(hits x cached
+    blocks)). Now one copy per step, and a rollback still restores the order exactly."""
+    from minivllm.engine.undo import UndoLog
+
+    bm = BlockManager(64, BS)
+    warm = seq_of(range(1, 42), "warm")  # 10 full blocks + 1 partial, all cached once released
+    run_prefill(bm, warm)
+    other = seq_of(range(100, 117), "other")  # more cached blocks after warm's in the free list
+    run_prefill(bm, other)
+    bm.release(warm)
+    bm.release(other)
+    order_before = list(bm._free_cached)
+    undo = UndoLog()
+    bm.undo = undo
+    a, b = seq_of(range(1, 42), "a"), seq_of(range(1, 30), "b")
+    for s in (a, b):
+        ids, hashes = bm.match_prefix(s)
+        assert len(ids) >= 7
+        bm.admit(s, ids, hashes)
+    copies = [args for fn, args in undo.entries if args and args[0] is bm._free_cached]
+    assert len(copies) == 1  # one per revived block (ten) before
+    bm.undo = None
+    undo.rollback()
+    assert list(bm._free_cached) == order_before
+    bm.check_invariants([])

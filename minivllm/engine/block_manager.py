@@ -213,8 +213,8 @@ class BlockManager:
         for b in hit_block_ids:
             block = self.blocks[b]
             if block.ref_count == 0:
-                if undo is not None:  # a removal from the middle: restore the whole order
-                    undo.add(_restore_dict, self._free_cached, self._free_cached.copy())
+                if undo is not None:  # a removal from the middle: the whole order, once a step
+                    undo.save_dict(self._free_cached)
                 del self._free_cached[b]  # a hit block is a registered one
             if undo is not None:
                 undo.add(setattr, block, "ref_count", block.ref_count)
@@ -437,8 +437,3 @@ def _put_back(free: OrderedDict, block: KVBlock, ref_count: int) -> None:
     free[block.block_id] = None
     free.move_to_end(block.block_id, last=False)
     block.ref_count = ref_count
-
-
-def _restore_dict(d: OrderedDict, saved: OrderedDict) -> None:
-    d.clear()
-    d.update(saved)

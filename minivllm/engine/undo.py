@@ -49,11 +49,25 @@ class UndoLog:
             self.saved.add(id(container))
             self.entries.append((_restore_contents, (container, list(container))))
 
+    def save_dict(self, d: dict) -> None:
+        """Call right before removing a key from the middle of an ordered dict (a prefix-cache
+        hit on a free cached block): the first call in a step records its items in order,
+        later calls cost a set lookup. (One copy per removal made admitting a request with a
+        long cached prefix cost O(hits x free cached blocks).)"""
+        if id(d) not in self.saved:
+            self.saved.add(id(d))
+            self.entries.append((_restore_dict, (d, d.copy())))
+
     def rollback(self) -> None:
         entries = self.entries
         while entries:
             fn, args = entries.pop()
             fn(*args)
+
+
+def _restore_dict(d: dict, saved: dict) -> None:
+    d.clear()
+    d.update(saved)
 
 
 def _restore_contents(container, items: list) -> None:
