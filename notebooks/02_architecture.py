@@ -371,11 +371,14 @@ for name in order:
 #   `[T, kv heads, head_dim]`.
 # * The layer's KV cache is `[num_blocks, block_size, kv heads, head_dim]`: the same shape in both
 #   passes, because it is a preallocated pool (chapter 04); each step writes its `T` new keys and
-#   values into it and attention reads back every earlier one.
+#   values into it, and every later step's attention reads them back (a decode step reads the keys
+#   and values of every token before it).
 # * `gate_up_proj` is twice the MLP width (gate and up side by side); `act_fn` (SiLU(gate) x up)
 #   halves it again; `down_proj` returns to the hidden size.
 # * The decoder layer returns two tensors: minivllm fuses the residual add into the next norm, so a
-#   layer hands on `(output, residual)`.
+#   layer hands on `(output, residual)`. A norm that is given the residual (`post_attention_layernorm`,
+#   `model.norm`) adds it and returns two tensors as well: `(normalised sum, sum)`, the sum being the
+#   residual stream that goes on (`model.norm` is the last, so the model drops it).
 # * Only the **last** position of the prompt goes through the LM head in prefill, because only it
 #   predicts a token we need: `compute_logits` gets `[1, hidden]`, not `[T, hidden]`.
 # * The decode pass is the same network with `T = 1`.
@@ -545,16 +548,19 @@ for calls, result in journey:
 #
 # The slot numbers are the block id times the block size plus the offset in the block: chapter 04
 # is about exactly that. In the decode steps only one token enters the model, at the next position,
-# into the next slot. The request's block need not be block 0: the blocks that this engine's earlier
-# requests filled stay cached for reuse (chapter 08), so the block manager hands out the next block
-# no one has used yet.
+# into the next slot. The request's block is not block 0: earlier cells' requests used the first
+# blocks and gave them back, and a block given back joins the *back* of the free list
+# (`BlockManager.release` in `minivllm/engine/block_manager.py`), so the block manager hands out a
+# block no request has used yet before any recently freed one.
 #
 # ### Where the time of each step went
 #
 # Each `StepRecord` splits the step's wall time into scheduling, building inputs, the forward pass,
 # sampling and postprocessing (stop checks, detokenisation, outputs). These are single steps of one
-# request, each measured once (with the tracer's small overhead inside), so on a busy machine they
-# vary from run to run: the stepper in section 5 lets you take more.
+# request, each measured once, so on a busy machine they vary from run to run: the stepper in
+# section 5 lets you take more. The tracer's notes (turning tensors into lists, formatting text) run
+# inside the timed stages, so the cell also runs the same request once more without the tracer, to
+# compare.
 
 # %%
 import plotly.graph_objects as go
@@ -575,11 +581,22 @@ for _, res in journey:
     print(f"step {r.index} ({r.phase}): {r.wall_ms:.2f} ms, of which forward {r.model_ms:.2f} ms "
           f"({r.model_ms / r.wall_ms:.0%}); everything else {r.wall_ms - r.model_ms:.2f} ms")
 shares = [res.record.model_ms / res.record.wall_ms for _, res in journey]
-_ = render(f"On this run the forward pass took between **{min(shares):.0%} and {max(shares):.0%}** of each step's "
-           f"wall time; the engine's own bookkeeping took the rest.")
+# the same request once more, without the tracer: what is left outside the forward pass then
+engine.add_request("untraced", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+untraced = []
+while engine.has_unfinished_requests():
+    untraced.append(engine.step_with_record().record)
+rest_traced = [res.record.wall_ms - res.record.model_ms for _, res in journey]
+rest_untraced = [r.wall_ms - r.model_ms for r in untraced]
+ms_list = lambda xs: ", ".join(f"{x:.2f}" for x in xs) + " ms"
+_ = render(f"On this run the forward pass took between **{min(shares):.0%} and {max(shares):.0%}** of each traced "
+           f"step's wall time; the rest went to the engine's own bookkeeping and to the tracer's notes. Run again "
+           f"without the tracer, the same request's steps spent **{ms_list(rest_untraced)}** outside the forward "
+           f"pass, against **{ms_list(rest_traced)}** traced. Each figure is one measurement, so a step that another "
+           f"process on the machine slowed down stands out.")
 
 # %% [markdown]
-# The rest of each step is the engine's own Python bookkeeping (scheduling, building inputs,
+# Untraced, the rest of each step is the engine's own Python bookkeeping (scheduling, building inputs,
 # sampling, detokenising); most of it depends on the number of requests and tokens in the step,
 # not on the model's depth or width (sampling also grows with the vocabulary, since it reads a row
 # of logits per request). With a real model on a GPU a step's forward pass can be short enough

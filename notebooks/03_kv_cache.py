@@ -224,18 +224,22 @@ for L in LENGTHS:
     recs = []
     while engine.has_unfinished_requests():
         recs.append(engine.step_with_record().record)
-    engine_ms = statistics.median(r.wall_ms for r in recs if r.phase == "decode")
+    decode_ms = [r.wall_ms for r in recs if r.phase == "decode"]
     flops_full, _ = step_cost(engine.model_cost, [(L, L)], 1)
     flops_step, _ = step_cost(engine.model_cost, [(1, L)], 1)
     rows.append(dict(L=L, no_cache_ms=min(full), no_cache_max=max(full), cache_ms=min(step), cache_max=max(step),
-                     engine_decode_ms=engine_ms, no_cache_mflop=flops_full / 1e6, cache_mflop=flops_step / 1e6))
+                     engine_decode_ms=statistics.median(decode_ms),
+                     # its noise: the range of the middle three of the five around the median (one outlying step,
+                     # such as a request's first decode, does not widen it)
+                     engine_spread=sorted(decode_ms)[3] - sorted(decode_ms)[1],
+                     no_cache_mflop=flops_full / 1e6, cache_mflop=flops_step / 1e6))
 
 import pandas as pd
 
 df = pd.DataFrame(rows).set_index("L")
 df["time ratio"] = df.no_cache_ms / df.cache_ms
 df["FLOP ratio"] = df.no_cache_mflop / df.cache_mflop
-df[["no_cache_ms", "cache_ms", "engine_decode_ms", "no_cache_mflop", "cache_mflop", "time ratio", "FLOP ratio"]].round(2)
+df[["no_cache_ms", "cache_ms", "engine_decode_ms", "time ratio", "FLOP ratio"]].round(2)  # the FLOPs: next cell
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -277,8 +281,10 @@ _ = check_prediction(my_prediction, df["time ratio"][longest], rel_tol=0.5, unit
 # Start from the work. Both routes run every weight once per token they push through the model, so
 # the matmul FLOPs differ by the number of tokens: 512 against 1. Two things pull the FLOP ratio
 # printed above below 512: both routes pay the LM head once (logits for the last position only), and
-# the cached step still does attention over all 511 earlier keys and values. If time followed FLOPs,
-# that ratio would be the answer.
+# the cached step still does attention over all 511 earlier keys and values. (Without a cache the
+# attention work grows with `L²`, about `L²/2` query-key pairs under the causal mask, but against the
+# cached step's `L` pairs that is only `L/2` times as much, less than the matmuls' factor of `L`.) If
+# time followed FLOPs, that ratio would be the answer.
 #
 # It does not, because the cached step is tiny: one token through this small model is little
 # arithmetic for any modern processor (the `with cache` column printed above), yet the
@@ -301,21 +307,38 @@ _ = check_prediction(my_prediction, df["time ratio"][longest], rel_tol=0.5, unit
 # the table above):
 
 # %%
+import numpy as np
+
 below = [L for L in LENGTHS if df["time ratio"][L] < df["FLOP ratio"][L]]
 where = ("at every length measured" if below == LENGTHS else
          f"at L = {', '.join(map(str, below))} only" if below else "at none of the lengths measured")
+e0, c0 = df.engine_decode_ms.iloc[0], df.cache_ms.iloc[0]
+
+
+def trend(what, col, spreads):
+    """A sentence on a straight line through df[col] against L: its rise from the shortest to the longest L,
+    set against the typical spread of repeated measurements at one length (the median of `spreads`)."""
+    rise = np.polyfit(LENGTHS, df[col].to_numpy(), 1)[0] * (longest - LENGTHS[0])
+    noise = float(np.median(spreads))
+    verdict = ("it grows measurably. " if rise > noise else
+               "a step cannot get cheaper with more context, so other load on the machine changed between lengths. "
+               if rise < -noise else "on this run its growth with L is lost in the noise. ")
+    return rise > noise, (f"A straight line through {what} {'rises' if rise >= 0 else 'falls'} by {abs(rise):.2f} ms "
+                          f"from L={LENGTHS[0]} to L={longest}, {'more' if abs(rise) > noise else 'no more'} than "
+                          f"repeated measurements at one length typically differ ({noise:.2f} ms): " + verdict)
+
+
+grows_c, cache_text = trend("the hand-written cached step's times", "cache_ms", df.cache_max - df.cache_ms)
+grows_e, engine_text = trend("the engine's decode step times", "engine_decode_ms", df.engine_spread)
 _ = render(f"The measured time ratio is smaller than the FLOP ratio **{where}** (at L={longest}: "
            f"{df['time ratio'][longest]:.1f}x against {df['FLOP ratio'][longest]:.0f}x). Without a cache the "
            f"time per token went from {df.no_cache_ms.iloc[0]:.1f} ms at L={LENGTHS[0]} to "
-           f"{df.no_cache_ms[longest]:.1f} ms at L={longest} ({df.no_cache_ms[longest] / df.no_cache_ms.iloc[0]:.1f}x); "
-           f"with a cache from {df.cache_ms.iloc[0]:.2f} to {df.cache_ms[longest]:.2f} ms "
-           f"({df.cache_ms[longest] / df.cache_ms.iloc[0]:.2f}x), while its FLOPs grew "
-           f"{df.cache_mflop[longest] / df.cache_mflop.iloc[0]:.2f}x. The engine's own decode step went from "
-           f"{df.engine_decode_ms.iloc[0]:.2f} to {df.engine_decode_ms[longest]:.2f} ms "
-           f"({df.engine_decode_ms[longest] / df.engine_decode_ms.iloc[0]:.2f}x): its fixed part is smaller "
-           f"({df.engine_decode_ms.iloc[0]:.2f} ms at L={LENGTHS[0]} against the hand-written "
-           f"{df.cache_ms.iloc[0]:.2f} ms), so the part that grows with L, the attention over the cached entries "
-           f"(read from memory at every step), is a larger share of it.")
+           f"{df.no_cache_ms[longest]:.1f} ms at L={longest} ({df.no_cache_ms[longest] / df.no_cache_ms.iloc[0]:.1f}x). "
+           + cache_text + engine_text
+           + f"The engine's step is {'leaner' if e0 < c0 else 'not leaner'} ({e0:.2f} ms at L={LENGTHS[0]} against "
+           f"the hand-written {c0:.2f} ms)"
+           + (", so the part that grows with L, the attention over the cached entries (read from memory at every "
+              "step), is a larger share of it." if e0 < c0 and grows_e else "."))
 grow_no_cache = df.no_cache_ms[longest] / df.no_cache_ms.iloc[0]
 grow_cache = df.cache_ms[longest] / df.cache_ms.iloc[0]
 _ = check_claim("without a cache the time per token climbs with the sequence at every step of L",
@@ -333,7 +356,8 @@ _ = check_claim("with a cache the time per token grows far less than without one
 # cached entries, whose FLOPs grow with `L` but stay small next to the weights until contexts get
 # long (the `with cache` column printed above). The measured *time* of the hand-written step may not
 # visibly grow at all: its fixed costs dominate, and run-to-run noise can exceed the extra attention;
-# the engine's leaner step shows more of it (the sentence above).
+# whether it grew on this run, and whether the engine's leaner step showed more of it, the sentences
+# above say.
 # Where the time ratio falls short of the FLOP ratio, the reason is that a one-token step on a
 # small model is dominated by costs that barely grow with the context (Python, launching dozens of
 # small operations, reading its weights once), not by FLOPs; chapter 06 takes those costs apart.
@@ -347,8 +371,6 @@ _ = check_claim("with a cache the time per token grows far less than without one
 # negative the cell uses the median of the measured times as a constant instead:
 
 # %%
-import numpy as np
-
 ls = np.array(LENGTHS, dtype=float)
 # Without a cache: a + b L + c L^2 (attention over the L tokens adds the squared part); a noisy run
 # can bend that fit into a negative fixed cost or curvature, and then the straight line is used.
@@ -475,15 +497,20 @@ _ = render(f"About **{kv06[torch.bfloat16] / 1024:.0f} KiB per token** in bf16: 
 # ## 5. Watch the engine's cache fill
 #
 # The engine does not reserve a strip per sequence. It hands out blocks of 16 token slots, one at
-# a time, as a sequence grows. Below, a request with a 30-token prompt generates 20 tokens; the
+# a time, as a sequence grows. Below, a request with a 30-token prompt asks for 20 tokens; the
 # view shows the engine's KV pool (each cell a block, coloured by owner; hover for the tokens it
-# holds). Step it with the stepper's **Step** and watch a new block appear every 16 tokens.
+# holds). The cell takes the first 12 steps (the prefill and 11 decode steps, listed in the printout
+# after it); press the stepper's **Step** for the rest and watch a new block appear each time the
+# tokens with KV pass a multiple of 16.
 
 # %%
 from widgets import EngineStepper, KVCacheView
 
 stepper = EngineStepper(llm, max_tokens=20, show_chart=False)
 view = KVCacheView(llm, stepper=stepper)
+# section 3's requests began with the same text, and the engine kept their full blocks for reuse (prefix
+# caching, chapter 08); forget them, so this request computes and stores every one of its tokens itself
+engine.reset_prefix_cache()
 rid = stepper.add_request(text_ids[:30], max_tokens=20, ignore_eos=True)
 history = []
 for _ in range(12):  # the prefill, then 11 decode steps

@@ -54,7 +54,8 @@
 # what is left of the budget is split into chunks over several steps (**chunked prefill**, on by
 # default, as in vLLM's V1 engine). So a step can mix decodes with a prompt's prefill. nano-vllm's
 # scheduler does not mix: its steps are prefill-only or decode-only. With this chapter's short prompts
-# nothing is chunked; chapter 07 measures what chunking does to latency.
+# nothing is chunked (checked after each section's runs); chapter 07 measures what chunking does to
+# latency.
 
 # %% tags=["parameters"]
 import os
@@ -177,6 +178,13 @@ print("same greedy tokens for every request:", static_tokens == cont_tokens)
 from widgets import check_claim, check_prediction, render
 
 check_prediction(my_prediction, len(static_steps), rel_tol=0, unit="steps", what="engine steps of the static run");
+# a prefill chunk that stops short of the end of its prompt samples no token (ScheduledEntry.sampled)
+prefills = lambda records: [e for r in records for e in r.scheduled if e.is_prefill]
+chunks = lambda records: [e for e in prefills(records) if not e.sampled]
+check_claim("no prompt was split into chunks: every prefill of both runs reached the end of its prompt",
+            not chunks(static_steps + cont_steps),
+            f"{len(prefills(static_steps + cont_steps))} prefills, {len(chunks(static_steps + cont_steps))} of them "
+            "chunks");
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
@@ -215,6 +223,13 @@ for r in static_steps + cont_steps:  # decode-only steps of the two fastest runs
     if r.num_prefill_tokens == 0:
         decode_ms.setdefault(r.num_seqs, []).append(r.wall_ms)
 d1, d4 = statistics.median(decode_ms[1]), statistics.median(decode_ms[SEATS])
+split = {}  # per policy: (steps, ms) of the steps that carried prompt tokens, and of the decode-only steps
+for name, records in (("static", static_steps), ("continuous", cont_steps)):
+    with_prompt = [r.wall_ms for r in records if r.num_prefill_tokens]
+    decode_only = [r.wall_ms for r in records if not r.num_prefill_tokens]
+    split[name] = (len(with_prompt), sum(with_prompt), len(decode_only), sum(decode_only))
+    print(f"{name:10s}: {len(with_prompt):3d} steps with prompt tokens {sum(with_prompt):6.1f} ms, "
+          f"{len(decode_only):3d} decode-only steps {sum(decode_only):6.1f} ms")
 render(f"Both runs computed the same tokens (checked above). Continuous batching needed **{len(cont_steps)}** "
        f"steps where static batching needed **{len(static_steps)}**, with seats in use "
        f"**{occupancy(cont_steps):.0%}** against **{occupancy(static_steps):.0%}** on average per step: static batching "
@@ -238,16 +253,22 @@ check_claim("continuous batching's throughput gain is smaller than its step rati
             why_it_may_not="Each policy's fastest of a few short runs is compared; on a loaded machine noise can "
                            "exceed the difference.");
 separated = spread["continuous"][1] < spread["static"][0]
+(ps_n, ps_ms, ds_n, ds_ms), (pc_n, pc_ms, dc_n, dc_ms) = split["static"], split["continuous"]
+split_text = (f"Split by kind of step (printed above): continuous batching's {dc_n} decode-only steps took "
+              f"**{abs(ds_ms - dc_ms):.1f} ms {'less' if dc_ms < ds_ms else 'more'}** than static batching's {ds_n}, "
+              f"while its {pc_n} steps that carried prompt tokens took **{abs(pc_ms - ps_ms):.1f} ms "
+              f"{'more' if pc_ms > ps_ms else 'less'}** than static batching's {ps_n}: the same prompt tokens, but "
+              "continuous batching prefills newcomers as seats free up, spread over steps that also carry the "
+              "running sequences' decodes, where static batching prefills a whole batch of prompts in one step. ")
 render(f"Throughput: continuous batching **{gain:.2f}x** static batching's (fastest of {REPEATS} runs each; "
        f"continuous {spread['continuous'][0]:.0f}-{spread['continuous'][1]:.0f} ms, static "
        f"{spread['static'][0]:.0f}-{spread['static'][1]:.0f} ms). "
-       + ("Every continuous run beat every static run, so the gain is larger than this machine's run-to-run noise."
+       + ("Every continuous run beat every static run, so the gain is larger than this machine's run-to-run noise. "
           if separated else
-          "The two policies' runs overlap, so on this run the gain is not larger than the noise: "
-          f"filling the seats saved {len(static_steps) - len(cont_steps)} steps, but here a step of {SEATS} "
-          f"sequences costs {d4 / d1:.2f}x a step of 1, so the steps saved were mostly cheap ones. "
-          "How much continuous batching pays depends on how little an extra sequence adds to a step; "
-          "chapter 07 measures that against the batch size."));
+          "The two policies' runs overlap, so on this run the gain is not larger than the noise. ")
+       + split_text
+       + "How much continuous batching pays depends on how little an extra sequence adds to a step; "
+         "chapter 07 measures that against the batch size.");
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
@@ -300,10 +321,15 @@ hf = load_hf_model(engine)
 pad_id = min(engine.eos_token_ids, default=0)
 run_hf_generate(hf, make_workload("cpu", vocab_size=engine.vocab_size, num_requests=2, input_len=(8, 16),
                                   output_len=(2, 4), seed=1), SEATS, pad_id, engine.config.device)  # warm-up
-hf_run = min((run_hf_generate(hf, work, SEATS, pad_id, engine.config.device) for _ in range(REPEATS)),
-             key=lambda r: r["seconds"])
+passes = [0]  # a forward hook counts the model's forward passes
+hook = hf.register_forward_hook(lambda *_: passes.__setitem__(0, passes[0] + 1))
+try:
+    hf_run = min((run_hf_generate(hf, work, SEATS, pad_id, engine.config.device) for _ in range(REPEATS)),
+                 key=lambda r: r["seconds"])
+finally:
+    hook.remove()
 computed = sum(len(b) * max(work.output_lens[i] for i in b) for b in static_batches)
-hf_steps = sum(max(work.output_lens[i] for i in b) for b in static_batches)
+hf_steps = passes[0] // REPEATS  # forward passes per run, counted
 rows.append({"policy": "static (transformers generate, padded)", "steps": hf_steps, "ms": hf_run["seconds"] * 1e3,
              "output tokens/s": work.num_output_tokens / hf_run["seconds"],
              "mean step ms": hf_run["seconds"] * 1e3 / hf_steps})
@@ -318,9 +344,10 @@ print(f"transformers generate computed {computed} output tokens to deliver the {
 print(f"greedy outputs identical to the engine's for {same} of {work.num_requests} requests")
 static_row, hf_row = table.loc["static (engine, batches of 4)"], table.loc["static (transformers generate, padded)"]
 per_step = hf_row["mean step ms"] / static_row["mean step ms"]
-render(f"transformers took **{hf_row['steps']:.0f}** forward passes, as many as the engine's static batches took steps "
-       f"({static_row['steps']:.0f}), each **{hf_row['mean step ms']:.2f} ms** on average against "
-       f"**{static_row['mean step ms']:.2f} ms** (**{per_step:.2f}x**). "
+render(f"transformers ran **{hf_row['steps']:.0f}** forward passes per run (counted with a forward hook), "
+       + ("as many as" if hf_row["steps"] == static_row["steps"] else "against")
+       + f" the engine's static batches' **{static_row['steps']:.0f}** steps, each **{hf_row['mean step ms']:.2f} ms** "
+       f"on average against **{static_row['mean step ms']:.2f} ms** (**{per_step:.2f}x**). "
        + (f"So padding explains little of it: a padded step costs at most what a full step of {SEATS} rows costs, "
           f"**{d4 / d1:.2f}x** a step of 1 here (above), far from {per_step:.2f}x; the rest of the difference per step is "
           "the implementations themselves, which this chapter does not take apart (chapter 11 measures what the "
@@ -329,7 +356,7 @@ render(f"transformers took **{hf_row['steps']:.0f}** forward passes, as many as 
           f"share of its work is printed above."));
 
 # %% [markdown]
-# (`steps` for transformers is its number of forward passes: each batch runs to its longest
+# (`steps` for transformers is its number of forward passes, counted: each batch runs to its longest
 # output. Where an output differs from the engine's, the cause is floating-point rounding between two
 # different implementations at a near-tie of the top two logits, not a different model; the
 # engine's test suite, `tests/test_engine_vs_hf.py`, compares the two implementations directly.)
@@ -367,7 +394,7 @@ rids = [stepper.add_request(p, max_tokens=40, ignore_eos=True) for p in PRE_PROM
 stepper.run_to_end()
 pre_steps = stepper.steps
 small_tokens = [stepper.sequence(r).output_token_ids for r in rids]
-victims = set()
+victims, resumes = set(), 0
 for r in pre_steps:
     if r.preempted:
         victims.update(r.preempted)
@@ -375,7 +402,8 @@ for r in pre_steps:
               f"{r.kv_blocks_used}/{POOL_BLOCKS}")
     for e in r.scheduled:
         if e.is_prefill and e.request_id in victims:
-            print(f"step {r.index:3d}: {e.request_id} resumes: recomputes positions {e.first_position}.."
+            resumes += 1
+            print(f"step {r.index:3d}: {e.request_id} resumes: prefills positions {e.first_position}.."
                   f"{e.first_position + e.num_tokens - 1} ({e.first_position} tokens' KV found in the prefix cache)")
 print("total steps:", len(pre_steps))
 
@@ -385,8 +413,8 @@ timeline.display()
 # %% [markdown]
 # Read the timeline row by row: a preempted request drops out (its blocks go to the others), waits,
 # then comes back with one prefill step that rebuilds the KV of its prompt *and* of the tokens it had
-# generated: the printout above shows how much of that came back from the prefix cache and how much
-# was recomputed.
+# generated: the printout above shows how much of that came back from the prefix cache, and the next
+# cell counts the tokens recomputed.
 #
 # Now the check that preemption changes the timing and not the result: the same four requests on a
 # pool large enough that nobody is preempted, greedy, compared token by token.
@@ -397,8 +425,14 @@ big_outs = big.generate(PRE_PROMPTS, greedy(40), use_tqdm=False)
 big_tokens = [o.outputs[0].token_ids for o in big_outs]
 for rid, a, b in zip(rids, small_tokens, big_tokens):
     print(f"{rid}: 40 greedy tokens identical with {POOL_BLOCKS} and with 64 KV blocks: {a == b}")
-recomputed = sum(r.num_prefill_tokens for r in pre_steps) - sum(len(p) for p in PRE_PROMPTS)
-print(f"prefill tokens recomputed because of preemption: {recomputed}")
+through = sum(r.num_tokens for r in pre_steps)
+needed = sum(len(p) + 40 - 1 for p in PRE_PROMPTS)  # unpreempted: each prompt once, then 39 one-token decode steps
+resumed = sum(r.num_prefill_tokens for r in pre_steps) - sum(len(p) for p in PRE_PROMPTS)
+recomputed = through - needed
+print(f"tokens through the model: {through}, against {needed} without preemption: {recomputed} recomputed because "
+      f"of preemption")
+print(f"(the {resumes} resumes prefilled {resumed} tokens; the last of each is the token its request was about to "
+      f"decode, whose KV it never had: a decode step would have computed it anyway)")
 tiny.llm_engine.check_invariants()
 
 # %%
@@ -408,6 +442,8 @@ print(f"{POOL_BLOCKS} blocks: {len(pre_steps)} steps, {pre_ms:.0f} ms of steps; 
 check_claim("preemption changed no greedy token", small_tokens == big_tokens,
             f"{sum(a == b for a, b in zip(small_tokens, big_tokens))} of {len(rids)} requests identical, "
             f"{sum(len(r.preempted) for r in pre_steps)} preemptions");
+check_claim("no prefill was split into chunks in this run either (resumes included)", not chunks(pre_steps),
+            f"{len(prefills(pre_steps))} prefills, {len(chunks(pre_steps))} of them chunks");
 tiny.shutdown(); big.shutdown()
 
 # %% [markdown]
