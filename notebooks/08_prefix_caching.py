@@ -225,18 +225,50 @@ check_claim("from request 1 on, prefix caching lowers the median TTFT", med_on <
             why_it_may_not="On a heavily loaded machine the noise of single prefills can swamp the saving.")
 check_claim("the TTFT ratio is smaller than the ratio of computed prompt tokens", med_off / med_on < token_ratio,
             f"TTFT {med_off / med_on:.1f}x vs tokens {token_ratio:.1f}x",
-            why_it_may_not="It needs the per-step overhead that no cache removes to be a visible part of TTFT.");
+            why_it_may_not="It needs the short prefill that caching leaves to cost more per token than the full one "
+                           "(the cells below measure why it can).");
 
 # %% [markdown]
 # Request 0 pays for the whole prompt in both runs. From request 1 on, the cached engine computes
 # only what follows the last shared block (the question); without caching every request pays the full
-# prefill. The TTFT ratio is smaller than the ratio of computed tokens because part of every TTFT is
-# fixed per-step overhead (scheduling, building the inputs, sampling, the layers' launches) that no
-# cache removes; with the embedded model on a CPU that part is large. The prefill work the cache skips
-# is at least the shared prefix's tokens times the model's FLOPs per token (chapter 06; attention over
-# the prefix adds a part that grows with its square), so it grows with both,
-# while the fixed part does not; run this notebook with a real checkpoint (`MINIVLLM_MODEL`) to measure
-# what that does to the TTFT ratio there.
+# prefill. Why is the TTFT ratio smaller than the ratio of computed tokens? Because a prefill's time is
+# not proportional to its tokens. Part of every step costs the same however few tokens it holds
+# (scheduling, building the inputs, sampling, launching each layer's operations), and no cache removes
+# it. A matrix multiply over a dozen token rows gets less work done per millisecond than one over a
+# hundred (chapter 06: fewer rows, fewer FLOPs per byte of weights read). And the tokens the cached
+# engine does compute still attend over the keys and values of the whole cached prefix.
+#
+# The cell below times prefills on the engine without caching, interleaved and each the median of nine
+# runs: a single token (close to the fixed part alone), as many tokens as the cached engine computed
+# for request 1 (the same work, with no prefix to attend to), and request 1's whole prompt.
+
+# %%
+import statistics
+
+ids_1 = plain.generate(prompts[1], greedy(1), use_tqdm=False)[0].prompt_token_ids  # also a warm-up
+n_new, n_all = int(on.prompt_tokens[1] - on.cached_tokens[1]), len(ids_1)
+SHORT = {"1 token": ids_1[-1:], f"{n_new} tokens": ids_1[-n_new:], f"{n_all} tokens": ids_1}
+short_ttft = {name: [] for name in SHORT}
+for _ in range(9):
+    for name, ids in SHORT.items():
+        short_ttft[name].append(plain.generate([ids], greedy(1), use_tqdm=False)[0].metrics.ttft_ms)
+t_one, t_new, t_all = (statistics.median(short_ttft[name]) for name in SHORT)
+render(f"Without caching, a prefill of **1** token took **{t_one:.2f} ms**, one of **{n_new}** tokens (what the "
+       f"cached engine computed for request 1) **{t_new:.2f} ms**, and request 1's whole prompt of **{n_all}** "
+       f"tokens **{t_all:.2f} ms**. So {n_new} tokens, **{n_new / n_all:.0%}** of the prompt, took "
+       f"**{t_new / t_all:.0%}** of its prefill time, and a single token already took **{t_one / t_new:.0%}** "
+       f"of the {n_new}-token prefill's time.")
+check_claim(f"a prefill of {n_new} tokens takes a larger share of the full prefill's time than its share of "
+            "the tokens", t_new / t_all > n_new / n_all,
+            f"{t_new / t_all:.0%} of the time for {n_new / n_all:.0%} of the tokens",
+            why_it_may_not="When the per-token work dwarfs the fixed part (a large model on a CPU), a prefill's "
+                           "time comes close to proportional to its tokens.");
+
+# %% [markdown]
+# The prefill work the cache skips is at least the shared prefix's tokens times the model's FLOPs per
+# token (chapter 06; attention over the prefix adds a part that grows with its square), so it grows
+# with the prefix length and with the model's size, while the fixed part of a step does not; run this
+# notebook with a real checkpoint (`MINIVLLM_MODEL`) to measure what that does to the TTFT ratio there.
 #
 # ## 3. When the pool fills: eviction, least recently used first
 #
@@ -287,22 +319,24 @@ def cached_blocks_of(name):
 
 
 trace = []  # (prefix, blocks hit, {prefix: blocks still cached afterwards})
+print("next free: the first six blocks the allocator would hand out next "
+      "(plain blocks first, then cached ones, least recently freed first)")
 for name in "ABCDABC":
     out = small.generate(PREFIX[name] + tail(), greedy(4), use_tqdm=False)[0]
     trace.append((name, out.num_cached_tokens // BLOCK_SIZE, {p: cached_blocks_of(p) for p in "ABCD"}))
     still = " ".join(f"{p}:{n}" for p, n in trace[-1][2].items())
     print(f"request with prefix {name}: {trace[-1][1]} of 4 blocks hit;   "
-          f"cached blocks per prefix afterwards  {still};   free-list order (evicted first -> last) "
-          f"{list(sm.block_manager.free)[:6]}...")
+          f"cached blocks per prefix afterwards  {still};   next free {list(sm.block_manager.free)[:6]}")
 sm.check_invariants()
 
 # %% [markdown]
 # Follow it through. A, B and C fit (12 cached blocks; the other 4 hold nothing reusable). D needs 5
 # blocks: it takes the 4 plain ones and evicts a single cached block, the one freed longest ago, which
-# is A's tail (A finished first, and its tail was released before its head). A comes back and hits 3
-# of its 4 blocks; it needs two blocks, one for its recomputed 4th block and one for its partial tail:
-# it takes the plain block D's tail left and evicts one cached block, B's tail (the one freed longest
-# ago), and so on: each returning prefix loses one block per round. The cell below checks this story against the trace printed above.
+# is A's 4th (last full) block (A finished first, and a request's blocks are released from its last
+# block to its first). A comes back and hits 3 of its 4 blocks; it needs two blocks, one for its
+# recomputed 4th block and one for its partial tail: it takes the plain block D's partial tail left and
+# evicts one cached block, B's 4th block (the one freed longest ago), and so on: each returning prefix
+# loses one block per round. The cell below checks this story against the trace printed above.
 
 # %%
 after_d = trace[3][2]
@@ -420,7 +454,8 @@ text += (f" The median TTFT of rounds two and three was **{t_hit:.2f} ms** where
 render(text)
 check_claim("once the prefixes outgrow the pool, the TTFT of rounds 2-3 rises", t_cold > t_hit,
             f"median {t_hit:.2f} ms at K <= {k_full} vs {t_cold:.2f} ms at K = {', '.join(map(str, cold_ks))}",
-            why_it_may_not="The embedded model's prefill of 72 tokens is short; load on the machine can hide it.");
+            why_it_may_not=f"The embedded model's prefill of {4 * BLOCK_SIZE + 8} tokens is short; load on the "
+                           "machine can hide it.");
 
 # %% [markdown]
 # In a server, the remedy is more KV memory for the cache (a bigger pool, or a smaller KV footprint), or
@@ -450,7 +485,7 @@ small.shutdown()
 # The view below runs four of the questions on the cached engine. For each request it shows the
 # prompt's KV blocks as hits (reused) or misses (computed), and measures its TTFT twice: *warm*
 # (the system prompt already cached by request 0) and *cold* (the cache cleared first), each the
-# median of two runs. For requests 1 to 3 the difference is the time the cache saved, measured; request
+# median of three runs. For requests 1 to 3 the difference is the time the cache saved, measured; request
 # 0 has nothing to reuse in either run, so its difference is noise. The view tokenises the system
 # prompt and the question separately and joins the token ids, so a prompt's length can differ by a
 # token or so from the same text tokenised whole in section 1 (the printout below gives each prompt's
@@ -460,7 +495,7 @@ small.shutdown()
 from widgets import PrefixCacheView
 
 cached.llm_engine.reset_prefix_cache()
-view = PrefixCacheView(cached, SYSTEM, QUESTIONS[:4], repeats=2)
+view = PrefixCacheView(cached, SYSTEM, QUESTIONS[:4], repeats=3)
 view.display()
 
 # %%
@@ -524,8 +559,8 @@ Quiz([
 #   walk from the first block that stops at the first miss;
 # * predict the hit rate of requests sharing a system prompt from the prompt and block lengths, and
 #   measure it with `num_cached_tokens`;
-# * measure what caching does to time to first token, and say why the saving is smaller than the
-#   share of tokens skipped when per-step overhead is large;
+# * measure what caching does to time to first token, and say why the saving can be smaller than the
+#   share of tokens skipped (a prefill's time is not proportional to its tokens);
 # * check that caching changes what is computed and not the result (the reused KV is mathematically
 #   the same; section 1 compares the greedy tokens with and without the cache);
 # * explain LRU eviction from the free list, compute the largest number of prefixes a pool can keep

@@ -73,7 +73,8 @@ TP = 2                                     # tensor-parallel ranks
 if DEVICE == "auto" and torch.cuda.is_available() and torch.cuda.device_count() < TP:
     DEVICE = "cpu"  # tensor parallelism on CUDA needs one GPU per rank
     print(f"{torch.cuda.device_count()} GPU(s) for {TP} ranks: running both engines on the CPU (gloo)")
-# Eager, like the tensor-parallel engine below (which records no decode graphs): section 5 compares
+# Eager, like the tensor-parallel engine below (which records no decode graphs: a minivllm limitation;
+# vLLM captures CUDA graphs with tensor parallelism too): section 5 compares
 # the two step for step, and a graph replay would make the single process faster for a reason that
 # has nothing to do with splitting the work (chapter 11 measures what graphs save).
 single = LLM(MODEL, device=DEVICE, num_kvcache_blocks=64, max_num_seqs=8, enforce_eager=True)
@@ -317,7 +318,7 @@ stepper.reset()
 # ## 4. How many collectives per step?
 #
 # Every rank must join every collective, so their number per step is a fixed cost that no amount
-# of arithmetic saved can hide. Predict it before counting.
+# of work saved can hide. Predict it before counting.
 #
 # ### Exercise 1 · Collective calls in one decode step
 #
@@ -459,7 +460,10 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 # pass. A step that samples adds the LM head's all-gather, since sampling needs every rank's slice
 # of the logits. And before any of that, rank 0 broadcasts the step's inputs; minivllm sends them
 # as two broadcasts (a small header with the sizes, then the payload), as section 3 said. With the
-# layer count printed by the setup cell that gives the figure measured above. The count does not depend on the batch or on the prompt: it is the same in every step.
+# layer count printed by the setup cell that gives the figure measured above. The count does not
+# depend on the batch size or the prompt's length: every step that samples makes the same calls. (A
+# step that samples nothing, such as one computing only a first chunk of a long prompt under chunked
+# prefill, computes no logits and so skips the all-gather.)
 #
 # **Exercise 2.** A row-parallel layer's all-reduce adds the ranks' partial outputs, one row of
 # `hidden_size` values per token in the step. In a prefill step every prompt token is in the step,
@@ -475,14 +479,18 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 # on rank 0 and comparing with the step's model time (`StepRecord.model_ms`: on rank 0 of a
 # tensor-parallel engine, the broadcast of the inputs and the forward pass with its collectives) and
 # with the same workload on the single process. Both engines run every step eagerly (a
-# tensor-parallel engine records no decode graphs, and `single` was made with `enforce_eager=True`),
+# tensor-parallel engine records no decode graphs in minivllm, and `single` was made with
+# `enforce_eager=True`),
 # so the comparison is of the split alone.
 #
 # ### Exercise 3 · Two processes against one
 #
-# Each rank does half of every matrix multiply, and a decode step makes the collective calls you
-# just counted. On this machine, how long does a decode step's forward pass take with two processes,
-# as a multiple of the single process's (1.0 = as fast, 0.5 = twice as fast, 2 = twice as slow)?
+# Each rank holds half of every weight matrix, so it reads half the weights and does half the
+# multiply-adds, and a decode step makes the collective calls you just counted. On this machine, how
+# long does a decode step's forward pass take with two processes, as a multiple of the single
+# process's (1.0 = as fast, 0.5 = twice as fast, 2 = twice as slow)? The check compares your figure
+# with the ratio of the two engines' *fastest* decode steps, the ones least disturbed by other
+# processes (the cell prints the medians' ratio beside it).
 
 # %% tags=["exercise"]
 my_prediction = None  # your guess: 2-process decode forward time / 1-process decode forward time (x)
@@ -528,6 +536,13 @@ df = pd.DataFrame(rows)
 summary = df.groupby(["engine", "phase"])[["tokens", "wall_ms", "model_ms", "all_reduce_ms",
                                            "all_gather_ms", "broadcast_ms"]].median()
 summary.round(3).T  # one column per engine and phase
+
+# %% [markdown]
+# Each figure in the table is a median over that engine's steps of that phase, taken column by
+# column, so the medians of the parts need not add up to the median of the whole (they can come from
+# different steps). `wall_ms` is the whole step; `model_ms` its forward pass (with two processes it
+# includes the broadcast of the inputs and every collective); the last three columns are the time rank
+# 0 spent in each kind of collective call (zero for the single process, which makes none).
 
 # %%
 import plotly.graph_objects as go
@@ -590,12 +605,12 @@ _ = check_prediction(my_prediction, TP_RATIO["decode"], rel_tol=0.3, unit="x",
 # to be *slower* than the single process, and the chart shows where the time goes. Each all-reduce
 # is a round trip between two processes through the operating system (gloo over local TCP), whose
 # cost (the times printed above) depends little on how few bytes it carries, and a step makes
-# `2 x layers + 1` of them one after the other, each waiting for the slower rank. The arithmetic
-# saved by halving each matrix is small for a model this size, so communication and
-# synchronisation weigh heavily. On a shared machine the two ranks also compete with each other
-# (and with anything else running) for the same cores, and a timed collective includes the wait for
-# the other rank to arrive, so these figures swing from run to run; the counts above do not. The
-# next cell checks the direction of each of these claims on this run.
+# `2 x layers + 1` of them one after the other, each waiting for the slower rank. The work saved by
+# halving each matrix (half the weights to read, half the multiply-adds) is small for a model this
+# size, so communication and synchronisation weigh heavily. On a shared machine the two ranks also
+# compete with each other (and with anything else running) for the same cores, and a timed collective
+# includes the wait for the other rank to arrive, so these figures swing from run to run; the counts
+# above do not. The next cell checks the direction of each of these claims on this run.
 
 # %%
 _ = check_claim(f"with the embedded model on a CPU, the {TP}-process forward is slower than 1 process (fastest steps)",
@@ -604,11 +619,13 @@ _ = check_claim(f"with the embedded model on a CPU, the {TP}-process forward is 
                 why_it_may_not="On a machine loaded by other processes, two processes get a larger share of the "
                                "cores than one, which flatters the two-process engine (compare the single "
                                "process's forward with a quiet run); with a larger model (MINIVLLM_MODEL) or on "
-                               "GPUs the halved arithmetic can genuinely win.")
+                               "GPUs the halved work per rank (weights to read, multiply-adds) can genuinely win.")
 bytes_ratio = prefill_ar_bytes / steps[-1][1]["all-reduce"][0][1]
+AR_MEDIAN_US = {"decode": 1e6 * pd.Series(ar_decode).median(), "prefill": 1e6 * pd.Series(ar_prefill).median()}
 _ = check_claim("an all-reduce's time grows much less than its bytes",
-                AR_US["prefill"] / AR_US["decode"] < bytes_ratio / 2,
-                f"{bytes_ratio:.0f}x the bytes took {AR_US['prefill'] / AR_US['decode']:.2f}x the time (fastest calls)",
+                AR_MEDIAN_US["prefill"] / AR_MEDIAN_US["decode"] < bytes_ratio / 2,
+                f"{bytes_ratio:.0f}x the bytes took {AR_MEDIAN_US['prefill'] / AR_MEDIAN_US['decode']:.2f}x the time "
+                f"(medians of {len(ar_prefill)} calls in the prefill and {len(ar_decode)} in decode steps)",
                 why_it_may_not="A busy machine can delay single calls by more than the transfer itself.")
 _ = render(f"Communication (all-reduces, the all-gather and the broadcasts) took **{COMM_SHARE['decode']:.0%}** of a "
            f"decode step's forward and **{COMM_SHARE['prefill']:.0%}** of a prefill step's on this run, and the "
@@ -633,31 +650,34 @@ _ = render(f"Inside the timed decode steps an all-reduce took **{ar_in_steps_us:
            f"**{ar_alone_us:.0f} µs** (median) in section 4's run of one prompt. A call timed inside a step "
            f"includes the wait for the other rank to reach the same call, so these times move with the work "
            f"between the calls and with the load on the machine; the counts do not.")
-estimate = (0.5 * one_med["decode"] + calls_per_decode * ar_alone_us / 1e3) / one_med["decode"]
-_ = render(f"The worked solution's rough model below, (0.5 x {one_med['decode']:.2f} ms + {calls_per_decode} calls "
+estimate = (0.5 * one_med["decode"] + CALLS_PER_STEP * ar_alone_us / 1e3) / one_med["decode"]
+_ = render(f"The worked solution's rough model below, (0.5 x {one_med['decode']:.2f} ms + {CALLS_PER_STEP} calls "
            f"x {ar_alone_us:.0f} µs) / {one_med['decode']:.2f} ms, estimates **{estimate:.2f}x** for the decode "
            f"forward; measured: {TP_RATIO['decode']:.2f}x (fastest steps), {MEDIAN_RATIO['decode']:.2f}x (medians).")
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
 #
-# Split the two-process step into what it still computes and what it adds. The arithmetic is
-# halved, so if the single process's decode forward were all arithmetic, that part would take about
-# half of the diamond in the chart. On top of it come the collective calls you counted in section 4,
+# Split the two-process step into what it still computes and what it adds. Each rank reads half of
+# the weights and does half of the multiply-adds, so if the single process's decode forward were all
+# such work, that part would take about half of the diamond in the chart. On top of it come the
+# collective calls you counted in section 4 (all-reduces, the all-gather and the broadcasts),
 # one after the other, each costing about one all-reduce's round trip (the times printed above)
 # whatever the bytes, plus the wait for the slower rank. A rough model:
 #
 #     ratio ≈ (0.5 x one-process forward + calls per step x round trip) / one-process forward
 #
-# The ratio is above 1 whenever the calls cost more than the half of the arithmetic they save; a
+# The ratio is above 1 whenever the calls cost more than the half of the work they save; a
 # small model on a CPU, whose whole forward takes milliseconds, is that case, and the check
-# cell above says whether it held here. The cell above plugged section 4's median all-reduce and the
-# single process's median decode forward into the formula; what it misses is the time a rank waits for the other (on a
-# shared machine the two ranks also take turns on the cores), and that the single process's forward
-# is not all arithmetic: on a model this small much of it is the host's fixed cost per call (chapter
-# 11, section 1), which the split does not halve, since each rank makes every call on its half. Compare
+# cell above says whether it held here. The cell above plugged section 4's median all-reduce (as the
+# round trip of every call) and the single process's median decode forward into the formula. It is
+# rough: that round trip was measured in another run, under whatever load the machine had then, and
+# the formula leaves out the time a rank waits for the other (on a shared machine the two ranks also
+# take turns on the cores); and it treats the single process's forward as all reading weights and
+# multiplying, while on a model this small much of it is the host's fixed cost per call (chapter 11,
+# section 1), which the split does not halve, since each rank makes every call on its half. Compare
 # the chart's "forward minus collectives" bar with the diamond to see how much of the forward that is.
-# For the ratio to fall below 1 the halved arithmetic must outweigh the calls: bigger matrices, or a
+# For the ratio to fall below 1 the halved work must outweigh the calls: bigger matrices, or a
 # faster link.
 #
 # </details>
@@ -665,7 +685,11 @@ _ = render(f"The worked solution's rough model below, (0.5 x {one_med['decode']:
 # Tensor parallelism pays when the other side of the balance is big: a model that does not fit one
 # device at all, or layers whose matrix multiplies take much longer than an all-reduce over a fast
 # link (GPUs joined by NVLink, with NCCL's all-reduce, instead of two processes talking through the
-# operating system). Run this notebook on a machine with two GPUs and a real checkpoint
+# operating system). In the decode step of a large model, which is bound by reading memory (chapter
+# 06), what the split halves per rank is above all the bytes it reads: half the weights, and the KV
+# cache of half the KV heads. The ranks add up their memory bandwidth, and since each rank stores only
+# its heads' keys and values, the same memory per device holds the KV cache of more tokens. Run this
+# notebook on a machine with two GPUs and a real checkpoint
 # (`MINIVLLM_MODEL=/path/to/Qwen3-8B`) to measure that side. The engine's multi-node launch with
 # `torchrun` is described in `docs/tensor_parallel.md`.
 
@@ -745,9 +769,10 @@ Quiz([
         1,
         [f"Threads speed up arithmetic only; they do not shorten the collectives' round trips, which took "
          f"{COMM_SHARE['decode']:.0%} of a two-process decode step's forward here.",
-         f"Right: TP wins when the compute it halves is much larger than the fixed cost of its collective calls "
-         f"({CALLS_PER_STEP} per step here: {N_AR} all-reduces, {N_AG} all-gather, {N_BC} broadcasts); large "
-         "models on GPUs joined by NVLink are that case.",
+         f"Right: TP wins when the work it halves per rank (in decode above all the weight and KV bytes each "
+         f"rank reads, so the ranks add up their memory bandwidth) is much larger than the fixed cost of its "
+         f"collective calls ({CALLS_PER_STEP} per step here: {N_AR} all-reduces, {N_AG} all-gather, {N_BC} "
+         "broadcasts); large models on GPUs joined by NVLink are that case.",
          "The KV cache size sets how many tokens fit, not how long a step takes.",
          "Sampling is a tiny part of a step, and it needs the full logits, which is why it happens once on "
          "rank 0."],
@@ -767,7 +792,7 @@ Quiz([
 # * compute the bytes one all-reduce carries (`tokens x hidden size x bytes per value`);
 # * explain why the engine loop is unchanged (rank 0 schedules, broadcasts and samples) and why the
 #   greedy tokens match the single process;
-# * decide from a measurement whether tensor parallelism pays: the halved arithmetic against the
-#   fixed cost of the collectives on this link.
+# * decide from a measurement whether tensor parallelism pays: the halved work per rank (weights and
+#   KV read, multiply-adds) against the fixed cost of the collectives on this link.
 #
 # Next: chapter 11, optimizations: CUDA graphs, torch.compile and attention kernels.
