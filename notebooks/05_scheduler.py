@@ -353,7 +353,7 @@ render(f"transformers ran **{hf_row['steps']:.0f}** forward passes per run (coun
           "the implementations themselves, which this chapter does not take apart (chapter 11 measures what the "
           "engine's C kernels and recorded graphs save against eager PyTorch operations)." if per_step > 1.5 * (d4 / d1) else
           "Its throughput against the engine's static batches follows from those two figures; the padded rows' "
-          f"share of its work is printed above."));
+          "share of its work is printed above."));
 
 # %% [markdown]
 # (`steps` for transformers is its number of forward passes, counted: each batch runs to its longest
