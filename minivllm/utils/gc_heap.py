@@ -26,7 +26,13 @@ import threading
 __all__ = ["caller_froze_heap", "heap_frozen"]
 
 _lock = threading.Lock()
-_holders = 0  # threads inside heap_frozen (gc.freeze is process-wide: the last one out undoes it)
+#: one token per ``heap_frozen`` block inside (gc.freeze is process-wide: the last one out undoes it).
+#: A block adds its token (one C call) before it freezes and, on the way out, unfreezes before it
+#: removes its token, so an interrupt (a learner's KeyboardInterrupt lands between any two
+#: bytecodes) anywhere in this bookkeeping never leaves the heap frozen with no block inside, which
+#: would keep that moment's objects out of every collection for good (a counter incremented after
+#: ``gc.freeze()`` could). The worst it leaves is a stale token: later blocks then run unfrozen.
+_holders: list[object] = []
 
 
 def caller_froze_heap() -> bool:
@@ -34,7 +40,7 @@ def caller_froze_heap() -> bool:
     stepping loop, not per step: ``gc.get_freeze_count`` walks the frozen objects (~4-20 ms for the
     ~200k of torch and transformers; nothing to walk when nothing is frozen)."""
     with _lock:
-        return _holders == 0 and gc.get_freeze_count() > 0
+        return not _holders and gc.get_freeze_count() > 0
 
 
 @contextlib.contextmanager
@@ -44,20 +50,21 @@ def heap_frozen(enabled: bool | None = None):
     last of them is out. ``enabled``: ``None`` asks :func:`caller_froze_heap` (a freeze the caller
     made is then left as it is: neither extended nor undone); ``False`` does nothing; ``True``
     freezes without asking (a loop that asked once already)."""
-    global _holders
     if enabled is None:
         enabled = not caller_froze_heap()
     if not enabled:
         yield
         return
-    with _lock:
-        if _holders == 0:
-            gc.freeze()  # O(1) in CPython's default build: the generations' lists are moved, not walked
-        _holders += 1
+    token = object()
     try:
+        with _lock:
+            _holders.append(token)  # first: an interrupt after it is undone below
+            if len(_holders) == 1:
+                gc.freeze()  # O(1) in CPython's default build: the generations' lists are moved, not walked
         yield
     finally:
         with _lock:
-            _holders -= 1
-            if _holders == 0:
-                gc.unfreeze()
+            if token in _holders:  # absent only if an interrupt came before the append
+                if len(_holders) == 1:
+                    gc.unfreeze()  # before the token goes: an interrupt in between leaves a token, not a freeze
+                _holders.remove(token)
