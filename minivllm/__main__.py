@@ -129,7 +129,7 @@ def _generate(argv: list[str]) -> int:
     tpot = f"{m.tpot_ms:.2f} ms" if m.tpot_ms is not None else "n/a (1 token)"
     out = last.outputs[0]
     why = out.finish_reason + (f" at {out.stop_reason!r}" if isinstance(out.stop_reason, str) else "")
-    print(f"# {n} tokens ({why}); TTFT {m.ttft_ms:.2f} ms; TPOT {tpot}; "
+    print(f"# {n} token{'' if n == 1 else 's'} ({why}); TTFT {m.ttft_ms:.2f} ms; TPOT {tpot}; "
           f"{tps:.1f} tokens/s (measured on {engine.config.device})", file=sys.stderr)
     llm.shutdown()
     return 0

@@ -360,7 +360,10 @@ def test_generate_threads_option(capsys):
     try:
         assert cli(["generate", "def", "--max-tokens", "2", "--threads", "1"]) == 0
         assert torch.get_num_threads() == 1
-        assert "1 torch thread(s) (--threads)" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "1 torch thread(s) (--threads)" in err and "# 2 tokens (length)" in err, err
+        assert cli(["generate", "def", "--max-tokens", "1", "--threads", "1"]) == 0
+        assert "# 1 token (length)" in capsys.readouterr().err  # not "1 tokens"
     finally:
         torch.set_num_threads(before)
     assert cli(["generate", "def", "--threads", "0"]) == 2
