@@ -209,6 +209,18 @@ class LLM:
         ids = self._submit(prompts, sampling_params, "delta", inbox, lora_request)
         yield from self._outputs(ids, inbox)
 
+    def beam_search(self, prompts, params=None, *args, **kwargs):
+        """vLLM's ``LLM.beam_search``: not implemented here.
+
+        Raises:
+            NotImplementedError: always (greedy decoding, ``n`` > 1 with sampling, and
+                ``logprobs=0`` for each completion's ``cumulative_logprob`` are the nearest alternatives).
+        """
+        raise NotImplementedError(
+            "LLM.beam_search: minivllm has no beam search (a vLLM feature; README, 'Coming from vLLM or "
+            "nano-vllm'). Nearest alternatives: greedy decoding (temperature=0), or SamplingParams(n=k, "
+            "temperature>0, logprobs=0) and rank the completions by their cumulative_logprob")
+
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -138,6 +138,16 @@ class SamplingParams:
     #: a generator (a seed), so a step's rollback must save a generator's state.
     draws_random: bool = field(init=False, repr=False, compare=False)
 
+    def __new__(cls, *args, **kwargs):
+        # A vLLM script's argument for a feature minivllm lacks: say so, rather than Python's bare
+        # "unexpected keyword argument" (both TypeError, as for any unknown argument).
+        lacking = [name for name in kwargs if name in _VLLM_ONLY]
+        if lacking:
+            raise TypeError("; ".join(f"SamplingParams({name}=...): {_VLLM_ONLY[name]} is a vLLM feature minivllm "
+                                      "does not have" for name in lacking)
+                            + " (README, 'Coming from vLLM or nano-vllm')")
+        return super().__new__(cls)
+
     def __setattr__(self, name: str, value) -> None:
         ready = self.__dict__.get("_validated", False)
         if not ready or name.startswith("_") or name not in _PUBLIC_FIELDS:
@@ -303,6 +313,16 @@ class SamplingParams:
 
 
 _PUBLIC_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+#: vLLM ``SamplingParams`` arguments (v0 and v1) for features minivllm does not implement
+_VLLM_ONLY = {
+    "structured_outputs": "structured outputs (decoding constrained to a JSON schema, regex, grammar or choice)",
+    "guided_decoding": "guided decoding (structured outputs)",
+    "best_of": "best_of (sampling more candidates than returned)",
+    "use_beam_search": "beam search", "length_penalty": "beam search's length penalty",
+    "early_stopping": "beam search's early stopping",
+    "logits_processors": "logits_processors (per-request callables applied to the logits)",
+    "extra_args": "extra_args (arguments for a custom sampler)",
+}
 #: numeric fields a numpy scalar may be given for (converted to int / float before validation)
 _INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "truncate_prompt_tokens", "logprobs",
                "prompt_logprobs")

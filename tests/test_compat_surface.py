@@ -125,6 +125,21 @@ def test_lora_request_none_is_accepted_anything_else_refused(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_vllm_features_minivllm_lacks_are_named_not_left_to_a_bare_type_error(llm):
+    """A vLLM script's structured outputs, best_of or beam search: the error says it is a vLLM feature
+    minivllm does not have (before: "unexpected keyword argument" / "'LLM' object has no attribute")."""
+    for kw, what in (({"structured_outputs": {"json": {}}}, "structured outputs"),
+                     ({"guided_decoding": object()}, "guided decoding"), ({"best_of": 4}, "best_of"),
+                     ({"use_beam_search": True}, "beam search"), ({"logits_processors": [print]}, "logits_processors")):
+        with pytest.raises(TypeError, match=rf"SamplingParams\({next(iter(kw))}=\.\.\.\): {what}.*vLLM feature"):
+            SamplingParams(max_tokens=2, **kw)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        SamplingParams(bogus=1)  # an unknown argument keeps Python's own message
+    with pytest.raises(NotImplementedError, match="no beam search.*cumulative_logprob"):
+        llm.beam_search(["The list"], None)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_prompt_typed_dicts(llm):
     from minivllm import TextPrompt, TokensPrompt
 
