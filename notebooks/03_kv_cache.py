@@ -229,8 +229,10 @@ for L in LENGTHS:
     flops_step, _ = step_cost(engine.model_cost, [(1, L)], 1)
     rows.append(dict(L=L, no_cache_ms=min(full), no_cache_max=max(full), cache_ms=min(step), cache_max=max(step),
                      engine_decode_ms=statistics.median(decode_ms),
-                     # its noise: the range of the middle three of the five around the median (one outlying step,
-                     # such as a request's first decode, does not widen it)
+                     # for comparing the two one-token steps like with like: the median of each one's five times,
+                     # and its noise, the range of the middle three of the five (one outlying time, such as a
+                     # request's first decode step, does not widen it)
+                     cache_median=statistics.median(step), cache_spread=sorted(step)[3] - sorted(step)[1],
                      engine_spread=sorted(decode_ms)[3] - sorted(decode_ms)[1],
                      no_cache_mflop=flops_full / 1e6, cache_mflop=flops_step / 1e6))
 
@@ -312,31 +314,35 @@ import numpy as np
 below = [L for L in LENGTHS if df["time ratio"][L] < df["FLOP ratio"][L]]
 where = ("at every length measured" if below == LENGTHS else
          f"at L = {', '.join(map(str, below))} only" if below else "at none of the lengths measured")
-e0, c0 = df.engine_decode_ms.iloc[0], df.cache_ms.iloc[0]
+e0, c0 = df.engine_decode_ms.iloc[0], df.cache_median.iloc[0]  # medians of five, both
 
 
 def trend(what, col, spreads):
     """A sentence on a straight line through df[col] against L: its rise from the shortest to the longest L,
-    set against the typical spread of repeated measurements at one length (the median of `spreads`)."""
+    set against the noise at one length: the range of the middle three of five times (median over the lengths).
+    Only a rise of more than twice that noise counts as growth."""
     rise = np.polyfit(LENGTHS, df[col].to_numpy(), 1)[0] * (longest - LENGTHS[0])
     noise = float(np.median(spreads))
-    verdict = ("it grows measurably. " if rise > noise else
+    clear = abs(rise) > 2 * noise
+    verdict = ("it grows measurably. " if clear and rise > 0 else
                "a step cannot get cheaper with more context, so other load on the machine changed between lengths. "
-               if rise < -noise else "on this run its growth with L is lost in the noise. ")
-    return rise > noise, (f"A straight line through {what} {'rises' if rise >= 0 else 'falls'} by {abs(rise):.2f} ms "
-                          f"from L={LENGTHS[0]} to L={longest}, {'more' if abs(rise) > noise else 'no more'} than "
-                          f"repeated measurements at one length typically differ ({noise:.2f} ms): " + verdict)
+               if clear else "on this run its growth with L is lost in the noise. ")
+    return clear and rise > 0, (
+        f"A straight line through {what} {'rises' if rise >= 0 else 'falls'} by {abs(rise):.2f} ms from "
+        f"L={LENGTHS[0]} to L={longest}, {'more' if clear else 'not more'} than twice the noise at one length "
+        f"(the middle three of its five times span {noise:.2f} ms, median over the lengths): " + verdict)
 
 
-grows_c, cache_text = trend("the hand-written cached step's times", "cache_ms", df.cache_max - df.cache_ms)
-grows_e, engine_text = trend("the engine's decode step times", "engine_decode_ms", df.engine_spread)
+grows_c, cache_text = trend("the hand-written cached step's median times", "cache_median", df.cache_spread)
+grows_e, engine_text = trend("the engine's median decode step times", "engine_decode_ms", df.engine_spread)
 _ = render(f"The measured time ratio is smaller than the FLOP ratio **{where}** (at L={longest}: "
            f"{df['time ratio'][longest]:.1f}x against {df['FLOP ratio'][longest]:.0f}x). Without a cache the "
            f"time per token went from {df.no_cache_ms.iloc[0]:.1f} ms at L={LENGTHS[0]} to "
-           f"{df.no_cache_ms[longest]:.1f} ms at L={longest} ({df.no_cache_ms[longest] / df.no_cache_ms.iloc[0]:.1f}x). "
+           f"{df.no_cache_ms[longest]:.1f} ms at L={longest} ({df.no_cache_ms[longest] / df.no_cache_ms.iloc[0]:.1f}x, "
+           f"fastest times). "
            + cache_text + engine_text
-           + f"The engine's step is {'leaner' if e0 < c0 else 'not leaner'} ({e0:.2f} ms at L={LENGTHS[0]} against "
-           f"the hand-written {c0:.2f} ms)"
+           + f"The engine's step is {'leaner' if e0 < c0 else 'not leaner'} (median {e0:.2f} ms at L={LENGTHS[0]} "
+           f"against the hand-written step's median {c0:.2f} ms)"
            + (", so the part that grows with L, the attention over the cached entries (read from memory at every "
               "step), is a larger share of it." if e0 < c0 and grows_e else "."))
 grow_no_cache = df.no_cache_ms[longest] / df.no_cache_ms.iloc[0]
