@@ -26,11 +26,22 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 3, 1, 4) == [4, 1, 2]
     assert propose_ngram([1, 2, 9, 1, 2, 7, 1, 2], 2, 2, 2) == [7, 1]  # the latest occurrence wins
     assert propose_ngram([5, 6, 7], 2, 1, 3) == []
-    assert propose_ngram([1, 2, 1, 2, 1], 4, 1, 2) == [2, 1]
+    assert propose_ngram([1, 2, 1, 2, 1], 4, 1, 2) == [2, 1, 2, 1]  # runs past the end: repeats with period 2
     assert propose_ngram([3, 1, 2, 3], 0, 1, 2) == []
     assert propose_ngram([4, 8, 4, 9, 8, 4], 3, 2, 2) == [9, 8, 4]  # (8, 4) at positions 1..2
     assert propose_ngram([4, 8, 4, 9, 7, 4], 3, 2, 2) == []         # (7, 4) never occurred before
     assert propose_ngram([4, 8, 4, 9, 7, 4], 3, 1, 2) == [9, 7, 4]  # falls back to n = 1
+
+
+def test_ngram_continues_a_repeating_pattern_past_the_end():
+    # A greedy model stuck on one token: the latest earlier 4-gram ends one token before the
+    # end, and its continuation used to be that one token, whatever k (one draft per step).
+    assert propose_ngram([3, 9, 7, 7, 7, 7, 7], 4, 1, 4) == [7, 7, 7, 7]
+    assert propose_ngram([5, 1, 2, 3, 9, 1, 2, 3], 6, 1, 3) == [9, 1, 2, 3, 9, 1]  # period 4
+    assert propose_ngram([5, 1, 2, 3, 9, 1, 2, 3], 2, 1, 3) == [9, 1]  # no more than k
+    # drafts are what the context would be if it kept repeating from the match on
+    seq = [4, 6, 8, 4, 6, 8, 4]
+    assert propose_ngram(seq, 5, 1, 2) == [6, 8, 4, 6, 8]
 
 
 def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_token():

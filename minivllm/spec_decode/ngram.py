@@ -16,9 +16,16 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
     """Up to ``k`` draft tokens for the sequence ``token_ids``.
 
     For n from ``n_max`` down to ``n_min``: if the last n tokens also occur earlier,
-    return the (at most k) tokens that followed their latest earlier occurrence (the
-    continuation may run into the suffix itself, which extends a repeating pattern).
+    return the k tokens that followed their latest earlier occurrence. A continuation that
+    runs past the end of ``token_ids`` goes on as a copy from the same distance back (as an
+    LZ77 match may overlap its own output): the context ends in a pattern repeating with
+    that period, and the draft assumes it keeps repeating. Without that, a context stuck on
+    one token (``[..., 7, 7, 7, 7]``: a greedy model in a loop) would get one draft token per
+    step however large k is, since its latest earlier 4-gram ends one token before the end.
     Returns ``[]`` when no n-gram recurs or ``k < 1``.
+
+    Example: ``propose_ngram([1, 2, 1, 2, 1], 4, 1, 2) == [2, 1, 2, 1]`` ((2, 1) last occurred
+    two tokens earlier, so the draft repeats with period 2).
     """
     length = len(token_ids)
     if k < 1 or length < n_min + 1:
@@ -39,7 +46,11 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
         hits = starts[(windows == pattern).all(axis=1)]
         if hits.size:
             follow = int(hits[-1]) + n
-            return token_ids[follow:follow + k]
+            draft = token_ids[follow:follow + k]
+            period = length - follow  # >= 1: the match ends before the last token
+            while len(draft) < k:  # ran into the end: keep copying from `period` tokens back
+                draft.append(draft[len(draft) - period])
+            return draft
     return []
 
 
