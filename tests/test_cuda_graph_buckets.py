@@ -16,9 +16,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from minivllm.engine.cuda_graph import (  # noqa: E402
+    CPU_MAX_CAPTURE_SIZE,
     CudaGraphDecodeRunner,
     DecodeBatch,
     capture_batch_sizes,
+    cpu_capture_batch_sizes,
     pad_decode_batch,
     select_bucket,
 )
@@ -37,6 +39,17 @@ def test_capture_batch_sizes():
     big = capture_batch_sizes(1000, max_capture_size=512)
     assert big[-1] == 512 and big == sorted(set(big))
     assert all(b % 8 == 0 for b in big[4:])
+
+
+def test_cpu_capture_batch_sizes_are_every_size():
+    assert cpu_capture_batch_sizes(5) == [1, 2, 3, 4, 5]
+    assert cpu_capture_batch_sizes(256) == list(range(1, CPU_MAX_CAPTURE_SIZE + 1))
+    assert cpu_capture_batch_sizes(100, max_capture_size=3) == [1, 2, 3]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=str(bad)):
+            cpu_capture_batch_sizes(bad)
+        with pytest.raises(ValueError, match=str(bad)):
+            cpu_capture_batch_sizes(4, max_capture_size=bad)
 
 
 @pytest.mark.parametrize("bad", [0, -3])

@@ -108,3 +108,26 @@ def test_triton_decode_context_buckets_bound_the_splits():
     assert tk.decode_context_buckets(None, 1, 8, 128, 40960) == [40960]  # CPU / interpreter
     with pytest.raises(ValueError, match="max_seqlen_k"):
         tk.decode_context_buckets(132, 1, 8, 128, 0)
+
+
+def test_an_interrupt_while_staging_leaves_no_stale_padding_row(monkeypatch):
+    """Regression: an interrupt after a step's rows were written but before stage() finished kept
+    the old row count as staged, so the next step of that count skipped refilling its padding rows,
+    and a padding row went on writing K/V at a slot of the interrupted step's (now another
+    sequence's) block on every replay. (CUDA buckets: CPU graphs have one per batch size, no
+    padding rows.)"""
+    from minivllm.engine import cuda_graph
+
+    r, _ = _runner(max_num_seqs=16)
+    r.stage([1, 2, 3], [7, 7, 7], [1, 2, 3], [8, 8, 8], [[0], [1], [2]])  # bucket 4 staged with 3 rows
+    real = cuda_graph.fill_block_tables
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cuda_graph, "fill_block_tables", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # 10 rows: the vectorised fill, after ids/positions/slots
+        r.stage(list(range(10)), [40] * 10, list(range(100, 110)), [41] * 10, [[5, 6, 7]] * 10)
+    monkeypatch.setattr(cuda_graph, "fill_block_tables", real)
+    r.stage([1, 2, 3], [7, 7, 7], [1, 2, 3], [8, 8, 8], [[0], [1], [2]])
+    assert list(r._host["slot_mapping"][3:4]) == [-1]  # the padding row is padding again

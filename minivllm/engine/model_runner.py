@@ -429,9 +429,9 @@ class ModelRunner:
             self.hf_config.hidden_size, self.device, self.dtype, emulate=emulate)
         self.graph_runner.capture()
         if self.graph_runner.kind == "cpu":
-            logger.info("CPU graphs: decode steps of up to %d sequences are recorded at their first step "
-                        "(buckets %s) and replayed; model check before each replay: %s",
-                        self.graph_runner.buckets[-1], self.graph_runner.buckets, model_check.describe())
+            logger.info("CPU graphs: decode steps of up to %d sequences are recorded at the first step of "
+                        "each batch size (no padded rows) and replayed; model check before each replay: %s",
+                        self.graph_runner.buckets[-1], model_check.describe())
         else:
             logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graph_runner.buckets,
                         time.perf_counter() - t0)
