@@ -81,8 +81,8 @@ RUN = (f"{engine.source.name} · {engine.config.device} · {str(engine.config.dt
 # The model never sees characters. A *tokenizer* cuts text into pieces from a fixed vocabulary and
 # replaces each piece by its index. minivllm-tiny's tokenizer is byte-level BPE (byte-pair
 # encoding): it starts from the 256 byte values and learned, from its training text, which adjacent
-# pairs to merge into longer pieces. Frequent words become one token; rare ones are spelled out in
-# several.
+# pairs to merge into longer pieces. Frequent words become one token; rare ones, typos included, are
+# spelled out in several (the last two lines below show a word and a typo of it).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -93,6 +93,8 @@ print(f"{len(PROMPT)} characters -> {len(prompt_ids)} tokens (vocabulary of {len
 for i in prompt_ids:
     print(f"{i:6d}  {tok.decode([i])!r}")
 print("decoded back:", repr(tok.decode(prompt_ids)))
+for word in (" argument", " arguemnt"):  # a word of the training text, and a typo of it
+    print(f"{word!r}: {len(tok.encode(word))} token(s)", [tok.decode([i]) for i in tok.encode(word)])
 
 # %% [markdown]
 # ## 2. Token ids -> logits
@@ -247,7 +249,10 @@ print("engine text:", repr(out.outputs[0].text), "| finish_reason:", out.outputs
 # the step's measured wall time.
 #
 # The *work* of a pass can be counted without a clock: a forward pass costs about 2 FLOPs per
-# weight per token (one multiply, one add), plus attention's products over the earlier tokens.
+# weight per token (one multiply, one add), plus attention's products over the earlier tokens. One
+# exception: the output layer, which turns a hidden vector into logits, runs for the last position
+# only (the only prediction used), so its 2 FLOPs per weight are paid once per pass, not once per
+# token.
 # `minivllm.telemetry.roofline.step_cost` does that count from the model's config.
 
 # %%
@@ -458,12 +463,13 @@ Quiz([
     ),
     Question(
         "With no cache, how does the total work of generating n tokens after a prompt of p tokens grow?",
-        ["Linearly in n", "About quadratically in tokens processed (step i processes p + i tokens; attention adds a term that grows even faster at long lengths)",
-         "It stays constant", "Exponentially"],
+        ["Linearly in n", "About quadratically in n", "It stays constant", "Exponentially"],
         1,
         ["Each single step's work already grows with the sequence (step i processes p + i tokens), so the "
          "sum grows faster than n.",
-         "Right: the sum of p, p+1, ..., p+n-1 tokens is n*p + n(n-1)/2 token-passes (exercise 1).",
+         "Right: the sum of p, p+1, ..., p+n-1 tokens is n*p + n(n-1)/2 token-passes (exercise 1), whose "
+         "second term dominates once n passes about 2p; attention adds a term that grows faster still "
+         "at long lengths.",
          "The work per step grows with the sequence length (the FLOP count in section 5), so the total cannot "
          "stay flat.",
          "Each step adds one token to the work, not a multiple of it: the growth is polynomial."],

@@ -89,7 +89,9 @@ print(f"KV pool: {bm.num_blocks} blocks x {bm.block_size} slots = {bm.num_blocks
 # Three requests arrive together: prompts of 20, 7 and 40 tokens, asking for 14, 30 and 6 new tokens.
 # The stepper below drives the engine; the KV cache view under it draws the pool, one cell per
 # physical block, coloured by the request that owns it (hover a block for the tokens whose keys and
-# values it holds). Under the grid, each request's block table and the slots its tokens occupy.
+# values it holds). Under the grid, each request's block table and the slots its tokens occupy. The
+# widgets name each request by its engine id; the tables printed below give that id beside the letter
+# the text uses.
 
 # %%
 from pydoc_data.topics import topics  # English text that ships with Python: prompt material
@@ -113,8 +115,8 @@ view.display()
 def show_tables():
     for name, rid in requests.items():
         seq = stepper.sequence(rid)
-        print(f"{name}: {seq.num_computed_tokens:3d} tokens with KV, status {seq.status.value:8s} block table "
-              f"{seq.block_table}")
+        print(f"{name} ({rid}): {seq.num_computed_tokens:3d} tokens with KV, status {seq.status.value:8s} "
+              f"block table {seq.block_table}")
     print(f"pool: {bm.num_used_blocks} blocks used, {bm.num_free_blocks} free")
 
 
@@ -164,12 +166,12 @@ check_prediction(my_prediction, bm.num_used_blocks, rel_tol=0, unit="blocks",
 # </details>
 
 # %% [markdown]
-# B grew past 16 tokens and got a second block, taken from wherever the free list pointed (block 6, the
-# next on the free list; C's returned blocks went to its back): its table is no longer a run of consecutive ids. A has just filled its second block;
-# its next token will need a third. That is the point of the block table: a request's KV does not
-# need to be contiguous in memory, so any free block will do, and no request has to reserve room for
-# growth it may never need. C finished (6 tokens) and its blocks went back to the pool, ready for the
-# next block anyone needs.
+# B grew past 16 tokens and got a second block: the next one on the free list, not one of those C had
+# returned (a freed block joins the back of the list). Its table, printed above, is no longer a run of
+# consecutive ids. A has just filled its second block; its next token will need a third. That is the
+# point of the block table: a request's KV does not need to be contiguous in memory, so any free block
+# will do, and no request has to reserve room for growth it may never need. C finished (6 tokens) and
+# its blocks went back to the pool, ready for the next block anyone needs.
 #
 # ## 2. From position to slot
 #
@@ -209,21 +211,26 @@ for i, entry in enumerate(plan.scheduled):
     name = next(k for k, v in requests.items() if v == entry.seq.request_id)
     table_row = inp.meta.block_tables[i].tolist()
     held = [b for b in table_row if b >= 0]
+    assert held == table, (held, table)
     print(f"{name}: new token at position {p}: block_table[{p} // {BLOCK_SIZE}] = "
           f"{table[p // BLOCK_SIZE]}, offset {p % BLOCK_SIZE} -> slot {expected}; runner's slot_mapping "
           f"{slots[row]}; block table row {held} then {len(table_row) - len(held)} x -1")
     assert slots[row] == expected
     row += entry.num_tokens
-print(f"each row has {len(table_row)} entries: max_model_len {engine.config.max_model_len} / block_size {BLOCK_SIZE}")
+replayed = inp.graph_rows is not None  # staged into the recorded decode graphs' buffers
+print(f"each row has {len(table_row)} entries; this step "
+      + (f"was replayed from the decode graphs (max_model_len {engine.config.max_model_len} / block_size "
+         f"{BLOCK_SIZE} = {-(-engine.config.max_model_len // BLOCK_SIZE)})" if replayed
+         else "ran eagerly (the longest table of the step)"))
 
 # %% [markdown]
 # The runner pads the block tables of a step into one tensor with a row per sequence (`-1` past a
 # sequence's last block); the attention backend finds the K and V of positions
 # `0 .. context_len - 1` of each sequence through its row. In a step run eagerly the rows are as wide
-# as the step's longest table. The rows printed above are wider: this decode step was replayed from a
-# recorded graph (chapter 11), whose input keeps one shape from step to step, so its rows have room
-# for the longest table `max_model_len` allows (`max_model_len / block_size` entries; this engine's
-# `max_model_len` is in the last line: no more than its 64-block pool can hold).
+# as the step's longest table. A decode step replayed from a recorded graph (chapter 11) keeps one
+# input shape from step to step, so its rows have room for the longest table `max_model_len` allows
+# (`max_model_len / block_size` entries, rounded up; this engine's `max_model_len` is no more than its
+# 64-block pool can hold). The last line above says which kind of step this was.
 #
 # ### Proof by reading the cache
 #
@@ -270,10 +277,10 @@ if wrong is not None:
 # of its last block (at most `block_size - 1` slots).
 #
 # We run a mixed workload of 24 requests (random lengths: prompts of 8 to 120 tokens, 4 to 64 new
-# tokens; each prompt a slice of the text from a random offset) on a fresh engine and, **after every step, read the live block manager**: slots
-# allocated (blocks in use x block size), slots actually holding KV (each live sequence's
-# `num_computed_tokens`), and what the two contiguous policies would reserve for the same live
-# requests.
+# tokens; each prompt a slice of the text from a random offset) on a fresh engine and, **after every
+# step, read the live block manager**: slots allocated (blocks in use x block size), slots actually
+# holding KV (each live sequence's `num_computed_tokens`), and what the two contiguous policies would
+# reserve for the same live requests.
 
 # %%
 import random
@@ -373,8 +380,9 @@ check_claim("paged wastes less than either contiguous policy, and max_model_len 
 #   never use are wasted too.
 # * Reserving `max_model_len` per request wastes the most, and in the same memory it fits fewer
 #   requests at once (the sentence above the checks compares each policy's peak with the pool: a
-#   policy whose peak exceeds the pool could not have run this schedule at all). That is the capacity argument of the PagedAttention paper: less waste means
-#   bigger batches (section 4 shows why bigger batches mean more throughput).
+#   policy whose peak exceeds the pool could not have run this schedule at all). That is the capacity
+#   argument of the PagedAttention paper: less waste means bigger batches (section 4 shows why bigger
+#   batches mean more throughput).
 #
 # What paging costs: attention must find K and V through the block table instead of reading one
 # contiguous strip. The `torch` backend gathers them into a contiguous tensor before attending (on a
@@ -384,10 +392,9 @@ check_claim("paged wastes less than either contiguous policy, and max_model_len 
 # %%
 pool_slots = work.llm_engine.block_manager.num_blocks * BLOCK_SIZE
 max_live = max(s["live"] for s in samples)
-render(f"The pool has **{pool_slots}** slots. Reserving `max_model_len` = {MAX_MODEL_LEN} per request, it "
-       f"would hold **{pool_slots // MAX_MODEL_LEN}** requests at once, whatever their length. Paged, this "
-       f"workload ran **{max_live}** requests at once and never needed more than **{peak['paged']}** of "
-       f"the {pool_slots} slots.")
+render(f"Reserving `max_model_len` = {MAX_MODEL_LEN} per request, the pool's {pool_slots:,} slots would hold "
+       f"**{pool_slots // MAX_MODEL_LEN}** requests at once, whatever their length. Paged, this workload ran "
+       f"**{max_live}** requests at once.")
 check_claim("paging ran more requests at once than a max_model_len reservation fits in the same pool",
             max_live > pool_slots // MAX_MODEL_LEN,
             f"{max_live} live requests vs room for {pool_slots // MAX_MODEL_LEN}");

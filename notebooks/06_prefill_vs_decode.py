@@ -373,10 +373,13 @@ print("backend that runs this notebook's steps:", cfg.attention_backend)
 # ## 3. Step time against prompt length
 #
 # Now a sweep on the embedded model. For several prompt lengths, one request is prefilled in one step
-# and then runs three decode steps; each length is repeated three times and the median kept (a shared
-# machine has hiccups). A separate engine with a larger token budget is used so the widgets above
-# keep their state. Every step's FLOPs and bytes come from the roofline model in
-# `minivllm.telemetry.roofline` (what the step must compute and move, from the model's shape), and
+# and then runs eight decode steps, of which the table keeps the last three: the first decode steps
+# after a prefill can run slower than the ones that follow (the prefill has just filled the CPU caches
+# with its own data), and a request spends most of its decode steps past them. Each length is
+# repeated three times and the median kept (a shared machine has hiccups). A separate engine with a
+# larger token budget is used so the widgets above keep their state. Every step's FLOPs and bytes
+# come from the roofline model in `minivllm.telemetry.roofline` (what the step must compute and move,
+# from the model's shape), and
 # MFU / MBU divide them by the step's time and this machine's peak FLOP/s / read bandwidth: the
 # ceilings of the setup cell, the best measured on this machine, not a data sheet's peak (which the
 # usual definition of MFU, PaLM's, divides by), so they say how close a step came to what this CPU
@@ -394,8 +397,9 @@ bench = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=256,
             max_num_batched_tokens=1024, max_num_seqs=16)
 bench.llm_engine.measure_peaks()  # the peaks measured above (same device and dtype)
 PROMPT_LENS = [16, 64, 128, 256, 512]
-df = pd.DataFrame(measure_step_latency(bench, PROMPT_LENS, decode_steps=3, repeats=3))
-steps = df[df.phase.isin(["prefill", "decode"])]
+df = pd.DataFrame(measure_step_latency(bench, PROMPT_LENS, decode_steps=8, repeats=3))
+df["nth_decode"] = (df.phase == "decode").groupby([df.prompt_len, df.repeat]).cumsum()  # 1..8 after each prefill
+steps = df[(df.phase == "prefill") | ((df.phase == "decode") & (df.nth_decode > 5))]  # each request's last 3 decodes
 table = steps.groupby(["phase", "prompt_len"])[["wall_ms", "model_ms", "intensity", "mfu", "mbu"]].median()
 table.round(4)
 
@@ -409,7 +413,7 @@ fig = go.Figure()
 for phase, colour in (("prefill", "#e4572e"), ("decode", "#f0a202")):
     pts = steps[steps.phase == phase]
     fig.add_scatter(x=pts.prompt_len, y=pts.wall_ms, mode="markers", marker=dict(color=colour, opacity=0.35),
-                    name=f"{phase}: every step (3 repeats)")
+                    name=f"{phase}: every step kept (3 repeats)")
     fig.add_scatter(x=med[phase].index, y=med[phase].values, mode="lines+markers",
                     line=dict(color=colour, width=3), name=f"{phase}: median")
 fig.update_layout(title=f"Step time by phase against prompt length<br><sup>measured: {engine.source.name}, "
@@ -421,11 +425,14 @@ show_figure(fig)
 longest = PROMPT_LENS[-1]
 pre_ms, dec_ms = med["prefill"][longest], med["decode"][longest]
 ai = table["intensity"]
+first_dec = df[(df.phase == "decode") & (df.nth_decode == 1)].wall_ms.median()
 render(f"The prefill of {longest} tokens took **{pre_ms:.1f} ms**, {1e3 * pre_ms / longest:.0f} µs per prompt "
-       f"token; one decode step after it took **{dec_ms:.2f} ms** for one token, so per token the prefill was "
+       f"token; a decode step at that context took **{dec_ms:.2f} ms** for one token, so per token the prefill was "
        f"**{dec_ms / (pre_ms / longest):.0f}x** cheaper. Intensity: prefill of {longest} tokens "
        f"{ai['prefill'][longest]:.1f} FLOP/byte, decode {ai['decode'][longest]:.2f} FLOP/byte, against a "
-       f"ridge point of {peaks.ridge_intensity:.1f} FLOP/byte here.")
+       f"ridge point of {peaks.ridge_intensity:.1f} FLOP/byte here. (The first decode step after each prefill, "
+       f"left out of the table, took a median {first_dec:.2f} ms over all lengths; the kept ones "
+       f"{steps[steps.phase == 'decode'].wall_ms.median():.2f} ms.)")
 pre_growth = med["prefill"][longest] / med["prefill"][PROMPT_LENS[0]]
 dec_growth = med["decode"][longest] / med["decode"][PROMPT_LENS[0]]
 check_claim(f"from {PROMPT_LENS[0]} to {longest} prompt tokens the prefill step grows far more than the decode step",
@@ -499,8 +506,10 @@ render(f"The embedded model's weights are {tiny_weight_bytes / 1e6:.1f} MB; at t
           f"{tiny_dec.wall_ms.median() - tiny_dec.model_ms.median():.2f} ms."
           if tiny_dec.model_ms.median() < tiny_floor_ms else
           "fixed per-step work takes most of the step on this machine." if tiny_share < 0.5 else
-          "reading the weights from main memory is most of the step on this machine, fixed per-step work "
-          "the smaller part."));
+          "from MBU alone the two effects cannot be told apart here (the weights may stream from main memory "
+          "with fixed per-step work the smaller part, or come from a CPU cache with fixed work taking more; "
+          "outside the forward pass alone, the engine's per-step work took "
+          f"{tiny_dec.wall_ms.median() - tiny_dec.model_ms.median():.2f} ms)."));
 
 # %% [markdown]
 # To see the memory wall itself we need a model whose weights dwarf every cache and every fixed cost.
@@ -552,8 +561,9 @@ for T in (1, 16, 128):
 # ### Exercise 2 · Decode throughput at batch 16
 #
 # The next cell runs, for batch sizes 1, 2, 4, 8 and 16, that many requests of 4 random tokens
-# arriving together, each generating 4 tokens: one prefill step and three decode steps per batch (the
-# first decode step at each batch size records a graph, chapter 11, and is set aside).
+# arriving together, each generating 4 tokens: one prefill step and three decode steps per batch. The
+# first decode step at each batch size is set aside: at a batch size the engine has not decoded before,
+# that step records a graph (chapter 11; batch 1's was recorded by the warm-up request).
 # Predict the decode throughput (output tokens per second) at batch 16 as a multiple of batch 1.
 # Think about the intensity `B/2` of a decode step and where it meets this machine's ridge point.
 
@@ -572,8 +582,8 @@ big_rows = []
 for b in BATCHES:
     big_engine.reset_prefix_cache()
     _, records = run_requests(big, [random_prompt(big_engine, 4, rng) for _ in range(b)], 4)
-    # the first decode step at a new batch size records the engine's CPU graph for it (chapter 11):
-    # set aside, so each size keeps two replayed decode steps
+    # the first decode step at a new batch size records the engine's CPU graph for it (chapter 11; batch 1's
+    # was recorded by warm_up): set aside at every size, so each keeps two replayed decode steps
     first_decode = next((r for r in records if r.phase == "decode"), None)
     for r in (r for r in records if r is not first_decode):
         big_rows.append(dict(batch=b, phase=r.phase, tokens=r.num_tokens, wall_ms=r.wall_ms,
@@ -867,10 +877,12 @@ print("identical:", decoded == replayed)
 # * **batching**: 8 requests decoding together instead of one (one weight read serves 8 tokens);
 # * **int8 weights**: `LLM(..., quantization="int8")` stores every linear layer's weights in one byte
 #   (plus a scale per output channel) instead of the baseline's two (the embedded model's float16
-#   values, held in 16 bits) or four (fewer bytes to read per step; not exact, so the tokens may differ). It shrinks
+#   values, held in 16 bits) or four (fewer bytes to read per step). It is not exact, so the tokens may
+#   differ: the weights are rounded, and on a CPU torch's int8 linear also rounds each token's
+#   activations to 7 bits as it runs (`docs/quantization.md`). It shrinks
 #   only the matrix multiplies' reads, and section 3 measured how the embedded model's step compares
 #   with reading its weights from main memory (weights small enough to stay in a CPU cache gain little
-#   from fewer bytes), so int8 has less to gain there than on a large model; the cell also
+#   from fewer bytes), so int8 has less to gain there than on a large model; a second cell
 #   times one-row products with section 1's 4096 × 4096 weight shape, in fp32 and through the engine's
 #   int8 matmul (`minivllm.quantization.int8.Int8Weight`), taking four such weights in turn so that each
 #   product reads its weight from main memory, not from a cache that still holds it;
@@ -926,6 +938,7 @@ lever_rows = [
 ]
 spec_m = outs_by["ngram"][0].metrics
 
+# %%
 # int8 where the weight read is the whole cost: one row times a 4096 x 4096 weight, fp32 vs int8. Four
 # weights taken in turn: 64 MiB in int8 (256 MiB in fp32), more than a CPU cache keeps between two
 # uses, so each product reads its weight from main memory (one weight alone, 16 MiB in int8, can stay
@@ -956,6 +969,8 @@ int8_ms = median_ms(lambda i: w_int8[i].matmul(x1))
 int8_gbps = N_OUT * K_IN / (int8_ms * 1e-3) / 1e9  # one byte a weight (the per-channel scales are 16 KiB)
 fp32_gbps = N_OUT * K_IN * BYTES / (fp32_ms * 1e-3) / 1e9
 del w_fp32, w_int8
+
+# %%
 lines = "\n".join(f"| {name} | {tps:.0f} | **{tps / tps1:.2f}x** | {agreement(ref, toks)} |" for name, tps, toks in lever_rows)
 held = engines["baseline"].llm_engine.model_cost.held_weight_bytes
 render(f"""Decode throughput on {engine.source.name} ({WHERE}), median of 3 rounds; baseline: one request, a {DTYPE}
@@ -1044,6 +1059,9 @@ mem_example = (f"here batch {b_mem}, still below the ridge point, took "
                if b_mem is not None else "on this machine even batch 2 of the big model was past the ridge point, "
                "so the sweep had no larger memory-bound batch to compare")
 ridge_batch = big_peaks.ridge_intensity * cost.held_weight_bytes / 2  # decode intensity B x 2 / bytes per weight = ridge
+# did every step of section 4's sweep carry its whole batch (prefill 4 x B tokens, decodes B), i.e. did the pool hold it?
+pre_rows, dec_rows = big_df[big_df.phase == "prefill"], big_df[big_df.phase == "decode"]
+pool_held = bool((pre_rows.tokens == 4 * pre_rows.batch).all() and (dec_rows.tokens == dec_rows.batch).all())
 Quiz([
     Question(
         "While decode is memory-bound, why does a step for 8 sequences cost far less than 8 steps for one?",
@@ -1066,8 +1084,12 @@ Quiz([
          "Where Python overhead, which grows with the square of the batch, takes over",
          "Nowhere: batching never helps decode on a CPU"],
         1,
-        [f"The {KV_POOL_BYTES >> 20} MiB pool held every sequence of that workload; no request waited or was "
-         "preempted.",
+        [(f"Every step of that sweep carried its whole batch (the table's tokens column): the {KV_POOL_BYTES >> 20} "
+          "MiB pool held every sequence, so no request waited or was preempted."
+          if pool_held else
+          f"On this run some steps carried less than their whole batch (the {KV_POOL_BYTES >> 20} MiB pool or the "
+          "token budget held requests back), but the roofline bound is computed per batch from FLOPs and bytes "
+          "alone: it bends at the ridge point whatever the pool does."),
          f"Right: the ridge point here is {big_peaks.ridge_intensity:.1f} FLOP/byte, so the bend comes near batch "
          f"{2 * big_peaks.ridge_intensity:.0f}. Below it a bigger batch rides on the same weight read; past it the "
          "step is compute-bound and more rows cost proportionally more time. On a data-centre GPU the ridge is in "
@@ -1082,8 +1104,12 @@ Quiz([
          "Speculative decoding on text that repeats its context", "A GPU with more FLOP/s and the same bandwidth"],
         3,
         ["It does: one weight read serves every sequence in the step (section 5 measured it).",
-         "It does where the weight read dominates: fewer bytes per weight, less to read per step.",
-         "It does when drafts are accepted: several tokens come out of one verification step.",
+         "It does where the weight read dominates: fewer bytes per weight, less to read per step (section 5's "
+         f"single weight: {fp32_ms / int8_ms:.1f}x faster; the embedded model's whole step, run eagerly: "
+         f"{lever_rows[1][1] / tps1:.2f}x).",
+         "It does when drafts are accepted and checking them costs little more than a plain step, as in a "
+         "memory-bound step: several tokens come out of one weight read (on the embedded model run eagerly, "
+         f"section 5 measured {spec_ratio:.2f}x).",
          "Right, at small batches: a memory-bound decode step waits on bandwidth, and more arithmetic units "
          "would sit idle. Past the ridge point (decode intensity B x 2 / bytes per weight reaches it near batch "
          f"{ridge_batch:.0f} in {BIG_DTYPE} on this machine, at short contexts) the step is compute-bound and "

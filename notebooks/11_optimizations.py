@@ -245,12 +245,14 @@ render(f"On this run the dispatch floor ({floor_terms} = {floor_ms:.2f} ms) is "
 # decode step on a CPU is a few dozen calls into our C code (GEMMs, norms, rotary, attention), each
 # behind module calls, shape checks and tensor allocations. A **CPU graph**
 # (`minivllm/layers/cpu_graph.py`) records those calls with the memory addresses they were given while
-# one step runs, then replays them in a loop with nothing else around them. Every rule above carries
-# over (buckets, static buffers, padding); in addition, an ATen operation that would hand back a
-# fresh tensor cannot be replayed (the calls after it would never see the new tensor), so the
-# recorder refuses it and the engine stays eager. It records each bucket at its first step instead of
-# ahead of time, and up to 64 sequences (`CPU_MAX_CAPTURE_SIZE`), where a CPU step's arithmetic has
-# long outgrown the Python. On either device a step with a prefill chunk in it runs eagerly. A step
+# one step runs, then replays them in a loop with nothing else around them. The static buffers carry
+# over; the buckets do not. A padded row adds little to a GPU's decode step, which waits on reading the
+# weights, but on a CPU it is arithmetic like any other row, so the engine records a graph for every
+# batch size (`cpu_capture_batch_sizes`): no padded rows. It records each one at the first step of that
+# size instead of ahead of time, up to 64 sequences (`CPU_MAX_CAPTURE_SIZE`), where a CPU step's
+# arithmetic has long outgrown the Python. And an ATen operation that would hand back a fresh tensor
+# cannot be replayed (the calls after it would never see the new tensor), so the recorder refuses it
+# and the engine stays eager. On either device a step with a prefill chunk in it runs eagerly. A step
 # that verifies speculative drafts is replayed on a CPU, one graph row per scored token (a scored token
 # is a decode row that sees the keys up to its own position), and runs eagerly on a GPU.
 #
@@ -258,13 +260,15 @@ render(f"On this run the dispatch floor ({floor_terms} = {floor_ms:.2f} ms) is "
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minivllm.engine.cuda_graph import CPU_MAX_CAPTURE_SIZE, capture_batch_sizes, select_bucket
+from minivllm.engine.cuda_graph import capture_batch_sizes, cpu_capture_batch_sizes, select_bucket
 
 for max_num_seqs in (8, 32, 256):
-    print(f"max_num_seqs={max_num_seqs}: graphs for batch sizes {capture_batch_sizes(max_num_seqs)}")
-print(f"on a CPU, max_num_seqs=256: {capture_batch_sizes(256, CPU_MAX_CAPTURE_SIZE)}")
+    print(f"CUDA, max_num_seqs={max_num_seqs}: graphs for batch sizes {capture_batch_sizes(max_num_seqs)}")
+cpu_sizes = cpu_capture_batch_sizes(256)
+print(f"CPU, max_num_seqs=256: {len(cpu_sizes)} graphs, for batch sizes {cpu_sizes[0]} to {cpu_sizes[-1]}"
+      + (", each size its own" if cpu_sizes == list(range(cpu_sizes[0], cpu_sizes[-1] + 1)) else f": {cpu_sizes}"))
 buckets = capture_batch_sizes(32)
-print("a decode batch of n runs the graph of:",
+print("CUDA: a decode batch of n runs the graph of:",
       ", ".join(f"{n}->{select_bucket(n, buckets)}" for n in (1, 3, 5, 9, 17, 31)),
       f"; 33 -> {select_bucket(33, buckets)} (eager)")
 print(f"this engine ({cfg.device}, enforce_eager=True): graphs = {engine.runner.graph_runner is not None}")
@@ -441,13 +445,13 @@ render(f"Eager, in {str(norm.weight.dtype).removeprefix('torch.')} on {cfg.devic
 # On a GPU, where each eager operation is a separate kernel with its own trip through memory, fusion
 # is the reliable win, which is why the engine compiles by default on CUDA only. And whether the
 # seconds of compilation pay for themselves depends on how many calls follow: in a server running for
-# hours, yes; in a notebook that runs a few steps on a CPU, no. The C version has none of the three
-# costs: no compile wait, no guards, one dispatch through `ctypes` and a loop the compiler vectorised.
-# Its column says what that is worth on this machine. A long input (a prefill) is split by rows over
-# torch's threads, each running the same C loop on its share (`cpu_fused.MIN_ELEMENTS_PER_THREAD` sets
-# how much work makes a thread worth waking). A decode step calls five such ops per layer
-# (two norms with their residual adds, the q and k norms, SiLU-and-multiply) plus the rotary
-# embedding, so at decode sizes their fixed cost adds up.
+# hours, yes; in a notebook that runs a few steps on a CPU, no. The C version has no compile wait and
+# no guards, and it replaces the eager operations' dispatches with one call through `ctypes`, into a
+# loop the compiler vectorised. Its column says what that is worth on this machine. A long input (a
+# prefill) is split by rows over torch's threads, each running the same C loop on its share
+# (`cpu_fused.MIN_ELEMENTS_PER_THREAD` sets how much work makes a thread worth waking). A decode step
+# calls five such ops per layer (two norms with their residual adds, the q and k norms,
+# SiLU-and-multiply) plus the rotary embedding, so at decode sizes their fixed cost adds up.
 #
 # ## 4. Attention backends
 #
@@ -464,11 +468,11 @@ render(f"Eager, in {str(norm.weight.dtype).removeprefix('torch.')} on {cfg.devic
 # * `flash_attn`: flash-attn 2's paged kernels; CUDA only, and blocks of a multiple of 256 tokens.
 #
 # Which of them this machine can run, and the time of each on the same inputs: a decode step of 8
-# sequences with 256 to 512 tokens of context, and a prefill of two 256-token prompts, at Qwen3-0.6B's
-# attention shape (16 query heads, 8 KV heads, head dim 128). `naive` is the test suite's plain
-# reference (`minivllm.testing.naive_attention`, a Python loop over sequences), for scale. Every
-# contender gets the same inputs, one warm-up call and the same number of timed repeats; the table
-# shows the median and the fastest and slowest repeat.
+# sequences with 256 to 480 tokens of context (32 more for each), and a prefill of two 256-token
+# prompts, at Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head dim 128). `naive` is the
+# test suite's plain reference (`minivllm.testing.naive_attention`, a Python loop over sequences), for
+# scale. Every contender gets the same inputs, one warm-up call and the same number of timed repeats;
+# the table shows the median and the fastest and slowest repeat.
 
 # %%
 import importlib.util
@@ -489,7 +493,7 @@ if not ON_CUDA and triton_available():
 # %%
 H, HK, D = 16, 8, 128
 dtype = torch.bfloat16 if ON_CUDA else torch.float32
-CASES = {"decode: 8 seqs, ctx 256-512": [(256 + 32 * i, 1) for i in range(8)],
+CASES = {"decode: 8 seqs, ctx 256-480": [(256 + 32 * i, 1) for i in range(8)],
          "prefill: 2 x 256 tokens": [(256, 256), (256, 256)]}
 REPEATS = 5
 
@@ -568,15 +572,15 @@ if not ON_CUDA:
                 t_native < t_plain, f"{t_native:.2f} vs {t_plain:.2f} ms");
 
 # %% [markdown]
-# The two do not do the same work, which is why either can win. `naive` is handed every sequence's
-# keys and values already laid out contiguously (the test case keeps a dense copy, `full_k` and
-# `full_v`) and never touches the paged cache; it pays a Python loop iteration and a few small
-# operations per sequence. The `torch (gather + SDPA)` path does what a real step must: it writes the
-# step's new keys and values into the paged cache, builds its plan from the block tables, copies every
-# sequence's blocks into one dense, padded tensor (padding to the longest context) and then attends
-# for all sequences in one `scaled_dot_product_attention` call. So its time includes the price of
-# paging, a copy of every key and value the step reads, that `naive` does not pay; the loop's
-# per-sequence overhead grows with the number of sequences. A paged kernel avoids the copy: it reads
+# The two do not do the same work, which is why either can win. `naive` is handed every sequence's keys
+# and values already laid out contiguously (the test case keeps a dense copy, `full_k` and `full_v`)
+# and never touches the paged cache; it pays a Python loop iteration and a few small operations per
+# sequence. The `torch (gather + SDPA)` path does what a real step must: it writes the step's new keys
+# and values into the paged cache, builds its plan from the block tables, copies every sequence's
+# blocks into one dense, padded tensor (padding to the longest context) and then attends for all
+# sequences in one `scaled_dot_product_attention` call. So its time includes the price of paging, a
+# copy of every key and value the step reads, that `naive` does not pay; `naive` pays instead for its
+# Python loop, a cost that grows with the number of sequences. A paged kernel avoids the copy: it reads
 # the blocks in place, block by block. That is what Triton and flash-attn do on a GPU, and what the
 # `torch` backend's C decode kernel does on a CPU for one-token queries. The prefill case's two prompts
 # have no cached prefix, so neither `torch` row gathers there: each attends over its own new keys and
@@ -643,14 +647,18 @@ for row in interp.itertuples():
 # load time: `LLM(..., quantization="int8")` turns every linear layer (and, by default, the LM head)
 # into per-output-channel symmetric int8, `scale[n] = max |W[n, :]| / 127`, `Q = round(W / scale)`;
 # embeddings and norms stay float (`docs/quantization.md`). On a CPU the matmul goes through torch's
-# fbgemm dynamic int8 linear, which also rounds the activations to 7 bits per token at run time; on
+# fbgemm dynamic int8 linear, which also rounds the activations to 7 bits at run time (fbgemm picks one
+# scale for the whole input; minivllm divides each row by its largest value first, so in effect each token
+# gets its own scale: `minivllm/quantization/int8.py`); on
 # CUDA, through our Triton kernel, which converts int8 weight tiles to the activation dtype inside
 # the matmul loop. So on CUDA the scheme is *weight-only*; on a CPU it is *dynamic W8A8*: int8 weights
 # and, per token at run time, int8 activations.
 #
-# Two engines of the same model, side by side: the fp32 one from the setup cell and an int8 one. (On a
-# CPU the fp32 engine holds a 16-bit checkpoint's values, such as the embedded model's float16 ones, in
-# 16-bit panels: there int8 halves the bytes read rather than quartering them. The cell prints both.)
+# Two engines of the same model, side by side: the one from the setup cell (fp32 on a CPU, bf16 on CUDA;
+# the cells name it by its dtype) and an int8 one, both eager, so that decode graphs (section 2) do not
+# enter the comparison. (On a CPU the fp32 engine holds a 16-bit checkpoint's values, such as the
+# embedded model's float16 ones, in 16-bit panels: there int8 halves the bytes read rather than
+# quartering them. The cell prints both engines' bytes.)
 # First what int8 should save, from each engine's cost model and this machine's measured read
 # bandwidth (the time to read the weights once is a floor under every decode step):
 
@@ -659,31 +667,32 @@ from minivllm.quantization.int8 import describe_kernel
 from minivllm.quantization.layer import quantized_layers
 from minivllm.telemetry.peaks import get_peaks
 
-q_llm = LLM(MODEL, device=DEVICE, quantization="int8", num_kvcache_blocks=128, max_num_seqs=8)
+q_llm = LLM(MODEL, device=DEVICE, quantization="int8", num_kvcache_blocks=128, max_num_seqs=8, enforce_eager=True)
 q_engine = q_llm.llm_engine
+BASE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cfg.dtype, str(cfg.dtype))
 print("int8 matmul path:", "; ".join(sorted({describe_kernel(m.int8.kernel)
                                              for m in quantized_layers(q_engine.runner.model)})))
 peaks = get_peaks(cfg.device, cfg.dtype)
 print(f"read bandwidth {peaks.mbu_bytes_per_s / 1e9:.1f} GB/s ({peaks.provenance})")
 wbytes = {name: e.model_cost.body_weight_bytes + e.model_cost.lm_head_bytes
-          for name, e in (("fp32", engine), ("int8", q_engine))}
+          for name, e in ((BASE, engine), ("int8", q_engine))}
 read_ms = {name: b / peaks.mbu_bytes_per_s * 1e3 for name, b in wbytes.items()}
 for name in wbytes:
     print(f"{name}: layer + LM head weights {wbytes[name] / 2**20:.2f} MiB, read once in {read_ms[name]:.2f} ms")
-print(f"bytes ratio fp32 / int8: {wbytes['fp32'] / wbytes['int8']:.2f}x")
+print(f"bytes ratio {BASE} / int8: {wbytes[BASE] / wbytes['int8']:.2f}x")
 
 # %% [markdown]
 # ### Exercise 1 · How much faster is an int8 decode step here?
 #
-# The int8 engine reads fewer weight bytes than the fp32 engine (the ratio is printed above; on a CPU
-# the fp32 engine keeps a 16-bit checkpoint's values, such as the embedded model's, in 16 bits:
+# The int8 engine reads fewer weight bytes than the setup cell's engine (the ratio is printed above; on a
+# CPU the fp32 engine keeps a 16-bit checkpoint's values, such as the embedded model's, in 16 bits:
 # `minivllm/layers/cpu_gemm.py`). Predict
-# the speed-up of a **batch-1 decode step of this notebook's model** with int8 weights: fp32 step time
-# divided by int8 step time (1.0 = no change). Think about what else a step spends its time on
-# (section 1) before you write a number.
+# the speed-up of a **batch-1 decode step of this notebook's model** with int8 weights: the setup
+# engine's step time (fp32 on a CPU) divided by the int8 step time (1.0 = no change). Think about
+# what else a step spends its time on (section 1) before you write a number.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: fp32 decode step time / int8 decode step time, in x (e.g. 2.5)
+my_prediction = None  # your guess: fp32 (bf16 on CUDA) decode step time / int8 decode step time, in x (e.g. 2.5)
 
 # %%
 greedy = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
@@ -696,15 +705,15 @@ def decode_itls(llm, prompt="The module provides"):
 
 for e in (llm, q_llm):  # warm-up
     decode_itls(e)
-itl = {"fp32": [], "int8": []}
-round_medians = {"fp32": [], "int8": []}
+itl = {BASE: [], "int8": []}
+round_medians = {BASE: [], "int8": []}
 for _ in range(4):  # alternate the engines, so that load from other processes falls on both
-    for name, e in (("fp32", llm), ("int8", q_llm)):
+    for name, e in ((BASE, llm), ("int8", q_llm)):
         x = decode_itls(e)
         itl[name] += x
         round_medians[name].append(statistics.median(x))
 step = {name: statistics.median(v) for name, v in itl.items()}
-int8_speedup = step["fp32"] / step["int8"]
+int8_speedup = step[BASE] / step["int8"]
 for name in step:
     print(f"{name}: median decode step {step[name]:.2f} ms over {len(itl[name])} steps "
           f"(round medians {min(round_medians[name]):.2f} to {max(round_medians[name]):.2f} ms)")
@@ -712,16 +721,16 @@ check_prediction(my_prediction, int8_speedup, rel_tol=0.25, unit="x",
                  what="the int8 speed-up of a batch-1 decode step");
 
 # %%
-render(f"On this run int8 changed the batch-1 decode step from {step['fp32']:.2f} ms to {step['int8']:.2f} ms: "
-       f"**{int8_speedup:.2f}x**, while the weights shrank {wbytes['fp32'] / wbytes['int8']:.2f}x. Reading the "
-       f"fp32 engine's weights once, as it holds them, at the measured read bandwidth would take {read_ms['fp32']:.2f} ms, "
-       f"**{read_ms['fp32'] / step['fp32']:.0%}** of the fp32 step. (These steps are timed from the outside, as the gaps "
+render(f"On this run int8 changed the batch-1 decode step from {step[BASE]:.2f} ms to {step['int8']:.2f} ms: "
+       f"**{int8_speedup:.2f}x**, while the weights shrank {wbytes[BASE] / wbytes['int8']:.2f}x. Reading the "
+       f"{BASE} engine's weights once, as it holds them, at the measured read bandwidth would take {read_ms[BASE]:.2f} ms, "
+       f"**{read_ms[BASE] / step[BASE]:.0%}** of the {BASE} step. (These steps are timed from the outside, as the gaps "
        "between one request's tokens through `generate`, so everything between two tokens counts; section 1's figure "
        "is the same engine's own record of its steps, the wall time of `step()`, taken earlier in the run.)")
 check_claim("int8 speeds this model's decode step up by less than its weights shrank",
-            int8_speedup < wbytes["fp32"] / wbytes["int8"],
+            int8_speedup < wbytes[BASE] / wbytes["int8"],
             f"{int8_speedup:.2f}x ({'slower' if int8_speedup < 1 else 'faster'}) against "
-            f"{wbytes['fp32'] / wbytes['int8']:.2f}x fewer bytes",
+            f"{wbytes[BASE] / wbytes['int8']:.2f}x fewer bytes",
             why_it_may_not="A step bound by reading its weights from main memory, with an int8 linear that costs "
                            "little per call, would approach the bytes' ratio; reading this model's weights is a small part "
                            "of its step (the line above).");
@@ -794,7 +803,7 @@ check_claim("int8 gains more on a large layer that reads its weight from memory 
 
 # %% [markdown]
 # What int8 costs is accuracy: every weight is rounded to one of 255 levels of its row's scale, and
-# on the CPU the activations are rounded too. Two measurements against the fp32 engine: the greedy
+# on the CPU the activations are rounded too. Two measurements against the setup cell's engine: the greedy
 # continuations of a fixed set of 16 prompts, 32 tokens each (how many tokens agree before the first
 # difference; greedy decoding amplifies any change, since one flipped token changes all that follows),
 # and, on one passage of text, the logits themselves and the loss of predicting each next token:
@@ -840,7 +849,7 @@ else:
 if logits_err is not None:
     render(f"On this run int8 moved the loss on the passage by **{nll['int8'] - nll['fp32']:+.4f} nats/token** "
            f"and its largest logit error was {logits_err['rel']:.1%} of the largest logit; "
-           f"**{agree['identical']} of {agree['num_prompts']}** greedy continuations came out identical to fp32.")
+           f"**{agree['identical']} of {agree['num_prompts']}** greedy continuations came out identical to {BASE}.")
 check_claim("int8 changes some greedy tokens of this model", agree["position_agreement"] < 1.0,
             f"{agree['position_agreement']:.1%} of tokens equal position by position",
             why_it_may_not="A model whose top two candidates are never close keeps every token.");
@@ -854,7 +863,7 @@ check_claim("int8 changes some greedy tokens of this model", agree["position_agr
 # %% [markdown]
 # ## 6. Speculative decoding: several tokens per step
 #
-# Int8 makes each step cheaper. Speculative decoding makes each step produce more tokens. A decode
+# Int8 makes each step read fewer bytes. Speculative decoding makes each step produce more tokens. A decode
 # step that is bound by reading the weights (or by fixed per-step costs) costs far less than
 # five steps when it processes five tokens per sequence instead of one, so if something cheap can
 # **guess** the next few tokens, the model can check all the guesses in one step: it scores the last known token and the
@@ -1005,7 +1014,7 @@ render(f"Accounting from this table: {GREEDY.max_tokens - 1} plain decode steps 
 # prompts at batch 8, and the batch-1 prompt **sampled at temperature 0.6** (seeded; nano-vllm's
 # `bench.py` at commit 0e2a894 samples at 0.6; see chapter 12): sampled text repeats itself less, and a draft is only accepted with the
 # probability the model gives it. (A sampled request draws its random numbers differently with
-# speculation, so its tokens differ from the plain engine's even with the same seed; what rejection
+# speculation, so its tokens can differ from the plain engine's even with the same seed; what rejection
 # sampling keeps equal is the distribution they are drawn from. The `identical` column applies to
 # greedy requests only.)
 
@@ -1060,8 +1069,8 @@ check_claim("sampling at T = 0.6 leaves speculation fewer accepted drafts than t
 
 # %% tags=["playground"]
 # Playground. Knob: K, the number of draft tokens proposed per step (vLLM's num_speculative_tokens).
-# Try 1, 2, 8, 16. Look at the acceptance rate (it falls as K grows: the further ahead a guess, the
-# likelier it is wrong), the tokens emitted per verification step (it grows, then flattens) and the
+# Try 1, 2, 8, 16. Look at the acceptance rate (it tends to fall as K grows: the further ahead a guess,
+# the likelier it is wrong), the tokens emitted per verification step (it grows, then flattens) and the
 # TPOT (it stops improving once the rejected drafts cost more than the accepted ones save).
 K = 4
 pg = LLM(MODEL, device=DEVICE, speculative_config={**SPEC, "num_speculative_tokens": K},
@@ -1092,7 +1101,8 @@ Quiz([
          "decode cheaper per token.",
          "Each operation processes all sequences at once; the batch is a dimension of the tensors.",
          "The profiled steps ran eagerly, operation by operation (that engine has enforce_eager=True); a "
-         "graph would replay the recorded kernels or C calls without issuing them from Python (section 2)."],
+         "graph would replay the recorded kernels with one call (CUDA) or the recorded C calls in a bare loop "
+         "(CPU), without the Python around them (section 2)."],
     ),
     Question(
         "Why does the engine capture CUDA graphs for decode steps but not for prefill steps?",
