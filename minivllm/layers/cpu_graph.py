@@ -122,11 +122,30 @@ class GraphPool:
         self._chunk_bytes = chunk_bytes
         self._chunks: list[torch.Tensor] = []
         self._chunk, self._offset = 0, 0
+        self._scratch: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes held."""
         return sum(c.numel() for c in self._chunks)
+
+    def scratch(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A work buffer of at least ``numel`` elements shared by every call of every graph of this
+        pool that asks for one (a kernel's scores, written before they are read within the call):
+        the graphs replay one at a time, and a call's use of it ends when the call returns. Unlike
+        a pool allocation it is not one per call: a model's layers all get the same buffer. A larger
+        request gets a new buffer; graphs recorded with the old one keep it (``keep_alive``)."""
+        buf = self._scratch
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            graph = _current.get()
+            if graph is not None:
+                graph._outside_pool += 1  # an ordinary tensor, not a recording's intermediate
+            try:
+                buf = self._scratch = torch.empty(max(numel, 1), dtype=dtype, device="cpu")
+            finally:
+                if graph is not None:
+                    graph._outside_pool -= 1
+        return buf
 
     def rewind(self) -> None:
         self._chunk, self._offset = 0, 0

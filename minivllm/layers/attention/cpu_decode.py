@@ -201,11 +201,12 @@ class PagedDecodeKernel:
         if graph is None:
             scratch = self._scratch(chunks * per_chunk)
         else:
-            # from the graph's pool, like its other intermediates: the graphs of one engine replay one
-            # at a time and each writes the scores before reading them, so they can share the memory
-            # (a scratch per graph was up to 64 x heads x max_model_len floats: 168 MiB for Qwen3-0.6B at
-            # 40,960 tokens), and another engine's graphs, in another thread, have a pool of their own
-            scratch = torch.empty(chunks * per_chunk, dtype=torch.float32, device="cpu")
+            # the graph pool's shared scratch: the graphs of one engine replay one at a time and every
+            # call writes the scores before reading them, so all layers of all its graphs can use one
+            # buffer (one per graph was up to 64 x heads x max_model_len floats, 168 MiB for Qwen3-0.6B
+            # at 40,960 tokens); another engine's graphs, maybe in another thread, have a pool of their own
+            scratch = graph.pool.scratch(chunks * per_chunk)
+            graph.keep_alive(scratch)
         stride = block_tables.stride(0)
         qp, sq, lp, op, sp = (t.data_ptr() for t in (q, row_seq, row_lens, out, scratch))
         kp, vp, tp = k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr()
