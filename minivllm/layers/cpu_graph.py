@@ -137,14 +137,8 @@ class GraphPool:
         request gets a new buffer; graphs recorded with the old one keep it (``keep_alive``)."""
         buf = self._scratch
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            graph = _current.get()
-            if graph is not None:
-                graph._outside_pool += 1  # an ordinary tensor, not a recording's intermediate
-            try:
+            with persistent():  # an ordinary tensor, not a recording's intermediate
                 buf = self._scratch = torch.empty(max(numel, 1), dtype=dtype, device="cpu")
-            finally:
-                if graph is not None:
-                    graph._outside_pool -= 1
         return buf
 
     def rewind(self) -> None:
