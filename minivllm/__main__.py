@@ -113,9 +113,10 @@ def _generate(argv: list[str]) -> int:
         engine = llm.llm_engine
         print(f"# model={engine.source.name} device={engine.config.device} dtype={engine.config.dtype} "
               f"attention={engine.config.attention_backend} (loaded in {load_s:.2f} s)", file=sys.stderr)
-        sys.stdout.write(args.prompt)
         last = None
         for out in llm.stream(args.prompt, params):
+            if last is None:  # written once the request is in: a warning about it comes before, not mid-line
+                sys.stdout.write(args.prompt)
             sys.stdout.write(out.outputs[0].text)
             sys.stdout.flush()
             last = out

@@ -105,3 +105,22 @@ def test_console_script_is_named_as_started(monkeypatch):
     assert build_generate_parser().prog == "minivllm generate" and build_parser().prog == "minivllm bench"
     monkeypatch.setattr("sys.argv", ["/repo/minivllm/__main__.py", "generate"])
     assert build_generate_parser().prog == "python -m minivllm generate"
+
+
+def test_generate_writes_the_prompt_after_a_warning_about_the_request(monkeypatch):
+    """Regression: the prompt was written before the request was added, so the max_model_len warning
+    (stderr) landed in the middle of the prompt's line on a terminal ("The list typeWARNING ...")."""
+    import io
+
+    from minivllm.__main__ import main
+
+    import logging
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's own: minivllm's handler then stays quiet
+    both = io.StringIO()  # one stream for both, as a terminal shows them
+    monkeypatch.setattr("sys.stdout", both)
+    monkeypatch.setattr("sys.stderr", both)
+    assert main(["generate", "The list type", "--max-tokens", "5000", "--stop", "\\n"]) == 0
+    text = both.getvalue()
+    assert "exceeds max_model_len" in text and "The list type" in text
+    assert text.index("exceeds max_model_len") < text.index("The list type")
