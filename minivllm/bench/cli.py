@@ -66,7 +66,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="greedy decode TPOT with and without speculative decoding (ngram: prompt lookup; draft: "
                         "the draft model --draft-model) on prompts whose continuation repeats their context, at "
                         "--batch-sizes (default 1 4 16 64: where speculation stops paying); --decode-steps new "
-                        "tokens. Several methods are measured against the same unmodified engine")
+                        "tokens per request (default 96). Several methods are measured against the same unmodified engine")
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint for --speculative draft (default: the embedded minivllm-tiny-draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step for --speculative")

@@ -171,6 +171,8 @@ def print_speculative(result: SpeculativeResult, log=print) -> None:
         f"{configs[0]['num_speculative_tokens']}) on {result.model}, {result.device}, greedy, "
         f"{result.decode_tokens} new tokens, median of {result.rounds} alternating rounds; "
         f"load average (1 / 5 / 15 min) {format_load(result.loadavg_before)} -> {format_load(result.loadavg_after)}")
+    log("TPOT ms: the unmodified engine's; spec ms: with speculation; accept: drafts accepted / proposed; mean len: "
+        "tokens per verification step; agree: share of tokens equal to the unmodified engine's, position by position")
     log(f"{'method':>7} {'batch':>6} {'TPOT ms':>9} {'spec ms':>9} {'speedup':>8} {'accept':>7} {'mean len':>9} "
         f"{'agree':>6} identical")
     for r in result.rows:
