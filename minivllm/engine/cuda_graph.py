@@ -80,11 +80,7 @@ def capture_batch_sizes(max_num_seqs: int, max_capture_size: int = DEFAULT_MAX_C
         Sorted, distinct sizes, e.g. ``[1, 2, 4, 8, 16, 24, 32]`` for 32 and
         ``[1, 2, 4, 8, 16, 20]`` for 20.
     """
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    if max_capture_size < 1:
-        raise ValueError(f"max_capture_size must be >= 1, got {max_capture_size}")
-    top = min(max_num_seqs, max_capture_size)
+    top = _largest_bucket(max_num_seqs, max_capture_size)
     sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 8))
     if sizes[-1] != top:
         sizes.append(top)
@@ -104,11 +100,16 @@ def cpu_capture_batch_sizes(max_num_seqs: int, max_capture_size: int = CPU_MAX_C
     Raises:
         ValueError: ``max_num_seqs`` or ``max_capture_size`` below 1.
     """
+    return list(range(1, _largest_bucket(max_num_seqs, max_capture_size) + 1))
+
+
+def _largest_bucket(max_num_seqs: int, max_capture_size: int) -> int:
+    """``min(max_num_seqs, max_capture_size)``, both checked to be >= 1 (ValueError naming the bad one)."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if max_capture_size < 1:
         raise ValueError(f"max_capture_size must be >= 1, got {max_capture_size}")
-    return list(range(1, min(max_num_seqs, max_capture_size) + 1))
+    return min(max_num_seqs, max_capture_size)
 
 
 def select_bucket(batch_size: int, buckets: list[int]) -> int | None:
@@ -361,12 +362,10 @@ class CudaGraphDecodeRunner:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.emulate = emulate
-        if self.kind == "cpu":  # padding costs a CPU real arithmetic: a graph per batch size
-            self.buckets = cpu_capture_batch_sizes(
-                max_num_seqs, CPU_MAX_CAPTURE_SIZE if max_capture_size is None else max_capture_size)
-        else:
-            self.buckets = capture_batch_sizes(
-                max_num_seqs, DEFAULT_MAX_CAPTURE_SIZE if max_capture_size is None else max_capture_size)
+        # padding costs a CPU real arithmetic: there a graph per batch size
+        sizes, cap = ((cpu_capture_batch_sizes, CPU_MAX_CAPTURE_SIZE) if self.kind == "cpu"
+                      else (capture_batch_sizes, DEFAULT_MAX_CAPTURE_SIZE))
+        self.buckets = sizes(max_num_seqs, cap if max_capture_size is None else max_capture_size)
         self.max_seqlen_k = max_blocks_per_seq * self.block_size
         plan = getattr(backend, "decode_context_buckets", None)
         #: per batch bucket: sorted context bounds, one graph each (the last is max_seqlen_k)
