@@ -151,11 +151,13 @@ def test_sweep_smoke(tiny_ckpt, tmp_path, monkeypatch):
 
     pytest.importorskip("plotly")
     html = tmp_path / "roof.html"
-    real_step, frozen = LLMEngine.step_with_record, []
+    real_step, frozen, running_outputs = LLMEngine.step_with_record, [], []
 
     def step_with_record(self):
         frozen.append(gc.get_freeze_count() > 0)
-        return real_step(self)
+        res = real_step(self)
+        running_outputs.extend(o for o in res.outputs if not o.finished)
+        return res
 
     monkeypatch.setattr(LLMEngine, "step_with_record", step_with_record)
     r = run_sweep(str(tiny_ckpt), batch_sizes=[1, 4], prompt_lens=[8, 32], context_len=8, decode_steps=2,
@@ -173,6 +175,33 @@ def test_sweep_smoke(tiny_ckpt, tmp_path, monkeypatch):
     assert html.exists() and "plotly" in html.read_text()[:5000].lower()
     # the timed steps ran with the older objects frozen (a full collection is not the step), undone after
     assert sum(frozen) >= 2 * (1 + 2) + 2 and gc.get_freeze_count() == 0
+    # its requests ask for final-only outputs, as LLM.generate and the throughput mode do: no step
+    # builds an output for a request still running
+    assert running_outputs == []
+
+
+def test_sweep_rejects_an_unknown_output_kind_before_building_an_engine(monkeypatch):
+    import minivllm.bench.sweep as sweep
+
+    monkeypatch.setattr(sweep, "build_llm", lambda *a, **k: pytest.fail("built an engine"))
+    with pytest.raises(ValueError, match="output_kind='streaming'"):
+        run_sweep("minivllm-tiny", output_kind="streaming")
+
+
+def test_sweep_with_cumulative_outputs_returns_them_every_step(tiny_ckpt, monkeypatch):
+    from minivllm.engine.llm_engine import LLMEngine
+
+    real_step, running_outputs = LLMEngine.step_with_record, []
+
+    def step_with_record(self):
+        res = real_step(self)
+        running_outputs.extend(o for o in res.outputs if not o.finished)
+        return res
+
+    monkeypatch.setattr(LLMEngine, "step_with_record", step_with_record)
+    run_sweep(str(tiny_ckpt), batch_sizes=[2], prompt_lens=[8], context_len=8, decode_steps=2, warmup_steps=1,
+              repeats=1, log=_quiet, peak_kwargs=PEAKS, output_kind="cumulative")
+    assert len(running_outputs) >= 2 * 3  # two requests, each running for at least its warm-up and timed steps
 
 
 def test_overhead_smoke_without_peer(tiny_ckpt, tmp_path):

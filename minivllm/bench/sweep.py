@@ -50,20 +50,28 @@ class SweepResult(ResultMixin):
 
 def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, context_len: int = 128,
               decode_steps: int = 12, warmup_steps: int = 3, repeats: int = 3, html: str | Path | None = None,
-              seed: int = 0, log=print, peak_kwargs: dict | None = None, **engine_args) -> SweepResult:
+              seed: int = 0, log=print, peak_kwargs: dict | None = None, output_kind: str = "final_only",
+              **engine_args) -> SweepResult:
     """Decode step time vs batch size (prompts of ``context_len`` tokens, ``decode_steps``
     timed steps after ``warmup_steps``) and prefill step time vs prompt length (median of
     ``repeats`` single-prompt steps); each point with its FLOPs, bytes, FLOP/s, bytes/s,
     arithmetic intensity, MFU and MBU (against the read bandwidth measured in this run).
     Writes a plotly roofline to ``html`` if given. ``peak_kwargs`` go to ``measure_peaks``.
+    ``output_kind``: what the sweep's requests ask for, as ``LLMEngine.add_request``'s argument.
+    By default "final_only", as ``LLM.generate`` asks and as the throughput and overhead modes
+    drive the engine; "cumulative" adds each step's per-request outputs (text and a
+    ``RequestOutput`` per running request, what a streaming client pays for) to every step.
 
     Raises:
         ValueError: ``context_len``, a batch size or a prompt length below 1, or ``context_len`` with
-            the steps not fitting the model's length.
+            the steps not fitting the model's length; ``output_kind`` not one of "cumulative",
+            "delta", "final_only".
     """
-    from minivllm.sampling_params import SamplingParams
+    from minivllm.sampling_params import OutputKind, SamplingParams
     from minivllm.telemetry.roofline import arithmetic_intensity, fill_step_record
 
+    if output_kind not in {k.value for k in OutputKind}:
+        raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}")
     if context_len < 1:
         raise ValueError(f"context_len={context_len}: a decode row needs a prompt of at least one token")
     if batch_sizes is not None and any(b < 1 for b in batch_sizes):
@@ -104,7 +112,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
 
         max_len = engine.config.max_model_len
         # warm-up
-        engine.add_request("sweep-warm", prompt(16), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        engine.add_request("sweep-warm", prompt(16), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           output_kind=output_kind)
         while engine.has_unfinished_requests():
             engine.step()
 
@@ -119,7 +128,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             for i in range(b):
                 engine.add_request(f"sweep{tag}-{i}", prompt(context_len),
                                    SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 1,
-                                                  ignore_eos=True))
+                                                  ignore_eos=True), output_kind=output_kind)
             recs, replay, matmul_s = [], None, []
             with heap_frozen():  # a full collection of the whole process is not the engine's step
                 while engine.has_unfinished_requests():
@@ -159,7 +168,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             with heap_frozen():
                 for _ in range(repeats):
                     engine.add_request(f"sweep{next_tag()}", prompt(n),
-                                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                       output_kind=output_kind)
                     while engine.has_unfinished_requests():
                         rec = engine.step_with_record().record
                         if rec.phase == "prefill":
