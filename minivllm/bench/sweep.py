@@ -119,8 +119,9 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
 
         decode = []
         log(describe_peaks(peaks))
-        log(f"decode sweep (context {context_len} tokens): batch, step ms, ms/seq, GFLOP/s, GB/s, MFU, MBU, "
-            f"step / its matmuls alone")
+        log(f"decode sweep (context {context_len} tokens; the last column: the step over its matmuls alone)")
+        log(f"  {'batch':>5} {'step ms':>9} {'ms/seq':>8} {'GFLOP/s':>9} {'GB/s':>8} {'MFU':>6} {'MBU':>6} "
+            f"{'/matmuls':>10}")
         for b in batch_sizes:
             if context_len + warmup_steps + decode_steps + 2 > max_len:
                 raise ValueError(f"context_len={context_len} + steps does not fit max_model_len={max_len}")
@@ -158,7 +159,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             engine.reset_prefix_cache()
 
         prefill = []
-        log("prefill sweep (one prompt per step): length, step ms, tok/s, GFLOP/s, GB/s, MFU, MBU")
+        log("prefill sweep (one prompt per step)")
+        log(f"  {'length':>6} {'step ms':>9} {'tok/s':>9} {'GFLOP/s':>9} {'GB/s':>8} {'MFU':>6} {'MBU':>6}")
         budget = engine.config.max_num_batched_tokens
         for n in prompt_lens:
             if n >= max_len or n > budget:
@@ -177,7 +179,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                     engine.reset_prefix_cache()
             p = point(recs, f"prefill L={n}", prompt_len=n)
             prefill.append(p)
-            log(f"  {n:5d} {p['step_ms']:9.2f} {n / p['step_ms'] * 1e3:9.0f} {p['flops_per_s'] / 1e9:9.2f} "
+            log(f"  {n:6d} {p['step_ms']:9.2f} {n / p['step_ms'] * 1e3:9.0f} {p['flops_per_s'] / 1e9:9.2f} "
                 f"{p['bytes_per_s'] / 1e9:8.2f} {p['mfu']:6.1%} {p['mbu']:6.1%}")
 
         result = SweepResult("sweep", engine.source.name, device_label(engine.config.device),
