@@ -98,8 +98,8 @@ print(model.model.layers[0])
 #
 # minivllm packs q/k/v into one matrix and gate/up into another (one big matmul usually runs
 # faster than three small ones: fewer launches, better use of the hardware; this chapter does not
-# measure it); the loader splits Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
-# into them. Grouped-query attention (GQA): there are fewer key/value heads than query heads, and
+# measure it); the loader copies Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
+# into slices of them. Grouped-query attention (GQA): there are fewer key/value heads than query heads, and
 # each key/value head serves a group of query heads, which shrinks the KV cache (chapter 03).
 #
 # ### Exercise 1 · One decoder layer's parameters
@@ -378,7 +378,9 @@ for name in order:
 # * The decoder layer returns two tensors: minivllm fuses the residual add into the next norm, so a
 #   layer hands on `(output, residual)`. A norm that is given the residual (`post_attention_layernorm`,
 #   `model.norm`) adds it and returns two tensors as well: `(normalised sum, sum)`, the sum being the
-#   residual stream that goes on (`model.norm` is the last, so the model drops it).
+#   residual stream that goes on (`model.norm` is the last, so the model drops it). Layer 0's
+#   `input_layernorm` returns one tensor because no residual exists yet (its input is the
+#   embedding itself); from layer 1 on, `input_layernorm` is given the previous layer's residual too.
 # * Only the **last** position of the prompt goes through the LM head in prefill, because only it
 #   predicts a token we need: `compute_logits` gets `[1, hidden]`, not `[T, hidden]`.
 # * The decode pass is the same network with `T = 1`.

@@ -585,13 +585,16 @@ Quiz([
     ),
     Question(
         "Without a KV cache, generating n tokens costs about how much work compared to with one?",
-        ["The same", "About twice as much", "About n/2 times as much for long outputs: each step redoes the "
-         "whole sequence", "Less, because there is no cache to manage"],
+        ["The same", "About twice as much", "Roughly n/2 times as much for long outputs (somewhat less while "
+         "the LM head, run once per step either way, is a large share): each step redoes the whole sequence",
+         "Less, because there is no cache to manage"],
         2,
         [f"The FLOPs per token without a cache grow with L ({df.no_cache_mflop.iloc[0]:.0f} to "
          f"{df.no_cache_mflop[longest]:.0f} MFLOP from L={LENGTHS[0]} to {longest} above); with one only from "
          f"{df.cache_mflop.iloc[0]:.1f} to {df.cache_mflop[longest]:.1f}.",
-         f"The ratio grows with the length: at L={longest} the FLOP ratio above is {df['FLOP ratio'][longest]:.0f}x.",
+         f"The ratio grows with the length: one token at L={longest} costs {df['FLOP ratio'][longest]:.0f}x the FLOPs "
+         f"without a cache (the table above), and a whole generation's ratio is about the average of that over "
+         f"its steps.",
          "Right: step i processes about p + i tokens instead of 1, so the total grows with the square of the "
          "length; with a cache it grows mostly linearly (only the attention over the cached entries grows).",
          "Managing the cache costs bookkeeping, but recomputation costs far more FLOPs (table above)."],

@@ -49,8 +49,9 @@
 # here has at most `SEATS = 4` sequences running at once (`max_num_seqs`), so the two batching
 # policies compete with the same number of seats. A second limit is the step's token budget,
 # `max_num_batched_tokens` (512 here): the tokens of all the sequences in one step together. Each step
-# the scheduler first gives every running sequence its one decode token, then admits waiting prompts
-# into the same step while the budget, the seats and the free KV blocks allow; a prompt longer than
+# the scheduler first serves the running sequences (one decode token each, or the next chunk of a prompt
+# already part-way through its prefill), then admits waiting prompts into the same step while the
+# budget, the seats and the free KV blocks allow (a step that had to preempt admits none); a prompt longer than
 # what is left of the budget is split into chunks over several steps (**chunked prefill**, on by
 # default, as in vLLM's V1 engine). So a step can mix decodes with a prompt's prefill. nano-vllm's
 # scheduler does not mix: its steps are prefill-only or decode-only. With this chapter's short prompts
@@ -198,7 +199,7 @@ check_claim("no prompt was split into chunks: every prefill of both runs reached
 # </details>
 
 # %% [markdown]
-# ### Exercise 2 · Fewer steps: how much more throughput?
+# ### Exercise 2 · Fewer steps: how does throughput compare?
 #
 # You now know both step counts (printed above). Both runs produce the same output tokens. Predict
 # continuous batching's throughput (output tokens per second) divided by static batching's.
@@ -530,8 +531,10 @@ Quiz([
         1,
         ["Every decode step still gives each sequence one token; the gain is in how many sequences are in it.",
          "Right: same tokens, same seats, but fewer steps with empty seats; measured occupancy shows it. (And "
-         f"a fuller step costs little more: a {SEATS}-sequence decode step cost {d4 / d1:.2f}x a 1-sequence step "
-         "here.)",
+         + (f"a fuller step costs less than its seats' worth of small steps: a {SEATS}-sequence decode step cost "
+            f"{d4 / d1:.2f}x a 1-sequence step here, not {SEATS}x.)" if d4 / d1 < SEATS else
+            f"on this run a {SEATS}-sequence decode step cost {d4 / d1:.2f}x a 1-sequence step, no less than its "
+            f"seats' worth: the check above says so.)"),
          "Every prompt was prefilled in both runs (the tokens are identical, so the KV must have been computed).",
          "Same engine, same weights; only the driving policy changed."],
     ),

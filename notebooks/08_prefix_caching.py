@@ -83,7 +83,8 @@ def setting(llm):
 # How is a hit found? After a step computes a **full** block of a sequence, the block manager hashes
 # it: the hash covers the block's 16 token ids *and* the hash of the block before it, so equal hashes
 # mean equal token prefixes from position 0, not just equal 16-token windows. (Two different prefixes
-# can share a 64-bit hash, rarely; so a hit is also checked against the block's own token ids, and
+# can share a 64-bit hash, rarely; so a hit is also checked against the block's own token ids and its
+# link to the block before it, and
 # `prefix_caching_hash_algo="sha256"` makes such a collision practically impossible.) A new request walks its
 # prompt block by block, looks each hash up, and stops at the first miss. Matching blocks are added to
 # its block table (their reference count goes up); prefill starts after them. A block only becomes
@@ -286,8 +287,8 @@ render(f"The cached engine computed the same **{n_new}** tokens for request 1, b
 #
 # Cached blocks cost nothing while the pool has room: a finished request's blocks go back to the
 # free list *with their hashes*, still hittable. When a request needs a block, the allocator first
-# takes a *plain* free block, one holding nothing reusable (a partly filled tail block, or one never
-# used). Only when none is left does it take a cached block: the one freed longest ago, whose hash is
+# takes a *plain* free block, one holding nothing reusable (a partly filled tail block, one never
+# used, or a full block whose content another block already holds in the cache). Only when none is left does it take a cached block: the one freed longest ago, whose hash is
 # then forgotten. That is an **LRU eviction** (least recently used, since a hit takes a block off the
 # free list and its release puts it back at the end). (Within one request, blocks are released tail
 # first, so a prompt's tail is evicted before its head; heads are what other requests are most likely
@@ -298,7 +299,9 @@ render(f"The cached engine computed the same **{n_new}** tokens for request 1, b
 #
 # A small pool of 16 blocks makes it visible. Four different "system prompts" (random token ids),
 # each 4 full blocks plus 8 tokens, so a request uses 5 blocks while it runs and leaves 4 cached
-# blocks behind. After each request the cell prints how many blocks of each prefix are still cached.
+# blocks behind. The engine runs one request at a time (`max_num_seqs=1`), so the pool holds only the
+# running request's blocks and what earlier ones left. After each request the cell prints how many
+# blocks of each prefix are still cached.
 
 # %%
 import random

@@ -437,7 +437,8 @@ show_figure(fig)
 # section 5); without a per-request seed the three runs would still differ from each other, and
 # their tokens would depend on what else shares their steps. Each request also asks for
 # `logprobs=0`: the log-probability, under the model's raw distribution (before temperature or any
-# filter), of every token it generated, so we can measure how likely the chosen tokens were.
+# filter), of every token it generated, so we can measure how likely the chosen tokens were. A
+# log-probability is a natural logarithm, so its unit is the *nat* (1 nat = 1/ln 2, about 1.44 bits).
 
 # %%
 # NBVAL_CHECK_OUTPUT
