@@ -222,12 +222,14 @@ def test_engine_uses_them_for_a_float32_cpu_model_and_hooks_still_fire(tiny_ckpt
     assert len(owners) == 5 * len(model.model.layers) + 2 and all(m.fused is ops for m in owners)
     owners.append(model.model.embed_tokens)  # and the token embedding (not the LM head that may share its table)
     assert model.model.embed_tokens.fused is ops and model.lm_head.fused is None
+    sampler = llm.llm_engine.runner.sampler
+    assert sampler.fused is ops  # greedy rows' argmax
     seen = []
     model.model.layers[0].self_attn.q_norm.register_forward_hook(lambda m, a, out: seen.append(tuple(out.shape)))
     prompt = prompts_of([13], seed=7)[0]
     fused_out, fused_rows = generate_spying_logits(llm, prompt, greedy(6))
     assert seen and seen[0][0] == 13  # the prefill's 13 tokens went through the hooked module
-    for m in owners:
+    for m in owners + [sampler]:
         m.fused = None
     torch_out, torch_rows = generate_spying_logits(llm, prompt, greedy(6))
     torch.testing.assert_close(torch.stack(fused_rows), torch.stack(torch_rows), atol=1e-5, rtol=1e-5)
@@ -236,6 +238,7 @@ def test_engine_uses_them_for_a_float32_cpu_model_and_hooks_still_fire(tiny_ckpt
     bf16 = make_llm(tiny_ckpt, dtype="bfloat16")
     assert all(m.fused is None for m in bf16.llm_engine.runner.model.modules()
                if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)))
+    assert bf16.llm_engine.runner.sampler.fused is None
     bf16.shutdown()
 
 
@@ -246,7 +249,7 @@ def test_the_switch_turns_them_off_and_the_log_says_so(tiny_ckpt, monkeypatch, c
     with caplog.at_level("INFO", logger="minivllm"):
         llm = make_llm(tiny_ckpt)
     assert all(m.fused is None for m in llm.llm_engine.runner.model.modules() if isinstance(m, RMSNorm))
-    assert f"CPU norms, rotary, SiLU and embedding lookup: torch ops (switched off: {cpu_fused.ENV_SWITCH}=0)" in caplog.text
+    assert f"CPU norms, rotary, SiLU, embedding lookup and greedy argmax: torch ops (switched off: {cpu_fused.ENV_SWITCH}=0)" in caplog.text
     llm.shutdown()
 
 
@@ -254,5 +257,38 @@ def test_a_bfloat16_model_logs_its_path_too(tiny_ckpt, caplog):
     """Every CPU engine logs the line (a bf16 model logged none, found in a user trial)."""
     with caplog.at_level("INFO", logger="minivllm"):
         make_llm(tiny_ckpt, dtype="bfloat16").shutdown()
-    assert ("CPU norms, rotary, SiLU and embedding lookup: torch ops (the C ops compute float32; this model runs in torch.bfloat16)"
+    assert ("CPU norms, rotary, SiLU, embedding lookup and greedy argmax: torch ops (the C ops compute float32; this model runs in torch.bfloat16)"
             in caplog.text)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (3, 17), (32, 4096), (5, 151936)])
+def test_greedy_argmax_matches_numpy_first_maximum(ops, rows, cols):
+    """Each row's first maximum, as ``np.argmax``, including ties (a max repeated later in the row)
+    and a row whose only maximum is its last entry."""
+    import numpy as np
+
+    rng = np.random.default_rng(rows * cols)
+    x = rng.standard_normal((rows, cols)).astype(np.float32)
+    x[0, -1] = x[0].max() + 1.0  # the maximum at the very end
+    if rows > 1 and cols > 2:
+        x[1, 1] = x[1, -1] = x[1].max() + 0.5  # a tie: the first one wins
+    ids = ops.greedy_ids(torch.from_numpy(x))
+    assert ids.dtype == np.int64 and ids.tolist() == np.argmax(x, axis=-1).tolist()
+    r = np.round(x)  # many ties within a row: still the first
+    assert ops.greedy_ids(torch.from_numpy(r)).tolist() == np.argmax(r, axis=-1).tolist()
+
+
+def test_greedy_argmax_marks_non_finite_rows_and_reads_strided_rows(ops):
+    import numpy as np
+
+    base = np.random.default_rng(0).standard_normal((6, 40)).astype(np.float32)
+    base[1, 7], base[2, 3], base[3, 39], base[4, 0] = np.nan, np.inf, -np.inf, np.finfo(np.float32).max
+    x = torch.from_numpy(base)[:, :33]  # rows 40 floats apart, 33 read: row 3's -inf is cut off
+    assert ops.greedy_ids(x).tolist() == [int(np.argmax(x[0])), -1, -1, int(np.argmax(x[3])), 0,
+                                         int(np.argmax(x[5]))]
+    assert ops.greedy_ids(torch.zeros(0, 8)).tolist() == []
+    # what it does not take: another dtype, a column stride, a tensor needing gradients, a 1-D one,
+    # rows without logits
+    for t in (torch.from_numpy(base).double(), torch.from_numpy(base)[:, ::2], torch.zeros(2, 3, requires_grad=True),
+              torch.zeros(8), torch.zeros(2, 0)):
+        assert ops.greedy_ids(t) is None

@@ -476,6 +476,8 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)) or type(module) is VocabParallelEmbedding:
                 module.fused = ops
+        if isinstance(self.sampler, Sampler):
+            self.sampler.fused = ops  # greedy rows' argmax
         return True
 
     # -- one step ---------------------------------------------------------------------------

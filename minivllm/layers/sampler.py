@@ -241,6 +241,9 @@ class Sampler:
     def __init__(self, seed: int | None, device: torch.device):
         self.generator = torch.Generator(device=device)
         self.processed_logits: torch.Tensor | None = None
+        #: ``minivllm.layers.cpu_fused.CpuFusedOps`` when the runner turned the C ops on: a plain
+        #: greedy CPU batch's argmax is then one C pass (:meth:`greedy_token_ids`)
+        self.fused = None
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
@@ -252,16 +255,24 @@ class Sampler:
         value (as ``__call__`` followed by the runner's check). ``None`` for any other batch or
         tensor: the caller then takes the general path.
 
-        In numpy, not torch: it runs right after a decode step has streamed the weights and the
+        In one C pass when the runner set :attr:`fused` (``CpuFusedOps.greedy_ids``), else in
+        numpy, not torch: it runs right after a decode step has streamed the weights and the
         KV cache through the CPU's caches, and there each torch call dispatches from cold
         caches. For 32 x 4096 logits after reading 64 MiB elsewhere (dev EPYC, one thread,
-        2026-12-03): 122 us, against 269 us for the argmax, row sums, ``isfinite`` and
-        ``masked_fill`` in torch; with warm caches 33 against 55 us."""
+        2026-12-03): numpy 122 us, against 269 us for the argmax, row sums, ``isfinite`` and
+        ``masked_fill`` in torch; with warm caches 33 against 55 us. In the embedded model's
+        batch-32 decode step numpy took ~95 us (2026-12-04). A row of finite logits so large that
+        their fp32 sum overflows counts as non-finite in numpy (and in ``__call__``'s check), not
+        in the C pass."""
         if (not batch.raw_argmax or batch.keep_processed or batch.num_logprobs is not None
                 or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
                 or logits.requires_grad):
             return None
         self.processed_logits = None
+        if self.fused is not None:
+            ids = self.fused.greedy_ids(logits)
+            if ids is not None:
+                return ids.tolist()
         values = logits.numpy()
         ids = values.argmax(axis=-1)
         with np.errstate(over="ignore", invalid="ignore"):  # inf + -inf: NaN, as torch, without a warning

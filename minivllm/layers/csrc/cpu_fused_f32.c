@@ -101,3 +101,62 @@ int64_t embedding_f32(const float *table, int64_t vocab, int64_t dim, const int6
     }
     return -1;
 }
+
+/* Greedy sampling's argmax over rows of logits x [rows, cols] (row stride s_row): out[r] is the
+   index of row r's first maximum, or -1 when the row holds a NaN or an infinity (the sampler then
+   ends that request with an error). One pass: ACCS vectors of running maxima, each lane keeping the
+   index of its first maximum (a strict >), combined at the end by value then lowest index; beside
+   them the sum of x * 0, which is NaN exactly when some x is NaN or +-inf. (numpy's argmax and its
+   non-finite check took ~95 us for 32 rows of 4,096 logits in the embedded model's batch-32 step;
+   warm, 31 us against 16 us for this pass, dev EPYC, 2026-12-04.) */
+#if defined(__AVX512F__)
+#define AW 16  /* lanes */
+#else
+#define AW 8
+#endif
+typedef float argf __attribute__((vector_size(AW * 4)));
+typedef int32_t argi __attribute__((vector_size(AW * 4)));
+#define ACCS 4
+
+void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t s_row, int64_t *out) {
+    argi lane;
+    for (int i = 0; i < AW; i++) lane[i] = i;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * s_row;
+        float m = xr[0], nonfinite = 0.f;
+        int64_t best = 0, j = 0;
+        if (cols >= ACCS * AW && cols <= INT32_MAX) {
+            argf mv[ACCS], nf[ACCS];
+            argi iv[ACCS];
+            for (int a = 0; a < ACCS; a++) {
+                memcpy(&mv[a], xr + a * AW, sizeof(argf));
+                iv[a] = lane + a * AW;
+                nf[a] = mv[a] * 0.f;
+            }
+            for (j = ACCS * AW; j + ACCS * AW <= cols; j += ACCS * AW) {
+                for (int a = 0; a < ACCS; a++) {
+                    argf v;
+                    memcpy(&v, xr + j + a * AW, sizeof(argf));
+                    const argi gt = v > mv[a];  /* strict: a lane keeps its first maximum */
+                    mv[a] = (argf)(((argi)v & gt) | ((argi)mv[a] & ~gt));
+                    iv[a] = ((lane + (int32_t)(j + a * AW)) & gt) | (iv[a] & ~gt);
+                    nf[a] += v * 0.f;
+                }
+            }
+            m = mv[0][0];
+            best = iv[0][0];
+            for (int a = 0; a < ACCS; a++) {
+                for (int i = 0; i < AW; i++) {
+                    const float v = mv[a][i];
+                    if (v > m || (v == m && iv[a][i] < best)) { m = v; best = iv[a][i]; }
+                    nonfinite += nf[a][i];
+                }
+            }
+        }
+        for (; j < cols; j++) {  /* the tail (or a short row) */
+            nonfinite += xr[j] * 0.f;
+            if (xr[j] > m) { m = xr[j]; best = j; }
+        }
+        out[r] = nonfinite == 0.f ? best : -1;
+    }
+}
