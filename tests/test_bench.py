@@ -177,7 +177,7 @@ def test_sweep_smoke(tiny_ckpt, tmp_path, monkeypatch):
     assert sum(frozen) >= 2 * (1 + 2) + 2 and gc.get_freeze_count() == 0
     # its requests ask for final-only outputs, as LLM.generate and the throughput mode do: no step
     # builds an output for a request still running
-    assert running_outputs == []
+    assert running_outputs == [] and r.output_kind == "final_only"
 
 
 def test_sweep_rejects_an_unknown_output_kind_before_building_an_engine(monkeypatch):
@@ -190,6 +190,7 @@ def test_sweep_rejects_an_unknown_output_kind_before_building_an_engine(monkeypa
 
 def test_sweep_with_cumulative_outputs_returns_them_every_step(tiny_ckpt, monkeypatch):
     from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import OutputKind
 
     real_step, running_outputs = LLMEngine.step_with_record, []
 
@@ -199,9 +200,10 @@ def test_sweep_with_cumulative_outputs_returns_them_every_step(tiny_ckpt, monkey
         return res
 
     monkeypatch.setattr(LLMEngine, "step_with_record", step_with_record)
-    run_sweep(str(tiny_ckpt), batch_sizes=[2], prompt_lens=[8], context_len=8, decode_steps=2, warmup_steps=1,
-              repeats=1, log=_quiet, peak_kwargs=PEAKS, output_kind="cumulative")
+    r = run_sweep(str(tiny_ckpt), batch_sizes=[2], prompt_lens=[8], context_len=8, decode_steps=2, warmup_steps=1,
+                  repeats=1, log=_quiet, peak_kwargs=PEAKS, output_kind=OutputKind.CUMULATIVE)  # the enum too
     assert len(running_outputs) >= 2 * 3  # two requests, each running for at least its warm-up and timed steps
+    assert r.output_kind == "cumulative" and r.to_dict()["output_kind"] == "cumulative"
 
 
 def test_overhead_smoke_without_peer(tiny_ckpt, tmp_path):

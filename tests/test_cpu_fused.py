@@ -292,3 +292,23 @@ def test_greedy_argmax_marks_non_finite_rows_and_reads_strided_rows(ops):
     for t in (torch.from_numpy(base).double(), torch.from_numpy(base)[:, ::2], torch.zeros(2, 3, requires_grad=True),
               torch.zeros(8), torch.zeros(2, 0)):
         assert ops.greedy_ids(t) is None
+
+
+@pytest.mark.parametrize("cols", [63, 64, 65, 97, 130, 4096 + 33])
+def test_greedy_argmax_past_the_first_vector_block_and_in_the_tail(ops, cols):
+    """Widths around and past the C code's vector block (up to 64 columns at a time) with a tail:
+    the maximum in the tail, a tie split between the block and the tail, and a NaN / an infinity
+    past the first block or in the last column each give what numpy does."""
+    import numpy as np
+
+    rng = np.random.default_rng(cols)
+    x = rng.standard_normal((7, cols)).astype(np.float32)
+    x[0, -1] = 10.0                              # the maximum in the tail
+    x[1, cols // 2] = x[1, -1] = 10.0             # a tie: the earlier one
+    x[2, min(cols - 1, 64 + 3)] = np.nan          # past the first block (or the tail of a short row)
+    x[3, -1] = np.inf                             # the last column
+    x[4, cols - 2] = -np.inf
+    x[5] = np.round(x[5])                         # many ties everywhere
+    want = np.argmax(x, axis=-1)
+    want[2:5] = -1
+    assert ops.greedy_ids(torch.from_numpy(x)).tolist() == want.tolist()

@@ -33,6 +33,8 @@ class SweepResult(ResultMixin):
         prefill: the same per prompt length (``prompt_len``).
         loadavg: 1/5/15-minute load averages at the end.
         html: where the roofline HTML was written, if anywhere.
+        output_kind: what the requests asked for ("final_only" unless ``run_sweep`` was told
+            otherwise; sweeps before 2026-12-04 22:30 UTC asked for "cumulative").
     """
 
     mode: str
@@ -46,6 +48,7 @@ class SweepResult(ResultMixin):
     prefill: list = field(default_factory=list)
     loadavg: list | None = None
     html: str | None = None
+    output_kind: str = "final_only"
 
 
 def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, context_len: int = 128,
@@ -57,10 +60,11 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
     ``repeats`` single-prompt steps); each point with its FLOPs, bytes, FLOP/s, bytes/s,
     arithmetic intensity, MFU and MBU (against the read bandwidth measured in this run).
     Writes a plotly roofline to ``html`` if given. ``peak_kwargs`` go to ``measure_peaks``.
-    ``output_kind``: what the sweep's requests ask for, as ``LLMEngine.add_request``'s argument.
-    By default "final_only", as ``LLM.generate`` asks and as the throughput and overhead modes
-    drive the engine; "cumulative" adds each step's per-request outputs (text and a
-    ``RequestOutput`` per running request, what a streaming client pays for) to every step.
+    ``output_kind``: what the sweep's requests ask for, as ``LLMEngine.add_request``'s argument
+    (an ``OutputKind`` or its value). By default "final_only", as ``LLM.generate`` asks and as the
+    throughput and overhead modes drive the engine; "cumulative" (``SamplingParams``' default, what
+    a plain loop over ``LLMEngine.step()`` gets) adds a text and a ``RequestOutput`` per running
+    request to every step, "delta" (``LLM.stream``'s) the new part of each.
 
     Raises:
         ValueError: ``context_len``, a batch size or a prompt length below 1, or ``context_len`` with
@@ -70,8 +74,10 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
     from minivllm.sampling_params import OutputKind, SamplingParams
     from minivllm.telemetry.roofline import arithmetic_intensity, fill_step_record
 
-    if output_kind not in {k.value for k in OutputKind}:
-        raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}")
+    try:
+        output_kind = OutputKind(output_kind).value
+    except ValueError:
+        raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
     if context_len < 1:
         raise ValueError(f"context_len={context_len}: a decode row needs a prompt of at least one token")
     if batch_sizes is not None and any(b < 1 for b in batch_sizes):
@@ -184,7 +190,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
 
         result = SweepResult("sweep", engine.source.name, device_label(engine.config.device),
                              str(engine.config.dtype).removeprefix("torch."), engine.config.attention_backend,
-                             peaks_summary(peaks), cost.to_dict(), decode, prefill, loadavg())
+                             peaks_summary(peaks), cost.to_dict(), decode, prefill, loadavg(),
+                             output_kind=output_kind)
         print_sweep_summary(result, log)
         if html:
             result.html = str(write_roofline_html(result, html))

@@ -262,8 +262,8 @@ class Sampler:
         2026-12-03): numpy 122 us, against 269 us for the argmax, row sums, ``isfinite`` and
         ``masked_fill`` in torch; with warm caches 33 against 55 us. In the embedded model's
         batch-32 decode step numpy took ~95 us (2026-12-04). A row of finite logits so large that
-        their fp32 sum overflows counts as non-finite in numpy (and in ``__call__``'s check), not
-        in the C pass."""
+        their fp32 sum overflows counts as non-finite in numpy (and in ``ModelRunner.run``'s check
+        after ``__call__``), not in the C pass."""
         if (not batch.raw_argmax or batch.keep_processed or batch.num_logprobs is not None
                 or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
                 or logits.requires_grad):

@@ -102,7 +102,7 @@ int64_t embedding_f32(const float *table, int64_t vocab, int64_t dim, const int6
     return -1;
 }
 
-/* Greedy sampling's argmax over rows of logits x [rows, cols] (row stride s_row): out[r] is the
+/* Greedy sampling's argmax over rows of logits x [rows, cols >= 1] (row stride s_row): out[r] is the
    index of row r's first maximum, or -1 when the row holds a NaN or an infinity (the sampler then
    ends that request with an error). One pass: ACCS vectors of running maxima, each lane keeping the
    index of its first maximum (a strict >), combined at the end by value then lowest index; beside
