@@ -47,7 +47,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="decode vs batch and prefill vs length, with a roofline; decode steps over their matmuls alone")
     p.add_argument("--html", default=None, metavar="PATH",
                    help="write --sweep's roofline chart (plotly HTML) to PATH; without it no file is written")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="for --sweep / --overhead")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="for --sweep / --overhead / --speculative")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="for --sweep: the prefill rows' prompt lengths")
     p.add_argument("--context-len", type=int, default=None,
                    help="for --sweep: the decode rows' prompt length in tokens (default 128)")

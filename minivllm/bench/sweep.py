@@ -125,7 +125,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
 
         decode = []
         log(describe_peaks(peaks))
-        log(f"decode sweep (context {context_len} tokens; the last column: the step over its matmuls alone)")
+        log(f"decode sweep (context {context_len} tokens, {output_kind} outputs; step ms: the median step; the last "
+            f"column: the step over its matmuls alone)")
         log(f"  {'batch':>5} {'step ms':>9} {'ms/seq':>8} {'GFLOP/s':>9} {'GB/s':>8} {'MFU':>6} {'MBU':>6} "
             f"{'/matmuls':>10}")
         for b in batch_sizes:
@@ -165,7 +166,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             engine.reset_prefix_cache()
 
         prefill = []
-        log("prefill sweep (one prompt per step)")
+        log(f"prefill sweep (one prompt per step, median of {repeats})")
         log(f"  {'length':>6} {'step ms':>9} {'tok/s':>9} {'GFLOP/s':>9} {'GB/s':>8} {'MFU':>6} {'MBU':>6}")
         budget = engine.config.max_num_batched_tokens
         for n in prompt_lens:
@@ -197,7 +198,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             result.html = str(write_roofline_html(result, html))
             log(f"roofline written to {result.html}")
         else:
-            log("roofline chart not written (--html PATH writes it)")
+            log("roofline chart not written (--html PATH writes it; run_sweep's html=)")
         return result
     finally:
         llm.shutdown()
