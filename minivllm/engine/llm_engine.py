@@ -207,7 +207,8 @@ class LLMEngine:
         elif device.type == "cpu":
             from minivllm.layers import cpu_fused
             self.runner.cpu_fused_ops = self.runner.enable_cpu_fused_ops()  # float32 models only
-            logger.info("CPU norms, rotary, SiLU, embedding lookup and greedy argmax: %s", cpu_fused.describe(self.config.dtype))
+            logger.info("CPU norms, rotary, SiLU, embedding lookup and greedy argmax: %s",
+                        cpu_fused.describe(self.config.dtype))
         if device.type == "cpu":
             from minivllm.layers import top_p_native
             logger.info("CPU sampler, top-p without a sort: %s", top_p_native.describe())

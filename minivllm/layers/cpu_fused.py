@@ -238,9 +238,9 @@ class CpuFusedOps:
         if logits.dim() != 2 or not self._takes(logits):
             return None
         rows, cols = logits.shape
-        out = np.empty(rows, dtype=np.int64)
-        if rows and cols:
-            self._argmax(logits.data_ptr(), rows, cols, logits.stride(0), out.ctypes.data)
-        elif rows:
+        if rows and not cols:
             return None  # a row with no logits has no maximum
+        out = np.empty(rows, dtype=np.int64)
+        if rows:
+            self._argmax(logits.data_ptr(), rows, cols, logits.stride(0), out.ctypes.data)
         return out
