@@ -450,8 +450,9 @@ render(f"Eager, in {str(norm.weight.dtype).removeprefix('torch.')} on {cfg.devic
 # loop the compiler vectorised. Its column says what that is worth on this machine. A long input (a
 # prefill) is split by rows over torch's threads, each running the same C loop on its share
 # (`cpu_fused.MIN_ELEMENTS_PER_THREAD` sets how much work makes a thread worth waking). A decode step
-# calls five such ops per layer (two norms with their residual adds, the q and k norms,
-# SiLU-and-multiply) plus the rotary embedding, so at decode sizes their fixed cost adds up.
+# calls four such ops per layer: two norms with their residual adds, SiLU-and-multiply, and one call
+# for the q and k norms together with the rotary embedding (`CpuFusedOps.qk_norm_rope`; four separate
+# calls while a forward hook watches one of those modules), so at decode sizes their fixed cost adds up.
 #
 # ## 4. Attention backends
 #

@@ -312,3 +312,75 @@ def test_greedy_argmax_past_the_first_vector_block_and_in_the_tail(ops, cols):
     want = np.argmax(x, axis=-1)
     want[2:5] = -1
     assert ops.greedy_ids(torch.from_numpy(x)).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("head_dim", [2, 64, 128])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_qk_norm_rope_matches_the_norms_then_rope(ops, head_dim, tokens):
+    """One call for q_norm, k_norm and RoPE gives what the modules' torch paths give, on strided
+    views of a fused QKV output (GQA: 4 query heads, 2 KV heads)."""
+    g = torch.Generator().manual_seed(head_dim * 100 + tokens)
+    rot = RotaryEmbedding(head_dim, 512, 1e6)
+    norm_q, norm_k = RMSNorm(head_dim, eps=1e-6), RMSNorm(head_dim, eps=1e-5)
+    norm_q.weight.data = torch.rand(head_dim, generator=g) + 0.5
+    norm_k.weight.data = torch.rand(head_dim, generator=g) + 0.5
+    qkv = torch.randn(tokens, (4 + 2 + 2) * head_dim + 3, generator=g) * 3
+    q = qkv[:, :4 * head_dim].view(tokens, 4, head_dim)
+    k = qkv[:, 4 * head_dim:6 * head_dim].view(tokens, 2, head_dim)
+    pos = torch.randint(0, 512, (tokens,), generator=g)
+    ref_q, ref_k = rot(pos, norm_q(q), norm_k(k))  # no fused ops set: the torch references
+    got_q, got_k = ops.qk_norm_rope(q, k, norm_q.weight, norm_q.eps, norm_k.weight, norm_k.eps, pos,
+                                    rot.cos_sin_cache(q.device))
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    torch.testing.assert_close(got_q, ref_q, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(got_k, ref_k, atol=ATOL, rtol=1e-5)
+
+
+def test_qk_norm_rope_names_a_position_outside_the_table_and_refuses_what_it_does_not_take(ops):
+    rot = RotaryEmbedding(8, 16, 1e6)
+    table, w = rot.cos_sin_cache(torch.device("cpu")), torch.ones(8)
+    q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    with pytest.raises(IndexError, match="position 16 \\(token 2\\)"):
+        ops.qk_norm_rope(q, k, w, 1e-6, w, 1e-6, torch.tensor([0, 15, 16]), table)
+    for args in ((q.double(), k.double(), w.double(), 1e-6, w.double(), 1e-6, torch.tensor([0, 1, 2]), table.double()),
+                 (q[:, :, :7], k[:, :, :7], w[:7], 1e-6, w[:7], 1e-6, torch.tensor([0, 1, 2]), table[:, :7]),
+                 (q, k[:2], w, 1e-6, w, 1e-6, torch.tensor([0, 1, 2]), table),          # tokens differ
+                 (q, k, w, 1e-6, w, 1e-6, torch.tensor([0, 1, 2], dtype=torch.int32), table)):
+        assert ops.qk_norm_rope(*args) is None
+
+
+def test_the_engine_runs_q_k_norms_and_rope_as_one_call_unless_a_hook_watches_them(tiny_ckpt, ops):
+    """An eager decode step makes one qk_norm_rope call per layer and no separate RoPE call; its
+    logits match the torch path's. A forward hook on q_norm brings the module calls back (chapter
+    02 hooks it), and the hook fires."""
+    from minivllm.layers import cpu_graph
+
+    llm = make_llm(tiny_ckpt, enforce_eager=True)
+    model, engine = llm.llm_engine.runner.model, llm.llm_engine
+    layers = len(model.model.layers)
+    prompt = prompts_of([9], seed=3)[0]
+
+    def decode_calls():
+        engine.add_request("r", prompt, greedy(3))
+        engine.step()  # the prefill
+        with cpu_graph.count_calls() as calls:
+            assert engine.step_with_record().record.phase == "decode"
+        while engine.has_unfinished_requests():
+            engine.step()
+        return calls
+
+    calls = decode_calls()
+    assert calls["qk_norm_rope_f32"] == layers and calls["rope_f32"] == 0 and calls["rms_norm_f32"] <= 1
+    fused_out, fused_rows = generate_spying_logits(llm, prompt, greedy(5))
+    seen = []
+    hook = model.model.layers[0].self_attn.q_norm.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    calls = decode_calls()
+    assert seen and calls["qk_norm_rope_f32"] == layers - 1 and calls["rope_f32"] == 2  # layer 0: q and k
+    hook.remove()
+    owners = [m for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    for m in owners:
+        m.fused = None
+    torch_out, torch_rows = generate_spying_logits(llm, prompt, greedy(5))
+    torch.testing.assert_close(torch.stack(fused_rows), torch.stack(torch_rows), atol=1e-5, rtol=1e-5)
+    assert fused_out.token_ids == torch_out.token_ids
+    llm.shutdown()

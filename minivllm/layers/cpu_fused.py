@@ -90,6 +90,9 @@ class CpuFusedOps:
         self._embedding = lib.embedding_f32
         self._embedding.argtypes = [p, i64, i64, p, i64, p]
         self._embedding.restype = i64
+        self._qk_norm_rope = lib.qk_norm_rope_f32
+        self._qk_norm_rope.argtypes = [p, i64, i64, i64, p, i64, i64, i64, i64, i64, p, f32, p, f32, p, p, i64, p, p]
+        self._qk_norm_rope.restype = i64
         self._argmax = lib.argmax_rows_f32
         self._argmax.argtypes = [p, i64, i64, i64, p]
         self._argmax.restype = None
@@ -187,6 +190,58 @@ class CpuFusedOps:
         else:
             launch(self._split, tokens, out.numel(), run, name="rope_f32")
         return out
+
+    def qk_norm_rope(self, q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, eps_q: float, wk: torch.Tensor,
+                     eps_k: float, positions: torch.Tensor, cos_sin: torch.Tensor):
+        """``(rope(rms_norm(q, wq, eps_q)), rope(rms_norm(k, wk, eps_k)))`` in one C call: Qwen3's
+        per-head q/k norms and the rotary embedding of a step, which are four calls through
+        :meth:`rms_norm` and :meth:`rope` (each paying its own call and pass over the rows).
+
+        Args:
+            q: ``[T, Hq, D]``, k: ``[T, Hk, D]`` fp32 (any token and head strides: views of the fused
+                QKV projection's output), ``D`` even and at most 1024.
+            wq, wk: the norms' weights, contiguous ``[D]``; eps_q, eps_k: their epsilons.
+            positions: int64 ``[T]``, contiguous; cos_sin: the fp32 table ``[max_position, D]``.
+
+        Returns:
+            Contiguous ``(q_out [T, Hq, D], k_out [T, Hk, D])``, or ``None`` for inputs the C code
+            does not take (the caller then runs the modules).
+
+        Raises:
+            IndexError: a position outside ``[0, max_position)``, naming it.
+        """
+        if (q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]
+                or not self._takes(q, k, wq, wk, cos_sin) or not (wq.is_contiguous() and wk.is_contiguous()
+                                                                and cos_sin.is_contiguous())):
+            return None
+        tokens, q_heads, dim = q.shape
+        k_heads = k.shape[1]
+        if (dim % 2 or dim > 1024 or wq.shape != (dim,) or wk.shape != (dim,) or cos_sin.dim() != 2
+                or cos_sin.shape[1] != dim or positions.dtype is not torch.int64 or not positions.is_cpu
+                or not positions.is_contiguous() or positions.shape != (tokens,)):
+            return None
+        q_out = torch.empty(tokens, q_heads, dim, dtype=F32, device="cpu")
+        k_out = torch.empty(tokens, k_heads, dim, dtype=F32, device="cpu")
+        qp, qs_tok, qs_head = q.data_ptr(), q.stride(0), q.stride(1)
+        kp, ks_tok, ks_head = k.data_ptr(), k.stride(0), k.stride(1)
+        wqp, wkp, pp, cp, max_position = wq.data_ptr(), wk.data_ptr(), positions.data_ptr(), cos_sin.data_ptr(), \
+            cos_sin.shape[0]
+        qop, kop = q_out.data_ptr(), k_out.data_ptr()
+
+        def run(lo: int, hi: int) -> None:
+            found = self._qk_norm_rope(qp + lo * qs_tok * 4, q_heads, qs_tok, qs_head, kp + lo * ks_tok * 4, k_heads,
+                                       ks_tok, ks_head, hi - lo, dim, wqp, eps_q, wkp, eps_k, pp + lo * 8, cp,
+                                       max_position, qop + lo * q_heads * dim * 4, kop + lo * k_heads * dim * 4)
+            if found >= 0:  # raised here, so a CPU graph's replay checks too
+                raise IndexError(f"rotary embedding: position {int(positions[lo + found])} (token {lo + found}) "
+                                 f"is outside the table of {max_position} positions (max_position_embeddings)")
+
+        numel = tokens * (q_heads + k_heads) * dim
+        if numel < 2 * MIN_ELEMENTS_PER_THREAD:
+            launch(run, 0, tokens, name="qk_norm_rope_f32")
+        else:
+            launch(self._split, tokens, numel, run, name="qk_norm_rope_f32")
+        return q_out, k_out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x [T, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[T, I]``; ``None`` for inputs the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from minivllm.distributed import get_tp_size
 from minivllm.layers.activation import SiluAndMul
@@ -52,13 +53,35 @@ class Qwen3Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qk = self._fused_qk_norm_rope(positions, q, k)
+        if qk is None:
+            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
+        else:
+            q, k = qk
         k_cache, v_cache = kv_cache
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
+
+
+    def _fused_qk_norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q_norm, k_norm and the rotary embedding as one C call on a CPU (``CpuFusedOps.qk_norm_rope``)
+        when the three modules have the C ops and nothing watches them: a forward hook on any of
+        them (chapter 02 hooks q_norm) keeps the module calls, so the hook fires. ``None``: run them."""
+        norm_q, norm_k, rotary = self.q_norm, self.k_norm, self.rotary
+        ops = norm_q.fused
+        if ops is None or norm_k.fused is None or rotary.fused is None or _hooked(norm_q, norm_k, rotary):
+            return None
+        return ops.qk_norm_rope(q, k, norm_q.weight, norm_q.eps, norm_k.weight, norm_k.eps, positions,
+                                rotary.cos_sin_cache(q.device))
+
+
+def _hooked(*modules: nn.Module) -> bool:
+    """Whether a forward (pre-)hook would run on any of ``modules`` when called, global hooks included."""
+    if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 class Qwen3MLP(nn.Module):

@@ -160,3 +160,47 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t s_row, 
         out[r] = nonfinite == 0.f ? best : -1;
     }
 }
+
+/* Qwen3's per-head q_norm and k_norm followed by the rotary embedding of q and k, one call for a
+   step's tokens (four calls otherwise: each norm, then RoPE of each). q [tokens, q_heads, dim]
+   (strides qs_tok, qs_head, 1) and k likewise, both usually views of the fused QKV projection's
+   output; q_out and k_out contiguous. Per head row: the rms_norm_f32 arithmetic with its weight
+   (wq or wk, eps_q or eps_k) into a row buffer, then the rope_f32 rotation by the token's position,
+   so the results are those of the four calls. Returns -1, or the first token whose position is
+   outside [0, max_position) (its rows and later ones are left unwritten). dim even, <= 1024. */
+static inline void norm_rope_row(const float *x, const float *w, float eps, const float *c, const float *s,
+                                 float *o, int64_t dim, float *buf) {
+    const int64_t half = dim / 2;
+    float ss = 0.f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t d = 0; d < dim; d++) ss += x[d] * x[d];
+    const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    #pragma omp simd
+    for (int64_t d = 0; d < dim; d++) buf[d] = w[d] * (x[d] * inv);
+    const float *x1 = buf, *x2 = buf + half;
+    float *o1 = o, *o2 = o + half;
+    #pragma omp simd
+    for (int64_t d = 0; d < half; d++) {
+        o1[d] = x1[d] * c[d] - x2[d] * s[d];
+        o2[d] = x2[d] * c[d] + x1[d] * s[d];
+    }
+}
+
+int64_t qk_norm_rope_f32(const float *q, int64_t q_heads, int64_t qs_tok, int64_t qs_head,
+                         const float *k, int64_t k_heads, int64_t ks_tok, int64_t ks_head,
+                         int64_t tokens, int64_t dim, const float *wq, float eps_q, const float *wk, float eps_k,
+                         const int64_t *positions, const float *cos_sin, int64_t max_position,
+                         float *q_out, float *k_out) {
+    float buf[1024];
+    const int64_t half = dim / 2;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t pos = positions[t];
+        if (pos < 0 || pos >= max_position) return t;
+        const float *c = cos_sin + pos * dim, *s = c + half;
+        for (int64_t h = 0; h < q_heads; h++)
+            norm_rope_row(q + t * qs_tok + h * qs_head, wq, eps_q, c, s, q_out + (t * q_heads + h) * dim, dim, buf);
+        for (int64_t h = 0; h < k_heads; h++)
+            norm_rope_row(k + t * ks_tok + h * ks_head, wk, eps_k, c, s, k_out + (t * k_heads + h) * dim, dim, buf);
+    }
+    return -1;
+}
