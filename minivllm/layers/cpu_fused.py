@@ -71,6 +71,12 @@ def describe(dtype: torch.dtype | None = None) -> str:
     return f"fused C ops ({_library.path})"
 
 
+def _position_error(positions: torch.Tensor, token: int, max_position: int) -> IndexError:
+    """The error for a RoPE position outside the cos/sin table, naming it and its token."""
+    return IndexError(f"rotary embedding: position {int(positions[token])} (token {token}) is outside the table "
+                      f"of {max_position} positions (max_position_embeddings)")
+
+
 class CpuFusedOps:
     """The loaded C functions. Every method computes what the torch reference does
     (``minivllm.layers.norm``, ``rotary``, ``activation``), or returns ``None`` for inputs the
@@ -182,8 +188,7 @@ class CpuFusedOps:
             found = self._rope(xp + lo * s_tok * 4, hi - lo, heads, s_tok, s_head, pp + lo * 8, cp, max_position,
                                op + lo * heads * dim * 4, dim)
             if found >= 0:  # raised here, so a CPU graph's replay checks too
-                raise IndexError(f"rotary embedding: position {int(positions[lo + found])} (token {lo + found}) "
-                                 f"is outside the table of {max_position} positions (max_position_embeddings)")
+                raise _position_error(positions, lo + found, max_position)
 
         if tokens * heads * dim < 2 * MIN_ELEMENTS_PER_THREAD:
             launch(run, 0, tokens, name="rope_f32")
@@ -233,8 +238,7 @@ class CpuFusedOps:
                                        ks_tok, ks_head, hi - lo, dim, wqp, eps_q, wkp, eps_k, pp + lo * 8, cp,
                                        max_position, qop + lo * q_heads * dim * 4, kop + lo * k_heads * dim * 4)
             if found >= 0:  # raised here, so a CPU graph's replay checks too
-                raise IndexError(f"rotary embedding: position {int(positions[lo + found])} (token {lo + found}) "
-                                 f"is outside the table of {max_position} positions (max_position_embeddings)")
+                raise _position_error(positions, lo + found, max_position)
 
         numel = tokens * (q_heads + k_heads) * dim
         if numel < 2 * MIN_ELEMENTS_PER_THREAD:

@@ -64,7 +64,6 @@ class Qwen3Attention(nn.Module):
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
-
     def _fused_qk_norm_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q_norm, k_norm and the rotary embedding as one C call on a CPU (``CpuFusedOps.qk_norm_rope``)
         when the three modules have the C ops and nothing watches them: a forward hook on any of

@@ -18,17 +18,19 @@
    (elements): a [T, H, D] view cut from a fused projection (q_norm, k_norm) or a plain [T, D]
    matrix (inner = 1). out is contiguous [outer * inner, dim]:
      out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)) */
+static inline void rms_norm_row(const float *xr, const float *w, float eps, float *o, int64_t dim) {
+    float ss = 0.f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t d = 0; d < dim; d++) ss += xr[d] * xr[d];
+    const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    #pragma omp simd
+    for (int64_t d = 0; d < dim; d++) o[d] = w[d] * (xr[d] * inv);
+}
+
 void rms_norm_f32(const float *x, int64_t outer, int64_t inner, int64_t s_outer, int64_t s_inner,
                   const float *w, float *out, int64_t dim, float eps) {
-    for (int64_t r = 0; r < outer * inner; r++) {
-        const float *xr = x + (r / inner) * s_outer + (r % inner) * s_inner;
-        float *o = out + r * dim, ss = 0.f;
-        #pragma omp simd reduction(+:ss)
-        for (int64_t d = 0; d < dim; d++) ss += xr[d] * xr[d];
-        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-        #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) o[d] = w[d] * (xr[d] * inv);
-    }
+    for (int64_t r = 0; r < outer * inner; r++)
+        rms_norm_row(x + (r / inner) * s_outer + (r % inner) * s_inner, w, eps, out + r * dim, dim);
 }
 
 /* sum = x + residual (the residual stream for the next block), out = rms_norm(sum) as above.
@@ -51,6 +53,16 @@ void add_rms_norm_f32(const float *x, const float *residual, const float *w, flo
      out = cat(x1 * c - x2 * s, x2 * c + x1 * s)          (out contiguous [tokens, heads, dim])
    Returns -1, or the first token whose position is outside [0, max_position): nothing is read
    through it (its rows of out are left unwritten). */
+static inline void rope_row(const float *x1, const float *c, const float *s, float *o1, int64_t half) {
+    const float *x2 = x1 + half;
+    float *o2 = o1 + half;
+    #pragma omp simd
+    for (int64_t d = 0; d < half; d++) {
+        o1[d] = x1[d] * c[d] - x2[d] * s[d];
+        o2[d] = x2[d] * c[d] + x1[d] * s[d];
+    }
+}
+
 int64_t rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t s_tok, int64_t s_head,
                  const int64_t *positions, const float *cos_sin, int64_t max_position, float *out, int64_t dim) {
     const int64_t half = dim / 2;
@@ -58,15 +70,8 @@ int64_t rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t s_tok, i
         const int64_t pos = positions[t];
         if (pos < 0 || pos >= max_position) return t;
         const float *c = cos_sin + pos * dim, *s = c + half;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *x1 = x + t * s_tok + h * s_head, *x2 = x1 + half;
-            float *o1 = out + (t * heads + h) * dim, *o2 = o1 + half;
-            #pragma omp simd
-            for (int64_t d = 0; d < half; d++) {
-                o1[d] = x1[d] * c[d] - x2[d] * s[d];
-                o2[d] = x2[d] * c[d] + x1[d] * s[d];
-            }
-        }
+        for (int64_t h = 0; h < heads; h++)
+            rope_row(x + t * s_tok + h * s_head, c, s, out + (t * heads + h) * dim, half);
     }
     return -1;
 }
@@ -164,26 +169,14 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t s_row, 
 /* Qwen3's per-head q_norm and k_norm followed by the rotary embedding of q and k, one call for a
    step's tokens (four calls otherwise: each norm, then RoPE of each). q [tokens, q_heads, dim]
    (strides qs_tok, qs_head, 1) and k likewise, both usually views of the fused QKV projection's
-   output; q_out and k_out contiguous. Per head row: the rms_norm_f32 arithmetic with its weight
-   (wq or wk, eps_q or eps_k) into a row buffer, then the rope_f32 rotation by the token's position,
-   so the results are those of the four calls. Returns -1, or the first token whose position is
-   outside [0, max_position) (its rows and later ones are left unwritten). dim even, <= 1024. */
+   output; q_out and k_out contiguous. Per head row: rms_norm_row with its weight (wq or wk, eps_q
+   or eps_k) into a row buffer, then rope_row by the token's position: the arithmetic of the four
+   calls. Returns -1, or the first token whose position is outside [0, max_position) (its rows and
+   later ones are left unwritten). dim even, <= 1024. */
 static inline void norm_rope_row(const float *x, const float *w, float eps, const float *c, const float *s,
                                  float *o, int64_t dim, float *buf) {
-    const int64_t half = dim / 2;
-    float ss = 0.f;
-    #pragma omp simd reduction(+:ss)
-    for (int64_t d = 0; d < dim; d++) ss += x[d] * x[d];
-    const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-    #pragma omp simd
-    for (int64_t d = 0; d < dim; d++) buf[d] = w[d] * (x[d] * inv);
-    const float *x1 = buf, *x2 = buf + half;
-    float *o1 = o, *o2 = o + half;
-    #pragma omp simd
-    for (int64_t d = 0; d < half; d++) {
-        o1[d] = x1[d] * c[d] - x2[d] * s[d];
-        o2[d] = x2[d] * c[d] + x1[d] * s[d];
-    }
+    rms_norm_row(x, w, eps, buf, dim);
+    rope_row(buf, c, s, o, dim / 2);
 }
 
 int64_t qk_norm_rope_f32(const float *q, int64_t q_heads, int64_t qs_tok, int64_t qs_head,
