@@ -245,7 +245,8 @@ render(f"On this run the dispatch floor ({floor_terms} = {floor_ms:.2f} ms) is "
 # decode step on a CPU is a few dozen calls into our C code (GEMMs, norms, rotary, attention), each
 # behind module calls, shape checks and tensor allocations. A **CPU graph**
 # (`minivllm/layers/cpu_graph.py`) records those calls with the memory addresses they were given while
-# one step runs, then replays them in a loop with nothing else around them. The static buffers carry
+# one step runs, then replays them with nothing else around them, from one C loop (a call made from Python
+# pays `ctypes`' conversion of its arguments, about a microsecond, dozens of times a step). The static buffers carry
 # over; the buckets do not. A padded row adds little to a GPU's decode step, which waits on reading the
 # weights, but on a CPU it is arithmetic like any other row, so the engine records a graph for every
 # batch size (`cpu_capture_batch_sizes`): no padded rows. It records each one at the first step of that
@@ -1102,7 +1103,7 @@ Quiz([
          "decode cheaper per token.",
          "Each operation processes all sequences at once; the batch is a dimension of the tensors.",
          "The profiled steps ran eagerly, operation by operation (that engine has enforce_eager=True); a "
-         "graph would replay the recorded kernels with one call (CUDA) or the recorded C calls in a bare loop "
+         "graph would replay the recorded kernels with one call (CUDA) or the recorded C calls from one C loop "
          "(CPU), without the Python around them (section 2)."],
     ),
     Question(

@@ -5,6 +5,8 @@ and replays it after; every test here compares against the same engine with ``en
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -106,11 +108,11 @@ def test_an_interrupt_while_recording_keeps_no_graph_and_the_next_step_records_a
     g = engine.runner.graph_runner
     real, calls = cpu_graph.launch, []
 
-    def interrupted(fn, *args, name=None):
+    def interrupted(fn, *args, name=None, native=None):
         calls.append(fn)
         if len(calls) == 5 and cpu_graph.capturing() is not None:
             raise KeyboardInterrupt
-        real(fn, *args, name=name)
+        real(fn, *args, name=name, native=native)
 
     for mod in ("minivllm.layers.cpu_fused", "minivllm.layers.cpu_gemm"):
         monkeypatch.setattr(f"{mod}.launch", interrupted)
@@ -187,6 +189,73 @@ def test_launch_records_only_while_capturing():
     graph.replay()
     graph.replay()
     assert seen == [1, 2, 2, 2] and graph.num_calls == 1
+    assert not graph.replays_in_c  # a call without a packed twin: the Python loop makes it
+
+
+def _c_replay_or_skip():
+    library = cpu_graph._replay_library
+    native_or_skip(SimpleNamespace(load=library.load, unavailable_reason=library.unavailable_reason),
+                   "the CPU graphs' C replay")
+
+
+def test_decode_graphs_replay_in_c_bit_for_bit_as_the_python_loop(monkeypatch):
+    """Every call of a decode graph has its packed twin, so its replays are one C loop; with
+    ``MINIVLLM_CPU_GRAPH_C_REPLAY=0`` (read when a graph is recorded) the Python loop makes the
+    same calls: the same logits bit for bit, and the same KV cache."""
+    _c_replay_or_skip()
+    prompts = prompts_of([3, 17, 40, 9], seed=5, vocab=4000)
+    in_c = _llm()
+    got = _logits_of_steps(in_c, prompts, 10)
+    monkeypatch.setenv("MINIVLLM_CPU_GRAPH_C_REPLAY", "0")
+    in_python = _llm()
+    want = _logits_of_steps(in_python, prompts, 10)
+    graphs_c = in_c.llm_engine.runner.graph_runner._graphs.values()
+    graphs_py = in_python.llm_engine.runner.graph_runner._graphs.values()
+    assert len(graphs_c) == 4 and all(g.replays_in_c for g in graphs_c)
+    assert len(graphs_py) == 4 and not any(g.replays_in_c for g in graphs_py)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    for (kc, vc), (kp, vp) in zip(in_c.llm_engine.runner.kv_caches, in_python.llm_engine.runner.kv_caches):
+        assert torch.equal(kc, kp) and torch.equal(vc, vp)
+
+
+def test_a_replay_in_c_raises_the_error_naming_bad_input_and_makes_no_later_call():
+    """A twin that finds bad input (a token id past the table, a position past the rotary table, a
+    KV slot past the cache) stops the C loop; the replay then raises what the Python call raises.
+    Floats (an epsilon) and ints reach the twins as recorded."""
+    _c_replay_or_skip()
+    from minivllm.layers import cpu_fused
+    from minivllm.layers.rotary import RotaryEmbedding
+
+    ops = native_or_skip(cpu_fused, "the fused CPU ops")
+    kernel = native_or_skip(cpu_decode, "the native decode kernel")
+    table, ids = torch.randn(50, 8), torch.tensor([3, 7])
+    weight, eps = torch.rand(8) + 0.5, 0.25
+    rot = RotaryEmbedding(8, 16, 1e4)
+    cos_sin, positions = rot.cos_sin_cache(torch.device("cpu")), torch.tensor([1, 2])
+    k_cache, v_cache, slots = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8), torch.tensor([5, 6])
+    graph = CpuGraph()
+    with graph.capture():
+        x = ops.embedding(ids, table)
+        normed = ops.rms_norm(x, weight, eps)
+        q = ops.rope(normed.view(2, 1, 8), positions, cos_sin)
+        assert kernel.store_kv(q, q, k_cache, v_cache, slots)
+    graph.keep_alive(ids, positions, slots)
+    assert graph.replays_in_c
+    ids.copy_(torch.tensor([9, 4]))
+    graph.replay()
+    want = rot(positions, torch.nn.functional.rms_norm(table[ids], (8,), weight, eps).view(2, 1, 8),
+               torch.zeros(2, 1, 8))[0]
+    torch.testing.assert_close(k_cache.view(8, 1, 8)[5:7], want, atol=1e-5, rtol=1e-5)
+    for setup, error in ((lambda: ids.copy_(torch.tensor([9, 50])), "id 50 \\(token 1\\)"),
+                         (lambda: positions.copy_(torch.tensor([1, 16])), "position 16 \\(token 1\\)"),
+                         (lambda: slots.copy_(torch.tensor([5, 8])), "slot 8 ")):
+        ids.copy_(torch.tensor([9, 4])), positions.copy_(torch.tensor([1, 2])), slots.copy_(torch.tensor([5, 6]))
+        setup()
+        k_cache.zero_()
+        with pytest.raises(IndexError, match=error):
+            graph.replay()
+        # the calls after the bad one were not made (here: the store, unless it was the bad one)
+        assert error.startswith("slot") or not k_cache.any()
 
 
 def test_count_calls_counts_launches_by_name_in_its_block_only_and_not_replays():

@@ -58,7 +58,7 @@ from minivllm.engine import model_check
 from minivllm.layers.attention.backend import AttentionBackend
 from minivllm.layers.attention.context import ForwardContext
 from minivllm.layers.attention.metadata import AttentionMetadata
-from minivllm.layers.cpu_graph import CpuGraph, GraphPool, NotCapturable, launch
+from minivllm.layers.cpu_graph import CpuGraph, GraphPool, NotCapturable, launch, packed_memmove
 from minivllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -651,8 +651,9 @@ class CudaGraphDecodeRunner:
                 if hidden.is_contiguous() and hidden.dtype == out.dtype and hidden.shape == out.shape:
                     # one C memmove rather than an ATen copy_: in a replay right after a step has
                     # streamed the KV cache, the dispatch ran from cold caches (70-130 us at batch 32)
-                    launch(ctypes.memmove, out.data_ptr(), hidden.data_ptr(), hidden.numel() * hidden.element_size(),
-                           name="memmove")
+                    args = (out.data_ptr(), hidden.data_ptr(), hidden.numel() * hidden.element_size())
+                    copy = packed_memmove()
+                    launch(ctypes.memmove, *args, name="memmove", native=None if copy is None else (copy, args))
                 else:
                     out.copy_(hidden)
 

@@ -25,6 +25,7 @@ from minivllm.engine.kv_prefault import KVPrefaulter
 from minivllm.engine.runner_config import RunnerConfig
 from minivllm.engine.scheduler import SchedulerOutput
 from minivllm.engine.sequence import Sequence
+from minivllm.layers import cpu_graph
 from minivllm.layers.attention import get_attention_backend
 # the eager step takes the native kernel only for queries this short (longer: gather + SDPA); a graph
 # replay must make the same choice to give the same bits
@@ -430,8 +431,8 @@ class ModelRunner:
         self.graph_runner.capture()
         if self.graph_runner.kind == "cpu":
             logger.info("CPU graphs: decode steps of up to %d sequences are recorded at the first step of "
-                        "each batch size (no padded rows) and replayed; model check before each replay: %s",
-                        self.graph_runner.buckets[-1], model_check.describe())
+                        "each batch size (no padded rows) and replayed %s; model check before each replay: %s",
+                        self.graph_runner.buckets[-1], cpu_graph.describe_replay(), model_check.describe())
         else:
             logger.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.graph_runner.buckets,
                         time.perf_counter() - t0)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minivllm.layers.cpu_graph import launch
+from minivllm.layers.cpu_graph import launch, packed_address
 from minivllm.layers.native_build import NativeLibrary
 from minivllm.layers.native_parallel import run_chunks
 
@@ -104,6 +104,9 @@ class CpuFusedOps:
         self._argmax.restype = None
         for fn in (self._rms, self._add_rms, self._silu):
             fn.restype = None
+        # the packed twins a CPU graph replays from C (cpu_graph.launch's ``native``)
+        self._packed = {name: packed_address(lib, name) for name in (
+            "rms_norm_f32", "add_rms_norm_f32", "rope_f32", "silu_and_mul_f32", "embedding_f32", "qk_norm_rope_f32")}
 
     @staticmethod
     def _takes(x: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -142,7 +145,8 @@ class CpuFusedOps:
             out = torch.empty(outer, inner, dim, dtype=F32, device="cpu")
         xp, s_outer, wp, op = x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr()
         if outer * inner * dim < 2 * MIN_ELEMENTS_PER_THREAD:
-            launch(self._rms, xp, outer, inner, s_outer, s_inner, wp, op, dim, eps, name="rms_norm_f32")
+            args = (xp, outer, inner, s_outer, s_inner, wp, op, dim, float(eps))
+            launch(self._rms, *args, name="rms_norm_f32", native=(self._packed["rms_norm_f32"], args))
             return out
         launch(self._split, outer, out.numel(), lambda lo, hi: self._rms(
             xp + lo * s_outer * 4, hi - lo, inner, s_outer, s_inner, wp, op + lo * inner * dim * 4, dim, eps),
@@ -160,7 +164,8 @@ class CpuFusedOps:
         (rows, dim), wp = x.shape, weight.data_ptr()
         xp, rp, tp, op = x.data_ptr(), residual.data_ptr(), total.data_ptr(), out.data_ptr()
         if rows * dim < 2 * MIN_ELEMENTS_PER_THREAD:
-            launch(self._add_rms, xp, rp, wp, tp, op, rows, dim, eps, name="add_rms_norm_f32")
+            args = (xp, rp, wp, tp, op, rows, dim, float(eps))
+            launch(self._add_rms, *args, name="add_rms_norm_f32", native=(self._packed["add_rms_norm_f32"], args))
             return out, total
         launch(self._split, rows, x.numel(), lambda lo, hi: self._add_rms(
             xp + lo * dim * 4, rp + lo * dim * 4, wp, tp + lo * dim * 4, op + lo * dim * 4, hi - lo, dim, eps),
@@ -191,7 +196,8 @@ class CpuFusedOps:
                 raise _position_error(positions, lo + found, max_position)
 
         if tokens * heads * dim < 2 * MIN_ELEMENTS_PER_THREAD:
-            launch(run, 0, tokens, name="rope_f32")
+            launch(run, 0, tokens, name="rope_f32", native=(self._packed["rope_f32"], (
+                xp, tokens, heads, s_tok, s_head, pp, cp, max_position, op, dim)))
         else:
             launch(self._split, tokens, out.numel(), run, name="rope_f32")
         return out
@@ -242,7 +248,9 @@ class CpuFusedOps:
 
         numel = tokens * (q_heads + k_heads) * dim
         if numel < 2 * MIN_ELEMENTS_PER_THREAD:
-            launch(run, 0, tokens, name="qk_norm_rope_f32")
+            launch(run, 0, tokens, name="qk_norm_rope_f32", native=(self._packed["qk_norm_rope_f32"], (
+                qp, q_heads, qs_tok, qs_head, kp, k_heads, ks_tok, ks_head, tokens, dim, wqp, float(eps_q), wkp,
+                float(eps_k), pp, cp, max_position, qop, kop)))
         else:
             launch(self._split, tokens, numel, run, name="qk_norm_rope_f32")
         return q_out, k_out
@@ -256,7 +264,8 @@ class CpuFusedOps:
         out = torch.empty(rows, inter, dtype=F32, device="cpu")
         xp, s_row, op = x.data_ptr(), x.stride(0), out.data_ptr()
         if rows * inter < MIN_ELEMENTS_PER_THREAD:  # x has 2 * rows * inter elements
-            launch(self._silu, xp, rows, s_row, op, inter, name="silu_and_mul_f32")
+            args = (xp, rows, s_row, op, inter)
+            launch(self._silu, *args, name="silu_and_mul_f32", native=(self._packed["silu_and_mul_f32"], args))
             return out
         launch(self._split, rows, x.numel(), lambda lo, hi: self._silu(xp + lo * s_row * 4, hi - lo, s_row,
                                                               op + lo * inter * 4, inter), name="silu_and_mul_f32")
@@ -286,7 +295,7 @@ class CpuFusedOps:
                 raise IndexError(f"token embedding: id {value} (token {bad}) is outside the vocabulary of "
                                  f"{vocab} rows")
 
-        launch(lookup, name="embedding_f32")
+        launch(lookup, name="embedding_f32", native=(self._packed["embedding_f32"], args))
         return out
 
     def greedy_ids(self, logits: torch.Tensor) -> np.ndarray | None:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.layers.cpu_graph import launch
+from minivllm.layers.cpu_graph import launch, packed_address
 from minivllm.layers.native_build import NativeLibrary
 
 __all__ = ["PanelGemm", "compact_dtype", "describe", "is_panels", "load", "pack_panels", "packable",
@@ -174,6 +174,10 @@ class PanelGemm:
         self.parallel_run = lib.native_parallel_run
         self.parallel_run.argtypes = [p, p, ctypes.c_int]
         self.parallel_run.restype = None
+        #: the packed twins (``csrc/packed_call.h``) of ``parallel_run`` and of the GEMM, which a CPU
+        #: graph replays from C
+        self.parallel_run_packed = packed_address(lib, "native_parallel_run")
+        self._fn_packed = packed_address(lib, "panel_gemm_parallel_w")
         #: the dtypes panels may hold: float16 where this build widens it in hardware (x86 F16C)
         self.panel_dtypes = frozenset(dt for dt in _WEIGHT_TYPES
                                       if dt != torch.float16 or lib.panel_gemm_has_f16())
@@ -222,6 +226,6 @@ class PanelGemm:
             xp, stride, pp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr()
             bp, yp = bias.data_ptr() if bias is not None else None, y.data_ptr()
             for r0 in range(0, m, rows):  # one call for a decode step; a prefill's rows in L2-sized chunks
-                launch(self._fn, wt, xp + r0 * stride * 4, stride, pp, bp, min(rows, m - r0), k, yp + r0 * n * 4,
-                       n, nb, parts, name="panel_gemm_parallel_w")
+                args = (wt, xp + r0 * stride * 4, stride, pp, bp, min(rows, m - r0), k, yp + r0 * n * 4, n, nb, parts)
+                launch(self._fn, *args, name="panel_gemm_parallel_w", native=(self._fn_packed, args))
         return y if flat else y.reshape(*x.shape[:-1], n)

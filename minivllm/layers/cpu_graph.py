@@ -25,19 +25,31 @@ at capture. So while capturing:
 Graphs share one pool (allocation restarts at its beginning for each capture), as CUDA graphs
 share a memory pool: only one replays at a time and each writes every intermediate before it
 reads it.
+
+A graph whose every call came with its C function's packed twin (``launch(..., native=...)``,
+``csrc/packed_call.h``) is replayed by one C loop (``csrc/cpu_graph_replay.c``): from Python, each
+call paid ctypes' conversion of its arguments, about a microsecond for ten of them. Otherwise (an
+ATen operation recorded, a call without a twin, the library unbuilt, or
+``MINIVLLM_CPU_GRAPH_C_REPLAY=0``) the Python loop makes the calls.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import weakref
 from collections import Counter
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CpuGraph", "GraphPool", "NotCapturable", "capturing", "count_calls", "launch", "persistent"]
+from minivllm.layers.native_build import NativeLibrary
+
+__all__ = ["CpuGraph", "GraphPool", "NotCapturable", "capturing", "count_calls", "describe_replay", "launch",
+           "packed_address", "packed_memmove", "persistent"]
 
 aten = torch.ops.aten
 
@@ -55,6 +67,41 @@ _ALIGNMENT = 64  # bytes: every pool allocation starts on a cache line
 
 class NotCapturable(RuntimeError):
     """A forward did something a CPU graph cannot replay (names the operation)."""
+
+
+class _CReplay:
+    """``csrc/cpu_graph_replay.c``: the loop over packed calls, and a packed ``memmove``."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.run = lib.cpu_graph_replay
+        self.run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        self.run.restype = ctypes.c_int64
+        #: ``copy_bytes_packed``: ``memmove(dst, src, nbytes)`` as a packed call
+        self.copy_address = packed_address(lib, "copy_bytes")
+
+
+_replay_library = NativeLibrary(Path(__file__).with_name("csrc") / "cpu_graph_replay.c", "MINIVLLM_CPU_GRAPH_C_REPLAY",
+                                _CReplay)
+
+
+def packed_address(lib: ctypes.CDLL, name: str) -> int:
+    """The address of ``name``'s packed twin (``NAME_packed`` in ``lib``, see ``csrc/packed_call.h``),
+    for :func:`launch`'s ``native``."""
+    return ctypes.cast(getattr(lib, f"{name}_packed"), ctypes.c_void_p).value
+
+
+def describe_replay() -> str:
+    """For the startup log: how this process's CPU graphs make their calls when every call has a
+    packed twin (the C loop, or the Python loop and why)."""
+    if _replay_library.load() is not None:
+        return f"in one C loop ({_replay_library.path})"
+    return f"in a Python loop ({_replay_library.unavailable_reason()})"
+
+
+def packed_memmove() -> int | None:
+    """The packed twin of ``memmove(dst, src, nbytes)``, or None without the replay library."""
+    replay = _replay_library.load()
+    return None if replay is None else replay.copy_address
 
 
 def capturing() -> "CpuGraph | None":
@@ -78,19 +125,23 @@ def persistent():
         graph._outside_pool -= 1
 
 
-def launch(fn: Callable[..., object], *args, name: str | None = None) -> None:
+def launch(fn: Callable[..., object], *args, name: str | None = None,
+           native: tuple[int, tuple] | None = None) -> None:
     """Call ``fn(*args)``; while a graph is captured, also record the call for its replays.
 
     ``args`` are what the call needs again at replay: pointers (ints) into tensors whose memory
     stays put (static inputs, weights, the KV cache, the pool), sizes, scalars. ``fn`` returns
     nothing useful: a check of its result belongs inside ``fn`` so the replay makes it too.
     ``name``: what :func:`count_calls` counts the call as (the C function's name; default
-    ``fn.__name__``).
+    ``fn.__name__``). ``native``: where ``fn`` makes one C call, that function's packed twin and
+    its arguments, ``(packed_address(lib, name), args)`` (ints, None for a null pointer, floats),
+    so that a replay can make the call from C; the twin reports bad input that ``fn`` raises for
+    (a replay then calls ``fn`` to raise it).
     """
     fn(*args)
     graph = _current.get()
     if graph is not None:
-        graph._calls.append((fn, args))
+        graph._record(fn, args, native)
     tally = _tally.get()
     if tally is not None:
         tally[name or getattr(fn, "__name__", repr(fn))] += 1
@@ -196,14 +247,14 @@ class _Recorder(TorchDispatchMode):
             out = self.graph._made_in_pool(self.graph.pool.allocate(ref.shape, ref.dtype))
             out_func = _SHAPE_STATIC[func]
             out_func(*args, **kwargs, out=out)
-            self.graph._calls.append((_call_op, (out_func, args, {**kwargs, "out": out})))
+            self.graph._record(_call_op, (out_func, args, {**kwargs, "out": out}))
             return out
         schema = func._schema
         mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         if not mutates:
             raise NotCapturable(f"CPU graph: {func} returns a new tensor; a replay would not see it")
         out = func(*args, **kwargs)
-        self.graph._calls.append((_call_op, (func, args, kwargs)))
+        self.graph._record(_call_op, (func, args, kwargs))
         return out
 
 
@@ -229,6 +280,8 @@ class CpuGraph:
     def __init__(self, pool: GraphPool | None = None):
         self.pool = pool if pool is not None else GraphPool()
         self._calls: list[tuple[Callable[..., object], tuple]] = []
+        self._native: list[tuple[int, tuple] | None] = []  # each call's packed twin, if it has one
+        self._packed: _PackedCalls | None = None  # all of them, when every call has one
         self._keep: list[object] = []
         self._outside_pool = 0  # > 0 inside persistent()
         self._pool_tensors: list[weakref.ref] = []  # what the recording took from the pool
@@ -237,6 +290,15 @@ class CpuGraph:
     @property
     def num_calls(self) -> int:
         return len(self._calls)
+
+    @property
+    def replays_in_c(self) -> bool:
+        """Whether :meth:`replay` makes the calls from one C loop (see the module docstring)."""
+        return self._packed is not None
+
+    def _record(self, fn: Callable[..., object], args: tuple, native: tuple[int, tuple] | None = None) -> None:
+        self._calls.append((fn, args))
+        self._native.append(native)
 
     def _made_in_pool(self, t: torch.Tensor) -> torch.Tensor:
         self._pool_tensors.append(weakref.ref(t))
@@ -271,15 +333,17 @@ class CpuGraph:
         ``KeyboardInterrupt``) the graph stays empty and incomplete, and the exception propagates."""
         if _current.get() is not None:
             raise RuntimeError("CPU graph: a capture is already in progress")
-        self._calls, self._keep, self._pool_tensors, self.complete = [], [], [], False
+        self._calls, self._native, self._keep, self._pool_tensors, self.complete = [], [], [], [], False
+        self._packed = None
         self.pool.rewind()
         token = _current.set(self)
         try:
             with _Recorder(self):
                 yield self
             self.complete = True
+            self._packed = _PackedCalls.build(self._native)
         except BaseException:
-            self._calls, self._keep = [], []
+            self._calls, self._native, self._keep = [], [], []
             raise
         finally:
             _current.reset(token)
@@ -292,5 +356,47 @@ class CpuGraph:
         """
         if not self.complete:
             raise RuntimeError("CPU graph: replay of a graph that was not captured")
-        for fn, args in self._calls:
+        packed = self._packed
+        if packed is None:
+            for fn, args in self._calls:
+                fn(*args)
+            return
+        bad = packed.replay()
+        if bad >= 0:  # a twin found bad input: the call again through ctypes raises the error naming it
+            fn, args = self._calls[bad]
             fn(*args)
+            raise RuntimeError(f"CPU graph: recorded call {bad} ({getattr(fn, '__name__', fn)}) reported bad "
+                               "input in C but not when made again")
+
+
+class _PackedCalls:
+    """A graph's calls as arrays for ``cpu_graph_replay``: each twin's address, where its
+    arguments start, and the arguments (8 bytes each: int64, or a float's double bits)."""
+
+    def __init__(self, replay: _CReplay, natives: list[tuple[int, tuple]]):
+        self._run = replay.run
+        self.fns = np.array([address for address, _ in natives], dtype=np.int64)
+        self.starts = np.zeros(len(natives), dtype=np.int64)
+        slots: list = []
+        for i, (_, args) in enumerate(natives):
+            self.starts[i] = len(slots)
+            slots.extend(args)
+        self.args = np.zeros(max(1, len(slots)), dtype=np.int64)
+        as_double = self.args.view(np.float64)
+        for i, value in enumerate(slots):
+            if isinstance(value, float):
+                as_double[i] = value
+            else:
+                self.args[i] = 0 if value is None else value
+        self._call = (self.fns.ctypes.data, self.starts.ctypes.data, self.args.ctypes.data, len(natives))
+
+    @classmethod
+    def build(cls, natives: list[tuple[int, tuple] | None]) -> "_PackedCalls | None":
+        if not natives or any(n is None for n in natives):
+            return None
+        replay = _replay_library.load()
+        return None if replay is None else cls(replay, natives)
+
+    def replay(self) -> int:
+        """-1, or the index of the first call that reported bad input (the later ones not made)."""
+        return self._run(*self._call)

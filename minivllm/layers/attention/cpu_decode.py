@@ -121,6 +121,9 @@ class PagedDecodeKernel:
         store.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64]
         store.restype = i64
         self._store = store
+        # the packed twins (csrc/packed_call.h) a CPU graph replays from C
+        self._fn_packed = cpu_graph.packed_address(lib, "paged_decode_attention_f32")
+        self._store_packed = cpu_graph.packed_address(lib, "paged_store_kv_f32")
         # the C function that runs one part of a split call's rows on the panel GEMM's threads (__call__)
         self._part_address = ctypes.cast(lib.paged_decode_part, ctypes.c_void_p).value
         # One kernel object serves every backend in the process, and engines may step in
@@ -221,8 +224,13 @@ class PagedDecodeKernel:
                                scale, sp, per_chunk)
             if graph is not None:
                 graph.keep_alive(call)  # its replays pass the structure's address again
-            cpu_graph.launch(gemm.parallel_run, self._part_address, ctypes.addressof(call), chunks,
-                             name="paged_decode_attention_f32")
+            args = (self._part_address, ctypes.addressof(call), chunks)
+            cpu_graph.launch(gemm.parallel_run, *args, name="paged_decode_attention_f32",
+                             native=(gemm.parallel_run_packed, args))
+            return out
+        if chunks == 1:
+            args = (qp, kp, vp, tp, stride, sq, lp, op, rows, heads, kv_heads, head_dim, block_size, float(scale), sp)
+            cpu_graph.launch(self._fn, *args, name="paged_decode_attention_f32", native=(self._fn_packed, args))
             return out
 
         def run(c: int) -> None:
@@ -340,5 +348,5 @@ class PagedDecodeKernel:
                 raise IndexError(f"KV cache write: slot {int(slot_mapping[bad])} (token {bad}) is outside the "
                                  f"cache's {num_slots} slots")
 
-        cpu_graph.launch(store, name="paged_store_kv_f32")
+        cpu_graph.launch(store, name="paged_store_kv_f32", native=(self._store_packed, args))
         return True

@@ -13,6 +13,7 @@
 #include <math.h>
 
 #include "vec_exp_f32.h"
+#include "packed_call.h"
 
 /* Row r of x (r < outer * inner) starts at x + (r / inner) * s_outer + (r % inner) * s_inner
    (elements): a [T, H, D] view cut from a fused projection (q_norm, k_norm) or a plain [T, D]
@@ -196,4 +197,31 @@ int64_t qk_norm_rope_f32(const float *q, int64_t q_heads, int64_t qs_tok, int64_
             norm_rope_row(k + t * ks_tok + h * ks_head, wk, eps_k, c, s, k_out + (t * k_heads + h) * dim, dim, buf);
     }
     return -1;
+}
+
+/* ---- Packed twins for a CPU graph's replay in C (packed_call.h): the same arguments, in order;
+   non-zero where the function reports bad input (its ctypes wrapper then raises the error) ---- */
+PACKED(rms_norm_f32) {
+    rms_norm_f32(ARG_P(0), ARG_I(1), ARG_I(2), ARG_I(3), ARG_I(4), ARG_P(5), ARG_P(6), ARG_I(7), ARG_F(8));
+    return 0;
+}
+PACKED(add_rms_norm_f32) {
+    add_rms_norm_f32(ARG_P(0), ARG_P(1), ARG_P(2), ARG_P(3), ARG_P(4), ARG_I(5), ARG_I(6), ARG_F(7));
+    return 0;
+}
+PACKED(rope_f32) {
+    return rope_f32(ARG_P(0), ARG_I(1), ARG_I(2), ARG_I(3), ARG_I(4), ARG_P(5), ARG_P(6), ARG_I(7), ARG_P(8),
+                    ARG_I(9)) >= 0;
+}
+PACKED(silu_and_mul_f32) {
+    silu_and_mul_f32(ARG_P(0), ARG_I(1), ARG_I(2), ARG_P(3), ARG_I(4));
+    return 0;
+}
+PACKED(embedding_f32) {
+    return embedding_f32(ARG_P(0), ARG_I(1), ARG_I(2), ARG_P(3), ARG_I(4), ARG_P(5)) >= 0;
+}
+PACKED(qk_norm_rope_f32) {
+    return qk_norm_rope_f32(ARG_P(0), ARG_I(1), ARG_I(2), ARG_I(3), ARG_P(4), ARG_I(5), ARG_I(6), ARG_I(7), ARG_I(8),
+                            ARG_I(9), ARG_P(10), ARG_F(11), ARG_P(12), ARG_F(13), ARG_P(14), ARG_P(15), ARG_I(16),
+                            ARG_P(17), ARG_P(18)) >= 0;
 }

@@ -25,6 +25,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "packed_call.h"
+
 /* 8 floats; loads and stores through a v8 pointer may be unaligned and may alias float memory
    (memcpy into locals instead made GCC keep the accumulators on the stack: 4x slower) */
 typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
@@ -495,4 +497,15 @@ void native_parallel_run(part_fn *fn, void *ctx, int parts) {
     t.fn = fn;
     t.ctx = ctx;
     run_task(t);
+}
+
+/* Packed twins for a CPU graph's replay in C (packed_call.h) */
+PACKED(panel_gemm_parallel_w) {
+    panel_gemm_parallel_w((int)ARG_I(0), ARG_P(1), ARG_I(2), ARG_P(3), ARG_P(4), ARG_I(5), ARG_I(6), ARG_P(7), ARG_I(8),
+                          ARG_I(9), (int)ARG_I(10));
+    return 0;
+}
+PACKED(native_parallel_run) {
+    native_parallel_run((part_fn *)ARG_P(0), ARG_P(1), (int)ARG_I(2));
+    return 0;
 }

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "../../csrc/vec_exp_f32.h"
+#include "../../csrc/packed_call.h"
 
 /* Softmax of s[0 .. len) in place, max subtracted (exp never overflows), exp vectorised in chunks:
    with libm's expf, one value at a time, a layer of 32 sequences of 200-260 keys (the embedded
@@ -375,6 +376,17 @@ int64_t paged_store_kv_f32(const float *k, int64_t k_stride, const float *v, int
         memcpy(v_cache + s * row, v + t * v_stride, row * sizeof(float));
     }
     return -1;
+}
+
+/* Packed twins for a CPU graph's replay in C (packed_call.h) */
+PACKED(paged_decode_attention_f32) {
+    paged_decode_attention_f32(ARG_P(0), ARG_P(1), ARG_P(2), ARG_P(3), ARG_I(4), ARG_P(5), ARG_P(6), ARG_P(7), ARG_I(8),
+                               ARG_I(9), ARG_I(10), ARG_I(11), ARG_I(12), ARG_F(13), ARG_P(14));
+    return 0;
+}
+PACKED(paged_store_kv_f32) {
+    return paged_store_kv_f32(ARG_P(0), ARG_I(1), ARG_P(2), ARG_I(3), ARG_P(4), ARG_I(5), ARG_I(6), ARG_P(7), ARG_P(8),
+                              ARG_I(9)) >= 0;
 }
 
 /* ---- Causal self-attention of fresh prompts ------------------------------------------------
