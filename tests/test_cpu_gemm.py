@@ -171,3 +171,91 @@ def test_every_row_count_gets_a_rows_bits_alone(gemm, n):
     torch.testing.assert_close(alone, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     for m in range(1, 28):
         assert torch.equal(gemm(x[:m], p, b), alone[:m]), m
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_greedy_head_gives_the_gemm_and_each_rows_first_maximum_or_minus_one(gemm, monkeypatch, m, dtype):
+    """``run_greedy`` (a greedy step's LM head): the same bits as ``run``, and per row the column
+    of the first maximum among the first ``cols`` outputs, as numpy's argmax (ties across lanes and
+    across panels, the padding columns left out), -1 for a row with a NaN or an infinity."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    x, w, _ = _case(m, 40, 96, seed=3)
+    panels = cpu_gemm.pack_panels(w.to(dtype).float(), dtype)
+    for cols in (96, 90, 17, 1):
+        y, ids = gemm.run_greedy(x, panels, cols)
+        assert torch.equal(y, gemm.run(x, panels)) and ids.dtype.name == "int64"
+        assert ids.tolist() == y[:, :cols].numpy().argmax(axis=1).tolist()
+    # ties: every row's maximum in several columns (lanes 3 and 9 of panels 1, 2 and 5: first at 19)
+    w_tie = torch.zeros(96, 40)
+    w_tie[[19, 25, 35, 41, 83, 89], 0] = 1.0
+    x_tie = torch.randn(m, 40).abs() + 0.1
+    _, ids = gemm.run_greedy(x_tie, cpu_gemm.pack_panels(w_tie), 96)
+    assert ids.tolist() == [19] * m
+    # the maximum in the padding is not a logit
+    w_pad = w.clone()
+    w_pad[95] = 1e3 * x.sum(0).sign()
+    y, ids = gemm.run_greedy(x, cpu_gemm.pack_panels(w_pad), 95)
+    assert int(y[0].argmax()) == 95 and ids.tolist() == y[:, :95].numpy().argmax(axis=1).tolist()
+    # a NaN or an infinity anywhere in a row's logits (not only at its maximum) marks the row
+    x_bad = x.clone()
+    x_bad[0, 3] = float("nan")
+    if m > 1:
+        x_bad[m - 1, 7] = float("inf")
+    y, ids = gemm.run_greedy(x_bad, panels, 96)
+    want = y.numpy().argmax(axis=1)
+    want[~torch.isfinite(y).all(dim=1).numpy()] = -1
+    assert ids.tolist() == want.tolist() and ids[0] == -1 and ids[m - 1] == -1
+
+
+def test_greedy_head_refuses_what_it_does_not_take(gemm, monkeypatch):
+    x, w, _ = _case(4, 40, 96)
+    panels = cpu_gemm.pack_panels(w)
+    assert gemm.run_greedy(x, panels, 97) is None and gemm.run_greedy(x, panels, 0) is None
+    assert gemm.run_greedy(torch.randn(cpu_gemm.ROWS_PER_CALL + 1, 40), panels, 96) is None
+    assert gemm.run_greedy(x.double(), panels, 96) is None and gemm.run_greedy(x[None], panels, 96) is None
+    monkeypatch.setattr(cpu_gemm, "MIN_MACS_PER_THREAD", 1)  # a GEMM the call would split over threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert gemm.run_greedy(x, panels, 96) is None
+
+
+def test_a_greedy_engine_step_takes_its_tokens_from_the_lm_heads_gemm(gemm, monkeypatch):
+    """A plain greedy CPU step asks the LM head for its tokens (``ModelInput.greedy_ids``): each
+    row's first maximum of the logits the step returns, and the same generations as the sampler's
+    own pass; with logprobs, or a sampler a notebook put in the stock one's place, the step makes
+    its own pass. The bench's matmul replay still sees the head (``record_linear_calls``)."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.bench.matmul_share import record_linear_calls
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    llm = LLM("minivllm-tiny", seed=0)
+    runner = llm.llm_engine.runner
+    seen, real = [], runner.forward_logits
+
+    def spy(inp, *args):
+        out = real(inp, *args)
+        seen.append((inp.greedy, inp.greedy_ids, out.clone()))
+        return out
+
+    runner.forward_logits = spy
+    prompts = ["The cache holds", "A block table maps", "Decode reads"]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with record_linear_calls() as calls:
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert len(seen) == 6 and all(wanted and ids is not None for wanted, ids, _ in seen)
+    assert all(ids.tolist() == logits.numpy().argmax(axis=1).tolist() for _, ids, logits in seen)
+    head = runner.model.lm_head.matmul_weight
+    assert sum(w is head for *_, w, _ in calls) == 6  # the head of every step, prefill and decode
+    seen.clear()
+    runner.model.compute_logits_and_greedy = None  # a model without it: the sampler's pass
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == fused
+    assert seen and all(wanted and ids is None for wanted, ids, _ in seen)
+    del runner.model.compute_logits_and_greedy
+    seen.clear()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, logprobs=2), use_tqdm=False)
+    assert seen and not any(wanted or ids is not None for wanted, ids, _ in seen)
+    seen.clear()
+    stock = runner.sampler
+    runner.sampler = lambda logits, batch: stock(logits, batch)  # a notebook's tap
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == fused
+    assert seen and not any(wanted or ids is not None for wanted, ids, _ in seen)

@@ -27,22 +27,32 @@ _USERS = (linear_mod, embedding_mod)  # modules that call prepack.linear by name
 @contextlib.contextmanager
 def record_linear_calls():
     """Within the block, every ``prepack.linear`` call made by the layers is appended to the
-    yielded list as ``(input shape, dtype, device, weight, bias)``."""
+    yielded list as ``(input shape, dtype, device, weight, bias)``, and so is the LM head's
+    ``prepack.linear_greedy`` (a greedy step's head, which also finds each row's token: the
+    replay times its matmul alone, through ``prepack.linear``)."""
     calls = []
-    real = prepack.linear
+    real, real_greedy = prepack.linear, prepack.linear_greedy
 
     def recording(x, weight, bias=None):
         calls.append((tuple(x.shape), x.dtype, x.device, weight, bias))
         return real(x, weight, bias)
 
+    def recording_greedy(x, weight, cols):
+        out = real_greedy(x, weight, cols)
+        if out is not None:  # else the head calls linear next, recorded there
+            calls.append((tuple(x.shape), x.dtype, x.device, weight, None))
+        return out
+
     saved = [(m, m.linear) for m in _USERS]
     try:
         for m in _USERS:
             m.linear = recording
+        embedding_mod.linear_greedy = recording_greedy
         yield calls
     finally:
         for m, fn in saved:
             m.linear = fn
+        embedding_mod.linear_greedy = real_greedy
 
 
 @contextlib.contextmanager

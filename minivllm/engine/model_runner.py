@@ -64,6 +64,11 @@ class ModelInput:
             ``positions``, ``slot_mapping``, ``logits rows`` and the int32 block table
             ``[num_seqs, width]`` (what tensor parallelism sends to its workers without
             reading the device copies back).
+        greedy: set by ``run`` when every sampled row is plain greedy and the stock sampler
+            samples: :meth:`ModelRunner.forward_logits` then asks the LM head for each row's
+            greedy token too (``compute_logits_and_greedy``).
+        greedy_ids: what it got: int64 ``[num_sampling]`` (-1: a row with a non-finite logit), or
+            ``None`` (the sampler makes its own pass over the logits).
     """
 
     input_ids: torch.Tensor
@@ -74,6 +79,8 @@ class ModelInput:
     drafts: dict = field(default_factory=dict)
     graph_rows: int | None = None
     host: tuple[np.ndarray, ...] | None = None
+    greedy: bool = False
+    greedy_ids: np.ndarray | None = None
 
 
 class StagedModelInput(ModelInput):
@@ -708,6 +715,10 @@ class ModelRunner:
         if not inp.sampling_seqs:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         rows = hidden if inp.logits_indices is None else hidden[inp.logits_indices]
+        head = getattr(self.model, "compute_logits_and_greedy", None) if inp.greedy else None
+        if head is not None:
+            logits, inp.greedy_ids = head(rows)
+            return logits.float()
         return self.model.compute_logits(rows).float()
 
     @torch.inference_mode()
@@ -801,6 +812,7 @@ class ModelRunner:
         # sample_ms includes waiting for the GPU.
         prompt_rows = _prompt_logprob_rows(plan)
         if prompt_rows is None:
+            inp.greedy = plan.all_plain_greedy and isinstance(self.sampler, Sampler)
             logits = self.forward_logits(inp)
         else:
             logits, prompt_logits = self.forward_logits(inp, self._to_device(np.array(prompt_rows[0], dtype=np.int64)))
@@ -814,7 +826,8 @@ class ModelRunner:
                 # A plain greedy CPU batch's ids without torch calls; a sampler a caller put in the
                 # stock one's place (a notebook's logits tap, tensor parallelism's vocabulary mask)
                 # is always called.
-                tokens = self.sampler.greedy_token_ids(logits, batch) if isinstance(self.sampler, Sampler) else None
+                tokens = (self.sampler.greedy_token_ids(logits, batch, inp.greedy_ids)
+                          if isinstance(self.sampler, Sampler) else None)
                 if tokens is None:
                     sampled = self.sampler(logits, batch)
                     # A row with NaN/inf logits samples garbage (argmax of NaN): mark it -1. A row's

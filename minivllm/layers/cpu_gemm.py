@@ -44,6 +44,7 @@ import ctypes
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from minivllm.layers.cpu_graph import launch, packed_address
@@ -178,6 +179,9 @@ class PanelGemm:
         #: graph replays from C
         self.parallel_run_packed = packed_address(lib, "native_parallel_run")
         self._fn_packed = packed_address(lib, "panel_gemm_parallel_w")
+        self._greedy = lib.panel_gemm_greedy_w
+        self._greedy.argtypes = [ctypes.c_int, p, i64, p, p, i64, i64, p, i64, i64, i64, p]
+        self._greedy.restype = i64
         #: the dtypes panels may hold: float16 where this build widens it in hardware (x86 F16C)
         self.panel_dtypes = frozenset(dt for dt in _WEIGHT_TYPES
                                       if dt != torch.float16 or lib.panel_gemm_has_f16())
@@ -208,6 +212,35 @@ class PanelGemm:
                              f"{sorted(str(d) for d in self.panel_dtypes)}), x [..., K] with unit stride "
                              f"along K, contiguous panels [N/16, K, 16], no gradients")
         return self.run(x, panels, bias)
+
+    def run_greedy(self, x: torch.Tensor, panels: torch.Tensor, cols: int) -> tuple[torch.Tensor, np.ndarray] | None:
+        """``y = x @ W.T`` as :meth:`run` (no bias), and each row's greedy token: the column of its
+        first maximum among ``y``'s first ``cols`` columns, -1 for a row where one of them is NaN or
+        an infinity (as ``CpuFusedOps.greedy_ids``), found while the GEMM writes them (see the C
+        source). For a plain greedy step's LM head.
+
+        Args:
+            x: float32 ``[m, K]`` taken by :meth:`takes`; panels: ``[N / 16, K, 16]``.
+            cols: the logits' columns (``N`` less the head's padding), ``1 <= cols <= N``.
+
+        Returns:
+            ``(y [m, N], ids)`` with ``ids`` int64 numpy ``[m]``; ``None`` where it does not apply
+            (another shape, more rows than one call takes, or a GEMM large enough to split over
+            threads: :meth:`run` then, and the sampler's pass).
+        """
+        if x.dim() != 2 or not 1 <= x.shape[0] <= ROWS_PER_CALL or not self.takes(x, panels, None):
+            return None
+        (m, k), nb = x.shape, panels.shape[0]
+        n = nb * PANEL
+        if not 1 <= cols <= n or min(torch.get_num_threads(), nb, m * n * k // MIN_MACS_PER_THREAD) > 1:
+            return None
+        y = torch.empty(m, n, dtype=F32, device="cpu")
+        ids = np.empty(m, dtype=np.int64)
+        stride = x.stride(0) if m > 1 else k
+        if self._greedy(_WEIGHT_TYPES[panels.dtype], x.data_ptr(), stride, panels.data_ptr(), None, m, k, y.data_ptr(),
+                        n, nb, cols, ids.ctypes.data) != 0:
+            return None
+        return y, ids
 
     def run(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`__call__` without the checks, for a caller that has just called :meth:`takes`."""

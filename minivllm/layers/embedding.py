@@ -6,11 +6,12 @@ Padding rows are zero and are never returned as logits.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.prepack import PackedWeightMixin, dense, is_packed, linear
+from minivllm.layers.prepack import PackedWeightMixin, dense, is_packed, linear, linear_greedy
 from minivllm.quantization.layer import Int8LinearMixin
 from minivllm.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, \
     tensor_model_parallel_all_reduce
@@ -110,3 +111,15 @@ class ParallelLMHead(Int8LinearMixin, PackedWeightMixin, VocabParallelEmbedding)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings].float()
+
+    def compute_logits_and_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
+        """``(compute_logits(hidden), ids)``: with ``ids`` int64 numpy ``[N]``, each row's greedy token
+        (the first maximum of its logits, -1 for a row holding a NaN or an infinity), found by the
+        panel GEMM while it writes the logits (``prepack.linear_greedy``) where the head runs on it
+        unsharded in float32, else ``None`` (the sampler then makes its own pass over the logits)."""
+        weight = self.matmul_weight
+        if self.int8 is None and self.tp_size == 1 and hidden.dim() == 2:
+            out = linear_greedy(hidden, weight, self.num_embeddings)
+            if out is not None:
+                return out[0][:, : self.num_embeddings], out[1]
+        return self.compute_logits(hidden), None

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,6 +110,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def linear_greedy(x: torch.Tensor, weight: torch.Tensor, cols: int) -> tuple[torch.Tensor, np.ndarray] | None:
+    """``linear(x, weight)`` for an LM head, with each row's greedy token id among the first ``cols``
+    outputs found by the panel GEMM as it writes them (``PanelGemm.run_greedy``): ``(y, ids)``, or
+    ``None`` where it does not apply (then :func:`linear` and the sampler's own pass)."""
+    if not cpu_gemm.is_panels(weight):
+        return None
+    gemm = cpu_gemm.loaded() or cpu_gemm.load()
+    return None if gemm is None else gemm.run_greedy(x, weight, cols)
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:

@@ -249,11 +249,14 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def greedy_token_ids(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int] | None:
+    def greedy_token_ids(self, logits: torch.Tensor, batch: SamplingBatch,
+                         ids: np.ndarray | None = None) -> list[int] | None:
         """The token ids of a plain greedy batch (no penalty, no processors, no logprobs) from
         fp32 CPU ``logits [N, V]``: each row's first maximum, -1 for a row holding a non-finite
         value (as ``__call__`` followed by the runner's check). ``None`` for any other batch or
-        tensor: the caller then takes the general path.
+        tensor: the caller then takes the general path. ``ids``: those ids already found by the LM
+        head's GEMM as it wrote the logits (``ModelInput.greedy_ids``, int64 ``[N]``), used as they
+        are for such a batch.
 
         In one C pass when the runner set :attr:`fused` (``CpuFusedOps.greedy_ids``), else in
         numpy, not torch: it runs right after a decode step has streamed the weights and the
@@ -269,6 +272,8 @@ class Sampler:
                 or logits.requires_grad):
             return None
         self.processed_logits = None
+        if ids is not None:
+            return ids.tolist()
         if self.fused is not None:
             ids = self.fused.greedy_ids(logits)
             if ids is not None:

@@ -198,3 +198,7 @@ class Qwen3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden_size] -> fp32 logits [N, vocab_size]``, full on every tp rank."""
         return self.lm_head.compute_logits(hidden)
+
+    def compute_logits_and_greedy(self, hidden: torch.Tensor):
+        """``(logits, greedy ids or None)``: ``ParallelLMHead.compute_logits_and_greedy``."""
+        return self.lm_head.compute_logits_and_greedy(hidden)

@@ -24,6 +24,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "packed_call.h"
 
@@ -275,11 +276,61 @@ CHUNK_OF(WT_BF16, chunk_bf16)
 CHUNK_OF(WT_F16, chunk_f16)
 #endif
 
+/* ---- Greedy sampling inside the LM head -----------------------------------------------------
+   A plain greedy decode step samples each row's first maximum of the logits the LM head's GEMM has
+   just written. Read back by a separate pass (argmax_rows_f32 in cpu_fused_f32.c, the same rule)
+   they come from beyond the L2, which the head's weights streamed through since: ~53 us of the
+   embedded model's batch-32 step (dev EPYC, 2026-12-04). panel_gemm_greedy_w scans each panel
+   group's outputs right after they are written, still in L1: per row, a vector of running maxima
+   (one lane per column of a panel) with the column of each lane's first maximum (a strict >: the
+   panels go left to right), and the sum of x * 0, NaN exactly when some x is NaN or +-inf; the
+   lanes are combined at the end by value, then lowest column. */
+#define GREEDY_MAX_ROWS 256
+typedef float gvf __attribute__((vector_size(NR * 4)));
+typedef int32_t gvi __attribute__((vector_size(NR * 4)));
+
+typedef struct {
+    gvf *best;        /* [m] running maxima */
+    gvi *col;         /* [m] the column of each lane's first maximum */
+    gvf *nonfinite;   /* [m] sums of x * 0 */
+    int64_t cols;     /* columns that are logits (the rest: the head's padding) */
+} greedy_rows;
+
+/* The outputs of panels b .. b + g - 1 (y's columns 16 b .. 16 (b + g) - 1) into the running state */
+static void greedy_scan(greedy_rows *gr, const float *y, int64_t ldy, int64_t m, int64_t b, int g) {
+    for (int j = 0; j < g; j++) {
+        const int64_t c0 = (b + j) * NR;
+        if (c0 >= gr->cols)
+            return;
+        const int64_t n = gr->cols - c0 < NR ? gr->cols - c0 : NR;
+        gvi at;
+        for (int i = 0; i < NR; i++) at[i] = (int32_t)c0 + i;
+        for (int64_t r = 0; r < m; r++) {
+            const float *yr = y + r * ldy + c0;
+            if (n == NR) {
+                gvf v;
+                memcpy(&v, yr, sizeof v);
+                const gvi gt = v > gr->best[r];
+                gr->best[r] = (gvf)(((gvi)v & gt) | ((gvi)gr->best[r] & ~gt));
+                gr->col[r] = (at & gt) | (gr->col[r] & ~gt);
+                gr->nonfinite[r] += v * 0.f;
+            } else {  /* the last panel, part padding */
+                for (int64_t i = 0; i < n; i++) {
+                    gr->nonfinite[r][i] += yr[i] * 0.f;
+                    if (yr[i] > gr->best[r][i]) {
+                        gr->best[r][i] = yr[i];
+                        gr->col[r][i] = (int32_t)(c0 + i);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* y[m, 16 b0 .. 16 b1) = x [m, k] @ W^T (+ bias) for panels b0 .. b1 - 1 of P, whose values are of
-   type wt (WT_*). x: row stride ldx (floats), unit stride along k. y: row stride ldy, written, not
-   read before. bias: NULL or [N] fp32. Separate panel ranges may run on separate threads at once. */
-void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m, int64_t k,
-                  float *y, int64_t ldy, int64_t b0, int64_t b1) {
+   type wt (WT_*); with gr, each panel group's outputs go through greedy_scan once written. */
+static void panel_gemm_range(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m,
+                             int64_t k, float *y, int64_t ldy, int64_t b0, int64_t b1, greedy_rows *gr) {
     if (m <= 0)
         return;
     if (wt == WT_F16 && !HAVE_F16)
@@ -301,8 +352,57 @@ void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const floa
             const float *init = k0 ? yb : (bias ? bias + b * NR : NULL);
             chunk(g, x + k0, ldx, pb + k0 * NR * size, k * NR, m, kc, init, k0 ? ldy : 0, yb, ldy);
         }
+        if (gr)
+            greedy_scan(gr, y, ldy, m, b, g);
         b += g;
     }
+}
+
+/* y[m, 16 b0 .. 16 b1) = x [m, k] @ W^T (+ bias) for panels b0 .. b1 - 1 of P, whose values are of
+   type wt (WT_*). x: row stride ldx (floats), unit stride along k. y: row stride ldy, written, not
+   read before. bias: NULL or [N] fp32. Separate panel ranges may run on separate threads at once. */
+void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m, int64_t k,
+                  float *y, int64_t ldy, int64_t b0, int64_t b1) {
+    panel_gemm_range(wt, x, ldx, p, bias, m, k, y, ldy, b0, b1, NULL);
+}
+
+/* panel_gemm_w over all nb panels on the calling thread, and ids[r] = the column of row r's first
+   maximum among y's first `cols` columns, or -1 when one of them is NaN or +-inf (greedy sampling of
+   logits, above). Returns 0, or -1 without computing anything for m above GREEDY_MAX_ROWS or cols
+   outside 1 .. 16 nb (or above INT32_MAX). */
+int64_t panel_gemm_greedy_w(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m,
+                            int64_t k, float *y, int64_t ldy, int64_t nb, int64_t cols, int64_t *ids) {
+    if (m < 0 || m > GREEDY_MAX_ROWS || cols < 1 || cols > nb * NR || cols > INT32_MAX)
+        return -1;
+    gvf best[GREEDY_MAX_ROWS], nonfinite[GREEDY_MAX_ROWS];
+    gvi col[GREEDY_MAX_ROWS];
+    gvf low, zero;
+    gvi first;
+    for (int i = 0; i < NR; i++) {
+        low[i] = -__builtin_inff();
+        zero[i] = 0.f;
+        first[i] = i;
+    }
+    for (int64_t r = 0; r < m; r++) {
+        best[r] = low;
+        nonfinite[r] = zero;
+        col[r] = first;
+    }
+    greedy_rows gr = {best, col, nonfinite, cols};
+    panel_gemm_range(wt, x, ldx, p, bias, m, k, y, ldy, 0, nb, &gr);
+    for (int64_t r = 0; r < m; r++) {
+        float top = best[r][0], bad = 0.f;
+        int64_t at = col[r][0];
+        for (int i = 0; i < NR; i++) {
+            if (best[r][i] > top || (best[r][i] == top && col[r][i] < at)) {
+                top = best[r][i];
+                at = col[r][i];
+            }
+            bad += nonfinite[r][i];
+        }
+        ids[r] = bad == 0.f ? at : -1;
+    }
+    return 0;
 }
 
 /* ---- the split over threads ------------------------------------------------------------------
