@@ -259,3 +259,14 @@ def test_a_greedy_engine_step_takes_its_tokens_from_the_lm_heads_gemm(gemm, monk
     runner.sampler = lambda logits, batch: stock(logits, batch)  # a notebook's tap
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == fused
     assert seen and not any(wanted or ids is not None for wanted, ids, _ in seen)
+    runner.sampler = stock
+    # a compute_logits replaced by a tracer (chapter 02 wraps the model's) is called at every step
+    for owner in (runner.model, runner.model.lm_head):
+        seen.clear()
+        traced, real_logits = [], owner.compute_logits
+        owner.compute_logits = lambda h, real_logits=real_logits: (traced.append(h.shape[0]), real_logits(h))[1]
+        try:
+            assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == fused
+        finally:
+            del owner.compute_logits
+        assert traced == [3] * 6 and all(ids is None for _, ids, _ in seen)

@@ -118,8 +118,13 @@ class ParallelLMHead(Int8LinearMixin, PackedWeightMixin, VocabParallelEmbedding)
         panel GEMM while it writes the logits (``prepack.linear_greedy``) where the head runs on it
         unsharded in float32, else ``None`` (the sampler then makes its own pass over the logits)."""
         weight = self.matmul_weight
+        if getattr(self.compute_logits, "__func__", None) is not _STOCK_COMPUTE_LOGITS:
+            return self.compute_logits(hidden), None  # replaced (a tracer): it sees every step
         if self.int8 is None and self.tp_size == 1 and hidden.dim() == 2:
             out = linear_greedy(hidden, weight, self.num_embeddings)
             if out is not None:
                 return out[0][:, : self.num_embeddings], out[1]
         return self.compute_logits(hidden), None
+
+
+_STOCK_COMPUTE_LOGITS = ParallelLMHead.compute_logits  # compute_logits_and_greedy defers to a replacement

@@ -200,5 +200,12 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def compute_logits_and_greedy(self, hidden: torch.Tensor):
-        """``(logits, greedy ids or None)``: ``ParallelLMHead.compute_logits_and_greedy``."""
+        """``(logits, greedy ids or None)``: ``ParallelLMHead.compute_logits_and_greedy``, unless
+        :meth:`compute_logits` was replaced (a notebook's tracer, on the model or its class): then
+        ``(compute_logits(hidden), None)``, so the replacement still sees every step."""
+        if getattr(self.compute_logits, "__func__", None) is not _STOCK_COMPUTE_LOGITS:
+            return self.compute_logits(hidden), None
         return self.lm_head.compute_logits_and_greedy(hidden)
+
+
+_STOCK_COMPUTE_LOGITS = Qwen3ForCausalLM.compute_logits  # compute_logits_and_greedy defers to a replacement
