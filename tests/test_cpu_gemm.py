@@ -226,6 +226,7 @@ def test_a_greedy_engine_step_takes_its_tokens_from_the_lm_heads_gemm(gemm, monk
     its own pass. The bench's matmul replay still sees the head (``record_linear_calls``)."""
     from minivllm import LLM, SamplingParams
     from minivllm.bench.matmul_share import record_linear_calls
+    from minivllm.layers.cpu_graph import count_calls
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     llm = LLM("minivllm-tiny", seed=0)
@@ -240,9 +241,13 @@ def test_a_greedy_engine_step_takes_its_tokens_from_the_lm_heads_gemm(gemm, monk
     runner.forward_logits = spy
     prompts = ["The cache holds", "A block table maps", "Decode reads"]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    with record_linear_calls() as calls:
+    with record_linear_calls() as calls, count_calls() as c_calls:
+        with record_linear_calls() as inner:  # blocks nest: the outer one records again after the inner
+            pass
+        assert inner == []
         fused = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert len(seen) == 6 and all(wanted and ids is not None for wanted, ids, _ in seen)
+    assert c_calls["panel_gemm_greedy_w"] == 6  # counted among the C calls, as the head's GEMM was
     assert all(ids.tolist() == logits.numpy().argmax(axis=1).tolist() for _, ids, logits in seen)
     head = runner.model.lm_head.matmul_weight
     assert sum(w is head for *_, w, _ in calls) == 6  # the head of every step, prefill and decode

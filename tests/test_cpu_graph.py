@@ -192,6 +192,22 @@ def test_launch_records_only_while_capturing():
     assert not graph.replays_in_c  # a call without a packed twin: the Python loop makes it
 
 
+def test_a_capture_stopped_while_its_calls_are_packed_leaves_the_graph_incomplete(monkeypatch):
+    """An interrupt after the body (while the packed calls are built, maybe the C loop's library)
+    leaves the graph empty and incomplete, as one inside the body does: its replay refuses."""
+    def interrupted(natives):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cpu_graph._PackedCalls, "build", staticmethod(interrupted))
+    graph, seen = CpuGraph(), []
+    with pytest.raises(KeyboardInterrupt):
+        with graph.capture():
+            cpu_graph.launch(seen.append, 1)
+    assert not graph.complete and graph.num_calls == 0 and not graph.replays_in_c
+    with pytest.raises(RuntimeError, match="not captured"):
+        graph.replay()
+
+
 def _c_replay_or_skip():
     library = cpu_graph._replay_library
     native_or_skip(SimpleNamespace(load=library.load, unavailable_reason=library.unavailable_reason),

@@ -32,6 +32,7 @@ def record_linear_calls():
     replay times its matmul alone, through ``prepack.linear``)."""
     calls = []
     real, real_greedy = prepack.linear, prepack.linear_greedy
+    saved_greedy = embedding_mod.linear_greedy  # (restored as found: blocks may nest)
 
     def recording(x, weight, bias=None):
         calls.append((tuple(x.shape), x.dtype, x.device, weight, bias))
@@ -52,7 +53,7 @@ def record_linear_calls():
     finally:
         for m, fn in saved:
             m.linear = fn
-        embedding_mod.linear_greedy = real_greedy
+        embedding_mod.linear_greedy = saved_greedy
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minivllm.layers.cpu_graph import launch, packed_address
+from minivllm.layers.cpu_graph import capturing, launch, packed_address
 from minivllm.layers.native_build import NativeLibrary
 
 __all__ = ["PanelGemm", "compact_dtype", "describe", "is_panels", "load", "pack_panels", "packable",
@@ -232,15 +232,17 @@ class PanelGemm:
             return None
         (m, k), nb = x.shape, panels.shape[0]
         n = nb * PANEL
-        if not 1 <= cols <= n or min(torch.get_num_threads(), nb, m * n * k // MIN_MACS_PER_THREAD) > 1:
+        if (not 1 <= cols <= n or min(torch.get_num_threads(), nb, m * n * k // MIN_MACS_PER_THREAD) > 1
+                or capturing() is not None):  # (a head's ids are read on the host: not a graph's call)
             return None
         y = torch.empty(m, n, dtype=F32, device="cpu")
         ids = np.empty(m, dtype=np.int64)
         stride = x.stride(0) if m > 1 else k
-        if self._greedy(_WEIGHT_TYPES[panels.dtype], x.data_ptr(), stride, panels.data_ptr(), None, m, k, y.data_ptr(),
-                        n, nb, cols, ids.ctypes.data) != 0:
-            return None
-        return y, ids
+        status = []  # through launch, so count_calls sees it (a head runs outside CPU graphs: never recorded)
+        launch(lambda: status.append(self._greedy(_WEIGHT_TYPES[panels.dtype], x.data_ptr(), stride, panels.data_ptr(),
+                                                  None, m, k, y.data_ptr(), n, nb, cols, ids.ctypes.data)),
+               name="panel_gemm_greedy_w")
+        return (y, ids) if status == [0] else None
 
     def run(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`__call__` without the checks, for a caller that has just called :meth:`takes`."""

@@ -91,10 +91,10 @@ def packed_address(lib: ctypes.CDLL, name: str) -> int:
 
 
 def describe_replay() -> str:
-    """For the startup log: how this process's CPU graphs make their calls when every call has a
-    packed twin (the C loop, or the Python loop and why)."""
+    """For the startup log: how this process's CPU graphs make their calls (from one C loop where
+    every call of a graph has a packed twin, else the Python loop, and why)."""
     if _replay_library.load() is not None:
-        return f"in one C loop ({_replay_library.path})"
+        return f"from one C loop where every call has a C twin ({_replay_library.path})"
     return f"in a Python loop ({_replay_library.unavailable_reason()})"
 
 
@@ -340,10 +340,10 @@ class CpuGraph:
         try:
             with _Recorder(self):
                 yield self
+            self._packed = _PackedCalls.build(self._native)  # (may build the C loop's library)
             self.complete = True
-            self._packed = _PackedCalls.build(self._native)
         except BaseException:
-            self._calls, self._native, self._keep = [], [], []
+            self._calls, self._native, self._keep, self._packed = [], [], [], None
             raise
         finally:
             _current.reset(token)
@@ -352,7 +352,10 @@ class CpuGraph:
         """Make the recorded calls again, in order.
 
         Raises:
-            RuntimeError: the graph was not captured completely.
+            RuntimeError: the graph was not captured completely, or a call's packed twin reported bad
+                input that the call made again through ctypes did not.
+            Exception: what a recorded call raises for bad input (``IndexError`` naming a token id,
+                a position or a KV slot outside its table); the calls after it are not made.
         """
         if not self.complete:
             raise RuntimeError("CPU graph: replay of a graph that was not captured")
