@@ -160,6 +160,12 @@ def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(nb * nr, k).to(F32)
 
 
+def _parts(rows: int, n: int, k: int, nb: int) -> int:
+    """Threads a call of ``rows`` rows over ``nb`` panels (``n`` outputs, ``k`` inputs) is split over:
+    torch's thread count, at most one per panel, each with ``MIN_MACS_PER_THREAD`` or more."""
+    return max(1, min(torch.get_num_threads(), nb, rows * n * k // MIN_MACS_PER_THREAD))
+
+
 class PanelGemm:
     """The loaded C function with the layout checks and the split over threads."""
 
@@ -232,9 +238,8 @@ class PanelGemm:
             return None
         (m, k), nb = x.shape, panels.shape[0]
         n = nb * PANEL
-        if (not 1 <= cols <= n or min(torch.get_num_threads(), nb, m * n * k // MIN_MACS_PER_THREAD) > 1
-                or capturing() is not None):  # (a head's ids are read on the host: not a graph's call)
-            return None
+        if not 1 <= cols <= n or _parts(m, n, k, nb) > 1 or capturing() is not None:
+            return None  # (a head's ids are read on the host: not a graph's call)
         y = torch.empty(m, n, dtype=F32, device="cpu")
         ids = np.empty(m, dtype=np.int64)
         stride = x.stride(0) if m > 1 else k
@@ -256,7 +261,7 @@ class PanelGemm:
             # the C code splits the panels over its own threads (torch's thread count of them); it
             # returns when all are written, so an interrupt can only arrive after the call
             rows = min(m, ROWS_PER_CALL)
-            parts = max(1, min(torch.get_num_threads(), nb, rows * n * k // MIN_MACS_PER_THREAD))
+            parts = _parts(rows, n, k, nb)
             wt = _WEIGHT_TYPES[panels.dtype]
             xp, stride, pp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr()
             bp, yp = bias.data_ptr() if bias is not None else None, y.data_ptr()
