@@ -228,16 +228,20 @@ class PagedDecodeKernel:
             cpu_graph.launch(gemm.parallel_run, *args, name="paged_decode_attention_f32",
                              native=(gemm.parallel_run_packed, args))
             return out
+
+        def chunk_args(c: int) -> tuple:  # the kernel's arguments for chunk c's rows and scratch
+            lo, hi = rows * c // chunks, rows * (c + 1) // chunks
+            return (qp + lo * heads * head_dim * 4, kp, vp, tp, stride, sq + lo * 4, lp + lo * 4,
+                    op + lo * heads * head_dim * 4, hi - lo, heads, kv_heads, head_dim, block_size, float(scale),
+                    sp + c * per_chunk * 4)
+
         if chunks == 1:
-            args = (qp, kp, vp, tp, stride, sq, lp, op, rows, heads, kv_heads, head_dim, block_size, float(scale), sp)
+            args = chunk_args(0)
             cpu_graph.launch(self._fn, *args, name="paged_decode_attention_f32", native=(self._fn_packed, args))
             return out
 
         def run(c: int) -> None:
-            lo, hi = rows * c // chunks, rows * (c + 1) // chunks
-            self._fn(qp + lo * heads * head_dim * 4, kp, vp, tp, stride, sq + lo * 4, lp + lo * 4,
-                     op + lo * heads * head_dim * 4, hi - lo, heads, kv_heads, head_dim, block_size, scale,
-                     sp + c * per_chunk * 4)
+            self._fn(*chunk_args(c))
 
         # several chunks run on several threads (ctypes drops the GIL); run_chunks returns only once
         # every chunk is done, so the scratch is free for the next call even after an interrupt

@@ -64,13 +64,19 @@ static inline void rope_row(const float *x1, const float *c, const float *s, flo
     }
 }
 
+/* The cos half of position pos's row of the table cos_sin [max_position, dim] (the sin half follows
+   at + dim / 2), or NULL for a position outside the table. */
+static inline const float *rope_table_row(const float *cos_sin, int64_t pos, int64_t max_position, int64_t dim) {
+    return pos < 0 || pos >= max_position ? NULL : cos_sin + pos * dim;
+}
+
 int64_t rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t s_tok, int64_t s_head,
                  const int64_t *positions, const float *cos_sin, int64_t max_position, float *out, int64_t dim) {
     const int64_t half = dim / 2;
     for (int64_t t = 0; t < tokens; t++) {
-        const int64_t pos = positions[t];
-        if (pos < 0 || pos >= max_position) return t;
-        const float *c = cos_sin + pos * dim, *s = c + half;
+        const float *c = rope_table_row(cos_sin, positions[t], max_position, dim);
+        if (!c) return t;
+        const float *s = c + half;
         for (int64_t h = 0; h < heads; h++)
             rope_row(x + t * s_tok + h * s_head, c, s, out + (t * heads + h) * dim, half);
     }
@@ -188,9 +194,9 @@ int64_t qk_norm_rope_f32(const float *q, int64_t q_heads, int64_t qs_tok, int64_
     float buf[1024];
     const int64_t half = dim / 2;
     for (int64_t t = 0; t < tokens; t++) {
-        const int64_t pos = positions[t];
-        if (pos < 0 || pos >= max_position) return t;
-        const float *c = cos_sin + pos * dim, *s = c + half;
+        const float *c = rope_table_row(cos_sin, positions[t], max_position, dim);
+        if (!c) return t;
+        const float *s = c + half;
         for (int64_t h = 0; h < q_heads; h++)
             norm_rope_row(q + t * qs_tok + h * qs_head, wq, eps_q, c, s, q_out + (t * q_heads + h) * dim, dim, buf);
         for (int64_t h = 0; h < k_heads; h++)
