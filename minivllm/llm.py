@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 import numbers
 from collections import deque
-from typing import Iterator, Sequence as Seq
+from typing import Any, Callable, Iterator, Sequence as Seq
 
 from minivllm.chat import text_messages
 from minivllm.config import EngineArgs
@@ -170,13 +170,16 @@ class LLM:
 
     # -- public API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns one ``RequestOutput`` per prompt, in prompt order.
 
         ``prompts``: one prompt or a list (a ``str``, a ``list[int]``, a ``TextPrompt`` or a
         ``TokensPrompt``). ``sampling_params``: one for all, one per prompt, or None for
-        ``get_default_sampling_params()``. ``lora_request`` and ``priority``: vLLM's; only None
-        (or, for ``priority``, zeros: first come, first served) is accepted.
+        ``get_default_sampling_params()``. ``use_tqdm``: a progress bar (``tqdm.auto``), or a
+        callable that makes one, called as ``tqdm`` is (vLLM's). ``lora_request`` and
+        ``priority``: vLLM's; only None (or, for ``priority``, zeros: first come, first served) is
+        accepted.
 
         Raises:
             ValueError: a bad prompt or parameter (naming its index and value), a
@@ -187,9 +190,11 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            if callable(use_tqdm):
+                make_bar = use_tqdm
+            else:
+                from tqdm.auto import tqdm as make_bar
+            bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             for out in self._outputs(ids, inbox):
                 results[out.request_id] = out
@@ -225,7 +230,8 @@ class LLM:
              use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             **template_kwargs) -> list[RequestOutput]:
+             chat_template_content_format: str = "auto", mm_processor_kwargs: dict | None = None,
+             **unknown) -> list[RequestOutput]:
         """Render one conversation (a list of ``{"role", "content"}`` dicts) or a list of them
         with a chat template, then ``generate`` (vLLM's ``LLM.chat``). ``content`` may be a
         string, None, or OpenAI-style text parts (joined by newlines, as vLLM renders them for
@@ -238,14 +244,28 @@ class LLM:
                 continues it; exclusive with ``add_generation_prompt``.
             tools: tool (function) schemas, passed to the template as ``tools``.
             chat_template_kwargs: extra template variables (e.g. Qwen3's
-                ``{"enable_thinking": False}``); ``**template_kwargs`` are merged in too
-                (a minivllm shorthand; ``chat_template_kwargs`` wins on a clash).
+                ``{"enable_thinking": False}``).
+            chat_template_content_format: vLLM's; "auto" or "string" (text parts are joined into
+                one string, the format this renders; "openai" is refused).
+            mm_processor_kwargs: vLLM's; None only (no multimodal inputs here).
 
         Raises:
+            TypeError: a keyword argument ``LLM.chat`` does not take (a template variable goes in
+                ``chat_template_kwargs``), as vLLM's fixed signature refuses it.
             ValueError: no chat template (neither given nor the tokenizer's), both
                 ``add_generation_prompt`` and ``continue_final_message``, a malformed message or
-                a non-text content part (naming it), or a bad prompt.
+                a non-text content part (naming it), a content format other than "auto" or
+                "string", ``mm_processor_kwargs``, or a bad prompt.
         """
+        if unknown:
+            raise TypeError(f"LLM.chat() got unexpected keyword argument(s) {sorted(unknown)}: template variables "
+                            "go in chat_template_kwargs={...}, as in vLLM")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: minivllm renders "
+                             "text parts joined into one string: use 'auto' or 'string'")
+        if mm_processor_kwargs is not None:
+            raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: minivllm takes no multimodal inputs "
+                             "(README, 'Coming from vLLM or nano-vllm')")
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError(f"model {self.engine.source.name!r}: its tokenizer has no chat template "
@@ -257,7 +277,7 @@ class LLM:
             conversations = [messages]
         else:
             conversations = list(messages)
-        variables = {**template_kwargs, **(chat_template_kwargs or {})}
+        variables = dict(chat_template_kwargs or {})
         prompts = [tok.apply_chat_template(text_messages(conv, i), tokenize=False, chat_template=chat_template, tools=tools,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **variables)

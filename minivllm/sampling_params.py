@@ -43,10 +43,11 @@ class SamplingParams:
             penalty when positive and multiplied by it when negative.
         seed: a per-request seed: the request then samples the same tokens
             whatever else is in the batch. In ``[-2**63, 2**64 - 1]`` (``torch.Generator``'s
-            range), ``seed + n - 1`` too.
+            range), ``seed + n - 1`` too. ``-1`` means no seed (as in vLLM: it becomes None).
         max_tokens: most tokens to generate (>= 1), or None: until ``max_model_len``.
         ignore_eos: keep generating past the model's end-of-sequence token.
-        stop: a string or a list of strings that end generation; the returned text ends
+        stop: a string or a list of strings that end generation (held as a list after
+            construction, ``[]`` for None, as in vLLM); the returned text ends
             *before* the stop string (unless ``include_stop_str_in_output``). When several
             complete in the same step, the one completing earliest in the text wins, ties
             by list order (so the result does not depend on how the text was tokenized;
@@ -55,6 +56,8 @@ class SamplingParams:
             ``ignore_eos``); the engine checks them against the model's vocabulary. The
             stop token is in ``token_ids`` but its text is not in ``text`` (as for eos).
         n: independent completions of the prompt (``RequestOutput.outputs[i]``, index i);
+            1 when ``temperature`` is 0 (greedy completions would all be the same; vLLM refuses
+            it too);
             with a ``seed``, completion i is drawn with seed ``seed + i``; their prompt is
             computed once and shared through the prefix cache (see
             ``minivllm/engine/parallel_sampling.py``).
@@ -70,7 +73,7 @@ class SamplingParams:
         allowed_token_ids: only these token ids can be generated (non-empty list).
         bad_words: words that must not be generated: a word's last token is masked whenever
             the output ends with the word's other tokens (the word is tokenized both alone
-            and after a space).
+            and after a space). Held as a list (``[]`` for None, as in vLLM).
         include_stop_str_in_output: keep the matched stop string at the end of ``text``.
         skip_special_tokens: leave special tokens' text out of ``text``.
         spaces_between_special_tokens: put spaces between special tokens in ``text`` (only
@@ -85,8 +88,8 @@ class SamplingParams:
             position, plus the sampled token's own (k >= 0), by default from the raw model
             logits, before any penalty or temperature (vLLM v1's default; the engine argument
             ``logprobs_mode`` selects the processed distribution or the logits instead).
-            ``-1``: the whole vocabulary (as vLLM).
-        prompt_logprobs: the same for every prompt token (k >= 0, or -1). Prompt positions are
+            ``-1``: the whole vocabulary, ``True``: 1 (both as vLLM).
+        prompt_logprobs: the same for every prompt token (k >= 0, -1, or True: 1). Prompt positions are
             computed, not read from the prefix cache, for such requests.
         output_kind: what ``LLMEngine.step()`` returns for the request (vLLM's
             ``RequestOutputKind``): ``CUMULATIVE`` (all so far, every step), ``DELTA`` (only what
@@ -127,8 +130,6 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
-    # Filled by __post_init__: ``stop`` as a list.
-    stop_strings: list[str] = field(init=False, repr=False, compare=False)
     #: Filled by __post_init__: True when a logits processor beyond the classic five applies
     #: (allowed_token_ids, bad_words, min_tokens, logit_bias, presence/frequency penalties).
     has_logits_processors: bool = field(init=False, repr=False, compare=False)
@@ -177,6 +178,13 @@ class SamplingParams:
             elif isinstance(value, numbers.Real) and name in _REAL_FIELDS:
                 object.__setattr__(self, name, float(value))
 
+        # vLLM's spellings: seed=-1 is no seed, logprobs=True is one top token
+        if type(self.seed) is int and self.seed == -1:
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                object.__setattr__(self, name, 1)
+
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -205,7 +213,7 @@ class SamplingParams:
         for i, s in enumerate(stop):
             if not isinstance(s, str) or not s:
                 raise bad("stop", self.stop, f"element {i} ({s!r}) is not a non-empty str")
-        self.stop_strings = stop
+        self.stop = stop
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of int token ids, or None")
         ids = list(self.stop_token_ids or [])
@@ -222,6 +230,9 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "must be an int >= 1")
+        if self.n > 1 and self.temperature == 0:
+            raise bad("n", self.n, "must be 1 when temperature=0 (greedy sampling would give n identical "
+                      "completions; vLLM refuses it too)")
         if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:  # completion i: seed + i
             raise bad("seed", self.seed, "must be in [-2**63, 2**64 - 1] (torch.Generator's range)" +
                       (f", and so must seed + n - 1 (n={self.n}): completion i draws with seed + i"
@@ -259,7 +270,9 @@ class SamplingParams:
             for i, w in enumerate(self.bad_words):
                 if not isinstance(w, str) or not w.strip():
                     raise bad("bad_words", self.bad_words, f"element {i} ({w!r}) is not a non-blank str")
-            self.bad_words = list(self.bad_words) or None
+            self.bad_words = list(self.bad_words)
+        else:
+            self.bad_words = []
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                      "detokenize"):
             if not isinstance(getattr(self, name), bool):
@@ -305,6 +318,11 @@ class SamplingParams:
     @property
     def uses_top_k(self) -> bool:
         return self.top_k > 0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings (``stop``, a list since construction)."""
+        return self.stop
 
     @property
     def max_stop_len(self) -> int:

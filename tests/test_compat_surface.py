@@ -222,6 +222,40 @@ def test_chat_options_reach_the_template(text_llm):
         text_llm.chat(conv, greedy(1), continue_final_message=True, **kw)
 
 
+def test_chat_refuses_unknown_keywords_and_takes_vllms_own(text_llm):
+    """LLM.chat passed every unknown keyword to the template, so a misspelt argument
+    (sampling_param=, use_tdqm=) was silently dropped; vLLM's fixed signature raises TypeError.
+    vLLM's own chat_template_content_format ("auto"/"string") and mm_processor_kwargs (None) are
+    taken."""
+    conv = [{"role": "user", "content": "Hi"}]
+    kw = dict(chat_template=TEMPLATE, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"\['sampling_param'\].*chat_template_kwargs"):
+        text_llm.chat(conv, sampling_param=greedy(1), **kw)
+    with pytest.raises(TypeError, match="flag"):
+        text_llm.chat(conv, greedy(1), flag=True, **kw)
+    out = text_llm.chat(conv, greedy(1), chat_template_content_format="string", mm_processor_kwargs=None, **kw)[0]
+    assert _rendered(out, text_llm.tokenizer) == "<user>Hi</user><assistant>"
+    with pytest.raises(ValueError, match="chat_template_content_format='openai'"):
+        text_llm.chat(conv, greedy(1), chat_template_content_format="openai", **kw)
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        text_llm.chat(conv, greedy(1), mm_processor_kwargs={"num_crops": 4}, **kw)
+
+
+def test_generate_makes_its_bar_with_a_use_tqdm_callable(text_llm):
+    """vLLM's use_tqdm may be a callable that makes the progress bar; it was ignored (the default
+    bar shown instead)."""
+    from tqdm import tqdm
+
+    made = []
+
+    def factory(*args, **kwargs):
+        made.append(kwargs)
+        return tqdm(*args, **{**kwargs, "disable": True})
+
+    outs = text_llm.generate(["Hi", "The"], greedy(1), use_tqdm=factory)
+    assert len(outs) == 2 and len(made) == 1 and made[0]["total"] == 2
+
+
 # Qwen3's own template keeps a message's content only when it is a string (else ''), as many do
 STRING_ONLY = ("{% for m in messages %}{% if m.content is string %}{% set c = m.content %}{% else %}"
                "{% set c = '' %}{% endif %}<{{ m.role }}>{{ c }}</{{ m.role }}>{% endfor %}")

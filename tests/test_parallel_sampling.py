@@ -50,9 +50,9 @@ def test_siblings_reuse_the_leaders_prompt_blocks(llm):
     assert sum(hits) == 2 * 16
 
 
-def test_greedy_n_gives_identical_samples_and_step_returns_the_parent(llm):
+def test_step_returns_the_parent(llm):
     engine = llm.llm_engine
-    engine.add_request("g", PROMPT, SamplingParams(temperature=0, max_tokens=4, n=2, ignore_eos=True))
+    engine.add_request("g", PROMPT, S(max_tokens=4, n=2, seed=3))
     seen = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -60,8 +60,19 @@ def test_greedy_n_gives_identical_samples_and_step_returns_the_parent(llm):
             seen.append(out)
     final = seen[-1]
     assert final.finished and not any(o.finished for o in seen[:-1])
-    a, b = completions(final)
-    assert a == b and len(a) == 4
+    assert [len(c) for c in completions(final)] == [4, 4]
+
+
+def test_greedy_n_above_one_is_refused_as_vllm_does():
+    """n identical greedy completions are a mistake vLLM refuses ("n must be 1 when using greedy
+    sampling"); minivllm used to return them. Refused at construction and on assignment, where the
+    old value is kept."""
+    with pytest.raises(ValueError, match=r"SamplingParams\.n=2: must be 1 when temperature=0"):
+        SamplingParams(temperature=0, n=2)
+    params = SamplingParams(temperature=0.8, n=2)
+    with pytest.raises(ValueError, match=r"SamplingParams\.n=2"):
+        params.temperature = 0
+    assert params.temperature == 0.8 and params.n == 2
 
 
 def test_streaming_deltas_join_to_the_final_completions(llm):

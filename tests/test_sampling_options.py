@@ -81,6 +81,33 @@ def test_min_tokens_masks_stop_tokens_until_reached(llm):
     assert len(eos_llm_out.token_ids) == 10 and 0 not in eos_llm_out.token_ids  # eos id 0 masked, never ends early
 
 
+def test_vllm_spellings_normalised_as_vllm_does():
+    """seed=-1 is no seed, logprobs=True one top token, stop and bad_words lists ([] for None):
+    vLLM's SamplingParams.__post_init__ does the same, and scripts rely on it (iterating or
+    appending to params.stop). Before: seed -1 was a fixed seed, True refused, stop kept as given."""
+    params = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True, stop="\n")
+    assert params.seed is None and params.logprobs == 1 and params.prompt_logprobs == 1
+    assert params.stop == ["\n"] and params.stop_strings == ["\n"]
+    bare = SamplingParams()
+    assert bare.stop == [] and bare.bad_words == [] and bare.stop_token_ids == []
+    bare.stop.append("x")  # a vLLM script's habit; the stop strings follow
+    assert bare.stop_strings == ["x"]
+    bare.seed = -1
+    assert bare.seed is None
+    bare.stop = "END"
+    assert bare.stop == ["END"] and bare.max_stop_len == 3
+
+
+def test_eos_listed_in_stop_token_ids_reads_as_eos(llm):
+    """vLLM checks eos before stop_token_ids: an eos that is also listed ends the request with
+    stop_reason None, and only with ignore_eos does it count as a stop token (the eos, id 0, forced
+    by a logit bias)."""
+    out = run(llm, SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[0], logit_bias={0: 50.0}))
+    assert out.token_ids == [0] and out.finish_reason == "stop" and out.stop_reason is None
+    out = run(llm, G(4, stop_token_ids=[0], logit_bias={0: 50.0}))  # ignore_eos=True
+    assert out.token_ids == [0] and out.finish_reason == "stop" and out.stop_reason == 0
+
+
 def test_bad_words(llm):
     tok = llm.tokenizer
     plain = run(llm, G(10)).token_ids

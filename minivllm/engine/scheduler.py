@@ -466,13 +466,15 @@ class Scheduler:
         return False
 
     def _stop(self, seq: Sequence, token: int) -> None:
-        """Finish ``seq``, which met its stop rule (see ``add``) with ``token``: a stop token
-        (reason "stop", stop_reason the token), an eos ("stop", None), or its length."""
-        stop_token_ids = seq.params.stop_token_ids
-        if stop_token_ids and token in stop_token_ids:
-            self.finish(seq, "stop", token)
-        elif token in seq.stop_ids:
+        """Finish ``seq``, which met its stop rule (see ``add``) with ``token``: an eos unless
+        ``ignore_eos`` (reason "stop", stop_reason None; checked first, as vLLM does, so an eos also
+        listed in ``stop_token_ids`` reads as an eos), another stop token ("stop", the token), or its
+        length."""
+        params = seq.params
+        if not params.ignore_eos and token in self.config.eos_token_ids:
             self.finish(seq, "stop", None)
+        elif params.stop_token_ids and token in params.stop_token_ids:
+            self.finish(seq, "stop", token)
         else:
             self.finish(seq, "length")
 
