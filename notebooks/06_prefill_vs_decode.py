@@ -1098,16 +1098,18 @@ Quiz([
          f"The measured throughput at batch {b_max} was {speedup:.1f}x that of batch 1."],
     ),
     Question(
-        "Starting from batch-1 decode (memory-bound), which of these does NOT raise decode tokens per second on "
-        "the same model?",
+        "Starting from batch-1 decode (memory-bound), which of these cannot raise decode tokens per second on "
+        "the same model, whatever the machine?",
         ["Batching more requests into each decode step", "Storing the weights in int8",
          "Speculative decoding on text that repeats its context", "A GPU with more FLOP/s and the same bandwidth"],
         3,
         ["It does: one weight read serves every sequence in the step (section 5 measured it).",
-         "It does where the weight read dominates: fewer bytes per weight, less to read per step (section 5's "
+         "It can where the weight read dominates: fewer bytes per weight, less to read per step (section 5's "
          f"single weight: {fp32_ms / int8_ms:.1f}x faster; the embedded model's whole step, run eagerly: "
-         f"{lever_rows[1][1] / tps1:.2f}x).",
-         "It does when drafts are accepted and checking them costs little more than a plain step, as in a "
+         f"{lever_rows[1][1] / tps1:.2f}x"
+         + (", slower: in a model this small the weight read is not all of the step, and the int8 path has costs "
+            "of its own)." if lever_rows[1][1] < tps1 else ")."),
+         "It can, when drafts are accepted and checking them costs little more than a plain step, as in a "
          "memory-bound step: several tokens come out of one weight read (on the embedded model run eagerly, "
          f"section 5 measured {spec_ratio:.2f}x).",
          "Right, at small batches: a memory-bound decode step waits on bandwidth, and more arithmetic units "

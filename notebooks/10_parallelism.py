@@ -614,8 +614,8 @@ _ = check_prediction(my_prediction, TP_RATIO["decode"], rel_tol=0.3, unit="x",
 # compete with each other (and with anything else running) for the same cores, and a timed collective
 # includes the wait for the other rank to arrive, so these figures swing from run to run; the counts
 # above do not. That wait would also blur the check below of how an all-reduce's time grows with its
-# bytes: a median call includes it, and it tends to be longer in the prefill (more work between two
-# calls), so the check compares the fastest call of each kind in section 4's run, the least delayed
+# bytes: a median call includes it, and how long it is depends on how far apart the two ranks
+# arrive at that call, so the check compares the fastest call of each kind in section 4's run, the least delayed
 # (it prints the medians' growth beside it). The next cell checks the direction of each of these
 # claims on this run.
 
