@@ -503,7 +503,7 @@ def test_sweep_cli_writes_the_roofline_html_only_when_asked(tiny_ckpt, tmp_path,
         bench.run_cli(args + ["--context-len", "0"], peak_kwargs=PEAKS)
     capsys.readouterr()
     assert bench.main(["--sweep", "--batch-sizes", "0", "--threads", "1"]) == 2  # before any engine is built
-    assert "error: batch_sizes=[0]: each must be at least 1" in capsys.readouterr().err
+    assert "error: --batch-sizes 0: each must be at least 1" in capsys.readouterr().err
 
 
 def test_weights_line_says_what_it_counts():
@@ -624,3 +624,63 @@ def test_the_quantization_summary_says_slower_for_a_ratio_below_one_and_formats_
     lines.clear()
     print_quantization(r, log=lines.append)
     assert "int8 vs float32: 2.50x faster per decode token" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--overhead", "--batch-sizes", "0", "--no-nanovllm"], "--batch-sizes 0: each must be at least 1"),
+    (["--speculative", "ngram", "--batch-sizes", "0"], "--batch-sizes 0: each must be at least 1"),
+    (["--overhead", "--decode-steps", "0", "--no-nanovllm"], "--decode-steps=0: must be at least 1"),
+    (["--sweep", "--decode-steps", "-1"], "--decode-steps=-1: must be at least 1"),
+    (["--hf-batch-size", "-3"], "--hf-batch-size=-3: must be at least 1"),
+    (["--peers", "hf_generate,bogus"], "unknown peer(s) ['bogus']"),
+    (["--html", "x.html"], "add --sweep"),
+])
+def test_bench_refuses_unusable_flag_values_before_running(argv, message, capsys, monkeypatch):
+    """A fresh user's finds: --overhead with batch 0 (or above --max-num-seqs) looped for ever,
+    --decode-steps 0 ran the default, a negative --hf-batch-size printed a nonsense row and a
+    traceback, an unknown peer was refused only after minivllm's whole run. Each is now an
+    ``error:`` naming the flag, exit status 2, before an engine is built."""
+    monkeypatch.setattr(bench.cli, "_run_modes", lambda *a: pytest.fail("ran despite a bad flag"))
+    assert bench.main(argv + ["--threads", "1"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_refuses_an_output_path_it_could_not_write_before_running(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench.cli, "_run_modes", lambda *a: pytest.fail("ran despite a bad path"))
+    assert bench.main(["--json", str(tmp_path), "--threads", "1"]) == 2
+    assert "a directory; give a file path" in capsys.readouterr().err
+    afile = tmp_path / "f"
+    afile.write_text("")
+    assert bench.main(["--sweep", "--html", str(afile / "r.html"), "--threads", "1"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_batch_sizes_above_max_num_seqs_are_refused_before_an_engine_is_built(monkeypatch):
+    """With --max-num-seqs below a batch size no step ever carried the whole batch: --overhead
+    waited for one for ever, --sweep printed 'KV pool too small?'."""
+    import minivllm.bench.overhead as overhead_mod
+    import minivllm.bench.speculative as speculative_mod
+    import minivllm.bench.sweep as sweep_mod
+
+    for mod in (overhead_mod, speculative_mod, sweep_mod):
+        monkeypatch.setattr(mod, "build_llm", lambda *a, **k: pytest.fail("built an engine"))
+    with pytest.raises(ValueError, match=r"batch_sizes=\[8\]: 8 is above max_num_seqs=4"):
+        run_overhead(None, batch_sizes=(8,), nanovllm=False, max_num_seqs=4, log=_quiet)
+    with pytest.raises(ValueError, match="above max_num_seqs=4"):
+        run_sweep(None, batch_sizes=[1, 8], max_num_seqs=4, log=_quiet)
+    with pytest.raises(ValueError, match="above max_num_seqs=2"):
+        speculative_mod.run_speculative(None, batch_sizes=(4,), max_num_seqs=2, log=_quiet)
+    with pytest.raises(ValueError, match=r"batch_sizes=\[0\]"):
+        speculative_mod.run_speculative(None, batch_sizes=(0,), log=_quiet)
+
+
+def test_bench_reports_a_missing_model_as_generate_does(capsys, tmp_path):
+    """A bad --model in any bench mode was a FileNotFoundError traceback (exit 1); generate prints
+    ``error: ...`` with status 2, and now bench does too. A file given as the model is named so."""
+    assert bench.main(["--model", str(tmp_path / "nope"), "--no-peers", "--num-requests", "2", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model") and "no such directory" in err and "Traceback" not in err
+    afile = tmp_path / "config"
+    afile.write_text("")
+    assert bench.main(["--model", str(afile), "--no-peers", "--num-requests", "2", "--threads", "1"]) == 2
+    assert "a file, not a checkpoint directory" in capsys.readouterr().err

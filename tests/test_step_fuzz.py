@@ -34,7 +34,8 @@ def _requests(spec, tag):
     out = []
     for i, (prefix, own, max_tokens, seed, kind, logprobs, prompt_logprobs, n) in enumerate(spec):
         prompt = (PREFIXES[prefix] if prefix >= 0 else []) + prompts_of([own], seed=1000 + i)[0]
-        extra = dict(logprobs=logprobs, prompt_logprobs=1 if prompt_logprobs else None, n=n)
+        # n > 1 only for seeded sampling: greedy n > 1 is refused, as vLLM refuses it
+        extra = dict(logprobs=logprobs, prompt_logprobs=1 if prompt_logprobs else None, n=1 if seed is None else n)
         params = (SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra) if seed is None else
                   SamplingParams(temperature=0.9, top_k=20, seed=seed, max_tokens=max_tokens, ignore_eos=True,
                                  **extra))

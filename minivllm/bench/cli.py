@@ -11,7 +11,7 @@ from minivllm.bench.common import loadavg, wants_cuda
 from minivllm.bench.overhead import run_overhead
 from minivllm.bench.report import print_throughput
 from minivllm.bench.sweep import run_sweep
-from minivllm.bench.throughput import run_throughput
+from minivllm.bench.throughput import HF_PEERS, run_throughput
 from minivllm.bench.workload import WORKLOADS
 from minivllm.utils.threads import ThreadChoice, choose_threads
 
@@ -52,7 +52,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--context-len", type=int, default=None,
                    help="for --sweep: the decode rows' prompt length in tokens (default 128)")
     p.add_argument("--overhead", action="store_true", help="engine overhead with the model stubbed out")
-    p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps for --sweep / --overhead")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="timed decode steps for --sweep (default 12) / --overhead (default 64); new tokens per "
+                        "request for --speculative (default 96) / --quantization")
     p.add_argument("--threads", default="auto",
                    help="torch CPU threads (torch.set_num_threads) for minivllm and the peers alike. 'auto' "
                         "(default): the cores the 1-minute load average leaves idle, at least 1 (OpenMP threads "
@@ -93,10 +95,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m minivllm bench``: prints the results, returns exit status 0; a bad
-    argument (a ``ValueError`` naming it) is printed as ``error: ...`` with exit status 2."""
+    argument (a ``ValueError`` naming it, or a model or draft model path that does not exist) is
+    printed as ``error: ...`` with exit status 2, as ``generate`` does."""
     try:
         run_cli(argv)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -108,9 +111,12 @@ def run_cli(argv: list[str] | None = None, peak_kwargs: dict | None = None) -> d
     ``peak_kwargs`` go to ``measure_peaks`` (sizes, repeats).
 
     Raises:
-        ValueError: a bad ``--threads`` value, or a bad workload/engine argument.
+        ValueError: a bad ``--threads`` value, a bad workload/engine argument, or a flag value no run
+            could use (checked before anything runs: ``_check_args``).
+        FileNotFoundError: the model or draft model path does not exist.
     """
     args = build_parser().parse_args(argv)
+    _check_args(args)
     log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, flush=True))
     import torch
 
@@ -127,6 +133,39 @@ def run_cli(argv: list[str] | None = None, peak_kwargs: dict | None = None) -> d
         torch.set_num_threads(previous_threads)
 
 
+def _check_args(args) -> None:
+    """Refuse, before minutes of measuring, the flag values a run would fail on at its end or
+    quietly replace: counts below 1, an unknown peer, an output path that is a directory or under a
+    file, ``--html`` without ``--sweep``.
+
+    Raises:
+        ValueError: naming the flag and its value.
+    """
+    for flag in ("decode_steps", "hf_batch_size", "rounds"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}={value}: must be at least 1")
+    if args.batch_sizes is not None and min(args.batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes {' '.join(map(str, args.batch_sizes))}: each must be at least 1")
+    throughput = not (args.sweep or args.overhead or args.speculative or args.quantization)
+    if throughput and not args.no_peers:
+        unknown = [x.strip() for x in args.peers.split(",") if x.strip() and x.strip() not in HF_PEERS]
+        if unknown:
+            raise ValueError(f"--peers {args.peers!r}: unknown peer(s) {unknown}; choose from {list(HF_PEERS)}")
+    if args.html is not None and not args.sweep:
+        raise ValueError(f"--html {args.html!r}: the chart is --sweep's roofline; add --sweep")
+    for flag in ("json", "html"):
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        path = Path(value)
+        if path.is_dir():
+            raise ValueError(f"--{flag} {value!r}: a directory; give a file path")
+        above = next((q for q in path.absolute().parents if q.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ValueError(f"--{flag} {value!r}: {str(above)!r} is a file, not a directory")
+
+
 def _run_modes(args, log, peak_kwargs) -> dict:
     import torch
 
@@ -135,14 +174,14 @@ def _run_modes(args, log, peak_kwargs) -> dict:
                    if getattr(args, k) is not None}
     results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "loadavg": loadavg()}
     if args.sweep:
-        kw = {"decode_steps": args.decode_steps} if args.decode_steps else {}
+        kw = {"decode_steps": args.decode_steps} if args.decode_steps is not None else {}
         if args.context_len is not None:
             kw["context_len"] = args.context_len
         results["sweep"] = run_sweep(args.model, batch_sizes=args.batch_sizes, prompt_lens=args.prompt_lens,
                                      html=args.html, seed=args.seed, log=log, peak_kwargs=peak_kwargs, **kw,
                                      **engine_args)
     if args.overhead:
-        kw = {"decode_steps": args.decode_steps} if args.decode_steps else {}
+        kw = {"decode_steps": args.decode_steps} if args.decode_steps is not None else {}
         if args.batch_sizes:
             kw["batch_sizes"] = tuple(args.batch_sizes)
         if args.rounds is not None:
@@ -152,7 +191,7 @@ def _run_modes(args, log, peak_kwargs) -> dict:
     if args.speculative:
         from minivllm.bench.speculative import print_speculative, run_speculative
 
-        kw = {"decode_tokens": args.decode_steps} if args.decode_steps else {}
+        kw = {"decode_tokens": args.decode_steps} if args.decode_steps is not None else {}
         if args.batch_sizes:
             kw["batch_sizes"] = tuple(args.batch_sizes)
         results["speculative"] = run_speculative(args.model, method=args.speculative,
@@ -162,7 +201,7 @@ def _run_modes(args, log, peak_kwargs) -> dict:
     if args.quantization:
         from minivllm.bench.quant import print_quantization, run_quantization
 
-        kw = {"decode_tokens": args.decode_steps} if args.decode_steps else {}
+        kw = {"decode_tokens": args.decode_steps} if args.decode_steps is not None else {}
         results["quantization"] = run_quantization(
             args.model, quantization=args.quantization, quantize_lm_head=not args.no_quantize_lm_head,
             rounds=3 if args.rounds is None else args.rounds, seed=args.seed, log=log, peak_kwargs=peak_kwargs,

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minivllm.bench.common import ResultMixin, build_llm, device_label, loadavg, next_tag
+from minivllm.bench.common import ResultMixin, build_llm, check_batch_sizes, device_label, loadavg, next_tag
 from minivllm.bench.peers import NanoVllmOverhead, PeerOverhead, PeerUnavailable
 from minivllm.bench.report import overhead_row, print_overhead_comparison
 from minivllm.utils import cdiv
@@ -117,6 +117,7 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
 
     if rounds < 1 or decode_steps < 1:
         raise ValueError(f"rounds and decode_steps must be >= 1, got rounds={rounds}, decode_steps={decode_steps}")
+    check_batch_sizes(batch_sizes, engine_args)
     peer, peer_result = None, None
     if nanovllm:
         peer_result = PeerOverhead(True, script=str(nanovllm_script or ""))
@@ -173,6 +174,9 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
                     rec = engine.step_with_record().record
                     if rec.phase == "decode" and rec.num_seqs == b:
                         break
+                    if not engine.has_unfinished_requests():  # never expected: the pool and limits fit b
+                        raise RuntimeError(f"overhead run: the {b} requests finished before one decode step "
+                                           f"carried all of them")
                 for _ in range(warmup_steps - 1):
                     engine.step()
                 block_times = []

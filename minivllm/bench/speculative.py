@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from minivllm.bench.common import ResultMixin, build_llm, device_label, format_load, loadavg
+from minivllm.bench.common import ResultMixin, build_llm, check_batch_sizes, device_label, format_load, loadavg
 
 __all__ = ["SpeculativeResult", "run_speculative", "print_speculative", "repeat_prompts", "speculative_config"]
 
@@ -107,10 +107,14 @@ def run_speculative(model: str | None = None, *, method="ngram", num_speculative
     engines alternating within each round.
 
     Raises:
-        ValueError: a bad speculative method or engine argument (from ``LLM``).
+        ValueError: a bad speculative method or engine argument (from ``LLM``), a batch size below 1
+            or above a given ``max_num_seqs``, ``decode_tokens`` or ``rounds`` below 1.
     """
     from minivllm import SamplingParams
 
+    check_batch_sizes(batch_sizes, engine_args)
+    if decode_tokens < 1 or rounds < 1:
+        raise ValueError(f"decode_tokens={decode_tokens}, rounds={rounds}: each must be at least 1")
     methods = [method] if isinstance(method, str) else list(method)
     configs = [speculative_config(m, num_speculative_tokens, draft_model) for m in methods]
     before = loadavg()

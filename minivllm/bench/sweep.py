@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, device_label, kv_bytes_for, loadavg,
-                                   next_tag, wants_cuda)
+                                   check_batch_sizes, next_tag, wants_cuda)
 from minivllm.bench.matmul_share import LinearReplay, eager_steps, record_linear_calls
 from minivllm.bench.report import describe_peaks, peaks_summary, print_sweep_summary, write_roofline_html
 from minivllm.utils.gc_heap import heap_frozen
@@ -67,7 +67,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
     request to every step, "delta" (``LLM.stream``'s) the new part of each.
 
     Raises:
-        ValueError: ``context_len``, a batch size or a prompt length below 1, or ``context_len`` with
+        ValueError: ``context_len``, a batch size, a prompt length, ``decode_steps`` or ``repeats``
+            below 1, ``warmup_steps`` below 0, a batch size above a given ``max_num_seqs``, or ``context_len`` with
             the steps not fitting the model's length; ``output_kind`` not one of "cumulative",
             "delta", "final_only".
     """
@@ -80,8 +81,11 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
     if context_len < 1:
         raise ValueError(f"context_len={context_len}: a decode row needs a prompt of at least one token")
-    if batch_sizes is not None and any(b < 1 for b in batch_sizes):
-        raise ValueError(f"batch_sizes={list(batch_sizes)}: each must be at least 1")
+    if batch_sizes is not None:
+        check_batch_sizes(batch_sizes, engine_args)
+    if decode_steps < 1 or warmup_steps < 0 or repeats < 1:
+        raise ValueError(f"decode_steps={decode_steps}, warmup_steps={warmup_steps}, repeats={repeats}: decode_steps "
+                         "and repeats must be at least 1, warmup_steps at least 0")
     if prompt_lens is not None and any(n < 1 for n in prompt_lens):
         raise ValueError(f"prompt_lens={list(prompt_lens)}: each must be at least 1")
 
@@ -153,7 +157,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                             matmul_s.append(replay.seconds())
             recs = recs[warmup_steps:warmup_steps + decode_steps]
             if not recs:
-                log(f"  batch {b}: no full decode steps (KV pool too small?)")
+                log(f"  batch {b}: no full decode steps of {b} sequences (KV pool or max_num_batched_tokens too "
+                    f"small for them?)")
                 continue
             p = point(recs, f"decode B={b}", batch_size=b, context_len=context_len)
             # the same linear layers on the same rows, alone: how far the step is from its matmuls

@@ -45,6 +45,10 @@ class ThroughputResult(ResultMixin):
     peers: dict = field(default_factory=dict)
 
 
+#: the transformers peers ``run_throughput`` can run beside minivllm
+HF_PEERS = ("hf_generate", "hf_generate_batch")
+
+
 def run_throughput(model: str | None = None, *, workload: Workload | None = None, workload_name: str | None = None,
                    scale: float = 1.0, num_requests: int | None = None, input_len=None, output_len=None,
                    seed: int = 0, peers: tuple[str, ...] = ("hf_generate", "hf_generate_batch"),
@@ -64,11 +68,18 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
     printed by :func:`minivllm.bench.report.print_throughput`.
 
     Raises:
-        ValueError: an unknown peer name or a bad workload argument.
+        ValueError: an unknown peer name, ``hf_batch_size`` below 1, or a bad workload argument
+            (the first two before anything runs).
         RuntimeError: minivllm produced a different number of tokens than asked for.
     """
     import torch
     import transformers
+
+    unknown = [p for p in peers if p not in HF_PEERS]
+    if unknown:
+        raise ValueError(f"peers={list(peers)}: unknown {unknown}; choose from {list(HF_PEERS)}")
+    if hf_batch_size is not None and hf_batch_size < 1:
+        raise ValueError(f"hf_batch_size={hf_batch_size}: must be at least 1 (None: the default)")
 
     from minivllm.telemetry.utilisation import UtilisationSampler
 
@@ -158,20 +169,16 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
                     continue
                 try:
                     if p == "hf_generate":
-                        bs = hf_batch_size or (64 if device.type == "cuda" else min(32, workload.num_requests))
+                        bs = hf_batch_size if hf_batch_size is not None else (64 if device.type == "cuda" else min(32, workload.num_requests))
                         run_hf_generate(hf, warm, bs, pad, device)  # the same warm-up as minivllm's
                         with frozen_heap():
                             r = run_hf_generate(hf, workload, bs, pad, device)
                         label = f"hf generate (batch {bs})"
-                    elif p == "hf_generate_batch":
+                    else:  # "hf_generate_batch" (the names were checked on entry)
                         run_hf_continuous_batching(hf, warm, device)  # the same warm-up as minivllm's
                         with frozen_heap():
                             r = run_hf_continuous_batching(hf, workload, device)
                         label = "hf generate_batch (CB)"
-                    else:
-                        raise ValueError(f"unknown peer {p!r}: choose hf_generate or hf_generate_batch")
-                except ValueError:
-                    raise
                 except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
                     result["peers"][p] = {"available": False, "reason": f"{type(e).__name__}: {e}"}
                     log(f"{p:<28}unavailable: {type(e).__name__}: {str(e)[:120]}")

@@ -81,7 +81,8 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     directory = EMBEDDED_CHECKPOINTS.get(name) or Path(name).expanduser()
     if not (directory / "config.json").is_file():
         # a missing directory is named as such: "no config.json in it" sent people looking inside it
-        what = "no config.json in" if directory.is_dir() else "no such directory:"
+        what = ("no config.json in" if directory.is_dir() else "a file, not a checkpoint directory:"
+                if directory.exists() else "no such directory:")
         raise FileNotFoundError(
             f"model {name!r}: {what} {str(directory)!r}. Give a local Hugging Face checkpoint "
             f"directory, {EMBEDDED_MODEL_NAME!r}, or 'random:<preset>' (nothing is downloaded at run time).")
