@@ -102,6 +102,9 @@ def test_threads_option():
     for bad in ("0", "many", 2.5):
         with pytest.raises(ValueError, match="--threads"):
             choose_threads(bad)
+    # more threads than cores is allowed, and the line the CLI prints says what it costs
+    assert "more than the 2 cores" in choose_threads("1000", cores=2).reason
+    assert "more than" not in choose_threads("2", cores=2).reason
 
 
 def test_percentiles_and_agreement():

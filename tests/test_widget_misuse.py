@@ -229,3 +229,132 @@ def test_utilisation_monitor_reports_a_prompt_too_long_and_queues_nothing(llm):
     mon.prompt_len.value = llm.llm_engine.config.max_model_len + 10
     assert mon.run() == []
     assert "prompt" in mon.readout.value and not llm.llm_engine.requests
+
+
+# -- a teacher's review of the widgets, 2026-12-05: each test failed before its fix -----------------
+
+def test_a_refused_measurement_leaves_the_prefix_cache_alone(llm):
+    """LatencyCalculator's "measure this point" and PrefixCacheView.run cleared the prefix cache
+    before finding the engine busy."""
+    from widgets import PrefixCacheView
+    from widgets.measure import measure_request_latency
+
+    engine = llm.llm_engine
+    system = ids(48, start=3)
+    llm.generate([system + ids(4, start=61)], _greedy(2), use_tqdm=False)  # 3 blocks of the system prompt cached
+    rid = "busy"
+    engine.add_request(rid, system + ids(4, start=71), _greedy(2))
+    with pytest.raises(ValueError, match="unfinished"):
+        measure_request_latency(llm, 16, 2, 1)
+    view = PrefixCacheView(llm, system, [ids(4, start=81), ids(4, start=91)], repeats=1, run=False)
+    view.run_button.click()  # the button says so, no exception escapes a click
+    assert "unfinished" in view.grid.value
+    engine.step()
+    assert engine.requests[rid].seq.num_cached_tokens == 48
+
+
+def _greedy(n):
+    from minivllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_a_shut_down_llm_is_named_as_shut_down(model_path):
+    from widgets import EngineStepper
+
+    gone = make(model_path)
+    gone.shutdown()
+    with pytest.raises(ValueError, match="has been shut down"):
+        EngineStepper(gone)
+
+
+def test_reset_gives_new_lists_and_max_run_steps_is_said(llm):
+    """Reset emptied the lists a notebook held (pre_steps = stepper.steps); a run capped by
+    max_run_steps read "done"."""
+    from widgets import EngineStepper
+
+    with pytest.raises(ValueError, match="max_run_steps=0"):
+        EngineStepper(llm, max_run_steps=0)
+    s = EngineStepper(llm, show_chart=False, max_run_steps=3)
+    s.add_request(ids(10), max_tokens=8, ignore_eos=True)
+    s.run_to_end()
+    assert "max_run_steps=3" in s.last_message and "1 request(s) unfinished" in s.last_message
+    kept = s.steps
+    s.reset()
+    assert len(kept) == 3 and s.steps == []
+
+
+def test_the_step_chart_names_the_threads_its_steps_ran_with(llm):
+    import torch
+
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm)
+    s.add_request(ids(10), max_tokens=3, ignore_eos=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        s.step()
+        torch.set_num_threads(2)
+        s.step()
+        assert "1-2 CPU threads" in s.chart.layout.title.text
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_sampling_explorer_draws_in_chunks_and_says_whose_distribution_it_shows(llm, monkeypatch):
+    import widgets.sampling_explorer as se
+
+    ex = se.SamplingExplorer(llm, prompt="[5, 6, 7]", top_n=5)
+    assert "[5, 6, 7]" in ex.readout.value
+    monkeypatch.setattr(se, "_RACE_FLOATS", ex.probs.numel() * 3)  # three draws a chunk
+    seen = []
+    race = se.exponential_race
+    monkeypatch.setattr(se, "exponential_race", lambda probs, *a: seen.append(probs.shape[0]) or race(probs, *a))
+    ex.draw(10)
+    assert seen == [3, 3, 3, 1] and ex.num_draws == 10
+    ex.prompt_box.value = "[]"
+    ex.load()  # refused: the chart keeps the old distribution, and the readout says both
+    ex.temperature.value = 0.5  # a slider move used to wipe the error
+    assert "[5, 6, 7]" in ex.readout.value and "color:#b00" in ex.readout.value
+
+
+def test_static_svg_titles_render_the_provenance_line_not_markup():
+    import plotly.graph_objects as go
+
+    from widgets._static import figure_svg
+
+    fig = go.Figure(go.Bar(x=["a"], y=[1]))
+    fig.update_layout(title="Step times<br><sup>measured on cpu &amp; more</sup>")
+    svg = figure_svg(fig)
+    assert "&lt;br&gt;" not in svg and "&lt;sup&gt;" not in svg
+    assert ">Step times</text>" in svg and ">measured on cpu &amp; more</text>" in svg
+
+
+def test_chunked_demo_names_the_setting_that_ran_out_and_its_button_reports(llm):
+    from widgets.chunked_prefill_demo import itl_around_long_prompt
+
+    with pytest.raises(ValueError, match="decode_tokens=2: the decoders finished within arrive_after=4"):
+        itl_around_long_prompt(llm, long_prompt_len=32, num_decoders=1, decode_tokens=2, arrive_after=4)
+
+
+def test_measure_this_point_warms_its_batch_size_up_first(llm, monkeypatch):
+    """The first measurement at a batch size the sweep lacked included recording its CPU graph
+    (TPOT 1.37 ms, then 0.53-0.56): now a short unmeasured run of the same batch goes first."""
+    import widgets.measure as measure
+
+    calls = []
+    real = measure.run_requests
+    monkeypatch.setattr(measure, "run_requests", lambda l, prompts, n: calls.append((len(prompts), n)) or
+                        real(l, prompts, n))
+    measure.measure_request_latency(llm, 16, 3, 3)
+    assert calls == [(3, 2), (3, 3)]
+
+
+def test_utilisation_monitor_draws_its_own_process_beside_the_machine(llm):
+    from widgets import UtilisationMonitor
+
+    mon = UtilisationMonitor(llm, num_requests=1, prompt_len=8, max_tokens=2, period_s=0.02)
+    own = mon.series.data[-1]
+    assert own.name.startswith("this process's CPU") and len(own.y) == len(mon.samples)
+    assert mon.series.data[0].name.startswith("machine CPU busy %")

@@ -796,3 +796,18 @@ def test_widget_and_helper_steps_run_with_the_heap_frozen(llm, monkeypatch):
     check("UtilisationMonitor")
     itl_around_long_prompt(llm, num_decoders=2, decoder_prompt_len=8, decode_tokens=8, long_prompt_len=40, arrive_after=2)
     check("itl_around_long_prompt")
+
+
+def test_latency_calculator_draws_no_tpot_bar_for_one_token_and_warns_of_a_pool_too_small(llm):
+    """With one response token TPOT is undefined: the bar read "0 ms". A point whose requests
+    cannot all hold their KV at once is predicted as if they could: the readout now says so."""
+    from widgets import LatencyCalculator
+
+    calc = LatencyCalculator(llm, prompt_lens=(8, 16, 32), batch_sizes=(1, 2))
+    calc.response_slider.value = 1
+    assert calc.chart.data[0].y[1] is None
+    pool = llm.llm_engine.block_manager.num_blocks
+    calc.prompt_slider.value = min(calc.prompt_slider.max, 200)
+    calc.batch_slider.value = calc.batch_slider.max
+    need = calc.batch_slider.value * -(-(calc.prompt_slider.value + 1) // BLOCK)
+    assert need > pool and f"the pool has {pool}" in calc.readout.value

@@ -14,6 +14,8 @@ def engine_of(llm):
         ValueError: ``llm`` is neither, or it has been shut down.
     """
     engine = getattr(llm, "llm_engine", llm)
+    if engine is None and hasattr(llm, "shutdown"):  # LLM.shutdown() drops its engine
+        raise ValueError(f"{llm!r} has been shut down (LLM.shutdown() frees its engine): make a new LLM")
     if engine is None or not hasattr(engine, "step") or not hasattr(engine, "block_manager"):
         raise ValueError(f"expected a minivllm LLM or LLMEngine, got {llm!r}")
     if engine.is_shut_down:
@@ -34,11 +36,12 @@ def provenance(llm) -> str:
     return chart_provenance(engine_of(llm))
 
 
-def titled(title: str, llm) -> str:
-    """A plotly title with the provenance line under it (``env_report.chart_title``)."""
+def titled(title: str, llm, threads=None) -> str:
+    """A plotly title with the provenance line under it (``env_report.chart_title``; ``threads``:
+    the CPU thread count(s) the data were measured with, default torch's count now)."""
     from minivllm.utils.env_report import chart_title
 
-    return chart_title(title, engine_of(llm))
+    return chart_title(title, engine_of(llm), threads)
 
 
 # what a learner typing token ids may get wrong: only digits, signs, commas and spaces after a "["

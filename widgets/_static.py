@@ -25,6 +25,7 @@ import asyncio
 import base64
 import html
 import os
+import re
 import shutil
 import threading
 import time
@@ -332,8 +333,11 @@ def figure_svg(fig, width: int = 760, height: int | None = None) -> str | None:
            f"font-size='11'><rect width='{w}' height='{h}' fill='white'/>",
            f"<rect x='{left}' y='{top}' width='{pw}' height='{ph}' fill='#f3f5f9'/>"]
     title = fig.layout.title.text if fig.layout.title is not None else None
-    if title:
-        out.append(f"<text x='{left}' y='22' font-size='15'>{html.escape(title)}</text>")
+    if title:  # plotly markup (the provenance line: "title<br><sup>measured on ...</sup>") as SVG lines
+        for i, part in enumerate(re.split(r"<br\s*/?>", title)[:2]):
+            text = html.unescape(re.sub(r"<[^>]+>", "", part))
+            out.append(f"<text x='{left}' y='{20 + 14 * i}' font-size='{15 if i == 0 else 10}'>"
+                       f"{html.escape(text)}</text>")
     for v in yticks:  # y grid and labels, at round values
         yy = top + ph - (v - y0) / (y1 - y0) * ph
         label = _tick_label(10.0 ** v if logy else v)

@@ -2,6 +2,8 @@
 with and without chunked prefill, measured."""
 from __future__ import annotations
 
+import html
+
 import random
 
 import ipywidgets as W
@@ -62,7 +64,8 @@ def itl_around_long_prompt(llm, num_decoders: int = 3, decoder_prompt_len: int =
             engine.abort_request(rid)
         engine.reset_prefix_cache()
     if arrival is None:
-        raise ValueError(f"arrive_after={arrive_after}: the decoders finished before the long prompt arrived")
+        raise ValueError(f"decode_tokens={decode_tokens}: the decoders finished within arrive_after={arrive_after} "
+                         f"steps, before the long prompt arrived (give them more tokens)")
     itl = [seqs[r].metrics.itl_ms for r in ids]
     times = [[(t - arrival) * 1e3 for t in seqs[r].metrics.token_times] for r in ids]
     return dict(itl_ms=itl, token_times_ms=times, long_ttft_ms=long_seq.metrics.ttft_ms,
@@ -102,7 +105,7 @@ class ChunkedPrefillDemo(CourseWidget):
         self.results: dict[str, dict] = {}
         self.run_button = W.Button(description="Run both", icon="play", button_style="primary")
         self.run_button.add_class("mv-run")
-        self.run_button.on_click(lambda _: self.run())
+        self.run_button.on_click(self._on_run)
         self.readout = W.HTML()
         from ._static import LiveFigure
 
@@ -133,8 +136,20 @@ class ChunkedPrefillDemo(CourseWidget):
         whole = LLM(model, enable_chunked_prefill=False, max_num_batched_tokens=max_model_len, **common)
         return cls(chunked, whole, **kwargs)
 
+    def _on_run(self, _button) -> None:
+        """The button: a refused run (a busy engine, a scenario that does not fit) is said in the
+        readout; a click handler's exception would only reach the kernel's log."""
+        try:
+            self.run()
+        except ValueError as e:
+            self.readout.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>"
+
     def run(self) -> dict:
-        """Measure both engines on the same scenario (same seed, same prompts)."""
+        """Measure both engines on the same scenario (same seed, same prompts).
+
+        Raises:
+            ValueError: an engine is busy, or the scenario does not fit it.
+        """
         for name, llm in self.llms.items():
             self.results[name] = itl_around_long_prompt(llm, **self.scenario)
         with self.chart.batch_update():

@@ -11,6 +11,7 @@ import types
 from typing import Callable
 
 import ipywidgets as W
+import torch
 
 from minivllm.sampling_params import SamplingParams
 from minivllm.telemetry.step_record import StepRecord
@@ -101,7 +102,8 @@ class EngineStepper(CourseWidget):
         peaks: measured ``Peaks`` to use for MFU/MBU (default: ``get_peaks()`` for the
             engine's device and dtype, measured once per machine and cached).
         show_chart: include the live step-time chart.
-        max_run_steps: "Run to end" gives up after this many steps.
+        max_run_steps: "Run to end" gives up after this many steps (an int >= 1; the status says
+            so, with the requests still unfinished).
 
     State for code and tests: ``steps`` (the ``StepRecord`` of every step taken through
     this widget), ``request_ids``, ``generated_token_count``, ``processed_prompt_tokens``,
@@ -111,6 +113,8 @@ class EngineStepper(CourseWidget):
     def __init__(self, llm, *, prompt: str = "The function returns", max_tokens: int = 16,
                  temperature: float = 0.0, peaks=None, show_chart: bool = True, max_run_steps: int = 10_000):
         super().__init__()
+        if isinstance(max_run_steps, bool) or not isinstance(max_run_steps, int) or max_run_steps < 1:
+            raise ValueError(f"max_run_steps={max_run_steps!r}: must be an int >= 1")
         self.engine = engine_of(llm)
         self.llm = llm  # held: an LLM shuts its engine down when collected (EngineStepper(LLM(...)) must work)
         self.tokenizer = self.engine.tokenizer
@@ -121,6 +125,7 @@ class EngineStepper(CourseWidget):
         self._seqs = {}              # request id -> engine Sequence (kept after it finishes)
         self._arrival_step: dict[str, int] = {}
         self._colour: dict[str, str] = {}
+        self._step_threads: dict[int, int] = {}  # step index -> torch's CPU threads when it ran
         self._observers: list[Callable] = []
         self._stop_requested = False
         self._running = False
@@ -255,8 +260,10 @@ class EngineStepper(CourseWidget):
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
         self.engine.reset_prefix_cache()
-        self.steps.clear()
-        self.request_ids.clear()
+        # new lists, not cleared ones: a notebook that kept the old (pre_steps = stepper.steps) keeps its history
+        self.steps = []
+        self.request_ids = []
+        self._step_threads = {}
         self._seqs.clear()
         self._arrival_step.clear()
         self._colour.clear()
@@ -323,6 +330,7 @@ class EngineStepper(CourseWidget):
             record = self.engine.step_with_record().record
         self._fill_roofline(record)
         self.steps.append(record)
+        self._step_threads[record.index] = torch.get_num_threads()  # the chart's title names what the steps ran with
         self._message(f"step {record.index}: {record.phase}, {record.num_prefill_tokens} prefill + "
                       f"{record.num_decode_tokens} decode tokens in {fmt_ms(record.wall_ms)}")
         self._notify(record)
@@ -394,8 +402,11 @@ class EngineStepper(CourseWidget):
             self._message(f"run stopped after {run.taken} steps: a step raised {type(run.error).__name__}: "
                           f"{run.error} (that step was rolled back){idle}", error=True)
         else:
-            how = "interrupted" if run.interrupted else "stopped" if stopped else "done"
-            self._message(f"run {how} after {run.taken} steps{idle}")
+            capped = not (run.interrupted or stopped or idle) and run.taken >= self.max_run_steps
+            how = ("interrupted" if run.interrupted else "stopped" if stopped else
+                   f"stopped at max_run_steps={self.max_run_steps}" if capped else "done")
+            self._message(f"run {how} after {run.taken} steps{idle}" + (
+                f"; {self.engine.get_num_unfinished_requests()} request(s) unfinished" if capped else ""))
         self.render()
 
     # -- measurement helpers ------------------------------------------------------------------
@@ -478,6 +489,8 @@ class EngineStepper(CourseWidget):
             # integer ticks only, at most ~15 of them (steps are whole numbers)
             span = (self.steps[-1].index - self.steps[0].index + 1) if self.steps else 1
             self.chart.layout.xaxis.dtick = max(1, cdiv(span, 15))
+            threads = {self._step_threads[r.index] for r in self.steps if r.index in self._step_threads}
+            self.chart.layout.title.text = titled("Measured wall time of each step", self.engine, threads or None)
             for trace in self.chart.data:
                 recs = [r for r in self.steps if r.phase == trace.name]
                 trace.x = [r.index for r in recs]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import html
 
 import ipywidgets as W
+import torch
+
+from minivllm.utils import cdiv
 
 from ._base import STYLE, CourseWidget
 from ._engine import engine_of, fmt_ms, titled
@@ -44,8 +47,12 @@ class LatencyCalculator(CourseWidget):
         self.llms = llms
         self.sweeps: dict[str, list[dict]] = dict(sweeps or {})
         self.models: dict[str, LatencyModel] = {}
+        #: torch's CPU threads when each model's sweep ran here (None: the sweep was passed in)
+        self.fit_threads: dict[str, int | None] = {}
         for name, llm in llms.items():
+            self.fit_threads[name] = None
             if name not in self.sweeps:
+                self.fit_threads[name] = torch.get_num_threads()
                 self.sweeps[name] = (measure_step_latency(llm, prompt_lens, decode_steps=3, repeats=1)
                                      + measure_decode_batch(llm, batch_sizes, decode_steps=3))
             self.models[name] = LatencyModel.fit(self.sweeps[name])
@@ -79,7 +86,8 @@ class LatencyCalculator(CourseWidget):
                            **bar_text)
         self.chart.add_bar(name="measured", x=["TTFT", "TPOT", "total"], y=[None, None, None],
                            marker_color="#4c78a8", **bar_text)
-        self.chart.update_layout(title=titled("Predicted and measured latency", first),
+        self.chart.update_layout(title=titled("Predicted and measured latency", first,
+                                              self.fit_threads[next(iter(llms))]),
                                  xaxis_title="mean over the batch's requests", yaxis_title="time (ms)",
                                  barmode="group", height=320, width=560, margin=dict(l=60, r=10, t=60, b=45))
         for w in (self.model_menu, self.prompt_slider, self.response_slider, self.batch_slider):
@@ -110,13 +118,25 @@ class LatencyCalculator(CourseWidget):
                 ("total", pr["e2e_ms"], measured and measured["e2e_ms"])]
         table = "".join(f"<tr><td>{k}</td><td class='mv-pred-{k.lower()}'>{fmt_ms(v)}</td>"
                         f"<td>{fmt_ms(m) if measured else '–'}</td></tr>" for k, v, m in rows)
+        notes = []
+        fitted = self.fit_threads[name]
+        if measured and fitted is not None and measured["threads"] != fitted:
+            notes.append(f"measured with {measured['threads']} CPU thread(s), the model fitted with {fitted}: "
+                         f"not the same machine setting")
+        bm = engine_of(self.llms[name]).block_manager
+        need = b * cdiv(p + r, bm.block_size)
+        if need > bm.num_blocks:
+            notes.append(f"{b} requests of {p} + {r} tokens need {need} KV blocks at once and the pool has "
+                         f"{bm.num_blocks}: some wait or are preempted, which the prediction does not replay")
         self.readout.value = (
             f"<div class='mv-box'><table class='mv-table'><tr><th></th><th>predicted</th><th>measured</th></tr>"
             f"{table}</table><div class='mv-small' style='max-width:360px'>cost model fitted to steps measured "
-            f"on this machine: {html.escape(model.describe())}</div></div>")
+            f"on this machine: {html.escape(model.describe())}</div>"
+            + "".join(f"<div class='mv-small mv-note' style='max-width:360px;color:#b00'>{html.escape(n)}</div>"
+                      for n in notes) + "</div>")
         with self.chart.batch_update():
-            self.chart.layout.title.text = titled("Predicted and measured latency", self.llms[name])
-            self.chart.data[0].y = [v if v is not None else 0 for _, v, _ in rows]
+            self.chart.layout.title.text = titled("Predicted and measured latency", self.llms[name], fitted)
+            self.chart.data[0].y = [v for _, v, _ in rows]  # no TPOT with one response token: no bar
             self.chart.data[1].y = [m if (measured and m is not None) else None for _, _, m in rows]
 
     def measure(self) -> dict:
@@ -131,6 +151,7 @@ class LatencyCalculator(CourseWidget):
         finally:
             self.measure_button.disabled = False
         m["point"] = self.point
+        m["threads"] = torch.get_num_threads()
         m["predicted"] = dict(self.prediction)
         self.measurements.append(m)
         self.update()

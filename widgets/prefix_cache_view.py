@@ -1,6 +1,7 @@
 """``PrefixCacheView``: requests sharing a system prompt, which blocks hit, and the TTFT saved."""
 from __future__ import annotations
 
+import html
 import statistics
 
 import ipywidgets as W
@@ -9,7 +10,7 @@ from minivllm.utils import cdiv
 
 from ._base import STYLE, CourseWidget
 from ._engine import engine_of, fmt_ms, titled
-from .measure import run_requests
+from .measure import _require_idle, run_requests
 
 
 class PrefixCacheView(CourseWidget):
@@ -48,7 +49,7 @@ class PrefixCacheView(CourseWidget):
         self.results: list[dict] = []
         self.run_button = W.Button(description="Run", icon="play", button_style="primary")
         self.run_button.add_class("mv-run")
-        self.run_button.on_click(lambda _: self.run())
+        self.run_button.on_click(self._on_run)
         self.grid = W.HTML()
         from ._static import LiveFigure
 
@@ -79,8 +80,22 @@ class PrefixCacheView(CourseWidget):
             cached = outs[0].num_cached_tokens
         return statistics.median(times), cached
 
+    def _on_run(self, _button) -> None:
+        """The button: a refused run (a busy engine) is said above the table; a click handler's
+        exception would only reach the kernel's log."""
+        try:
+            self.run()
+        except ValueError as e:
+            self.grid.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>" + self.grid.value
+
     def run(self) -> list[dict]:
-        """Measure every request (see the class docstring); returns ``results``."""
+        """Measure every request (see the class docstring); returns ``results``.
+
+        Raises:
+            ValueError: the engine has unfinished requests (before anything, the prefix cache
+                included, is changed).
+        """
+        _require_idle(self.engine)
         sys_ids = self._ids(self.system_prompt)
         prompts = [sys_ids + self._ids(u) for u in self.user_prompts]
         bs = self.engine.block_manager.block_size

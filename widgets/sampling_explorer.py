@@ -57,6 +57,10 @@ def sampling_batch(temperature: float, top_k: int, top_p: float, min_p: float, r
         any_penalty=False)
 
 
+
+#: floats of noise one chunk of draws may hold (16 MiB)
+_RACE_FLOATS = 4 << 20
+
 class SamplingExplorer(CourseWidget):
     """The next-token distribution the model really computes for a prompt, and what the
     sampling filters make of it.
@@ -86,6 +90,9 @@ class SamplingExplorer(CourseWidget):
         self.generator = torch.Generator().manual_seed(seed)
         self.counts: dict[int, int] = {}
         self.num_draws = 0
+        self.logits = None          # the loaded prompt's next-token logits (None until a load succeeds)
+        self.loaded_prompt = None   # the text box's value they were computed for
+        self._error = None          # the last load's refusal, kept in the readout until the next load
         style = {"description_width": "90px"}
         self.prompt_box = W.Text(value=prompt, description="prompt", layout=W.Layout(width="460px"))
         self.load_button = W.Button(description="Next-token distribution", icon="refresh")
@@ -124,11 +131,17 @@ class SamplingExplorer(CourseWidget):
 
     def load(self) -> None:
         """Run the prompt through the engine and take its next-token logits."""
+        text = self.prompt_box.value
         try:
-            self.logits = next_token_logits(self.llm, parse_prompt(self.prompt_box.value))
+            self.logits = next_token_logits(self.llm, parse_prompt(text))
         except ValueError as e:
-            self.readout.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>"
+            self._error = str(e)
+            if self.logits is None:
+                self.readout.value = f"<div class='mv-box' style='color:#b00'>{html.escape(self._error)}</div>"
+            else:
+                self._redraw()  # the chart keeps the last prompt's distribution, and the readout says whose
             return
+        self.loaded_prompt, self._error = text, None
         self.model_probs = torch.softmax(self.logits, dim=-1)
         self.order = torch.argsort(self.model_probs, descending=True)[:self.top_n].tolist()
         self.update()
@@ -144,6 +157,8 @@ class SamplingExplorer(CourseWidget):
 
     def update(self) -> None:
         """Re-apply the filters; drawn frequencies are cleared (they belong to the old settings)."""
+        if self.logits is None:  # nothing loaded yet: the readout keeps the load's error
+            return
         self.probs = self._filtered()
         self.counts, self.num_draws = {}, 0
         self.kept = int((self.probs > 0).sum())
@@ -154,8 +169,16 @@ class SamplingExplorer(CourseWidget):
         n = int(n if n is not None else self.n_draws.value)
         if n < 1:
             raise ValueError(f"n={n!r}: draw at least one sample")
-        probs = self.probs.unsqueeze(0).expand(n, -1).contiguous()
-        tokens = exponential_race(probs, [None] * n, self.generator).tolist()
+        if self.logits is None:
+            raise ValueError(f"no distribution to draw from: the prompt did not load ({self._error})")
+        # in chunks of rows: the race holds a row of noise per draw (n x vocab floats); in one piece,
+        # 20,000 draws over the embedded model's 4,096 tokens raised the peak memory by ~0.9 GB
+        rows = max(1, _RACE_FLOATS // self.probs.numel())
+        tokens = []
+        for start in range(0, n, rows):
+            k = min(rows, n - start)
+            probs = self.probs.unsqueeze(0).expand(k, -1).contiguous()
+            tokens += exponential_race(probs, [None] * k, self.generator).tolist()
         for t in tokens:
             self.counts[t] = self.counts.get(t, 0) + 1
         self.num_draws += n
@@ -175,8 +198,9 @@ class SamplingExplorer(CourseWidget):
                 self.chart.data[2].x, self.chart.data[2].y = [], []
         shown = float(self.probs[ids].sum())
         outside = sum(c for t, c in self.counts.items() if t not in set(ids))
+        error = (f"<div style='color:#b00'>{html.escape(self._error)}</div>" if self._error else "")
         self.readout.value = (
-            f"<div class='mv-box'>{self.kept} of {self.probs.numel()} tokens keep non-zero probability; the "
+            f"<div class='mv-box'>{error}next token after {html.escape(repr(self.loaded_prompt))}: {self.kept} of {self.probs.numel()} tokens keep non-zero probability; the "
             f"{len(ids)} shown hold {100 * shown:.1f} % of it. "
             + (f"{self.num_draws} draws, {outside} outside the shown tokens." if self.num_draws else "")
             + "</div>")

@@ -1,6 +1,8 @@
 """``UtilisationMonitor``: utilisation over time during a workload, and a per-step roofline."""
 from __future__ import annotations
 
+import os
+
 import random
 import time
 from html import escape
@@ -20,7 +22,8 @@ class UtilisationMonitor(CourseWidget):
     """Runs a workload on the engine while ``minivllm.telemetry.utilisation.UtilisationSampler``
     samples the machine, and draws:
 
-    * the sampler's series over time (CPU busy % always; on a GPU, NVML's SM and memory
+    * the sampler's series over time (the machine's CPU busy %, every process's, and this
+      process's share of all cores, always; on a GPU, NVML's SM and memory
       busy %, which are averages over NVML's 1/6 s to 1 s window: context, not per-step
       figures), with each engine step drawn as a tick coloured by phase on the same clock
       (``time.perf_counter``);
@@ -62,12 +65,17 @@ class UtilisationMonitor(CourseWidget):
         from ._static import LiveFigure
 
         self.series = LiveFigure()
-        for name, colour in (("CPU busy %", "#4c78a8"), ("GPU SM busy % (NVML window)", "#e4572e"),
+        for name, colour in (("machine CPU busy % (every process)", "#4c78a8"),
+                             ("GPU SM busy % (NVML window)", "#e4572e"),
                              ("GPU memory busy % (NVML window)", "#54a24b")):
             self.series.add_scatter(name=name, x=[], y=[], mode="lines", line=dict(color=colour))
         for phase in ("prefill", "decode", "mixed"):
             self.series.add_scatter(name=f"{phase} step", x=[], y=[], mode="markers",
                                     marker=dict(symbol="line-ns-open", size=12, color=PHASE_COLOURS[phase]))
+        # last, after the step ticks (_redraw finds those by position): the machine's line includes other
+        # processes, so the engine's own share is drawn beside it
+        self.series.add_scatter(name="this process's CPU % (of all cores)", x=[], y=[], mode="lines",
+                                line=dict(color="#72b7b2", dash="dot"))
         self.series.update_layout(title=titled("Utilisation during the workload", self.engine), xaxis_title="time (s)",
                                   yaxis_title="busy (% of capacity)", yaxis_range=[0, 110], height=300, width=760,
                                   margin=dict(l=50, r=10, t=60, b=40))
@@ -153,7 +161,10 @@ class UtilisationMonitor(CourseWidget):
             if any(g is not None for g in gpu):
                 self.series.data[1].x, self.series.data[1].y = xs, gpu
                 self.series.data[2].x, self.series.data[2].y = xs, [x.mem_util_percent for x in s]
-            for trace in self.series.data[3:]:
+            cores = len(s[-1].per_cpu_percent) if s and s[-1].per_cpu_percent else (os.cpu_count() or 1)
+            own = self.series.data[-1]
+            own.x, own.y = xs, [None if x.process_cpu_percent is None else x.process_cpu_percent / cores for x in s]
+            for trace in self.series.data[3:-1]:
                 phase = trace.name.split()[0]
                 recs = [r for r in self.records if r.phase == phase]
                 trace.x = [(r.start_time + r.end_time) / 2 - t0 for r in recs]

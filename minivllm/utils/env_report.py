@@ -49,22 +49,26 @@ def describe(llm) -> str:
             f"torch {torch.__version__}")
 
 
-def chart_provenance(llm) -> str:
+def chart_provenance(llm, threads=None) -> str:
     """Where a chart's measurements come from, for its subtitle:
     ``"measured on cpu (AMD EPYC 9R14) · minivllm-tiny · float32 · 1 CPU thread"`` (device with the
-    processor's or GPU's name, model and dtype of the live engine, and torch's CPU thread count now).
-    ``llm``: an ``LLM`` or its ``LLMEngine``."""
+    processor's or GPU's name, model and dtype of the live engine, and torch's CPU thread count).
+    ``llm``: an ``LLM`` or its ``LLMEngine``. ``threads``: the thread count(s) the chart's data were
+    measured with (an int, or a collection of them: "1-2 CPU threads"), default torch's count now."""
     import torch
 
     engine = getattr(llm, "llm_engine", llm)
     cfg = engine.config
-    n = torch.get_num_threads()
+    counts = sorted({torch.get_num_threads()} if threads is None else
+                    {threads} if isinstance(threads, int) else set(threads)) or [torch.get_num_threads()]
+    n = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return (f"measured on {cfg.device} ({device_name(cfg.device)}) · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')} · "
-            f"{n} CPU thread{'s' if n != 1 else ''}")
+            f"{n} CPU thread{'s' if n != '1' else ''}")
 
 
-def chart_title(title: str, llm) -> str:
-    """A plotly title: ``title`` with :func:`chart_provenance` in small print under it."""
+def chart_title(title: str, llm, threads=None) -> str:
+    """A plotly title: ``title`` with :func:`chart_provenance` (``threads`` as there) in small print
+    under it."""
     import html
 
-    return f"{title}<br><sup>{html.escape(chart_provenance(llm))}</sup>"
+    return f"{title}<br><sup>{html.escape(chart_provenance(llm, threads))}</sup>"

@@ -52,4 +52,7 @@ def choose_threads(value: str | int | None, cores: int | None = None,
         n = 0
     if n < 1 or (isinstance(value, float) and value != n):
         raise ValueError(f"--threads {value!r}: expected 'auto' or an int >= 1")
-    return ThreadChoice(n, f"{n} torch thread(s) (--threads)")
+    cores = cores or os.cpu_count() or 1
+    more = (f"; more than the {cores} cores: OpenMP threads then take turns on them and wait for each other, "
+            f"which slows a step down" if n > cores else "")
+    return ThreadChoice(n, f"{n} torch thread(s) (--threads){more}")
