@@ -27,7 +27,19 @@ IGNORED_VLLM_ARGS = frozenset({
     "max_seq_len_to_capture", "disable_async_output_proc", "use_v2_block_manager",
     "enable_prefix_caching_hash", "max_logprobs", "enable_sleep_mode", "compilation_config",
     "hf_token", "worker_cls", "served_model_name",
+    "max_loras", "max_lora_rank",  # LoRA's sizes; LoRA itself is refused (LACKING_VLLM_ARGS)
+    "guided_decoding_backend", "structured_outputs_config",  # a request asking for them is refused
+    "limit_mm_per_prompt", "mm_processor_kwargs",  # likewise multimodal inputs
 })
+
+#: vLLM engine arguments that turn on a feature minivllm does not have: ``LLM(...)`` refuses them,
+#: naming the feature, when they turn it on (the test), and ignores their off values as it does
+#: ``IGNORED_VLLM_ARGS`` (``pipeline_parallel_size=1`` in a vLLM script runs here).
+LACKING_VLLM_ARGS = {
+    "logits_processors": ("logits processors (callables applied to the logits)", bool),
+    "enable_lora": ("LoRA adapters", bool),
+    "pipeline_parallel_size": ("pipeline parallelism", lambda v: v not in (None, 1)),
+}
 
 #: Other engines' spellings of our arguments (nano-vllm's ``kvcache_block_size``).
 ARG_ALIASES = {"kvcache_block_size": "block_size"}
@@ -160,8 +172,9 @@ class EngineArgs:
         dropped with one warning listing them; ``ARG_ALIASES`` are renamed.
 
         Raises:
-            TypeError: an argument that is neither ours nor a known vLLM one (naming it), or
-                an argument given under both its name and an alias.
+            TypeError: an argument that is neither ours nor a known vLLM one (naming it), a vLLM
+                argument for a feature minivllm lacks (naming the feature), or an argument given
+                under both its name and an alias.
         """
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = dict(kwargs)
@@ -170,7 +183,12 @@ class EngineArgs:
                 if name in kwargs:
                     raise TypeError(f"engine argument {name!r} given twice (also as {alias!r})")
                 kwargs[name] = kwargs.pop(alias)
-        ignored = sorted(k for k in kwargs if k in IGNORED_VLLM_ARGS and k not in known)
+        lacking = sorted(k for k in kwargs if k in LACKING_VLLM_ARGS and k not in known)
+        turned_on = [k for k in lacking if LACKING_VLLM_ARGS[k][1](kwargs[k])]
+        if turned_on:
+            raise TypeError("; ".join(f"{k}={kwargs[k]!r}: {LACKING_VLLM_ARGS[k][0]} is a vLLM feature minivllm "
+                                      "does not have" for k in turned_on) + " (README, 'Coming from vLLM or nano-vllm')")
+        ignored = sorted(k for k in kwargs if (k in IGNORED_VLLM_ARGS or k in lacking) and k not in known)
         unknown = sorted(set(kwargs) - known - set(ignored))
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known)}")

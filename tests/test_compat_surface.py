@@ -365,3 +365,16 @@ def test_small_vllm_conveniences(llm):
     copy = params.clone()
     copy.logit_bias[1] = 5.0
     assert copy == SamplingParams(stop=["a"], logit_bias={1: 5.0}) and params.logit_bias == {1: 2.0}
+
+
+def test_vllm_engine_arguments_for_lacking_features_are_named_when_turned_on(tiny_ckpt):
+    """LLM(logits_processors=[...]) said only 'unknown engine argument'; a vLLM script's
+    pipeline_parallel_size=1 or enable_lora=False (features off) runs, with the ignored-arguments
+    warning."""
+    for kwargs, feature in (({"logits_processors": [print]}, "logits processors"), ({"enable_lora": True}, "LoRA"),
+                            ({"pipeline_parallel_size": 2}, "pipeline parallelism")):
+        with pytest.raises(TypeError, match=f"{feature}.* is a vLLM feature minivllm does not have"):
+            make_llm(tiny_ckpt, **kwargs)
+    llm = make_llm(tiny_ckpt, pipeline_parallel_size=1, enable_lora=False, max_lora_rank=16,
+                   guided_decoding_backend="xgrammar")
+    llm.shutdown()
