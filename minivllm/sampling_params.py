@@ -321,8 +321,12 @@ class SamplingParams:
 
     @property
     def stop_strings(self) -> list[str]:
-        """The stop strings (``stop``, a list since construction)."""
+        """The stop strings (``stop``, a list since construction); assigning sets ``stop``."""
         return self.stop
+
+    @stop_strings.setter
+    def stop_strings(self, value) -> None:
+        self.stop = value  # validated as an assignment to stop is
 
     @property
     def max_stop_len(self) -> int:

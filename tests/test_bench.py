@@ -675,6 +675,15 @@ def test_batch_sizes_above_max_num_seqs_are_refused_before_an_engine_is_built(mo
         speculative_mod.run_speculative(None, batch_sizes=(4,), max_num_seqs=2, log=_quiet)
     with pytest.raises(ValueError, match=r"batch_sizes=\[0\]"):
         speculative_mod.run_speculative(None, batch_sizes=(0,), log=_quiet)
+    # a decode step of b sequences needs b tokens of the step budget too (the overhead run raised
+    # a RuntimeError traceback after its prefill); numpy ints, as a sweep over np.arange gives, are sizes
+    import numpy as np
+
+    with pytest.raises(ValueError, match=r"batch_sizes=\[1, 16\]: 16 is above max_num_batched_tokens=8"):
+        run_overhead(None, batch_sizes=np.array([1, 16]), nanovllm=False, max_num_batched_tokens=8, log=_quiet)
+    from minivllm.bench.common import check_batch_sizes
+
+    check_batch_sizes(np.arange(1, 4), {})
 
 
 def test_bench_reports_a_missing_model_as_generate_does(capsys, tmp_path):

@@ -121,3 +121,14 @@ def test_an_abort_interrupted_in_the_merge_still_forgets_the_parent(llm, monkeyp
     engine.add_request("p", PROMPT, S(n=2, max_tokens=2))  # the id is free again
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_child_seed_of_minus_one_stays_a_seed(llm):
+    """seed=-2, n=3: the second completion's seed is -1, which the vLLM spelling rule ("-1: no
+    seed") turned into None when the child's parameters were rebuilt, so it did not replay."""
+    from minivllm.engine.parallel_sampling import child_params
+
+    params = S(n=3, seed=-2, max_tokens=6)
+    assert [child_params(params, i).seed for i in range(3)] == [-2, -1, 0]
+    first = completions(llm.generate(PROMPT, params, use_tqdm=False)[0])
+    assert first == completions(llm.generate(PROMPT, params, use_tqdm=False)[0])

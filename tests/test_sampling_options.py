@@ -336,3 +336,12 @@ def test_a_sampler_put_in_the_stock_ones_place_sees_greedy_batches_too(tiny_ckpt
     runner.sampler = lambda logits, batch: torch.full((logits.shape[0],), 3, dtype=torch.long)
     assert all(o.outputs[0].token_ids == [3, 3] for o in llm.generate(prompts_of([4, 6]), greedy(2), use_tqdm=False))
     llm.shutdown()
+
+
+def test_stop_strings_can_still_be_assigned_and_is_validated():
+    params = SamplingParams()
+    params.stop_strings = ["END"]
+    assert params.stop == ["END"]
+    with pytest.raises(ValueError, match="SamplingParams.stop="):
+        params.stop_strings = [""]
+    assert params.stop == ["END"]

@@ -331,7 +331,7 @@ def test_static_svg_titles_render_the_provenance_line_not_markup():
     assert ">Step times</text>" in svg and ">measured on cpu &amp; more</text>" in svg
 
 
-def test_chunked_demo_names_the_setting_that_ran_out_and_its_button_reports(llm):
+def test_chunked_demo_names_the_setting_that_ran_out(llm):
     from widgets.chunked_prefill_demo import itl_around_long_prompt
 
     with pytest.raises(ValueError, match="decode_tokens=2: the decoders finished within arrive_after=4"):
@@ -358,3 +358,29 @@ def test_utilisation_monitor_draws_its_own_process_beside_the_machine(llm):
     own = mon.series.data[-1]
     assert own.name.startswith("this process's CPU") and len(own.y) == len(mon.samples)
     assert mon.series.data[0].name.startswith("machine CPU busy %")
+
+
+def test_refused_clicks_show_one_message_and_keep_the_last_results(llm, model_path):
+    """A second refused click stacked a second error box over the first (PrefixCacheView); a demo
+    whose second engine was busy kept a new result beside an old one (ChunkedPrefillDemo); the
+    explorer's Draw button lost its refusal to the kernel log."""
+    from widgets import ChunkedPrefillDemo, PrefixCacheView, SamplingExplorer
+
+    view = PrefixCacheView(llm, ids(20, start=3), [ids(4, start=81), ids(4, start=91)], repeats=1, run=False)
+    llm.llm_engine.add_request("busy", ids(8), _greedy(2))
+    view.run_button.click()
+    view.run_button.click()
+    assert view.grid.value.count("unfinished") == 1
+    llm.llm_engine.abort_request("busy")
+
+    demo = ChunkedPrefillDemo.from_model(model_path, budget=32, max_model_len=256, long_prompt_len=40,
+                                         num_decoders=1, decode_tokens=12, run=False)
+    whole = demo.llms["whole"].llm_engine
+    whole.add_request("busy", ids(8), _greedy(2))
+    demo.run_button.click()
+    assert "busy" in demo.readout.value and demo.results == {}
+    whole.abort_request("busy")
+
+    ex = SamplingExplorer(llm, prompt="[]")  # refused at load: nothing to draw from
+    ex.draw_button.click()
+    assert "no distribution to draw from" in ex.readout.value

@@ -51,6 +51,7 @@ class PrefixCacheView(CourseWidget):
         self.run_button.add_class("mv-run")
         self.run_button.on_click(self._on_run)
         self.grid = W.HTML()
+        self._table = ""  # the last run's table, under a refusal's message
         from ._static import LiveFigure
 
         self.chart = LiveFigure()
@@ -85,8 +86,8 @@ class PrefixCacheView(CourseWidget):
         exception would only reach the kernel's log."""
         try:
             self.run()
-        except ValueError as e:
-            self.grid.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>" + self.grid.value
+        except ValueError as e:  # above the last table, replacing an earlier refusal
+            self.grid.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>" + self._table
 
     def run(self) -> list[dict]:
         """Measure every request (see the class docstring); returns ``results``.
@@ -122,7 +123,7 @@ class PrefixCacheView(CourseWidget):
             rows.append(f"<tr><td>request {i}</td><td>{r['prompt_tokens']}</td><td><div class='mv-kv-grid'>{cells}"
                         f"</div></td><td>{fmt_ms(r['ttft_cold_ms'])}</td><td>{fmt_ms(r['ttft_warm_ms'])}</td>"
                         f"<td>{fmt_ms(r['saved_ms'])}</td></tr>")
-        self.grid.value = (
+        self.grid.value = self._table = (
             f"<div class='mv-box'>system prompt: {sys_len} tokens, shared by every request. Request 0 runs "
             f"first and fills the cache (its own warm run has nothing to reuse).</div>"
             "<table class='mv-table'><tr><th></th><th>prompt tokens</th><th>KV blocks (hit / miss)</th>"

@@ -120,7 +120,7 @@ class SamplingExplorer(CourseWidget):
                                  height=340, width=760, margin=dict(l=50, r=10, t=60, b=80),
                                  legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom"))
         self.load_button.on_click(lambda _: self.load())
-        self.draw_button.on_click(lambda _: self.draw())
+        self.draw_button.on_click(self._on_draw)
         for w in (self.temperature, self.top_k, self.top_p, self.min_p):
             w.observe(lambda _c: self.update(), names="value")
         self.add_class("mv-sampling-explorer")
@@ -164,8 +164,19 @@ class SamplingExplorer(CourseWidget):
         self.kept = int((self.probs > 0).sum())
         self._redraw()
 
+    def _on_draw(self, _button) -> None:
+        """The button: a refusal (no prompt loaded) is said in the readout, not lost to the kernel log."""
+        try:
+            self.draw()
+        except ValueError as e:
+            self.readout.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>"
+
     def draw(self, n: int | None = None) -> dict[int, int]:
-        """Draw ``n`` tokens (default: the "draws" box) from the filtered distribution."""
+        """Draw ``n`` tokens (default: the "draws" box) from the filtered distribution.
+
+        Raises:
+            ValueError: ``n`` below 1, or no prompt has loaded yet.
+        """
         n = int(n if n is not None else self.n_draws.value)
         if n < 1:
             raise ValueError(f"n={n!r}: draw at least one sample")

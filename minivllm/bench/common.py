@@ -5,6 +5,7 @@ import contextlib
 import gc
 import itertools
 import math
+import numbers
 import os
 import statistics
 import time
@@ -65,20 +66,21 @@ def wants_cuda(engine_args: dict) -> bool:
 
 
 def check_batch_sizes(batch_sizes, engine_args: dict) -> None:
-    """Refuse decode batch sizes a run could never form: below 1, or above a ``max_num_seqs`` the
-    caller gave (the scheduler would never run that many at once, and a loop waiting for such a
+    """Refuse decode batch sizes a run could never form: below 1, or above a ``max_num_seqs`` or
+    ``max_num_batched_tokens`` the caller gave (the scheduler would never run that many at once, and a loop waiting for such a
     step would wait for ever).
 
     Raises:
         ValueError: naming the batch sizes (and ``max_num_seqs``).
     """
     sizes = list(batch_sizes)
-    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in sizes):
         raise ValueError(f"batch_sizes={sizes}: each must be an int of at least 1")
-    limit = engine_args.get("max_num_seqs")
-    if limit is not None and max(sizes) > limit:
-        raise ValueError(f"batch_sizes={sizes}: {max(sizes)} is above max_num_seqs={limit}, so no step could "
-                         f"carry that many sequences")
+    for name in ("max_num_seqs", "max_num_batched_tokens"):  # a decode step of b sequences needs b of each
+        limit = engine_args.get(name)
+        if limit is not None and max(sizes) > limit:
+            raise ValueError(f"batch_sizes={[int(b) for b in sizes]}: {max(sizes)} is above {name}={limit}, so no "
+                             f"step could carry that many sequences")
 
 
 def build_llm(model, **engine_args):

@@ -30,8 +30,13 @@ def child_request_id(index: int, parent_id: str) -> str:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th child's parameters: n=1, and seed + i when the parent is seeded."""
-    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    """The i-th child's parameters: n=1, and seed + i when the parent is seeded. The seed is set
+    after construction: passed in, a seed + i of -1 would read as vLLM's "no seed" (the parent's
+    range check already covers seed + n - 1)."""
+    child = dataclasses.replace(params, n=1)
+    if params.seed is not None:
+        object.__setattr__(child, "seed", params.seed + index)
+    return child
 
 
 class ParentRequest:
