@@ -1,6 +1,8 @@
 """Shared behaviour of the course widgets: one-line display with a static snapshot."""
 from __future__ import annotations
 
+import html
+
 import ipywidgets as W
 
 STYLE = """<style>
@@ -27,6 +29,11 @@ STYLE = """<style>
 table.mv-table{border-collapse:collapse;font-size:12px}
 table.mv-table td,table.mv-table th{padding:2px 6px;border-bottom:1px solid #eee;text-align:left}
 </style>"""
+
+def error_box(message: str) -> str:
+    """A refusal or error, said in red in a widget's readout (``message`` is escaped)."""
+    return f"<div class='mv-box' style='color:#b00'>{html.escape(message)}</div>"
+
 
 #: One colour per request, in the order requests were added (cycled).
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#9d755d", "#eeca3b",

@@ -2,8 +2,6 @@
 with and without chunked prefill, measured."""
 from __future__ import annotations
 
-import html
-
 import random
 
 import ipywidgets as W
@@ -11,7 +9,7 @@ import ipywidgets as W
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils.gc_heap import heap_frozen
 
-from ._base import STYLE, CourseWidget
+from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, fmt_ms, titled
 from .measure import random_prompt
 
@@ -142,7 +140,7 @@ class ChunkedPrefillDemo(CourseWidget):
         try:
             self.run()
         except ValueError as e:
-            self.readout.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>"
+            self.readout.value = error_box(str(e))
 
     def run(self) -> dict:
         """Measure both engines on the same scenario (same seed, same prompts).

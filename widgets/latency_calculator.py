@@ -9,7 +9,7 @@ import torch
 
 from minivllm.utils import cdiv
 
-from ._base import STYLE, CourseWidget
+from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, fmt_ms, titled
 from .latency_model import LatencyModel
 from .measure import measure_decode_batch, measure_request_latency, measure_step_latency
@@ -146,7 +146,7 @@ class LatencyCalculator(CourseWidget):
         try:
             m = measure_request_latency(self.llms[name], p, r, b)
         except ValueError as e:
-            self.readout.value += f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>"
+            self.readout.value += error_box(str(e))
             return {}
         finally:
             self.measure_button.disabled = False

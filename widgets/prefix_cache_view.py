@@ -1,14 +1,13 @@
 """``PrefixCacheView``: requests sharing a system prompt, which blocks hit, and the TTFT saved."""
 from __future__ import annotations
 
-import html
 import statistics
 
 import ipywidgets as W
 
 from minivllm.utils import cdiv
 
-from ._base import STYLE, CourseWidget
+from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, fmt_ms, titled
 from .measure import _require_idle, run_requests
 
@@ -87,7 +86,7 @@ class PrefixCacheView(CourseWidget):
         try:
             self.run()
         except ValueError as e:  # above the last table, replacing an earlier refusal
-            self.grid.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>" + self._table
+            self.grid.value = error_box(str(e)) + self._table
 
     def run(self) -> list[dict]:
         """Measure every request (see the class docstring); returns ``results``.

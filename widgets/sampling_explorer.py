@@ -9,7 +9,7 @@ import torch
 from minivllm.layers.sampler import SamplingBatch, exponential_race, filtered_probs
 from minivllm.sampling_params import SamplingParams
 
-from ._base import STYLE, CourseWidget
+from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, parse_prompt, titled, token_piece
 
 
@@ -137,7 +137,7 @@ class SamplingExplorer(CourseWidget):
         except ValueError as e:
             self._error = str(e)
             if self.logits is None:
-                self.readout.value = f"<div class='mv-box' style='color:#b00'>{html.escape(self._error)}</div>"
+                self.readout.value = error_box(self._error)
             else:
                 self._redraw()  # the chart keeps the last prompt's distribution, and the readout says whose
             return
@@ -169,7 +169,7 @@ class SamplingExplorer(CourseWidget):
         try:
             self.draw()
         except ValueError as e:
-            self.readout.value = f"<div class='mv-box' style='color:#b00'>{html.escape(str(e))}</div>"
+            self.readout.value = error_box(str(e))
 
     def draw(self, n: int | None = None) -> dict[int, int]:
         """Draw ``n`` tokens (default: the "draws" box) from the filtered distribution.

@@ -12,7 +12,7 @@ import ipywidgets as W
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils.gc_heap import heap_frozen
 
-from ._base import STYLE, CourseWidget
+from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, fmt_si, titled
 from .engine_stepper import PHASE_COLOURS
 from .measure import random_prompt
@@ -122,7 +122,7 @@ class UtilisationMonitor(CourseWidget):
         except ValueError as e:  # a prompt length the engine cannot take: said here, nothing left queued
             for rid in ids:
                 engine.abort_request(rid)
-            self.readout.value = f"<div class='mv-box' style='color:#b00'>{escape(str(e))}</div>"
+            self.readout.value = error_box(str(e))
             return []
         sampler = UtilisationSampler(period_s=self.period_s, device=str(engine.config.device))
         self.records = []
