@@ -57,9 +57,9 @@ def sampling_batch(temperature: float, top_k: int, top_p: float, min_p: float, r
         any_penalty=False)
 
 
-
 #: floats of noise one chunk of draws may hold (16 MiB)
 _RACE_FLOATS = 4 << 20
+
 
 class SamplingExplorer(CourseWidget):
     """The next-token distribution the model really computes for a prompt, and what the
@@ -209,10 +209,10 @@ class SamplingExplorer(CourseWidget):
                 self.chart.data[2].x, self.chart.data[2].y = [], []
         shown = float(self.probs[ids].sum())
         outside = sum(c for t, c in self.counts.items() if t not in set(ids))
-        error = (f"<div style='color:#b00'>{html.escape(self._error)}</div>" if self._error else "")
         self.readout.value = (
-            f"<div class='mv-box'>{error}next token after {html.escape(repr(self.loaded_prompt))}: {self.kept} of {self.probs.numel()} tokens keep non-zero probability; the "
-            f"{len(ids)} shown hold {100 * shown:.1f} % of it. "
+            (error_box(self._error) if self._error else "")
+            + f"<div class='mv-box'>next token after {html.escape(repr(self.loaded_prompt))}: {self.kept} of "
+            f"{self.probs.numel()} tokens keep non-zero probability; the {len(ids)} shown hold {100 * shown:.1f} % of it. "
             + (f"{self.num_draws} draws, {outside} outside the shown tokens." if self.num_draws else "")
             + "</div>")
 

@@ -67,11 +67,11 @@ def wants_cuda(engine_args: dict) -> bool:
 
 def check_batch_sizes(batch_sizes, engine_args: dict) -> None:
     """Refuse decode batch sizes a run could never form: below 1, or above a ``max_num_seqs`` or
-    ``max_num_batched_tokens`` the caller gave (the scheduler would never run that many at once, and a loop waiting for such a
-    step would wait for ever).
+    ``max_num_batched_tokens`` the caller gave (the scheduler would never run that many at once,
+    and a loop waiting for such a step would wait for ever).
 
     Raises:
-        ValueError: naming the batch sizes (and ``max_num_seqs``).
+        ValueError: naming the batch sizes (and the limit they pass).
     """
     sizes = list(batch_sizes)
     if not sizes or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in sizes):
