@@ -183,6 +183,34 @@ def test_sweep_smoke(tiny_ckpt, tmp_path, monkeypatch):
     assert running_outputs == [] and r.output_kind == "final_only"
 
 
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+def test_sweep_times_no_eager_step_whatever_the_warmup(tiny_ckpt, monkeypatch, warmup_steps):
+    # the step that records the matmuls runs eagerly (slower than a graph replay): it is never a timed step,
+    # even with fewer than two warm-up steps, and the timed steps are still decode_steps of them
+    import minivllm.telemetry.roofline as roofline
+    from minivllm.engine.llm_engine import LLMEngine
+
+    real_step, real_fill, eager, timed = LLMEngine.step_with_record, roofline.fill_step_record, {}, []
+
+    def step_with_record(self):
+        res = real_step(self)
+        eager[id(res.record)] = (res.record, self.runner.graph_runner is None)  # the record kept alive: ids unique
+        return res
+
+    def fill_step_record(rec, *a, **k):
+        if "sums" not in k:  # the sweep's own call on the steps it times (the engine's passes its sums)
+            timed.append(id(rec))
+        return real_fill(rec, *a, **k)
+
+    monkeypatch.setattr(LLMEngine, "step_with_record", step_with_record)
+    monkeypatch.setattr(roofline, "fill_step_record", fill_step_record)
+    r = run_sweep(str(tiny_ckpt), batch_sizes=[2], prompt_lens=[8], context_len=8, decode_steps=3,
+                  warmup_steps=warmup_steps, repeats=1, log=_quiet, peak_kwargs=PEAKS)
+    assert r["decode"][0]["num_steps"] == 3 and r["decode"][0]["matmul_ms"] > 0
+    assert any(e for _, e in eager.values()) and not all(e for _, e in eager.values())  # both kinds ran
+    assert [eager[i][1] for i in timed if eager[i][0].phase == "decode"] == [False] * 3
+
+
 def test_sweep_rejects_an_unknown_output_kind_before_building_an_engine(monkeypatch):
     import minivllm.bench.sweep as sweep
 

@@ -56,7 +56,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
               seed: int = 0, log=print, peak_kwargs: dict | None = None, output_kind: str = "final_only",
               **engine_args) -> SweepResult:
     """Decode step time vs batch size (prompts of ``context_len`` tokens, ``decode_steps``
-    timed steps after ``warmup_steps``) and prefill step time vs prompt length (median of
+    timed steps after ``warmup_steps``; one more step between the first and the rest runs eagerly to
+    record the step's matmuls, and is neither) and prefill step time vs prompt length (median of
     ``repeats`` single-prompt steps); each point with its FLOPs, bytes, FLOP/s, bytes/s,
     arithmetic intensity, MFU and MBU (against the read bandwidth measured in this run).
     Writes a plotly roofline to ``html`` if given. ``peak_kwargs`` go to ``measure_peaks``.
@@ -139,18 +140,18 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             tag = next_tag()
             for i in range(b):
                 engine.add_request(f"sweep{tag}-{i}", prompt(context_len),
-                                   SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 1,
+                                   SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 2,
                                                   ignore_eos=True), output_kind=output_kind)
             recs, replay, matmul_s = [], None, []
             with heap_frozen():  # a full collection of the whole process is not the engine's step
                 while engine.has_unfinished_requests():
-                    if replay is None and recs:  # a warm-up step after a full decode: which matmuls it does
+                    if replay is None and recs:  # after a full decode step: which matmuls such a step does
                         with record_linear_calls() as calls, eager_steps(engine):
                             rec = engine.step_with_record().record
                         if rec.phase == "decode" and rec.num_seqs == b:
                             replay = LinearReplay(calls) if calls else False  # int8 layers: not recorded
-                    else:
-                        rec = engine.step_with_record().record
+                        continue  # an eager step, slower than the others: neither warm-up nor timed
+                    rec = engine.step_with_record().record
                     if rec.phase == "decode" and rec.num_seqs == b:
                         recs.append(rec)
                         if replay and len(recs) > warmup_steps:  # interleaved with the timed steps
