@@ -109,6 +109,26 @@ def test_vllm_tokenizer_and_kv_cache_dtype_arguments(tiny_ckpt, tmp_path):
         make_llm(tiny_ckpt, kv_cache_dtype="fp8")
 
 
+def test_generation_config_extra_eos_ids_stop_with_their_id(tiny_ckpt, tmp_path):
+    """vLLM makes a generation config's eos ids other than the tokenizer's into stop tokens: a request
+    ending on one reports it as stop_reason (Qwen3's <|endoftext|> beside <|im_end|>), the tokenizer's
+    eos stops as an eos even where the generation config leaves it out, and ignore_eos lets both
+    through. Before: every generation-config eos read stop_reason None, and only those ids stopped."""
+    def end(llm, token, **kw):
+        params = SamplingParams(temperature=0, max_tokens=3, logit_bias={token: 50.0}, **kw)  # forced
+        out = llm.generate([3, 4, 5], params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, out.finish_reason, out.stop_reason
+
+    llm = make_llm(_with_generation_config(tiny_ckpt, tmp_path / "both", eos_token_id=[0, 7]))
+    assert llm.get_tokenizer().eos_token_id == 0
+    assert end(llm, 7) == ([7], "stop", 7) and end(llm, 0) == ([0], "stop", None)
+    assert end(llm, 7, ignore_eos=True) == ([7, 7, 7], "length", None)
+    llm.shutdown()
+    llm = make_llm(_with_generation_config(tiny_ckpt, tmp_path / "extra", eos_token_id=[7]))
+    assert end(llm, 0) == ([0], "stop", None) and end(llm, 7) == ([7], "stop", 7)
+    llm.shutdown()
+
+
 def test_nano_vllm_block_size_spelling(tiny_ckpt):
     llm = LLM(str(tiny_ckpt), kvcache_block_size=8, num_kvcache_blocks=64)
     assert llm.llm_engine.config.block_size == 8

@@ -150,7 +150,11 @@ class LLMEngine:
         if prefaulter is not None:  # the CPU pool's first pages are made now, in the background
             self.block_manager.on_fresh_block = prefaulter.note
             prefaulter.note(-1)
-        self.eos_token_ids = frozenset(self.source.eos_token_ids)
+        # As vLLM: the tokenizer's eos ends a request as an eos (stop_reason None), and a generation
+        # config's other eos ids end it as stop tokens (stop_reason: the id); both unless ignore_eos.
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset(self.source.eos_token_ids) | (
+            frozenset() if self.eos_token_id is None else {self.eos_token_id})
         self.speculative_config = (SpeculativeConfig.from_dict(args.speculative_config)
                                    if args.speculative_config is not None else None)
         try:
@@ -159,7 +163,8 @@ class LLMEngine:
             self.runner.shutdown()
             raise
         self.scheduler = Scheduler(SchedulerConfig(args.max_num_seqs, budget, max_model_len,
-                                                   args.enable_chunked_prefill, self.eos_token_ids, propose),
+                                                   args.enable_chunked_prefill, self.eos_token_ids, propose,
+                                                   self.eos_token_id),
                                    self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler.finish)
         self.requests = self.output_processor.states  # request id -> RequestState, unfinished ones

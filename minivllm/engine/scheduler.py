@@ -36,6 +36,9 @@ class SchedulerConfig:
         max_model_len: longest sequence (prompt + output) in tokens; reaching it ends a request.
         enable_chunked_prefill: split prompts that do not fit the remaining budget.
         eos_token_ids: token ids that end a request unless ``ignore_eos``.
+        eos_token_id: the tokenizer's eos (None: it has none). It finishes a request with
+            ``stop_reason`` None; the other ``eos_token_ids`` (a generation config's extra ones) with
+            the id, as vLLM's ``SamplingParams.update_from_generation_config`` makes them stop tokens.
     """
 
     max_num_seqs: int
@@ -46,6 +49,7 @@ class SchedulerConfig:
     #: Speculative decoding: ``propose([(seq, max_tokens), ...]) -> [Proposal, ...]`` for the
     #: decoding sequences, once per step (None: no speculation). See ``minivllm/spec_decode``.
     propose: Callable[[list[tuple[Sequence, int]]], list] | None = None
+    eos_token_id: int | None = None
 
 
 class ScheduledSequence(NamedTuple):
@@ -467,12 +471,12 @@ class Scheduler:
 
     def _stop(self, seq: Sequence, token: int) -> None:
         """Finish ``seq``, which met its stop rule (see ``add``) with ``token``: an eos unless
-        ``ignore_eos`` (reason "stop", stop_reason None; checked first, as vLLM does, so an eos also
-        listed in ``stop_token_ids`` reads as an eos), another stop token ("stop", the token), or its
-        length."""
+        ``ignore_eos`` (reason "stop", stop_reason None, or the id for an eos other than the
+        tokenizer's; checked first, as vLLM does, so an eos also listed in ``stop_token_ids`` reads
+        as an eos), another stop token ("stop", the token), or its length."""
         params = seq.params
         if not params.ignore_eos and token in self.config.eos_token_ids:
-            self.finish(seq, "stop", None)
+            self.finish(seq, "stop", None if token == self.config.eos_token_id else token)
         elif params.stop_token_ids and token in params.stop_token_ids:
             self.finish(seq, "stop", token)
         else:
