@@ -39,6 +39,18 @@ LACKING_VLLM_ARGS = {
     "logits_processors": ("logits processors (callables applied to the logits)", bool),
     "enable_lora": ("LoRA adapters", bool),
     "pipeline_parallel_size": ("pipeline parallelism", lambda v: v not in (None, 1)),
+    "data_parallel_size": ("data parallelism", lambda v: v not in (None, 1)),
+    "enable_expert_parallel": ("expert parallelism", bool),
+    "async_scheduling": ("asynchronous scheduling", bool),
+    "skip_tokenizer_init": ("running without a tokenizer", bool),
+    "task": ("a task other than generation", lambda v: v not in (None, "auto", "generate")),
+    "runner": ("a runner other than generation", lambda v: v not in (None, "auto", "generate")),
+    "model_impl": ("another model implementation", lambda v: v not in (None, "auto")),
+    "hf_overrides": ("overrides of the Hugging Face config", bool),
+    # "auto" is what minivllm does: a checkpoint's generation_config.json gives the defaults
+    "generation_config": ("generation defaults from elsewhere than the checkpoint",
+                          lambda v: v not in (None, "auto")),
+    "override_generation_config": ("overrides of the generation config", bool),
 }
 
 #: Other engines' spellings of our arguments (nano-vllm's ``kvcache_block_size``).
@@ -167,6 +179,25 @@ class EngineArgs:
         return QuantConfig(self.quantization, self.quantize_lm_head)
 
     @classmethod
+    def add_cli_args(cls, parser):
+        """vLLM's: add every argument to ``parser`` (an ``argparse`` parser or argument group) as
+        ``--kebab-case`` with its default, and return ``parser``, so that ``LLM(**vars(args))``
+        or :meth:`from_cli_args` takes what it parsed (``minivllm/utils/argparse_utils.py``)."""
+        from minivllm.utils.argparse_utils import add_cli_args
+
+        return add_cli_args(cls, parser)
+
+    @classmethod
+    def from_cli_args(cls, args) -> "EngineArgs":
+        """vLLM's: the arguments in a namespace parsed after :meth:`add_cli_args`.
+
+        Raises:
+            ValueError: a bad value (the message names the argument and the value)."""
+        from minivllm.utils.argparse_utils import from_cli_args
+
+        return from_cli_args(cls, args)
+
+    @classmethod
     def from_kwargs(cls, model, kwargs: dict) -> "EngineArgs":
         """Build from ``LLM(model, **kwargs)``: vLLM arguments in ``IGNORED_VLLM_ARGS`` are
         dropped with one warning listing them; ``ARG_ALIASES`` are renamed.
@@ -193,7 +224,7 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known)}")
         if ignored:
-            logger.warning("ignoring vLLM engine argument(s) with no meaning in minivllm: %s",
+            logger.warning("ignoring vLLM engine argument(s) that change nothing in minivllm: %s",
                            ", ".join(f"{k}={kwargs[k]!r}" for k in ignored))
         return cls(model=model, **{k: v for k, v in kwargs.items() if k not in ignored})
 

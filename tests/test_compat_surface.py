@@ -398,3 +398,46 @@ def test_vllm_engine_arguments_for_lacking_features_are_named_when_turned_on(tin
     llm = make_llm(tiny_ckpt, pipeline_parallel_size=1, enable_lora=False, max_lora_rank=16,
                    guided_decoding_backend="xgrammar")
     llm.shutdown()
+
+
+def test_vllm_engine_arguments_at_their_defaults_run_and_name_their_feature_otherwise(tiny_ckpt, caplog):
+    """vLLM's basic_with_model_default_sampling.py passes generation_config="auto" (what minivllm does),
+    and scripts pass task, runner, data_parallel_size, ... at values that ask for nothing minivllm lacks:
+    they were 'unknown engine argument(s)'."""
+    defaults = dict(generation_config="auto", task="generate", runner="auto", data_parallel_size=1,
+                    async_scheduling=False, skip_tokenizer_init=False, model_impl="auto",
+                    enable_expert_parallel=False, hf_overrides={}, override_generation_config=None)
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        make_llm(tiny_ckpt, **defaults).shutdown()
+    warned = " ".join(r.getMessage() for r in caplog.records if "ignoring vLLM engine argument" in r.getMessage())
+    assert all(f"{k}=" in warned for k in defaults)
+    for kwargs, feature in (({"generation_config": "vllm"}, "generation defaults"), ({"task": "embed"}, "task"),
+                            ({"data_parallel_size": 2}, "data parallelism"),
+                            ({"async_scheduling": True}, "asynchronous scheduling"),
+                            ({"hf_overrides": {"rope_theta": 1.0}}, "overrides of the Hugging Face config"),
+                            ({"override_generation_config": {"temperature": 0.5}}, "overrides of the generation")):
+        with pytest.raises(TypeError, match=f"{feature}.* is a vLLM feature minivllm does not have"):
+            make_llm(tiny_ckpt, **kwargs)
+
+
+def test_engine_args_on_a_command_line_as_vllm_scripts_build_them():
+    """EngineArgs.add_cli_args / from_cli_args (vLLM's generate.py, chat.py, llm_engine_example.py) did not
+    exist; every field is an option with its default, bools as --x / --no-x, dicts as JSON, and the parser
+    takes vLLM's underscore spellings."""
+    import dataclasses
+
+    from minivllm import EngineArgs
+    from minivllm.utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args([])) == EngineArgs()
+    args = parser.parse_args(["--max_num_seqs=3", "--no-enable-chunked-prefill", "--compile", "--seed", "5",
+                              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    got = EngineArgs.from_cli_args(args)
+    assert (got.max_num_seqs, got.enable_chunked_prefill, got.compile, got.seed) == (3, False, True, 5)
+    assert got.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    assert set(vars(args)) == {f.name for f in dataclasses.fields(EngineArgs)}
+    text = parser.format_help()
+    assert "--kv-cache-memory-bytes" in text and "tokens per KV block" in text
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        EngineArgs.from_cli_args(parser.parse_args(["--max-num-seqs", "0"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from minivllm import LLM, EngineArgs, LLMEngine, RequestOutput, SamplingParams  # was: from vllm import ...
+from minivllm.utils.argparse_utils import FlexibleArgumentParser  # was: from vllm.utils.argparse_utils import ...
 from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
 
 MODEL = str(EMBEDDED_MODEL_DIR)  # was: "facebook/opt-125m", "meta-llama/Llama-3.2-1B-Instruct", ...
@@ -25,13 +26,23 @@ def test_basic_py():
 
 
 def test_generate_py():
-    # basic/generate.py: engine arguments from the command line (vLLM-only ones included),
+    # basic/generate.py: engine arguments from the command line through EngineArgs.add_cli_args,
     # sampling arguments set on the model's default sampling params.
-    args = dict(model=MODEL, trust_remote_code=False, disable_log_stats=True, max_tokens=12, temperature=0.7,
-                top_p=0.9, top_k=20)
+    parser = FlexibleArgumentParser()
+    engine_group = parser.add_argument_group("Engine arguments")
+    EngineArgs.add_cli_args(engine_group)
+    engine_group.set_defaults(model=MODEL)
+    sampling_group = parser.add_argument_group("Sampling parameters")
+    sampling_group.add_argument("--max-tokens", type=int)
+    sampling_group.add_argument("--temperature", type=float)
+    sampling_group.add_argument("--top-p", type=float)
+    sampling_group.add_argument("--top-k", type=int)
+    args: dict = vars(parser.parse_args(["--max-tokens", "12", "--temperature", "0.7", "--top_p", "0.9",
+                                         "--top-k=20", "--max_num_seqs", "4", "--no-enable-prefix-caching"]))
     max_tokens, temperature = args.pop("max_tokens"), args.pop("temperature")
     top_p, top_k = args.pop("top_p"), args.pop("top_k")
     llm = LLM(**args)
+    assert llm.llm_engine.args.max_num_seqs == 4 and not llm.llm_engine.args.enable_prefix_caching
     sampling_params = llm.get_default_sampling_params()
     if max_tokens is not None:
         sampling_params.max_tokens = max_tokens
@@ -127,7 +138,13 @@ def test_llm_engine_example_py():
                     finished.append(request_output)
         return finished
 
-    engine = LLMEngine.from_engine_args(EngineArgs(model=MODEL))
+    def initialize_engine(args) -> LLMEngine:
+        engine_args = EngineArgs.from_cli_args(args)
+        return LLMEngine.from_engine_args(engine_args)
+
+    parser = FlexibleArgumentParser(description="Demo on using the LLMEngine class directly")
+    parser = EngineArgs.add_cli_args(parser)
+    engine = initialize_engine(parser.parse_args(["--model", MODEL]))
     finished = process_requests(engine, create_test_prompts())
     by_id = {o.request_id: o for o in finished}
     assert sorted(by_id) == ["0", "1", "2"]
