@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ class OutputKind(enum.Enum):
 
 RequestOutputKind = OutputKind
 
+#: The smallest temperature above 0 (vLLM's ``_MAX_TEMP``): below it, logits / temperature overflow.
+MIN_TEMPERATURE = 0.01
+
 
 @dataclass
 class SamplingParams:
@@ -32,7 +36,8 @@ class SamplingParams:
     defaults (a batch of plain greedy requests keeps its argmax fast path).
 
     Args:
-        temperature: softmax temperature; ``0`` means greedy (argmax).
+        temperature: softmax temperature; ``0`` means greedy (argmax). A value in (0, 0.01)
+            becomes 0.01, with a warning, as in vLLM (smaller ones overflow the scaled logits).
         top_p: keep the smallest set of tokens whose probability sums to at
             least ``top_p``; in (0, 1].
         top_k: keep the ``top_k`` most likely tokens; ``0`` or ``-1`` disables.
@@ -42,7 +47,8 @@ class SamplingParams:
             a logit of a token already in the prompt or output is divided by the
             penalty when positive and multiplied by it when negative.
         seed: a per-request seed: the request then samples the same tokens
-            whatever else is in the batch. In ``[-2**63, 2**64 - 1]`` (``torch.Generator``'s
+            whatever else is in the batch (with speculative decoding, only while its drafts
+            are not cut by the step's token budget or a short KV pool). In ``[-2**63, 2**64 - 1]`` (``torch.Generator``'s
             range), ``seed + n - 1`` too. ``-1`` means no seed (as in vLLM: it becomes None).
         max_tokens: most tokens to generate (>= 1), or None: until ``max_model_len``.
         ignore_eos: keep generating past the model's end-of-sequence token.
@@ -191,6 +197,13 @@ class SamplingParams:
                 raise bad(name, value, "must be a finite number")
         if self.temperature < 0:
             raise bad("temperature", self.temperature, "must be >= 0 (0 means greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # logits / 1e-38 overflow to inf, and the row's draw came out as token 0: vLLM raises such
+            # a temperature to 0.01 with a warning, and so do we
+            logging.getLogger("minivllm").warning(
+                "SamplingParams.temperature=%r is below %s, where dividing the logits by it can overflow; "
+                "using %s (use 0 for greedy)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:

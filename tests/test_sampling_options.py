@@ -98,6 +98,21 @@ def test_vllm_spellings_normalised_as_vllm_does():
     assert bare.stop == ["END"] and bare.max_stop_len == 3
 
 
+def test_a_temperature_too_small_to_divide_by_becomes_vllms_floor(llm, caplog):
+    """temperature=1e-38 overflowed the scaled logits to inf and every request came back as token 0 (an
+    eos) with finish_reason "stop"; vLLM raises a temperature in (0, 0.01) to 0.01 with a warning."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        params = SamplingParams(temperature=1e-38, max_tokens=6, seed=3, ignore_eos=True)
+    assert params.temperature == 0.01 and "temperature=1e-38" in caplog.text
+    floor = run(llm, SamplingParams(temperature=0.01, max_tokens=6, seed=3, ignore_eos=True))
+    assert run(llm, params).token_ids == floor.token_ids and floor.token_ids != [0] * 6
+    params.temperature = 1e-30  # assigned later, as generate.py does: the same rule
+    assert params.temperature == 0.01
+    assert SamplingParams(temperature=0.02).temperature == 0.02 and SamplingParams(temperature=0).temperature == 0
+
+
 def test_eos_listed_in_stop_token_ids_reads_as_eos(llm):
     """vLLM checks eos before stop_token_ids: an eos that is also listed ends the request with
     stop_reason None, and only with ignore_eos does it count as a stop token (the eos, id 0, forced
