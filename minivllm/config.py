@@ -107,6 +107,9 @@ class EngineArgs:
             model's), a local directory holding Hugging Face tokenizer files, or an embedded
             model's name.
         kv_cache_dtype: vLLM's argument; only ``"auto"`` (the KV cache holds the model's dtype).
+        profiler_config: vLLM's: where ``LLM.start_profile()`` / ``stop_profile()`` write a
+            ``torch.profiler`` trace, e.g. ``{"profiler": "torch", "torch_profiler_dir": "./trace"}``
+            (``minivllm/telemetry/profiler.py``); None: ``$VLLM_TORCH_PROFILER_DIR``.
 
     Raises:
         ValueError: a bad value (the message names the argument and the value).
@@ -137,6 +140,7 @@ class EngineArgs:
     quantize_lm_head: bool = True
     tokenizer: str | None = None
     kv_cache_dtype: str = "auto"
+    profiler_config: dict | None = None
 
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "tensor_parallel_size"]
@@ -165,6 +169,9 @@ class EngineArgs:
         check_quantization(self.quantization)
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"quantize_lm_head={self.quantize_lm_head!r}: must be a bool")
+        from minivllm.telemetry.profiler import check_profiler_config
+
+        check_profiler_config(self.profiler_config)
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: minivllm keeps the KV cache in the model's "
                              "dtype; give 'auto' (or leave it out)")

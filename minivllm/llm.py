@@ -284,6 +284,16 @@ class LLM:
                    for i, conv in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    def start_profile(self) -> None:
+        """vLLM's ``LLM.start_profile``: a ``torch.profiler`` trace of this process until
+        :meth:`stop_profile`, written where ``profiler_config`` or ``$VLLM_TORCH_PROFILER_DIR``
+        says (see ``LLMEngine.start_profile``)."""
+        self.engine.start_profile()
+
+    def stop_profile(self):
+        """Stop the trace and write it; returns its path (``LLMEngine.stop_profile``)."""
+        return self.engine.stop_profile()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``); returns True."""
         return self.engine.reset_prefix_cache()

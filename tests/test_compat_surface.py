@@ -441,3 +441,35 @@ def test_engine_args_on_a_command_line_as_vllm_scripts_build_them():
     assert "--kv-cache-memory-bytes" in text and "tokens per KV block" in text
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         EngineArgs.from_cli_args(parser.parse_args(["--max-num-seqs", "0"]))
+
+
+def test_start_and_stop_profile_write_a_trace_and_refuse_misuse(tiny_ckpt, tmp_path, monkeypatch):
+    """vLLM's simple_profiling.py: LLM.start_profile / stop_profile did not exist (AttributeError).
+    The directory comes from profiler_config (vLLM's current spelling) or VLLM_TORCH_PROFILER_DIR."""
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    llm = make_llm(tiny_ckpt, profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path / "cfg"),
+                                               "torch_profiler_record_shapes": True})
+    with pytest.raises(RuntimeError, match="not profiling"):
+        llm.stop_profile()
+    llm.start_profile()
+    with pytest.raises(RuntimeError, match="already profiling"):
+        llm.start_profile()
+    llm.generate([3, 4, 5], greedy(3), use_tqdm=False)
+    first = llm.stop_profile()
+    llm.start_profile()
+    second = llm.stop_profile()  # a second trace in the same second gets its own name
+    assert first.parent == tmp_path / "cfg" and first != second and second.exists()
+    events = json.loads(first.read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
+    llm.shutdown()
+    bare = make_llm(tiny_ckpt)
+    with pytest.raises(RuntimeError, match="VLLM_TORCH_PROFILER_DIR"):
+        bare.start_profile()
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "env"))
+    bare.start_profile()
+    assert bare.stop_profile().parent == tmp_path / "env"
+    bare.shutdown()
+    for config, match in (({"profiler": "cuda"}, "only 'torch'"), ({"torch_profiler_dir": "x", "delay": 1}, "'delay'"),
+                          ("./trace", "must be a dict")):
+        with pytest.raises(ValueError, match=match):
+            make_llm(tiny_ckpt, profiler_config=config)

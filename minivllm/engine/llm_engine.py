@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from operator import attrgetter
+from pathlib import Path
 
 import torch
 
@@ -38,6 +39,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.telemetry.peaks import Peaks, get_peaks
+from minivllm.telemetry.profiler import TorchProfile
 from minivllm.telemetry.roofline import engine_cost, fill_step_record
 from minivllm.telemetry.step_record import PlannedEntries, StepRecord, entries_of
 from minivllm.utils.model_source import resolve_model, with_tokenizer
@@ -153,6 +155,7 @@ class LLMEngine:
         # As vLLM: the tokenizer's eos ends a request as an eos (stop_reason None), and a generation
         # config's other eos ids end it as stop tokens (stop_reason: the id); both unless ignore_eos.
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.profiler = TorchProfile(args.profiler_config, device)
         self.eos_token_ids = frozenset(self.source.eos_token_ids) | (
             frozenset() if self.eos_token_id is None else {self.eos_token_id})
         self.speculative_config = (SpeculativeConfig.from_dict(args.speculative_config)
@@ -605,6 +608,23 @@ class LLMEngine:
         return self.peaks
 
     # -- maintenance -------------------------------------------------------------------------
+    def start_profile(self) -> None:
+        """vLLM's: trace this process with ``torch.profiler`` until :meth:`stop_profile`
+        (``minivllm/telemetry/profiler.py``).
+
+        Raises:
+            RuntimeError: already profiling, or no trace directory (``profiler_config`` or
+                ``$VLLM_TORCH_PROFILER_DIR``)."""
+        self.profiler.start()
+
+    def stop_profile(self) -> Path:
+        """Stop the trace :meth:`start_profile` began and write it (Chrome trace JSON, for
+        https://ui.perfetto.dev); returns its path.
+
+        Raises:
+            RuntimeError: not profiling."""
+        return self.profiler.stop()
+
     def reset_prefix_cache(self) -> bool:
         """Forget all prefix-cache hashes. Returns True (blocks in use keep their KV)."""
         self.block_manager.reset_prefix_cache()

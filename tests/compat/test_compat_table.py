@@ -80,6 +80,10 @@ FEATURES = [
      lambda llm: _capped()),
     ("vLLM-only engine arguments (`trust_remote_code`, `swap_space`, ...)", "yes", "no",
      lambda llm: _accepts_vllm_args()),
+    ("Engine arguments on a command line (`EngineArgs.add_cli_args`, `from_cli_args`)", "yes", "no",
+     lambda llm: _cli_args()),
+    ("`LLM.start_profile()` / `stop_profile()` (a `torch.profiler` trace)", "yes", "no",
+     lambda llm: _profiles(llm)),
     ("`tensor_parallel_size`, `enforce_eager` (CUDA graphs)", "yes", "yes",
      lambda llm: _constructs(tensor_parallel_size=1, enforce_eager=True)),
     ("LoRA adapters (`lora_request`)", "yes", "no",
@@ -91,6 +95,29 @@ FEATURES = [
     ("Multimodal inputs (`multi_modal_data`)", "yes", "no",
      lambda llm: not _raises(lambda: _gen(llm, {"prompt_token_ids": [1], "multi_modal_data": {"image": 0}}))),
 ]
+
+
+def _cli_args() -> bool:
+    from minivllm import EngineArgs
+    from minivllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(["--max-num-seqs", "3"])).max_num_seqs == 3
+
+
+def _profiles(llm) -> bool:
+    import json
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as where:
+        os.environ["VLLM_TORCH_PROFILER_DIR"] = where
+        try:
+            llm.start_profile()
+            _gen(llm)
+            return "traceEvents" in json.loads(llm.stop_profile().read_text())
+        finally:
+            del os.environ["VLLM_TORCH_PROFILER_DIR"]
 
 
 def _engine_step(llm) -> bool:
