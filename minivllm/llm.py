@@ -41,6 +41,15 @@ def _as_prompt_list(prompts) -> list:
     raise ValueError(f"prompts {prompts!r}: expected a str, list[int], dict, or a list of them")
 
 
+#: nano-vllm's engine calls on its LLM -> what does it here
+_NANO_ENGINE_CALLS = {
+    "add_request": "llm.llm_engine.add_request(request_id, prompt, sampling_params)",
+    "step": "llm.llm_engine.step() (it returns RequestOutputs, not nano-vllm's (outputs, num_tokens))",
+    "is_finished": "not llm.llm_engine.has_unfinished_requests()",
+    "exit": "llm.shutdown() frees it",
+}
+
+
 class LLM:
     """Generate text with minivllm.
 
@@ -71,6 +80,14 @@ class LLM:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, engine_args))
         self._ids = itertools.count()
         self._default_params: SamplingParams | None = None
+
+    def __getattr__(self, name: str):
+        # only for names the object lacks: nano-vllm's LLM is its engine, so its scripts call these here
+        hint = _NANO_ENGINE_CALLS.get(name)
+        if hint is not None:
+            raise AttributeError(f"LLM.{name}: nano-vllm's LLM is its engine; here, as in vLLM, the engine is "
+                                 f"llm.llm_engine: {hint}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- helpers --------------------------------------------------------------------------
     @property

@@ -170,6 +170,13 @@ class RequestOutput:
     def __contains__(self, key: object) -> bool:
         return key in self._MAPPING_KEYS
 
+    def items(self) -> list[tuple[str, object]]:
+        """``[("text", ...), ("token_ids", ...)]``, as nano-vllm's dict gives them."""
+        return [(k, self[k]) for k in self._MAPPING_KEYS]
+
+    def values(self) -> list:
+        return [self[k] for k in self._MAPPING_KEYS]
+
     def get(self, key: str, default=None):
         return self[key] if key in self._MAPPING_KEYS else default
 

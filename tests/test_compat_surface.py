@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -30,6 +31,30 @@ def test_request_output_is_a_read_only_nano_vllm_mapping(llm):
         out["text"] = "x"
     with pytest.raises(TypeError):
         iter(out)
+    # items() / values() as nano-vllm's dict has them (a script's json.dump(dict(o)) or o.items())
+    assert out.items() == list(dict(out).items()) and out.values() == list(dict(out).values())
+
+
+def test_logprob_imports_from_vllms_module_path():
+    from minivllm import Logprob
+    from minivllm.logprobs import Logprob as from_module  # was: from vllm.logprobs import Logprob
+
+    assert from_module is Logprob
+
+
+def test_nano_vllm_engine_calls_say_where_they_are(llm):
+    """nano-vllm's LLM is its engine (llm.add_request(prompt, sp), llm.step(), llm.is_finished(), llm.exit()):
+    each was a bare AttributeError, and the engine's add_request in nano-vllm's argument order said the
+    SamplingParams was a bad prompt."""
+    for name, hint in (("add_request", "llm.llm_engine.add_request(request_id"), ("step", "llm.llm_engine.step()"),
+                       ("is_finished", "has_unfinished_requests"), ("exit", "llm.shutdown()")):
+        with pytest.raises(AttributeError, match=re.escape(hint)):
+            getattr(llm, name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        llm.nothing_here
+    with pytest.raises(TypeError, match="nano-vllm's order is \\(prompt, sampling_params\\)"):
+        llm.llm_engine.add_request("hi", greedy(2))
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_tokenizer_attribute(llm):

@@ -342,6 +342,10 @@ class LLMEngine:
             RuntimeError: the engine has been shut down (see :meth:`shutdown`).
         """
         self._require_live()
+        if isinstance(prompt, SamplingParams):  # nano-vllm's add_request(prompt, sampling_params)
+            raise TypeError(f"add_request(request_id, prompt, sampling_params): the prompt came as {prompt!r}; "
+                            "nano-vllm's order is (prompt, sampling_params), vLLM's and minivllm's put a "
+                            "request id first")
         try:
             kind = None if output_kind is None else OutputKind(output_kind)
         except ValueError:
