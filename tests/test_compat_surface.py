@@ -8,6 +8,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from helpers_engine import greedy, make_llm, prompts_of
 from minivllm import LLM, SamplingParams
@@ -493,7 +494,10 @@ def test_start_and_stop_profile_write_a_trace_and_refuse_misuse(tiny_ckpt, tmp_p
     monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "env"))
     bare.start_profile()
     assert bare.stop_profile().parent == tmp_path / "env"
-    bare.shutdown()
+    bare.start_profile()
+    profiler = bare.llm_engine.profiler
+    bare.shutdown()  # a trace still running is stopped, not left recording the process
+    assert profiler._profile is None and torch.autograd.profiler._is_profiler_enabled is False
     for config, match in (({"profiler": "cuda"}, "only 'torch'"), ({"torch_profiler_dir": "x", "delay": 1}, "'delay'"),
                           ("./trace", "must be a dict")):
         with pytest.raises(ValueError, match=match):

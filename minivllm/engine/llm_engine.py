@@ -155,9 +155,9 @@ class LLMEngine:
         # As vLLM: the tokenizer's eos ends a request as an eos (stop_reason None), and a generation
         # config's other eos ids end it as stop tokens (stop_reason: the id); both unless ignore_eos.
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.profiler = TorchProfile(args.profiler_config, device)
         self.eos_token_ids = frozenset(self.source.eos_token_ids) | (
             frozenset() if self.eos_token_id is None else {self.eos_token_id})
+        self.profiler = TorchProfile(args.profiler_config, device)  # LLM.start_profile / stop_profile
         self.speculative_config = (SpeculativeConfig.from_dict(args.speculative_config)
                                    if args.speculative_config is not None else None)
         try:
@@ -674,6 +674,7 @@ class LLMEngine:
         ``RuntimeError``."""
         for rid in list(self.requests):
             self.abort_request(rid)
+        self.profiler.discard()  # a trace never stopped would keep recording this process
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None

@@ -96,3 +96,9 @@ class TorchProfile:
         profile.export_chrome_trace(str(path))
         logger.info("profiler trace written to %s (open it in https://ui.perfetto.dev)", path)
         return path
+
+    def discard(self) -> None:
+        """Stop a trace still running without writing it (the engine's shutdown)."""
+        profile, self._profile = self._profile, None
+        if profile is not None:
+            profile.stop()
