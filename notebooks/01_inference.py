@@ -249,10 +249,10 @@ print("engine text:", repr(out.outputs[0].text), "| finish_reason:", out.outputs
 # the step's measured wall time.
 #
 # The *work* of a pass can be counted without a clock: a forward pass costs about 2 FLOPs per
-# weight per token (one multiply, one add), plus attention's products over the earlier tokens. One
-# exception: the output layer, which turns a hidden vector into logits, runs for the last position
-# only (the only prediction used), so its 2 FLOPs per weight are paid once per pass, not once per
-# token.
+# weight of the layers' matrices per token (one multiply, one add), plus attention's products over the
+# earlier tokens. The embedding lookup costs none: it copies one row of its table per token. And the
+# output layer, which turns a hidden vector into logits, runs for the last position only (the only
+# prediction used), so its 2 FLOPs per weight are paid once per pass, not once per token.
 # `minivllm.telemetry.roofline.step_cost` does that count from the model's config.
 
 # %%
@@ -483,7 +483,7 @@ Quiz([
 # * call the engine's model yourself (`llm.llm_engine.runner.model`) and read its logits: one score
 #   per vocabulary entry, turned into probabilities by softmax and into a token by the sampler;
 # * write generation as a loop around one forward pass, and check it against the engine token for token;
-# * count the work of a forward pass (about 2 FLOPs per weight per token) and explain why a loop
+# * count the work of a forward pass (about 2 FLOPs per matrix weight per token) and explain why a loop
 #   without a cache does more work with every token, while the engine's decode steps stay nearly
 #   constant in work;
 # * tell work from time: on a small model fixed costs per pass hide much of the difference, and

@@ -186,8 +186,14 @@ print(f"embedding table: {share['embed_tokens']:.0%} of all parameters; attentio
 held = collections.Counter()
 for p in model.parameters():
     held[p.dtype] += p.numel() * p.element_size()
+# a tied weight keeps the plain table for lookups and, on a CPU, a private copy laid out for its matmul
+copies = [m.packed_copy for m in model.modules() if getattr(m, "packed_copy", None) is not None]
+for c in copies:
+    held[c.dtype] += c.numel() * c.element_size()
 print(f"weights in memory: {sum(held.values()) / 2**20:.1f} MiB as held ("
-      + ", ".join(f"{b / 2**20:.1f} MiB in {dt}" for dt, b in held.items()) + f"; engine dtype {engine.config.dtype})")
+      + ", ".join(f"{b / 2**20:.1f} MiB in {dt}" for dt, b in held.items()) + f"; engine dtype {engine.config.dtype}"
+      + (f"; {len(copies)} of them a tied weight's second copy, {sum(c.numel() * c.element_size() for c in copies) / 2**20:.1f} MiB"
+         if copies else "") + ")")
 
 # %% [markdown]
 # The last line counts the weights as the engine holds them. The embedded model's checkpoint is
@@ -197,8 +203,10 @@ print(f"weights in memory: {sum(held.values()) / 2**20:.1f} MiB as held ("
 # the norms stay in float32.
 #
 # When weights are **tied** (`tie_word_embeddings`), the LM head reuses the embedding matrix, so it
-# adds no parameters. How the rest divides up depends on the model's shape, so let us set this toy
-# model beside real ones.
+# adds no parameters. It need not save memory, though: on a CPU the engine keeps a second copy of that
+# matrix for the LM head, in the layout its matrix multiply reads (the lookup needs the plain table), and
+# the line above counts such a copy when there is one. How the parameters divide up depends on the
+# model's shape, so let us set this toy model beside real ones.
 #
 # ### Exercise 2 · How many parameters has Qwen3-0.6B?
 #

@@ -585,7 +585,7 @@ Quiz([
     ),
     Question(
         "Without a KV cache, generating n tokens costs about how much work compared to with one?",
-        ["The same", "About twice as much", "Roughly n/2 times as much for long outputs (somewhat less while "
+        ["The same", "About twice as much", "Roughly n/2 times as much for outputs much longer than the prompt (somewhat less while "
          "the LM head, run once per step either way, is a large share): each step redoes the whole sequence",
          "Less, because there is no cache to manage"],
         2,

@@ -284,8 +284,11 @@ render(f"Throughput: continuous batching **{gain:.2f}x** static batching's (fast
 # Steps are not equally expensive: continuous batching's steps carry more sequences on average (its
 # seat occupancy is higher), and a step with more sequences costs no less, usually more (the
 # 4-sequence against 1-sequence decode step ratio printed with the check; the table's `mean step ms`,
-# seconds over steps of the same run, compares whole runs). And the prompts' prefill is the same work in
-# both runs, a shared cost that dilutes any ratio. So expect a gain smaller than the step ratio, and
+# seconds over steps of the same run, compares whole runs). And the prompts' prefill is the same number
+# of tokens in both runs but not the same time: continuous batching prefills newcomers a few at a time,
+# in more steps that also carry the running sequences' decodes, and each of those steps pays a step's
+# fixed cost again (the split by kind of step, printed and rendered above, shows what the steps that
+# carried prompt tokens cost under each policy on this run). So expect a gain smaller than the step ratio, and
 # on a model whose step cost grows quickly with its sequences, possibly none; the table above, the
 # check and the sentence after it give this run's figures.
 # </details>
@@ -377,18 +380,24 @@ render(f"transformers ran **{hf_row['steps']:.0f}** forward passes per run (coun
 # plus the tokens it already generated, as one prefill) when blocks are free again. The tokens it
 # already produced are kept; only their KV has to be rebuilt. With prefix caching on (the default),
 # a released block keeps its contents until someone else takes it, so when the victim comes back
-# its full blocks that survived are found in the prefix cache and only the rest is recomputed.
+# its full blocks that survived are found in the prefix cache and only the rest is recomputed. Which
+# ones survive follows from two rules of the block manager (`minivllm/engine/block_manager.py`): a
+# sequence's blocks are released last block first, and a new block is taken from the free blocks
+# released longest ago (a partly filled block, which the cache cannot serve, goes first of all). So the
+# victim's last blocks are the first to be handed to the others, and what comes back, if anything, is
+# the start of its sequence. (Chapter 08 is about the prefix cache itself.)
 #
-# Here four requests of 24 prompt tokens each ask for 40 tokens: each will need
-# `ceil(64 / 16) = 4` blocks (the last token's KV is never stored, so 63 slots, still 4 blocks),
-# 16 in all, but the pool has only `POOL_BLOCKS = 10` blocks.
+# Here four requests of 24 prompt tokens each ask for 40 tokens (the cell below prints the counts):
+# each will need `ceil((24 + 40 - 1) / 16) = 4` blocks (the last token's KV is never stored, so 63
+# slots), 16 in all, but the pool has only `POOL_BLOCKS = 10` blocks.
 
 # %%
 from widgets import EngineStepper, SchedulerTimeline
 
 POOL_BLOCKS = 10
+PRE_MAX_TOKENS = 40  # each request's output length
 PRE_PROMPTS = make_workload("cpu", vocab_size=engine.vocab_size, num_requests=4, input_len=(24, 24),
-                            output_len=(40, 40), seed=11).prompts
+                            output_len=(PRE_MAX_TOKENS, PRE_MAX_TOKENS), seed=11).prompts
 tiny = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=POOL_BLOCKS, max_num_seqs=SEATS)
 big = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64, max_num_seqs=SEATS)
 stepper = EngineStepper(tiny, show_chart=False)
@@ -396,7 +405,10 @@ timeline = SchedulerTimeline(stepper=stepper)  # redraws after every step of the
 
 # %%
 # NBVAL_CHECK_OUTPUT
-rids = [stepper.add_request(p, max_tokens=40, ignore_eos=True) for p in PRE_PROMPTS]
+rids = [stepper.add_request(p, max_tokens=PRE_MAX_TOKENS, ignore_eos=True) for p in PRE_PROMPTS]
+need = [-(-(len(p) + PRE_MAX_TOKENS - 1) // 16) for p in PRE_PROMPTS]  # KV slots over 16-token blocks, rounded up
+print(f"{len(PRE_PROMPTS)} requests of {sorted({len(p) for p in PRE_PROMPTS})} prompt tokens and {PRE_MAX_TOKENS} "
+      f"output tokens each need {need} blocks, {sum(need)} in all; the pool has {POOL_BLOCKS}")
 stepper.run_to_end()
 pre_steps = stepper.steps
 small_tokens = [stepper.sequence(r).output_token_ids for r in rids]
@@ -427,12 +439,12 @@ timeline.display()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-big_outs = big.generate(PRE_PROMPTS, greedy(40), use_tqdm=False)
+big_outs = big.generate(PRE_PROMPTS, greedy(PRE_MAX_TOKENS), use_tqdm=False)
 big_tokens = [o.outputs[0].token_ids for o in big_outs]
 for rid, a, b in zip(rids, small_tokens, big_tokens):
-    print(f"{rid}: 40 greedy tokens identical with {POOL_BLOCKS} and with 64 KV blocks: {a == b}")
+    print(f"{rid}: {PRE_MAX_TOKENS} greedy tokens identical with {POOL_BLOCKS} and with 64 KV blocks: {a == b}")
 through = sum(r.num_tokens for r in pre_steps)
-needed = sum(len(p) + 40 - 1 for p in PRE_PROMPTS)  # unpreempted: each prompt once, then 39 one-token decode steps
+needed = sum(len(p) + PRE_MAX_TOKENS - 1 for p in PRE_PROMPTS)  # unpreempted: each prompt once, then one-token decodes
 resumed = sum(r.num_prefill_tokens for r in pre_steps) - sum(len(p) for p in PRE_PROMPTS)
 recomputed = through - needed
 print(f"tokens through the model: {through}, against {needed} without preemption: {recomputed} recomputed because "

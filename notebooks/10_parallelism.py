@@ -80,9 +80,14 @@ if DEVICE == "auto" and torch.cuda.is_available() and torch.cuda.device_count() 
 single = LLM(MODEL, device=DEVICE, num_kvcache_blocks=64, max_num_seqs=8, enforce_eager=True)
 hf = single.llm_engine.source.hf_config
 print(describe(single))
-# Names the run in the chart title: model, dtype, device and threads of rank 0.
+# Names the run in the chart title: model, dtype, device and threads. The single process and rank 0 (this
+# process) run torch's thread count; each other rank gets that count divided by the ranks
+# (minivllm/executor/tp_runner.py), at least one.
+THREADS = torch.get_num_threads()
 RUN = (f"{single.llm_engine.source.name}, {str(single.llm_engine.config.dtype).replace('torch.', '')}, "
-       f"{single.llm_engine.config.device}, {torch.get_num_threads()} thread(s) per rank")
+       f"{single.llm_engine.config.device}, "
+       + (f"{THREADS} thread(s) per process and rank" if max(1, THREADS // TP) == THREADS else
+          f"{THREADS} threads for the single process and rank 0, {max(1, THREADS // TP)} for the other rank(s)"))
 print(f"layers {hf.num_hidden_layers}, hidden {hf.hidden_size}, query heads {hf.num_attention_heads}, "
       f"KV heads {hf.num_key_value_heads}, head dim {single.llm_engine.runner.model.head_dim}, "
       f"MLP width {hf.intermediate_size}, vocabulary {hf.vocab_size}")
@@ -656,9 +661,10 @@ ar_in_steps_us = 1e3 * med.loc["decode", "all_reduce_ms"] / calls_per_decode
 ar_alone_us = 1e6 * pd.Series(ar_decode).median()
 _ = render(f"Inside the timed decode steps an all-reduce took **{ar_in_steps_us:.0f} µs** on average "
            f"({med.loc['decode', 'all_reduce_ms']:.2f} ms over {calls_per_decode} calls, medians), against "
-           f"**{ar_alone_us:.0f} µs** (median) in section 4's run of one prompt. A call timed inside a step "
-           f"includes the wait for the other rank to reach the same call, so these times move with the work "
-           f"between the calls and with the load on the machine; the counts do not.")
+           f"**{ar_alone_us:.0f} µs** (median) in section 4's run of one prompt. Both were timed inside engine "
+           f"steps (section 4's at batch 1, these at batch {len(BATCH)}), so both include the wait for the other "
+           f"rank to reach the same call; that wait moves with the work between the calls and with the load on "
+           f"the machine, and the counts do not.")
 estimate = (0.5 * one_med["decode"] + CALLS_PER_STEP * ar_alone_us / 1e3) / one_med["decode"]
 miss = MEDIAN_RATIO["decode"] / estimate
 estimate_in_steps = (0.5 * one_med["decode"] + CALLS_PER_STEP * ar_in_steps_us / 1e3) / one_med["decode"]
@@ -668,19 +674,23 @@ _ = render(f"The worked solution's rough model below, (0.5 x {one_med['decode']:
            f"**{MEDIAN_RATIO['decode']:.2f}x** (fastest steps: {TP_RATIO['decode']:.2f}x): the estimate is "
            + (f"**{miss:.1f}x too low**. With the all-reduce's time inside the timed steps as the round trip "
               f"({ar_in_steps_us:.0f} µs instead of section 4's {ar_alone_us:.0f} µs) the same formula gives "
-              f"**{estimate_in_steps:.2f}x**: the difference is the wait for the other rank (and for the cores), "
-              f"which a call alone hardly has and the formula leaves out."
+              f"**{estimate_in_steps:.2f}x**. That is not an independent check, since it takes the all-reduces' "
+              f"time from the very steps it is compared with; it says where the estimate's shortfall lies: the "
+              f"calls in these steps waited longer for the other rank than section 4's batch-1 calls did."
               if miss > 1.25 else
               f"within {abs(miss - 1):.0%} of it." if miss >= 0.8 else
-              f"**{1 / miss:.1f}x too high** on this run: the round trip it plugged in (section 4's "
-              f"{ar_alone_us:.0f} µs) was slower than the calls inside these steps ({ar_in_steps_us:.0f} µs)."))
+              f"**{1 / miss:.1f}x too high** on this run; the round trip it plugged in was section 4's "
+              f"{ar_alone_us:.0f} µs, against {ar_in_steps_us:.0f} µs inside these steps"
+              + (" (slower: the calls here waited less)." if ar_alone_us > ar_in_steps_us else
+                 ", so the rest of the forward, not the collectives, came out below the formula's half.")))
 rest_ratio = med.loc["decode", "rest_ms"] / one_med["decode"]
 _ = render(f"Rank 0's own work in a decode step (its forward minus its time inside collectives, median over steps: "
            f"the chart's blue bar) took **{med.loc['decode', 'rest_ms']:.2f} ms**, **{rest_ratio:.2f}x** the single "
            f"process's whole forward ({one_med['decode']:.2f} ms, the diamond)"
            + (", not the half that splitting the matrices would suggest: on a model this small the forward is "
               "mostly the host's fixed cost per operation, which the split does not halve (each rank makes "
-              "every call on its half), and rank 0 also packs and broadcasts the step's inputs; on a machine with "
+              "every call on its half), and rank 0 also packs the step's inputs for the broadcast (the broadcast "
+              "itself is the brown bar, not in this one); on a machine with "
               "few cores the two ranks also share them with each other and with anything else running."
               if rest_ratio > 0.75 else "."))
 
