@@ -535,6 +535,9 @@ def test_sweep_cli_writes_the_roofline_html_only_when_asked(tiny_ckpt, tmp_path,
     capsys.readouterr()
     assert bench.main(["--sweep", "--batch-sizes", "0", "--threads", "1"]) == 2  # before any engine is built
     assert "error: --batch-sizes 0: each must be at least 1" in capsys.readouterr().err
+    # a dtype no engine takes, worded as generate words it (it was roofline's "unknown dtype" after peaks ran)
+    assert bench.main(["--dtype", "float8", "--threads", "1"]) == 2
+    assert "error: --dtype 'float8': choose 'auto' or one of ['bf16'" in capsys.readouterr().err
 
 
 def test_weights_line_says_what_it_counts():

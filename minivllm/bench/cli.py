@@ -136,7 +136,7 @@ def run_cli(argv: list[str] | None = None, peak_kwargs: dict | None = None) -> d
 def _check_args(args) -> None:
     """Refuse, before minutes of measuring, the flag values a run would fail on at its end or
     quietly replace: counts below 1, an unknown peer, an output path that is a directory or under a
-    file, ``--html`` without ``--sweep``.
+    file, ``--html`` without ``--sweep``, a ``--dtype`` no engine takes.
 
     Raises:
         ValueError: naming the flag and its value.
@@ -152,6 +152,11 @@ def _check_args(args) -> None:
         unknown = [x.strip() for x in args.peers.split(",") if x.strip() and x.strip() not in HF_PEERS]
         if unknown:
             raise ValueError(f"--peers {args.peers!r}: unknown peer(s) {unknown}; choose from {list(HF_PEERS)}")
+    if args.dtype is not None and args.dtype != "auto":  # as generate words it, before any engine is built
+        from minivllm.utils.dtypes import MODEL_DTYPES, canonical_dtype_name, dtype_spellings
+
+        if canonical_dtype_name(args.dtype) not in MODEL_DTYPES:
+            raise ValueError(f"--dtype {args.dtype!r}: choose 'auto' or one of {dtype_spellings(MODEL_DTYPES)}")
     if args.html is not None and not args.sweep:
         raise ValueError(f"--html {args.html!r}: the chart is --sweep's roofline; add --sweep")
     for flag in ("json", "html"):
