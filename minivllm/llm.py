@@ -301,11 +301,11 @@ class LLM:
                    for i, conv in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def start_profile(self) -> None:
+    def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's ``LLM.start_profile``: a ``torch.profiler`` trace of this process until
         :meth:`stop_profile`, written where ``profiler_config`` or ``$VLLM_TORCH_PROFILER_DIR``
-        says (see ``LLMEngine.start_profile``)."""
-        self.engine.start_profile()
+        says (see ``LLMEngine.start_profile``, which names what it raises)."""
+        self.engine.start_profile(profile_prefix)
 
     def stop_profile(self):
         """Stop the trace and write it; returns its path (``LLMEngine.stop_profile``)."""

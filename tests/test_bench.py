@@ -185,16 +185,19 @@ def test_sweep_smoke(tiny_ckpt, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("warmup_steps", [0, 1])
 def test_sweep_times_no_eager_step_whatever_the_warmup(tiny_ckpt, monkeypatch, warmup_steps):
-    # the step that records the matmuls runs eagerly (slower than a graph replay): it is never a timed step,
-    # even with fewer than two warm-up steps, and the timed steps are still decode_steps of them
+    # the step that records the matmuls runs eagerly (slower than a graph replay), and the first full decode
+    # step records the CPU graph: neither is ever a timed step, even with fewer than two warm-up steps, and
+    # the timed steps are still decode_steps of them
     import minivllm.telemetry.roofline as roofline
     from minivllm.engine.llm_engine import LLMEngine
 
-    real_step, real_fill, eager, timed = LLMEngine.step_with_record, roofline.fill_step_record, {}, []
+    real_step, real_fill, eager, timed, full = LLMEngine.step_with_record, roofline.fill_step_record, {}, [], []
 
     def step_with_record(self):
         res = real_step(self)
         eager[id(res.record)] = (res.record, self.runner.graph_runner is None)  # the record kept alive: ids unique
+        if res.record.phase == "decode" and res.record.num_seqs == 2:
+            full.append(id(res.record))
         return res
 
     def fill_step_record(rec, *a, **k):
@@ -209,6 +212,7 @@ def test_sweep_times_no_eager_step_whatever_the_warmup(tiny_ckpt, monkeypatch, w
     assert r["decode"][0]["num_steps"] == 3 and r["decode"][0]["matmul_ms"] > 0
     assert any(e for _, e in eager.values()) and not all(e for _, e in eager.values())  # both kinds ran
     assert [eager[i][1] for i in timed if eager[i][0].phase == "decode"] == [False] * 3
+    assert full[0] not in timed and full[1] not in timed and eager[full[1]][1]  # the graph's step, the eager one
 
 
 def test_sweep_rejects_an_unknown_output_kind_before_building_an_engine(monkeypatch):

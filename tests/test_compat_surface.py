@@ -467,6 +467,24 @@ def test_engine_args_on_a_command_line_as_vllm_scripts_build_them():
     assert "--kv-cache-memory-bytes" in text and "tokens per KV block" in text
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         EngineArgs.from_cli_args(parser.parse_args(["--max-num-seqs", "0"]))
+    # vLLM's own flags that LLM(...) takes for compatibility were "unrecognized arguments": now hidden options,
+    # in the namespace only when given, warned about or refused as in Python
+    args = parser.parse_args(["--trust-remote-code", "--swap-space", "4", "-tp", "1", "--disable-log-stats"])
+    assert (args.trust_remote_code, args.swap_space, args.tensor_parallel_size) == (True, 4, 1)
+    assert "trust-remote-code" not in text and not hasattr(parser.parse_args([]), "swap_space")
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+    with pytest.raises(TypeError, match="pipeline parallelism"):
+        EngineArgs.from_cli_args(parser.parse_args(["-pp", "2"]))
+    with pytest.raises(SystemExit):  # argparse: "argument --speculative-config: '{bad' is not JSON (...)"
+        parser.parse_args(["--speculative-config", "{bad"])
+
+
+def _trace_events(path):
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
 
 
 def test_start_and_stop_profile_write_a_trace_and_refuse_misuse(tiny_ckpt, tmp_path, monkeypatch):
@@ -474,7 +492,7 @@ def test_start_and_stop_profile_write_a_trace_and_refuse_misuse(tiny_ckpt, tmp_p
     The directory comes from profiler_config (vLLM's current spelling) or VLLM_TORCH_PROFILER_DIR."""
     monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
     llm = make_llm(tiny_ckpt, profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path / "cfg"),
-                                               "torch_profiler_record_shapes": True})
+                                               "torch_profiler_record_shapes": True, "delay_iterations": 0})
     with pytest.raises(RuntimeError, match="not profiling"):
         llm.stop_profile()
     llm.start_profile()
@@ -482,23 +500,55 @@ def test_start_and_stop_profile_write_a_trace_and_refuse_misuse(tiny_ckpt, tmp_p
         llm.start_profile()
     llm.generate([3, 4, 5], greedy(3), use_tqdm=False)
     first = llm.stop_profile()
-    llm.start_profile()
+    llm.start_profile(profile_prefix="second")
     second = llm.stop_profile()  # a second trace in the same second gets its own name
-    assert first.parent == tmp_path / "cfg" and first != second and second.exists()
-    events = json.loads(first.read_text())["traceEvents"]
-    assert any(e.get("name", "").startswith("aten::") for e in events)
+    assert first.parent == tmp_path / "cfg" and first.name.endswith(".pt.trace.json.gz")  # vLLM's gzip default
+    assert second.name.startswith("second-") and second.exists()
+    assert any(e.get("name", "").startswith("aten::") for e in _trace_events(first))
+    engine = llm.llm_engine
     llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.start_profile()  # a profile nothing would ever stop
+    assert not torch.autograd._profiler_enabled()
+    bare = make_llm(tiny_ckpt, profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path / "plain"),
+                                                "torch_profiler_use_gzip": False})
+    bare.start_profile()
+    assert _trace_events(bare.stop_profile()) and list((tmp_path / "plain").glob("*.pt.trace.json"))
+    bare.shutdown()
     bare = make_llm(tiny_ckpt)
     with pytest.raises(RuntimeError, match="VLLM_TORCH_PROFILER_DIR"):
         bare.start_profile()
     monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "env"))
     bare.start_profile()
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR")  # the directory was fixed at the start: the trace is kept
     assert bare.stop_profile().parent == tmp_path / "env"
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "env"))
     bare.start_profile()
     profiler = bare.llm_engine.profiler
     bare.shutdown()  # a trace still running is stopped, not left recording the process
-    assert profiler._profile is None and torch.autograd.profiler._is_profiler_enabled is False
-    for config, match in (({"profiler": "cuda"}, "only 'torch'"), ({"torch_profiler_dir": "x", "delay": 1}, "'delay'"),
+    assert profiler._profile is None and not torch.autograd._profiler_enabled()
+    for config, match in (({"profiler": "cuda"}, "only 'torch'"), ({"torch_profiler_dir": "x"}, "needs 'profiler'"),
+                          ({"profiler": "torch"}, "needs a 'torch_profiler_dir'"),
+                          ({"profiler": "torch", "torch_profiler_dir": "x", "delay": 1}, "'delay'"),
+                          ({"profiler": "torch", "torch_profiler_dir": "x", "torch_profiler_with_stack": "false"},
+                           "must be True or False"),
+                          ({"profiler": "torch", "torch_profiler_dir": "x", "max_iterations": 3}, "window of engine"),
                           ("./trace", "must be a dict")):
         with pytest.raises(ValueError, match=match):
             make_llm(tiny_ckpt, profiler_config=config)
+
+
+def test_two_profiles_at_once_are_refused_not_a_crash(tiny_ckpt, tmp_path, monkeypatch):
+    """torch's profiler is process-wide: a second LLM's start_profile while the first profiles (ch05 keeps
+    two LLMs) was accepted, and stopping them crashed the process (segmentation fault)."""
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
+    a, b = make_llm(tiny_ckpt), make_llm(tiny_ckpt)
+    a.start_profile()
+    with pytest.raises(RuntimeError, match="already running in this process"):
+        b.start_profile()
+    a.generate([3, 4], greedy(2), use_tqdm=False)
+    assert a.stop_profile().exists()
+    b.start_profile()  # free again
+    b.stop_profile()
+    a.shutdown()
+    b.shutdown()

@@ -56,8 +56,9 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
               seed: int = 0, log=print, peak_kwargs: dict | None = None, output_kind: str = "final_only",
               **engine_args) -> SweepResult:
     """Decode step time vs batch size (prompts of ``context_len`` tokens, ``decode_steps``
-    timed steps after ``warmup_steps``; one more step between the first and the rest runs eagerly to
-    record the step's matmuls, and is neither) and prefill step time vs prompt length (median of
+    timed steps after ``warmup_steps``, both after two set-up steps: the first full decode step,
+    which on a CPU records the batch size's graph, and an eager one that records the step's
+    matmuls) and prefill step time vs prompt length (median of
     ``repeats`` single-prompt steps); each point with its FLOPs, bytes, FLOP/s, bytes/s,
     arithmetic intensity, MFU and MBU (against the read bandwidth measured in this run).
     Writes a plotly roofline to ``html`` if given. ``peak_kwargs`` go to ``measure_peaks``.
@@ -94,7 +95,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
     batch_sizes = list(batch_sizes or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 2, 4, 8, 16, 32]))
     prompt_lens = list(prompt_lens or ([64, 128, 256, 512, 1024, 2048, 4096] if cuda else [16, 32, 64, 128, 256, 512]))
     if engine_args.get("kv_cache_memory_bytes") is None and engine_args.get("num_kvcache_blocks") is None:
-        need = max(max(batch_sizes) * (context_len + warmup_steps + decode_steps + 2), max(prompt_lens) + 2)
+        need = max(max(batch_sizes) * (context_len + warmup_steps + decode_steps + 3), max(prompt_lens) + 2)
         engine_args["kv_cache_memory_bytes"] = kv_bytes_for(model, need, engine_args.get("dtype"))
     engine_args.setdefault("max_num_seqs", max(256, max(batch_sizes)))
     engine_args.setdefault("max_num_batched_tokens", max(8192, max(prompt_lens)))
@@ -135,24 +136,29 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         log(f"  {'batch':>5} {'step ms':>9} {'ms/seq':>8} {'GFLOP/s':>9} {'GB/s':>8} {'MFU':>6} {'MBU':>6} "
             f"{'/matmuls':>10}")
         for b in batch_sizes:
-            if context_len + warmup_steps + decode_steps + 2 > max_len:
+            if context_len + warmup_steps + decode_steps + 3 > max_len:
                 raise ValueError(f"context_len={context_len} + steps does not fit max_model_len={max_len}")
             tag = next_tag()
             for i in range(b):
                 engine.add_request(f"sweep{tag}-{i}", prompt(context_len),
-                                   SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 2,
+                                   SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 3,
                                                   ignore_eos=True), output_kind=output_kind)
-            recs, replay, matmul_s = [], None, []
+            # Two set-up steps come before the warm-up and timed ones: the first full decode step (on
+            # a CPU it records this batch size's graph) and an eager one that records its matmuls.
+            recs, replay, matmul_s, graph_step_done = [], None, [], False
             with heap_frozen():  # a full collection of the whole process is not the engine's step
                 while engine.has_unfinished_requests():
-                    if replay is None and recs:  # after a full decode step: which matmuls such a step does
+                    if replay is None and graph_step_done:  # which matmuls such a step does
                         with record_linear_calls() as calls, eager_steps(engine):
                             rec = engine.step_with_record().record
                         if rec.phase == "decode" and rec.num_seqs == b:
                             replay = LinearReplay(calls) if calls else False  # int8 layers: not recorded
-                        continue  # an eager step, slower than the others: neither warm-up nor timed
+                        continue
                     rec = engine.step_with_record().record
                     if rec.phase == "decode" and rec.num_seqs == b:
+                        if not graph_step_done:
+                            graph_step_done = True
+                            continue
                         recs.append(rec)
                         if replay and len(recs) > warmup_steps:  # interleaved with the timed steps
                             matmul_s.append(replay.seconds())

@@ -612,14 +612,16 @@ class LLMEngine:
         return self.peaks
 
     # -- maintenance -------------------------------------------------------------------------
-    def start_profile(self) -> None:
+    def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: trace this process with ``torch.profiler`` until :meth:`stop_profile`
-        (``minivllm/telemetry/profiler.py``).
+        (``minivllm/telemetry/profiler.py``); ``profile_prefix`` begins the trace's file name.
 
         Raises:
-            RuntimeError: already profiling, or no trace directory (``profiler_config`` or
+            RuntimeError: the engine has been shut down, it is already profiling, another torch
+                profiler runs in this process, or no trace directory (``profiler_config`` or
                 ``$VLLM_TORCH_PROFILER_DIR``)."""
-        self.profiler.start()
+        self._require_live()
+        self.profiler.start(profile_prefix)
 
     def stop_profile(self) -> Path:
         """Stop the trace :meth:`start_profile` began and write it (Chrome trace JSON, for

@@ -1,50 +1,77 @@
 """``LLM.start_profile()`` / ``stop_profile()``: a ``torch.profiler`` trace of what ran between them.
 
 As in vLLM: the trace directory comes from ``LLM(profiler_config={"profiler": "torch",
-"torch_profiler_dir": DIR})`` (vLLM's current spelling) or the ``VLLM_TORCH_PROFILER_DIR``
-environment variable (its older one). The trace is a Chrome trace (JSON) that
-https://ui.perfetto.dev or ``chrome://tracing`` opens. Only this process is traced: with
-``tensor_parallel_size > 1``, rank 0's work and its waits for the other ranks.
+"torch_profiler_dir": DIR})`` (vLLM's current spelling; its other keys below) or the
+``VLLM_TORCH_PROFILER_DIR`` environment variable (its older one). The trace is a Chrome trace
+(JSON, gzipped unless ``torch_profiler_use_gzip`` is False) that https://ui.perfetto.dev or
+``chrome://tracing`` opens. Only this process is traced: with ``tensor_parallel_size > 1``, rank
+0's work and its waits for the other ranks. One profile runs in a process at a time (torch's
+profiler is process-wide).
 """
 from __future__ import annotations
 
+import gzip
 import itertools
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
-__all__ = ["PROFILER_CONFIG_KEYS", "TorchProfile", "check_profiler_config"]
+__all__ = ["PROFILER_OPTIONS", "TorchProfile", "check_profiler_config"]
 
 logger = logging.getLogger("minivllm")
 
-#: profiler_config key -> torch.profiler.profile's keyword (None: not one of its keywords)
-PROFILER_CONFIG_KEYS = {
-    "profiler": None,
-    "torch_profiler_dir": None,
-    "torch_profiler_record_shapes": "record_shapes",
-    "torch_profiler_with_memory": "profile_memory",
-    "torch_profiler_with_stack": "with_stack",
-    "torch_profiler_with_flops": "with_flops",
+#: vLLM's ProfilerConfig keys taken here as booleans -> (default, torch.profiler.profile's keyword,
+#: or None where the key changes nothing here). Defaults are vLLM's.
+PROFILER_OPTIONS = {
+    "torch_profiler_with_stack": (True, "with_stack"),
+    "torch_profiler_with_flops": (False, "with_flops"),
+    "torch_profiler_record_shapes": (False, "record_shapes"),
+    "torch_profiler_with_memory": (False, "profile_memory"),
+    "torch_profiler_use_gzip": (True, None),              # the trace is written .json.gz
+    "torch_profiler_dump_cuda_time_total": (True, None),  # vLLM's summary table; none written here
+    "capture_torch_profiler": (False, None),              # vLLM profiles its CUDA graph capture
+    "detailed_trace_annotation": (False, None),
+    "ignore_frontend": (False, None),
 }
+#: vLLM's keys that trace a window of engine steps: only their defaults (the whole span) are taken.
+_STEP_WINDOW = {"delay_iterations": 0, "max_iterations": 0, "warmup_iterations": 0, "wait_iterations": 0,
+                "active_iterations": 5}
 
 
 def check_profiler_config(config: dict | None) -> None:
     """Raises:
-        ValueError: ``config`` not a dict, a key minivllm does not take (named), or a
-            ``profiler`` other than ``"torch"`` (vLLM's ``"cuda"``, for Nsight, is not here)."""
+        ValueError: ``config`` not a dict; a key vLLM's ``ProfilerConfig`` lacks (named); a
+            ``profiler`` other than ``"torch"`` (vLLM's ``"cuda"``, for Nsight, is not here); a
+            directory without ``profiler="torch"`` or the reverse (as vLLM refuses them); a
+            non-boolean option; a step-window key away from its default (not supported here)."""
     if config is None:
         return
     if not isinstance(config, dict):
         raise ValueError(f"profiler_config={config!r}: must be a dict such as "
                          "{'profiler': 'torch', 'torch_profiler_dir': './trace'}")
-    unknown = sorted(set(config) - set(PROFILER_CONFIG_KEYS))
+    known = {"profiler", "torch_profiler_dir", *PROFILER_OPTIONS, *_STEP_WINDOW}
+    unknown = sorted(set(config) - known)
     if unknown:
-        raise ValueError(f"profiler_config keys {unknown}: not taken here; valid: {sorted(PROFILER_CONFIG_KEYS)}")
-    if config.get("profiler") not in (None, "torch"):
-        raise ValueError(f"profiler_config['profiler']={config['profiler']!r}: only 'torch' (torch.profiler)")
+        raise ValueError(f"profiler_config keys {unknown}: not vLLM ProfilerConfig keys; valid: {sorted(known)}")
+    kind, where = config.get("profiler"), config.get("torch_profiler_dir")
+    if kind not in (None, "torch"):
+        raise ValueError(f"profiler_config['profiler']={kind!r}: only 'torch' (torch.profiler) here")
+    if where and kind != "torch":
+        raise ValueError(f"profiler_config['torch_profiler_dir']={where!r} needs 'profiler': 'torch'")
+    if kind == "torch" and not where:
+        raise ValueError("profiler_config['profiler']='torch' needs a 'torch_profiler_dir'")
+    for key in PROFILER_OPTIONS:
+        if key in config and not isinstance(config[key], bool):
+            raise ValueError(f"profiler_config[{key!r}]={config[key]!r}: must be True or False")
+    for key, default in _STEP_WINDOW.items():
+        if key in config and config[key] != default:
+            raise ValueError(f"profiler_config[{key!r}]={config[key]!r}: tracing a window of engine steps is a "
+                             f"vLLM feature minivllm does not have (leave it at {default}); start_profile and "
+                             "stop_profile around the steps you want do the same")
 
 
 class TorchProfile:
@@ -56,33 +83,41 @@ class TorchProfile:
         self.config = dict(config or {})
         self.device = device
         self._profile = None
+        self._where: Path | None = None
+        self._prefix = "minivllm"
 
-    def trace_dir(self) -> Path:
-        """Raises:
-            RuntimeError: neither ``profiler_config`` nor ``VLLM_TORCH_PROFILER_DIR`` names one."""
+    def option(self, key: str) -> bool:
+        return self.config.get(key, PROFILER_OPTIONS[key][0])
+
+    def _trace_dir(self) -> Path:
         where = self.config.get("torch_profiler_dir") or os.environ.get("VLLM_TORCH_PROFILER_DIR")
         if not where:
             raise RuntimeError("start_profile: no trace directory; give LLM(profiler_config={'profiler': 'torch', "
                                "'torch_profiler_dir': DIR}) or set VLLM_TORCH_PROFILER_DIR")
-        return Path(where).expanduser()
+        return Path(where).expanduser().absolute()
 
-    def start(self) -> None:
-        """Raises:
-            RuntimeError: already profiling, or no trace directory (see :meth:`trace_dir`)."""
+    def start(self, profile_prefix: str | None = None) -> None:
+        """Start tracing; ``profile_prefix`` begins the trace's file name (default "minivllm").
+
+        Raises:
+            RuntimeError: this engine is already profiling, another torch profiler is running in
+                this process (another engine's, or a script's own), or no trace directory."""
         if self._profile is not None:
             raise RuntimeError("start_profile: already profiling (call stop_profile first)")
-        self.trace_dir()  # refused now, not after the run
+        if torch.autograd._profiler_enabled():  # stopping one of two overlapping profiles crashes torch
+            raise RuntimeError("start_profile: a torch profiler is already running in this process (another "
+                               "LLM's start_profile, or a torch.profiler.profile of your own); stop it first")
+        where = self._trace_dir()  # fixed now: an environment changed before stop_profile loses nothing
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        options = {kw: bool(self.config[key]) for key, kw in PROFILER_CONFIG_KEYS.items()
-                   if kw is not None and key in self.config}
+        options = {kw: self.option(key) for key, (_, kw) in PROFILER_OPTIONS.items() if kw is not None}
         profile = torch.profiler.profile(activities=activities, **options)
         profile.start()
-        self._profile = profile
+        self._profile, self._where, self._prefix = profile, where, profile_prefix or "minivllm"
 
     def stop(self) -> Path:
-        """Stop and write ``<dir>/minivllm-<pid>-<time>-<n>.pt.trace.json``; returns its path.
+        """Stop and write ``<dir>/<prefix>-<pid>-<time>-<n>.pt.trace.json[.gz]``; returns its path.
 
         Raises:
             RuntimeError: not profiling."""
@@ -90,10 +125,15 @@ class TorchProfile:
         if profile is None:
             raise RuntimeError("stop_profile: not profiling (call start_profile first)")
         profile.stop()
-        directory = self.trace_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"minivllm-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}-{next(self._traces)}.pt.trace.json"
+        self._where.mkdir(parents=True, exist_ok=True)
+        name = f"{self._prefix}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}-{next(self._traces)}.pt.trace.json"
+        path = self._where / name
         profile.export_chrome_trace(str(path))
+        if self.option("torch_profiler_use_gzip"):
+            with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            path.unlink()
+            path = path.with_name(name + ".gz")
         logger.info("profiler trace written to %s (open it in https://ui.perfetto.dev)", path)
         return path
 

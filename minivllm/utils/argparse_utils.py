@@ -53,37 +53,87 @@ def _help_by_name(cls) -> dict[str, str]:
     return {n: re.split(r"(?<=\.)\s", h, maxsplit=1)[0].replace("%", "%%") for n, h in helps.items()}
 
 
-def _option_kind(hint) -> tuple[str, type | None]:
-    """("bool" | "value", the type an option's text converts to) for a field's type hint."""
+def json_object(text: str) -> dict:
+    """An option's JSON object (``--speculative-config '{"method": "ngram"}'``).
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or not an object (argparse names the option)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object {{...}}")
+    return value
+
+
+def loose_value(text: str):
+    """A vLLM-only option's value as Python: true/false, an int, a float, JSON, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for convert in (int, float, json.loads):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _option_kind(hint) -> tuple[str, typing.Callable | None]:
+    """("bool" | "value", the function an option's text goes through) for a field's type hint."""
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     base = args[0]
     if base is bool:
         return "bool", None
     if base is dict:
-        return "value", json.loads  # --speculative-config '{"method": "ngram", ...}'
+        return "value", json_object
     return "value", base if base in (int, float, str) else str
+
+
+#: vLLM's short spellings of some options
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 
 
 def add_cli_args(cls, parser):
     """Add each field of the dataclass ``cls`` to ``parser`` (a parser or an argument group) as
     ``--kebab-case`` with the field's default (bools as ``--x / --no-x``, dicts as JSON), and
-    return ``parser``; ``vars(parser.parse_args())`` is then a valid ``LLM(**kwargs)``."""
+    return ``parser``; ``vars(parser.parse_args())`` is then a valid ``LLM(**kwargs)``.
+
+    vLLM's own arguments that ``LLM`` accepts for compatibility (``minivllm.config``'s
+    ``IGNORED_VLLM_ARGS`` and ``LACKING_VLLM_ARGS``) are options too, hidden from ``--help`` and
+    present in the namespace only when given (``--trust-remote-code``, ``--swap-space 4``), so
+    ``LLM`` warns about or refuses them as it does in Python."""
+    from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS
+
     hints = typing.get_type_hints(cls)
     helps = _help_by_name(cls)
-    for f in dataclasses.fields(cls):
+    fields = dataclasses.fields(cls)
+    for f in fields:
         kind, convert = _option_kind(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")] + ([SHORT_FLAGS[f.name]] if f.name in SHORT_FLAGS else [])
         text = helps.get(f.name, "")
         if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
-            parser.add_argument(flag, type=convert, default=f.default, help=text + " (default: %(default)s)")
+            parser.add_argument(*flags, type=convert, default=f.default, help=text + " (default: %(default)s)")
+    ours = {f.name for f in fields}
+    for name in sorted((set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)) - ours):
+        flags = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
+        parser.add_argument(*flags, dest=name, nargs="?", const=True, type=loose_value, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
     return parser
 
 
 def from_cli_args(cls, args: argparse.Namespace):
-    """``cls`` built from the fields of parsed ``args`` (other attributes are left alone).
+    """``cls`` built from parsed ``args``: its fields, and the vLLM-only arguments given (warned
+    about or refused as ``LLM(...)`` does: ``EngineArgs.from_kwargs``); other attributes (a
+    script's own options) are left alone.
 
     Raises:
-        ValueError: a bad value, as ``cls`` raises it."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+        ValueError: a bad value, as ``cls`` raises it.
+        TypeError: a vLLM argument for a feature minivllm lacks."""
+    from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS
+
+    names = {f.name for f in dataclasses.fields(cls)} | set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)
+    given = {k: v for k, v in vars(args).items() if k in names}
+    return cls.from_kwargs(given.pop("model", None), given)

@@ -106,6 +106,7 @@ def _cli_args() -> bool:
 
 
 def _profiles(llm) -> bool:
+    import gzip
     import json
     import os
     import tempfile
@@ -115,7 +116,8 @@ def _profiles(llm) -> bool:
         try:
             llm.start_profile()
             _gen(llm)
-            return "traceEvents" in json.loads(llm.stop_profile().read_text())
+            with gzip.open(llm.stop_profile(), "rt") as f:  # gzipped, as vLLM writes it by default
+                return "traceEvents" in json.load(f)
         finally:
             del os.environ["VLLM_TORCH_PROFILER_DIR"]
 

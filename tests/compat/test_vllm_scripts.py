@@ -38,7 +38,8 @@ def test_generate_py():
     sampling_group.add_argument("--top-p", type=float)
     sampling_group.add_argument("--top-k", type=int)
     args: dict = vars(parser.parse_args(["--max-tokens", "12", "--temperature", "0.7", "--top_p", "0.9",
-                                         "--top-k=20", "--max_num_seqs", "4", "--no-enable-prefix-caching"]))
+                                         "--top-k=20", "--max_num_seqs", "4", "--no-enable-prefix-caching",
+                                         "--trust-remote-code", "--disable-log-stats"]))
     max_tokens, temperature = args.pop("max_tokens"), args.pop("temperature")
     top_p, top_k = args.pop("top_p"), args.pop("top_k")
     llm = LLM(**args)
