@@ -74,7 +74,10 @@ class EngineArgs:
         kv_cache_memory_bytes: KV pool size in bytes (CPU default 512 MiB).
         gpu_memory_utilization: on CUDA, fraction of device memory the engine may use
             (weights + activations + KV), measured after a warm-up pass.
-        enable_prefix_caching / enable_chunked_prefill: the two scheduler features.
+        enable_prefix_caching: reuse the KV of prompt prefixes already computed
+            (``minivllm/engine/block_manager.py``).
+        enable_chunked_prefill: split a prompt that does not fit a step's remaining token budget
+            over several steps, mixed with the running sequences' decodes.
         prefix_caching_hash_algo: "xxhash" (default: fast, 64-bit) or "sha256" (collision
             resistant, for engines shared between tenants). Either way every prefix-cache hit
             is verified against the block's stored tokens and parent chain, so a collision

@@ -35,9 +35,9 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args(fixed, namespace)
 
 
-def _help_by_name(cls) -> dict[str, str]:
-    """The ``Args:`` section of ``cls``' docstring as {field name: first sentence of its text}
-    (an entry "a / b: text" names two fields)."""
+def _help_by_name(cls, whole: bool = False) -> dict[str, str]:
+    """The ``Args:`` section of ``cls``' docstring as {field name: first sentence of its text, or
+    all of it with ``whole``} (an entry "a / b: text" names two fields)."""
     doc = cls.__doc__ or ""
     section = doc.split("Args:", 1)[1].split("Raises:", 1)[0] if "Args:" in doc else ""
     helps, current = {}, []
@@ -50,7 +50,10 @@ def _help_by_name(cls) -> dict[str, str]:
         elif line.strip() and current:
             for n in current:
                 helps[n] += " " + line.strip()
-    return {n: re.split(r"(?<=\.)\s", h, maxsplit=1)[0].replace("%", "%%") for n, h in helps.items()}
+    if whole:
+        return helps
+    first = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=\.)\s")  # "e.g." ends no sentence
+    return {n: first.split(h, maxsplit=1)[0].replace("%", "%%") for n, h in helps.items()}
 
 
 def json_object(text: str) -> dict:
