@@ -587,6 +587,7 @@ def train(args) -> dict:
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
             "platform": platform.platform(),
+            "cpu": cpu_model(),
         },
         "corpus": {
             "sources": "pydoc_data.topics + docstrings (via ast) of the stdlib modules listed in the script",
@@ -721,6 +722,24 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (else ``platform.processor()``), for the record."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_line(r: dict) -> str:
+    """When and on which CPU the run was made, as far as its record says."""
+    when = f"{r['date_utc']} UTC" if r.get("date_utc") else r.get("date_note", "not recorded")
+    cpu = r.get("versions", {}).get("cpu") or r.get("cpu_note") or "not recorded"
+    return f"Date: {when}. CPU: {cpu}."
+
+
 def render_doc(r: dict) -> str:
     v, c, h = r["versions"], r["corpus"], r["hyperparameters"]
     rows = "\n".join(
@@ -826,7 +845,7 @@ evaluations and saving. To replay this run's step count exactly (same versions a
 step differs slightly from this time-scheduled run).
 
 Versions: Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, tokenizers {v['tokenizers']}
-({v['platform']}).
+({v['platform']}). {run_line(r)}
 
 **Held-out loss: {r['heldout_loss']:.3f} nats/token** (perplexity {r['heldout_perplexity']},
 about {r['heldout_bits_per_byte']:.2f} bits per byte). For scale: a uniform guess over 4096 tokens is 8.32 nats.
