@@ -60,12 +60,28 @@ def test_make_workload_is_reproducible_and_in_range():
     nano = make_workload("nano", vocab_size=151936, scale=0.25)
     assert nano.num_requests == 64
     assert all(100 <= len(p) <= 1024 and 100 <= n <= 1024 for p, n in zip(nano.prompts, nano.output_lens))
-    assert max(t for p in nano.prompts for t in p) < 10000  # nano-vllm draws ids below 10000
+    assert max(t for p in nano.prompts for t in p) <= 10000  # nano-vllm's randint(0, 10000)
     short = make_workload("nano", num_requests=20, max_model_len=1100)
     assert all(len(p) + n <= 1100 for p, n in zip(short.prompts, short.output_lens))
     for bad in (dict(name="gpu"), dict(scale=0), dict(input_len=(5, 2)), dict(num_requests=0)):
         with pytest.raises(ValueError):
             make_workload(**{"name": "cpu", **bad})
+
+
+def test_nano_workload_is_nano_vllms_own_requests():
+    """nano-vllm's bench.py (0e2a894): seed(0), each prompt's length then ids randint(0, 10000), then the
+    output lengths; its README's 'Total' is 133,966 output tokens. The preset drew its own requests
+    (ids 0..9999, lengths interleaved: 142,445 output tokens), so it did not reproduce that run."""
+    from random import Random
+
+    rng = Random(0)  # nano-vllm's draws, written out
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    outs = [rng.randint(100, 1024) for _ in range(256)]
+    nano = make_workload("nano", vocab_size=151936, seed=0)
+    assert nano.prompts == prompts and nano.output_lens == outs
+    assert (nano.num_prompt_tokens, nano.num_output_tokens) == (142827, 133966)
+    small = make_workload("nano", vocab_size=4096, seed=0)  # a small vocabulary: ids stay inside it
+    assert max(t for p in small.prompts for t in p) == 4095
 
 
 def test_warm_up_workload_has_the_prompt_lengths_and_shares_no_prefix():

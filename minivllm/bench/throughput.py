@@ -25,8 +25,10 @@ class ThroughputResult(ResultMixin):
         peaks: the peaks used for MFU/MBU, measured in this run (``peaks_summary``).
         torch / transformers: library versions.
         loadavg: 1/5/15-minute load averages at the start (None where unavailable).
-        minivllm: seconds, requests/s, tokens/s, latency percentiles, roofline, utilisation,
-            time breakdown, preemptions, prefix-cache hit tokens (0: the warm-up shares no prompt).
+        minivllm: seconds, requests/s, tokens/s, steps (and those with prefill tokens), the
+            engine's token budget per step and most sequences, latency percentiles, roofline,
+            utilisation, time breakdown, preemptions, prefix-cache hit tokens (0: the warm-up
+            shares no prompt).
         peers: peer name -> its figures (``available``, ``seconds``, ``speedup`` = peer
             seconds / minivllm seconds, greedy ``agreement``) or ``available: False`` + reason.
     """
@@ -135,6 +137,9 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
             "output_tokens_per_s": workload.num_output_tokens / secs,
             "total_tokens_per_s": (workload.num_output_tokens + workload.num_prompt_tokens) / secs,
             "num_steps": len(records),
+            "num_prefill_steps": sum(1 for r in records if r.num_prefill_tokens),
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,  # the step's token budget
+            "max_num_seqs": engine.config.args.max_num_seqs,
             "ttft_ms": percentiles([o.metrics.ttft_ms for o in outs]),
             "tpot_ms": percentiles([o.metrics.tpot_ms for o in outs]),
             "itl_ms": percentiles([x for o in outs for x in o.metrics.itl_ms]),

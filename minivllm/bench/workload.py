@@ -1,8 +1,8 @@
 """Benchmark workloads: random-token prompts and per-request output lengths.
 
 ``nano`` is nano-vllm's benchmark (256 requests, prompt and output lengths uniform in
-100..1024, random token ids); ``cpu`` is a CPU-sized one (32 requests, prompts 16..256,
-outputs 16..128).
+100..1024, random token ids), drawn as its ``bench.py`` draws them, so seed 0 gives its very
+requests; ``cpu`` is a CPU-sized one (32 requests, prompts 16..256, outputs 16..128).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 __all__ = ["WORKLOADS", "Workload", "make_workload"]
 
 WORKLOADS = {
-    "nano": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024)),
-    "cpu": dict(num_requests=32, input_len=(16, 256), output_len=(16, 128)),
+    "nano": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024), draws="nano-vllm"),
+    "cpu": dict(num_requests=32, input_len=(16, 256), output_len=(16, 128), draws="interleaved"),
 }
 
 
@@ -66,8 +66,13 @@ def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 
                   num_requests: int | None = None, input_len: tuple[int, int] | None = None,
                   output_len: tuple[int, int] | None = None, max_model_len: int | None = None,
                   seed: int = 0) -> Workload:
-    """A reproducible workload: token ids uniform in ``[0, min(vocab_size, 10000))`` (as
-    nano-vllm's benchmark draws them), lengths uniform in the ranges (inclusive).
+    """A reproducible workload, lengths uniform in the ranges (inclusive).
+
+    ``nano`` draws as nano-vllm's ``bench.py`` (GeeeekExplorer/nano-vllm, 0e2a894): from
+    ``random.seed(seed)``, each prompt's length then its ids uniform in ``[0, min(vocab_size - 1,
+    10000)]`` (``randint(0, 10000)``), then every output length; with seed 0 and a vocabulary above
+    10,000 ids these are its 256 requests (142,827 prompt and 133,966 output tokens). ``cpu`` draws
+    each request's two lengths, then its ids in ``[0, min(vocab_size, 10000))``.
 
     ``scale`` multiplies the preset's request count (ignored when ``num_requests`` is
     given). With ``max_model_len``, a prompt is shortened so prompt + output fits.
@@ -85,6 +90,13 @@ def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 
     if max_model_len is not None and lo_in + lo_out > max_model_len:
         raise ValueError(f"input_len min {lo_in} + output_len min {lo_out} exceed max_model_len={max_model_len}")
     rng = random.Random(seed)
+    if preset["draws"] == "nano-vllm":
+        high = min(vocab_size - 1, 10000)
+        prompts = [[rng.randint(0, high) for _ in range(rng.randint(lo_in, hi_in))] for _ in range(n)]
+        outs = [rng.randint(lo_out, hi_out) for _ in range(n)]
+        if max_model_len is not None:
+            prompts = [p[:max(1, max_model_len - lo)] for p, lo in zip(prompts, outs)]
+        return Workload(name, prompts, outs, seed)
     high = min(vocab_size, 10000) - 1
     prompts, outs = [], []
     for _ in range(n):
