@@ -198,3 +198,39 @@ def test_a_tensor_parallel_worker_notes_the_highest_slot_of_each_step():
     header = torch.tensor([0, 3, 3, 3, 2, payload.numel()], dtype=torch.int64)
     inp = unpack_step(runner, header, payload)
     assert inp.meta == "meta" and seen == [640 // 16]
+
+
+@linux_only
+def test_close_returns_when_a_stopped_thread_holds_the_lock():
+    """At interpreter exit a daemon thread stops wherever it is; one stopped inside the prefaulter's lock
+    made close() (from an LLM collected at exit) wait for ever: a script that built an LLM and exited
+    hung about one time in three. close() now gives up on the lock after its timeout."""
+    import threading
+
+    pf = KVPrefaulter.for_pool(_pool(64))
+    assert pf is not None
+    pf._lock.acquire()  # held for good, as by a thread frozen at exit
+    finished = threading.Event()
+    threading.Thread(target=lambda: (pf.close(timeout=0.2), finished.set()), daemon=True).start()
+    assert finished.wait(10), "close() waited for ever on the lock"
+    assert pf._closed and pf._pool is not None  # nothing else touches the pool; it stays referenced
+
+
+@linux_only
+def test_a_script_that_builds_an_llm_and_exits_at_once_exits(tmp_path):
+    """The end-to-end case: the LLM is collected at interpreter exit while its prefault thread (stopped by
+    the exit) holds the lock; here the lock is held on purpose so that the exit meets it every time."""
+    import subprocess
+
+    script = tmp_path / "exit_at_once.py"
+    script.write_text(
+        "import threading, torch\n"
+        "torch.set_num_threads(1)\n"
+        "from minivllm import LLM\n"
+        "llm = LLM('minivllm-tiny', num_kvcache_blocks=64)\n"
+        "pf = llm.llm_engine.runner.kv_prefaulter\n"
+        "threading.Thread(target=pf._lock.acquire, daemon=True).start()\n"  # a daemon thread takes the lock
+        "import time; time.sleep(0.2)\n"
+        "print('built', flush=True)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "built" in out.stdout, out.stderr[-2000:]

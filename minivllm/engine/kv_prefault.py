@@ -133,10 +133,17 @@ class KVPrefaulter:
                 self.done = max(self.done, hi)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop the thread (between two calls of at most one huge page each) and drop the pool."""
-        with self._lock:
-            self._closed = True
+        """Stop the thread (between two calls of at most one huge page each) and drop the pool.
+        Returns within about ``2 x timeout`` seconds whatever the thread does."""
+        self._closed = True  # the thread reads it between calls (a bool store needs no lock)
+        # At interpreter exit a daemon thread stops for good wherever it is, possibly holding the
+        # lock; an LLM collected then closes this, and waiting on that lock hung the exit.
+        if not self._lock.acquire(timeout=timeout):
+            return  # the pool stays referenced: nothing else touches it now
+        try:
             thread = self._thread
+        finally:
+            self._lock.release()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
