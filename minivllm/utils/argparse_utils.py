@@ -109,7 +109,9 @@ def add_cli_args(cls, parser):
     from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS
 
     hints = typing.get_type_hints(cls)
-    helps = _help_by_name(cls)
+    # the whole docstring entry (its defaults are often in its second sentence), without reST's ``quotes``
+    helps = {n: h.replace("``", "").replace(":mod:", "").replace("%", "%%")
+             for n, h in _help_by_name(cls, whole=True).items()}
     fields = dataclasses.fields(cls)
     for f in fields:
         kind, convert = _option_kind(hints[f.name])
@@ -118,7 +120,8 @@ def add_cli_args(cls, parser):
         if kind == "bool":
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
-            parser.add_argument(*flags, type=convert, default=f.default, help=text + " (default: %(default)s)")
+            suffix = "" if f.default is None else " (default: %(default)s)"  # None: the text says what applies
+            parser.add_argument(*flags, type=convert, default=f.default, help=text + suffix)
     ours = {f.name for f in fields}
     for name in sorted((set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)) - ours):
         flags = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
