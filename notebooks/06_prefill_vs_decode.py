@@ -166,7 +166,10 @@ for t in (1, 128):
 #
 # Predict how many times longer the 128-row product takes than the one-row product (a ratio of
 # times, e.g. `128` if time followed the FLOPs, `1` if it followed the bytes). The peaks printed in
-# the setup cell are all you need for a first-principles estimate.
+# the setup cell are all you need for a first-principles estimate: the matmul FLOP/s and the read
+# bandwidth, and their ratio, the **ridge point**, the intensity at which a product's compute time and
+# its memory time are equal. (They are this CPU's when the engine runs on the CPU; with a GPU engine,
+# these products still run on the CPU, and the cell below measures the CPU's own.)
 
 # %% tags=["exercise"]
 my_prediction = None  # your guess: time(128 rows) / time(1 row), a ratio (x)
@@ -176,6 +179,15 @@ import statistics
 import time
 
 W_DEMO = torch.randn(N_OUT, K_IN)
+# These products (and section 5's int8 one) run on the CPU in fp32 whatever the engine's device, so
+# their ceilings are the CPU's fp32 ones: the setup cell's when the engine is an fp32 CPU engine.
+if (cfg.device.type, cfg.dtype) == ("cpu", torch.float32):
+    cpu_peaks = peaks
+else:
+    from minivllm.telemetry.peaks import get_peaks
+
+    cpu_peaks = get_peaks(torch.device("cpu"), torch.float32)
+CPU_BW = cpu_peaks.mbu_bytes_per_s
 
 
 def time_rows(t, repeats=5):
@@ -209,9 +221,9 @@ t1, t128 = rows_df.loc[1, "ms (median of 5)"], rows_df.loc[128, "ms (median of 5
 check_prediction(my_prediction, t128 / t1, rel_tol=0.5, unit="x", what="time(128 rows) / time(1 row)")
 render(f"Here 128 times the arithmetic took **{t128 / t1:.1f}x** the time: the one-row product ran at "
        f"{rows_df.loc[1, 'GFLOP/s']:.1f} GFLOP/s while streaming its weights at "
-       f"{rows_df.loc[1, 'GB/s of weights']:.1f} GB/s (the measured read ceiling is {BW / 1e9:.1f} GB/s); "
+       f"{rows_df.loc[1, 'GB/s of weights']:.1f} GB/s (the CPU's measured read ceiling is {CPU_BW / 1e9:.1f} GB/s); "
        f"the 128-row product reached {rows_df.loc[128, 'GFLOP/s']:.1f} GFLOP/s "
-       f"({rows_df.loc[128, 'GFLOP/s'] * 1e9 / peaks.flops_per_s:.0%} of the measured matmul peak).");
+       f"({rows_df.loc[128, 'GFLOP/s'] * 1e9 / cpu_peaks.flops_per_s:.0%} of the CPU's measured fp32 matmul peak).");
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
@@ -236,7 +248,8 @@ render(f"Here 128 times the arithmetic took **{t128 / t1:.1f}x** the time: the o
 
 # %% [markdown]
 # Look down the `GB/s of weights` column. Ideally the products of a few rows (2, 4) would take as
-# long as the one-row product: the same bytes, and an intensity still under the ridge point. On many
+# long as the one-row product: the same bytes, and an intensity of 1 to 2 FLOP/byte, below the ridge
+# point printed in the setup cell unless that is under 2. On many
 # CPUs they take longer, because the maths library runs a single row on a path built to stream the
 # weights (a matrix-vector product) and a few rows on the general matrix-multiply path, which is less
 # efficient at such thin shapes. Whether that happened here:
@@ -264,8 +277,8 @@ check_claim("4 rows streamed the weights more slowly than 1 row",
 ROWS = 32
 f, b = hand_count(ROWS)
 med_s, _, _ = time_rows(ROWS, repeats=3)
-mem_floor_ms, comp_floor_ms = b / BW * 1e3, f / peaks.flops_per_s * 1e3
-print(f"{ROWS} rows: intensity {f / b:.1f} FLOP/byte (ridge {peaks.ridge_intensity:.1f}); memory floor "
+mem_floor_ms, comp_floor_ms = b / CPU_BW * 1e3, f / cpu_peaks.flops_per_s * 1e3
+print(f"{ROWS} rows: intensity {f / b:.1f} FLOP/byte (ridge {cpu_peaks.ridge_intensity:.1f}); memory floor "
       f"{mem_floor_ms:.2f} ms, compute floor {comp_floor_ms:.2f} ms, measured {med_s * 1e3:.2f} ms "
       f"({med_s * 1e3 / max(mem_floor_ms, comp_floor_ms):.1f}x the larger floor)")
 del W_DEMO
@@ -318,7 +331,8 @@ print("KV blocks during decode:", "rose above" if max(blocks_after) > blocks_aft
 # ### Step it yourself
 #
 # The stepper below drives the same engine. It has already added a request and run two steps (the
-# prefill, then one decode). Press **Step** to run one more engine step, **Run to end** to step until
+# prefill, then one decode; its header numbers steps as the engine does, counting every step the engine
+# has run since it was built, so it shows a larger number). Press **Step** to run one more engine step, **Run to end** to step until
 # every request finishes (**Stop** halts it between steps), **Reset** to abort everything and free
 # the cache. Type a prompt (text, or token ids like `[1, 2, 3]`) and press **Add request** while
 # another request is decoding: the next step is *mixed*, a prefill chunk and decodes in one forward
@@ -428,7 +442,9 @@ ai = table["intensity"]
 first_dec = df[(df.phase == "decode") & (df.nth_decode == 1)].wall_ms.median()
 render(f"The prefill of {longest} tokens took **{pre_ms:.1f} ms**, {1e3 * pre_ms / longest:.0f} µs per prompt "
        f"token; a decode step at that context took **{dec_ms:.2f} ms** for one token, so per token the prefill was "
-       f"**{dec_ms / (pre_ms / longest):.0f}x** cheaper. Intensity: prefill of {longest} tokens "
+       + (f"**{dec_ms / (pre_ms / longest):.0f}x** cheaper" if dec_ms > pre_ms / longest else
+          f"no cheaper (**{(pre_ms / longest) / dec_ms:.1f}x** a decode step's time)")
+       + f". Intensity: prefill of {longest} tokens "
        f"{ai['prefill'][longest]:.1f} FLOP/byte, decode {ai['decode'][longest]:.2f} FLOP/byte, against a "
        f"ridge point of {peaks.ridge_intensity:.1f} FLOP/byte here. (The first decode step after each prefill, "
        f"left out of the table, took a median {first_dec:.2f} ms over all lengths; the kept ones "
@@ -565,7 +581,8 @@ for T in (1, 16, 128):
 # first decode step at each batch size is set aside: at a batch size the engine has not decoded before,
 # that step records a graph (chapter 11; batch 1's was recorded by the warm-up request).
 # Predict the decode throughput (output tokens per second) at batch 16 as a multiple of batch 1.
-# Think about the intensity `B/2` of a decode step and where it meets this machine's ridge point.
+# Think about the intensity of a decode step, about `B/2` with fp32 weights (`B` with 16-bit ones: 2
+# FLOPs per weight per sequence over the weight's bytes), and where it meets this machine's ridge point.
 
 # %% tags=["exercise"]
 my_prediction = None  # your guess: decode tokens/s at batch 16 / tokens/s at batch 1 (x)
@@ -634,7 +651,8 @@ show_figure(fig)
 # %% [markdown]
 # The sloped part of the roof is the memory ceiling (a step there can go no faster than its bytes
 # stream in), the flat part the compute ceiling; they meet at the ridge point (dotted). Decode steps
-# sit at about `B/2` FLOP/byte, prefill steps somewhat below `T/2` for `T` prompt tokens (the LM head
+# sit at about `B/2` FLOP/byte in fp32 (`B` with 16-bit weights), prefill steps somewhat below `T/2`
+# (`T`) for `T` prompt tokens (the LM head
 # runs only on each sequence's last token, so its weights serve fewer rows). The gap between a
 # point and the roof is overhead and inefficiency: small matrix multiplies run below the big square
 # matmul that set the peak, and a step also spends time outside them.
@@ -695,7 +713,8 @@ check_claim("the prefill step is compute-bound and the batch-1 decode step memor
 # Every decode step reads all the weights once, whatever the batch. If that read alone set the step's
 # time, a batch of 16 would cost no more than a batch of 1 and produce 16 tokens. The roofline bound
 # (dashed below) is `B / max(FLOPs / peak FLOP/s, bytes / read bandwidth)`: it grows in proportion to
-# the batch while the step is memory-bound, and flattens once the intensity `B/2` passes the ridge.
+# the batch while the step is memory-bound, and flattens once the intensity (`B/2` in fp32, `B` with
+# 16-bit weights) passes the ridge.
 
 # %%
 big_dec = big_df[big_df.phase == "decode"].groupby("batch").agg(
@@ -736,7 +755,9 @@ worst = big_dec["measured / bound"].idxmin()
 render(f"From batch 1 to batch {b_max} the decode step grew from {big_dec.wall_ms.iloc[0]:.0f} ms to "
        f"{big_dec.wall_ms.iloc[-1]:.0f} ms, so throughput rose **{speedup:.1f}x** "
        f"({big_dec['tokens/s'].iloc[0]:.1f} -> {big_dec['tokens/s'].iloc[-1]:.1f} tokens/s). The roofline bound stops "
-       f"growing in proportion to the batch **{knee}**, where the intensity `B/2` crosses the ridge point "
+       f"growing in proportion to the batch **{knee}**, where the intensity (about "
+       f"`{'B/2' if cost.held_weight_bytes == 4 else f'2B/{cost.held_weight_bytes:g}'}` with "
+       f"{cost.held_weight_bytes:g}-byte weights) crosses the ridge point "
        f"({big_peaks.ridge_intensity:.1f} FLOP/byte). The measured points sit furthest below the bound at "
        f"**batch {worst}** ({big_dec.loc[worst, 'measured / bound']:.0%} of it).")
 check_claim(f"decode at batch {b_max} produces more tokens per second than at batch 1 on the same weights and memory",
@@ -984,7 +1005,7 @@ Speculation accepted {spec_m.draft_acceptance_rate:.0%} of its draft tokens, {sp
 per verification step. Where the weight read is the whole cost, one row times a {N_OUT} × {K_IN} weight
 ({W_TURN} weights in turn): **{fp32_ms:.2f} ms** in fp32 ({N_OUT * K_IN * BYTES / 2**20:.0f} MiB at {fp32_gbps:.1f} GB/s),
 **{int8_ms:.2f} ms** in int8 ({N_OUT * K_IN / 2**20:.0f} MiB at {int8_gbps:.1f} GB/s): **{fp32_ms / int8_ms:.1f}x** faster
-for {BYTES}x fewer bytes (read-bandwidth ceiling {BW / 1e9:.1f} GB/s).""")
+for {BYTES}x fewer bytes (on the CPU; its read-bandwidth ceiling {CPU_BW / 1e9:.1f} GB/s).""")
 check_claim("batching raises decode tokens/s over one request", lever_rows[0][1] > tps1,
             f"{lever_rows[0][1] / tps1:.2f}x")
 check_claim("n-gram speculation emitted more than one token per verification step on text that repeats its context",
@@ -1002,7 +1023,7 @@ check_claim("int8 weights make a product that is one weight read faster", int8_m
             f"{fp32_ms:.2f} -> {int8_ms:.2f} ms",
             why_it_may_not="This needs the CPU int8 path (fbgemm) and a weight far larger than the CPU caches.")
 check_claim("the int8 products read their weights at no more than the read-bandwidth ceiling (from main memory)",
-            int8_gbps * 1e9 <= 1.1 * BW, f"{int8_gbps:.1f} GB/s against {BW / 1e9:.1f} GB/s",
+            int8_gbps * 1e9 <= 1.1 * CPU_BW, f"{int8_gbps:.1f} GB/s against {CPU_BW / 1e9:.1f} GB/s",
             why_it_may_not=f"A CPU whose caches hold all {W_TURN} int8 weights ({W_TURN * N_OUT * K_IN / 2**20:.0f} MiB) "
                            "serves them from there, faster than main memory.");
 
@@ -1090,8 +1111,8 @@ Quiz([
           f"On this run some steps carried less than their whole batch (the {KV_POOL_BYTES >> 20} MiB pool or the "
           "token budget held requests back), but the roofline bound is computed per batch from FLOPs and bytes "
           "alone: it bends at the ridge point whatever the pool does."),
-         f"Right: the ridge point here is {big_peaks.ridge_intensity:.1f} FLOP/byte, so the bend comes near batch "
-         f"{2 * big_peaks.ridge_intensity:.0f}. Below it a bigger batch rides on the same weight read; past it the "
+         f"Right: the ridge point here is {big_peaks.ridge_intensity:.1f} FLOP/byte, so with "
+         f"{cost.held_weight_bytes:g}-byte weights the bend comes near batch {ridge_batch:.0f}. Below it a bigger batch rides on the same weight read; past it the "
          "step is compute-bound and more rows cost proportionally more time. On a data-centre GPU the ridge is in "
          "the hundreds.",
          "Host overhead per sequence is small and linear; the roofline bound alone predicts the bend.",

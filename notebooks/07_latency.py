@@ -96,6 +96,9 @@ WHERE = f"{me.source.name}, {cfg.device}, {DTYPE}, {torch.get_num_threads()} thr
 # * **TPOT**, time per output token: the mean gap between later tokens, `(time of the last token -
 #   time of the first) / (tokens - 1)`. Each gap is one decode step of whatever batch the request
 #   shares, so TPOT is set by decode, and by everything else that runs in the same steps.
+# * **ITL**, inter-token latency: each single gap between two consecutive tokens of a request
+#   (`metrics.itl_ms` lists them). TPOT is their mean; the largest one is what a streaming user sees as
+#   a stall, and section 3 measures it.
 #
 # The engine stamps every request with its times (`RequestOutput.metrics`: arrival, first scheduled,
 # first token, every token, finished). Here five requests of different lengths arrive together at an
@@ -251,7 +254,9 @@ render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".
 # only over its own prompt), and single steps on a CPU also vary from run to run. A common slip is to
 # take the 128-token figure: it ignores that the other three prompts ride in the same step. (With a
 # budget of 128 tokens the four would be served one after another, and the mean TTFT would be about
-# 2.5 prefill steps of 128 tokens.)
+# 3 prefill steps of 128 tokens, not the 2.5 that (1 + 2 + 3 + 4) / 4 suggests: each step serves the
+# running requests' decodes first, so every later prompt gives up a token of its step to each request
+# already decoding and spills into one step more. `LatencyModel.predict` with a budget of 128 counts it.)
 #
 # The fitted model makes the same reasoning with its per-step and per-token costs; the table above
 # shows how close it and you came to the measurement.
@@ -299,7 +304,8 @@ render(f"Here throughput grew **{'more' if b_last / tpot_ratio > tpot_ratio else
           "matrix multiplies, and what grew with the batch is what every row brings (attention over its own KV, "
           "its norms and sampling, its bookkeeping) and small matrix multiplies running below the peak. ")
        + "On a GPU, whose ridge point is typically in the hundreds, a decode step stays memory-bound to far larger "
-         "batches, and there TPOT barely moves while throughput grows almost with the batch.");
+         "batches, and there, at short contexts, TPOT barely moves while throughput grows almost with the batch "
+         "(at long contexts each sequence's KV read grows the step too: chapter 06 counts those bytes).");
 
 # %% [markdown]
 # So batching is a **throughput** lever, not a TPOT lever: it serves more users per second at the
@@ -418,10 +424,12 @@ knob.shutdown()
 # ## 4. Myths, checked
 #
 # **"TTFT and total response time are the same thing."** Section 1's table already answered it: the
-# total was a different multiple of TTFT for every request (its `e2e / TTFT` column), depending mostly
-# on how many tokens came after the first and how long each of their steps took. They are different measurements, tuned by different means (prefix
+# total was a different multiple of TTFT for every request (its `e2e / TTFT` column): `e2e / TTFT = 1 +
+# (tokens after the first) x TPOT / TTFT`, so it depends on how many tokens came after the first, on how
+# long their steps took, and as much on the TTFT itself (a request that queued has a long TTFT and so a
+# small ratio). They are different measurements, tuned by different means (prefix
 # caching and chunk size for TTFT; bandwidth, int8 and speculation for the decode part, while batching
-# trades a little of each request's TPOT for throughput).
+# trades some of each request's TPOT for throughput: section 2 measured how much).
 #
 # **"Chunked prefill comes with `enforce_eager=False`."** `enforce_eager` decides whether decode steps
 # are replayed from recorded graphs (CUDA graphs on a GPU, CPU graphs on a CPU: chapter 11); chunking is
@@ -459,7 +467,8 @@ for args in (dict(enforce_eager=True), dict(enforce_eager=False), dict(enable_ch
     print(f"{name:28s}: chunks (step, tokens) of the 60-token prompt {chunks_by[name]['mid']}, "
           f"of the 80-token prompt {chunks_by[name]['long']}; mixed steps {sum(r.phase == 'mixed' for r in recs)}")
 mixed_example = next(r for r in recs if r.phase == "mixed")
-print("a mixed step:", [(x.request_id, x.num_tokens, "prefill" if x.is_prefill else "decode") for x in mixed_example.scheduled])
+print(f"a mixed step of the last run ({name}):",
+      [(x.request_id, x.num_tokens, "prefill" if x.is_prefill else "decode") for x in mixed_example.scheduled])
 
 # %%
 import inspect
@@ -491,7 +500,8 @@ check_claim("the enforce_eager=False engine replayed recorded graphs for plain d
 # chunks stayed the same; chapter 11 measures what the graphs buy.
 #
 # **"Engines like nano-vllm mix prefill and decode in one batch."** Ours does, as the mixed steps above
-# show: one forward pass holding a decode token and a prefill chunk. nano-vllm (commit bb823b3,
+# show: one forward pass holding a decode token and prompt tokens (a chunk, or with chunking off a whole
+# prompt, as in the printed example). nano-vllm (commit bb823b3,
 # `nanovllm/engine/scheduler.py`, `Scheduler.schedule`) does not: each of its steps is prefill-only or
 # decode-only, and it chunks only the first prompt of a step. Mixing is what lets the decoding request
 # above get a token in every step.
@@ -505,7 +515,8 @@ check_claim("the enforce_eager=False engine replayed recorded graphs for plain d
 #   total; TPOT is one decode step of whatever batch the request shares.
 # * **A server trades one user's latency for everyone's throughput.** Batching raises tokens per second
 #   while each request's TPOT rises; chunking protects streaming requests while the long
-#   prompt waits a little longer. Serving targets are usually written as limits on both latencies.
+#   prompt waits longer (sections 2 and 3 measured both costs). Serving targets are usually written as
+#   limits on both latencies.
 # * **Estimates come from step costs.** A few measured steps and the scheduler's policy predict a
 #   workload's latencies well enough to reason with; measure the point you care about to check.
 #
@@ -546,8 +557,10 @@ Quiz([
     ),
     Question(
         f"Going from batch 1 to batch {b_last}, what happened to each request's TPOT on this machine?",
-        ["It fell in proportion to the batch", f"It rose, by less than the batch ({tpot_ratio:.2f}x here), "
-         f"while throughput rose {b_last / tpot_ratio:.1f}x", "It stayed exactly the same",
+        ["It fell in proportion to the batch",
+         f"It {'rose' if tpot_ratio > 1 else 'did not rise'} ({tpot_ratio:.2f}x here), "
+         f"{'by less than' if tpot_ratio < b_last else 'by no less than'} the batch, while throughput "
+         f"{'rose' if b_last > tpot_ratio else 'did not rise'} ({b_last / tpot_ratio:.1f}x)", "It stayed exactly the same",
          "It rose in proportion to the batch"],
         1,
         ["Batching does not make any one request's steps faster: each step carries more rows.",

@@ -33,7 +33,8 @@
 # **You will:** send requests that share a system prompt and watch them reuse the same physical KV
 # blocks · predict, then measure, the hit rate and the time to first token with and without caching ·
 # check that the greedy output does not change (the reused KV is mathematically the same as the KV a
-# fresh prefill computes; section 1 compares the greedy tokens on this run) · shrink the KV pool until
+# fresh prefill computes, up to floating-point rounding; section 1 compares the greedy tokens on this
+# run) · shrink the KV pool until
 # cached blocks are evicted, least recently used first, predict where the hit rate starts to fall and
 # measure it · explore it live in the prefix cache view.
 
@@ -118,7 +119,10 @@ print(f"physical blocks in both block tables: {shared} ({len(shared) * BLOCK_SIZ
 # not end exactly on a block boundary, the block holding its last tokens also holds the question's
 # first tokens, so that block is computed again for every request.
 #
-# Reuse must not change the answer. Greedy tokens of every question, with and without caching:
+# Reuse must not change the answer, beyond floating-point rounding: a prefill that reads cached KV adds
+# up its attention in another order than one that computes it, so the logits can differ in their last
+# bits, and only a near-tie between the two most likely tokens could flip a greedy token (in
+# bf16 on a GPU such ties are commoner). Greedy tokens of every question, with and without caching:
 
 # %%
 # NBVAL_CHECK_OUTPUT

@@ -256,7 +256,9 @@ _ = check_prediction(my_prediction, KEPT[("confident", "top_p=0.9")], rel_tol=0.
 
 # %% [markdown]
 # What the table shows, in rules that hold on any model (the next cell checks each on this run):
-# temperature alone never removes a token, it only changes their sizes; top-k keeps exactly `k`
+# temperature alone never removes a token, it only changes their sizes (in exact arithmetic: in fp32,
+# a token more than about 104 nats below the favourite after dividing by the temperature gets a
+# probability that rounds to exactly 0, so a very low temperature does empty the far tail); top-k keeps exactly `k`
 # tokens on both prompts, even where the confident prompt's tenth token is negligible or the
 # uncertain prompt has many more reasonable choices; top-p and min-p *adapt*, keeping fewer tokens
 # when the model is sure than when it is not, which is why they are the usual choice for open-ended
@@ -472,7 +474,8 @@ _ = check_claim("low temperature picks likelier tokens than high temperature",
 # Greedy always takes the single most likely token. Low temperature stays closer to the likely
 # tokens, high temperature wanders into rare ones (the mean log-probabilities above). The filtered
 # settings sample, but only among the tokens each filter keeps at every step. How likely each token
-# was does not say how readable a 12-token sample of a model this small is: compare the texts above.
+# was does not say how readable a 12-token sample is, least of all from a model as small as the embedded
+# one: compare the texts above.
 # Runs with the same seed can share their first tokens across settings: a seed fixes the noise `E_i`
 # of every draw (section 6 shows how the draw uses it), and the same noise often wins the race for the
 # same token under two settings that reshape the probabilities only a little, until one draw differs
@@ -871,7 +874,8 @@ Quiz([
          "remaining 3%), renormalised over the 50 (section 2 "
          "measured the same count on both prompts).",
          "For any temperature above 0, temperature changes the probabilities but not their order, and never "
-         "sets any to zero, so the same 50 tokens survive (temperature 0 is greedy: one token)."],
+         "sets any to zero (in exact arithmetic; in fp32 a very low temperature can round the far tail to 0), "
+         "so the same 50 tokens survive (temperature 0 is greedy: one token)."],
     ),
     Question(
         "Two users send the same prompt with seed=42 to a server that batches requests. Do they get the same "

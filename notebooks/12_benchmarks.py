@@ -116,6 +116,11 @@ from minivllm.bench.report import print_throughput
 
 result = run_throughput(MODEL, workload=wl, peers=("hf_generate",), device=DEVICE, max_num_seqs=32)
 print_throughput(result)
+h = result["minivllm"]
+print(f"the harness's engine: a token budget of {h['max_num_batched_tokens']} per step and at most "
+      f"{h['max_num_seqs']} sequences; {h['num_prefill_steps']} of its {h['num_steps']} steps carried prompt tokens")
+check_claim("every prompt fit in the harness engine's first step (section 3 refers to it)", h["num_prefill_steps"] == 1,
+            f"{wl.num_prompt_tokens} prompt tokens, a budget of {h['max_num_batched_tokens']}");
 
 # %%
 import plotly.graph_objects as go
@@ -203,7 +208,8 @@ else:
 # percentiles (its ITL, inter-token latency, is the time between two consecutive tokens of one
 # request, over every gap of every request; TPOT is a request's mean gap). Here is every request of the
 # same workload on the notebook's engine, with the token budget per step set in the setup cell (the
-# harness built an engine of its own, with its own settings), with its TTFT (time to first token) and
+# harness built an engine of its own, with the budget printed under its report: there every prompt fit
+# in its first step, so every request's first token came from that one step), with its TTFT (time to first token) and
 # TPOT (mean time per output token after the first).
 #
 # ### Exercise 1 · How many steps until everyone has a first token?
@@ -341,7 +347,8 @@ pg.shutdown()
 #
 # ### Exercise 2 · Where does a decode step sit?
 #
-# `BIG` has Qwen3-0.6B's shapes, held in fp32 on a CPU (the cell below prints its dtype). Predict the
+# `BIG` has Qwen3-0.6B's shapes, held in the engine's dtype for this device (fp32 on a CPU, bf16 on a
+# GPU; the cell below prints it). Predict the
 # **arithmetic intensity** (FLOPs per byte moved) of one of its decode steps with 2 sequences, counting
 # the weights as the bytes that matter.
 
@@ -421,9 +428,13 @@ render(f"Two read bandwidths appear in this notebook. Section 2's harness measur
 #
 # nano-vllm's `bench.py` (read at commit 0e2a894 of its repository) draws 256 requests with prompt and
 # output lengths from `random.randint(100, 1024)` and prompt token ids from `random.randint(0, 10000)`.
-# Python's `randint` includes both ends, so its ids run from 0 to 10,000 inclusive; the harness's
-# `nano` preset draws ids from 0 to 9,999 and lengths from 100 to 1024 inclusive: the same shape of
-# workload, with its own draws from its own seed (it is the default on a GPU). nano-vllm ignores
+# Python's `randint` includes both ends, so its ids run from 0 to 10,000 inclusive. It seeds Python's
+# generator with 0 and draws each prompt's length and then its ids, prompt after prompt, and then the
+# 256 output lengths. The harness's `nano` preset (the default on a GPU) makes the same draws in the
+# same order, so with seed 0 it is nano-vllm's very workload: the cell below checks its output tokens
+# against the total nano-vllm's README reports for it (133,966 output tokens, with 1434.13 output
+# tokens/s for nano-vllm and 1361.84 for vLLM, on an RTX 4070 Laptop GPU with 8 GB and Qwen3-0.6B: their
+# figures, not measured here). nano-vllm ignores
 # end-of-sequence tokens, times one `generate` call, and prints `Total` (the sum of the requests'
 # `max_tokens`: output tokens only) and `Throughput` (that total divided by the time). So its
 # throughput is **output tokens per second**: compare it with the harness's `out tok/s` column, not
@@ -438,6 +449,10 @@ d = nano.describe()
 print(f"{d['num_requests']} requests; prompt tokens {nano.num_prompt_tokens:,} "
       f"(lengths {d['prompt_len_min']}..{d['prompt_len_max']}), output tokens {nano.num_output_tokens:,} "
       f"(lengths {d['output_len_min']}..{d['output_len_max']})")
+NANO_README_OUTPUT_TOKENS = 133_966  # nano-vllm's README, "Output Tokens" of its Qwen3 benchmark table
+_ = check_claim("the nano preset asks for the output tokens nano-vllm's README reports for its benchmark",
+                nano.num_output_tokens == NANO_README_OUTPUT_TOKENS,
+                f"{nano.num_output_tokens:,} here, {NANO_README_OUTPUT_TOKENS:,} in nano-vllm's README")
 
 # %% [markdown]
 # On a GPU box with the repository installed (`environment.yml`) and a downloaded Qwen3-0.6B
@@ -480,6 +495,7 @@ big.shutdown()
 # %%
 from widgets import Question, Quiz
 
+DEVICE_WORD = "GPU" if engine.config.device.type == "cuda" else "CPU"
 Quiz([
     Question(
         "Engine A reports 2x the output tokens/s of engine B. What else do you need before believing A is faster?",
@@ -507,7 +523,8 @@ Quiz([
          "TTFT is the time to the first token: queueing plus prefill."],
     ),
     Question(
-        "A decode step's point sits far below the compute ceiling on the roofline. Is the engine wasting the CPU?",
+        f"A decode step's point sits far below the compute ceiling on the roofline. Is the engine wasting the "
+        f"{DEVICE_WORD}?",
         ["Yes, MFU should be near 100% for every step",
          "Not necessarily: decode is memory-bound, so compare its bandwidth use (MBU) with the sloped part of "
          "the roof",
@@ -518,7 +535,7 @@ Quiz([
          "to that is the question.",
          "Prefill has a much higher arithmetic intensity; comparing its MFU with decode's compares different "
          "limits.",
-         "The roofline needs only a peak FLOP/s and a peak bandwidth, both measured on this CPU above."],
+         f"The roofline needs only a peak FLOP/s and a peak bandwidth, both measured on this {DEVICE_WORD} above."],
     ),
 ]).display()
 
@@ -527,11 +544,11 @@ Quiz([
 #
 # * run `python -m minivllm bench` (or `run_throughput`) and read its report: throughput beside a peer
 #   run on the same machine, model, weights and requests, with the greedy outputs checked to agree;
-# * explain why continuous batching beats padded batches when output lengths vary, and why fixed
-#   per-step costs can hide that on a tiny model;
+# * say where a throughput ratio against `generate` comes from: how many forward passes each engine
+#   made (padding keeps a batch running until its longest request is done) and what one pass cost;
 # * read latency as distributions (p50, p90, p99 of TTFT and TPOT) and trace a TTFT staircase back to
 #   the token budget and the order of arrival;
 # * place a step on this machine's roofline from its FLOPs and bytes, against the measured read
 #   bandwidth that MBU also uses, and predict a decode step's intensity from the weights' dtype;
-# * set up the comparison with nano-vllm's benchmark: the same workload shape, and its throughput
+# * set up the comparison with nano-vllm's benchmark: the same requests, and its throughput
 #   (output tokens per second) against the `out tok/s` column.
