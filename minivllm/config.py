@@ -199,10 +199,12 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args) -> "EngineArgs":
-        """vLLM's: the arguments in a namespace parsed after :meth:`add_cli_args`.
+        """vLLM's: the arguments in a namespace parsed after :meth:`add_cli_args` (vLLM-only ones
+        given are warned about or refused as in :meth:`from_kwargs`).
 
         Raises:
-            ValueError: a bad value (the message names the argument and the value)."""
+            ValueError: a bad value (the message names the argument and the value).
+            TypeError: a vLLM argument for a feature minivllm lacks, naming the feature."""
         from minivllm.utils.argparse_utils import from_cli_args
 
         return from_cli_args(cls, args)

@@ -477,6 +477,13 @@ def test_engine_args_on_a_command_line_as_vllm_scripts_build_them():
         EngineArgs.from_cli_args(parser.parse_args(["-pp", "2"]))
     with pytest.raises(SystemExit):  # argparse: "argument --speculative-config: '{bad' is not JSON (...)"
         parser.parse_args(["--speculative-config", "{bad"])
+    # vLLM's yes/no flags take no value: a positional after one stays the script's (it was swallowed)
+    script = FlexibleArgumentParser()
+    script.add_argument("prompt")
+    script.add_argument("--swap-space", type=float)  # a script's own option keeps its own definition
+    EngineArgs.add_cli_args(script)
+    args = script.parse_args(["--trust-remote-code", "hello", "--no-enable-lora", "--swap-space", "2"])
+    assert (args.prompt, args.trust_remote_code, args.enable_lora, args.swap_space) == ("hello", True, False, 2.0)
 
 
 def _trace_events(path):
@@ -523,6 +530,8 @@ def test_start_and_stop_profile_write_a_trace_and_refuse_misuse(tiny_ckpt, tmp_p
     monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR")  # the directory was fixed at the start: the trace is kept
     assert bare.stop_profile().parent == tmp_path / "env"
     monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "env"))
+    with pytest.raises(ValueError, match="profile_prefix='run1/decode'"):  # a path: its trace was lost at the stop
+        bare.start_profile(profile_prefix="run1/decode")
     bare.start_profile()
     profiler = bare.llm_engine.profiler
     bare.shutdown()  # a trace still running is stopped, not left recording the process

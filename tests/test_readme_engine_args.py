@@ -14,7 +14,7 @@ START, END = "<!-- engine-args:start -->", "<!-- engine-args:end -->"
 
 
 def render_table() -> str:
-    helps = _help_by_name(EngineArgs, whole=True)
+    helps = _help_by_name(EngineArgs)
     rows = ["| argument | default | what it sets |", "|---|---|---|"]
     for f in dataclasses.fields(EngineArgs):
         text = helps[f.name].replace("``", "`").replace(":mod:", "").replace("|", "\\|")
@@ -23,7 +23,7 @@ def render_table() -> str:
 
 
 def test_every_engine_argument_has_a_docstring_entry():
-    helps = _help_by_name(EngineArgs, whole=True)
+    helps = _help_by_name(EngineArgs)
     assert [f.name for f in dataclasses.fields(EngineArgs) if f.name not in helps] == []
 
 

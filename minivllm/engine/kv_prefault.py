@@ -137,8 +137,9 @@ class KVPrefaulter:
         Returns within about ``2 x timeout`` seconds whatever the thread does."""
         self._closed = True  # the thread reads it between calls (a bool store needs no lock)
         # At interpreter exit a daemon thread stops for good wherever it is, possibly holding the
-        # lock; an LLM collected then closes this, and waiting on that lock hung the exit.
-        if not self._lock.acquire(timeout=timeout):
+        # lock; an LLM collected then closes this, and waiting on that lock hung the exit. Then
+        # nothing can run the thread again: there is nothing to wait for.
+        if sys.is_finalizing() or not self._lock.acquire(timeout=timeout):
             return  # the pool stays referenced: nothing else touches it now
         try:
             thread = self._thread

@@ -624,11 +624,11 @@ class LLMEngine:
         self.profiler.start(profile_prefix)
 
     def stop_profile(self) -> Path:
-        """Stop the trace :meth:`start_profile` began and write it (Chrome trace JSON, for
-        https://ui.perfetto.dev); returns its path.
+        """Stop the trace :meth:`start_profile` began and write it (Chrome trace JSON, gzipped
+        unless ``profiler_config`` says otherwise, for https://ui.perfetto.dev); returns its path.
 
         Raises:
-            RuntimeError: not profiling."""
+            RuntimeError: not profiling, or the trace could not be written."""
         return self.profiler.stop()
 
     def reset_prefix_cache(self) -> bool:

@@ -100,8 +100,14 @@ class TorchProfile:
         """Start tracing; ``profile_prefix`` begins the trace's file name (default "minivllm").
 
         Raises:
+            ValueError: a ``profile_prefix`` that is not a plain file-name part (a path).
             RuntimeError: this engine is already profiling, another torch profiler is running in
                 this process (another engine's, or a script's own), or no trace directory."""
+        if profile_prefix is not None and (not isinstance(profile_prefix, str) or not profile_prefix
+                                           or Path(profile_prefix).name != profile_prefix
+                                           or profile_prefix in (".", "..")):
+            raise ValueError(f"profile_prefix={profile_prefix!r}: give a plain name for the start of the trace's "
+                             "file name (the directory comes from profiler_config or VLLM_TORCH_PROFILER_DIR)")
         if self._profile is not None:
             raise RuntimeError("start_profile: already profiling (call stop_profile first)")
         if torch.autograd._profiler_enabled():  # stopping one of two overlapping profiles crashes torch
@@ -129,6 +135,8 @@ class TorchProfile:
         name = f"{self._prefix}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}-{next(self._traces)}.pt.trace.json"
         path = self._where / name
         profile.export_chrome_trace(str(path))
+        if not path.exists():  # torch logs a failed write and returns
+            raise RuntimeError(f"stop_profile: the trace could not be written to {path}")
         if self.option("torch_profiler_use_gzip"):
             with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)

@@ -35,9 +35,9 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
         return super().parse_known_args(fixed, namespace)
 
 
-def _help_by_name(cls, whole: bool = False) -> dict[str, str]:
-    """The ``Args:`` section of ``cls``' docstring as {field name: first sentence of its text, or
-    all of it with ``whole``} (an entry "a / b: text" names two fields)."""
+def _help_by_name(cls) -> dict[str, str]:
+    """The ``Args:`` section of ``cls``' docstring as {field name: its text} (an entry "a / b:
+    text" names two fields)."""
     doc = cls.__doc__ or ""
     section = doc.split("Args:", 1)[1].split("Raises:", 1)[0] if "Args:" in doc else ""
     helps, current = {}, []
@@ -50,10 +50,7 @@ def _help_by_name(cls, whole: bool = False) -> dict[str, str]:
         elif line.strip() and current:
             for n in current:
                 helps[n] += " " + line.strip()
-    if whole:
-        return helps
-    first = re.compile(r"(?<!e\.g\.)(?<!i\.e\.)(?<=\.)\s")  # "e.g." ends no sentence
-    return {n: first.split(h, maxsplit=1)[0].replace("%", "%%") for n, h in helps.items()}
+    return helps
 
 
 def json_object(text: str) -> dict:
@@ -95,6 +92,13 @@ def _option_kind(hint) -> tuple[str, typing.Callable | None]:
 
 #: vLLM's short spellings of some options
 SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
+#: the vLLM-only arguments that are yes/no flags there (``--trust-remote-code``, no value); the
+#: others take one value
+VLLM_FLAGS = frozenset({
+    "trust_remote_code", "disable_log_stats", "disable_log_requests", "disable_custom_all_reduce",
+    "disable_async_output_proc", "use_v2_block_manager", "enable_sleep_mode", "enable_lora",
+    "enable_expert_parallel", "async_scheduling", "skip_tokenizer_init", "enable_prefix_caching_hash",
+})
 
 
 def add_cli_args(cls, parser):
@@ -111,7 +115,7 @@ def add_cli_args(cls, parser):
     hints = typing.get_type_hints(cls)
     # the whole docstring entry (its defaults are often in its second sentence), without reST's ``quotes``
     helps = {n: h.replace("``", "").replace(":mod:", "").replace("%", "%%")
-             for n, h in _help_by_name(cls, whole=True).items()}
+             for n, h in _help_by_name(cls).items()}
     fields = dataclasses.fields(cls)
     for f in fields:
         kind, convert = _option_kind(hints[f.name])
@@ -123,10 +127,17 @@ def add_cli_args(cls, parser):
             suffix = "" if f.default is None else " (default: %(default)s)"  # None: the text says what applies
             parser.add_argument(*flags, type=convert, default=f.default, help=text + suffix)
     ours = {f.name for f in fields}
+    taken = parser._option_string_actions  # (a group shares its parser's): a script's own option stays its own
     for name in sorted((set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)) - ours):
         flags = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
-        parser.add_argument(*flags, dest=name, nargs="?", const=True, type=loose_value, default=argparse.SUPPRESS,
-                            help=argparse.SUPPRESS)
+        if any(flag in taken for flag in flags):
+            continue
+        if name in VLLM_FLAGS:
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(*flags, dest=name, type=loose_value, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
     return parser
 
 
@@ -137,7 +148,7 @@ def from_cli_args(cls, args: argparse.Namespace):
 
     Raises:
         ValueError: a bad value, as ``cls`` raises it.
-        TypeError: a vLLM argument for a feature minivllm lacks."""
+        TypeError: a vLLM argument for a feature minivllm lacks (``EngineArgs.from_kwargs``)."""
     from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS
 
     names = {f.name for f in dataclasses.fields(cls)} | set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)
