@@ -190,16 +190,15 @@ def format_table(rows: list[Row]) -> str:
 
 
 def nanovllm_workload(num_requests: int, seed: int = 0, min_len: int = 100, max_len: int = 1024,
-                      vocab: int = 10000) -> list[tuple[list[int], int]]:
-    """nano-vllm's bench.py shape: ``(prompt token ids, output length)`` per request, both
-    lengths uniform in ``min_len..max_len`` and ids uniform in ``0..vocab-1``."""
-    rng = random.Random(seed)
-    work = []
-    for _ in range(num_requests):
-        n_in = rng.randint(min_len, max_len)
-        n_out = rng.randint(min_len, max_len)
-        work.append(([rng.randrange(vocab) for _ in range(n_in)], n_out))
-    return work
+                      vocab: int = 10001) -> list[tuple[list[int], int]]:
+    """nano-vllm's bench.py requests: ``(prompt token ids, output length)`` per request, drawn as it
+    draws them (``minivllm.bench.workload``'s ``nano`` preset: lengths uniform in ``min_len..max_len``,
+    ids uniform in ``0..vocab-1``; 256 requests of seed 0 are its very benchmark)."""
+    from minivllm.bench.workload import make_workload
+
+    w = make_workload("nano", vocab_size=vocab, num_requests=num_requests, input_len=(min_len, max_len),
+                      output_len=(min_len, max_len), seed=seed)
+    return list(zip(w.prompts, w.output_lens))
 
 
 def fmt_ms(x: float | None) -> str:

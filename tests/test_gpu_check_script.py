@@ -50,8 +50,10 @@ def test_nanovllm_workload_shape(script):
     work = script.nanovllm_workload(256, seed=0)
     assert len(work) == 256
     assert all(100 <= len(p) <= 1024 and 100 <= o <= 1024 for p, o in work)
-    assert all(0 <= t < 10000 for p, _ in work for t in p)
+    assert all(0 <= t <= 10000 for p, _ in work for t in p)  # nano-vllm's randint(0, 10000)
     assert work == script.nanovllm_workload(256, seed=0)  # reproducible
+    # nano-vllm's own requests: its README's 133,966 output tokens (the script drew a workload of its own)
+    assert sum(len(p) for p, _ in work) == 142827 and sum(o for _, o in work) == 133966
     assert script.fmt_ms(None) == "n/a" and script.fmt_ms(1.23456) == "1.235 ms"
 
 
