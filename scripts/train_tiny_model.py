@@ -436,6 +436,8 @@ def train(args) -> dict:
     import transformers
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
+    from minivllm.utils.env_report import cpu_name  # for the record
+
     torch.set_num_threads(args.threads)
     try:
         torch.set_num_interop_threads(args.threads)
@@ -587,7 +589,7 @@ def train(args) -> dict:
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
             "platform": platform.platform(),
-            "cpu": cpu_model(),
+            "cpu": cpu_name(),
         },
         "corpus": {
             "sources": "pydoc_data.topics + docstrings (via ast) of the stdlib modules listed in the script",
@@ -720,17 +722,6 @@ def convert_existing(directory: Path, store_dtype: str, command: str) -> dict:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
-
-
-def cpu_model() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it (else ``platform.processor()``), for the record."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run_line(r: dict) -> str:
