@@ -289,13 +289,17 @@ MAX_MODEL_LEN = 256
 POOL_SLOTS = 4096  # the pool's size in token slots, whatever the block size
 
 
+CENSUS_REQUESTS = 24
+
+
 def slot_census(block_size):
-    """Run the 24-request workload on a fresh engine; after every step, count the slots each policy holds."""
+    """Run the CENSUS_REQUESTS-request workload on a fresh engine; after every step, count the slots each policy
+    holds."""
     llm_ = LLM(MODEL, device=DEVICE, block_size=block_size, num_kvcache_blocks=POOL_SLOTS // block_size,
                enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
     eng = llm_.llm_engine
     rng = random.Random(0)
-    for i in range(24):
+    for i in range(CENSUS_REQUESTS):
         prompt_len, new = rng.randint(8, 120), rng.randint(4, 64)
         start = rng.randrange(0, len(text_ids) - prompt_len)
         eng.add_request(f"r{i:02d}", text_ids[start:start + prompt_len],
@@ -363,7 +367,8 @@ render(f"The pool has **{POOL_SLOTS:,}** slots, and the paged engine held at mos
        "step. " + (" ".join(f"The contiguous {name} policy would have needed **{peak[k]:,}** slots at its peak: it "
                             "could not have run this schedule in this pool at all, and would have had to admit "
                             "fewer requests at once." for k, name in over)
-                   if over else "Both contiguous policies' peaks fit in the pool on this schedule."))
+                   if over else "Both contiguous policies' peaks fit in the pool on this schedule, if their strips "
+                   "could be packed without gaps (the lessons below say why they cannot always be)."))
 worst = max(s["slack"] for s in samples if s["live"])
 check_claim("no live request ever holds more than block_size - 1 empty slots", worst <= BLOCK_SIZE - 1,
             f"the most any one request held in any step: {worst} (block_size {BLOCK_SIZE})");
@@ -385,18 +390,27 @@ check_claim("paged wastes less than either contiguous policy, and max_model_len 
 #   policy whose peak exceeds the pool could not have run this schedule at all). That is the capacity
 #   argument of the PagedAttention paper: less waste means bigger batches (section 4 shows why bigger
 #   batches mean more throughput).
+# * The contiguous peaks are lower bounds: they add up the strips as if they packed without gaps. In a
+#   real pool, strips of different lengths leave holes between them as requests finish (*external*
+#   fragmentation, the paper's second kind of waste: Kwon et al. 2023, section 3), so a contiguous
+#   policy can fail to place a request even where the sum says it fits. Paging has no such holes: any
+#   free block will do.
 #
 # What paging costs: attention must find K and V through the block table instead of reading one
-# contiguous strip. The `torch` backend gathers them into a contiguous tensor before attending (on a
-# CPU in fp32, its decode steps use a small C kernel that follows the block table in place instead);
-# the Triton and flash-attn kernels (chapter 11) follow the block table inside the kernel.
+# contiguous strip. The `torch` backend gathers the cached ones into a contiguous tensor before
+# attending (a prompt with nothing cached attends over its own new K and V, with no gather; and on a
+# CPU in fp32, where minivllm's small C kernel builds with the system compiler, decode steps follow the
+# block table in place instead: the setup cell's report names the path this run took); the Triton and
+# flash-attn kernels (chapter 11) follow the block table inside the kernel.
 
 # %%
 pool_slots = work.llm_engine.block_manager.num_blocks * BLOCK_SIZE
 max_live = max(s["live"] for s in samples)
 render(f"Reserving `max_model_len` = {MAX_MODEL_LEN} per request, the pool's {pool_slots:,} slots would hold "
-       f"**{pool_slots // MAX_MODEL_LEN}** requests at once, whatever their length. Paged, this workload ran "
-       f"**{max_live}** requests at once.")
+       f"**{pool_slots // MAX_MODEL_LEN}** requests at once, whatever their length. Paged, "
+       + (f"all **{max_live}** of the workload's requests ran at once" if max_live == CENSUS_REQUESTS else
+          f"**{max_live}** of the workload's {CENSUS_REQUESTS} requests ran at once")
+       + f", holding at most {peak['paged']:,} of the {POOL_SLOTS:,} slots.")
 check_claim("paging ran more requests at once than a max_model_len reservation fits in the same pool",
             max_live > pool_slots // MAX_MODEL_LEN,
             f"{max_live} live requests vs room for {pool_slots // MAX_MODEL_LEN}");
@@ -435,7 +449,9 @@ print(f"decode step, batch 1: {t1:.2f} ms (repeats {min(step_ms[1]):.2f}-{max(st
       f"batch 8: {t8:.2f} ms (repeats {min(step_ms[8]):.2f}-{max(step_ms[8]):.2f})")
 check_prediction(my_prediction, ratio, rel_tol=0.3, unit="x", what="the batch-8 / batch-1 step time ratio");
 render(f"A decode step of 8 sequences took **{ratio:.2f}x** a step of 1 here, so 8 sequences in memory "
-       f"produce **{8 / ratio:.1f}x** the tokens per second of one ({setting(work)}).")
+       f"produce **{8 / ratio:.1f}x** the tokens per second of one ({setting(work)}). Each sequence beyond the "
+       f"first added {(t8 - t1) / 7:.2f} ms, {(t8 - t1) / 7 / t1:.0%} of a batch-1 step: that is the per-sequence "
+       "part of the solution below.")
 check_claim("a decode step of 8 sequences costs less than half of 8 steps of one sequence", t8 < 4 * t1,
             f"{t8:.2f} ms vs 8 x {t1:.2f} ms",
             why_it_may_not="A heavily loaded CPU, or a model big enough to be compute-bound at batch 8, "
@@ -452,11 +468,14 @@ check_claim("a decode step of 8 sequences costs less than half of 8 steps of one
 # * Per sequence: one row in each matrix multiplication (8 rows cost far less than 8 single rows while
 #   the weights are being read anyway), attention over that sequence's own KV, sampling one token.
 #
-# So the ratio lands far below 8, nearer 1 than 8 on a small model: the once-per-step part does not
-# grow with the batch.
-# The printout above gives this machine's figure and the tokens per second that follow from it. It
-# keeps growing only until the per-sequence work (the arithmetic) catches up with the weight read; where
-# that happens is chapter 06's roofline.
+# So the ratio lands below 8: the once-per-step part does not grow with the batch. How far below
+# depends on the per-sequence part. This tiny model's weights stay in the CPU's caches, so a step reads
+# little from memory and the per-sequence work is a large share of it (the sentence under the
+# measurement gives what each extra sequence added here): the ratio lands well above 1. A model whose
+# weights come from memory at every step pays mostly the once-per-step read, and its ratio lands much
+# nearer 1 (chapter 06 measures a batch of 4 against 1 at Qwen3-0.6B's shapes). The gain keeps growing
+# with the batch only until the per-sequence work (the arithmetic) catches up with the weight read;
+# where that happens is chapter 06's roofline.
 # </details>
 
 # %% [markdown]
@@ -477,8 +496,15 @@ play.shutdown()
 print(f"block size {PLAY_BLOCK_SIZE}: share of held slots that sat empty: "
       + ", ".join(f"{k} {v:.1%}" for k, v in play_waste.items())
       + f" (block size {BLOCK_SIZE}: paged {waste['paged']:.1%})")
-render(f"With blocks of {PLAY_BLOCK_SIZE} slots the paged pool left **{play_waste['paged']:.1%}** of its held slots "
-       f"empty, {'more' if play_waste['paged'] > play_waste['contiguous_max_tokens'] else 'less'} than the contiguous "
+
+
+def compare(a, b):
+    return "more than" if a > b else "less than" if a < b else "as much as"
+
+
+render(f"With blocks of {PLAY_BLOCK_SIZE} slot{'' if PLAY_BLOCK_SIZE == 1 else 's'} the paged pool left "
+       f"**{play_waste['paged']:.1%}** of its held slots empty, "
+       f"{compare(play_waste['paged'], play_waste['contiguous_max_tokens'])} the contiguous "
        f"`prompt + max_tokens` reservation's **{play_waste['contiguous_max_tokens']:.1%}**.")
 if PLAY_BLOCK_SIZE != BLOCK_SIZE:
     bigger = PLAY_BLOCK_SIZE > BLOCK_SIZE
