@@ -30,6 +30,7 @@ table.mv-table{border-collapse:collapse;font-size:12px}
 table.mv-table td,table.mv-table th{padding:2px 6px;border-bottom:1px solid #eee;text-align:left}
 </style>"""
 
+
 def error_box(message: str) -> str:
     """A refusal or error, said in red in a widget's readout (``message`` is escaped)."""
     return f"<div class='mv-box' style='color:#b00'>{html.escape(message)}</div>"

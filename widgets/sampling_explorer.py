@@ -208,7 +208,8 @@ class SamplingExplorer(CourseWidget):
             else:
                 self.chart.data[2].x, self.chart.data[2].y = [], []
         shown = float(self.probs[ids].sum())
-        outside = sum(c for t, c in self.counts.items() if t not in set(ids))
+        shown_ids = set(ids)  # built once, not once per counted token
+        outside = sum(c for t, c in self.counts.items() if t not in shown_ids)
         self.readout.value = (
             (error_box(self._error) if self._error else "")
             + f"<div class='mv-box'>next token after {html.escape(repr(self.loaded_prompt))}: {self.kept} of "
