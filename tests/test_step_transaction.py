@@ -215,3 +215,57 @@ def test_a_greedy_batch_saves_no_generator_and_one_sampled_request_saves_them(ti
     engine.add_request("g", prompts[0], greedy(max_tokens=2))
     assert engine.scheduler.schedule().all_plain_greedy
     llm.shutdown()
+
+
+def test_a_rolled_back_preemption_whose_block_was_reused_recomputes_the_victim(tiny_ckpt, monkeypatch):
+    """S needs a block, so V is preempted and S takes V's freed block; the forward writes S's KV
+    there and the step is interrupted after it. The rollback gave V back that block with
+    S's KV in it (V then decoded over it once S was aborted): V must be recomputed instead,
+    ending as in a run where S is aborted at that point without the interrupt."""
+    from minivllm.engine.scheduler import Scheduler
+
+    args = dict(num_kvcache_blocks=10, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    v_params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    llms = []  # an engine lives as long as its LLM
+
+    def start():
+        llms.append(make_llm(tiny_ckpt, **args))
+        engine = llms[-1].llm_engine
+        engine.add_request("S", list(range(11, 19)), greedy(30))
+        engine.add_request("V", list(range(41, 55)), v_params)
+        return engine
+
+    engine, k = start(), 0
+    while True:
+        v_blocks = set(engine.requests["V"].seq.block_table)
+        engine.step()
+        if engine.last_step_record.preempted:
+            break
+        k += 1
+    assert engine.last_step_record.preempted == ["V"]
+    assert v_blocks & set(engine.requests["S"].seq.block_table)  # S took (and wrote) a block of V's
+
+    def finish(interrupt: bool):
+        engine = start()
+        for _ in range(k):
+            engine.step()
+        if interrupt:
+            with monkeypatch.context() as m:
+                m.setattr(Scheduler, "update_from_output", _raise_interrupt)
+                with pytest.raises(KeyboardInterrupt):
+                    engine.step()
+            engine.check_invariants()
+        engine.abort_request("S")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    v = out.outputs[0]
+                    engine.check_invariants()
+                    return v.token_ids, [next(iter(d.values())).logprob for d in v.logprobs]
+
+    assert finish(interrupt=True) == finish(interrupt=False)
+
+
+def _raise_interrupt(*args, **kwargs):
+    raise KeyboardInterrupt("after the forward")

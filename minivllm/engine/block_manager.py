@@ -128,6 +128,9 @@ class BlockManager:
         self.undo: UndoLog | None = None
         #: Cached blocks evicted while ``undo`` was set (their KV may be overwritten).
         self.evicted: list[int] = []
+        #: Every block taken from the free lists while ``undo`` was set: the step's forward may
+        #: write any of them, even one a rollback gives back to a preempted sequence.
+        self.taken: list[int] = []
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, in two lists: plain ones (no reusable content) are handed
         # out first; cached ones (registered prefix blocks) only when no plain block is
@@ -255,6 +258,7 @@ class BlockManager:
         undo = self.undo
         if undo is not None:  # recorded before the pop
             undo.add(_put_back, free, block, block.ref_count)
+            self.taken.append(block_id)
         del free[block_id]
         if block.hash is not None:  # evict its cached content
             if undo is not None:

@@ -336,6 +336,13 @@ class Scheduler:
                     refund = entry.num_tokens
                     del planned[i]
                     break
+        self.requeue(victim)
+        out.preempted.append(victim)
+        return refund
+
+    def requeue(self, victim: Sequence) -> None:
+        """Release a running ``victim``'s blocks and put it first in the waiting queue, to be
+        computed again from its first token (recompute preemption)."""
         if self.undo is not None:
             self.undo.touch(victim)
         self.running.remove(victim)
@@ -346,8 +353,6 @@ class Scheduler:
         if self.undo is not None:
             self.undo.save_contents(self.waiting)
         self.waiting.appendleft(victim)
-        out.preempted.append(victim)
-        return refund
 
     # -- after the forward pass ----------------------------------------------------------
     def update_from_output(self, plan: SchedulerOutput, seqs: list[Sequence], token_ids: list[int],

@@ -17,10 +17,13 @@ So that no request is lost or corrupted, the step runs inside a ``StepTransactio
 * on an exception, ``rollback()`` undoes all of it, newest first. The KV cache itself
   is not restored (too large): the step only wrote slots past each sequence's computed
   tokens, which are recomputed, and into blocks it took from the free list; a cached
-  block it evicted may have been overwritten, so it comes back as a plain free block.
+  block it evicted may have been overwritten, so it comes back as a plain free block,
+  and a sequence the step preempted whose freed block another sequence took (and may
+  have written) stays preempted, to be recomputed from its first token.
 
-The result: after any exception, the engine is exactly where it was before the step
-(up to those evicted prefix-cache entries), and stepping again produces the same tokens.
+The result: after any exception, the engine is where it was before the step (up to those
+evicted prefix-cache entries and preemptions), and stepping again produces the same tokens
+(a recomputed sequence's, as after any recompute preemption).
 """
 from __future__ import annotations
 
@@ -53,13 +56,14 @@ class StepTransaction:
         self.undo = UndoLog()
         bm = scheduler.block_manager
         bm.undo = scheduler.undo = output_processor.undo = self.undo
-        bm.evicted = []
+        bm.evicted, bm.taken = [], []
         self.running = list(scheduler.running)
         if only is not None:
             self.undo.touch(only)
         self.states: list[tuple] = []
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
         self.kv_written = False
+        self.preempted: list[Sequence] = []
 
     def protect_state(self, state: RequestState) -> None:
         """Snapshot one request state (an abort changes it outside ``OutputProcessor.process``,
@@ -76,6 +80,7 @@ class StepTransaction:
         included. A seeded request's own generator is saved when it samples, or the request is
         snapshotted when the sampler is about to create it."""
         self.kv_written = True
+        self.preempted = plan.preempted
         if not self.scheduler.random_seqs or not any(map(_DRAWS_RANDOM, plan.scheduled)):
             return  # every request greedy without a seed (the usual batch): nothing draws
         draws = False
@@ -122,9 +127,22 @@ class StepTransaction:
         for generator, state in self.generators:
             generator.set_state(state)
         if self.kv_written:
+            self._requeue_overwritten()
             self.scheduler.block_manager.forget_evicted()
+
+    def _requeue_overwritten(self) -> None:
+        """A victim the rollback gave its blocks back to, one of which the step took for another
+        sequence (whose forward may have written it), is preempted again: its KV there is not its own."""
+        bm = self.scheduler.block_manager
+        if not self.preempted or not bm.taken:
+            return
+        bm.undo = self.scheduler.undo = None  # the log is spent: this is not to be undone
+        taken = set(bm.taken)
+        for victim in self.preempted:  # in the step's order, so the waiting queue ends as the step left it
+            if victim in self.scheduler.running and not taken.isdisjoint(victim.block_table):
+                self.scheduler.requeue(victim)
 
     def _detach(self) -> None:
         bm = self.scheduler.block_manager
         bm.undo = self.scheduler.undo = self.output_processor.undo = None
-        bm.evicted = []
+        bm.evicted, bm.taken = [], []
