@@ -314,6 +314,16 @@ class SamplingParams:
         self.draws_random = self.temperature > 0 or self.seed is not None
         object.__setattr__(self, "_validated", True)
 
+    def _validate_again(self) -> None:
+        """The constructor's checks once more (the engine runs them on its copy: a list or dict
+        field changed in place, ``params.stop.append(5)``, escapes ``__setattr__``).
+
+        Raises:
+            ValueError: as the constructor, naming the field and its value.
+        """
+        object.__setattr__(self, "_validated", False)
+        self.__post_init__()
+
     def clone(self) -> "SamplingParams":
         """An independent copy (vLLM's ``SamplingParams.clone``): its lists and dicts are copied
         too; their items (ints, floats, strings) are immutable, so nothing deeper is (a deep copy

@@ -68,6 +68,29 @@ def test_bad_params_of_a_later_prompt_queue_nothing(tiny_ckpt):
     assert_still_serving(llm)
 
 
+@pytest.mark.parametrize("change,field", [
+    (lambda p: p.stop.append(5), "stop"),
+    (lambda p: p.allowed_token_ids.append(-5), "allowed_token_ids"),
+    (lambda p: p.allowed_token_ids.clear(), "allowed_token_ids"),
+    (lambda p: p.logit_bias.update({5: "x"}), "logit_bias"),
+])
+def test_parameters_changed_in_place_after_construction_are_checked_when_added(tiny_ckpt, change, field):
+    """A list or dict changed in place escapes SamplingParams' assignment checks: the request
+    was queued and then every later step raised (or an id of -5 meant the vocabulary's last)."""
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    prompt = prompts_of([5], seed=2)[0]
+    engine.add_request("running", prompt, greedy(4))
+    engine.step()
+    params = greedy(3, stop=["END"], allowed_token_ids=[3, 4], logit_bias={3: 1.0})
+    change(params)
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+        engine.add_request("bad", prompt, params)
+    final, _ = run_to_end(engine)
+    assert set(final) == {"running"} and len(final["running"].outputs[0].token_ids) == 4
+    assert_still_serving(llm)
+
+
 # -- token-id prompts with non-int elements ----------------------------------------------------
 @pytest.mark.parametrize("prompt,index,shown", [
     ([5, 2.0, 7], 1, "2.0"),

@@ -340,6 +340,9 @@ class LLMEngine:
 
         Raises:
             RuntimeError: the engine has been shut down (see :meth:`shutdown`).
+            TypeError: ``prompt`` is a ``SamplingParams`` (nano-vllm's argument order).
+            ValueError: a bad prompt, request id already in use, or bad parameters (naming the
+                value; the parameters are checked as they are now, lists changed in place included).
         """
         self._require_live()
         if isinstance(prompt, SamplingParams):  # nano-vllm's add_request(prompt, sampling_params)
@@ -361,11 +364,14 @@ class LLMEngine:
                 raise ValueError(f"arrival_time={arrival_time!r}: must be a time.time() timestamp (seconds)")
             arrival_time = time.perf_counter() - (time.time() - arrival_time)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        self.check_sampling_params(params)
         # The request keeps the parameters it was added with (vLLM copies them too): the engine
         # fixes what it derives from them (stop rule, sampling flags) when a request is queued,
-        # and a changed object applies to the requests added after the change.
-        params = params.clone()
+        # and a changed object applies to the requests added after the change. The copy is
+        # checked again: a list or dict changed in place since the constructor was not.
+        if isinstance(params, SamplingParams):
+            params = params.clone()
+            params._validate_again()
+        self.check_sampling_params(params)
         kind = params.output_kind if kind is None else kind
         text, ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
         salt = cache_salt_of(prompt)
