@@ -132,3 +132,25 @@ def test_a_child_seed_of_minus_one_stays_a_seed(llm):
     assert [child_params(params, i).seed for i in range(3)] == [-2, -1, 0]
     first = completions(llm.generate(PROMPT, params, use_tqdm=False)[0])
     assert first == completions(llm.generate(PROMPT, params, use_tqdm=False)[0])
+
+
+def test_a_finished_childs_id_stays_taken_while_its_parent_runs(llm):
+    """A new request under the id of a finished child was accepted, then merged into the parent
+    as that sample (replacing it) and never given an output of its own."""
+    engine = llm.llm_engine
+    stops = list(range(0, 97, 3))  # a third of the vocabulary: samples end at different steps
+    for seed in range(20):
+        engine.add_request("x", PROMPT, S(n=2, seed=seed, max_tokens=30, stop_token_ids=stops, ignore_eos=False))
+        while "0_x" in engine.requests and "1_x" in engine.requests:
+            engine.step()
+        if "0_x" not in engine.requests and "1_x" in engine.requests:
+            break
+        engine.abort_request("x")
+    else:
+        pytest.fail("no seed in 0..19 ended sample 0 before sample 1")
+    with pytest.raises(ValueError, match="'0_x' is already in use"):
+        engine.add_request("0_x", PROMPT, S(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("0_x", PROMPT, S(max_tokens=2))  # free again once the parent finished
+    engine.abort_request("0_x")

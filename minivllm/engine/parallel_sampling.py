@@ -81,7 +81,9 @@ class ParentRequests:
         self.child_of: dict[str, tuple[ParentRequest, int]] = {}
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self.parents
+        """A parent's id, or a child's while its parent is unfinished (the child may be done:
+        a new request under its id would be merged into the parent)."""
+        return request_id in self.parents or request_id in self.child_of
 
     def add(self, parent: ParentRequest) -> None:
         self.parents[parent.request_id] = parent
