@@ -206,12 +206,16 @@ class LLM:
         ids = self._submit(prompts, sampling_params, "final_only", inbox, lora_request, priority)
         results: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm:
-            if callable(use_tqdm):
-                make_bar = use_tqdm
-            else:
-                from tqdm.auto import tqdm as make_bar
-            bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            if use_tqdm:
+                if callable(use_tqdm):
+                    make_bar = use_tqdm
+                else:
+                    from tqdm.auto import tqdm as make_bar
+                bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        except BaseException:  # a callable of another signature, or an interrupt: queue nothing
+            self._abort(ids)
+            raise
         try:
             for out in self._outputs(ids, inbox):
                 results[out.request_id] = out

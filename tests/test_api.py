@@ -115,6 +115,15 @@ def test_abort_of_a_final_only_request_returns_its_text(tiny_ckpt):
     assert out.outputs[0].text == full.text
 
 
+def test_a_progress_bar_that_fails_to_start_leaves_nothing_queued(tiny_ckpt):
+    """generate's bar was made after the requests were queued and outside the clean-up:
+    a ``use_tqdm`` callable of another signature left them queued for good."""
+    llm = make_llm(tiny_ckpt)
+    with pytest.raises(TypeError):
+        llm.generate(prompts_of([4, 5], seed=9), greedy(3), use_tqdm=lambda n: None)
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+
+
 def test_closing_a_stream_early_aborts_its_requests(tiny_ckpt):
     llm = make_llm(tiny_ckpt)
     it = llm.stream([[1, 2, 3], [4, 5, 6]], greedy(20))
