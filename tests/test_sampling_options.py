@@ -81,6 +81,32 @@ def test_min_tokens_masks_stop_tokens_until_reached(llm):
     assert len(eos_llm_out.token_ids) == 10 and 0 not in eos_llm_out.token_ids  # eos id 0 masked, never ends early
 
 
+@pytest.mark.parametrize("options", [
+    dict(temperature=0, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=3),
+    dict(temperature=0.8, seed=3, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=3),
+    dict(temperature=0.8, seed=3, top_k=5, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=3),
+    dict(temperature=0.8, seed=3, repetition_penalty=1e-300),
+    dict(temperature=0, repetition_penalty=1e-300, logprobs=2),
+], ids=["greedy-all-masked", "sampled-all-masked", "top-k-all-masked", "penalty-overflow", "greedy-overflow"])
+def test_a_row_its_own_options_leave_nothing_to_draw_fails_by_name(llm, options):
+    """Every token masked by the request's own options (or a penalty overflowing a logit) gave
+    token 0 and finish_reason "stop" (the argmax of nothing); now the request ends with an
+    error naming the cause, and its neighbour in the batch is served."""
+    engine = llm.llm_engine
+    engine.add_request("fine", PROMPT, G(4))
+    engine.add_request("bad", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, **options),
+                       output_kind="final_only")
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    bad = final["bad"].outputs[0]
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert "no token could be sampled" in final["bad"].error
+    assert len(final["fine"].outputs[0].token_ids) == 4 and final["fine"].outputs[0].finish_reason == "length"
+
+
 def test_vllm_spellings_normalised_as_vllm_does():
     """seed=-1 is no seed, logprobs=True one top token, stop and bad_words lists ([] for None):
     vLLM's SamplingParams.__post_init__ does the same, and scripts rely on it (iterating or

@@ -552,6 +552,14 @@ class LLMEngine:
     def _errors(self, failed) -> dict:
         errors = {}
         for seq in failed:
+            params = seq.params
+            if params.has_logits_processors or params.repetition_penalty != 1.0:
+                errors[seq] = (f"request {seq.request_id!r}: no token could be sampled at step {self.step_index}: "
+                               f"its own parameters (allowed_token_ids, bad_words, logit_bias, min_tokens against "
+                               f"its stop tokens, penalties) masked every token, or a logit was NaN or inf (the "
+                               f"model's, or a penalty's overflow); its output so far is kept and it was ended.")
+                logger.warning(errors[seq])
+                continue
             errors[seq] = (f"request {seq.request_id!r}: the model produced non-finite logits (NaN or inf) at "
                            f"step {self.step_index}; its output so far is kept and it was ended. "
                            + (f"The model runs in dtype={self.config.dtype}, so this is not a low-precision "

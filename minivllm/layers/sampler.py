@@ -305,6 +305,16 @@ class Sampler:
             apply_repetition_penalty(logits, batch)
         if processing is not None:
             apply_frequency_presence_penalties(logits, processing)
+        ids = self._draw(logits, batch)
+        if processing is not None or batch.any_penalty:
+            # A row whose own options masked every token (allowed_token_ids against bad_words or
+            # min_tokens) or overflowed one (a penalty of 1e-300) has nothing to draw: -1, failed,
+            # rather than the argmax's index 0. Its maximum is -inf, +inf or NaN.
+            ids = ids.masked_fill(~torch.isfinite(logits.amax(dim=-1)), -1)
+        return ids
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Token ids from the processed fp32 ``[N, V]`` logits (a greedy row's argmax)."""
         greedy = argmax_rows(logits)
         if batch.all_greedy:
             if batch.keep_processed:
