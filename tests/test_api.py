@@ -81,6 +81,29 @@ def test_stream_with_stop_string_never_leaks_the_stop(tiny_ckpt):
     assert "".join(pieces) == final.text == full[:full.find(stop)]
 
 
+def test_cumulative_text_holds_back_a_possible_stop_string_and_never_shrinks(tiny_ckpt):
+    """Cumulative outputs showed the start of a stop string, then the final text without it
+    (vLLM holds it back in both output kinds)."""
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+
+    def cumulative(params):
+        engine.add_request("c", [11, 12, 13], params, output_kind="cumulative")
+        texts = []
+        while engine.has_unfinished_requests():
+            texts += [o.outputs[0].text for o in engine.step()]
+        return texts
+
+    plain = cumulative(greedy(12))
+    full = plain[-1]
+    # a stop string across two tokens' texts, whose first character ends a step's text
+    cut = next(len(t) for t in plain
+               if 0 < len(t) < len(full) and full.find(full[len(t) - 1:len(t) + 1]) == len(t) - 1)
+    texts = cumulative(greedy(12, stop=[full[cut - 1:cut + 1]]))
+    assert texts[-1] == full[:cut - 1]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+
+
 @pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
 def test_output_kinds(tiny_ckpt, kind):
     llm = make_llm(tiny_ckpt)

@@ -168,6 +168,8 @@ def make_output(state: RequestState) -> RequestOutput:
     else:
         first_token = 0
         text, token_ids = state.text, out_ids  # output_token_ids is a fresh slice: the caller's own list
+        if not finished and seq.params.stop_strings:  # as a delta would: shown text never shrinks
+            text = text[:len(text) - _held_back(text, seq.params.stop_strings)]
     logprobs = prompt_logprobs = None
     if seq.logprobs is not None:
         logprobs = logprob_dicts(seq.logprobs[first_token:first_token + len(token_ids)], state.detokenizer)
