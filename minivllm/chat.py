@@ -6,9 +6,14 @@ renders most templates (Qwen3's among them) with the text parts joined into one 
 ``"\\n"`` and None as ``""``. Templates test ``message.content is string`` and drop anything
 else, so passing the parts through would lose the user's words without an error. This engine
 is text-only: an image, audio or other part is refused by name.
+
+An assistant message's OpenAI-style ``tool_calls`` carry each call's ``arguments`` as a JSON
+string; tool-use templates (transformers' convention, which vLLM follows) expect a dict, so
+it is parsed, and an empty ``tool_calls`` list is dropped.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 __all__ = ["text_messages"]
@@ -49,4 +54,27 @@ def text_messages(conversation, index: int) -> list[dict]:
             raise ValueError(f"{where}: content must be a str, a list of text parts, or None, "
                              f"got {type(content).__name__}")
         out.append({**message, "content": text})
+        if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
+            calls = _tool_calls(message["tool_calls"], where)
+            if calls:
+                out[-1]["tool_calls"] = calls
+            else:
+                del out[-1]["tool_calls"]  # an empty list would take templates off the plain assistant turn
+    return out
+
+
+def _tool_calls(calls: list, where: str) -> list:
+    """Copies of ``calls`` whose ``function.arguments`` JSON strings are parsed (None or "" -> {})."""
+    out = []
+    for c, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("arguments", {}), (str, type(None))):
+            out.append(call)
+            continue
+        arguments = function.get("arguments")
+        try:
+            parsed = json.loads(arguments) if arguments else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}, tool call {c}: arguments {arguments!r} is not JSON ({e})") from None
+        out.append({**call, "function": {**function, "arguments": parsed}})
     return out

@@ -45,3 +45,33 @@ def cache_salt_of(prompt) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"cache_salt={salt!r}: must be a non-empty str (or left out)")
     return salt
+
+
+#: The keys of vLLM's ``tokenization_kwargs`` that minivllm applies.
+TOKENIZATION_KEYS = ("truncate_prompt_tokens", "add_special_tokens")
+
+
+def check_tokenization_kwargs(kwargs: dict | None) -> dict:
+    """vLLM's ``tokenization_kwargs`` (of ``LLM.generate`` / ``chat``, ``LLMEngine.add_request``),
+    checked: ``truncate_prompt_tokens`` (keep a prompt's last k tokens, -1: the last
+    ``max_model_len - 1``; over ``SamplingParams.truncate_prompt_tokens``) and
+    ``add_special_tokens`` (bool, for text prompts; default True). Returns a new dict.
+
+    Raises:
+        ValueError: not a dict, another key (naming it), or a bad value (naming it).
+    """
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"tokenization_kwargs={kwargs!r}: must be a dict (or None)")
+    other = sorted(set(kwargs) - set(TOKENIZATION_KEYS), key=str)
+    if other:
+        raise ValueError(f"tokenization_kwargs key(s) {other}: minivllm applies only {list(TOKENIZATION_KEYS)}")
+    t = kwargs.get("truncate_prompt_tokens")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
+        raise ValueError(f"tokenization_kwargs['truncate_prompt_tokens']={t!r}: must be an int >= 1, -1 "
+                         "(up to max_model_len - 1), or None")
+    special = kwargs.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise ValueError(f"tokenization_kwargs['add_special_tokens']={special!r}: must be True or False")
+    return dict(kwargs)

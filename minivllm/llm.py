@@ -11,7 +11,7 @@ from minivllm.chat import text_messages
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, refuse_lora
 from minivllm.generation_config import default_sampling_params
-from minivllm.inputs import cache_salt_of
+from minivllm.inputs import cache_salt_of, check_tokenization_kwargs
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils.gc_heap import heap_frozen
@@ -115,10 +115,11 @@ class LLM:
         return dataclasses.replace(self._default_params)
 
     def _submit(self, prompts, sampling_params, output_kind: str, inbox: deque, lora_request=None,
-                priority=None) -> list[str]:
+                priority=None, tokenization_kwargs: dict | None = None) -> list[str]:
         """Validate every prompt, then queue them all, their outputs routed to ``inbox``;
         returns their request ids in order."""
         refuse_lora(lora_request)
+        tokenization = check_tokenization_kwargs(tokenization_kwargs)
         plist = _as_prompt_list(prompts)
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(plist)
                                      or any(p != 0 for p in priority)):
@@ -136,7 +137,8 @@ class LLM:
                 raise ValueError(f"sampling_params[{i}]={p!r} is not a SamplingParams")
             try:
                 self.engine.check_sampling_params(p)  # all checked before any is queued
-                self.engine.encode_prompt(prompt, p.truncate_prompt_tokens)
+                self.engine.encode_prompt(prompt, tokenization.get("truncate_prompt_tokens", p.truncate_prompt_tokens),
+                                          tokenization.get("add_special_tokens", True))
                 cache_salt_of(prompt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
@@ -144,7 +146,8 @@ class LLM:
         try:
             for prompt, p in zip(plist, params):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, output_kind=output_kind, sink=inbox.append)
+                self.engine.add_request(rid, prompt, p, tokenization_kwargs=tokenization, output_kind=output_kind,
+                                        sink=inbox.append)
                 ids.append(rid)
         except BaseException:
             self._abort(ids)
@@ -188,7 +191,7 @@ class LLM:
     # -- public API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns one ``RequestOutput`` per prompt, in prompt order.
 
         ``prompts``: one prompt or a list (a ``str``, a ``list[int]``, a ``TextPrompt`` or a
@@ -196,14 +199,15 @@ class LLM:
         ``get_default_sampling_params()``. ``use_tqdm``: a progress bar (``tqdm.auto``), or a
         callable that makes one, called as ``tqdm`` is (vLLM's). ``lora_request`` and
         ``priority``: vLLM's; only None (or, for ``priority``, zeros: first come, first served) is
-        accepted.
+        accepted. ``tokenization_kwargs``: vLLM's ``truncate_prompt_tokens`` and
+        ``add_special_tokens`` (:func:`minivllm.inputs.check_tokenization_kwargs`).
 
         Raises:
             ValueError: a bad prompt or parameter (naming its index and value), a
                 ``lora_request`` or a nonzero ``priority``, before anything is scheduled.
         """
         inbox: deque[RequestOutput] = deque()
-        ids = self._submit(prompts, sampling_params, "final_only", inbox, lora_request, priority)
+        ids = self._submit(prompts, sampling_params, "final_only", inbox, lora_request, priority, tokenization_kwargs)
         results: dict[str, RequestOutput] = {}
         bar = None
         try:
@@ -227,12 +231,13 @@ class LLM:
         return [results[i] for i in ids]
 
     def stream(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-               lora_request=None) -> Iterator[RequestOutput]:
+               lora_request=None, tokenization_kwargs: dict | None = None) -> Iterator[RequestOutput]:
         """Yield one delta ``RequestOutput`` per new token of any request (vLLM's DELTA kind):
         ``outputs[0].text`` / ``.token_ids`` hold only what is new; ``finished`` is True on a
         request's last item. Closing the iterator early aborts the unfinished requests."""
         inbox: deque[RequestOutput] = deque()
-        ids = self._submit(prompts, sampling_params, "delta", inbox, lora_request)
+        ids = self._submit(prompts, sampling_params, "delta", inbox, lora_request,
+                           tokenization_kwargs=tokenization_kwargs)
         yield from self._outputs(ids, inbox)
 
     def beam_search(self, prompts, params=None, *args, **kwargs):
@@ -252,7 +257,7 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              chat_template_content_format: str = "auto", mm_processor_kwargs: dict | None = None,
-             **unknown) -> list[RequestOutput]:
+             tokenization_kwargs: dict | None = None, **unknown) -> list[RequestOutput]:
         """Render one conversation (a list of ``{"role", "content"}`` dicts) or a list of them
         with a chat template, then ``generate`` (vLLM's ``LLM.chat``). ``content`` may be a
         string, None, or OpenAI-style text parts (joined by newlines, as vLLM renders them for
@@ -269,6 +274,7 @@ class LLM:
             chat_template_content_format: vLLM's; "auto" or "string" (text parts are joined into
                 one string, the format this renders; "openai" is refused).
             mm_processor_kwargs: vLLM's; None only (no multimodal inputs here).
+            tokenization_kwargs: as ``generate``'s.
 
         Raises:
             TypeError: a keyword argument ``LLM.chat`` does not take (a template variable goes in
@@ -299,11 +305,12 @@ class LLM:
         else:
             conversations = list(messages)
         variables = dict(chat_template_kwargs or {})
-        prompts = [tok.apply_chat_template(text_messages(conv, i), tokenize=False, chat_template=chat_template, tools=tools,
-                                           add_generation_prompt=add_generation_prompt,
+        prompts = [tok.apply_chat_template(text_messages(conv, i), tokenize=False, chat_template=chat_template,
+                                           tools=tools, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **variables)
                    for i, conv in enumerate(conversations)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                             tokenization_kwargs=tokenization_kwargs)
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's ``LLM.start_profile``: a ``torch.profiler`` trace of this process until

@@ -327,6 +327,50 @@ def test_chat_takes_openai_text_parts_and_none_content(text_llm):
     assert not text_llm.llm_engine.has_unfinished_requests()
 
 
+TOOL_ARGS = ("{% for m in messages %}<{{ m.role }}>{% for c in m.tool_calls or [] %}"
+             "{{ c.function.name }}({% for k, v in c.function.arguments | items %}{{ k }}={{ v }}{% endfor %})"
+             "{% endfor %}{% if m.tool_calls is defined %}[calls]{% endif %}{% endfor %}")
+
+
+def test_chat_parses_tool_call_arguments_as_vllm_does(text_llm):
+    """OpenAI-format tool calls carry their arguments as a JSON string: a template iterating them
+    (``| items``) raised "Can only get item pairs from a mapping"; vLLM parses them to a dict and
+    drops an empty tool_calls list."""
+    tok = text_llm.tokenizer
+    call = {"id": "c0", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Dallas"}'}}
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "assistant", "content": "ok", "tool_calls": []}]
+    out = text_llm.chat(conv, greedy(1), chat_template=TOOL_ARGS, add_generation_prompt=False, use_tqdm=False)[0]
+    assert _rendered(out, tok) == "<user><assistant>weather(city=Dallas)[calls]<assistant>"
+    assert call["function"]["arguments"] == '{"city": "Dallas"}'  # the caller's message is not changed
+    bad = {"function": {"name": "f", "arguments": "{not json"}}
+    with pytest.raises(ValueError, match=r"message 0, tool call 0: arguments '\{not json' is not JSON"):
+        text_llm.chat([{"role": "assistant", "content": "", "tool_calls": [bad]}], greedy(1),
+                      chat_template=TOOL_ARGS, use_tqdm=False)
+
+
+def test_tokenization_kwargs_and_add_requests_params_keyword(llm):
+    """vLLM's generate/chat/add_request take tokenization_kwargs (how its newest SamplingParams-less
+    scripts truncate prompts) and add_request names its parameters ``params``: both raised TypeError."""
+    prompt = prompts_of([12], seed=8)[0]
+    out = llm.generate(prompt, greedy(2), use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 5})[0]
+    assert out.prompt_token_ids == prompt[-5:]
+    with pytest.raises(ValueError, match=r"key\(s\) \['max_length'\]"):
+        llm.generate(prompt, greedy(2), use_tqdm=False, tokenization_kwargs={"max_length": 5})
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens'\]=0"):
+        llm.generate(prompt, greedy(2), use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 0})
+    engine = llm.llm_engine
+    engine.add_request(request_id="k", prompt=prompt, params=greedy(2),
+                       tokenization_kwargs={"truncate_prompt_tokens": 4})
+    engine.add_request("s", prompt, sampling_params=greedy(3))
+    with pytest.raises(TypeError, match="both params and sampling_params"):
+        engine.add_request("both", prompt, greedy(1), sampling_params=greedy(1))
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert final["k"].prompt_token_ids == prompt[-4:] and len(final["s"].outputs[0].token_ids) == 3
+
+
 def test_vllm_request_arguments_priority_and_arrival_time(llm):
     import time
 

@@ -32,7 +32,7 @@ from minivllm.engine.output_processor import OutputKind, OutputProcessor, Reques
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.transaction import StepTransaction
-from minivllm.inputs import cache_salt_of
+from minivllm.inputs import cache_salt_of, check_tokenization_kwargs
 from minivllm.layers.attention import default_block_size, resolve_backend_name
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -242,12 +242,14 @@ class LLMEngine:
         return cls(args)
 
     # -- requests ----------------------------------------------------------------------------
-    def encode_prompt(self, prompt, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt, truncate_prompt_tokens: int | None = None,
+                      add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Validate one prompt; returns (text or None, token ids).
 
         Accepts a ``str``, a ``list[int]`` of token ids, or ``{"prompt_token_ids": [...]}``
         / ``{"prompt": "..."}``. ``truncate_prompt_tokens`` (``SamplingParams``'): keep the
-        last k tokens (-1: the last ``max_model_len - 1``).
+        last k tokens (-1: the last ``max_model_len - 1``). ``add_special_tokens``: the
+        tokenizer's, for a text prompt.
 
         Raises:
             ValueError: empty prompt, ids outside ``[0, vocab_size)``, or a prompt with no
@@ -266,7 +268,7 @@ class LLMEngine:
             # verbose=False: the tokenizer would otherwise log its own "longer than the
             # maximum sequence length" warning before our length check below says it clearly
             # (and warn wrongly when max_model_len exceeds the tokenizer's model_max_length).
-            text, ids = prompt, self.tokenizer.encode(prompt, verbose=False)
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens, verbose=False)
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:  # a tokenizer larger than the model (e.g. a random model with a small vocab)
                 raise ValueError(f"prompt text {prompt[:40]!r} encodes to token id {bad[0]}, outside the "
@@ -320,11 +322,15 @@ class LLMEngine:
                     out.append(ids)
         return out
 
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    arrival_time: float | None = None, lora_request=None, *, priority: int = 0,
-                    output_kind: OutputKind | str | None = None, sink=None) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
+                    *, priority: int = 0, output_kind: OutputKind | str | None = None, sink=None,
+                    sampling_params: SamplingParams | None = None) -> None:
         """Validate and queue a request (raises ``ValueError`` at once on bad input).
 
+        ``params``: its ``SamplingParams`` (vLLM's name; ``sampling_params=`` is accepted too),
+        None for ``SamplingParams()``. ``tokenization_kwargs``: vLLM's, see
+        :func:`minivllm.inputs.check_tokenization_kwargs`.
         ``arrival_time``, ``lora_request`` and ``priority`` are vLLM's: ``arrival_time`` is a
         ``time.time()`` timestamp (default: now), moved onto the metrics' ``time.perf_counter``
         clock; only ``lora_request=None`` and ``priority=0`` (first come, first served) are
@@ -336,11 +342,12 @@ class LLMEngine:
         the engine for deltas), itself cumulative by default. ``sink``: a callable that also receives each
         of the request's outputs once its step is applied (``LLM`` collects its own
         requests' outputs this way, whoever steps the engine). The request keeps a copy of
-        ``sampling_params``: changing the object afterwards does not change it.
+        ``params``: changing the object afterwards does not change it.
 
         Raises:
             RuntimeError: the engine has been shut down (see :meth:`shutdown`).
-            TypeError: ``prompt`` is a ``SamplingParams`` (nano-vllm's argument order).
+            TypeError: ``prompt`` is a ``SamplingParams`` (nano-vllm's argument order), or both
+                ``params`` and ``sampling_params`` are given.
             ValueError: a bad prompt, request id already in use, or bad parameters (naming the
                 value; the parameters are checked as they are now, lists changed in place included).
         """
@@ -363,7 +370,12 @@ class LLMEngine:
                     or not math.isfinite(arrival_time):
                 raise ValueError(f"arrival_time={arrival_time!r}: must be a time.time() timestamp (seconds)")
             arrival_time = time.perf_counter() - (time.time() - arrival_time)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        if sampling_params is not None:
+            if params is not None:
+                raise TypeError("add_request() got both params and sampling_params: give one")
+            params = sampling_params
+        tokenization = check_tokenization_kwargs(tokenization_kwargs)
+        params = params if params is not None else SamplingParams()
         # The request keeps the parameters it was added with (vLLM copies them too): the engine
         # fixes what it derives from them (stop rule, sampling flags) when a request is queued,
         # and a changed object applies to the requests added after the change. The copy is
@@ -373,7 +385,8 @@ class LLMEngine:
             params._validate_again()
         self.check_sampling_params(params)
         kind = params.output_kind if kind is None else kind
-        text, ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
+        truncate = tokenization.get("truncate_prompt_tokens", params.truncate_prompt_tokens)
+        text, ids = self.encode_prompt(prompt, truncate, tokenization.get("add_special_tokens", True))
         salt = cache_salt_of(prompt)
         self._warn_if_max_tokens_capped(params, len(ids))
         with self._lock:

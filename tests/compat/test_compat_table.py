@@ -70,6 +70,9 @@ FEATURES = [
     ("`detokenize`, `skip_special_tokens`, `truncate_prompt_tokens`", "yes", "no",
      lambda llm: _gen(llm, detokenize=False, skip_special_tokens=False, truncate_prompt_tokens=2)
      .outputs[0].text == ""),
+    ("`tokenization_kwargs` (`truncate_prompt_tokens`, `add_special_tokens`)", "yes", "no",
+     lambda llm: llm.generate([5, 6, 7, 8], SamplingParams(max_tokens=2), use_tqdm=False,
+                              tokenization_kwargs={"truncate_prompt_tokens": 2})[0].prompt_token_ids == [7, 8]),
     ("`logprobs`, `prompt_logprobs`", "yes", "no",
      lambda llm: _gen(llm, logprobs=2, prompt_logprobs=1).prompt_logprobs[0] is None),
     ("`n` > 1", "yes", "no", lambda llm: len(_gen(llm, n=2, temperature=1.0).outputs) == 2),
