@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
+import inspect
 import logging
 import math
 import numbers
@@ -148,8 +150,9 @@ class SamplingParams:
 
     def __new__(cls, *args, **kwargs):
         # A vLLM script's argument for a feature minivllm lacks: say so, rather than Python's bare
-        # "unexpected keyword argument" (both TypeError, as for any unknown argument).
-        lacking = [name for name in kwargs if name in _VLLM_ONLY]
+        # "unexpected keyword argument" (both TypeError, as for any unknown argument). Its value
+        # that asks for nothing (None, vLLM's default) is accepted: ``__init__`` drops it.
+        lacking = [name for name in kwargs if name in _VLLM_ONLY and not _asks_nothing(name, kwargs)]
         if lacking:
             raise TypeError("; ".join(f"SamplingParams({name}=...): {_VLLM_ONLY[name]} is a vLLM feature minivllm "
                                       "does not have" for name in lacking)
@@ -360,6 +363,19 @@ class SamplingParams:
 
 _PUBLIC_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 #: vLLM ``SamplingParams`` arguments (v0 and v1) for features minivllm does not implement
+def _asks_nothing(name: str, kwargs: dict) -> bool:
+    """A vLLM-only argument at a value that turns its feature off (a script's ``x if cond else None``)."""
+    value = kwargs[name]
+    if name == "best_of":
+        return value is None or value == kwargs.get("n", 1)
+    if name in ("use_beam_search", "early_stopping"):
+        return value is False
+    if name == "length_penalty":
+        return value == 1.0
+    return value is None or (name in ("logits_processors", "extra_args") and isinstance(value, (list, dict))
+                             and not value)
+
+
 _VLLM_ONLY = {
     "structured_outputs": "structured outputs (decoding constrained to a JSON schema, regex, grammar or choice)",
     "guided_decoding": "guided decoding (structured outputs)",
@@ -373,3 +389,20 @@ _VLLM_ONLY = {
 _INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "truncate_prompt_tokens", "logprobs",
                "prompt_logprobs")
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+_dataclass_init = SamplingParams.__init__
+
+
+def _init_without_vllm_only(self, *args, **kwargs):
+    """The dataclass ``__init__``, without the vLLM-only arguments ``__new__`` let through (their
+    values ask for nothing)."""
+    for name in [n for n in kwargs if n in _VLLM_ONLY]:
+        del kwargs[name]
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = functools.wraps(_dataclass_init)(_init_without_vllm_only)
+# what help() and Jupyter's Shift+Tab show (``__new__``'s ``*args, **kwargs`` otherwise)
+SamplingParams.__signature__ = inspect.signature(_dataclass_init).replace(
+    parameters=list(inspect.signature(_dataclass_init).parameters.values())[1:])

@@ -186,6 +186,20 @@ def test_vllm_features_minivllm_lacks_are_named_not_left_to_a_bare_type_error(ll
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_vllm_only_sampling_arguments_at_values_that_ask_for_nothing_are_accepted():
+    """``structured_outputs=StructuredOutputsParams(...) if schema else None`` is a common vLLM
+    pattern: None (vLLM's default) was refused as if it asked for the feature."""
+    import inspect
+
+    off = dict(structured_outputs=None, guided_decoding=None, extra_args=None, logits_processors=None,
+               best_of=None, use_beam_search=False, length_penalty=1.0, early_stopping=False)
+    assert SamplingParams(temperature=0.5, **off) == SamplingParams(temperature=0.5)
+    assert SamplingParams(n=2, best_of=2, logits_processors=[], extra_args={}).n == 2
+    with pytest.raises(TypeError, match=r"SamplingParams\(best_of=\.\.\.\)"):
+        SamplingParams(n=2, best_of=3)
+    assert "temperature" in inspect.signature(SamplingParams).parameters  # Shift+Tab shows the fields
+
+
 def test_prompt_typed_dicts(llm):
     from minivllm import TextPrompt, TokensPrompt
 
