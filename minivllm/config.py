@@ -286,6 +286,30 @@ class EngineConfig:
     max_num_batched_tokens: int
 
 
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model as the engine runs it, under vLLM's name (``llm.llm_engine.model_config``,
+    ``LLMEngine.get_model_config()``, ``LLM.model_config``), for scripts that read it.
+
+    Fields: ``model`` (the name or path given), ``tokenizer`` (its directory), ``dtype`` (a
+    ``torch.dtype``), ``seed``, ``max_model_len`` (tokens, after capping to the pool and the
+    model's positions), ``hf_config`` (the transformers config).
+    """
+
+    model: str
+    tokenizer: str
+    dtype: torch.dtype
+    seed: int | None
+    max_model_len: int
+    hf_config: object
+
+    def get_vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+
 def resolve_lengths(args: EngineArgs, max_position_embeddings: int, num_kv_blocks: int,
                     block_size: int, block_bytes: int | None = None) -> tuple[int, int]:
     """(max_model_len, max_num_batched_tokens) for a pool of ``num_kv_blocks`` blocks.

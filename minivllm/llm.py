@@ -43,10 +43,17 @@ def _as_prompt_list(prompts) -> list:
 
 #: nano-vllm's engine calls on its LLM -> what does it here
 _NANO_ENGINE_CALLS = {
-    "add_request": "llm.llm_engine.add_request(request_id, prompt, sampling_params)",
+    "add_request": "llm.llm_engine.add_request(request_id, prompt, params)",
     "step": "llm.llm_engine.step() (it returns RequestOutputs, not nano-vllm's (outputs, num_tokens))",
     "is_finished": "not llm.llm_engine.has_unfinished_requests()",
     "exit": "llm.shutdown() frees it",
+}
+#: vLLM's calls for pooling (embedding, classification, scoring) models and its metrics API
+_VLLM_LACKING_CALLS = {
+    **{name: "a pooling model's call (embeddings, classification, scores): minivllm serves generative models"
+       for name in ("embed", "encode", "classify", "score", "reward")},
+    "get_metrics": "vLLM's Prometheus metrics; minivllm measures each request (RequestOutput.metrics) and each step "
+                   "(llm.llm_engine.last_step_record)",
 }
 
 
@@ -87,6 +94,9 @@ class LLM:
         if hint is not None:
             raise AttributeError(f"LLM.{name}: nano-vllm's LLM is its engine; here, as in vLLM, the engine is "
                                  f"llm.llm_engine: {hint}")
+        hint = _VLLM_LACKING_CALLS.get(name)
+        if hint is not None:
+            raise AttributeError(f"LLM.{name}: {hint} (README, 'Coming from vLLM or nano-vllm')")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- helpers --------------------------------------------------------------------------
@@ -95,6 +105,12 @@ class LLM:
         if self.llm_engine is None:
             raise RuntimeError("this LLM has been shut down")
         return self.llm_engine
+
+    @property
+    def model_config(self):
+        """vLLM's ``LLM.model_config`` (:class:`minivllm.config.ModelConfig`: ``max_model_len``,
+        ``dtype``, ``hf_config``, ...)."""
+        return self.engine.model_config
 
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer (also ``llm.tokenizer``)."""

@@ -43,6 +43,21 @@ def test_logprob_imports_from_vllms_module_path():
     assert from_module is Logprob
 
 
+def test_model_config_and_pooling_calls_as_vllm_scripts_reach_them(llm):
+    """``llm.llm_engine.model_config.max_model_len`` (vLLM's benchmarks read it) and
+    ``get_model_config()`` did not exist; ``llm.embed`` / ``get_metrics`` were bare AttributeErrors."""
+    engine = llm.llm_engine
+    config = engine.get_model_config()
+    assert config is engine.model_config is llm.model_config
+    assert config.max_model_len == engine.config.max_model_len and config.dtype == torch.float32
+    assert config.get_vocab_size() == engine.vocab_size and config.model == engine.source.name
+    for name in ("embed", "encode", "classify", "score", "reward"):
+        with pytest.raises(AttributeError, match=f"LLM.{name}: a pooling model's call"):
+            getattr(llm, name)
+    with pytest.raises(AttributeError, match="LLM.get_metrics: .*RequestOutput.metrics"):
+        llm.get_metrics()
+
+
 def test_nano_vllm_engine_calls_say_where_they_are(llm):
     """nano-vllm's LLM is its engine (llm.add_request(prompt, sp), llm.step(), llm.is_finished(), llm.exit()):
     each was a bare AttributeError, and the engine's add_request in nano-vllm's argument order said the

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.config import EngineArgs, EngineConfig, resolve_device, resolve_dtype, resolve_lengths
+from minivllm.config import EngineArgs, EngineConfig, ModelConfig, resolve_device, resolve_dtype, resolve_lengths
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.kv_cache import kv_bytes_per_token
@@ -145,6 +145,8 @@ class LLMEngine:
             # until garbage collection, which a notebook's saved traceback can delay for long.
             self.runner.shutdown()
             raise
+        self.model_config = ModelConfig(self.source.name, str(self.source.tokenizer_dir), dtype, args.seed,
+                                        max_model_len, hf)
         self.runner.logprobs_mode = args.logprobs_mode
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, args.enable_prefix_caching,
                                           args.prefix_caching_hash_algo)
@@ -240,6 +242,10 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
+
+    def get_model_config(self) -> ModelConfig:
+        """vLLM's ``LLMEngine.get_model_config()``: ``self.model_config``."""
+        return self.model_config
 
     # -- requests ----------------------------------------------------------------------------
     def encode_prompt(self, prompt, truncate_prompt_tokens: int | None = None,
