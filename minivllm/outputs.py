@@ -87,9 +87,10 @@ class Logprob:
 PositionLogprobs = dict
 
 
-@dataclass(slots=True)
+@dataclass
 class CompletionOutput:
-    """One generated completion.
+    """One generated completion (vLLM's ``CompletionOutput``: its fields in its order, a plain
+    dataclass, so ``vars(completion)`` works and scripts may attach their own attributes).
 
     Attributes:
         index: completion index within the request (0 .. n - 1 with ``SamplingParams.n``).
@@ -104,23 +105,26 @@ class CompletionOutput:
             generated token (the sampled token plus the k most likely), else None.
         cumulative_logprob: with ``logprobs``: sum of the sampled tokens' log-probabilities
             (natural log), else None.
+        lora_request: vLLM's; always None here (no LoRA).
     """
 
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
+    lora_request = None  # a class attribute, not a field: vLLM's, never set here
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
+@dataclass
 class RequestOutput:
-    """The state of one request, as returned by ``LLM.generate`` / ``LLM.stream`` / ``LLMEngine.step``.
+    """The state of one request, as returned by ``LLM.generate`` / ``LLM.stream`` / ``LLMEngine.step``
+    (vLLM's ``RequestOutput``; no slots, so ``vars(output)`` works and scripts may attach attributes).
 
     Attributes:
         request_id: the id given at ``add_request`` (``LLM`` uses "0", "1", ... per call).
@@ -150,6 +154,11 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's, for an encoder-decoder model, LoRA and KV transfer: class attributes, never set here
+    lora_request = None
+    encoder_prompt = None
+    encoder_prompt_token_ids = None
+    kv_transfer_params = None
 
     # -- nano-vllm compatibility: a read-only mapping view {"text", "token_ids"} ------------------
     _MAPPING_KEYS = ("text", "token_ids")

@@ -58,6 +58,22 @@ def test_model_config_and_pooling_calls_as_vllm_scripts_reach_them(llm):
         llm.get_metrics()
 
 
+def test_outputs_are_plain_objects_with_vllms_fields_in_its_order(llm):
+    """vLLM's scripts do ``vars(output.outputs[0])`` and attach attributes to outputs: both failed
+    (slots), and the completion's positional fields were not vLLM's order."""
+    import dataclasses
+
+    from minivllm.outputs import CompletionOutput
+
+    out = llm.generate(prompts_of([5], seed=3)[0], greedy(2), use_tqdm=False)[0]
+    assert vars(out.outputs[0])["token_ids"] == out.outputs[0].token_ids and "request_id" in vars(out)
+    out.reward = 1.0
+    assert out.reward == 1.0
+    assert out.lora_request is None and out.encoder_prompt is None and out.outputs[0].lora_request is None
+    assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
+        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason"]
+
+
 def test_nano_vllm_engine_calls_say_where_they_are(llm):
     """nano-vllm's LLM is its engine (llm.add_request(prompt, sp), llm.step(), llm.is_finished(), llm.exit()):
     each was a bare AttributeError, and the engine's add_request in nano-vllm's argument order said the
