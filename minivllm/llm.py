@@ -13,7 +13,7 @@ from minivllm.engine.llm_engine import LLMEngine, refuse_lora
 from minivllm.generation_config import default_sampling_params
 from minivllm.inputs import cache_salt_of, check_tokenization_kwargs
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import NO_BEAM_SEARCH, SamplingParams
 from minivllm.utils.gc_heap import heap_frozen
 
 
@@ -263,10 +263,7 @@ class LLM:
             NotImplementedError: always (greedy decoding, ``n`` > 1 with sampling, and
                 ``logprobs=0`` for each completion's ``cumulative_logprob`` are the nearest alternatives).
         """
-        raise NotImplementedError(
-            "LLM.beam_search: minivllm has no beam search (a vLLM feature; README, 'Coming from vLLM or "
-            "nano-vllm'). Nearest alternatives: greedy decoding (temperature=0), or SamplingParams(n=k, "
-            "temperature>0, logprobs=0) and rank the completions by their cumulative_logprob")
+        raise NotImplementedError(f"LLM.beam_search: {NO_BEAM_SEARCH}")
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,

@@ -363,6 +363,24 @@ class SamplingParams:
 
 _PUBLIC_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 #: vLLM ``SamplingParams`` arguments (v0 and v1) for features minivllm does not implement
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams``, importable so a vLLM script's import line works; building one
+    raises, as ``LLM.beam_search`` does.
+
+    Raises:
+        NotImplementedError: always (minivllm has no beam search; see ``LLM.beam_search``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(f"BeamSearchParams: {NO_BEAM_SEARCH}")
+
+
+#: What ``LLM.beam_search`` and ``BeamSearchParams`` say.
+NO_BEAM_SEARCH = ("minivllm has no beam search (a vLLM feature; README, 'Coming from vLLM or nano-vllm'). Nearest "
+                  "alternatives: greedy decoding (temperature=0), or SamplingParams(n=k, temperature>0, logprobs=0) "
+                  "and rank the completions by their cumulative_logprob")
+
+
 def _asks_nothing(name: str, kwargs: dict) -> bool:
     """A vLLM-only argument at a value that turns its feature off (a script's ``x if cond else None``)."""
     value = kwargs[name]

@@ -74,6 +74,26 @@ def test_outputs_are_plain_objects_with_vllms_fields_in_its_order(llm):
         "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason"]
 
 
+def test_vllm_import_lines_resolve_and_request_ids_are_strings(llm):
+    """``from vllm.sampling_params import BeamSearchParams`` and ``from vllm.engine.arg_utils import
+    EngineArgs`` failed at import (before beam search's own message); a request id of another type
+    was accepted as its str() and then could not be aborted by it."""
+    from minivllm.config import EngineArgs
+    from minivllm.engine.arg_utils import EngineArgs as FromArgUtils
+    from minivllm.sampling_params import BeamSearchParams
+
+    assert FromArgUtils is EngineArgs
+    with pytest.raises(NotImplementedError, match="BeamSearchParams: minivllm has no beam search"):
+        BeamSearchParams(beam_width=4, max_tokens=8)
+    engine = llm.llm_engine
+    for bad in (None, ["a"], True):
+        with pytest.raises(TypeError, match=re.escape(f"request_id={bad!r}")):
+            engine.add_request(bad, [5, 6], greedy(1))
+    with pytest.raises(ValueError, match="prompt_token_ids=5: must be a list"):
+        engine.add_request("p", {"prompt_token_ids": 5}, greedy(1))
+    assert not engine.has_unfinished_requests()
+
+
 def test_nano_vllm_engine_calls_say_where_they_are(llm):
     """nano-vllm's LLM is its engine (llm.add_request(prompt, sp), llm.step(), llm.is_finished(), llm.exit()):
     each was a bare AttributeError, and the engine's add_request in nano-vllm's argument order said the

@@ -265,7 +265,10 @@ class LLMEngine:
             if prompt.get("multi_modal_data") is not None:
                 raise ValueError("multi_modal_data: minivllm serves text-only models (give None or leave it out)")
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                    raise ValueError(f"prompt_token_ids={ids!r}: must be a list of token ids")
+                prompt = list(ids)
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -352,8 +355,9 @@ class LLMEngine:
 
         Raises:
             RuntimeError: the engine has been shut down (see :meth:`shutdown`).
-            TypeError: ``prompt`` is a ``SamplingParams`` (nano-vllm's argument order), or both
-                ``params`` and ``sampling_params`` are given.
+            TypeError: ``prompt`` is a ``SamplingParams`` (nano-vllm's argument order), both
+                ``params`` and ``sampling_params`` are given, or ``request_id`` is neither a str
+                nor an int.
             ValueError: a bad prompt, request id already in use, or bad parameters (naming the
                 value; the parameters are checked as they are now, lists changed in place included).
         """
@@ -366,6 +370,8 @@ class LLMEngine:
             kind = None if output_kind is None else OutputKind(output_kind)
         except ValueError:
             raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise TypeError(f"request_id={request_id!r}: must be a str (or an int), as abort_request takes it")
         request_id = str(request_id)
         refuse_lora(lora_request)
         if priority != 0:
