@@ -71,7 +71,11 @@ class LLM:
             are accepted with one logged warning listing them.
 
     Raises:
-        TypeError: an engine argument that is neither ours nor a known vLLM one.
+        TypeError: an engine argument that is neither ours nor a known vLLM one, or a vLLM one
+            asking for a feature minivllm lacks (naming it).
+        ValueError: an engine argument's bad value (naming it: a dtype, a block size, a
+            max_model_len above what the KV pool holds, ...).
+        FileNotFoundError: a model path that does not exist or holds no checkpoint.
 
     Use as a context manager, or call ``shutdown()``, to free the KV cache at once.
 
@@ -220,7 +224,10 @@ class LLM:
 
         Raises:
             ValueError: a bad prompt or parameter (naming its index and value), a
-                ``lora_request`` or a nonzero ``priority``, before anything is scheduled.
+                ``lora_request``, a nonzero ``priority`` or bad ``tokenization_kwargs``, before
+                anything is scheduled.
+            TypeError: a ``use_tqdm`` callable that does not take tqdm's arguments.
+            RuntimeError: the LLM has been shut down, or a tensor-parallel worker died.
         """
         inbox: deque[RequestOutput] = deque()
         ids = self._submit(prompts, sampling_params, "final_only", inbox, lora_request, priority, tokenization_kwargs)

@@ -13,7 +13,8 @@ class RequestMetrics:
       * TPOT (time per output token) = (last token time - first token time) / (tokens - 1)
       * ITL (inter-token latencies) = gaps between consecutive output tokens
       * e2e = finished_time - arrival_time; queue = first_scheduled_time - arrival_time
-    A figure that is not defined yet (no first token, a single token) is ``None``.
+    A figure that is not defined yet (no first token, a single token) is ``None``, except ITL,
+    a list, which is then empty.
     """
 
     arrival_time: float
@@ -72,7 +73,8 @@ class Logprob:
     """One token's log-probability (vLLM's ``Logprob``).
 
     Attributes:
-        logprob: natural-log probability, fp32 value as a Python float.
+        logprob: natural-log probability, fp32 value as a Python float (with the engine argument
+            ``logprobs_mode`` "raw_logits" or "processed_logits": the logit itself).
         rank: 1-based rank of the token in its distribution (1 = most likely), or None.
         decoded_token: the token's text (None when ``detokenize=False``).
     """

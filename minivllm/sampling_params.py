@@ -112,6 +112,9 @@ class SamplingParams:
 
     Raises:
         ValueError: naming the offending field and value.
+        TypeError: a vLLM argument for a feature minivllm lacks (``structured_outputs``,
+            ``best_of`` above ``n``, ``logits_processors``, ...; their values that ask for
+            nothing are accepted), or an unknown argument.
     """
 
     temperature: float = 1.0

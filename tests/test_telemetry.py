@@ -71,6 +71,14 @@ def test_measure_peaks_tiny():
         measure_peaks("cpu", "float13", **TINY)
 
 
+@pytest.mark.parametrize("size", ["matmul_size", "copy_bytes", "read_bytes"])
+def test_a_zero_size_is_refused_not_replaced_by_the_default(size):
+    """``matmul_size=0`` (a size computed as 0) silently ran the default 1024 (``x or default``),
+    though the docstring promises ValueError for a non-positive size."""
+    with pytest.raises(ValueError, match="must be positive"):
+        measure_peaks("cpu", "float32", **{**TINY, size: 0})
+
+
 def test_peaks_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
     first = get_peaks("cpu", "float32", **TINY)

@@ -646,7 +646,8 @@ class LLMEngine:
 
     def measure_peaks(self, refresh: bool = False) -> Peaks:
         """Measure (or read from the per-machine cache) this device's peak matmul FLOP/s and
-        copy bandwidth, so later ``StepRecord``s carry MFU and MBU."""
+        memory bandwidth (copy and read; MBU divides by the read figure), so later
+        ``StepRecord``s carry MFU and MBU (``minivllm.telemetry.peaks.get_peaks``)."""
         self.peaks = get_peaks(self.config.device, self.config.dtype, refresh=refresh)
         return self.peaks
 

@@ -1,8 +1,10 @@
 """Prepacked weights for CPU linear layers: our panel GEMM in float32, else oneDNN.
 
 ``torch.nn.functional.linear`` on the CPU calls MKL sgemm, which is slow for the few rows of a
-decode step (measured on a 2-core EPYC: 1024 -> 3072 at 4 rows 2.3 ms vs 0.48 ms prepacked;
-``/work/shared/notes/cpu-probes.md``). Two packed forms, chosen once per weight at load:
+decode step (1024 -> 3072 at 4 rows: 2.3 ms vs 0.48 ms prepacked, in the table of the issue that
+asked for this path, measured on the 2-core AMD EPYC development machine with torch 2.13.0+cpu,
+2026-12-01; ``python -m minivllm bench --sweep`` shows the effect on a step). Two packed forms,
+chosen once per weight at load:
 
 * float32 weights with a multiple of 16 output features: panels ``[N / 16, K, 16]`` for our C
   kernel (:mod:`minivllm.layers.cpu_gemm`), which keeps a decode step of a few rows at about the

@@ -176,9 +176,10 @@ def measure_peaks(
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
     cuda = dev.type == "cuda"
-    n = matmul_size or (8192 if cuda else 1024)
-    nbytes = copy_bytes or ((1 << 30) if cuda else (256 << 20))
-    rbytes = read_bytes or (1 << 30)
+    # "is None", not "or": a size of 0 is refused below, not replaced by the default
+    n = (8192 if cuda else 1024) if matmul_size is None else matmul_size
+    nbytes = ((1 << 30) if cuda else (256 << 20)) if copy_bytes is None else copy_bytes
+    rbytes = (1 << 30) if read_bytes is None else read_bytes
     if n < 1 or nbytes < 1 or rbytes < 1:
         raise ValueError(f"matmul_size, copy_bytes and read_bytes must be positive, got {n!r}, {nbytes!r}, {rbytes!r}")
     time_it = _timer(dev)

@@ -120,8 +120,11 @@ class StepRecord:
             pass incl. logits, sampling, stop checks + detokenisation + outputs).
         num_draft_tokens / num_accepted_draft_tokens: speculative decoding: draft tokens
             scored this step, and how many of them were accepted.
-        flops / bytes_moved / mfu / mbu: roofline figures for the step, filled by
-            ``minivllm.telemetry.roofline`` when peaks are known (else None).
+        flops / bytes_moved: the step's model FLOPs and bytes moved (counts for the whole step,
+            from its shapes: ``minivllm.telemetry.roofline.fill_step_record``), set for every
+            step. mfu / mbu: the fractions (0..1, not percent) of the measured peak FLOP/s and
+            read bandwidth they reached, set when the engine has peaks
+            (``LLMEngine.measure_peaks``), else None.
     """
 
     index: int

@@ -2,8 +2,9 @@
 
 OpenMP threads of one parallel region wait for each other: when another busy process holds
 a core, every region waits for the descheduled thread, and a step slows down by far more
-than the share of CPU lost (measured on a 2-core machine with two other busy processes:
-13 tokens/s with 2 threads, 183 with 1; ``/work/shared/notes`` and issue 11). ``"auto"``
+than the share of CPU lost (``python -m minivllm generate`` on the 2-core AMD EPYC development
+machine with two other busy processes, 2026-12-01: 13 tokens/s with 2 threads, 183 with 1; the
+figures of issue 11, the CPU-speed issue). ``"auto"``
 therefore takes the cores the load average leaves free.
 """
 from __future__ import annotations
