@@ -104,6 +104,15 @@ class LLMEngine:
     """Owns the scheduler, block manager, model runner and tokenizer.
 
     Build with ``LLMEngine(EngineArgs(...))`` or ``LLMEngine.from_engine_args``.
+
+    Args:
+        args: the engine arguments (``minivllm.config.EngineArgs``; its docstring gives each).
+
+    Raises:
+        ValueError: an argument's bad value, naming it (dtype, device, block size, a
+            max_model_len the KV pool cannot hold, a speculative config, ...).
+        FileNotFoundError: a model or tokenizer path that does not exist.
+        TypeError: a vLLM argument asking for a feature minivllm lacks (``EngineArgs``).
     """
 
     def __init__(self, args: EngineArgs):
