@@ -227,3 +227,37 @@ def test_admitting_a_long_cached_prefix_records_the_free_order_once_and_rolls_ba
     undo.rollback()
     assert list(bm._free_cached) == order_before
     bm.check_invariants([])
+
+
+def test_an_interrupted_prefix_cache_reset_still_completes():
+    """A KeyboardInterrupt part-way through the reset's walk over the pool left hash-map entries
+    for blocks whose hash it had cleared, and cleared blocks in the cached free list."""
+    import sys
+
+    bm = BlockManager(16, BS)
+    for i in range(3):
+        s = seq_of(range(10 * i + 1, 10 * i + 10), f"s{i}")
+        run_prefill(bm, s)
+        bm.release(s)
+    assert bm.num_cached_blocks == 6
+    seen = []
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename.endswith("block_manager.py") and "generation" in frame.f_code.co_names:
+            def line(frame, event, arg):
+                if event == "line":
+                    seen.append(frame.f_lineno)
+                    if len(seen) == 12:
+                        raise KeyboardInterrupt("part-way through the reset")
+                return line
+            return line
+        return None
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bm.reset_prefix_cache()
+    finally:
+        sys.settrace(None)
+    bm.check_invariants([])
+    assert bm.num_cached_blocks == 0 and not bm.hash_to_block and bm.num_free_blocks == 16

@@ -87,6 +87,20 @@ def test_a_request_aborted_by_another_caller_ends_the_waiting_call(tiny_ckpt):
     assert [o.outputs[0].finish_reason for o in outs] == ["abort", "abort"]
 
 
+def test_a_prefix_cache_reset_waits_for_a_step_in_another_thread(tiny_ckpt):
+    """reset_prefix_cache ran without the engine's lock, in the middle of a widget's step in a
+    background thread (whose undo log and block registrations it changed under it)."""
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    with engine._lock:  # as a step running in another thread holds it
+        resetter = threading.Thread(target=llm.reset_prefix_cache)
+        resetter.start()
+        resetter.join(0.5)
+        assert resetter.is_alive()
+    resetter.join(30)
+    assert not resetter.is_alive()
+
+
 def _poison_rows(monkeypatch, rows_of, value=float("nan")):
     """Make ``compute_logits`` return ``value`` (one entry) in the rows of the requests ``rows_of`` names."""
     original = ModelRunner.forward_logits

@@ -379,6 +379,15 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered hash (in-use blocks keep their KV, but are no longer hittable)."""
+        done = False
+        try:
+            self._forget_all_hashes()
+            done = True
+        finally:
+            if not done:  # interrupted half way (a learner's KeyboardInterrupt): finish, it is idempotent
+                self._forget_all_hashes()
+
+    def _forget_all_hashes(self) -> None:
         for block in self.blocks:
             if block.hash is not None:
                 block.hash = block.parent_hash = block.token_ids = block.parent = None

@@ -682,7 +682,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all prefix-cache hashes. Returns True (blocks in use keep their KV)."""
-        self.block_manager.reset_prefix_cache()
+        with self._lock:  # not in the middle of another thread's step
+            self.block_manager.reset_prefix_cache()
         return True
 
     def check_invariants(self) -> None:
