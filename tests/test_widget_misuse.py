@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import signal
+import time
 
 import pytest
 
@@ -384,3 +386,279 @@ def test_refused_clicks_show_one_message_and_keep_the_last_results(llm, model_pa
     ex = SamplingExplorer(llm, prompt="[]")  # refused at load: nothing to draw from
     ex.draw_button.click()
     assert "no distribution to draw from" in ex.readout.value
+
+
+# -- a reviewer's drive through every widget in JupyterLab: each test failed before its fix ------------
+
+
+def test_chunked_demo_warms_each_engine_up_and_says_so(llm, model_path, monkeypatch):
+    """A new engine's first scenario run pays one-off costs (CPU graphs recorded, caches cold): measured
+    straight after from_model, its worst gap could be several times a second run's and flip the lesson."""
+    import widgets.chunked_prefill_demo as cpd
+
+    whole = LLM(model_path, block_size=BLOCK, num_kvcache_blocks=32, enable_chunked_prefill=False)
+    try:
+        calls = []
+
+        def fake(llm_, **scenario):  # a first run per engine slower than the rest, as a cold engine's is
+            calls.append(llm_)
+            first = calls.count(llm_) == 1
+            gap = 100.0 if first else 10.0 + len(calls)
+            return dict(itl_ms=[[1.0, gap]], token_times_ms=[[0.0, 1.0, 2.0]], long_ttft_ms=gap,
+                        prefill_steps=1, max_itl_ms=gap)
+
+        monkeypatch.setattr(cpd, "itl_around_long_prompt", fake)
+        demo = cpd.ChunkedPrefillDemo(llm, whole, long_prompt_len=32)
+        assert calls == [llm, llm, whole, whole]  # an unrecorded run first on each engine
+        assert all(r["max_itl_ms"] != 100.0 for r in demo.results.values())
+        assert "warm-up" in demo.readout.value and "one measured run each" in demo.readout.value
+        calls.clear()
+        demo = cpd.ChunkedPrefillDemo(llm, whole, long_prompt_len=32, repeats=3)
+        assert len(calls) == 2 * (1 + 3)
+        c = demo.results["chunked"]  # measured gaps 12, 13, 14: the median run is kept and drawn
+        assert c["max_itl_ms"] == 13.0 and [r["max_itl_ms"] for r in c["runs"]] == [12.0, 13.0, 14.0]
+        assert "medians of 3 measured runs" in demo.readout.value
+    finally:
+        whole.shutdown()
+
+
+def test_stepper_says_when_steps_ran_outside_it_and_its_views_catch_up(llm):
+    """llm.generate in another cell (or a second stepper on the engine) stepped the engine behind the
+    stepper's back: its status said nothing, and on the idle path the KV view and timeline were not redrawn."""
+    from widgets import EngineStepper, KVCacheView, SchedulerTimeline
+
+    engine = llm.llm_engine
+    s = EngineStepper(llm, show_chart=False)
+    kv = KVCacheView(llm, stepper=s)
+    tl = SchedulerTimeline(stepper=s)
+    s.add_request(ids(10), max_tokens=6, ignore_eos=True)
+    s.step()
+    assert "outside this widget" not in s.last_message
+    before = engine.step_index
+    llm.generate([ids(6, start=20)], _greedy(2), use_tqdm=False)  # another cell: steps the stepper's request too
+    outside = engine.step_index - before
+    assert outside >= 1
+    s.step()
+    assert f"{outside} engine step{'s' if outside != 1 else ''} ran outside this widget" in s.last_message
+    assert s.outside_steps == outside
+
+    other = EngineStepper(llm, show_chart=False)  # a second stepper on the same engine
+    s.step()
+    other.add_request(ids(4, start=30), max_tokens=1, ignore_eos=True)
+    other.step()
+    assert "1 engine step ran outside this widget" in other.last_message
+
+    while engine.has_unfinished_requests():
+        engine.step()  # the rest of the work done elsewhere: the stepper's next press finds nothing to run
+    refreshed = kv.refresh_count
+    s.step()
+    assert "all requests finished" in s.last_message and "ran outside this widget" in s.last_message
+    assert kv.refresh_count > refreshed  # the attached views were redrawn on the idle path
+    assert tl.num_steps == len(s.steps)
+    assert "mv-tok-chunk" not in s.requests_pane.value.split("</div>", 1)[1]  # no stale chunk from an old step
+
+
+def test_stepper_names_a_recompute_after_preemption_and_marks_the_recomputed_outputs(model_path):
+    """A request recomputed after a preemption was labelled "prefilled: first token", and only its
+    prompt positions were coloured as this step's chunk."""
+    import re
+
+    from widgets import EngineStepper
+
+    small = LLM(model_path, block_size=BLOCK, num_kvcache_blocks=4, max_model_len=64, max_num_batched_tokens=32)
+    try:
+        s = EngineStepper(small, show_chart=False)
+        for k in range(3):
+            s.add_request(ids(12, start=3 + k), max_tokens=12, ignore_eos=True)
+        seen = 0
+        while small.llm_engine.has_unfinished_requests():
+            s.step()
+            for e in s.steps[-1].scheduled:
+                seq = s.sequence(e.request_id)
+                if not (e.is_prefill and e.first_position + e.num_tokens > seq.num_prompt_tokens):
+                    continue  # not a prefill that reaches into the outputs: not a recompute
+                seen += 1
+                row = re.search(rf"data-request='{e.request_id}'.*?</div>", s.requests_pane.value, re.S).group(0)
+                badge = re.search(r"class='mv-badge'[^>]*>([^<]*)<", row).group(1)
+                assert "recomput" in badge and "prefilled: first token" not in badge, badge
+                outputs = row.split("output:", 1)[1]
+                assert "mv-tok-chunk" in outputs  # the recomputed output tokens are this step's chunk
+        assert seen, "no step recomputed a preempted request"
+    finally:
+        small.shutdown()
+
+
+def test_latency_model_fits_decode_to_warm_steps_only():
+    """measure_step_latency's decode rows are the first decodes after a prefill (cold, slower): they
+    were fitted as batch 1 beside measure_decode_batch's warm ones and set the median."""
+    from widgets import LatencyModel
+
+    rows = [dict(phase="prefill", tokens=n, wall_ms=2.0 + 0.01 * n) for n in (16, 64, 256)]
+    cold = [dict(phase="decode", tokens=1, prompt_len=16, wall_ms=3.0) for _ in range(5)]
+    warm = [dict(phase="decode", batch=b, wall_ms=1.0 + 0.25 * b) for b in (1, 2, 4)]
+    m = LatencyModel.fit(rows + cold + warm)
+    assert m.decode_base_ms == pytest.approx(1.0) and m.ms_per_decode_seq == pytest.approx(0.25)
+    assert not m.cold_decode and "cold" not in m.describe()
+    only_cold = LatencyModel.fit(rows + cold)  # nothing warmer to fit: used, and said
+    assert only_cold.cold_decode and "cold" in only_cold.describe()
+
+
+def _rows_with_r2(good: bool) -> list[dict]:
+    """Sweep rows (made up) whose fit is exact, or scattered far from any line."""
+    if good:
+        pre = [(n, 1.0 + 0.1 * n) for n in (8, 16, 32, 64)]
+    else:
+        pre = [(8, 9.0), (16, 1.0), (32, 12.0), (64, 2.0)]
+    rows = [dict(phase="prefill", tokens=n, wall_ms=ms) for n, ms in pre]
+    return rows + [dict(phase="decode", batch=b, wall_ms=2.0 + 0.2 * b) for b in (1, 2)]
+
+
+def test_latency_calculator_sweeps_repeats_and_warns_of_a_poor_fit(llm, monkeypatch):
+    """The default sweep ran each prefill size once (a per-shape median of one), and an R² of 0.54
+    was shown only in grey small print."""
+    import widgets.latency_calculator as lc
+
+    asked = {}
+    monkeypatch.setattr(lc, "measure_step_latency",
+                        lambda llm_, lens, **kw: asked.update(kw) or _rows_with_r2(False)[:4])
+    monkeypatch.setattr(lc, "measure_decode_batch", lambda llm_, sizes, **kw: _rows_with_r2(False)[4:])
+    calc = lc.LatencyCalculator(llm)
+    assert asked["repeats"] == 3
+    model = next(iter(calc.models.values()))
+    assert model.r2 < lc.LatencyCalculator.MIN_R2
+    assert "fits its own measurements poorly" in calc.readout.value
+    note = re.search(r"<div class='([^']*)'[^>]*>⚠ the cost model fits", calc.readout.value)
+    assert note and "mv-small" not in note.group(1)  # at the readout's size, not in small print
+    good = lc.LatencyCalculator(llm, sweeps={llm.llm_engine.source.name: _rows_with_r2(True)})
+    assert "fits its own measurements poorly" not in good.readout.value
+
+
+def test_latency_calculator_fits_a_short_max_model_len_and_says_why(model_path):
+    """max_model_len <= 130 made the prompt slider's top fall below its bottom (TraitError)."""
+    from widgets import LatencyCalculator
+
+    short = LLM(model_path, block_size=BLOCK, num_kvcache_blocks=16, max_model_len=64, max_num_batched_tokens=64)
+    try:
+        calc = LatencyCalculator(short, sweeps={short.llm_engine.source.name: _rows_with_r2(True)})
+        assert calc.prompt_slider.max + calc.response_slider.max <= 64
+        assert calc.prompt_slider.min <= calc.prompt_slider.value <= calc.prompt_slider.max
+        assert "max_model_len=64" in calc.limit_note.value
+    finally:
+        short.shutdown()
+
+
+def test_latency_calculator_labels_without_exponents_and_one_error_per_refusal(llm):
+    """Bar labels read "1.87e+3 ms"; each refused "measure this point" click added another copy of the error."""
+    from widgets import LatencyCalculator
+
+    slow = [dict(phase="prefill", tokens=n, wall_ms=1000.0 + n) for n in (8, 64)]  # every TTFT over a second
+    slow += [dict(phase="decode", batch=b, wall_ms=2.0 + 0.2 * b) for b in (1, 2)]
+    calc = LatencyCalculator(llm, sweeps={llm.llm_engine.source.name: slow})
+    calc.prompt_slider.value = calc.prompt_slider.max
+    labels = list(calc.chart.data[0].text)
+    assert calc.prediction["ttft_ms"] >= 1000 and all(labels) and not any("e+" in t for t in labels), labels
+    llm.llm_engine.add_request("busy", ids(8), _greedy(2))
+    try:
+        calc.measure_button.click()
+        calc.measure_button.click()
+        assert calc.readout.value.count("unfinished") == 1
+    finally:
+        llm.llm_engine.abort_request("busy")
+
+
+def test_no_chart_legend_sits_over_its_title_and_every_title_has_room(llm, model_path):
+    """A legend above the plot (y=1.02, anchored at its bottom) covered the provenance line under the
+    title (EngineStepper, SamplingExplorer); at 560 and 620 px that line was cut off (LatencyCalculator,
+    PrefixCacheView)."""
+    charts, whole = _widgets._charts_of_every_widget(llm, model_path)
+    try:
+        for name, fig, _ in charts:
+            legend = fig.layout.legend
+            assert legend.y is None or legend.y <= 1, f"{name}: legend in the title's band (y={legend.y})"
+            assert fig.layout.width >= 760, name
+    finally:
+        whole.shutdown()
+
+
+def test_empty_charts_start_at_zero_and_legend_colours_are_distinct(llm):
+    """Empty charts showed axes from -1 (negative times, steps and token counts); the scheduler
+    timeline's legend had two entries of each colour ("prefill" and "prefill tokens")."""
+    from widgets import EngineStepper, SchedulerTimeline
+
+    s = EngineStepper(llm)
+    assert s.chart.layout.yaxis.rangemode == "nonnegative" and s.chart.layout.xaxis.range[0] > -1
+    tl = SchedulerTimeline()
+    assert tl.chart.layout.yaxis2.rangemode == "nonnegative" and tl.chart.layout.xaxis2.range[0] > -1
+    shown = [t for t in tl.chart.data if t.showlegend is not False and t.name]
+    colours = [t.marker.color for t in shown]
+    assert len(colours) == len(set(colours)), colours
+    s.add_request(ids(6), max_tokens=1, ignore_eos=True)
+    s.step()
+    assert s.chart.layout.xaxis.range is None  # with steps, plotly's own range (a bar's half-width shows)
+
+
+def test_labels_are_not_cut(llm):
+    """"temperature" showed as "temperat…" and the explorer's button as "Next-token dis…"."""
+    from widgets import EngineStepper, SamplingExplorer
+
+    s = EngineStepper(llm, show_chart=False)
+    assert s.temperature_box.style.description_width == "initial"
+    assert s.max_tokens_box.style.description_width == "initial"
+    ex = SamplingExplorer(llm, prompt="[5, 6]", top_n=3)
+    assert ex.load_button.layout.width == "auto"
+
+
+def test_cpu_busy_without_a_clock_tick_is_not_zero_percent(monkeypatch):
+    """Two readings with no clock tick between them gave 0 % busy: such a sample measured nothing."""
+    import psutil
+
+    from minivllm.telemetry import utilisation
+
+    t = psutil.cpu_times(percpu=True)
+    assert utilisation._busy(t[0], t[0]) is None
+    monkeypatch.setattr(psutil, "cpu_times", lambda percpu=False: t)  # the counters never move
+    s = utilisation.UtilisationSampler(period_s=0.001, device="cpu")
+    s.start()
+    time.sleep(0.02)  # some periods of the thread: each of its samples finds no tick and is skipped
+    s.stop()
+    samples = s.samples
+    assert len(samples) == 1 and samples[0].cpu_percent is None  # the run's only sample, kept, unmeasured
+
+
+def test_utilisation_monitor_warns_of_few_samples_and_says_it_was_interrupted(llm, monkeypatch):
+    from widgets import UtilisationMonitor
+
+    mon = UtilisationMonitor(llm, num_requests=1, prompt_len=8, max_tokens=2, period_s=60.0)  # only stop()'s sample
+    mon.run()
+    assert len(mon.samples) == 1 and "only 1 utilisation sample" in mon.readout.value
+    engine = llm.llm_engine
+    real, calls = engine.step_with_record, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Kernel > Interrupt during the second step
+        return real()
+
+    monkeypatch.setattr(engine, "step_with_record", interrupted_step)
+    mon = UtilisationMonitor(llm, num_requests=1, prompt_len=8, max_tokens=4, period_s=0.02)
+    with pytest.raises(KeyboardInterrupt):
+        mon.run()
+    assert mon.interrupted and "interrupted (Kernel &gt; Interrupt) after 1 step:" in mon.readout.value
+    assert not engine.requests
+
+
+def test_log_axes_use_si_prefixes(llm):
+    """The roofline's FLOP/s axis read "100B / 10B" (plotly's B for billion); the static SVG's log
+    ticks read "1e+11"."""
+    import plotly.graph_objects as go
+
+    from widgets import UtilisationMonitor
+    from widgets._static import figure_svg
+
+    mon = UtilisationMonitor(llm)
+    assert mon.roofline.layout.yaxis.exponentformat == "SI" == mon.roofline.layout.xaxis.exponentformat
+    fig = go.Figure(go.Scatter(x=[1, 10], y=[2e9, 9e10], mode="markers"))
+    fig.update_layout(yaxis_type="log")
+    svg = figure_svg(fig)
+    assert ">100G<" in svg and ">1G<" in svg and "e+" not in svg

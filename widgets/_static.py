@@ -276,6 +276,14 @@ def _tick_label(v: float) -> str:
     return f"{v:.6g}"
 
 
+def _log_tick_label(v: float) -> str:
+    """A power of ten with an SI prefix ("100G", "1k"): ``%g`` wrote 1e11 as "1e+11"."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if v >= scale:
+            return f"{v / scale:g}{prefix}"
+    return f"{v:g}"
+
+
 def figure_svg(fig, width: int = 760, height: int | None = None) -> str | None:
     """A plain SVG of a single-panel figure made of bar and scatter traces (the fallback
     when no Chrome is available for kaleido). Returns None for anything else (heatmaps,
@@ -340,7 +348,7 @@ def figure_svg(fig, width: int = 760, height: int | None = None) -> str | None:
                        f"{html.escape(text)}</text>")
     for v in yticks:  # y grid and labels, at round values
         yy = top + ph - (v - y0) / (y1 - y0) * ph
-        label = _tick_label(10.0 ** v if logy else v)
+        label = _log_tick_label(10.0 ** v) if logy else _tick_label(v)
         out.append(f"<line x1='{left}' x2='{left + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='white'/>"
                    f"<text x='{left - 6}' y='{yy + 4:.1f}' text-anchor='end'>{label}</text>")
     ticks = cats if categorical else [x for x in nice_ticks(x0, x1) if x0 <= x <= x1]

@@ -105,9 +105,13 @@ class EngineStepper(CourseWidget):
         max_run_steps: "Run to end" gives up after this many steps (an int >= 1; the status says
             so, with the requests still unfinished).
 
+    Steps run elsewhere on the same engine (``llm.generate`` in another cell, a second stepper)
+    are not in this widget's history; its status line says how many ran, and its requests and
+    attached views show the engine as it is now.
+
     State for code and tests: ``steps`` (the ``StepRecord`` of every step taken through
     this widget), ``request_ids``, ``generated_token_count``, ``processed_prompt_tokens``,
-    ``kv_blocks_used``, ``is_running``, ``last_message``.
+    ``kv_blocks_used``, ``is_running``, ``last_message``, ``outside_steps``.
     """
 
     def __init__(self, llm, *, prompt: str = "The function returns", max_tokens: int = 16,
@@ -135,15 +139,23 @@ class EngineStepper(CourseWidget):
         self._cost = None
         self._sampler = None
         self._next_id = 0
+        # the engine's step count when this widget last looked: steps run elsewhere (llm.generate, another
+        # stepper on the same engine) move it without passing through here
+        self._engine_steps_seen = self._engine_step_count()
+        #: engine steps that ran outside this widget since it was built (its history lacks them)
+        self.outside_steps = 0
 
         # -- controls ---------------------------------------------------------------
         self.prompt_box = W.Text(value=prompt, description="prompt",
                                  placeholder="text, or token ids like [1, 2, 3]",
                                  layout=W.Layout(width="380px"))
+        # descriptions sized to their text: the default width cut "temperature" to "temperat…"
+        label = {"description_width": "initial"}
         self.max_tokens_box = W.BoundedIntText(value=max_tokens, min=1, max=4096, description="max_tokens",
-                                               layout=W.Layout(width="170px"))
+                                               style=label, layout=W.Layout(width="170px"))
         self.temperature_box = W.BoundedFloatText(value=temperature, min=0.0, max=5.0, step=0.1,
-                                                  description="temperature", layout=W.Layout(width="170px"))
+                                                  description="temperature", style=label,
+                                                  layout=W.Layout(width="170px"))
         self.ignore_eos_box = W.Checkbox(value=False, description="ignore_eos", indent=False,
                                          layout=W.Layout(width="100px"))
         self.add_button = W.Button(description="Add request", icon="plus")
@@ -223,8 +235,7 @@ class EngineStepper(CourseWidget):
         if self._engine_gone():
             return 0
         if not self.engine.has_unfinished_requests():
-            self._message("nothing to run: add a request first" if not self.steps else "all requests finished")
-            self.render()
+            self._step_once(render=True)  # says so, and catches up with steps run elsewhere
             return 0
         if not block:
             try:
@@ -267,6 +278,7 @@ class EngineStepper(CourseWidget):
         self._seqs.clear()
         self._arrival_step.clear()
         self._colour.clear()
+        self._engine_steps_seen = self._engine_step_count()  # a new history: earlier steps are not missing from it
         self._message(f"reset: all requests aborted, prefix cache cleared; "
                       f"{self.engine.block_manager.num_free_blocks} of {self.engine.block_manager.num_blocks} "
                       "KV blocks free")
@@ -316,23 +328,53 @@ class EngineStepper(CourseWidget):
                       error=True)
         return True
 
+    def _engine_step_count(self) -> int | None:
+        """Steps the engine has run in all (the next step's ``StepRecord.index``)."""
+        return getattr(self.engine, "step_index", None)
+
+    def _outside_note(self, n: int) -> str:
+        if not n:
+            return ""
+        return (f" · {n} engine step{'s' if n != 1 else ''} ran outside this widget (llm.generate, another "
+                f"stepper or widget on this engine): its step history and chart lack them; the requests, KV "
+                f"blocks and attached views show the engine as it is now")
+
+    def _count_outside(self, next_index: int | None) -> int:
+        """Engine steps run elsewhere since this widget last looked, up to step ``next_index``
+        (default: the engine's count now); adds them to ``outside_steps``."""
+        expected = self._engine_steps_seen
+        if expected is None and self.steps:
+            expected = self.steps[-1].index + 1
+        now = self._engine_step_count() if next_index is None else next_index
+        n = max(0, now - expected) if now is not None and expected is not None else 0
+        self._engine_steps_seen = now
+        self.outside_steps += n
+        return n
+
     def _step_once(self, render: bool) -> StepRecord | None:
         if self._engine_gone():
             return None
         if not self.engine.has_unfinished_requests():
-            self._message("nothing to run: add a request first" if not self.steps else
-                          "all requests finished: add another or press Reset")
+            outside = self._count_outside(None)
+            self._message(("nothing to run: add a request first" if not self.steps else
+                           "all requests finished: add another or press Reset") + self._outside_note(outside))
+            # attached views redraw too: steps run elsewhere may have changed the engine since they last drew
+            self._notify(None)
             if render:
                 self.render()
             return None
         self._ensure_sampler()
         with heap_frozen():  # the step's time is the engine's, not a full collection's (minivllm.utils.gc_heap)
             record = self.engine.step_with_record().record
+        # the record's index follows the last step this widget saw unless others ran in between
+        outside = self._count_outside(record.index)
+        self._engine_steps_seen = record.index + 1
         self._fill_roofline(record)
         self.steps.append(record)
         self._step_threads[record.index] = torch.get_num_threads()  # the chart's title names what the steps ran with
         self._message(f"step {record.index}: {record.phase}, {record.num_prefill_tokens} prefill + "
-                      f"{record.num_decode_tokens} decode tokens in {fmt_ms(record.wall_ms)}")
+                      f"{record.num_decode_tokens} decode tokens in {fmt_ms(record.wall_ms)}"
+                      + self._outside_note(outside))
         self._notify(record)
         if render:
             self.render()
@@ -362,7 +404,7 @@ class EngineStepper(CourseWidget):
         the current step (:class:`_InterruptStopsRuns`), and reports how the run ended (done,
         stopped, interrupted, or the error a step raised: the engine rolled that step back)."""
         self._running = True
-        run = types.SimpleNamespace(taken=0, interrupted=False, error=None)
+        run = types.SimpleNamespace(taken=0, interrupted=False, error=None, outside_before=self.outside_steps)
         try:
             with _INTERRUPTS.during(self, run):
                 yield run
@@ -406,7 +448,8 @@ class EngineStepper(CourseWidget):
             how = ("interrupted" if run.interrupted else "stopped" if stopped else
                    f"stopped at max_run_steps={self.max_run_steps}" if capped else "done")
             self._message(f"run {how} after {run.taken} steps{idle}" + (
-                f"; {self.engine.get_num_unfinished_requests()} request(s) unfinished" if capped else ""))
+                f"; {self.engine.get_num_unfinished_requests()} request(s) unfinished" if capped else "")
+                + self._outside_note(self.outside_steps - run.outside_before))
         self.render()
 
     # -- measurement helpers ------------------------------------------------------------------
@@ -477,9 +520,10 @@ class EngineStepper(CourseWidget):
         fig = LiveFigure()
         for phase in ("prefill", "decode", "mixed"):
             fig.add_bar(x=[], y=[], name=phase, marker_color=PHASE_COLOURS[phase], hovertext=[])
+        # the legend at plotly's default place, right of the plot: above it, it covered the provenance line
         fig.update_layout(title=titled("Measured wall time of each step", self.engine), xaxis_title="engine step",
-                          yaxis_title="step wall time (ms)", height=280, width=760, xaxis_tick0=0, xaxis_dtick=1, margin=dict(l=50, r=10, t=60, b=40),
-                          barmode="overlay", legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom"))
+                          yaxis_title="step wall time (ms)", height=280, width=760, xaxis_tick0=0, xaxis_dtick=1,
+                          margin=dict(l=50, r=10, t=60, b=40), barmode="overlay", yaxis_rangemode="nonnegative")
         return fig
 
     def _update_chart(self) -> None:
@@ -489,6 +533,9 @@ class EngineStepper(CourseWidget):
             # integer ticks only, at most ~15 of them (steps are whole numbers)
             span = (self.steps[-1].index - self.steps[0].index + 1) if self.steps else 1
             self.chart.layout.xaxis.dtick = max(1, cdiv(span, 15))
+            # no step yet: plotly's empty axis runs from -1; with steps, its own range (a bar's half-width shows)
+            self.chart.layout.xaxis.range = None if self.steps else [-0.5, 9.5]
+            self.chart.layout.xaxis.autorange = True if self.steps else None
             threads = {self._step_threads[r.index] for r in self.steps if r.index in self._step_threads}
             self.chart.layout.title.text = titled("Measured wall time of each step", self.engine, threads or None)
             for trace in self.chart.data:
@@ -559,27 +606,50 @@ class EngineStepper(CourseWidget):
                              f"{s.mem_util_percent:.0f} %</div>")
         return "".join(lines)
 
+    def _current_step(self) -> StepRecord | None:
+        """This widget's last step while it is still the engine's last: after steps run elsewhere its
+        chunks and preemptions no longer describe the requests."""
+        if not self.steps:
+            return None
+        last, now = self.steps[-1], self._engine_step_count()
+        return last if now is None or now == last.index + 1 else None
+
     def _request_state(self, rid: str, entry) -> tuple[str, str]:
         from minivllm.engine.sequence import SequenceStatus
 
         seq = self._seqs[rid]
-        last = self.steps[-1] if self.steps else None
+        last = self._current_step()
         if seq.status is SequenceStatus.FINISHED:
             return f"finished ({seq.finish_reason})", "#555"
         if seq.status is SequenceStatus.WAITING:
             if last is not None and rid in last.preempted:
                 return "preempted", "#b00"
-            return "waiting", "#999"
+            return ("waiting to be recomputed (preempted)" if seq.num_output_tokens else "waiting"), "#999"
         if entry is not None and entry.is_prefill:
+            if self._recomputing(seq, entry):
+                return ("recomputing after preemption" if seq.is_prefilling else
+                        "recomputed after preemption: next token"), PHASE_COLOURS["prefill"]
             return ("prefill chunk" if seq.is_prefilling else "prefilled: first token"), PHASE_COLOURS["prefill"]
         if seq.is_prefilling:
-            return "prefilling", PHASE_COLOURS["prefill"]
+            return ("recomputing after preemption" if self._recomputing(seq, None) else "prefilling",
+                    PHASE_COLOURS["prefill"])
         return "decoding", PHASE_COLOURS["decode"]
 
+    @staticmethod
+    def _recomputing(seq, entry) -> bool:
+        """A prefill of a request that had generated tokens before it lost its KV (recompute preemption):
+        its prefill target reaches past the prompt, into the outputs."""
+        past_prompt = getattr(seq, "prefill_target", 0) > seq.num_prompt_tokens
+        if entry is not None:
+            past_prompt = past_prompt or entry.first_position + entry.num_tokens > seq.num_prompt_tokens
+        return past_prompt
+
     def _requests_html(self) -> str:
+        from minivllm.engine.sequence import SequenceStatus
+
         if not self.request_ids:
             return ""
-        last = self.steps[-1] if self.steps else None
+        last = self._current_step()
         entries = {e.request_id: e for e in last.scheduled} if last else {}
         rows = []
         tok = self.tokenizer
@@ -605,8 +675,21 @@ class EngineStepper(CourseWidget):
                 spans.append(f"<span class='mv-small'>… {n_prompt - 512} more</span>")
             outs = seq.output_token_ids
             new_sampled = entry is not None and entry.sampled
-            gen = [tok_span(tok, t, "mv-tok-new" if (i == len(outs) - 1 and new_sampled) else "mv-tok-gen",
-                            f", output {i}") for i, t in enumerate(outs)]
+            # outputs whose KV a preemption dropped: recomputed in this step's chunk, or still to be
+            lost_kv = not finished and bool(outs) and (seq.status is SequenceStatus.WAITING or
+                                                       (seq.is_prefilling and self._recomputing(seq, entry)))
+            gen = []
+            for i, t in enumerate(outs):
+                pos = n_prompt + i
+                if i == len(outs) - 1 and new_sampled:
+                    cls = "mv-tok-new"
+                elif pos in chunk:
+                    cls = "mv-tok-chunk"
+                elif lost_kv and pos >= seq.num_computed_tokens:
+                    cls = "mv-tok-wait"
+                else:
+                    cls = "mv-tok-gen"
+                gen.append(tok_span(tok, t, cls, f", output {i}, position {pos}"))
             processed = n_prompt if finished else min(seq.num_computed_tokens, n_prompt)
             cached = f", {seq.num_cached_tokens} from prefix cache" if seq.num_cached_tokens else ""
             rows.append(
@@ -620,7 +703,9 @@ class EngineStepper(CourseWidget):
         legend = ("<div class='mv-small'>prompt tokens: <span class='mv-tok mv-tok-done'>processed</span>"
                   "<span class='mv-tok mv-tok-chunk'>this step</span><span class='mv-tok mv-tok-cached'>"
                   "prefix-cache hit</span><span class='mv-tok mv-tok-wait'>waiting</span> · output: "
-                  "<span class='mv-tok mv-tok-new'>new this step</span></div>")
+                  "<span class='mv-tok mv-tok-new'>new this step</span><span class='mv-tok mv-tok-chunk'>"
+                  "recomputed this step</span><span class='mv-tok mv-tok-wait'>KV lost to a preemption</span>"
+                  "</div>")
         return legend + "".join(rows)
 
     def static_html(self) -> str:

@@ -15,6 +15,13 @@ from .latency_model import LatencyModel
 from .measure import measure_decode_batch, measure_request_latency, measure_step_latency
 
 
+def _bar_label(ms: float | None) -> str:
+    """A bar's value in ms without an exponent: "1,870", "93.0", "0.55"."""
+    if ms is None:
+        return ""
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
+
+
 class LatencyCalculator(CourseWidget):
     """Sliders for prompt length, response length and batch size (and a model menu when
     several are given) predict TTFT, TPOT and total time.
@@ -30,15 +37,22 @@ class LatencyCalculator(CourseWidget):
     Args:
         llms: an ``LLM``, or a dict ``{name: LLM}`` to choose between.
         prompt_lens / batch_sizes: the sweep's points (keep them short on CPU).
+        max_prompt_len: the prompt slider's top (default 1024); never more than ``max_model_len``
+            leaves beside the response slider's top.
         sweeps: ``{name: rows}`` already measured (skips the sweep for those models).
+        repeats: runs of each prefill size in the sweep (the fit takes each size's median, so one
+            slow run does not set it).
 
     State for code and tests: ``models`` (name -> fitted ``LatencyModel``), ``sweeps``,
     ``prediction`` (the current point's dict), ``measurements`` (list of dicts, one per
     press of "measure this point").
     """
 
+    #: below this R² the readout warns that the fitted model describes its own measurements poorly
+    MIN_R2 = 0.9
+
     def __init__(self, llms, *, prompt_lens=(16, 32, 64, 128), batch_sizes=(1, 2, 4, 8),
-                 max_prompt_len: int | None = None, sweeps: dict | None = None):
+                 max_prompt_len: int | None = None, sweeps: dict | None = None, repeats: int = 3):
         super().__init__()
         if not isinstance(llms, dict):
             llms = {getattr(engine_of(llms).source, "name", "model"): llms}
@@ -53,21 +67,31 @@ class LatencyCalculator(CourseWidget):
             self.fit_threads[name] = None
             if name not in self.sweeps:
                 self.fit_threads[name] = torch.get_num_threads()
-                self.sweeps[name] = (measure_step_latency(llm, prompt_lens, decode_steps=3, repeats=1)
+                self.sweeps[name] = (measure_step_latency(llm, prompt_lens, decode_steps=3, repeats=repeats)
                                      + measure_decode_batch(llm, batch_sizes, decode_steps=3))
             self.models[name] = LatencyModel.fit(self.sweeps[name])
         self.measurements: list[dict] = []
         self.prediction: dict = {}
+        self._error = ""  # the last refused measurement, shown once under the readout
         first = next(iter(llms.values()))
         cfg = engine_of(first).config
-        top = max_prompt_len or min(1024, cfg.max_model_len - 130)
+        # a prompt and a response must fit max_model_len together: a short one (<= 130) gave the prompt
+        # slider a top below its bottom (TraitError)
+        mml = cfg.max_model_len
+        response_top = max(1, min(128, mml // 2))
+        wanted = max_prompt_len or 1024
+        top = max(1, min(wanted, mml - response_top))
         self.model_menu = W.Dropdown(options=list(llms), description="model", layout=W.Layout(width="320px"))
         self.prompt_slider = W.IntSlider(value=min(128, top), min=1, max=top, description="prompt tokens",
                                          continuous_update=False, style={"description_width": "110px"},
                                          layout=W.Layout(width="420px"))
-        self.response_slider = W.IntSlider(value=32, min=1, max=128, description="response tokens",
+        self.response_slider = W.IntSlider(value=min(32, response_top), min=1, max=response_top,
+                                           description="response tokens",
                                            continuous_update=False, style={"description_width": "110px"},
                                            layout=W.Layout(width="420px"))
+        self.limit_note = W.HTML(
+            f"<div class='mv-small' style='max-width:420px'>prompt up to {top} tokens: max_model_len={mml} must "
+            f"hold the prompt and up to {response_top} response tokens</div>" if top < wanted else "")
         self.batch_slider = W.IntSlider(value=1, min=1, max=min(16, cfg.args.max_num_seqs), description="batch",
                                         continuous_update=False, style={"description_width": "110px"},
                                         layout=W.Layout(width="420px"))
@@ -80,20 +104,23 @@ class LatencyCalculator(CourseWidget):
 
         self.chart = LiveFigure()
         # a linear axis (bar lengths compare); TPOT is short beside TTFT and the total, so every bar
-        # also carries its value
-        bar_text = dict(texttemplate="%{y:.3g} ms", textposition="outside", cliponaxis=False)
+        # also carries its value, written by _bar_label (plotly's "%{y:.3g}" wrote 1870 as "1.87e+3")
+        bar_text = dict(texttemplate="%{text} ms", textposition="outside", cliponaxis=False)
         self.chart.add_bar(name="predicted", x=["TTFT", "TPOT", "total"], y=[0, 0, 0], marker_color="#9ecae9",
-                           **bar_text)
+                           text=["", "", ""], **bar_text)
         self.chart.add_bar(name="measured", x=["TTFT", "TPOT", "total"], y=[None, None, None],
-                           marker_color="#4c78a8", **bar_text)
+                           marker_color="#4c78a8", text=["", "", ""], **bar_text)
+        # 760 wide as the other charts: at 560 the provenance line under the title was cut off
         self.chart.update_layout(title=titled("Predicted and measured latency", first,
                                               self.fit_threads[next(iter(llms))]),
                                  xaxis_title="mean over the batch's requests", yaxis_title="time (ms)",
-                                 barmode="group", height=320, width=560, margin=dict(l=60, r=10, t=60, b=45))
+                                 barmode="group", height=320, width=760, margin=dict(l=60, r=10, t=60, b=45),
+                                 yaxis_rangemode="nonnegative")
         for w in (self.model_menu, self.prompt_slider, self.response_slider, self.batch_slider):
             w.observe(lambda _c: self.update(), names="value")
         self.add_class("mv-latency-calculator")
-        controls = [self.prompt_slider, self.response_slider, self.batch_slider, self.measure_button]
+        controls = [self.prompt_slider, self.response_slider, self.limit_note, self.batch_slider,
+                    self.measure_button]
         if len(llms) > 1:
             controls.insert(0, self.model_menu)
         self.children = [W.HTML(STYLE), W.HBox([W.VBox(controls), self.readout]), self.chart]
@@ -128,16 +155,25 @@ class LatencyCalculator(CourseWidget):
         if need > bm.num_blocks:
             notes.append(f"{b} requests of {p} + {r} tokens need {need} KV blocks at once and the pool has "
                          f"{bm.num_blocks}: some wait or are preempted, which the prediction does not replay")
+        if model.r2 < self.MIN_R2:  # said beside the numbers, not only in the small print of the fit
+            notes.append(f"the cost model fits its own measurements poorly (R² = {model.r2:.2f}, below "
+                         f"{self.MIN_R2}): treat these predictions as rough; other work on the machine during the "
+                         f"sweep is a common cause (build the calculator again to re-measure)")
+        if model.cold_decode:
+            notes.append("the decode cost was fitted to the first decode steps after a prefill, which are slower "
+                         "than the steady state: TPOT is over-predicted (add measure_decode_batch rows)")
         self.readout.value = (
             f"<div class='mv-box'><table class='mv-table'><tr><th></th><th>predicted</th><th>measured</th></tr>"
             f"{table}</table><div class='mv-small' style='max-width:360px'>cost model fitted to steps measured "
             f"on this machine: {html.escape(model.describe())}</div>"
-            + "".join(f"<div class='mv-small mv-note' style='max-width:360px;color:#b00'>{html.escape(n)}</div>"
-                      for n in notes) + "</div>")
+            + "".join(f"<div class='mv-note' style='max-width:360px;color:#b00'>⚠ {html.escape(n)}</div>"
+                      for n in notes) + "</div>" + self._error)
+        predicted = [v for _, v, _ in rows]  # no TPOT with one response token: no bar
+        got = [m if (measured and m is not None) else None for _, _, m in rows]
         with self.chart.batch_update():
             self.chart.layout.title.text = titled("Predicted and measured latency", self.llms[name], fitted)
-            self.chart.data[0].y = [v for _, v, _ in rows]  # no TPOT with one response token: no bar
-            self.chart.data[1].y = [m if (measured and m is not None) else None for _, _, m in rows]
+            self.chart.data[0].y, self.chart.data[0].text = predicted, [_bar_label(v) for v in predicted]
+            self.chart.data[1].y, self.chart.data[1].text = got, [_bar_label(v) for v in got]
 
     def measure(self) -> dict:
         """Run the current point on the engine and record the measured means."""
@@ -145,11 +181,13 @@ class LatencyCalculator(CourseWidget):
         self.measure_button.disabled = True
         try:
             m = measure_request_latency(self.llms[name], p, r, b)
-        except ValueError as e:
-            self.readout.value += error_box(str(e))
+        except ValueError as e:  # replaces an earlier refusal: a second click stacked a second copy
+            self._error = error_box(str(e))
+            self.update()
             return {}
         finally:
             self.measure_button.disabled = False
+        self._error = ""
         m["point"] = self.point
         m["threads"] = torch.get_num_threads()
         m["predicted"] = dict(self.prediction)

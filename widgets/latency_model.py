@@ -30,6 +30,8 @@ class LatencyModel:
         prefill_base_ms, decode_base_ms, ms_per_prefill_token, ms_per_decode_seq: the fit.
         r2: coefficient of determination of the fit on its own data.
         n_points: step shapes it was fitted to (each the median of its repeats).
+        cold_decode: the decode cost was fitted to the first decode steps after a prefill (no
+            row carried a ``batch``), which run slower than the steady state: TPOT is over-predicted.
     """
 
     prefill_base_ms: float
@@ -38,6 +40,7 @@ class LatencyModel:
     ms_per_decode_seq: float
     r2: float
     n_points: int
+    cold_decode: bool = False
 
     @classmethod
     def fit(cls, rows: list[dict]) -> "LatencyModel":
@@ -45,15 +48,23 @@ class LatencyModel:
         (from :func:`widgets.measure.measure_step_latency`, batch 1) or ``batch`` (from
         :func:`widgets.measure.measure_decode_batch`).
 
+        Decode steps are fitted to the rows that carry ``batch`` (``measure_decode_batch`` leaves out
+        the first decode steps after each prefill, which run slower: a CPU graph recorded, caches the
+        prefill left cold). The decode rows of ``measure_step_latency`` are exactly those first steps,
+        so they are used only when no row carries a batch (``cold_decode`` is then set).
+
         Raises:
             ValueError: prefill steps of fewer than two sizes, or no decode step.
         """
+        warm_decodes = any(r.get("phase") == "decode" and "batch" in r for r in rows)
         groups: dict[tuple, list[float]] = {}
         for r in rows:
             phase = r.get("phase")
             if phase == "prefill":
                 key = (1.0, 0.0, float(r["tokens"]), 0.0)
             elif phase == "decode":
+                if warm_decodes and "batch" not in r:
+                    continue  # a first decode after a prefill: not the steady step TPOT is made of
                 key = (0.0, 1.0, 0.0, float(r.get("batch", r.get("tokens", 1))))
             else:
                 continue  # mixed steps are predicted, not fitted
@@ -81,7 +92,8 @@ class LatencyModel:
         pred = X @ coef
         ss_res = float(((y - pred) ** 2).sum())
         ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0
-        return cls(*(float(c) for c in coef), r2=1.0 - ss_res / ss_tot, n_points=len(y))
+        return cls(*(float(c) for c in coef), r2=1.0 - ss_res / ss_tot, n_points=len(y),
+                   cold_decode=not warm_decodes)
 
     def step_ms(self, prefill_tokens: int, decode_seqs: int) -> float:
         """Predicted wall time of one step."""
@@ -136,4 +148,5 @@ class LatencyModel:
     def describe(self) -> str:
         return (f"prefill step = {self.prefill_base_ms:.2f} ms + {self.ms_per_prefill_token * 1e3:.1f} µs/token; "
                 f"decode step = {self.decode_base_ms:.2f} ms + {self.ms_per_decode_seq * 1e3:.1f} µs/sequence "
-                f"(R² = {self.r2:.3f} over the medians of {self.n_points} measured step shapes)")
+                f"(R² = {self.r2:.3f} over the medians of {self.n_points} measured step shapes)"
+                + ("; decode fitted to the first (cold) decode steps after a prefill" if self.cold_decode else ""))

@@ -31,7 +31,9 @@ class PrefixCacheView(CourseWidget):
 
     State for code and tests: ``results``: one dict per request with ``prompt_tokens``,
     ``hit_blocks``, ``miss_blocks``, ``cached_tokens``, ``ttft_warm_ms``, ``ttft_cold_ms``,
-    ``saved_ms``.
+    ``saved_ms``. Request 0 is the one that fills the cache: nothing is cached before it, so it
+    has no warm run and its ``ttft_warm_ms`` and ``saved_ms`` are None (its "warm" run was a
+    second cold run, and the difference of two cold runs read as a saving, or a negative one).
     """
 
     def __init__(self, llm, system_prompt, user_prompts, repeats: int = 3, run: bool = True):
@@ -60,7 +62,7 @@ class PrefixCacheView(CourseWidget):
                                                self.engine),
                                  xaxis_title="request (same system prompt, different question)",
                                  yaxis_title="time to first token (ms)", barmode="group", height=300,
-                                 width=620, margin=dict(l=50, r=10, t=60, b=40))
+                                 width=760, margin=dict(l=50, r=10, t=60, b=40), yaxis_rangemode="nonnegative")
         self.add_class("mv-prefix-cache-view")
         self.children = [W.HTML(STYLE), self.run_button, self.grid, self.chart]
         if run:
@@ -100,14 +102,22 @@ class PrefixCacheView(CourseWidget):
         prompts = [sys_ids + self._ids(u) for u in self.user_prompts]
         bs = self.engine.block_manager.block_size
         self.results = []
+        # one unrecorded run first: request 0's cold run is no longer preceded by its (dropped) warm one,
+        # and a first run's one-off costs must not land in it
+        self.engine.reset_prefix_cache()
+        run_requests(self.llm, [prompts[0]], 1)
         for i, ids in enumerate(prompts):
-            warm, cached = self._ttft(ids, cold=False, prime=prompts[0] if i else None)
-            cold, _ = self._ttft(ids, cold=True, prime=None)
+            warm = None
+            if i:  # request 0 fills the cache: nothing is there for it to reuse
+                warm, cached = self._ttft(ids, cold=False, prime=prompts[0])
+            cold, cold_cached = self._ttft(ids, cold=True, prime=None)
+            if not i:
+                cached = cold_cached
             n_blocks = cdiv(len(ids), bs)
             hits = cached // bs
             self.results.append(dict(prompt_tokens=len(ids), hit_blocks=hits, miss_blocks=n_blocks - hits,
                                      cached_tokens=cached, ttft_warm_ms=warm, ttft_cold_ms=cold,
-                                     saved_ms=cold - warm))
+                                     saved_ms=None if warm is None else cold - warm))
         self.engine.reset_prefix_cache()
         self._redraw(len(sys_ids))
         return self.results
@@ -119,12 +129,13 @@ class PrefixCacheView(CourseWidget):
                 f"<div class='mv-kv' style='background:{'#54a24b' if b < r['hit_blocks'] else '#e4572e'};"
                 f"color:#fff' title='block {b}: {'hit (reused)' if b < r['hit_blocks'] else 'miss (computed)'}'>"
                 f"{'hit' if b < r['hit_blocks'] else 'miss'}</div>" for b in range(r["hit_blocks"] + r["miss_blocks"]))
+            warm = fmt_ms(r['ttft_warm_ms']) if r['ttft_warm_ms'] is not None else "– (fills the cache)"
             rows.append(f"<tr><td>request {i}</td><td>{r['prompt_tokens']}</td><td><div class='mv-kv-grid'>{cells}"
-                        f"</div></td><td>{fmt_ms(r['ttft_cold_ms'])}</td><td>{fmt_ms(r['ttft_warm_ms'])}</td>"
+                        f"</div></td><td>{fmt_ms(r['ttft_cold_ms'])}</td><td>{warm}</td>"
                         f"<td>{fmt_ms(r['saved_ms'])}</td></tr>")
         self.grid.value = self._table = (
             f"<div class='mv-box'>system prompt: {sys_len} tokens, shared by every request. Request 0 runs "
-            f"first and fills the cache (its own warm run has nothing to reuse).</div>"
+            f"first and fills the cache: it has nothing to reuse, so it has no warm run and no saving.</div>"
             "<table class='mv-table'><tr><th></th><th>prompt tokens</th><th>KV blocks (hit / miss)</th>"
             "<th>TTFT cold</th><th>TTFT warm</th><th>saved</th></tr>" + "".join(rows) + "</table>")
         names = [f"request {i}" for i in range(len(self.results))]

@@ -95,7 +95,9 @@ class SamplingExplorer(CourseWidget):
         self._error = None          # the last load's refusal, kept in the readout until the next load
         style = {"description_width": "90px"}
         self.prompt_box = W.Text(value=prompt, description="prompt", layout=W.Layout(width="460px"))
-        self.load_button = W.Button(description="Next-token distribution", icon="refresh")
+        # wide enough for its label (the default button width cut it to "Next-token dis…")
+        self.load_button = W.Button(description="Next-token distribution", icon="refresh",
+                                    layout=W.Layout(width="auto"))
         self.temperature = W.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.05, description="temperature",
                                          style=style, continuous_update=False)
         self.top_k = W.IntSlider(value=0, min=0, max=100, description="top_k (0=off)", style=style,
@@ -118,7 +120,8 @@ class SamplingExplorer(CourseWidget):
         self.chart.update_layout(title=titled("Next-token probabilities", self.engine), xaxis_title="next token (the most likely ones)",
                                  yaxis_title="probability (0 to 1)", barmode="group",
                                  height=340, width=760, margin=dict(l=50, r=10, t=60, b=80),
-                                 legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom"))
+                                 yaxis_rangemode="nonnegative")  # legend at plotly's default place, right of
+        # the plot: above it, it covered the provenance line under the title
         self.load_button.on_click(lambda _: self.load())
         self.draw_button.on_click(self._on_draw)
         for w in (self.temperature, self.top_k, self.top_p, self.min_p):

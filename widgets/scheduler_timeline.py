@@ -70,13 +70,17 @@ class SchedulerTimeline(CourseWidget):
         for k in range(1, len(STATES)):  # legend entries for the states
             base.add_scatter(x=[None], y=[None], mode="markers", marker=dict(symbol="square", size=10,
                              color=STATE_COLOURS[k]), name=STATES[k], row=1, col=1)
-        base.add_bar(x=[], y=[], name="prefill tokens", marker_color="#e4572e", row=2, col=1)
-        base.add_bar(x=[], y=[], name="decode tokens", marker_color="#f0a202", row=2, col=1)
+        # the bars share the states' colours (prefill red, decode orange): one legend entry per colour, not
+        # two entries of the same colour side by side
+        base.add_bar(x=[], y=[], name="prefill tokens", marker_color=STATE_COLOURS[STATES.index("prefill")],
+                     showlegend=False, row=2, col=1)
+        base.add_bar(x=[], y=[], name="decode tokens", marker_color=STATE_COLOURS[STATES.index("decode")],
+                     showlegend=False, row=2, col=1)
         base.update_layout(barmode="stack", height=380, width=760, margin=dict(l=70, r=10, t=60, b=40),
                            title=self._title(llm if llm is not None else getattr(stepper, "engine", None)),
-                           legend=dict(orientation="h", y=-0.18), yaxis_title="request",
-                           xaxis2_title="engine step", yaxis2_title="tokens in the step", xaxis2_tickformat="d",
-                           xaxis_tickformat="d")
+                           legend=dict(orientation="h", y=-0.18, traceorder="normal"), yaxis_title="request",
+                           xaxis2_title="engine step", yaxis2_title="tokens in the step",
+                           xaxis2_tickformat="d", xaxis_tickformat="d", yaxis2_rangemode="nonnegative")
         self.chart = LiveFigure(base)
         self.states: dict[str, list[str]] = {}
         self.num_steps = 0
@@ -85,8 +89,8 @@ class SchedulerTimeline(CourseWidget):
         self.children = [W.HTML(STYLE), self.chart]
         if stepper is not None:
             self.attach(stepper)
-        elif records is not None:
-            self.show_run(records, arrivals or {})
+        else:  # empty until show_run is given steps: drawn now so that its axes start at 0
+            self.show_run(records or [], arrivals or {})
 
     @staticmethod
     def _title(llm) -> str:
@@ -111,6 +115,10 @@ class SchedulerTimeline(CourseWidget):
         z = [[STATES.index(s) for s in self.states[rid]] for rid in rids]
         text = [[f"{rid}, step {x}: {s or '-'}" for x, s in zip(xs, self.states[rid])] for rid in rids]
         with self.chart.batch_update():
+            # nothing yet: plotly's empty axes run from -1 and number requests that do not exist
+            self.chart.layout.xaxis2.range = None if records else [-0.5, 9.5]
+            self.chart.layout.xaxis2.autorange = True if records else None
+            self.chart.layout.yaxis.showticklabels = bool(rids)
             hm = self.chart.data[0]
             hm.z, hm.x, hm.y, hm.text = z, xs, rids, text
             self.chart.data[-2].x = xs

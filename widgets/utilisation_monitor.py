@@ -39,8 +39,12 @@ class UtilisationMonitor(CourseWidget):
         peaks: measured ``Peaks`` (default ``get_peaks()`` for the engine's device/dtype).
 
     State for code and tests: ``records`` (the workload's step records, roofline filled),
-    ``samples`` (the sampler's samples).
+    ``samples`` (the sampler's samples), ``interrupted`` (the last run was cut short by a kernel
+    interrupt).
     """
+
+    #: below this many samples the readout warns that the utilisation line says little
+    MIN_SAMPLES = 5
 
     def __init__(self, llm, num_requests: int = 4, prompt_len: int = 64, max_tokens: int = 16,
                  period_s: float = 0.05, peaks=None):
@@ -51,6 +55,8 @@ class UtilisationMonitor(CourseWidget):
         self._peaks = peaks
         self.records: list = []
         self.samples: list = []
+        self.interrupted = False
+        self._running_live = False  # a run in progress: its redraws are partial by design
         self.num_requests = W.BoundedIntText(value=num_requests, min=1, max=256, description="requests",
                                              layout=W.Layout(width="170px"))
         self.prompt_len = W.BoundedIntText(value=prompt_len, min=1, max=8192, description="prompt len",
@@ -77,15 +83,17 @@ class UtilisationMonitor(CourseWidget):
                                 line=dict(color="#72b7b2", dash="dot"))
         self.series.update_layout(title=titled("Utilisation during the workload", self.engine), xaxis_title="time (s)",
                                   yaxis_title="busy (% of capacity)", yaxis_range=[0, 110], height=300, width=760,
-                                  margin=dict(l=50, r=10, t=60, b=40))
+                                  margin=dict(l=50, r=10, t=60, b=40), xaxis_rangemode="nonnegative")
         self.roofline = LiveFigure()
         self.roofline.add_scatter(name="ceiling", x=[], y=[], mode="lines", line=dict(color="#333"))
         for phase in ("prefill", "decode", "mixed"):
             self.roofline.add_scatter(name=phase, x=[], y=[], mode="markers",
                                       marker=dict(color=PHASE_COLOURS[phase], size=8))
+        # SI prefixes on the log axes: plotly's default wrote 1e11 FLOP/s as "100B" (B for billion)
         self.roofline.update_layout(title=titled("Roofline: one point per step", self.engine), xaxis_type="log", yaxis_type="log",
                                     xaxis_title="arithmetic intensity (FLOP/byte)",
                                     yaxis_title="achieved FLOP/s", height=340, width=760,
+                                    xaxis_exponentformat="SI", yaxis_exponentformat="SI",
                                     margin=dict(l=60, r=10, t=60, b=40))
         self.add_class("mv-utilisation-monitor")
         self.children = [W.HTML(STYLE), W.HBox([self.num_requests, self.prompt_len, self.max_tokens,
@@ -125,9 +133,11 @@ class UtilisationMonitor(CourseWidget):
             return []
         sampler = UtilisationSampler(period_s=self.period_s, device=str(engine.config.device))
         self.records = []
+        self.interrupted = False
         t0 = time.perf_counter()
         last = t0
         sampler.start()
+        self._running_live = True
         try:
             with heap_frozen():  # a full collection of the process's heap is not a step (minivllm.utils.gc_heap)
                 while engine.has_unfinished_requests():
@@ -139,13 +149,17 @@ class UtilisationMonitor(CourseWidget):
                         self.samples = sampler.samples
                         self._redraw(t0)
                         last = time.perf_counter()
+        except KeyboardInterrupt:  # Kernel > Interrupt: the readout says the run is partial, then it re-raises
+            self.interrupted = True
+            raise
         finally:
             sampler.stop()
+            self._running_live = False
             for rid in ids:
                 engine.abort_request(rid)
             engine.reset_prefix_cache()
-        self.samples = sampler.samples
-        self._redraw(t0)
+            self.samples = sampler.samples
+            self._redraw(t0)
         return self.records
 
     def _redraw(self, t0: float) -> None:
@@ -181,13 +195,26 @@ class UtilisationMonitor(CourseWidget):
                 xs = [lo, peaks.ridge_intensity, hi]
                 self.roofline.data[0].x = xs
                 self.roofline.data[0].y = [min(peaks.flops_per_s, x * peaks.mbu_bytes_per_s) for x in xs]
+        warnings = []
+        if self.interrupted:
+            n = len(self.records)
+            warnings.append(f"interrupted (Kernel > Interrupt) after {n} step{'s' if n != 1 else ''}: the charts "
+                            "show a partial workload; its requests were aborted")
+        if len(s) < self.MIN_SAMPLES and not self._running_live:
+            span = (s[-1].time - t0) if s else 0.0
+            warnings.append(f"only {len(s)} utilisation sample{'s' if len(s) != 1 else ''} over {span:.2f} s "
+                            f"(period_s={self.period_s}): too few for the busy-% line to say much; give the "
+                            "workload more requests or tokens, or a shorter period_s")
+        note = "".join(f"<div class='mv-box mv-warning' style='color:#b00'>⚠ {escape(w)}</div>" for w in warnings)
         if pts:
             best = max(pts, key=lambda r: r.mfu or 0)
-            self.readout.value = (
+            self.readout.value = note + (
                 f"<div class='mv-box'>{len(self.records)} steps, {len(s)} samples · peaks ({escape(peaks.provenance)}): "
                 f"{fmt_si(peaks.flops_per_s, 'FLOP/s')}, {fmt_si(peaks.mbu_bytes_per_s, 'B/s')} read (ridge at "
                 f"{peaks.ridge_intensity:.1f} FLOP/byte) · best MFU {100 * (best.mfu or 0):.2f} % "
                 f"({best.phase} step)</div>")
+        else:
+            self.readout.value = note
 
     def static_html(self) -> str:
         from ._static import figure_html

@@ -59,7 +59,7 @@ def print_throughput(result, log=print) -> None:
         log(f"NVML (windowed averages, {u['num_samples']} samples): SM busy {u['gpu_util_percent_mean']:.0f}%, "
             f"memory busy {u['mem_util_percent_mean']:.0f}%, power {u['power_w_mean']:.0f} W, "
             f"memory used max {u['mem_used_bytes_max'] / 2**30:.1f} GiB")
-    elif u:
+    elif u and u.get("cpu_percent_mean") is not None:  # None: the run was shorter than a clock tick
         log(f"CPU busy (psutil, {u['num_samples']} samples): {u['cpu_percent_mean']:.0f}% of all cores")
     for p, r in result["peers"].items():
         if r.get("available"):

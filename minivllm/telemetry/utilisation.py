@@ -38,8 +38,10 @@ class UtilisationSample:
 
     Attributes:
         time: when the sample was taken (perf_counter seconds).
-        cpu_percent: mean busy percent over all cores since the previous sample (0..100).
-        per_cpu_percent: busy percent per core since the previous sample.
+        cpu_percent: mean busy percent over the cores since the previous sample (0..100); None
+            when no clock tick had passed on any core (see :class:`UtilisationSampler`).
+        per_cpu_percent: busy percent per core since the previous sample (None for a core
+            whose counters had not moved).
         process_cpu_percent: this process's CPU use since the previous sample
             (100 = one core fully busy).
         rss_bytes: this process's resident memory.
@@ -51,8 +53,8 @@ class UtilisationSample:
     """
 
     time: float
-    cpu_percent: float
-    per_cpu_percent: list[float] = field(default_factory=list)
+    cpu_percent: float | None
+    per_cpu_percent: list[float | None] = field(default_factory=list)
     process_cpu_percent: float | None = None
     rss_bytes: int | None = None
     gpu_util_percent: float | None = None
@@ -65,12 +67,14 @@ class UtilisationSample:
         return asdict(self)
 
 
-def _busy(prev, cur) -> float:
-    """Busy percent of one core between two ``psutil`` cpu_times tuples."""
+def _busy(prev, cur) -> float | None:
+    """Busy percent of one core between two ``psutil`` cpu_times tuples; None when no clock tick
+    separates them (the counters advance in ticks of 1/USER_HZ s: a shorter interval measured
+    nothing, which is not 0 % busy)."""
     idle_fields = ("idle", "iowait")
     total = sum(cur) - sum(prev)
     if total <= 0:
-        return 0.0
+        return None
     idle = sum(getattr(cur, f, 0.0) - getattr(prev, f, 0.0) for f in idle_fields)
     return max(0.0, min(100.0, 100.0 * (total - idle) / total))
 
@@ -87,7 +91,10 @@ class UtilisationSampler:
     Use as a context manager (``with sampler: run()``) or call ``start()`` /
     ``stop()``. ``stop()`` takes a final sample, so even a workload shorter
     than one period yields at least one sample; samples accumulate across
-    start/stop cycles until ``clear()``.
+    start/stop cycles until ``clear()``. The CPU counters advance in clock
+    ticks (1/USER_HZ s): a sample less than a tick after the previous one
+    measured nothing and is skipped (the next measures from the same start),
+    except a run's only sample, kept with ``cpu_percent`` None.
     """
 
     def __init__(self, period_s: float = 0.1, device: Any = None):
@@ -104,6 +111,7 @@ class UtilisationSampler:
         self._nvml_handle = None
         self._proc = None
         self._prev_times = None
+        self._taken_this_run = False
 
     @staticmethod
     def _resolve_device(device: Any) -> str:
@@ -132,6 +140,7 @@ class UtilisationSampler:
         self._proc = psutil.Process(os.getpid())
         self._proc.cpu_percent(None)  # prime: the next call measures from here
         self._prev_times = psutil.cpu_times(percpu=True)
+        self._taken_this_run = False  # stop() keeps a final sample only when the run has none
         if self.device.startswith("cuda"):
             self._init_nvml()
         self._stop.clear()
@@ -145,7 +154,7 @@ class UtilisationSampler:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        self._take()  # final sample covers the tail of the workload
+        self._take(final=True)  # final sample covers the tail of the workload
         if self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()
@@ -221,13 +230,18 @@ class UtilisationSampler:
             index = int(ids[index])
         return pynvml.nvmlDeviceGetHandleByIndex(index)
 
-    def _take(self) -> None:
+    def _take(self, final: bool = False) -> None:
         import psutil
 
         now = time.perf_counter()
         times = psutil.cpu_times(percpu=True)
         per = [_busy(p, c) for p, c in zip(self._prev_times, times)]
+        measured = [p for p in per if p is not None]
+        if not measured and not (final and not self._taken_this_run):
+            # no tick since the last sample: skipped, and the next one measures from the same baseline
+            return
         self._prev_times = times
+        self._taken_this_run = True
         try:
             proc_cpu = self._proc.cpu_percent(None)
             rss = self._proc.memory_info().rss
@@ -235,7 +249,8 @@ class UtilisationSampler:
             proc_cpu, rss = None, None
         s = UtilisationSample(
             time=now,
-            cpu_percent=sum(per) / len(per) if per else 0.0,
+            # None when no core's counters moved (only a final sample of a run with no other can be so)
+            cpu_percent=sum(measured) / len(measured) if measured else None,
             per_cpu_percent=per,
             process_cpu_percent=proc_cpu,
             rss_bytes=rss,
