@@ -215,7 +215,16 @@ def test_tiny_temperature_is_finite_and_greedy(tiny_ckpt):
     t = llm.generate([2, 3, 4], SamplingParams(temperature=1e-5, max_tokens=6, ignore_eos=True),
                      use_tqdm=False)[0].outputs[0].token_ids
     assert t == g
-    assert all(math.isfinite(x) for x in t)
+    # an overflow to inf/NaN logits would show as ids outside the vocabulary (or a short output)
+    vocab = llm.llm_engine.source.hf_config.vocab_size
+    assert len(t) == 6 and all(type(x) is int and 0 <= x < vocab for x in t), (t, vocab)
+    # and the sampled tokens' logprobs are finite: each the argmax (rank 1) of its position
+    o = llm.generate([2, 3, 4], SamplingParams(temperature=1e-5, max_tokens=6, ignore_eos=True, logprobs=0),
+                     use_tqdm=False)[0].outputs[0]
+    assert o.token_ids == g and len(o.logprobs) == 6
+    for tok, d in zip(o.token_ids, o.logprobs):
+        assert d[tok].rank == 1 and math.isfinite(d[tok].logprob) and d[tok].logprob <= 0, d
+    assert math.isfinite(o.cumulative_logprob)
 
 
 def test_refused_config_frees_the_runner(tiny_ckpt, monkeypatch):

@@ -54,7 +54,10 @@ def engine_greedy_with_logits(llm, prompts, steps):
 
 def compare(llm, hf_model, prompts, steps):
     outs, logits = engine_greedy_with_logits(llm, prompts, steps)
+    assert len(outs) == len(logits) == len(prompts)
     for out, ours in zip(outs, logits):
+        # one sampled row per generated token, every step: zip below would check fewer silently
+        assert len(ours) == steps and len(out.outputs[0].token_ids) == steps, (len(ours), out.outputs[0].token_ids)
         ref_tokens, ref_logits, margins = hf_greedy(hf_model, out.prompt_token_ids, steps)
         for step, (mine, ref, margin) in enumerate(zip(ours, ref_logits, margins)):
             err = (mine - ref).abs().max().item()

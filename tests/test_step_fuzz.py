@@ -1,11 +1,17 @@
 """Randomised: an exception at a random point of a random step of a random workload
 (chunked prefill, preemption, prefix hits, aborts, greedy and seeded sampling, logprobs
-and prompt logprobs, n > 1) changes no request's tokens or logprobs, and the block bookkeeping
-holds after every step."""
+and prompt logprobs, n > 1, logit_bias, min_tokens, presence/frequency penalties) changes no
+request's tokens or logprobs, and the block bookkeeping holds after every step.
+
+Every fault point is tested in every run (a run of examples each), and every example's
+fault fires: the workload is made to reach its point (an option-only point gets a request
+with that option; a draft model's, a request that may speculate), and the fault's call index
+is taken modulo the number of calls the fault-free reference run made there (the faulted
+run makes the same calls up to the fault)."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from helpers_engine import make_llm, prompts_of
@@ -14,33 +20,69 @@ from minivllm import SamplingParams
 
 PREFIXES = [prompts_of([8], seed=100 + i)[0] for i in range(2)] + [[7, 8, 9] * 4]  # the last repeats
 
+# (logit_bias, presence_penalty, frequency_penalty, min_tokens): vLLM's logits processors and
+# OpenAI's penalties (min_tokens is capped at the request's max_tokens).
+NO_OPTIONS = (None, 0.0, 0.0, 0)
+BIAS = {3: 4.0, 11: -50.0}
+OPTIONS = [NO_OPTIONS] * 12 + [(BIAS, 0.0, 0.0, 0), (None, 0.6, 0.8, 0), (None, 0.0, 0.0, 2), (BIAS, 0.6, 0.8, 2)]
+
 request = st.tuples(
     st.integers(-1, 2),                 # shared prefix (two blocks, or a loop the n-gram proposer extends) or none
     st.integers(1, 14),                 # own tokens
     st.integers(1, 9),                  # max_tokens
     st.one_of(st.none(), st.integers(0, 2**16)),  # None: greedy, else the seed
     st.sampled_from(["final_only", "delta"]),
-    st.sampled_from([None, 0, 2]),      # logprobs
+    st.sampled_from([None, None, 0, 2]),  # logprobs (none: the request may speculate)
     st.booleans(),                      # prompt_logprobs=1
     st.sampled_from([1, 1, 2]),         # n
+    st.sampled_from(OPTIONS),           # logits processors / penalties, mostly none (they rule out drafts)
 )
 workload = st.lists(request, min_size=1, max_size=5)
-fault = st.tuples(st.sampled_from(FAULT_NAMES + OPTION_FAULT_NAMES), st.integers(0, 12),
-                  st.sampled_from([KeyboardInterrupt, RuntimeError]))
+fault_at = st.integers(0, 12)           # taken modulo the reference run's calls at the fault point
+fault_exc = st.sampled_from([KeyboardInterrupt, RuntimeError])
 aborts = st.lists(st.tuples(st.integers(0, 15), st.integers(0, 4)), max_size=2)
 
 
 def _requests(spec, tag):
     out = []
-    for i, (prefix, own, max_tokens, seed, kind, logprobs, prompt_logprobs, n) in enumerate(spec):
+    for i, (prefix, own, max_tokens, seed, kind, logprobs, prompt_logprobs, n, opts) in enumerate(spec):
         prompt = (PREFIXES[prefix] if prefix >= 0 else []) + prompts_of([own], seed=1000 + i)[0]
+        logit_bias, presence, frequency, min_tokens = opts
         # n > 1 only for seeded sampling: greedy n > 1 is refused, as vLLM refuses it
-        extra = dict(logprobs=logprobs, prompt_logprobs=1 if prompt_logprobs else None, n=1 if seed is None else n)
+        extra = dict(logprobs=logprobs, prompt_logprobs=1 if prompt_logprobs else None, n=1 if seed is None else n,
+                     logit_bias=logit_bias, presence_penalty=presence, frequency_penalty=frequency,
+                     min_tokens=min(min_tokens, max_tokens))
         params = (SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra) if seed is None else
                   SamplingParams(temperature=0.9, top_k=20, seed=seed, max_tokens=max_tokens, ignore_eos=True,
                                  **extra))
         out.append((f"{tag}{i}", prompt, params, kind))
     return out
+
+
+def _reaching(spec, name):
+    """``spec`` with its first request given what the fault point ``name`` needs, where only
+    some requests reach it (unchanged when a request has it already, and for other points)."""
+    first = list(spec[0])
+    seed = first[3]
+    if name in ("logits processors", "frequency/presence penalties"):
+        if all(r[8] == NO_OPTIONS for r in spec):  # any row with a processor sends the batch through both
+            first[8] = (BIAS, 0.6, 0.8, 0)
+    elif name == "logprobs":
+        if all(r[5] is None for r in spec):
+            first[5] = 2
+    elif name == "prompt logprobs":
+        if not any(r[6] for r in spec):
+            first[6] = True
+    elif name == "parallel sampling merge":
+        if not any(r[3] is not None and r[7] > 1 for r in spec):
+            first[3], first[7] = (7 if seed is None else seed), 2
+    elif name in DRAFT_FAULT_NAMES:
+        # a request that may speculate (no processors, no logprobs) and runs past its prefill;
+        # the draft samples (rather than takes the argmax) for a sampled request only
+        first[2], first[5], first[8] = max(first[2], 3), None, NO_OPTIONS
+        if name == "draft sampling" and seed is None:
+            first[3] = 7
+    return [tuple(first)] + list(spec[1:])
 
 
 def _logprob_key(dicts):
@@ -117,24 +159,46 @@ def fuzz_llm(tiny_ckpt):
     llm.shutdown()
 
 
-@pytest.mark.slow
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=workload, fault=fault, abort_at=aborts)
-def test_a_random_fault_in_a_random_step_changes_nothing(fuzz_llm, monkeypatch, spec, fault, abort_at):
-    engine = fuzz_llm.llm_engine
+def _a_fault_changes_nothing(engine, monkeypatch, name, spec, at, exc, abort_at):
+    """One example: a fault-free reference run (counting the calls at the fault point), then
+    the same workload with the fault at one of those calls: the fault fires, nothing changes."""
     # Left over by a failing example (hypothesis shrinks by rerunning): parents of n > 1 too.
     for rid in [*engine.requests, *engine.parents.parents]:
         engine.abort_request(rid)
     assert not engine.requests and not engine.parents.parents
+    spec = _reaching(spec, name)
     engine.reset_prefix_cache()
-    reference = _run(engine, _requests(spec, "ref"), abort_at)
-    engine.reset_prefix_cache()
-    name, at, exc = fault
     with monkeypatch.context() as m:
-        Fault(m, name, at=at, exc=exc)
+        counter = Fault(m, name, at=-1)  # never fires: counts the reference run's calls there
+        reference = _run(engine, _requests(spec, "ref"), abort_at)
+    # Unreached only in rare workloads, e.g. an abort ending the request with the option early.
+    assume(counter.calls > 0)
+    engine.reset_prefix_cache()
+    with monkeypatch.context() as m:
+        f = Fault(m, name, at=at % counter.calls, exc=exc)
         got = _run(engine, _requests(spec, "got"), abort_at)
+    # the faulted run repeats the reference's calls up to the fault: it is reached
+    assert f.fired, (name, at % counter.calls, counter.calls, f.calls)
     assert got[:2] == reference[:2]
     assert _same_logprobs(got[2], reference[2])
+
+
+def _fuzz_every_point(llm, monkeypatch, names, examples_per_point):
+    """``examples_per_point`` random examples at each fault point of ``names`` in turn (each
+    point every run; one test, not one per point: each test's teardown collects garbage)."""
+    @settings(max_examples=examples_per_point, deadline=None)
+    @given(spec=workload, at=fault_at, exc=fault_exc, abort_at=aborts)
+    def examples(name, spec, at, exc, abort_at):
+        _a_fault_changes_nothing(llm.llm_engine, monkeypatch, name, spec, at, exc, abort_at)
+
+    for name in names:
+        examples(name=name)
+
+
+# Examples per fault point: about 300, 150 and 60 over all the points, as when the point was drawn too.
+@pytest.mark.slow
+def test_a_random_fault_in_a_random_step_changes_nothing(fuzz_llm, monkeypatch):
+    _fuzz_every_point(fuzz_llm, monkeypatch, FAULT_NAMES + OPTION_FAULT_NAMES, 17)
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +210,8 @@ def fuzz_spec_llm(tiny_ckpt):
 
 
 @pytest.mark.slow
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=workload, fault=fault, abort_at=aborts)
-def test_a_random_fault_with_speculative_decoding_changes_nothing(fuzz_spec_llm, monkeypatch, spec, fault, abort_at):
-    test_a_random_fault_in_a_random_step_changes_nothing.hypothesis.inner_test(
-        fuzz_spec_llm, monkeypatch, spec, fault, abort_at)
+def test_a_random_fault_with_speculative_decoding_changes_nothing(fuzz_spec_llm, monkeypatch):
+    _fuzz_every_point(fuzz_spec_llm, monkeypatch, FAULT_NAMES + OPTION_FAULT_NAMES, 8)
 
 
 @pytest.fixture(scope="module")
@@ -162,16 +223,9 @@ def fuzz_draft_llm(tiny_ckpt, tiny_draft_ckpt):
     llm.shutdown()
 
 
-draft_fault = st.tuples(st.sampled_from(FAULT_NAMES + DRAFT_FAULT_NAMES), st.integers(0, 12),
-                        st.sampled_from([KeyboardInterrupt, RuntimeError]))
-
-
 @pytest.mark.slow
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(spec=workload, fault=draft_fault, abort_at=aborts)
-def test_a_random_fault_with_a_draft_model_changes_nothing(fuzz_draft_llm, monkeypatch, spec, fault, abort_at):
+def test_a_random_fault_with_a_draft_model_changes_nothing(fuzz_draft_llm, monkeypatch):
     """As above with a draft model proposing (its own KV pool shares the 14-block target's
     pressure: entries are evicted and recomputed); the draft's pool stays consistent too
     (``check_invariants`` after every step checks it)."""
-    test_a_random_fault_in_a_random_step_changes_nothing.hypothesis.inner_test(
-        fuzz_draft_llm, monkeypatch, spec, fault, abort_at)
+    _fuzz_every_point(fuzz_draft_llm, monkeypatch, FAULT_NAMES + DRAFT_FAULT_NAMES, 4)
