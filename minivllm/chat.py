@@ -64,12 +64,12 @@ def text_messages(conversation, index: int) -> list[dict]:
 
 
 def _tool_calls(calls: list, where: str) -> list:
-    """Copies of ``calls`` whose ``function.arguments`` JSON strings are parsed (None or "" -> {})."""
+    """Copies of ``calls`` whose ``function.arguments`` JSON strings are parsed (absent, None or "" -> {})."""
     out = []
     for c, call in enumerate(calls):
         function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("arguments", {}), (str, type(None))):
-            out.append(call)
+        if not isinstance(function, Mapping) or not isinstance(function.get("arguments"), (str, type(None))):
+            out.append(call)  # already a dict (or not a call at all): as given
             continue
         arguments = function.get("arguments")
         try:

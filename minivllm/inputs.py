@@ -75,3 +75,10 @@ def check_tokenization_kwargs(kwargs: dict | None) -> dict:
     if not isinstance(special, bool):
         raise ValueError(f"tokenization_kwargs['add_special_tokens']={special!r}: must be True or False")
     return dict(kwargs)
+
+
+def prompt_truncation(tokenization: dict, params) -> int | None:
+    """The ``truncate_prompt_tokens`` a prompt gets: ``tokenization_kwargs``' (checked), else the
+    ``SamplingParams``' (also where the kwargs give None)."""
+    value = tokenization.get("truncate_prompt_tokens")
+    return params.truncate_prompt_tokens if value is None else value

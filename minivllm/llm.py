@@ -11,7 +11,7 @@ from minivllm.chat import text_messages
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, refuse_lora
 from minivllm.generation_config import default_sampling_params
-from minivllm.inputs import cache_salt_of, check_tokenization_kwargs
+from minivllm.inputs import cache_salt_of, check_tokenization_kwargs, prompt_truncation
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import NO_BEAM_SEARCH, SamplingParams
 from minivllm.utils.gc_heap import heap_frozen
@@ -157,7 +157,8 @@ class LLM:
                 raise ValueError(f"sampling_params[{i}]={p!r} is not a SamplingParams")
             try:
                 self.engine.check_sampling_params(p)  # all checked before any is queued
-                self.engine.encode_prompt(prompt, tokenization.get("truncate_prompt_tokens", p.truncate_prompt_tokens),
+                p.clone()._validate_again()  # as add_request will: a list changed in place since the constructor
+                self.engine.encode_prompt(prompt, prompt_truncation(tokenization, p),
                                           tokenization.get("add_special_tokens", True))
                 cache_salt_of(prompt)
             except ValueError as e:

@@ -99,8 +99,9 @@ class CompletionOutput:
         text: generated text (for streamed outputs: only the new part).
         token_ids: generated token ids (for streamed outputs: only the new ones).
         finish_reason: None while running, else "stop" (eos, stop string or stop token),
-            "length" (max_tokens or max_model_len reached), "abort", or "error" (the model
-            produced non-finite logits for this request: ``RequestOutput.error`` says more).
+            "length" (max_tokens or max_model_len reached), "abort", or "error" (no token could
+            be sampled: the model's logits were NaN or inf, or the request's own parameters
+            masked every token; ``RequestOutput.error`` says which and what to try).
         stop_reason: the stop string or stop token id that ended it, else None
             (None also when eos ended it, as in vLLM).
         logprobs: with ``SamplingParams.logprobs=k``: one ``{token_id: Logprob}`` per
@@ -132,35 +133,37 @@ class RequestOutput:
         request_id: the id given at ``add_request`` (``LLM`` uses "0", "1", ... per call).
         prompt: the prompt text, or None when the prompt was given as token ids.
         prompt_token_ids: the prompt's token ids.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs=k``: per prompt token, None for
+            the first and ``{token_id: Logprob}`` (the prompt token plus the k most likely)
+            for the others, as in vLLM; else None.
         outputs: the ``CompletionOutput``s: one, or ``n`` with ``SamplingParams.n`` (for a delta
             output of such a request, the one completion that advanced, with its ``index``).
         finished: True once the request has ended.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         metrics: the request's ``RequestMetrics``.
         error: for finish_reason "error", what went wrong and what to try; else None.
-        prompt_logprobs: with ``SamplingParams.prompt_logprobs=k``: per prompt token, None for
-            the first and ``{token_id: Logprob}`` (the prompt token plus the k most likely)
-            for the others, as in vLLM; else None.
+        lora_request, encoder_prompt, encoder_prompt_token_ids, kv_transfer_params: vLLM's;
+            always None here.
 
     nano-vllm compatibility: nano-vllm's ``generate`` returns dicts, so scripts written for
     it read ``output["text"]`` and ``output["token_ids"]``. A ``RequestOutput`` answers those
     two keys (of its first completion) as a read-only mapping; any other key raises ``KeyError``.
     """
 
+    # vLLM's fields in vLLM's order (a script may build one positionally), then minivllm's own
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    lora_request: None = None  # vLLM's LoRA, encoder-decoder and KV-transfer fields: never set here
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    num_cached_tokens: int = 0
     error: str | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # vLLM's, for an encoder-decoder model, LoRA and KV transfer: class attributes, never set here
-    lora_request = None
-    encoder_prompt = None
-    encoder_prompt_token_ids = None
-    kv_transfer_params = None
+    kv_transfer_params = None  # keyword-only in vLLM: a class attribute
 
     # -- nano-vllm compatibility: a read-only mapping view {"text", "token_ids"} ------------------
     _MAPPING_KEYS = ("text", "token_ids")

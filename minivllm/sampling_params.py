@@ -5,7 +5,6 @@ import copy
 import dataclasses
 import enum
 import functools
-import inspect
 import logging
 import math
 import numbers
@@ -150,17 +149,6 @@ class SamplingParams:
     #: Filled by __post_init__: sampling may draw random numbers (a temperature above 0) or owns
     #: a generator (a seed), so a step's rollback must save a generator's state.
     draws_random: bool = field(init=False, repr=False, compare=False)
-
-    def __new__(cls, *args, **kwargs):
-        # A vLLM script's argument for a feature minivllm lacks: say so, rather than Python's bare
-        # "unexpected keyword argument" (both TypeError, as for any unknown argument). Its value
-        # that asks for nothing (None, vLLM's default) is accepted: ``__init__`` drops it.
-        lacking = [name for name in kwargs if name in _VLLM_ONLY and not _asks_nothing(name, kwargs)]
-        if lacking:
-            raise TypeError("; ".join(f"SamplingParams({name}=...): {_VLLM_ONLY[name]} is a vLLM feature minivllm "
-                                      "does not have" for name in lacking)
-                            + " (README, 'Coming from vLLM or nano-vllm')")
-        return super().__new__(cls)
 
     def __setattr__(self, name: str, value) -> None:
         ready = self.__dict__.get("_validated", False)
@@ -365,7 +353,6 @@ class SamplingParams:
 
 
 _PUBLIC_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
-#: vLLM ``SamplingParams`` arguments (v0 and v1) for features minivllm does not implement
 class BeamSearchParams:
     """vLLM's ``BeamSearchParams``, importable so a vLLM script's import line works; building one
     raises, as ``LLM.beam_search`` does.
@@ -384,27 +371,20 @@ NO_BEAM_SEARCH = ("minivllm has no beam search (a vLLM feature; README, 'Coming 
                   "and rank the completions by their cumulative_logprob")
 
 
-def _asks_nothing(name: str, kwargs: dict) -> bool:
-    """A vLLM-only argument at a value that turns its feature off (a script's ``x if cond else None``)."""
-    value = kwargs[name]
-    if name == "best_of":
-        return value is None or value == kwargs.get("n", 1)
-    if name in ("use_beam_search", "early_stopping"):
-        return value is False
-    if name == "length_penalty":
-        return value == 1.0
-    return value is None or (name in ("logits_processors", "extra_args") and isinstance(value, (list, dict))
-                             and not value)
-
-
+#: vLLM ``SamplingParams`` arguments (v0 and v1) for features minivllm does not implement: the
+#: feature, and whether a value (given the other arguments) turns it on. As ``config.LACKING_VLLM_ARGS``
+#: for the engine: an off value (None, vLLM's default; a script's ``x if cond else None``) is accepted.
 _VLLM_ONLY = {
-    "structured_outputs": "structured outputs (decoding constrained to a JSON schema, regex, grammar or choice)",
-    "guided_decoding": "guided decoding (structured outputs)",
-    "best_of": "best_of (sampling more candidates than returned)",
-    "use_beam_search": "beam search", "length_penalty": "beam search's length penalty",
-    "early_stopping": "beam search's early stopping",
-    "logits_processors": "logits_processors (per-request callables applied to the logits)",
-    "extra_args": "extra_args (arguments for a custom sampler)",
+    "structured_outputs": ("structured outputs (decoding constrained to a JSON schema, regex, grammar or choice)",
+                           lambda v, kw: v is not None),
+    "guided_decoding": ("guided decoding (structured outputs)", lambda v, kw: v is not None),
+    "best_of": ("best_of (sampling more candidates than returned)",
+                lambda v, kw: v is not None and v != kw.get("n", 1)),
+    "use_beam_search": ("beam search", lambda v, kw: bool(v)),
+    "length_penalty": ("beam search's length penalty", lambda v, kw: v != 1.0),
+    "early_stopping": ("beam search's early stopping", lambda v, kw: bool(v)),
+    "logits_processors": ("logits_processors (per-request callables applied to the logits)", lambda v, kw: bool(v)),
+    "extra_args": ("extra_args (arguments for a custom sampler)", lambda v, kw: bool(v)),
 }
 #: numeric fields a numpy scalar may be given for (converted to int / float before validation)
 _INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "truncate_prompt_tokens", "logprobs",
@@ -415,15 +395,18 @@ _REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence
 _dataclass_init = SamplingParams.__init__
 
 
-def _init_without_vllm_only(self, *args, **kwargs):
-    """The dataclass ``__init__``, without the vLLM-only arguments ``__new__`` let through (their
-    values ask for nothing)."""
+def _init_with_vllm_only(self, *args, **kwargs):
+    """The dataclass ``__init__``, also taking vLLM's arguments for features minivllm lacks: one at
+    a value that asks for nothing (None, vLLM's default) is dropped; otherwise a TypeError says it
+    is a vLLM feature, rather than Python's bare "unexpected keyword argument"."""
+    lacking = [name for name in kwargs if name in _VLLM_ONLY and _VLLM_ONLY[name][1](kwargs[name], kwargs)]
+    if lacking:
+        raise TypeError("; ".join(f"SamplingParams({name}=...): {_VLLM_ONLY[name][0]} is a vLLM feature minivllm "
+                                  "does not have" for name in lacking) + " (README, 'Coming from vLLM or nano-vllm')")
     for name in [n for n in kwargs if n in _VLLM_ONLY]:
         del kwargs[name]
     _dataclass_init(self, *args, **kwargs)
 
 
-SamplingParams.__init__ = functools.wraps(_dataclass_init)(_init_without_vllm_only)
-# what help() and Jupyter's Shift+Tab show (``__new__``'s ``*args, **kwargs`` otherwise)
-SamplingParams.__signature__ = inspect.signature(_dataclass_init).replace(
-    parameters=list(inspect.signature(_dataclass_init).parameters.values())[1:])
+# functools.wraps: help() and Jupyter's Shift+Tab show the dataclass's own signature (via __wrapped__)
+SamplingParams.__init__ = functools.wraps(_dataclass_init)(_init_with_vllm_only)

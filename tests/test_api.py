@@ -102,6 +102,9 @@ def test_cumulative_text_holds_back_a_possible_stop_string_and_never_shrinks(tin
     texts = cumulative(greedy(12, stop=[full[cut - 1:cut + 1]]))
     assert texts[-1] == full[:cut - 1]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    # a stop string kept in the output is never cut, so nothing is held back (vLLM's buffer of 0)
+    kept = cumulative(greedy(12, stop=[full[cut - 1:cut + 1]], include_stop_str_in_output=True))
+    assert kept[-1] == full[:cut + 1] and kept[:-1] == plain[:len(kept) - 1]
 
 
 @pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])

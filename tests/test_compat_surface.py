@@ -72,6 +72,9 @@ def test_outputs_are_plain_objects_with_vllms_fields_in_its_order(llm):
     assert out.lora_request is None and out.encoder_prompt is None and out.outputs[0].lora_request is None
     assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
         "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason"]
+    assert [f.name for f in dataclasses.fields(type(out))][:11] == [  # vLLM's RequestOutput.__init__
+        "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "metrics",
+        "lora_request", "encoder_prompt", "encoder_prompt_token_ids", "num_cached_tokens"]
 
 
 def test_vllm_import_lines_resolve_and_request_ids_are_strings(llm):
@@ -393,7 +396,8 @@ def test_chat_takes_openai_text_parts_and_none_content(text_llm):
 
 
 TOOL_ARGS = ("{% for m in messages %}<{{ m.role }}>{% for c in m.tool_calls or [] %}"
-             "{{ c.function.name }}({% for k, v in c.function.arguments | items %}{{ k }}={{ v }}{% endfor %})"
+             "{{ c.function.name }}({% if c.function.arguments is mapping %}{% for k, v in c.function.arguments | items %}"
+             "{{ k }}={{ v }}{% endfor %}{% else %}?{% endif %})"
              "{% endfor %}{% if m.tool_calls is defined %}[calls]{% endif %}{% endfor %}")
 
 
@@ -403,10 +407,11 @@ def test_chat_parses_tool_call_arguments_as_vllm_does(text_llm):
     drops an empty tool_calls list."""
     tok = text_llm.tokenizer
     call = {"id": "c0", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Dallas"}'}}
-    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+    bare = {"id": "c1", "type": "function", "function": {"name": "now"}}  # no arguments: {} as in vLLM
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call, bare]},
             {"role": "assistant", "content": "ok", "tool_calls": []}]
     out = text_llm.chat(conv, greedy(1), chat_template=TOOL_ARGS, add_generation_prompt=False, use_tqdm=False)[0]
-    assert _rendered(out, tok) == "<user><assistant>weather(city=Dallas)[calls]<assistant>"
+    assert _rendered(out, tok) == "<user><assistant>weather(city=Dallas)now()[calls]<assistant>"
     assert call["function"]["arguments"] == '{"city": "Dallas"}'  # the caller's message is not changed
     bad = {"function": {"name": "f", "arguments": "{not json"}}
     with pytest.raises(ValueError, match=r"message 0, tool call 0: arguments '\{not json' is not JSON"):
@@ -422,6 +427,9 @@ def test_tokenization_kwargs_and_add_requests_params_keyword(llm):
     assert out.prompt_token_ids == prompt[-5:]
     with pytest.raises(ValueError, match=r"key\(s\) \['max_length'\]"):
         llm.generate(prompt, greedy(2), use_tqdm=False, tokenization_kwargs={"max_length": 5})
+    kept = llm.generate(prompt, greedy(2, truncate_prompt_tokens=3), use_tqdm=False,
+                        tokenization_kwargs={"truncate_prompt_tokens": None})[0]
+    assert kept.prompt_token_ids == prompt[-3:]  # None in the kwargs leaves the SamplingParams' value
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens'\]=0"):
         llm.generate(prompt, greedy(2), use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 0})
     engine = llm.llm_engine

@@ -67,14 +67,14 @@ def test_a_request_aborted_by_another_caller_ends_the_waiting_call(tiny_ckpt):
     llm = make_llm(tiny_ckpt)
     engine = llm.llm_engine
     started, aborted = threading.Event(), threading.Event()
-    original = engine.step
+    original = llm._step
 
-    def step():  # the first step waits for the aborts, so none of the requests can finish first
+    def step():  # generate's first step waits for the aborts (outside the engine's lock, which they take)
         started.set()
         aborted.wait(30)
         return original()
 
-    engine.step = step
+    llm._step = step
 
     def abort_all():
         started.wait(30)

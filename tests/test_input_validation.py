@@ -91,6 +91,15 @@ def test_parameters_changed_in_place_after_construction_are_checked_when_added(t
     assert_still_serving(llm)
 
 
+def test_generate_names_the_prompt_whose_parameters_were_changed_in_place(tiny_ckpt):
+    llm = make_llm(tiny_ckpt)
+    bad = greedy(3, allowed_token_ids=[3, 4])
+    bad.allowed_token_ids.append(-5)
+    with pytest.raises(ValueError, match=r"prompt 1: SamplingParams.allowed_token_ids="):
+        llm.generate(prompts_of([4, 6], seed=3), [greedy(3), bad], use_tqdm=False)
+    assert_still_serving(llm)
+
+
 # -- token-id prompts with non-int elements ----------------------------------------------------
 @pytest.mark.parametrize("prompt,index,shown", [
     ([5, 2.0, 7], 1, "2.0"),

@@ -85,9 +85,12 @@ def test_min_tokens_masks_stop_tokens_until_reached(llm):
     dict(temperature=0, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=3),
     dict(temperature=0.8, seed=3, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=3),
     dict(temperature=0.8, seed=3, top_k=5, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=3),
-    dict(temperature=0.8, seed=3, repetition_penalty=1e-300),
+    dict(temperature=0.8, seed=3, repetition_penalty=1e-300),  # 0 in fp32: a division by zero
     dict(temperature=0, repetition_penalty=1e-300, logprobs=2),
-], ids=["greedy-all-masked", "sampled-all-masked", "top-k-all-masked", "penalty-overflow", "greedy-overflow"])
+    dict(temperature=0.01, seed=3, repetition_penalty=1e-37),  # finite until divided by the temperature
+    dict(temperature=0.01, seed=3, top_k=3, repetition_penalty=1e-37),
+], ids=["greedy-all-masked", "sampled-all-masked", "top-k-all-masked", "penalty-zero", "greedy-penalty-zero",
+        "temperature-overflow", "top-k-temperature-overflow"])
 def test_a_row_its_own_options_leave_nothing_to_draw_fails_by_name(llm, options):
     """Every token masked by the request's own options (or a penalty overflowing a logit) gave
     token 0 and finish_reason "stop" (the argmax of nothing); now the request ends with an

@@ -32,7 +32,7 @@ from minivllm.engine.output_processor import OutputKind, OutputProcessor, Reques
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.transaction import StepTransaction
-from minivllm.inputs import cache_salt_of, check_tokenization_kwargs
+from minivllm.inputs import cache_salt_of, check_tokenization_kwargs, prompt_truncation
 from minivllm.layers.attention import default_block_size, resolve_backend_name
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -112,7 +112,6 @@ class LLMEngine:
         ValueError: an argument's bad value, naming it (dtype, device, block size, a
             max_model_len the KV pool cannot hold, a speculative config, ...).
         FileNotFoundError: a model or tokenizer path that does not exist.
-        TypeError: a vLLM argument asking for a feature minivllm lacks (``EngineArgs``).
     """
 
     def __init__(self, args: EngineArgs):
@@ -406,8 +405,8 @@ class LLMEngine:
             params._validate_again()
         self.check_sampling_params(params)
         kind = params.output_kind if kind is None else kind
-        truncate = tokenization.get("truncate_prompt_tokens", params.truncate_prompt_tokens)
-        text, ids = self.encode_prompt(prompt, truncate, tokenization.get("add_special_tokens", True))
+        text, ids = self.encode_prompt(prompt, prompt_truncation(tokenization, params),
+                                       tokenization.get("add_special_tokens", True))
         salt = cache_salt_of(prompt)
         self._warn_if_max_tokens_capped(params, len(ids))
         with self._lock:
@@ -590,8 +589,11 @@ class LLMEngine:
             if params.has_logits_processors or params.repetition_penalty != 1.0:
                 errors[seq] = (f"request {seq.request_id!r}: no token could be sampled at step {self.step_index}: "
                                f"its own parameters (allowed_token_ids, bad_words, logit_bias, min_tokens against "
-                               f"its stop tokens, penalties) masked every token, or a logit was NaN or inf (the "
-                               f"model's, or a penalty's overflow); its output so far is kept and it was ended.")
+                               f"its stop tokens, penalties) masked every token, or a logit was NaN or inf (a "
+                               f"penalty's overflow, or the model's own logits"
+                               + (")" if self.config.dtype == torch.float32 else
+                                  f": in {self.config.dtype} activations can overflow, try dtype='float32')")
+                               + "; its output so far is kept and it was ended.")
                 logger.warning(errors[seq])
                 continue
             errors[seq] = (f"request {seq.request_id!r}: the model produced non-finite logits (NaN or inf) at "

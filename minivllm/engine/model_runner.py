@@ -125,7 +125,8 @@ class RunnerOutput:
     Attributes:
         seqs: the sequences that sampled, once each.
         token_ids: their (first) new token ids, same order.
-        failed: those of ``seqs`` whose logits held NaN or inf (their token is meaningless).
+        failed: those of ``seqs`` with no token to sample: their logits held NaN or inf, or (the
+            sampler's -1) their own parameters masked every token or overflowed a logit.
         more_token_ids: speculative decodes: the tokens emitted after the first (accepted
             drafts' successors); absent for a sequence that emits one token.
         logprobs: aligned with ``seqs``: each new token's logprob entry

@@ -158,8 +158,11 @@ def make_output(state: RequestState) -> RequestOutput:
     seq = state.seq
     finished = seq.is_finished
     out_ids = seq.output_token_ids
+    # text that may grow into a stop string is held back until it does or cannot, as vLLM does (not
+    # when the stop string is to be kept in the output: then nothing is cut once it completes)
+    stops = () if seq.params.include_stop_str_in_output else seq.params.stop_strings
     if state.kind is OutputKind.DELTA:
-        visible = len(state.text) if finished else len(state.text) - _held_back(state.text, seq.params.stop_strings)
+        visible = len(state.text) if finished else len(state.text) - _held_back(state.text, stops)
         visible = max(visible, state.sent_text)
         text = state.text[state.sent_text:visible]
         first_token = state.sent_tokens
@@ -168,8 +171,8 @@ def make_output(state: RequestState) -> RequestOutput:
     else:
         first_token = 0
         text, token_ids = state.text, out_ids  # output_token_ids is a fresh slice: the caller's own list
-        if not finished and seq.params.stop_strings:  # as a delta would: shown text never shrinks
-            text = text[:len(text) - _held_back(text, seq.params.stop_strings)]
+        if not finished and stops:  # as a delta: shown text never shrinks
+            text = text[:len(text) - _held_back(text, stops)]
     logprobs = prompt_logprobs = None
     if seq.logprobs is not None:
         logprobs = logprob_dicts(seq.logprobs[first_token:first_token + len(token_ids)], state.detokenizer)

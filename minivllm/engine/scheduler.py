@@ -364,7 +364,8 @@ class Scheduler:
         Args:
             plan: the step's plan (every entry's KV is now computed).
             seqs / token_ids: the sequences that sampled and their (first) new token, in order.
-            failed: sampling sequences whose logits were not finite: they get no token, none
+            failed: sampling sequences with no token to sample (their logits were not finite, or
+                their parameters masked every token): they get no token, none
                 of their blocks are registered for the prefix cache, and they finish with
                 finish_reason "error".
             logprobs: aligned with ``seqs``: the new token's ``(ids, logprobs, ranks)`` entry

@@ -127,8 +127,8 @@ class StepTransaction:
         for generator, state in self.generators:
             generator.set_state(state)
         if self.kv_written:
-            self._requeue_overwritten()
-            self.scheduler.block_manager.forget_evicted()
+            self._requeue_overwritten()  # first: the blocks it releases join the free lists that
+            self.scheduler.block_manager.forget_evicted()  # forget_evicted then unregisters
 
     def _requeue_overwritten(self) -> None:
         """A victim the rollback gave its blocks back to, one of which the step took for another

@@ -299,7 +299,8 @@ def sample_rows(logits: torch.Tensor, batch: SamplingBatch, default: torch.Gener
     rows = np.flatnonzero(temps > 0)
     if rows.size == 0:
         return torch.from_numpy(out)
-    y = logits.numpy()[rows] / temps[rows, None]
+    with np.errstate(over="ignore"):  # a logit overflowing at a low temperature: the row fails (Sampler)
+        y = logits.numpy()[rows] / temps[rows, None]
     m = y.max(axis=1, keepdims=True)
     top_k = batch.top_k.numpy() if batch.any_top_k else None
     top_p = batch.top_p.numpy() if batch.any_top_p else None

@@ -308,9 +308,11 @@ class Sampler:
         ids = self._draw(logits, batch)
         if processing is not None or batch.any_penalty:
             # A row whose own options masked every token (allowed_token_ids against bad_words or
-            # min_tokens) or overflowed one (a penalty of 1e-300) has nothing to draw: -1, failed,
-            # rather than the argmax's index 0. Its maximum is -inf, +inf or NaN.
-            ids = ids.masked_fill(~torch.isfinite(logits.amax(dim=-1)), -1)
+            # min_tokens) or overflowed a logit (a tiny repetition_penalty divides by it) has nothing
+            # to draw: -1, failed, rather than the argmax's index 0. Its maximum is -inf, +inf or
+            # NaN, or becomes inf once divided by the temperature (the draw's softmax is then NaN).
+            temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
+            ids = ids.masked_fill(~torch.isfinite(logits.amax(dim=-1) / temps), -1)
         return ids
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

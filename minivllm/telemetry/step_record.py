@@ -122,7 +122,7 @@ class StepRecord:
             scored this step, and how many of them were accepted.
         flops / bytes_moved: the step's model FLOPs and bytes moved (counts for the whole step,
             from its shapes: ``minivllm.telemetry.roofline.fill_step_record``), set for every
-            step. mfu / mbu: the fractions (0..1, not percent) of the measured peak FLOP/s and
+            step that scheduled something (else None). mfu / mbu: the fractions (0..1, not percent) of the measured peak FLOP/s and
             read bandwidth they reached, set when the engine has peaks
             (``LLMEngine.measure_peaks``), else None.
     """
