@@ -504,11 +504,12 @@ small.shutdown()
 # The view below runs four of the questions on the cached engine. For each request it shows the
 # prompt's KV blocks as hits (reused) or misses (computed), and measures its TTFT twice: *warm*
 # (the system prompt already cached by request 0) and *cold* (the cache cleared first), each the
-# median of three runs. For requests 1 to 3 the difference is the time the cache saved, measured; request
-# 0 has nothing to reuse in either run, so its difference is noise. The view tokenises the system
-# prompt and the question separately and joins the token ids, so a prompt's length can differ by a
-# token or so from the same text tokenised whole in section 1 (the printout below gives each prompt's
-# length). Press **Run** to measure again.
+# median of three runs. For requests 1 to 3 the difference is the time the cache saved, measured;
+# request 0 is the one that fills the cache, with nothing to reuse, so the view gives it no warm time
+# and no saving (a warm-up run before it keeps one-off first-run costs out of its cold time). The view
+# tokenises the system prompt and the question separately and joins the token ids, so a prompt's
+# length can differ by a token or so from the same text tokenised whole in section 1 (the printout
+# below gives each prompt's length). Press **Run** to measure again.
 
 # %%
 from widgets import PrefixCacheView
