@@ -367,6 +367,32 @@ def test_exception_in_worker_surfaces_in_caller(tiny_ckpt, monkeypatch):
     llm.shutdown()
 
 
+def test_an_interrupt_while_waiting_for_a_workers_report_still_stops_the_workers(tiny_ckpt, monkeypatch):
+    """Rank 0's own forward raised a RuntimeError; the guard waits up to 3 s for a worker's report before
+    stopping the workers, and a KeyboardInterrupt in that wait skipped the stop: the engine was not marked
+    failed, its workers stayed mid-step, and the next call (or shutdown) hung until the collective timeout."""
+    from minivllm.executor import launch
+
+    llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    runner, proc = engine.runner, engine.runner.conn.procs[0]
+    layer = runner.model.model.layers[1]
+    monkeypatch.setattr(layer, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("rank 0 only")))
+
+    def interrupted_poll(*args, **kwargs):
+        raise KeyboardInterrupt("pressed during the wait")
+
+    monkeypatch.setattr(launch, "worker_failure", interrupted_poll)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts_of([6], seed=8), greedy(4), use_tqdm=False)
+    monkeypatch.undo()
+    assert runner._failure is not None and "rank 0 only" in runner._failure
+    assert proc.wait(timeout=30) is not None  # the workers were stopped, not left mid-step
+    with pytest.raises(RuntimeError, match="create a new LLM"):
+        llm.generate(prompts_of([6], seed=8), greedy(4), use_tqdm=False)
+    llm.shutdown()
+
+
 @linux_only
 def test_no_orphan_after_garbage_collection(tiny_ckpt):
     llm = make_llm(tiny_ckpt, tensor_parallel_size=2)

@@ -237,14 +237,16 @@ class TPModelRunner(ShardRunner):
             if self._failure is not None:
                 raise
             described = None
-            if not self.conn.external and isinstance(e, RuntimeError):
-                deadline = time.monotonic() + 3.0  # let a dying worker finish its report and exit
-                while described is None and time.monotonic() < deadline:
-                    described = launch.worker_failure(self.conn.store, self.conn.procs)
-                    if described is None:
-                        time.sleep(0.02)
-            self._fail(f"tensor-parallel worker failed {when}: {described}" if described
-                       else f"tensor-parallel engine failed {when}: {type(e).__name__}: {e}")
+            try:
+                if not self.conn.external and isinstance(e, RuntimeError):
+                    deadline = time.monotonic() + 3.0  # let a dying worker finish its report and exit
+                    while described is None and time.monotonic() < deadline:
+                        described = launch.worker_failure(self.conn.store, self.conn.procs)
+                        if described is None:
+                            time.sleep(0.02)
+            finally:  # also when an interrupt cuts the wait short: the workers are mid-step, out of step
+                self._fail(f"tensor-parallel worker failed {when}: {described}" if described
+                           else f"tensor-parallel engine failed {when}: {type(e).__name__}: {e}".rstrip(": "))
             if described or (self.conn.external and isinstance(e, RuntimeError)):
                 raise RuntimeError(self._failure) from e
             raise
