@@ -49,7 +49,8 @@ class SamplingParams:
             penalty when positive and multiplied by it when negative.
         seed: a per-request seed: the request then samples the same tokens
             whatever else is in the batch (with speculative decoding, only while its drafts
-            are not cut by the step's token budget or a short KV pool). In
+            are not cut by the step's token budget or a short KV pool, which a step rolled back
+            after a preemption can change: README, "Interrupting is safe"). In
             ``[-2**63, 2**64 - 1]`` (``torch.Generator``'s range), ``seed + n - 1`` too. ``-1``
             means no seed (as in vLLM: it becomes None).
         max_tokens: most tokens to generate (>= 1), or None: until ``max_model_len``.
