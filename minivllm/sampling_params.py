@@ -354,6 +354,8 @@ class SamplingParams:
 
 
 _PUBLIC_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+
+
 class BeamSearchParams:
     """vLLM's ``BeamSearchParams``, importable so a vLLM script's import line works; building one
     raises, as ``LLM.beam_search`` does.
