@@ -109,7 +109,13 @@ class EngineArgs:
         tokenizer: the tokenizer to use in place of the model's (vLLM's argument): None (the
             model's), a local directory holding Hugging Face tokenizer files, or an embedded
             model's name.
-        kv_cache_dtype: vLLM's argument; only ``"auto"`` (the KV cache holds the model's dtype).
+        kv_cache_dtype: vLLM's argument: ``"auto"`` (the KV cache holds the model's dtype) or
+            ``"bfloat16"``. With a float32 model on the CPU, a bfloat16 cache halves the KV bytes:
+            twice the blocks in the same memory, and half the bytes a decode step reads (the
+            attention still computes in float32, from the cached values widened exactly; each
+            K and V is rounded to bfloat16 once, when written, so the logits move away from an
+            fp32 cache's by about bfloat16's precision). Another dtype than the model's needs the
+            torch attention backend (``resolve_kv_cache_dtype``); vLLM's fp8 formats are refused.
         profiler_config: vLLM's: where ``LLM.start_profile()`` / ``stop_profile()`` write a
             ``torch.profiler`` trace, e.g. ``{"profiler": "torch", "torch_profiler_dir": "./trace"}``
             (``minivllm/telemetry/profiler.py``); None: ``$VLLM_TORCH_PROFILER_DIR``.
@@ -175,9 +181,9 @@ class EngineArgs:
         from minivllm.telemetry.profiler import check_profiler_config
 
         check_profiler_config(self.profiler_config)
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: minivllm keeps the KV cache in the model's "
-                             "dtype; give 'auto' (or leave it out)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {list(KV_CACHE_DTYPES)} "
+                             "(minivllm has no fp8 KV cache)")
 
     @property
     def quant_config(self):
@@ -272,6 +278,33 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return getattr(torch, name)
 
 
+#: ``kv_cache_dtype`` values: vLLM's names, and the dtype each gives (None: the model's)
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+    """The KV cache's dtype: the model's ``dtype`` for ``"auto"``, else the one named.
+
+    Args:
+        kv_cache_dtype: a key of ``KV_CACHE_DTYPES``.
+        dtype: the model's (resolved) dtype.
+        attention_backend: the resolved backend name: a cache of another dtype than the model's is
+            read by the torch backend only (its CPU kernel and its reference path widen it to
+            float32); the Triton and flash-attn kernels take the model's dtype.
+
+    Raises:
+        ValueError: an unknown name, or another dtype than the model's on another backend than torch.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: choose one of {list(KV_CACHE_DTYPES)}")
+    kv = KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+    if kv != dtype and attention_backend != "torch":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} with dtype={str(dtype).removeprefix('torch.')}: a KV "
+                         f"cache in another dtype than the model's needs attention_backend='torch', got "
+                         f"{attention_backend!r}")
+    return kv
+
+
 @dataclass
 class EngineConfig:
     """Resolved, concrete settings the engine runs with (see ``EngineArgs`` for meanings)."""
@@ -284,6 +317,7 @@ class EngineConfig:
     num_kv_blocks: int
     max_model_len: int
     max_num_batched_tokens: int
+    kv_cache_dtype: torch.dtype | None = None  #: the KV cache's dtype (None: ``dtype``)
 
 
 @dataclass(frozen=True)

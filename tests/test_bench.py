@@ -568,7 +568,7 @@ def test_sweep_cli_writes_the_roofline_html_only_when_asked(tiny_ckpt, tmp_path,
     res = bench.run_cli(args + ["--context-len", "24"], peak_kwargs=PEAKS)  # the decode rows' context
     assert [p["context_len"] for p in res["sweep"].decode] == [24]
     out = capsys.readouterr().out.splitlines()
-    title = out.index("decode sweep (context 24 tokens, final_only outputs; step ms: the median step; the last "
+    title = out.index("decode sweep (context 24 tokens, KV cache in float32, final_only outputs; step ms: the median step; the last "
                       "column: the step over its matmuls alone)")
     # a header row names the columns, each right-aligned over its figures
     header, row = out[title + 1], out[title + 2]

@@ -88,6 +88,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one engine step")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one engine step")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
+    e.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16"],
+                   help="the KV cache's dtype: 'auto' (the model's) or 'bfloat16' (half the KV bytes of a float32 "
+                        "model on a CPU)")
     e.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no decode graphs: CUDA graphs on a GPU, CPU graphs on a CPU")
     return p
@@ -175,7 +178,8 @@ def _run_modes(args, log, peak_kwargs) -> dict:
     import torch
 
     engine_args = {k: getattr(args, k) for k in ("device", "dtype", "attention_backend", "max_num_seqs",
-                                                 "max_num_batched_tokens", "block_size", "enforce_eager")
+                                                 "max_num_batched_tokens", "block_size", "enforce_eager",
+                                                 "kv_cache_dtype")
                    if getattr(args, k) is not None}
     results: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "loadavg": loadavg()}
     if args.sweep:

@@ -35,6 +35,7 @@ class SweepResult(ResultMixin):
         html: where the roofline HTML was written, if anywhere.
         output_kind: what the requests asked for ("final_only" unless ``run_sweep`` was told
             otherwise; sweeps before 2026-12-04 22:30 UTC asked for "cumulative").
+        kv_cache_dtype: the KV cache's dtype (the model's unless ``kv_cache_dtype`` said otherwise).
     """
 
     mode: str
@@ -49,6 +50,7 @@ class SweepResult(ResultMixin):
     loadavg: list | None = None
     html: str | None = None
     output_kind: str = "final_only"
+    kv_cache_dtype: str | None = None
 
 
 def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, context_len: int = 128,
@@ -131,7 +133,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
 
         decode = []
         log(describe_peaks(peaks))
-        log(f"decode sweep (context {context_len} tokens, {output_kind} outputs; step ms: the median step; the last "
+        kv_dtype = str(engine.config.kv_cache_dtype or engine.config.dtype).removeprefix("torch.")
+        log(f"decode sweep (context {context_len} tokens, KV cache in {kv_dtype}, {output_kind} outputs; step ms: the median step; the last "
             f"column: the step over its matmuls alone)")
         log(f"  {'batch':>5} {'step ms':>9} {'ms/seq':>8} {'GFLOP/s':>9} {'GB/s':>8} {'MFU':>6} {'MBU':>6} "
             f"{'/matmuls':>10}")
@@ -204,7 +207,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         result = SweepResult("sweep", engine.source.name, device_label(engine.config.device),
                              str(engine.config.dtype).removeprefix("torch."), engine.config.attention_backend,
                              peaks_summary(peaks), cost.to_dict(), decode, prefill, loadavg(),
-                             output_kind=output_kind)
+                             output_kind=output_kind, kv_cache_dtype=kv_dtype)
         print_sweep_summary(result, log)
         if html:
             result.html = str(write_roofline_html(result, html))

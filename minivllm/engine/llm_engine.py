@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from minivllm.config import EngineArgs, EngineConfig, ModelConfig, resolve_device, resolve_dtype, resolve_lengths
+from minivllm.config import (EngineArgs, EngineConfig, ModelConfig, resolve_device, resolve_dtype,
+                             resolve_kv_cache_dtype, resolve_lengths)
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.kv_cache import kv_bytes_per_token
@@ -124,6 +125,7 @@ class LLMEngine:
         dtype = resolve_dtype(args.dtype, device)
         backend_name = resolve_backend_name(args.attention_backend, device, args.block_size, dtype)
         block_size = args.block_size or default_block_size(backend_name)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, backend_name)
         self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
         # the largest step resolve_lengths can allow (the memory profile runs one this long)
         positions = hf.max_position_embeddings  # an explicit max_model_len above it is capped to it
@@ -134,7 +136,7 @@ class LLMEngine:
             num_kvcache_blocks=args.num_kvcache_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization, max_num_batched_tokens=budget_hint,
             seed=args.seed, tp_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
-            quant_config=args.quant_config)
+            quant_config=args.quant_config, kv_cache_dtype=kv_dtype)
         if args.tensor_parallel_size > 1:  # rank 0 of a sharded model; see minivllm/executor/tp_runner.py
             from minivllm.executor.tp_runner import TPModelRunner
 
@@ -142,11 +144,11 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(runner_config)
         try:
-            block_bytes = kv_bytes_per_token(hf, dtype, args.tensor_parallel_size) * block_size
+            block_bytes = kv_bytes_per_token(hf, kv_dtype, args.tensor_parallel_size) * block_size
             max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
                                                     block_size, block_bytes)
             self.config = EngineConfig(args, device, dtype, self.runner.backend.name, block_size,
-                                       self.runner.num_kv_blocks, max_model_len, budget)
+                                       self.runner.num_kv_blocks, max_model_len, budget, kv_dtype)
             self._optimise(args, device)
         except BaseException:
             # A refused config must not leave the KV cache (or tensor-parallel workers) alive

@@ -313,6 +313,7 @@ class ModelRunner:
         self.source = config.source
         self.hf_config = config.source.hf_config
         self.device, self.dtype, self.block_size = device, config.dtype, config.block_size
+        self.kv_dtype = config.kv_cache_dtype or config.dtype  # the KV cache's (EngineArgs.kv_cache_dtype)
         self.tp_size = config.tp_size
         self.max_num_seqs = config.max_num_seqs
         self._staging = _PinnedStaging(device) if device.type == "cuda" else None
@@ -323,7 +324,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache, self.kv_caches = allocate_kv_cache(self.hf_config, self.num_kv_blocks, self.block_size,
-                                                          self.dtype, self.device, self.tp_size)
+                                                          self.kv_dtype, self.device, self.tp_size)
         #: CPU pools: makes the pool's pages ahead of the blocks in use (see kv_prefault.py); the
         #: engine connects it to its block manager
         self.kv_prefaulter = KVPrefaulter.for_pool(self.kv_cache)
@@ -340,7 +341,7 @@ class ModelRunner:
         holds, else (CUDA) what ``gpu_memory_utilization`` leaves after a warm-up, else (CPU)
         ``DEFAULT_CPU_KV_CACHE_BYTES``."""
         c = self.config
-        cfg, bs, dtype = self.hf_config, self.block_size, self.dtype
+        cfg, bs, dtype = self.hf_config, self.block_size, self.kv_dtype
         if c.num_kvcache_blocks is not None:
             return c.num_kvcache_blocks
         if c.kv_cache_memory_bytes is not None:
@@ -392,9 +393,9 @@ class ModelRunner:
         with one prefill of ``max_tokens`` tokens (the resolved step budget) and one decode
         step of ``max_num_seqs`` sequences that samples every row."""
         cuda = torch.cuda
-        per_token = kv_bytes_per_token(self.hf_config, self.dtype, self.tp_size)
+        per_token = kv_bytes_per_token(self.hf_config, self.kv_dtype, self.tp_size)
         scratch_blocks = cdiv(max_tokens, self.block_size) + self.max_num_seqs
-        _, self._scratch = allocate_kv_cache(self.hf_config, scratch_blocks, self.block_size, self.dtype,
+        _, self._scratch = allocate_kv_cache(self.hf_config, scratch_blocks, self.block_size, self.kv_dtype,
                                              self.device, self.tp_size)
         scratch_bytes = scratch_blocks * self.block_size * per_token
         try:

@@ -37,6 +37,7 @@ class RunnerConfig:
         max_num_seqs: most sequences per step: the GPU memory profile samples this many rows
             (logits ``[max_num_seqs, vocab]`` fp32 and the sampler's buffers).
         quant_config: weight quantisation (``minivllm.quantization.QuantConfig``) or None.
+        kv_cache_dtype: the KV cache's dtype; None: ``dtype`` (see ``EngineArgs.kv_cache_dtype``).
     """
 
     source: ModelSource
@@ -52,3 +53,4 @@ class RunnerConfig:
     tp_size: int = 1
     max_num_seqs: int = 256
     quant_config: object = None
+    kv_cache_dtype: torch.dtype | None = None

@@ -289,7 +289,7 @@ class ModelCost:
 
 
 def engine_cost(engine: Any, tp_size: int = 1) -> ModelCost:
-    """The :class:`ModelCost` of the model as ``engine`` holds it: its dtype, int8 quantisation
+    """The :class:`ModelCost` of the model as ``engine`` holds it: its dtype, its KV cache's, int8 quantisation
     (``quantization`` / ``quantize_lm_head``) and 16-bit panels (``engine.weight_storage``). With
     the default ``tp_size=1`` the whole model: what benchmarks and widgets that fill step records
     themselves should use, so their bytes per step count the weights as the engine holds them
@@ -297,6 +297,7 @@ def engine_cost(engine: Any, tp_size: int = 1) -> ModelCost:
     rank's share, its figures already divided)."""
     args = getattr(engine, "args", None)
     return ModelCost.from_config(engine.source.hf_config, dtype=engine.config.dtype, tp_size=tp_size,
+                                 kv_dtype=getattr(engine.config, "kv_cache_dtype", None),
                                  quantization=getattr(args, "quantization", None),
                                  quantize_lm_head=getattr(args, "quantize_lm_head", True),
                                  weight_storage=getattr(engine, "weight_storage", None))

@@ -5,7 +5,8 @@ tensor each layer and runs masked SDPA over it: two passes over the KV bytes plu
 for a step that should be one read of them. ``csrc/paged_decode_f32.c`` reads K and V in place
 through the block table instead (fp32, any GQA ratio and block size), for decode rows and for
 short causal queries (draft verification: up to ``MAX_QUERY_LEN`` tokens per sequence, one row
-per token). Measured on the 2-core dev EPYC, one thread, embedded model's shapes (32 sequences of
+per token). The cache may hold float32 or bfloat16 (``KV_DTYPES``; ``kv_cache_dtype="bfloat16"``:
+half the bytes a decode step reads, widened to float32 as they are loaded). Measured on the 2-core dev EPYC, one thread, embedded model's shapes (32 sequences of
 200-260 tokens, 16-token blocks, 2 KV heads of 64): 0.8 ms per layer against 1.9 ms for
 gather + SDPA in the engine. The same library computes the causal self-attention of fresh prompts
 (no cached prefix) from the step's own K and V (:meth:`PagedDecodeKernel.causal_self_attention`),
@@ -29,7 +30,7 @@ from minivllm.layers.native_build import NativeLibrary
 from minivllm.layers.native_parallel import run_chunks
 from minivllm.logger import init_logger
 
-__all__ = ["PagedDecodeKernel", "load", "unavailable_reason"]
+__all__ = ["KV_DTYPES", "PagedDecodeKernel", "load", "unavailable_reason"]
 
 logger = init_logger(__name__)
 
@@ -48,6 +49,9 @@ MAX_QUERY_LEN = 16
 #: model's shapes (32 prompts with 627k of it took 8.9 ms on one thread), far above a thread hand-off
 MIN_CAUSAL_WORK_TO_SPLIT = 1 << 16
 
+#: KV cache element types the kernel reads (and its store writes), and the C functions' suffix for each
+KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
 _library = NativeLibrary(SOURCE, ENV_SWITCH, lambda lib: PagedDecodeKernel(lib))
 
 
@@ -58,7 +62,8 @@ class _DecodeCall(ctypes.Structure):
         ("table_stride", ctypes.c_int64), ("row_seq", ctypes.c_void_p), ("row_lens", ctypes.c_void_p),
         ("out", ctypes.c_void_p)] + [(name, ctypes.c_int64) for name in (
             "num_rows", "num_heads", "num_kv_heads", "head_dim", "block_size")] + [
-        ("scale", ctypes.c_float), ("scratch", ctypes.c_void_p), ("scratch_floats", ctypes.c_int64)]
+        ("scale", ctypes.c_float), ("scratch", ctypes.c_void_p), ("scratch_floats", ctypes.c_int64),
+        ("kv_bf16", ctypes.c_int64)]
 
 
 def load() -> "PagedDecodeKernel | None":
@@ -104,11 +109,17 @@ class PagedDecodeKernel:
     """The loaded C function, with the shape checks and the optional split over threads."""
 
     def __init__(self, lib: ctypes.CDLL):
-        fn = lib.paged_decode_attention_f32
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p]
-        fn.restype = None
-        self._fn = fn
+        # per KV cache dtype: (decode attention, its packed twin, KV store, its packed twin); the packed
+        # twins (csrc/packed_call.h) are what a CPU graph replays from C
+        self._by_dtype = {}
+        for dtype, suffix in KV_DTYPES.items():
+            fn, store = getattr(lib, f"paged_decode_attention_{suffix}"), getattr(lib, f"paged_store_kv_{suffix}")
+            fn.argtypes, fn.restype = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p], None
+            store.argtypes, store.restype = [p, i64, p, i64, p, i64, i64, p, p, i64], i64
+            self._by_dtype[dtype] = (fn, cpu_graph.packed_address(lib, f"paged_decode_attention_{suffix}"),
+                                     store, cpu_graph.packed_address(lib, f"paged_store_kv_{suffix}"))
+        self._fn = self._by_dtype[torch.float32][0]  # float32 caches (scripts/probe_kv_read.py calls it)
         causal = lib.causal_self_attention_f32
         causal.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p]
         causal.restype = None
@@ -117,13 +128,6 @@ class PagedDecodeKernel:
         self._tile_width.argtypes, self._tile_width.restype = [i64, i64, i64], i64
         self._vector_width = lib.paged_decode_vector_width
         self._vector_width.argtypes, self._vector_width.restype = [], i64
-        store = lib.paged_store_kv_f32
-        store.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64]
-        store.restype = i64
-        self._store = store
-        # the packed twins (csrc/packed_call.h) a CPU graph replays from C
-        self._fn_packed = cpu_graph.packed_address(lib, "paged_decode_attention_f32")
-        self._store_packed = cpu_graph.packed_address(lib, "paged_store_kv_f32")
         # the C function that runs one part of a split call's rows on the panel GEMM's threads (__call__)
         self._part_address = ctypes.cast(lib.paged_decode_part, ctypes.c_void_p).value
         # One kernel object serves every backend in the process, and engines may step in
@@ -158,7 +162,8 @@ class PagedDecodeKernel:
 
         Args:
             q: fp32 ``[R, heads, head_dim]``, contiguous.
-            k_cache, v_cache: fp32 ``[num_blocks, block_size, kv_heads, head_dim]``, contiguous.
+            k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]``, contiguous, both
+                fp32 or both bf16 (``KV_DTYPES``).
             block_tables: int32 ``[S, max_blocks]``, contiguous, one row per sequence.
             row_seq: int32 ``[R]``: the block-table row of each query row.
             row_lens: int32 ``[R]``: keys each row sees, ``1 .. max_blocks * block_size``; its
@@ -180,8 +185,9 @@ class PagedDecodeKernel:
                              f"[blocks, block_size, kv_heads, head_dim], got {tuple(q.shape)} and {tuple(k_cache.shape)}")
         rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
-        for name, t, dt in (("q", q, torch.float32), ("k_cache", k_cache, torch.float32),
-                            ("v_cache", v_cache, torch.float32), ("block_tables", block_tables, torch.int32),
+        kv_dtype = k_cache.dtype if k_cache.dtype in KV_DTYPES else torch.float32  # else refused below
+        for name, t, dt in (("q", q, torch.float32), ("k_cache", k_cache, kv_dtype),
+                            ("v_cache", v_cache, kv_dtype), ("block_tables", block_tables, torch.int32),
                             ("row_seq", row_seq, torch.int32), ("row_lens", row_lens, torch.int32)):
             if t.dtype != dt or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"paged decode kernel: {name} must be a contiguous CPU {dt} tensor, got "
@@ -198,6 +204,8 @@ class PagedDecodeKernel:
             raise ValueError(f"paged decode kernel: out must be a contiguous CPU float32 tensor of shape "
                              f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)} on {out.device}")
         block_size = k_cache.shape[1]
+        fn, fn_packed, _, _ = self._by_dtype[kv_dtype]
+        name = f"paged_decode_attention_{KV_DTYPES[kv_dtype]}"
         chunks = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
         per_chunk = heads * max_len
         graph = cpu_graph.capturing()
@@ -221,12 +229,11 @@ class PagedDecodeKernel:
             # GEMM's polled on the same cores (2 cores, 2 threads, the embedded model's batch-32
             # step: 11.1-14.3 ms against 5.9-7.1 ms this way; docs/benchmarks.md, run AF)
             call = _DecodeCall(qp, kp, vp, tp, stride, sq, lp, op, rows, heads, kv_heads, head_dim, block_size,
-                               scale, sp, per_chunk)
+                               scale, sp, per_chunk, int(kv_dtype == torch.bfloat16))
             if graph is not None:
                 graph.keep_alive(call)  # its replays pass the structure's address again
             args = (self._part_address, ctypes.addressof(call), chunks)
-            cpu_graph.launch(gemm.parallel_run, *args, name="paged_decode_attention_f32",
-                             native=(gemm.parallel_run_packed, args))
+            cpu_graph.launch(gemm.parallel_run, *args, name=name, native=(gemm.parallel_run_packed, args))
             return out
 
         def chunk_args(c: int) -> tuple:  # the kernel's arguments for chunk c's rows and scratch
@@ -237,15 +244,15 @@ class PagedDecodeKernel:
 
         if chunks == 1:
             args = chunk_args(0)
-            cpu_graph.launch(self._fn, *args, name="paged_decode_attention_f32", native=(self._fn_packed, args))
+            cpu_graph.launch(fn, *args, name=name, native=(fn_packed, args))
             return out
 
         def run(c: int) -> None:
-            self._fn(*chunk_args(c))
+            fn(*chunk_args(c))
 
         # several chunks run on several threads (ctypes drops the GIL); run_chunks returns only once
         # every chunk is done, so the scratch is free for the next call even after an interrupt
-        cpu_graph.launch(run_chunks, run, chunks, name="paged_decode_attention_f32")
+        cpu_graph.launch(run_chunks, run, chunks, name=name)
         return out
 
     def causal_self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]],
@@ -322,8 +329,9 @@ class PagedDecodeKernel:
                  slot_mapping: torch.Tensor) -> bool:
         """Write token ``t``'s ``k[t]`` and ``v[t]`` (``[T, kv_heads, head_dim]`` fp32, each token's
         heads contiguous) at slot ``slot_mapping[t]`` (int64 ``[T]``, contiguous; -1: skipped) of
-        the caches (``[num_blocks, block_size, kv_heads, head_dim]`` fp32, contiguous). Returns
-        False, writing nothing, for tensors it does not take (the caller then uses ``index_copy_``).
+        the caches (``[num_blocks, block_size, kv_heads, head_dim]``, contiguous, both fp32 or both
+        bf16: rounded to nearest, ties to even, as ``Tensor.to(torch.bfloat16)``). Returns False,
+        writing nothing, for tensors it does not take (the caller then uses ``index_copy_``).
 
         Raises:
             IndexError: a slot outside ``[-1, num_blocks * block_size)``, naming it.
@@ -333,9 +341,9 @@ class PagedDecodeKernel:
                 or slot_mapping.shape != (tokens,) or slot_mapping.dtype is not torch.int64
                 or not slot_mapping.is_contiguous() or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
             return False
-        for t in (k, v, k_cache, v_cache):
-            if t.dtype is not torch.float32 or not t.is_cpu:
-                return False
+        if (k.dtype is not torch.float32 or v.dtype is not torch.float32 or k_cache.dtype not in KV_DTYPES
+                or v_cache.dtype is not k_cache.dtype or not all(t.is_cpu for t in (k, v, k_cache, v_cache))):
+            return False
         row = k.shape[1] * k.shape[2]
         if tokens > 1 and (k.stride(1) != k.shape[2] or k.stride(2) != 1 or v.stride(1) != v.shape[2]
                            or v.stride(2) != 1):
@@ -346,11 +354,13 @@ class PagedDecodeKernel:
         args = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), tokens, row,
                 k_cache.data_ptr(), v_cache.data_ptr(), num_slots)
 
+        _, _, store_fn, store_packed = self._by_dtype[k_cache.dtype]
+
         def store() -> None:
-            bad = self._store(*args)
+            bad = store_fn(*args)
             if bad >= 0:
                 raise IndexError(f"KV cache write: slot {int(slot_mapping[bad])} (token {bad}) is outside the "
                                  f"cache's {num_slots} slots")
 
-        cpu_graph.launch(store, name="paged_store_kv_f32", native=(self._store_packed, args))
+        cpu_graph.launch(store, name=f"paged_store_kv_{KV_DTYPES[k_cache.dtype]}", native=(store_packed, args))
         return True

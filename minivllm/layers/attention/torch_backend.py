@@ -39,7 +39,7 @@ than both at batch <= 8. Gathered K/V land in one buffer reused by every layer a
 Low-precision inputs are upcast so the softmax runs in fp32; the output is cast back to
 ``q.dtype``.
 
-On the CPU in fp32, groups whose queries are short (decode; draft verification, up to
+On the CPU in fp32 (the cache fp32 or bf16), groups whose queries are short (decode; draft verification, up to
 ``cpu_decode.MAX_QUERY_LEN`` tokens) skip the gather and the SDPA call: our C kernel
 (``cpu_decode``, built at first use) reads each sequence's K/V in place through the block
 table, one row per query token, which the plan hands it as int32 tables, row-to-sequence
@@ -257,8 +257,10 @@ class TorchAttentionBackend(AttentionBackend):
     def _native(self, q, k_cache, v_cache, gp: _GroupPlan, scale: float) -> torch.Tensor | None:
         """The group's attention through the native kernel, ``q [n, heads, d]`` (the group's
         query tokens in ``q_src`` order) -> ``[n, heads, d]``; ``None`` when the plan has no
-        kernel view of it or a tensor is not fp32."""
-        if gp.tables32 is None or not q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
+        kernel view of it, ``q`` is not fp32 or the caches hold a dtype the kernel does not read
+        (``cpu_decode.KV_DTYPES``: fp32, bf16)."""
+        if (gp.tables32 is None or q.dtype != torch.float32 or k_cache.dtype not in cpu_decode.KV_DTYPES
+                or v_cache.dtype != k_cache.dtype):
             return None
         if gp.max_block_id >= k_cache.shape[0]:
             raise RuntimeError(f"attention plan: block id {gp.max_block_id} is outside the KV cache's "
@@ -304,6 +306,12 @@ class TorchAttentionBackend(AttentionBackend):
                                              None if single_fresh else fresh)
 
     @property
+    def native_kernel(self) -> bool:
+        """Whether short-query groups (decode) go through the C kernel (``cpu_decode``: K/V read in
+        place through the block table) rather than gather + SDPA."""
+        return self._kernel is not None
+
+    @property
     def supports_cpu_graphs(self) -> bool:
         """Decode steps can be recorded in a CPU graph (``minivllm/layers/cpu_graph.py``): the
         native kernel is loaded, so a decode step's attention and KV write are C calls reading
@@ -337,10 +345,11 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, kv_heads, head_dim)
         v_flat = v_cache.view(num_blocks * block_size, kv_heads, head_dim)
-        # fp32 on the CPU: one C call writes every token's K and V (slot -1 skipped)
+        # fp32 K/V on the CPU into an fp32 or bf16 cache: one C call writes every token's (slot -1 skipped)
         if self._kernel is None or not self._kernel.store_kv(k, v, k_cache, v_cache, meta.slot_mapping):
             if plan.slots is None:
-                raise NotCapturable(f"CPU graph: the KV cache write takes fp32 CPU tensors, got {k.dtype} on {k.device}")
+                raise NotCapturable(f"CPU graph: the KV cache write takes fp32 CPU tensors and an fp32 or bf16 "
+                                    f"cache, got {k.dtype} on {k.device} into {k_cache.dtype}")
             write_tokens, write_slots = plan.writes()  # one host sync per step (not per layer)
             if write_tokens.numel() == k.shape[0]:  # no padding tokens: every row is written
                 k_new, v_new = k, v
@@ -352,6 +361,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads = q.shape[1]
         compute_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         gqa = num_heads != kv_heads
+        if k_cache.dtype != k.dtype and (plan.single_fresh_prefill or plan.fresh):
+            # fresh prompts attend over their own K/V as the cache holds them (kv_cache_dtype), as the
+            # same prompt does in chunks or after a prefix hit, where they are read back from the cache
+            k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
         if plan.single_fresh_prefill:
             if self._kernel is not None and q.dtype == torch.float32 and q.is_cpu:
                 out = torch.empty_like(q)

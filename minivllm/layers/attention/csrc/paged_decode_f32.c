@@ -1,6 +1,7 @@
-/* Paged attention for short queries on the CPU, fp32 (decode: one query token per sequence;
-   draft verification and short chunks: a few, causal), keys and values read in place from the
-   paged KV cache through the block table (no gathered copy, no mask).
+/* Paged attention for short queries on the CPU, computed in fp32 (decode: one query token per
+   sequence; draft verification and short chunks: a few, causal), keys and values read in place from
+   the paged KV cache through the block table (no gathered copy, no mask); the cache holds float32,
+   or bfloat16 (the _bf16 functions: kv_cache_dtype="bfloat16").
    Part of minivllm; built at first use by minivllm/layers/attention/cpu_decode.py and called
    through ctypes (which releases the GIL, so chunks of sequences can run on several threads).
 
@@ -8,7 +9,7 @@
    of one token, so each slot is read once), a max-subtracted softmax per head, then one sweep
    over its V blocks accumulating every head's output; for the common head sizes (decode_row_tiled)
    with dot products summed a vector of them at a time, else with portable loops
-   (decode_row_generic).
+   (decode_row_generic); both in paged_decode_rows.h, compiled once per cache element type.
    Also here: causal self-attention of fresh prompts (causal_self_attention_f32, at the end). */
 #include <stdint.h>
 #include <math.h>
@@ -45,96 +46,24 @@ static inline void softmax_f32(float *s, int64_t len) {
    cross a 4 KiB page). The cursor walks the next row's K blocks then its V blocks, a 64-byte
    line per hint, at the pace this row reads its own (so about a row ahead). */
 typedef struct {
-    const float *k_cache, *v_cache;
+    const char *k_cache, *v_cache;
     const int32_t *table;      /* the next row's block-table row; NULL: nothing (left) to prefetch */
-    int64_t num_blocks, block_floats, block, offset, in_v;
+    int64_t num_blocks, block_bytes, block, offset, in_v;
 } prefetch_cursor;
 
-static inline void prefetch_advance(prefetch_cursor *c, int64_t floats) {
-    while (floats > 0 && c->table) {
-        const float *base = (c->in_v ? c->v_cache : c->k_cache) + (int64_t)c->table[c->block] * c->block_floats;
-        const int64_t take = c->block_floats - c->offset < floats ? c->block_floats - c->offset : floats;
-        for (int64_t i = 0; i < take; i += 16) __builtin_prefetch(base + c->offset + i, 0, 2);
+/* Hints for the next `bytes` of the next row's blocks, a 64-byte line per hint. */
+static inline void prefetch_advance(prefetch_cursor *c, int64_t bytes) {
+    while (bytes > 0 && c->table) {
+        const char *base = (c->in_v ? c->v_cache : c->k_cache) + (int64_t)c->table[c->block] * c->block_bytes;
+        const int64_t take = c->block_bytes - c->offset < bytes ? c->block_bytes - c->offset : bytes;
+        for (int64_t i = 0; i < take; i += 64) __builtin_prefetch(base + c->offset + i, 0, 2);
         c->offset += take;
-        floats -= take;
-        if (c->offset == c->block_floats) {
+        bytes -= take;
+        if (c->offset == c->block_bytes) {
             c->offset = 0;
             if (++c->block == c->num_blocks) {
                 c->block = 0;
                 if (c->in_v++) c->table = NULL;  /* K and V both done */
-            }
-        }
-    }
-}
-
-/* One query row, any head_dim and GQA ratio: scores of every head in one sweep over the K slots,
-   softmax, one sweep over the V slots. s: scores scratch [H, len]; og: the row's output [H, D]. */
-static void decode_row_generic(const float *qg, const float *k_cache, const float *v_cache, const int32_t *table,
-                               int64_t len, float *og, float *s, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, float scale, prefetch_cursor *pf) {
-    const int64_t qpk = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim;  /* floats per slot: all kv heads of one token */
-    /* Pass 1: every head's scores, one sweep over the sequence's K slots. Four slots at a
-       time: four independent dot products per head keep the FMA units busy (one dot alone
-       is a chain of dependent adds) and each query row is loaded once per four keys. */
-    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const float *kb = k_cache + (int64_t)table[j0 / block_size] * block_size * row;
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        int64_t t = 0;
-        for (; t + 4 <= n; t += 4) {
-            prefetch_advance(pf, 4 * row);
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float *qh = qg + h * head_dim, *k0 = kb + t * row + (h / qpk) * head_dim;
-                const float *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
-                float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-                #pragma omp simd reduction(+:a0, a1, a2, a3)
-                for (int64_t d = 0; d < head_dim; d++) {
-                    a0 += qh[d] * k0[d]; a1 += qh[d] * k1[d]; a2 += qh[d] * k2[d]; a3 += qh[d] * k3[d];
-                }
-                float *sh = s + h * len + j0 + t;
-                sh[0] = a0 * scale; sh[1] = a1 * scale; sh[2] = a2 * scale; sh[3] = a3 * scale;
-            }
-        }
-        for (; t < n; t++) {
-            const float *kr = kb + t * row;
-            prefetch_advance(pf, row);
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float *qh = qg + h * head_dim, *kh = kr + (h / qpk) * head_dim;
-                float acc = 0.f;
-                #pragma omp simd reduction(+:acc)
-                for (int64_t d = 0; d < head_dim; d++) acc += qh[d] * kh[d];
-                s[h * len + j0 + t] = acc * scale;
-            }
-        }
-    }
-    /* Softmax of each head's row, in place */
-    for (int64_t h = 0; h < num_heads; h++) softmax_f32(s + h * len, len);
-    /* Pass 2: weighted sum of V, one sweep over the V slots for all heads, four slots per
-       update of each head's output row. */
-    memset(og, 0, num_heads * head_dim * sizeof(float));
-    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const float *vb = v_cache + (int64_t)table[j0 / block_size] * block_size * row;
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        int64_t t = 0;
-        for (; t + 4 <= n; t += 4) {
-            prefetch_advance(pf, 4 * row);
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float *ph = s + h * len + j0 + t, *v0 = vb + t * row + (h / qpk) * head_dim;
-                const float *v1 = v0 + row, *v2 = v1 + row, *v3 = v2 + row;
-                const float p0 = ph[0], p1 = ph[1], p2 = ph[2], p3 = ph[3];
-                float *oh = og + h * head_dim;
-                #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) oh[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
-            }
-        }
-        for (; t < n; t++) {
-            const float *vr = vb + t * row;
-            prefetch_advance(pf, row);
-            for (int64_t h = 0; h < num_heads; h++) {
-                const float p = s[h * len + j0 + t], *vh = vr + (h / qpk) * head_dim;
-                float *oh = og + h * head_dim;
-                #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) oh[d] += p * vh[d];
             }
         }
     }
@@ -207,83 +136,6 @@ static inline vecf sum_lanes(const vecf *a) {
 #endif
 }
 
-/* One query row (as decode_row_generic) for D % VW == 0 and VW % qpk == 0; inlined into calls
-   with constant D and qpk. Block by block, each KV head g in turn: scores VW dots at a time
-   (VW / qpk keys x the qpk heads sharing g); after the softmaxes, the weighted sum of V in
-   chunks of 4 vectors x 2 heads of output, kept in registers over a block. */
-static inline __attribute__((always_inline)) void decode_row_tiled(
-        const float *qg, const float *k_cache, const float *v_cache, const int32_t *table, int64_t len,
-        float *og, float *s, int64_t Hk, const int64_t D, const int64_t qpk, int64_t block_size, float scale,
-        prefetch_cursor *pf) {
-    const int64_t row = Hk * D, nk = VW / qpk, DV = D / VW, CH = 4 * VW;
-    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const float *kb = k_cache + (int64_t)table[j0 / block_size] * block_size * row;
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t g = 0; g < Hk; g++) {
-            const float *qh = qg + g * qpk * D;
-            for (int64_t t = 0; t < n; t += nk) {
-                const int64_t m = n - t < nk ? n - t : nk;  /* keys in this tile */
-                prefetch_advance(pf, m * D);  /* spread out: a burst of hints stalls on a full miss queue */
-                vecf acc[VW];
-                for (int64_t k = 0; k < nk; k++) {
-                    const float *kr = kb + (t + k < n ? t + k : t) * row + g * D;  /* past the block: repeat a key */
-                    for (int64_t hh = 0; hh < qpk; hh++) {
-                        vecf a = LDV(qh + hh * D) * LDV(kr);
-                        for (int64_t c = 1; c < DV; c++) a += LDV(qh + hh * D + VW * c) * LDV(kr + VW * c);
-                        acc[k * qpk + hh] = a;
-                    }
-                }
-                const vecf dots = sum_lanes(acc) * splatv(scale);
-                for (int64_t k = 0; k < m; k++)
-                    for (int64_t hh = 0; hh < qpk; hh++) s[(g * qpk + hh) * len + j0 + t + k] = dots[k * qpk + hh];
-            }
-        }
-    }
-    for (int64_t h = 0; h < Hk * qpk; h++) softmax_f32(s + h * len, len);
-    for (int64_t j0 = 0; j0 < len; j0 += block_size) {
-        const float *vb = v_cache + (int64_t)table[j0 / block_size] * block_size * row;
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t g = 0; g < Hk; g++) {
-            for (int64_t c0 = 0; c0 < D; c0 += CH) {
-                const int64_t cw = D - c0 < CH ? (D - c0) / VW : 4;  /* vectors in this chunk */
-                for (int64_t h0 = 0; h0 < qpk; h0 += 2) {
-                    const int two = h0 + 1 < qpk;
-                    const float *p0 = s + (g * qpk + h0) * len + j0, *p1 = p0 + (two ? len : 0);
-                    float *o0 = og + (g * qpk + h0) * D + c0, *o1 = two ? o0 + D : o0;
-                    vecf x0 = splatv(0.f), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
-                    if (j0) {
-                        x0 = LDV(o0); y0 = LDV(o1);
-                        if (cw > 1) { x1 = LDV(o0 + VW); y1 = LDV(o1 + VW); }
-                        if (cw > 2) { x2 = LDV(o0 + 2 * VW); y2 = LDV(o1 + 2 * VW); }
-                        if (cw > 3) { x3 = LDV(o0 + 3 * VW); y3 = LDV(o1 + 3 * VW); }
-                    }
-                    for (int64_t t = 0; t < n; t++) {
-                        if (h0 == 0)  /* a key's lines at a time: the block's 64 at once stalled on the miss queue */
-                            prefetch_advance(pf, cw * VW);
-                        const float *vr = vb + t * row + g * D + c0;
-                        const vecf w0 = splatv(p0[t]), w1 = splatv(p1[t]), e0 = LDV(vr);
-                        x0 += w0 * e0; y0 += w1 * e0;
-                        if (cw > 1) { const vecf e1 = LDV(vr + VW); x1 += w0 * e1; y1 += w1 * e1; }
-                        if (cw > 2) { const vecf e2 = LDV(vr + 2 * VW); x2 += w0 * e2; y2 += w1 * e2; }
-                        if (cw > 3) { const vecf e3 = LDV(vr + 3 * VW); x3 += w0 * e3; y3 += w1 * e3; }
-                    }
-                    const vecf xs[4] = {x0, x1, x2, x3}, ys[4] = {y0, y1, y2, y3};
-                    for (int64_t i = 0; i < cw; i++) {
-                        *(vecf *)(o1 + VW * i) = ys[i];
-                        *(vecf *)(o0 + VW * i) = xs[i];
-                    }
-                }
-            }
-        }
-    }
-}
-
-#define ROW_TILED(DD, QQ)                                                                                     \
-    if (head_dim == DD && qpk == QQ) {                                                                        \
-        decode_row_tiled(qg, k_cache, v_cache, table, len, og, scratch, num_kv_heads, DD, QQ, block_size, scale, &pf); \
-        continue;                                                                                             \
-    }
-
 /* The vector width (floats) decode_row_tiled uses for these heads, 0 where the rows take
    decode_row_generic (for the engine's startup log). */
 int64_t paged_decode_tile_width(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
@@ -294,53 +146,49 @@ int64_t paged_decode_tile_width(int64_t num_heads, int64_t num_kv_heads, int64_t
 /* The vector width of this build. */
 int64_t paged_decode_vector_width(void) { return VW; }
 
-/* For each query row r (a token; rows of one sequence share its block table) and head h
-   (kv head h / qpk):
-     out[r, h, :] = softmax_j(scale * q[r, h, :] . K_j[h / qpk, :]) @ V_j[h / qpk, :]
-   over the row's first row_lens[r] keys, read in place from the paged cache through block table
-   row_seq[r]: key j is slot j % block_size of block block_tables[row_seq[r], j / block_size].
-   A decode step has one row per sequence with its whole context; a short causal query (draft
-   verification) has one row per token, each seeing the keys up to its own position.
-   Layouts (contiguous fp32): q, out [R, H, D]; k_cache, v_cache [num_blocks, block_size, Hk, D];
-   block_tables int32 [S, table_stride]; row_seq, row_lens int32 [R]; scratch >= H * max(row_lens). */
-void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                                const int32_t *block_tables, int64_t table_stride,
-                                const int32_t *row_seq, const int32_t *row_lens, float *out,
-                                int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                int64_t block_size, float scale, float *scratch) {
-    const int64_t qpk = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim;
-    /* at most 8 vectors a dot: beyond, the query rows no longer fit the registers (AVX2, head_dim
-       128, 4 query heads per KV head: 15% slower than the generic loops) */
-    const int tiled = paged_decode_tile_width(num_heads, num_kv_heads, head_dim) != 0;
-    for (int64_t r = 0; r < num_rows; r++) {
-        const int64_t len = row_lens[r];
-        const int32_t *table = block_tables + (int64_t)row_seq[r] * table_stride;
-        const float *qg = q + r * num_heads * head_dim;
-        float *og = out + r * num_heads * head_dim;
-        prefetch_cursor pf = {k_cache, v_cache, NULL, 0, block_size * row, 0, 0, 0};
-        if (r + 1 < num_rows && row_seq[r + 1] != row_seq[r]) {  /* a new sequence's blocks next */
-            pf.table = block_tables + (int64_t)row_seq[r + 1] * table_stride;
-            pf.num_blocks = (row_lens[r + 1] + block_size - 1) / block_size;
-        }
-        if (!tiled) {
-            decode_row_generic(qg, k_cache, v_cache, table, len, og, scratch, num_heads, num_kv_heads, head_dim,
-                               block_size, scale, &pf);
-            continue;
-        }
-        /* the common shapes as constants, so the compiler unrolls the head_dim and head loops */
-        ROW_TILED(64, 1) ROW_TILED(64, 2) ROW_TILED(64, 4) ROW_TILED(64, 8)
-        ROW_TILED(128, 1) ROW_TILED(128, 2) ROW_TILED(128, 4) ROW_TILED(128, 8)
-        decode_row_tiled(qg, k_cache, v_cache, table, len, og, scratch, num_kv_heads, head_dim, qpk, block_size,
-                       scale, &pf);
-    }
+/* The rows for each element type the cache may hold (paged_decode_rows.h): float32, and bfloat16
+   (kv_cache_dtype="bfloat16": half the bytes read; its values widened to float32 exactly, by a shift). */
+#define KV_T float
+#define KV_LOAD(p) LDV(p)
+#define KV_FLOAT(x) (x)
+#define KV_NAME(f) f##_f32
+#include "paged_decode_rows.h"
+#undef KV_T
+#undef KV_LOAD
+#undef KV_FLOAT
+#undef KV_NAME
+
+typedef uint16_t vec_bf16 __attribute__((vector_size(VW * 2), aligned(2), may_alias));
+typedef uint32_t vec_u32 __attribute__((vector_size(VW * 4)));
+
+/* VW bfloat16 values at p as floats: a bfloat16 is the top half of a float32's bits. */
+static inline vecf bf16_load(const uint16_t *p) {
+    return (vecf)(__builtin_convertvector(*(const vec_bf16 *)p, vec_u32) << 16);
 }
 
+static inline float bf16_float(uint16_t x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
-/* paged_decode_attention_f32's arguments, for a split over threads (native_parallel_run in the
-   panel GEMM library calls paged_decode_part for each part). scratch holds parts x scratch_floats. */
+#define KV_T uint16_t
+#define KV_LOAD(p) bf16_load(p)
+#define KV_FLOAT(x) bf16_float(x)
+#define KV_NAME(f) f##_bf16
+#include "paged_decode_rows.h"
+#undef KV_T
+#undef KV_LOAD
+#undef KV_FLOAT
+#undef KV_NAME
+
+/* paged_decode_attention_f32's (or _bf16's) arguments, for a split over threads (native_parallel_run
+   in the panel GEMM library calls paged_decode_part for each part). scratch holds parts x
+   scratch_floats; kv_bf16: the caches hold bfloat16. */
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;
     const int32_t *block_tables;
     int64_t table_stride;
     const int32_t *row_seq, *row_lens;
@@ -348,7 +196,7 @@ typedef struct {
     int64_t num_rows, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     float *scratch;
-    int64_t scratch_floats;
+    int64_t scratch_floats, kv_bf16;
 } decode_call;
 
 /* Rows num_rows * part / parts up to the next part's first, with the part's own scratch. */
@@ -356,7 +204,13 @@ void paged_decode_part(void *ctx, int part, int parts) {
     const decode_call *a = (const decode_call *)ctx;
     const int64_t lo = a->num_rows * part / parts, hi = a->num_rows * (part + 1) / parts;
     const int64_t per_row = a->num_heads * a->head_dim;
-    if (hi > lo)
+    if (hi <= lo) return;
+    if (a->kv_bf16)
+        paged_decode_attention_bf16(a->q + lo * per_row, a->k_cache, a->v_cache, a->block_tables, a->table_stride,
+                                    a->row_seq + lo, a->row_lens + lo, a->out + lo * per_row, hi - lo, a->num_heads,
+                                    a->num_kv_heads, a->head_dim, a->block_size, a->scale,
+                                    a->scratch + part * a->scratch_floats);
+    else
         paged_decode_attention_f32(a->q + lo * per_row, a->k_cache, a->v_cache, a->block_tables, a->table_stride,
                                    a->row_seq + lo, a->row_lens + lo, a->out + lo * per_row, hi - lo, a->num_heads,
                                    a->num_kv_heads, a->head_dim, a->block_size, a->scale,
@@ -380,15 +234,51 @@ int64_t paged_store_kv_f32(const float *k, int64_t k_stride, const float *v, int
     return -1;
 }
 
+/* paged_store_kv_f32 into bfloat16 caches ([num_slots, row] uint16 each): each float rounded to the
+   nearest bfloat16, ties to even, NaN to 0x7fc0 (torch's float -> bfloat16 conversion, bit for bit). */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+int64_t paged_store_kv_bf16(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                            const int64_t *slots, int64_t tokens, int64_t row, uint16_t *k_cache, uint16_t *v_cache,
+                            int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t s = slots[t];
+        if (s == -1) continue;
+        if (s < -1 || s >= num_slots) return t;
+        const float *kt = k + t * k_stride, *vt = v + t * v_stride;
+        uint16_t *kd = k_cache + s * row, *vd = v_cache + s * row;
+        #pragma omp simd
+        for (int64_t i = 0; i < row; i++) kd[i] = bf16_round(kt[i]);
+        #pragma omp simd
+        for (int64_t i = 0; i < row; i++) vd[i] = bf16_round(vt[i]);
+    }
+    return -1;
+}
+
 /* Packed twins for a CPU graph's replay in C (packed_call.h) */
 PACKED(paged_decode_attention_f32) {
     paged_decode_attention_f32(ARG_P(0), ARG_P(1), ARG_P(2), ARG_P(3), ARG_I(4), ARG_P(5), ARG_P(6), ARG_P(7), ARG_I(8),
                                ARG_I(9), ARG_I(10), ARG_I(11), ARG_I(12), ARG_F(13), ARG_P(14));
     return 0;
 }
+PACKED(paged_decode_attention_bf16) {
+    paged_decode_attention_bf16(ARG_P(0), ARG_P(1), ARG_P(2), ARG_P(3), ARG_I(4), ARG_P(5), ARG_P(6), ARG_P(7),
+                                ARG_I(8), ARG_I(9), ARG_I(10), ARG_I(11), ARG_I(12), ARG_F(13), ARG_P(14));
+    return 0;
+}
 PACKED(paged_store_kv_f32) {
     return paged_store_kv_f32(ARG_P(0), ARG_I(1), ARG_P(2), ARG_I(3), ARG_P(4), ARG_I(5), ARG_I(6), ARG_P(7), ARG_P(8),
                               ARG_I(9)) >= 0;
+}
+
+PACKED(paged_store_kv_bf16) {
+    return paged_store_kv_bf16(ARG_P(0), ARG_I(1), ARG_P(2), ARG_I(3), ARG_P(4), ARG_I(5), ARG_I(6), ARG_P(7),
+                               ARG_P(8), ARG_I(9)) >= 0;
 }
 
 /* ---- Causal self-attention of fresh prompts ------------------------------------------------
