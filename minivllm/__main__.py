@@ -25,8 +25,8 @@ def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
                                      description="Stream a completion and print measured TTFT, TPOT and tokens/s.")
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--model", default=None,
-                        help="checkpoint directory, 'minivllm-tiny' (default) or 'random:<preset>' "
-                             "(random weights at a real shape, e.g. random:qwen3-0.6b)")
+                        help="checkpoint directory, 'minivllm-tiny' or 'random:<preset>' (random weights at a real "
+                             "shape, e.g. random:qwen3-0.6b); default: $MINIVLLM_MODEL if set, else minivllm-tiny")
     parser.add_argument("--max-tokens", type=int, default=64,
                         help="most tokens to generate (default 64; fewer when the model's max_model_len "
                              "leaves less room, with a warning)")
@@ -42,6 +42,10 @@ def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="end the completion where its text reaches TEXT (left out of the output); "
                              "repeat for several. Backslash escapes as in Python: --stop '\\n' stops at the end "
                              "of the line")
+    parser.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
+                        help="keep only the prompt's last N tokens (SamplingParams.truncate_prompt_tokens)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="most tokens of prompt and completion together (default: the model's length)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="keep generating past the end-of-sequence token (to --max-tokens)")
     parser.add_argument("--seed", type=int, default=None,
@@ -52,9 +56,10 @@ def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--attention-backend", default="auto", help=BACKEND_HELP)
     parser.add_argument("--threads", default="auto",
-                        help="torch CPU threads. 'auto' (default): the cores the 1-minute load average leaves "
-                             "idle, at least 1 (OpenMP threads wait on each other, so a thread on a core another "
-                             "process holds slows every step down); an int N: exactly N")
+                        help="torch CPU threads. 'auto' (default): of the cores this process may run on, those "
+                             "the 1-minute load average leaves idle, at most $OMP_NUM_THREADS where set, at least 1 "
+                             "(OpenMP threads wait on each other, so a thread on a core another process holds slows "
+                             "every step down); an int N from 1 to 1024: exactly N")
     return parser
 
 
@@ -86,54 +91,96 @@ def _generate(argv: list[str]) -> int:
         print("error: the prompt is empty: give the text to continue, e.g. generate \"The list type\"",
               file=sys.stderr)
         return 2
-
-    import torch
-
-    from minivllm import LLM, SamplingParams
-    from minivllm.utils.threads import choose_threads
-
-    try:
-        choice = choose_threads(args.threads)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    try:  # a byte that is not UTF-8 in the shell's argument arrives as a lone surrogate the tokenizer refuses
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        print(f"error: the prompt {args.prompt!r} is not valid UTF-8 text", file=sys.stderr)
         return 2
-    if choice.threads is not None and not (args.device.startswith("cuda")
-                                           or (args.device == "auto" and torch.cuda.is_available())):
-        torch.set_num_threads(choice.threads)
-        print(f"# {choice.reason}", file=sys.stderr)
-
+    run = _GenerateRun(args, parser)
     try:
-        stop = [_unescape(text) for text in args.stop] if args.stop else None
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                repetition_penalty=args.repetition_penalty, seed=args.seed,
-                                max_tokens=args.max_tokens, stop=stop, ignore_eos=args.ignore_eos)
-        t0 = time.perf_counter()
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)
-        load_s = time.perf_counter() - t0
-        engine = llm.llm_engine
-        print(f"# model={engine.source.name} device={engine.config.device} dtype={engine.config.dtype} "
-              f"attention={engine.config.attention_backend} (loaded in {load_s:.2f} s)", file=sys.stderr)
-        last = None
-        for out in llm.stream(args.prompt, params):
-            if last is None:  # written once the request is in: a warning about it comes before, not mid-line
-                sys.stdout.write(args.prompt)
-            sys.stdout.write(out.outputs[0].text)
+        return run.go()
+    except KeyboardInterrupt:
+        run.end_line()
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as other commands do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    finally:
+        run.close()
+
+
+class _GenerateRun:
+    """One ``generate`` command: its engine (shut down by :meth:`close` however the run ends) and
+    whether a line of the completion is open on stdout (:meth:`end_line` closes it)."""
+
+    def __init__(self, args, parser):
+        self.args, self.parser, self.llm, self.open_line = args, parser, None, False
+
+    def end_line(self) -> None:
+        if self.open_line:
+            sys.stdout.write("\n")
             sys.stdout.flush()
-            last = out
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {_with_flag(str(e), parser)}", file=sys.stderr)
-        return 2
-    sys.stdout.write("\n")
-    m = last.metrics
-    n = len(m.token_times)
-    tps = n / ((m.e2e_ms or float("nan")) / 1e3)  # from the request's arrival, as TTFT is
-    tpot = f"{m.tpot_ms:.2f} ms" if m.tpot_ms is not None else "n/a (1 token)"
-    out = last.outputs[0]
-    why = out.finish_reason + (f" at {out.stop_reason!r}" if isinstance(out.stop_reason, str) else "")
-    print(f"# {n} token{'' if n == 1 else 's'} ({why}); TTFT {m.ttft_ms:.2f} ms; TPOT {tpot}; "
-          f"{tps:.1f} tokens/s (measured on {engine.config.device})", file=sys.stderr)
-    llm.shutdown()
-    return 0
+            self.open_line = False
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    def go(self) -> int:
+        args = self.args
+        import torch
+
+        from minivllm import LLM, SamplingParams
+        from minivllm.utils.threads import choose_threads
+
+        try:
+            choice = choose_threads(args.threads)
+            if choice.threads is not None and not (args.device.startswith("cuda")
+                                                   or (args.device == "auto" and torch.cuda.is_available())):
+                torch.set_num_threads(choice.threads)
+                print(f"# {choice.reason}", file=sys.stderr)
+            stop = [_unescape(text) for text in args.stop] if args.stop else None
+            params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    repetition_penalty=args.repetition_penalty, seed=args.seed,
+                                    max_tokens=args.max_tokens, stop=stop, ignore_eos=args.ignore_eos,
+                                    truncate_prompt_tokens=args.truncate_prompt_tokens)
+            t0 = time.perf_counter()
+            self.llm = llm = LLM(args.model, device=args.device, dtype=args.dtype,
+                                 attention_backend=args.attention_backend, max_model_len=args.max_model_len)
+            load_s = time.perf_counter() - t0
+            engine = llm.llm_engine
+            print(f"# model={engine.source.name} device={engine.config.device} dtype={engine.config.dtype} "
+                  f"attention={engine.config.attention_backend} (loaded in {load_s:.2f} s)", file=sys.stderr)
+            last = None
+            for out in llm.stream(args.prompt, params):
+                if last is None:  # written once the request is in: a warning about it comes before, not mid-line
+                    sys.stdout.write(args.prompt)
+                    self.open_line = True
+                sys.stdout.write(out.outputs[0].text)
+                sys.stdout.flush()
+                last = out
+        except (ValueError, FileNotFoundError) as e:
+            self.end_line()
+            print(f"error: {_with_flag(str(e), self.parser)}", file=sys.stderr)
+            return 2
+        self.end_line()
+        if last is None:
+            print("error: the engine returned no output for the request", file=sys.stderr)
+            return 1
+        m, out = last.metrics, last.outputs[0]
+        n = len(m.token_times)
+        tps = f"{n / (m.e2e_ms / 1e3):.1f} tokens/s" if m.e2e_ms else "n/a tokens/s"  # from arrival, as TTFT
+        ttft = f"{m.ttft_ms:.2f} ms" if m.ttft_ms is not None else "n/a (no token)"
+        tpot = f"{m.tpot_ms:.2f} ms" if m.tpot_ms is not None else f"n/a ({n} token{'' if n == 1 else 's'})"
+        why = out.finish_reason + (f" at {out.stop_reason!r}" if isinstance(out.stop_reason, str) else "")
+        print(f"# {n} token{'' if n == 1 else 's'} ({why}); TTFT {ttft}; TPOT {tpot}; {tps} "
+              f"(measured on {engine.config.device})", file=sys.stderr)
+        if out.finish_reason == "error":
+            print(f"error: {last.error or 'the request ended in an error'}", file=sys.stderr)
+            return 1
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,7 +108,8 @@ def test_frozen_heap_leaves_the_collector_as_it_found_it():
     assert gc.get_freeze_count() == 0
 
 
-def test_threads_option():
+def test_threads_option(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert choose_threads("3").threads == 3
     # auto: the cores the load average leaves idle, at least one
     assert choose_threads("auto", cores=2, load=0.1).threads == 2
@@ -121,6 +122,32 @@ def test_threads_option():
     # more threads than cores is allowed, and the line the CLI prints says what it costs
     assert "more than the 2 cores" in choose_threads("1000", cores=2).reason
     assert "more than" not in choose_threads("2", cores=2).reason
+
+
+def test_threads_option_bounds_and_the_cores_this_process_may_use(monkeypatch):
+    """A huge --threads value was passed to torch (an overflow traceback); auto counted every core of the
+    machine where the affinity mask allows one (taskset -c 0: 2 threads on 1 core, 3.3x slower) and
+    overrode an OMP_NUM_THREADS the user had set."""
+    import os
+
+    from minivllm.utils import threads
+
+    for bad in ("10000000000000", str(threads.MAX_THREADS + 1)):
+        with pytest.raises(ValueError, match=f"--threads '{bad}': expected 'auto' or an int from 1 to"):
+            choose_threads(bad)
+    assert choose_threads(str(threads.MAX_THREADS)).threads == threads.MAX_THREADS
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert threads.available_cores() == 1
+    one = choose_threads("auto", load=0.0)
+    assert one.threads == 1 and "on 1 cores" in one.reason
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    capped = choose_threads("auto", load=0.0)
+    assert capped.threads == 2 and "capped by OMP_NUM_THREADS=2" in capped.reason
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # a limit above what auto picks changes nothing
+    assert choose_threads("auto", load=0.0).threads == 4
 
 
 def test_percentiles_and_agreement():

@@ -28,7 +28,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                                             "decoding (--speculative) and int8 weights (--quantization), each "
                                             "measured in this run.")
     p.add_argument("--model", default=None,
-                   help="embedded model (default), 'random:qwen3-0.6b', or a local checkpoint directory")
+                   help="the embedded model, 'random:qwen3-0.6b', or a local checkpoint directory; default: "
+                        "$MINIVLLM_MODEL if set, else the embedded minivllm-tiny")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
                    help="'nano' (256 requests, 100..1024 in/out; default on GPU) or 'cpu' (32 requests; default on CPU)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the workload's number of requests")
@@ -57,7 +58,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "request for --speculative (default 96) / --quantization")
     p.add_argument("--threads", default="auto",
                    help="torch CPU threads (torch.set_num_threads) for minivllm and the peers alike. 'auto' "
-                        "(default): the cores the 1-minute load average leaves idle, at least 1 (OpenMP threads "
+                        "(default): of the cores this process may run on, those the 1-minute load average leaves "
+                        "idle, at most $OMP_NUM_THREADS where set, at least 1 (OpenMP threads "
                         "wait on each other, so threads on cores other processes hold slow a step down ~10x); "
                         "GPU runs keep torch's default")
     p.add_argument("--nanovllm-script", default=None,
@@ -76,8 +78,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="batch-1 decode of LLM(quantization=...) against the unquantised engine in the same run "
                         "(speed ratio, MBU on int8 bytes, greedy agreement); --decode-steps tokens per round")
     p.add_argument("--rounds", type=int, default=None,
-                   help="timed rounds per engine: --quantization (default 3); --overhead (default 5), each "
-                        "minivllm round followed by one of nano-vllm's, the ratio the median of the rounds'")
+                   help="timed rounds per engine: --quantization and --speculative (default 3, the engines "
+                        "alternating); --overhead (default 5), each minivllm round followed by one of "
+                        "nano-vllm's, the ratio the median of the rounds'")
     p.add_argument("--no-quantize-lm-head", action="store_true", help="--quantization with the LM head kept in float")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="print nothing (with --json: the results only go there)")
@@ -99,12 +102,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m minivllm bench``: prints the results, returns exit status 0; a bad
     argument (a ``ValueError`` naming it, or a model or draft model path that does not exist) is
-    printed as ``error: ...`` with exit status 2, as ``generate`` does."""
+    printed as ``error: ...`` with exit status 2, as ``generate`` does; Ctrl-C prints ``interrupted``
+    and returns 130 (each mode shuts its engines down on the way out)."""
     try:
         run_cli(argv)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -144,10 +151,12 @@ def _check_args(args) -> None:
     Raises:
         ValueError: naming the flag and its value.
     """
-    for flag in ("decode_steps", "hf_batch_size", "rounds"):
+    for flag in ("decode_steps", "hf_batch_size", "rounds", "num_requests"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={value}: must be at least 1")
+    if not 0 < args.scale < float("inf"):
+        raise ValueError(f"--scale {args.scale}: must be a positive, finite number")
     if args.batch_sizes is not None and min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes {' '.join(map(str, args.batch_sizes))}: each must be at least 1")
     throughput = not (args.sweep or args.overhead or args.speculative or args.quantization)
@@ -203,6 +212,8 @@ def _run_modes(args, log, peak_kwargs) -> dict:
         kw = {"decode_tokens": args.decode_steps} if args.decode_steps is not None else {}
         if args.batch_sizes:
             kw["batch_sizes"] = tuple(args.batch_sizes)
+        if args.rounds is not None:
+            kw["rounds"] = args.rounds
         results["speculative"] = run_speculative(args.model, method=args.speculative,
                                                  num_speculative_tokens=args.num_speculative_tokens,
                                                  draft_model=args.draft_model, log=log, **kw, **engine_args)

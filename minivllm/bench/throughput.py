@@ -10,7 +10,8 @@ from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, devic
                                    wants_cuda)
 from minivllm.bench.peers import agreement, load_hf_model, run_hf_continuous_batching, run_hf_generate
 from minivllm.bench.report import describe_peaks, peaks_summary, throughput_header, throughput_row
-from minivllm.bench.workload import WORKLOADS, Workload, make_workload
+from minivllm.bench.workload import WORKLOADS, Workload, check_scale, make_workload
+from minivllm.config import EngineArgs
 
 __all__ = ["ThroughputResult", "run_throughput"]
 
@@ -90,9 +91,12 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
     if workload is None and engine_args.get("kv_cache_memory_bytes") is None and engine_args.get(
             "num_kvcache_blocks") is None:
         preset = WORKLOADS.get(name, WORKLOADS["cpu"])
+        check_scale(scale)
         n = num_requests or max(1, round(preset["num_requests"] * scale))
         lens = (input_len or preset["input_len"])[1] + (output_len or preset["output_len"])[1]
-        engine_args["kv_cache_memory_bytes"] = kv_bytes_for(model, n * lens, engine_args.get("dtype"))
+        # room for the requests that can run at once, not for all of them (20,000 asked for 30 GB)
+        running = min(n, engine_args.get("max_num_seqs") or EngineArgs.max_num_seqs)
+        engine_args["kv_cache_memory_bytes"] = kv_bytes_for(model, running * lens, engine_args.get("dtype"))
     llm = build_llm(model, **engine_args)
     try:
         engine = llm.llm_engine

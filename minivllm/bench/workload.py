@@ -62,6 +62,15 @@ def _check_range(name, r):
     return tuple(r)
 
 
+def check_scale(scale) -> None:
+    """``scale`` (the workload's request-count multiplier) is a positive, finite number.
+
+    Raises:
+        ValueError: naming the value (inf once asked for more requests than memory holds)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+        raise ValueError(f"scale={scale!r}: must be a positive, finite number")
+
+
 def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 1.0,
                   num_requests: int | None = None, input_len: tuple[int, int] | None = None,
                   output_len: tuple[int, int] | None = None, max_model_len: int | None = None,
@@ -79,8 +88,7 @@ def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 
     """
     if name not in WORKLOADS:
         raise ValueError(f"workload {name!r}: choose one of {sorted(WORKLOADS)}")
-    if not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale={scale!r}: must be a positive number")
+    check_scale(scale)
     preset = WORKLOADS[name]
     n = num_requests if num_requests is not None else max(1, round(preset["num_requests"] * scale))
     if not isinstance(n, int) or n < 1:

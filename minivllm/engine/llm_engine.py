@@ -43,7 +43,7 @@ from minivllm.telemetry.peaks import Peaks, get_peaks
 from minivllm.telemetry.profiler import TorchProfile
 from minivllm.telemetry.roofline import engine_cost, fill_step_record
 from minivllm.telemetry.step_record import PlannedEntries, StepRecord, entries_of
-from minivllm.utils.model_source import resolve_model, with_tokenizer
+from minivllm.utils.model_source import load_tokenizer, resolve_model, with_tokenizer
 
 logger = logging.getLogger("minivllm")
 
@@ -116,8 +116,6 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs):
-        from transformers import AutoTokenizer
-
         self.args = args
         self.source = with_tokenizer(resolve_model(args.model), args.tokenizer)
         hf = self.source.hf_config
@@ -126,7 +124,7 @@ class LLMEngine:
         backend_name = resolve_backend_name(args.attention_backend, device, args.block_size, dtype)
         block_size = args.block_size or default_block_size(backend_name)
         kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, backend_name)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.source.tokenizer_dir)
+        self.tokenizer = load_tokenizer(self.source.tokenizer_dir)
         # the largest step resolve_lengths can allow (the memory profile runs one this long)
         positions = hf.max_position_embeddings  # an explicit max_model_len above it is capped to it
         budget_hint = args.max_num_batched_tokens or (

@@ -38,19 +38,43 @@ class ModelSource:
         return self.checkpoint_dir is None
 
 
+def _read_json(path: Path) -> dict:
+    """A checkpoint's JSON file. Raises ``ValueError`` naming the file when it is not valid JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(path)!r} is not a valid JSON file ({e})") from None
+
+
+def load_tokenizer(directory: Path):
+    """``AutoTokenizer.from_pretrained(directory)`` (local files only).
+
+    Raises:
+        ValueError: the tokenizer could not be loaded, naming the JSON file that does not parse
+            where one does not (transformers' own message names none), else the directory."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        for path in sorted(Path(directory).glob("*.json")):
+            _read_json(path)
+        raise ValueError(f"the tokenizer in {str(directory)!r} could not be loaded: {e}") from None
+
+
 def _eos_ids(directory: Path, tokenizer_dir: Path) -> list[int]:
     gen = directory / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = _read_json(gen).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
     tok_cfg = tokenizer_dir / "tokenizer_config.json"
     tok_json = tokenizer_dir / "tokenizer.json"
     if tok_cfg.is_file() and tok_json.is_file():
-        eos_tok = json.loads(tok_cfg.read_text()).get("eos_token")
+        eos_tok = _read_json(tok_cfg).get("eos_token")
         if isinstance(eos_tok, dict):
             eos_tok = eos_tok.get("content")
-        for added in json.loads(tok_json.read_text()).get("added_tokens", []):
+        for added in _read_json(tok_json).get("added_tokens", []):
             if added.get("content") == eos_tok:
                 return [added["id"]]
     return []
@@ -66,7 +90,8 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
 
     Raises:
         FileNotFoundError: the path does not exist or has no config.json.
-        ValueError: an unknown random preset.
+        ValueError: an unknown random preset, or a config, generation config or tokenizer file that
+            does not parse (naming the file).
     """
     from transformers import AutoConfig
 
@@ -86,7 +111,11 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         raise FileNotFoundError(
             f"model {name!r}: {what} {str(directory)!r}. Give a local Hugging Face checkpoint "
             f"directory, {EMBEDDED_MODEL_NAME!r}, or 'random:<preset>' (nothing is downloaded at run time).")
-    cfg = AutoConfig.from_pretrained(directory)
+    try:
+        cfg = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as e:  # transformers' "not a valid JSON file" is an OSError
+        raise ValueError(f"model {name!r}: {str(directory / 'config.json')!r} could not be read as a model "
+                         f"config: {e}") from None
     tokenizer_dir = directory if (directory / "tokenizer_config.json").is_file() or \
         (directory / "tokenizer.json").is_file() else EMBEDDED_MODEL_DIR
     return ModelSource(name, cfg, directory, tokenizer_dir, _eos_ids(directory, tokenizer_dir))

@@ -12,7 +12,30 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["ThreadChoice", "choose_threads"]
+__all__ = ["MAX_THREADS", "ThreadChoice", "available_cores", "choose_threads"]
+
+#: the most ``--threads`` takes: far above any core count this runs on, below what torch's int32 argument holds
+MAX_THREADS = 1024
+
+
+def available_cores() -> int:
+    """The logical cores this process may run on: its CPU affinity mask where the system has one
+    (``taskset``, a container's cpuset), else ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except OSError:
+            pass
+    return os.cpu_count() or 1
+
+
+def _omp_num_threads() -> int | None:
+    """``$OMP_NUM_THREADS`` as a positive int, else None (unset or not a number)."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return n if n >= 1 else None
 
 
 @dataclass(frozen=True)
@@ -29,31 +52,37 @@ def choose_threads(value: str | int | None, cores: int | None = None,
     """Resolve a ``--threads`` value.
 
     Args:
-        value: an int >= 1 (used as is), or ``"auto"`` / ``None``: ``cores - load``
-            rounded, clamped to ``[1, cores]`` (the cores other processes leave idle, by the
-            1-minute load average), or torch's default when the load average is unknown.
-        cores / load: the machine's logical cores and 1-minute load average (default:
-            ``os.cpu_count()`` and ``os.getloadavg()[0]``; parameters for tests).
+        value: an int from 1 to ``MAX_THREADS`` (used as is), or ``"auto"`` / ``None``: ``cores -
+            load`` rounded, clamped to ``[1, cores]`` (the cores other processes leave idle, by the
+            1-minute load average) and to ``$OMP_NUM_THREADS`` where that is set, or torch's default
+            when the load average is unknown.
+        cores / load: the logical cores this process may use and the 1-minute load average
+            (default: :func:`available_cores`, the affinity mask, and ``os.getloadavg()[0]``;
+            parameters for tests).
 
     Raises:
-        ValueError: ``value`` is neither ``"auto"`` nor an int >= 1 (the message names it).
+        ValueError: ``value`` is neither ``"auto"`` nor an int from 1 to ``MAX_THREADS`` (the
+            message names it).
     """
     if value is None or value == "auto":
-        cores = cores or os.cpu_count() or 1
+        cores = cores or available_cores()
         if load is None:
             if not hasattr(os, "getloadavg"):
                 return ThreadChoice(None, "load average unavailable: torch's default thread count")
             load = os.getloadavg()[0]
         n = max(1, min(cores, round(cores - load)))
-        return ThreadChoice(n, f"{n} torch thread(s): load average {load:.1f} on {cores} cores "
-                               f"(--threads auto; pass --threads N to override)")
+        why = f"load average {load:.1f} on {cores} cores"
+        omp = _omp_num_threads()
+        if omp is not None and omp < n:  # the user's own limit for OpenMP threads
+            n, why = omp, f"{why}, capped by OMP_NUM_THREADS={omp}"
+        return ThreadChoice(n, f"{n} torch thread(s): {why} (--threads auto; pass --threads N to override)")
     try:
         n = int(value)
     except (TypeError, ValueError):
         n = 0
-    if n < 1 or (isinstance(value, float) and value != n):
-        raise ValueError(f"--threads {value!r}: expected 'auto' or an int >= 1")
-    cores = cores or os.cpu_count() or 1
+    if n < 1 or n > MAX_THREADS or (isinstance(value, float) and value != n):
+        raise ValueError(f"--threads {value!r}: expected 'auto' or an int from 1 to {MAX_THREADS}")
+    cores = cores or available_cores()
     more = (f"; more than the {cores} cores: OpenMP threads then take turns on them and wait for each other, "
             f"which slows a step down" if n > cores else "")
     return ThreadChoice(n, f"{n} torch thread(s) (--threads){more}")

@@ -1,0 +1,172 @@
+"""The command line as a user meets it going wrong: Ctrl-C, a closed pipe, a request that ends in an
+error, broken checkpoint files, odd arguments. Each was a Python traceback (or a silent misuse)
+before; now a line saying what happened and an exit status a shell can test."""
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from minivllm import bench
+from minivllm.__main__ import main
+from minivllm.bench import cli as bench_cli
+from minivllm.bench import common as bench_common
+from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
+
+QUIET = ["--threads", "1", "--max-tokens", "4"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # generate sets torch's thread count for its process
+
+
+def test_generate_ctrl_c_ends_the_line_says_so_and_shuts_the_engine_down(monkeypatch, capsys):
+    from minivllm import LLM
+
+    engines = []
+    original = LLM.stream
+
+    def stream_then_interrupt(self, *args, **kwargs):
+        engines.append(self)
+        for out in original(self, *args, **kwargs):
+            yield out
+            raise KeyboardInterrupt  # the learner's Ctrl-C, mid-completion
+
+    monkeypatch.setattr(LLM, "stream", stream_then_interrupt)
+    assert main(["generate", "The list type", *QUIET]) == 130
+    out, err = capsys.readouterr()
+    assert out.startswith("The list type") and out.endswith("\n")
+    assert err.rstrip().endswith("interrupted") and "Traceback" not in err
+    with pytest.raises(RuntimeError, match="shut down"):
+        engines[0].generate("more")
+
+
+def test_generate_request_ending_in_an_error_prints_it_and_fails(capsys):
+    """No token could be drawn (a penalty that overflows every logit): TTFT is None, whose formatting
+    raised a TypeError after the run; the error's message was never shown and the status was 0."""
+    assert main(["generate", "The list type", *QUIET, "--repetition-penalty", "1e-45"]) == 1
+    err = capsys.readouterr().err
+    assert "# 0 tokens (error); TTFT n/a" in err
+    assert "error: request '0': no token could be sampled" in err
+
+
+def test_generate_into_a_closed_pipe_stops_quietly(tmp_path):
+    cmd = [sys.executable, "-m", "minivllm", "generate", "The list type", "--threads", "1", "--max-tokens", "400",
+           "--ignore-eos"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                            env={**_env(), "MINIVLLM_LOGGING_LEVEL": "WARNING"})
+    assert proc.stdout.read(20)  # like `| head -c 20`
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def _env() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "MINIVLLM_MODEL"}
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8(capsys):
+    assert main(["generate", "caf\udcff", *QUIET]) == 2
+    assert "error: the prompt 'caf\\udcff' is not valid UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("broken", ["config.json", "generation_config.json", "tokenizer_config.json"])
+def test_a_checkpoint_file_that_is_not_json_is_named(broken, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(EMBEDDED_MODEL_DIR, model)
+    (model / broken).write_text("{not json")
+    assert main(["generate", "hi", "--model", str(model), *QUIET]) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: " in err and str(model / broken) in err and "Traceback" not in err
+    assert bench.main(["--model", str(model), "--no-peers", "--num-requests", "2", "--threads", "1"]) == 2
+    assert str(model / broken) in capsys.readouterr().err
+
+
+def test_generate_truncates_a_long_prompt_and_takes_max_model_len(capsys):
+    """The too-long-prompt error suggested `truncate_prompt_tokens` and a larger max_model_len, which
+    generate had no option for."""
+    long_prompt = " ".join(["def"] * 2100)
+    assert main(["generate", long_prompt, *QUIET]) == 2
+    assert "leaves no room to generate" in capsys.readouterr().err
+    assert main(["generate", long_prompt, *QUIET, "--truncate-prompt-tokens", "100"]) == 0
+    assert "# 4 tokens (length)" in capsys.readouterr().err
+    assert main(["generate", "The list type", *QUIET, "--max-model-len", "6"]) == 0
+    assert "# 3 tokens (length)" in capsys.readouterr().err  # 6 tokens of model length leave room for 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--scale", "inf"], "--scale inf: must be a positive, finite number"),
+    (["--scale", "nan"], "--scale nan: must be a positive, finite number"),
+    (["--num-requests", "0"], "--num-requests=0: must be at least 1"),
+])
+def test_bench_names_a_bad_workload_flag(args, message, capsys):
+    assert bench.main(["--no-peers", "--threads", "1", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_kv_pool_holds_the_running_requests_not_all_of_them(monkeypatch):
+    """--num-requests 20000 sized the pool for every request at once (an mmap of ~30 GB failed)."""
+    from minivllm.bench import throughput
+
+    asked = {}
+
+    def stop(model, **engine_args):
+        asked.update(engine_args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(throughput, "build_llm", stop)
+    for n, seqs in ((20000, None), (20000, 8), (3, None)):
+        with pytest.raises(KeyboardInterrupt):
+            throughput.run_throughput(None, num_requests=n, peers=(), **({"max_num_seqs": seqs} if seqs else {}))
+        running = min(n, seqs or 256)
+        assert asked["kv_cache_memory_bytes"] == bench_common.kv_bytes_for(None, running * (256 + 128), None)
+    assert math.isfinite(asked["kv_cache_memory_bytes"])
+
+
+def test_bench_passes_rounds_to_speculative(monkeypatch):
+    from minivllm.bench import speculative
+
+    seen = {}
+
+    def fake(model, **kw):
+        seen.update(kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(speculative, "run_speculative", fake)
+    assert bench.main(["--speculative", "ngram", "--rounds", "7", "--threads", "1"]) == 130
+    assert seen["rounds"] == 7
+
+
+def test_bench_ctrl_c_says_interrupted(monkeypatch, capsys):
+    monkeypatch.setattr(bench_cli, "run_cli", lambda argv: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert bench.main([]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted"
+
+
+def test_model_help_names_the_environment_default():
+    from minivllm.__main__ import build_generate_parser
+
+    for parser in (build_generate_parser(), bench_cli.build_parser()):
+        text = " ".join(parser.format_help().split())
+        assert "$MINIVLLM_MODEL if set" in text
+
+
+def test_workload_scale_must_be_finite():
+    from minivllm.bench.workload import make_workload
+
+    for bad in (float("inf"), float("nan"), 0, -1, True):
+        with pytest.raises(ValueError, match="scale=.*positive, finite"):
+            make_workload(scale=bad)
+    assert make_workload(scale=0.5).num_requests == 16
