@@ -412,22 +412,26 @@ _ = render(f"**Estimate, not a measurement** (fits of the fastest times above, s
 from minivllm.engine.kv_cache import kv_bytes_per_token
 from minivllm.models.hf_config import get_head_dim
 
-elem = torch.empty((), dtype=runner.dtype).element_size()
+elem = torch.empty((), dtype=runner.kv_dtype).element_size()  # the cache's dtype: the model's by default
 formula = 2 * hf.num_hidden_layers * hf.num_key_value_heads * get_head_dim(hf) * elem
 print(f"from the config: 2 x {hf.num_hidden_layers} layers x {hf.num_key_value_heads} kv heads x "
-      f"{get_head_dim(hf)} head_dim x {elem} bytes ({runner.dtype}) = {formula:,} bytes per token")
+      f"{get_head_dim(hf)} head_dim x {elem} bytes ({runner.kv_dtype}) = {formula:,} bytes per token")
 kv = runner.kv_cache  # the engine's whole KV pool: one tensor
 slots = engine.block_manager.num_blocks * engine.block_manager.block_size
 measured = kv.numel() * kv.element_size() / slots
 print(f"measured: the engine's KV tensor {list(kv.shape)} = {kv.numel() * kv.element_size():,} bytes "
       f"for {slots:,} token slots = {measured:,.0f} bytes per token")
-print("engine's own sizing function kv_bytes_per_token():", kv_bytes_per_token(hf, runner.dtype))
-print("match:", formula == measured == kv_bytes_per_token(hf, runner.dtype))
+print("engine's own sizing function kv_bytes_per_token():", kv_bytes_per_token(hf, runner.kv_dtype))
+print("match:", formula == measured == kv_bytes_per_token(hf, runner.kv_dtype))
 mha = 2 * hf.num_hidden_layers * hf.num_attention_heads * get_head_dim(hf) * elem
 print(f"with one KV head per query head ({hf.num_attention_heads}, no grouping) it would be {mha:,} bytes: "
       f"grouped-query attention saves {1 - formula / mha:.0%}")
 
 # %% [markdown]
+# The last factor is the cache's own dtype, which is the model's unless the engine is told otherwise:
+# vLLM's `kv_cache_dtype="bfloat16"` halves it for a float32 model (chapter 11 measures what that does
+# to a decode step, and what it costs in precision).
+#
 # For a real model the numbers get serious. minivllm ships the configuration of Qwen3-0.6B (no
 # weights needed for what follows):
 

@@ -71,6 +71,10 @@ bm, runner = engine.block_manager, engine.runner
 tok = llm.get_tokenizer()
 print(describe(llm))
 print("torch threads:", torch.get_num_threads())
+backend_name = engine.config.attention_backend
+print("decode attention:", "our C kernel, reading K and V in place through the block table"
+      if getattr(runner.backend, "native_kernel", False) else
+      "gather into a contiguous copy, then SDPA" if backend_name == "torch" else f"the {backend_name} kernels")
 
 
 def setting(llm):

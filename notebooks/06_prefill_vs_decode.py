@@ -264,8 +264,8 @@ check_claim("4 rows streamed the weights more slowly than 1 row",
 # %% [markdown]
 # That is a property of the maths library, not of the hardware, and the engine does not take that
 # path: on a CPU its linear layers go through minivllm's own matrix multiply, the *panel GEMM*
-# (`minivllm/layers/cpu_gemm.py`, chapter 11), written so that a few rows stream the weights about as
-# fast as one. Section 4 measures whether a decode step of 4 sequences costs about what a step of one
+# (`minivllm/layers/cpu_gemm.py`; its module docstring explains the layout), written so that a few rows
+# stream the weights about as fast as one. Section 4 measures whether a decode step of 4 sequences costs about what a step of one
 # does. Try the library's path yourself: the playground cell below times any number of rows against
 # the two floors.
 
@@ -442,7 +442,7 @@ ai = table["intensity"]
 first_dec = df[(df.phase == "decode") & (df.nth_decode == 1)].wall_ms.median()
 render(f"The prefill of {longest} tokens took **{pre_ms:.1f} ms**, {1e3 * pre_ms / longest:.0f} µs per prompt "
        f"token; a decode step at that context took **{dec_ms:.2f} ms** for one token, so per token the prefill was "
-       + (f"**{dec_ms / (pre_ms / longest):.0f}x** cheaper" if dec_ms > pre_ms / longest else
+       + (f"**{dec_ms / (pre_ms / longest):.1f}x** cheaper" if dec_ms > pre_ms / longest else
           f"no cheaper (**{(pre_ms / longest) / dec_ms:.1f}x** a decode step's time)")
        + f". Intensity: prefill of {longest} tokens "
        f"{ai['prefill'][longest]:.1f} FLOP/byte, decode {ai['decode'][longest]:.2f} FLOP/byte, against a "
@@ -532,7 +532,7 @@ render(f"The embedded model's weights are {tiny_weight_bytes / 1e6:.1f} MB; at t
 #
 # ## 4. A memory-bound model: roofline, the two phases side by side, batching
 #
-# `BIG_MODEL` has the shapes of Qwen3-0.6B (28 layers, hidden size 1024, a 151,936-token vocabulary)
+# `BIG_MODEL` has the shapes of Qwen3-0.6B (its layers, hidden size and vocabulary are printed below)
 # with random weights: its answers are noise, but every step does exactly as many FLOPs as the real
 # model would, and moves as many bytes as the real model would with its weights in the dtype printed
 # below (fp32 on a CPU: random values need all 32 bits, so each weight takes 4 bytes; the released bf16
@@ -546,6 +546,8 @@ big = LLM(BIG_MODEL, device=DEVICE, kv_cache_memory_bytes=KV_POOL_BYTES, max_num
           max_num_batched_tokens=256)
 big_engine = big.llm_engine
 print(describe(big))
+big_hf = big_engine.source.hf_config
+print(f"{BIG_MODEL}: {big_hf.num_hidden_layers} layers, hidden size {big_hf.hidden_size}, a {big_hf.vocab_size:,}-token vocabulary")
 big_engine.peaks = big_peaks = peaks   # the ceilings measured in the setup cell (same device, dtype, threads)
 cost = big_engine.model_cost            # the model's shape, as minivllm.telemetry.roofline sees it
 BIG_DTYPE = str(big_engine.config.dtype).removeprefix("torch.")

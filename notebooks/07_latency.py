@@ -253,10 +253,12 @@ render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".
 # on this run): four prompts of 128 tokens do less attention work than one of 512 (each token attends
 # only over its own prompt), and single steps on a CPU also vary from run to run. A common slip is to
 # take the 128-token figure: it ignores that the other three prompts ride in the same step. (With a
-# budget of 128 tokens the four would be served one after another, and the mean TTFT would be about
-# 3 prefill steps of 128 tokens, not the 2.5 that (1 + 2 + 3 + 4) / 4 suggests: each step serves the
-# running requests' decodes first, so every later prompt gives up a token of its step to each request
-# already decoding and spills into one step more. `LatencyModel.predict` with a budget of 128 counts it.)
+# budget of 128 tokens the four would be served one after another, and the mean TTFT would be more
+# than the 2.5 steps that (1 + 2 + 3 + 4) / 4 suggests: each step serves the running requests' decodes
+# first, so every later prompt gives up a token of its step to each request already decoding and
+# spills into one step more. Counted by that rule, the first tokens come at the ends of steps 1, 3, 4
+# and 5, 3.25 steps on average; `LatencyModel.predict` with a budget of 128 counts the same steps, in
+# milliseconds.)
 #
 # The fitted model makes the same reasoning with its per-step and per-token costs; the table above
 # shows how close it and you came to the measurement.

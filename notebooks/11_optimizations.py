@@ -62,7 +62,7 @@ import torch
 # out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
 os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
-from minivllm.utils.env_report import describe
+from minivllm.utils.env_report import chart_provenance, describe
 from widgets import check_claim, check_prediction, render
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
@@ -370,8 +370,11 @@ else:
 
 # %%
 from minivllm.layers.norm import RMSNorm
+from minivllm.models.presets import load_preset_config
 
-HIDDEN = 1024  # Qwen3-0.6B's hidden size
+QWEN3_06B = load_preset_config("qwen3-0.6b")  # the released model's config, packaged with minivllm
+HIDDEN = QWEN3_06B.hidden_size
+print(f"Qwen3-0.6B's hidden size: {HIDDEN}")
 norm = RMSNorm(HIDDEN).to(cfg.device)
 torch.manual_seed(0)
 inputs = {t: (torch.randn(t, HIDDEN, device=cfg.device), torch.randn(t, HIDDEN, device=cfg.device))
@@ -478,7 +481,7 @@ render(f"Eager, in {str(norm.weight.dtype).removeprefix('torch.')} on {cfg.devic
 #
 # Which of them this machine can run, and the time of each on the same inputs: a decode step of 8
 # sequences with 256 to 480 tokens of context (32 more for each), and a prefill of two 256-token
-# prompts, at Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head dim 128). `naive` is the
+# prompts, at Qwen3-0.6B's attention shape (its query heads, KV heads and head dim, printed below). `naive` is the
 # test suite's plain reference (`minivllm.testing.naive_attention`, a Python loop over sequences), for
 # scale. Every contender gets the same inputs, one warm-up call and the same number of timed repeats;
 # the table shows the median and the fastest and slowest repeat.
@@ -500,7 +503,8 @@ if not ON_CUDA and triton_available():
           "a correctness tool, far too slow to time; see the check below")
 
 # %%
-H, HK, D = 16, 8, 128
+H, HK, D = QWEN3_06B.num_attention_heads, QWEN3_06B.num_key_value_heads, QWEN3_06B.head_dim
+print(f"Qwen3-0.6B's attention: {H} query heads, {HK} KV heads, head dim {D}")
 dtype = torch.bfloat16 if ON_CUDA else torch.float32
 CASES = {"decode: 8 seqs, ctx 256-480": [(256 + 32 * i, 1) for i in range(8)],
          "prefill: 2 x 256 tokens": [(256, 256), (256, 256)]}
@@ -772,7 +776,7 @@ check_claim("int8 speeds this model's decode step up by less than its weights sh
 
 # %% [markdown]
 # The same comparison on one linear layer of Qwen3-0.6B's size (the MLP's gate and up projections,
-# 1024 -> 6144, 24 MiB in fp32), at one row, so that reading the weight is most of the work. The
+# hidden size -> twice the MLP's width, sizes printed below), at one row, so that reading the weight is most of the work. The
 # layer is timed on several copies of its weight in turn, enough to exceed the CPU's caches, so that
 # every call reads its weight from memory as an engine step does:
 
@@ -782,7 +786,8 @@ import math
 from minivllm.layers.prepack import linear, pack_weight
 from minivllm.quantization.int8 import Int8Weight
 
-K_IN, N_OUT, COLD = 1024, 6144, 128 << 20
+K_IN, N_OUT, COLD = QWEN3_06B.hidden_size, 2 * QWEN3_06B.intermediate_size, 128 << 20
+print(f"the layer: {K_IN} -> {N_OUT}, {4 * K_IN * N_OUT / 2**20:.0f} MiB in fp32")
 w = torch.randn(N_OUT, K_IN, generator=torch.Generator().manual_seed(0)) * 0.02
 x1 = torch.randn(1, K_IN)
 layer_bytes = {"fp32": 4 * N_OUT * K_IN, "int8": N_OUT * K_IN + 4 * N_OUT}  # int8: + one fp32 scale per row
@@ -873,6 +878,69 @@ check_claim("int8 changes some greedy tokens of this model", agree["position_agr
 # a question for an evaluation on the task the model serves, not for a single number.
 
 # %% [markdown]
+# ### The KV cache's bytes: `kv_cache_dtype="bfloat16"`
+#
+# Weights are not the only bytes a decode step reads: every sequence's keys and values, at every
+# layer, are read once per step too, and at a large batch they outweigh a small model's weights.
+# vLLM's `kv_cache_dtype` argument stores them in fewer bits; minivllm takes `"bfloat16"` (besides
+# `"auto"`, the model's dtype). With a float32 model on a CPU that halves the KV bytes: the pool holds
+# twice the tokens, and the decode kernel reads half as much, widening each value to float32 as it
+# loads it (exactly: a bfloat16 is the top half of a float32's bits). The price is precision: each key
+# and value is rounded to bfloat16 once, when it is written, so the logits move by about bfloat16's
+# precision and a greedy token can flip where the top two candidates were close, as with int8 weights
+# above. (On a GPU the model runs in bfloat16 by default, so there the two settings are the same.)
+#
+# Two engines take the same 32 requests (128-token prompts, 24 new tokens each); their steps are
+# interleaved one by one, so that a slow moment of the machine hits both.
+
+# %%
+KV_BATCH, KV_PROMPT, KV_NEW = 32, 128, 24
+kv_llms = {kv: LLM(MODEL, device=DEVICE, kv_cache_dtype=kv, max_num_seqs=KV_BATCH) for kv in ("auto", "bfloat16")}
+for kv, kv_llm in kv_llms.items():
+    e = kv_llm.llm_engine
+    print(f"kv_cache_dtype={kv!r}: the cache holds {str(e.runner.kv_cache.dtype).removeprefix('torch.')}, "
+          f"{e.model_cost.kv_bytes_per_token} bytes per token; {e.config.num_kv_blocks} blocks in the pool")
+vocab = kv_llms["auto"].llm_engine.source.hf_config.vocab_size
+gen = torch.Generator().manual_seed(0)
+kv_prompts = [torch.randint(1, vocab, (KV_PROMPT,), generator=gen).tolist() for _ in range(KV_BATCH)]
+kv_step_ms = {kv: [] for kv in kv_llms}
+kv_tokens = {kv: {} for kv in kv_llms}
+for kv, kv_llm in kv_llms.items():
+    for i, p in enumerate(kv_prompts):
+        kv_llm.llm_engine.add_request(f"kv{i}", {"prompt_token_ids": p},
+                                      SamplingParams(temperature=0, max_tokens=KV_NEW, ignore_eos=True))
+while any(kv_llm.llm_engine.has_unfinished_requests() for kv_llm in kv_llms.values()):
+    for kv, kv_llm in kv_llms.items():
+        if not kv_llm.llm_engine.has_unfinished_requests():
+            continue
+        result = kv_llm.llm_engine.step_with_record()
+        if result.record.num_prefill_tokens == 0 and result.record.num_decode_tokens == KV_BATCH:
+            kv_step_ms[kv].append(result.record.wall_ms)
+        for out in result.outputs:
+            if out.finished:
+                kv_tokens[kv][out.request_id] = out.outputs[0].token_ids
+# the first decode step of a batch size records its CPU graph: leave the first two out
+kv_ms = {kv: statistics.median(ms[2:]) for kv, ms in kv_step_ms.items()}
+kv_same = sum(kv_tokens["auto"][r] == kv_tokens["bfloat16"][r] for r in kv_tokens["auto"])
+kv_bytes = {kv: kv_llm.llm_engine.model_cost.kv_bytes_per_token for kv, kv_llm in kv_llms.items()}
+print({kv: f"{len(ms) - 2} decode steps, median {kv_ms[kv]:.2f} ms" for kv, ms in kv_step_ms.items()})
+
+# %%
+kv_read_mb = {kv: KV_BATCH * (KV_PROMPT + KV_NEW / 2) * b / 1e6 for kv, b in kv_bytes.items()}
+render(f"Decode steps of {KV_BATCH} sequences: **{kv_ms['auto']:.2f} ms** with the KV cache in "
+       f"{str(kv_llms['auto'].llm_engine.runner.kv_cache.dtype).removeprefix('torch.')}, "
+       f"**{kv_ms['bfloat16']:.2f} ms** in bfloat16 ({kv_ms['auto'] / kv_ms['bfloat16']:.2f}x), while a step's "
+       f"keys and values went from about {kv_read_mb['auto']:.1f} to {kv_read_mb['bfloat16']:.1f} MB (at the "
+       f"average context of the run). **{kv_same} of {KV_BATCH}** greedy continuations came out identical. "
+       f"({chart_provenance(kv_llms['auto'])}.)")
+if kv_bytes["auto"] > kv_bytes["bfloat16"]:
+    check_claim("the bfloat16 KV cache made the batch-32 decode step faster", kv_ms["bfloat16"] < kv_ms["auto"],
+                f"{kv_ms['auto']:.2f} -> {kv_ms['bfloat16']:.2f} ms",
+                why_it_may_not="Where the KV cache fits the CPU's caches, or the machine was busy in the other "
+                               "engine's steps, the saving can vanish; run the cell again.")
+del kv_llms
+
+# %% [markdown]
 # ## 6. Speculative decoding: several tokens per step
 #
 # Int8 makes each step read fewer bytes. Speculative decoding makes each step produce more tokens. A decode
@@ -884,8 +952,10 @@ check_claim("int8 changes some greedy tokens of this model", agree["position_agr
 # below): a draft is kept only when it is the model's own arg-max; at temperature > 0 drafts are accepted by rejection sampling (Leviathan et al. 2023;
 # Chen et al. 2023), which leaves the output distribution unchanged.
 #
-# minivllm implements vLLM v1's `ngram` method (prompt lookup): the draft is whatever followed the
-# latest earlier occurrence of the context's last 2 to 4 tokens. It costs no model at all, and it guesses
+# minivllm's `ngram` method is vLLM v1's idea (prompt lookup): the draft is whatever followed an earlier
+# occurrence of the context's last 2 to 4 tokens. minivllm takes the latest such occurrence (vLLM's
+# proposer takes the earliest one of the longest match), so the two can propose different drafts for
+# the same context. It costs no model at all, and it guesses
 # well exactly when the continuation repeats text already in the context: code being edited, a
 # document being quoted, or, as here, a small model that falls into repeating its own lines.
 #
