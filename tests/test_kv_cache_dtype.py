@@ -14,7 +14,7 @@ from helpers_native import native_or_skip
 from minivllm.config import EngineArgs, resolve_kv_cache_dtype
 from minivllm.layers.attention import cpu_decode
 from minivllm.layers.attention.torch_backend import TorchAttentionBackend
-from test_torch_backend import MIXED, naive_attention
+from test_torch_backend import MIXED, _kernel_args, naive_attention
 
 
 def _kernel_or_skip():
@@ -96,24 +96,18 @@ def test_store_rounds_to_bf16_as_torch_does():
 def test_bf16_decode_split_over_threads_matches_one_thread():
     """Rows split over threads (the panel GEMM's pool, or Python threads) read the bfloat16 caches too."""
     kernel = _kernel_or_skip()
-    gen = torch.Generator().manual_seed(5)
-    g, heads, kv_heads, d, bs, nblocks, width = 40, 8, 2, 64, 4, 600, 13
-    lens = torch.randint(1, 50, (g,), generator=gen, dtype=torch.int32)
-    tables = torch.randperm(nblocks, generator=gen)[: g * width].view(g, width).to(torch.int32).contiguous()
-    q = torch.randn(g, heads, d, generator=gen)
-    kc, vc = (torch.randn(nblocks, bs, kv_heads, d, generator=gen).bfloat16() for _ in range(2))
-    args = (q, kc, vc, tables, torch.arange(g, dtype=torch.int32), lens, int(lens.max()), d ** -0.5)
+    q, kc, vc, *rest = _kernel_args(5, 40, 8, 2, 64, 4, 600, (1, 50), 13)
+    kc, vc = kc.bfloat16(), vc.bfloat16()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel(*args)
+        one = kernel(q, kc, vc, *rest)
         torch.set_num_threads(4)
-        many = kernel(*args)
+        many = kernel(q, kc, vc, *rest)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
-    widened = kernel(q, kc.float(), vc.float(), *args[3:])
-    torch.testing.assert_close(one, widened, atol=1e-6, rtol=0)
+    torch.testing.assert_close(one, kernel(q, kc.float(), vc.float(), *rest), atol=1e-6, rtol=0)
 
 
 def test_kernel_refuses_mixed_cache_dtypes():
