@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
@@ -89,6 +90,10 @@ FEATURES = [
      lambda llm: _profiles(llm)),
     ("`tensor_parallel_size`, `enforce_eager` (CUDA graphs)", "yes", "yes",
      lambda llm: _constructs(tensor_parallel_size=1, enforce_eager=True)),
+    ("KV cache in bfloat16 (`kv_cache_dtype=\"bfloat16\"`)", "yes", "no",
+     lambda llm: _kv_bf16()),
+    ("fp8 KV cache (`kv_cache_dtype=\"fp8\"`)", "yes", "no",
+     lambda llm: not _raises(lambda: _constructs(kv_cache_dtype="fp8"))),
     ("LoRA adapters (`lora_request`)", "yes", "no",
      lambda llm: not _raises(lambda: _gen_lora(llm))),
     ("Beam search (`LLM.beam_search`)", "yes", "no",
@@ -161,6 +166,11 @@ def _mixed_chunked() -> bool:
 def _constructs(**engine_args) -> bool:
     with LLM(str(EMBEDDED_MODEL_DIR), num_kvcache_blocks=64, **engine_args):
         return True
+
+
+def _kv_bf16() -> bool:
+    with LLM(str(EMBEDDED_MODEL_DIR), kv_cache_dtype="bfloat16", num_kvcache_blocks=64) as llm:
+        return llm.llm_engine.runner.kv_cache.dtype == torch.bfloat16 and len(_gen(llm).outputs[0].token_ids) == 4
 
 
 def _capped() -> str:
