@@ -76,10 +76,12 @@ def _unescape(text: str) -> str:
 
 
 def _with_flag(message: str, parser: argparse.ArgumentParser) -> str:
-    """A ``SamplingParams.<field>=...`` error with the option that set the field in front of it (the
-    options' names are the fields', as argparse derives them: ``--top-p`` sets ``top_p``)."""
+    """A ``SamplingParams.<field>=...`` or engine argument's ``<field>=...`` error with the option that
+    set the field in front of it (the options' names are the fields', as argparse derives them:
+    ``--top-p`` sets ``top_p``, ``--max-model-len`` ``max_model_len``)."""
     for action in parser._actions:
-        if action.option_strings and message.startswith(f"SamplingParams.{action.dest}="):
+        if action.option_strings and (message.startswith(f"SamplingParams.{action.dest}=")
+                                      or message.startswith(f"{action.dest}=")):
             return f"{action.option_strings[0]}: {message}"
     return message
 
@@ -104,8 +106,9 @@ def _generate(argv: list[str]) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (| head): stop quietly, as other commands do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        from minivllm.utils.cli_exit import stdout_gone
+
+        return stdout_gone()
     finally:
         run.close()
 
@@ -127,6 +130,19 @@ class _GenerateRun:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+    def prompt_used(self, out) -> str:
+        """The prompt as the model saw it: with --truncate-prompt-tokens, its last tokens (said on stderr)."""
+        n = self.args.truncate_prompt_tokens
+        kept = out.prompt_token_ids
+        if n is None or kept is None or out.prompt is None:
+            return self.args.prompt
+        full = len(self.llm.get_tokenizer().encode(self.args.prompt))
+        if full <= len(kept):
+            return self.args.prompt
+        print(f"# the prompt was cut to its last {len(kept)} of {full} tokens (--truncate-prompt-tokens {n})",
+              file=sys.stderr)
+        return self.llm.get_tokenizer().decode(kept)
 
     def go(self) -> int:
         args = self.args
@@ -156,7 +172,7 @@ class _GenerateRun:
             last = None
             for out in llm.stream(args.prompt, params):
                 if last is None:  # written once the request is in: a warning about it comes before, not mid-line
-                    sys.stdout.write(args.prompt)
+                    sys.stdout.write(self.prompt_used(out))
                     self.open_line = True
                 sys.stdout.write(out.outputs[0].text)
                 sys.stdout.flush()

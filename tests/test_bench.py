@@ -141,7 +141,13 @@ def test_threads_option_bounds_and_the_cores_this_process_may_use(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     assert threads.available_cores() == 1
     one = choose_threads("auto", load=0.0)
-    assert one.threads == 1 and "on 1 cores" in one.reason
+    assert one.threads == 1 and "on 8 cores, 1 of them this process's" in one.reason
+    # the load average counts the whole machine: 8 allowed cores of an idle half of 64 stay 8 threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert choose_threads("auto", load=32.0).threads == 8
+    assert choose_threads("auto", load=60.0).threads == 4
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     capped = choose_threads("auto", load=0.0)
@@ -446,6 +452,18 @@ def test_main_writes_json(tiny_ckpt, tmp_path):
     assert data["throughput"]["workload"]["num_requests"] == 2
     assert data["throughput"]["peers"] == {}
     assert res["throughput"].minivllm["seconds"] > 0
+
+
+def test_throughput_records_and_sizes_for_the_kv_cache_dtype(tiny_ckpt):
+    """--kv-cache-dtype bfloat16: the result said nothing of it, and the pool was sized at 4 bytes an element."""
+    from minivllm.bench.common import kv_bytes_for
+
+    res = bench.run_cli(["--model", str(tiny_ckpt), "--no-peers", "--num-requests", "2", "--input-len", "3", "5",
+                         "--output-len", "2", "3", "--quiet", "--threads", "1", "--kv-cache-dtype", "bfloat16"],
+                        peak_kwargs=PEAKS)
+    assert res["throughput"].kv_cache_dtype == "bfloat16"
+    tokens = 1 << 20  # enough that the 512 MiB floor does not hide the element size
+    assert kv_bytes_for(str(tiny_ckpt), tokens, None, "bfloat16") < kv_bytes_for(str(tiny_ckpt), tokens)
 
 
 def test_cli_exit_status(tiny_ckpt, capsys):

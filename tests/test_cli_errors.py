@@ -70,6 +70,18 @@ def test_generate_into_a_closed_pipe_stops_quietly(tmp_path):
     assert "Traceback" not in err and "BrokenPipeError" not in err
 
 
+def test_bench_into_a_closed_pipe_stops_quietly(tmp_path):
+    cmd = [sys.executable, "-m", "minivllm", "bench", "--threads", "1", "--no-peers", "--num-requests", "2",
+           "--input-len", "2", "2", "--output-len", "2", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                            env={**_env(), "MINIVLLM_LOGGING_LEVEL": "WARNING"})
+    assert proc.stdout.readline()  # like `| head -1`
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
 def _env() -> dict:
     import os
 
@@ -81,16 +93,21 @@ def test_generate_refuses_a_prompt_that_is_not_utf8(capsys):
     assert "error: the prompt 'caf\\udcff' is not valid UTF-8 text" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("broken", ["config.json", "generation_config.json", "tokenizer_config.json"])
-def test_a_checkpoint_file_that_is_not_json_is_named(broken, tmp_path, capsys):
+@pytest.mark.parametrize("broken,text", [
+    ("config.json", "{not json"), ("generation_config.json", "{not json"), ("tokenizer_config.json", "{not json"),
+    ("generation_config.json", "[1, 2]"),  # valid JSON of the wrong shape: an AttributeError traceback
+    ("tokenizer.json", '{"version": "1.0", "model": {"type": "BPE"}}'),  # transformers' own KeyError
+])
+def test_a_checkpoint_file_that_is_not_json_is_named(broken, text, tmp_path, capsys):
     model = tmp_path / "model"
     shutil.copytree(EMBEDDED_MODEL_DIR, model)
-    (model / broken).write_text("{not json")
+    (model / broken).write_text(text)
     assert main(["generate", "hi", "--model", str(model), *QUIET]) == 2
     err = capsys.readouterr().err
-    assert "\nerror: " in err and str(model / broken) in err and "Traceback" not in err
+    named = str(model / broken) if broken != "tokenizer.json" else f"the tokenizer in {str(model)!r}"
+    assert "\nerror: " in err and named in err and "Traceback" not in err
     assert bench.main(["--model", str(model), "--no-peers", "--num-requests", "2", "--threads", "1"]) == 2
-    assert str(model / broken) in capsys.readouterr().err
+    assert named in capsys.readouterr().err
 
 
 def test_generate_truncates_a_long_prompt_and_takes_max_model_len(capsys):
@@ -100,9 +117,13 @@ def test_generate_truncates_a_long_prompt_and_takes_max_model_len(capsys):
     assert main(["generate", long_prompt, *QUIET]) == 2
     assert "leaves no room to generate" in capsys.readouterr().err
     assert main(["generate", long_prompt, *QUIET, "--truncate-prompt-tokens", "100"]) == 0
-    assert "# 4 tokens (length)" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "# 4 tokens (length)" in err and "the prompt was cut to its last 100 of " in err
+    assert out.count("def") < 110  # the prompt the model saw, not the 2,100 words given
     assert main(["generate", "The list type", *QUIET, "--max-model-len", "6"]) == 0
     assert "# 3 tokens (length)" in capsys.readouterr().err  # 6 tokens of model length leave room for 3
+    assert main(["generate", "hi", *QUIET, "--max-model-len", "0"]) == 2
+    assert "error: --max-model-len: max_model_len=0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,message", [

@@ -68,9 +68,9 @@ def test_mixed_steps_over_a_bf16_cache_match_naive(block_size, heads, kv_heads, 
 
 
 def test_store_rounds_to_bf16_as_torch_does():
-    """The C store rounds to nearest, ties to even, NaN to a quiet NaN: bit for bit torch's conversion,
-    over random values of every magnitude and the awkward ones (ties, the largest finite values,
-    infinities, NaN, subnormals, signed zeros)."""
+    """The C store rounds to nearest, ties to even, NaN to a NaN: bit for bit torch's conversion (but for
+    a NaN's bits), over random values of every magnitude and the awkward ones (ties, the largest finite
+    values, infinities, NaN, subnormals, signed zeros)."""
     kernel = _kernel_or_skip()
     gen = torch.Generator().manual_seed(3)
     bits = torch.randint(-2**31, 2**31, (4096,), generator=gen, dtype=torch.int64).to(torch.int32)
@@ -146,6 +146,17 @@ def test_bf16_cache_holds_twice_the_blocks_and_says_so(tiny_ckpt):
         assert engine.model_cost.kv_dtype_bytes == engine.runner.kv_cache.element_size()
         assert engine.runner.kv_cache.nbytes <= budget
     assert sizes["bfloat16"] == 2 * sizes["auto"]
+
+
+def test_draft_model_caches_in_the_targets_kv_dtype(tiny_ckpt, tiny_draft_ckpt):
+    """The draft model's runner kept a float32 cache (twice the bytes, for twice the tokens) under a bf16 target."""
+    spec = {"method": "draft_model", "model": str(tiny_draft_ckpt), "num_speculative_tokens": 2}
+    llm = make_llm(tiny_ckpt, kv_cache_dtype="bfloat16", speculative_config=spec)
+    engine = llm.llm_engine
+    draft = engine.scheduler.config.propose
+    assert engine.runner.kv_cache.dtype == draft.runner.kv_cache.dtype == torch.bfloat16
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts_of([6, 11], seed=2)], greedy(6), use_tqdm=False)
+    assert all(len(t) == 6 for t in token_lists(out))
 
 
 def test_bf16_cache_engine_paths_agree_and_stay_near_fp32(tiny_ckpt, monkeypatch):

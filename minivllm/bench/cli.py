@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of the output went away (| head)
+        from minivllm.utils.cli_exit import stdout_gone
+
+        return stdout_gone()
     return 0
 
 

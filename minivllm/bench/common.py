@@ -106,8 +106,9 @@ def cost_and_peaks(engine, log=None, peak_kwargs: dict | None = None):
     return cost, peaks
 
 
-def kv_bytes_for(model, tokens: int, dtype: str | None = None) -> int | None:
-    """CPU KV pool size holding ``tokens`` tokens (None: keep the engine default)."""
+def kv_bytes_for(model, tokens: int, dtype: str | None = None, kv_cache_dtype: str | None = None) -> int | None:
+    """CPU KV pool size holding ``tokens`` tokens (None: keep the engine default); ``kv_cache_dtype``
+    as ``EngineArgs`` takes it ("bfloat16": 2 bytes an element)."""
     from minivllm.telemetry.roofline import ModelCost
     from minivllm.utils.model_source import resolve_model
 
@@ -116,7 +117,8 @@ def kv_bytes_for(model, tokens: int, dtype: str | None = None) -> int | None:
     if torch.cuda.is_available():
         return None
     cfg = resolve_model(model).hf_config
-    cost = ModelCost.from_config(cfg, dtype=4 if dtype in (None, "auto") else dtype)
+    cost = ModelCost.from_config(cfg, dtype=4 if dtype in (None, "auto") else dtype,
+                                 kv_dtype=torch.bfloat16 if kv_cache_dtype == "bfloat16" else None)
     need = int(tokens * cost.kv_bytes_per_token * 1.1) + (1 << 20)
     return max(need, 512 << 20)
 

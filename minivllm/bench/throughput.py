@@ -21,7 +21,7 @@ class ThroughputResult(ResultMixin):
     """What :func:`run_throughput` measured (times in seconds, latencies in ms).
 
     Attributes:
-        model / device / dtype / attention_backend: what ran.
+        model / device / dtype / attention_backend / kv_cache_dtype: what ran.
         workload: the workload's description (``Workload.describe()``).
         peaks: the peaks used for MFU/MBU, measured in this run (``peaks_summary``).
         torch / transformers: library versions.
@@ -46,6 +46,7 @@ class ThroughputResult(ResultMixin):
     loadavg: list | None
     minivllm: dict = field(default_factory=dict)
     peers: dict = field(default_factory=dict)
+    kv_cache_dtype: str | None = None
 
 
 #: the transformers peers ``run_throughput`` can run beside minivllm
@@ -96,7 +97,8 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
         lens = (input_len or preset["input_len"])[1] + (output_len or preset["output_len"])[1]
         # room for the requests that can run at once, not for all of them (20,000 asked for 30 GB)
         running = min(n, engine_args.get("max_num_seqs") or EngineArgs.max_num_seqs)
-        engine_args["kv_cache_memory_bytes"] = kv_bytes_for(model, running * lens, engine_args.get("dtype"))
+        engine_args["kv_cache_memory_bytes"] = kv_bytes_for(model, running * lens, engine_args.get("dtype"),
+                                                            engine_args.get("kv_cache_dtype"))
     llm = build_llm(model, **engine_args)
     try:
         engine = llm.llm_engine
@@ -111,10 +113,11 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
             "mode": "throughput", "model": engine.source.name, "device": device_label(device),
             "dtype": str(engine.config.dtype).removeprefix("torch."),
             "attention_backend": engine.config.attention_backend, "workload": workload.describe(),
+            "kv_cache_dtype": str(engine.config.kv_cache_dtype or engine.config.dtype).removeprefix("torch."),
             "peaks": peaks_summary(peaks),
             "torch": torch.__version__, "transformers": transformers.__version__, "loadavg": loadavg()}
         log(f"minivllm bench: model={result['model']} device={result['device']} dtype={result['dtype']} "
-            f"attention={result['attention_backend']}")
+            f"attention={result['attention_backend']} kv_cache={result['kv_cache_dtype']}")
         w = result["workload"]
         log(f"workload {w['name']}: {w['num_requests']} requests, prompt {w['prompt_len_min']}..{w['prompt_len_max']} "
             f"(mean {w['prompt_len_mean']:.0f}), output {w['output_len_min']}..{w['output_len_max']} "

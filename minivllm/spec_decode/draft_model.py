@@ -88,7 +88,8 @@ class DraftModelProposer:
             source=source, device=target_config.device, dtype=target_config.dtype,
             attention_backend=target_config.attention_backend, block_size=bs, num_kvcache_blocks=blocks,
             kv_cache_memory_bytes=None, gpu_memory_utilization=1.0, max_num_batched_tokens=num_tokens,
-            seed=target_config.seed, max_num_seqs=target_config.max_num_seqs))
+            seed=target_config.seed, max_num_seqs=target_config.max_num_seqs,
+            kv_cache_dtype=target_config.kv_cache_dtype))  # the target's KV cache dtype, as vLLM gives a draft
         self.device = self.runner.device
         self.runner.cpu_fused_ops = self.runner.enable_cpu_fused_ops()  # float32 CPU models only; never compiled
         self.cache = DraftCache(blocks, bs)
@@ -105,7 +106,8 @@ class DraftModelProposer:
         if target_config.device.type != "cuda":
             return blocks
         free, _ = torch.cuda.mem_get_info(target_config.device)
-        per_block = kv_bytes_per_token(hf_config, target_config.dtype) * target_config.block_size
+        per_block = kv_bytes_per_token(hf_config, target_config.kv_cache_dtype or target_config.dtype) * \
+            target_config.block_size
         return max(1, min(blocks, int(0.9 * free) // per_block))
 
     def enable_cpu_graphs(self, max_num_seqs: int, max_model_len: int) -> bool:

@@ -39,11 +39,15 @@ class ModelSource:
 
 
 def _read_json(path: Path) -> dict:
-    """A checkpoint's JSON file. Raises ``ValueError`` naming the file when it is not valid JSON."""
+    """A checkpoint's JSON file, an object. Raises ``ValueError`` naming the file when it is not
+    valid JSON or holds something else than an object."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{str(path)!r} is not a valid JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{str(path)!r} holds a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def load_tokenizer(directory: Path):
@@ -56,10 +60,10 @@ def load_tokenizer(directory: Path):
 
     try:
         return AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+    except Exception as e:  # a file that does not parse, or of the wrong shape (KeyError, TypeError, ...)
         for path in sorted(Path(directory).glob("*.json")):
             _read_json(path)
-        raise ValueError(f"the tokenizer in {str(directory)!r} could not be loaded: {e}") from None
+        raise ValueError(f"the tokenizer in {str(directory)!r} could not be loaded: {e!r}") from None
 
 
 def _eos_ids(directory: Path, tokenizer_dir: Path) -> list[int]:

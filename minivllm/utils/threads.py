@@ -48,16 +48,17 @@ class ThreadChoice:
 
 
 def choose_threads(value: str | int | None, cores: int | None = None,
-                   load: float | None = None) -> ThreadChoice:
+                   load: float | None = None, machine_cores: int | None = None) -> ThreadChoice:
     """Resolve a ``--threads`` value.
 
     Args:
-        value: an int from 1 to ``MAX_THREADS`` (used as is), or ``"auto"`` / ``None``: ``cores -
-            load`` rounded, clamped to ``[1, cores]`` (the cores other processes leave idle, by the
-            1-minute load average) and to ``$OMP_NUM_THREADS`` where that is set, or torch's default
-            when the load average is unknown.
-        cores / load: the logical cores this process may use and the 1-minute load average
-            (default: :func:`available_cores`, the affinity mask, and ``os.getloadavg()[0]``;
+        value: an int from 1 to ``MAX_THREADS`` (used as is), or ``"auto"`` / ``None``:
+            ``machine_cores - load`` rounded (the cores other processes leave idle, by the 1-minute
+            load average, which counts the whole machine), clamped to ``[1, cores]`` and to
+            ``$OMP_NUM_THREADS`` where that is set, or torch's default when the load average is unknown.
+        cores / load / machine_cores: the logical cores this process may use, the 1-minute load
+            average and the machine's logical cores (default: :func:`available_cores`, the affinity
+            mask; ``os.getloadavg()[0]``; ``os.cpu_count()``, or ``cores`` where only that is given;
             parameters for tests).
 
     Raises:
@@ -65,13 +66,15 @@ def choose_threads(value: str | int | None, cores: int | None = None,
             message names it).
     """
     if value is None or value == "auto":
+        machine_cores = machine_cores or cores or os.cpu_count() or 1
         cores = cores or available_cores()
         if load is None:
             if not hasattr(os, "getloadavg"):
                 return ThreadChoice(None, "load average unavailable: torch's default thread count")
             load = os.getloadavg()[0]
-        n = max(1, min(cores, round(cores - load)))
-        why = f"load average {load:.1f} on {cores} cores"
+        n = max(1, min(cores, round(machine_cores - load)))
+        why = f"load average {load:.1f} on {machine_cores} cores" + (
+            f", {cores} of them this process's" if cores < machine_cores else "")
         omp = _omp_num_threads()
         if omp is not None and omp < n:  # the user's own limit for OpenMP threads
             n, why = omp, f"{why}, capped by OMP_NUM_THREADS={omp}"

@@ -235,7 +235,8 @@ int64_t paged_store_kv_f32(const float *k, int64_t k_stride, const float *v, int
 }
 
 /* paged_store_kv_f32 into bfloat16 caches ([num_slots, row] uint16 each): each float rounded to the
-   nearest bfloat16, ties to even, NaN to 0x7fc0 (torch's float -> bfloat16 conversion, bit for bit). */
+   nearest bfloat16, ties to even, as torch converts (bit for bit, but for NaN: always the quiet NaN 0x7fc0,
+   where torch's vectorised conversion may give another NaN). */
 static inline uint16_t bf16_round(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
