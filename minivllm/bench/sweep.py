@@ -134,8 +134,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         decode = []
         log(describe_peaks(peaks))
         kv_dtype = str(engine.config.kv_cache_dtype or engine.config.dtype).removeprefix("torch.")
-        log(f"decode sweep (context {context_len} tokens, KV cache in {kv_dtype}, {output_kind} outputs; step ms: the median step; the last "
-            f"column: the step over its matmuls alone)")
+        log(f"decode sweep (context {context_len} tokens, KV cache in {kv_dtype}, {output_kind} outputs; step ms: "
+            f"the median step; the last column: the step over its matmuls alone)")
         log(f"  {'batch':>5} {'step ms':>9} {'ms/seq':>8} {'GFLOP/s':>9} {'GB/s':>8} {'MFU':>6} {'MBU':>6} "
             f"{'/matmuls':>10}")
         for b in batch_sizes:

@@ -6,11 +6,11 @@ for a step that should be one read of them. ``csrc/paged_decode_f32.c`` reads K 
 through the block table instead (fp32, any GQA ratio and block size), for decode rows and for
 short causal queries (draft verification: up to ``MAX_QUERY_LEN`` tokens per sequence, one row
 per token). The cache may hold float32 or bfloat16 (``KV_DTYPES``; ``kv_cache_dtype="bfloat16"``:
-half the bytes a decode step reads, widened to float32 as they are loaded). Measured on the 2-core dev EPYC, one thread, embedded model's shapes (32 sequences of
-200-260 tokens, 16-token blocks, 2 KV heads of 64): 0.8 ms per layer against 1.9 ms for
-gather + SDPA in the engine. The same library computes the causal self-attention of fresh prompts
-(no cached prefix) from the step's own K and V (:meth:`PagedDecodeKernel.causal_self_attention`),
-in place of one SDPA call per prompt.
+half the bytes a decode step reads, widened to float32 as they are loaded). Measured on the 2-core
+dev EPYC, one thread, embedded model's shapes (32 sequences of 200-260 tokens, 16-token blocks, 2 KV
+heads of 64), float32 cache: 0.8 ms per layer against 1.9 ms for gather + SDPA in the engine. The
+same library computes the causal self-attention of fresh prompts (no cached prefix) from the step's
+own K and V (:meth:`PagedDecodeKernel.causal_self_attention`), in place of one SDPA call per prompt.
 
 It is compiled at first use and loaded with ``ctypes`` by ``minivllm.layers.native_build``
 (first compiler found, cached per source, compiler and CPU). Where that fails (no compiler, e.g. a bare Windows box) or ``MINIVLLM_CPU_DECODE_KERNEL=0`` is set,
