@@ -161,7 +161,9 @@ def test_draft_model_caches_in_the_targets_kv_dtype(tiny_ckpt, tiny_draft_ckpt):
 
 def test_bf16_cache_engine_paths_agree_and_stay_near_fp32(tiny_ckpt, monkeypatch):
     """Through the C kernel with CPU graphs, the C kernel eagerly and the gather + SDPA reference:
-    the same greedy tokens (the logits within 1e-4: one set of bfloat16 values, float32 math). Against
+    the same greedy tokens, graphs and eager the same logits; the reference's within 5e-3 (the paths sum
+    in different orders, and a key or value that lands on the other side of a bfloat16 rounding boundary
+    in a later layer moves a logit by ~1e-3; a differential fuzz saw up to 9.7e-4). Against
     an fp32 cache: the logits moved by the rounding of K and V, but by less than a few units of
     bfloat16's precision at the logits' scale."""
     _kernel_or_skip()
@@ -188,7 +190,7 @@ def test_bf16_cache_engine_paths_agree_and_stay_near_fp32(tiny_ckpt, monkeypatch
     monkeypatch.delenv(cpu_decode.ENV_SWITCH)
     assert graphs == eager == reference
     torch.testing.assert_close(graph_rows, eager_rows, atol=1e-4, rtol=0)
-    torch.testing.assert_close(reference_rows, eager_rows, atol=1e-4, rtol=0)
+    torch.testing.assert_close(reference_rows, eager_rows, atol=5e-3, rtol=0)
 
     _, fp32_rows, how = run()
     assert how == (torch.float32, True, True)
