@@ -1216,6 +1216,21 @@ Quiz([
          "Nothing about the interpreter needs privileges.",
          "The tests use it the same way, but it is an environment variable read by triton, wherever it runs."],
     ),
+    Question(
+        "A bfloat16 KV cache made the batch-32 decode step faster above, yet the engine's default keeps the model's "
+        "float32. Why?",
+        ["The bfloat16 cache makes the attention's arithmetic bfloat16, which this CPU computes slowly",
+         "Each key and value is rounded once when written, so the logits move and a greedy token can flip; float32 "
+         "keeps them equal to the reference implementation's",
+         "A bfloat16 cache holds fewer tokens",
+         "CPU graphs cannot replay a step over a bfloat16 cache"],
+        1,
+        ["The kernel widens each value to float32 as it loads it; the arithmetic is float32's either way.",
+         "Right: the saving is bytes, the price is one rounding of K and V, visible in the greedy continuations "
+         "that changed; a choice for the user to make, not a default.",
+         "Half the bytes per token: twice the tokens in the same memory.",
+         "The engines above both replayed CPU graphs; the C kernel and store have a bfloat16 version each."],
+    ),
 ]).display()
 
 # %% [markdown]
@@ -1232,6 +1247,8 @@ Quiz([
 #   one's time includes (the paged backend's gather copy, the loop's per-sequence overhead);
 # * switch on int8 weights (`quantization="int8"`), predict its gain from the bytes a step reads and
 #   the rest of the step, and measure both its speed-up and what it changes in the model's outputs;
+# * keep the KV cache in bfloat16 (`kv_cache_dtype="bfloat16"`) and weigh the bytes a decode step saves
+#   against the rounding of every key and value;
 # * switch on n-gram speculative decoding (`speculative_config`), read its acceptance rate and tokens
 #   per verification step, and find the workload or batch where it stops paying.
 #
