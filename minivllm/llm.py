@@ -204,6 +204,12 @@ class LLM:
             raise RuntimeError("the scheduler made no progress with requests waiting "
                                f"({self.engine.get_num_unfinished_requests()} unfinished); this is a bug")
 
+    def _samples(self, request_ids) -> int:
+        """How many samples ``request_ids`` ask for: ``SamplingParams.n`` each (a parent request of
+        the engine's, ``minivllm/engine/parallel_sampling.py``), else 1."""
+        parents = self.engine.parents.parents
+        return sum(parents[rid].n if rid in parents else 1 for rid in request_ids)
+
     def _abort(self, request_ids) -> None:
         if self.llm_engine is not None:
             for rid in request_ids:
@@ -240,7 +246,8 @@ class LLM:
                     make_bar = use_tqdm
                 else:
                     from tqdm.auto import tqdm as make_bar
-                bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+                # as vLLM's: one tick per sample (n of them for a prompt with SamplingParams.n = n)
+                bar = make_bar(total=self._samples(ids), desc="Processed prompts", dynamic_ncols=True)
         except BaseException:  # a callable of another signature, or an interrupt: queue nothing
             self._abort(ids)
             raise
@@ -248,7 +255,7 @@ class LLM:
             for out in self._outputs(ids, inbox):
                 results[out.request_id] = out
                 if bar is not None:
-                    bar.update(1)
+                    bar.update(len(out.outputs))
         finally:
             if bar is not None:
                 bar.close()

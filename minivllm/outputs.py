@@ -165,6 +165,34 @@ class RequestOutput:
     error: str | None = None
     kv_transfer_params = None  # keyword-only in vLLM: a class attribute
 
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """vLLM's: fold a later output of the same request into this one, in place, completion by
+        completion (matched by ``index``; a new index is appended). ``aggregate=True`` (delta
+        outputs): its text, token ids and logprobs are appended to the completion's, its
+        cumulative logprob and finish and stop reasons taken; ``False`` (cumulative outputs): the
+        completion is replaced. ``finished`` becomes True once either is; ``metrics`` and
+        ``num_cached_tokens`` are the later output's."""
+        self.finished = self.finished or next_output.finished
+        self.metrics = next_output.metrics if next_output.metrics is not None else self.metrics
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.error = next_output.error or self.error
+        mine = {c.index: i for i, c in enumerate(self.outputs)}
+        for new in next_output.outputs:
+            at = mine.get(new.index)
+            if at is None:
+                mine[new.index] = len(self.outputs)
+                self.outputs.append(new)
+            elif not aggregate:
+                self.outputs[at] = new
+            else:
+                old = self.outputs[at]
+                old.text += new.text
+                old.token_ids = list(old.token_ids) + list(new.token_ids)
+                if new.logprobs:
+                    old.logprobs = (old.logprobs or []) + list(new.logprobs)
+                old.cumulative_logprob = new.cumulative_logprob
+                old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+
     # -- nano-vllm compatibility: a read-only mapping view {"text", "token_ids"} ------------------
     _MAPPING_KEYS = ("text", "token_ids")
 

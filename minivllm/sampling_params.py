@@ -30,9 +30,10 @@ MIN_TEMPERATURE = 0.01
 class SamplingParams:
     """Per-request sampling and stopping settings (validated at construction).
 
-    Logits are processed in this order (vLLM v1's): allowed_token_ids, bad_words,
-    min_tokens, logit_bias, then the penalties (repetition, frequency, presence), then
-    temperature, top-k, top-p, min-p; then a token is drawn from what remains. The
+    Logits are processed in this order: allowed_token_ids, bad_words, min_tokens, logit_bias,
+    then the penalties (repetition, frequency, presence), then temperature, top-k, top-p, min-p
+    (vLLM V0's filter order; vLLM V1 applies min-p right after temperature, before top-k and
+    top-p: chapter 09 compares the two); then a token is drawn from what remains. The
     options beyond the classic five cost nothing to requests that leave them at their
     defaults (a batch of plain greedy requests keeps its argmax fast path).
 
@@ -59,8 +60,8 @@ class SamplingParams:
             construction, ``[]`` for None, as in vLLM); the returned text ends
             *before* the stop string (unless ``include_stop_str_in_output``). When several
             complete in the same step, the one completing earliest in the text wins, ties
-            by list order (so the result does not depend on how the text was tokenized;
-            vLLM takes the first in list order among those found in a step's new text).
+            by list order (so the result does not depend on how the text was tokenized), as
+            in vLLM since its PR 49391 (2026-07).
         stop_token_ids: a list of token ids that end generation (always apply, even with
             ``ignore_eos``); the engine checks them against the model's vocabulary. The
             stop token is in ``token_ids`` but its text is not in ``text`` (as for eos).
@@ -75,8 +76,9 @@ class SamplingParams:
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per occurrence
             in the output so far (OpenAI's definition:
             ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``).
-        min_tokens: >= 0; eos (unless ``ignore_eos``) and ``stop_token_ids`` are masked, and
-            stop strings are not looked for in the text of, the first ``min_tokens`` tokens.
+        min_tokens: >= 0; eos (with ``ignore_eos`` too, as in vLLM) and ``stop_token_ids`` are
+            masked for the first ``min_tokens`` tokens, and no stop string ends in their text (one
+            may start in it and end after it, as in vLLM).
         logit_bias: ``{token_id: bias}`` added to those logits before sampling (values are
             clamped to [-100, 100], as OpenAI's API does).
         allowed_token_ids: only these token ids can be generated (non-empty list).

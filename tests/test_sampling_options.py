@@ -389,3 +389,35 @@ def test_stop_strings_can_still_be_assigned_and_is_validated():
     with pytest.raises(ValueError, match="SamplingParams.stop="):
         params.stop_strings = [""]
     assert params.stop == ["END"]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from minivllm import LLM
+
+    llm = LLM(num_kvcache_blocks=64)
+    yield llm
+    llm.shutdown()
+
+
+def test_min_tokens_masks_eos_with_ignore_eos_too(embedded):
+    """vLLM masks eos during the first min_tokens tokens whatever ignore_eos says (its
+    all_stop_token_ids always hold eos); minivllm masked it only without ignore_eos."""
+    eos = min(embedded.llm_engine.eos_token_ids)
+    params = SamplingParams(temperature=0, max_tokens=3, min_tokens=2, ignore_eos=True, logit_bias={eos: 100.0})
+    ids = embedded.generate("The list type", params, use_tqdm=False)[0].outputs[0].token_ids
+    assert eos not in ids[:2] and ids[2] == eos
+
+
+def test_a_stop_string_may_start_in_the_min_tokens_text(embedded):
+    """As vLLM: no stop string may end in the first min_tokens tokens' text, but one that starts there
+    and ends after it stops the request (minivllm looked only past that text)."""
+    plain = embedded.generate("The list type", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    first = plain.outputs[0].text[:len(embedded.get_tokenizer().decode(plain.outputs[0].token_ids[:1]))]
+    rest = plain.outputs[0].text[len(first):]
+    stop = first[-2:] + rest[:2]  # across the first token's end
+    out = embedded.generate("The list type", SamplingParams(temperature=0, max_tokens=4, min_tokens=1, stop=[stop]),
+                            use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, first[:-2])
+    inside = SamplingParams(temperature=0, max_tokens=4, min_tokens=1, stop=[first[-2:]])  # ends in it: ignored
+    assert embedded.generate("The list type", inside, use_tqdm=False)[0].outputs[0].finish_reason == "length"

@@ -461,8 +461,8 @@ class LLMEngine:
         if params.bad_words:
             seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         if params.min_tokens:
-            seq.min_tokens_stop_ids = sorted(set(params.stop_token_ids) |
-                                             (set() if params.ignore_eos else set(self.eos_token_ids)))
+            # eos too with ignore_eos, as vLLM masks it (its all_stop_token_ids always hold eos)
+            seq.min_tokens_stop_ids = sorted(set(params.stop_token_ids) | set(self.eos_token_ids))
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                        params.spaces_between_special_tokens) if params.detokenize else None
         self.output_processor.add_request(RequestState(seq, detok, kind))

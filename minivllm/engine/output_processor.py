@@ -31,8 +31,6 @@ class RequestState:
         sent_text / sent_tokens: how much of ``text`` / output tokens delta outputs have returned.
         stop_hit: the stop string found in the text, if any.
         error: why the request ended with finish_reason "error", else None.
-        stop_floor: stop strings are looked for from this text offset on (the text of the
-            first ``min_tokens`` tokens is not searched, as in vLLM).
         sent_prompt_logprobs: a delta output has carried the prompt logprobs already.
     """
 
@@ -45,7 +43,6 @@ class RequestState:
     sent_tokens: int = 0
     stop_hit: str | None = field(default=None)
     error: str | None = None
-    stop_floor: int = 0
     sent_prompt_logprobs: bool = False
 
     #: Detokenise every step (outputs carry text, or stop strings must be watched); a
@@ -80,12 +77,14 @@ def _held_back(text: str, stops: list[str]) -> int:
     return longest
 
 
-def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    """The stop string that completes earliest in ``text[start:]`` (ties: first in ``stops``),
-    as (its index in ``text``, the string); None if none occurs."""
+def find_stop(text: str, stops: list[str], after: int) -> tuple[int, str] | None:
+    """Among the stop strings that occur in ``text`` ending beyond offset ``after`` (the text
+    already searched: an occurrence may start before it), the one that completes earliest (ties:
+    first in ``stops``, as vLLM since its PR 49391), as (its index in ``text``, the string); None
+    if none does."""
     best = None
     for order, stop in enumerate(stops):
-        index = text.find(stop, start)
+        index = text.find(stop, max(0, after - len(stop) + 1))
         if index >= 0:
             key = (index + len(stop), order)
             if best is None or key < best[0]:
@@ -112,11 +111,8 @@ def update_text(state: RequestState) -> str | None:
     stops = params.stop_strings
     if stops and state.stop_hit is None:
         if params.min_tokens and state.num_detokenized <= params.min_tokens:
-            state.stop_floor = len(state.text)
-            return None
-        # A stop string can start up to len(stop) - 1 characters before the new text.
-        start = max(state.stop_floor, before - max(len(s) for s in stops) + 1)
-        found = find_stop(state.text, stops, start)
+            return None  # no stop string ends in the first min_tokens tokens' text (one may start in it, as in vLLM)
+        found = find_stop(state.text, stops, before)  # one ending in the new text
         if found is not None:
             index, stop = found
             state.text = state.text[:index + len(stop) if params.include_stop_str_in_output else index]
@@ -158,8 +154,9 @@ def make_output(state: RequestState) -> RequestOutput:
     seq = state.seq
     finished = seq.is_finished
     out_ids = seq.output_token_ids
-    # text that may grow into a stop string is held back until it does or cannot, as vLLM does (not
-    # when the stop string is to be kept in the output: then nothing is cut once it completes)
+    # text that may grow into a stop string is held back until it does or cannot (vLLM holds back a
+    # fixed len(longest stop) - 1 characters instead; the joined text is the same), but not when the
+    # stop string is to be kept in the output: then nothing is cut once it completes
     stops = () if seq.params.include_stop_str_in_output else seq.params.stop_strings
     if state.kind is OutputKind.DELTA:
         visible = len(state.text) if finished else len(state.text) - _held_back(state.text, stops)

@@ -5,12 +5,14 @@ with ``n=1`` and, when the parent has a ``seed``, seed ``seed + i`` (so a seeded
 replays exactly, and its samples differ from each other). The children share their
 prompt's KV blocks through the prefix cache: child 0 leads, and the others are admitted
 once it has sampled (``Sequence.prefix_leader``), so they hit every full prompt block it
-computed instead of computing their own. ``ParentRequests.merge`` turns the children's
-outputs back into the parent's ``RequestOutput``s, ``outputs[i].index == i``:
+computed instead of computing their own (so samples 1..n-1 produce their first token a step
+after sample 0). ``ParentRequests.merge`` turns the children's outputs back into the parent's
+``RequestOutput``s, ``outputs[i].index == i``, as vLLM's output processor does:
 
-* final-only: one output when every child has finished, all n completions in index order;
-* cumulative: each step, every completion so far;
-* delta: each child's delta as it comes, ``outputs=[that completion]`` (as vLLM does);
+* final-only: one output when every child has finished, all n completions in index order, its
+  metrics and ``num_cached_tokens`` those of the child that finished last;
+* cumulative and delta: each child's output as it comes, ``outputs=[that completion]`` (its
+  whole text so far, or its new part), under the parent's id; a finished child gives no more.
   ``finished`` is True on the parent's last output only.
 
 Merging happens inside the step's transaction: every change is recorded in the undo log.
@@ -62,12 +64,12 @@ class ParentRequest:
         self._set(index, out, undo)
         done = all(self.finished)
         completion = dataclasses.replace(out.outputs[0], index=index)
-        if self.kind is OutputKind.DELTA:
+        if self.kind is not OutputKind.FINAL_ONLY:  # streaming: the child's own output (vLLM's)
             return self._output(out, [completion], done)
-        if self.kind is OutputKind.FINAL_ONLY and not done:
+        if not done:
             return None
-        completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(self.latest) if o is not None]
-        return self._output(self.latest[0] or out, completions, done)
+        completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(self.latest)]
+        return self._output(out, completions, done)  # the last child to finish: its metrics, its cache hits
 
     def _output(self, base: RequestOutput, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
         return dataclasses.replace(base, request_id=self.request_id, outputs=completions, finished=finished)
@@ -104,8 +106,6 @@ class ParentRequests:
             parent, index = link
             result = parent.absorb(index, out, undo)
             if result is not None:
-                if parent.kind is OutputKind.CUMULATIVE:  # one output per parent per step: the last
-                    merged = [m for m in merged if m.request_id != parent.request_id]
                 merged.append(result)
                 if result.finished:
                     self._forget(parent, undo)
