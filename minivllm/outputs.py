@@ -136,8 +136,9 @@ class RequestOutput:
         prompt_logprobs: with ``SamplingParams.prompt_logprobs=k``: per prompt token, None for
             the first and ``{token_id: Logprob}`` (the prompt token plus the k most likely)
             for the others, as in vLLM; else None.
-        outputs: the ``CompletionOutput``s: one, or ``n`` with ``SamplingParams.n`` (for a delta
-            output of such a request, the one completion that advanced, with its ``index``).
+        outputs: the ``CompletionOutput``s: one, or ``n`` with ``SamplingParams.n`` (for a delta or
+            cumulative output of such a request, as vLLM streams them, the one completion that
+            advanced, with its ``index``).
         finished: True once the request has ended.
         num_cached_tokens: prompt tokens whose KV came from the prefix cache.
         metrics: the request's ``RequestMetrics``.

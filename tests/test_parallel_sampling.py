@@ -162,8 +162,7 @@ def test_an_abort_interrupted_in_the_merge_still_forgets_the_parent(llm, monkeyp
             engine.abort_request("p")
         engine.check_invariants()
         out = engine.abort_request("p")  # the caller retries, as after Ctrl-C
-    # cumulative outputs come one sample at a time (vLLM's streaming): the last one aborted ends the parent
-    assert out is not None and out.finished and [c.finish_reason for c in out.outputs] == ["abort"]
+    assert out is not None and out.finished and [c.finish_reason for c in out.outputs] == ["abort", "abort"]
     assert not engine.requests and "p" not in engine.parents
     engine.add_request("p", PROMPT, S(n=2, max_tokens=2))  # the id is free again
     while engine.has_unfinished_requests():
@@ -224,3 +223,34 @@ def test_request_output_add_rebuilds_the_final_output_as_vllms_does(llm, kind, a
     assert [len(c.logprobs) for c in acc.outputs] == [6, 6]
     assert [c.finish_reason for c in acc.outputs] == ["length", "length"]
     assert [c.cumulative_logprob for c in acc.outputs] == pytest.approx([c.cumulative_logprob for c in final.outputs])
+
+
+def test_abort_returns_every_sample_though_outputs_stream_one_at_a_time(llm):
+    """Cumulative outputs stream one sample at a time, so the abort's last merged output held only the
+    last sample: a caller without a sink never saw the others' abort."""
+    engine = llm.llm_engine
+    engine.add_request("ab", PROMPT, S(n=3, seed=5, max_tokens=20))
+    for _ in range(3):
+        engine.step()
+    out = engine.abort_request("ab")
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    assert [c.finish_reason for c in out.outputs] == ["abort"] * 3
+    assert all(len(c.token_ids) >= 1 for c in out.outputs)
+
+
+def test_final_output_keeps_a_samples_error():
+    """The final-only merged output took the last-finishing sample's error field: None when an earlier
+    sample had failed, the explanation of its finish_reason "error" lost."""
+    from minivllm.engine import parallel_sampling
+    from minivllm.outputs import CompletionOutput, RequestOutput
+
+    parent = parallel_sampling.ParentRequest("e", 2, parallel_sampling.OutputKind.FINAL_ONLY)
+
+    def child(i, reason, error):
+        return RequestOutput(f"{i}_e", None, [1], None, [CompletionOutput(0, "", [], finish_reason=reason)], True,
+                             error=error)
+
+    assert parent.absorb(0, child(0, "error", "no token could be sampled"), None) is None
+    merged = parent.absorb(1, child(1, "length", None), None)
+    assert [c.finish_reason for c in merged.outputs] == ["error", "length"]
+    assert merged.error == "no token could be sampled"

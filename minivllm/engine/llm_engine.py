@@ -490,8 +490,9 @@ class LLMEngine:
         with ``n > 1``, all its unfinished samples. ``request_id`` may also be an iterable
         of ids (as vLLM accepts).
 
-        Returns its final output (the last one's for several ids), or None if no such
-        unfinished request exists.
+        Returns its final output (the last one's for several ids; for ``n > 1``, every sample's
+        latest completion in index order, though its outputs stream one sample at a time), or
+        None if no such unfinished request exists.
         """
         if not isinstance(request_id, (str, int)):
             result = None
@@ -509,6 +510,8 @@ class LLMEngine:
                     continue
                 self._deliver(merged)  # a request aborted by someone else still reaches its caller
                 result = merged[-1] if merged else result
+            if parent is not None and result is not None:
+                result = parent.every_sample(result)
             return result
 
     def _abort_one(self, request_id: str) -> list[RequestOutput] | None:

@@ -68,11 +68,18 @@ class ParentRequest:
             return self._output(out, [completion], done)
         if not done:
             return None
-        completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(self.latest)]
-        return self._output(out, completions, done)  # the last child to finish: its metrics, its cache hits
+        # the last child to finish: its metrics, its cache hits; every sample's completion and any error
+        return self.every_sample(self._output(out, [], done))
 
     def _output(self, base: RequestOutput, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
         return dataclasses.replace(base, request_id=self.request_id, outputs=completions, finished=finished)
+
+    def every_sample(self, base: RequestOutput) -> RequestOutput:
+        """``base`` (an output of this parent) with every sample's latest completion, in index order,
+        and the first sample's error if any has one: what ``LLMEngine.abort_request`` returns."""
+        completions = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(self.latest) if o is not None]
+        error = next((o.error for o in self.latest if o is not None and o.error), None)
+        return dataclasses.replace(base, outputs=completions, error=error)
 
 
 class ParentRequests:
