@@ -151,11 +151,13 @@ int64_t paged_decode_vector_width(void) { return VW; }
 #define KV_T float
 #define KV_LOAD(p) LDV(p)
 #define KV_FLOAT(x) (x)
+#define KV_STORE_ROW(dst, src, n) memcpy(dst, src, (n) * sizeof(float))
 #define KV_NAME(f) f##_f32
 #include "paged_decode_rows.h"
 #undef KV_T
 #undef KV_LOAD
 #undef KV_FLOAT
+#undef KV_STORE_ROW
 #undef KV_NAME
 
 typedef uint16_t vec_bf16 __attribute__((vector_size(VW * 2), aligned(2), may_alias));
@@ -173,14 +175,30 @@ static inline float bf16_float(uint16_t x) {
     return f;
 }
 
+/* A float rounded to the nearest bfloat16, ties to even, as torch converts (bit for bit, but for NaN:
+   always the quiet NaN 0x7fc0, where torch's vectorised conversion may give another NaN). */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void bf16_store_row(uint16_t *dst, const float *src, int64_t n) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_round(src[i]);
+}
+
 #define KV_T uint16_t
 #define KV_LOAD(p) bf16_load(p)
 #define KV_FLOAT(x) bf16_float(x)
+#define KV_STORE_ROW(dst, src, n) bf16_store_row(dst, src, n)
 #define KV_NAME(f) f##_bf16
 #include "paged_decode_rows.h"
 #undef KV_T
 #undef KV_LOAD
 #undef KV_FLOAT
+#undef KV_STORE_ROW
 #undef KV_NAME
 
 /* paged_decode_attention_f32's (or _bf16's) arguments, for a split over threads (native_parallel_run
@@ -215,50 +233,6 @@ void paged_decode_part(void *ctx, int part, int parts) {
                                    a->row_seq + lo, a->row_lens + lo, a->out + lo * per_row, hi - lo, a->num_heads,
                                    a->num_kv_heads, a->head_dim, a->block_size, a->scale,
                                    a->scratch + part * a->scratch_floats);
-}
-
-/* Write each token's new K and V into the paged cache: token t's row (all kv heads, ``row``
-   floats, unit stride) goes to slot slots[t] of both caches ([num_slots, row] each); slot -1 is
-   skipped (a padded row of a decode graph). Returns the first token whose slot is outside
-   [-1, num_slots), nothing written from it on, or -1 when all were in range. */
-int64_t paged_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                           const int64_t *slots, int64_t tokens, int64_t row, float *k_cache, float *v_cache,
-                           int64_t num_slots) {
-    for (int64_t t = 0; t < tokens; t++) {
-        const int64_t s = slots[t];
-        if (s == -1) continue;
-        if (s < -1 || s >= num_slots) return t;
-        memcpy(k_cache + s * row, k + t * k_stride, row * sizeof(float));
-        memcpy(v_cache + s * row, v + t * v_stride, row * sizeof(float));
-    }
-    return -1;
-}
-
-/* paged_store_kv_f32 into bfloat16 caches ([num_slots, row] uint16 each): each float rounded to the
-   nearest bfloat16, ties to even, as torch converts (bit for bit, but for NaN: always the quiet NaN 0x7fc0,
-   where torch's vectorised conversion may give another NaN). */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-int64_t paged_store_kv_bf16(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                            const int64_t *slots, int64_t tokens, int64_t row, uint16_t *k_cache, uint16_t *v_cache,
-                            int64_t num_slots) {
-    for (int64_t t = 0; t < tokens; t++) {
-        const int64_t s = slots[t];
-        if (s == -1) continue;
-        if (s < -1 || s >= num_slots) return t;
-        const float *kt = k + t * k_stride, *vt = v + t * v_stride;
-        uint16_t *kd = k_cache + s * row, *vd = v_cache + s * row;
-        #pragma omp simd
-        for (int64_t i = 0; i < row; i++) kd[i] = bf16_round(kt[i]);
-        #pragma omp simd
-        for (int64_t i = 0; i < row; i++) vd[i] = bf16_round(vt[i]);
-    }
-    return -1;
 }
 
 /* Packed twins for a CPU graph's replay in C (packed_call.h) */

@@ -1,8 +1,9 @@
-/* The decode rows of paged_decode_f32.c for one element type of the KV cache. Included there once
+/* The decode rows and the KV store of paged_decode_f32.c for one element type of the KV cache. Included there once
    per type, with these defined:
      KV_T          the cache's element type (float, or uint16_t holding bfloat16 bits)
      KV_LOAD(p)    VW consecutive elements at p as a vecf of floats
      KV_FLOAT(x)   one element as a float
+     KV_STORE_ROW(dst, src, n)  n floats at src written as elements at dst
      KV_NAME(f)    f with the type's suffix (paged_decode_attention_f32, ..._bf16)
    Everything is computed in float32 whatever the cache holds: a 16-bit cache only halves the bytes
    a decode step reads, which is what bounds it (docs/benchmarks.md). Part of minivllm. */
@@ -211,3 +212,21 @@ void KV_NAME(paged_decode_attention)(const float *q, const KV_T *k_cache, const 
 }
 
 #undef ROW_TILED
+
+/* Write each token's new K and V into the paged cache: token t's row (all kv heads, ``row``
+   floats, unit stride) goes to slot slots[t] of both caches ([num_slots, row] elements each), as
+   KV_STORE_ROW writes it; slot -1 is skipped (a padded row of a decode graph). Returns the first
+   token whose slot is outside [-1, num_slots), nothing written from it on, or -1 when all were in
+   range. */
+int64_t KV_NAME(paged_store_kv)(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                                const int64_t *slots, int64_t tokens, int64_t row, KV_T *k_cache, KV_T *v_cache,
+                                int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t s = slots[t];
+        if (s == -1) continue;
+        if (s < -1 || s >= num_slots) return t;
+        KV_STORE_ROW(k_cache + s * row, k + t * k_stride, row);
+        KV_STORE_ROW(v_cache + s * row, v + t * v_stride, row);
+    }
+    return -1;
+}
