@@ -12,7 +12,8 @@ from minivllm.bench.overhead import run_overhead
 from minivllm.bench.report import print_throughput
 from minivllm.bench.sweep import run_sweep
 from minivllm.bench.throughput import HF_PEERS, run_throughput
-from minivllm.bench.workload import WORKLOADS
+from minivllm.bench.workload import WORKLOADS, check_scale
+from minivllm.config import KV_CACHE_DTYPES
 from minivllm.utils.threads import ThreadChoice, choose_threads
 
 __all__ = ["build_parser", "main", "run_cli"]
@@ -91,7 +92,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one engine step")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens in one engine step")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
-    e.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16"],
+    e.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
                    help="the KV cache's dtype: 'auto' (the model's) or 'bfloat16' (half the KV bytes of a float32 "
                         "model on a CPU)")
     e.add_argument("--enforce-eager", action="store_true", default=None,
@@ -159,8 +160,7 @@ def _check_args(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={value}: must be at least 1")
-    if not 0 < args.scale < float("inf"):
-        raise ValueError(f"--scale {args.scale}: must be a positive, finite number")
+    check_scale(args.scale, "--scale ")
     if args.batch_sizes is not None and min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes {' '.join(map(str, args.batch_sizes))}: each must be at least 1")
     throughput = not (args.sweep or args.overhead or args.speculative or args.quantization)

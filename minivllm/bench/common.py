@@ -109,6 +109,7 @@ def cost_and_peaks(engine, log=None, peak_kwargs: dict | None = None):
 def kv_bytes_for(model, tokens: int, dtype: str | None = None, kv_cache_dtype: str | None = None) -> int | None:
     """CPU KV pool size holding ``tokens`` tokens (None: keep the engine default); ``kv_cache_dtype``
     as ``EngineArgs`` takes it ("bfloat16": 2 bytes an element)."""
+    from minivllm.config import KV_CACHE_DTYPES
     from minivllm.telemetry.roofline import ModelCost
     from minivllm.utils.model_source import resolve_model
 
@@ -118,7 +119,7 @@ def kv_bytes_for(model, tokens: int, dtype: str | None = None, kv_cache_dtype: s
         return None
     cfg = resolve_model(model).hf_config
     cost = ModelCost.from_config(cfg, dtype=4 if dtype in (None, "auto") else dtype,
-                                 kv_dtype=torch.bfloat16 if kv_cache_dtype == "bfloat16" else None)
+                                 kv_dtype=KV_CACHE_DTYPES.get(kv_cache_dtype or "auto"))  # a bad name: the engine names it
     need = int(tokens * cost.kv_bytes_per_token * 1.1) + (1 << 20)
     return max(need, 512 << 20)
 

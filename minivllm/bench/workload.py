@@ -62,13 +62,14 @@ def _check_range(name, r):
     return tuple(r)
 
 
-def check_scale(scale) -> None:
+def check_scale(scale, label: str = "scale=") -> None:
     """``scale`` (the workload's request-count multiplier) is a positive, finite number.
 
     Raises:
-        ValueError: naming the value (inf once asked for more requests than memory holds)."""
+        ValueError: naming the value after ``label`` ("--scale " on the command line; inf once asked
+            for more requests than memory holds)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
-        raise ValueError(f"scale={scale!r}: must be a positive, finite number")
+        raise ValueError(f"{label}{scale!r}: must be a positive, finite number")
 
 
 def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 1.0,
