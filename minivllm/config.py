@@ -25,7 +25,7 @@ IGNORED_VLLM_ARGS = frozenset({
     "load_format",                # safetensors only; no downloads
     "disable_custom_all_reduce", "distributed_executor_backend",
     "max_seq_len_to_capture", "disable_async_output_proc", "use_v2_block_manager",
-    "enable_prefix_caching_hash", "max_logprobs", "enable_sleep_mode", "compilation_config",
+    "enable_prefix_caching_hash", "enable_sleep_mode", "compilation_config",
     "hf_token", "worker_cls", "served_model_name",
     "max_loras", "max_lora_rank",  # LoRA's sizes; LoRA itself is refused (LACKING_VLLM_ARGS)
     "guided_decoding_backend", "structured_outputs_config",  # a request asking for them is refused
@@ -98,6 +98,9 @@ class EngineArgs:
         logprobs_mode: what ``SamplingParams.logprobs`` report (vLLM's): "raw_logprobs"
             (default), "raw_logits", "processed_logprobs" or "processed_logits"; see
             ``minivllm/layers/logprobs.py``.
+        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
+            argument and default, 20); -1: no cap (a request may then ask for the whole
+            vocabulary, ``-1``, at every token). A request over it is refused when added.
         init_method: torch.distributed rendezvous for tensor parallelism across machines
             (e.g. ``"env://"`` under torchrun, ``"tcp://host:port"``); None = the engine
             starts its workers on this machine.
@@ -145,6 +148,7 @@ class EngineArgs:
     init_method: str | None = None
     speculative_config: dict | None = None
     logprobs_mode: str = "raw_logprobs"
+    max_logprobs: int = 20
     quantization: str | None = None
     quantize_lm_head: bool = True
     tokenizer: str | None = None
@@ -171,6 +175,8 @@ class EngineArgs:
         modes = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
         if self.logprobs_mode not in modes:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose one of {list(modes)}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r}: must be an int >= 0, or -1 (no cap)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
         from minivllm.quantization.layer import check_quantization

@@ -11,7 +11,7 @@ import torch
 from conftest import add_tokenizer
 from helpers_engine import generate_spying_logits, make_llm, prompts_of
 from helpers_models import load_hf_model, make_hf_checkpoint
-from minivllm import Logprob, SamplingParams
+from minivllm import EngineArgs, Logprob, SamplingParams
 
 ATOL = 1e-4
 
@@ -20,7 +20,7 @@ ATOL = 1e-4
 def setup(tmp_path_factory):
     ckpt = add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("logprobs"), seed=7))
     # A budget of 8 tokens: a 13-token prompt is prefilled in two chunks.
-    llm = make_llm(ckpt, block_size=4, max_num_batched_tokens=8)
+    llm = make_llm(ckpt, block_size=4, max_num_batched_tokens=8, max_logprobs=-1)  # -1: the whole vocabulary below
     yield llm, load_hf_model(ckpt)
     llm.shutdown()
 
@@ -105,6 +105,40 @@ def test_minus_one_is_the_whole_vocabulary(setup):
         check_position(out.prompt_logprobs[j], ref[j - 1], prompt[j], vocab)
     with pytest.raises(ValueError, match=r"logprobs=-2: .*-1 \(all\)"):
         SamplingParams(logprobs=-2)
+
+
+def test_max_logprobs_caps_requests_as_vllm(tmp_path):
+    """vLLM's max_logprobs (default 20, -1 no cap): a request asking for more sample or prompt
+    logprobs is refused when added, naming its value, and the engine serves the others (it was
+    accepted and ignored)."""
+    ckpt = add_tokenizer(make_hf_checkpoint(tmp_path, seed=7))
+    llm = make_llm(ckpt, block_size=4)
+    try:
+        vocab = llm.llm_engine.vocab_size
+        assert vocab > 20
+        for kw, kind, asked in (({"logprobs": 21}, "sample", 21), ({"prompt_logprobs": 21}, "prompt", 21),
+                                ({"logprobs": -1}, "sample", vocab), ({"prompt_logprobs": -1}, "prompt", vocab)):
+            name, value = next(iter(kw.items()))
+            with pytest.raises(ValueError, match=rf"{name}={value}: requested {kind} logprobs of {asked}, more than "
+                                                 rf"the engine's max_logprobs=20"):
+                llm.generate([1, 2, 3], SamplingParams(max_tokens=1, **kw), use_tqdm=False)
+        out = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=2, logprobs=20, prompt_logprobs=20),
+                           use_tqdm=False)[0]
+        assert len(out.outputs[0].logprobs[0]) in (20, 21) and len(out.prompt_logprobs[1]) in (20, 21)
+        assert not llm.llm_engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+    small = make_llm(ckpt, block_size=4, max_logprobs=0)
+    try:
+        c = small.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=1, logprobs=0), use_tqdm=False)[0]
+        assert len(c.outputs[0].logprobs[0]) == 1  # the sampled token's own: 0 is within any cap
+        with pytest.raises(ValueError, match="logprobs=1: .*max_logprobs=0"):
+            small.generate([1, 2, 3], SamplingParams(max_tokens=1, logprobs=1), use_tqdm=False)
+    finally:
+        small.shutdown()
+    for bad in (-2, True, 2.0, "20"):
+        with pytest.raises(ValueError, match=rf"max_logprobs={bad!r}: must be an int >= 0, or -1"):
+            EngineArgs(max_logprobs=bad)
 
 
 def test_detokenize_false_leaves_decoded_tokens_out(setup):

@@ -312,15 +312,25 @@ class LLMEngine:
         """Checks of ``params`` that need the model (``SamplingParams`` checks the rest).
 
         Raises:
-            ValueError: ``params`` is not a ``SamplingParams``, or a token id in
+            ValueError: ``params`` is not a ``SamplingParams``; a token id in
                 ``stop_token_ids``, ``logit_bias`` or ``allowed_token_ids`` is outside the
-                model's vocabulary ``[0, vocab_size)`` (naming the field and the id).
+                model's vocabulary ``[0, vocab_size)`` (naming the field and the id); or more
+                ``logprobs`` / ``prompt_logprobs`` than the engine's ``max_logprobs`` (-1 asking
+                for the whole vocabulary; vLLM's ``SamplingParams._validate_logprobs``).
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params {params!r} is not a SamplingParams")
         if params.prompt_logprobs is not None and self.args.tensor_parallel_size > 1:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs}: not supported with "
                              f"tensor_parallel_size={self.args.tensor_parallel_size} (use 1)")
+        cap = self.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            asked = getattr(params, name)
+            wanted = self.vocab_size if asked == -1 else asked
+            if asked and wanted > cap:  # (None and 0 are within any cap)
+                raise ValueError(f"{name}={asked}: requested {kind} logprobs of {wanted}, more than the engine's "
+                                 f"max_logprobs={self.args.max_logprobs} allows (give LLM(max_logprobs=...) a "
+                                 f"larger value, or -1 for no cap)")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             for t in ids:
