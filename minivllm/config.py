@@ -70,7 +70,8 @@ class EngineArgs:
         max_model_len: longest sequence (prompt + output), tokens. Default: the model's
             ``max_position_embeddings`` capped at what the KV pool holds.
         block_size: tokens per KV block (16 for torch/triton, 256 for flash_attn).
-        num_kvcache_blocks: KV pool size in blocks (overrides the byte budgets).
+        num_kvcache_blocks: KV pool size in blocks of ``block_size`` tokens (overrides the byte
+            budgets); None or -1 (nano-vllm's default): sized from the budgets.
         kv_cache_memory_bytes: KV pool size in bytes (CPU default 512 MiB).
         gpu_memory_utilization: on CUDA, fraction of device memory the engine may use
             (weights + activations + KV), measured after a warm-up pass.
@@ -156,6 +157,8 @@ class EngineArgs:
     profiler_config: dict | None = None
 
     def __post_init__(self) -> None:
+        if self.num_kvcache_blocks == -1 and not isinstance(self.num_kvcache_blocks, bool):
+            self.num_kvcache_blocks = None  # nano-vllm's "not given"
         positive = ["max_num_seqs", "tensor_parallel_size"]
         optional_positive = ["max_num_batched_tokens", "max_model_len", "block_size",
                              "num_kvcache_blocks", "kv_cache_memory_bytes"]

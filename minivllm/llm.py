@@ -46,7 +46,7 @@ _NANO_ENGINE_CALLS = {
     "add_request": "llm.llm_engine.add_request(request_id, prompt, params)",
     "step": "llm.llm_engine.step() (it returns RequestOutputs, not nano-vllm's (outputs, num_tokens))",
     "is_finished": "not llm.llm_engine.has_unfinished_requests()",
-    "exit": "llm.shutdown() frees it",
+    "exit": "llm.shutdown() (on the LLM) frees it",
 }
 #: vLLM's calls for pooling (embedding, classification, scoring) models and its metrics API
 _VLLM_LACKING_CALLS = {

@@ -223,4 +223,10 @@ class RequestOutput:
     def get(self, key: str, default=None):
         return self[key] if key in self._MAPPING_KEYS else default
 
-    __iter__ = None  # not iterable: a mapping view of two keys, not a sequence
+    def __iter__(self):
+        """The two keys, as iterating nano-vllm's dict gives them (without this, Python would try
+        ``output[0]``)."""
+        return iter(self._MAPPING_KEYS)
+
+    def __len__(self) -> int:
+        return len(self._MAPPING_KEYS)

@@ -26,7 +26,7 @@ RequestOutputKind = OutputKind
 MIN_TEMPERATURE = 0.01
 
 
-@dataclass
+@dataclass(kw_only=True)  # by name only: vLLM and nano-vllm order their fields differently
 class SamplingParams:
     """Per-request sampling and stopping settings (validated at construction).
 
@@ -116,7 +116,8 @@ class SamplingParams:
         ValueError: naming the offending field and value.
         TypeError: a vLLM argument for a feature minivllm lacks (``structured_outputs``,
             ``best_of`` above ``n``, ``logits_processors``, ...; their values that ask for
-            nothing are accepted), or an unknown argument.
+            nothing are accepted), an unknown argument, or a positional one (vLLM's and
+            nano-vllm's orders differ: arguments are given by name).
     """
 
     temperature: float = 1.0
@@ -401,9 +402,13 @@ _dataclass_init = SamplingParams.__init__
 
 
 def _init_with_vllm_only(self, *args, **kwargs):
-    """The dataclass ``__init__``, also taking vLLM's arguments for features minivllm lacks: one at
-    a value that asks for nothing (None, vLLM's default) is dropped; otherwise a TypeError says it
-    is a vLLM feature, rather than Python's bare "unexpected keyword argument"."""
+    """The dataclass ``__init__``, keyword arguments only, also taking vLLM's arguments for features
+    minivllm lacks: one at a value that asks for nothing (None, vLLM's default) is dropped; otherwise
+    a TypeError says it is a vLLM feature, rather than Python's bare "unexpected keyword argument"."""
+    if args:  # vLLM's field order starts n, ..., nano-vllm's temperature, max_tokens: either would be misread
+        raise TypeError(f"SamplingParams{args!r}: give its arguments by name (temperature=..., max_tokens=...); "
+                        "positional arguments would be read in another order than vLLM's (n, ...) or "
+                        "nano-vllm's (temperature, max_tokens, ignore_eos)")
     lacking = [name for name in kwargs if name in _VLLM_ONLY and _VLLM_ONLY[name][1](kwargs[name], kwargs)]
     if lacking:
         raise TypeError("; ".join(f"SamplingParams({name}=...): {_VLLM_ONLY[name][0]} is a vLLM feature minivllm "

@@ -1094,7 +1094,7 @@ render(f"Accounting from this table: {GREEDY.max_tokens - 1} plain decode steps 
 # sequence's drafts add rows to the step, and once the step is bound by its arithmetic, extra rows cost
 # their full price). Measured here on three workloads: the same prompt at batch 1 (above), 8 such
 # prompts at batch 8, and the batch-1 prompt **sampled at temperature 0.6** (seeded; nano-vllm's
-# `bench.py` at commit 0e2a894 samples at 0.6; see chapter 12): sampled text repeats itself less, and a draft is only accepted with the
+# `bench.py` at commit bb823b3 samples at 0.6; see chapter 12): sampled text repeats itself less, and a draft is only accepted with the
 # probability the model gives it. (A sampled request draws its random numbers differently with
 # speculation, so its tokens can differ from the plain engine's even with the same seed; what rejection
 # sampling keeps equal is the distribution they are drawn from. The `identical` column applies to

@@ -426,7 +426,7 @@ render(f"Two read bandwidths appear in this notebook. Section 2's harness measur
 #
 # ## 5. Reproducing nano-vllm's benchmark on a GPU
 #
-# nano-vllm's `bench.py` (read at commit 0e2a894 of its repository) draws 256 requests with prompt and
+# nano-vllm's `bench.py` (read at commit bb823b3, the head of its main branch) draws 256 requests with prompt and
 # output lengths from `random.randint(100, 1024)` and prompt token ids from `random.randint(0, 10000)`.
 # Python's `randint` includes both ends, so its ids run from 0 to 10,000 inclusive. It seeds Python's
 # generator with 0 and draws each prompt's length and then its ids, prompt after prompt, and then the
@@ -438,9 +438,9 @@ render(f"Two read bandwidths appear in this notebook. Section 2's harness measur
 # end-of-sequence tokens, times one `generate` call, and prints `Total` (the sum of the requests'
 # `max_tokens`: output tokens only) and `Throughput` (that total divided by the time). So its
 # throughput is **output tokens per second**: compare it with the harness's `out tok/s` column, not
-# `total tok/s`, which adds the prompt tokens. Its README reports the figure for Qwen3-0.6B; the script
-# at that commit points at another model and 8 GPUs, so set the model path and
-# `tensor_parallel_size` to match the run you compare with. The exact workload of the `nano` preset:
+# `total tok/s`, which adds the prompt tokens. Its README reports the figure for Qwen3-0.6B, the model
+# the script loads (from `~/huggingface/Qwen3-0.6B/`, with `max_model_len=4096`): set that path to the
+# checkpoint you compare with. The exact workload of the `nano` preset:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -477,8 +477,8 @@ _ = check_claim("the nano preset asks for the output tokens nano-vllm's README r
 # checkpoint and run `python bench.py`. Two differences to keep in mind when putting the numbers side
 # by side: nano-vllm samples at temperature 0.6 while the harness is greedy (with end-of-sequence
 # ignored, both produce exactly the requested number of tokens, so the work is the same apart from
-# the sampler), and its requests are its own random draws, the same in distribution up to the one
-# extra token id. Compare its `Throughput` with the `out tok/s` column. Report the GPU, the driver,
+# the sampler), and its requests are the `nano` preset's, draw for draw (the same prompts and output
+# lengths; the cell above checks their total). Compare its `Throughput` with the `out tok/s` column. Report the GPU, the driver,
 # the torch version and both commands with the numbers. Its usage line (`python -m minivllm bench
 # --help` explains every option):
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers_engine import greedy, make_llm, prompts_of
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, EngineArgs, LLMEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +30,31 @@ def test_request_output_is_a_read_only_nano_vllm_mapping(llm):
         out["prompt"]
     with pytest.raises(TypeError):
         out["text"] = "x"
-    with pytest.raises(TypeError):
-        iter(out)
-    # items() / values() as nano-vllm's dict has them (a script's json.dump(dict(o)) or o.items())
+    # iterating, len(), items() / values() as nano-vllm's dict has them (iter(out) and `for k in out` raised
+    # TypeError, and len(out) too); json.dump takes dict(out)
+    assert list(out) == ["text", "token_ids"] and len(out) == 2 and [k for k in out] == list(dict(out))
     assert out.items() == list(dict(out).items()) and out.values() == list(dict(out).values())
+
+
+def test_sampling_params_are_given_by_name():
+    """SamplingParams(0.6, 256), nano-vllm's (temperature, max_tokens), was read as top_p=256 (refused with a
+    message about top_p), and SamplingParams(0.6, 1) silently as top_p=1 with 16 tokens; vLLM's order starts
+    with n. Positional arguments are refused, saying why."""
+    for args in ((0.6, 256), (0.6, 1), (2,)):
+        with pytest.raises(TypeError, match=re.escape(f"SamplingParams{args!r}: give its arguments by name")):
+            SamplingParams(*args)
+    assert SamplingParams(temperature=0.6, max_tokens=1).max_tokens == 1
+
+
+def test_nano_vllm_engine_construction_and_block_count(tiny_ckpt):
+    """nano-vllm's LLMEngine(path, **kwargs) raised AttributeError ('str' object has no attribute 'model');
+    its num_kvcache_blocks=-1 (its default: sized from memory) was refused as not positive."""
+    with pytest.raises(TypeError, match=r"LLMEngine\('x'\): takes EngineArgs.*LLM\(model, \*\*kwargs\)"):
+        LLMEngine("x")
+    assert EngineArgs(num_kvcache_blocks=-1).num_kvcache_blocks is None
+    for bad in (0, -2, True):
+        with pytest.raises(ValueError, match=rf"num_kvcache_blocks={bad!r}: must be a positive int"):
+            EngineArgs(num_kvcache_blocks=bad)
 
 
 def test_logprob_imports_from_vllms_module_path():

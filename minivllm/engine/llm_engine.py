@@ -116,6 +116,10 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs):
+        if not isinstance(args, EngineArgs):  # nano-vllm's LLMEngine(model, **kwargs) is its LLM
+            raise TypeError(f"LLMEngine({args!r}): takes EngineArgs(model=..., ...) (or use "
+                            "LLMEngine.from_engine_args); nano-vllm's LLMEngine(model, **kwargs) is LLM(model, **kwargs) "
+                            "here, its engine llm.llm_engine")
         self.args = args
         self.source = with_tokenizer(resolve_model(args.model), args.tokenizer)
         hf = self.source.hf_config
