@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -21,15 +22,17 @@ IGNORED_VLLM_ARGS = frozenset({
     "disable_log_stats", "disable_log_requests",
     "swap_space",                 # preemption recomputes; there is no CPU swap
     "cpu_offload_gb",
-    "tokenizer_mode", "revision", "tokenizer_revision", "code_revision", "download_dir",
-    "load_format",                # safetensors only; no downloads
+    "revision", "tokenizer_revision", "code_revision", "download_dir",  # no downloads
     "disable_custom_all_reduce", "distributed_executor_backend",
+    "disable_sliding_window",     # no model here has a sliding window
+    "disable_cascade_attn", "cuda_graph_sizes",  # graphs are recorded for the batch sizes that occur
     "max_seq_len_to_capture", "disable_async_output_proc", "use_v2_block_manager",
     "enable_prefix_caching_hash", "enable_sleep_mode", "compilation_config",
     "hf_token", "worker_cls", "served_model_name",
-    "max_loras", "max_lora_rank",  # LoRA's sizes; LoRA itself is refused (LACKING_VLLM_ARGS)
+    "max_loras", "max_lora_rank", "max_cpu_loras",  # LoRA's sizes; LoRA itself is refused (LACKING_VLLM_ARGS)
     "guided_decoding_backend", "structured_outputs_config",  # a request asking for them is refused
     "limit_mm_per_prompt", "mm_processor_kwargs",  # likewise multimodal inputs
+    "allowed_local_media_path", "allowed_media_domains",
 })
 
 #: vLLM engine arguments that turn on a feature minivllm does not have: ``LLM(...)`` refuses them,
@@ -51,10 +54,24 @@ LACKING_VLLM_ARGS = {
     "generation_config": ("generation defaults from elsewhere than the checkpoint",
                           lambda v: v not in (None, "auto")),
     "override_generation_config": ("overrides of the generation config", bool),
+    "load_format": ("weights from elsewhere than the checkpoint's safetensors files (random weights: "
+                    "model='random:<preset>')",
+                    lambda v: v not in (None, "auto", "safetensors")),
+    "tokenizer_mode": ("a tokenizer other than the Hugging Face (fast) one", lambda v: v not in (None, "auto", "hf")),
+    "scheduling_policy": ("a scheduling policy other than first come, first served", lambda v: v not in (None, "fcfs")),
+    "enable_prompt_embeds": ("prompt embeddings as inputs", bool),
+    "override_pooler_config": ("pooling models", lambda v: v is not None),
+    "pooler_config": ("pooling models", lambda v: v is not None),
+    "max_num_partial_prefills": ("several partial prefills at once", lambda v: v not in (None, 1)),
+    "max_long_partial_prefills": ("several partial prefills at once", lambda v: v not in (None, 1)),
+    "long_prefill_token_threshold": ("a long-prefill threshold", bool),
+    "stream_interval": ("streaming several tokens per output", lambda v: v not in (None, 1)),
+    "reasoning_parser": ("reasoning parsers", bool),
 }
 
-#: Other engines' spellings of our arguments (nano-vllm's ``kvcache_block_size``).
-ARG_ALIASES = {"kvcache_block_size": "block_size"}
+#: Other engines' spellings of our arguments (nano-vllm's ``kvcache_block_size``, vLLM's
+#: ``num_gpu_blocks_override``).
+ARG_ALIASES = {"kvcache_block_size": "block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 
 
 @dataclass
@@ -234,26 +251,45 @@ class EngineArgs:
                 argument for a feature minivllm lacks (naming the feature), or an argument given
                 under both its name and an alias.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = dict(kwargs)
-        for alias, name in ARG_ALIASES.items():
-            if alias in kwargs:
-                if name in kwargs:
-                    raise TypeError(f"engine argument {name!r} given twice (also as {alias!r})")
-                kwargs[name] = kwargs.pop(alias)
-        lacking = sorted(k for k in kwargs if k in LACKING_VLLM_ARGS and k not in known)
-        turned_on = [k for k in lacking if LACKING_VLLM_ARGS[k][1](kwargs[k])]
-        if turned_on:
-            raise TypeError("; ".join(f"{k}={kwargs[k]!r}: {LACKING_VLLM_ARGS[k][0]} is a vLLM feature minivllm "
-                                      "does not have" for k in turned_on) + " (README, 'Coming from vLLM or nano-vllm')")
-        ignored = sorted(k for k in kwargs if (k in IGNORED_VLLM_ARGS or k in lacking) and k not in known)
-        unknown = sorted(set(kwargs) - known - set(ignored))
-        if unknown:
-            raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known)}")
-        if ignored:
-            logger.warning("ignoring vLLM engine argument(s) that change nothing in minivllm: %s",
-                           ", ".join(f"{k}={kwargs[k]!r}" for k in ignored))
-        return cls(model=model, **{k: v for k, v in kwargs.items() if k not in ignored})
+        return cls(model=model, **kwargs)
+
+
+def _vllm_args_taken(kwargs: dict) -> dict:
+    """``kwargs`` with ``ARG_ALIASES`` renamed and the vLLM arguments that change nothing here
+    dropped (one warning lists them); raises TypeError as :meth:`EngineArgs.from_kwargs` says."""
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    kwargs = dict(kwargs)
+    for alias, name in ARG_ALIASES.items():
+        if alias in kwargs:
+            if name in kwargs:
+                raise TypeError(f"engine argument {name!r} given twice (also as {alias!r})")
+            kwargs[name] = kwargs.pop(alias)
+    lacking = sorted(k for k in kwargs if k in LACKING_VLLM_ARGS and k not in known)
+    turned_on = [k for k in lacking if LACKING_VLLM_ARGS[k][1](kwargs[k])]
+    if turned_on:
+        raise TypeError("; ".join(f"{k}={kwargs[k]!r}: {LACKING_VLLM_ARGS[k][0]} is a vLLM feature minivllm "
+                                  "does not have" for k in turned_on) + " (README, 'Coming from vLLM or nano-vllm')")
+    ignored = sorted(k for k in kwargs if (k in IGNORED_VLLM_ARGS or k in lacking) and k not in known)
+    unknown = sorted(set(kwargs) - known - set(ignored))
+    if unknown:
+        raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known)}")
+    if ignored:
+        logger.warning("ignoring vLLM engine argument(s) that change nothing in minivllm: %s",
+                       ", ".join(f"{k}={kwargs[k]!r}" for k in ignored))
+    return {k: v for k, v in kwargs.items() if k not in ignored}
+
+
+_dataclass_init = EngineArgs.__init__
+
+
+def _init_taking_vllm_args(self, *args, **kwargs):
+    """The dataclass ``__init__``, also taking vLLM's engine arguments as ``LLM(...)`` does: a vLLM
+    script builds ``EngineArgs(model=..., trust_remote_code=True)`` for ``LLMEngine.from_engine_args``."""
+    _dataclass_init(self, *args, **_vllm_args_taken(kwargs))
+
+
+# functools.wraps: help() and Jupyter's Shift+Tab show the dataclass's own signature (via __wrapped__)
+EngineArgs.__init__ = functools.wraps(_dataclass_init)(_init_taking_vllm_args)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -298,11 +298,14 @@ class LLM:
                 continues it; exclusive with ``add_generation_prompt``.
             tools: tool (function) schemas, passed to the template as ``tools``.
             chat_template_kwargs: extra template variables (e.g. Qwen3's
-                ``{"enable_thinking": False}``).
+                ``{"enable_thinking": False}``); as in vLLM, ``add_generation_prompt``,
+                ``continue_final_message`` and ``tools`` given here win over the arguments.
             chat_template_content_format: vLLM's; "auto" or "string" (text parts are joined into
                 one string, the format this renders; "openai" is refused).
             mm_processor_kwargs: vLLM's; None only (no multimodal inputs here).
-            tokenization_kwargs: as ``generate``'s.
+            tokenization_kwargs: as ``generate``'s. The rendered text is tokenized without adding
+                special tokens (``add_special_tokens=False``, vLLM's: the template writes any BOS
+                itself) unless these say otherwise.
 
         Raises:
             TypeError: a keyword argument ``LLM.chat`` does not take (a template variable goes in
@@ -310,7 +313,8 @@ class LLM:
             ValueError: no chat template (neither given nor the tokenizer's), both
                 ``add_generation_prompt`` and ``continue_final_message``, a malformed message or
                 a non-text content part (naming it), a content format other than "auto" or
-                "string", ``mm_processor_kwargs``, or a bad prompt.
+                "string", ``chat_template_kwargs`` naming ``chat_template`` or ``tokenize`` (as vLLM),
+                ``mm_processor_kwargs``, or a bad prompt.
         """
         if unknown:
             raise TypeError(f"LLM.chat() got unexpected keyword argument(s) {sorted(unknown)}: template variables "
@@ -321,6 +325,15 @@ class LLM:
         if mm_processor_kwargs is not None:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: minivllm takes no multimodal inputs "
                              "(README, 'Coming from vLLM or nano-vllm')")
+        variables = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                     "tools": tools}
+        variables.update(chat_template_kwargs or {})  # vLLM's order: the dict's values win
+        misplaced = sorted({"chat_template", "tokenize"} & variables.keys())
+        if misplaced:
+            raise ValueError(f"chat_template_kwargs names {misplaced}: give chat_template as LLM.chat's own argument "
+                             "(the text is always rendered, then tokenized by generate)")
+        add_generation_prompt = variables["add_generation_prompt"]
+        continue_final_message = variables["continue_final_message"]
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError(f"model {self.engine.source.name!r}: its tokenizer has no chat template "
@@ -332,11 +345,11 @@ class LLM:
             conversations = [messages]
         else:
             conversations = list(messages)
-        variables = dict(chat_template_kwargs or {})
         prompts = [tok.apply_chat_template(text_messages(conv, i), tokenize=False, chat_template=chat_template,
-                                           tools=tools, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message, **variables)
+                                           **variables)
                    for i, conv in enumerate(conversations)]
+        # the template wrote the special tokens it wants; a tokenizer that adds a BOS would add a second
+        tokenization_kwargs = {"add_special_tokens": False, **(tokenization_kwargs or {})}
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              tokenization_kwargs=tokenization_kwargs)
 

@@ -38,8 +38,11 @@ class SamplingParams:
     defaults (a batch of plain greedy requests keeps its argmax fast path).
 
     Args:
-        temperature: softmax temperature; ``0`` means greedy (argmax). A value in (0, 0.01)
-            becomes 0.01, with a warning, as in vLLM (smaller ones overflow the scaled logits).
+        temperature: softmax temperature; ``0`` means greedy (argmax), and then ``top_p``, ``top_k``
+            and ``min_p`` are reset to their defaults, as vLLM does (they cannot change the argmax, and
+            with ``logprobs_mode="processed_logprobs"`` a greedy row reports the unfiltered
+            distribution whatever else is in its batch). A value in (0, 0.01) becomes 0.01, with a
+            warning, as in vLLM (smaller ones overflow the scaled logits).
         top_p: keep the smallest set of tokens whose probability sums to at
             least ``top_p``; in (0, 1].
         top_k: keep the ``top_k`` most likely tokens; ``0`` or ``-1`` disables.
@@ -211,6 +214,9 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables)")
+        if self.temperature == 0:  # greedy: no filter applies (vLLM's SamplingParams.__post_init__ resets them too)
+            for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
+                object.__setattr__(self, name, off)
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "must be an int >= 1, or None (up to max_model_len)")
@@ -228,7 +234,8 @@ class SamplingParams:
         self.stop = stop
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of int token ids, or None")
-        ids = list(self.stop_token_ids or [])
+        ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t  # numpy ints too
+               for t in self.stop_token_ids or []]
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", self.stop_token_ids, f"element {i} ({t!r}) is not an int >= 0")
@@ -239,6 +246,18 @@ class SamplingParams:
         """Validate the vLLM options beyond the classic ones; fill the derived flags."""
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
+
+        def token_id(v):
+            """v as a Python int where it is a whole number (numpy ints, 5.0, "5": vLLM takes int(v)), else v."""
+            if isinstance(v, bool):
+                return v
+            if isinstance(v, numbers.Integral):
+                return int(v)
+            if isinstance(v, numbers.Real) and math.isfinite(v) and float(v).is_integer():
+                return int(v)
+            if isinstance(v, str) and v.strip().isdigit():  # JSON object keys are strings
+                return int(v)
+            return v
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "must be an int >= 1")
@@ -262,20 +281,22 @@ class SamplingParams:
                 raise bad("logit_bias", self.logit_bias, "must be a dict {token_id: bias}, or None")
             bias = {}
             for k, v in self.logit_bias.items():
-                key = int(k) if isinstance(k, str) and k.strip().isdigit() else k  # JSON keys are strings
+                key = token_id(k)
                 if not is_int(key) or key < 0:
                     raise bad("logit_bias", self.logit_bias, f"key {k!r} is not a token id (int >= 0)")
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                     raise bad("logit_bias", self.logit_bias, f"bias {v!r} of token {k!r} is not a finite number")
-                bias[key] = float(min(100.0, max(-100.0, v)))
+                bias[key] = float(min(100.0, max(-100.0, float(v))))
             self.logit_bias = bias or None
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise bad("allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of token ids, or None")
-            for i, t in enumerate(self.allowed_token_ids):
+            ids = [token_id(t) for t in self.allowed_token_ids]
+            for i, t in enumerate(ids):
                 if not is_int(t) or t < 0:
-                    raise bad("allowed_token_ids", self.allowed_token_ids, f"element {i} ({t!r}) is not an int >= 0")
-            self.allowed_token_ids = list(self.allowed_token_ids)
+                    raise bad("allowed_token_ids", self.allowed_token_ids,
+                              f"element {i} ({self.allowed_token_ids[i]!r}) is not an int >= 0")
+            self.allowed_token_ids = ids
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)):
                 raise bad("bad_words", self.bad_words, "must be a list of str, or None")
@@ -391,6 +412,20 @@ _VLLM_ONLY = {
     "early_stopping": ("beam search's early stopping", lambda v, kw: bool(v)),
     "logits_processors": ("logits_processors (per-request callables applied to the logits)", lambda v, kw: bool(v)),
     "extra_args": ("extra_args (arguments for a custom sampler)", lambda v, kw: bool(v)),
+    "flat_logprobs": ("flat_logprobs (logprobs as FlatLogprobs)", lambda v, kw: bool(v)),
+    "logprob_token_ids": ("logprob_token_ids (logprobs of chosen tokens)", lambda v, kw: v is not None),
+    "prompt_logprob_token_ids": ("prompt_logprob_token_ids (prompt logprobs of chosen tokens)",
+                                 lambda v, kw: v is not None),
+    "prompt_logprob_start": ("prompt_logprob_start (prompt logprobs from a chosen row)", lambda v, kw: v is not None),
+    "stream_interval": ("stream_interval (streaming several tokens per output)", lambda v, kw: v not in (None, 1)),
+    "thinking_token_budget": ("thinking_token_budget (a cap on reasoning tokens)", lambda v, kw: v is not None),
+    "repetition_detection": ("repetition_detection (ending on repeated n-grams)", lambda v, kw: v is not None),
+    "skip_reading_prefix_cache": ("skip_reading_prefix_cache (a request that bypasses the prefix cache)",
+                                  lambda v, kw: bool(v)),
+    "trace_decode_token_ids": ("trace_decode_token_ids (forced decode tokens)", lambda v, kw: v is not None),
+    "routed_experts_prompt_start": ("routed_experts_prompt_start (mixture-of-experts routing data)",
+                                    lambda v, kw: bool(v)),
+    "skip_clone": ("skip_clone", lambda v, kw: False),  # vLLM's internal copy flag: nothing to turn on here
 }
 #: numeric fields a numpy scalar may be given for (converted to int / float before validation)
 _INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "truncate_prompt_tokens", "logprobs",

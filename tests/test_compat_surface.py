@@ -149,7 +149,12 @@ def test_default_sampling_params_come_from_generation_config(tiny_ckpt, tmp_path
                                    max_new_tokens=5, do_sample=True)
     other = make_llm(ckpt)
     params = other.get_default_sampling_params()
-    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.0, 20, 0.95, 5)
+    # temperature 0: greedy, whose filters are reset (vLLM's SamplingParams does the same)
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.0, 0, 1.0, 5)
+    sampled = make_llm(_with_generation_config(tiny_ckpt, tmp_path / "gen2", temperature=0.7, top_k=20, top_p=0.95))
+    p = sampled.get_default_sampling_params()
+    assert (p.temperature, p.top_k, p.top_p) == (0.7, 20, 0.95)
+    sampled.shutdown()
     params.max_tokens = 1  # a copy: the engine's defaults are not changed through it
     assert other.get_default_sampling_params().max_tokens == 5
     # generate without sampling_params uses them: 5 greedy tokens (eos is token 0, rare at random)

@@ -265,7 +265,8 @@ class LLMEngine:
         """Validate one prompt; returns (text or None, token ids).
 
         Accepts a ``str``, a ``list[int]`` of token ids, or ``{"prompt_token_ids": [...]}``
-        / ``{"prompt": "..."}``. ``truncate_prompt_tokens`` (``SamplingParams``'): keep the
+        / ``{"prompt": "..."}`` (both keys: the ids are the prompt and the text is returned as its
+        ``RequestOutput.prompt``, as vLLM's ``TokensPrompt``). ``truncate_prompt_tokens`` (``SamplingParams``'): keep the
         last k tokens (-1: the last ``max_model_len - 1``). ``add_special_tokens``: the
         tokenizer's, for a text prompt.
 
@@ -273,6 +274,7 @@ class LLMEngine:
             ValueError: empty prompt, ids outside ``[0, vocab_size)``, or a prompt with no
                 room to generate (``len >= max_model_len``); the message names the value.
         """
+        given_text = None
         if isinstance(prompt, dict):
             if prompt.get("multi_modal_data") is not None:
                 raise ValueError("multi_modal_data: minivllm serves text-only models (give None or leave it out)")
@@ -280,6 +282,9 @@ class LLMEngine:
                 ids = prompt["prompt_token_ids"]
                 if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
                     raise ValueError(f"prompt_token_ids={ids!r}: must be a list of token ids")
+                given_text = prompt.get("prompt")
+                if given_text is not None and not isinstance(given_text, str):
+                    raise ValueError(f"prompt={given_text!r} beside prompt_token_ids: must be the prompt's text (a str)")
                 prompt = list(ids)
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
@@ -295,7 +300,7 @@ class LLMEngine:
                 raise ValueError(f"prompt text {prompt[:40]!r} encodes to token id {bad[0]}, outside the "
                                  f"model's vocabulary [0, {self.vocab_size})")
         elif isinstance(prompt, (list, tuple)):
-            text, ids = None, [_token_id(t) for t in prompt]
+            text, ids = given_text, [_token_id(t) for t in prompt]
             for t in ids:
                 if not 0 <= t < self.vocab_size:
                     raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")

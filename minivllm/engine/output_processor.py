@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from minivllm.engine.detokenizer import IncrementalDetokenizer, unknown_id_text
+from minivllm.engine.detokenizer import IncrementalDetokenizer, byte_table, unknown_id_text
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.undo import UndoLog
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -122,14 +122,19 @@ def update_text(state: RequestState) -> str | None:
 
 
 def _token_text(detokenizer: IncrementalDetokenizer | None, token_id: int) -> str | None:
-    """One token's text for ``Logprob.decoded_token`` (None without detokenisation)."""
+    """One token's text for ``Logprob.decoded_token`` (None without detokenisation). A special
+    token reads as itself (``<|im_end|>``) whatever the request's ``skip_special_tokens``, as in vLLM
+    (``convert_ids_list_to_tokens`` decodes each id alone with the tokenizer's defaults)."""
     if detokenizer is None:
         return None
-    table = detokenizer.table
+    table = byte_table(detokenizer.tokenizer, skip_special_tokens=False) if detokenizer.table is not None else None
     if table is not None:
         piece = table[token_id] if token_id < len(table) else None
         return piece.decode("utf-8", "replace") if piece is not None else unknown_id_text(token_id)
-    return detokenizer._decode([token_id])
+    limit = getattr(detokenizer, "num_known_ids", None)  # (set on the general path)
+    if limit is not None and token_id >= limit:
+        return unknown_id_text(token_id)
+    return detokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None) -> list:

@@ -1,0 +1,156 @@
+"""Where a vLLM script got other results than vLLM gives (a vLLM user's review, 2026-12-05): greedy
+requests' filters, chat tokenization and template arguments, special tokens in logprobs, numpy
+token ids, a TokensPrompt's text, and vLLM arguments at values that ask for nothing."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import numpy as np
+import pytest
+
+from helpers_engine import make_llm
+from minivllm import EngineArgs, SamplingParams
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # the embedded model: its 4096-token vocabulary holds the chat template's tokens (tiny_ckpt's 97 do not)
+    llm = make_llm("minivllm-tiny", logprobs_mode="processed_logprobs")
+    yield llm
+    llm.shutdown()
+
+
+def test_greedy_requests_drop_their_filters_as_vllm(llm):
+    """vLLM resets top_p, top_k and min_p of a temperature-0 request. Here a greedy row kept them, and
+    with processed logprobs it reported the filtered distribution (-inf beyond top_k) only when a
+    sampled request shared its batch: alone, the full one."""
+    p = SamplingParams(temperature=0, top_k=2, top_p=0.5, min_p=0.2, max_tokens=2, logprobs=4)
+    assert (p.top_k, p.top_p, p.min_p) == (0, 1.0, 0.0)
+    prompt = [5, 6, 7, 8]
+    alone = llm.generate([prompt], [p], use_tqdm=False)[0].outputs[0]
+    batched = llm.generate([prompt, [9, 10]], [p, SamplingParams(seed=0, max_tokens=2)], use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == batched.token_ids
+    for a, b in zip(alone.logprobs, batched.logprobs, strict=True):
+        assert list(a) == list(b)
+        for t in a:
+            assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) and a[t].logprob > -1e9
+
+
+def test_special_tokens_in_logprobs_read_as_themselves(llm):
+    """Logprob.decoded_token of a special token was '' under the default skip_special_tokens=True (the
+    text's rule); vLLM decodes each id alone, so eos reads '<|endoftext|>' in logprobs, while the text
+    still leaves it out."""
+    tok = llm.get_tokenizer()
+    eos = tok.eos_token_id
+    for skip in (True, False):
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, logprobs=1, logit_bias={eos: 100},
+                                                       skip_special_tokens=skip), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == [eos] and out.logprobs[0][eos].decoded_token == tok.convert_ids_to_tokens(eos)
+        assert out.text == ""
+    prompt = llm.generate([[eos, 5, 6]], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert prompt.prompt_logprobs[1][5].decoded_token == tok.decode([5])
+
+
+def test_chat_template_kwargs_win_and_template_keys_are_refused(llm):
+    """chat_template_kwargs={"add_generation_prompt": False} raised 'got multiple values for keyword
+    argument' (vLLM lets the dict's values win); chat_template / tokenize in it are refused, as vLLM does."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    plain = llm.chat(USER, params, use_tqdm=False, add_generation_prompt=False)[0].prompt
+    via_dict = llm.chat(USER, params, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0].prompt
+    opened = llm.chat(USER, params, use_tqdm=False)[0].prompt
+    assert via_dict == plain != opened
+    for key in ("tokenize", "chat_template"):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs names \\['{key}'\\]"):
+            llm.chat(USER, params, use_tqdm=False, chat_template_kwargs={key: True})
+
+
+def test_chat_adds_no_second_bos(tmp_path):
+    """The rendered chat was tokenized with add_special_tokens=True: a tokenizer that prepends a BOS, with a
+    template that writes {{ bos_token }}, gave two. vLLM tokenizes the rendered text without special tokens."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from minivllm.utils.model_source import resolve_model
+
+    embedded = resolve_model("minivllm-tiny").checkpoint_dir
+    tok = AutoTokenizer.from_pretrained(embedded)
+    bos = tok.convert_ids_to_tokens(0)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                              special_tokens=[(bos, 0)])
+    tok.bos_token = bos
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(tmp_path)
+    assert tok.encode("hi")[0] == 0  # the tokenizer adds a BOS to plain text
+    llm = make_llm(embedded, tokenizer=str(tmp_path))
+    try:
+        ids = llm.chat(USER, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+        assert ids[0] == 0 and ids[1] != 0
+        kept = llm.chat(USER, SamplingParams(max_tokens=1), use_tqdm=False,
+                        tokenization_kwargs={"add_special_tokens": True})[0].prompt_token_ids
+        assert kept[:2] == [0, 0]  # asked for explicitly
+    finally:
+        llm.shutdown()
+
+
+def test_tokens_prompt_keeps_its_text(llm):
+    """{"prompt_token_ids": [...], "prompt": "..."} (vLLM's TokensPrompt with its text) came back with
+    prompt=None: the text was dropped."""
+    out = llm.generate({"prompt_token_ids": [5, 6, 7], "prompt": "five six seven"}, SamplingParams(max_tokens=1),
+                       use_tqdm=False)[0]
+    assert out.prompt == "five six seven" and out.prompt_token_ids == [5, 6, 7]
+    with pytest.raises(ValueError, match="prompt=3 beside prompt_token_ids"):
+        llm.generate({"prompt_token_ids": [5], "prompt": 3}, use_tqdm=False)
+
+
+def test_numpy_and_whole_float_token_ids():
+    """logit_bias={np.int64(5): 1}, {5.0: 1}, {5: np.float32(1.5)} and allowed_token_ids=list(np.array(...))
+    were refused; vLLM takes int(token) and float biases. A fractional or boolean id is still refused."""
+    p = SamplingParams(logit_bias={np.int64(5): 1, 6.0: np.float32(1.5), "7": 2}, allowed_token_ids=list(np.array([5, 6])),
+                       stop_token_ids=[np.int32(3)])
+    assert p.logit_bias == {5: 1.0, 6: 1.5, 7: 2.0} and all(type(k) is int for k in p.logit_bias)
+    assert p.allowed_token_ids == [5, 6] and all(type(t) is int for t in p.allowed_token_ids)
+    assert p.stop_token_ids == [3] and type(p.stop_token_ids[0]) is int
+    for bad in ({5.5: 1}, {True: 1}):
+        with pytest.raises(ValueError, match="is not a token id"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match=r"element 0 \(2.5\)"):
+        SamplingParams(allowed_token_ids=[2.5])
+
+
+def test_newer_vllm_sampling_fields_at_their_defaults():
+    """flat_logprobs=False, skip_clone=True, stream_interval=None, ... were 'unexpected keyword argument';
+    at values that ask for a feature minivllm lacks they name it."""
+    SamplingParams(flat_logprobs=False, skip_clone=True, stream_interval=None, logprob_token_ids=None,
+                   prompt_logprob_token_ids=None, prompt_logprob_start=None, thinking_token_budget=None,
+                   repetition_detection=None, skip_reading_prefix_cache=None, trace_decode_token_ids=None,
+                   routed_experts_prompt_start=0)
+    for kw in ({"flat_logprobs": True}, {"stream_interval": 4}, {"logprob_token_ids": [1]},
+               {"thinking_token_budget": 10}):
+        with pytest.raises(TypeError, match=rf"SamplingParams\({next(iter(kw))}=\.\.\.\): .*vLLM feature"):
+            SamplingParams(**kw)
+
+
+def test_vllm_engine_arguments(caplog):
+    """vLLM's num_gpu_blocks_override, scheduling_policy="fcfs", disable_sliding_window, ... were 'unknown
+    engine argument(s)'; EngineArgs(trust_remote_code=True) built directly (vLLM's llm_engine_example) was a
+    dataclass TypeError; load_format="dummy" and tokenizer_mode="slow" were warned about as changing nothing."""
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        args = EngineArgs(model="minivllm-tiny", num_gpu_blocks_override=64, scheduling_policy="fcfs",
+                          trust_remote_code=True, disable_sliding_window=True, enable_prompt_embeds=False,
+                          max_cpu_loras=None, cuda_graph_sizes=[1, 2], load_format="auto", tokenizer_mode="auto")
+    assert args.num_kvcache_blocks == 64
+    assert "scheduling_policy='fcfs'" in caplog.text and "trust_remote_code=True" in caplog.text
+    assert copy.deepcopy(args) == args
+    for kw, feature in (({"load_format": "dummy"}, "random:<preset>"), ({"tokenizer_mode": "slow"}, "tokenizer"),
+                        ({"scheduling_policy": "priority"}, "first come"), ({"enable_prompt_embeds": True}, "embeddings"),
+                        ({"stream_interval": 8}, "streaming")):
+        with pytest.raises(TypeError, match=f"{next(iter(kw))}=.*{feature}.*is a vLLM feature minivllm does not have"):
+            EngineArgs(**kw)
+    with pytest.raises(TypeError, match="given twice"):
+        EngineArgs(num_kvcache_blocks=8, num_gpu_blocks_override=8)
+    with pytest.raises(TypeError, match=r"unknown engine argument\(s\) \['bogus'\]"):
+        EngineArgs(bogus=1)
