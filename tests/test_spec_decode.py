@@ -113,6 +113,31 @@ def test_max_tokens_and_stop_tokens_hold_within_accepted_drafts(tiny_ckpt):
     assert out.outputs[0].token_ids == plain[:plain.index(stop) + 1] and out.outputs[0].stop_reason == stop
 
 
+def test_stop_strings_end_at_the_same_token_within_accepted_drafts():
+    """A stop string completing in the text of a token followed, in the same step, by accepted drafts: the
+    text was cut there but token_ids kept the drafts after it (here 4 extra tokens against the engine without
+    speculation). The embedded model, whose code-like text repeats itself (drafts accepted), and stop strings
+    taken from the plain run's own text at many places."""
+    prompt = "value import cache the model for class data print"
+    plain_llm, spec = make_llm("minivllm-tiny"), make_llm("minivllm-tiny", speculative_config=NGRAM)
+    tok = plain_llm.get_tokenizer()
+    ids = plain_llm.generate(prompt, greedy(60), use_tqdm=False)[0].outputs[0].token_ids
+    stops = ["*, *, *, *, *, *"] + [s for k in range(2, 50, 4) if (s := tok.decode(ids[k:k + 2])).strip()]
+    for stop in stops:
+        for incl in (False, True):
+            params = greedy(60, stop=[stop], include_stop_str_in_output=incl)
+            want = plain_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+                want.token_ids, want.text, want.finish_reason, want.stop_reason), (stop, incl)
+            streamed = list(spec.stream(prompt, params))
+            assert [t for o in streamed for t in o.outputs[0].token_ids] == want.token_ids
+    bm = spec.llm_engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    for llm in (plain_llm, spec):
+        llm.shutdown()
+
+
 def test_seeded_sampling_with_speculation_is_reproducible(tiny_ckpt):
     spec = make_llm(tiny_ckpt, speculative_config=NGRAM)
     prompt = _repeating(7, 3, 18)

@@ -184,6 +184,7 @@ class LLMEngine:
                                                    self.eos_token_id),
                                    self.block_manager)
         self.output_processor = OutputProcessor(self.scheduler.finish)
+        self.scheduler.stop_string_cut = self.output_processor.stop_string_cut
         self.requests = self.output_processor.states  # request id -> RequestState, unfinished ones
         self.vocab_size = hf.vocab_size
         self.step_index = 0

@@ -211,6 +211,33 @@ class OutputProcessor:
             self.every_step.add(state.seq.request_id)
         self.states[state.seq.request_id] = state
 
+    def stop_string_cut(self, seq: Sequence, tokens: list[int]) -> int:
+        """How many of ``tokens`` (a speculative step's sampled token and accepted drafts, before
+        they are appended to ``seq``) to keep: up to and including the first whose text completes
+        one of ``seq``'s stop strings, as when it generates one token a step (then the stop ends it
+        at that token; the drafts accepted after it would otherwise stay in ``token_ids``);
+        ``len(tokens)`` when none does. Changes nothing: the detokenizer is restored."""
+        state = self.states.get(seq.request_id)
+        stops = seq.params.stop_strings
+        if state is None or state.detokenizer is None or not stops or state.stop_hit is not None or len(tokens) < 2:
+            return len(tokens)
+        detok = state.detokenizer
+        saved = detok.get_state()
+        try:
+            pending = seq.token_ids[seq.num_prompt_tokens + state.num_detokenized:]  # (none, one step at a time)
+            text = state.text + detok.step(pending)
+            done = state.num_detokenized + len(pending)
+            min_tokens = seq.params.min_tokens
+            for i, token in enumerate(tokens[:-1]):  # (a stop in the last token's text cuts nothing)
+                before = len(text)
+                text += detok.step([token])
+                done += 1
+                if done > min_tokens and find_stop(text, stops, before) is not None:  # as update_text looks
+                    return i + 1
+            return len(tokens)
+        finally:
+            detok.set_state(saved)
+
     def drop(self, request_id: str) -> None:
         """Forget a request's state (an aborted request, outside a step)."""
         del self.states[request_id]

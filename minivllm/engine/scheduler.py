@@ -135,6 +135,9 @@ class Scheduler:
         #: (``SamplingParams.plain_greedy``): while there are none, a step's sampler builds no
         #: per-row settings (``SchedulerOutput.all_plain_greedy``).
         self.non_greedy_seqs: set[Sequence] = set()
+        #: Set by the engine (``OutputProcessor.stop_string_cut``): how many of a speculative step's
+        #: tokens to append to a sequence with stop strings, up to the one whose text completes one.
+        self.stop_string_cut: Callable[[Sequence, list[int]], int] | None = None
 
     # -- queue management ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -422,9 +425,14 @@ class Scheduler:
                     self.finish(seq, "error")
                     finished.append(seq)
                     continue
+                more = more_token_ids.get(seq)
+                if more and self.stop_string_cut is not None and seq.params.stop_strings:
+                    # the accepted drafts after a token whose text completes a stop string are not
+                    # the request's: one token a step, it would have ended there
+                    more = more[:self.stop_string_cut(seq, [token, *more]) - 1]
                 if append(seq, token, now, logprobs[i] if logprobs is not None else None):
                     finished.append(seq)
-                elif (more := more_token_ids.get(seq)) is not None:
+                elif more is not None:
                     for t in more:
                         if append(seq, t, now):
                             finished.append(seq)
