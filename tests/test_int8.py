@@ -86,12 +86,57 @@ def test_fbgemm_path_matches_reference_and_keeps_one_int8_copy():
     assert got.shape == (7, 96) and got.dtype == torch.float32
     rel = (got - ref).abs().amax(dim=1) / ref.abs().amax(dim=1)
     assert float(rel.max()) < 0.03, rel  # 7-bit activations: ~1% of a row's range
-    one = iw.matmul(x[3:4], b)  # a single row skips the per-row rescaling
+    one = iw.matmul(x[3:4], b)
     assert float(((one - ref[3:4]).abs().max() / ref[3].abs().max())) < 0.03
     # batched leading dims and bf16 activations go through the same path
     xb = x[:6].reshape(2, 3, 256).to(torch.bfloat16)
     yb = iw.matmul(xb)
     assert yb.shape == (2, 3, 96) and yb.dtype == torch.bfloat16
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("fused", [True, False], ids=["c-map", "torch-map"])
+def test_fbgemm_row_results_do_not_depend_on_the_other_rows(fused, monkeypatch):
+    """torch quantises the call's activations with one range: a row's result depended on its neighbours
+    (an all-positive row alone against beside a row with a negative extreme: 0.32 apart), so greedy tokens
+    changed with the batch. Each row is now mapped onto [-1, 1] beside a row holding -1 and 1: the same
+    bits alone or in any batch, with the map in C or in torch ops (no C compiler). A row with a NaN gives
+    NaN without touching the others; a constant row and one input feature are exact enough."""
+    if not fused:
+        from minivllm.layers import cpu_fused
+
+        monkeypatch.setattr(cpu_fused, "load", lambda: None)
+    g = torch.Generator().manual_seed(5)
+    iw = Int8Weight(torch.randn(64, 128, generator=g), kernel="fbgemm-dynamic")
+    a = torch.randn(1, 128, generator=g).abs()
+    others = torch.randn(5, 128, generator=g) * torch.tensor([1.0, 10.0, 0.1, 3.0, 1.0])[:, None]
+    alone = iw.matmul(a)
+    for batch in (torch.cat([a, others[:1]]), torch.cat([others, a]), torch.cat([others[2:], a, others[:2]])):
+        at = next(i for i in range(len(batch)) if torch.equal(batch[i], a[0]))
+        assert torch.equal(iw.matmul(batch)[at], alone[0])
+    ref = a @ iw.dequantized().T
+    assert float((alone - ref).abs().max() / ref.abs().max()) < 0.03
+    bad = others.clone()
+    bad[1, 7] = float("nan")
+    y, y_ok = iw.matmul(bad), iw.matmul(others)
+    assert torch.isnan(y[1]).all() and torch.equal(y[[0, 2, 3, 4]], y_ok[[0, 2, 3, 4]])
+    const = torch.full((2, 128), 0.7)
+    assert torch.allclose(iw.matmul(const), const @ iw.dequantized().T, atol=1e-4)
+    one = Int8Weight(torch.randn(16, 1, generator=g), kernel="fbgemm-dynamic")
+    x1 = torch.tensor([[2.0], [-3.0], [0.0]])
+    assert torch.allclose(one.matmul(x1), x1 @ one.dequantized().T, atol=1e-5)
+
+
+@needs_fbgemm
+def test_int8_greedy_tokens_do_not_depend_on_the_batch():
+    """The same prompts one at a time and together: 5 of 8 continuations differed (fp32: none)."""
+    llm = LLM("minivllm-tiny", quantization="int8")
+    try:
+        prompts = list(AGREEMENT_PROMPTS[:8])
+        together = _tokens(llm, prompts, 24)
+        assert [_tokens(llm, [p], 24)[0] for p in prompts] == together
+    finally:
+        llm.shutdown()
 
 
 # ---------------------------------------------------------------------------- engine

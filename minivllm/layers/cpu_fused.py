@@ -102,6 +102,10 @@ class CpuFusedOps:
         self._argmax = lib.argmax_rows_f32
         self._argmax.argtypes = [p, i64, i64, i64, p]
         self._argmax.restype = None
+        self._int8_in = lib.int8_rows_in_f32
+        self._int8_in.argtypes, self._int8_in.restype = [p, i64, i64, i64, p, p, p], None
+        self._int8_out = lib.int8_rows_out_f32
+        self._int8_out.argtypes, self._int8_out.restype = [p, i64, i64, p, p, p, p], None
         for fn in (self._rms, self._add_rms, self._silu):
             fn.restype = None
         # the packed twins a CPU graph replays from C (cpu_graph.launch's ``native``)
@@ -270,6 +274,32 @@ class CpuFusedOps:
         launch(self._split, rows, x.numel(), lambda lo, hi: self._silu(xp + lo * s_row * 4, hi - lo, s_row,
                                                               op + lo * inter * 4, inter), name="silu_and_mul_f32")
         return out
+
+    def int8_rows_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the CPU int8 linear (``minivllm.quantization.int8``): ``x [m, k]`` -> ``(x', scales)``,
+        each row mapped onto [-1, 1] (``x = mid + half * x'``) in the first ``m`` rows of ``x'``,
+        followed by rows holding exactly -1 and 1 (one, two when ``k == 1``); ``scales [2, m]``: mid,
+        half. A row holding NaN or an infinity: zeros, mid NaN. ``None`` for inputs the C code does
+        not take."""
+        if x.dim() != 2 or not self._takes(x) or x.shape[1] == 0:
+            return None
+        m, k = x.shape
+        out = torch.empty(m + (2 if k == 1 else 1), k, dtype=F32, device="cpu")
+        scales = torch.empty(2, m, dtype=F32, device="cpu")
+        sp = scales.data_ptr()
+        launch(self._int8_in, x.data_ptr(), x.stride(0) if m > 1 else k, m, k, out.data_ptr(), sp, sp + 4 * m,
+               name="int8_rows_in_f32")
+        return out, scales
+
+    def int8_rows_out(self, y: torch.Tensor, scales: torch.Tensor, row_sums: torch.Tensor,
+                      bias: torch.Tensor | None) -> None:
+        """In place on contiguous ``y [m, n]``: ``y = half[:, None] * y + mid[:, None] * row_sums (+ bias)``
+        with ``scales`` from :meth:`int8_rows_in` (undoes its map after the matmul). The caller passes
+        what it checked: fp32 contiguous CPU tensors, ``row_sums`` and ``bias`` ``[n]``."""
+        m, n = y.shape
+        sp = scales.data_ptr()
+        launch(self._int8_out, y.data_ptr(), m, n, sp, sp + 4 * m, row_sums.data_ptr(),
+               None if bias is None else bias.data_ptr(), name="int8_rows_out_f32")
 
     def embedding(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor | None:
         """``table[ids]``: int64 ``ids [T]`` (contiguous, CPU) into a contiguous fp32 CPU ``table

@@ -19,9 +19,10 @@ Matmul paths (:class:`Int8Weight.kernel` names the one a weight uses):
   ``torch.ops.quantized.linear_prepack`` under the ``x86``/``fbgemm`` quantized engine. It
   also quantises the *activations* at run time, per tensor, to uint8 with
   ``reduce_range=True`` (7 bits; CPUs without VNNI saturate 8-bit products in 16-bit
-  accumulators). To make that scale per token rather than per batch, every row of ``x`` is
-  divided by its absmax before the call and the output row multiplied back (exact: the map
-  is linear), so a token with outlier activations does not flatten the others. Chosen by
+  accumulators). To make that per token rather than per call, every row of ``x`` is mapped
+  affinely onto [-1, 1] before the call, with a row holding exactly -1 and 1 beside them, and
+  mapped back after (:func:`_fbgemm_linear`): a token with outlier activations does not flatten
+  the others, and a token's result does not depend on what else is in the batch. Chosen by
   measurement over fp32 oneDNN and ``torch._weight_int8pack_mm``
   (``docs/quantization.md``).
 * ``"triton"`` (CUDA): our Triton kernel (:mod:`minivllm.quantization.triton_int8`), int8
@@ -39,6 +40,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from minivllm.layers import cpu_fused
 
 logger = logging.getLogger(__name__)
 
@@ -121,17 +124,39 @@ def _prepack_cpu(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
         torch.backends.quantized.engine = previous
 
 
-def _fbgemm_linear(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., in]`` -> ``[..., out]`` in ``x``'s dtype; per-row absmax normalisation around
-    torch's per-tensor dynamic quantisation (see the module docstring)."""
+@functools.lru_cache(maxsize=64)
+def _range_rows(k: int) -> torch.Tensor:
+    """Rows ``[r, k]`` whose values are exactly -1 and 1 (and nothing else): appended to every call, they
+    make the tensor's range [-1, 1] whatever the other rows hold."""
+    if k == 1:
+        return torch.tensor([[-1.0], [1.0]])
+    row = torch.ones(1, k)
+    row[0, ::2] = -1.0
+    return row
+
+
+def _fbgemm_linear(x: torch.Tensor, packed, row_sums: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., in]`` -> ``[..., out]`` in ``x``'s dtype through torch's per-tensor dynamic quantisation,
+    made per token: each row is mapped affinely onto [-1, 1] (``x = mid + half * x'``, its minimum to -1,
+    its maximum to 1) and rows holding exactly -1 and 1 join the call, so every call's range is [-1, 1]
+    and a token's 7-bit grid spans its own values whatever else is in the batch (with the range of the
+    whole call, a token's result depended on its neighbours). Undone after: ``x W^T = half * (x' W^T) +
+    mid * row_sums``, ``row_sums[n] = sum_k W[n, k]`` of the dequantised weight."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float()
-    if x2.shape[0] == 1:  # one row: torch's per-tensor scale already is the per-token one
-        y = torch.ops.quantized.linear_dynamic(x2, packed, True)
-    else:
-        row_scale = x2.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12)
-        y = torch.ops.quantized.linear_dynamic(x2 / row_scale, packed, True)
-        y.mul_(row_scale)
+    fused = cpu_fused.load()
+    if fused is not None and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous())):
+        mapped = fused.int8_rows_in(x2)
+        if mapped is not None:  # the same map in two C calls (the torch ops below cost ~70 us a linear)
+            xn, scales = mapped
+            y = torch.ops.quantized.linear_dynamic(xn, packed, True)[:x2.shape[0]]
+            fused.int8_rows_out(y, scales, row_sums, bias)
+            return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+    lo, hi = x2.amin(dim=1, keepdim=True), x2.amax(dim=1, keepdim=True)
+    mid, half = (hi + lo) * 0.5, ((hi - lo) * 0.5).clamp_min_(1e-30)
+    xn = torch.cat([((x2 - mid) / half).clamp_(-1.0, 1.0), _range_rows(shape[-1])])
+    y = torch.ops.quantized.linear_dynamic(xn, packed, True)[:x2.shape[0]]
+    y.mul_(half).addmm_(mid, row_sums[None, :])
     if bias is not None:
         y.add_(bias.float())
     return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
@@ -148,7 +173,7 @@ def cpu_int8_unavailable_reason() -> str | None:
         w = torch.randn(16, 32, generator=gen)
         x = torch.randn(3, 32, generator=gen)
         q, s = quantize_per_channel(w)
-        y = _fbgemm_linear(x, _prepack_cpu(q, s, None), None)
+        y = _fbgemm_linear(x, _prepack_cpu(q, s, None), dequantize(q, s).sum(dim=1), None)
     except RuntimeError as e:
         return str(e).splitlines()[0]
     ref = F.linear(x, dequantize(q, s))
@@ -205,6 +230,9 @@ class Int8Weight:
             if q.device.type != "cpu":
                 raise ValueError(f"int8 kernel 'fbgemm-dynamic' needs CPU weights, got {q.device}")
             self.packed = _prepack_cpu(q, scale, None)
+            # each output's sum over the dequantised weight row (accumulated in float64), for the
+            # affine map of the activations (_fbgemm_linear)
+            self.row_sums = (q.double() * scale.double()[:, None]).sum(dim=1).float()
             self.qweight = None
         else:
             if self.kernel == "triton" and q.device.type != "cuda":
@@ -234,7 +262,7 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] -> x @ (Q * scale).T + bias``, ``[..., out]`` in ``x``'s dtype."""
         if self.kernel == "fbgemm-dynamic":
-            return _fbgemm_linear(x, self.packed, bias)
+            return _fbgemm_linear(x, self.packed, self.row_sums, bias)
         if self.kernel == "triton":
             from minivllm.quantization.triton_int8 import int8_linear
 

@@ -231,3 +231,63 @@ PACKED(qk_norm_rope_f32) {
                             ARG_I(9), ARG_P(10), ARG_F(11), ARG_P(12), ARG_F(13), ARG_P(14), ARG_P(15), ARG_I(16),
                             ARG_P(17), ARG_P(18)) >= 0;
 }
+
+/* ---- int8 activations per token (the CPU int8 path, minivllm/quantization/int8.py) -------------
+   torch's dynamic int8 linear quantises its input with one range for the whole call, so a token's
+   grid would depend on the other rows. int8_rows_in_f32 maps each row of x [m, k] (row stride ldx)
+   affinely onto [-1, 1] (its minimum to -1, its maximum to 1: x = mid + half * x') into out's first
+   m rows, and writes range rows after them holding exactly -1 and 1 (one row alternating them, or
+   two rows of one value each when k == 1), so every call's range is [-1, 1]. A row with a NaN or an
+   infinity gets x' = 0 (the others keep their grid) and mid = NaN, so its outputs are NaN.
+   out: contiguous [m + (k == 1 ? 2 : 1), k]; mid, half: [m]. */
+void int8_rows_in_f32(const float *x, int64_t ldx, int64_t m, int64_t k, float *out, float *mid, float *half) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * ldx;
+        float *o = out + r * k;
+        float lo = INFINITY, hi = -INFINITY, bad = 0.f;
+        #pragma omp simd reduction(min:lo) reduction(max:hi) reduction(+:bad)
+        for (int64_t i = 0; i < k; i++) {
+            lo = xr[i] < lo ? xr[i] : lo;
+            hi = xr[i] > hi ? xr[i] : hi;
+            bad += xr[i] * 0.f;  /* NaN exactly when some value is NaN or +-inf */
+        }
+        if (bad != 0.f) {
+            memset(o, 0, (size_t)k * sizeof(float));
+            mid[r] = NAN;
+            half[r] = 1.f;
+            continue;
+        }
+        const float c = (hi + lo) * 0.5f, h = (hi - lo) * 0.5f > 1e-30f ? (hi - lo) * 0.5f : 1e-30f;
+        #pragma omp simd
+        for (int64_t i = 0; i < k; i++) {
+            const float v = (xr[i] - c) / h;
+            o[i] = v < -1.f ? -1.f : v > 1.f ? 1.f : v;
+        }
+        mid[r] = c;
+        half[r] = h;
+    }
+    float *range = out + m * k;
+    if (k == 1) {
+        range[0] = -1.f;
+        range[1] = 1.f;
+        return;
+    }
+    for (int64_t i = 0; i < k; i++) range[i] = i % 2 ? 1.f : -1.f;
+}
+
+/* Undoes the map on the output y [m, n] (contiguous) of x' @ W^T in place:
+   y[r, j] = half[r] * y[r, j] + mid[r] * row_sums[j] (+ bias[j]); bias may be NULL. */
+void int8_rows_out_f32(float *y, int64_t m, int64_t n, const float *mid, const float *half, const float *row_sums,
+                       const float *bias) {
+    for (int64_t r = 0; r < m; r++) {
+        float *yr = y + r * n;
+        const float c = mid[r], h = half[r];
+        if (bias) {
+            #pragma omp simd
+            for (int64_t j = 0; j < n; j++) yr[j] = h * yr[j] + c * row_sums[j] + bias[j];
+        } else {
+            #pragma omp simd
+            for (int64_t j = 0; j < n; j++) yr[j] = h * yr[j] + c * row_sums[j];
+        }
+    }
+}
