@@ -142,7 +142,12 @@ class EngineArgs:
             (``minivllm/telemetry/profiler.py``); None: ``$VLLM_TORCH_PROFILER_DIR``.
 
     Raises:
-        ValueError: a bad value (the message names the argument and the value).
+        ValueError: a bad value (the message names the argument and the value); whether CUDA is
+            there, and what a combination of valid values allows (a backend on a device, a KV cache
+            dtype with a backend, a ``max_model_len`` the KV pool cannot hold), is checked when the
+            engine is built (``LLMEngine``), with the same kind of message.
+        TypeError: an argument minivllm does not know, a vLLM one for a feature it lacks (naming
+            the feature), or one given under both its name and an alias (``from_kwargs``).
     """
 
     model: str | None = None
@@ -185,6 +190,25 @@ class EngineArgs:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be a positive int")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "quantize_lm_head"):
+            if not isinstance(getattr(self, name), bool):  # 'no' and 'false' are truthy strings
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"compile={self.compile!r}: must be True, False or None (on for CUDA only)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed={self.seed!r}: must be an int or None")
+        if not isinstance(self.dtype, torch.dtype) and (
+                not isinstance(self.dtype, str) or (self.dtype != "auto" and canonical_dtype_name(self.dtype)
+                                                    not in MODEL_DTYPES)):
+            raise ValueError(f"dtype={self.dtype!r}: choose 'auto' or one of {dtype_spellings(MODEL_DTYPES)}")
+        if not isinstance(self.device, str) or (self.device != "auto" and _device_type(self.device) not in ("cpu",
+                                                                                                        "cuda")):
+            raise ValueError(f"device={self.device!r}: choose 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        from minivllm.layers.attention import BACKEND_NAMES
+
+        if self.attention_backend not in ("auto",) + BACKEND_NAMES:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: choose one of "
+                             f"{['auto', *BACKEND_NAMES]}")
         if self.speculative_config is not None:
             from minivllm.spec_decode.config import SpeculativeConfig
 
@@ -202,8 +226,6 @@ class EngineArgs:
         from minivllm.quantization.layer import check_quantization
 
         check_quantization(self.quantization)
-        if not isinstance(self.quantize_lm_head, bool):
-            raise ValueError(f"quantize_lm_head={self.quantize_lm_head!r}: must be a bool")
         from minivllm.telemetry.profiler import check_profiler_config
 
         check_profiler_config(self.profiler_config)
@@ -290,6 +312,14 @@ def _init_taking_vllm_args(self, *args, **kwargs):
 
 # functools.wraps: help() and Jupyter's Shift+Tab show the dataclass's own signature (via __wrapped__)
 EngineArgs.__init__ = functools.wraps(_dataclass_init)(_init_taking_vllm_args)
+
+
+def _device_type(device: str) -> str | None:
+    """The type of a device string (``"cuda:1"`` -> ``"cuda"``), or None where torch cannot parse it."""
+    try:
+        return torch.device(device).type
+    except (RuntimeError, ValueError):
+        return None
 
 
 def resolve_device(device: str) -> torch.device:

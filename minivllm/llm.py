@@ -129,7 +129,11 @@ class LLM:
         """The sampling settings the checkpoint recommends (its ``generation_config.json``:
         temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), over
         ``SamplingParams()``'s defaults; what ``generate`` / ``stream`` / ``chat`` use when
-        given no ``sampling_params`` (as vLLM does). Returns a new object each call."""
+        given no ``sampling_params`` (as vLLM does). Returns a new object each call.
+
+        Raises:
+            ValueError: a ``generation_config.json`` that does not parse, or holds a value
+                ``SamplingParams`` refuses (naming the file or the value)."""
         if self._default_params is None:
             self._default_params = default_sampling_params(self.engine.source.checkpoint_dir)
         return dataclasses.replace(self._default_params)
@@ -263,9 +267,15 @@ class LLM:
 
     def stream(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                lora_request=None, tokenization_kwargs: dict | None = None) -> Iterator[RequestOutput]:
-        """Yield one delta ``RequestOutput`` per new token of any request (vLLM's DELTA kind):
+        """Yield a delta ``RequestOutput`` for each request at every engine step that gave it new
+        tokens (vLLM's DELTA kind): one token, or several in a step of speculative decoding;
         ``outputs[0].text`` / ``.token_ids`` hold only what is new; ``finished`` is True on a
-        request's last item. Closing the iterator early aborts the unfinished requests."""
+        request's last item. Closing the iterator early aborts the unfinished requests.
+
+        Raises:
+            ValueError / TypeError: as :meth:`generate` for bad prompts or parameters; a generator
+                checks them when first advanced (``next``), not when called.
+        """
         inbox: deque[RequestOutput] = deque()
         ids = self._submit(prompts, sampling_params, "delta", inbox, lora_request,
                            tokenization_kwargs=tokenization_kwargs)

@@ -11,10 +11,12 @@ class RequestMetrics:
     The derived figures are milliseconds:
       * TTFT (time to first token) = first_token_time - arrival_time
       * TPOT (time per output token) = (last token time - first token time) / (tokens - 1)
-      * ITL (inter-token latencies) = gaps between consecutive output tokens
+      * ITL (inter-token latencies) = gaps between consecutive output tokens; with speculative
+        decoding the tokens of one step share its time, so some gaps are 0
       * e2e = finished_time - arrival_time; queue = first_scheduled_time - arrival_time
     A figure that is not defined yet (no first token, a single token) is ``None``, except ITL,
-    a list, which is then empty.
+    a list, which is then empty. ``token_times``: each output token's time (the end of the step
+    that produced it), seconds on the same clock.
     """
 
     arrival_time: float
@@ -131,7 +133,8 @@ class RequestOutput:
 
     Attributes:
         request_id: the id given at ``add_request`` (``LLM`` uses "0", "1", ... per call).
-        prompt: the prompt text, or None when the prompt was given as token ids.
+        prompt: the prompt text, or None when the prompt was given as token ids (unless a
+            ``{"prompt_token_ids": ..., "prompt": ...}`` prompt gave its text too).
         prompt_token_ids: the prompt's token ids.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs=k``: per prompt token, None for
             the first and ``{token_id: Logprob}`` (the prompt token plus the k most likely)

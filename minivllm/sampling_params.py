@@ -118,7 +118,7 @@ class SamplingParams:
     Raises:
         ValueError: naming the offending field and value.
         TypeError: a vLLM argument for a feature minivllm lacks (``structured_outputs``,
-            ``best_of`` above ``n``, ``logits_processors``, ...; their values that ask for
+            ``best_of`` other than ``n``, ``logits_processors``, ...; their values that ask for
             nothing are accepted), an unknown argument, or a positional one (vLLM's and
             nano-vllm's orders differ: arguments are given by name).
     """
@@ -306,7 +306,7 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         else:
             self.bad_words = []
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
                      "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "must be True or False")

@@ -916,7 +916,7 @@ def nvml_rows(samples) -> list[Row]:
     if not samples:
         return [Row("nvml", "utilisation during offline run", "no samples (nvidia-ml-py missing?)", "", "skip")]
     rows = []
-    for key, label in (("gpu_util_percent", "SM busy %"), ("mem_util_percent", "memory busy %"),
+    for key, label in (("gpu_util_percent", "GPU busy %"), ("mem_util_percent", "memory busy %"),
                        ("power_w", "power W"), ("mem_used_bytes", "memory used GiB")):
         vals = [s[key] for s in samples if s.get(key) is not None]
         if not vals:

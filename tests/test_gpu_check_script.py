@@ -64,7 +64,7 @@ def test_nvml_rows_summarise_samples(script):
                {"gpu_util_percent": 100.0, "mem_util_percent": None, "power_w": 500.0,
                 "mem_used_bytes": 2**32}]
     rows = {r.check.split(" (")[0]: r for r in script.nvml_rows(samples)}
-    assert rows["SM busy %"].data == {"mean": 75.0, "max": 100.0}
+    assert rows["GPU busy %"].data == {"mean": 75.0, "max": 100.0}
     assert rows["memory used GiB"].data == {"mean": 3.0, "max": 4.0}
     assert "memory busy %" not in rows
 

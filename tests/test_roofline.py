@@ -5,7 +5,7 @@ import torch
 
 from minivllm.telemetry.peaks import Peaks
 from minivllm.telemetry.roofline import (
-    ModelCost, arithmetic_intensity, attended_keys, dtype_nbytes, fill_step_record, step_cost)
+    ModelCost, arithmetic_intensity, attended_keys, dtype_nbytes, entries_from_record, fill_step_record, step_cost)
 from minivllm.telemetry.step_record import ScheduledEntry, StepRecord
 
 # D=8, F=16, L=2, H=4, Hkv=2, d=4, V=32, untied, fp32.
@@ -144,6 +144,23 @@ def test_fill_step_record_sums_equal_step_cost(kind):
     want = step_cost(c, [(e.num_tokens, e.first_position + e.num_tokens) for e in scheduled],
                      sum(e.sampled for e in scheduled))
     assert (rec.flops, rec.bytes_moved) == want
+
+
+def test_a_speculative_verification_counts_a_logit_row_per_token():
+    """A decode entry of 1 + 4 drafts computes 5 rows of logits; the record counted one (its FLOPs ~19% low
+    on the embedded model). A prefill chunk still counts its last position's row."""
+    c = small_cost()
+    rec = StepRecord(
+        index=0, start_time=1.0, end_time=1.5, num_prefill_tokens=3, num_decode_tokens=6, num_seqs=3,
+        num_prefill_chunks=1, scheduled=[ScheduledEntry("v", 5, False, 10, True), ScheduledEntry("d", 1, False, 6, True),
+                                         ScheduledEntry("p", 3, True, 0, True)],
+        preempted=[], finished=[], kv_blocks_used=2, kv_blocks_free=6, kv_blocks_cached=0, prefix_cache_hit_tokens=0,
+        attention_backend="torch")
+    fill_step_record(rec, c)
+    assert (rec.flops, rec.bytes_moved) == step_cost(c, [(5, 15), (1, 7), (3, 3)], 5 + 1 + 1)
+    assert entries_from_record(rec)[1] == 7
+    with pytest.raises(ValueError, match="num_sampled=10 exceeds the step's 9 tokens"):
+        step_cost(c, [(5, 15), (1, 7), (3, 3)], 10)
 
 
 def test_fill_step_record():

@@ -154,3 +154,48 @@ def test_vllm_engine_arguments(caplog):
         EngineArgs(num_kvcache_blocks=8, num_gpu_blocks_override=8)
     with pytest.raises(TypeError, match=r"unknown engine argument\(s\) \['bogus'\]"):
         EngineArgs(bogus=1)
+
+
+def test_engine_arguments_are_checked_when_given():
+    """enable_prefix_caching='no' left prefix caching on (a truthy string), seed='x' failed in torch's
+    manual_seed without naming the argument, and dtype / device / attention_backend names were only
+    refused when the engine was built."""
+    for kw, match in (({"enable_prefix_caching": "no"}, "enable_prefix_caching='no': must be True or False"),
+                      ({"enforce_eager": "false"}, "enforce_eager='false'"),
+                      ({"enable_chunked_prefill": 1}, "enable_chunked_prefill=1"),
+                      ({"compile": "no"}, "compile='no'"), ({"seed": "x"}, "seed='x': must be an int or None"),
+                      ({"seed": True}, "seed=True"), ({"dtype": "bogus"}, "dtype='bogus': choose 'auto'"),
+                      ({"device": "tpu"}, "device='tpu'"), ({"attention_backend": "nope"}, "attention_backend='nope'")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(**kw)
+    for kw in ({"dtype": "bf16"}, {"dtype": "float32"}, {"device": "cuda:1"}, {"device": "cpu"},
+               {"attention_backend": "flash_attn"}, {"seed": None}, {"compile": None}):
+        EngineArgs(**kw)  # valid names; whether CUDA or flash-attn is there is the engine's question
+    with pytest.raises(ValueError, match="ignore_eos='no': must be True or False"):
+        SamplingParams(ignore_eos="no")  # it meant 'ignore eos'
+
+
+def test_abort_request_names_a_bad_id(llm):
+    """abort_request(None) and abort_request(1.5) raised 'object is not iterable'."""
+    engine = llm.llm_engine
+    for bad in (None, 1.5):
+        with pytest.raises(TypeError, match=rf"abort_request\({bad!r}\): give a request id"):
+            engine.abort_request(bad)
+    assert engine.abort_request(["nope", "none"]) is None
+
+
+def test_stop_profile_says_why_the_trace_is_lost(tmp_path, monkeypatch):
+    """A trace directory under a regular file: stop_profile raised NotADirectoryError, not the RuntimeError
+    its docstring names."""
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    (tmp_path / "file").write_text("")
+    llm = make_llm("minivllm-tiny", profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path / "file" / "x")})
+    try:
+        llm.start_profile()
+        with pytest.raises(RuntimeError, match="trace directory .*file/x cannot be made .*the trace is lost"):
+            llm.stop_profile()
+        llm.start_profile()  # not left profiling
+        with pytest.raises(RuntimeError):
+            llm.stop_profile()
+    finally:
+        llm.shutdown()

@@ -85,9 +85,10 @@ class EngineStepper(CourseWidget):
     * MFU and MBU bars: the step's FLOPs and bytes from the roofline model
       (``minivllm.telemetry.roofline``: 2 FLOPs per weight per token plus attention;
       every weight read once) divided by the measured wall time and by this machine's
-      measured peaks (``minivllm.telemetry.peaks``: a matmul and a large copy). On a GPU,
-      NVML's SM / memory utilisation is shown beside them as *windowed* context (NVML
-      averages over 1/6 s to 1 s, far longer than a step).
+      measured peaks (``minivllm.telemetry.peaks``: a matmul, and a read of at least 1 GiB for
+      MBU). On a GPU, NVML's busy percentages (``utilization.gpu``: the time at least one kernel
+      ran; memory: the time memory was read or written) are shown beside them as *windowed*
+      context (NVML averages over 1/6 s to 1 s, far longer than a step).
     * A live chart of every step's wall time, coloured by phase.
 
     Buttons: "Add request", "Step", "Run to end" (steps until the engine is idle, in
@@ -602,7 +603,7 @@ class EngineStepper(CourseWidget):
             if samples and samples[-1].gpu_util_percent is not None:
                 s = samples[-1]
                 lines.append(f"<div class='mv-box mv-small'>NVML (average over its last ~1/6-1 s window, not "
-                             f"this step): SM busy {s.gpu_util_percent:.0f} %, memory busy "
+                             f"this step): GPU busy (a kernel running) {s.gpu_util_percent:.0f} %, memory busy "
                              f"{s.mem_util_percent:.0f} %</div>")
         return "".join(lines)
 

@@ -108,6 +108,10 @@ def measure_step_latency(llm, prompt_lens=(16, 32, 64, 128), decode_steps: int =
     (FLOPs per byte) from ``minivllm.telemetry.roofline`` and ``mfu`` / ``mbu`` against
     this machine's measured peaks. A prompt longer than ``max_num_batched_tokens`` is prefilled in chunks
     (one row per chunk).
+
+    Raises:
+        ValueError: the engine has unfinished requests (it must be idle), or a prompt length
+            leaves no room for ``decode_steps + 1`` tokens within ``max_model_len`` (naming it).
     """
     engine = engine_of(llm)
     _require_idle(engine)

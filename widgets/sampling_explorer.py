@@ -68,7 +68,7 @@ class SamplingExplorer(CourseWidget):
     Where the numbers come from: the logits are captured from a real engine step
     (:func:`next_token_logits`); "model" is their softmax; "after filters" is the engine's
     own :func:`minivllm.layers.sampler.filtered_probs` (temperature, then top-k, top-p,
-    min-p, vLLM's order); "drawn" are the frequencies of tokens drawn with the engine's
+    min-p: minivllm's order, vLLM V0's; V1 applies min-p right after temperature); "drawn" are the frequencies of tokens drawn with the engine's
     own :func:`~minivllm.layers.sampler.exponential_race` from that distribution (seeded).
     Temperature 0 is greedy: all mass on the argmax.
 
@@ -76,6 +76,7 @@ class SamplingExplorer(CourseWidget):
         llm: a ``minivllm.LLM`` or ``LLMEngine`` (must be idle when the prompt changes).
         prompt: initial prompt (text, or token ids like ``[1, 2, 3]`` in the text box).
         top_n: tokens shown (the most likely under the model).
+        seed: seeds the generator the draws come from (the same seed, the same histogram).
 
     State for code and tests: ``logits``, ``model_probs``, ``probs`` (after filters),
     ``counts`` (token id -> draws), ``num_draws``, ``kept`` (tokens with non-zero probability).

@@ -22,7 +22,7 @@ class UtilisationMonitor(CourseWidget):
     samples the machine, and draws:
 
     * the sampler's series over time (the machine's CPU busy %, every process's, and this
-      process's share of all cores, always; on a GPU, NVML's SM and memory
+      process's share of all cores, always; on a GPU, NVML's GPU busy % (a kernel running) and memory
       busy %, which are averages over NVML's 1/6 s to 1 s window: context, not per-step
       figures), with each engine step drawn as a tick coloured by phase on the same clock
       (``time.perf_counter``);
@@ -35,7 +35,7 @@ class UtilisationMonitor(CourseWidget):
         llm: a ``minivllm.LLM`` or ``LLMEngine`` (idle while the workload runs).
         num_requests / prompt_len / max_tokens: the workload (random prompts, greedy,
             ``ignore_eos``), all submitted at once.
-        period_s: sampling period.
+        period_s: sampling period, seconds.
         peaks: measured ``Peaks`` (default ``get_peaks()`` for the engine's device/dtype).
 
     State for code and tests: ``records`` (the workload's step records, roofline filled),
@@ -71,7 +71,7 @@ class UtilisationMonitor(CourseWidget):
 
         self.series = LiveFigure()
         for name, colour in (("machine CPU busy % (every process)", "#4c78a8"),
-                             ("GPU SM busy % (NVML window)", "#e4572e"),
+                             ("GPU busy % (NVML: a kernel running; window)", "#e4572e"),
                              ("GPU memory busy % (NVML window)", "#54a24b")):
             self.series.add_scatter(name=name, x=[], y=[], mode="lines", line=dict(color=colour))
         for phase in ("prefill", "decode", "mixed"):

@@ -1,6 +1,7 @@
 """``python -m minivllm bench``: offline throughput against transformers, sweeps, overhead.
 
-Three modes, each a plain function that returns a result dataclass (``to_dict()`` for
+Five modes (throughput, ``--sweep``, ``--speculative``, ``--overhead``, ``--quantization``), each a
+plain function that returns a result dataclass (``to_dict()`` for
 JSON; the notebooks call them directly), and ``main(argv)`` (``cli``) that runs and prints
 them. Modules: ``workload`` (prompts and lengths), ``peers`` (transformers, nano-vllm),
 ``throughput``, ``sweep``, ``overhead`` (the modes), ``report`` (printing and plots),
@@ -29,6 +30,9 @@ them. Modules: ``workload`` (prompts and lengths), ``peers`` (transformers, nano
   figure from its peer script (``../shared/peers/nanovllm_overhead.py``), loaded into the
   same process: ``--rounds`` rounds (default 5) of each, alternating, and the median of the
   rounds' ratios.
+* ``--quantization int8``: batch-1 decode of the float engine and the int8 engine side by side,
+  rounds alternating: median ITL of each and their ratio, bytes per step, and greedy agreement
+  (``quant``).
 
 Workloads: ``nano`` is nano-vllm's benchmark (256 requests, prompt and output
 lengths uniform in 100..1024, random token ids); ``cpu`` is a CPU-sized one

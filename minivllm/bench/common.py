@@ -90,7 +90,8 @@ def build_llm(model, **engine_args):
 
 
 def cost_and_peaks(engine, log=None, peak_kwargs: dict | None = None):
-    """The model's cost figures, and the device peaks measured now (a second or so; the
+    """The model's cost figures, and the device peaks measured now (1.2 s on one thread of the Zen 4
+    dev EPYC, 2026-12-05; the
     cache keeps the best figure seen for later cached reads). ``peak_kwargs`` go to
     ``measure_peaks`` (sizes, repeats)."""
     from minivllm.telemetry.peaks import get_peaks
@@ -130,7 +131,8 @@ def frozen_heap():
     collector's generations (:func:`~minivllm.utils.gc_heap.heap_frozen`), so that a full collection
     during the run walks only what the run itself made, not the process's whole heap (torch,
     transformers, the models: a full collection inside the throughput run took 106-138 ms of its
-    ~1.1 s, in two of two traced runs). The collector stays on; Python's ``timeit`` switches it off
+    ~1.1 s, in two of two runs a reviewer traced on the 2-core dev EPYC, docs/benchmarks.md). The collector
+    stays on; Python's ``timeit`` switches it off
     for the same reason."""
     gc.collect()
     with heap_frozen():

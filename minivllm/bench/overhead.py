@@ -107,7 +107,7 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
     path) runs a round of its own after each of minivllm's rounds, at the same batch size, in
     this process: the ratio is the median over the rounds of the two rounds' medians, so both
     figures of a ratio come from the same few hundred milliseconds (a shared machine's speed
-    drifts by 2x over minutes), and at the engine's block size (a block boundary costs each
+    drifts over minutes: a round's batch-1 ratio ranged 0.47-0.99 in one run, docs/benchmarks.md run AN), and at the engine's block size (a block boundary costs each
     engine an allocation and a block hash). A missing or failing peer is reported in
     ``OverheadResult.peer``, not raised.
     """

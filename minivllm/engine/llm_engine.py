@@ -113,6 +113,7 @@ class LLMEngine:
         ValueError: an argument's bad value, naming it (dtype, device, block size, a
             max_model_len the KV pool cannot hold, a speculative config, ...).
         FileNotFoundError: a model or tokenizer path that does not exist.
+        TypeError: ``args`` is not an ``EngineArgs`` (nano-vllm's ``LLMEngine(model, ...)``).
     """
 
     def __init__(self, args: EngineArgs):
@@ -326,7 +327,8 @@ class LLMEngine:
                 ``stop_token_ids``, ``logit_bias`` or ``allowed_token_ids`` is outside the
                 model's vocabulary ``[0, vocab_size)`` (naming the field and the id); or more
                 ``logprobs`` / ``prompt_logprobs`` than the engine's ``max_logprobs`` (-1 asking
-                for the whole vocabulary; vLLM's ``SamplingParams._validate_logprobs``).
+                for the whole vocabulary; vLLM's ``SamplingParams._validate_logprobs``); or
+                ``prompt_logprobs`` with ``tensor_parallel_size > 1``.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params {params!r} is not a SamplingParams")
@@ -513,10 +515,17 @@ class LLMEngine:
         Returns its final output (the last one's for several ids; for ``n > 1``, every sample's
         latest completion in index order, though its outputs stream one sample at a time), or
         None if no such unfinished request exists.
+
+        Raises:
+            TypeError: ``request_id`` is neither a str, an int nor an iterable of them (naming it).
         """
         if not isinstance(request_id, (str, int)):
+            try:
+                ids = list(request_id)
+            except TypeError:
+                raise TypeError(f"abort_request({request_id!r}): give a request id (str) or an iterable of them") from None
             result = None
-            for rid in list(request_id):
+            for rid in ids:
                 result = self.abort_request(rid) or result
             return result
         with self._lock:
@@ -693,7 +702,8 @@ class LLMEngine:
         Raises:
             RuntimeError: the engine has been shut down, it is already profiling, another torch
                 profiler runs in this process, or no trace directory (``profiler_config`` or
-                ``$VLLM_TORCH_PROFILER_DIR``)."""
+                ``$VLLM_TORCH_PROFILER_DIR``).
+            ValueError: a ``profile_prefix`` that is not a plain file-name start (a path)."""
         self._require_live()
         self.profiler.start(profile_prefix)
 
@@ -702,7 +712,8 @@ class LLMEngine:
         unless ``profiler_config`` says otherwise, for https://ui.perfetto.dev); returns its path.
 
         Raises:
-            RuntimeError: not profiling, or the trace could not be written."""
+            RuntimeError: not profiling, or the trace could not be written (naming why; the trace
+                is then lost)."""
         return self.profiler.stop()
 
     def reset_prefix_cache(self) -> bool:

@@ -3,7 +3,7 @@
 The roofline needs two numbers per device: how many FLOP/s a dense matmul
 reaches, and how many bytes per second memory moves. Data-sheet figures are
 not what a learner's laptop (or a shared CI box) delivers, so both are
-measured by a short microbenchmark (a few hundred ms) and cached per machine,
+measured by a short microbenchmark (its sizes and repeats are below) and cached per machine,
 device, dtype, thread count and torch version in
 ``$MINIVLLM_CACHE_DIR/peaks.json`` (default ``~/.cache/minivllm/peaks.json``).
 

@@ -126,12 +126,17 @@ class TorchProfile:
         """Stop and write ``<dir>/<prefix>-<pid>-<time>-<n>.pt.trace.json[.gz]``; returns its path.
 
         Raises:
-            RuntimeError: not profiling."""
+            RuntimeError: not profiling, or the trace could not be written (its directory cannot
+                be made, or torch failed to write it); the trace is then lost."""
         profile, self._profile = self._profile, None
         if profile is None:
             raise RuntimeError("stop_profile: not profiling (call start_profile first)")
         profile.stop()
-        self._where.mkdir(parents=True, exist_ok=True)
+        try:
+            self._where.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RuntimeError(f"stop_profile: the trace directory {self._where} cannot be made ({e}); "
+                               "the trace is lost") from None
         name = f"{self._prefix}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}-{next(self._traces)}.pt.trace.json"
         path = self._where / name
         profile.export_chrome_trace(str(path))

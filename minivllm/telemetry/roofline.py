@@ -12,7 +12,8 @@ minimum), which is what utilisation figures are defined against:
   per (query head, key) pair, i.e. ``4 d H`` per query token per key attended,
   with causal masking (a token at position ``p`` attends to ``p + 1`` keys).
   The LM head costs ``2 D V`` per row whose logits are computed (one per
-  sampled sequence).
+  sampled sequence; a speculative decode's verification computes one per token it
+  checks, its drafts and the next).
 * Bytes. Every weight matrix is read from memory once per step, whatever the
   batch (that is why batching decode is cheap); the embedding table is only
   read for the rows looked up. The KV cache is read for every key/value the
@@ -336,7 +337,9 @@ def step_cost(cost: ModelCost, entries: Iterable[Sequence[int]], num_sampled: in
         entries: one ``(num_new_tokens, context_len_after)`` per sequence in the
             step (a decode is ``(1, c)``; a prefill chunk ``(n, c)`` with ``c - n``
             tokens already in the cache, e.g. from a prefix-cache hit or earlier chunks).
-        num_sampled: rows whose logits are computed (sequences sampled this step).
+        num_sampled: rows whose logits are computed: one per sequence sampled this step, and for
+            a speculative decode one per token it verifies (``1 + drafts``); at most the step's
+            tokens.
 
     Returns ``(flops, bytes)``, with (T = total new tokens, A = sum of
     :func:`attended_keys`, K = sum of context_len_after, S = num_sampled)::
@@ -355,9 +358,9 @@ def step_cost(cost: ModelCost, entries: Iterable[Sequence[int]], num_sampled: in
     if not isinstance(num_sampled, int) or isinstance(num_sampled, bool) or num_sampled < 0:
         raise ValueError(f"num_sampled must be a non-negative int, got {num_sampled!r}")
     ents = _check_entries(entries)
-    if num_sampled > len(ents):
-        raise ValueError(f"num_sampled={num_sampled} exceeds the number of sequences {len(ents)}")
     T = sum(n for n, _ in ents)
+    if num_sampled > T:
+        raise ValueError(f"num_sampled={num_sampled} exceeds the step's {T} tokens")
     A = sum(attended_keys(n, c) for n, c in ents if n)
     K = sum(c for n, c in ents if n)
     return _cost_from_sums(cost, T, A, K, num_sampled)
@@ -391,10 +394,16 @@ def arithmetic_intensity(flops: float, nbytes: float) -> float:
 
 def entries_from_record(record: Any) -> tuple[list[tuple[int, int]], int]:
     """``(entries, num_sampled)`` of a ``StepRecord``: each scheduled entry gives
-    ``(num_tokens, first_position + num_tokens)``."""
+    ``(num_tokens, first_position + num_tokens)``; ``num_sampled`` counts the logit rows
+    (:func:`_logit_rows`)."""
     entries = [(e.num_tokens, e.first_position + e.num_tokens) for e in record.scheduled]
-    num_sampled = sum(1 for e in record.scheduled if e.sampled)
-    return entries, num_sampled
+    return entries, sum(_logit_rows(e) for e in record.scheduled)
+
+
+def _logit_rows(e) -> int:
+    """Logit rows a scheduled entry computes: none unless it samples; a prefill chunk its last
+    position's; a decode each of its tokens (more than one: a speculative verification)."""
+    return 0 if not e.sampled else 1 if e.is_prefill else e.num_tokens
 
 
 _NUM_TOKENS, _FIRST_POSITION, _SAMPLED = attrgetter("num_tokens"), attrgetter("first_position"), attrgetter("sampled")
@@ -416,8 +425,7 @@ def _entry_sums(entries) -> tuple[int, int, int, int]:
             c = e.first_position + n
             K += c
             A += c if n == 1 else n * c - n * (n - 1) // 2
-        if e.sampled:
-            S += 1
+        S += _logit_rows(e)
     return T, A, K, S
 
 

@@ -117,7 +117,9 @@ class StepRecord:
         attention_backend: name of the backend that ran the step.
         schedule_ms / prepare_ms / model_ms / sample_ms / postprocess_ms: where the
             time went (scheduling, building input tensors and metadata, the forward
-            pass incl. logits, sampling, stop checks + detokenisation + outputs).
+            pass incl. logits, sampling, stop checks + detokenisation + outputs). On CUDA
+            the forward is asynchronous: ``model_ms`` is the time to launch it (or replay its
+            graph) and ``sample_ms`` includes waiting for the device to finish it.
         num_draft_tokens / num_accepted_draft_tokens: speculative decoding: draft tokens
             scored this step, and how many of them were accepted.
         flops / bytes_moved: the step's model FLOPs and bytes moved (counts for the whole step,

@@ -9,9 +9,10 @@ one time axis.
   of ``psutil.cpu_times(percpu=True)`` between samples (so other callers of
   ``psutil.cpu_percent`` do not disturb it); this process's CPU percentage (can
   exceed 100 with several threads) and resident memory (RSS).
-* CUDA (when the device is a GPU and ``nvidia-ml-py`` is installed): NVML's SM
-  utilisation and memory-controller utilisation (percent), memory used
-  (bytes), power draw (W) and SM clock (MHz).
+* CUDA (when the device is a GPU and ``nvidia-ml-py`` is installed): NVML's GPU
+  busy percentage (``utilization.gpu``: the time at least one kernel ran, not how
+  many SMs it used) and memory-controller busy percentage, memory used (bytes),
+  power draw (W) and SM clock (MHz).
 
 NVML's utilisation rates are the fraction of time *over a sample window of
 between 1/6 s and 1 s* (depending on the product) during which one or more
@@ -45,7 +46,8 @@ class UtilisationSample:
         process_cpu_percent: this process's CPU use since the previous sample
             (100 = one core fully busy).
         rss_bytes: this process's resident memory.
-        gpu_util_percent: NVML SM utilisation (windowed average, see module doc).
+        gpu_util_percent: NVML's GPU busy percentage (``utilization.gpu``: time with at least one
+            kernel running; windowed average, see module doc).
         mem_util_percent: NVML memory-controller utilisation (windowed average).
         mem_used_bytes: device memory in use (all processes).
         power_w: board power draw in watts.
@@ -95,6 +97,9 @@ class UtilisationSampler:
     ticks (1/USER_HZ s): a sample less than a tick after the previous one
     measured nothing and is skipped (the next measures from the same start),
     except a run's only sample, kept with ``cpu_percent`` None.
+
+    Raises:
+        ValueError: ``period_s`` is not a positive number, or ``device`` is not one of the above.
     """
 
     def __init__(self, period_s: float = 0.1, device: Any = None):
