@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +182,15 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.num_kvcache_blocks == -1 and not isinstance(self.num_kvcache_blocks, bool):
             self.num_kvcache_blocks = None  # nano-vllm's "not given"
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if getattr(self, name) is None:  # vLLM's spelling of "the engine's default"
+                setattr(self, name, True)
+        if isinstance(self.device, torch.device):
+            self.device = str(self.device)
+        for f in dataclasses.fields(self):  # numpy integers, as a sweep gives them: Python ints
+            value = getattr(self, f.name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                setattr(self, f.name, int(value))
         positive = ["max_num_seqs", "tensor_parallel_size"]
         optional_positive = ["max_num_batched_tokens", "max_model_len", "block_size",
                              "num_kvcache_blocks", "kv_cache_memory_bytes"]

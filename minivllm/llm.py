@@ -359,7 +359,7 @@ class LLM:
                                            **variables)
                    for i, conv in enumerate(conversations)]
         # the template wrote the special tokens it wants; a tokenizer that adds a BOS would add a second
-        tokenization_kwargs = {"add_special_tokens": False, **(tokenization_kwargs or {})}
+        tokenization_kwargs = {"add_special_tokens": False, **check_tokenization_kwargs(tokenization_kwargs)}
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              tokenization_kwargs=tokenization_kwargs)
 

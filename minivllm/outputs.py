@@ -226,10 +226,7 @@ class RequestOutput:
     def get(self, key: str, default=None):
         return self[key] if key in self._MAPPING_KEYS else default
 
-    def __iter__(self):
-        """The two keys, as iterating nano-vllm's dict gives them (without this, Python would try
-        ``output[0]``)."""
-        return iter(self._MAPPING_KEYS)
-
-    def __len__(self) -> int:
-        return len(self._MAPPING_KEYS)
+    # Not iterable, no len(): with them pandas and numpy took a list of outputs for a table of two
+    # keys (pd.DataFrame(outputs) gave 'text' / 'token_ids' strings, not the outputs' fields);
+    # dict(output) works through keys(). (None: Python would otherwise try output[0].)
+    __iter__ = None

@@ -39,7 +39,8 @@ class SamplingParams:
 
     Args:
         temperature: softmax temperature; ``0`` means greedy (argmax), and then ``top_p``, ``top_k``
-            and ``min_p`` are reset to their defaults, as vLLM does (they cannot change the argmax, and
+            and ``min_p`` are reset to their defaults at construction, as vLLM does, and on the
+            engine's copy of a request's parameters (they cannot change the argmax, and
             with ``logprobs_mode="processed_logprobs"`` a greedy row reports the unfiltered
             distribution whatever else is in its batch). A value in (0, 0.01) becomes 0.01, with a
             warning, as in vLLM (smaller ones overflow the scaled logits).
@@ -214,9 +215,6 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 disables)")
-        if self.temperature == 0:  # greedy: no filter applies (vLLM's SamplingParams.__post_init__ resets them too)
-            for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
-                object.__setattr__(self, name, off)
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
                                             or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "must be an int >= 1, or None (up to max_model_len)")
@@ -234,8 +232,7 @@ class SamplingParams:
         self.stop = stop
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of int token ids, or None")
-        ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t  # numpy ints too
-               for t in self.stop_token_ids or []]
+        ids = [t if isinstance(t, str) else _token_id(t) for t in self.stop_token_ids or []]  # numpy ints, 2.0
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", self.stop_token_ids, f"element {i} ({t!r}) is not an int >= 0")
@@ -247,17 +244,7 @@ class SamplingParams:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        def token_id(v):
-            """v as a Python int where it is a whole number (numpy ints, 5.0, "5": vLLM takes int(v)), else v."""
-            if isinstance(v, bool):
-                return v
-            if isinstance(v, numbers.Integral):
-                return int(v)
-            if isinstance(v, numbers.Real) and math.isfinite(v) and float(v).is_integer():
-                return int(v)
-            if isinstance(v, str) and v.strip().isdigit():  # JSON object keys are strings
-                return int(v)
-            return v
+        token_id = _token_id
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "must be an int >= 1")
@@ -342,6 +329,16 @@ class SamplingParams:
         """
         object.__setattr__(self, "_validated", False)
         self.__post_init__()
+        self._greedy_without_filters()
+
+    def _greedy_without_filters(self) -> None:
+        """At temperature 0, top_p, top_k and min_p back to their defaults (they cannot change the
+        argmax), as vLLM's ``SamplingParams.__post_init__`` does: at construction, and on the
+        engine's own copy of a request's parameters (an assignment after construction is kept on
+        the caller's object, as in vLLM)."""
+        if self.temperature == 0:
+            for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
+                object.__setattr__(self, name, off)
 
     def clone(self) -> "SamplingParams":
         """An independent copy (vLLM's ``SamplingParams.clone``): its lists and dicts are copied
@@ -433,6 +430,19 @@ _INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "truncate_promp
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
+def _token_id(v):
+    """v as a Python int where it is a whole number (numpy ints, 5.0, "5": vLLM takes int(v)), else v."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real) and math.isfinite(v) and float(v).is_integer():
+        return int(v)
+    if isinstance(v, str) and v.strip().isdigit():  # JSON object keys are strings
+        return int(v)
+    return v
+
+
 _dataclass_init = SamplingParams.__init__
 
 
@@ -451,6 +461,7 @@ def _init_with_vllm_only(self, *args, **kwargs):
     for name in [n for n in kwargs if n in _VLLM_ONLY]:
         del kwargs[name]
     _dataclass_init(self, *args, **kwargs)
+    self._greedy_without_filters()
 
 
 # functools.wraps: help() and Jupyter's Shift+Tab show the dataclass's own signature (via __wrapped__)

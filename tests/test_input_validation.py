@@ -30,7 +30,7 @@ def assert_still_serving(llm) -> None:
     ("stop", ["END", None], "None"),
     ("stop", ["END", ""], "''"),
     ("stop_token_ids", 5, "5"),
-    ("stop_token_ids", [1, 2.0], "2.0"),
+    ("stop_token_ids", [1, 2.5], "2.5"),  # (a whole float, 2.0, is the id 2, as vLLM takes it)
     ("stop_token_ids", [1, True], "True"),
 ])
 def test_malformed_stop_names_field_and_value(field, value, shown):

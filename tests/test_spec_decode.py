@@ -127,13 +127,24 @@ def test_stop_strings_end_at_the_same_token_within_accepted_drafts():
         for incl in (False, True):
             params = greedy(60, stop=[stop], include_stop_str_in_output=incl)
             want = plain_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-            got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            out = spec.generate(prompt, params, use_tqdm=False)[0]
+            got, m = out.outputs[0], out.metrics
             assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
                 want.token_ids, want.text, want.finish_reason, want.stop_reason), (stop, incl)
+            assert m.num_spec_steps + m.num_accepted_draft_tokens <= len(got.token_ids), (stop, m)
             streamed = list(spec.stream(prompt, params))
             assert [t for o in streamed for t in o.outputs[0].token_ids] == want.token_ids
     bm = spec.llm_engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    # The metrics count the drafts kept: a streamed delta is one step's tokens, 1 + the drafts it accepted
+    # (they counted the 4 accepted in a step the stop cut to 3 tokens). A prompt ending in the start of its
+    # own continuation speculates at once.
+    tok_base = tok.encode("The module provides")
+    cont = plain_llm.generate([tok_base], greedy(30), use_tqdm=False)[0].outputs[0].token_ids
+    for stop in (None, [" Base"], [" object."]):
+        deltas = list(spec.stream([tok_base + cont + tok_base], greedy(30, stop=stop)))
+        m = deltas[-1].metrics
+        assert m.num_accepted_draft_tokens == sum(len(d.outputs[0].token_ids) - 1 for d in deltas), (stop, m)
     for llm in (plain_llm, spec):
         llm.shutdown()
 

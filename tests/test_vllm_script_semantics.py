@@ -199,3 +199,77 @@ def test_stop_profile_says_why_the_trace_is_lost(tmp_path, monkeypatch):
             llm.stop_profile()
     finally:
         llm.shutdown()
+
+
+def test_greedy_filter_reset_is_at_construction_and_on_the_engines_copy(llm):
+    """The reset ran on every assignment (SamplingParams.__setattr__ validates again): p.top_k = 5 on a
+    greedy object read back 0, and q.temperature = 0 then 0.7 lost q's top_k and top_p. As in vLLM, a later
+    assignment is kept on the caller's object; the engine's own copy of a greedy request still drops them."""
+    p = SamplingParams(temperature=0)
+    p.top_k = 5
+    assert p.top_k == 5
+    q = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+    q.temperature = 0
+    q.temperature = 0.7
+    assert (q.top_k, q.top_p) == (5, 0.9)
+    p = SamplingParams(temperature=0, max_tokens=2, logprobs=4)
+    p.top_k = 2
+    alone = llm.generate([[5, 6, 7, 8]], [p], use_tqdm=False)[0].outputs[0]
+    batched = llm.generate([[5, 6, 7, 8], [9, 10]], [p, SamplingParams(seed=0, max_tokens=2)],
+                           use_tqdm=False)[0].outputs[0]
+    assert [list(d) for d in alone.logprobs] == [list(d) for d in batched.logprobs]
+    assert all(v.logprob > -1e9 for d in batched.logprobs for v in d.values())
+    assert p.top_k == 2  # the caller's object is not changed by the engine
+
+
+def test_vllm_spellings_of_engine_values():
+    """enable_prefix_caching=None (vLLM's 'engine default'), device=torch.device("cpu"), numpy seeds and
+    whole-float stop token ids were refused after this session's checks; vLLM's boolean flags
+    (--disable-sliding-window, ...) and --cuda-graph-sizes 1 2 4 did not parse on a command line."""
+    import torch
+
+    from minivllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = EngineArgs(enable_prefix_caching=None, enable_chunked_prefill=None, device=torch.device("cpu"),
+                      seed=np.int64(3), max_logprobs=np.int32(5), max_num_seqs=np.int64(8))
+    assert (args.enable_prefix_caching, args.enable_chunked_prefill, args.device) == (True, True, "cpu")
+    assert (type(args.seed), type(args.max_logprobs), type(args.max_num_seqs)) == (int, int, int)
+    assert SamplingParams(stop_token_ids=[2.0, np.float64(3.0)]).stop_token_ids == [2, 3]
+    with pytest.raises(ValueError, match=r"element 0 \(2.5\)"):
+        SamplingParams(stop_token_ids=[2.5])
+    ns = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--disable-sliding-window", "--disable-cascade-attn", "--no-enable-prompt-embeds", "--cuda-graph-sizes", "1", "2"])
+    assert (ns.disable_sliding_window, ns.disable_cascade_attn, ns.enable_prompt_embeds, ns.cuda_graph_sizes) == (
+        True, True, False, [1, 2])
+    EngineArgs.from_cli_args(ns)
+
+
+def test_int8_row_map_does_not_overflow():
+    """A row holding +-2e38: (hi + lo) and (hi - lo) overflowed to inf in the C map, every output NaN."""
+    from minivllm.quantization import Int8Weight
+    from minivllm.quantization.int8 import cpu_int8_unavailable_reason
+
+    if cpu_int8_unavailable_reason() is not None:
+        pytest.skip(cpu_int8_unavailable_reason())
+    import torch
+
+    w = Int8Weight(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)) * 1e-3, kernel="fbgemm-dynamic")
+    x = torch.zeros(2, 8)
+    x[0, 0], x[0, 1], x[1, 2] = 2e38, -2e38, 1.0
+    y = w.matmul(x)
+    ref = (x.double() @ w.dequantized().double().T)
+    assert torch.isfinite(y).all() and float(((y.double() - ref).abs().max() / ref.abs().max())) < 0.05
+
+
+def test_logprob_refusals_name_what_limits_them(llm, tiny_ckpt):
+    """With max_logprobs=-1 a request above the vocabulary was told to give max_logprobs a larger value or -1;
+    LLM.chat(tokenization_kwargs=[1]) raised "'list' object is not a mapping" (generate: a ValueError)."""
+    unlimited = make_llm(tiny_ckpt, max_logprobs=-1)
+    try:
+        with pytest.raises(ValueError, match=r"logprobs=5000: requested sample logprobs of 5000, more than the "
+                                             r"vocabulary's 97 tokens"):
+            unlimited.generate([1, 2], SamplingParams(max_tokens=1, logprobs=5000), use_tqdm=False)
+    finally:
+        unlimited.shutdown()
+    with pytest.raises(ValueError, match=r"tokenization_kwargs=\[1\]: must be a dict"):
+        llm.chat(USER, SamplingParams(max_tokens=1), use_tqdm=False, tokenization_kwargs=[1])

@@ -340,6 +340,9 @@ class LLMEngine:
             asked = getattr(params, name)
             wanted = self.vocab_size if asked == -1 else asked
             if asked and wanted > cap:  # (None and 0 are within any cap)
+                if self.args.max_logprobs == -1:
+                    raise ValueError(f"{name}={asked}: requested {kind} logprobs of {wanted}, more than the "
+                                     f"vocabulary's {self.vocab_size} tokens (-1 asks for all of them)")
                 raise ValueError(f"{name}={asked}: requested {kind} logprobs of {wanted}, more than the engine's "
                                  f"max_logprobs={self.args.max_logprobs} allows (give LLM(max_logprobs=...) a "
                                  f"larger value, or -1 for no cap)")

@@ -428,8 +428,9 @@ class Scheduler:
                 more = more_token_ids.get(seq)
                 if more and self.stop_string_cut is not None and seq.params.stop_strings:
                     # the accepted drafts after a token whose text completes a stop string are not
-                    # the request's: one token a step, it would have ended there
-                    more = more[:self.stop_string_cut(seq, [token, *more]) - 1]
+                    # the request's: one token a step, it would have ended there (the step's counts of
+                    # accepted drafts, its metrics and its record, count the kept ones)
+                    more = more_token_ids[seq] = more[:self.stop_string_cut(seq, [token, *more]) - 1]
                 if append(seq, token, now, logprobs[i] if logprobs is not None else None):
                     finished.append(seq)
                 elif more is not None:

@@ -153,8 +153,12 @@ def _fbgemm_linear(x: torch.Tensor, packed, row_sums: torch.Tensor, bias: torch.
             fused.int8_rows_out(y, scales, row_sums, bias)
             return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
     lo, hi = x2.amin(dim=1, keepdim=True), x2.amax(dim=1, keepdim=True)
-    mid, half = (hi + lo) * 0.5, ((hi - lo) * 0.5).clamp_min_(1e-30)
-    xn = torch.cat([((x2 - mid) / half).clamp_(-1.0, 1.0), _range_rows(shape[-1])])
+    mid, half = 0.5 * hi + 0.5 * lo, (0.5 * hi - 0.5 * lo).clamp_min_(1e-30)
+    bad = ~torch.isfinite(x2).all(dim=1, keepdim=True)  # as the C pass: zeros in, NaN out, the other rows untouched
+    if bad.any():
+        mid, half = mid.masked_fill(bad, float("nan")), half.masked_fill(bad, 1.0)
+        x2 = x2.masked_fill(bad, 0.0)
+    xn = torch.cat([((x2 - mid.nan_to_num(0.0)) / half).clamp_(-1.0, 1.0), _range_rows(shape[-1])])
     y = torch.ops.quantized.linear_dynamic(xn, packed, True)[:x2.shape[0]]
     y.mul_(half).addmm_(mid, row_sums[None, :])
     if bias is not None:

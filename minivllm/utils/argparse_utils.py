@@ -98,7 +98,10 @@ VLLM_FLAGS = frozenset({
     "trust_remote_code", "disable_log_stats", "disable_log_requests", "disable_custom_all_reduce",
     "disable_async_output_proc", "use_v2_block_manager", "enable_sleep_mode", "enable_lora",
     "enable_expert_parallel", "async_scheduling", "skip_tokenizer_init", "enable_prefix_caching_hash",
+    "disable_sliding_window", "disable_cascade_attn", "enable_prompt_embeds",
 })
+#: the vLLM-only arguments that take a list of ints there (``--cuda-graph-sizes 1 2 4``)
+VLLM_INT_LISTS = frozenset({"cuda_graph_sizes"})
 
 
 def add_cli_args(cls, parser):
@@ -135,6 +138,9 @@ def add_cli_args(cls, parser):
         if name in VLLM_FLAGS:
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        elif name in VLLM_INT_LISTS:
+            parser.add_argument(*flags, dest=name, type=int, nargs="*", default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS)
         else:
             parser.add_argument(*flags, dest=name, type=loose_value, default=argparse.SUPPRESS,
                                 help=argparse.SUPPRESS)

@@ -257,7 +257,8 @@ void int8_rows_in_f32(const float *x, int64_t ldx, int64_t m, int64_t k, float *
             half[r] = 1.f;
             continue;
         }
-        const float c = (hi + lo) * 0.5f, h = (hi - lo) * 0.5f > 1e-30f ? (hi - lo) * 0.5f : 1e-30f;
+        /* halves first: hi + lo and hi - lo overflow from |x| ~ 1.7e38 */
+        const float c = 0.5f * hi + 0.5f * lo, d = 0.5f * hi - 0.5f * lo, h = d > 1e-30f ? d : 1e-30f;
         #pragma omp simd
         for (int64_t i = 0; i < k; i++) {
             const float v = (xr[i] - c) / h;
