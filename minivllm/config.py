@@ -207,10 +207,9 @@ class EngineArgs:
             raise ValueError(f"compile={self.compile!r}: must be True, False or None (on for CUDA only)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed={self.seed!r}: must be an int or None")
-        if not isinstance(self.dtype, torch.dtype) and (
-                not isinstance(self.dtype, str) or (self.dtype != "auto" and canonical_dtype_name(self.dtype)
-                                                    not in MODEL_DTYPES)):
+        if not isinstance(self.dtype, (str, torch.dtype)):
             raise ValueError(f"dtype={self.dtype!r}: choose 'auto' or one of {dtype_spellings(MODEL_DTYPES)}")
+        resolve_dtype(self.dtype, torch.device("cpu"))  # the name's check (the device only decides what "auto" is)
         if not isinstance(self.device, str) or (self.device != "auto" and _device_type(self.device) not in ("cpu",
                                                                                                         "cuda")):
             raise ValueError(f"device={self.device!r}: choose 'auto', 'cpu', 'cuda' or 'cuda:N'")

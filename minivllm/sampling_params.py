@@ -244,8 +244,6 @@ class SamplingParams:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        token_id = _token_id
-
         if not is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "must be an int >= 1")
         if self.n > 1 and self.temperature == 0:
@@ -268,17 +266,17 @@ class SamplingParams:
                 raise bad("logit_bias", self.logit_bias, "must be a dict {token_id: bias}, or None")
             bias = {}
             for k, v in self.logit_bias.items():
-                key = token_id(k)
+                key = _token_id(k)
                 if not is_int(key) or key < 0:
                     raise bad("logit_bias", self.logit_bias, f"key {k!r} is not a token id (int >= 0)")
                 if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                     raise bad("logit_bias", self.logit_bias, f"bias {v!r} of token {k!r} is not a finite number")
-                bias[key] = float(min(100.0, max(-100.0, float(v))))
+                bias[key] = min(100.0, max(-100.0, float(v)))
             self.logit_bias = bias or None
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise bad("allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of token ids, or None")
-            ids = [token_id(t) for t in self.allowed_token_ids]
+            ids = [_token_id(t) for t in self.allowed_token_ids]
             for i, t in enumerate(ids):
                 if not is_int(t) or t < 0:
                     raise bad("allowed_token_ids", self.allowed_token_ids,

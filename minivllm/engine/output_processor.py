@@ -121,26 +121,32 @@ def update_text(state: RequestState) -> str | None:
     return None
 
 
-def _token_text(detokenizer: IncrementalDetokenizer | None, token_id: int) -> str | None:
-    """One token's text for ``Logprob.decoded_token`` (None without detokenisation). A special
+def _token_texts(detokenizer: IncrementalDetokenizer | None) -> Callable[[int], str | None]:
+    """Token id -> its text for ``Logprob.decoded_token`` (None without detokenisation). A special
     token reads as itself (``<|im_end|>``) whatever the request's ``skip_special_tokens``, as in vLLM
     (``convert_ids_list_to_tokens`` decodes each id alone with the tokenizer's defaults)."""
     if detokenizer is None:
-        return None
+        return lambda token_id: None
     table = byte_table(detokenizer.tokenizer, skip_special_tokens=False) if detokenizer.table is not None else None
     if table is not None:
-        piece = table[token_id] if token_id < len(table) else None
-        return piece.decode("utf-8", "replace") if piece is not None else unknown_id_text(token_id)
+        def from_table(token_id: int) -> str:
+            piece = table[token_id] if token_id < len(table) else None
+            return piece.decode("utf-8", "replace") if piece is not None else unknown_id_text(token_id)
+        return from_table
     limit = getattr(detokenizer, "num_known_ids", None)  # (set on the general path)
-    if limit is not None and token_id >= limit:
-        return unknown_id_text(token_id)
-    return detokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def decoded(token_id: int) -> str:
+        if limit is not None and token_id >= limit:
+            return unknown_id_text(token_id)
+        return detokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+    return decoded
 
 
 def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None) -> list:
     """Logprob entries ``(ids, logprobs, ranks)`` -> vLLM's ``{token_id: Logprob}`` per position
     (None entries, the first prompt token's, stay None)."""
     out = []
+    text_of = _token_texts(detokenizer)  # (the byte table looked up once, not per token)
     for entry in entries:
         if entry is None:
             out.append(None)
@@ -149,7 +155,7 @@ def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None) -> list:
         d = {}
         for t, v, r in zip(ids, vals, ranks):
             if t not in d:
-                d[t] = Logprob(v, r, _token_text(detokenizer, t))
+                d[t] = Logprob(v, r, text_of(t))
         out.append(d)
     return out
 
