@@ -663,8 +663,9 @@ for row in interp.itertuples():
 # into per-output-channel symmetric int8, `scale[n] = max |W[n, :]| / 127`, `Q = round(W / scale)`;
 # embeddings and norms stay float (`docs/quantization.md`). On a CPU the matmul goes through torch's
 # fbgemm dynamic int8 linear, which also rounds the activations to 7 bits at run time (fbgemm picks one
-# scale for the whole input; minivllm divides each row by its largest value first, so in effect each token
-# gets its own scale: `minivllm/quantization/int8.py`); on
+# range for the whole input; minivllm first maps each row onto [-1, 1], its smallest value to -1 and its
+# largest to 1, beside a row holding exactly -1 and 1, so each token gets a grid over its own values
+# whatever else is in the batch: `minivllm/quantization/int8.py`); on
 # CUDA, through our Triton kernel, which converts int8 weight tiles to the activation dtype inside
 # the matmul loop. So on CUDA the scheme is *weight-only*; on a CPU it is *dynamic W8A8*: int8 weights
 # and, per token at run time, int8 activations.
