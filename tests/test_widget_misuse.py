@@ -201,6 +201,43 @@ def test_after_shutdown_the_buttons_say_so(model_path):
     assert s.last_message.startswith("not added:") and "shut down" in s.last_message
 
 
+def test_after_shutdown_the_other_widgets_buttons_and_sliders_say_so(model_path):
+    """Chapter 12 shuts its engine down after the utilisation monitor's cell: "Run workload" then did
+    nothing visible (add_request's RuntimeError reached only the kernel log), and the latency
+    calculator's sliders raised from their callback (update() read the engine's block manager)."""
+    from widgets import LatencyCalculator, UtilisationMonitor
+
+    llm = make(model_path)
+    monitor = UtilisationMonitor(llm, num_requests=2, prompt_len=8, max_tokens=2)
+    calc = LatencyCalculator(llm, sweeps={llm.llm_engine.source.name: _rows_with_r2(True)})
+    llm.shutdown()
+    monitor.run_button.click()
+    assert "shut down" in monitor.readout.value and monitor.records == []
+    calc.prompt_slider.value = 9  # redraws the prediction from the fitted model alone
+    assert calc.prediction["ttft_ms"] > 0
+    calc.measure_button.click()
+    assert "shut down" in calc.readout.value and calc.measurements == []
+
+
+def test_stepper_ids_limits_and_long_outputs(llm):
+    """A refused prompt used up a request id (the next was step-5 after four refusals); the max_tokens
+    box went to 4096 whatever max_model_len; a long run's outputs were all drawn (1021 spans)."""
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    assert s.max_tokens_box.max == llm.llm_engine.config.max_model_len
+    for bad in ("", "[1, 2,", f"[{llm.llm_engine.vocab_size}]"):
+        s.prompt_box.value = bad
+        s.add_button.click()
+        assert s.last_message.startswith("not added:"), bad
+    rid = s.add_request(ids(4), max_tokens=600, ignore_eos=True)
+    assert rid == "step-0"  # the first id: the refusals took none
+    s.run_to_end()
+    html = s._requests_html()
+    assert html.count("output ") == 512 and "88 earlier outputs" in html
+    s.reset()
+
+
 def test_parallel_samples_are_refused_before_anything_is_queued(llm):
     from widgets import EngineStepper
 

@@ -11,6 +11,7 @@ import re
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("ipywidgets")
@@ -369,6 +370,23 @@ def test_latency_model_slopes_are_never_negative():
     assert m.ms_per_decode_seq == 0.0 and m.decode_base_ms == pytest.approx((1.30 + 1.245) / 2)
     assert m.ms_per_prefill_token == pytest.approx(0.01)
     assert m.predict(16, 8, batch=8)["tpot_ms"] >= m.predict(16, 8, batch=1)["tpot_ms"] > 0
+
+
+def test_latency_model_fixed_costs_are_never_negative():
+    """Prefill steps growing faster than linear (the attention's share rises with the prompt) put the
+    least-squares line's intercept below 0: chapter 07's calculator printed "prefill step = -1.07 ms +
+    104.3 us/token" and predicted a TTFT of -0.97 ms for a 1-token prompt."""
+    from widgets import LatencyModel
+
+    rows = [dict(phase="prefill", tokens=n, wall_ms=0.05 * n + 0.0004 * n * n) for n in (16, 64, 256, 512)]
+    rows += [dict(phase="decode", batch=b, wall_ms=0.3 + 0.1 * b) for b in (1, 4)]
+    assert np.linalg.lstsq(np.c_[np.ones(4), [16, 64, 256, 512]], [r["wall_ms"] for r in rows[:4]],
+                           rcond=None)[0][0] < 0  # the unconstrained line's intercept
+    m = LatencyModel.fit(rows)
+    assert m.prefill_base_ms == 0.0 and m.ms_per_prefill_token > 0
+    assert min(m.prefill_base_ms, m.decode_base_ms, m.ms_per_prefill_token, m.ms_per_decode_seq) >= 0
+    p = m.predict(prompt_len=1, max_tokens=1, batch=1)
+    assert p["ttft_ms"] > 0 and p["e2e_ms"] > 0
 
 
 @pytest.mark.slow

@@ -152,7 +152,9 @@ class EngineStepper(CourseWidget):
                                  layout=W.Layout(width="380px"))
         # descriptions sized to their text: the default width cut "temperature" to "temperat…"
         label = {"description_width": "initial"}
-        self.max_tokens_box = W.BoundedIntText(value=max_tokens, min=1, max=4096, description="max_tokens",
+        # up to max_model_len: a request ends there ("length") whatever its max_tokens
+        self.max_tokens_box = W.BoundedIntText(value=max_tokens, min=1, max=self.engine.config.max_model_len,
+                                               description="max_tokens",
                                                style=label, layout=W.Layout(width="170px"))
         self.temperature_box = W.BoundedFloatText(value=temperature, min=0.0, max=5.0, step=0.1,
                                                   description="temperature", style=label,
@@ -203,8 +205,8 @@ class EngineStepper(CourseWidget):
         while f"step-{self._next_id}" in self.engine.requests:
             self._next_id += 1
         rid = f"step-{self._next_id}"
-        self._next_id += 1
         self.engine.add_request(rid, prompt, params)
+        self._next_id += 1  # after the engine took it: a refused prompt uses up no id
         self._seqs[rid] = self.engine.requests[rid].seq
         self._arrival_step[rid] = len(self.steps)
         self._colour[rid] = PALETTE[len(self.request_ids) % len(PALETTE)]
@@ -680,7 +682,10 @@ class EngineStepper(CourseWidget):
             lost_kv = not finished and bool(outs) and (seq.status is SequenceStatus.WAITING or
                                                        (seq.is_prefilling and self._recomputing(seq, entry)))
             gen = []
-            for i, t in enumerate(outs):
+            first_shown = max(0, len(outs) - 512)  # the newest outputs; a long run's first ones are counted
+            if first_shown:
+                gen.append(f"<span class='mv-small'>{first_shown} earlier outputs … </span>")
+            for i, t in enumerate(outs[first_shown:], first_shown):
                 pos = n_prompt + i
                 if i == len(outs) - 1 and new_sampled:
                     cls = "mv-tok-new"

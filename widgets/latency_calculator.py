@@ -70,6 +70,15 @@ class LatencyCalculator(CourseWidget):
                 self.sweeps[name] = (measure_step_latency(llm, prompt_lens, decode_steps=3, repeats=repeats)
                                      + measure_decode_batch(llm, batch_sizes, decode_steps=3))
             self.models[name] = LatencyModel.fit(self.sweeps[name])
+        # What update() reads of each engine, read once: a later cell may shut an engine down, and moving a
+        # slider must still redraw the prediction (only "measure this point" needs the live engine).
+        self._pool: dict[str, tuple[int, int, int]] = {}  # name -> (step budget, block size, KV blocks)
+        self._titles: dict[str, str] = {}
+        for name, llm in llms.items():
+            engine = engine_of(llm)
+            self._pool[name] = (engine.config.max_num_batched_tokens, engine.block_manager.block_size,
+                                engine.block_manager.num_blocks)
+            self._titles[name] = titled("Predicted and measured latency", llm, self.fit_threads[name])
         self.measurements: list[dict] = []
         self.prediction: dict = {}
         self._error = ""  # the last refused measurement, shown once under the readout
@@ -111,8 +120,7 @@ class LatencyCalculator(CourseWidget):
         self.chart.add_bar(name="measured", x=["TTFT", "TPOT", "total"], y=[None, None, None],
                            marker_color="#4c78a8", text=["", "", ""], **bar_text)
         # 760 wide as the other charts: at 560 the provenance line under the title was cut off
-        self.chart.update_layout(title=titled("Predicted and measured latency", first,
-                                              self.fit_threads[next(iter(llms))]),
+        self.chart.update_layout(title=self._titles[next(iter(llms))],
                                  xaxis_title="mean over the batch's requests", yaxis_title="time (ms)",
                                  barmode="group", height=320, width=760, margin=dict(l=60, r=10, t=60, b=45),
                                  yaxis_rangemode="nonnegative")
@@ -130,14 +138,12 @@ class LatencyCalculator(CourseWidget):
     def point(self) -> tuple[str, int, int, int]:
         return (self.model_menu.value, self.prompt_slider.value, self.response_slider.value, self.batch_slider.value)
 
-    def _budget(self, name: str) -> int:
-        return engine_of(self.llms[name]).config.max_num_batched_tokens
-
     def update(self) -> None:
         """Recompute the prediction for the sliders' point and redraw."""
         name, p, r, b = self.point
         model = self.models[name]
-        self.prediction = model.predict(p, r, b, self._budget(name))
+        budget, block_size, num_blocks = self._pool[name]
+        self.prediction = model.predict(p, r, b, budget)
         measured = next((m for m in reversed(self.measurements) if m["point"] == self.point), None)
         pr = self.prediction
         rows = [("TTFT", pr["ttft_ms"], measured and measured["ttft_ms"]),
@@ -150,11 +156,10 @@ class LatencyCalculator(CourseWidget):
         if measured and fitted is not None and measured["threads"] != fitted:
             notes.append(f"measured with {measured['threads']} CPU thread(s), the model fitted with {fitted}: "
                          f"not the same machine setting")
-        bm = engine_of(self.llms[name]).block_manager
-        need = b * cdiv(p + r, bm.block_size)
-        if need > bm.num_blocks:
+        need = b * cdiv(p + r, block_size)
+        if need > num_blocks:
             notes.append(f"{b} requests of {p} + {r} tokens need {need} KV blocks at once and the pool has "
-                         f"{bm.num_blocks}: some wait or are preempted, which the prediction does not replay")
+                         f"{num_blocks}: some wait or are preempted, which the prediction does not replay")
         if model.r2 < self.MIN_R2:  # said beside the numbers, not only in the small print of the fit
             notes.append(f"the cost model fits its own measurements poorly (R² = {model.r2:.2f}, below "
                          f"{self.MIN_R2}): treat these predictions as rough; other work on the machine during the "
@@ -171,7 +176,7 @@ class LatencyCalculator(CourseWidget):
         predicted = [v for _, v, _ in rows]  # no TPOT with one response token: no bar
         got = [m if (measured and m is not None) else None for _, _, m in rows]
         with self.chart.batch_update():
-            self.chart.layout.title.text = titled("Predicted and measured latency", self.llms[name], fitted)
+            self.chart.layout.title.text = self._titles[name]
             self.chart.data[0].y, self.chart.data[0].text = predicted, [_bar_label(v) for v in predicted]
             self.chart.data[1].y, self.chart.data[1].text = got, [_bar_label(v) for v in got]
 

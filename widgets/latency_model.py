@@ -16,8 +16,9 @@ class LatencyModel:
               + ms_per_decode_seq    * decode tokens (one per decoding sequence)``
 
     The intercepts are the fixed cost of a step (reading every weight once, host
-    overhead); the slopes the cost per token, never below 0 (a slope the least-squares fit puts
-    below 0, as two noisy batch sizes can, is fixed at 0 and the rest refitted). Attention's growth with context length is
+    overhead); the slopes the cost per token. None is below 0: a coefficient the least-squares fit
+    puts below 0 (a slope, as two noisy batch sizes can; an intercept, as a prefill growing faster
+    than linear can) is fixed at 0 and the rest refitted. Attention's growth with context length is
     not modelled (small for short contexts; visible as residuals on long ones).
 
     Predictions (:meth:`predict`) replay the engine's scheduling policy for ``batch``
@@ -84,11 +85,14 @@ class LatencyModel:
             # one batch size only: the decode slope is not identifiable; fit the intercept alone
             X = np.c_[X[:, :3], np.zeros(len(X))]
         coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-        for j in (2, 3):  # a cost per token or per sequence is never negative: noise on few points can say so
-            if coef[j] < 0:
-                X = X.copy()
-                X[:, j] = 0.0  # that slope is fixed at 0, the rest refitted
-                coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        # No cost is negative: neither a cost per token or per sequence (noise on few points can say so)
+        # nor a step's fixed cost (a prefill's growing faster than linear over the measured sizes puts the
+        # line's intercept below 0, and a 1-token prompt would be predicted to take negative time). Each
+        # coefficient that comes out negative is fixed at 0 and the rest refitted, until none is.
+        while (coef < 0).any():
+            X = X.copy()
+            X[:, coef < 0] = 0.0
+            coef, *_ = np.linalg.lstsq(X, y, rcond=None)
         pred = X @ coef
         ss_res = float(((y - pred) ** 2).sum())
         ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0

@@ -113,6 +113,11 @@ class UtilisationMonitor(CourseWidget):
         from minivllm.telemetry.utilisation import UtilisationSampler
 
         engine = self.engine
+        try:
+            engine_of(engine)  # shut down by a later cell: said here (the button's exception reached only the log)
+        except ValueError as e:
+            self.readout.value = error_box(str(e))
+            return []
         if engine.has_unfinished_requests():
             self.readout.value = "<div class='mv-box' style='color:#b00'>the engine is busy; reset it first</div>"
             return []
