@@ -138,10 +138,11 @@ class LLM:
             self._default_params = default_sampling_params(self.engine.source.checkpoint_dir)
         return dataclasses.replace(self._default_params)
 
-    def _submit(self, prompts, sampling_params, output_kind: str, inbox: deque, lora_request=None,
-                priority=None, tokenization_kwargs: dict | None = None) -> list[str]:
-        """Validate every prompt, then queue them all, their outputs routed to ``inbox``;
-        returns their request ids in order."""
+    def _submit(self, ids: list[str], prompts, sampling_params, output_kind: str, inbox: deque, lora_request=None,
+                priority=None, tokenization_kwargs: dict | None = None) -> None:
+        """Validate every prompt, then queue them all, their outputs routed to ``inbox``; their
+        request ids go into ``ids`` in order, each before its request is queued, so that a caller's
+        clean-up (an interrupt anywhere after this call began) aborts whatever was queued."""
         refuse_lora(lora_request)
         tokenization = check_tokenization_kwargs(tokenization_kwargs)
         plist = _as_prompt_list(prompts)
@@ -167,17 +168,11 @@ class LLM:
                 cache_salt_of(prompt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = []
-        try:
-            for prompt, p in zip(plist, params):
-                rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, tokenization_kwargs=tokenization, output_kind=output_kind,
-                                        sink=inbox.append)
-                ids.append(rid)
-        except BaseException:
-            self._abort(ids)
-            raise
-        return ids
+        for prompt, p in zip(plist, params):
+            rid = str(next(self._ids))
+            ids.append(rid)  # before it is queued: aborting an id never queued does nothing
+            self.engine.add_request(rid, prompt, p, tokenization_kwargs=tokenization, output_kind=output_kind,
+                                    sink=inbox.append)
 
     def _outputs(self, ids: list[str], inbox: deque) -> Iterator[RequestOutput]:
         """This call's outputs as they arrive: step the engine while the inbox is empty.
@@ -193,12 +188,33 @@ class LLM:
                 while pending:
                     while not inbox:
                         self._step()
+                        if not inbox:
+                            self._require_deliverable(pending, inbox)
                     out = inbox.popleft()
                     if out.finished:
                         pending.discard(out.request_id)
                     yield out
         finally:
             self._abort(pending)  # on an exception (e.g. KeyboardInterrupt) or an early close
+
+    def _require_deliverable(self, pending: set, inbox: deque) -> None:
+        """Raise if none of ``pending`` can still deliver an output: each step would then schedule
+        nothing and the caller would loop forever. That happens when a step's delivery was lost to
+        an interrupt after the step committed (``LLMEngine.step``'s documented window), for a
+        request another caller stepped to its end.
+
+        Raises:
+            RuntimeError: naming the requests whose outputs were lost."""
+        engine = self.engine
+        with engine._lock:  # a step in another thread delivers before it lets go of the lock
+            if inbox:
+                return
+            requests, parents = engine.requests, engine.parents.parents
+            if any(rid in requests or rid in parents for rid in pending):
+                return
+        raise RuntimeError(f"request(s) {sorted(pending)} finished but their outputs never arrived (a step "
+                           f"interrupted while it handed them over, after it had committed); the engine itself is "
+                           f"consistent: submit them again")
 
     def _step(self) -> None:
         """One engine step; a step that schedules nothing while requests wait would repeat
@@ -241,10 +257,15 @@ class LLM:
             RuntimeError: the LLM has been shut down, or a tensor-parallel worker died.
         """
         inbox: deque[RequestOutput] = deque()
-        ids = self._submit(prompts, sampling_params, "final_only", inbox, lora_request, priority, tokenization_kwargs)
+        ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None
+        # One try from the first request queued to the last output: an exception anywhere (a bad
+        # use_tqdm callable, a KeyboardInterrupt between any two lines) aborts this call's requests,
+        # and only them; those already finished are not aborted again (abort_request ignores them).
         try:
+            self._submit(ids, prompts, sampling_params, "final_only", inbox, lora_request, priority,
+                         tokenization_kwargs)
             if use_tqdm:
                 if callable(use_tqdm):
                     make_bar = use_tqdm
@@ -252,14 +273,13 @@ class LLM:
                     from tqdm.auto import tqdm as make_bar
                 # as vLLM's: one tick per sample (n of them for a prompt with SamplingParams.n = n)
                 bar = make_bar(total=self._samples(ids), desc="Processed prompts", dynamic_ncols=True)
-        except BaseException:  # a callable of another signature, or an interrupt: queue nothing
-            self._abort(ids)
-            raise
-        try:
             for out in self._outputs(ids, inbox):
                 results[out.request_id] = out
                 if bar is not None:
                     bar.update(len(out.outputs))
+        except BaseException:
+            self._abort(ids)
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -277,9 +297,14 @@ class LLM:
                 checks them when first advanced (``next``), not when called.
         """
         inbox: deque[RequestOutput] = deque()
-        ids = self._submit(prompts, sampling_params, "delta", inbox, lora_request,
-                           tokenization_kwargs=tokenization_kwargs)
-        yield from self._outputs(ids, inbox)
+        ids: list[str] = []
+        try:  # as generate: an interrupt or a close anywhere aborts what this call queued
+            self._submit(ids, prompts, sampling_params, "delta", inbox, lora_request,
+                         tokenization_kwargs=tokenization_kwargs)
+            yield from self._outputs(ids, inbox)
+        except BaseException:  # GeneratorExit (close, or the stream dropped) included
+            self._abort(ids)
+            raise
 
     def beam_search(self, prompts, params=None, *args, **kwargs):
         """vLLM's ``LLM.beam_search``: not implemented here.

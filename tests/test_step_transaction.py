@@ -93,6 +93,108 @@ def test_generate_survives_an_interrupt_and_the_engine_serves_on(tiny_ckpt, monk
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)] == reference
 
 
+@pytest.mark.parametrize("call", ["generate", "stream"])
+def test_an_interrupt_at_any_line_of_the_llm_wrapper_leaves_nothing_queued(tiny_ckpt, call):
+    """A KeyboardInterrupt between _submit's add_request and its bookkeeping, or before generate's or
+    _outputs' try blocks, left the call's requests queued: the next generate ran them beside its own,
+    and with max_tokens=None up to max_model_len. Every line event of minivllm/llm.py is tried."""
+    import sys
+
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    prompts = prompts_of([5, 7], seed=3)
+    params = [greedy(4), SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=3)]
+
+    def run():
+        if call == "generate":
+            return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        got = {}
+        for o in llm.stream(prompts, params):
+            for c in o.outputs:
+                got.setdefault((o.request_id, c.index), []).extend(c.token_ids)
+        return sorted(got.values())
+
+    reference = run()
+    lines = [0]
+
+    def count(frame, event, arg):
+        if event == "line" and frame.f_code.co_filename.endswith("minivllm/llm.py"):
+            lines[0] += 1
+        return count
+
+    sys.settrace(count)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    assert lines[0] > 50
+    for k in range(1, lines[0] + 1):
+        seen = [0]
+
+        def interrupt(frame, event, arg):
+            if event == "line" and frame.f_code.co_filename.endswith("minivllm/llm.py"):
+                seen[0] += 1
+                if seen[0] == k:
+                    raise KeyboardInterrupt(f"llm.py:{frame.f_lineno}")
+            return interrupt
+
+        where = None
+        sys.settrace(interrupt)
+        try:
+            run()
+        except KeyboardInterrupt as e:
+            where = str(e)
+        finally:
+            sys.settrace(None)
+        assert not engine.has_unfinished_requests(), (where, sorted(engine.requests))
+        assert not engine._sinks, (where, engine._sinks)
+    engine.check_invariants()
+    assert run() == reference
+
+
+def test_a_stream_whose_output_was_lost_raises_instead_of_stepping_forever(tiny_ckpt, monkeypatch):
+    """A step interrupted after its commit, before it handed its outputs over (LLMEngine.step's
+    documented window), ended a request another caller was streaming: that stream then ran empty
+    steps forever (1.4 million in 10 s) instead of saying so."""
+    import threading
+
+    import minivllm.engine.llm_engine as le
+
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    stream = llm.stream(prompts_of([6], seed=5)[0], greedy(3))
+    next(stream)
+    real_deliver = le.LLMEngine._deliver
+
+    def lost(self, outputs):  # the interrupt lands as the finishing step starts handing over
+        if any(o.finished for o in outputs):
+            raise KeyboardInterrupt("after the commit")
+        real_deliver(self, outputs)
+
+    monkeypatch.setattr(le.LLMEngine, "_deliver", lost)
+    while engine.has_unfinished_requests():  # someone else steps the engine by hand
+        try:
+            engine.step()
+        except KeyboardInterrupt:
+            pass
+    monkeypatch.setattr(le.LLMEngine, "_deliver", real_deliver)
+    steps, raised = engine.step_index, []
+
+    def consume():
+        try:
+            list(stream)
+        except RuntimeError as e:
+            raised.append(str(e))
+
+    consumer = threading.Thread(target=consume, daemon=True)  # a daemon: without the fix it never ends
+    consumer.start()
+    consumer.join(30)
+    assert not consumer.is_alive(), f"the stream kept stepping: {engine.step_index - steps} empty steps"
+    assert raised and "never arrived" in raised[0]
+    assert engine.step_index - steps <= 2
+    engine.check_invariants()
+
+
 def test_interrupted_stream_delivers_every_delta_once(tiny_ckpt, monkeypatch):
     """A rolled-back step returned nothing, so a consumer that retries sees each delta once."""
     llm = make_llm(tiny_ckpt)
