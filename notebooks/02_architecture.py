@@ -196,11 +196,12 @@ print(f"weights in memory: {sum(held.values()) / 2**20:.1f} MiB as held ("
          if copies else "") + ")")
 
 # %% [markdown]
-# The last line counts the weights as the engine holds them. The embedded model's checkpoint is
-# stored in float16; the engine computes in float32 but keeps each linear layer's weights in float16
-# when every value fits exactly (its matrix multiply widens them back to the same float32 values as it
-# reads them: same results, half the bytes; `minivllm/layers/cpu_gemm.py`). The embedding table and
-# the norms stay in float32.
+# The last line counts the weights as the engine holds them, with the engine's dtype. The embedded
+# model's checkpoint is stored in float16. On a CPU the engine computes in float32 (its default dtype
+# there) but keeps each linear layer's weights in float16 when every value fits exactly (its matrix
+# multiply widens them back to the same float32 values as it reads them: same results, half the bytes;
+# `minivllm/layers/cpu_gemm.py`), and the embedding table and the norms stay in float32. On a GPU the
+# default dtype is bfloat16 and every weight is held in it; the line above says which case this run is.
 #
 # When weights are **tied** (`tie_word_embeddings`), the LM head reuses the embedding matrix, so it
 # adds no parameters. It need not save memory, though: on a CPU the engine keeps a second copy of that

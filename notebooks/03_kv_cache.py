@@ -590,7 +590,8 @@ Quiz([
     Question(
         "Without a KV cache, generating n tokens costs about how much work compared to with one?",
         ["The same", "About twice as much", "Roughly n/2 times as much for outputs much longer than the prompt (somewhat less while "
-         "the LM head, run once per step either way, is a large share): each step redoes the whole sequence",
+         "the LM head, run once per step either way, is a large share, and nearer n/3 where attention over long "
+         "contexts dominates): each step redoes the whole sequence",
          "Less, because there is no cache to manage"],
         2,
         [f"The FLOPs per token without a cache grow with L ({df.no_cache_mflop.iloc[0]:.0f} to "

@@ -473,13 +473,15 @@ check_claim("a decode step of 8 sequences costs less than half of 8 steps of one
 #   the weights are being read anyway), attention over that sequence's own KV, sampling one token.
 #
 # So the ratio lands below 8: the once-per-step part does not grow with the batch. How far below
-# depends on the per-sequence part. This tiny model's weights stay in the CPU's caches, so a step reads
-# little from memory and the per-sequence work is a large share of it (the sentence under the
-# measurement gives what each extra sequence added here): the ratio lands well above 1. A model whose
-# weights come from memory at every step pays mostly the once-per-step read, and its ratio lands much
-# nearer 1 (chapter 06 measures a batch of 4 against 1 at Qwen3-0.6B's shapes). The gain keeps growing
-# with the batch only until the per-sequence work (the arithmetic) catches up with the weight read;
-# where that happens is chapter 06's roofline.
+# depends on the per-sequence part. On a CPU, the embedded tiny model (4.2 million parameters) has few
+# weight bytes to read per step next to the arithmetic each extra row adds, so the per-sequence work is
+# a large share of a step (the sentence under the measurement gives what each extra sequence added
+# here) and the ratio lands well above 1 (chapter 07 places such a step against this machine's ridge
+# point). On a GPU the same tiny model's step is mostly the fixed cost of launching its operations,
+# and its ratio lands near 1. A model whose weights come from memory at every step pays mostly the
+# once-per-step read, and its ratio lands much nearer 1 too (chapter 06 measures a batch of 4 against 1
+# at Qwen3-0.6B's shapes). The gain keeps growing with the batch only until the per-sequence work (the
+# arithmetic) catches up with the weight read; where that happens is chapter 06's roofline.
 # </details>
 
 # %% [markdown]

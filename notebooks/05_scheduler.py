@@ -38,7 +38,8 @@
 #
 # **You will:** predict how many engine steps static batching needs, then run the same workload with
 # static and continuous batching and measure the throughput of each (and of Hugging Face `generate` on
-# padded batches, same weights) · see seat occupancy step by step · squeeze the KV pool until the
+# padded batches, same weights) and how long each request waits for its first and last token · see seat
+# occupancy step by step · squeeze the KV pool until the
 # scheduler must preempt, watch it on the scheduler timeline, and check that the greedy output is unchanged ·
 # change the number of seats and watch the two policies converge.
 
@@ -130,13 +131,27 @@ print(f"{work.num_requests} requests, {work.num_prompt_tokens} prompt tokens, {w
 my_prediction = None  # your guess: engine steps of the static run (a whole number)
 
 # %%
+from dataclasses import dataclass
+
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+@dataclass
+class Run:
+    """One driven run of the twelve requests. Latencies count from the moment the driver got the whole
+    workload (every request "arrives" then, whichever step its policy adds it in); lists in request order."""
+    tokens: list        # greedy token ids per request
+    records: list       # the run's StepRecords
+    seconds: float      # wall time of the whole run
+    ttft_ms: list       # per request: milliseconds until its first token
+    e2e_ms: list        # per request: milliseconds until its last token (end-to-end latency)
+    ttft_steps: list    # per request: engine steps until its first token (that step included)
+    e2e_steps: list     # per request: engine steps until its last token
+
+
 def run(batches):
-    """Add each group of request indices, step until the engine is idle, then add the next group.
-    Returns (token ids per request, step records, seconds)."""
-    tokens, records = {}, []
+    """Add each group of request indices, step until the engine is idle, then add the next group."""
+    finished, first_step, last_step, records = {}, {}, {}, []
     t0 = time.perf_counter()
     for group in batches:
         for i in group:
@@ -144,12 +159,19 @@ def run(batches):
         while engine.has_unfinished_requests():
             result = engine.step_with_record()
             records.append(result.record)
-            for out in result.outputs:
+            for out in result.outputs:  # every request that got a token this step
+                i = int(out.request_id[1:])
+                first_step.setdefault(i, len(records))
                 if out.finished:
-                    tokens[int(out.request_id[1:])] = out.outputs[0].token_ids
+                    finished[i], last_step[i] = out, len(records)
     seconds = time.perf_counter() - t0
     engine.reset_prefix_cache()  # so the next run starts from the same cold cache
-    return [tokens[i] for i in sorted(tokens)], records, seconds
+    order = sorted(finished)
+    outs = [finished[i] for i in order]  # metrics: timestamps on the perf_counter clock, as t0
+    return Run([o.outputs[0].token_ids for o in outs], records, seconds,
+               [(o.metrics.first_token_time - t0) * 1e3 for o in outs],
+               [(o.metrics.finished_time - t0) * 1e3 for o in outs],
+               [first_step[i] for i in order], [last_step[i] for i in order])
 
 
 ids = list(range(work.num_requests))
@@ -160,9 +182,11 @@ timed = {"static": [], "continuous": []}
 for _ in range(REPEATS):
     timed["static"].append(run(static_batches))
     timed["continuous"].append(run([ids]))
-# keep each policy's fastest run whole: its tokens, its step records and its seconds belong together
-static_tokens, static_steps, static_s = min(timed["static"], key=lambda r: r[2])
-cont_tokens, cont_steps, cont_s = min(timed["continuous"], key=lambda r: r[2])
+# keep each policy's fastest run whole: its tokens, step records, seconds and latencies belong together
+static_run = min(timed["static"], key=lambda r: r.seconds)
+cont_run = min(timed["continuous"], key=lambda r: r.seconds)
+static_tokens, static_steps, static_s = static_run.tokens, static_run.records, static_run.seconds
+cont_tokens, cont_steps, cont_s = cont_run.tokens, cont_run.records, cont_run.seconds
 
 
 # %%
@@ -246,7 +270,7 @@ check_claim(f"a decode step with {SEATS} sequences costs less than {SEATS} steps
                            "to be compute-bound also breaks it.");
 check_prediction(my_prediction, static_s / cont_s, rel_tol=0.2, unit="x",
                  what="continuous / static throughput");
-spread = {k: (min(r[2] for r in v) * 1e3, max(r[2] for r in v) * 1e3) for k, v in timed.items()}
+spread = {k: (min(r.seconds for r in v) * 1e3, max(r.seconds for r in v) * 1e3) for k, v in timed.items()}
 gain = static_s / cont_s
 check_claim("continuous batching's throughput gain is smaller than its step ratio",
             gain < len(static_steps) / len(cont_steps),
@@ -261,8 +285,10 @@ split_text = (f"Split by kind of step (printed above): continuous batching's {dc
               f"{'more' if pc_ms > ps_ms else 'less'}** than static batching's {ps_n}: the same prompt tokens"
               + (", but continuous batching prefills newcomers as seats free up, spread over more steps that also "
                  "carry the running sequences' decodes, where static batching prefills a whole batch of prompts in "
-                 "one step. Each extra step pays a step's fixed cost again, and a prefill of a few prompts' rows usually "
-                 "gets less arithmetic done per millisecond than one of a whole batch's. "
+                 "one step. Each extra step pays a step's fixed cost again, a prefill of a few prompts' rows usually "
+                 "gets less arithmetic done per millisecond than one of a whole batch's, and the decodes riding in a "
+                 "step with prompt tokens run eagerly, where a decode-only step can replay a recorded graph "
+                 "(chapter 11). "
                  if pc_ms > ps_ms and pc_n > ps_n else
                  f", spread over {pc_n} steps against {ps_n}; on this run that did not cost the prompts extra time. "
                  if pc_ms <= ps_ms else ". "))
@@ -292,6 +318,48 @@ render(f"Throughput: continuous batching **{gain:.2f}x** static batching's (fast
 # on a model whose step cost grows quickly with its sequences, possibly none; the table above, the
 # check and the sentence after it give this run's figures.
 # </details>
+
+# %% [markdown]
+# ### What each request waits for
+#
+# Throughput is the operator's view: tokens per second over the whole run. A user sees their own request:
+# how long until its first token (TTFT) and until its answer is complete (end-to-end latency). All twelve
+# requests were handed to the driver at once, so each one's clock starts there, also for the requests static
+# batching only adds to the engine when an earlier batch has finished. Latency is counted two ways, from the
+# same fastest runs as the table above: in engine steps (the schedule alone, the same on every machine) and in
+# milliseconds (each request's `RequestOutput.metrics` timestamps: the schedule times what each step cost here).
+
+# %%
+from IPython.display import display
+
+lat_rows = {}
+for name, r in (("static", static_run), ("continuous", cont_run)):
+    lat_rows[name] = {"mean TTFT steps": statistics.mean(r.ttft_steps), "mean latency steps": statistics.mean(r.e2e_steps),
+                      "mean TTFT ms": statistics.mean(r.ttft_ms), "mean latency ms": statistics.mean(r.e2e_ms),
+                      "max latency ms": max(r.e2e_ms)}
+lat = pd.DataFrame(lat_rows).T
+lat.index.name = "policy (fastest run)"
+display(lat.round(1))
+x = {col: lat.loc["static", col] / lat.loc["continuous", col] for col in lat.columns}  # static / continuous
+render(f"Counted in steps, continuous batching gave a request its first token after **{lat.loc['continuous', 'mean TTFT steps']:.1f}** "
+       f"steps on average against **{lat.loc['static', 'mean TTFT steps']:.1f}** (**{x['mean TTFT steps']:.2f}x** fewer), and its "
+       f"last after **{lat.loc['continuous', 'mean latency steps']:.1f}** against **{lat.loc['static', 'mean latency steps']:.1f}** "
+       f"(**{x['mean latency steps']:.2f}x**): static batching makes a waiting request sit out every earlier batch to its "
+       f"longest answer (requests {static_batches[-1][0]}-{static_batches[-1][-1]} start only after {len(static_batches) - 1} of them), however "
+       f"short its own answer, where continuous batching gives it the next free seat.")
+check_claim("continuous batching's mean end-to-end latency in engine steps is lower than static batching's",
+            x["mean latency steps"] > 1, f"{lat.loc['continuous', 'mean latency steps']:.1f} vs "
+            f"{lat.loc['static', 'mean latency steps']:.1f} steps, mean over {work.num_requests} requests");
+render(f"In milliseconds the mean latency was **{lat.loc['continuous', 'mean latency ms']:.1f} ms** with continuous batching "
+       f"against **{lat.loc['static', 'mean latency ms']:.1f} ms** with static batching (**{x['mean latency ms']:.2f}x**; mean "
+       f"TTFT {lat.loc['continuous', 'mean TTFT ms']:.1f} against {lat.loc['static', 'mean TTFT ms']:.1f} ms). "
+       + ("So on this run the steps saved were also time saved. " if x["mean latency ms"] > 1 else
+          "So on this run the steps saved were not time saved. ")
+       + f"Steps are not equally expensive: continuous batching's steps are fuller, and a decode step with {SEATS} sequences "
+       f"cost **{d4 / d1:.2f}x** one with 1 here (above), while static batching finishes each batch with a tail of cheap "
+       f"steps of one or two long answers. The nearer that ratio is to 1 (a step that is mostly a fixed cost, like the "
+       f"weight read of a memory-bound decode on a real model, chapter 06), the more the milliseconds follow the steps; "
+       f"the nearer it is to {SEATS}, the less a fuller step saves.");
 
 # %% [markdown]
 # The chart shows the seats in use at every step:
@@ -576,6 +644,8 @@ Quiz([
 #   which refills a freed seat at the next step, needs fewer;
 # * measure the throughput of both policies (and of padded `generate`) and say why the gain is smaller
 #   than the step ratio;
+# * measure what each request waits for (TTFT and end-to-end latency, from the moment the workload
+#   arrives) and explain why continuous batching shortens it even where its throughput gain is small;
 # * explain recompute preemption: why the scheduler can run out of KV blocks mid-decode, what a
 #   preempted request recomputes when it resumes (and what the prefix cache gives back), and why its
 #   greedy output is unchanged;

@@ -188,7 +188,8 @@ render(f"The last first token{plural} came at step {max(first_step.values())}, t
 #
 # ## 2. A latency calculator, fitted to this machine
 #
-# A short sweep on the embedded model (the one of chapter 06's section 3): prefill steps for several
+# A short sweep on this chapter's model (`MODEL`: the embedded one unless `MINIVLLM_MODEL` names
+# another): prefill steps for several
 # prompt lengths and decode steps at batch sizes 1 to 8, on an engine whose step holds up to 1024
 # tokens. The latency calculator fits a cost model to these steps: a fixed cost per step plus a cost
 # per prefill token, and a fixed cost per decode step plus a cost per sequence in the batch. It then

@@ -25,8 +25,9 @@
 # **Time:** about 35 minutes.
 #
 # Many requests to a served model begin with the same tokens: a system prompt, a few-shot template,
-# the conversation so far. Their keys and values in every layer are the same too, because KV depends
-# only on the tokens and their positions. **Prefix caching** keeps the KV blocks of prompts already
+# the conversation so far. Their keys and values in every layer are the same too, because a token's KV
+# depends only on that token, its position and the tokens before it (attention is causal).
+# **Prefix caching** keeps the KV blocks of prompts already
 # computed and hands them to any later request whose prompt starts with the same tokens, so its
 # prefill only computes what is new.
 #

@@ -38,8 +38,8 @@
 # redo the split by hand (no processes) and check that the pieces add up to the full layer · start
 # a two-process engine and check it produces the same tokens as one process · predict, then count,
 # the collective calls of a step and the bytes each carries · predict, then measure, how a
-# two-process step's forward compares with one process's here, and how much of it the communication
-# takes.
+# two-process step's forward compares with one process's here, and how much of it goes to the collective
+# calls (their transfers and the waits between the ranks).
 
 # %% [markdown]
 # ## Setup
@@ -301,7 +301,9 @@ _ = check_claim(f"{TP} processes give the same greedy tokens as one", same_token
 #
 # The stepper drives the two-process engine one `step()` at a time. Nothing in it knows about the
 # second process: the engine loop, the scheduler and the KV block bookkeeping are rank 0's alone,
-# and each step's time includes the communication with rank 1.
+# and each step's time includes the communication with rank 1. The two steps shown are single
+# steps, each timed once, and the first decode steps of a fresh engine tend to be the slowest: section
+# 5 times many steps and compares their medians and fastest ones.
 
 # %%
 from widgets import EngineStepper
@@ -478,7 +480,7 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 #
 # </details>
 #
-# ## 5. What share of a step is communication?
+# ## 5. What share of a step is spent in collectives?
 #
 # Same wrapper, now a small batch of requests so the steps have some work, timing every collective
 # on rank 0 and comparing with the step's model time (`StepRecord.model_ms`: on rank 0 of a
@@ -590,7 +592,7 @@ for phase in med.index:
     comm = r.all_reduce_ms + r.all_gather_ms + r.broadcast_ms
     COMM_SHARE[phase] = comm / r.model_ms
     MEDIAN_RATIO[phase] = r.model_ms / one_med[phase]
-    print(f"{phase:8s}: communication {comm:.2f} ms (sum of the medians) of a {r.model_ms:.2f} ms forward "
+    print(f"{phase:8s}: in collective calls {comm:.2f} ms (sum of the medians) of a {r.model_ms:.2f} ms forward "
           f"({COMM_SHARE[phase]:.0%}); the single process's forward: {one_med[phase]:.2f} ms")
 ar_decode = [s for rec, c in steps if rec.phase == "decode" for s, _ in c.get("all-reduce", [])]
 ar_prefill = [s for rec, c in steps if rec.phase == "prefill" for s, _ in c.get("all-reduce", [])]
@@ -625,7 +627,8 @@ _ = check_prediction(my_prediction, TP_RATIO["decode"], rel_tol=0.3, unit="x",
 # claims on this run.
 
 # %%
-_ = check_claim(f"with the embedded model on a CPU, the {TP}-process forward is slower than 1 process (fastest steps)",
+_ = check_claim(f"with {single.llm_engine.source.name} on {single.llm_engine.config.device}, the {TP}-process forward "
+                f"is slower than 1 process (fastest steps)",
                 all(r > 1 for r in TP_RATIO.values()),
                 ", ".join(f"{ph}: {r:.2f}x" for ph, r in TP_RATIO.items()),
                 why_it_may_not="On a machine loaded by other processes, two processes get a larger share of the "
@@ -641,16 +644,21 @@ _ = check_claim("an all-reduce's time grows much less than its bytes (fastest ca
                 f"{AR_MEDIAN_US['prefill'] / AR_MEDIAN_US['decode']:.2f}x, the wait for the other rank included",
                 why_it_may_not="A busy machine can delay even the fastest of a few calls by more than the "
                                "transfer itself.")
-_ = render(f"Communication (all-reduces, the all-gather and the broadcasts) took **{COMM_SHARE['decode']:.0%}** of a "
-           f"decode step's forward and **{COMM_SHARE['prefill']:.0%}** of a prefill step's on this run, and the "
-           f"{TP}-process decode forward took **{TP_RATIO['decode']:.2f}x** the single process's (fastest steps; "
+wire_share = CALLS_PER_STEP * AR_US["decode"] / 1e3 / med.loc["decode", "model_ms"]
+_ = render(f"Time inside collective calls (all-reduces, the all-gather and the broadcasts) was **{COMM_SHARE['decode']:.0%}** "
+           f"of a decode step's forward and **{COMM_SHARE['prefill']:.0%}** of a prefill step's on this run. That time "
+           f"includes each call's wait for the other rank to arrive: at the fastest all-reduce of section 4 "
+           f"({AR_US['decode']:.0f} µs), the step's {CALLS_PER_STEP} calls would take **{wire_share:.0%}** of its forward, "
+           + ("so most of the time in collectives was waiting. " if wire_share < COMM_SHARE["decode"] / 2 else
+              "about what they took here. ")
+           + f"The {TP}-process decode forward took **{TP_RATIO['decode']:.2f}x** the single process's (fastest steps; "
            f"{MEDIAN_RATIO['decode']:.2f}x by the medians).")
 # The two ratios "agree" here when they fall on the same side of 1 and within 20% of each other.
 RATIOS_AGREE = {ph: (TP_RATIO[ph] > 1) == (MEDIAN_RATIO[ph] > 1)
                 and abs(MEDIAN_RATIO[ph] / TP_RATIO[ph] - 1) < 0.2 for ph in TP_RATIO}
 _ = render("The fastest steps' ratio and the medians' ratio "
            + ("**agreed** on this run" if all(RATIOS_AGREE.values()) else "**did not agree** on this run")
-           + " (same side of 1 and within 20% of each other: "
+           + " (agreeing means on the same side of 1 and within 20% of each other: "
            + ", ".join(f"{ph} {TP_RATIO[ph]:.2f}x vs {MEDIAN_RATIO[ph]:.2f}x" for ph in TP_RATIO) + ")"
            + ("." if all(RATIOS_AGREE.values()) else
               "; the medians include the most delayed steps (waits between the ranks, other processes), so the "
@@ -808,8 +816,9 @@ Quiz([
         ["More threads per process", "Bigger matrices per layer and a faster link between ranks",
          "A larger KV cache", "Sampling on every rank"],
         1,
-        [f"Threads speed up arithmetic only; they do not shorten the collectives' round trips, which took "
-         f"{COMM_SHARE['decode']:.0%} of a two-process decode step's forward here.",
+        [f"Threads speed up arithmetic only; they do not shorten the collectives' round trips: time inside "
+         f"collective calls, the wait for the other rank included, was {COMM_SHARE['decode']:.0%} of a two-process "
+         f"decode step's forward here.",
          f"Right: TP wins when the work it halves per rank (in decode above all the weight and KV bytes each "
          f"rank reads, so the ranks add up their memory bandwidth) is much larger than the fixed cost of its "
          f"collective calls ({CALLS_PER_STEP} per step here: {N_AR} all-reduces, {N_AG} all-gather, {N_BC} "
