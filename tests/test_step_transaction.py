@@ -192,6 +192,7 @@ def test_a_stream_whose_output_was_lost_raises_instead_of_stepping_forever(tiny_
     assert not consumer.is_alive(), f"the stream kept stepping: {engine.step_index - steps} empty steps"
     assert raised and "never arrived" in raised[0]
     assert engine.step_index - steps <= 2
+    assert not engine._sinks  # the lost request's sink went with the stream's clean-up
     engine.check_invariants()
 
 

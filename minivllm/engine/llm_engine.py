@@ -534,6 +534,10 @@ class LLMEngine:
         with self._lock:
             request_id = str(request_id)
             parent = self.parents.parents.get(request_id)
+            if parent is None and request_id not in self.requests:
+                # finished (or never queued): a sink left behind by a delivery an interrupt cut short goes too
+                self._sinks.pop(request_id, None)
+                return None
             ids = [c for c in parent.child_ids if c in self.requests] if parent is not None else [request_id]
             result = None
             for rid in ids:
