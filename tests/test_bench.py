@@ -69,7 +69,7 @@ def test_make_workload_is_reproducible_and_in_range():
 
 
 def test_nano_workload_is_nano_vllms_own_requests():
-    """nano-vllm's bench.py (0e2a894): seed(0), each prompt's length then ids randint(0, 10000), then the
+    """nano-vllm's bench.py (bb823b3): seed(0), each prompt's length then ids randint(0, 10000), then the
     output lengths; its README's 'Total' is 133,966 output tokens. The preset drew its own requests
     (ids 0..9999, lengths interleaved: 142,445 output tokens), so it did not reproduce that run."""
     from random import Random

@@ -78,7 +78,7 @@ def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 
                   seed: int = 0) -> Workload:
     """A reproducible workload, lengths uniform in the ranges (inclusive).
 
-    ``nano`` draws as nano-vllm's ``bench.py`` (GeeeekExplorer/nano-vllm, 0e2a894): from
+    ``nano`` draws as nano-vllm's ``bench.py`` (GeeeekExplorer/nano-vllm at bb823b3, its main branch): from
     ``random.seed(seed)``, each prompt's length then its ids uniform in ``[0, min(vocab_size - 1,
     10000)]`` (``randint(0, 10000)``), then every output length; with seed 0 and a vocabulary above
     10,000 ids these are its 256 requests (142,827 prompt and 133,966 output tokens). ``cpu`` draws
