@@ -72,16 +72,17 @@ engine = llm.llm_engine
 print(describe(llm))
 print("torch threads:", torch.get_num_threads())
 # what every chart of this chapter says it measured: model, device, dtype, threads
-RUN = (f"{engine.source.name} · {engine.config.device} · {str(engine.config.dtype).replace('torch.', '')} · "
-       f"{torch.get_num_threads()} thread(s)")
+from minivllm.utils.env_report import chart_provenance
+
+RUN = chart_provenance(llm)  # "measured on cpu (the processor's name) · model · dtype · threads"
 
 # %% [markdown]
 # ## 1. Text -> token ids
 #
 # The model never sees characters. A *tokenizer* cuts text into pieces from a fixed vocabulary and
-# replaces each piece by its index. minivllm-tiny's tokenizer is byte-level BPE (byte-pair
-# encoding): it starts from the 256 byte values and learned, from its training text, which adjacent
-# pairs to merge into longer pieces. Frequent words become one token; rare ones, typos included, are
+# replaces each piece by its index. The default model's tokenizer (minivllm-tiny's, like Qwen3's) is
+# byte-level BPE (byte-pair encoding): it starts from the 256 byte values and learned, from its training
+# text, which adjacent pairs to merge into longer pieces. Frequent words become one token; rare ones, typos included, are
 # spelled out in several (the last two lines below show a word and a typo of it).
 
 # %%
@@ -93,7 +94,7 @@ print(f"{len(PROMPT)} characters -> {len(prompt_ids)} tokens (vocabulary of {len
 for i in prompt_ids:
     print(f"{i:6d}  {tok.decode([i])!r}")
 print("decoded back:", repr(tok.decode(prompt_ids)))
-for word in (" argument", " arguemnt"):  # a word of the training text, and a typo of it
+for word in (" argument", " arguemnt"):  # a common word of code's prose, and a typo of it
     print(f"{word!r}: {len(tok.encode(word))} token(s)", [tok.decode([i]) for i in tok.encode(word)])
 
 # %% [markdown]

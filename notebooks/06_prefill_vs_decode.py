@@ -53,7 +53,9 @@
 # model that ships with the repo) unless the environment variable `MINIVLLM_MODEL` names another one
 # (a Qwen3 checkpoint directory, or `random:qwen3-0.6b`). `BIG_MODEL` is the model of section 4: random
 # weights at Qwen3-0.6B's shapes, too big for any CPU cache. `MINIVLLM_THREADS` sets torch's CPU
-# threads (the stored outputs were produced with 1 thread on a CPU shared with other work).
+# threads (the stored outputs were produced with 1 thread on a CPU shared with other work). The prose
+# describes the default, the embedded model; every figure is measured on `MODEL`, and the sentences
+# rendered from the measurements name the model they ran.
 
 # %% tags=["parameters"]
 import os
@@ -386,10 +388,12 @@ print("backend that runs this notebook's steps:", cfg.attention_backend)
 #
 # ## 3. Step time against prompt length
 #
-# Now a sweep on the embedded model. For several prompt lengths, one request is prefilled in one step
+# Now a sweep on this chapter's model (`MODEL`: the embedded one unless `MINIVLLM_MODEL` names another).
+# For several prompt lengths, one request is prefilled in one step
 # and then runs eight decode steps, of which the table keeps the last three: the first decode steps
-# after a prefill can run slower than the ones that follow (the prefill has just filled the CPU caches
-# with its own data), and a request spends most of its decode steps past them. Each length is
+# after a prefill run slower than the ones that follow (on a CPU the very first decode step at a batch
+# size records the graph that later steps replay, and the next few after each prefill measure slower
+# too, which the table leaves out rather than explains; a request spends most of its decode past them). Each length is
 # repeated three times and the median kept (a shared machine has hiccups). A separate engine with a
 # larger token budget is used so the widgets above keep their state. Every step's FLOPs and bytes
 # come from the roofline model in `minivllm.telemetry.roofline` (what the step must compute and move,
@@ -513,10 +517,12 @@ tiny_weight_bytes = cost_tiny.body_weight_bytes + cost_tiny.lm_head_bytes
 tiny_floor_ms = tiny_weight_bytes / BW * 1e3
 tiny_dec = steps[steps.phase == "decode"]
 tiny_share = tiny_floor_ms / tiny_dec.wall_ms.median()
-render(f"The embedded model's weights are {tiny_weight_bytes / 1e6:.1f} MB; at the measured read bandwidth they "
+render(f"{engine.source.name}'s weights are {tiny_weight_bytes / 1e6:.1f} MB; at the measured read bandwidth they "
        f"stream in **{tiny_floor_ms:.2f} ms**, while a decode step took **{tiny_dec.wall_ms.median():.2f} ms** "
        f"(of which {tiny_dec.model_ms.median():.2f} ms in the model's forward pass), median MBU "
-       f"{tiny_dec.mbu.median():.0%}. The memory floor is {tiny_share:.0%} of the step: "
+       f"{tiny_dec.mbu.median():.0%} (MBU also counts the step's KV reads and is each step's own bytes over its own "
+       f"time, so it need not equal the weights-only share that follows). The weights' floor is {tiny_share:.0%} of "
+       f"the median step: "
        + ("the forward pass took less than reading the weights from main memory would, so a CPU cache held "
           "them between steps; outside the forward pass, the engine's per-step work took "
           f"{tiny_dec.wall_ms.median() - tiny_dec.model_ms.median():.2f} ms."
@@ -778,7 +784,8 @@ check_claim("the engine's fastest decode step at batch 4 took less than 1.5x its
 #
 # A decode step at batch `B` reads the same weights (the bytes printed by the intensity cell above)
 # whatever `B` is and does `B` times the arithmetic, so its intensity is about `B/2` FLOP/byte in
-# fp32 (the shape table above). While `B/2` is below the ridge point, the memory floor sets the step's
+# fp32 (the shape table above; this paragraph assumes fp32, the CPU's dtype here: with 2-byte weights,
+# as bf16 on a GPU, the intensity is about `B` and every "twice the ridge" below becomes "the ridge"). While `B/2` is below the ridge point, the memory floor sets the step's
 # time and `B` tokens cost about the same as one: throughput grows almost in proportion to `B`. Once `B/2` passes the ridge, the compute floor
 # takes over and each extra row costs its own arithmetic, so throughput stops growing. The ideal
 # bound therefore flattens at a batch of about twice the ridge point (this machine's is printed in the
@@ -966,11 +973,15 @@ spec_m = outs_by["ngram"][0].metrics
 # weights taken in turn: 64 MiB in int8 (256 MiB in fp32), more than a CPU cache keeps between two
 # uses, so each product reads its weight from main memory (one weight alone, 16 MiB in int8, can stay
 # in a large last-level cache and be read from there)
+from minivllm.layers.prepack import linear, pack_weight
 from minivllm.quantization.int8 import Int8Weight
 
 W_TURN = 4
 w_fp32 = [torch.randn(N_OUT, K_IN) for _ in range(W_TURN)]
 w_int8 = [Int8Weight(w) for w in w_fp32]
+# fp32 as the engine multiplies it (its packed weight and matrix multiply, chapter 11), not
+# torch.nn.functional.linear, whose one-row product section 1 timed: that would flatter int8
+w_fp32 = [pack_weight(w) for w in w_fp32]
 x1 = torch.randn(1, K_IN)
 
 
@@ -987,8 +998,9 @@ def median_ms(fn, repeats=7):
     return statistics.median(times) * 1e3
 
 
-fp32_ms = median_ms(lambda i: torch.nn.functional.linear(x1, w_fp32[i]))
-int8_ms = median_ms(lambda i: w_int8[i].matmul(x1))
+with torch.inference_mode():
+    fp32_ms = median_ms(lambda i: linear(x1, w_fp32[i]))
+    int8_ms = median_ms(lambda i: w_int8[i].matmul(x1))
 int8_gbps = N_OUT * K_IN / (int8_ms * 1e-3) / 1e9  # one byte a weight (the per-channel scales are 16 KiB)
 fp32_gbps = N_OUT * K_IN * BYTES / (fp32_ms * 1e-3) / 1e9
 del w_fp32, w_int8
@@ -1014,12 +1026,19 @@ check_claim("n-gram speculation emitted more than one token per verification ste
             (spec_m.mean_accepted_length or 0) > 1, f"{spec_m.mean_accepted_length or 0:.2f} tokens per verification step, "
             f"acceptance {spec_m.draft_acceptance_rate:.0%}")
 spec_ratio = lever_rows[2][1] / tps1
-render(f"Those extra tokens per step turned into **{spec_ratio:.2f}x** the baseline's decode tokens/s on this run: "
-       + ("more than the verification steps cost." if spec_ratio > 1.05 else
-          "about break-even: on this tiny model run eagerly a step is mostly fixed host cost, a step verifying 5 "
-          "tokens costs more than a plain one, and the steps where no n-gram matched carried no drafts at all."
-          if spec_ratio >= 0.95 else
-          "a loss: on this tiny model run eagerly, verifying 5 tokens cost more than the accepted drafts saved.")
+# a gain or a loss only where every round of one engine beat every round of the other: three rounds on a
+# shared machine move by several percent
+spec_won, spec_lost = max(tpots["ngram"]) < min(tpots["batch 1"]), min(tpots["ngram"]) > max(tpots["batch 1"])
+render(f"Those extra tokens per step turned into **{spec_ratio:.2f}x** the baseline's decode tokens/s on this run "
+       f"(rounds: speculation {min(tpots['ngram']):.2f}-{max(tpots['ngram']):.2f} ms per token, the baseline "
+       f"{min(tpots['batch 1']):.2f}-{max(tpots['batch 1']):.2f} ms): "
+       + ("more than the verification steps cost: every round of speculation beat every round of the baseline."
+          if spec_won else
+          f"a loss: on {engine.source.name} run eagerly, verifying 5 tokens cost more than the accepted drafts saved."
+          if spec_lost else
+          f"the two engines' rounds overlap, so this run measured no gain or loss beyond the machine's noise (on "
+          f"{engine.source.name} run eagerly a step is mostly fixed host cost, a step verifying 5 tokens costs more "
+          "than a plain one, and the steps where no n-gram matched carried no drafts at all).")
        + " Chapter 11 measures speculation with the decode graphs on, step by step.")
 check_claim("int8 weights make a product that is one weight read faster", int8_ms < fp32_ms,
             f"{fp32_ms:.2f} -> {int8_ms:.2f} ms",
@@ -1039,7 +1058,8 @@ check_claim("the int8 products read their weights at no more than the read-bandw
 # embedded one, whose few MB of weights can stay in a CPU cache and whose step has fixed costs
 # beside them. There it can even come out below 1 (its row in the table says which way it went on
 # this run): the int8 engine swaps our panel GEMM (float32 arithmetic on the weights as held) for
-# torch's int8 linear, whose fixed costs per call a 256-wide layer does not amortise. Compare that row with the single-weight figure; on a busy
+# torch's int8 linear, whose fixed costs per call a layer as narrow as the embedded model's (256 wide)
+# does not amortise. Compare that row with the single-weight figure; on a busy
 # machine the whole-step figure is also the noisiest. `python -m minivllm bench --model random:qwen3-0.6b
 # --quantization int8` measures it on a memory-bound model. Batching raises throughput
 # but not each request's own speed (chapter 07 measures what it costs a request's time per token);
@@ -1128,12 +1148,12 @@ Quiz([
         3,
         ["It does: one weight read serves every sequence in the step (section 5 measured it).",
          "It can where the weight read dominates: fewer bytes per weight, less to read per step (section 5's "
-         f"single weight: {fp32_ms / int8_ms:.1f}x faster; the embedded model's whole step, run eagerly: "
+         f"single weight: {fp32_ms / int8_ms:.1f}x faster; {engine.source.name}'s whole step, run eagerly: "
          f"{lever_rows[1][1] / tps1:.2f}x"
          + (", slower: in a model this small the weight read is not all of the step, and the int8 path has costs "
             "of its own)." if lever_rows[1][1] < tps1 else ")."),
          "It can, when drafts are accepted and checking them costs little more than a plain step, as in a "
-         "memory-bound step: several tokens come out of one weight read (on the embedded model run eagerly, "
+         f"memory-bound step: several tokens come out of one weight read (on {engine.source.name} run eagerly, "
          f"section 5 measured {spec_ratio:.2f}x).",
          "Right, at small batches: a memory-bound decode step waits on bandwidth, and more arithmetic units "
          "would sit idle. Past the ridge point (decode intensity B x 2 / bytes per weight reaches it near batch "

@@ -239,7 +239,9 @@ render(f"On this run the dispatch floor ({floor_terms} = {floor_ms:.2f} ms) is "
 # * copies each step's inputs into **static buffers** the graph reads, and reads the output from a
 #   static buffer the graph writes;
 # * captures decode steps only: prefill shapes vary too much, and a prefill has enough work per
-#   launch that launches matter less.
+#   launch that launches matter less. (vLLM's V1 engine goes further: its piecewise CUDA graphs
+#   capture everything but the attention for mixed and prefill batches too, attention running between
+#   the pieces; minivllm keeps nano-vllm's decode-only graphs.)
 #
 # A CPU has no kernel launches, but the same idea applies to the Python around our C calls: a float32
 # decode step on a CPU is a few dozen calls into our C code (GEMMs, norms, rotary, attention), each
@@ -693,8 +695,13 @@ print(f"read bandwidth {peaks.mbu_bytes_per_s / 1e9:.1f} GB/s ({peaks.provenance
 wbytes = {name: e.model_cost.body_weight_bytes + e.model_cost.lm_head_bytes
           for name, e in ((BASE, engine), ("int8", q_engine))}
 read_ms = {name: b / peaks.mbu_bytes_per_s * 1e3 for name, b in wbytes.items()}
+from minivllm.layers.prepack import matmul_bytes_per_weight
+
+held = matmul_bytes_per_weight(engine.runner.model) if cfg.device.type == "cpu" else None
+held_note = (f" (its linears' weights held in {held[0]:g} bytes each)" if held and held[0] else "")
 for name in wbytes:
-    print(f"{name}: layer + LM head weights {wbytes[name] / 2**20:.2f} MiB, read once in {read_ms[name]:.2f} ms")
+    print(f"{name} engine{held_note if name == BASE else ''}: layer + LM head weights {wbytes[name] / 2**20:.2f} MiB, "
+          f"read once in {read_ms[name]:.2f} ms")
 print(f"bytes ratio {BASE} / int8: {wbytes[BASE] / wbytes['int8']:.2f}x")
 
 # %% [markdown]
@@ -813,10 +820,11 @@ del copies
 layer_speedup = layer_ms["fp32"] / layer_ms["int8"]
 render(f"One Qwen3-0.6B-sized layer at one row: fp32's time over int8's **{layer_speedup:.2f}x** here "
        f"(int8 {'faster' if layer_speedup > 1 else 'slower'}), for "
-       f"{layer_bytes['fp32'] / layer_bytes['int8']:.2f}x fewer bytes; the whole tiny-model step above changed by "
-       f"{int8_speedup:.2f}x.")
-check_claim("int8 gains more on a large layer that reads its weight from memory than on the tiny model's whole step",
-            layer_speedup > int8_speedup, f"layer {layer_speedup:.2f}x, tiny-model step {int8_speedup:.2f}x",
+       f"{layer_bytes['fp32'] / layer_bytes['int8']:.2f}x fewer bytes; {engine.source.name}'s whole step above "
+       f"changed by {int8_speedup:.2f}x.")
+check_claim(f"int8 gains more on a large layer that reads its weight from memory than on {engine.source.name}'s "
+            f"whole step",
+            layer_speedup > int8_speedup, f"layer {layer_speedup:.2f}x, whole step {int8_speedup:.2f}x",
             why_it_may_not="Heavy load from other processes during one of the two measurements can swap them.");
 
 # %% [markdown]
@@ -953,8 +961,9 @@ del kv_llms
 # below): a draft is kept only when it is the model's own arg-max; at temperature > 0 drafts are accepted by rejection sampling (Leviathan et al. 2023;
 # Chen et al. 2023), which leaves the output distribution unchanged.
 #
-# minivllm's `ngram` method is vLLM v1's idea (prompt lookup): the draft is whatever followed an earlier
-# occurrence of the context's last 2 to 4 tokens. minivllm takes the latest such occurrence (vLLM's
+# minivllm's `ngram` method is prompt lookup decoding (Saxena, 2023), which vLLM also offers as its `ngram`
+# speculative method: the draft is whatever followed an earlier occurrence of the context's last 2 to 4
+# tokens. minivllm takes the latest such occurrence (vLLM's
 # proposer takes the earliest one of the longest match), so the two can propose different drafts for
 # the same context. It costs no model at all, and it guesses
 # well exactly when the continuation repeats text already in the context: code being edited, a
@@ -1191,7 +1200,7 @@ Quiz([
          "(CPU), without the Python around them (section 2)."],
     ),
     Question(
-        "Why does the engine capture CUDA graphs for decode steps but not for prefill steps?",
+        "Why does minivllm (as nano-vllm) capture CUDA graphs for decode steps but not for prefill steps?",
         ["Prefill cannot run on a GPU",
          "Graphs need fixed shapes; decode has few shapes (bucketed batch sizes) and much launch overhead "
          "relative to its work, prefill has many shapes and long kernels",
@@ -1200,7 +1209,8 @@ Quiz([
         1,
         ["Prefill runs on the GPU like everything else; the question is whether a graph pays.",
          "Right: a prefill of hundreds of tokens keeps each kernel busy long enough that launches are a small "
-         "share, and its token count varies too much to capture every shape.",
+         "share, and its token count varies too much to capture every shape. (vLLM's V1 engine still captures "
+         "prefill and mixed batches in pieces, the attention left out of its graphs.)",
          "Prefill writes the KV cache; that is not what decides it.",
          "Compilation fuses element-wise operations; the matrix multiplies and attention still launch their "
          "own kernels."],
@@ -1218,8 +1228,9 @@ Quiz([
          "The tests use it the same way, but it is an environment variable read by triton, wherever it runs."],
     ),
     Question(
-        "A bfloat16 KV cache made the batch-32 decode step faster above, yet the engine's default keeps the model's "
-        "float32. Why?",
+        f"A bfloat16 KV cache halves the bytes of every key and value (the batch-32 decode step above: "
+        f"{kv_ms['auto']:.2f} ms against {kv_ms['bfloat16']:.2f} ms with it), yet the engine's default keeps the "
+        f"model's dtype. Why?",
         ["The bfloat16 cache makes the attention's arithmetic bfloat16, which this CPU computes slowly",
          "Each key and value is rounded once when written, so the logits move and a greedy token can flip; float32 "
          "keeps them equal to the reference implementation's",
