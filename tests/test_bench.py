@@ -619,7 +619,7 @@ def test_sweep_cli_writes_the_roofline_html_only_when_asked(tiny_ckpt, tmp_path,
     header, row = out[title + 1], out[title + 2]
     assert header.split() == ["batch", "step", "ms", "ms/seq", "GFLOP/s", "GB/s", "MFU", "MBU", "/matmuls"]
     assert len(header) == len(row) and len(row.split()) == 8
-    with pytest.raises(ValueError, match="context_len=0"):
+    with pytest.raises(ValueError, match="--context-len=0: must be at least 1"):  # named before any engine
         bench.run_cli(args + ["--context-len", "0"], peak_kwargs=PEAKS)
     capsys.readouterr()
     assert bench.main(["--sweep", "--batch-sizes", "0", "--threads", "1"]) == 2  # before any engine is built

@@ -136,6 +136,35 @@ def test_bench_names_a_bad_workload_flag(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--num-speculative-tokens", "-5", "--speculative", "ngram"], "--num-speculative-tokens=-5: must be at least 1"),
+    (["--sweep", "--prompt-lens", "-3"], "--prompt-lens -3: each must be at least 1"),
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens 3: only --speculative reads it"),
+    (["--context-len", "64"], "--context-len 64: only --sweep reads it"),
+    (["--draft-model", "/nonexistent"], "--draft-model '/nonexistent': only --speculative reads it"),
+    (["--speculative", "ngram", "--draft-model", "x"], "--draft-model 'x': only --speculative draft reads it"),
+    (["--nanovllm-script", "/nonexistent"], "--nanovllm-script '/nonexistent': only --overhead reads it"),
+    (["--sweep", "--scale", "5"], "--scale 5.0: only the throughput run (no mode flag) reads it"),
+    (["--overhead", "--num-requests", "3"], "--num-requests 3: only the throughput run (no mode flag) reads it"),
+    (["--decode-steps", "5"], "--decode-steps 5: only --sweep / --overhead / --speculative / --quantization reads it"),
+])
+def test_bench_refuses_a_flag_no_running_mode_reads(args, message, capsys):
+    """Each of these exited 0 after minutes of measuring something else, the flag ignored."""
+    assert bench.main(["--no-peers", "--threads", "1", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_refuses_an_output_length_the_model_cannot_hold(tmp_path, capsys):
+    """--output-len 2000 2100 ran the whole benchmark, then failed on 'minivllm produced 4080 tokens, the
+    workload asked for 4130' with a traceback: such requests end at max_model_len."""
+    from minivllm.bench.workload import make_workload
+
+    with pytest.raises(ValueError, match=r"output_len=\(2000, 2100\): an output of \d+ tokens was drawn.*"
+                                         r"max_model_len=2048"):
+        make_workload("cpu", 4096, num_requests=2, input_len=(1, 1), output_len=(2000, 2100), max_model_len=2048)
+    assert max(make_workload("cpu", 4096, num_requests=8, output_len=(1000, 2047), max_model_len=2048).output_lens) <= 2047
+
+
 def test_bench_kv_pool_holds_the_running_requests_not_all_of_them(monkeypatch):
     """--num-requests 20000 sized the pool for every request at once (an mmap of ~30 GB failed)."""
     from minivllm.bench import throughput

@@ -76,7 +76,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         "tokens per request (default 96). Several methods are measured against the same unmodified engine")
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint for --speculative draft (default: the embedded minivllm-tiny-draft)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens per step for --speculative")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens per step for --speculative (default 4)")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="batch-1 decode of LLM(quantization=...) against the unquantised engine in the same run "
                         "(speed ratio, MBU on int8 bytes, greedy agreement); --decode-steps tokens per round")
@@ -158,14 +159,17 @@ def _check_args(args) -> None:
     Raises:
         ValueError: naming the flag and its value.
     """
-    for flag in ("decode_steps", "hf_batch_size", "rounds", "num_requests"):
+    for flag in ("decode_steps", "hf_batch_size", "rounds", "num_requests", "num_speculative_tokens", "context_len"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')}={value}: must be at least 1")
     check_scale(args.scale, "--scale ")
-    if args.batch_sizes is not None and min(args.batch_sizes) < 1:
-        raise ValueError(f"--batch-sizes {' '.join(map(str, args.batch_sizes))}: each must be at least 1")
+    for flag in ("batch_sizes", "prompt_lens"):
+        values = getattr(args, flag)
+        if values is not None and min(values) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {' '.join(map(str, values))}: each must be at least 1")
     throughput = not (args.sweep or args.overhead or args.speculative or args.quantization)
+    _check_flags_have_their_mode(args, throughput)
     if throughput and not args.no_peers:
         unknown = [x.strip() for x in args.peers.split(",") if x.strip() and x.strip() not in HF_PEERS]
         if unknown:
@@ -187,6 +191,41 @@ def _check_args(args) -> None:
         above = next((q for q in path.absolute().parents if q.exists()), None)
         if above is not None and not above.is_dir():
             raise ValueError(f"--{flag} {value!r}: {str(above)!r} is a file, not a directory")
+
+
+# flag -> (the modes that read it, as their own flags, or "throughput", the default mode)
+_MODE_FLAGS = {
+    "prompt_lens": ("sweep",), "context_len": ("sweep",),
+    "nanovllm_script": ("overhead",), "no_nanovllm": ("overhead",),
+    "draft_model": ("speculative",), "num_speculative_tokens": ("speculative",),
+    "no_quantize_lm_head": ("quantization",),
+    "batch_sizes": ("sweep", "overhead", "speculative"),
+    "rounds": ("overhead", "speculative", "quantization"),
+    "decode_steps": ("sweep", "overhead", "speculative", "quantization"),
+    "workload": ("throughput",), "num_requests": ("throughput",), "input_len": ("throughput",),
+    "output_len": ("throughput",), "hf_batch_size": ("throughput",),
+}
+
+
+def _check_flags_have_their_mode(args, throughput: bool) -> None:
+    """A flag of a mode that is not running would be ignored: a mistyped command line (``--draft-model``
+    without ``--speculative draft``) then measures something else and says nothing.
+
+    Raises:
+        ValueError: naming the flag and the mode(s) that read it."""
+    running = {m for m in ("sweep", "overhead", "speculative", "quantization") if getattr(args, m)}
+    if throughput:
+        running.add("throughput")
+    given = {flag: getattr(args, flag) for flag in _MODE_FLAGS if getattr(args, flag) not in (None, False)}
+    if args.scale != 1.0:
+        given["scale"] = args.scale
+    for flag, value in given.items():
+        modes = _MODE_FLAGS.get(flag, ("throughput",))
+        if running.isdisjoint(modes):
+            names = " / ".join("the throughput run (no mode flag)" if m == "throughput" else f"--{m}" for m in modes)
+            raise ValueError(f"--{flag.replace('_', '-')} {value!r}: only {names} reads it, and it is not running")
+    if args.draft_model is not None and "draft" not in (args.speculative or ()):
+        raise ValueError(f"--draft-model {args.draft_model!r}: only --speculative draft reads it")
 
 
 def _run_modes(args, log, peak_kwargs) -> dict:
@@ -220,8 +259,9 @@ def _run_modes(args, log, peak_kwargs) -> dict:
             kw["batch_sizes"] = tuple(args.batch_sizes)
         if args.rounds is not None:
             kw["rounds"] = args.rounds
+        if args.num_speculative_tokens is not None:
+            kw["num_speculative_tokens"] = args.num_speculative_tokens
         results["speculative"] = run_speculative(args.model, method=args.speculative,
-                                                 num_speculative_tokens=args.num_speculative_tokens,
                                                  draft_model=args.draft_model, log=log, **kw, **engine_args)
         print_speculative(results["speculative"], log)
     if args.quantization:
