@@ -498,3 +498,26 @@ def test_init_method_with_the_worker_entry_point(tiny_ckpt):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+@pytest.mark.parametrize("env,init_method,message", [
+    ({"MINIVLLM_TP_TIMEOUT": "inf"}, None, "MINIVLLM_TP_TIMEOUT='inf': must be a positive number of seconds"),
+    ({"MINIVLLM_TP_TIMEOUT": "nan"}, None, "MINIVLLM_TP_TIMEOUT='nan'"),
+    ({"MINIVLLM_TP_TIMEOUT": "1e300"}, None, "MINIVLLM_TP_TIMEOUT='1e300'"),
+    ({"WORLD_SIZE": "two"}, None, "WORLD_SIZE='two': expected a whole number"),
+    ({}, "bogus", "init_method='bogus': expected a URL starting with one of"),
+    ({}, "tcp//host:1", "init_method='tcp//host:1'"),
+])
+def test_bad_launch_settings_are_named_before_any_worker_starts(tiny_ckpt, monkeypatch, env, init_method, message):
+    """inf / nan / 1e300 failed inside gloo ("cannot convert float infinity to integer") after the workers
+    had started; "bogus" with "No rendezvous handler for ://"; WORLD_SIZE=two with int()'s message."""
+    import minivllm.executor.launch as launch
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    started = []
+    monkeypatch.setattr(launch, "start_local", lambda *a: started.append(a))
+    kwargs = {} if init_method is None else {"init_method": init_method}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        LLM(tiny_ckpt, tensor_parallel_size=2, num_kvcache_blocks=16, **kwargs)
+    assert not started

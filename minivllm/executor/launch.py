@@ -54,9 +54,39 @@ def model_timeout() -> datetime.timedelta:
         seconds = float(raw)
     except ValueError:
         raise ValueError(f"MINIVLLM_TP_TIMEOUT={raw!r}: expected a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"MINIVLLM_TP_TIMEOUT={raw!r}: must be positive")
+    # gloo takes whole milliseconds in a C int64: inf, nan and 1e300 failed inside it, after the workers started
+    if not 0 < seconds <= CTRL_TIMEOUT.total_seconds():
+        raise ValueError(f"MINIVLLM_TP_TIMEOUT={raw!r}: must be a positive number of seconds, at most "
+                         f"{CTRL_TIMEOUT.total_seconds():.0f} (a year)")
     return datetime.timedelta(seconds=seconds)
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    """``$name`` as an int (``default`` when unset).
+
+    Raises:
+        ValueError: naming the variable and its value."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a whole number (torchrun's variable)") from None
+
+
+#: the rendezvous schemes torch.distributed knows
+INIT_SCHEMES = ("env://", "tcp://", "file://")
+
+
+def check_init_method(init_method) -> None:
+    """``init_method`` is None or a rendezvous URL torch.distributed knows.
+
+    Raises:
+        ValueError: naming the value ("bogus" failed later with "No rendezvous handler for ://")."""
+    if init_method is not None and (not isinstance(init_method, str) or not init_method.startswith(INIT_SCHEMES)):
+        raise ValueError(f"init_method={init_method!r}: expected a URL starting with one of {list(INIT_SCHEMES)} "
+                         f"(e.g. 'tcp://10.1.1.20:23456'), or None for a local launch")
 
 
 @dataclass
@@ -95,11 +125,14 @@ def external_launch(init_method: str | None, tp_size: int) -> bool:
     ``torchrun``'s environment (``WORLD_SIZE`` > 1).
 
     Raises:
-        ValueError: ``WORLD_SIZE`` disagrees with ``tensor_parallel_size``.
+        ValueError: ``WORLD_SIZE`` disagrees with ``tensor_parallel_size`` or is not a number, a bad
+            ``init_method`` or ``$MINIVLLM_TP_TIMEOUT`` (checked here, before any worker starts).
     """
-    world = os.environ.get("WORLD_SIZE")
-    if world is not None and int(world) > 1:
-        if int(world) != tp_size:
+    check_init_method(init_method)
+    model_timeout()  # a bad $MINIVLLM_TP_TIMEOUT named before any worker starts
+    world = _env_int("WORLD_SIZE")
+    if world is not None and world > 1:
+        if world != tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} but WORLD_SIZE={world}: launch exactly "
                              f"tensor_parallel_size ranks (minivllm has no other kind of parallelism)")
         return True
@@ -112,7 +145,8 @@ def connect_external(init_method: str | None, tp_size: int, rank: int | None = N
     ``rank`` defaults to ``$RANK``, else 0 (the engine's process is rank 0 unless torchrun
     says otherwise). A default group that already exists is reused.
     """
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    check_init_method(init_method)
+    rank = _env_int("RANK", 0) if rank is None else rank
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("gloo", init_method=init_method or "env://", rank=rank, world_size=tp_size,
@@ -122,7 +156,7 @@ def connect_external(init_method: str | None, tp_size: int, rank: int | None = N
                          f"{dist.get_world_size()} ranks")
     rank = dist.get_rank()
     ctrl = dist.new_group(backend="gloo", timeout=CTRL_TIMEOUT)
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_rank = _env_int("LOCAL_RANK", rank)
     return Connection(rank, tp_size, local_rank, ctrl, None, True, tag="minivllm-external",
                       owns_default_group=owns)
 
