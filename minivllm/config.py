@@ -238,6 +238,12 @@ class EngineArgs:
         from minivllm.telemetry.profiler import check_profiler_config
 
         check_profiler_config(self.profiler_config)
+        from minivllm.executor.launch import check_init_method
+
+        check_init_method(self.init_method)
+        if self.init_method is not None and self.tensor_parallel_size == 1:
+            raise ValueError(f"init_method={self.init_method!r}: only tensor parallelism (tensor_parallel_size > 1) "
+                             "joins a process group; with one process it would be ignored")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {list(KV_CACHE_DTYPES)} "
                              "(minivllm has no fp8 KV cache)")

@@ -521,3 +521,9 @@ def test_bad_launch_settings_are_named_before_any_worker_starts(tiny_ckpt, monke
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("+", r"\+")):
         LLM(tiny_ckpt, tensor_parallel_size=2, num_kvcache_blocks=16, **kwargs)
     assert not started
+
+
+def test_init_method_without_tensor_parallelism_is_refused(tiny_ckpt):
+    """LLM(init_method=...) with one process ignored it silently."""
+    with pytest.raises(ValueError, match="init_method='env://': only tensor parallelism"):
+        LLM(tiny_ckpt, init_method="env://", num_kvcache_blocks=16)
