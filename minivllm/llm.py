@@ -168,11 +168,18 @@ class LLM:
                 cache_salt_of(prompt)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+        engine = self.engine
         for prompt, p in zip(plist, params):
             rid = str(next(self._ids))
-            ids.append(rid)  # before it is queued: aborting an id never queued does nothing
-            self.engine.add_request(rid, prompt, p, tokenization_kwargs=tokenization, output_kind=output_kind,
-                                    sink=inbox.append)
+            while rid in engine.requests or rid in engine.parents.parents:  # queued by hand (engine.add_request)
+                rid = str(next(self._ids))
+            ids.append(rid)  # before it is queued, so that an interrupt inside add_request is cleaned up too
+            try:
+                engine.add_request(rid, prompt, p, tokenization_kwargs=tokenization, output_kind=output_kind,
+                                   sink=inbox.append)
+            except ValueError:  # refused, so not queued: the id may be someone else's, and must not be aborted
+                ids.pop()
+                raise
 
     def _outputs(self, ids: list[str], inbox: deque) -> Iterator[RequestOutput]:
         """This call's outputs as they arrive: step the engine while the inbox is empty.

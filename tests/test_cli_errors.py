@@ -147,6 +147,8 @@ def test_bench_names_a_bad_workload_flag(args, message, capsys):
     (["--sweep", "--scale", "5"], "--scale 5.0: only the throughput run (no mode flag) reads it"),
     (["--overhead", "--num-requests", "3"], "--num-requests 3: only the throughput run (no mode flag) reads it"),
     (["--decode-steps", "5"], "--decode-steps 5: only --sweep / --overhead / --speculative / --quantization reads it"),
+    (["--batch-sizes", "1", "4"], "--batch-sizes 1 4: only --sweep / --overhead / --speculative reads it"),
+    (["--no-nanovllm"], "--no-nanovllm: only --overhead reads it"),
 ])
 def test_bench_refuses_a_flag_no_running_mode_reads(args, message, capsys):
     """Each of these exited 0 after minutes of measuring something else, the flag ignored."""
@@ -162,6 +164,8 @@ def test_bench_refuses_an_output_length_the_model_cannot_hold(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"output_len=\(2000, 2100\): an output of \d+ tokens was drawn.*"
                                          r"max_model_len=2048"):
         make_workload("cpu", 4096, num_requests=2, input_len=(1, 1), output_len=(2000, 2100), max_model_len=2048)
+    with pytest.raises(ValueError, match=r"the 'nano' workload's output lengths \(100, 1024\): an output of 1024"):
+        make_workload("nano", 151936, max_model_len=1024)  # seed 0 draws one 1024-token output (nano-vllm's own)
     assert max(make_workload("cpu", 4096, num_requests=8, output_len=(1000, 2047), max_model_len=2048).output_lens) <= 2047
 
 

@@ -152,6 +152,19 @@ def test_an_interrupt_at_any_line_of_the_llm_wrapper_leaves_nothing_queued(tiny_
     assert run() == reference
 
 
+def test_generate_leaves_a_request_queued_by_hand_alone(tiny_ckpt):
+    """generate's id "0" clashed with a request a learner had queued as "0" by hand: add_request refused
+    it, generate raised, and its clean-up aborted the learner's request (its id was recorded first)."""
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    prompt = prompts_of([5], seed=6)[0]
+    engine.add_request("0", prompt, greedy(20))
+    out = llm.generate(prompt, greedy(2), use_tqdm=False)[0]  # takes another id
+    assert out.request_id != "0" and len(out.outputs[0].token_ids) == 2
+    assert "0" in engine.requests  # still running: 20 tokens, of which generate's steps made 2
+    engine.abort_request("0")
+
+
 def test_a_stream_whose_output_was_lost_raises_instead_of_stepping_forever(tiny_ckpt, monkeypatch):
     """A step interrupted after its commit, before it handed its outputs over (LLMEngine.step's
     documented window), ended a request another caller was streaming: that stream then ran empty

@@ -389,6 +389,32 @@ def test_latency_model_fixed_costs_are_never_negative():
     assert p["ttft_ms"] > 0 and p["e2e_ms"] > 0
 
 
+def test_latency_model_refit_ends_when_both_fixed_costs_are_zeroed():
+    """Zeroing a column left lstsq's answer for it at -7e-18, which the refit loop zeroed again, forever
+    (both intercepts below 0: long prefills, large decode batches)."""
+    import signal
+
+    from widgets import LatencyModel
+
+    toks, yp = [829, 1178, 1401, 1544, 1957], [12.62980261, 25.73130421, 31.75804667, 36.26428461, 51.97631847]
+    bs, yd = [19, 45, 64], [1.84697407, 5.67954498, 10.15381881]
+    rows = [dict(phase="prefill", tokens=t, wall_ms=w) for t, w in zip(toks, yp)]
+    rows += [dict(phase="decode", batch=b, wall_ms=w) for b, w in zip(bs, yd)]
+
+    def hung(*_):
+        raise TimeoutError("LatencyModel.fit still refitting after 10 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        m = LatencyModel.fit(rows)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert m.prefill_base_ms == 0.0 and m.decode_base_ms == 0.0
+    assert m.ms_per_prefill_token > 0 and m.ms_per_decode_seq > 0
+
+
 @pytest.mark.slow
 def test_measure_decode_batch_leaves_out_the_warm_up_steps(llm, monkeypatch):
     """The first decode steps after a prefill (a graph recorded, caches the prefill left cold) took

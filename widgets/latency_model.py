@@ -89,10 +89,13 @@ class LatencyModel:
         # nor a step's fixed cost (a prefill's growing faster than linear over the measured sizes puts the
         # line's intercept below 0, and a 1-token prompt would be predicted to take negative time). Each
         # coefficient that comes out negative is fixed at 0 and the rest refitted, until none is.
-        while (coef < 0).any():
+        fixed = np.zeros(len(coef), dtype=bool)
+        while (coef[~fixed] < 0).any():  # the fixed set only grows: at most 4 refits
+            fixed |= coef < 0
             X = X.copy()
-            X[:, coef < 0] = 0.0
+            X[:, fixed] = 0.0
             coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+            coef[fixed] = 0.0  # lstsq's minimum-norm answer for a zeroed column is 0 only up to rounding (-7e-18)
         pred = X @ coef
         ss_res = float(((y - pred) ** 2).sum())
         ss_tot = float(((y - y.mean()) ** 2).sum()) or 1.0

@@ -223,7 +223,9 @@ def _check_flags_have_their_mode(args, throughput: bool) -> None:
         modes = _MODE_FLAGS.get(flag, ("throughput",))
         if running.isdisjoint(modes):
             names = " / ".join("the throughput run (no mode flag)" if m == "throughput" else f"--{m}" for m in modes)
-            raise ValueError(f"--{flag.replace('_', '-')} {value!r}: only {names} reads it, and it is not running")
+            shown = ("" if value is True else " " + " ".join(map(str, value)) if isinstance(value, list)
+                     else f" {value!r}")  # as typed: --no-nanovllm, --batch-sizes 1 4, --draft-model 'x'
+            raise ValueError(f"--{flag.replace('_', '-')}{shown}: only {names} reads it, and it is not running")
     if args.draft_model is not None and "draft" not in (args.speculative or ()):
         raise ValueError(f"--draft-model {args.draft_model!r}: only --speculative draft reads it")
 

@@ -108,7 +108,7 @@ def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 
         high = min(vocab_size - 1, 10000)
         prompts = [[rng.randint(0, high) for _ in range(rng.randint(lo_in, hi_in))] for _ in range(n)]
         outs = [rng.randint(lo_out, hi_out) for _ in range(n)]
-        _check_outputs_fit(outs, output_len or preset["output_len"], max_model_len)
+        _check_outputs_fit(name, outs, output_len, preset["output_len"], max_model_len)
         if max_model_len is not None:
             prompts = [p[:max(1, max_model_len - lo)] for p, lo in zip(prompts, outs)]
         return Workload(name, prompts, outs, seed)
@@ -120,11 +120,11 @@ def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 
             li = max(1, max_model_len - lo)
         prompts.append([rng.randint(0, high) for _ in range(li)])
         outs.append(lo)
-    _check_outputs_fit(outs, output_len or preset["output_len"], max_model_len)
+    _check_outputs_fit(name, outs, output_len, preset["output_len"], max_model_len)
     return Workload(name, prompts, outs, seed)
 
 
-def _check_outputs_fit(outs: list[int], output_len, max_model_len: int | None) -> None:
+def _check_outputs_fit(name: str, outs: list[int], output_len, preset_output_len, max_model_len: int | None) -> None:
     """Prompts are shortened to fit ``max_model_len``, outputs are not: a request whose output alone
     leaves no room for a 1-token prompt would end at ``max_model_len`` short of its length, and the
     throughput run would stop at its end on a token count that does not add up.
@@ -132,6 +132,9 @@ def _check_outputs_fit(outs: list[int], output_len, max_model_len: int | None) -
     Raises:
         ValueError: naming the range, the longest output drawn and ``max_model_len``."""
     if max_model_len is not None and outs and max(outs) + 1 > max_model_len:
-        raise ValueError(f"output_len={tuple(output_len)!r}: an output of {max(outs)} tokens was drawn, and with a "
-                         f"prompt of at least 1 token it exceeds max_model_len={max_model_len}")
+        given = (f"output_len={tuple(output_len)!r}" if output_len else
+                 f"the {name!r} workload's output lengths {tuple(preset_output_len)!r}")
+        raise ValueError(f"{given}: an output of {max(outs)} tokens was drawn, and with a prompt of at least 1 token "
+                         f"it exceeds max_model_len={max_model_len} (give shorter output lengths, or a model with "
+                         f"a longer max_model_len)")
 

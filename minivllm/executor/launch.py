@@ -55,8 +55,8 @@ def model_timeout() -> datetime.timedelta:
     except ValueError:
         raise ValueError(f"MINIVLLM_TP_TIMEOUT={raw!r}: expected a number of seconds") from None
     # gloo takes whole milliseconds in a C int64: inf, nan and 1e300 failed inside it, after the workers started
-    if not 0 < seconds <= CTRL_TIMEOUT.total_seconds():
-        raise ValueError(f"MINIVLLM_TP_TIMEOUT={raw!r}: must be a positive number of seconds, at most "
+    if not 0.001 <= seconds <= CTRL_TIMEOUT.total_seconds():  # below a millisecond gloo would read 0
+        raise ValueError(f"MINIVLLM_TP_TIMEOUT={raw!r}: must be a positive number of seconds, from 0.001 to "
                          f"{CTRL_TIMEOUT.total_seconds():.0f} (a year)")
     return datetime.timedelta(seconds=seconds)
 
