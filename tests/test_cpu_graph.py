@@ -791,3 +791,21 @@ def test_the_startup_log_says_when_enforce_eager_turns_the_graphs_off(caplog):
     assert "CPU graphs off: enforce_eager=True" in caplog.text
     assert llm.llm_engine.runner.graph_runner is None
     llm.shutdown()
+
+
+def test_the_log_names_why_cpu_graphs_are_off(tiny_ckpt, monkeypatch, caplog):
+    """With the fused C ops switched off the log listed "attention backend torch, dtype torch.float32,
+    quantization None, tensor_parallel_size=1", every one of them a supported value: the cause went unnamed."""
+    import logging
+
+    from minivllm import LLM
+
+    monkeypatch.setenv("MINIVLLM_CPU_FUSED_OPS", "0")
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        LLM(tiny_ckpt, num_kvcache_blocks=16).shutdown()
+    assert "CPU graphs off: the fused C ops are off (MINIVLLM_CPU_FUSED_OPS=0" in caplog.text
+    caplog.clear()
+    monkeypatch.delenv("MINIVLLM_CPU_FUSED_OPS")
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        LLM(tiny_ckpt, num_kvcache_blocks=16, quantization="int8").shutdown()
+    assert "CPU graphs off: quantization 'int8'" in caplog.text

@@ -242,14 +242,23 @@ class LLMEngine:
         if args.enforce_eager:
             logger.info("%s graphs off: enforce_eager=True (every step runs eagerly)", kind)
             return
-        supported = getattr(self.runner.backend, f"supports_{kind.lower()}_graphs", False)
-        if kind == "CPU" and (self.config.dtype != torch.float32 or not self.runner.cpu_fused_ops
-                              or args.quantization is not None):
-            supported = False  # the torch paths (and int8's ops) allocate fresh tensors each call: nothing to replay
-        if args.tensor_parallel_size > 1 or not supported:
-            logger.info("%s graphs off: attention backend %s, dtype %s, quantization %s, tensor_parallel_size=%d",
-                        kind, self.runner.backend.name, self.config.dtype, args.quantization,
-                        args.tensor_parallel_size)
+        # every condition that rules graphs out, named in the log (listing the settings alone left a reader
+        # with fused C ops switched off nothing to see)
+        why = []
+        if not getattr(self.runner.backend, f"supports_{kind.lower()}_graphs", False):
+            why.append(f"attention backend {self.runner.backend.name} has no {kind} graph support")
+        if kind == "CPU":  # the torch paths (and int8's ops) allocate fresh tensors each call: nothing to replay
+            if self.config.dtype != torch.float32:
+                why.append(f"dtype {self.config.dtype} (CPU graphs need float32)")
+            if not self.runner.cpu_fused_ops and self.config.dtype == torch.float32:
+                why.append("torch.compile replaced the fused C ops (compile=True)" if args.compile else
+                           "the fused C ops are off (MINIVLLM_CPU_FUSED_OPS=0, or no C compiler)")
+            if args.quantization is not None:
+                why.append(f"quantization {args.quantization!r}")
+        if args.tensor_parallel_size > 1:
+            why.append(f"tensor_parallel_size={args.tensor_parallel_size}")
+        if why:
+            logger.info("%s graphs off: %s", kind, "; ".join(why))
             return
         self.runner.enable_cuda_graphs(args.max_num_seqs, self.config.max_model_len)
 
