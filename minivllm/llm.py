@@ -194,8 +194,7 @@ class LLM:
             with heap_frozen():  # asks once per call whether the caller froze the heap itself
                 while pending:
                     while not inbox:
-                        self._step()
-                        if not inbox:
+                        if not self._step():  # an empty step: are this call's outputs still to come?
                             self._require_deliverable(pending, inbox)
                     out = inbox.popleft()
                     if out.finished:
@@ -205,8 +204,8 @@ class LLM:
             self._abort(pending)  # on an exception (e.g. KeyboardInterrupt) or an early close
 
     def _require_deliverable(self, pending: set, inbox: deque) -> None:
-        """Raise if none of ``pending`` can still deliver an output: each step would then schedule
-        nothing and the caller would loop forever. That happens when a step's delivery was lost to
+        """After a step that scheduled nothing: raise if none of ``pending`` can still deliver an
+        output, for each step would then schedule nothing and the caller would loop forever. That happens when a step's delivery was lost to
         an interrupt after the step committed (``LLMEngine.step``'s documented window), for a
         request another caller stepped to its end.
 
@@ -223,13 +222,17 @@ class LLM:
                            f"interrupted while it handed them over, after it had committed); the engine itself is "
                            f"consistent: submit them again")
 
-    def _step(self) -> None:
-        """One engine step; a step that schedules nothing while requests wait would repeat
-        forever, so it is an error (the engine's sizing checks should make it impossible)."""
+    def _step(self) -> bool:
+        """One engine step; returns whether it scheduled anything. A step that schedules nothing
+        while requests wait would repeat forever, so it is an error (the engine's sizing checks
+        should make it impossible)."""
         result = self.engine.step_with_record()
-        if result.record.num_seqs == 0 and self.engine.has_unfinished_requests():
-            raise RuntimeError("the scheduler made no progress with requests waiting "
-                               f"({self.engine.get_num_unfinished_requests()} unfinished); this is a bug")
+        if result.record.num_seqs == 0:
+            if self.engine.has_unfinished_requests():
+                raise RuntimeError("the scheduler made no progress with requests waiting "
+                                   f"({self.engine.get_num_unfinished_requests()} unfinished); this is a bug")
+            return False
+        return True
 
     def _samples(self, request_ids) -> int:
         """How many samples ``request_ids`` ask for: ``SamplingParams.n`` each (a parent request of

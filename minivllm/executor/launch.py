@@ -125,11 +125,11 @@ def external_launch(init_method: str | None, tp_size: int) -> bool:
     ``torchrun``'s environment (``WORLD_SIZE`` > 1).
 
     Raises:
-        ValueError: ``WORLD_SIZE`` disagrees with ``tensor_parallel_size`` or is not a number, a bad
-            ``init_method`` or ``$MINIVLLM_TP_TIMEOUT`` (checked here, before any worker starts).
+        ValueError: ``WORLD_SIZE`` disagrees with ``tensor_parallel_size`` or is not a number, or a
+            bad ``$MINIVLLM_TP_TIMEOUT`` (checked here, before any worker starts; ``init_method`` was
+            checked by ``EngineArgs``).
     """
-    check_init_method(init_method)
-    model_timeout()  # a bad $MINIVLLM_TP_TIMEOUT named before any worker starts
+    model_timeout()  # a bad $MINIVLLM_TP_TIMEOUT named before any worker starts (EngineArgs checked init_method)
     world = _env_int("WORLD_SIZE")
     if world is not None and world > 1:
         if world != tp_size:
