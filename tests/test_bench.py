@@ -292,6 +292,17 @@ def test_sweep_rejects_an_unknown_output_kind_before_building_an_engine(monkeypa
         run_sweep("minivllm-tiny", output_kind="streaming")
 
 
+def test_sweep_refuses_steps_past_max_model_len_before_measuring_peaks(tiny_ckpt, monkeypatch):
+    # `bench --sweep --decode-steps 3000` measured the peaks, then failed naming only "steps"
+    import minivllm.bench.sweep as sweep
+
+    monkeypatch.setattr(sweep, "cost_and_peaks", lambda *a, **k: pytest.fail("measured the peaks"))
+    with pytest.raises(ValueError, match=r"context_len=8 \+ warmup_steps=1 \+ decode_steps=3000 \+ 3 = 3012 tokens: "
+                                         r"more than max_model_len="):
+        run_sweep(str(tiny_ckpt), batch_sizes=[1], prompt_lens=[8], context_len=8, decode_steps=3000,
+                  warmup_steps=1, repeats=1, log=_quiet, peak_kwargs=PEAKS)
+
+
 def test_sweep_with_cumulative_outputs_returns_them_every_step(tiny_ckpt, monkeypatch):
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sampling_params import OutputKind

@@ -106,6 +106,11 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
     try:
         engine = llm.llm_engine
         cfg = engine.source.hf_config
+        max_len = engine.config.max_model_len
+        need_len = context_len + warmup_steps + decode_steps + 3  # before the peaks: a refused sweep measures nothing
+        if need_len > max_len:
+            raise ValueError(f"context_len={context_len} + warmup_steps={warmup_steps} + decode_steps={decode_steps} "
+                             f"+ 3 = {need_len} tokens: more than max_model_len={max_len}")
         cost, peaks = cost_and_peaks(engine, log, peak_kwargs)
         high = min(cfg.vocab_size, 10000) - 1
 
@@ -124,7 +129,6 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                     "mfu": flops / (ms / 1e3) / peaks.flops_per_s, "mbu": nbytes / (ms / 1e3) / peaks.mbu_bytes_per_s,
                     "model_ms": statistics.median(r.model_ms for r in records), "num_steps": len(records)}
 
-        max_len = engine.config.max_model_len
         # warm-up
         engine.add_request("sweep-warm", prompt(16), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                            output_kind=output_kind)
@@ -139,8 +143,6 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         log(f"  {'batch':>5} {'step ms':>9} {'ms/seq':>8} {'GFLOP/s':>9} {'GB/s':>8} {'MFU':>6} {'MBU':>6} "
             f"{'/matmuls':>10}")
         for b in batch_sizes:
-            if context_len + warmup_steps + decode_steps + 3 > max_len:
-                raise ValueError(f"context_len={context_len} + steps does not fit max_model_len={max_len}")
             tag = next_tag()
             for i in range(b):
                 engine.add_request(f"sweep{tag}-{i}", prompt(context_len),
