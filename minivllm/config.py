@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import logging
 import numbers
+import os
 from dataclasses import dataclass
 
 import torch
@@ -191,6 +192,10 @@ class EngineArgs:
             value = getattr(self, f.name)
             if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
                 setattr(self, f.name, int(value))
+        for name in ("model", "tokenizer"):  # Path(5) would fail later with a TypeError naming neither
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"{name}={value!r}: must be a model name, a directory path or None")
         positive = ["max_num_seqs", "tensor_parallel_size"]
         optional_positive = ["max_num_batched_tokens", "max_model_len", "block_size",
                              "num_kvcache_blocks", "kv_cache_memory_bytes"]
@@ -230,8 +235,9 @@ class EngineArgs:
             raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: choose one of {list(modes)}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs!r}: must be an int >= 0, or -1 (no cap)")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, numbers.Real) or not 0 < gmu <= 1:
+            raise ValueError(f"gpu_memory_utilization={gmu!r}: must be a number in (0, 1]")
         from minivllm.quantization.layer import check_quantization
 
         check_quantization(self.quantization)
@@ -244,6 +250,9 @@ class EngineArgs:
         if self.init_method is not None and self.tensor_parallel_size == 1:
             raise ValueError(f"init_method={self.init_method!r}: only tensor parallelism (tensor_parallel_size > 1) "
                              "joins a process group; with one process it would be ignored")
+        if not isinstance(self.kv_cache_dtype, str):  # a list is unhashable; a torch.dtype is not vLLM's spelling
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {list(KV_CACHE_DTYPES)} "
+                             "(vLLM's names, as strings)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {list(KV_CACHE_DTYPES)} "
                              "(minivllm has no fp8 KV cache)")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from helpers_engine import make_llm
 from minivllm import EngineArgs, SamplingParams
@@ -165,11 +167,21 @@ def test_engine_arguments_are_checked_when_given():
                       ({"enable_chunked_prefill": 1}, "enable_chunked_prefill=1"),
                       ({"compile": "no"}, "compile='no'"), ({"seed": "x"}, "seed='x': must be an int or None"),
                       ({"seed": True}, "seed=True"), ({"dtype": "bogus"}, "dtype='bogus': choose 'auto'"),
-                      ({"device": "tpu"}, "device='tpu'"), ({"attention_backend": "nope"}, "attention_backend='nope'")):
+                      ({"device": "tpu"}, "device='tpu'"), ({"attention_backend": "nope"}, "attention_backend='nope'"),
+                      # these three raised TypeErrors naming no argument (a comparison with a str, an unhashable
+                      # list, Path(5) in the model's loader)
+                      ({"gpu_memory_utilization": "0.5"}, r"gpu_memory_utilization='0.5': must be a number in \(0, 1\]"),
+                      ({"gpu_memory_utilization": None}, "gpu_memory_utilization=None"),
+                      ({"gpu_memory_utilization": True}, "gpu_memory_utilization=True"),
+                      ({"kv_cache_dtype": ["auto"]}, r"kv_cache_dtype=\['auto'\]: choose one of"),
+                      ({"kv_cache_dtype": torch.bfloat16}, r"kv_cache_dtype=torch.bfloat16: .*as strings"),
+                      ({"tokenizer": 5}, "tokenizer=5: must be a model name, a directory path or None"),
+                      ({"model": 5}, "model=5: must be a model name")):
         with pytest.raises(ValueError, match=match):
             EngineArgs(**kw)
     for kw in ({"dtype": "bf16"}, {"dtype": "float32"}, {"device": "cuda:1"}, {"device": "cpu"},
-               {"attention_backend": "flash_attn"}, {"seed": None}, {"compile": None}):
+               {"attention_backend": "flash_attn"}, {"seed": None}, {"compile": None},
+               {"gpu_memory_utilization": 1}, {"model": Path("some/dir")}, {"tokenizer": Path("some/dir")}):
         EngineArgs(**kw)  # valid names; whether CUDA or flash-attn is there is the engine's question
     with pytest.raises(ValueError, match="ignore_eos='no': must be True or False"):
         SamplingParams(ignore_eos="no")  # it meant 'ignore eos'
