@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import numbers
 from collections import deque
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence as Seq
 
 from minivllm.chat import text_messages
@@ -356,7 +357,9 @@ class LLM:
             TypeError: a keyword argument ``LLM.chat`` does not take (a template variable goes in
                 ``chat_template_kwargs``), as vLLM's fixed signature refuses it.
             ValueError: no chat template (neither given nor the tokenizer's), both
-                ``add_generation_prompt`` and ``continue_final_message``, a malformed message or
+                ``add_generation_prompt`` and ``continue_final_message``, either of them not a bool,
+                ``messages`` not a list or tuple (a lone message dict included), ``chat_template`` not a
+                string, ``chat_template_kwargs`` not a dict, a malformed message or
                 a non-text content part (naming it), a content format other than "auto" or
                 "string", ``chat_template_kwargs`` naming ``chat_template`` or ``tokenize`` (as vLLM),
                 ``mm_processor_kwargs``, or a bad prompt.
@@ -370,9 +373,16 @@ class LLM:
         if mm_processor_kwargs is not None:
             raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: minivllm takes no multimodal inputs "
                              "(README, 'Coming from vLLM or nano-vllm')")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError(f"chat_template_kwargs={chat_template_kwargs!r}: must be a dict of template variables")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template={chat_template!r}: must be a Jinja template string")
         variables = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                      "tools": tools}
         variables.update(chat_template_kwargs or {})  # vLLM's order: the dict's values win
+        for flag in ("add_generation_prompt", "continue_final_message"):  # "no" would open the assistant turn
+            if not isinstance(variables[flag], bool):
+                raise ValueError(f"{flag}={variables[flag]!r}: must be True or False")
         misplaced = sorted({"chat_template", "tokenize"} & variables.keys())
         if misplaced:
             raise ValueError(f"chat_template_kwargs names {misplaced}: give chat_template as LLM.chat's own argument "
@@ -386,10 +396,13 @@ class LLM:
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt=True and continue_final_message=True: choose one "
                              "(set add_generation_prompt=False to continue the final message)")
-        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
-            conversations = [messages]
-        else:
-            conversations = list(messages)
+        if isinstance(messages, Mapping):  # iterated, a lone message would give its keys as conversations
+            raise ValueError(f"messages={messages!r}: one message on its own; pass a list of messages (a "
+                             "conversation) or a list of conversations")
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages={messages!r}: must be a list of messages (a conversation) or a list of "
+                             "conversations")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         prompts = [tok.apply_chat_template(text_messages(conv, i), tokenize=False, chat_template=chat_template,
                                            **variables)
                    for i, conv in enumerate(conversations)]

@@ -424,6 +424,26 @@ def test_chat_takes_openai_text_parts_and_none_content(text_llm):
     assert not text_llm.llm_engine.has_unfinished_requests()
 
 
+def test_chat_names_a_malformed_argument(text_llm):
+    """A lone message dict was iterated into its keys ("conversation 0: ... got str"), chat(5) raised
+    "'int' object is not iterable", a list for chat_template_kwargs dict()'s "update sequence" error,
+    a non-str chat_template Jinja's "Can't compile non template nodes", and add_generation_prompt="no"
+    opened the assistant turn (a truthy string)."""
+    conv = [{"role": "user", "content": "Hi"}]
+    for kw, match in ((dict(messages=conv[0]), r"messages=\{'role': 'user', 'content': 'Hi'\}: one message on its own"),
+                      (dict(messages=5), "messages=5: must be a list of messages"),
+                      (dict(messages="Hi"), "messages='Hi': must be a list of messages"),
+                      (dict(messages=conv, chat_template_kwargs=["x"]), r"chat_template_kwargs=\['x'\]: must be a dict"),
+                      (dict(messages=conv, chat_template=5), "chat_template=5: must be a Jinja template string"),
+                      (dict(messages=conv, add_generation_prompt="no"), "add_generation_prompt='no': must be True or False"),
+                      (dict(messages=conv, chat_template_kwargs={"continue_final_message": "yes"}),
+                       "continue_final_message='yes'")):
+        with pytest.raises(ValueError, match=match):
+            text_llm.chat(sampling_params=greedy(1), use_tqdm=False, **kw)
+    assert not text_llm.llm_engine.has_unfinished_requests()
+    assert len(text_llm.chat((conv,), greedy(1), chat_template=STRING_ONLY, use_tqdm=False)) == 1  # a tuple of them
+
+
 TOOL_ARGS = ("{% for m in messages %}<{{ m.role }}>{% for c in m.tool_calls or [] %}"
              "{{ c.function.name }}({% if c.function.arguments is mapping %}{% for k, v in c.function.arguments | items %}"
              "{{ k }}={{ v }}{% endfor %}{% else %}?{% endif %})"
