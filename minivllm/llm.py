@@ -21,18 +21,25 @@ from minivllm.utils.gc_heap import heap_frozen
 def _as_prompt_list(prompts) -> list:
     """One prompt (str, list[int], dict) or a list of them -> a list of prompts.
 
-    A flat list holding any number is one prompt of token ids, so every element must
+    A flat list that starts with a number is one prompt of token ids, so every element must
     then be an integer (``int`` or a numpy integer): ``[5, 2.0, 7]`` is a malformed prompt, not
-    three prompts.
+    three prompts; one that starts with a prompt and holds a number is a list of prompts with a
+    stray number.
 
     Raises:
-        ValueError: a non-int in a token-id prompt (naming the element and its index),
-            or ``prompts`` of another type.
+        ValueError: a non-int in a token-id prompt (naming the element and its index), a
+            list that starts with a prompt (str, dict, list) and holds a bare number (naming it), or
+            ``prompts`` of another type.
     """
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         if any(isinstance(t, numbers.Number) for t in prompts):  # bool is a Number too
+            if isinstance(prompts[0], (str, dict, list, tuple)):  # ["hello", 5]: the number is the odd one out
+                i = next(i for i, t in enumerate(prompts) if isinstance(t, numbers.Number))
+                raise ValueError(f"prompts mix prompts (element 0: {type(prompts[0]).__name__}) with a bare "
+                                 f"number (element {i}: {prompts[i]!r}); a token-id prompt is one list of ints, "
+                                 "e.g. [[5, 7]] or {'prompt_token_ids': [5, 7]}")
             for i, t in enumerate(prompts):
                 if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                     raise ValueError(f"prompt token ids: element {i} is {t!r} ({type(t).__name__}), "

@@ -210,6 +210,11 @@ def test_integer_scalars_are_token_ids_and_other_values_are_named(tiny_ckpt):
     assert out.outputs[0].token_ids == want and all(type(t) is int for t in out.prompt_token_ids)
     with pytest.raises(ValueError, match=r"element 1 is np.float32\(2.0\) \(float32\), not an int token id"):
         llm.generate([ids[0], np.float32(2)], greedy(2), use_tqdm=False)
+    # a list of prompts with a stray number blamed the valid prompt ("element 0 is 'hello' (str)")
+    with pytest.raises(ValueError, match=r"prompts mix prompts \(element 0: str\) with a bare number \(element 1: 5\)"):
+        llm.generate(["hello", 5], greedy(2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"element 0: list\) with a bare number \(element 2: 7\)"):
+        llm.generate([[5, 6], "x", 7], greedy(2), use_tqdm=False)
     assert_still_serving(llm)
 
 
