@@ -292,6 +292,29 @@ def test_a_refused_measurement_leaves_the_prefix_cache_alone(llm):
     assert engine.requests[rid].seq.num_cached_tokens == 48
 
 
+def test_measurements_take_every_length_that_fits_and_name_a_bad_one(llm):
+    """measure_step_latency refused a prompt that fits (59 + 4 + 1 = 64 tokens in max_model_len=64:
+    its check was off by one) without naming decode_steps, and measure_request_latency with batch=0
+    failed inside statistics.fmean."""
+    from widgets.measure import measure_request_latency, measure_step_latency
+
+    mml = llm.llm_engine.config.max_model_len
+    rows = measure_step_latency(llm, prompt_lens=(mml - 5,), decode_steps=4, repeats=1, roofline=False)
+    assert {r["phase"] for r in rows} >= {"prefill", "decode"} and rows[-1]["context_len"] == mml - 1
+    with pytest.raises(ValueError, match=rf"prompt length {mml - 4} \+ decode_steps=4 \+ 1 .* max_model_len={mml}"):
+        measure_step_latency(llm, prompt_lens=(8, mml - 4), decode_steps=4, repeats=1)
+    for bad, match in (((0,), "prompt length 0"), ((8.0,), "prompt length 8.0")):
+        with pytest.raises(ValueError, match=match):
+            measure_step_latency(llm, prompt_lens=bad)
+    with pytest.raises(ValueError, match="decode_steps=-1"):
+        measure_step_latency(llm, prompt_lens=(8,), decode_steps=-1)
+    for args, match in (((8, 4, 0), "batch=0"), ((8, 0, 1), "max_tokens=0"), ((0, 4, 1), "prompt_len=0"),
+                        ((mml, 1, 1), f"prompt_len={mml} \\+ max_tokens=1: more than max_model_len")):
+        with pytest.raises(ValueError, match=match):
+            measure_request_latency(llm, *args)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def _greedy(n):
     from minivllm import SamplingParams
 

@@ -110,18 +110,26 @@ def measure_step_latency(llm, prompt_lens=(16, 32, 64, 128), decode_steps: int =
     (one row per chunk).
 
     Raises:
-        ValueError: the engine has unfinished requests (it must be idle), or a prompt length
-            leaves no room for ``decode_steps + 1`` tokens within ``max_model_len`` (naming it).
+        ValueError: the engine has unfinished requests (it must be idle), ``decode_steps`` below 0,
+            or a prompt length below 1 or leaving no room for ``decode_steps + 1`` tokens within
+            ``max_model_len`` (naming it), before anything runs.
     """
     engine = engine_of(llm)
     _require_idle(engine)
+    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
+        raise ValueError(f"decode_steps={decode_steps!r}: must be an int >= 0")
+    max_len = engine.config.max_model_len
+    for n in prompt_lens:  # all before the first measurement: a refused call changes nothing
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"prompt length {n!r} must be a positive int")
+        if n + decode_steps + 1 > max_len:
+            raise ValueError(f"prompt length {n} + decode_steps={decode_steps} + 1 output tokens = "
+                             f"{n + decode_steps + 1}: more than max_model_len={max_len}")
     rng = random.Random(seed)
     warm_up(llm, seed)
     rows = []
     for rep in range(repeats):
         for n in prompt_lens:
-            if n >= engine.config.max_model_len - decode_steps - 1:
-                raise ValueError(f"prompt length {n} does not fit max_model_len={engine.config.max_model_len}")
             engine.reset_prefix_cache()
             _, records = run_requests(llm, [random_prompt(engine, n, rng)], decode_steps + 1)
             for r in records:
@@ -180,10 +188,18 @@ def measure_request_latency(llm, prompt_len: int, max_tokens: int, batch: int, s
     is not in the figures.
 
     Raises:
-        ValueError: the engine has unfinished requests (nothing is changed), or a bad length.
+        ValueError: the engine has unfinished requests, ``prompt_len``, ``max_tokens`` or ``batch``
+            not a positive int, or ``prompt_len + max_tokens`` above ``max_model_len`` (nothing is
+            changed).
     """
     engine = engine_of(llm)
     _require_idle(engine)  # before the reset below: a refused measurement changes nothing
+    for name, value in (("prompt_len", prompt_len), ("max_tokens", max_tokens), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a positive int")
+    if prompt_len + max_tokens > engine.config.max_model_len:
+        raise ValueError(f"prompt_len={prompt_len} + max_tokens={max_tokens}: more than "
+                         f"max_model_len={engine.config.max_model_len}")
     rng = random.Random(seed * 1_000_003 + prompt_len * 1009 + max_tokens * 31 + batch)
     if warm:
         run_requests(llm, [random_prompt(engine, 8, random.Random(seed)) for _ in range(batch)], 2)
