@@ -79,6 +79,18 @@ def test_a_zero_size_is_refused_not_replaced_by_the_default(size):
         measure_peaks("cpu", "float32", **{**TINY, size: 0})
 
 
+def test_measure_peaks_names_an_argument_of_the_wrong_type():
+    """repeats="2" raised "'<' not supported", matmul_size=2.5 a torch randn TypeError, and dtype=5 reached
+    .to(5) as a CUDA device index ("Cannot access accelerator device")."""
+    import numpy as np
+
+    for kw, match in ((dict(repeats="2"), "repeats='2': must be an int"), (dict(matmul_size=2.5), "matmul_size=2.5"),
+                      (dict(read_bytes=True), "read_bytes=True"), (dict(dtype=5), "unknown dtype 5")):
+        with pytest.raises(ValueError, match=match):
+            measure_peaks("cpu", **{"dtype": "float32", **TINY, **kw})
+    assert measure_peaks("cpu", "float32", **{**TINY, "repeats": np.int64(1)}).flops_per_s > 0
+
+
 def test_peaks_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
     first = get_peaks("cpu", "float32", **TINY)

@@ -28,6 +28,7 @@ Timing: ``time.perf_counter`` on CPU; CUDA events around the work, after a
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import platform
 import time
@@ -113,6 +114,8 @@ def _resolve(device: Any, dtype: Any):
         if not isinstance(dt, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
         dtype = dt
+    if not isinstance(dtype, torch.dtype):  # an int would reach .to() as a device index
+        raise ValueError(f"unknown dtype {dtype!r}: give a torch.dtype or its name")
     return dev, dtype
 
 
@@ -168,11 +171,16 @@ def measure_peaks(
         repeats: timed runs per measurement; the best one counts.
 
     Raises:
-        ValueError: unknown dtype, ``repeats < 1`` or a non-positive size.
+        ValueError: unknown dtype, ``repeats`` or a size not an int, ``repeats < 1`` or a
+            non-positive size.
     """
     import torch
 
     dev, dt = _resolve(device, dtype)
+    for name, value in (("repeats", repeats), ("matmul_size", matmul_size), ("copy_bytes", copy_bytes),
+                        ("read_bytes", read_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ValueError(f"{name}={value!r}: must be an int")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats!r}")
     cuda = dev.type == "cuda"
