@@ -31,6 +31,10 @@ def test_bad_input_names_the_value():
         check_prediction("fast", 1.0)
     with pytest.raises(ValueError, match="-0.1"):
         check_prediction(1.0, 1.0, rel_tol=-0.1)
+    # "a" raised "'<' not supported", and NaN was taken (printed as "tolerance nan%")
+    for bad in ("a", float("nan"), None):
+        with pytest.raises(ValueError, match=f"rel_tol must be a number >= 0, got {bad!r}"):
+            check_prediction(1.0, 1.0, rel_tol=bad)
 
 
 def test_claim_that_fails_does_not_raise(capsys):

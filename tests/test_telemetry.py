@@ -57,6 +57,9 @@ def test_sampler_rejects_bad_args():
         UtilisationSampler(period_s=0)
     with pytest.raises(ValueError, match="device"):
         UtilisationSampler(device="tpu")
+    for bad in ("cudafoo", "cuda:x", "cuda:"):  # "cudafoo" was taken: only startswith("cuda") was checked
+        with pytest.raises(ValueError, match=f"got {bad!r}"):
+            UtilisationSampler(device=bad)
 
 
 def test_measure_peaks_tiny():

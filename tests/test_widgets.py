@@ -482,6 +482,12 @@ def test_quiz_explains_wrong_answers():
         Question("x", ["a", "b"], 5, ["", ""])
     with pytest.raises(ValueError, match="explanations"):
         Question("x", ["a", "b"], 0, [""])
+    # a str index raised "'<=' not supported", a question index past the end a bare IndexError
+    with pytest.raises(ValueError, match="correct='1' is not a choice index"):
+        Question("x", ["a", "b"], "1", ["", ""])
+    for bad in (2, -1, "0"):
+        with pytest.raises(ValueError, match=f"i={bad!r} is not a question index"):
+            q.check(bad, 0)
 
 
 # -- static snapshots ---------------------------------------------------------------------------

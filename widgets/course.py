@@ -17,6 +17,7 @@ negative tolerance), never for what the machine measured.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 __all__ = ["PredictionCheck", "ClaimCheck", "check_prediction", "check_claim", "render"]
@@ -66,10 +67,10 @@ def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str =
 
     Raises:
         TypeError: ``measured`` (or a given ``prediction``) is not a number.
-        ValueError: ``rel_tol`` is negative, or ``measured`` is NaN.
+        ValueError: ``rel_tol`` is not a number >= 0 (NaN included), or ``measured`` is NaN.
     """
-    if rel_tol < 0:
-        raise ValueError(f"rel_tol must be >= 0, got {rel_tol}")
+    if isinstance(rel_tol, bool) or not isinstance(rel_tol, numbers.Real) or not rel_tol >= 0:  # NaN fails >= too
+        raise ValueError(f"rel_tol must be a number >= 0, got {rel_tol!r}")
     m = _number("measured", measured)
     u = f" {unit}" if unit else ""
     if prediction is None:

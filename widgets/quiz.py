@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+import numbers
 from dataclasses import dataclass
 
 import ipywidgets as W
@@ -32,8 +33,9 @@ class Question:
         if len(self.explanations) != len(self.choices):
             raise ValueError(f"question {self.prompt[:40]!r}: {len(self.explanations)} explanations for "
                              f"{len(self.choices)} choices")
-        if not 0 <= self.correct < len(self.choices):
-            raise ValueError(f"question {self.prompt[:40]!r}: correct={self.correct} is not a choice index")
+        c = self.correct
+        if isinstance(c, bool) or not isinstance(c, numbers.Integral) or not 0 <= c < len(self.choices):
+            raise ValueError(f"question {self.prompt[:40]!r}: correct={self.correct!r} is not a choice index")
 
 
 class Quiz(CourseWidget):
@@ -72,7 +74,12 @@ class Quiz(CourseWidget):
 
     def check(self, i: int, choice: int | None = None) -> bool | None:
         """Check question ``i`` (with ``choice``, or the selected radio); returns right/wrong,
-        or None when nothing is selected."""
+        or None when nothing is selected.
+
+        Raises:
+            ValueError: ``i`` not a question index, or ``choice`` not an answer index of it."""
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < len(self.questions):
+            raise ValueError(f"i={i!r} is not a question index (this quiz has {len(self.questions)})")
         q = self.questions[i]
         if choice is not None:
             if not 0 <= choice < len(q.choices):

@@ -24,6 +24,7 @@ compute and bandwidth use come from the roofline (``minivllm.telemetry.roofline`
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -128,7 +129,7 @@ class UtilisationSampler:
             except ImportError:
                 return "cpu"
         s = str(device)
-        if s != "cpu" and not s.startswith("cuda"):
+        if s not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", s):  # "cudafoo" is no device
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
         return s
 
