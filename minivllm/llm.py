@@ -428,9 +428,10 @@ class LLM:
         """Stop the trace and write it; returns its path (``LLMEngine.stop_profile``)."""
         return self.engine.stop_profile()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``); returns True."""
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``); returns True. The
+        flags are vLLM's; see ``LLMEngine.reset_prefix_cache`` for why neither changes anything here."""
+        return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def shutdown(self) -> None:
         """Free the engine (KV cache, model). Safe to call twice."""

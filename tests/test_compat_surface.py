@@ -565,6 +565,26 @@ def test_max_tokens_capped_by_max_model_len_warns_once_per_engine(tiny_ckpt, cap
     llm.shutdown()
 
 
+def test_reset_prefix_cache_takes_vllms_flags_mid_run(llm):
+    """vLLM's examples/offline_inference/llm_engine_reset_kv.py calls
+    engine.reset_prefix_cache(reset_running_requests=True) between steps: a TypeError here."""
+    engine, prompt = llm.llm_engine, list(range(3, 40))
+    want = llm.generate([prompt], greedy(12), use_tqdm=False)[0].outputs[0].token_ids  # its blocks now cached
+    engine.add_request("r", prompt, greedy(12))
+    for _ in range(3):
+        engine.step()
+    assert engine.reset_prefix_cache(reset_running_requests=True) is True
+    assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False) is True
+    engine.check_invariants()
+    out = []
+    while engine.has_unfinished_requests():
+        out += engine.step()
+    assert out[-1].finished and out[-1].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="reset_running_requests='yes': must be True or False"):
+        llm.reset_prefix_cache("yes")
+    engine.check_invariants()
+
+
 def test_small_vllm_conveniences(llm):
     engine = llm.llm_engine
     assert engine.get_tokenizer() is llm.tokenizer

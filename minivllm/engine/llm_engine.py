@@ -732,8 +732,20 @@ class LLMEngine:
                 is then lost)."""
         return self.profiler.stop()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all prefix-cache hashes. Returns True (blocks in use keep their KV)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget all prefix-cache hashes. Returns True.
+
+        vLLM's signature. Here the reset never waits for running requests: their blocks keep
+        their KV (and stay theirs) and only lose their hashes, so ``reset_running_requests``
+        changes nothing (vLLM without it returns False while requests hold KV; with it, it
+        preempts them to recompute). ``reset_connector``: minivllm has no KV connector.
+
+        Raises:
+            ValueError: either flag not a bool.
+        """
+        for name, flag in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r}: must be True or False")
         with self._lock:  # not in the middle of another thread's step
             self.block_manager.reset_prefix_cache()
         return True
