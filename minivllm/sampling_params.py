@@ -387,6 +387,26 @@ class BeamSearchParams:
         raise NotImplementedError(f"BeamSearchParams: {NO_BEAM_SEARCH}")
 
 
+class StructuredOutputsParams:
+    """vLLM's ``StructuredOutputsParams`` (``GuidedDecodingParams`` in older vLLM), importable so
+    a vLLM script's import line works; building one raises, naming the feature.
+
+    Raises:
+        NotImplementedError: always (minivllm has no structured outputs).
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__}: {NO_STRUCTURED_OUTPUTS}")
+
+
+class GuidedDecodingParams(StructuredOutputsParams):
+    """Older vLLM's name for :class:`StructuredOutputsParams`; building one raises the same way."""
+
+
+NO_STRUCTURED_OUTPUTS = ("minivllm has no structured outputs (decoding constrained to a JSON schema, regex, grammar or "
+                         "choice; a vLLM feature: README, 'Coming from vLLM or nano-vllm'). Nearest alternatives: "
+                         "allowed_token_ids or logit_bias for a fixed set of tokens, or stop strings")
+
 #: What ``LLM.beam_search`` and ``BeamSearchParams`` say.
 NO_BEAM_SEARCH = ("minivllm has no beam search (a vLLM feature; README, 'Coming from vLLM or nano-vllm'). Nearest "
                   "alternatives: greedy decoding (temperature=0), or SamplingParams(n=k, temperature>0, logprobs=0) "

@@ -112,6 +112,15 @@ def test_vllm_import_lines_resolve_and_request_ids_are_strings(llm):
     assert FromArgUtils is EngineArgs
     with pytest.raises(NotImplementedError, match="BeamSearchParams: minivllm has no beam search"):
         BeamSearchParams(beam_width=4, max_tokens=8)
+    # vLLM's structured-outputs and LoRA examples failed at their import lines, before any refusal
+    from minivllm.lora.request import LoRARequest
+    from minivllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+    for cls in (StructuredOutputsParams, GuidedDecodingParams):
+        with pytest.raises(NotImplementedError, match=f"{cls.__name__}: minivllm has no structured outputs"):
+            cls(json={"type": "object"})
+    with pytest.raises(NotImplementedError, match="LoRARequest: minivllm does not serve LoRA adapters"):
+        LoRARequest("sql", 1, "/adapters/sql")
     engine = llm.llm_engine
     for bad in (None, ["a"], True):
         with pytest.raises(TypeError, match=re.escape(f"request_id={bad!r}")):
