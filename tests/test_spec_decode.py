@@ -68,6 +68,18 @@ def test_bad_speculative_config_is_refused_naming_it(tiny_ckpt, bad, match):
         make_llm(tiny_ckpt, speculative_config=bad)
 
 
+def test_a_config_without_a_method_gets_vllms_inferred_one():
+    """{"model": ..., "num_speculative_tokens": k} (older vLLM configs) was refused as method=None; vLLM
+    infers "ngram" from model="ngram" / "[ngram]" and "draft_model" from any other model."""
+    draft = SpeculativeConfig.from_dict({"model": "minivllm-tiny-draft", "num_speculative_tokens": 2})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "minivllm-tiny-draft", 2)
+    for spelled in ({"model": "ngram"}, {"model": "[ngram]"}, {"method": "[ngram]"}, {"method": "ngram", "model": "ngram"}):
+        cfg = SpeculativeConfig.from_dict({**spelled, "num_speculative_tokens": 3})
+        assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("ngram", None, 3), spelled
+    with pytest.raises(ValueError, match="method=None"):  # neither: nothing to infer from
+        SpeculativeConfig.from_dict({"num_speculative_tokens": 2})
+
+
 @pytest.mark.parametrize("engine_args", [
     {},
     {"max_num_batched_tokens": 12, "num_kvcache_blocks": 20, "max_num_seqs": 3},  # chunks, preemption

@@ -32,17 +32,25 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
-        """Raises ``ValueError`` naming the offending key or value."""
+        """The config from vLLM's dict. Without a ``method``, vLLM's rule picks it from ``model``:
+        ``"ngram"`` (or ``"[ngram]"``) means "ngram", any other model "draft_model".
+
+        Raises ``ValueError`` naming the offending key or value."""
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config={config!r}: expected a dict such as "
                              "{'method': 'ngram', 'num_speculative_tokens': 4}")
         unknown = sorted(set(config) - _KEYS)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(_KEYS)}")
-        method = config.get("method")
+        method, model = config.get("method"), config.get("model")
+        if method is None and model is not None:  # vLLM's inference: older configs name only the model
+            method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+        if method == "[ngram]":
+            method = "ngram"
+        if method == "ngram" and model in ("ngram", "[ngram]"):
+            model = None  # the method's own name in the model slot, as vLLM takes it
         if method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config method={method!r}: choose 'ngram' or 'draft_model'")
-        model = config.get("model")
         if method == "draft_model" and (not isinstance(model, str) or not model):
             raise ValueError(f"speculative_config model={model!r}: method 'draft_model' needs the draft "
                              "checkpoint, e.g. 'minivllm-tiny-draft' or a local directory")
