@@ -13,11 +13,17 @@ from dataclasses import dataclass, field
 
 class OutputKind(enum.Enum):
     """What ``LLMEngine.step()`` returns for a request (vLLM's ``RequestOutputKind``, also importable
-    under that name)."""
+    under that name; vLLM's integer values 0, 1, 2 name the same three)."""
 
     CUMULATIVE = "cumulative"  # every step: all text and tokens so far
     DELTA = "delta"            # every step: only what is new (LLM.stream)
     FINAL_ONLY = "final_only"  # once, when finished (LLM.generate): no per-step work
+
+    @classmethod
+    def _missing_(cls, value):  # vLLM's values are the ints 0, 1, 2 (a script may store or pass those)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 3:
+            return list(cls)[value]
+        return None
 
 
 RequestOutputKind = OutputKind
@@ -338,6 +344,21 @@ class SamplingParams:
             for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0)):
                 object.__setattr__(self, name, off)
 
+    @staticmethod
+    def from_optional(**kwargs) -> "SamplingParams":
+        """vLLM's ``SamplingParams.from_optional``: as the constructor, but None for ``n``,
+        ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``temperature`` or
+        ``top_p`` means that argument's default (what an OpenAI-style request leaves unset);
+        None elsewhere keeps its meaning (``max_tokens=None``: up to ``max_model_len``).
+
+        Raises:
+            ValueError / TypeError: as the constructor.
+        """
+        for name in _NONE_MEANS_DEFAULT:
+            if name in kwargs and kwargs[name] is None:
+                del kwargs[name]
+        return SamplingParams(**kwargs)
+
     def clone(self) -> "SamplingParams":
         """An independent copy (vLLM's ``SamplingParams.clone``): its lists and dicts are copied
         too; their items (ints, floats, strings) are immutable, so nothing deeper is (a deep copy
@@ -371,6 +392,9 @@ class SamplingParams:
         """Longest stop string, in characters (text held back while streaming)."""
         return max((len(s) for s in self.stop_strings), default=0)
 
+
+#: ``from_optional``'s arguments whose None is the default (vLLM's list)
+_NONE_MEANS_DEFAULT = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p")
 
 _PUBLIC_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 

@@ -285,3 +285,21 @@ def test_logprob_refusals_name_what_limits_them(llm, tiny_ckpt):
         unlimited.shutdown()
     with pytest.raises(ValueError, match=r"tokenization_kwargs=\[1\]: must be a dict"):
         llm.chat(USER, SamplingParams(max_tokens=1), use_tqdm=False, tokenization_kwargs=[1])
+
+
+def test_from_optional_and_vllms_integer_output_kinds():
+    """SamplingParams.from_optional (vLLM's, for requests that leave fields unset) was missing, and
+    RequestOutputKind(2), vLLM's integer value of FINAL_ONLY, was "not a valid OutputKind"."""
+    from minivllm.sampling_params import RequestOutputKind
+
+    p = SamplingParams.from_optional(n=None, temperature=None, top_p=None, presence_penalty=None,
+                                     frequency_penalty=None, repetition_penalty=None, max_tokens=8, seed=3)
+    assert p == SamplingParams(max_tokens=8, seed=3)
+    assert SamplingParams.from_optional(max_tokens=None).max_tokens is None  # None keeps its meaning here
+    with pytest.raises(ValueError, match="top_k=None"):
+        SamplingParams.from_optional(top_k=None)
+    assert [RequestOutputKind(i) for i in (0, 1, 2)] == list(RequestOutputKind)
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    for bad in (3, True):
+        with pytest.raises(ValueError):
+            RequestOutputKind(bad)
