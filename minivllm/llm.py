@@ -62,6 +62,11 @@ _VLLM_LACKING_CALLS = {
        for name in ("embed", "encode", "classify", "score", "reward")},
     "get_metrics": "vLLM's Prometheus metrics; minivllm measures each request (RequestOutput.metrics) and each step "
                    "(llm.llm_engine.last_step_record)",
+    **{name: "vLLM's sleep mode (offloading weights and freeing the KV cache between uses); here llm.shutdown() "
+             "frees the engine, and a new LLM(...) loads it again" for name in ("sleep", "wake_up", "is_sleeping")},
+    **{name: "vLLM's calls into its worker processes; here the model is in this process: "
+             "llm.llm_engine.runner.model (with tensor parallelism, rank 0's shard)"
+       for name in ("collective_rpc", "apply_model")},
 }
 
 

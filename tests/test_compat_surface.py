@@ -80,6 +80,14 @@ def test_model_config_and_pooling_calls_as_vllm_scripts_reach_them(llm):
             getattr(llm, name)
     with pytest.raises(AttributeError, match="LLM.get_metrics: .*RequestOutput.metrics"):
         llm.get_metrics()
+    # vLLM's sleep mode and worker calls were bare "'LLM' object has no attribute" errors
+    for name in ("sleep", "wake_up", "is_sleeping"):
+        with pytest.raises(AttributeError, match=f"LLM.{name}: vLLM's sleep mode.*llm.shutdown"):
+            getattr(llm, name)
+    for name in ("collective_rpc", "apply_model"):
+        with pytest.raises(AttributeError, match=f"LLM.{name}: .*llm.llm_engine.runner.model"):
+            getattr(llm, name)
+    assert llm.llm_engine.runner.model is not None  # where the message points
 
 
 def test_outputs_are_plain_objects_with_vllms_fields_in_its_order(llm):
