@@ -40,3 +40,28 @@ def test_the_shipped_sources_find_their_headers():
         for line in text.splitlines():
             if line.startswith('#include "'):
                 assert (source.parent / line.split('"')[1]).is_file(), (source, line)
+
+
+def test_a_library_is_never_taken_from_a_folder_others_can_write(tmp_path, monkeypatch):
+    """A library already in the build folder is loaded as is: /tmp/minivllm-kernels-<uid>, made in
+    advance by another user with a planted library under the expected name, ran that user's code in
+    ours. A folder that is a symlink, another user's, or group/other-writable is refused."""
+    import os
+
+    cc = _compiler()
+    src = tmp_path / "lib.c"
+    src.write_text("int get(void) { return 7; }\n")
+    shared = tmp_path / "shared"
+    built = native_build._build(src, shared, cc)  # the expected name, as another user would plant it
+    assert ctypes.CDLL(str(built)).get() == 7 and (os.stat(shared).st_mode & 0o777) == 0o700  # made private
+    os.chmod(shared, 0o777)
+    with pytest.raises(OSError, match=r"writable by its group or others \(mode 777\)"):
+        native_build._build(src, shared, cc)
+    os.chmod(shared, 0o755)
+    link = tmp_path / "link"
+    link.symlink_to(shared, target_is_directory=True)
+    with pytest.raises(OSError, match="not a plain directory"):
+        native_build._build(src, link, cc)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(shared).st_uid + 1)
+    with pytest.raises(OSError, match="belongs to uid"):
+        native_build._build(src, shared, cc)

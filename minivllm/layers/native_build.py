@@ -4,8 +4,9 @@ check in ``engine/csrc``, which reads Python objects and so is built against Pyt
 called with the GIL held).
 
 A source is compiled (``-O3 -march=native``) with the first compiler that works (``$CC``, the
-one Python was built with, ``cc``, ``gcc``, ``clang``) into ``cache_dir()/kernels/`` (the temp
-directory if that is not writable), under a hash of the source (with the ``#include "..."``
+one Python was built with, ``cc``, ``gcc``, ``clang``) into ``cache_dir()/kernels/`` (else
+``minivllm-kernels-<uid>`` in the temp directory; either is used only if it is this user's own and
+nobody else can write it, since a library found there is loaded as is), under a hash of the source (with the ``#include "..."``
 headers of ours it names), compiler, flags and CPU model and features, so later processes on the
 same CPU reuse it.
 """
@@ -20,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import stat
 import sysconfig
 import tempfile
 import threading
@@ -70,6 +72,27 @@ def _python_flags() -> tuple[str, ...]:
     return tuple(f"-I{d}" for d in dict.fromkeys((paths["include"], paths["platinclude"])))
 
 
+def _require_own_dir(out_dir: Path) -> None:
+    """Make ``out_dir`` (mode 0700 when new) and check that only this user can write it: a library
+    found there is loaded as is, so a directory another user can write (``/tmp/minivllm-kernels-N``
+    made in advance by someone else, a symlink, a group-writable folder) could plant code.
+
+    Raises:
+        OSError: ``out_dir`` is a symlink, not a directory, owned by another user, or writable by
+            its group or others (naming which).
+    """
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(out_dir)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{out_dir} is not a plain directory (a symlink?): not loading libraries from it")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise OSError(f"{out_dir} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): not loading "
+                      "libraries from it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise OSError(f"{out_dir} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):o}): not "
+                      "loading libraries from it")
+
+
 def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False) -> Path:
     """Compile ``source`` with ``cc`` into ``out_dir`` under a key of the source, compiler,
     flags and CPU (atomic rename: concurrent builders are harmless); ``python_api``: with the
@@ -82,9 +105,9 @@ def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False)
     key = hashlib.sha256(src + repr((cc, FLAGS + extra, version, platform.machine(), _cpu_fingerprint(),
                                      (sys.version, sysconfig.get_config_var("SOABI")) if python_api else None)).encode())
     lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    _require_own_dir(out_dir)  # before trusting a library already there
     if lib.exists():
         return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
