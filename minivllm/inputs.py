@@ -2,12 +2,13 @@
 ids, or one of these typed dicts. They are plain dicts at run time; the types document
 the keys for editors and type checkers."""
 
-from typing import TypedDict, Union
+import sys
+from typing import Union
 
-try:
-    from typing import NotRequired  # Python >= 3.11
-except ImportError:  # pragma: no cover - Python 3.10 (typing_extensions comes with torch)
-    from typing_extensions import NotRequired
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # pragma: no cover - Python 3.10: typing's TypedDict ignores typing_extensions' NotRequired
+    from typing_extensions import NotRequired, TypedDict  # (the keys would all be required)
 
 
 class TextPrompt(TypedDict):
