@@ -827,3 +827,17 @@ def test_bench_reports_a_missing_model_as_generate_does(capsys, tmp_path):
     afile.write_text("")
     assert bench.main(["--model", str(afile), "--no-peers", "--num-requests", "2", "--threads", "1"]) == 2
     assert "a file, not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_sweep_html_without_plotly_is_refused_before_measuring(monkeypatch, capsys):
+    """On a core install (plotly is in the lab extra) `bench --sweep --html PATH` ran the whole sweep,
+    then failed with ModuleNotFoundError, losing a --json of the same run."""
+    import importlib.util
+
+    import minivllm.bench.cli as cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "plotly" else real(name, *a))
+    monkeypatch.setattr(cli, "run_sweep", lambda *a, **k: pytest.fail("measured"))
+    assert bench.main(["--sweep", "--html", "roof.html", "--threads", "1"]) == 2
+    assert "error: --html 'roof.html': the chart needs plotly (pip install 'minivllm[lab]'" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -154,7 +155,7 @@ def run_cli(argv: list[str] | None = None, peak_kwargs: dict | None = None) -> d
 def _check_args(args) -> None:
     """Refuse, before minutes of measuring, the flag values a run would fail on at its end or
     quietly replace: counts below 1, an unknown peer, an output path that is a directory or under a
-    file, ``--html`` without ``--sweep``, a ``--dtype`` no engine takes.
+    file, ``--html`` without ``--sweep`` or without plotly installed, a ``--dtype`` no engine takes.
 
     Raises:
         ValueError: naming the flag and its value.
@@ -181,6 +182,8 @@ def _check_args(args) -> None:
             raise ValueError(f"--dtype {args.dtype!r}: choose 'auto' or one of {dtype_spellings(MODEL_DTYPES)}")
     if args.html is not None and not args.sweep:
         raise ValueError(f"--html {args.html!r}: the chart is --sweep's roofline; add --sweep")
+    if args.html is not None and importlib.util.find_spec("plotly") is None:  # else it fails after the sweep
+        raise ValueError(f"--html {args.html!r}: the chart needs plotly (pip install 'minivllm[lab]', or plotly)")
     for flag in ("json", "html"):
         value = getattr(args, flag)
         if value is None:
