@@ -334,3 +334,14 @@ def test_bench_quantization_mode_reports_ratio_and_agreement():
     assert set(r.agreement) >= {"prefix_agreement", "position_agreement", "identical"}
     with pytest.raises(SystemExit):  # argparse refuses an unknown method
         run_cli(["--quantization", "int4", "--quiet"])
+
+
+def test_accuracy_report_skips_the_loss_where_no_training_script_ships(monkeypatch, tmp_path, capsys):
+    """On a wheel install (no scripts/) `python -m minivllm.quantization.accuracy` ended in a
+    FileNotFoundError traceback before any figure; the held-out loss is now skipped, saying why."""
+    from minivllm.quantization import accuracy
+
+    monkeypatch.setattr(accuracy, "TRAIN_SCRIPT", tmp_path / "scripts" / "train_tiny_model.py")
+    out = accuracy.main(["--skip", "agreement", "logits", "--threads", "1"])
+    assert "heldout_loss" not in out
+    assert "held-out loss: skipped" in capsys.readouterr().out

@@ -83,8 +83,12 @@ def restore_hf_linears(model: nn.Module) -> int:
     return len(targets)
 
 
+#: the embedded model's training script (a source checkout's; an installed wheel has no scripts/)
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny_model.py"
+
+
 def _train_script():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny_model.py"
+    path = TRAIN_SCRIPT
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the held-out split is rebuilt by the training script "
                                 "(run from a source checkout)")
@@ -273,7 +277,10 @@ def main(argv: list[str] | None = None) -> dict:
     threads = out["threads"]
     print(f"{out['date_utc']} UTC, torch {torch.__version__}, {threads} thread{'s' if threads != 1 else ''}, "
           f"load {format_load(out['loadavg_start'])}")
-    if "loss" not in args.skip:
+    if "loss" not in args.skip and not TRAIN_SCRIPT.is_file():
+        print(f"embedded model held-out loss: skipped ({TRAIN_SCRIPT} rebuilds the held-out split: run from a "
+              "source checkout)")
+    elif "loss" not in args.skip:
         r = out["heldout_loss"] = heldout_loss_change()
         for k, loss in r["int8"].items():
             print(f"embedded model held-out loss ({r['tokens']} tokens), int8 via {k}: fp32 {r['fp32']:.4f}, "
