@@ -809,3 +809,10 @@ def test_the_log_names_why_cpu_graphs_are_off(tiny_ckpt, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="minivllm"):
         LLM(tiny_ckpt, num_kvcache_blocks=16, quantization="int8").shutdown()
     assert "CPU graphs off: quantization 'int8'" in caplog.text
+    # the decode kernel switched off read "attention backend torch has no CPU graph support" (it has, with its kernel)
+    caplog.clear()
+    monkeypatch.setenv("MINIVLLM_CPU_DECODE_KERNEL", "0")
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        LLM(tiny_ckpt, num_kvcache_blocks=16).shutdown()
+    assert "CPU graphs off: the torch backend's C decode kernel is off (MINIVLLM_CPU_DECODE_KERNEL=0)" in caplog.text
+    assert "has no CPU graph support" not in caplog.text

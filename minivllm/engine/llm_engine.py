@@ -246,13 +246,18 @@ class LLMEngine:
         # with fused C ops switched off nothing to see)
         why = []
         if not getattr(self.runner.backend, f"supports_{kind.lower()}_graphs", False):
-            why.append(f"attention backend {self.runner.backend.name} has no {kind} graph support")
+            if kind == "CPU" and hasattr(self.runner.backend, "native_kernel"):  # torch: graphs need its C kernel
+                from minivllm.layers.attention import cpu_decode
+                why.append(f"the torch backend's C decode kernel is off ({cpu_decode.unavailable_reason()})")
+            else:
+                why.append(f"attention backend {self.runner.backend.name} has no {kind} graph support")
         if kind == "CPU":  # the torch paths (and int8's ops) allocate fresh tensors each call: nothing to replay
             if self.config.dtype != torch.float32:
                 why.append(f"dtype {self.config.dtype} (CPU graphs need float32)")
             if not self.runner.cpu_fused_ops and self.config.dtype == torch.float32:
+                from minivllm.layers import cpu_fused
                 why.append("torch.compile replaced the fused C ops (compile=True)" if args.compile else
-                           "the fused C ops are off (MINIVLLM_CPU_FUSED_OPS=0, or no C compiler)")
+                           f"the fused C ops are off ({cpu_fused.unavailable_reason()})")
             if args.quantization is not None:
                 why.append(f"quantization {args.quantization!r}")
         if args.tensor_parallel_size > 1:
