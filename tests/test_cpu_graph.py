@@ -433,11 +433,17 @@ def test_recording_does_not_import_torch_dynamo():
 
     code = ("import sys\nfrom minivllm import LLM, SamplingParams\n"
             "llm = LLM('minivllm-tiny')\n"
+            "before = 'torch._dynamo' in sys.modules\n"
             "llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)\n"
             "assert llm.llm_engine.runner.graph_runner.graph_keys\n"
-            "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n")
+            "print('loaded' if before else 'dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.strip().splitlines()[-1] == "loaded":  # transformers 5.20 imports it in AutoConfig.from_pretrained
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__} imports torch._dynamo while the model loads: the "
+                    "first step has nothing left to import")
     assert out.stdout.strip().splitlines()[-1] == "no dynamo"
 
 
