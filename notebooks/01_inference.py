@@ -398,6 +398,7 @@ _ = check_claim("the hand-written loop's time per token rises with the sequence 
 from widgets import EngineStepper
 
 stepper = EngineStepper(llm, prompt=PROMPT, max_tokens=8, show_chart=False)  # step times: the chart above
+stepper.reset()  # an idle engine, also when this cell runs again (Reset aborts whatever is left)
 stepper.add_request(PROMPT, max_tokens=8)
 for _ in range(3):
     stepper.step()

@@ -624,6 +624,7 @@ _ = render(f"On this run the forward pass took between **{min(shares):.0%} and {
 from widgets import EngineStepper
 
 stepper = EngineStepper(llm, prompt=PROMPT, max_tokens=6, show_chart=False)
+stepper.reset()  # an idle engine, also when this cell runs again (Reset aborts whatever is left)
 stepper.add_request(PROMPT, max_tokens=6)
 stepper.step()
 stepper.display()

@@ -519,8 +519,9 @@ from widgets import EngineStepper, KVCacheView
 stepper = EngineStepper(llm, max_tokens=20, show_chart=False)
 view = KVCacheView(llm, stepper=stepper)
 # section 3's requests began with the same text, and the engine kept their full blocks for reuse (prefix
-# caching, chapter 08); forget them, so this request computes and stores every one of its tokens itself
-engine.reset_prefix_cache()
+# caching, chapter 08); Reset forgets them (and aborts whatever an earlier run of this cell left), so this
+# request computes and stores every one of its tokens itself
+stepper.reset()
 rid = stepper.add_request(text_ids[:30], max_tokens=20, ignore_eos=True)
 history = []
 for _ in range(12):  # the prefill, then 11 decode steps

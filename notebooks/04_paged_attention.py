@@ -104,6 +104,7 @@ from widgets import EngineStepper, KVCacheView
 
 text_ids = [t for name in ("for", "while", "if", "try") for t in tok.encode(topics[name])]
 stepper = EngineStepper(llm, show_chart=False)
+stepper.reset()  # an idle engine and an empty prefix cache, even when this cell runs a second time
 view = KVCacheView(llm, stepper=stepper)
 requests = {}
 for name, start, prompt_len, max_tokens in (("A", 0, 20, 14), ("B", 100, 7, 30), ("C", 200, 40, 6)):

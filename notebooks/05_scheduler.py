@@ -151,21 +151,26 @@ class Run:
 
 def run(batches):
     """Add each group of request indices, step until the engine is idle, then add the next group."""
-    finished, first_step, last_step, records = {}, {}, {}, []
+    finished, first_step, last_step, records, added = {}, {}, {}, [], []
     t0 = time.perf_counter()
-    for group in batches:
-        for i in group:
-            engine.add_request(f"r{i}", work.prompts[i], greedy(work.output_lens[i]))
-        while engine.has_unfinished_requests():
-            result = engine.step_with_record()
-            records.append(result.record)
-            for out in result.outputs:  # every request that got a token this step
-                i = int(out.request_id[1:])
-                first_step.setdefault(i, len(records))
-                if out.finished:
-                    finished[i], last_step[i] = out, len(records)
-    seconds = time.perf_counter() - t0
-    engine.reset_prefix_cache()  # so the next run starts from the same cold cache
+    try:
+        for group in batches:
+            for i in group:
+                added.append(f"r{i}")
+                engine.add_request(f"r{i}", work.prompts[i], greedy(work.output_lens[i]))
+            while engine.has_unfinished_requests():
+                result = engine.step_with_record()
+                records.append(result.record)
+                for out in result.outputs:  # every request that got a token this step
+                    i = int(out.request_id[1:])
+                    first_step.setdefault(i, len(records))
+                    if out.finished:
+                        finished[i], last_step[i] = out, len(records)
+        seconds = time.perf_counter() - t0
+    finally:  # after an interrupt (Kernel > Interrupt) too: nothing of this run stays queued
+        for rid in added:
+            engine.abort_request(rid)  # a finished request's id: nothing to do
+        engine.reset_prefix_cache()  # so the next run starts from the same cold cache
     order = sorted(finished)
     outs = [finished[i] for i in order]  # metrics: timestamps on the perf_counter clock, as t0
     return Run([o.outputs[0].token_ids for o in outs], records, seconds,
@@ -412,10 +417,10 @@ finally:
     hook.remove()
 computed = sum(len(b) * max(work.output_lens[i] for i in b) for b in static_batches)
 hf_steps = passes[0] // REPEATS  # forward passes per run, counted
-rows.append({"policy": "static (transformers generate, padded)", "steps": hf_steps, "ms": hf_run["seconds"] * 1e3,
-             "output tokens/s": work.num_output_tokens / hf_run["seconds"],
-             "mean step ms": hf_run["seconds"] * 1e3 / hf_steps})
-table = pd.DataFrame(rows).set_index("policy")
+hf_entry = {"policy": "static (transformers generate, padded)", "steps": hf_steps, "ms": hf_run["seconds"] * 1e3,
+          "output tokens/s": work.num_output_tokens / hf_run["seconds"],
+          "mean step ms": hf_run["seconds"] * 1e3 / hf_steps}
+table = pd.DataFrame(rows + [hf_entry]).set_index("policy")  # rows itself unchanged: this cell can run again
 table["vs continuous"] = table["output tokens/s"] / table.loc["continuous (engine, 4 seats)", "output tokens/s"]
 table.round(2)
 
@@ -478,6 +483,7 @@ timeline = SchedulerTimeline(stepper=stepper)  # redraws after every step of the
 
 # %%
 # NBVAL_CHECK_OUTPUT
+stepper.reset()  # an idle pool, an empty prefix cache and a fresh history, also when this cell runs again
 rids = [stepper.add_request(p, max_tokens=PRE_MAX_TOKENS, ignore_eos=True) for p in PRE_PROMPTS]
 need = [-(-(len(p) + PRE_MAX_TOKENS - 1) // 16) for p in PRE_PROMPTS]  # KV slots over 16-token blocks, rounded up
 print(f"{len(PRE_PROMPTS)} requests of {sorted({len(p) for p in PRE_PROMPTS})} prompt tokens and {PRE_MAX_TOKENS} "

@@ -283,7 +283,6 @@ mem_floor_ms, comp_floor_ms = b / CPU_BW * 1e3, f / cpu_peaks.flops_per_s * 1e3
 print(f"{ROWS} rows: intensity {f / b:.1f} FLOP/byte (ridge {cpu_peaks.ridge_intensity:.1f}); memory floor "
       f"{mem_floor_ms:.2f} ms, compute floor {comp_floor_ms:.2f} ms, measured {med_s * 1e3:.2f} ms "
       f"({med_s * 1e3 / max(mem_floor_ms, comp_floor_ms):.1f}x the larger floor)")
-del W_DEMO
 
 # %% [markdown]
 # ## 2. Two phases in one loop
@@ -307,6 +306,7 @@ del W_DEMO
 PROMPT = 'Return a new list containing all items from the iterable in ascending order. A custom key function can be supplied to customize the sort order.'
 tok = llm.get_tokenizer()
 print(f"prompt: {len(tok.encode(PROMPT))} tokens -> {-(-len(tok.encode(PROMPT)) // BLOCK_SIZE)} KV blocks of {BLOCK_SIZE}")
+engine.reset_prefix_cache()  # run again, this cell would otherwise find its prompt's blocks cached
 engine.add_request("by-hand", PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
 n, blocks_after = 0, []
 while engine.has_unfinished_requests():
@@ -346,6 +346,7 @@ from widgets import EngineStepper, KVCacheView
 
 STEPPER_PROMPT = 'If the object supports len(), the length is returned; otherwise a TypeError is raised.'
 stepper = EngineStepper(llm, prompt="The module provides", max_tokens=12)
+stepper.reset()  # an idle engine and an empty prefix cache, also when this cell runs again
 kv_view = KVCacheView(llm, stepper=stepper)
 stepper.add_request(STEPPER_PROMPT, max_tokens=12)
 stepper.step()  # the prefill
@@ -861,8 +862,8 @@ check_claim("no decode step beat its weight-read floor", big_df[big_df.phase == 
 # That is all we need from the big model; shutting it down returns its memory.
 
 # %%
-big.shutdown()
-del big, big_engine
+big.shutdown()  # its weights and KV cache go back now (shutting down twice is harmless)
+big_engine = None
 
 # %% [markdown]
 # ## 5. Myths, checked against measurements
@@ -1070,7 +1071,7 @@ check_claim("the int8 products read their weights at no more than the read-bandw
 # %%
 for e_ in engines.values():
     e_.shutdown()
-del engines
+engines.clear()  # nothing left to shut down if this cell runs again
 
 # %% [markdown]
 # ## 6. Why it matters

@@ -97,6 +97,7 @@ def setting(llm):
 # NBVAL_CHECK_OUTPUT
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 eng = cached.llm_engine
+eng.reset_prefix_cache()  # the first request computes the system prompt, also when this cell runs again
 sys_len = len(tok.encode(SYSTEM))
 print(f"system prompt: {sys_len} tokens = {sys_len // BLOCK_SIZE} full blocks + {sys_len % BLOCK_SIZE} tokens")
 
@@ -338,6 +339,7 @@ def cached_blocks_of(name):
     return n
 
 
+sm.reset_prefix_cache()  # a cold pool, also when this cell runs again
 trace = []  # (prefix, blocks hit, {prefix: blocks still cached afterwards})
 print("next free: the first six blocks the allocator would hand out next "
       "(plain blocks first, then cached ones, least recently freed first)")
@@ -497,7 +499,6 @@ play = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=PLAY_
 rates = [round_robin(play, k)["hit rate"] for k in range(1, PLAY_MAX_K + 1)]
 play.shutdown()
 print(f"{PLAY_POOL_BLOCKS} blocks: hit rate for K = 1..{PLAY_MAX_K} prefixes:", " ".join(f"{r:.2f}" for r in rates))
-small.shutdown()
 
 # %% [markdown]
 # ## 4. The prefix cache view

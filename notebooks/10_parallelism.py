@@ -310,6 +310,7 @@ from widgets import EngineStepper
 
 # prompt= and max_tokens= only fill the widget's form; add_request below submits the one request.
 stepper = EngineStepper(tp_llm, prompt="The module provides", max_tokens=8)
+stepper.reset()  # an idle engine, also when this cell runs again (Reset aborts whatever is left)
 stepper.add_request("Return a new list containing", max_tokens=8)
 stepper.step()  # the prefill
 stepper.step()  # one decode step

@@ -100,11 +100,19 @@ print(f"{hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
 # %%
 from widgets import EngineStepper
 
-# prompt= and max_tokens= only fill the widget's form; add_request below submits the one request.
+
+def start_stepper():
+    """The stepper's one request, prefilled and one decode step in, on an idle engine with an empty
+    prefix cache (Reset first: running this again starts over instead of adding a second request)."""
+    stepper.reset()
+    stepper.add_request("Return a new list containing", max_tokens=12)
+    stepper.step()  # the prefill
+    stepper.step()  # the first decode step
+
+
+# prompt= and max_tokens= only fill the widget's form; start_stepper submits the one request.
 stepper = EngineStepper(llm, prompt="The module provides", max_tokens=12)
-stepper.add_request("Return a new list containing", max_tokens=12)
-stepper.step()  # the prefill
-stepper.step()  # the first decode step
+start_stepper()
 stepper.display()
 
 # %%
@@ -137,6 +145,8 @@ def profile_call(fn):
     return out, ops, c_calls, kernels
 
 
+if not engine.has_unfinished_requests():  # this cell ran before and finished the request: start it again
+    start_stepper()
 rec, ops, c_calls, kernels = profile_call(stepper.step)
 # The same at batch 4: three more requests join the stepper's, then one 4-sequence decode step is profiled.
 for i in range(3):
@@ -382,6 +392,7 @@ torch.manual_seed(0)
 inputs = {t: (torch.randn(t, HIDDEN, device=cfg.device), torch.randn(t, HIDDEN, device=cfg.device))
           for t in (8, 512)}
 
+torch._dynamo.reset()  # forget earlier compiles: run again, this cell would time a cache hit, not a compile
 compiled = torch.compile(norm.forward, dynamic=True)  # as ModelRunner.enable_compile does
 t0 = time.perf_counter()
 with torch.inference_mode():
@@ -932,22 +943,25 @@ while any(kv_llm.llm_engine.has_unfinished_requests() for kv_llm in kv_llms.valu
 kv_ms = {kv: statistics.median(ms[2:]) for kv, ms in kv_step_ms.items()}
 kv_same = sum(kv_tokens["auto"][r] == kv_tokens["bfloat16"][r] for r in kv_tokens["auto"])
 kv_bytes = {kv: kv_llm.llm_engine.model_cost.kv_bytes_per_token for kv, kv_llm in kv_llms.items()}
+kv_auto_dtype = str(kv_llms["auto"].llm_engine.runner.kv_cache.dtype).removeprefix("torch.")
+kv_provenance = chart_provenance(kv_llms["auto"])
+for kv_llm in kv_llms.values():
+    kv_llm.shutdown()  # both engines' memory back; what the next cell reports is kept above
 print({kv: f"{len(ms) - 2} decode steps, median {kv_ms[kv]:.2f} ms" for kv, ms in kv_step_ms.items()})
 
 # %%
 kv_read_mb = {kv: KV_BATCH * (KV_PROMPT + KV_NEW / 2) * b / 1e6 for kv, b in kv_bytes.items()}
 render(f"Decode steps of {KV_BATCH} sequences: **{kv_ms['auto']:.2f} ms** with the KV cache in "
-       f"{str(kv_llms['auto'].llm_engine.runner.kv_cache.dtype).removeprefix('torch.')}, "
+       f"{kv_auto_dtype}, "
        f"**{kv_ms['bfloat16']:.2f} ms** in bfloat16 ({kv_ms['auto'] / kv_ms['bfloat16']:.2f}x), while a step's "
        f"keys and values went from about {kv_read_mb['auto']:.1f} to {kv_read_mb['bfloat16']:.1f} MB (at the "
        f"average context of the run). **{kv_same} of {KV_BATCH}** greedy continuations came out identical. "
-       f"({chart_provenance(kv_llms['auto'])}.)")
+       f"({kv_provenance}.)")
 if kv_bytes["auto"] > kv_bytes["bfloat16"]:
     check_claim("the bfloat16 KV cache made the batch-32 decode step faster", kv_ms["bfloat16"] < kv_ms["auto"],
                 f"{kv_ms['auto']:.2f} -> {kv_ms['bfloat16']:.2f} ms",
                 why_it_may_not="Where the KV cache fits the CPU's caches, or the machine was busy in the other "
-                               "engine's steps, the saving can vanish; run the cell again.")
-del kv_llms
+                               "engine's steps, the saving can vanish; run the cell above again, then this one.")
 
 # %% [markdown]
 # ## 6. Speculative decoding: several tokens per step

@@ -59,3 +59,47 @@ def test_chapter_teaches_by_doing(src):
 def test_the_check_sees_a_bare_notebook():
     nb = jupytext.reads("# %% [markdown]\n# # A chapter\n\n# %%\nx = 1\n", fmt="py:percent")
     assert len(structure_problems(nb)) >= 5
+
+
+def rerun_problems(nb) -> list[str]:
+    """Cells a learner cannot run twice, read from their code: a top-level ``del`` of a name the cell
+    does not bind itself (NameError the second time), and an ``EngineStepper`` built without a
+    Reset in the same cell (a second run left the first run's requests in the engine, in the next
+    step's batch and in the printed counts)."""
+    import ast
+
+    problems = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:  # IPython magics: not this check's concern
+            continue
+        bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for stmt in tree.body:
+            if isinstance(stmt, ast.Delete):
+                for target in stmt.targets:
+                    names = target.elts if isinstance(target, ast.Tuple) else [target]
+                    for n in names:
+                        if isinstance(n, ast.Name) and n.id not in bound:
+                            problems.append(f"cell {i}: del {n.id} (bound in another cell: NameError when run again)")
+        fresh_engine = re.search(r"= LLM\(", cell.source)  # a stepper on an engine this cell builds starts idle
+        if re.search(r"^\w+ = EngineStepper\(", cell.source, re.M) and ".reset()" not in cell.source and not fresh_engine:
+            problems.append(f"cell {i}: builds an EngineStepper without a Reset (a second run keeps the first's "
+                            "requests)")
+    return problems
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_every_cell_can_run_again(src):
+    """Found by driving every chapter's cells twice and out of order (2026-12-05)."""
+    problems = rerun_problems(jupytext.read(src))
+    assert not problems, f"{src.name}: " + "; ".join(problems)
+
+
+def test_the_rerun_check_sees_both_hazards():
+    nb = jupytext.reads("# %%\nstepper = EngineStepper(llm)\nstepper.add_request('x')\n\n# %%\ndel stepper\n"
+                        "\n# %%\nw = 1\ndel w\n", fmt="py:percent")
+    problems = rerun_problems(nb)
+    assert len(problems) == 2 and "without a Reset" in problems[0] and "del stepper" in problems[1], problems
