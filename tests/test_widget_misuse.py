@@ -722,3 +722,27 @@ def test_log_axes_use_si_prefixes(llm):
     fig.update_layout(yaxis_type="log")
     svg = figure_svg(fig)
     assert ">100G<" in svg and ">1G<" in svg and "e+" not in svg
+
+
+def test_idle_engine_aborts_what_a_stepper_left_before_a_cells_own_steps(llm, capsys):
+    """Chapters 02 and 10: a stepper widget's request, left mid-decode (a learner's clicks add more), joined
+    later cells' own steps: a 7-token prefill counted as an 8-token mixed step, a correct prediction marked
+    wrong, section 5 ending in min() of an empty sequence."""
+    from widgets import EngineStepper, idle_engine
+
+    stepper = EngineStepper(llm, show_chart=False)
+    stepper.reset()
+    stepper.add_request(ids(8, start=3), max_tokens=20, ignore_eos=True)
+    stepper.step()
+    stepper.step()
+    engine = llm.llm_engine
+    left = list(engine.requests)
+    assert idle_engine(llm) == left and not engine.has_unfinished_requests()
+    assert f"aborted 1 unfinished request(s) left on the engine by a widget or an earlier cell: {left}" in \
+        capsys.readouterr().out
+    engine.add_request("own", ids(7, start=40), _greedy(2))
+    assert engine.step_with_record().record.num_tokens == 7  # the cell's prefill alone
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert idle_engine(llm) == [] and capsys.readouterr().out == ""  # idle: says nothing
+    engine.check_invariants()

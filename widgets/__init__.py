@@ -15,6 +15,7 @@ or as an ipywidgets container (they are ``VBox`` subclasses):
 * :class:`Quiz` - multiple choice, where each wrong answer explains the slip.
 * :func:`check_prediction`, :func:`check_claim`, :func:`render` - exercises and claims checked
   against this run's measurements (``widgets/course.py``).
+* :func:`idle_engine` - abort what a widget or an earlier cell left running, before a cell's own steps.
 
 Names are imported lazily so ``import widgets`` stays cheap.
 """
@@ -42,6 +43,7 @@ _EXPORTS = {
     "show_figure": "widgets._static",
     "measure_decode_batch": "widgets.measure",
     "measure_request_latency": "widgets.measure",
+    "idle_engine": "widgets._engine",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,6 +25,28 @@ def engine_of(llm):
     return engine
 
 
+def idle_engine(llm) -> list[str]:
+    """Abort every unfinished request on ``llm``'s engine, so that the cell calling this steps only
+    its own: a request a stepper widget left mid-decode (after its cell, a learner's clicks can add
+    more), or one an interrupted cell left queued, would join the cell's steps and its figures.
+    Prints one line naming what it aborted; nothing when the engine was idle.
+
+    Returns:
+        The aborted request ids (empty when there were none).
+
+    Raises:
+        ValueError: ``llm`` is not an engine, or has been shut down (``engine_of``).
+    """
+    engine = engine_of(llm)
+    ids = list(engine.requests)
+    for rid in ids:
+        engine.abort_request(rid)
+    if ids:
+        print(f"(aborted {len(ids)} unfinished request(s) left on the engine by a widget or an earlier cell: "
+              f"{ids}; this cell's steps hold only its own)")
+    return ids
+
+
 def provenance(llm) -> str:
     """Where a chart's measurements come from: ``"measured on cpu (AMD EPYC 9R14) · minivllm-tiny ·
     float32 · 1 CPU thread"`` (device and its name, model, dtype of the live engine, torch's CPU
