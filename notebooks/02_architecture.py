@@ -61,7 +61,7 @@ DEVICE = "auto"                            # CUDA when available, else CPU (fp32
 # %%
 # enforce_eager: every step runs the model's forward (no replay of a recorded decode graph: CUDA
 # graphs on a GPU, CPU graphs on a CPU, chapter 11), so the tracers below see every pass.
-from widgets import check_claim, check_prediction, render
+from widgets import check_claim, check_prediction, idle_engine, render
 
 llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64, enforce_eager=True)
 engine = llm.llm_engine
@@ -311,6 +311,7 @@ _ = check_claim("the embedding's share is smaller in Qwen3-1.7B than in Qwen3-0.
 
 # %%
 PROMPT = 'Return the number of items in the container'
+idle_engine(llm)  # a request left by the stepper in section 5 would join these passes and their shapes
 shapes = defaultdict(list)  # module name -> [shapes in the prefill pass, shapes in the decode pass]
 
 
@@ -405,6 +406,7 @@ for name in order:
 
 # %% tags=["playground"]
 BATCH = 3  # the knob: requests prefilled together in one step
+idle_engine(llm)  # only this cell's requests in the step
 
 seen = {}
 
@@ -476,6 +478,7 @@ print(f"{'  .tokenizer':20s} text <-> token ids; the engine's detokenizer turns 
 # until the request finishes, and prints what happened in each of its steps.
 
 # %%
+idle_engine(llm)  # the journey of one request: nothing else in its steps
 trace = []        # (label, what it saw) per call, in call order
 patched = []      # (object, attribute, original, was an instance attribute)
 attention_calls = [0]
@@ -578,10 +581,10 @@ import plotly.graph_objects as go
 
 from widgets import show_figure
 
-parts = ["schedule_ms", "prepare_ms", "model_ms", "sample_ms", "postprocess_ms"]
+stages = ["schedule_ms", "prepare_ms", "model_ms", "sample_ms", "postprocess_ms"]
 labels = [f"step {res.record.index} ({res.record.phase})" for _, res in journey]
 fig = go.Figure()
-for p in parts:
+for p in stages:
     fig.add_bar(y=labels, x=[getattr(res.record, p) for _, res in journey], name=p.replace("_ms", ""),
                 orientation="h")
 fig.update_layout(barmode="stack", title=f"Measured time per step of one request, by engine stage<br><sup>{RUN}</sup>",
@@ -593,6 +596,7 @@ for _, res in journey:
           f"({r.model_ms / r.wall_ms:.0%}); everything else {r.wall_ms - r.model_ms:.2f} ms")
 shares = [res.record.model_ms / res.record.wall_ms for _, res in journey]
 # the same request once more, without the tracer: what is left outside the forward pass then
+idle_engine(llm)
 engine.add_request("untraced", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
 untraced = []
 while engine.has_unfinished_requests():
@@ -631,7 +635,7 @@ stepper.display()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-r = stepper.steps[-1]
+r = stepper.steps[0]
 print(f"the stepper's first step: {r.phase}, {r.num_tokens} tokens, {r.num_seqs} sequence(s), "
       f"KV blocks in use {r.kv_blocks_used}")
 

@@ -502,8 +502,14 @@ explorer.display()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-print(f"explorer, top_p=0.9 on {PROMPTS['confident']!r}: {explorer.kept} tokens kept "
-      f"(section 2 counted {int((PROBS[('confident', 'top_p=0.9')] > 0).sum())})")
+# the explorer as it is now (after your own prompts and slider moves too), against section 2's count for its setting
+setting = {k: round(getattr(explorer, k).value, 6) for k in ("temperature", "top_k", "top_p", "min_p")}
+print(f"explorer, {', '.join(f'{k}={v:g}' for k, v in setting.items())} on {explorer.loaded_prompt!r}: "
+      f"{explorer.kept} tokens kept")
+if explorer.loaded_prompt == PROMPTS["confident"] and setting == dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0):
+    print(f"(section 2 counted {int((PROBS[('confident', 'top_p=0.9')] > 0).sum())} for the same prompt and filter)")
+else:
+    print("(section 2's count was for top_p=0.9 alone on the confident prompt: run the cell above again to compare)")
 
 # %% [markdown]
 # ## 5. Seeds: the same tokens, whatever else is in the batch

@@ -161,7 +161,7 @@ for r, m in enumerate(ranks):
 # rank (replicated), so a rank should hold a little more than half of the parameters:
 
 # %%
-from widgets import check_claim, check_prediction, render
+from widgets import check_claim, check_prediction, idle_engine, render
 
 _ = check_claim(f"each rank holds a little more than 1/{TP} of the parameters (the replicated norms)",
                 all(1 / TP < share < 1 / TP + 0.05 for share in rank_share),
@@ -415,6 +415,7 @@ def counting_collectives():
             setattr(mod, name, fn)
 
 
+idle_engine(tp_llm)  # what the stepper above (or a click in it) left running would join these steps
 engine = tp_llm.llm_engine
 steps = []
 with counting_collectives():
@@ -525,6 +526,7 @@ def run_records(llm):
     return out
 
 
+idle_engine(tp_llm)  # only this cell's requests in the steps it times
 run_records(single)  # warm-up
 one_steps, tp_steps = [], []
 with counting_collectives():
@@ -757,6 +759,9 @@ PROMPT_TOKENS = 256  # the knob: length of the prompt prefilled on the 2-process
 
 print(f"KV cache: {runner.num_kv_blocks * tp_llm.llm_engine.config.block_size} tokens; prompt: {PROMPT_TOKENS}")
 prompt_ids = [(7 * i) % 1000 + 100 for i in range(PROMPT_TOKENS)]  # any ids of the vocabulary will do
+idle_engine(tp_llm)
+# a longer prompt starts with every shorter one: without this, a second run would prefill only the uncached rest
+tp_llm.llm_engine.reset_prefix_cache()
 per_phase = defaultdict(list)
 with counting_collectives():
     tp_llm.llm_engine.add_request(f"play-{next(request_ids)}", prompt_ids,
