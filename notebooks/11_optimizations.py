@@ -63,7 +63,7 @@ import torch
 os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.utils.env_report import chart_provenance, describe
-from widgets import check_claim, check_prediction, render
+from widgets import check_claim, check_prediction, idle_engine, render
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
@@ -206,7 +206,8 @@ if fused is not None:
         fused.rms_norm(row, ones, 1e-6)
     per_c_us = (time.perf_counter() - t0) / 20000 * 1e6
 
-# Unprofiled decode steps at batch 1, for comparison.
+# Unprofiled decode steps at batch 1, for comparison (alone: nothing a click in the stepper added).
+idle_engine(llm)
 engine.add_request("timing", "The module provides", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
 decode = [r for r in (engine.step_with_record().record for _ in range(24)) if r.phase == "decode"][4:]
 n_ops = sum(ops.values())
@@ -734,6 +735,7 @@ greedy = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
 
 def decode_itls(llm, prompt="The module provides"):
     """Inter-token latencies (ms) of one batch-1 greedy request: one per decode step."""
+    idle_engine(llm)  # batch 1: nothing a click in the stepper added may join it
     return llm.generate([prompt], greedy, use_tqdm=False)[0].metrics.itl_ms
 
 
