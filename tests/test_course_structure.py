@@ -51,8 +51,11 @@ def structure_problems(nb) -> list[str]:
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
-def test_chapter_teaches_by_doing(src):
-    problems = structure_problems(jupytext.read(src))
+def test_chapter_teaches_by_doing_and_runs_again(src):
+    """The conventions above, and every cell runnable twice (``rerun_problems``: found by driving every
+    chapter's cells twice and out of order, 2026-12-05)."""
+    nb = jupytext.read(src)
+    problems = structure_problems(nb) + rerun_problems(nb)
     assert not problems, f"{src.name}: " + "; ".join(problems)
 
 
@@ -89,13 +92,6 @@ def rerun_problems(nb) -> list[str]:
             problems.append(f"cell {i}: builds an EngineStepper without a Reset (a second run keeps the first's "
                             "requests)")
     return problems
-
-
-@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
-def test_every_cell_can_run_again(src):
-    """Found by driving every chapter's cells twice and out of order (2026-12-05)."""
-    problems = rerun_problems(jupytext.read(src))
-    assert not problems, f"{src.name}: " + "; ".join(problems)
 
 
 def test_the_rerun_check_sees_both_hazards():
