@@ -30,10 +30,15 @@ def _require_idle(engine) -> None:
                          "measurements need it to themselves (finish or reset them first)")
 
 
+def _require_positive_int(label: str, value) -> None:
+    """Raise ``ValueError("{label} must be a positive int")`` unless ``value`` is an int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{label} must be a positive int")
+
+
 def random_prompt(engine, length: int, rng: random.Random) -> list[int]:
     """``length`` random token ids in ``[1, vocab_size)`` avoiding the eos ids."""
-    if not isinstance(length, int) or length < 1:
-        raise ValueError(f"prompt length {length!r} must be a positive int")
+    _require_positive_int(f"prompt length {length!r}", length)
     eos = set(engine.eos_token_ids)
     out = []
     while len(out) < length:
@@ -120,8 +125,7 @@ def measure_step_latency(llm, prompt_lens=(16, 32, 64, 128), decode_steps: int =
         raise ValueError(f"decode_steps={decode_steps!r}: must be an int >= 0")
     max_len = engine.config.max_model_len
     for n in prompt_lens:  # all before the first measurement: a refused call changes nothing
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"prompt length {n!r} must be a positive int")
+        _require_positive_int(f"prompt length {n!r}", n)
         if n + decode_steps + 1 > max_len:
             raise ValueError(f"prompt length {n} + decode_steps={decode_steps} + 1 output tokens = "
                              f"{n + decode_steps + 1}: more than max_model_len={max_len}")
@@ -195,8 +199,7 @@ def measure_request_latency(llm, prompt_len: int, max_tokens: int, batch: int, s
     engine = engine_of(llm)
     _require_idle(engine)  # before the reset below: a refused measurement changes nothing
     for name, value in (("prompt_len", prompt_len), ("max_tokens", max_tokens), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be a positive int")
+        _require_positive_int(f"{name}={value!r}:", value)
     if prompt_len + max_tokens > engine.config.max_model_len:
         raise ValueError(f"prompt_len={prompt_len} + max_tokens={max_tokens}: more than "
                          f"max_model_len={engine.config.max_model_len}")
