@@ -6,10 +6,10 @@ the file lacks keeps ``SamplingParams``' default. ``do_sample`` is not read (nor
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils.model_source import read_json_file
 
 #: generation_config.json key -> SamplingParams field.
 GENERATION_CONFIG_KEYS = {
@@ -20,13 +20,16 @@ GENERATION_CONFIG_KEYS = {
 
 def generation_defaults(checkpoint_dir: Path | None) -> dict:
     """The sampling fields ``checkpoint_dir/generation_config.json`` sets (empty when there is
-    no such file, e.g. for random-weight models)."""
+    no such file, e.g. for random-weight models).
+
+    Raises:
+        ValueError: the file is not a JSON object (naming it)."""
     if checkpoint_dir is None:
         return {}
     path = Path(checkpoint_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    config = json.loads(path.read_text())
+    config = read_json_file(path)
     return {field: config[key] for key, field in GENERATION_CONFIG_KEYS.items() if config.get(key) is not None}
 
 
@@ -34,6 +37,13 @@ def default_sampling_params(checkpoint_dir: Path | None) -> SamplingParams:
     """``SamplingParams`` with the checkpoint's recommended settings applied.
 
     Raises:
-        ValueError: the file holds a value ``SamplingParams`` refuses (naming the field).
+        ValueError: the file holds a value ``SamplingParams`` refuses (naming the file, the field
+            and the value).
     """
-    return SamplingParams(**generation_defaults(checkpoint_dir))
+    defaults = generation_defaults(checkpoint_dir)
+    try:
+        return SamplingParams(**defaults)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{str(Path(checkpoint_dir) / 'generation_config.json')!r}: {e} (the checkpoint's "
+                         "recommended sampling settings, used when generate() is given no sampling_params; "
+                         "correct the file)") from None

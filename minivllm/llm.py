@@ -11,7 +11,6 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 from minivllm.chat import text_messages
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, refuse_lora
-from minivllm.generation_config import default_sampling_params
 from minivllm.inputs import cache_salt_of, check_tokenization_kwargs, prompt_truncation
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import NO_BEAM_SEARCH, SamplingParams
@@ -103,7 +102,6 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, engine_args))
         self._ids = itertools.count()
-        self._default_params: SamplingParams | None = None
 
     def __getattr__(self, name: str):
         # only for names the object lacks: nano-vllm's LLM is its engine, so its scripts call these here
@@ -144,12 +142,9 @@ class LLM:
         ``SamplingParams()``'s defaults; what ``generate`` / ``stream`` / ``chat`` use when
         given no ``sampling_params`` (as vLLM does). Returns a new object each call.
 
-        Raises:
-            ValueError: a ``generation_config.json`` that does not parse, or holds a value
-                ``SamplingParams`` refuses (naming the file or the value)."""
-        if self._default_params is None:
-            self._default_params = default_sampling_params(self.engine.source.checkpoint_dir)
-        return dataclasses.replace(self._default_params)
+        A ``generation_config.json`` that does not parse, or holds a value ``SamplingParams``
+        refuses, already failed the ``LLM(...)`` call (naming the file and the value)."""
+        return dataclasses.replace(self.engine.default_sampling_params)
 
     def _submit(self, ids: list[str], prompts, sampling_params, output_kind: str, inbox: deque, lora_request=None,
                 priority=None, tokenization_kwargs: dict | None = None) -> None:

@@ -16,7 +16,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # this suite is always the interpreter; the AOT compile runs in a subprocess without the variable.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import shutil
 import sys
 import weakref
 from pathlib import Path
@@ -27,8 +26,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers_*.py
 
 from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.utils.model_source import EMBEDDED_MODEL_DIR  # noqa: E402
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @pytest.fixture(autouse=True)
@@ -58,19 +55,12 @@ def engine_invariants(monkeypatch):
     gc.collect()
 
 
-def add_tokenizer(checkpoint: Path) -> Path:
-    """Give a random checkpoint the embedded model's tokenizer files."""
-    for name in TOKENIZER_FILES:
-        shutil.copy(EMBEDDED_MODEL_DIR / name, checkpoint / name)
-    return checkpoint
-
-
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
     """A tiny random Qwen3 (vocab 97, 2 layers, head_dim 16 != 48/4, GQA 4:2) with a tokenizer."""
     from helpers_models import make_hf_checkpoint
 
-    return add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("tiny")))
+    return make_hf_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +79,7 @@ def text_ckpt(tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR))
-    return add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("text"), vocab_size=vocab))
+    return make_hf_checkpoint(tmp_path_factory.mktemp("text"), vocab_size=vocab)
 
 
 def set_generation_eos(checkpoint: Path, eos_id: int) -> Path:

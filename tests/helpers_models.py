@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from minivllm.layers.attention.torch_backend import TorchAttentionBackend
 from minivllm.models.registry import get_model_class
 from minivllm.utils import cdiv
 from minivllm.utils.loader import init_random_weights, load_weights
+from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
 
 # A tiny Qwen3 whose head_dim (16) differs from hidden / heads (48 / 4 = 12), GQA 4:2.
 SMALL_QWEN3 = dict(
@@ -59,6 +61,8 @@ def make_hf_checkpoint(tmp_path, seed: int = 0, shards: int = 1, **config_overri
     out = Path(tmp_path) / f"qwen3-seed{seed}-shards{shards}"
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a checkpoint ships its tokenizer (here the embedded one's)
+        shutil.copy(EMBEDDED_MODEL_DIR / name, out / name)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -10,7 +10,6 @@ from transformers import AutoTokenizer
 
 from helpers_engine import make_llm
 from helpers_models import make_hf_checkpoint
-from conftest import add_tokenizer
 from minivllm import SamplingParams
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
@@ -77,7 +76,7 @@ def test_joined_steps_equal_reference(tok, ids):
 
 def test_model_larger_than_tokenizer_shows_every_generated_token(tmp_path):
     """A random: preset's situation at a small size: model vocabulary 4x the tokenizer's."""
-    ckpt = add_tokenizer(make_hf_checkpoint(tmp_path, vocab_size=4 * VOCAB))
+    ckpt = make_hf_checkpoint(tmp_path, vocab_size=4 * VOCAB)
     llm = make_llm(ckpt)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
     out = llm.generate("The list", params, use_tqdm=False)[0].outputs[0]

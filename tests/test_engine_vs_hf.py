@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import add_tokenizer
 from helpers_engine import greedy, make_llm, prompts_of
 from helpers_models import load_hf_model, make_hf_checkpoint
 from minivllm.utils.model_source import EMBEDDED_MODEL_DIR
@@ -78,14 +77,14 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_random_models_match_transformers(name, tmp_path):
-    ckpt = add_tokenizer(make_hf_checkpoint(tmp_path, seed=3, **CONFIGS[name]))
+    ckpt = make_hf_checkpoint(tmp_path, seed=3, **CONFIGS[name])
     hf = load_hf_model(ckpt)
     llm = make_llm(ckpt, block_size=4)
     compare(llm, hf, prompts_of([5, 11, 17], seed=4), steps=6)
 
 
 def test_chunked_and_prefix_cached_runs_match_transformers(tmp_path):
-    ckpt = add_tokenizer(make_hf_checkpoint(tmp_path, seed=5))
+    ckpt = make_hf_checkpoint(tmp_path, seed=5)
     hf = load_hf_model(ckpt)
     llm = make_llm(ckpt, block_size=4, max_num_batched_tokens=8)
     shared = prompts_of([12], seed=6)[0]

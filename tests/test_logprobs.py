@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from conftest import add_tokenizer
 from helpers_engine import generate_spying_logits, make_llm, prompts_of
 from helpers_models import load_hf_model, make_hf_checkpoint
 from minivllm import EngineArgs, Logprob, SamplingParams
@@ -18,7 +17,7 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    ckpt = add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("logprobs"), seed=7))
+    ckpt = make_hf_checkpoint(tmp_path_factory.mktemp("logprobs"), seed=7)
     # A budget of 8 tokens: a 13-token prompt is prefilled in two chunks.
     llm = make_llm(ckpt, block_size=4, max_num_batched_tokens=8, max_logprobs=-1)  # -1: the whole vocabulary below
     yield llm, load_hf_model(ckpt)
@@ -111,7 +110,7 @@ def test_max_logprobs_caps_requests_as_vllm(tmp_path):
     """vLLM's max_logprobs (default 20, -1 no cap): a request asking for more sample or prompt
     logprobs is refused when added, naming its value, and the engine serves the others (it was
     accepted and ignored)."""
-    ckpt = add_tokenizer(make_hf_checkpoint(tmp_path, seed=7))
+    ckpt = make_hf_checkpoint(tmp_path, seed=7)
     llm = make_llm(ckpt, block_size=4)
     try:
         vocab = llm.llm_engine.vocab_size

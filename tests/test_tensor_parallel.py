@@ -174,9 +174,8 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 @pytest.fixture(scope="module")
 def ckpt_1001(tmp_path_factory) -> Path:
     """A random Qwen3 with vocabulary 1001: odd, so at tp=2 the vocab shards are padded to 1002."""
-    from conftest import add_tokenizer
-
-    return add_tokenizer(make_hf_checkpoint(tmp_path_factory.mktemp("v1001"), seed=3, vocab_size=1001))
+    
+    return make_hf_checkpoint(tmp_path_factory.mktemp("v1001"), seed=3, vocab_size=1001)
 
 
 DEFAULT_ARGS = dict(num_kvcache_blocks=64, block_size=16)

@@ -43,6 +43,7 @@ from minivllm.telemetry.peaks import Peaks, get_peaks
 from minivllm.telemetry.profiler import TorchProfile
 from minivllm.telemetry.roofline import engine_cost, fill_step_record
 from minivllm.telemetry.step_record import PlannedEntries, StepRecord, entries_of
+from minivllm.generation_config import default_sampling_params, generation_defaults
 from minivllm.utils.model_source import load_tokenizer, resolve_model, with_tokenizer
 
 logger = logging.getLogger("minivllm")
@@ -123,6 +124,9 @@ class LLMEngine:
                             "here, its engine llm.llm_engine")
         self.args = args
         self.source = with_tokenizer(resolve_model(args.model), args.tokenizer)
+        #: the checkpoint's recommended sampling settings (generation_config.json): a bad value is
+        #: named now, before the weights load, not at the first generate() without sampling_params
+        self.default_sampling_params = default_sampling_params(self.source.checkpoint_dir)
         hf = self.source.hf_config
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
@@ -204,6 +208,11 @@ class LLMEngine:
                     "kv_blocks=%d max_model_len=%d max_num_batched_tokens=%d", self.source.name, device,
                     dtype, self.config.attention_backend, block_size, self.runner.num_kv_blocks,
                     max_model_len, budget)
+        defaults = generation_defaults(self.source.checkpoint_dir)
+        if defaults:  # as vLLM says: a generate() without sampling_params does not get SamplingParams()'s defaults
+            logger.info("default sampling parameters from the checkpoint's generation_config.json (used when "
+                        "generate() gets no sampling_params): %s",
+                        ", ".join(f"{k}={v!r}" for k, v in defaults.items()))
 
     def _proposer(self, runner_config: RunnerConfig, kv_tokens: int):
         """The speculative proposer ``speculative_config`` asks for (None: no speculation)."""

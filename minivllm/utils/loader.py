@@ -19,7 +19,6 @@ packed once, here: panels for our GEMM, else oneDNN); both start by undoing that
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import zlib
@@ -30,6 +29,7 @@ from torch import nn
 
 from minivllm.layers.prepack import process_weights_after_loading, unpack_weights
 from minivllm.utils import cdiv
+from minivllm.utils.model_source import read_json_file
 from minivllm.quantization.layer import quantize_model
 
 logger = logging.getLogger(__name__)
@@ -42,14 +42,19 @@ def checkpoint_files(checkpoint_dir) -> list[Path]:
 
     Raises:
         FileNotFoundError: the directory does not exist or holds no safetensors file
-            (the message names the path).
+            (the message names the path, and any ``.bin``/``.pt``/``.gguf`` weights it holds instead).
+        ValueError: a ``model.safetensors.index.json`` that does not parse or has no ``weight_map``
+            (naming the file).
     """
     path = Path(checkpoint_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory not found: {str(path)!r}")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_file(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{str(index)!r} has no \"weight_map\" object of tensor name -> file name "
+                             f"(got {type(weight_map).__name__}); copy or download it again")
         files = [path / f for f in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
@@ -60,7 +65,10 @@ def checkpoint_files(checkpoint_dir) -> list[Path]:
         return [single]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights found in {str(path)!r}")
+        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        hint = (f" ({', '.join(other[:3])}: PyTorch pickles and GGUF are not read; convert them once with "
+                "transformers: from_pretrained(dir).save_pretrained(new_dir) writes safetensors)") if other else ""
+        raise FileNotFoundError(f"no *.safetensors weights found in {str(path)!r}{hint}")
     return files
 
 
@@ -116,7 +124,7 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
     Raises:
         FileNotFoundError: no checkpoint directory / no safetensors files (names the path).
         ValueError: tensors missing from the checkpoint (lists them by checkpoint name), a
-            tensor whose shape does not match, or a safetensors file that cannot be read
+            tensor in two files, a tensor whose shape does not match, or a safetensors file that cannot be read
             (truncated or corrupt: names the file; chained from safetensors' error).
     """
     files = checkpoint_files(checkpoint_dir)
@@ -128,6 +136,7 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
     tied = bool(getattr(model, "tie_word_embeddings", False))
     loaded: dict[str, set] = {}
     unexpected: list[str] = []
+    source: dict[str, str] = {}  # tensor name -> the file it came from
     for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -135,6 +144,11 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
             raise corrupt_file_error(file, e) from e
         with handle as f:
             for name in f.keys():
+                if name in source:  # e.g. a full model.safetensors left beside its shards, no index to choose
+                    raise ValueError(f"checkpoint {str(checkpoint_dir)!r}: tensor {name!r} is in both {source[name]!r} "
+                                     f"and {file.name!r}; remove the stale file (or add the index that lists the "
+                                     "files to load)")
+                source[name] = file.name
                 target = _resolve(name, params, mapping)
                 if target is None:
                     if not (tied and name == "lm_head.weight"):

@@ -23,14 +23,15 @@ class ModelSource:
         name: what the user asked for (display name).
         hf_config: the transformers config.
         checkpoint_dir: directory holding safetensors, or None for random weights.
-        tokenizer_dir: directory holding the tokenizer files.
+        tokenizer_dir: directory holding the tokenizer files; None for a checkpoint directory that
+            has none (``with_tokenizer`` then needs ``LLM(tokenizer=...)``).
         eos_token_ids: end-of-sequence ids from generation_config.json, else the tokenizer's.
     """
 
     name: str
     hf_config: object
     checkpoint_dir: Path | None
-    tokenizer_dir: Path
+    tokenizer_dir: Path | None
     eos_token_ids: list[int]
 
     @property
@@ -38,7 +39,7 @@ class ModelSource:
         return self.checkpoint_dir is None
 
 
-def _read_json(path: Path) -> dict:
+def read_json_file(path: Path) -> dict:
     """A checkpoint's JSON file, an object. Raises ``ValueError`` naming the file when it is not
     valid JSON or holds something else than an object."""
     try:
@@ -62,23 +63,25 @@ def load_tokenizer(directory: Path):
         return AutoTokenizer.from_pretrained(directory)
     except Exception as e:  # a file that does not parse, or of the wrong shape (KeyError, TypeError, ...)
         for path in sorted(Path(directory).glob("*.json")):
-            _read_json(path)
+            read_json_file(path)
         raise ValueError(f"the tokenizer in {str(directory)!r} could not be loaded: {e!r}") from None
 
 
-def _eos_ids(directory: Path, tokenizer_dir: Path) -> list[int]:
+def _eos_ids(directory: Path, tokenizer_dir: Path | None) -> list[int]:
     gen = directory / "generation_config.json"
     if gen.is_file():
-        eos = _read_json(gen).get("eos_token_id")
+        eos = read_json_file(gen).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer_dir is None:
+        return []
     tok_cfg = tokenizer_dir / "tokenizer_config.json"
     tok_json = tokenizer_dir / "tokenizer.json"
     if tok_cfg.is_file() and tok_json.is_file():
-        eos_tok = _read_json(tok_cfg).get("eos_token")
+        eos_tok = read_json_file(tok_cfg).get("eos_token")
         if isinstance(eos_tok, dict):
             eos_tok = eos_tok.get("content")
-        for added in _read_json(tok_json).get("added_tokens", []):
+        for added in read_json_file(tok_json).get("added_tokens", []):
             if added.get("content") == eos_tok:
                 return [added["id"]]
     return []
@@ -95,7 +98,8 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     Raises:
         FileNotFoundError: the path does not exist or has no config.json.
         ValueError: an unknown random preset, or a config, generation config or tokenizer file that
-            does not parse (naming the file).
+            does not parse (naming the file); a pre-quantized checkpoint (its config has a
+            ``quantization_config``: its weights are not floats; naming the method).
     """
     from transformers import AutoConfig
 
@@ -120,9 +124,19 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     except (OSError, ValueError) as e:  # transformers' "not a valid JSON file" is an OSError
         raise ValueError(f"model {name!r}: {str(directory / 'config.json')!r} could not be read as a model "
                          f"config: {e}") from None
-    tokenizer_dir = directory if (directory / "tokenizer_config.json").is_file() or \
-        (directory / "tokenizer.json").is_file() else EMBEDDED_MODEL_DIR
+    quant = getattr(cfg, "quantization_config", None)
+    if quant:  # fp8, GPTQ, AWQ, ...: read as floats, its weights would give noise (their scales unused)
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ValueError(
+            f"model {name!r}: a pre-quantized checkpoint (config.json's quantization_config, quant_method="
+            f"{method!r}) is not supported: minivllm loads float weights (float32, bfloat16 or float16) and "
+            "quantizes them itself with quantization='int8'")
+    tokenizer_dir = directory if _has_tokenizer(directory) else None
     return ModelSource(name, cfg, directory, tokenizer_dir, _eos_ids(directory, tokenizer_dir))
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()
 
 
 def with_tokenizer(source: ModelSource, tokenizer: str | os.PathLike | None) -> ModelSource:
@@ -133,12 +147,18 @@ def with_tokenizer(source: ModelSource, tokenizer: str | os.PathLike | None) -> 
     has one, else the given tokenizer's.
 
     Raises:
-        FileNotFoundError: neither, naming the value.
+        FileNotFoundError: neither, naming the value; ``None`` for a checkpoint directory without
+            tokenizer files (as vLLM, which would fail to load one there; naming the directory).
     """
     if tokenizer is None or str(tokenizer) == source.name:
+        if source.tokenizer_dir is None:
+            raise FileNotFoundError(
+                f"model {source.name!r}: no tokenizer.json or tokenizer_config.json in {str(source.checkpoint_dir)!r}. "
+                "Copy the tokenizer the model was trained with there, or give LLM(tokenizer=<its directory>) "
+                f"({EMBEDDED_MODEL_NAME!r} for the embedded model's).")
         return source
     directory = EMBEDDED_CHECKPOINTS.get(str(tokenizer)) or Path(tokenizer).expanduser()
-    if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()):
+    if not _has_tokenizer(directory):
         raise FileNotFoundError(
             f"tokenizer {str(tokenizer)!r}: no tokenizer.json or tokenizer_config.json in {str(directory)!r}. Give a "
             f"local directory with a Hugging Face tokenizer, {EMBEDDED_MODEL_NAME!r}, or None for the model's own "
