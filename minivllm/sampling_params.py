@@ -93,8 +93,9 @@ class SamplingParams:
             clamped to [-100, 100], as OpenAI's API does).
         allowed_token_ids: only these token ids can be generated (non-empty list).
         bad_words: words that must not be generated: a word's last token is masked whenever
-            the output ends with the word's other tokens (the word is tokenized both alone
-            and after a space). Held as a list (``[]`` for None, as in vLLM).
+            the output ends with the word's other tokens (the word is tokenized alone, and after
+            a space where that gives as many tokens with another first one, as vLLM does). Held as
+            a list (``[]`` for None, as in vLLM).
         include_stop_str_in_output: keep the matched stop string at the end of ``text``.
         skip_special_tokens: leave special tokens' text out of ``text``.
         spaces_between_special_tokens: put spaces between special tokens in ``text`` (only

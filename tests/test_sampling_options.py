@@ -161,6 +161,19 @@ def test_bad_words(llm):
     assert banned_by_bad_words([[5], [1, 2, 3], [9, 4]], [7, 1, 2]) == [5, 3]
 
 
+def test_bad_words_variant_after_a_space_follows_vllms_rule(embedded):
+    """vLLM bans " word" too only where it is as many tokens as "word" with another first token; it was
+    banned whatever its tokenization ("getitem": [1616] alone, " getitem" three tokens, also banned)."""
+    tok, engine = embedded.tokenizer, embedded.llm_engine
+    for word in ("getitem", "module", "xyzzy", " list"):
+        bare = tok.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+        want = [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+        assert engine._bad_words_token_ids([word]) == want, word
+    getitem = tok.encode(" getitem", add_special_tokens=False)
+    assert len(getitem) != len(tok.encode("getitem", add_special_tokens=False))  # the case the rule leaves out
+
+
 def test_stop_token_text_is_left_out_and_stop_strings_earliest_completing_wins(llm):
     tok = llm.tokenizer
     plain = run(llm, G(8))

@@ -377,12 +377,16 @@ class LLMEngine:
                                      f"model's vocabulary [0, {self.vocab_size})")
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word tokenized alone and after a space (vLLM's two variants); variants
-        holding ids outside the model's vocabulary cannot be generated and are dropped."""
+        """Each bad word tokenized alone, and after a space where that makes another word of as many
+        tokens (vLLM's ``SamplingParams.update_from_tokenizer`` rule: " word" as a new first token,
+        not a space token before the word's own); variants holding ids outside the model's
+        vocabulary cannot be generated and are dropped."""
         out = []
         for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            variants = [bare] + ([spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [])
+            for ids in variants:
                 if ids and ids not in out and max(ids) < self.vocab_size:
                     out.append(ids)
         return out
