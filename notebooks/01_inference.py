@@ -65,7 +65,7 @@ MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
 
 # %%
-from widgets import check_claim, check_prediction, render
+from widgets import check_claim, check_prediction, idle_engine, render
 
 llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64)
 engine = llm.llm_engine
@@ -259,6 +259,7 @@ print("engine text:", repr(out.outputs[0].text), "| finish_reason:", out.outputs
 # %%
 from minivllm.telemetry.roofline import step_cost
 
+idle_engine(engine)  # what an interrupted run of this cell left queued would join its steps
 engine_runs = []  # per run: the StepRecord of every step
 for r in range(REPEATS):
     engine.add_request(f"timed{r}", PROMPT, greedy)

@@ -60,7 +60,7 @@ MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
 
 # %%
-from widgets import check_claim, check_prediction, render
+from widgets import check_claim, check_prediction, idle_engine, render
 
 llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64)
 engine = llm.llm_engine
@@ -212,6 +212,7 @@ def timed_ms(fn, repeats=REPEATS):
 
 rows = []
 greedy6 = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # 5 decode steps: a median of 5
+idle_engine(engine)  # a request an interrupted run of this cell left would join its steps
 for L in LENGTHS:
     ids = text_ids[:L]
     scratch = new_cache(L)  # made, and written once, outside the clock: every timed pass rewrites all L slots

@@ -217,7 +217,7 @@ rows_df = pd.DataFrame(rows_table).set_index("rows")
 rows_df.round(2)
 
 # %%
-from widgets import check_claim, check_prediction, render
+from widgets import check_claim, check_prediction, idle_engine, render
 
 t1, t128 = rows_df.loc[1, "ms (median of 5)"], rows_df.loc[128, "ms (median of 5)"]
 check_prediction(my_prediction, t128 / t1, rel_tol=0.5, unit="x", what="time(128 rows) / time(1 row)")
@@ -306,6 +306,7 @@ print(f"{ROWS} rows: intensity {f / b:.1f} FLOP/byte (ridge {cpu_peaks.ridge_int
 PROMPT = 'Return a new list containing all items from the iterable in ascending order. A custom key function can be supplied to customize the sort order.'
 tok = llm.get_tokenizer()
 print(f"prompt: {len(tok.encode(PROMPT))} tokens -> {-(-len(tok.encode(PROMPT)) // BLOCK_SIZE)} KV blocks of {BLOCK_SIZE}")
+idle_engine(engine)  # only this request in the steps (the stepper below, or an interrupted run, may leave one)
 engine.reset_prefix_cache()  # run again, this cell would otherwise find its prompt's blocks cached
 engine.add_request("by-hand", PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
 n, blocks_after = 0, []

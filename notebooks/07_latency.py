@@ -112,6 +112,7 @@ WHERE = f"{me.source.name}, {cfg.device}, {DTYPE}, {torch.get_num_threads()} thr
 # %%
 import random
 
+from widgets import idle_engine
 from widgets.measure import random_prompt
 
 rng = random.Random(6)
@@ -121,6 +122,7 @@ prompts = {rid: random_prompt(me, n_prompt, rng) for rid, (n_prompt, _) in WORKL
 
 def run_workload(tag=""):
     """Add the five requests together, step until all finish: the step records and final outputs."""
+    idle_engine(me)  # what an interrupted run left queued would join these steps
     for rid, (_, n_out) in WORKLOAD.items():
         me.add_request(tag + rid, prompts[rid], SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
     records, done = [], {}

@@ -95,8 +95,11 @@ def setting(llm):
 
 # %%
 # NBVAL_CHECK_OUTPUT
+from widgets import idle_engine
+
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 eng = cached.llm_engine
+idle_engine(eng)  # what an interrupted run of this cell left queued would join its steps
 eng.reset_prefix_cache()  # the first request computes the system prompt, also when this cell runs again
 sys_len = len(tok.encode(SYSTEM))
 print(f"system prompt: {sys_len} tokens = {sys_len // BLOCK_SIZE} full blocks + {sys_len % BLOCK_SIZE} tokens")

@@ -145,6 +145,7 @@ def profile_call(fn):
     return out, ops, c_calls, kernels
 
 
+engine.abort_request([f"extra-{i}" for i in range(3)])  # left by an interrupted run of this cell, if any
 if not engine.has_unfinished_requests():  # this cell ran before and finished the request: start it again
     start_stepper()
 rec, ops, c_calls, kernels = profile_call(stepper.step)
@@ -1062,6 +1063,7 @@ check_prediction(my_prediction, b1_speedup, rel_tol=0.25, unit="x", what="the ba
 
 # %%
 s_engine = s_llm.llm_engine
+idle_engine(s_engine)  # what an interrupted run of this cell left queued would join its steps
 s_engine.add_request("steps", repeating_prompt(0), GREEDY)
 recs = []
 while s_engine.has_unfinished_requests():

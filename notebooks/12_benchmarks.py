@@ -64,7 +64,7 @@ import torch
 os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
 from minivllm.utils.env_report import describe
-from widgets import check_claim, check_prediction, render
+from widgets import check_claim, check_prediction, idle_engine, render
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
@@ -225,6 +225,7 @@ my_prediction = None  # your guess: number of engine steps that carry prefill to
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
 llm.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
 # The workload once step by step, to count the steps that carry prefill tokens ...
+idle_engine(engine)  # what an interrupted run of this cell left queued would join its steps
 llm.reset_prefix_cache()  # no prompt finds its blocks cached from an earlier run
 for i, (p, sp) in enumerate(zip(wl.prompts, params)):
     engine.add_request(f"count-{i}", {"prompt_token_ids": p}, sp)

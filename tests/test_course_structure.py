@@ -87,15 +87,26 @@ def rerun_problems(nb) -> list[str]:
                     for n in names:
                         if isinstance(n, ast.Name) and n.id not in bound:
                             problems.append(f"cell {i}: del {n.id} (bound in another cell: NameError when run again)")
-        fresh_engine = re.search(r"= LLM\(", cell.source)  # a stepper on an engine this cell builds starts idle
+        fresh_engine = re.search(r"\bLLM\(", cell.source)  # a stepper on an engine this cell builds starts idle
         if re.search(r"^\w+ = EngineStepper\(", cell.source, re.M) and ".reset()" not in cell.source and not fresh_engine:
             problems.append(f"cell {i}: builds an EngineStepper without a Reset (a second run keeps the first's "
                             "requests)")
+        adds = re.search(r"\b(?!stepper\b)\w+\.add_request\(", cell.source)
+        steps = re.search(r"\.step(_with_record)?\(", cell.source)
+        cleared = any(s in cell.source for s in ("idle_engine(", "abort_request(", "finally:"))
+        if adds and steps and not cleared and not fresh_engine:
+            problems.append(f"cell {i}: adds requests and steps the engine without clearing what an interrupted run "
+                            "left (idle_engine, abort_request or a finally): run again, 'request_id already in use'")
     return problems
 
 
-def test_the_rerun_check_sees_both_hazards():
+def test_the_rerun_check_sees_each_hazard():
     nb = jupytext.reads("# %%\nstepper = EngineStepper(llm)\nstepper.add_request('x')\n\n# %%\ndel stepper\n"
-                        "\n# %%\nw = 1\ndel w\n", fmt="py:percent")
+                        "\n# %%\nw = 1\ndel w\n"
+                        "\n# %%\nengine.add_request('a', 'x', sp)\nwhile engine.has_unfinished_requests():\n    engine.step()\n"
+                        "\n# %%\nidle_engine(engine)\nengine.add_request('a', 'x', sp)\nengine.step()\n",
+                        fmt="py:percent")
     problems = rerun_problems(nb)
-    assert len(problems) == 2 and "without a Reset" in problems[0] and "del stepper" in problems[1], problems
+    assert len(problems) == 3, problems
+    assert "without a Reset" in problems[0] and "del stepper" in problems[1], problems
+    assert problems[2].startswith("cell 3: adds requests") and "interrupted" in problems[2], problems
