@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -76,6 +77,23 @@ def test_tied_checkpoint_without_lm_head_loads(tmp_path):
     load_weights(model, path)
     emb = load_file(str(path / "model.safetensors"))["model.embed_tokens.weight"]
     assert torch.equal(model.lm_head.weight, emb)
+
+
+def test_tied_checkpoint_with_a_different_lm_head_says_the_embedding_is_used(tmp_path, caplog):
+    """tie_word_embeddings=true beside a separate lm_head.weight: vLLM uses the embedding (as here), transformers
+    may keep the head, and the logits differ; the separate head was dropped without a word."""
+    path = make_hf_checkpoint(tmp_path, tie_word_embeddings=True)
+    state = load_file(str(path / "model.safetensors"))
+    for head, warned in ((state["model.embed_tokens.weight"].clone(), False),
+                         (state["model.embed_tokens.weight"] + 1.0, True)):
+        save_file({**state, "lm_head.weight": head}, str(path / "model.safetensors"), metadata={"format": "pt"})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="minivllm"):
+            model = _model(path)
+            load_weights(model, path)
+        assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+        said = [r.getMessage() for r in caplog.records if "tie_word_embeddings=true" in r.getMessage()]
+        assert len(said) == warned, said
 
 
 def test_already_packed_names_load(tmp_path):

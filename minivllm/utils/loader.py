@@ -107,6 +107,22 @@ def _resolve(name: str, params: dict[str, nn.Parameter], mapping: dict) -> tuple
     return None
 
 
+def _tied_head_differs(directory: Path, source: dict[str, str], rows: int = 64) -> bool:
+    """Whether a tied checkpoint's own ``lm_head.weight`` differs from its embedding (compared on
+    their first ``rows`` rows: enough to tell a separate head, without reading a second vocabulary-sized
+    tensor)."""
+    from safetensors import safe_open
+
+    names = ("lm_head.weight", "model.embed_tokens.weight")
+    if not all(n in source for n in names):
+        return False
+    head, embed = [], []
+    for n, out in zip(names, (head, embed)):
+        with safe_open(str(directory / source[n]), framework="pt", device="cpu") as f:
+            out.append(f.get_slice(n)[:rows])
+    return head[0].shape != embed[0].shape or not torch.equal(head[0], embed[0])
+
+
 def corrupt_file_error(file: Path, cause: Exception) -> ValueError:
     """The error for a safetensors file whose header or data cannot be read."""
     return ValueError(f"checkpoint file {str(file)!r} is corrupt or truncated (safetensors: {cause}); "
@@ -169,6 +185,10 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
                 except ValueError as e:
                     raise ValueError(f"{name} (from {file.name}): {e}") from None
                 loaded.setdefault(pname, set()).add(_ALL if shard is None else shard)
+    if tied and _tied_head_differs(files[0].parent, source):
+        logger.warning("checkpoint %r: config.json says tie_word_embeddings=true, yet its lm_head.weight differs "
+                       "from model.embed_tokens.weight; the LM head is the embedding, as in vLLM (transformers may "
+                       "keep the separate head: set tie_word_embeddings=false to use it)", str(checkpoint_dir))
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use: %s%s", len(unexpected),
                        unexpected[:10], " ..." if len(unexpected) > 10 else "")
