@@ -33,6 +33,7 @@ from minivllm.engine.output_processor import OutputKind, OutputProcessor, Reques
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.transaction import StepTransaction
+from minivllm.generation_config import default_sampling_params, generation_defaults
 from minivllm.inputs import cache_salt_of, check_tokenization_kwargs, prompt_truncation
 from minivllm.layers.attention import default_block_size, resolve_backend_name
 from minivllm.outputs import RequestOutput
@@ -43,7 +44,6 @@ from minivllm.telemetry.peaks import Peaks, get_peaks
 from minivllm.telemetry.profiler import TorchProfile
 from minivllm.telemetry.roofline import engine_cost, fill_step_record
 from minivllm.telemetry.step_record import PlannedEntries, StepRecord, entries_of
-from minivllm.generation_config import default_sampling_params, generation_defaults
 from minivllm.utils.model_source import load_tokenizer, resolve_model, with_tokenizer
 
 logger = logging.getLogger("minivllm")
