@@ -336,6 +336,33 @@ def test_bench_quantization_mode_reports_ratio_and_agreement():
         run_cli(["--quantization", "int4", "--quiet"])
 
 
+def test_bench_quantization_gives_each_gpu_engine_its_own_kv_pool(monkeypatch):
+    """Both engines live at once: on a GPU the second one's memory profile counted the first's pool (0.9 of
+    the device) as its own use and found no room for a block (gpu_check's int8 section, bench
+    --quantization). Each now gets an explicit 1 GiB pool there, unless the caller sizes one."""
+    import minivllm.config
+    from minivllm.bench import quant
+
+    built = []
+
+    def fake_build(model, **kw):
+        built.append(kw)
+        raise RuntimeError("stop after the first build")
+
+    monkeypatch.setattr(quant, "build_llm", fake_build)
+    monkeypatch.setattr(minivllm.config, "resolve_device", lambda device: torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="first build"):
+        quant.run_quantization("random:qwen3-0.6b", peaks=False)
+    assert built[-1].get("kv_cache_memory_bytes") == quant.TWO_ENGINE_KV_BYTES
+    with pytest.raises(RuntimeError, match="first build"):
+        quant.run_quantization("random:qwen3-0.6b", peaks=False, gpu_memory_utilization=0.4)
+    assert "kv_cache_memory_bytes" not in built[-1] and built[-1]["gpu_memory_utilization"] == 0.4
+    monkeypatch.setattr(minivllm.config, "resolve_device", lambda device: torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="first build"):
+        quant.run_quantization("random:qwen3-0.6b", peaks=False)
+    assert "kv_cache_memory_bytes" not in built[-1]  # the CPU default (512 MiB) stands
+
+
 def test_accuracy_report_skips_the_loss_where_no_training_script_ships(monkeypatch, tmp_path, capsys):
     """On a wheel install (no scripts/) `python -m minivllm.quantization.accuracy` ended in a
     FileNotFoundError traceback before any figure; the held-out loss is now skipped, saying why."""

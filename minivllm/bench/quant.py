@@ -62,14 +62,33 @@ def _timed_decode(llm, prompt_ids: list[int], decode_tokens: int) -> tuple[float
     return out.metrics.tpot_ms, out.metrics.itl_ms
 
 
+#: KV pool of each of the two engines on a GPU (batch-1 decode and 16 short agreement prompts use a
+#: fraction of it, whatever the block size)
+TWO_ENGINE_KV_BYTES = 1 << 30
+
+
+def two_engine_kv_args(engine_args: dict) -> dict:
+    """``engine_args`` with an explicit KV pool (``TWO_ENGINE_KV_BYTES``) on a GPU when they size none:
+    the two engines live at once, and the second's memory profile would count the first's pool, sized
+    to ``gpu_memory_utilization`` of the device, as its own use and find no room for one block."""
+    from minivllm.config import resolve_device
+
+    sized = any(engine_args.get(k) is not None
+                for k in ("num_kvcache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization"))
+    if sized or resolve_device(engine_args.get("device") or "auto").type != "cuda":
+        return engine_args
+    return {**engine_args, "kv_cache_memory_bytes": TWO_ENGINE_KV_BYTES}
+
+
 def run_quantization(model: str | None = None, *, quantization: str = "int8", quantize_lm_head: bool = True,
                      prompt_len: int = 16, decode_tokens: int = 32, rounds: int = 3, seed: int = 0,
                      agreement_tokens: int = 32, peaks: bool = True, log=print, peak_kwargs: dict | None = None,
                      **engine_args) -> QuantizationResult:
     """Measure batch-1 decode with and without ``quantization`` (see the module docstring).
 
-    ``engine_args`` go to both ``LLM`` instances. ``peaks=False`` skips the device peak
-    measurement (then MBU is None).
+    ``engine_args`` go to both ``LLM`` instances (on a GPU, with a 1 GiB KV pool each unless they
+    size one: :func:`two_engine_kv_args`). ``peaks=False`` skips the device peak measurement (then
+    MBU is None).
 
     Raises:
         ValueError: an unknown ``quantization`` or a non-positive count.
@@ -87,6 +106,7 @@ def run_quantization(model: str | None = None, *, quantization: str = "int8", qu
                     ("agreement_tokens", agreement_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r}: must be a positive int")
+    engine_args = two_engine_kv_args(engine_args)
     base = build_llm(model, **engine_args)
     try:
         quant = build_llm(model, quantization=quantization, quantize_lm_head=quantize_lm_head, **engine_args)
