@@ -429,6 +429,15 @@ class CudaGraphDecodeRunner:
             return self._ready and self.not_capturable is None
         return bool(self._graphs)
 
+    def release(self) -> None:
+        """Drop every graph, and with them the model and KV cache they hold: a recorded graph keeps
+        the closure that runs the forward, which refers back to this runner, so without this the
+        whole engine's memory waited for Python's cycle collector after ``shutdown``."""
+        self._graphs.clear()
+        self._ready = False
+        self.model = None
+        self.kv_caches = []
+
     @property
     def graph_keys(self) -> list[tuple]:
         """``(batch bucket, context bound)`` of every captured graph (CPU graphs: ``(batch

@@ -44,6 +44,7 @@ from minivllm.telemetry.peaks import Peaks, get_peaks
 from minivllm.telemetry.profiler import TorchProfile
 from minivllm.telemetry.roofline import engine_cost, fill_step_record
 from minivllm.telemetry.step_record import PlannedEntries, StepRecord, entries_of
+from minivllm.utils.heap_trim import trim_heap
 from minivllm.utils.model_source import load_tokenizer, resolve_model, with_tokenizer
 
 logger = logging.getLogger("minivllm")
@@ -815,5 +816,6 @@ class LLMEngine:
         proposer_shutdown = getattr(self.scheduler.config.propose, "shutdown", None)
         if proposer_shutdown is not None:
             proposer_shutdown()
+        trim_heap()  # the freed weights go back to the OS, not only to this process's C heap
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -917,7 +917,12 @@ class ModelRunner:
         if getattr(self, "kv_prefaulter", None) is not None:
             self.kv_prefaulter.close()
             self.kv_prefaulter = None
+        if self.graph_runner is not None:
+            self.graph_runner.release()  # its graphs refer back to it: freed now, not at the next gc pass
         self.graph_runner = None
+        if self.model is not None:  # a parameter's weight_loader is its module's bound method: a cycle
+            for param in self.model.parameters():
+                param.__dict__.pop("weight_loader", None)
         self.kv_caches = []
         self.kv_cache = None
         self.model = None
