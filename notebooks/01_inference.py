@@ -171,25 +171,28 @@ for p, i in zip(*torch.topk(probs, 5)):
 # running the loop.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: tokens pushed through the model by the 24 passes, in total
+my_prediction_1 = None  # your guess: tokens pushed through the model by the 24 passes, in total
 
 # %%
 NEW_TOKENS = 24
 REPEATS = 3  # the loop runs 3 times (same tokens each time); a token's time is the median of its 3 runs
-runs_ms = []
+runs = []  # per run: (tokens chosen, tokens fed per pass, ms per pass)
 for _ in range(REPEATS):
     seq = list(prompt_ids)
-    by_hand, fed, ms = [], [], []
+    chosen, fed_run, ms = [], [], []
     for _ in range(NEW_TOKENS):
         t0 = time.perf_counter()
         nxt = int(torch.argmax(next_token_logits(seq)))  # greedy
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         ms.append((time.perf_counter() - t0) * 1e3)
-        fed.append(len(seq))  # tokens that went through the model in this pass
+        fed_run.append(len(seq))  # tokens that went through the model in this pass
         seq.append(nxt)
-        by_hand.append(nxt)
-    runs_ms.append(ms)
+        chosen.append(nxt)
+    runs.append((chosen, fed_run, ms))
+# named once every run is done: an interrupted cell leaves the last whole run's figures, not half a run's
+by_hand, fed, _ = runs[-1]
+runs_ms = [ms for _, _, ms in runs]
 by_hand_ms = [statistics.median(t) for t in zip(*runs_ms)]
 
 # %%
@@ -198,7 +201,7 @@ print("by hand:", by_hand)
 print(repr(PROMPT + tok.decode(by_hand)))
 
 # %%
-_ = check_prediction(my_prediction, sum(fed), rel_tol=0.05, unit="tokens",
+_ = check_prediction(my_prediction_1, sum(fed), rel_tol=0.05, unit="tokens",
                      what="the number of tokens the hand-written loop pushed through the model")
 
 # %% [markdown] tags=["solution"]
@@ -300,7 +303,7 @@ _ = check_claim("the hand-written loop does more work (FLOPs) for every new toke
 # times** for the 24 tokens: hand-written loop divided by engine.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: total time by hand / total time through the engine (a ratio, x)
+my_prediction_2 = None  # your guess: total time by hand / total time through the engine (a ratio, x)
 
 # %%
 time_ratio = sum(by_hand_ms) / sum(engine_ms)
@@ -309,7 +312,7 @@ for i in (0, 1, NEW_TOKENS // 2, NEW_TOKENS - 1):
     print(f"{i:5d} {lengths[i]:16d} {by_hand_ms[i]:13.2f} {engine_ms[i]:17.2f}   "
           f"({records[i].phase}, {records[i].num_tokens} token(s) in the forward pass)")
 print(f"total for {NEW_TOKENS} tokens: by hand {sum(by_hand_ms):.1f} ms, engine {sum(engine_ms):.1f} ms")
-_ = check_prediction(my_prediction, time_ratio, rel_tol=0.3, unit="x", what="the time ratio (by hand / engine)")
+_ = check_prediction(my_prediction_2, time_ratio, rel_tol=0.3, unit="x", what="the time ratio (by hand / engine)")
 flop_ratio = sum(hand_mflop) / sum(engine_mflop)
 _ = check_claim("the time ratio is below the work ratio", time_ratio < flop_ratio,
                 f"time {time_ratio:.1f}x, FLOPs {flop_ratio:.1f}x",
@@ -423,6 +426,8 @@ print("tokens so far:", so_far, "| the same as the first ones by hand:", so_far 
 PLAY_PROMPT = "To open a file for reading, call"  # the knob: any text
 
 play_ids = tok.encode(PLAY_PROMPT)
+if not play_ids:
+    raise ValueError(f"PLAY_PROMPT={PLAY_PROMPT!r} has no tokens: write some text to continue")
 print(f"{len(play_ids)} tokens:", " | ".join(repr(tok.decode([i])) for i in play_ids))
 play_probs = torch.softmax(next_token_logits(play_ids), dim=-1)
 for p_, i in zip(*torch.topk(play_probs, 5)):

@@ -110,7 +110,7 @@ print(model.model.layers[0])
 # vector it normalises. How many parameters does one decoder layer hold?
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: parameters in one decoder layer (a count)
+my_prediction_1 = None  # your guess: parameters in one decoder layer (a count)
 
 # %% [markdown]
 # ### Parameter counts, measured and derived
@@ -155,7 +155,7 @@ for name, (got, want) in parts.items():
 print(f"{'total':28s} {total_unique:10,d} {sum(w for _, w in parts.values()):12,d}")
 
 # %%
-_ = check_prediction(my_prediction, per_layer, rel_tol=0.02, unit="parameters",
+_ = check_prediction(my_prediction_1, per_layer, rel_tol=0.02, unit="parameters",
                      what="the measured count of one decoder layer")
 
 # %% [markdown] tags=["solution"]
@@ -235,7 +235,7 @@ for name, c in configs.items():
     print(name + ": " + ", ".join(f"{f} {getattr(c, f)}" for f in FIELDS + FLAGS))
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: Qwen3-0.6B's parameters, in millions
+my_prediction_2 = None  # your guess: Qwen3-0.6B's parameters, in millions
 
 # %%
 from minivllm.models.hf_config import get_head_dim
@@ -263,7 +263,7 @@ for r in rows:
           f"{r['mlp']:6.1%} {r['bf16_gib']:9.2f} GiB")
 print("(*) what the weights take stored in bfloat16: parameters x 2 bytes")
 params06 = next(r["params"] for r in rows if r["model"] == "Qwen3-0.6B")
-_ = check_prediction(my_prediction, params06 / 1e6, rel_tol=0.05, unit="M",
+_ = check_prediction(my_prediction_2, params06 / 1e6, rel_tol=0.05, unit="M",
                      what="the parameters counted on the model built from the config")
 
 # %% [markdown] tags=["solution"]

@@ -48,6 +48,7 @@ import os
 import statistics
 import time
 
+import pandas as pd  # imported here, not at the end of the long timing cell, where an interrupt could cut it in half
 import torch
 
 # minivllm logs its startup (device, backend, KV cache size) at INFO; the course keeps those lines
@@ -185,7 +186,7 @@ print(repr(PROMPT + tok.decode(with_cache)))
 # times longer the step **without** a cache takes than the step **with** one, on this machine.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: time without cache / time with cache at L = 512 (a ratio, x)
+my_prediction_1 = None  # your guess: time without cache / time with cache at L = 512 (a ratio, x)
 
 # %%
 from pydoc_data.topics import topics  # a long English text that ships with Python
@@ -237,8 +238,6 @@ for L in LENGTHS:
                      engine_spread=sorted(decode_ms)[3] - sorted(decode_ms)[1],
                      no_cache_mflop=flops_full / 1e6, cache_mflop=flops_step / 1e6))
 
-import pandas as pd
-
 df = pd.DataFrame(rows).set_index("L")
 df["time ratio"] = df.no_cache_ms / df.cache_ms
 df["FLOP ratio"] = df.no_cache_mflop / df.cache_mflop
@@ -275,7 +274,7 @@ show_figure(fig)
 longest = LENGTHS[-1]
 print(f"at L={longest}: without cache {df.no_cache_ms[longest]:.1f} ms, with cache {df.cache_ms[longest]:.2f} ms "
       f"({df['time ratio'][longest]:.1f}x); the FLOPs differ {df['FLOP ratio'][longest]:.0f}x")
-_ = check_prediction(my_prediction, df["time ratio"][longest], rel_tol=0.5, unit="x",
+_ = check_prediction(my_prediction_1, df["time ratio"][longest], rel_tol=0.5, unit="x",
                      what="the time ratio (without cache / with cache) at the longest length")
 
 # %% [markdown] tags=["solution"]
@@ -455,7 +454,7 @@ print(f"Qwen3-0.6B: {cfg06.num_hidden_layers} layers, {cfg06.num_attention_heads
 # token slots with that configuration and measures the tensor it returns.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: KV bytes per token, Qwen3-0.6B, bf16
+my_prediction_2 = None  # your guess: KV bytes per token, Qwen3-0.6B, bf16
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -470,7 +469,7 @@ for dt in (torch.bfloat16, torch.float32):
     del pool
 
 # %%
-_ = check_prediction(my_prediction, kv06[torch.bfloat16], rel_tol=0.02, unit="bytes",
+_ = check_prediction(my_prediction_2, kv06[torch.bfloat16], rel_tol=0.02, unit="bytes",
                      what="the measured bytes per token (bf16)")
 
 # %% [markdown] tags=["solution"]

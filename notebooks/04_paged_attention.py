@@ -140,7 +140,7 @@ show_tables()
 # the pool will be in use after those 12 steps? Write your answer, then run the next cells.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: blocks in use after 12 decode steps (a whole number)
+my_prediction_1 = None  # your guess: blocks in use after 12 decode steps (a whole number)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -151,7 +151,7 @@ show_tables()
 # %%
 from widgets import check_prediction
 
-check_prediction(my_prediction, bm.num_used_blocks, rel_tol=0, unit="blocks",
+check_prediction(my_prediction_1, bm.num_used_blocks, rel_tol=0, unit="blocks",
                  what="blocks in use after 12 decode steps");
 
 # %% [markdown] tags=["solution"]
@@ -435,7 +435,7 @@ check_claim("paging ran more requests at once than a max_model_len reservation f
 # decode step with 1? (1.0 would mean "the same"; 8.0 would mean "no gain from batching".)
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: decode step time at batch 8 / at batch 1 (a ratio, x)
+my_prediction_2 = None  # your guess: decode step time at batch 8 / at batch 1 (a ratio, x)
 
 # %%
 import statistics
@@ -452,7 +452,7 @@ t1, t8 = min(step_ms[1]), min(step_ms[8])  # the fastest repeat: the slower ones
 ratio = t8 / t1
 print(f"decode step, batch 1: {t1:.2f} ms (repeats {min(step_ms[1]):.2f}-{max(step_ms[1]):.2f}); "
       f"batch 8: {t8:.2f} ms (repeats {min(step_ms[8]):.2f}-{max(step_ms[8]):.2f})")
-check_prediction(my_prediction, ratio, rel_tol=0.3, unit="x", what="the batch-8 / batch-1 step time ratio");
+check_prediction(my_prediction_2, ratio, rel_tol=0.3, unit="x", what="the batch-8 / batch-1 step time ratio");
 render(f"A decode step of 8 sequences took **{ratio:.2f}x** a step of 1 here, so 8 sequences in memory "
        f"produce **{8 / ratio:.1f}x** the tokens per second of one ({setting(work)}). Each sequence beyond the "
        f"first added {(t8 - t1) / 7:.2f} ms, {(t8 - t1) / 7 / t1:.0%} of a batch-1 step: that is the per-sequence "

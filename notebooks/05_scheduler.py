@@ -128,7 +128,7 @@ print(f"{work.num_requests} requests, {work.num_prompt_tokens} prompt tokens, {w
 # gives each unfinished request one more token. How many engine steps will the static run take in all?
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: engine steps of the static run (a whole number)
+my_prediction_1 = None  # your guess: engine steps of the static run (a whole number)
 
 # %%
 from dataclasses import dataclass
@@ -207,7 +207,7 @@ print("same greedy tokens for every request:", static_tokens == cont_tokens)
 # %%
 from widgets import check_claim, check_prediction, render
 
-check_prediction(my_prediction, len(static_steps), rel_tol=0, unit="steps", what="engine steps of the static run");
+check_prediction(my_prediction_1, len(static_steps), rel_tol=0, unit="steps", what="engine steps of the static run");
 # a prefill chunk that stops short of the end of its prompt samples no token (ScheduledEntry.sampled)
 prefills = lambda records: [e for r in records for e in r.scheduled if e.is_prefill]
 chunks = lambda records: [e for e in prefills(records) if not e.sampled]
@@ -234,7 +234,7 @@ check_claim("no prompt was split into chunks: every prefill of both runs reached
 # continuous batching's throughput (output tokens per second) divided by static batching's.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: continuous / static output tokens per second (a ratio, x)
+my_prediction_2 = None  # your guess: continuous / static output tokens per second (a ratio, x)
 
 # %%
 import statistics
@@ -273,7 +273,7 @@ check_claim(f"a decode step with {SEATS} sequences costs less than {SEATS} steps
             f"median {d4:.2f} ms vs {d1:.2f} ms over {len(decode_ms[SEATS])} and {len(decode_ms[1])} steps",
             why_it_may_not="On a busy machine single steps can be slowed by neighbours; a model large enough "
                            "to be compute-bound also breaks it.");
-check_prediction(my_prediction, static_s / cont_s, rel_tol=0.2, unit="x",
+check_prediction(my_prediction_2, static_s / cont_s, rel_tol=0.2, unit="x",
                  what="continuous / static throughput");
 spread = {k: (min(r.seconds for r in v) * 1e3, max(r.seconds for r in v) * 1e3) for k, v in timed.items()}
 gain = static_s / cont_s

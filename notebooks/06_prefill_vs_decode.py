@@ -174,7 +174,7 @@ for t in (1, 128):
 # these products still run on the CPU, and the cell below measures the CPU's own.)
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: time(128 rows) / time(1 row), a ratio (x)
+my_prediction_1 = None  # your guess: time(128 rows) / time(1 row), a ratio (x)
 
 # %%
 import statistics
@@ -220,7 +220,7 @@ rows_df.round(2)
 from widgets import check_claim, check_prediction, idle_engine, render
 
 t1, t128 = rows_df.loc[1, "ms (median of 5)"], rows_df.loc[128, "ms (median of 5)"]
-check_prediction(my_prediction, t128 / t1, rel_tol=0.5, unit="x", what="time(128 rows) / time(1 row)")
+check_prediction(my_prediction_1, t128 / t1, rel_tol=0.5, unit="x", what="time(128 rows) / time(1 row)")
 render(f"Here 128 times the arithmetic took **{t128 / t1:.1f}x** the time: the one-row product ran at "
        f"{rows_df.loc[1, 'GFLOP/s']:.1f} GFLOP/s while streaming its weights at "
        f"{rows_df.loc[1, 'GB/s of weights']:.1f} GB/s (the CPU's measured read ceiling is {CPU_BW / 1e9:.1f} GB/s); "
@@ -550,6 +550,8 @@ render(f"{engine.source.name}'s weights are {tiny_weight_bytes / 1e6:.1f} MB; at
 
 # %%
 KV_POOL_BYTES = 64 << 20  # the big model's KV pool: room for this section's short requests
+if "big" in globals():  # run again: free the last run's engine first (GBs at Qwen3-0.6B's shapes)
+    big.shutdown()
 big = LLM(BIG_MODEL, device=DEVICE, kv_cache_memory_bytes=KV_POOL_BYTES, max_num_seqs=16,
           max_num_batched_tokens=256)
 big_engine = big.llm_engine
@@ -595,7 +597,7 @@ for T in (1, 16, 128):
 # FLOPs per weight per sequence over the weight's bytes), and where it meets this machine's ridge point.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: decode tokens/s at batch 16 / tokens/s at batch 1 (x)
+my_prediction_2 = None  # your guess: decode tokens/s at batch 16 / tokens/s at batch 1 (x)
 
 # %%
 import random
@@ -756,7 +758,7 @@ big_dec[["wall_ms", "tokens/s", "speed-up vs batch 1", "roofline tokens/s", "mea
 # %%
 b_max = big_dec.index[-1]
 speedup = big_dec["speed-up vs batch 1"].iloc[-1]
-check_prediction(my_prediction, speedup, rel_tol=0.3, unit="x", what=f"decode tokens/s at batch {b_max} / batch 1")
+check_prediction(my_prediction_2, speedup, rel_tol=0.3, unit="x", what=f"decode tokens/s at batch {b_max} / batch 1")
 below = big_dec[big_dec.intensity < big_peaks.ridge_intensity].index
 above = big_dec[big_dec.intensity >= big_peaks.ridge_intensity].index
 knee = (f"between batch {below[-1]} and batch {above[0]}" if len(below) and len(above) else

@@ -222,7 +222,7 @@ print("decode step (median of the steps at each batch):", ", ".join(f"batch {b} 
 # times just printed. Think about which step produces each request's first token.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: the mean TTFT of the four requests, in ms
+my_prediction_1 = None  # your guess: the mean TTFT of the four requests, in ms
 
 # %% [markdown]
 # The calculator below is set to that point and has measured it once (the **measured** bars); move the
@@ -238,7 +238,7 @@ point = calc.measure()
 calc.display()
 
 # %%
-check_prediction(my_prediction, point["ttft_ms"], rel_tol=0.35, unit="ms", what="the mean TTFT of the four requests")
+check_prediction(my_prediction_1, point["ttft_ms"], rel_tol=0.35, unit="ms", what="the mean TTFT of the four requests")
 render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".join(
     f"| {name} | {point['predicted'][key]:.2f} ms | {point[key]:.2f} ms |"
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "total")))
@@ -358,7 +358,7 @@ small.shutdown()
 # chunking makes it faster, above 1 if slower).
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: long prompt's TTFT chunked / TTFT whole (x)
+my_prediction_2 = None  # your guess: long prompt's TTFT chunked / TTFT whole (x)
 
 # %%
 from widgets import ChunkedPrefillDemo
@@ -370,7 +370,7 @@ demo.display()
 # %%
 c, w = demo.results["chunked"], demo.results["whole"]
 ttft_ratio = c["long_ttft_ms"] / w["long_ttft_ms"]
-check_prediction(my_prediction, ttft_ratio, rel_tol=0.3, unit="x", what="the long prompt's TTFT chunked / whole")
+check_prediction(my_prediction_2, ttft_ratio, rel_tol=0.3, unit="x", what="the long prompt's TTFT chunked / whole")
 render(f"""| | long prompt: steps | long prompt: TTFT | worst gap between a decoding request's tokens |
 |---|---|---|---|
 | chunked (64-token budget) | {c['prefill_steps']} | {c['long_ttft_ms']:.1f} ms | {c['max_itl_ms']:.1f} ms |

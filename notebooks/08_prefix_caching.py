@@ -155,7 +155,7 @@ print("example:", repr(QUESTIONS[0]), "->", repr(with_cache[0].outputs[0].text))
 # will the cached engine serve from the prefix cache?
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: cached prompt tokens / all prompt tokens, as a fraction (0.5 = half)
+my_prediction_1 = None  # your guess: cached prompt tokens / all prompt tokens, as a fraction (0.5 = half)
 
 
 # %%
@@ -191,7 +191,7 @@ print("cached tokens per request (on):", on.cached_tokens.tolist())
 # %%
 from widgets import check_claim, check_prediction, render
 
-check_prediction(my_prediction, on.cached_tokens.sum() / on.prompt_tokens.sum(), rel_tol=0.1,
+check_prediction(my_prediction_1, on.cached_tokens.sum() / on.prompt_tokens.sum(), rel_tol=0.1,
                  what="the share of prompt tokens served from the cache");
 
 # %% [markdown] tags=["solution"]
@@ -388,7 +388,7 @@ check_claim("each returning prefix (A, B, C) hits 3 of its 4 blocks and evicts o
 # still hit every cached block?
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: the largest number of prefixes K that still all hit (a whole number)
+my_prediction_2 = None  # your guess: the largest number of prefixes K that still all hit (a whole number)
 
 # %%
 import statistics
@@ -423,7 +423,7 @@ print(sweep[["blocks they need", "hit rate"]].round(3).to_string())
 # %%
 full_hit = sweep["hit rate"].iloc[0]
 k_full = max(k for k in sweep.index if sweep.loc[k, "hit rate"] >= full_hit - 1e-9)
-check_prediction(my_prediction, k_full, rel_tol=0, what="K, the largest number of prefixes whose rounds 2-3 all hit");
+check_prediction(my_prediction_2, k_full, rel_tol=0, what="K, the largest number of prefixes whose rounds 2-3 all hit");
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>

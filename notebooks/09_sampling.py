@@ -197,7 +197,7 @@ _ = render(f"The confident prompt gives its favourite token **{TOP.loc['confiden
 # probability reaches 90%. How many tokens is that, for the confident prompt?
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: number of tokens top_p=0.9 keeps on the confident prompt (tokens)
+my_prediction_1 = None  # your guess: number of tokens top_p=0.9 keeps on the confident prompt (tokens)
 
 # %%
 from minivllm.layers.sampler import SamplingBatch, filtered_probs
@@ -237,7 +237,7 @@ print(f"{'greedy (T=0): argmax':22s}" + "".join(f"{'1 (by definition)':>28s}" fo
 # %%
 VOCAB = engine.source.hf_config.vocab_size
 KEPT = {(name, s): int((PROBS[(name, s)] > 0).sum()) for name in LOGITS for s in SETTINGS}
-_ = check_prediction(my_prediction, KEPT[("confident", "top_p=0.9")], rel_tol=0.3, unit="tokens",
+_ = check_prediction(my_prediction_1, KEPT[("confident", "top_p=0.9")], rel_tol=0.3, unit="tokens",
                  what="the number of tokens top_p=0.9 keeps on the confident prompt")
 
 # %% [markdown] tags=["solution"]
@@ -292,11 +292,11 @@ _ = check_claim("on the confident prompt min_p=0.1 keeps fewer tokens than top_p
 # the sizes change.)
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: the favourite token's probability at T=0.5 (a number between 0 and 1)
+my_prediction_2 = None  # your guess: the favourite token's probability at T=0.5 (a number between 0 and 1)
 
 # %%
 p_top_cold = float(PROBS[("confident", "T=0.5")].max())
-_ = check_prediction(my_prediction, p_top_cold, rel_tol=0.05,
+_ = check_prediction(my_prediction_2, p_top_cold, rel_tol=0.05,
                      what="the favourite's probability on the confident prompt at temperature 0.5")
 
 # %% [markdown] tags=["solution"]
@@ -328,7 +328,7 @@ _ = check_prediction(my_prediction, p_top_cold, rel_tol=0.05,
 # many** or **more** tokens?
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: "fewer", "as many" or "more" tokens kept in vLLM V1's order
+my_prediction_3 = None  # your guess: "fewer", "as many" or "more" tokens kept in vLLM V1's order
 
 
 # %%
@@ -347,12 +347,12 @@ for name in LOGITS:
           f"vLLM V1's order keeps {ORDER[name][1]} tokens")
 ours, v1 = ORDER["uncertain"]
 measured = "fewer" if v1 < ours else ("more" if v1 > ours else "as many")
-if my_prediction is None:
+if my_prediction_3 is None:
     print(f"No prediction written. On this run vLLM V1's order keeps {measured} tokens "
           f"({v1} against {ours}). Write your guess in the exercise cell and run both cells again.")
 else:
-    _ = check_claim(f"your prediction: V1's order keeps {my_prediction!r} tokens",
-                str(my_prediction).strip().lower() == measured, f"V1's order {v1}, minivllm's {ours}")
+    _ = check_claim(f"your prediction: V1's order keeps {my_prediction_3!r} tokens",
+                str(my_prediction_3).strip().lower() == measured, f"V1's order {v1}, minivllm's {ours}")
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>

@@ -335,7 +335,7 @@ stepper.reset()
 # its number of layers.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: collective calls per decode step on rank 0 (calls)
+my_prediction_1 = None  # your guess: collective calls per decode step on rank 0 (calls)
 
 # %% [markdown]
 # ### Exercise 2 · Bytes in one all-reduce
@@ -442,7 +442,7 @@ N_AR, N_AG, N_BC = (decode_counts.get(k, 0) for k in ("all-reduce", "all-gather"
 prefill_rec, prefill_calls = steps[0]
 prefill_ar_bytes = prefill_calls["all-reduce"][0][1]
 value_bytes = full_model.model.embed_tokens.weight.element_size()
-_ = check_prediction(my_prediction, CALLS_PER_STEP, rel_tol=0, unit="calls",
+_ = check_prediction(my_prediction_1, CALLS_PER_STEP, rel_tol=0, unit="calls",
                      what="collective calls per decode step on rank 0")
 _ = check_prediction(my_bytes_prediction, prefill_ar_bytes, rel_tol=0.05, unit="B",
                      what=f"bytes per all-reduce in the {prefill_rec.num_tokens}-token prefill step")
@@ -502,7 +502,7 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 # processes (the cell prints the medians' ratio beside it).
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: 2-process decode forward time / 1-process decode forward time (x)
+my_prediction_2 = None  # your guess: 2-process decode forward time / 1-process decode forward time (x)
 
 # %%
 import pandas as pd
@@ -608,7 +608,7 @@ print(f"one all-reduce on this machine (section 4's run), fastest / median of th
 for phase in med.index:
     print(f"{phase:8s}: {TP}-process forward / 1-process forward = {TP_RATIO[phase]:.2f} (fastest steps), "
           f"{MEDIAN_RATIO[phase]:.2f} (medians)")
-_ = check_prediction(my_prediction, TP_RATIO["decode"], rel_tol=0.3, unit="x",
+_ = check_prediction(my_prediction_2, TP_RATIO["decode"], rel_tol=0.3, unit="x",
                      what=f"the {TP}-process decode forward as a multiple of the 1-process one (fastest steps)")
 
 # %% [markdown]

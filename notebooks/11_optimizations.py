@@ -728,7 +728,7 @@ print(f"bytes ratio {BASE} / int8: {wbytes[BASE] / wbytes['int8']:.2f}x")
 # what else a step spends its time on (section 1) before you write a number.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: fp32 (bf16 on CUDA) decode step time / int8 decode step time, in x (e.g. 2.5)
+my_prediction_1 = None  # your guess: fp32 (bf16 on CUDA) decode step time / int8 decode step time, in x (e.g. 2.5)
 
 # %%
 greedy = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
@@ -754,7 +754,7 @@ int8_speedup = step[BASE] / step["int8"]
 for name in step:
     print(f"{name}: median decode step {step[name]:.2f} ms over {len(itl[name])} steps "
           f"(round medians {min(round_medians[name]):.2f} to {max(round_medians[name]):.2f} ms)")
-check_prediction(my_prediction, int8_speedup, rel_tol=0.25, unit="x",
+check_prediction(my_prediction_1, int8_speedup, rel_tol=0.25, unit="x",
                  what="the int8 speed-up of a batch-1 decode step");
 
 # %%
@@ -1018,7 +1018,7 @@ print(llm.generate([repeating_prompt(0)], GREEDY, use_tqdm=False)[0].outputs[0].
 # with a step that decodes 1.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: TPOT without / TPOT with speculation at batch 1, in x (e.g. 1.8)
+my_prediction_2 = None  # your guess: TPOT without / TPOT with speculation at batch 1, in x (e.g. 1.8)
 
 
 # %%
@@ -1054,7 +1054,7 @@ b1_speedup = b1["plain TPOT ms"] / b1["spec TPOT ms"]
 print(f"batch 1: TPOT {b1['plain TPOT ms']:.2f} ms -> {b1['spec TPOT ms']:.2f} ms with speculation; "
       f"acceptance {b1['acceptance']:.0%} of {b1['drafts']} drafts, {b1['tokens per verification']:.2f} tokens "
       f"per verification step; greedy output identical: {b1['identical']}")
-check_prediction(my_prediction, b1_speedup, rel_tol=0.25, unit="x", what="the batch-1 TPOT speed-up");
+check_prediction(my_prediction_2, b1_speedup, rel_tol=0.25, unit="x", what="the batch-1 TPOT speed-up");
 
 # %% [markdown]
 # Each verification is recorded per step too (`StepRecord.num_draft_tokens` and

@@ -219,7 +219,7 @@ else:
 # engine steps carry prefill tokens before every request has its first token.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: number of engine steps that carry prefill tokens (a count)
+my_prediction_1 = None  # your guess: number of engine steps that carry prefill tokens (a count)
 
 # %%
 params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
@@ -236,7 +236,7 @@ prefill_steps = [r for r in step_records if r.num_prefill_tokens > 0]
 print(f"{len(prefill_steps)} of {len(step_records)} steps carried prefill tokens; prefill tokens per step: "
       f"{[r.num_prefill_tokens for r in prefill_steps]}, decode tokens in the same steps: "
       f"{[r.num_decode_tokens for r in prefill_steps]}")
-check_prediction(my_prediction, len(prefill_steps), rel_tol=0.2, unit="steps",
+check_prediction(my_prediction_1, len(prefill_steps), rel_tol=0.2, unit="steps",
                  what="the number of steps carrying prefill tokens");
 
 # %% [markdown] tags=["solution"]
@@ -256,6 +256,7 @@ check_prediction(my_prediction, len(prefill_steps), rel_tol=0.2, unit="steps",
 # ... and the workload again through `generate`, each request's latency from its `RequestOutput.metrics`:
 
 # %%
+idle_engine(llm)  # what an interrupted cell left queued would join these steps and their latencies
 llm.reset_prefix_cache()
 outs = llm.generate(wl.prompts, params, use_tqdm=False)
 lat = pd.DataFrame({"request": range(len(outs)), "prompt_len": [len(p) for p in wl.prompts],
@@ -324,7 +325,7 @@ check_claim("TPOT varies less across requests than TTFT (relative spread)", cv["
 # behind the prefill chunks that share their steps).
 TOKEN_BUDGET = 2048
 pg = LLM(MODEL, device=DEVICE, max_num_seqs=32, max_num_batched_tokens=TOKEN_BUDGET)
-pg.generate(wl.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+pg.generate(wl.prompts, params, use_tqdm=False)  # warm-up on the workload itself: its steps' shapes off the record
 pg.reset_prefix_cache()
 pg_outs = pg.generate(wl.prompts, params, use_tqdm=False)
 ttfts = [o.metrics.ttft_ms for o in pg_outs]
@@ -354,12 +355,14 @@ pg.shutdown()
 # the weights as the bytes that matter.
 
 # %% tags=["exercise"]
-my_prediction = None  # your guess: FLOPs per byte of a 2-sequence decode step of BIG, in FLOP/byte
+my_prediction_2 = None  # your guess: FLOPs per byte of a 2-sequence decode step of BIG, in FLOP/byte
 
 # %%
 from minivllm.bench.report import weights_summary
 from widgets import UtilisationMonitor
 
+if "big" in globals():  # run again: free the last run's engine (its monitor widget keeps the object alive)
+    big.shutdown()
 big = LLM(BIG, device=DEVICE, kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
 print(describe(big))
 print(weights_summary(big.llm_engine.model_cost.to_dict(),
@@ -382,7 +385,7 @@ steps = pd.DataFrame([{"phase": r.phase, "tokens": r.num_tokens, "wall_ms": r.wa
                       for r in records if r.flops])
 display(steps.round(3))
 decode_intensity = steps[steps.phase == "decode"]["intensity (FLOP/B)"].median()
-check_prediction(my_prediction, decode_intensity, rel_tol=0.2, unit="FLOP/byte",
+check_prediction(my_prediction_2, decode_intensity, rel_tol=0.2, unit="FLOP/byte",
                  what="the intensity of a 2-sequence decode step");
 
 # %% [markdown] tags=["solution"]

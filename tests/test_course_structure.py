@@ -35,10 +35,20 @@ def structure_problems(nb) -> list[str]:
     exercises = [i for i, c in enumerate(cells) if c.cell_type == "code" and "exercise" in _tags(c)]
     if len(exercises) < 2:
         problems.append(f"{len(exercises)} exercise cells (need >= 2)")
+    names = {}  # exercise cell -> the name its prediction is written to
+    for i in exercises:
+        m = re.search(r"^(\w+) = None", cells[i].source, re.M)
+        if m:
+            names[i] = m.group(1)
     for i in exercises:
         later = cells[i + 1:]
-        if "= None" not in cells[i].source:
+        if i not in names:
             problems.append(f"exercise cell {i} does not leave a prediction to fill in (`= None`)")
+        elif list(names.values()).count(names[i]) > 1:  # a check run again read another exercise's guess
+            problems.append(f"exercise cell {i} writes {names[i]!r}, as another exercise does")
+        elif not any(c.cell_type == "code" and re.search(r"check_(prediction|claim)\(", c.source)
+                     and re.search(rf"\b{names[i]}\b", c.source) for c in later):
+            problems.append(f"exercise cell {i}: no check after it reads {names[i]!r}")
         if not any(c.cell_type == "code" and re.search(r"check_(prediction|claim)\(", c.source) for c in later):
             problems.append(f"exercise cell {i} has no check after it")
         if not any("solution" in _tags(c) and "<details>" in c.source for c in later):
@@ -62,6 +72,20 @@ def test_chapter_teaches_by_doing_and_runs_again(src):
 def test_the_check_sees_a_bare_notebook():
     nb = jupytext.reads("# %% [markdown]\n# # A chapter\n\n# %%\nx = 1\n", fmt="py:percent")
     assert len(structure_problems(nb)) >= 5
+
+
+def test_the_check_sees_two_exercises_sharing_a_prediction():
+    """Every chapter's exercises all wrote `my_prediction`: run again after the second exercise, the first
+    check judged the second guess (a right answer marked wrong; found driving chapters 01/03/07/12)."""
+    def chapter(second: str) -> str:
+        return ('# %% tags=["exercise"]\nmy_prediction = None\n\n# %%\ncheck_prediction(my_prediction, 1)\n\n'
+                f'# %% tags=["exercise"]\n{second} = None\n\n# %%\ncheck_prediction({second}, 2)\n')
+
+    shared = [p for p in structure_problems(jupytext.reads(chapter("my_prediction"), fmt="py:percent"))
+              if "as another exercise does" in p]
+    assert len(shared) == 2, shared
+    own = structure_problems(jupytext.reads(chapter("my_prediction_2"), fmt="py:percent"))
+    assert not [p for p in own if "another exercise" in p or "reads" in p], own
 
 
 def rerun_problems(nb) -> list[str]:
@@ -91,6 +115,10 @@ def rerun_problems(nb) -> list[str]:
         if re.search(r"^\w+ = EngineStepper\(", cell.source, re.M) and ".reset()" not in cell.source and not fresh_engine:
             problems.append(f"cell {i}: builds an EngineStepper without a Reset (a second run keeps the first's "
                             "requests)")
+        big = re.search(r"^(\w+) = LLM\(BIG", cell.source, re.M)  # a Qwen3-0.6B-sized engine: GBs
+        if big and f"{big.group(1)}.shutdown()" not in cell.source.split(big.group(0))[0]:
+            problems.append(f"cell {i}: builds {big.group(1)} = LLM(BIG...) without shutting the last run's down first "
+                            "(a widget holding it keeps its GBs alive, every run again)")
         adds = re.search(r"\b(?!stepper\b)\w+\.add_request\(", cell.source)
         steps = re.search(r"\.step(_with_record)?\(", cell.source)
         cleared = any(s in cell.source for s in ("idle_engine(", "abort_request(", "finally:"))
@@ -104,9 +132,12 @@ def test_the_rerun_check_sees_each_hazard():
     nb = jupytext.reads("# %%\nstepper = EngineStepper(llm)\nstepper.add_request('x')\n\n# %%\ndel stepper\n"
                         "\n# %%\nw = 1\ndel w\n"
                         "\n# %%\nengine.add_request('a', 'x', sp)\nwhile engine.has_unfinished_requests():\n    engine.step()\n"
-                        "\n# %%\nidle_engine(engine)\nengine.add_request('a', 'x', sp)\nengine.step()\n",
+                        "\n# %%\nidle_engine(engine)\nengine.add_request('a', 'x', sp)\nengine.step()\n"
+                        "\n# %%\nbig = LLM(BIG, kv_cache_memory_bytes=1 << 26)\nmonitor = UtilisationMonitor(big)\n"
+                        "\n# %%\nif 'big' in globals():\n    big.shutdown()\nbig = LLM(BIG)\n",
                         fmt="py:percent")
     problems = rerun_problems(nb)
-    assert len(problems) == 3, problems
+    assert len(problems) == 4, problems
+    assert problems[3].startswith("cell 5: builds big = LLM(BIG") and "GBs" in problems[3], problems
     assert "without a Reset" in problems[0] and "del stepper" in problems[1], problems
     assert problems[2].startswith("cell 3: adds requests") and "interrupted" in problems[2], problems
