@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import numbers
 from collections import deque
@@ -14,7 +15,7 @@ from minivllm.engine.llm_engine import LLMEngine, refuse_lora
 from minivllm.inputs import cache_salt_of, check_tokenization_kwargs, prompt_truncation
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import NO_BEAM_SEARCH, SamplingParams
-from minivllm.utils.gc_heap import heap_frozen
+from minivllm.utils.gc_heap import caller_froze_heap, heap_frozen
 
 
 def _as_prompt_list(prompts) -> list:
@@ -189,27 +190,44 @@ class LLM:
                 ids.pop()
                 raise
 
-    def _outputs(self, ids: list[str], inbox: deque) -> Iterator[RequestOutput]:
+    def _outputs(self, ids: list[str], inbox: deque, *, consumer_between: bool = False) -> Iterator[RequestOutput]:
         """This call's outputs as they arrive: step the engine while the inbox is empty.
-        Steps run by another thread deliver to this inbox too."""
+        Steps run by another thread deliver to this inbox too.
+
+        The steps run with the heap frozen (``heap_frozen``). ``generate`` (``consumer_between=False``)
+        holds one freeze for the whole call, across its own yields: a freeze per step would reset the
+        collector's count of new objects at every step. A stream (``consumer_between=True``) gives
+        control to its consumer between yields, so its freeze ends before each yield: one held across
+        them froze the consumer's objects too, the stream among them, and a stream dropped in a
+        reference cycle was then never collected, its requests never aborted and the freeze never
+        undone; a young-generation collection at each yield (when the collector is on) makes up for
+        the count each freeze resets."""
         pending = set(ids)
-        # One freeze for the whole call, across the yields: a freeze per step would reset the
-        # collector's count of new objects at every step, so a stream's consumer whose loop makes
-        # fewer objects than the first threshold (700) a step would never see its garbage cycles
-        # collected. Objects made while frozen (the consumer's included) are collected as usual; the
-        # freeze ends with the call, or when the stream is closed or dropped.
+        freeze = not caller_froze_heap()  # asked once per call: the answer walks the frozen objects
         try:
-            with heap_frozen():  # asks once per call whether the caller froze the heap itself
-                while pending:
-                    while not inbox:
-                        if not self._step():  # an empty step: are this call's outputs still to come?
-                            self._require_deliverable(pending, inbox)
-                    out = inbox.popleft()
-                    if out.finished:
-                        pending.discard(out.request_id)
-                    yield out
+            if not consumer_between:
+                with heap_frozen(freeze):
+                    while pending:
+                        yield self._next_output(pending, inbox)
+                return
+            while pending:
+                with heap_frozen(freeze):
+                    out = self._next_output(pending, inbox)
+                if gc.isenabled():
+                    gc.collect(0)
+                yield out
         finally:
             self._abort(pending)  # on an exception (e.g. KeyboardInterrupt) or an early close
+
+    def _next_output(self, pending: set, inbox: deque) -> RequestOutput:
+        """The next of this call's outputs, stepping the engine until one is there."""
+        while not inbox:
+            if not self._step():  # an empty step: are this call's outputs still to come?
+                self._require_deliverable(pending, inbox)
+        out = inbox.popleft()
+        if out.finished:
+            pending.discard(out.request_id)
+        return out
 
     def _require_deliverable(self, pending: set, inbox: deque) -> None:
         """After a step that scheduled nothing: raise if none of ``pending`` can still deliver an
@@ -319,7 +337,7 @@ class LLM:
         try:  # as generate: an interrupt or a close anywhere aborts what this call queued
             self._submit(ids, prompts, sampling_params, "delta", inbox, lora_request,
                          tokenization_kwargs=tokenization_kwargs)
-            yield from self._outputs(ids, inbox)
+            yield from self._outputs(ids, inbox, consumer_between=True)
         except BaseException:  # GeneratorExit (close, or the stream dropped) included
             self._abort(ids)
             raise

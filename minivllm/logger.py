@@ -7,8 +7,9 @@ like ``INFO 12-01 11:30:02 [llm_engine.py:95] minivllm engine: ...``.
 
 Once the application configures logging itself (a handler on the root logger, e.g.
 ``logging.basicConfig`` or pytest's log capture), records go to the application's handlers
-instead and this handler stays silent, so nothing is printed twice. ``MINIVLLM_CONFIGURE_LOGGING=0``
-leaves the logger entirely alone.
+instead and this handler stays silent, so nothing is printed twice. A level the application gave
+the ``minivllm`` logger before importing the package is kept (``MINIVLLM_LOGGING_LEVEL``, when set,
+still wins). ``MINIVLLM_CONFIGURE_LOGGING=0`` leaves the logger entirely alone.
 """
 from __future__ import annotations
 
@@ -51,11 +52,13 @@ def level_from_env(default: str = "INFO") -> int:
 
 
 def configure() -> logging.Logger:
-    """Give the ``minivllm`` logger its stderr handler and level (once; later calls re-read the level)."""
+    """Give the ``minivllm`` logger its stderr handler (once) and its level: ``MINIVLLM_LOGGING_LEVEL``
+    when set, else INFO unless the application set one already."""
     logger = logging.getLogger(LOGGER_NAME)
     if os.environ.get("MINIVLLM_CONFIGURE_LOGGING", "1") == "0":
         return logger
-    logger.setLevel(level_from_env())
+    if os.environ.get(LEVEL_ENV, "").strip() or logger.level == logging.NOTSET:
+        logger.setLevel(level_from_env())  # a level the application set before importing us is its own to keep
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))

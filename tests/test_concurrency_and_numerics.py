@@ -101,6 +101,60 @@ def test_a_prefix_cache_reset_waits_for_a_step_in_another_thread(tiny_ckpt):
     assert not resetter.is_alive()
 
 
+def test_a_shutdown_waits_for_a_step_in_another_thread_and_the_next_step_says_so(tiny_ckpt):
+    """shutdown() took the model and KV cache away under a step running in another thread: that thread
+    failed with AttributeError 'NoneType' has no attribute 'compute_logits' or 'ctx.kv_caches has 0 entries'."""
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    with engine._lock:  # as a step running in another thread holds it
+        stopper = threading.Thread(target=llm.shutdown)
+        stopper.start()
+        stopper.join(0.5)
+        assert stopper.is_alive() and not engine.is_shut_down
+    stopper.join(30)
+    assert not stopper.is_alive() and engine.is_shut_down
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.add_request("late", [1, 2], greedy(2))
+
+
+def test_two_model_builds_at_once_leave_torchs_default_dtype_as_it_was(monkeypatch):
+    """build_model sets torch's process-wide default dtype while it builds: two builds in two threads
+    (bfloat16, float16) each restored what the other had set, leaving bfloat16 the default for good."""
+    from types import SimpleNamespace
+
+    from minivllm.engine import model_runner
+
+    inside, go = {torch.bfloat16: threading.Event(), torch.float16: threading.Event()}, threading.Event()
+    go_second = threading.Event()
+
+    class Held(torch.nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+            mine = torch.get_default_dtype()
+            inside[mine].set()
+            (go if mine == torch.bfloat16 else go_second).wait(5)
+
+    monkeypatch.setattr(model_runner, "get_model_class", lambda cfg: Held)
+    monkeypatch.setattr("minivllm.utils.loader.init_random_weights", lambda model, seed: None)
+    source = SimpleNamespace(hf_config=None, checkpoint_dir=None)
+    build = lambda dtype: model_runner.build_model(source, torch.device("cpu"), dtype, 0)  # noqa: E731
+    first = threading.Thread(target=build, args=(torch.bfloat16,))
+    second = threading.Thread(target=build, args=(torch.float16,))
+    first.start()
+    assert inside[torch.bfloat16].wait(5)
+    second.start()
+    second.join(0.3)  # with builds taking turns, the second waits outside
+    go.set()
+    first.join(5)
+    go_second.set()
+    second.join(5)
+    left = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # the later tests' default, whatever this one finds
+    assert left == torch.float32
+
+
 def _poison_rows(monkeypatch, rows_of, value=float("nan")):
     """Make ``compute_logits`` return ``value`` (one entry) in the rows of the requests ``rows_of`` names."""
     original = ModelRunner.forward_logits

@@ -64,3 +64,41 @@ def test_an_interrupt_anywhere_in_heap_frozen_never_leaves_the_heap_frozen_witho
     with heap_frozen(True):
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0 and not gc_heap._holders
+
+
+def test_a_stream_dropped_in_a_reference_cycle_is_collected_and_unfreezes():
+    """A stream froze the heap across its yields, its consumer's objects and itself included: dropped
+    inside a cycle (an object holding the stream and a bound method of its own) it was never collected,
+    so its requests kept running, its KV blocks stayed taken and the freeze was never undone."""
+    import weakref
+
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(num_kvcache_blocks=32)
+    engine = llm.llm_engine
+    try:
+        class Job:
+            def __init__(self):
+                self.callbacks = [self.on_delta]  # a cycle through a bound method
+                self.it = llm.stream(["hello"] * 2, SamplingParams(max_tokens=500, ignore_eos=True))
+
+            def on_delta(self, out):
+                pass
+
+        job = Job()
+        next(job.it)
+        assert engine.get_num_unfinished_requests() == 2 and gc.get_freeze_count() == 0  # not frozen between yields
+        ref = weakref.ref(job)
+        del job
+        gc.collect()
+        assert ref() is None
+        assert engine.get_num_unfinished_requests() == 0
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, (bm.num_free_blocks, bm.num_blocks)
+        # read to its last item and kept: nothing is left frozen either
+        it = llm.stream(["hi"], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert [o.finished for o in (next(it), next(it), next(it))] == [False, False, True]
+        assert gc.get_freeze_count() == 0
+        del it
+    finally:
+        llm.shutdown()

@@ -36,6 +36,15 @@ def test_level_from_the_environment():
     assert "is not a logging level" in bad.stderr and "an info line" in bad.stderr
 
 
+def test_a_level_the_application_set_before_the_import_is_kept():
+    """`import minivllm` reset the application's own `getLogger("minivllm").setLevel(WARNING)` to INFO."""
+    code = ("import logging; logging.getLogger('minivllm').setLevel(logging.WARNING); import minivllm; "
+            "log = logging.getLogger('minivllm.test'); log.info('an info line'); log.warning('a warning line')")
+    kept = _run(code)
+    assert "an info line" not in kept.stderr and "a warning line" in kept.stderr, kept.stderr
+    assert "an info line" in _run(code, MINIVLLM_LOGGING_LEVEL="INFO").stderr  # the variable, when set, wins
+
+
 def test_an_application_handler_gets_each_record_once():
     code = ("import logging; logging.basicConfig(format='APP %(name)s %(message)s'); import minivllm; "
             "logging.getLogger('minivllm.test').info('hello')")

@@ -463,6 +463,7 @@ class LLMEngine:
         salt = cache_salt_of(prompt)
         self._warn_if_max_tokens_capped(params, len(ids))
         with self._lock:
+            self._require_live()  # again: a shutdown in another thread may have come since the check above
             if request_id in self.requests or request_id in self.parents:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             parent = ParentRequest(request_id, params.n, kind) if params.n > 1 else None
@@ -610,8 +611,8 @@ class LLMEngine:
         Raises:
             RuntimeError: the engine has been shut down (see :meth:`shutdown`).
         """
-        self._require_live()
-        with self._lock:
+        with self._lock:  # checked inside: a shutdown in another thread waits for a step in flight, and after it
+            self._require_live()
             timer = StepTimer()  # the transaction's snapshots count as scheduling time
             with StepTransaction(self.scheduler, self.output_processor, self._engine_generator()) as txn:
                 plan = self.scheduler.schedule()
@@ -806,16 +807,17 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Abort everything and free the KV cache and model. An ``LLM`` shuts its engine down when it
         is shut down or garbage-collected; later calls to :meth:`add_request` or :meth:`step` raise
-        ``RuntimeError``."""
-        for rid in list(self.requests):
-            self.abort_request(rid)
-        self.profiler.discard()  # a trace never stopped would keep recording this process
-        if self.runner is not None:
-            self.runner.shutdown()
-            self.runner = None
-        proposer_shutdown = getattr(self.scheduler.config.propose, "shutdown", None)
-        if proposer_shutdown is not None:
-            proposer_shutdown()
+        ``RuntimeError``. A step running in another thread finishes first (the engine's lock)."""
+        with self._lock:
+            for rid in list(self.requests):
+                self.abort_request(rid)
+            self.profiler.discard()  # a trace never stopped would keep recording this process
+            if self.runner is not None:
+                self.runner.shutdown()
+                self.runner = None
+            proposer_shutdown = getattr(self.scheduler.config.propose, "shutdown", None)
+            if proposer_shutdown is not None:
+                proposer_shutdown()
         trim_heap()  # the freed weights go back to the OS, not only to this process's C heap
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

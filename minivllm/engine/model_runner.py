@@ -9,6 +9,7 @@ samples one token for each sequence whose step reached its last known token.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -172,6 +173,11 @@ def _prompt_logprob_rows(plan: SchedulerOutput):
     return None if rows is None else (rows, spans)
 
 
+#: torch's default dtype is process-wide: builds take turns at setting it (another thread's own tensors
+#: made meanwhile still see it, as in vLLM's builds; its engine runs in its own process)
+_DEFAULT_DTYPE_LOCK = threading.Lock()
+
+
 def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, seed: int | None,
                 quant_config=None) -> torch.nn.Module:
     """The model for ``source`` on ``device`` in ``dtype``, in eval mode: weights loaded from the
@@ -180,13 +186,14 @@ def build_model(source: ModelSource, device: torch.device, dtype: torch.dtype, s
     from minivllm.utils.loader import init_random_weights, load_weights
 
     cls = get_model_class(source.hf_config)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(source.hf_config)
-    finally:
-        torch.set_default_dtype(previous)
+    with _DEFAULT_DTYPE_LOCK:  # process-wide: two builds at once must not restore each other's dtype
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = cls(source.hf_config)
+        finally:
+            torch.set_default_dtype(previous)
     model.quant_config = quant_config  # read by the loader's post-load step
     if source.checkpoint_dir is None:
         init_random_weights(model, seed or 0)

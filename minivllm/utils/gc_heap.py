@@ -9,8 +9,9 @@ walks only what the steps made.
 
 vLLM freezes its server's heap once, after start-up (``freeze_gc_heap`` in
 ``vllm/utils/gc_utils.py``). Here the process is the user's (a notebook, a script), so the freeze
-lasts only while steps run: :func:`heap_frozen` around a ``LLM.generate`` or ``LLM.stream`` call
-(a stream's whole life, its consumer's turns included), the benchmarks' timed runs and the widgets'
+lasts only while steps run: :func:`heap_frozen` around a ``LLM.generate`` call, around each of a
+``LLM.stream``'s stepping turns (never across its yields: a freeze then held the consumer's objects,
+the stream itself included, out of every collection), the benchmarks' timed runs and the widgets'
 and course helpers' stepping loops, once around each loop, never around each bare
 ``LLMEngine.step()``: ``gc.freeze`` also resets the collector's count of new objects, so in a loop
 frozen step by step, steps making fewer objects than the first threshold (700) would never start a
