@@ -87,18 +87,22 @@ def test_a_request_aborted_by_another_caller_ends_the_waiting_call(tiny_ckpt):
     assert [o.outputs[0].finish_reason for o in outs] == ["abort", "abort"]
 
 
+def _waits_for_a_step(engine, call) -> None:
+    """``call`` in another thread waits while a step holds the engine's lock, then runs."""
+    with engine._lock:  # as a step running in another thread holds it
+        caller = threading.Thread(target=call)
+        caller.start()
+        caller.join(0.5)
+        assert caller.is_alive()
+    caller.join(30)
+    assert not caller.is_alive()
+
+
 def test_a_prefix_cache_reset_waits_for_a_step_in_another_thread(tiny_ckpt):
     """reset_prefix_cache ran without the engine's lock, in the middle of a widget's step in a
     background thread (whose undo log and block registrations it changed under it)."""
     llm = make_llm(tiny_ckpt)
-    engine = llm.llm_engine
-    with engine._lock:  # as a step running in another thread holds it
-        resetter = threading.Thread(target=llm.reset_prefix_cache)
-        resetter.start()
-        resetter.join(0.5)
-        assert resetter.is_alive()
-    resetter.join(30)
-    assert not resetter.is_alive()
+    _waits_for_a_step(llm.llm_engine, llm.reset_prefix_cache)
 
 
 def test_a_shutdown_waits_for_a_step_in_another_thread_and_the_next_step_says_so(tiny_ckpt):
@@ -106,13 +110,8 @@ def test_a_shutdown_waits_for_a_step_in_another_thread_and_the_next_step_says_so
     failed with AttributeError 'NoneType' has no attribute 'compute_logits' or 'ctx.kv_caches has 0 entries'."""
     llm = make_llm(tiny_ckpt)
     engine = llm.llm_engine
-    with engine._lock:  # as a step running in another thread holds it
-        stopper = threading.Thread(target=llm.shutdown)
-        stopper.start()
-        stopper.join(0.5)
-        assert stopper.is_alive() and not engine.is_shut_down
-    stopper.join(30)
-    assert not stopper.is_alive() and engine.is_shut_down
+    _waits_for_a_step(engine, llm.shutdown)
+    assert engine.is_shut_down
     with pytest.raises(RuntimeError, match="shut down"):
         engine.step()
     with pytest.raises(RuntimeError, match="shut down"):

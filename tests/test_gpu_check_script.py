@@ -142,15 +142,20 @@ def test_graph_expectations_allow_replays_once_a_big_batch_shrinks(script):
     assert not script.graphs_as_expected({"graph_replays": 14, "eager_decode_steps": 1}, want_graphs=True)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the whole check")
-def test_a_hanging_section_is_killed_and_recorded(tmp_path):
+def _hanging_kernels_section(tmp_path, *limits: str):
+    """The smoke run's kernels section made to hang, under ``limits``: (process, JSON payload)."""
     out = tmp_path / "gc.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(SCRIPT.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--sections", "kernels",
-                          "--inject-fault", "kernels=hang", "--section-timeout-s", "12"],
+                          "--inject-fault", "kernels=hang", *limits],
                          capture_output=True, text=True, env=env, timeout=300)
-    payload = json.loads(out.read_text())
+    return res, json.loads(out.read_text())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the whole check")
+def test_a_hanging_section_is_killed_and_recorded(tmp_path):
+    res, payload = _hanging_kernels_section(tmp_path, "--section-timeout-s", "12")
     assert res.returncode == 1
     sec = payload["sections"]["kernels"]
     assert sec["status"] == "error" and sec["returncode"] is None and "out of time" in sec["error"]
@@ -161,13 +166,7 @@ def test_a_hanging_section_is_killed_and_recorded(tmp_path):
 def test_a_section_the_run_budget_cuts_is_skipped_not_an_error(tmp_path):
     """A section still running when the run's budget ends was reported as an error (exit status 1)
     though nothing failed; its own timeout (a hang) stays an error (the test above)."""
-    out = tmp_path / "gc.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(SCRIPT.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--sections", "kernels",
-                          "--inject-fault", "kernels=hang", "--budget-s", "21"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    payload = json.loads(out.read_text())
+    res, payload = _hanging_kernels_section(tmp_path, "--budget-s", "21")
     sec = payload["sections"]["kernels"]
     assert sec["status"] == "skipped" and "run budget" in sec["error"], sec
     assert res.returncode == 0 and payload["rows"][-1]["status"] == "skip", res.stdout[-2000:]
