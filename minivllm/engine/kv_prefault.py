@@ -25,12 +25,12 @@ import ctypes
 import errno
 import logging
 import mmap
-import os
 import sys
 import threading
 
 import torch
 
+from minivllm.utils.env_switch import switched_off
 from minivllm.utils.hugepages import HUGE_PAGE, _madvise  # libc madvise through ctypes, one binding
 
 __all__ = ["KVPrefaulter"]
@@ -78,7 +78,7 @@ class KVPrefaulter:
     def for_pool(cls, pool: torch.Tensor | None, ahead_bytes: int = AHEAD_BYTES) -> "KVPrefaulter | None":
         if (pool is None or pool.device.type != "cpu" or not sys.platform.startswith("linux") or pool.dim() < 3
                 or pool.numel() == 0 or not pool[0, 0].is_contiguous()
-                or os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")):
+                or switched_off(ENV_SWITCH)):
             return None
         try:
             _madvise()

@@ -41,7 +41,6 @@ off; read when weights are packed) keeps every panel in float32, and the startup
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +48,7 @@ import torch
 
 from minivllm.layers.cpu_graph import capturing, launch, packed_address
 from minivllm.layers.native_build import NativeLibrary
+from minivllm.utils.env_switch import switched_off
 
 __all__ = ["PanelGemm", "compact_dtype", "describe", "is_panels", "load", "pack_panels", "packable",
            "unavailable_reason", "unpack_panels"]
@@ -120,7 +120,7 @@ def compact_dtype(weight: torch.Tensor) -> torch.dtype | None:
 
 def sixteen_bit_switched_off() -> bool:
     """``MINIVLLM_PANELS_16BIT`` is 0, false, no or off (as the kernels' other switches)."""
-    return os.environ.get(ENV_16BIT, "1").strip().lower() in ("0", "false", "no", "off")
+    return switched_off(ENV_16BIT)
 
 
 def _exact_in(w: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
+from minivllm.utils.env_switch import switched_off
+
 __all__ = ["FLAGS", "NativeBuildError", "NativeLibrary", "build_and_load"]
 
 T = TypeVar("T")
@@ -160,7 +162,7 @@ class NativeLibrary(Generic[T]):
         self._state: dict[str, object] = {}  # "obj" and "path", or "reason"
 
     def switched_off(self) -> bool:
-        return os.environ.get(self.env_switch, "1").lower() in ("0", "false", "no", "off")
+        return switched_off(self.env_switch)
 
     def load(self) -> T | None:
         if self.switched_off():
