@@ -9,20 +9,16 @@ left; ``malloc_trim(0)`` brought it to 0.27 GiB (dev EPYC, 2026-12-06).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
+
+from minivllm.utils.libc import libc
 
 __all__ = ["trim_heap"]
 
 
 @functools.lru_cache(maxsize=1)
 def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    fn = getattr(libc, "malloc_trim", None)  # glibc only (not musl, macOS or Windows)
+    fn = getattr(libc(), "malloc_trim", None)  # glibc only (not musl, macOS or Windows)
     if fn is not None:
         fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn

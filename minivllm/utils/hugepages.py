@@ -14,11 +14,12 @@ smaller than 2 MiB, nothing changes. Results never depend on it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 
 import torch
+
+from minivllm.utils.libc import libc
 
 __all__ = ["HUGE_PAGE", "advise_huge", "transparent_hugepage_mode"]
 
@@ -43,8 +44,7 @@ def transparent_hugepage_mode() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _madvise():
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    fn = libc.madvise
+    fn = libc().madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
