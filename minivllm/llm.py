@@ -118,8 +118,8 @@ class LLM:
     # -- helpers --------------------------------------------------------------------------
     @property
     def engine(self) -> LLMEngine:
-        if self.llm_engine is None:
-            raise RuntimeError("this LLM has been shut down")
+        if self.llm_engine.is_shut_down:
+            raise RuntimeError("this LLM has been shut down (LLM.shutdown()): make a new LLM")
         return self.llm_engine
 
     @property
@@ -267,7 +267,7 @@ class LLM:
         return sum(parents[rid].n if rid in parents else 1 for rid in request_ids)
 
     def _abort(self, request_ids) -> None:
-        if self.llm_engine is not None:
+        if not self.llm_engine.is_shut_down:
             for rid in request_ids:
                 self.llm_engine.abort_request(rid)
 
@@ -452,10 +452,11 @@ class LLM:
         return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def shutdown(self) -> None:
-        """Free the engine (KV cache, model). Safe to call twice."""
-        if self.llm_engine is not None:
-            self.llm_engine.shutdown()
-            self.llm_engine = None
+        """Free the engine's model and KV cache. Safe to call twice. ``llm.llm_engine`` stays (as
+        in vLLM), so a later ``llm.llm_engine.step()`` raises the engine's ``RuntimeError``."""
+        engine = getattr(self, "llm_engine", None)  # None when __init__ failed before making it
+        if engine is not None and not engine.is_shut_down:
+            engine.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

@@ -198,10 +198,22 @@ def test_mixed_step_has_decodes_and_a_prefill_chunk(tiny_ckpt):
 def test_context_manager_and_shutdown(tiny_ckpt):
     with make_llm(tiny_ckpt) as llm:
         llm.generate([1, 2], greedy(1), use_tqdm=False)
-    assert llm.llm_engine is None
+    assert llm.llm_engine.is_shut_down
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([1, 2], greedy(1), use_tqdm=False)
+
+
+def test_the_engine_of_a_shut_down_llm_says_so(tiny_ckpt):
+    """After ``llm.shutdown()``, ``llm.llm_engine`` is still the engine (as in vLLM), so a script's
+    ``llm.llm_engine.step()`` gets the engine's RuntimeError (it was an AttributeError on None)."""
+    llm = make_llm(tiny_ckpt)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="has been shut down"):
+        llm.llm_engine.step()
+    with pytest.raises(RuntimeError, match="has been shut down"):
+        llm.llm_engine.add_request("a", [1, 2], greedy(1))
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_an_engine_whose_llm_is_gone_says_so(tiny_ckpt):
