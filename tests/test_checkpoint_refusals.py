@@ -96,3 +96,17 @@ def test_a_tensor_in_two_files_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"is in both '.*' and '.*'; remove the stale file"):
         load_weights(Qwen3ForCausalLM(AutoConfig.from_pretrained(path)), path)
+
+
+@pytest.mark.parametrize("value, error", [("/no/such/checkpoint", FileNotFoundError), ("random:nope", ValueError)])
+def test_a_bad_model_from_the_environment_names_the_variable(monkeypatch, value, error):
+    # LLM() with $MINIVLLM_MODEL set to a bad value named only the value: a script that gives no
+    # model did not say where it came from
+    from minivllm.utils.model_source import resolve_model
+
+    monkeypatch.setenv("MINIVLLM_MODEL", value)
+    with pytest.raises(error, match=r"^\$MINIVLLM_MODEL .*" + value.split(":")[-1]):
+        resolve_model(None)
+    with pytest.raises(error) as given:  # a model given by name is reported as before
+        resolve_model(value)
+    assert "MINIVLLM_MODEL" not in str(given.value)

@@ -100,12 +100,23 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         ValueError: an unknown random preset, or a config, generation config or tokenizer file that
             does not parse (naming the file); a pre-quantized checkpoint (its config has a
             ``quantization_config``: its weights are not floats; naming the method).
+        Either error names ``$MINIVLLM_MODEL`` when the model came from it.
     """
+    if model is None:
+        from_env = os.environ.get("MINIVLLM_MODEL")
+        if not from_env:
+            return _resolve_named(EMBEDDED_MODEL_NAME)
+        try:
+            return _resolve_named(from_env)
+        except (FileNotFoundError, ValueError) as e:  # a script that names no model would not say where it came from
+            kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
+            raise kind(f"$MINIVLLM_MODEL (no model was given, so the environment's was used): {e}") from None
+    return _resolve_named(str(model))
+
+
+def _resolve_named(name: str) -> ModelSource:
     from transformers import AutoConfig
 
-    if model is None:
-        model = os.environ.get("MINIVLLM_MODEL") or EMBEDDED_MODEL_NAME
-    name = str(model)
     if name.startswith(RANDOM_PREFIX):
         from minivllm.models.presets import load_preset_config
 
