@@ -161,6 +161,35 @@ def test_stop_strings_end_at_the_same_token_within_accepted_drafts():
         llm.shutdown()
 
 
+def test_drafts_after_a_stop_token_or_the_length_are_not_counted_as_accepted():
+    """A stop token id (or the eos, or max_tokens) met inside a step's accepted drafts ends the request
+    there: the drafts after it are not emitted, and the metrics and the step record counted them (one
+    accepted for a step that appended a single token, mean_accepted_length 2.0); stop strings already
+    counted the kept ones."""
+    spec = make_llm("minivllm-tiny", speculative_config=NGRAM)
+    engine = spec.llm_engine
+    tok = spec.get_tokenizer()
+    base = tok.encode("The module provides")
+    cont = make_llm("minivllm-tiny").generate([base], greedy(30), use_tqdm=False)[0].outputs[0].token_ids
+    prompt = base + cont + base  # its own continuation follows: drafts accepted from the first step
+    cases = [greedy(30, stop_token_ids=[t]) for t in dict.fromkeys(cont[1:12])] + [greedy(n) for n in (2, 3, 5)]
+    total = 0
+    for params in cases:
+        engine.add_request("r", prompt, params)
+        recorded = 0
+        while engine.has_unfinished_requests():
+            out = engine.step()[0]
+            recorded += engine.last_step_record.num_accepted_draft_tokens
+        deltas = list(spec.stream([prompt], params))  # every step emits 1 + the drafts it kept
+        assert [t for d in deltas for t in d.outputs[0].token_ids] == out.outputs[0].token_ids
+        kept = sum(len(d.outputs[0].token_ids) - 1 for d in deltas)
+        assert deltas[-1].metrics.num_accepted_draft_tokens == kept == recorded, (params, deltas[-1].metrics)
+        assert out.metrics.num_accepted_draft_tokens == recorded
+        total += kept
+    assert total > 0  # drafts were accepted at all
+    spec.shutdown()
+
+
 def test_seeded_sampling_with_speculation_is_reproducible(tiny_ckpt):
     spec = make_llm(tiny_ckpt, speculative_config=NGRAM)
     prompt = _repeating(7, 3, 18)

@@ -433,10 +433,13 @@ class Scheduler:
                     more = more_token_ids[seq] = more[:self.stop_string_cut(seq, [token, *more]) - 1]
                 if append(seq, token, now, logprobs[i] if logprobs is not None else None):
                     finished.append(seq)
+                    if more:  # a stop token, an eos or the length ended it: its drafts are not kept
+                        more_token_ids[seq] = []
                 elif more is not None:
-                    for t in more:
+                    for j, t in enumerate(more):
                         if append(seq, t, now):
                             finished.append(seq)
+                            more_token_ids[seq] = more[:j + 1]  # count the kept drafts, as for stop strings
                             break
         for entry in plan.scheduled:
             if entry.draft_token_ids:
