@@ -236,3 +236,18 @@ def test_a_proposal_cut_to_no_drafts_keeps_no_view_of_its_probabilities(tiny_ckp
         engine.step()
     assert any(e.draft_token_ids for e in seen) and any(not e.draft_token_ids for e in seen)
     assert all(e.draft_probs is None for e in seen if not e.draft_token_ids)
+
+
+def test_a_draft_with_fewer_positions_than_the_target_stops_drafting_past_them(tiny_ckpt, tmp_path):
+    """A draft trained on a shorter context (here 24 positions, the target 256) was taken, then the first
+    sequence past 24 tokens failed the whole generate() call (IndexError from the draft's rotary table):
+    past its positions a sequence now decodes without drafts, with the same greedy tokens."""
+    from helpers_models import make_hf_checkpoint
+
+    short = make_hf_checkpoint(tmp_path, num_hidden_layers=1, max_position_embeddings=24)
+    prompts = prompts_of([5, 9, 17, 3], seed=21)
+    want = _tokens(make_llm(tiny_ckpt).generate(prompts, greedy(40), use_tqdm=False))
+    spec = make_llm(tiny_ckpt, speculative_config=_draft(short, k=4))
+    outs = spec.generate(prompts, greedy(40), use_tqdm=False)
+    assert _tokens(outs) == want
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0  # drafts while the sequences were short

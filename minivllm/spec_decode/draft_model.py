@@ -81,6 +81,9 @@ class DraftModelProposer:
                              f"tokens, the target's {target_vocab_size}; a draft model must share the target's "
                              f"vocabulary")
         self.k = config.num_speculative_tokens
+        # a draft trained on a shorter context has no rotary angles past it: sequences beyond decode
+        # without drafts (vLLM, too, caps the draft's length at its own max_position_embeddings)
+        self.max_positions = source.hf_config.max_position_embeddings
         bs = target_config.block_size
         blocks = cdiv(num_tokens, bs) + target_config.max_num_seqs * cdiv(self.k + 1, bs)
         blocks = self._fit_device_memory(blocks, source.hf_config, target_config)
@@ -96,8 +99,9 @@ class DraftModelProposer:
         self.base_seed = target_config.seed if target_config.seed is not None else random.getrandbits(62)
         self.calls = 0
         self.name = source.name
-        logger.info("draft model %s: %d layers, KV pool %d blocks of %d tokens", source.name,
-                    source.hf_config.num_hidden_layers, blocks, bs)
+        logger.info("draft model %s: %d layers, KV pool %d blocks of %d tokens, %d positions (longer sequences "
+                    "decode without drafts)", source.name, source.hf_config.num_hidden_layers, blocks, bs,
+                    self.max_positions)
 
     @staticmethod
     def _fit_device_memory(blocks: int, hf_config, target_config: RunnerConfig) -> int:
@@ -129,11 +133,11 @@ class DraftModelProposer:
         keep = {id(seq) for seq, _ in requests}
         work = []  # (index in requests, seq, entry, k, first new position)
         for i, (seq, max_tokens) in enumerate(requests):
-            k = min(self.k, max_tokens)
+            tokens = seq.token_ids
+            k = min(self.k, max_tokens, self.max_positions + 1 - len(tokens))  # it feeds up to len + k - 2
             if k < 1 or not may_speculate(seq.params):
                 continue
             entry = self.cache.entry(seq, self.calls)
-            tokens = seq.token_ids
             valid = entry.valid_prefix(tokens, len(tokens) - 1)  # the last token is always fed
             if self.cache.reserve(entry, len(tokens) + k - 1, keep):
                 work.append((i, seq, entry, k, valid))
