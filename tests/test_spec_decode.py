@@ -80,6 +80,26 @@ def test_a_config_without_a_method_gets_vllms_inferred_one():
         SpeculativeConfig.from_dict({"num_speculative_tokens": 2})
 
 
+@pytest.mark.parametrize("given, lookup", [({}, (5, 5)), ({"prompt_lookup_min": 3}, (3, 3)),
+                                           ({"prompt_lookup_max": 3}, (3, 3)),
+                                           ({"prompt_lookup_max": None, "prompt_lookup_min": 2}, (2, 2)),
+                                           ({"prompt_lookup_max": 4, "prompt_lookup_min": 2}, (4, 2))])
+def test_ngram_sizes_default_as_in_vllm(given, lookup):
+    # vLLM: both absent -> 5 and 5, one given -> both; minivllm took 4 and 1, so prompt_lookup_min=5 alone was
+    # refused (5 > 4) and prompt_lookup_max=3 alone ran with min 1
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, **given})
+    assert (cfg.prompt_lookup_max, cfg.prompt_lookup_min) == lookup
+
+
+def test_more_drafts_than_a_sequence_holds_are_refused_naming_the_value(tiny_ckpt):
+    # k = 10**6 was taken (ngram: verification steps as wide as the budget; a draft model: a bare OSError
+    # "Cannot allocate memory" sizing its KV pool for it)
+    for method in ({"method": "ngram"}, {"method": "draft_model", "model": "minivllm-tiny-draft"}):
+        with pytest.raises(ValueError, match=r"num_speculative_tokens=1000000: .*max_model_len=64"):
+            make_llm(tiny_ckpt, max_model_len=64, speculative_config={**method, "num_speculative_tokens": 10**6})
+    make_llm(tiny_ckpt, max_model_len=64, speculative_config={"method": "ngram", "num_speculative_tokens": 63})
+
+
 @pytest.mark.parametrize("engine_args", [
     {},
     {"max_num_batched_tokens": 12, "num_kvcache_blocks": 20, "max_num_seqs": 3},  # chunks, preemption

@@ -220,6 +220,10 @@ class LLMEngine:
         config = self.speculative_config
         if config is None:
             return None
+        if config.num_speculative_tokens >= self.config.max_model_len:  # (a draft pool sized for it, or nothing)
+            raise ValueError(f"speculative_config num_speculative_tokens={config.num_speculative_tokens}: a "
+                             f"sequence holds at most max_model_len={self.config.max_model_len} tokens, so fewer "
+                             "drafts than that")
         if config.method == "ngram":
             return NgramProposer(config)
         from minivllm.spec_decode.draft_model import DraftModelProposer

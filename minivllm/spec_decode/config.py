@@ -19,15 +19,16 @@ class SpeculativeConfig:
             "draft_model" it defaults, as in vLLM, to the draft checkpoint's own
             ``num_speculative_tokens`` in its config.json when that names one
             (``minivllm-tiny-draft`` does).
-        prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first ("ngram").
+        prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first ("ngram");
+            vLLM's defaults: 5 and 5 when neither is given, else the one given for both.
         model: "draft_model": the draft checkpoint, as ``LLM(model=...)`` takes it (a local
             Hugging Face directory, or the embedded ``"minivllm-tiny-draft"``).
     """
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
     model: str | None = None
 
     @classmethod
@@ -59,9 +60,14 @@ class SpeculativeConfig:
         k = config.get("num_speculative_tokens")
         if k is None and method == "draft_model":
             k = draft_config_k(model)
-        values = {"num_speculative_tokens": k,
-                  "prompt_lookup_max": config.get("prompt_lookup_max", cls.prompt_lookup_max),
-                  "prompt_lookup_min": config.get("prompt_lookup_min", cls.prompt_lookup_min)}
+        lookup_max, lookup_min = config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
+        if lookup_max is None and lookup_min is None:  # vLLM's rule (its SpeculativeConfig.__post_init__)
+            lookup_max, lookup_min = cls.prompt_lookup_max, cls.prompt_lookup_min
+        elif lookup_min is None:
+            lookup_min = lookup_max
+        elif lookup_max is None:
+            lookup_max = lookup_min
+        values = {"num_speculative_tokens": k, "prompt_lookup_max": lookup_max, "prompt_lookup_min": lookup_min}
         for key, value in values.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config {key}={value!r}: must be an int >= 1")
