@@ -91,6 +91,14 @@ def test_ngram_sizes_default_as_in_vllm(given, lookup):
     assert (cfg.prompt_lookup_max, cfg.prompt_lookup_min) == lookup
 
 
+def test_numpy_integers_are_taken_as_ints():
+    import numpy as np
+
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": np.int64(3),
+                                       "prompt_lookup_max": np.int32(4)})
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max) == (3, 4) and type(cfg.num_speculative_tokens) is int
+
+
 def test_more_drafts_than_a_sequence_holds_are_refused_naming_the_value(tiny_ckpt):
     # k = 10**6 was taken (ngram: verification steps as wide as the budget; a draft model: a bare OSError
     # "Cannot allocate memory" sizing its KV pool for it)

@@ -1,6 +1,7 @@
 """``speculative_config`` (vLLM v1's engine argument), validated."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
@@ -68,9 +69,10 @@ class SpeculativeConfig:
         elif lookup_max is None:
             lookup_max = lookup_min
         values = {"num_speculative_tokens": k, "prompt_lookup_max": lookup_max, "prompt_lookup_min": lookup_min}
-        for key, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        for key, value in values.items():  # numpy's integers too (a sweep over np.arange), never a bool
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"speculative_config {key}={value!r}: must be an int >= 1")
+            values[key] = int(value)
         if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
             raise ValueError(f"speculative_config prompt_lookup_min={values['prompt_lookup_min']} > "
                              f"prompt_lookup_max={values['prompt_lookup_max']}")
