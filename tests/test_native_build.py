@@ -65,3 +65,23 @@ def test_a_library_is_never_taken_from_a_folder_others_can_write(tmp_path, monke
     monkeypatch.setattr(os, "getuid", lambda: os.stat(shared).st_uid + 1)
     with pytest.raises(OSError, match="belongs to uid"):
         native_build._build(src, shared, cc)
+
+
+def test_another_instruction_set_is_built_apart_and_a_bad_value_named(tmp_path, monkeypatch):
+    # MINIVLLM_CPU_MARCH builds a laptop's paths (x86-64-v3: no AVX-512) on this CPU, in a library of its own
+    import platform
+
+    cc = _compiler()
+    src = tmp_path / "lib.c"
+    src.write_text("int avx512(void) {\n#ifdef __AVX512F__\n return 1;\n#else\n return 0;\n#endif\n}\n")
+    out = tmp_path / "build"
+    monkeypatch.delenv(native_build.MARCH_ENV, raising=False)
+    native_lib = native_build._build(src, out, cc)
+    if platform.machine() in ("x86_64", "AMD64"):
+        monkeypatch.setenv(native_build.MARCH_ENV, " x86-64-v3 ")
+        assert native_build._flags().count("-march=x86-64-v3") == 1 and "-march=native" not in native_build._flags()
+        v3 = native_build._build(src, out, cc)
+        assert v3 != native_lib and ctypes.CDLL(str(v3)).avx512() == 0
+    monkeypatch.setenv(native_build.MARCH_ENV, "native; rm -rf ~")
+    with pytest.raises(ValueError, match="MINIVLLM_CPU_MARCH='native; rm -rf ~' is not a -march value"):
+        native_build._build(src, out, cc)

@@ -35,6 +35,19 @@ __all__ = ["FLAGS", "NativeBuildError", "NativeLibrary", "build_and_load"]
 T = TypeVar("T")
 
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread", "-shared", "-fPIC")
+MARCH_ENV = "MINIVLLM_CPU_MARCH"  # another -march than native: test a laptop's instruction set on this CPU
+
+
+def _flags() -> tuple[str, ...]:
+    """:data:`FLAGS`, with ``-march=$MINIVLLM_CPU_MARCH`` for ``-march=native`` where it is set
+    (``x86-64-v3``: AVX2 and FMA without AVX-512; ``x86-64``: SSE2 only), so that the C paths of
+    CPUs without this one's features can be built and checked here (read at each build)."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if not march:
+        return FLAGS
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", march):
+        raise ValueError(f"{MARCH_ENV}={march!r} is not a -march value (e.g. native, x86-64-v3, x86-64, armv8-a)")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
 
 
 class NativeBuildError(RuntimeError):
@@ -104,7 +117,8 @@ def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False)
     for header in re.findall(rb'#include "([^"]+)"', src):  # our own headers are part of the source's key
         src += (source.parent / header.decode()).read_bytes()
     version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(src + repr((cc, FLAGS + extra, version, platform.machine(), _cpu_fingerprint(),
+    flags = _flags()
+    key = hashlib.sha256(src + repr((cc, flags + extra, version, platform.machine(), _cpu_fingerprint(),
                                      (sys.version, sysconfig.get_config_var("SOABI")) if python_api else None)).encode())
     lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     _require_own_dir(out_dir)  # before trusting a library already there
@@ -113,8 +127,10 @@ def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # some compilers lack -march=native
-            proc = subprocess.run(cc + list(flags) + list(extra) + [str(source), "-o", tmp, "-lm"],
+        tries = (flags,) if os.environ.get(MARCH_ENV, "").strip() else (
+            flags, tuple(f for f in flags if f != "-march=native"))  # some compilers lack -march=native
+        for attempt in tries:
+            proc = subprocess.run(cc + list(attempt) + list(extra) + [str(source), "-o", tmp, "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode == 0:
                 os.replace(tmp, lib)
