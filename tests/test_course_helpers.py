@@ -15,20 +15,48 @@ def test_prediction_close_and_far(capsys):
     assert "1.1 x" in out and "not close" in out
 
 
-def test_no_prediction_prints_the_measurement(capsys):
+def test_no_prediction_keeps_the_measurement_back(capsys):
+    # a notebook is stored run with its exercise cells empty: the check printed each answer there
     res = check_prediction(None, 12.5, unit="ms", what="the decode step")
-    assert res.prediction is None and not res.close
-    assert "12.5 ms" in capsys.readouterr().out
+    assert res.prediction is None and not res.close and res.measured == 12.5
+    out = capsys.readouterr().out
+    assert "12.5" not in out and "No prediction yet" in out and "(in ms)" in out
+    assert "The decode step is shown once you have predicted" in out
 
 
 def test_the_quantity_keeps_its_capitals(capsys):
-    check_prediction(None, 114688, what="Qwen3-0.6B's KV bytes per token")
+    check_prediction(1, 114688, what="Qwen3-0.6B's KV bytes per token")
     assert "Qwen3-0.6B's KV bytes per token on this run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("written, says", [("about ten", "not 'about ten'."), ("12", "without the quotes"),
+                                           ([3], "not [3]"), (True, "not True"), (float("nan"), "not nan"),
+                                           (float("inf"), "not inf")])
+def test_what_the_learner_wrote_is_answered_not_raised(capsys, written, says):
+    # a string or a list raised TypeError (and stopped a second exercise's check in the same cell);
+    # "12" and True were taken as numbers
+    res = check_prediction(written, 7.0, unit="calls")
+    assert res.prediction is None and not res.close
+    out = capsys.readouterr().out
+    assert "should be a number (in calls)" in out and says in out and "7" not in out
+
+
+def test_a_guess_ten_times_off_is_asked_about_its_units_and_a_hint_replaces_the_question(capsys):
+    check_prediction(82, 0.82, rel_tol=0.1)
+    out = capsys.readouterr().out
+    assert "100x above the measurement: check its unit" in out and "left out" not in out
+    check_prediction(0.5, 0.82, rel_tol=0.1)
+    assert "left out or counted twice" in capsys.readouterr().out
+    check_prediction(0.5, 0.82, rel_tol=0.1, hint="Count the blocks each prefix fills.")
+    out = capsys.readouterr().out
+    assert "Count the blocks" in out and "left out" not in out
+    check_prediction(0.8, 0.82, rel_tol=0.1, hint="Count the blocks each prefix fills.")
+    assert "Count the blocks" not in capsys.readouterr().out  # a close guess gets no hint
 
 
 def test_bad_input_names_the_value():
     with pytest.raises(TypeError, match="'fast'"):
-        check_prediction("fast", 1.0)
+        check_prediction(1.0, "fast")
     with pytest.raises(ValueError, match="-0.1"):
         check_prediction(1.0, 1.0, rel_tol=-0.1)
     # "a" raised "'<' not supported", and NaN was taken (printed as "tolerance nan%")

@@ -12,7 +12,7 @@ laptop where a claim does not hold says so plainly and carries on (nbval keeps p
 * :func:`render` - Markdown built from measured values (``display(Markdown(...))``).
 
 Raises ``TypeError``/``ValueError`` only for programming errors (a non-numeric measurement, a
-negative tolerance), never for what the machine measured.
+negative tolerance), never for what the machine measured or what the learner wrote.
 """
 from __future__ import annotations
 
@@ -52,8 +52,13 @@ def _number(name: str, value) -> float:
 
 
 def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str = "",
-                     what: str = "the measured value") -> PredictionCheck:
+                     what: str = "the measured value", hint: str = "") -> PredictionCheck:
     """Compare a learner's numeric prediction with a measurement from this run and print the result.
+
+    The measurement is printed only beside a prediction, so that a notebook stored with its outputs
+    (the exercise cell left empty) does not give the answer away before the learner has tried.
+    What the learner wrote is never an error: an empty cell, a string, a list or True gets a
+    sentence saying what to write, not a traceback (a check cell may hold two exercises' checks).
 
     Args:
         prediction: the learner's number (int/float), or None when the exercise cell was left empty.
@@ -61,23 +66,31 @@ def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str =
         rel_tol: relative tolerance counted as "close" (0.25 = within 25%).
         unit: printed after the numbers (e.g. ``"ms"``, ``"x"``).
         what: a short name for the quantity, used in the printed sentence.
+        hint: printed when the prediction is not close (default: a question about what the estimate
+            left out, or, for a guess 10x or more away, about its units).
 
     Returns:
         A :class:`PredictionCheck`; it is also printed as one or two plain sentences.
 
     Raises:
-        TypeError: ``measured`` (or a given ``prediction``) is not a number.
+        TypeError: ``measured`` is not a number.
         ValueError: ``rel_tol`` is not a number >= 0 (NaN included), or ``measured`` is NaN.
     """
     if isinstance(rel_tol, bool) or not isinstance(rel_tol, numbers.Real) or not rel_tol >= 0:  # NaN fails >= too
         raise ValueError(f"rel_tol must be a number >= 0, got {rel_tol!r}")
     m = _number("measured", measured)
     u = f" {unit}" if unit else ""
+    in_unit = f" (in {unit})" if unit else ""
     if prediction is None:
-        print(f"No prediction written. {what[:1].upper() + what[1:]} on this run: {m:.4g}{u}. "
-              "Write your guess in the exercise cell and run both cells again.")
+        print(f"No prediction yet: write your guess{in_unit} in the exercise cell above, run it, then run this "
+              f"cell again. {what[:1].upper() + what[1:]} is shown once you have predicted.")
         return PredictionCheck(None, m, None, False)
-    p = _number("prediction", prediction)
+    p = _learner_number(prediction)
+    if p is None:
+        quoted = isinstance(prediction, str) and _learner_number(prediction.strip(), strings=True) is not None
+        print(f"Your prediction should be a number{in_unit}, not {prediction!r}"
+              + (": write it without the quotes" if quoted else "") + ". Change the exercise cell and run both again.")
+        return PredictionCheck(None, m, None, False)
     rel = abs(p - m) / abs(m) if m != 0 else None
     close = (rel is not None and rel <= rel_tol) or (m == 0 and p == 0)
     verdict = "close" if close else "not close"
@@ -85,8 +98,28 @@ def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str =
     print(f"You predicted {p:.4g}{u}; {what} on this run is {m:.4g}{u} ({detail}: {verdict}, "
           f"tolerance {rel_tol:.0%}).")
     if not close:
-        print("Before opening the solution, ask which cost your estimate left out or counted twice.")
+        factor = abs(p / m) if m != 0 and p != 0 else None
+        if hint:
+            print(hint)
+        elif factor is not None and (factor >= 10 or factor <= 0.1):
+            print(f"Your guess is {max(factor, 1 / factor):.0f}x {'above' if factor > 1 else 'below'} the "
+                  f"measurement: check its unit{f' ({unit})' if unit else ''} and what is counted before opening "
+                  "the solution.")
+        else:
+            print("Before opening the solution, ask what your estimate left out or counted twice.")
     return PredictionCheck(p, m, rel, close)
+
+
+def _learner_number(value, strings: bool = False) -> float | None:
+    """``value`` as a finite float, or None where a learner wrote something else (a bool, a string
+    unless ``strings``, a list, NaN, an infinity)."""
+    if isinstance(value, bool) or (isinstance(value, (str, bytes)) and not strings):
+        return None
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
 
 
 @dataclass(frozen=True)
