@@ -312,7 +312,9 @@ for i in (0, 1, NEW_TOKENS // 2, NEW_TOKENS - 1):
     print(f"{i:5d} {lengths[i]:16d} {by_hand_ms[i]:13.2f} {engine_ms[i]:17.2f}   "
           f"({records[i].phase}, {records[i].num_tokens} token(s) in the forward pass)")
 print(f"total for {NEW_TOKENS} tokens: by hand {sum(by_hand_ms):.1f} ms, engine {sum(engine_ms):.1f} ms")
-_ = check_prediction(my_prediction_2, time_ratio, rel_tol=0.3, unit="x", what="the time ratio (by hand / engine)")
+_ = check_prediction(my_prediction_2, time_ratio, rel_tol=0.3, unit="x", what="the time ratio (by hand / engine)",
+                     hint="Compare the time of the hand loop's first pass with its last in the table: does a pass "
+                          "with many more tokens take that many times longer? Then open the solution.")
 flop_ratio = sum(hand_mflop) / sum(engine_mflop)
 _ = check_claim("the time ratio is below the work ratio", time_ratio < flop_ratio,
                 f"time {time_ratio:.1f}x, FLOPs {flop_ratio:.1f}x",

@@ -253,6 +253,7 @@ for r in static_steps + cont_steps:  # decode-only steps of the two fastest runs
     if r.num_prefill_tokens == 0:
         decode_ms.setdefault(r.num_seqs, []).append(r.wall_ms)
 d1, d4 = statistics.median(decode_ms[1]), statistics.median(decode_ms[SEATS])
+fixed_share = (d1 - (d4 - d1) / (SEATS - 1)) / d1  # a step's cost as fixed + per sequence, through the two medians
 split = {}  # per policy: (steps, ms) of the steps that carried prompt tokens, and of the decode-only steps
 for name, records in (("static", static_steps), ("continuous", cont_steps)):
     with_prompt = [r.wall_ms for r in records if r.num_prefill_tokens]
@@ -263,11 +264,15 @@ for name, records in (("static", static_steps), ("continuous", cont_steps)):
 render(f"Both runs computed the same tokens (checked above). Continuous batching needed **{len(cont_steps)}** "
        f"steps where static batching needed **{len(static_steps)}**, with seats in use "
        f"**{occupancy(cont_steps):.0%}** against **{occupancy(static_steps):.0%}** on average per step: static batching "
-       f"spent many steps with seats empty, waiting for the longest request of its batch. A fuller step costs less "
-       f"than its seats' worth of 1-sequence steps: the median decode step with {SEATS} sequences took **{d4:.2f} ms**, with 1 sequence "
-       f"**{d1:.2f} ms** ({d4 / d1:.2f}x), because much of a step's cost (launching operations, bookkeeping "
-       f"and, on larger models, reading the weights) is paid once per step, however many sequences it serves "
-       f"(chapter 06).")
+       f"spent many steps with seats empty, waiting for the longest request of its batch. The median decode step "
+       f"with {SEATS} sequences took **{d4:.2f} ms**, with 1 sequence **{d1:.2f} ms** ({d4 / d1:.2f}x): "
+       + (f"less than its seats' worth, because part of a step's cost (launching operations, bookkeeping and, on "
+          f"larger models, reading the weights) is paid once per step, however many sequences it serves (chapter "
+          f"06). Drawn as a line through these two medians, that fixed part is **{fixed_share:.0%}** of a "
+          f"1-sequence step here."
+          if fixed_share > 0 else
+          "no less than its seats' worth on this run, so no part of the step looked fixed (a busy machine can "
+          "slow single steps; run the cell again)."))
 check_claim(f"a decode step with {SEATS} sequences costs less than {SEATS} steps with 1 (its seats' worth)",
             d4 < SEATS * d1,
             f"median {d4:.2f} ms vs {d1:.2f} ms over {len(decode_ms[SEATS])} and {len(decode_ms[1])} steps",

@@ -755,7 +755,9 @@ for name in step:
     print(f"{name}: median decode step {step[name]:.2f} ms over {len(itl[name])} steps "
           f"(round medians {min(round_medians[name]):.2f} to {max(round_medians[name]):.2f} ms)")
 check_prediction(my_prediction_1, int8_speedup, rel_tol=0.25, unit="x",
-                 what="the int8 speed-up of a batch-1 decode step");
+                 what="the int8 speed-up of a batch-1 decode step",
+                 hint="How much of this model's step is reading weights (section 1), and does an int8 layer do "
+                      "anything per call that a float layer does not? Then open the solution.");
 
 # %%
 render(f"On this run int8 changed the batch-1 decode step from {step[BASE]:.2f} ms to {step['int8']:.2f} ms: "
