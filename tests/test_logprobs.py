@@ -177,3 +177,32 @@ def test_logprobs_modes(tiny_ckpt, mode):
 def test_logprobs_mode_is_validated(tiny_ckpt):
     with pytest.raises(ValueError, match="logprobs_mode='processed'"):
         make_llm(tiny_ckpt, logprobs_mode="processed")
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logits", "processed_logprobs"])
+def test_prompt_logprobs_are_log_probabilities_in_every_mode(tiny_ckpt, mode):
+    # in the *_logits modes they were the raw logits (off by the log-sum-exp); vLLM's runner computes prompt
+    # logprobs with compute_logprobs (a log_softmax of the raw logits) whatever logprobs_mode says
+    prompt = prompts_of([9], seed=5)[0]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    want = make_llm(tiny_ckpt).generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    got = make_llm(tiny_ckpt, logprobs_mode=mode).generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(want) == len(prompt)
+    for g, w in zip(got[1:], want[1:]):
+        assert g.keys() == w.keys()
+        assert all(g[t].logprob == pytest.approx(w[t].logprob, abs=1e-6) and g[t].logprob <= 0 for t in g)
+
+
+def test_tied_tokens_share_the_lower_rank_as_in_vllm():
+    # rank was 1 + the tokens strictly more likely, and the chosen token's own entry won over its top-k one:
+    # logits [1, 1, 0] choosing token 1 gave {1: rank 1, 0: rank 1}; vLLM counts the tokens at least as likely
+    # (rank 2) and lets the top-k entries fill the dict last, {1: rank 2, 0: rank 1}
+    from minivllm.engine.output_processor import logprob_dicts
+    from minivllm.layers.logprobs import logprob_entries
+
+    logits = torch.tensor([[1.0, 1.0, 0.0], [3.0, 1.0, 2.0]])
+    entries = logprob_entries(logits, torch.tensor([1, 2]), [2, 1])
+    assert [e[2] for e in entries] == [[2, 1, 2], [2, 1]]  # chosen token's rank first, then top-k 1..k
+    d = logprob_dicts(entries, None)
+    assert {t: v.rank for t, v in d[0].items()} == {1: 2, 0: 1} and list(d[0]) == [1, 0]
+    assert {t: v.rank for t, v in d[1].items()} == {2: 2, 0: 1}

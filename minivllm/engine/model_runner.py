@@ -912,8 +912,8 @@ class ModelRunner:
         for seq, first, count in spans:
             targets.extend(seq.prompt_token_ids[first:first + count])
             ks.extend([seq.params.prompt_logprobs] * count)
-        entries = logprob_entries(prompt_logits, torch.tensor(targets, device=prompt_logits.device), ks,
-                                  normalize=self.logprobs_mode.endswith("logprobs"))
+        # log-probabilities of the raw logits whatever logprobs_mode says (vLLM's runner: compute_logprobs)
+        entries = logprob_entries(prompt_logits, torch.tensor(targets, device=prompt_logits.device), ks)
         out, at = {}, 0
         for seq, first, count in spans:
             out[seq] = (first, entries[at:at + count])

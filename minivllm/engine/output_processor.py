@@ -153,9 +153,8 @@ def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None) -> list:
             continue
         ids, vals, ranks = entry
         d = {}
-        for t, v, r in zip(ids, vals, ranks):
-            if t not in d:
-                d[t] = Logprob(v, r, text_of(t))
+        for t, v, r in zip(ids, vals, ranks):  # the chosen token first: its top-k entry, if any, replaces it
+            d[t] = Logprob(v, r, text_of(t))
         out.append(d)
     return out
 

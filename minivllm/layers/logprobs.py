@@ -5,12 +5,13 @@ the natural-log softmax over the whole vocabulary, before penalties, temperature
 filters. The engine argument ``logprobs_mode`` selects, as in vLLM, "raw_logits" (the raw
 logits themselves), "processed_logprobs" (log-probabilities of the distribution the token
 was drawn from: after processors, penalties, temperature, top-k/top-p/min-p) or
-"processed_logits" (those logits, -inf where filtered). Prompt logprobs are always raw
-(``*_logits`` modes give raw logits).
+"processed_logits" (those logits, -inf where filtered). Prompt logprobs are the raw
+log-probabilities in every mode, as vLLM's runner computes them.
 Each position yields one entry ``(token_ids, logprobs, ranks)``: first the chosen token
-(sampled, or the actual next prompt token) with its rank (1 + the number of tokens with a
-strictly larger logprob), then the k most likely tokens, ranks 1..k. The output processor
-turns entries into ``{token_id: Logprob}`` dicts.
+(sampled, or the actual next prompt token) with its rank (vLLM's: the number of tokens whose
+logprob is at least its own, so tied tokens share the lower rank), then the k most likely tokens,
+ranks 1..k. The output processor turns entries into ``{token_id: Logprob}`` dicts, where a
+top-k entry of the chosen token replaces its own (as vLLM's dicts are filled).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def logprob_entries(logits: torch.Tensor, chosen: torch.Tensor, ks: list[int],
     ks = [logits.shape[-1] if k == -1 else k for k in ks]
     lp = logits.float().log_softmax(dim=-1) if normalize else logits.float()
     own = lp.gather(1, chosen.unsqueeze(1))
-    ranks = ((lp > own).sum(dim=-1) + 1).tolist()
+    ranks = (lp >= own).sum(dim=-1).tolist()  # vLLM's batched_count_greater_than counts >=
     own_list = own.squeeze(1).tolist()
     chosen_list = chosen.tolist()
     kmax = min(max(ks), lp.shape[-1])
