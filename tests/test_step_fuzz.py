@@ -204,7 +204,8 @@ def test_a_random_fault_in_a_random_step_changes_nothing(fuzz_llm, monkeypatch):
 @pytest.fixture(scope="module")
 def fuzz_spec_llm(tiny_ckpt):
     llm = make_llm(tiny_ckpt, **FUZZ_ENGINE,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                       "prompt_lookup_min": 1})
     yield llm
     llm.shutdown()
 

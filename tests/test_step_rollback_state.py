@@ -18,7 +18,7 @@ from minivllm.engine import transaction
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.llm_engine import LLMEngine
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # A 14-block pool (preemption), a 12-token budget (chunked prefill), at most 3 sequences.
 ENGINE = dict(num_kvcache_blocks=14, max_num_batched_tokens=12, max_num_seqs=3, seed=0)
 
