@@ -338,6 +338,28 @@ def test_killed_worker_makes_generate_raise_within_seconds(tiny_ckpt):
     assert not _alive(pid)
 
 
+def test_a_worker_dead_while_the_model_group_is_built_is_named(tiny_ckpt, monkeypatch):
+    # LLM() waited out MINIVLLM_TP_TIMEOUT and raised DistStoreError "wait timeout ... keys: /model/0/1",
+    # naming no worker
+    from minivllm.executor import launch
+
+    monkeypatch.setenv("MINIVLLM_TP_TIMEOUT", "2")
+    build, pids = launch.create_model_group, []
+
+    def kill_then_build(conn, backend, device):
+        if conn.rank == 0:
+            for p in conn.procs:
+                pids.append(p.pid)
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+        return build(conn, backend, device)
+
+    monkeypatch.setattr(launch, "create_model_group", kill_then_build)
+    with pytest.raises(RuntimeError, match=r"worker failed while starting: rank 1 \(pid \d+\) was killed by signal 9"):
+        make_llm(tiny_ckpt, tensor_parallel_size=2)
+    assert pids and not any(_alive(pid) for pid in pids)
+
+
 def test_exception_in_worker_surfaces_in_caller(tiny_ckpt, monkeypatch):
     from minivllm.executor.worker import FAULT_ENV
 

@@ -135,7 +135,8 @@ class TPModelRunner(ShardRunner):
             cfg = WorkerConfig(config, base_index, "nccl" if device.type == "cuda" else "gloo",
                                max(1, torch.get_num_threads() // tp_size), conn.tag)
             launch.broadcast_object(conn.ctrl, cfg, 0)
-            conn.model = launch.create_model_group(conn, cfg.dist_backend, config.device)
+            with self._guard("while starting"):  # a worker dead here left a bare store timeout, naming no rank
+                conn.model = launch.create_model_group(conn, cfg.dist_backend, config.device)
             with self._guard("while starting"), tp_scope(0, tp_size, conn.model):
                 super().__init__(conn, config)
         except BaseException:
