@@ -275,7 +275,9 @@ longest = LENGTHS[-1]
 print(f"at L={longest}: without cache {df.no_cache_ms[longest]:.1f} ms, with cache {df.cache_ms[longest]:.2f} ms "
       f"({df['time ratio'][longest]:.1f}x); the FLOPs differ {df['FLOP ratio'][longest]:.0f}x")
 _ = check_prediction(my_prediction_1, df["time ratio"][longest], rel_tol=0.5, unit="x",
-                     what="the time ratio (without cache / with cache) at the longest length")
+                     what="the time ratio (without cache / with cache) at the longest length",
+                     hint="Compare the FLOP ratio printed above with the time ratio: what does a one-token step "
+                          "cost that does not shrink with its tokens? (Chapter 01 timed a one-token pass too.)")
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>

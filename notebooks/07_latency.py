@@ -205,12 +205,12 @@ from widgets import measure_decode_batch, measure_step_latency
 
 bench = LLM(MODEL, device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_num_batched_tokens=1024,
             max_num_seqs=16)
-rows = measure_step_latency(bench, [16, 64, 128, 256, 512], decode_steps=3, repeats=2, roofline=False)
+rows = measure_step_latency(bench, [16, 64, 128, 256, 512], decode_steps=3, repeats=3, roofline=False)
 decode_rows = measure_decode_batch(bench, batch_sizes=[1, 2, 4, 8], prompt_len=32, decode_steps=5)
 steps = pd.DataFrame(rows)
 pre = steps[steps.phase == "prefill"].groupby("prompt_len").wall_ms.median()
 dec = pd.DataFrame(decode_rows).groupby("batch").wall_ms.median()
-print("prefill step (one prompt, median of 2):",
+print("prefill step (one prompt, median of 3):",
       ", ".join(f"{n} tokens {ms:.1f} ms" for n, ms in pre.items()))
 print("decode step (median of the steps at each batch):", ", ".join(f"batch {b} {ms:.2f} ms" for b, ms in dec.items()))
 
