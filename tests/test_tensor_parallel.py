@@ -360,6 +360,26 @@ def test_a_worker_dead_while_the_model_group_is_built_is_named(tiny_ckpt, monkey
     assert pids and not any(_alive(pid) for pid in pids)
 
 
+def test_a_worker_stopped_while_idle_fails_the_next_step_within_the_timeout(tiny_ckpt, monkeypatch):
+    # rank 0's step header to a worker that stopped taking messages (SIGSTOP, or hung) waited on the control
+    # group's one-year timeout: generate() blocked for good, MINIVLLM_TP_TIMEOUT unheeded
+    monkeypatch.setenv("MINIVLLM_TP_TIMEOUT", "2")
+    llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+    (pid,) = llm.llm_engine.runner.worker_pids
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"did not take rank 0's message within 2 s \(MINIVLLM_TP_TIMEOUT\)"):
+            llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
+        assert time.monotonic() - started < 60.0  # a hang detector only, not a latency bound
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="create a new LLM"):
+        llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
+    llm.shutdown()
+
+
 def test_exception_in_worker_surfaces_in_caller(tiny_ckpt, monkeypatch):
     from minivllm.executor.worker import FAULT_ENV
 

@@ -295,11 +295,24 @@ def create_model_group(conn: Connection, backend: str, device: torch.device) -> 
 
 
 # -- control-plane messages (gloo, CPU) ----------------------------------------------------------
-def broadcast(group, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-    """Broadcast a CPU tensor from ``root`` in place; returns it."""
+def broadcast(group, tensor: torch.Tensor, root: int = 0, timeout: datetime.timedelta | None = None) -> torch.Tensor:
+    """Broadcast a CPU tensor from ``root`` in place; returns it. ``timeout``: for the sender (the
+    control group itself waits a year, for workers idling until the next step), so that a worker
+    that stopped taking messages fails the engine instead of blocking it for good.
+
+    Raises:
+        RuntimeError: not every rank took the message within ``timeout`` (saying so)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = root
-    group.broadcast([tensor], opts).wait()
+    work = group.broadcast([tensor], opts)
+    if timeout is None:
+        work.wait()
+        return tensor
+    try:
+        work.wait(timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"a tensor-parallel worker did not take rank 0's message within "
+                           f"{timeout.total_seconds():g} s (MINIVLLM_TP_TIMEOUT): stopped or hung? ({e})") from e
     return tensor
 
 

@@ -73,7 +73,7 @@ class _Closer:
             try:
                 header = torch.zeros(HEADER_LEN, dtype=torch.int64)
                 header[0] = SHUTDOWN
-                launch.broadcast(conn.ctrl, header)
+                launch.broadcast(conn.ctrl, header, timeout=launch.model_timeout())
             except Exception:  # a worker already gone: nothing to tell it
                 graceful = False
         launch.kill_workers(conn.procs, grace_s=5.0 if graceful else 0.0)
@@ -131,6 +131,7 @@ class TPModelRunner(ShardRunner):
         self._closer = _Closer(conn)
         self._finalizer = weakref.finalize(self, self._closer.close)
         self._failure: str | None = None
+        self._send_timeout = launch.model_timeout()  # a step's messages to the workers, as its collectives
         try:
             cfg = WorkerConfig(config, base_index, "nccl" if device.type == "cuda" else "gloo",
                                max(1, torch.get_num_threads() // tp_size), conn.tag)
@@ -159,7 +160,7 @@ class TPModelRunner(ShardRunner):
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[0] = COMPILE
         with self._guard("enabling torch.compile"):
-            launch.broadcast(self.conn.ctrl, header)
+            launch.broadcast(self.conn.ctrl, header, timeout=self._send_timeout)
         super().enable_compile()
 
     def enable_cpu_fused_ops(self) -> bool:
@@ -173,7 +174,7 @@ class TPModelRunner(ShardRunner):
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[0] = CPU_FUSED
         with self._guard("enabling the CPU fused ops"):
-            launch.broadcast(self.conn.ctrl, header)
+            launch.broadcast(self.conn.ctrl, header, timeout=self._send_timeout)
         return True
 
     def enable_cuda_graphs(self, *args, **kwargs) -> None:
@@ -185,8 +186,8 @@ class TPModelRunner(ShardRunner):
         self._check_usable()
         header, payload = pack_step(inp)
         with self._guard("during a step"):
-            launch.broadcast(self.conn.ctrl, header)
-            launch.broadcast(self.conn.ctrl, payload)
+            launch.broadcast(self.conn.ctrl, header, timeout=self._send_timeout)
+            launch.broadcast(self.conn.ctrl, payload, timeout=self._send_timeout)
             with tp_scope(0, self.conn.world_size, self.conn.model):
                 return super().forward_logits(inp)
 
