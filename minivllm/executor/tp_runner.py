@@ -131,8 +131,8 @@ class TPModelRunner(ShardRunner):
         self._closer = _Closer(conn)
         self._finalizer = weakref.finalize(self, self._closer.close)
         self._failure: str | None = None
-        self._send_timeout = launch.model_timeout()  # a step's messages to the workers, as its collectives
         try:
+            self._send_timeout = launch.model_timeout()  # a step's messages to the workers, as its collectives
             cfg = WorkerConfig(config, base_index, "nccl" if device.type == "cuda" else "gloo",
                                max(1, torch.get_num_threads() // tp_size), conn.tag)
             launch.broadcast_object(conn.ctrl, cfg, 0)
