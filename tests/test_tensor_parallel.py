@@ -360,11 +360,15 @@ def test_a_worker_dead_while_the_model_group_is_built_is_named(tiny_ckpt, monkey
     assert pids and not any(_alive(pid) for pid in pids)
 
 
-def test_a_worker_stopped_while_idle_fails_the_next_step_within_the_timeout(tiny_ckpt, monkeypatch):
+def test_a_worker_stopped_while_idle_fails_the_next_step_within_the_timeout(tiny_ckpt):
     # rank 0's step header to a worker that stopped taking messages (SIGSTOP, or hung) waited on the control
     # group's one-year timeout: generate() blocked for good, MINIVLLM_TP_TIMEOUT unheeded
-    monkeypatch.setenv("MINIVLLM_TP_TIMEOUT", "2")
+    import datetime
+
     llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+    # MINIVLLM_TP_TIMEOUT=2 for the messages alone: set before the start it also bounds building the model
+    # group, which a slow machine's worker can take longer than that to reach
+    llm.llm_engine.runner._send_timeout = datetime.timedelta(seconds=2)
     (pid,) = llm.llm_engine.runner.worker_pids
     os.kill(pid, signal.SIGSTOP)
     started = time.monotonic()
