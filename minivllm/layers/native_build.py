@@ -127,8 +127,8 @@ def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        tries = (flags,) if os.environ.get(MARCH_ENV, "").strip() else (
-            flags, tuple(f for f in flags if f != "-march=native"))  # some compilers lack -march=native
+        tries = (flags, tuple(f for f in flags if f != "-march=native")) if "-march=native" in flags else (
+            flags,)  # some compilers lack -march=native; a march asked for by name is not dropped
         for attempt in tries:
             proc = subprocess.run(cc + list(attempt) + list(extra) + [str(source), "-o", tmp, "-lm"],
                                   capture_output=True, text=True, timeout=120)
