@@ -71,6 +71,91 @@ def test_reference_path_is_the_dequantised_linear():
     assert torch.equal(iw.int8_tensor(), quantize_per_channel(w)[0])
 
 
+def _panel_gemm():
+    from helpers_native import native_or_skip
+    from minivllm.layers import cpu_gemm
+
+    return native_or_skip(cpu_gemm, "the panel GEMM")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_int8_path_is_the_weight_only_linear(threads):
+    """Our int8 panels: the dequantised linear up to float32 summation order (weight-only), at every row
+    count a pass handles differently (1, 2-6, 7-12, more than 12, beyond one call's 256), k across the
+    kernel's 256-value chunks, with and without a bias, and split over threads; the int8 values kept once."""
+    _panel_gemm()
+    g = torch.Generator().manual_seed(6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((16, 1), (48, 40), (96, 300), (160, 520), (1024, 512)):
+            w = torch.randn(n, k, generator=g) * 0.05
+            b = torch.randn(n, generator=g)
+            iw = Int8Weight(w, kernel="panel-int8")
+            assert iw.qweight is None and iw.packed is None and iw.panels.dtype == torch.int8
+            assert iw.panels.shape == (n // 16, k, 16)
+            assert torch.equal(iw.int8_tensor(), quantize_per_channel(w)[0])
+            dq = iw.dequantized()
+            for m in (1, 2, 5, 7, 12, 13, 31, 300):
+                x = torch.randn(m, k, generator=g)
+                for bias in (None, b):
+                    got, want = iw.matmul(x, bias), F.linear(x, dq, bias)
+                    assert got.shape == (m, n) and got.dtype == torch.float32
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    finally:
+        torch.set_num_threads(before)
+    # leading dims, a strided x and bf16 activations (converted to float32 and back)
+    x = torch.randn(2, 3, 2 * 40, generator=g)[..., ::2]
+    iw = Int8Weight(torch.randn(48, 40, generator=g), kernel="panel-int8")
+    torch.testing.assert_close(iw.matmul(x), F.linear(x, iw.dequantized()), rtol=1e-5, atol=1e-5)
+    yb = iw.matmul(x.to(torch.bfloat16))
+    assert yb.shape == (2, 3, 48) and yb.dtype == torch.bfloat16
+
+
+def test_panel_int8_is_the_cpu_default_and_other_heights_take_the_next_path():
+    _panel_gemm()
+    g = torch.Generator().manual_seed(7)
+    assert Int8Weight(torch.randn(32, 8, generator=g)).kernel == "panel-int8"
+    odd = Int8Weight(torch.randn(20, 8, generator=g))  # 20 outputs: not whole panels of 16
+    assert odd.kernel in ("fbgemm-dynamic", "reference") and odd.panels is None
+    with pytest.raises(ValueError, match="multiple of 16 output features, got 20"):
+        Int8Weight(torch.randn(20, 8, generator=g), kernel="panel-int8")
+
+
+def test_int8_decode_steps_replay_in_cpu_graphs_with_eager_tokens(caplog):
+    """With our int8 panels a decode step is C calls a CPU graph records (fbgemm's ops are not): graphs
+    are on, and their tokens are the eager engine's."""
+    _panel_gemm()
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        graphs = LLM("minivllm-tiny", quantization="int8")
+    said = [r.getMessage() for r in caplog.records]
+    eager = LLM("minivllm-tiny", quantization="int8", enforce_eager=True)
+    try:
+        assert graphs.llm_engine.runner.graph_runner is not None
+        assert any(m.startswith("CPU graphs:") for m in said) and not any("graphs off" in m for m in said)
+        prompts = list(AGREEMENT_PROMPTS[:6])
+        assert _tokens(graphs, prompts, 20) == _tokens(eager, prompts, 20)
+    finally:
+        eager.shutdown()
+        graphs.shutdown()
+
+
+def test_int8_through_fbgemm_keeps_cpu_graphs_off(caplog):
+    from minivllm.quantization import int8
+
+    if cpu_int8_unavailable_reason() is not None:
+        pytest.skip(f"fbgemm int8: {cpu_int8_unavailable_reason()}")
+    original = int8.default_kernel
+    int8.default_kernel = lambda device: "fbgemm-dynamic"
+    try:
+        with caplog.at_level(logging.INFO, logger="minivllm"):
+            llm = LLM("minivllm-tiny", quantization="int8")
+        llm.shutdown()
+    finally:
+        int8.default_kernel = original
+    assert any("CPU graphs off" in r.getMessage() and "fbgemm-dynamic" in r.getMessage() for r in caplog.records)
+
+
 @needs_fbgemm
 def test_fbgemm_path_matches_reference_and_keeps_one_int8_copy():
     g = torch.Generator().manual_seed(4)
@@ -325,7 +410,7 @@ def test_bench_quantization_mode_reports_ratio_and_agreement():
     res = run_cli(["--quantization", "int8", "--threads", "1", "--decode-steps", "4", "--rounds", "1", "--quiet"],
                   peak_kwargs={"matmul_size": 64, "copy_bytes": 1 << 20, "read_bytes": 1 << 20, "repeats": 2})
     r = res["quantization"]
-    assert r.quantization == "int8" and ("fbgemm" in r.kernel or "reference" in r.kernel)
+    assert r.quantization == "int8" and any(name in r.kernel for name in ("panel GEMM", "fbgemm", "reference"))
     assert r.speedup == pytest.approx(r.base["median_itl_ms"] / r.quant["median_itl_ms"])
     # int8 bytes in the int8 engine's roofline: 1 a weight (+ a scale per output channel), against 2
     # where the base engine holds the embedded model's float16 values in 16-bit panels, else 4

@@ -726,8 +726,8 @@ class CudaGraphDecodeRunner:
         """A CPU graph would not replay the model as it now is: some module has a forward hook or
         pre-hook (or one is registered for all modules: a replay calls no module, so such steps
         run eagerly), or since the graphs were recorded a submodule was swapped, added or removed,
-        or a parameter slot (empty ones included) was given another tensor, emptied or removed, or
-        a parameter new storage (the graphs are then dropped and recorded again).
+        or a parameter or buffer slot (empty ones included) was given another tensor, emptied or removed,
+        or such a tensor new storage (the graphs are then dropped and recorded again).
 
         Runs before every replay, so it reads little, in C-level ``map``s over lists made once:
         whether any hook dict is non-empty, the submodules (compared as a list: by identity, as
@@ -764,7 +764,8 @@ class CudaGraphDecodeRunner:
                 return False  # the same tensors (held, so no other can take their ids) on the same storage
             logger.info("CPU graphs: the model's parameters changed; recording the graphs again")
         self._graphs.clear()
-        slots = [(m._parameters, k) for m in self._modules for k in m._parameters]
+        # buffers too: an int8 layer's scale (a buffer) is replaced with its int8 panels when it is quantised again
+        slots = [(d, k) for m in self._modules for d in (m._parameters, m._buffers) for k in d]
         self._slot_dicts, self._slot_keys = [d for d, _ in slots], [k for _, k in slots]
         params = [d[k] for d, k in slots]
         tensors = [p for p in params if p is not None]

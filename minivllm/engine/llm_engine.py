@@ -273,7 +273,10 @@ class LLMEngine:
                 why.append("torch.compile replaced the fused C ops (compile=True)" if args.compile else
                            f"the fused C ops are off ({cpu_fused.unavailable_reason()})")
             if args.quantization is not None:
-                why.append(f"quantization {args.quantization!r}")
+                from minivllm.quantization.layer import quantized_layers
+                kernels = {m.int8.kernel for m in quantized_layers(self.runner.model)}
+                if kernels - {"panel-int8"}:  # our int8 panels are C calls a graph records; torch's ops are not
+                    why.append(f"quantization {args.quantization!r} through {', '.join(sorted(kernels))}")
         if args.tensor_parallel_size > 1:
             why.append(f"tensor_parallel_size={args.tensor_parallel_size}")
         if why:

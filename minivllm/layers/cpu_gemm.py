@@ -27,6 +27,11 @@ A weight ``[N, K]`` (``N`` a multiple of 16) is stored as panels ``[N / 16, K, 1
 :func:`unpack_panels` gives back the plain float32 weight. Packing replaces the weight (no second copy).
 ``MINIVLLM_CPU_GEMM=0`` (read when an engine packs its weights) leaves the layers to oneDNN.
 
+int8 panels. :meth:`PanelGemm.run_int8` multiplies by a per-output-channel int8 weight
+(``quantization="int8"``, :mod:`minivllm.quantization.int8`) held as int8 panels: each value widened
+to float32 as it is read, the scale applied once per output at the end (weight-only; a decode step
+reads a quarter of the float32 bytes).
+
 16-bit panels. A float32 weight whose every value is a float16 (or a bfloat16) value, as when a
 checkpoint stored in that type is loaded into a float32 model, is held in that type
 (:func:`compact_dtype`): the kernel widens each value back to the same float32 as it loads it
@@ -142,12 +147,13 @@ def is_panels(t: torch.Tensor) -> bool:
 def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:
     """``weight [N, K]`` (float32, CPU, ``N % 16 == 0``) -> panels ``[N / 16, K, 16]`` in ``dtype``,
     contiguous: ``panels[b, k, j] == weight[16 * b + j, k]`` (a new allocation). A 16-bit ``dtype``
-    should come from :func:`compact_dtype` (else values are rounded: the results change).
+    should come from :func:`compact_dtype` (else values are rounded: the results change). ``torch.int8``:
+    ``weight`` is an int8 quantised weight, for :meth:`PanelGemm.run_int8`.
 
     Raises:
-        ValueError: ``dtype`` is not float32, float16 or bfloat16."""
-    if dtype not in _WEIGHT_TYPES:
-        raise ValueError(f"panels hold float32, float16 or bfloat16 values, not {dtype}")
+        ValueError: ``dtype`` is not float32, float16, bfloat16 or int8."""
+    if dtype not in _WEIGHT_TYPES and dtype != torch.int8:
+        raise ValueError(f"panels hold float32, float16, bfloat16 or int8 values, not {dtype}")
     n, k = weight.shape
     panels = torch.empty((n // PANEL, k, PANEL), dtype=dtype, device=weight.device)
     return panels.copy_(weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2))  # (one copy, converting)
@@ -185,6 +191,10 @@ class PanelGemm:
         #: graph replays from C
         self.parallel_run_packed = packed_address(lib, "native_parallel_run")
         self._fn_packed = packed_address(lib, "panel_gemm_parallel_w")
+        self._q8 = lib.panel_gemm_parallel_q8
+        self._q8.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i64, ctypes.c_int]
+        self._q8.restype = None
+        self._q8_packed = packed_address(lib, "panel_gemm_parallel_q8")
         self._greedy = lib.panel_gemm_greedy_w
         self._greedy.argtypes = [ctypes.c_int, p, i64, p, p, i64, i64, p, i64, i64, i64, p]
         self._greedy.restype = i64
@@ -268,4 +278,28 @@ class PanelGemm:
             for r0 in range(0, m, rows):  # one call for a decode step; a prefill's rows in L2-sized chunks
                 args = (wt, xp + r0 * stride * 4, stride, pp, bp, min(rows, m - r0), k, yp + r0 * n * 4, n, nb, parts)
                 launch(self._fn, *args, name="panel_gemm_parallel_w", native=(self._fn_packed, args))
+        return y if flat else y.reshape(*x.shape[:-1], n)
+
+    def run_int8(self, x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., K] @ (Q * scale[:, None]).T (+ bias)`` -> float32 ``[..., N]`` for an int8 weight ``Q``
+        held as int8 panels ``[N / 16, K, 16]`` (:func:`pack_panels` with ``torch.int8``) and its fp32
+        per-output-channel ``scale [N]``: weight-only, each int8 value widened to float32 as it is read,
+        ``x`` untouched; the scale applied once per output after the sum over ``K``. Split over threads
+        as :meth:`run`. The caller passes float32 CPU ``x`` with unit stride along ``K``, contiguous
+        panels of that ``K``, a contiguous float32 ``scale`` and ``bias`` (or none) of ``N``."""
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(-1, x.shape[-1])
+        m, k = x2.shape
+        nb = panels.shape[0]
+        n = nb * PANEL
+        y = torch.empty(m, n, dtype=F32, device="cpu")
+        if m:
+            rows = min(m, ROWS_PER_CALL)
+            parts = _parts(rows, n, k, nb)
+            xp, stride, pp, sp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr(), scale.data_ptr()
+            bp, yp = bias.data_ptr() if bias is not None else None, y.data_ptr()
+            for r0 in range(0, m, rows):
+                args = (xp + r0 * stride * 4, stride, pp, sp, bp, min(rows, m - r0), k, yp + r0 * n * 4, n, nb, parts)
+                launch(self._q8, *args, name="panel_gemm_parallel_q8", native=(self._q8_packed, args))
         return y if flat else y.reshape(*x.shape[:-1], n)

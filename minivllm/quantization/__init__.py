@@ -1,7 +1,8 @@
 """Weight quantisation: ``LLM(..., quantization="int8")``.
 
 * :mod:`minivllm.quantization.int8`: per-output-channel symmetric int8 weights and the
-  matmul paths (torch's fbgemm dynamic linear on CPU, our Triton kernel on CUDA).
+  matmul paths (weight-only: our panel GEMM's int8 panels on CPU, our Triton kernel on CUDA; torch's
+  fbgemm dynamic linear where the panel GEMM does not build).
 * :mod:`minivllm.quantization.triton_int8`: the Triton kernel (dequantisation fused).
 * :mod:`minivllm.quantization.layer`: the layer mixin and :func:`quantize_model`, run after
   the weights are loaded.

@@ -1,12 +1,13 @@
 """How much int8 weights change a model's outputs, measured (``python -m minivllm.quantization.accuracy``).
 
 Three figures, each against the same model in fp32, each computed through the int8 matmul
-paths the engine uses (:class:`minivllm.quantization.int8.Int8Weight`; on the CPU that is
-torch's fbgemm dynamic linear, which also quantises activations per token):
+paths the engine uses (:class:`minivllm.quantization.int8.Int8Weight`; on the CPU our panel
+GEMM's int8 panels, weight-only, where it builds):
 
-Each figure is given for the device's default int8 path and for the ``"reference"`` path
-(dequantised weights, float activations: weight-only), so weight rounding and the CPU
-path's activation rounding can be told apart.
+The loss and logits figures are given for the device's default int8 path, for torch's fbgemm
+dynamic linear (which also quantises activations per token, where torch has it) and for the
+``"reference"`` path (dequantised weights, float activations: weight-only), so weight rounding
+and activation rounding can be told apart.
 
 * :func:`heldout_loss_change`: the embedded model's mean next-token cross-entropy on its
   held-out documents (the split of ``scripts/train_tiny_model.py``, rebuilt from the Python
@@ -144,15 +145,18 @@ def mean_loss(model: nn.Module, ids: list[int], seq_len: int, batch: int = 8) ->
 
 
 def _kernels(kernels) -> list[str]:
-    from minivllm.quantization.int8 import default_kernel
+    from minivllm.quantization.int8 import cpu_int8_unavailable_reason, default_kernel
 
+    if kernels is None:  # the default path, fbgemm where torch has it, the reference
+        kernels = (None, "fbgemm-dynamic", "reference") if cpu_int8_unavailable_reason() is None else (None, "reference")
     return list(dict.fromkeys(default_kernel("cpu") if k is None else k for k in kernels))
 
 
-def heldout_loss_change(kernels=(None, "reference"), lm_head: bool = True) -> dict:
+def heldout_loss_change(kernels=None, lm_head: bool = True) -> dict:
     """Held-out loss of the embedded model in fp32 and with int8 linears (nats/token), once per
-    int8 matmul path in ``kernels`` (``None``: the CPU's default path; ``"reference"`` is
-    weight-only, so the two together separate weight from activation quantisation).
+    int8 matmul path in ``kernels`` (``None`` in it: the CPU's default path; ``"reference"`` is
+    weight-only, so beside ``"fbgemm-dynamic"`` it separates weight from activation quantisation;
+    ``kernels=None``: the default path, fbgemm where torch has it, and the reference).
     Returns ``{"tokens", "seq_len", "fp32", "int8": {kernel: loss}, "change": {kernel: int8 - fp32}}``."""
     from transformers import AutoModelForCausalLM
 
@@ -216,7 +220,7 @@ def greedy_agreement(model: str | None = None, prompts=AGREEMENT_PROMPTS, max_to
 
 @torch.no_grad()
 def logits_error(model: str = "random:qwen3-0.6b", prompt_len: int = 16, seed: int = 0,
-                 kernels=(None, "reference")) -> dict:
+                 kernels=None) -> dict:
     """Logits of one ``prompt_len``-token prompt (token ids drawn with ``seed``) from a
     ``random:`` preset's weights in fp32 and with int8 linears (transformers' Qwen3 holding
     our random weights), once per int8 path in ``kernels`` (as :func:`heldout_loss_change`).

@@ -1,5 +1,5 @@
-"""int8 weights: per-output-channel symmetric quantisation and the int8 matmul paths (weight-only on
-CUDA; on a CPU, fbgemm's dynamic int8 linear quantises each token's activations too: dynamic W8A8).
+"""int8 weights: per-output-channel symmetric quantisation and the int8 matmul paths (weight-only: the
+activations stay in their float dtype, on a CPU through our panel GEMM, on CUDA through our Triton kernel).
 
 Quantisation (computed once, at load, from weights of any float dtype, in fp32)::
 
@@ -14,7 +14,17 @@ scale factors out of the dot product: ``y[m, n] = scale[n] * sum_k x[m, k] * Q[n
 
 Matmul paths (:class:`Int8Weight.kernel` names the one a weight uses):
 
-* ``"fbgemm-dynamic"`` (CPU): torch's own quantized dynamic linear,
+* ``"panel-int8"`` (CPU, the default where our panel GEMM builds): the weight held as int8 panels
+  (:mod:`minivllm.layers.cpu_gemm`), each value widened to float32 as the kernel reads it and
+  multiplied by the float32 activations; the scale applied once per output after the sum over
+  ``k``. Exact weight-only semantics up to float32 summation order, so a token's result does not
+  depend on the other rows, and a decode step's calls are C calls a CPU graph can replay. Chosen
+  by measurement over fbgemm (below) on a 2-core Xeon (2026-12-06, one thread,
+  ``random:qwen3-0.6b`` batch-1 decode, ``bench --quantization int8`` runs minutes apart: median
+  ITL 54.3 ms against fbgemm's 68.8, the float32 step 164.9 and 148.2 ms in those runs;
+  ``docs/quantization.md``).
+* ``"fbgemm-dynamic"`` (CPU, where the panel GEMM does not build, and for a weight whose output
+  count is not a multiple of 16): torch's own quantized dynamic linear,
   ``torch.ops.quantized.linear_dynamic`` with weights prepacked by
   ``torch.ops.quantized.linear_prepack`` under the ``x86``/``fbgemm`` quantized engine. It
   also quantises the *activations* at run time, per tensor, to uint8 with
@@ -22,9 +32,8 @@ Matmul paths (:class:`Int8Weight.kernel` names the one a weight uses):
   accumulators). To make that per token rather than per call, every row of ``x`` is mapped
   affinely onto [-1, 1] before the call, with a row holding exactly -1 and 1 beside them, and
   mapped back after (:func:`_fbgemm_linear`): a token with outlier activations does not flatten
-  the others, and a token's result does not depend on what else is in the batch. Chosen by
-  measurement over fp32 oneDNN and ``torch._weight_int8pack_mm``
-  (``docs/quantization.md``).
+  the others, and a token's result does not depend on what else is in the batch. Faster than
+  fp32 oneDNN and ``torch._weight_int8pack_mm`` (``docs/quantization.md``).
 * ``"triton"`` (CUDA): our Triton kernel (:mod:`minivllm.quantization.triton_int8`), int8
   weights loaded and converted to the activation dtype inside the matmul loop, scale applied
   to the fp32 accumulator: weight-only, activations untouched.
@@ -49,9 +58,11 @@ INT8_MAX = 127
 #: bytes per scale factor (fp32, one per output channel); used by the roofline too
 SCALE_BYTES = 4
 
-KERNELS = ("fbgemm-dynamic", "triton", "reference")
+KERNELS = ("panel-int8", "fbgemm-dynamic", "triton", "reference")
 
 _KERNEL_DESCRIPTIONS = {
+    "panel-int8": "our panel GEMM, weight-only: int8 panels widened to float32 as they are read, activations "
+                  "untouched",
     "fbgemm-dynamic": "torch.ops.quantized.linear_dynamic (fbgemm; activations quantised per token at run time, "
                       "7-bit)",
     "triton": "Triton weight-only int8 matmul (dequantisation fused, activations untouched)",
@@ -191,10 +202,15 @@ def cpu_int8_unavailable_reason() -> str | None:
 # Kernel choice and the per-layer state
 # --------------------------------------------------------------------------------------------
 def default_kernel(device: torch.device | str) -> str:
-    """The int8 path for weights on ``device``: ``"fbgemm-dynamic"`` on CPUs that have it,
-    ``"triton"`` on CUDA when Triton imports, else ``"reference"``."""
+    """The int8 path for weights on ``device``: on a CPU ``"panel-int8"`` where our panel GEMM is
+    built (:mod:`minivllm.layers.cpu_gemm`), else ``"fbgemm-dynamic"`` where torch has it; ``"triton"``
+    on CUDA when Triton imports; else ``"reference"``."""
     dev = torch.device(device)
     if dev.type == "cpu":
+        from minivllm.layers import cpu_gemm
+
+        if cpu_gemm.load() is not None:
+            return "panel-int8"
         return "fbgemm-dynamic" if cpu_int8_unavailable_reason() is None else "reference"
     if dev.type == "cuda":
         from minivllm.quantization.triton_int8 import triton_unavailable_reason
@@ -209,8 +225,9 @@ class Int8Weight:
     Attributes:
         out_features, in_features: the logical shape.
         scale: fp32 ``[out]``.
-        qweight: int8 ``[out, in]``, or ``None`` on the ``"fbgemm-dynamic"`` path, where the
-            prepacked copy is the only one (so int8 memory is not held twice).
+        qweight: int8 ``[out, in]``, or ``None`` on the ``"panel-int8"`` and ``"fbgemm-dynamic"``
+            paths, where the packed copy is the only one (so int8 memory is not held twice).
+        panels: int8 panels ``[out / 16, in, 16]`` (``"panel-int8"`` only).
         packed: fbgemm packed params (``"fbgemm-dynamic"`` only).
         kernel: one of :data:`KERNELS`.
 
@@ -219,18 +236,35 @@ class Int8Weight:
         kernel: the matmul path; ``None`` picks :func:`default_kernel` for its device.
 
     Raises:
-        ValueError: an unknown ``kernel``, or one that cannot run on ``weight``'s device.
+        ValueError: an unknown ``kernel``, or one that cannot run on ``weight``'s device (or, for
+            ``"panel-int8"``, shape: out_features a multiple of 16).
     """
 
     def __init__(self, weight: torch.Tensor, kernel: str | None = None):
+        from minivllm.layers import cpu_gemm
+
         q, scale = quantize_per_channel(weight)
         self.out_features, self.in_features = q.shape
         self.kernel = kernel or default_kernel(q.device)
+        if kernel is None and self.kernel == "panel-int8" and self.out_features % cpu_gemm.PANEL:
+            # panels hold 16 outputs each: a weight of another height takes the next path
+            self.kernel = "fbgemm-dynamic" if cpu_int8_unavailable_reason() is None else "reference"
         if self.kernel not in KERNELS:
             raise ValueError(f"unknown int8 kernel {self.kernel!r}; expected one of {KERNELS}")
         self.scale = scale
         self.packed = None
-        if self.kernel == "fbgemm-dynamic":
+        self.panels = None
+        if self.kernel == "panel-int8":
+            if q.device.type != "cpu":
+                raise ValueError(f"int8 kernel 'panel-int8' needs CPU weights, got {q.device}")
+            if self.out_features % cpu_gemm.PANEL:
+                raise ValueError(f"int8 kernel 'panel-int8' needs a multiple of {cpu_gemm.PANEL} output features, "
+                                 f"got {self.out_features}")
+            if cpu_gemm.load() is None:
+                raise ValueError(f"int8 kernel 'panel-int8' needs the panel GEMM: {cpu_gemm.unavailable_reason()}")
+            self.panels = cpu_gemm.pack_panels(q, torch.int8)  # the only int8 copy
+            self.qweight = None
+        elif self.kernel == "fbgemm-dynamic":
             if q.device.type != "cpu":
                 raise ValueError(f"int8 kernel 'fbgemm-dynamic' needs CPU weights, got {q.device}")
             self.packed = _prepack_cpu(q, scale, None)
@@ -247,9 +281,12 @@ class Int8Weight:
             self.qweight = q
 
     def int8_tensor(self) -> torch.Tensor:
-        """The int8 weight ``[out, in]`` (unpacked from fbgemm's layout when needed: a copy)."""
+        """The int8 weight ``[out, in]`` (unpacked from panels or fbgemm's layout when needed: a copy)."""
         if self.qweight is not None:
             return self.qweight
+        if self.panels is not None:
+            nb, k, nr = self.panels.shape
+            return self.panels.transpose(1, 2).reshape(nb * nr, k).contiguous()
         qw, _ = torch.ops.quantized.linear_unpack(self.packed)
         return qw.int_repr()
 
@@ -265,6 +302,13 @@ class Int8Weight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] -> x @ (Q * scale).T + bias``, ``[..., out]`` in ``x``'s dtype."""
+        if self.kernel == "panel-int8":
+            from minivllm.layers import cpu_gemm
+
+            x32 = x if x.dtype is torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+            b32 = None if bias is None else bias.detach().float().contiguous()
+            y = cpu_gemm.loaded().run_int8(x32, self.panels, self.scale, b32)
+            return y if x.dtype is torch.float32 else y.to(x.dtype)
         if self.kernel == "fbgemm-dynamic":
             return _fbgemm_linear(x, self.packed, self.row_sums, bias)
         if self.kernel == "triton":

@@ -6,13 +6,15 @@ Candidates, each computing ``x [m, k] @ W.T`` for ``W [n, k]``:
 
 * ``fp32-packed``: the engine's fp32 path (the weight packed as the engine packs it: panels for our
   GEMM, else oneDNN; :mod:`minivllm.layers.prepack`);
+* ``panel-int8``: :class:`minivllm.quantization.int8.Int8Weight` on our panel GEMM's int8 panels
+  (weight-only; the CPU default where the GEMM builds);
 * ``fbgemm-dynamic``: :class:`minivllm.quantization.int8.Int8Weight` on torch's fbgemm dynamic linear;
 * ``int8pack-mm``: ``torch._weight_int8pack_mm`` (weight-only int8, torch's own CPU kernel);
 * ``reference``: dequantise + ``F.linear``.
 
 Each figure is the best of ``trials`` means over ``repeats`` calls (ms), with the weight bytes
 read per ms as GB/s. Every candidate cycles through enough copies of its weight to hold at least
-``cold_bytes`` (default 256 MiB, beyond any CPU cache), so each call reads its weight from memory as
+``cold_bytes`` (default 512 MiB, beyond the CPU caches measured: the 2-core Xeon's L3 holds 260 MiB), so each call reads its weight from memory as
 an engine step does, not from a cache warmed by the previous call. Numbers on a shared machine
 vary; compare within one run.
 """
@@ -48,12 +50,13 @@ class _Cycle:
         return self.fn(self.copies[self.i])
 
 
-def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, cold_bytes: int = 256 << 20,
+def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, cold_bytes: int = 512 << 20,
           log=print) -> list[dict]:
     """Time every candidate on every ``(k, n)`` in ``shapes`` at every row count; returns one dict
     per (shape, rows) with ``{candidate: ms}`` and prints a line each."""
     import torch
 
+    from minivllm.layers import cpu_gemm
     from minivllm.layers.prepack import linear, pack_weight
     from minivllm.quantization.int8 import Int8Weight, quantize_per_channel
 
@@ -69,11 +72,13 @@ def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, cold_by
         q, scale = quantize_per_channel(w)
         qs = copies(lambda: q.clone(), n * k)
         fb = copies(lambda: Int8Weight(w, "fbgemm-dynamic"), n * k)
+        pq = copies(lambda: Int8Weight(w, "panel-int8"), n * k) if cpu_gemm.load() is not None else []
         ref = copies(lambda: Int8Weight(w, "reference"), n * k)
         for m in rows:
             x = torch.randn(m, k, generator=gen)
             r = repeats if n < 100_000 else 1
             cands = {"fp32-packed": _Cycle(lambda p: linear(x, p), packed),
+                     **({"panel-int8": _Cycle(lambda iw: iw.matmul(x), pq)} if pq else {}),
                      "fbgemm-dynamic": _Cycle(lambda iw: iw.matmul(x), fb),
                      "int8pack-mm": _Cycle(lambda qq: torch._weight_int8pack_mm(x, qq, scale), qs),
                      "reference": _Cycle(lambda iw: iw.matmul(x), ref)}
