@@ -865,3 +865,17 @@ def test_latency_calculator_draws_no_tpot_bar_for_one_token_and_warns_of_a_pool_
     calc.batch_slider.value = calc.batch_slider.max
     need = calc.batch_slider.value * -(-(calc.prompt_slider.value + 1) // BLOCK)
     assert need > pool and f"the pool has {pool}" in calc.readout.value
+
+
+def test_token_piece_names_ids_beyond_the_tokenizer_as_the_engine_does():
+    """A random: preset's 151936-token model beside the embedded 4096-token tokenizer: every id above 4095
+    decoded to '' and showed as '∅' in the stepper, the sampling explorer and the KV view, where the engine's
+    text says <id:N>."""
+    from transformers import AutoTokenizer
+
+    from widgets._engine import token_piece
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    assert token_piece(tok, 150989) == "<id:150989>" and token_piece(tok, len(tok)) == f"<id:{len(tok)}>"
+    assert token_piece(tok, tok.encode("The")[0]) == "The"
+    assert token_piece(tok, tok.encode(" list")[0]) == "·list"

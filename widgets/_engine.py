@@ -88,11 +88,22 @@ def parse_prompt(text: str):
 
 
 def token_piece(tokenizer, token_id: int) -> str:
-    """Printable text of one token: spaces as '·', newlines as '↵', tabs as '→'.
+    """Printable text of one token: spaces as '·', newlines as '↵', tabs as '→'; '∅' for a token that
+    decodes to nothing, and ``<id:N>`` (as the engine's output text) for an id the tokenizer has no
+    entry for (a ``random:`` preset's 151936-token model beside the embedded 4096-token tokenizer).
 
     A byte-level BPE token can hold part of a UTF-8 character; it then decodes to '�'.
     """
-    s = tokenizer.decode([int(token_id)])
+    from minivllm.engine.detokenizer import unknown_id_text
+
+    token_id = int(token_id)
+    try:
+        known = len(tokenizer)
+    except TypeError:  # no length: trust decode
+        known = None
+    if known is not None and not 0 <= token_id < known:
+        return unknown_id_text(token_id)
+    s = tokenizer.decode([token_id])
     return s.replace(" ", "·").replace("\n", "↵").replace("\t", "→") or "∅"
 
 
