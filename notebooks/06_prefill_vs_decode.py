@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -408,7 +408,8 @@ print("backend that runs this notebook's steps:", cfg.attention_backend)
 # The bytes count each weight as the engine holds it. The embedded model's checkpoint stores its
 # weights as float16; a float32 engine computes in float32, but on a CPU its linear layers keep the
 # 16-bit values as they are and widen them inside the panel GEMM (section 1), so a step reads 2
-# bytes per weight, not 4. The intensities below follow from that.
+# bytes per weight, not 4 (a checkpoint whose values need float32, such as a `random:` preset's, is
+# read in 4). The intensities below use the bytes per weight the cell prints.
 
 # %%
 from widgets import measure_step_latency
@@ -507,10 +508,11 @@ else:
                 f"{d_first:.3f} -> {d_last:.3f} FLOP/byte; weights {weights_intensity:.2f}, KV {kv_intensity:.2f}")
 
 # %% [markdown]
-# Second, decode's MBU on this tiny model (the `mbu` column). Two things move it away from what a
-# large model shows. Fixed costs per step (scheduling, building input tensors, sampling, the calls that
-# make up the forward) take time whatever the weights, which pulls MBU down. And its few MB of
-# weights (the cell below gives the figure) may stay in a CPU cache between steps, so the step can read them faster than main memory
+# Second, decode's MBU on the chapter's model (the `mbu` column; the embedded model unless
+# `MINIVLLM_MODEL` names another). Two things move a small model's away from what a large model shows.
+# Fixed costs per step (scheduling, building input tensors, sampling, the calls that make up the
+# forward) take time whatever the weights, which pulls MBU down. And a few MB of weights (the cell
+# below gives the figure) may stay in a CPU cache between steps, so the step can read them faster than main memory
 # allows, which pushes MBU up (past 100 % even: MBU divides by main memory's bandwidth). Which of the
 # two wins depends on the machine. The cell compares the memory floor with the step:
 
@@ -589,7 +591,7 @@ for T in (1, 16, 128):
 # ### Exercise 2 · Decode throughput at batch 16
 #
 # The next cell runs, for batch sizes 1, 2, 4, 8 and 16, that many requests of 4 random tokens
-# arriving together, each generating 4 tokens: one prefill step and three decode steps per batch. The
+# arriving together, each generating 6 tokens: one prefill step and five decode steps per batch. The
 # first decode step at each batch size is set aside: at a batch size the engine has not decoded before,
 # that step records a graph (chapter 11; batch 1's was recorded by the warm-up request).
 # Predict the decode throughput (output tokens per second) at batch 16 as a multiple of batch 1.
@@ -610,9 +612,9 @@ BATCHES = [1, 2, 4, 8, 16]
 big_rows = []
 for b in BATCHES:
     big_engine.reset_prefix_cache()
-    _, records = run_requests(big, [random_prompt(big_engine, 4, rng) for _ in range(b)], 4)
+    _, records = run_requests(big, [random_prompt(big_engine, 4, rng) for _ in range(b)], 6)
     # the first decode step at a new batch size records the engine's CPU graph for it (chapter 11; batch 1's
-    # was recorded by warm_up): set aside at every size, so each keeps two replayed decode steps
+    # was recorded by warm_up): set aside at every size, so each keeps four replayed decode steps
     first_decode = next((r for r in records if r.phase == "decode"), None)
     for r in (r for r in records if r is not first_decode):
         big_rows.append(dict(batch=b, phase=r.phase, tokens=r.num_tokens, wall_ms=r.wall_ms,
@@ -738,7 +740,7 @@ big_dec["roofline tokens/s"] = big_dec.index / np.maximum(big_dec.flops / big_pe
 big_dec["speed-up vs batch 1"] = big_dec["tokens/s"] / big_dec["tokens/s"].iloc[0]
 big_dec["measured / bound"] = big_dec["tokens/s"] / big_dec["roofline tokens/s"]
 fig = go.Figure()
-fig.add_scatter(x=big_dec.index, y=big_dec["tokens/s"], mode="lines+markers", name="measured (median of 2 steps)",
+fig.add_scatter(x=big_dec.index, y=big_dec["tokens/s"], mode="lines+markers", name="measured (median of 4 steps)",
                 line=dict(color="#f0a202", width=3),
                 error_y=dict(type="data", symmetric=False,
                              array=big_dec.index / big_dec.lo_ms * 1e3 - big_dec["tokens/s"],
@@ -764,7 +766,8 @@ above = big_dec[big_dec.intensity >= big_peaks.ridge_intensity].index
 knee = (f"between batch {below[-1]} and batch {above[0]}" if len(below) and len(above) else
         ("beyond the batches measured" if len(below) else "already at batch 1"))
 worst = big_dec["measured / bound"].idxmin()
-render(f"From batch 1 to batch {b_max} the decode step grew from {big_dec.wall_ms.iloc[0]:.0f} ms to "
+render(f"From batch 1 to batch {b_max} the decode step "
+       f"{'grew' if big_dec.wall_ms.iloc[-1] > big_dec.wall_ms.iloc[0] else 'went'} from {big_dec.wall_ms.iloc[0]:.0f} ms to "
        f"{big_dec.wall_ms.iloc[-1]:.0f} ms, so throughput rose **{speedup:.1f}x** "
        f"({big_dec['tokens/s'].iloc[0]:.1f} -> {big_dec['tokens/s'].iloc[-1]:.1f} tokens/s). The roofline bound stops "
        f"growing in proportion to the batch **{knee}**, where the intensity (about "
@@ -904,21 +907,21 @@ print("identical:", decoded == replayed)
 # %% [markdown]
 # **"The only way to improve decode throughput is faster memory or a smaller model."** Three levers
 # can change decode throughput on the same memory and the same model; whether each pays depends on
-# what bounds the step, so the next cell measures each on the
-# embedded model, greedy, 48 new tokens per request, alternating the engines for three rounds and
+# what bounds the step, so the next cell measures each on the chapter's model (`MODEL`), greedy, 48 new
+# tokens per request, alternating the engines for three rounds and
 # keeping the median:
 #
 # * **batching**: 8 requests decoding together instead of one (one weight read serves 8 tokens);
 # * **int8 weights**: `LLM(..., quantization="int8")` stores every linear layer's weights in one byte
-#   (plus a scale per output channel) instead of the baseline's two (the embedded model's float16
-#   values, held in 16 bits) or four (fewer bytes to read per step). It is not exact, so the tokens may
-#   differ: the weights are rounded, and on a CPU torch's int8 linear also rounds each token's
-#   activations to 7 bits as it runs (`docs/quantization.md`). It shrinks
-#   only the matrix multiplies' reads, and section 3 measured how the embedded model's step compares
+#   (plus a scale per output channel) instead of the baseline's two or four (fewer bytes to read per
+#   step; the embedded model's float16 values are held in two, and the table gives the baseline's). It
+#   is not exact, so the tokens may differ: the weights are rounded (the activations stay float32:
+#   `docs/quantization.md`). It shrinks only the matrix multiplies' reads, and section 3 measured how
+#   the chapter's model's step compares
 #   with reading its weights from main memory (weights small enough to stay in a CPU cache gain little
 #   from fewer bytes), so int8 has less to gain there than on a large model; a second cell
 #   times one-row products with section 1's 4096 × 4096 weight shape, in fp32 and through the engine's
-#   int8 matmul (`minivllm.quantization.int8.Int8Weight`), taking four such weights in turn so that each
+#   int8 matmul (`minivllm.quantization.int8.Int8Weight`), taking 32 such weights in turn so that each
 #   product reads its weight from main memory, not from a cache that still holds it;
 # * **speculative decoding**: `speculative_config={"method": "ngram", ...}` proposes up to 4 tokens by
 #   looking up the latest earlier occurrence of the context's last 2 to 4 tokens, and the model checks
@@ -928,10 +931,10 @@ print("identical:", decoded == replayed)
 #   third copy (documents from Python's built-in `pydoc_data` help topics, the workload of
 #   `python -m minivllm bench --speculative ngram`).
 #
-# All three engines run every step eagerly (`enforce_eager=True`). By default a float32 engine replays
-# its decode steps, speculation's verification steps included, from recorded graphs (chapter 11), which
-# on a CPU removes most of the Python around the model's C calls, but an int8 engine is not recorded:
-# with graphs on, the comparison would partly measure that difference.
+# All three engines run every step eagerly (`enforce_eager=True`). By default an engine replays its
+# decode steps, speculation's verification steps included, from recorded graphs (chapter 11), which on a
+# CPU removes most of the Python around the model's C calls: eager, the table measures the levers, not
+# how much of each step's Python the graphs remove.
 # `python -m minivllm bench --speculative ngram` measures speculation against the default engine.
 
 # %%
@@ -942,9 +945,13 @@ greedy = SamplingParams(temperature=0, max_tokens=LEVER_TOKENS, ignore_eos=True)
 copy_prompts = repeat_prompts(8)  # 8 different documents, each to be copied
 print(repr(copy_prompts[0][:160]), "...")
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-# enforce_eager=True for all three: otherwise a CPU replays the float32 engines' steps from recorded
-# graphs (chapter 11) while the int8 engine runs eagerly, and the table would measure that
-lever_args = dict(device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=512, max_num_seqs=8, enforce_eager=True)
+# enforce_eager=True for all three: the levers alone, without the graph replay that chapter 11 measures.
+# Each KV pool holds the batch-8 run (its prompts, LEVER_TOKENS new tokens, the drafts) and little more: with
+# MINIVLLM_MODEL set to a 0.6B model a 16-token block takes 3.5 MiB, and three engines load at once.
+lever_blocks = sum(-(-(len(tok.encode(p)) + LEVER_TOKENS + 8) // BLOCK_SIZE) for p in copy_prompts) + 8
+lever_args = dict(device=DEVICE, block_size=BLOCK_SIZE, num_kvcache_blocks=lever_blocks, max_num_seqs=8,
+                  enforce_eager=True)
+bench.shutdown()  # the check above was its last use: its memory goes back first (shutting down twice is harmless)
 engines = {"baseline": LLM(MODEL, **lever_args), "int8": LLM(MODEL, quantization="int8", **lever_args),
            "ngram": LLM(MODEL, speculative_config=SPEC, **lever_args)}
 RUNS = {"batch 1": ("baseline", copy_prompts[:1]), "batch 8": ("baseline", copy_prompts),
@@ -973,19 +980,21 @@ lever_rows = [
 spec_m = outs_by["ngram"][0].metrics
 
 # %%
-# int8 where the weight read is the whole cost: one row times a 4096 x 4096 weight, fp32 vs int8. Four
-# weights taken in turn: 64 MiB in int8 (256 MiB in fp32), more than a CPU cache keeps between two
-# uses, so each product reads its weight from main memory (one weight alone, 16 MiB in int8, can stay
-# in a large last-level cache and be read from there)
+# int8 where the weight read is the whole cost: one row times a 4096 x 4096 weight, fp32 vs int8. 32
+# weights taken in turn: 512 MiB in int8 (2 GiB in fp32), more than a CPU cache keeps between two uses
+# (a 2-core Xeon's last-level cache holds 260 MiB), so each product reads its weight from main memory
 from minivllm.layers.prepack import linear, pack_weight
 from minivllm.quantization.int8 import Int8Weight
 
-W_TURN = 4
-w_fp32 = [torch.randn(N_OUT, K_IN) for _ in range(W_TURN)]
-w_int8 = [Int8Weight(w) for w in w_fp32]
-# fp32 as the engine multiplies it (its packed weight and matrix multiply, chapter 11), not
-# torch.nn.functional.linear, whose one-row product section 1 timed: that would flatter int8
-w_fp32 = [pack_weight(w) for w in w_fp32]
+W_TURN = 32
+w_fp32, w_int8 = [], []
+for _ in range(W_TURN):
+    w = torch.randn(N_OUT, K_IN)
+    w_int8.append(Int8Weight(w))
+    # fp32 as the engine multiplies it (its packed weight and matrix multiply, chapter 11), not
+    # torch.nn.functional.linear, whose one-row product section 1 timed: that would flatter int8
+    w_fp32.append(pack_weight(w))
+del w
 x1 = torch.randn(1, K_IN)
 
 
@@ -1046,7 +1055,8 @@ render(f"Those extra tokens per step turned into **{spec_ratio:.2f}x** the basel
        + " Chapter 11 measures speculation with the decode graphs on, step by step.")
 check_claim("int8 weights make a product that is one weight read faster", int8_ms < fp32_ms,
             f"{fp32_ms:.2f} -> {int8_ms:.2f} ms",
-            why_it_may_not="This needs the CPU int8 path (fbgemm) and a weight far larger than the CPU caches.")
+            why_it_may_not="This needs a fast CPU int8 path (the panel GEMM's int8 panels, or fbgemm where it does "
+                           "not build) and a weight far larger than the CPU caches.")
 check_claim("the int8 products read their weights at no more than the read-bandwidth ceiling (from main memory)",
             int8_gbps * 1e9 <= 1.1 * CPU_BW, f"{int8_gbps:.1f} GB/s against {CPU_BW / 1e9:.1f} GB/s",
             why_it_may_not=f"A CPU whose caches hold all {W_TURN} int8 weights ({W_TURN * N_OUT * K_IN / 2**20:.0f} MiB) "
@@ -1061,9 +1071,9 @@ check_claim("the int8 products read their weights at no more than the read-bandw
 # share of the step and on how slowly they read their weights: large for a real model, smaller on the
 # embedded one, whose few MB of weights can stay in a CPU cache and whose step has fixed costs
 # beside them. There it can even come out below 1 (its row in the table says which way it went on
-# this run): the int8 engine swaps our panel GEMM (float32 arithmetic on the weights as held) for
-# torch's int8 linear, whose fixed costs per call a layer as narrow as the embedded model's (256 wide)
-# does not amortise. Compare that row with the single-weight figure; on a busy
+# this run): the int8 engine's panel GEMM widens every int8 weight to float32 as it reads it, work that
+# fewer bytes repay only when the weights come from main memory, and the embedded model's float16 weights
+# were already read in 2 bytes, not 4. Compare that row with the single-weight figure; on a busy
 # machine the whole-step figure is also the noisiest. `python -m minivllm bench --model random:qwen3-0.6b
 # --quantization int8` measures it on a memory-bound model. Batching raises throughput
 # but not each request's own speed (chapter 07 measures what it costs a request's time per token);

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -676,14 +676,13 @@ for row in interp.itertuples():
 # traffic, and a step that is bound by reading them gets faster by as much. minivllm quantises at
 # load time: `LLM(..., quantization="int8")` turns every linear layer (and, by default, the LM head)
 # into per-output-channel symmetric int8, `scale[n] = max |W[n, :]| / 127`, `Q = round(W / scale)`;
-# embeddings and norms stay float (`docs/quantization.md`). On a CPU the matmul goes through torch's
-# fbgemm dynamic int8 linear, which also rounds the activations to 7 bits at run time (fbgemm picks one
-# range for the whole input; minivllm first maps each row onto [-1, 1], its smallest value to -1 and its
-# largest to 1, beside a row holding exactly -1 and 1, so each token gets a grid over its own values
-# whatever else is in the batch: `minivllm/quantization/int8.py`); on
-# CUDA, through our Triton kernel, which converts int8 weight tiles to the activation dtype inside
-# the matmul loop. So on CUDA the scheme is *weight-only*; on a CPU it is *dynamic W8A8*: int8 weights
-# and, per token at run time, int8 activations.
+# embeddings and norms stay float (`docs/quantization.md`). On a CPU the matmul goes through our panel
+# GEMM (the kernel of the float32 linears), reading the weights as int8 panels and widening each value to
+# float32 as it loads it, the scale applied once per output at the end (`minivllm/layers/cpu_gemm.py`); on
+# CUDA, through our Triton kernel, which converts int8 weight tiles to the activation dtype inside the
+# matmul loop. On both the scheme is *weight-only*: int8 weights, activations untouched. (torch's fbgemm
+# dynamic int8 linear, the CPU path where our kernel does not build, also rounds each token's activations
+# to 7 bits at run time: *dynamic W8A8*.)
 #
 # Two engines of the same model, side by side: the one from the setup cell (fp32 on a CPU, bf16 on CUDA;
 # the cells name it by its dtype) and an int8 one, both eager, so that decode graphs (section 2) do not
@@ -780,8 +779,8 @@ check_claim("int8 speeds this model's decode step up by less than its weights sh
 # A step's time is a sum of parts, and int8 changes only one of them: the matrix multiplies of the
 # linear layers and the LM head. The rest, the dispatch of the step's operations (section 1), the
 # engine's Python work, attention, norms and sampling, does not depend on the weights' dtype, and the
-# int8 path adds work of its own (quantising each activation row before the matmul, and the fixed cost
-# of each quantized-linear call). Amdahl's
+# int8 path adds work of its own (widening every int8 weight to float32 as it is read, which a weight
+# that comes from a cache rather than main memory does not pay back). Amdahl's
 # law then bounds the gain: if the matmuls are a share `f` of the step and get `s` times faster, the
 # step gets `1 / ((1 - f) + f / s)` times faster, which stays far below `s` unless `f` is close to 1.
 #
