@@ -978,6 +978,10 @@ lever_rows = [
     ("n-gram speculation, k=4 (batch 1)", 1e3 / statistics.median(tpots["ngram"]), outs_by["ngram"][0].outputs[0].token_ids),
 ]
 spec_m = outs_by["ngram"][0].metrics
+held = engines["baseline"].llm_engine.model_cost.held_weight_bytes
+for e_ in engines.values():  # their memory goes back before the next cell's weights are made
+    e_.shutdown()
+engines.clear()  # nothing left to shut down if this cell runs again
 
 # %%
 # int8 where the weight read is the whole cost: one row times a 4096 x 4096 weight, fp32 vs int8. 32
@@ -1020,7 +1024,6 @@ del w_fp32, w_int8
 
 # %%
 lines = "\n".join(f"| {name} | {tps:.0f} | **{tps / tps1:.2f}x** | {agreement(ref, toks)} |" for name, tps, toks in lever_rows)
-held = engines["baseline"].llm_engine.model_cost.held_weight_bytes
 render(f"""Decode throughput on {engine.source.name} ({WHERE}), median of 3 rounds; baseline: one request, a {DTYPE}
 model whose linears hold {held:g} bytes a weight, no speculation, **{tps1:.0f} tokens/s**.
 
@@ -1080,11 +1083,6 @@ check_claim("the int8 products read their weights at no more than the read-bandw
 # speculation raises both when its accepted drafts save more steps than verifying them costs (the
 # sentence under the table says how it went here), and its outputs are the greedy tokens exactly;
 # int8 trades a little accuracy for bytes, so its tokens can drift from the baseline's.
-
-# %%
-for e_ in engines.values():
-    e_.shutdown()
-engines.clear()  # nothing left to shut down if this cell runs again
 
 # %% [markdown]
 # ## 6. Why it matters
