@@ -110,6 +110,12 @@ def test_panel_int8_path_is_the_weight_only_linear(threads):
     torch.testing.assert_close(iw.matmul(x), F.linear(x, iw.dequantized()), rtol=1e-5, atol=1e-5)
     yb = iw.matmul(x.to(torch.bfloat16))
     assert yb.shape == (2, 3, 48) and yb.dtype == torch.bfloat16
+    gemm = _panel_gemm()
+    with pytest.raises(ValueError, match=r"int8 panels and a contiguous float32 scale of their N outputs, got panels "
+                                         r"torch.float32 \(3, 40, 16\)"):
+        gemm.run_int8(x[0], iw.panels.float(), iw.scale)
+    with pytest.raises(ValueError, match=r"scale torch.float32 \(47,\)"):
+        gemm.run_int8(x[0], iw.panels, iw.scale[:47])
 
 
 def test_panel_int8_is_the_cpu_default_and_other_heights_take_the_next_path():

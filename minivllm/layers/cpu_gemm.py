@@ -65,6 +65,7 @@ PANEL = 16  # output columns per panel (the kernel's NR)
 F32 = torch.float32
 #: panel dtype -> the kernel's weight-type code (WT_* in the C source)
 _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_INT8 = 3  # WT_I8: int8 panels, always with a scale per output (run_int8)
 #: below this many multiply-adds per extra thread, waking another thread (a few microseconds) costs
 #: more than it saves
 MIN_MACS_PER_THREAD = 1 << 18
@@ -178,7 +179,7 @@ class PanelGemm:
     def __init__(self, lib: ctypes.CDLL):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn = lib.panel_gemm_parallel_w
-        self._fn.argtypes = [ctypes.c_int, p, i64, p, p, i64, i64, p, i64, i64, ctypes.c_int]
+        self._fn.argtypes = [ctypes.c_int, p, i64, p, p, p, i64, i64, p, i64, i64, ctypes.c_int]
         self._fn.restype = None
         lib.panel_gemm_has_f16.restype = ctypes.c_int
         #: ``parallel_run(fn, ctx, parts)``: the C function at address ``fn`` called as
@@ -191,10 +192,6 @@ class PanelGemm:
         #: graph replays from C
         self.parallel_run_packed = packed_address(lib, "native_parallel_run")
         self._fn_packed = packed_address(lib, "panel_gemm_parallel_w")
-        self._q8 = lib.panel_gemm_parallel_q8
-        self._q8.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i64, ctypes.c_int]
-        self._q8.restype = None
-        self._q8_packed = packed_address(lib, "panel_gemm_parallel_q8")
         self._greedy = lib.panel_gemm_greedy_w
         self._greedy.argtypes = [ctypes.c_int, p, i64, p, p, i64, i64, p, i64, i64, i64, p]
         self._greedy.restype = i64
@@ -259,8 +256,10 @@ class PanelGemm:
                name="panel_gemm_greedy_w")
         return (y, ids) if status == [0] else None
 
-    def run(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`__call__` without the checks, for a caller that has just called :meth:`takes`."""
+    def run(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`__call__` without the checks, for a caller that has just called :meth:`takes`; or, with
+        ``scale``, :meth:`run_int8`'s product."""
         flat = x.dim() == 2  # the layers' case: no reshapes (each costs microseconds per call)
         x2 = x if flat else x.reshape(-1, x.shape[-1])  # unit stride along k either way
         m, k = x2.shape
@@ -272,11 +271,13 @@ class PanelGemm:
             # returns when all are written, so an interrupt can only arrive after the call
             rows = min(m, ROWS_PER_CALL)
             parts = _parts(rows, n, k, nb)
-            wt = _WEIGHT_TYPES[panels.dtype]
+            wt = _INT8 if scale is not None else _WEIGHT_TYPES[panels.dtype]
             xp, stride, pp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr()
-            bp, yp = bias.data_ptr() if bias is not None else None, y.data_ptr()
+            sp, bp = scale.data_ptr() if scale is not None else None, bias.data_ptr() if bias is not None else None
+            yp = y.data_ptr()
             for r0 in range(0, m, rows):  # one call for a decode step; a prefill's rows in L2-sized chunks
-                args = (wt, xp + r0 * stride * 4, stride, pp, bp, min(rows, m - r0), k, yp + r0 * n * 4, n, nb, parts)
+                args = (wt, xp + r0 * stride * 4, stride, pp, sp, bp, min(rows, m - r0), k, yp + r0 * n * 4, n, nb,
+                        parts)
                 launch(self._fn, *args, name="panel_gemm_parallel_w", native=(self._fn_packed, args))
         return y if flat else y.reshape(*x.shape[:-1], n)
 
@@ -286,20 +287,13 @@ class PanelGemm:
         held as int8 panels ``[N / 16, K, 16]`` (:func:`pack_panels` with ``torch.int8``) and its fp32
         per-output-channel ``scale [N]``: weight-only, each int8 value widened to float32 as it is read,
         ``x`` untouched; the scale applied once per output after the sum over ``K``. Split over threads
-        as :meth:`run`. The caller passes float32 CPU ``x`` with unit stride along ``K``, contiguous
-        panels of that ``K``, a contiguous float32 ``scale`` and ``bias`` (or none) of ``N``."""
-        flat = x.dim() == 2
-        x2 = x if flat else x.reshape(-1, x.shape[-1])
-        m, k = x2.shape
-        nb = panels.shape[0]
-        n = nb * PANEL
-        y = torch.empty(m, n, dtype=F32, device="cpu")
-        if m:
-            rows = min(m, ROWS_PER_CALL)
-            parts = _parts(rows, n, k, nb)
-            xp, stride, pp, sp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr(), scale.data_ptr()
-            bp, yp = bias.data_ptr() if bias is not None else None, y.data_ptr()
-            for r0 in range(0, m, rows):
-                args = (xp + r0 * stride * 4, stride, pp, sp, bp, min(rows, m - r0), k, yp + r0 * n * 4, n, nb, parts)
-                launch(self._q8, *args, name="panel_gemm_parallel_q8", native=(self._q8_packed, args))
-        return y if flat else y.reshape(*x.shape[:-1], n)
+        as :meth:`run`. The caller passes float32 CPU ``x`` with unit stride along ``K``, contiguous int8
+        panels of that ``K``, a contiguous float32 ``scale`` and ``bias`` (or none) of ``N``.
+
+        Raises:
+            ValueError: ``panels`` are not int8 or ``scale`` not a contiguous float32 ``[N]``."""
+        if panels.dtype != torch.int8 or scale.dtype is not F32 or not scale.is_contiguous() or \
+                scale.shape != (panels.shape[0] * PANEL,):
+            raise ValueError(f"run_int8: int8 panels and a contiguous float32 scale of their N outputs, got panels "
+                             f"{panels.dtype} {tuple(panels.shape)} and scale {scale.dtype} {tuple(scale.shape)}")
+        return self.run(x, panels, bias, scale)

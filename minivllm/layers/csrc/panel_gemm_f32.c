@@ -19,7 +19,7 @@
    defines __AVX512F__), passes of two or more rows use 16-float vectors and more accumulators
    instead (below).
 
-   int8 panels (weight-only int8, panel_gemm_q8_w): 16 bytes per k, widened to float32 as they are
+   int8 panels (weight-only int8, WT_I8 with a scale per output): 16 bytes per k, widened to float32 as they are
    loaded; the per-output-channel scale multiplies each output once, after the sum over k, then the
    bias is added.
 
@@ -396,18 +396,13 @@ static void panel_gemm_range(int wt, const float *x, int64_t ldx, const void *p,
 
 /* y[m, 16 b0 .. 16 b1) = x [m, k] @ W^T (+ bias) for panels b0 .. b1 - 1 of P, whose values are of
    type wt (WT_*). x: row stride ldx (floats), unit stride along k. y: row stride ldy, written, not
-   read before. bias: NULL or [N] fp32. Separate panel ranges may run on separate threads at once. */
-void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m, int64_t k,
-                  float *y, int64_t ldy, int64_t b0, int64_t b1) {
-    panel_gemm_range(wt, x, ldx, p, NULL, bias, m, k, y, ldy, b0, b1, NULL);
-}
-
-/* panel_gemm_w for int8 panels (WT_I8) of a weight W = Q * scale[:, None] (per-output-channel
-   symmetric quantisation): y = scale * (x @ Q^T) + bias, each int8 value widened to float32 as it
-   is read (weight-only: x stays float32). scale: [N] fp32. */
-void panel_gemm_q8_w(const float *x, int64_t ldx, const void *p, const float *scale, const float *bias, int64_t m,
-                     int64_t k, float *y, int64_t ldy, int64_t b0, int64_t b1) {
-    panel_gemm_range(WT_I8, x, ldx, p, scale, bias, m, k, y, ldy, b0, b1, NULL);
+   read before. bias: NULL or [N] fp32. scale: NULL, or for int8 panels (WT_I8) of a weight
+   W = Q * scale[:, None] (per-output-channel symmetric quantisation) the [N] fp32 scales: then
+   y = scale * (x @ Q^T) + bias, each int8 value widened to float32 as it is read (weight-only: x
+   stays float32). Separate panel ranges may run on separate threads at once. */
+void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const float *scale, const float *bias,
+                  int64_t m, int64_t k, float *y, int64_t ldy, int64_t b0, int64_t b1) {
+    panel_gemm_range(wt, x, ldx, p, scale, bias, m, k, y, ldy, b0, b1, NULL);
 }
 
 /* panel_gemm_w over all nb panels on the calling thread, and ids[r] = the column of row r's first
@@ -466,7 +461,7 @@ int64_t panel_gemm_greedy_w(int wt, const float *x, int64_t ldx, const void *p, 
 typedef void part_fn(void *ctx, int part, int parts);
 
 typedef struct {
-    const float *x, *bias, *scale;  /* scale: int8 panels (WT_I8) only */
+    const float *x, *bias, *scale;  /* scale: NULL, or int8 panels' (WT_I8) */
     const void *p;
     int wt;
     float *y;
@@ -529,8 +524,8 @@ static void run_part(const task_t *t, int part) {
         t->fn(t->ctx, part, t->parts);
         return;
     }
-    panel_gemm_range(t->wt, t->x, t->ldx, t->p, t->scale, t->bias, t->m, t->k, t->y, t->ldy,
-                     t->nb * part / t->parts, t->nb * (part + 1) / t->parts, NULL);
+    panel_gemm_w(t->wt, t->x, t->ldx, t->p, t->scale, t->bias, t->m, t->k, t->y, t->ldy,
+                 t->nb * part / t->parts, t->nb * (part + 1) / t->parts);
 }
 
 static void *worker_main(void *arg) {
@@ -605,34 +600,18 @@ static void run_task(task_t t) {
 
 /* panel_gemm_w over all nb panels, split into `parts` ranges run at once (part 0 on the
    calling thread). Returns when every part is written. */
-void panel_gemm_parallel_w(int wt, const float *x, int64_t ldx, const void *p, const float *bias, int64_t m,
-                           int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
+void panel_gemm_parallel_w(int wt, const float *x, int64_t ldx, const void *p, const float *scale, const float *bias,
+                           int64_t m, int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
     if (parts > MAX_PARTS)
         parts = MAX_PARTS;
     if (parts > nb)
         parts = (int)nb;
     if (parts <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
-        panel_gemm_w(wt, x, ldx, p, bias, m, k, y, ldy, 0, nb);
+        panel_gemm_w(wt, x, ldx, p, scale, bias, m, k, y, ldy, 0, nb);
         return;
     }
     parts = ensure_workers(parts);
-    task_t t = {x, bias, NULL, p, wt, y, ldx, m, k, ldy, nb, parts, NULL, NULL};
-    run_task(t);
-}
-
-/* panel_gemm_q8_w over all nb panels, split as panel_gemm_parallel_w */
-void panel_gemm_parallel_q8(const float *x, int64_t ldx, const void *p, const float *scale, const float *bias,
-                            int64_t m, int64_t k, float *y, int64_t ldy, int64_t nb, int parts) {
-    if (parts > MAX_PARTS)
-        parts = MAX_PARTS;
-    if (parts > nb)
-        parts = (int)nb;
-    if (parts <= 1 || pthread_mutex_trylock(&call_mu) != 0) {
-        panel_gemm_q8_w(x, ldx, p, scale, bias, m, k, y, ldy, 0, nb);
-        return;
-    }
-    parts = ensure_workers(parts);
-    task_t t = {x, bias, scale, p, WT_I8, y, ldx, m, k, ldy, nb, parts, NULL, NULL};
+    task_t t = {x, bias, scale, p, wt, y, ldx, m, k, ldy, nb, parts, NULL, NULL};
     run_task(t);
 }
 
@@ -661,13 +640,8 @@ void native_parallel_run(part_fn *fn, void *ctx, int parts) {
 
 /* Packed twins for a CPU graph's replay in C (packed_call.h) */
 PACKED(panel_gemm_parallel_w) {
-    panel_gemm_parallel_w((int)ARG_I(0), ARG_P(1), ARG_I(2), ARG_P(3), ARG_P(4), ARG_I(5), ARG_I(6), ARG_P(7), ARG_I(8),
-                          ARG_I(9), (int)ARG_I(10));
-    return 0;
-}
-PACKED(panel_gemm_parallel_q8) {
-    panel_gemm_parallel_q8(ARG_P(0), ARG_I(1), ARG_P(2), ARG_P(3), ARG_P(4), ARG_I(5), ARG_I(6), ARG_P(7), ARG_I(8),
-                           ARG_I(9), (int)ARG_I(10));
+    panel_gemm_parallel_w((int)ARG_I(0), ARG_P(1), ARG_I(2), ARG_P(3), ARG_P(4), ARG_P(5), ARG_I(6), ARG_I(7), ARG_P(8),
+                          ARG_I(9), ARG_I(10), (int)ARG_I(11));
     return 0;
 }
 PACKED(native_parallel_run) {
