@@ -133,7 +133,7 @@ def test_peaks_cache_round_trip(tmp_path, monkeypatch):
     assert again.provenance == f"cached, measured {first.info['measured_at']}"
 
     calls = []
-    fresh = Peaks(1.0, 2e30, "cpu", "float32", {"source": "measured", "measured_at": "now"}, 3.0)
+    fresh = Peaks(1.0, 2e30, "cpu", "float32", {"source": "measured", "measured_at": "now", "read_method": "dot"}, 3.0)
     monkeypatch.setattr(peaks_mod, "measure_peaks", lambda *a, **k: calls.append(1) or fresh)
     # refresh returns this call's figures (never an older one as "measured now") ...
     refreshed = get_peaks("cpu", "float32", refresh=True, **TINY)
@@ -148,13 +148,27 @@ def test_peaks_cache_round_trip(tmp_path, monkeypatch):
     assert json.loads(path.read_text())[key]["flops_per_s"] == 1.0
 
 
+def test_a_cached_sum_only_read_ceiling_is_measured_again(tmp_path, monkeypatch):
+    """Figures cached before the read ceiling became the faster of two reductions (no read_method) kept
+    the sum's lower figure, and with it MBU above 100%, on every machine that had run a notebook before."""
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    key = peaks_mod.peaks_cache_key("cpu", "float32")
+    old = Peaks(1e9, 1e9, "cpu", "float32", {"measured_at": "2026-12-05T00:00:00Z"}, 1e9)
+    (tmp_path / "peaks.json").write_text(json.dumps({key: old.to_dict()}))
+    new = Peaks(2e9, 2e9, "cpu", "float32", {"source": "measured", "measured_at": "now", "read_method": "dot"}, 3e9)
+    monkeypatch.setattr(peaks_mod, "measure_peaks", lambda *a, **k: new)
+    got = get_peaks("cpu", "float32")
+    assert got == new and got.provenance == "measured now"
+    assert get_peaks("cpu", "float32").provenance.startswith("cached") and get_peaks("cpu", "float32").read_bytes_per_s == 3e9
+
+
 def test_small_buffer_peaks_never_become_the_default_ceiling(tmp_path, monkeypatch):
     """A test's 1 MiB buffers sit in the CPU's caches and read far faster than memory; with
     keep_best they once raised the cached read ceiling of the default sizes (44 GB/s on one core),
     halving every MBU computed against it."""
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
-    fast = Peaks(1e15, 1e15, "cpu", "float32", {"source": "measured", "measured_at": "t0"}, 1e15)
-    slow = Peaks(1e9, 1e9, "cpu", "float32", {"source": "measured", "measured_at": "t1"}, 1e9)
+    fast = Peaks(1e15, 1e15, "cpu", "float32", {"source": "measured", "measured_at": "t0", "read_method": "sum"}, 1e15)
+    slow = Peaks(1e9, 1e9, "cpu", "float32", {"source": "measured", "measured_at": "t1", "read_method": "sum"}, 1e9)
     monkeypatch.setattr(peaks_mod, "measure_peaks", lambda *a, **k: fast if k else slow)
     get_peaks("cpu", "float32", refresh=True, **TINY)
     default = get_peaks("cpu", "float32")

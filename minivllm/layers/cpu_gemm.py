@@ -291,9 +291,16 @@ class PanelGemm:
         panels of that ``K``, a contiguous float32 ``scale`` and ``bias`` (or none) of ``N``.
 
         Raises:
-            ValueError: ``panels`` are not int8 or ``scale`` not a contiguous float32 ``[N]``."""
-        if panels.dtype != torch.int8 or scale.dtype is not F32 or not scale.is_contiguous() or \
-                scale.shape != (panels.shape[0] * PANEL,):
+            ValueError: ``panels`` are not int8, ``scale`` or ``bias`` not a contiguous float32 ``[N]``, or
+                ``x``'s last dimension is not the panels' ``K`` (the C code would read past their end)."""
+        n = panels.shape[0] * PANEL
+        if panels.dtype != torch.int8 or scale.dtype is not F32 or not scale.is_contiguous() or scale.shape != (n,):
             raise ValueError(f"run_int8: int8 panels and a contiguous float32 scale of their N outputs, got panels "
                              f"{panels.dtype} {tuple(panels.shape)} and scale {scale.dtype} {tuple(scale.shape)}")
+        if x.dim() == 0 or x.shape[-1] != panels.shape[1]:
+            raise ValueError(f"run_int8: x {tuple(x.shape)} for a weight of {panels.shape[1]} input features: "
+                             f"x's last dimension must be {panels.shape[1]}")
+        if bias is not None and (bias.dtype is not F32 or not bias.is_contiguous() or bias.shape != (n,)):
+            raise ValueError(f"run_int8: bias {bias.dtype} {tuple(bias.shape)} for {n} outputs: a contiguous float32 "
+                             f"[{n}] or None")
         return self.run(x, panels, bias, scale)

@@ -72,7 +72,7 @@ def probe(rows=(1, 8), shapes=SHAPES, repeats: int = 5, trials: int = 3, cold_by
         q, scale = quantize_per_channel(w)
         qs = copies(lambda: q.clone(), n * k)
         fb = copies(lambda: Int8Weight(w, "fbgemm-dynamic"), n * k)
-        pq = copies(lambda: Int8Weight(w, "panel-int8"), n * k) if cpu_gemm.load() is not None else []
+        pq = copies(lambda: Int8Weight(w, "panel-int8"), n * k) if cpu_gemm.load() is not None and n % 16 == 0 else []
         ref = copies(lambda: Int8Weight(w, "reference"), n * k)
         for m in rows:
             x = torch.randn(m, k, generator=gen)
