@@ -2,7 +2,7 @@
 
 Before every replay the decode graphs check that the model is the one they recorded
 (``CudaGraphDecodeRunner._model_changed`` in ``cuda_graph.py``): no forward hook, the same
-submodules in the same order, the same tensor (or ``None``) in every parameter slot, those tensors
+submodules in the same order, the same tensor (or ``None``) in every parameter and buffer slot, those tensors
 at the same addresses. In Python the first three read every module's dicts through a few C-level
 ``map``s and the fourth calls ``data_ptr`` on every parameter: ~6.6 us a step for the embedded
 model (55 modules, 35 parameters; Zen 4, 2026-12-04), a third of the engine's stubbed batch-1

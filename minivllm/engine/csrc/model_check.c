@@ -89,7 +89,7 @@ static int same_addresses(PyObject *data_ptr, PyObject *tensors, PyObject *addre
 
 /* self: torch.Tensor.data_ptr. args: (hook_dicts, child_dicts, children, slot_dicts, slot_keys,
  * slot_values, tensors, addresses), eight lists. True: no hook dict holds a hook, the child
- * dicts hold `children` in order, every parameter slot holds what it held, every tensor is
+ * dicts hold `children` in order, every parameter or buffer slot holds what it held, every tensor is
  * where it was; False: something differs (or args are not eight lists). */
 static PyObject *model_unchanged(PyObject *self, PyObject *args) {
     if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 8)
