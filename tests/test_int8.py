@@ -117,10 +117,12 @@ def test_panel_int8_path_is_the_weight_only_linear(threads):
     with pytest.raises(ValueError, match=r"scale torch.float32 \(47,\)"):
         gemm.run_int8(x[0], iw.panels, iw.scale[:47])
     # a wrong x or bias was read past its end (garbage, or a crash for a large x), where the reference raised
-    with pytest.raises(ValueError, match=r"x \(2, 80\) for a weight of 40 input features"):
+    with pytest.raises(ValueError, match=r"x torch.float32 \(2, 80\) on cpu for a weight of 40 input features"):
         iw.matmul(torch.randn(2, 80))
     with pytest.raises(ValueError, match=r"bias torch.float32 \(3,\) for 48 outputs"):
         iw.matmul(torch.randn(2, 40), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"with unit stride along it"):
+        gemm.run_int8(torch.randn(2, 80)[:, ::2], iw.panels, iw.scale)
 
 
 def test_panel_int8_is_the_cpu_default_and_other_heights_take_the_next_path():

@@ -297,9 +297,9 @@ class PanelGemm:
         if panels.dtype != torch.int8 or scale.dtype is not F32 or not scale.is_contiguous() or scale.shape != (n,):
             raise ValueError(f"run_int8: int8 panels and a contiguous float32 scale of their N outputs, got panels "
                              f"{panels.dtype} {tuple(panels.shape)} and scale {scale.dtype} {tuple(scale.shape)}")
-        if x.dim() == 0 or x.shape[-1] != panels.shape[1]:
-            raise ValueError(f"run_int8: x {tuple(x.shape)} for a weight of {panels.shape[1]} input features: "
-                             f"x's last dimension must be {panels.shape[1]}")
+        if x.dim() == 0 or x.shape[-1] != panels.shape[1] or x.dtype is not F32 or not x.is_cpu or x.stride(-1) != 1:
+            raise ValueError(f"run_int8: x {x.dtype} {tuple(x.shape)} on {x.device} for a weight of {panels.shape[1]} "
+                             f"input features: a float32 CPU x [..., {panels.shape[1]}] with unit stride along it")
         if bias is not None and (bias.dtype is not F32 or not bias.is_contiguous() or bias.shape != (n,)):
             raise ValueError(f"run_int8: bias {bias.dtype} {tuple(bias.shape)} for {n} outputs: a contiguous float32 "
                              f"[{n}] or None")
