@@ -51,6 +51,7 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
    ahead 12.7-13.3 / 12.6-13.7 / 11.6-13.3 / 10.9-12.4 / 11.2-11.4 GB/s; at 4 rows 11.3 -> 12.3 GB/s.
    From 7 rows (compute-bound) the float hint below, which ran 4% faster there. */
 #define PF_I8 1024
+#define PF_I8_MAX_ROWS 6
 #ifdef __AVX512F__
 #define PF_MIN_ROWS 7
 #else
@@ -62,8 +63,9 @@ static inline v8 splat(float s) { v8 v = {s, s, s, s, s, s, s, s}; return v; }
 /* Weight types: the panels hold float32 (WT_F32), or the 16-bit values a checkpoint stored, widened
    to float32 exactly as they are loaded (WT_F16: IEEE half; WT_BF16: bfloat16, the top half of a
    float32). The arithmetic is float32 either way, so a weight that round-trips through the 16-bit
-   type gives the same bits as its float32 panel; a decode step reads half the bytes. `wt` is a
-   constant after inlining. */
+   type gives the same bits as its float32 panel; a decode step reads half the bytes. WT_I8: the int8
+   values of a quantised weight, widened the same way and scaled per output after the sum (panel_gemm_w).
+   `wt` is a constant after inlining. */
 #define WT_F32 0
 #define WT_F16 1
 #define WT_BF16 2
@@ -82,6 +84,17 @@ typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1), may_alias));
 #else
 #define HAVE_F16 0
 #endif
+
+/* The software prefetch of a pass of `rows` rows at step k, for the panel line at element q (wt and
+   rows are constants after inlining; see PF, PF_MIN_ROWS and PF_I8 above) */
+static inline __attribute__((always_inline)) void prefetch_panel(const int wt, const int rows, int64_t k,
+                                                                 const void *pc, int64_t q) {
+    if (wt == WT_I8 && rows <= PF_I8_MAX_ROWS) {  /* a panel's int8 line lasts 4 k: one hint per line */
+        if ((k & 3) == 0)
+            __builtin_prefetch((const char *)pc + q + PF_I8);
+    } else if (rows >= PF_MIN_ROWS)
+        __builtin_prefetch((const char *)pc + q * WSIZE(wt) + PF * NR * 4);  /* PF lines of float32 ahead */
+}
 
 static inline __attribute__((always_inline)) v8 load_w8(const int wt, const void *base, int64_t i) {
 #if HAVE_F16
@@ -133,11 +146,7 @@ static inline __attribute__((always_inline)) void panel_rows(const int wt, const
         v8 w0[4], w1[4];
         for (int j = 0; j < g; j++) {
             const int64_t q = j * pstride + k * NR;
-            if (wt == WT_I8 && rows < 7) {  /* a panel's int8 line lasts 4 k: one hint per line, PF_I8 bytes ahead */
-                if ((k & 3) == 0)
-                    __builtin_prefetch((const char *)pc + q + PF_I8);
-            } else if (rows >= PF_MIN_ROWS)  /* a constant after inlining */
-                __builtin_prefetch((const char *)pc + q * WSIZE(wt) + PF * NR * 4);  /* PF lines of float32 ahead */
+            prefetch_panel(wt, rows, k, pc, q);
             w0[j] = load_w8(wt, pc, q);
             w1[j] = load_w8(wt, pc, q + 8);
         }
@@ -231,11 +240,7 @@ static inline __attribute__((always_inline)) void panel_rows16(const int wt, con
         v16 w[4];
         for (int j = 0; j < g; j++) {
             const int64_t q = j * pstride + k * NR;
-            if (wt == WT_I8 && rows < 7) {
-                if ((k & 3) == 0)
-                    __builtin_prefetch((const char *)pc + q + PF_I8);
-            } else if (rows >= PF_MIN_ROWS)  /* a constant after inlining */
-                __builtin_prefetch((const char *)pc + q * WSIZE(wt) + PF * NR * 4);
+            prefetch_panel(wt, rows, k, pc, q);
             w[j] = load_w16(wt, pc, q);
         }
         for (int r = 0; r < rows; r++) {
