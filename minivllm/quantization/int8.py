@@ -50,7 +50,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from minivllm.layers import cpu_fused
+from minivllm.layers import cpu_fused, cpu_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +207,6 @@ def default_kernel(device: torch.device | str) -> str:
     on CUDA when Triton imports; else ``"reference"``."""
     dev = torch.device(device)
     if dev.type == "cpu":
-        from minivllm.layers import cpu_gemm
-
         if cpu_gemm.load() is not None:
             return "panel-int8"
         return "fbgemm-dynamic" if cpu_int8_unavailable_reason() is None else "reference"
@@ -241,8 +239,6 @@ class Int8Weight:
     """
 
     def __init__(self, weight: torch.Tensor, kernel: str | None = None):
-        from minivllm.layers import cpu_gemm
-
         q, scale = quantize_per_channel(weight)
         self.out_features, self.in_features = q.shape
         self.kernel = kernel or default_kernel(q.device)
@@ -303,8 +299,6 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] -> x @ (Q * scale).T + bias``, ``[..., out]`` in ``x``'s dtype."""
         if self.kernel == "panel-int8":
-            from minivllm.layers import cpu_gemm
-
             x32 = x if x.dtype is torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
             b32 = None if bias is None else bias.detach().float().contiguous()
             y = cpu_gemm.loaded().run_int8(x32, self.panels, self.scale, b32)

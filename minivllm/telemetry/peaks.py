@@ -242,13 +242,13 @@ def measure_peaks(
     def rd_dot():
         torch.dot(first, second, out=total)
 
+    reads = {"sum": (rd_sum, big.numel()), **({"dot": (rd_dot, 2 * half)} if half else {})}  # name: (fn, elements)
     read_times = {}
-    for name, fn in (("sum", rd_sum), ("dot", rd_dot)) if half else (("sum", rd_sum),):
+    for name, (fn, _) in reads.items():
         fn()  # warm-up
         read_times[name] = min(time_it(fn) for _ in range(repeats))
-    read_method = min(read_times, key=lambda k: read_times[k] / (big.numel() if k == "sum" else 2 * half))
-    read_numel = big.numel() if read_method == "sum" else 2 * half
-    t_rd = read_times[read_method]
+    read_method = max(reads, key=lambda name: reads[name][1] / read_times[name])
+    read_numel, t_rd = reads[read_method][1], read_times[read_method]
     read_bw = read_numel * big.element_size() / t_rd
     del big, first, second
 
