@@ -153,19 +153,14 @@ def test_int8_decode_steps_replay_in_cpu_graphs_with_eager_tokens(caplog):
         graphs.shutdown()
 
 
-def test_int8_through_fbgemm_keeps_cpu_graphs_off(caplog):
+@needs_fbgemm
+def test_int8_through_fbgemm_keeps_cpu_graphs_off(caplog, monkeypatch):
     from minivllm.quantization import int8
 
-    if cpu_int8_unavailable_reason() is not None:
-        pytest.skip(f"fbgemm int8: {cpu_int8_unavailable_reason()}")
-    original = int8.default_kernel
-    int8.default_kernel = lambda device: "fbgemm-dynamic"
-    try:
-        with caplog.at_level(logging.INFO, logger="minivllm"):
-            llm = LLM("minivllm-tiny", quantization="int8")
-        llm.shutdown()
-    finally:
-        int8.default_kernel = original
+    monkeypatch.setattr(int8, "default_kernel", lambda device: "fbgemm-dynamic")
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        llm = LLM("minivllm-tiny", quantization="int8")
+    llm.shutdown()
     assert any("CPU graphs off" in r.getMessage() and "fbgemm-dynamic" in r.getMessage() for r in caplog.records)
 
 
