@@ -17,3 +17,16 @@ def native_or_skip(module, what: str):
             pytest.fail(message)
         pytest.skip(message)
     return loaded
+
+
+def tensor_data_or_skip():
+    """The model check's C++ TensorImpl reader (``minivllm/engine/csrc/tensor_data.cpp``), as
+    :func:`native_or_skip`, but a machine without a C++ compiler skips even under
+    ``MINIVLLM_REQUIRE_CPU_KERNEL=1`` (which ``.ci/run`` sets when it finds a C compiler)."""
+    from minivllm.engine import model_check
+
+    lib = model_check._tensor_data.load()
+    reason = model_check._tensor_data.unavailable_reason() or ""
+    if lib is None and reason.startswith("no C++ compiler found"):
+        pytest.skip(f"the TensorImpl reader unavailable: {reason}")
+    return native_or_skip(model_check._tensor_data, "the TensorImpl reader (torch's headers)")

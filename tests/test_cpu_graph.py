@@ -17,19 +17,24 @@ from minivllm.layers.attention import cpu_decode
 from minivllm.layers.cpu_graph import CpuGraph, GraphPool, NotCapturable
 
 from helpers_engine import prompts_of
-from helpers_native import native_or_skip
+from helpers_native import native_or_skip, tensor_data_or_skip
 
 pytestmark = pytest.mark.skipif(cpu_decode.load() is None, reason="the native decode kernel does not build here")
 
 
-@pytest.fixture(params=["c", "python"])
+@pytest.fixture(params=["c", "c-data_ptr", "python"])
 def check(request, monkeypatch):
-    """The model-change tests run with the model check's C pass (minivllm/engine/model_check.py)
-    and with the Python check alone (``MINIVLLM_C_MODEL_CHECK=0``); engines made in the test read
-    the switch when they start."""
-    if request.param == "c":
+    """The model-change tests run with the model check's C pass (minivllm/engine/model_check.py),
+    the tensors' addresses read from their TensorImpls (``tensor_data.cpp``) or, without that
+    library, through ``Tensor.data_ptr``, and with the Python check alone
+    (``MINIVLLM_C_MODEL_CHECK=0``); engines made in the test read the switch when they start."""
+    if request.param != "python":
         native_or_skip(model_check, "the C model check")
-    monkeypatch.setenv(model_check.ENV_SWITCH, "1" if request.param == "c" else "0")
+    if request.param == "c":
+        tensor_data_or_skip()
+    if request.param == "c-data_ptr":
+        monkeypatch.setattr(model_check, "hold", lambda tensors, addresses: None)
+    monkeypatch.setenv(model_check.ENV_SWITCH, "0" if request.param == "python" else "1")
     return request.param
 
 
@@ -353,7 +358,7 @@ def test_steps_run_eagerly_while_a_module_has_a_forward_hook(check):
     finally:
         handle.remove()
     assert _run(llm, prompt, params) == first and g.num_replays >= replays + 3
-    assert (g._c_unchanged is not None, g._c_args is not None) == ((check == "c",) * 2)
+    assert (g._c_unchanged is not None, g._c_args is not None) == ((check != "python",) * 2)
 
 
 def test_graphs_are_recorded_again_after_a_parameter_is_replaced(check):
@@ -372,6 +377,15 @@ def test_graphs_are_recorded_again_after_a_parameter_is_replaced(check):
     g = llm.llm_engine.runner.graph_runner
     assert _run(llm, prompt, params) == _run(eager, prompt, params)
     assert g.num_replays >= 4
+    recorded = g.num_recordings
+    for engine in (llm, eager):  # set_: the same Parameter and TensorImpl, another storage
+        norm = engine.llm_engine.runner.model.model.norm
+        with torch.no_grad():
+            norm.weight.set_(norm.weight.detach() * 0.5)
+    assert _run(llm, prompt, params) == _run(eager, prompt, params)
+    assert g.num_recordings > recorded
+    if check != "python":  # the C pass answered the steps without a change (9 items: with the hold)
+        assert g._c_args is not None and len(g._c_args) == (9 if check == "c" else 8)
 
 
 def test_reset_drops_the_graphs_and_the_next_steps_record_them_again():

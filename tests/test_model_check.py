@@ -13,7 +13,7 @@ import torch
 
 from minivllm.engine import model_check
 
-from helpers_native import native_or_skip
+from helpers_native import native_or_skip, tensor_data_or_skip
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +160,90 @@ def test_a_free_threaded_python_keeps_the_python_check(monkeypatch):
     monkeypatch.delenv(model_check.ENV_SWITCH, raising=False)
     assert model_check.load() is None
     assert "free-threaded" in model_check.unavailable_reason() and model_check.describe().startswith("Python")
+
+
+@pytest.fixture(scope="module")
+def hold():
+    tensor_data_or_skip()
+    return model_check.hold
+
+
+def _held(model, hold) -> tuple:
+    """The eight lists and the hold's ninth item, as the graph runner passes them with the C++ reader."""
+    args = _args(model)
+    h = hold(args[6], args[7])
+    return args + (h.check,), h
+
+
+def _resize_storage(m):  # the same TensorImpl and storage object, the storage's memory moved
+    m[0].weight.untyped_storage().resize_(1024)
+
+
+@pytest.mark.parametrize("change", [_replace_parameter, _new_storage, _set_storage, _resize_storage, _hook,
+                                    _swap_children, _remove_slot])
+def test_with_a_hold_the_addresses_are_read_from_the_tensorimpls(change, unchanged, hold):
+    """The ninth item answers the address part in place of a data_ptr call per tensor: a tensor
+    whose data moved (new storage, set_, a storage resize) is a change, as every other kind is."""
+    model = _model()
+    args, h = _held(model, hold)
+    assert unchanged(args) == 1
+    change(model)
+    assert unchanged(args) == 0
+
+
+def test_with_a_hold_in_place_updates_are_not_changes(unchanged, hold):
+    model = _model()
+    args, h = _held(model, hold)
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+        model[1][1].bias.zero_()
+    assert unchanged(args) == 1
+
+
+def test_a_ninth_item_that_is_not_a_hold_answers_changed(unchanged, hold):
+    model = _model()
+    args, h = _held(model, hold)
+    fn, held = h.check
+    for bad in ([], (fn,), (fn, held, 0), (str(fn), held), (fn, None), (0, held), (fn, 0), (fn, -1 << 70)):
+        assert unchanged(args[:8] + (bad,)) == 0, bad
+    assert unchanged(args) == 1
+
+
+def test_a_held_tensor_cannot_be_swapped_away_and_the_hold_lets_go_when_freed(unchanged, hold):
+    """The hold keeps a weak reference to each TensorImpl (its memory stays valid for the check);
+    torch.utils.swap_tensors refuses a tensor with one, loudly, rather than move it under a graph.
+    Freed, the hold gives the references back: the same swap then goes through."""
+    model = _model()
+    args, h = _held(model, hold)
+    other = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(RuntimeError):
+        torch.utils.swap_tensors(model[0].weight, other)
+    assert unchanged(args) == 1
+    del args, h
+    torch.utils.swap_tensors(model[0].weight, other)
+    assert torch.equal(model[0].weight, torch.zeros(4, 4))
+
+
+def test_a_hold_refuses_tensors_and_addresses_of_different_lengths(hold):
+    model = _model()
+    args = _args(model)
+    with pytest.raises(ValueError, match="tensors but"):
+        hold(args[6], args[7][:-1])
+
+
+def test_without_a_cpp_compiler_there_is_no_hold_and_the_log_says_data_ptr(monkeypatch):
+    """No C++ compiler: ``hold`` gives None (the engine's C pass then calls data_ptr) and the
+    startup line says so, naming why."""
+    native_or_skip(model_check, "the C model check")
+    from minivllm.layers import native_build
+    lib = native_build.NativeLibrary(model_check.TENSOR_DATA_SOURCE, model_check.ENV_SWITCH,
+                                     model_check._wrap_tensor_data, torch_api=True)
+    monkeypatch.setattr(model_check, "_tensor_data", lib)
+    c_compilers = native_build._compilers
+    monkeypatch.setattr(native_build, "_compilers", lambda cxx=False: [] if cxx else c_compilers())
+    monkeypatch.delenv(model_check.ENV_SWITCH, raising=False)
+    model = _model()
+    args = _args(model)
+    assert model_check.hold(args[6], args[7]) is None
+    line = model_check.describe()
+    assert "through Tensor.data_ptr" in line and "no C++ compiler found" in line

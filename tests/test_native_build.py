@@ -85,3 +85,31 @@ def test_another_instruction_set_is_built_apart_and_a_bad_value_named(tmp_path, 
     monkeypatch.setenv(native_build.MARCH_ENV, "native; rm -rf ~")
     with pytest.raises(ValueError, match="MINIVLLM_CPU_MARCH='native; rm -rf ~' is not a -march value"):
         native_build._build(src, out, cc)
+
+
+def test_a_torch_source_is_built_as_cpp_against_torch_and_keyed_by_its_version(tmp_path, monkeypatch):
+    """The model check's TensorImpl reader is C++ using torch's headers: built with a C++ compiler,
+    linked against torch's c10, and rebuilt when torch's version changes (a stale build would read
+    another layout)."""
+    found = native_build._compilers(cxx=True)
+    if not found:
+        pytest.skip("no C++ compiler found")
+    src = tmp_path / "numel.cpp"
+    src.write_text('#include <c10/core/TensorImpl.h>\n'
+                   'extern "C" long long numel_of(const void *impl) {\n'
+                   '    return static_cast<const c10::TensorImpl *>(impl)->numel(); }\n')
+    out = tmp_path / "build"
+    first = native_build._build(src, out, found[0], torch_api=True)
+    lib = ctypes.PyDLL(str(first))
+    lib.numel_of.argtypes, lib.numel_of.restype = [ctypes.c_void_p], ctypes.c_longlong
+    import torch
+    t = torch.zeros(3, 5)
+    assert lib.numel_of(t._cdata) == 15
+    monkeypatch.setattr(native_build, "_torch_version", lambda: "another torch")
+    assert native_build._build(src, out, found[0], torch_api=True) != first
+
+
+def test_cpp_compilers_come_from_cxx_first(monkeypatch):
+    monkeypatch.setenv("CXX", "true")  # a command that exists; only the order is checked
+    assert native_build._compilers(cxx=True)[0] == ["true"]
+    assert ["true"] not in native_build._compilers()

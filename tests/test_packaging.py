@@ -93,13 +93,15 @@ def test_package_data_ships_every_non_python_file_the_package_reads():
     read at run time from the installed package, so a non-editable install must carry them."""
     import fnmatch
 
+    from minivllm.engine import model_check
     from minivllm.layers import cpu_fused
     from minivllm.layers.attention import cpu_decode
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["minivllm"]
     pkg = ROOT / "minivllm"
-    c_sources = sorted(p for p in pkg.rglob("*") if p.suffix in (".c", ".h"))  # the model check's too
+    c_sources = sorted(p for p in pkg.rglob("*") if p.suffix in (".c", ".h", ".cpp"))  # the model check's too
     assert cpu_decode.SOURCE in c_sources and cpu_fused.SOURCE in c_sources
+    assert model_check.SOURCE in c_sources and model_check.TENSOR_DATA_SOURCE in c_sources
     for path in [*c_sources, *sorted((pkg / "assets").rglob("*.json"))]:
         rel = path.relative_to(pkg).as_posix()
         assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel

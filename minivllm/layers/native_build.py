@@ -1,7 +1,9 @@
 """Build our C sources at first use and load them with ``ctypes`` (the CPU attention kernel in
 ``attention/csrc``, the fused per-layer ops and the panel GEMM in ``csrc``, the CPU graphs' model
 check in ``engine/csrc``, which reads Python objects and so is built against Python's headers and
-called with the GIL held).
+called with the GIL held, and its one C++ source, which reads torch's TensorImpls and so is built
+against the installed torch's headers with a C++ compiler: ``$CXX``, Python's, ``c++``, ``g++``,
+``clang++``).
 
 A source is compiled (``-O3 -march=native``) with the first compiler that works (``$CC``, the
 one Python was built with, ``cc``, ``gcc``, ``clang``) into ``cache_dir()/kernels/`` (else
@@ -54,12 +56,14 @@ class NativeBuildError(RuntimeError):
     """No compiler produced a loadable library; the message lists every attempt."""
 
 
-def _compilers() -> list[list[str]]:
+def _compilers(cxx: bool = False) -> list[list[str]]:
     """Candidate compiler commands, first that runs wins: ``$CC``, the one Python was built with
     (``sysconfig``; conda and standalone Pythons may name one that is not installed), then
-    ``cc``, ``gcc``, ``clang``. A command keeps its words (``ccache gcc``, ``zig cc``)."""
+    ``cc``, ``gcc``, ``clang``; for C++ (``cxx``) ``$CXX``, Python's, ``c++``, ``g++``, ``clang++``.
+    A command keeps its words (``ccache gcc``, ``zig cc``)."""
     found = []
-    for cc in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+    names = (("CXX", "c++", "g++", "clang++") if cxx else ("CC", "cc", "gcc", "clang"))
+    for cc in (os.environ.get(names[0]), sysconfig.get_config_var(names[0]), *names[1:]):
         try:
             cmd = shlex.split(cc) if cc else []
         except ValueError:  # unbalanced quotes in $CC
@@ -87,6 +91,19 @@ def _python_flags() -> tuple[str, ...]:
     return tuple(f"-I{d}" for d in dict.fromkeys((paths["include"], paths["platinclude"])))
 
 
+def _torch_flags() -> tuple[str, ...]:
+    """Compiler and linker flags of a C++ source that uses torch's headers: the installed torch's
+    include directory, its C++ ABI, and its ``c10`` library (already loaded by ``import torch``;
+    found again through the rpath)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    lib = Path(torch.__file__).parent / "lib"
+    return (("-std=c++17", "-w") + tuple(f"-I{d}" for d in cpp_extension.include_paths())
+            + (f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-L{lib}", f"-Wl,-rpath,{lib}",
+               "-lc10"))
+
+
 def _require_own_dir(out_dir: Path) -> None:
     """Make ``out_dir`` (mode 0700 when new) and check that only this user can write it: a library
     found there is loaded as is, so a directory another user can write (``/tmp/minivllm-kernels-N``
@@ -108,29 +125,33 @@ def _require_own_dir(out_dir: Path) -> None:
                       "loading libraries from it")
 
 
-def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False) -> Path:
+def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False, torch_api: bool = False) -> Path:
     """Compile ``source`` with ``cc`` into ``out_dir`` under a key of the source, compiler,
     flags and CPU (atomic rename: concurrent builders are harmless); ``python_api``: with the
-    running Python's headers (:func:`_python_flags`)."""
-    extra = _python_flags() if python_api else ()
+    running Python's headers (:func:`_python_flags`); ``torch_api``: a C++ source with torch's
+    (:func:`_torch_flags`; torch's version is part of the key)."""
+    extra = (_python_flags() if python_api else ()) + (_torch_flags() if torch_api else ())
     src = source.read_bytes()
     for header in re.findall(rb'#include "([^"]+)"', src):  # our own headers are part of the source's key
         src += (source.parent / header.decode()).read_bytes()
     version = subprocess.run(cc + ["--version"], capture_output=True, text=True, timeout=30).stdout
     flags = _flags()
     key = hashlib.sha256(src + repr((cc, flags + extra, version, platform.machine(), _cpu_fingerprint(),
-                                     (sys.version, sysconfig.get_config_var("SOABI")) if python_api else None)).encode())
+                                     (sys.version, sysconfig.get_config_var("SOABI")) if python_api else None,
+                                     _torch_version() if torch_api else None)).encode())
     lib = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
     _require_own_dir(out_dir)  # before trusting a library already there
     if lib.exists():
         return lib
+    link_flags = [f for f in extra if f.startswith(("-l", "-L", "-Wl,"))]  # after the source: some linkers drop
+    compile_flags = [f for f in extra if f not in link_flags]            # a library nothing before it needs
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
         tries = (flags, tuple(f for f in flags if f != "-march=native")) if "-march=native" in flags else (
             flags,)  # some compilers lack -march=native; a march asked for by name is not dropped
         for attempt in tries:
-            proc = subprocess.run(cc + list(attempt) + list(extra) + [str(source), "-o", tmp, "-lm"],
+            proc = subprocess.run(cc + list(attempt) + compile_flags + [str(source), "-o", tmp] + link_flags + ["-lm"],
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode == 0:
                 os.replace(tmp, lib)
@@ -141,11 +162,18 @@ def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False)
             os.unlink(tmp)
 
 
-def build_and_load(source: Path, python_api: bool = False) -> tuple[ctypes.CDLL, str]:
+def _torch_version() -> str:
+    import torch
+    return f"{torch.__version__} {torch.__file__}"
+
+
+def build_and_load(source: Path, python_api: bool = False, torch_api: bool = False) -> tuple[ctypes.CDLL, str]:
     """``source`` compiled (or found already built) and loaded, with a line saying where from.
     ``python_api``: the source uses Python's C API; it is built against the running Python's
     headers and loaded as a ``ctypes.PyDLL`` (its functions are called holding the GIL; a
-    ``CDLL`` releases it around each call).
+    ``CDLL`` releases it around each call). ``torch_api``: a C++ source using torch's headers,
+    built with a C++ compiler against the installed torch and loaded as a ``PyDLL`` too (what it
+    does to a tensor can touch that tensor's Python object).
 
     Raises:
         NativeBuildError: no compiler found, or every compiler/directory pair failed (the
@@ -155,25 +183,30 @@ def build_and_load(source: Path, python_api: bool = False) -> tuple[ctypes.CDLL,
     user = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "")
     dirs = [cache_dir() / "kernels", Path(tempfile.gettempdir()) / f"minivllm-kernels-{user}"]
     errors = []
-    for cc in _compilers():
+    for cc in _compilers(cxx=torch_api):
         for out_dir in dirs:
             try:
-                path = _build(source, out_dir, cc, python_api)
-                loader = ctypes.PyDLL if python_api else ctypes.CDLL
+                path = _build(source, out_dir, cc, python_api, torch_api)
+                loader = ctypes.PyDLL if python_api or torch_api else ctypes.CDLL
                 return loader(str(path)), f"{path}, built with {' '.join(cc)}"
             except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
                 errors.append(f"{' '.join(cc)} into {out_dir}: {type(e).__name__}: {e}")
-    raise NativeBuildError("; ".join(errors) if errors else "no C compiler found (tried $CC, Python's CC, cc, gcc, clang)")
+    raise NativeBuildError("; ".join(errors) if errors else (
+        "no C++ compiler found (tried $CXX, Python's CXX, c++, g++, clang++)" if torch_api
+        else "no C compiler found (tried $CC, Python's CC, cc, gcc, clang)"))
 
 
 class NativeLibrary(Generic[T]):
     """One of our C sources as a process-wide object: built and wrapped (``wrap(cdll)``) at the
     first :meth:`load`, at most once per process (thread-safe), or the reason it could not be;
     ``None`` while the environment variable ``env_switch`` is 0 / false / no / off (read at every
-    call, so flipping it between engines takes effect). ``python_api``: see :func:`build_and_load`."""
+    call, so flipping it between engines takes effect). ``python_api``, ``torch_api``: see
+    :func:`build_and_load`."""
 
-    def __init__(self, source: Path, env_switch: str, wrap: Callable[[ctypes.CDLL], T], python_api: bool = False):
+    def __init__(self, source: Path, env_switch: str, wrap: Callable[[ctypes.CDLL], T], python_api: bool = False,
+                 torch_api: bool = False):
         self.source, self.env_switch, self._wrap, self.python_api = source, env_switch, wrap, python_api
+        self.torch_api = torch_api
         self._lock = threading.Lock()
         self._state: dict[str, object] = {}  # "obj" and "path", or "reason"
 
@@ -186,7 +219,7 @@ class NativeLibrary(Generic[T]):
         with self._lock:
             if "obj" not in self._state and "reason" not in self._state:
                 try:
-                    lib, self._state["path"] = build_and_load(self.source, self.python_api)
+                    lib, self._state["path"] = build_and_load(self.source, self.python_api, self.torch_api)
                     self._state["obj"] = self._wrap(lib)
                 except (NativeBuildError, AttributeError) as e:  # AttributeError: a symbol missing
                     self._state["reason"] = str(e)

@@ -7,7 +7,9 @@
  * the caller then runs the Python check, which decides what changed. The check is a builtin
  * function object (make_model_unchanged below): called as one, not through ctypes, it costs
  * ~50 ns to call instead of ~1 us. It runs with the GIL held; every reference it reads is
- * borrowed, and the one it makes (data_ptr's int) is released before it returns.
+ * borrowed, and the one it makes (data_ptr's int) is released before it returns. Where the C++
+ * source beside it was built (tensor_data.cpp), the engine passes a hold of the tensors and the
+ * addresses are read from their TensorImpls instead of through data_ptr.
  */
 #include <Python.h>
 
@@ -87,27 +89,53 @@ static int same_addresses(PyObject *data_ptr, PyObject *tensors, PyObject *addre
     return 1;
 }
 
+/* The address check of tensor_data.cpp (tensor_data_unchanged): 1 when every tensor of a hold is
+ * where it was. `check` is (that function's address, the hold's address), two ints; -1 when it is
+ * not such a pair. */
+typedef int held_check_fn(const void *held);
+
+static int held_unchanged(PyObject *check) {
+    if (!PyTuple_Check(check) || PyTuple_GET_SIZE(check) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(check, 0))
+        || !PyLong_CheckExact(PyTuple_GET_ITEM(check, 1)))
+        return -1;
+    held_check_fn *fn = (held_check_fn *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(check, 0));
+    const void *held = PyLong_AsVoidPtr(PyTuple_GET_ITEM(check, 1));
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return fn && held ? fn(held) : -1;
+}
+
 /* self: torch.Tensor.data_ptr. args: (hook_dicts, child_dicts, children, slot_dicts, slot_keys,
- * slot_values, tensors, addresses), eight lists. True: no hook dict holds a hook, the child
- * dicts hold `children` in order, every parameter or buffer slot holds what it held, every tensor is
- * where it was; False: something differs (or args are not eight lists). */
+ * slot_values, tensors, addresses), eight lists, and optionally a ninth item: a hold of those
+ * tensors (tensor_data.cpp, see held_unchanged), which then answers the address part instead of
+ * a data_ptr call per tensor. True: no hook dict holds a hook, the child dicts hold `children` in
+ * order, every parameter or buffer slot holds what it held, every tensor is where it was; False:
+ * something differs (or args are not of that shape). */
 static PyObject *model_unchanged(PyObject *self, PyObject *args) {
-    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 8)
+    if (!PyTuple_Check(args) || (PyTuple_GET_SIZE(args) != 8 && PyTuple_GET_SIZE(args) != 9))
         Py_RETURN_FALSE;
     for (Py_ssize_t i = 0; i < 8; i++)
         if (!PyList_Check(PyTuple_GET_ITEM(args, i)))
             Py_RETURN_FALSE;
-    if (all_empty(PyTuple_GET_ITEM(args, 0))
-        && same_values(PyTuple_GET_ITEM(args, 1), PyTuple_GET_ITEM(args, 2))
-        && same_slots(PyTuple_GET_ITEM(args, 3), PyTuple_GET_ITEM(args, 4), PyTuple_GET_ITEM(args, 5))
-        && same_addresses(self, PyTuple_GET_ITEM(args, 6), PyTuple_GET_ITEM(args, 7)))
+    if (!all_empty(PyTuple_GET_ITEM(args, 0))
+        || !same_values(PyTuple_GET_ITEM(args, 1), PyTuple_GET_ITEM(args, 2))
+        || !same_slots(PyTuple_GET_ITEM(args, 3), PyTuple_GET_ITEM(args, 4), PyTuple_GET_ITEM(args, 5)))
+        Py_RETURN_FALSE;
+    if (PyTuple_GET_SIZE(args) == 9) {
+        if (held_unchanged(PyTuple_GET_ITEM(args, 8)) == 1)
+            Py_RETURN_TRUE;
+        Py_RETURN_FALSE;
+    }
+    if (same_addresses(self, PyTuple_GET_ITEM(args, 6), PyTuple_GET_ITEM(args, 7)))
         Py_RETURN_TRUE;
     Py_RETURN_FALSE;
 }
 
 static PyMethodDef model_unchanged_def = {
     "model_unchanged", model_unchanged, METH_O,
-    "model_unchanged(args: tuple of 8 lists) -> bool (see minivllm/engine/model_check.py)"};
+    "model_unchanged(args: tuple of 8 lists [, hold]) -> bool (see minivllm/engine/model_check.py)"};
 
 /* The check as a builtin function whose self is `data_ptr` (torch.Tensor.data_ptr): a new
  * reference, or NULL with an exception set. Called once, through ctypes. */
