@@ -798,6 +798,34 @@ def test_a_staged_step_builds_its_metadata_only_when_read_and_then_as_the_eager_
     engine.step()  # stages a step of two rows
     with pytest.raises(ValueError, match="a later stage replaced it"):
         staged[-3][1].meta
+
+
+def test_a_staged_input_has_every_field_of_a_model_input_and_a_batch_of_one_stages_as_any_other():
+    """StagedModelInput sets its fields itself (not through the dataclass __init__): each one
+    ModelInput declares is there. A batch-1 decode stages
+    through its own short path: the same static buffers as a step of more sequences would hold."""
+    import dataclasses
+
+    llm = _llm()
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    engine.add_request("one", prompts_of([19], seed=5, vocab=4000)[0],
+                       SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    seen, real_prepare = [], runner.prepare_input
+    runner.prepare_input = lambda plan: seen.append((plan, real_prepare(plan))) or seen[-1][1]
+    for _ in range(20):  # past a block boundary (prompt 19 tokens, 16-token blocks)
+        engine.step()
+    staged = [(plan, inp) for plan, inp in seen if inp.graph_rows is not None]
+    assert len(staged) >= 18
+    plan, inp = staged[-1]
+    for f in dataclasses.fields(inp):
+        assert hasattr(inp, f.name), f.name
+    assert (inp.drafts, inp.host, inp.logits_indices) == ({}, None, None)  # (greedy, greedy_ids: set by run)
+    seq, p = plan.scheduled[0].seq, plan.scheduled[0].start_pos
+    meta = inp.meta
+    bs = meta.block_size
+    assert inp.input_ids.tolist() == [seq.token_ids[p]] and inp.positions.tolist() == [p]  # (the token at p)
+    assert meta.context_lens_cpu == [p + 1] and meta.block_tables.tolist()[0][:len(seq.block_table)] == seq.block_table
+    assert meta.slot_mapping.tolist() == [seq.block_table[p // bs] * bs + p % bs]
     assert inp.meta is meta  # built before: kept (its tensors are views, as every staged step's are)
     runner.prepare_input = real_prepare
     llm.shutdown()
