@@ -113,3 +113,16 @@ def test_cpp_compilers_come_from_cxx_first(monkeypatch):
     monkeypatch.setenv("CXX", "true")  # a command that exists; only the order is checked
     assert native_build._compilers(cxx=True)[0] == ["true"]
     assert ["true"] not in native_build._compilers()
+
+
+def test_torch_flags_need_no_setuptools(monkeypatch):
+    """A venv made by Python 3.12+ has no setuptools, which torch.utils.cpp_extension imports: the
+    flags of the TensorImpl reader come from torch's own folder, so an engine still starts there
+    (c5deb55 imported cpp_extension for its include paths)."""
+    import sys
+    monkeypatch.setitem(sys.modules, "setuptools", None)  # import setuptools -> ImportError
+    monkeypatch.delitem(sys.modules, "torch.utils.cpp_extension", raising=False)
+    flags = native_build._torch_flags()
+    import torch
+    assert any(f.startswith("-I") and f.endswith("include") and torch.__file__.rsplit("/", 1)[0] in f for f in flags)
+    assert "-lc10" in flags

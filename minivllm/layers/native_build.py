@@ -95,13 +95,12 @@ def _torch_flags() -> tuple[str, ...]:
     """Compiler and linker flags of a C++ source that uses torch's headers: the installed torch's
     include directory, its C++ ABI, and its ``c10`` library (already loaded by ``import torch``;
     found again through the rpath)."""
-    import torch
-    from torch.utils import cpp_extension
+    import torch  # (not torch.utils.cpp_extension, which needs setuptools)
 
-    lib = Path(torch.__file__).parent / "lib"
-    return (("-std=c++17", "-w") + tuple(f"-I{d}" for d in cpp_extension.include_paths())
-            + (f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-L{lib}", f"-Wl,-rpath,{lib}",
-               "-lc10"))
+    root = Path(torch.__file__).parent
+    return ("-std=c++17", "-w", f"-I{root / 'include'}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-L{root / 'lib'}",
+            f"-Wl,-rpath,{root / 'lib'}", "-lc10")
 
 
 def _require_own_dir(out_dir: Path) -> None:
