@@ -99,6 +99,7 @@ def test_an_operation_a_graph_cannot_replay_switches_graphs_off_and_the_step_sti
     g = llm.llm_engine.runner.graph_runner
     assert g.not_capturable is not None and "returns a new tensor" in g.not_capturable
     assert not g.captured and g.graph_keys == []
+    _assert_weights_not_held(llm)  # nothing checks them any more
     eager = _llm(enforce_eager=True)
     eager.llm_engine.runner.model.model.layers[1].input_layernorm.fused = None
     assert got == _run(eager, prompts, params)
@@ -397,7 +398,19 @@ def test_reset_drops_the_graphs_and_the_next_steps_record_them_again():
     assert g.graph_keys
     g.reset()
     assert g.graph_keys == []
+    _assert_weights_not_held(llm)  # until the next step lists them again
     assert _run(llm, prompt, params) == first and len(g.graph_keys) == 1
+
+
+def _assert_weights_not_held(llm: LLM) -> None:
+    """The model check's hold on the weights (model_check.TensorHold) is given back: torch's
+    swap_tensors, which refuses a held tensor, goes through (and is undone)."""
+    g = llm.llm_engine.runner.graph_runner
+    assert g._tensor_hold is None and g._c_args is None
+    norm = llm.llm_engine.runner.model.model.norm.weight
+    other = torch.nn.Parameter(norm.detach().clone(), requires_grad=False)
+    torch.utils.swap_tensors(norm, other)
+    torch.utils.swap_tensors(norm, other)
 
 
 def test_buffers_made_while_recording_that_outlive_the_step_stay_out_of_the_shared_pool():

@@ -722,7 +722,7 @@ class CudaGraphDecodeRunner:
         if self.kind != "cpu":
             raise ValueError("reset() drops CPU graphs; CUDA graphs are captured once, at start-up")
         self._graphs.clear()
-        self._c_args = None
+        self._c_args, self._tensor_hold = None, None  # (in this order: no argument list names a freed hold)
         self._modules, self._weights = None, None  # listed again at the next step
 
     def _model_changed(self) -> bool:
@@ -841,6 +841,7 @@ class CudaGraphDecodeRunner:
                 graph.check_nothing_outlives()
             except NotCapturable as e:
                 self.not_capturable = str(e)
+                self._c_args, self._tensor_hold = None, None  # no replay to check for any more
                 logger.warning("CPU graphs off for this engine: %s", e)
                 if not graph.complete:
                     fn()  # the recording stopped part-way: this step's forward again, eagerly
