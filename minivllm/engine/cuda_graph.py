@@ -780,6 +780,7 @@ class CudaGraphDecodeRunner:
         """After the Python check found the model as recorded: hand the C check its lists (set
         last, so an interrupt while listing leaves the next step to the Python check)."""
         if self._c_unchanged is not None:
+            self._c_args = None  # first: no argument list may name the hold the lines below replace (and free)
             w = self._weights
             addresses = [None if t.is_mkldnn else a for t, a in zip(w.tensors, w.addresses)]  # opaque: no data_ptr
             args = (self._hook_dicts, self._child_dicts, self._children, self._slot_dicts, self._slot_keys,

@@ -107,8 +107,8 @@ def load() -> Callable[[tuple], bool] | None:
     ``tensors[i].data_ptr() == addresses[i]`` for every ``i`` whose address is not ``None`` (an
     opaque oneDNN tensor, whose slot identity is its check); else False. With a ninth item, a
     :class:`TensorHold`'s ``check`` of those tensors, the hold answers the last part instead.
-    ``None`` when switched off, unbuildable, or on a free-threaded Python (the C pass reads the dicts through borrowed
-    references, safe only while the GIL keeps other threads out)."""
+    ``None`` when switched off, unbuildable, or on a free-threaded Python (the C pass reads the
+    dicts through borrowed references, safe only while the GIL keeps other threads out)."""
     if _FREE_THREADED:
         return None
     return _library.load()
