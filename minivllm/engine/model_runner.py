@@ -645,7 +645,8 @@ class ModelRunner:
         some entry does not sample (never expected for a decode; the general path handles it)."""
         scheduled = plan.scheduled
         bs, g = self.block_size, self.graph_runner
-        if len(scheduled) == 1 and g is not None:  # batch 1, the interactive case: one entry, no maps
+        # batch 1, the interactive case: one entry without maps and lists (prepare_input 6.5 -> 4.7 us, Xeon)
+        if len(scheduled) == 1 and g is not None:
             entry = scheduled[0]
             seq, p = entry.seq, entry.start_pos
             table = seq.block_table
