@@ -438,8 +438,8 @@ class CudaGraphDecodeRunner:
         self._ready = False
         self.model = None
         self.kv_caches = []
-        # the model check's lists and its hold (a weak reference to each weight's TensorImpl) go with the model
-        self._c_args, self._tensor_hold, self._modules, self._weights = None, None, None, None
+        self._disarm_c_check()  # the model check's lists and its hold on the weights go with the model
+        self._modules, self._weights = None, None
 
     @property
     def graph_keys(self) -> list[tuple]:
@@ -722,7 +722,7 @@ class CudaGraphDecodeRunner:
         if self.kind != "cpu":
             raise ValueError("reset() drops CPU graphs; CUDA graphs are captured once, at start-up")
         self._graphs.clear()
-        self._c_args, self._tensor_hold = None, None  # (in this order: no argument list names a freed hold)
+        self._disarm_c_check()
         self._modules, self._weights = None, None  # listed again at the next step
 
     def _model_changed(self) -> bool:
@@ -780,7 +780,7 @@ class CudaGraphDecodeRunner:
         """After the Python check found the model as recorded: hand the C check its lists (set
         last, so an interrupt while listing leaves the next step to the Python check)."""
         if self._c_unchanged is not None:
-            self._c_args = None  # first: no argument list may name the hold the lines below replace (and free)
+            self._disarm_c_check()  # first: the lines below replace (and so free) the hold
             w = self._weights
             addresses = [None if t.is_mkldnn else a for t, a in zip(w.tensors, w.addresses)]  # opaque: no data_ptr
             args = (self._hook_dicts, self._child_dicts, self._children, self._slot_dicts, self._slot_keys,
@@ -789,6 +789,12 @@ class CudaGraphDecodeRunner:
             held = [(t, a) for t, a in zip(w.tensors, addresses) if a is not None]
             self._tensor_hold = model_check.hold([t for t, _ in held], [a for _, a in held])
             self._c_args = args if self._tensor_hold is None else args + (self._tensor_hold.check,)
+
+    def _disarm_c_check(self) -> None:
+        """Drop the C check's lists, then its hold (a weak reference to each weight's TensorImpl,
+        ``model_check.TensorHold``): in this order no list ever names a freed hold."""
+        self._c_args = None
+        self._tensor_hold = None
 
     def can_run_step(self, num_seqs: int, num_tokens: int, decode_only: bool, block_size: int,
                      table_width: int) -> bool:
@@ -842,7 +848,7 @@ class CudaGraphDecodeRunner:
                 graph.check_nothing_outlives()
             except NotCapturable as e:
                 self.not_capturable = str(e)
-                self._c_args, self._tensor_hold = None, None  # no replay to check for any more
+                self._disarm_c_check()  # no replay to check for any more
                 logger.warning("CPU graphs off for this engine: %s", e)
                 if not graph.complete:
                     fn()  # the recording stopped part-way: this step's forward again, eagerly
