@@ -450,6 +450,42 @@ def test_an_interrupt_while_workers_run_waits_for_them(monkeypatch):
     assert torch.equal(out, expected)  # every chunk was written before the interrupt left
 
 
+def _paged_reference(q, k_cache, v_cache, tables, rows, lens, scale):
+    """Each row's attention over its paged keys, in float64 (torch's softmax), and the largest score."""
+    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out, top = torch.empty(q.shape, dtype=torch.float64), -float("inf")
+    for r, (s, n) in enumerate(zip(rows.tolist(), lens.tolist())):
+        slots = torch.tensor([int(tables[s, j // bs]) * bs + j % bs for j in range(n)])
+        keys = k_cache.reshape(-1, kv_heads, k_cache.shape[3])[slots].double()
+        vals = v_cache.reshape(-1, kv_heads, v_cache.shape[3])[slots].double()
+        rep = q.shape[1] // kv_heads
+        scores = torch.einsum("hd,khd->hk", q[r].double(), keys.repeat_interleave(rep, 1)) * scale
+        out[r] = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), vals.repeat_interleave(rep, 1))
+        top = max(top, float(scores.max()))
+    return out, top
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (8, 1, 64), (6, 3, 40)])
+def test_native_decode_extreme_scores_and_a_nan_row(heads, kv_heads, head_dim):
+    """Scores of +-hundreds (exp of them unshifted overflows, most weights underflow to zero after
+    the maximum is taken off) match float64 (to what float32 scores of that size allow); lengths leave tails shorter than a vector. A row whose
+    query holds a NaN gets NaN outputs, and the other rows, in the same call, are untouched by it."""
+    kernel = _kernel_or_skip()
+    q, kc, vc, tables, rows, lens, max_len, scale = _kernel_args(11, 6, heads, kv_heads, head_dim, 16, 64,
+                                                                 (1, 60), 4)
+    lens = torch.tensor([1, 15, 17, 33, 47, 60], dtype=torch.int32)
+    q = q * 60.0  # scores ~ N(0, 60^2)
+    out = kernel(q, kc, vc, tables, rows, lens, 60, scale)
+    ref, top = _paged_reference(q, kc, vc, tables, rows, lens, scale)
+    assert top > 88  # exp(top) is past float32's range
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    q[2, 0, 3] = float("nan")
+    out_nan = kernel(q, kc, vc, tables, rows, lens, 60, scale)
+    assert torch.isnan(out_nan[2, 0]).all()
+    keep = [r for r in range(6) if r != 2]
+    assert torch.equal(out_nan[keep], out[keep])
+
+
 def test_native_decode_refuses_wrong_dtypes_and_shapes():
     kernel = _kernel_or_skip()
     q, kc = torch.randn(2, 4, 8), torch.randn(4, 4, 2, 8)

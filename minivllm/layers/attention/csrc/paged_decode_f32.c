@@ -136,6 +136,62 @@ static inline vecf sum_lanes(const vecf *a) {
 #endif
 }
 
+typedef int32_t veci __attribute__((vector_size(VW * 4)));
+
+/* Lane i of the result: a[i] or b[i], whichever is larger (a where b is NaN) */
+static inline vecf max_lanes(vecf a, vecf b) {
+    const veci take = b > a;
+    return (vecf)(((veci)a & ~take) | ((veci)b & take));
+}
+
+/* v's first n lanes, then fill */
+static inline vecf first_lanes(vecf v, int64_t n, float fill) {
+    veci lane;
+    for (int i = 0; i < VW; i++) lane[i] = i;
+    const veci keep = lane < (int32_t)n;
+    return (vecf)(((veci)v & keep) | ((veci)splatv(fill) & ~keep));
+}
+
+/* exp(x) for x <= 0, a vector at a time: exp_neg_f32's reduction and polynomial (vec_exp_f32.h) in
+   registers, x clamped below at -87 (exp(-87) ~ 1.6e-38, where exp_neg_f32 clamps too), NaN kept */
+static inline vecf exp_nonpositive(vecf x) {
+    const veci low = x < splatv(-87.f);
+    x = (vecf)(((veci)x & ~low) | ((veci)splatv(-87.f) & low));
+    const vecf k = (x * 1.44269504f + 12582912.f) - 12582912.f;
+    const vecf r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+    vecf p = splatv(1.f / 5040.f);
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    return p * (vecf)((__builtin_convertvector(k, veci) + 127) << 23);
+}
+
+/* s[0 .. n) := exp(s[j] - top) in place (top: their maximum); returns their sum */
+static inline float exp_sum_below(float *s, int64_t n, float top) {
+    const vecf t = splatv(top);
+    vecf acc = splatv(0.f);
+    int64_t j = 0;
+    for (; j + VW <= n; j += VW) {
+        const vecf e = exp_nonpositive(LDV(s + j) - t);
+        *(vecf *)(s + j) = e;
+        acc += e;
+    }
+    if (j < n) {  /* the last n - j scores, through a vector padded with zeros after exp */
+        vecf v = splatv(top);
+        memcpy(&v, s + j, (size_t)(n - j) * sizeof(float));
+        const vecf e = first_lanes(exp_nonpositive(v - t), n - j, 0.f);
+        memcpy(s + j, &e, (size_t)(n - j) * sizeof(float));
+        acc += e;
+    }
+    float sum = 0.f;
+    for (int i = 0; i < VW; i++) sum += acc[i];
+    return sum;
+}
+
 /* The vector width (floats) decode_row_tiled uses for these heads, 0 where the rows take
    decode_row_generic (for the engine's startup log). */
 int64_t paged_decode_tile_width(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {

@@ -90,13 +90,16 @@ static void KV_NAME(decode_row_generic)(const float *qg, const KV_T *k_cache, co
 
 /* One query row (as decode_row_generic) for D % VW == 0 and VW % qpk == 0; inlined into calls
    with constant D and qpk. Block by block, each KV head g in turn: scores VW dots at a time
-   (VW / qpk keys x the qpk heads sharing g); after the softmaxes, the weighted sum of V in
-   chunks of 4 vectors x 2 heads of output, kept in registers over a block. */
+   (VW / qpk keys x the qpk heads sharing g), each head's maximum kept as they come; then each
+   score's exp(score - maximum); then the weighted sum of V in chunks of 4 vectors x 2 heads of
+   output, kept in registers over a block, divided by the weights' sum at the end. */
 static inline __attribute__((always_inline)) void KV_NAME(decode_row_tiled)(
         const float *qg, const KV_T *k_cache, const KV_T *v_cache, const int32_t *table, int64_t len,
         float *og, float *s, int64_t Hk, const int64_t D, const int64_t qpk, int64_t block_size, float scale,
         prefetch_cursor *pf) {
     const int64_t row = Hk * D, nk = VW / qpk, DV = D / VW, CH = 4 * VW;
+    vecf most[Hk];  /* lane by lane, the largest score so far of KV head g's tiles (lane k * qpk + hh) */
+    for (int64_t g = 0; g < Hk; g++) most[g] = splatv(-INFINITY);
     for (int64_t j0 = 0; j0 < len; j0 += block_size) {
         const KV_T *kb = k_cache + (int64_t)table[j0 / block_size] * block_size * row;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
@@ -116,12 +119,22 @@ static inline __attribute__((always_inline)) void KV_NAME(decode_row_tiled)(
                     }
                 }
                 const vecf dots = sum_lanes(acc) * splatv(scale);
+                most[g] = max_lanes(most[g], m == nk ? dots : first_lanes(dots, m * qpk, -INFINITY));
                 for (int64_t k = 0; k < m; k++)
                     for (int64_t hh = 0; hh < qpk; hh++) s[(g * qpk + hh) * len + j0 + t + k] = dots[k * qpk + hh];
             }
         }
     }
-    for (int64_t h = 0; h < Hk * qpk; h++) softmax_f32(s + h * len, len);
+    /* Each head's exp(score - its maximum) in place, and 1 / their sum: the weighted sum of V
+       below uses them unnormalised and its output is scaled once at the end (a softmax pass
+       of its own, for max, exp, sum and scale, took ~a quarter of this function's arithmetic) */
+    float inv[Hk * qpk];
+    for (int64_t g = 0; g < Hk; g++)
+        for (int64_t hh = 0; hh < qpk; hh++) {
+            float top = -INFINITY;
+            for (int64_t l = hh; l < VW; l += qpk) top = most[g][l] > top ? most[g][l] : top;
+            inv[g * qpk + hh] = 1.f / exp_sum_below(s + (g * qpk + hh) * len, len, top);
+        }
     for (int64_t j0 = 0; j0 < len; j0 += block_size) {
         const KV_T *vb = v_cache + (int64_t)table[j0 / block_size] * block_size * row;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
@@ -158,6 +171,8 @@ static inline __attribute__((always_inline)) void KV_NAME(decode_row_tiled)(
             }
         }
     }
+    for (int64_t h = 0; h < Hk * qpk; h++)
+        for (int64_t c = 0; c < D; c += VW) *(vecf *)(og + h * D + c) = LDV(og + h * D + c) * splatv(inv[h]);
 }
 
 #define ROW_TILED(DD, QQ)                                                                                     \
