@@ -877,3 +877,10 @@ def test_the_log_names_why_cpu_graphs_are_off(tiny_ckpt, monkeypatch, caplog):
         LLM(tiny_ckpt, num_kvcache_blocks=16).shutdown()
     assert "CPU graphs off: the torch backend's C decode kernel is off (MINIVLLM_CPU_DECODE_KERNEL=0)" in caplog.text
     assert "has no CPU graph support" not in caplog.text
+    # a bfloat16 model read "the torch backend's C decode kernel is off (None); dtype torch.bfloat16 (...)"
+    caplog.clear()
+    monkeypatch.delenv("MINIVLLM_CPU_DECODE_KERNEL")
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        LLM(tiny_ckpt, num_kvcache_blocks=16, dtype="bfloat16").shutdown()
+    said = [r.getMessage() for r in caplog.records if "CPU graphs off" in r.getMessage()]
+    assert said == ["CPU graphs off: dtype torch.bfloat16 (CPU graphs need float32)"]

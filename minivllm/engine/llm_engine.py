@@ -262,7 +262,11 @@ class LLMEngine:
         if not getattr(self.runner.backend, f"supports_{kind.lower()}_graphs", False):
             if kind == "CPU" and hasattr(self.runner.backend, "native_kernel"):  # torch: graphs need its C kernel
                 from minivllm.layers.attention import cpu_decode
-                why.append(f"the torch backend's C decode kernel is off ({cpu_decode.unavailable_reason()})")
+                reason = cpu_decode.unavailable_reason()
+                if reason is not None:
+                    why.append(f"the torch backend's C decode kernel is off ({reason})")
+                elif self.config.dtype == torch.float32:  # (else the dtype, named below, is why it is not used)
+                    why.append("the torch backend does not use its C decode kernel")
             else:
                 why.append(f"attention backend {self.runner.backend.name} has no {kind} graph support")
         if kind == "CPU":  # the torch paths (and int8's ops) allocate fresh tensors each call: nothing to replay
