@@ -14,6 +14,15 @@
    bits go through memcpy between two loops because a type pun inside one loop stops GCC from
    vectorising it. Inputs are clamped to [-87, 88], where 2^n stays a normal float. */
 #define EXP_CHUNK 256
+
+/* The steps, on a float or (GCC/clang vector extensions) a vector of floats: k = x / ln2 rounded to
+   nearest, r = x - k ln2, exp(r) by the polynomial; 2^k goes into the exponent bits of the result. */
+#define EXP_ROUND_K(x) (((x) * 1.44269504f + 12582912.f) - 12582912.f)
+#define EXP_REDUCE(x, k) (((x) - (k) * 0.693359375f) + (k) * 2.12194440e-4f)
+#define EXP_TAYLOR7(r) \
+    ((((((((r) * (1.f / 5040.f) + 1.f / 720.f) * (r) + 1.f / 120.f) * (r) + 1.f / 24.f) * (r) + 1.f / 6.f) * (r) \
+       + 0.5f) * (r) + 1.f) * (r) + 1.f)
+
 static inline void exp_neg_f32(const float *g, float *out, int64_t n) {
     int32_t bits[EXP_CHUNK];
     float poly[EXP_CHUNK], scale[EXP_CHUNK];
@@ -24,16 +33,9 @@ static inline void exp_neg_f32(const float *g, float *out, int64_t n) {
         x = x > 88.f ? 88.f : x;
         /* k = x / ln2 rounded to nearest: adding and removing 1.5 * 2^23 drops the fraction (not
            floorf, which GCC does not vectorise without -ffast-math) */
-        const float k = (x * 1.44269504f + 12582912.f) - 12582912.f;
-        const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
-        float p = 1.f / 5040.f;
-        p = p * r + 1.f / 720.f;
-        p = p * r + 1.f / 120.f;
-        p = p * r + 1.f / 24.f;
-        p = p * r + 1.f / 6.f;
-        p = p * r + 0.5f;
-        p = p * r + 1.f;
-        poly[d] = p * r + 1.f;
+        const float k = EXP_ROUND_K(x);
+        const float r = EXP_REDUCE(x, k);
+        poly[d] = EXP_TAYLOR7(r);
         bits[d] = ((int32_t)k + 127) << 23;
     }
     memcpy(scale, bits, (size_t)n * sizeof(float));

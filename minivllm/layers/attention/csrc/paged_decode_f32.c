@@ -157,17 +157,8 @@ static inline vecf first_lanes(vecf v, int64_t n, float fill) {
 static inline vecf exp_nonpositive(vecf x) {
     const veci low = x < splatv(-87.f);
     x = (vecf)(((veci)x & ~low) | ((veci)splatv(-87.f) & low));
-    const vecf k = (x * 1.44269504f + 12582912.f) - 12582912.f;
-    const vecf r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
-    vecf p = splatv(1.f / 5040.f);
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    return p * (vecf)((__builtin_convertvector(k, veci) + 127) << 23);
+    const vecf k = EXP_ROUND_K(x), r = EXP_REDUCE(x, k);
+    return EXP_TAYLOR7(r) * (vecf)((__builtin_convertvector(k, veci) + 127) << 23);
 }
 
 /* s[0 .. n) := exp(s[j] - top) in place (top: their maximum); returns their sum */
