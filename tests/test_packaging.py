@@ -88,6 +88,23 @@ def test_readme_streaming_snippets_end_their_line():
         assert "print()" in after, f"no print() after the streamed output in:\n{block}"
 
 
+def test_readme_and_docs_tables_keep_one_line_per_row():
+    """A table row cut by a line break (the README's batch-32 row once was) renders its tail as a row of
+    its own, the figures under the wrong column: every line of a table is a whole row."""
+    for path in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md"):
+        in_code = False
+        lines = path.read_text().split("\n")
+        for i, line in enumerate(lines):
+            if line.startswith("```"):
+                in_code = not in_code
+            if in_code or not line.startswith("|"):
+                continue
+            assert line.rstrip().endswith("|"), f"{path.name}:{i + 1}: a table row does not end its line"
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            assert nxt.startswith("|") or not nxt.strip() or "|" not in nxt, (
+                f"{path.name}:{i + 2}: continues the table row above on a line of its own")
+
+
 def test_package_data_ships_every_non_python_file_the_package_reads():
     """The C sources (CPU attention kernel, fused small ops) and the embedded checkpoints are
     read at run time from the installed package, so a non-editable install must carry them."""
