@@ -44,7 +44,12 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
    (2026-12-03, one thread, 180 MiB of Qwen3-0.6B layer weights) the hardware prefetcher alone
    streamed passes of 1, 2, 4 and 6 rows 10-20% faster (one row: 21-23 against 19 GB/s), while 8 and 16 rows
    ran 4-13% slower without the software prefetch; on the AVX2 EPYC it helped at one row (above).
-   The AVX-512 Xeon was not measured again. */
+   On the 2-core AVX-512 Intel Xeon (2026-12-06, one thread, 1.76 GB of Qwen3-0.6B-shaped float32 panels,
+   two builds alternating pass by pass) the opposite: at one row hints 2 KiB ahead read 5-8% more per
+   second than none (means 13.3-16.3 against 12.6-15.5 GB/s), 8 KiB ahead no more than none; at 2 / 4 / 6
+   rows hints 8 KiB ahead gained 3-5 / 7-11 / 11-13% over none, and at 4 rows 2 KiB gained 16-17% (15.0
+   against 12.9 GB/s). So an AVX-512 build hints passes of fewer rows PF_FEW_BYTES ahead where the CPU is
+   Intel's, and not at all elsewhere (pf_few, set once when the library loads). */
 /* int8 panels (weight-only int8), passes of 1-6 rows: one hint per 64-byte line, 1 KiB ahead in the
    panel's stream. On a 2-core Xeon (AVX-512, one thread, 2026-12-06, 440 MiB of Qwen3-0.6B-shaped int8
    panels at one row) the hardware prefetcher alone read 11.5-11.8 GB/s; hints 0.5 / 1 / 2 / 4 / 8 KiB
@@ -54,6 +59,14 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 #define PF_I8_MAX_ROWS 6
 #ifdef __AVX512F__
 #define PF_MIN_ROWS 7
+#define PF_FEW_BYTES 2048
+static int64_t pf_few;  /* bytes ahead for passes of 1 .. PF_MIN_ROWS - 1 rows, 0: no hint */
+__attribute__((constructor)) static void choose_few_row_prefetch(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    pf_few = __builtin_cpu_is("intel") ? PF_FEW_BYTES : 0;
+#endif
+}
 #else
 #define PF_MIN_ROWS 1
 #endif
@@ -94,6 +107,10 @@ static inline __attribute__((always_inline)) void prefetch_panel(const int wt, c
             __builtin_prefetch((const char *)pc + q + PF_I8);
     } else if (rows >= PF_MIN_ROWS)
         __builtin_prefetch((const char *)pc + q * WSIZE(wt) + PF * NR * 4);  /* PF lines of float32 ahead */
+#ifdef __AVX512F__
+    else if (pf_few)
+        __builtin_prefetch((const char *)pc + q * WSIZE(wt) + pf_few);
+#endif
 }
 
 static inline __attribute__((always_inline)) v8 load_w8(const int wt, const void *base, int64_t i) {
