@@ -48,10 +48,10 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
    two builds alternating pass by pass) the opposite: at one row hints 2 KiB ahead read 5-8% more per
    second than none (means 13.3-16.3 against 12.6-15.5 GB/s), 8 KiB ahead no more than none; at 2 / 4 / 6
    rows hints 8 KiB ahead gained 3-5 / 7-11 / 11-13% over none, and at 4 rows 2 KiB gained 16-17% (15.0
-   against 12.9 GB/s); in the engine random:qwen3-0.6b's batch-1 step 7% and batch-4 step 11% shorter, the
-   embedded model's batch-1 step (weights in cache: nothing to hide) 2-3% longer. So an AVX-512 build hints
-   passes of fewer rows PF_FEW_BYTES ahead where the CPU is Intel's, and not at all elsewhere (pf_few, set
-   once when the library loads). */
+   against 12.9 GB/s; bfloat16 panels 20% more at 1 and 4 rows); in the engine random:qwen3-0.6b's batch-1
+   step 6% and batch-4 step 13-14% shorter, the embedded model's batch-1 step (weights in cache: nothing to
+   hide) 2-4% longer. So an AVX-512 build hints passes of fewer rows PF_FEW_BYTES ahead where the CPU is
+   Intel's, and not at all elsewhere (pf_few, set once when the library loads). */
 /* int8 panels (weight-only int8), passes of 1-6 rows: one hint per 64-byte line, 1 KiB ahead in the
    panel's stream. On a 2-core Xeon (AVX-512, one thread, 2026-12-06, 440 MiB of Qwen3-0.6B-shaped int8
    panels at one row) the hardware prefetcher alone read 11.5-11.8 GB/s; hints 0.5 / 1 / 2 / 4 / 8 KiB
