@@ -155,8 +155,7 @@ static inline vecf first_lanes(vecf v, int64_t n, float fill) {
 /* exp(x) for x <= 0, a vector at a time: exp_neg_f32's reduction and polynomial (vec_exp_f32.h) in
    registers, x clamped below at -87 (exp(-87) ~ 1.6e-38, where exp_neg_f32 clamps too), NaN kept */
 static inline vecf exp_nonpositive(vecf x) {
-    const veci low = x < splatv(-87.f);
-    x = (vecf)(((veci)x & ~low) | ((veci)splatv(-87.f) & low));
+    x = max_lanes(x, splatv(-87.f));  /* (NaN kept: max_lanes takes x where the comparison fails) */
     const vecf k = EXP_ROUND_K(x), r = EXP_REDUCE(x, k);
     return EXP_TAYLOR7(r) * (vecf)((__builtin_convertvector(k, veci) + 127) << 23);
 }
