@@ -268,6 +268,65 @@ def test_int8_engine_drops_float_weights(fp32_and_int8):
     assert int8_bytes < (base_bytes - embed_bytes) / 4 + embed_bytes / 4 + 4 * 4096 * 8
 
 
+@pytest.mark.parametrize("kernel", ["panel-int8", "fbgemm-dynamic", "reference"])
+def test_an_int8_models_state_dict_loads_back_and_loaded_values_take_effect(kernel):
+    """``model.load_state_dict(model.state_dict())`` of an int8 model raised on the ``weight_int8`` keys
+    its packed paths save; with ``strict=False`` a loaded scale reached the buffer, not the packed copy
+    the matmul reads. The layer's int8 form is now rebuilt from the loaded values."""
+    from minivllm.engine.model_runner import build_model
+    from minivllm.utils.model_source import resolve_model
+
+    if kernel == "panel-int8":
+        _panel_gemm()
+    if kernel == "fbgemm-dynamic" and cpu_int8_unavailable_reason() is not None:
+        pytest.skip(f"fbgemm int8: {cpu_int8_unavailable_reason()}")
+    model = build_model(resolve_model(None), torch.device("cpu"), torch.float32, 0, None)
+    quantize_model(model, QuantConfig("int8", kernel=kernel))
+    layer, name = model.model.layers[1].mlp.down_proj, "model.layers.1.mlp.down_proj."
+    assert layer.int8.kernel == kernel
+    state = model.state_dict()
+    assert state[name + "weight_int8"].dtype == torch.int8
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        before = layer(x)
+    assert model.load_state_dict(state) is not None  # raised: unexpected key(s) ...weight_int8
+    changed = dict(state)
+    changed[name + "weight_int8"] = -state[name + "weight_int8"]
+    changed[name + "weight_scale"] = 2 * state[name + "weight_scale"]
+    model.load_state_dict(changed)
+    assert layer.int8.kernel == kernel
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), -2 * before, rtol=1e-6, atol=1e-6 * float(before.abs().max()))
+    assert torch.equal(model.state_dict()[name + "weight_int8"], changed[name + "weight_int8"])
+    bad = dict(state)
+    bad[name + "weight_int8"] = state[name + "weight_int8"][:, 1:]
+    with pytest.raises(RuntimeError, match=r"size mismatch for model.layers.1.mlp.down_proj.weight_int8"):
+        model.load_state_dict(bad)
+    bad[name + "weight_int8"] = state[name + "weight_int8"].float()
+    with pytest.raises(RuntimeError, match=r"down_proj.weight_int8 / .*expected int8 \[out, in\], got torch.float32"):
+        model.load_state_dict(bad)
+    del bad[name + "weight_scale"], bad[name + "weight_int8"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*model.layers.1.mlp.down_proj.weight_int8"):
+        model.load_state_dict(bad)
+    lone = dict(state)
+    del lone[name + "weight_scale"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*model.layers.1.mlp.down_proj.weight_scale"):
+        model.load_state_dict(lone)
+    with torch.inference_mode():  # neither refused load changed the layer
+        torch.testing.assert_close(layer(x), -2 * before, rtol=1e-6, atol=1e-6 * float(before.abs().max()))
+
+
+def test_an_int8_engine_reloading_its_own_state_dict_keeps_its_tokens(fp32_and_int8):
+    """Through the engine, CPU graphs included: the reload puts new tensors in the int8 buffers, so the
+    graphs are recorded again over the rebuilt panels and the tokens stay the same."""
+    _, quant = fp32_and_int8
+    prompts = ["the quick brown", "one two three"]
+    want = token_lists(quant.generate(prompts, greedy(6), use_tqdm=False))
+    model = quant.llm_engine.runner.model
+    model.load_state_dict(model.state_dict())
+    assert token_lists(quant.generate(prompts, greedy(6), use_tqdm=False)) == want
+
+
 def test_int8_greedy_tokens_agree_with_fp32(fp32_and_int8):
     base, quant = fp32_and_int8
     n = 16

@@ -230,16 +230,30 @@ class Int8Weight:
         kernel: one of :data:`KERNELS`.
 
     Args:
-        weight: the float weight ``[out, in]`` (not kept: only its int8 form is).
+        weight: the float weight ``[out, in]`` (not kept: only its int8 form is); ``None`` with
+            ``quantized``.
         kernel: the matmul path; ``None`` picks :func:`default_kernel` for its device.
+        quantized: ``(q, scale)`` already quantised (int8 ``[out, in]``, float ``[out]``, e.g. read
+            back from a ``state_dict()``), taken as they are instead of quantising ``weight``.
 
     Raises:
         ValueError: an unknown ``kernel``, or one that cannot run on ``weight``'s device (or, for
-            ``"panel-int8"``, shape: out_features a multiple of 16).
+            ``"panel-int8"``, shape: out_features a multiple of 16); ``quantized`` with another
+            dtype or shape than those above, or on two devices.
     """
 
-    def __init__(self, weight: torch.Tensor, kernel: str | None = None):
-        q, scale = quantize_per_channel(weight)
+    def __init__(self, weight: torch.Tensor | None, kernel: str | None = None,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
+        if quantized is None:
+            q, scale = quantize_per_channel(weight)
+        else:
+            q, scale = quantized
+            if q.dtype != torch.int8 or q.dim() != 2:
+                raise ValueError(f"quantized weight: expected int8 [out, in], got {q.dtype} {tuple(q.shape)}")
+            if not scale.is_floating_point() or tuple(scale.shape) != (q.shape[0],) or scale.device != q.device:
+                raise ValueError(f"quantized scale: expected a float [{q.shape[0]}] on {q.device}, got {scale.dtype} "
+                                 f"{tuple(scale.shape)} on {scale.device}")
+            scale = scale.float()
         self.out_features, self.in_features = q.shape
         self.kernel = kernel or default_kernel(q.device)
         if kernel is None and self.kernel == "panel-int8" and self.out_features % cpu_gemm.PANEL:

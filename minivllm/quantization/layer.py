@@ -68,7 +68,8 @@ class Int8LinearMixin:
     parameter is dropped (set to ``None``) so its memory is freed, unless it is shared with
     another module (a tied embedding), which keeps it. The buffers ``weight_scale`` (fp32
     ``[out]``) and, on the paths that keep a plain int8 tensor, ``weight_int8`` (int8
-    ``[out, in]``) appear in ``state_dict()``.
+    ``[out, in]``) appear in ``state_dict()``, which always holds ``weight_int8`` (unpacked when
+    it is called); ``load_state_dict()`` of the two rebuilds ``self.int8`` from them.
     """
 
     int8: Int8Weight | None = None
@@ -126,6 +127,40 @@ class Int8LinearMixin:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.int8 is not None and self.int8.qweight is None:
             destination[prefix + "weight_int8"] = self.int8.int8_tensor()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # A quantised layer's own state_dict() loaded back (weight_int8 and weight_scale): its int8 form
+        # is rebuilt from them (packed again where its path packs; a copy into the old buffers would
+        # leave a packed copy stale). New tensors in the buffer slots, so a CPU graph records again.
+        q_key, scale_key = prefix + "weight_int8", prefix + "weight_scale"
+        if self.int8 is None:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        if q_key in state_dict and scale_key in state_dict:
+            q, scale = state_dict[q_key], state_dict[scale_key]
+            want = (self.int8.out_features, self.int8.in_features)
+            if tuple(q.shape) != want or tuple(scale.shape) != want[:1]:
+                error_msgs.append(f"size mismatch for {q_key} / {scale_key}: copying int8 {tuple(q.shape)} and scale "
+                                  f"{tuple(scale.shape)} into a layer of {want}")
+            else:
+                device = self.int8.scale.device
+                try:
+                    new = Int8Weight(None, self.int8.kernel, quantized=(q.to(device), scale.to(device)))
+                except ValueError as e:
+                    error_msgs.append(f"{q_key} / {scale_key}: {e}")
+                else:
+                    self.int8 = new
+                    self._buffers["weight_scale"] = new.scale
+                    if new.qweight is not None:
+                        self._buffers["weight_int8"] = new.qweight
+        rest = {k: v for k, v in state_dict.items() if k not in (q_key, scale_key)}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        # the two keys are this method's (super() saw neither): missing where absent, as state_dict() writes both
+        missing_keys[:] = [k for k in missing_keys if k not in (q_key, scale_key)]
+        if strict:
+            missing_keys.extend(k for k in (q_key, scale_key) if k not in state_dict)
 
 
 def _is_lm_head(module: nn.Module) -> bool:
