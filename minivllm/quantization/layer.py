@@ -154,7 +154,7 @@ class Int8LinearMixin:
                     self._buffers["weight_scale"] = new.scale
                     if new.qweight is not None:
                         self._buffers["weight_int8"] = new.qweight
-        rest = {k: v for k, v in state_dict.items() if k not in (q_key, scale_key)}
+        rest = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in (q_key, scale_key)}
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         # the two keys are this method's (super() saw neither): missing where absent, as state_dict() writes both
