@@ -173,6 +173,17 @@ def test_every_row_count_gets_a_rows_bits_alone(gemm, n):
         assert torch.equal(gemm(x[:m], p, b), alone[:m]), m
 
 
+def test_rows_of_a_long_k_in_blocks_get_their_bits_alone(gemm):
+    """With a long k the kernel takes a call's rows in blocks (X_BLOCK_BYTES of x: 24 rows at k = 3000), each
+    through every panel: every row, in any block and the short last one, gets the bits it gets alone."""
+    x, w, b = _case(61, 3000, 48)
+    p = cpu_gemm.pack_panels(w)
+    got = gemm(x, p, b)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    for r in range(61):
+        assert torch.equal(got[r], gemm(x[r:r + 1], p, b)[0]), r
+
+
 @pytest.mark.parametrize("m", [1, 5, 12, 13, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_greedy_head_gives_the_gemm_and_each_rows_first_maximum_or_minus_one(gemm, monkeypatch, m, dtype):

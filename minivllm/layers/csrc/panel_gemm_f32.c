@@ -38,6 +38,12 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
 #define NR 16     /* output columns per panel */
 #define MR 6      /* rows of x per pass over a panel chunk */
 #define KC 256    /* k values per chunk (16 KiB of panel) */
+/* rows of x per block of a call with many rows (panel_gemm_range), in bytes of x, rounded down to whole passes
+   of 12 rows, at least 24. On a 2-core Xeon with AVX-512 (one thread, 2026-12-06, float16 panels): Qwen3-0.6B's
+   four linears at 256 rows (a call's most, cpu_gemm.ROWS_PER_CALL) 143 -> 151 GFLOP/s (best of 8), in one
+   engine switching it on and off prefill by prefill (six 512-token prefills each) 4984 -> 4723 and 4094 ->
+   3948 ms (medians); the embedded model's 2000-token prefill 368 -> 362 ms. 64-512 KiB: within 5% of this. */
+#define X_BLOCK_BYTES (128 * 1024)
 #define WSIZE(wt) ((wt) == WT_F32 ? 4 : (wt) == WT_I8 ? 1 : 2)
 #define PF 128    /* prefetch distance: PF lines of float32 panel, 8 KiB ahead in the stream whatever the panel type (4 KiB read 11-12 GB/s at one row, 8 KiB 13-15) */
 /* Software prefetch only in passes of at least PF_MIN_ROWS rows. On the AVX-512 Zen 4 dev EPYC
@@ -385,6 +391,19 @@ static void panel_gemm_range(int wt, const float *x, int64_t ldx, const void *p,
                              int64_t m, int64_t k, float *y, int64_t ldy, int64_t b0, int64_t b1, greedy_rows *gr) {
     if (m <= 0)
         return;
+    /* Many rows of a long k (a prefill's rows of Qwen3-0.6B: 256 rows of 1024-3072 values are 1-3 MiB)
+       go through every panel in blocks of about X_BLOCK_BYTES of x, so a block's rows stay in the L2
+       while the panels pass; each output still sums over k in the same order (the same bits). */
+    if (!gr) {
+        int64_t rows_per_block = X_BLOCK_BYTES / ((int64_t)sizeof(float) * (k > 0 ? k : 1)) / 12 * 12;
+        rows_per_block = rows_per_block < 24 ? 24 : rows_per_block;
+        if (m > rows_per_block) {
+            for (int64_t r0 = 0; r0 < m; r0 += rows_per_block)
+                panel_gemm_range(wt, x + r0 * ldx, ldx, p, scale, bias,
+                                 m - r0 < rows_per_block ? m - r0 : rows_per_block, k, y + r0 * ldy, ldy, b0, b1, NULL);
+            return;
+        }
+    }
     if (wt == WT_F16 && !HAVE_F16)
         __builtin_trap();  /* the Python side never sends it (PanelGemm.panel_dtypes): a bug, not data */
     chunk_fn *chunk = wt == WT_BF16 ? chunk_bf16 :
