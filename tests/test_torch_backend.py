@@ -305,6 +305,29 @@ def test_native_fresh_prompts_take_strided_values_and_split_over_threads(kv_head
         assert not kernel.causal_self_attention(q, k, v, spans, d ** -0.5, outs[1])
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 64), (16, 8, 128), (6, 2, 96)],
+                         ids=["embedded", "qwen3-0.6b", "d96"])
+def test_native_fresh_prompts_at_the_models_head_sizes(heads, kv_heads, d):
+    """The causal kernel's wide paths (with AVX-512, 16-float score vectors and 64 output floats a pass
+    over V; 96 = 64 + 32 takes both widths) against SDPA, for prompts of 1 to 300 tokens."""
+    kernel = _kernel_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    lens = [1, 17, 300, 16, 33]
+    t = sum(lens)
+    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (heads, kv_heads, kv_heads))
+    spans, start = [], 0
+    for n in lens:
+        spans.append((start, n))
+        start += n
+    out = torch.empty(t, heads, d)
+    assert kernel.causal_self_attention(q, k, v, spans, d ** -0.5, out)
+    for s0, n in spans:
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[s0:s0 + n].transpose(0, 1), k[s0:s0 + n].transpose(0, 1), v[s0:s0 + n].transpose(0, 1),
+            is_causal=True, scale=d ** -0.5, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[s0:s0 + n], ref, atol=1e-5, rtol=0)
+
+
 def _kernel_args(seed, g, heads, kv_heads, d, bs, nblocks, len_range, width):
     """Random arguments for a direct kernel call: ``g`` decode rows with lengths in ``len_range``,
     each with ``width`` distinct random blocks of a pool of ``nblocks``."""

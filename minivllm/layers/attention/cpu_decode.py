@@ -310,7 +310,7 @@ class PagedDecodeKernel:
             parts = min(threads, kv_heads)  # 1 when not split
             chunks = [(0, len(spans), kv_heads * c // parts, kv_heads * (c + 1) // parts) for c in range(parts)]
         meta = torch.tensor(spans, dtype=torch.int64).reshape(-1, 2).t().contiguous()  # [2, S]: starts, lens
-        npad = (max(n for _, n in spans) + 7) // 8 * 8
+        npad = (max(n for _, n in spans) + 15) // 16 * 16  # a multiple of the C's vector width (8 or 16 floats)
         per_chunk = (head_dim + 8) * npad  # transposed keys + scores of one tile (TILE = 8)
         scratch = self._scratch(len(chunks) * per_chunk)
         sp, lp, scp = meta[0].data_ptr(), meta[1].data_ptr(), scratch.data_ptr()
