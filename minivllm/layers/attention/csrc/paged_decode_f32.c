@@ -94,10 +94,14 @@ static inline void prefetch_advance(prefetch_cursor *c, int64_t bytes) {
 typedef float vecf __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 #define LDV(p) (*(const vecf *)(p))
 
-static inline vecf splatv(float s) {
-    const vecf zero = {0};
-    return zero + s;  /* the scalar is broadcast (GCC and clang vector extensions); a lane-by-lane fill
-                         compiled to inserts and made the kernel twice as slow */
+static inline vecf splatv(float s) {  /* s in every lane: one broadcast instruction (a lane-by-lane loop
+                                          compiled to inserts and made the kernel twice as slow) */
+#if VW == 16
+    const vecf v = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#else
+    const vecf v = {s, s, s, s, s, s, s, s};
+#endif
+    return v;
 }
 
 /* Lane i of the result: the sum of a[i]'s VW lanes (a transposing tree: VW - 1 adds). */
@@ -319,16 +323,6 @@ typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
 
 static inline v8f splat8(float s) { v8f v = {s, s, s, s, s, s, s, s}; return v; }
 
-/* s in every lane of a vecf, one broadcast instruction (splatv's zero + s costs an add before it) */
-static inline vecf bcastv(float s) {
-#if VW == 16
-    vecf v = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
-#else
-    vecf v = {s, s, s, s, s, s, s, s};
-#endif
-    return v;
-}
-
 /* For each prompt s (tokens starts[s] .. starts[s] + lens[s] - 1 of the step) and head h:
      out[t, h, :] = softmax_{j <= i}(scale * q[t, h, :] . k[t0 + j, h / qpk, :]) @ v[t0 + j, h / qpk, :]
    for its token t = t0 + i. q, k, v, out: rows of heads x head_dim floats, unit stride inside a
@@ -369,12 +363,12 @@ void causal_self_attention_f32(const float *q, int64_t q_stride, const float *k,
                     /* scores of the tile, VW keys per vector */
                     for (int64_t j0 = 0; j0 < kpad; j0 += VW) {
                         vecf acc[TILE];
-                        for (int64_t a = 0; a < TILE; a++) acc[a] = bcastv(0.f);
+                        for (int64_t a = 0; a < TILE; a++) acc[a] = splatv(0.f);
                         for (int64_t d = 0; d < head_dim; d++) {
                             const vecf kv = LDV(kt + d * npad + j0);
-                            for (int64_t a = 0; a < TILE; a++) acc[a] += bcastv(qa[a][d]) * kv;
+                            for (int64_t a = 0; a < TILE; a++) acc[a] += splatv(qa[a][d]) * kv;
                         }
-                        for (int64_t a = 0; a < na; a++) *(vecf *)(sc + a * npad + j0) = acc[a] * bcastv(scale);
+                        for (int64_t a = 0; a < na; a++) *(vecf *)(sc + a * npad + j0) = acc[a] * splatv(scale);
                     }
                     /* softmax of each vector's first len[a] scores (max subtracted), later keys 0 */
                     for (int64_t a = 0; a < na; a++) {
@@ -391,42 +385,23 @@ void causal_self_attention_f32(const float *q, int64_t q_stride, const float *k,
                         float *o0 = out + (t0 + i0 + (a0 + a) / qpk) * out_stride + h0 * head_dim;
                         float *o1 = out + (t0 + i0 + (a0 + a + two) / qpk) * out_stride + h1 * head_dim;
                         int64_t d0 = 0;
-#if VW == 16
-                        for (; d0 + 64 <= head_dim; d0 += 64) {  /* eight 16-float accumulators */
-                            vecf x0 = bcastv(0.f), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
+                        for (; d0 + 4 * VW <= head_dim; d0 += 4 * VW) {  /* eight accumulators, in registers */
+                            vecf x0 = splatv(0.f), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
                             for (int64_t j = 0; j < jn; j++) {
                                 const float *vj = v + (t0 + j) * v_stride + g * head_dim + d0;
-                                const vecf w0 = bcastv(p0[j]), w1 = bcastv(p1[j]);
-                                const vecf e0 = LDV(vj), e1 = LDV(vj + 16), e2 = LDV(vj + 32), e3 = LDV(vj + 48);
+                                const vecf w0 = splatv(p0[j]), w1 = splatv(p1[j]);
+                                const vecf e0 = LDV(vj), e1 = LDV(vj + VW), e2 = LDV(vj + 2 * VW), e3 = LDV(vj + 3 * VW);
                                 x0 += w0 * e0; x1 += w0 * e1; x2 += w0 * e2; x3 += w0 * e3;
                                 y0 += w1 * e0; y1 += w1 * e1; y2 += w1 * e2; y3 += w1 * e3;
                             }
-                            *(vecf *)(o0 + d0) = x0; *(vecf *)(o0 + d0 + 16) = x1;
-                            *(vecf *)(o0 + d0 + 32) = x2; *(vecf *)(o0 + d0 + 48) = x3;
+                            *(vecf *)(o0 + d0) = x0; *(vecf *)(o0 + d0 + VW) = x1;
+                            *(vecf *)(o0 + d0 + 2 * VW) = x2; *(vecf *)(o0 + d0 + 3 * VW) = x3;
                             if (two) {
-                                *(vecf *)(o1 + d0) = y0; *(vecf *)(o1 + d0 + 16) = y1;
-                                *(vecf *)(o1 + d0 + 32) = y2; *(vecf *)(o1 + d0 + 48) = y3;
+                                *(vecf *)(o1 + d0) = y0; *(vecf *)(o1 + d0 + VW) = y1;
+                                *(vecf *)(o1 + d0 + 2 * VW) = y2; *(vecf *)(o1 + d0 + 3 * VW) = y3;
                             }
                         }
-#endif
-                        for (; d0 + 32 <= head_dim; d0 += 32) {  /* eight accumulators, in registers */
-                            v8f x0 = splat8(0.f), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
-                            for (int64_t j = 0; j < jn; j++) {
-                                const float *vj = v + (t0 + j) * v_stride + g * head_dim + d0;
-                                const v8f w0 = splat8(p0[j]), w1 = splat8(p1[j]);
-                                const v8f e0 = *(const v8f *)vj, e1 = *(const v8f *)(vj + 8);
-                                const v8f e2 = *(const v8f *)(vj + 16), e3 = *(const v8f *)(vj + 24);
-                                x0 += w0 * e0; x1 += w0 * e1; x2 += w0 * e2; x3 += w0 * e3;
-                                y0 += w1 * e0; y1 += w1 * e1; y2 += w1 * e2; y3 += w1 * e3;
-                            }
-                            *(v8f *)(o0 + d0) = x0; *(v8f *)(o0 + d0 + 8) = x1;
-                            *(v8f *)(o0 + d0 + 16) = x2; *(v8f *)(o0 + d0 + 24) = x3;
-                            if (two) {
-                                *(v8f *)(o1 + d0) = y0; *(v8f *)(o1 + d0 + 8) = y1;
-                                *(v8f *)(o1 + d0 + 16) = y2; *(v8f *)(o1 + d0 + 24) = y3;
-                            }
-                        }
-                        for (; d0 < head_dim; d0 += 8) {  /* head_dim not a multiple of 32: the rest */
+                        for (; d0 < head_dim; d0 += 8) {  /* head_dim not a multiple of 4 VW: the rest, 8 floats a pass */
                             v8f x0 = splat8(0.f), y0 = x0;
                             for (int64_t j = 0; j < jn; j++) {
                                 const v8f e0 = *(const v8f *)(v + (t0 + j) * v_stride + g * head_dim + d0);
