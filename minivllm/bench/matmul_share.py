@@ -6,6 +6,14 @@ its matmuls alone). The calls are recorded during one real decode step, run eage
 ``minivllm.layers.prepack.linear`` (the function every linear layer calls), so the replay
 takes the same path (the panel GEMM, oneDNN or ``F.linear``) on inputs of the same shapes.
 Int8 layers do not go through it and are not counted.
+
+On a CPU the replay is itself recorded as a CPU graph (``minivllm/layers/cpu_graph.py``) and,
+where every call is a panel GEMM with a C twin, timed as one C loop over the kernels: the step's
+own graph calls its GEMMs that way, so the matmuls' time carries no Python. (Timed through
+``prepack.linear`` from Python instead, the embedded model's 17 batch-32 matmuls took 17-25 us a
+call more, 0.3-0.4 ms of a ~2.3 ms pass, and the step's ratio to them read 11-18% lower:
+docs/benchmarks.md, 2026-12-06.) Elsewhere (oneDNN, ``F.linear``, a GPU) the calls are made from
+Python, as recorded.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import torch
 import minivllm.layers.embedding as embedding_mod
 import minivllm.layers.linear as linear_mod
 from minivllm.layers import prepack
+from minivllm.layers.cpu_graph import CpuGraph, NotCapturable
 
 __all__ = ["LinearReplay", "eager_steps", "record_linear_calls", "time_linear_calls"]
 
@@ -70,16 +79,44 @@ def eager_steps(engine):
 
 class LinearReplay:
     """The calls from :func:`record_linear_calls`, replayable on fresh random inputs of the
-    recorded shapes (made once, before any clock starts)."""
+    recorded shapes (made once, before any clock starts).
+
+    Attributes:
+        from_c: the calls are replayed as a CPU graph from one C loop (see the module docstring),
+            not made one by one from Python.
+    """
 
     def __init__(self, calls):
         self.calls = [(torch.randn(shape, dtype=dtype, device=device), weight, bias)
                       for shape, dtype, device, weight, bias in calls]
         self.cuda = any(x.device.type == "cuda" for x, _, _ in self.calls)
+        self._graph = None if self.cuda or not self.calls else self._record()
+
+    @property
+    def from_c(self) -> bool:
+        return self._graph is not None
+
+    @torch.inference_mode()
+    def _record(self) -> CpuGraph | None:
+        """The calls as a CPU graph that replays in C (each output in the graph's own pool), or
+        None where one of them has no C twin (oneDNN, ``F.linear``) or the replay library is
+        not built."""
+        graph = CpuGraph()
+        try:
+            with graph.capture():
+                for x, weight, bias in self.calls:
+                    prepack.linear(x, weight, bias)
+        except NotCapturable:
+            return None
+        return graph if graph.replays_in_c else None
 
     @torch.inference_mode()
     def seconds(self) -> float:
         """Wall time of one pass over every call, back to back."""
+        if self._graph is not None:
+            t0 = time.perf_counter()
+            self._graph.replay()
+            return time.perf_counter() - t0
         if self.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

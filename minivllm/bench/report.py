@@ -105,7 +105,8 @@ def print_sweep_summary(result, log=print) -> None:
         log(f"decode step at batch 4 / batch 1: {ratio:.2f}x" + target_verdict(result, "batch4_over_batch1", ratio))
     for q in result["decode"]:
         if q.get("step_over_matmul") and q["batch_size"] == 32:  # issue 11's batch
-            log(f"decode step at batch 32 / its matmuls alone: {q['step_over_matmul']:.2f}x "
+            how = "kernels called from C" if q.get("matmul_from_c") else "called from Python"
+            log(f"decode step at batch 32 / its matmuls alone ({how}): {q['step_over_matmul']:.2f}x "
                 f"({q['step_ms']:.2f} vs {q['matmul_ms']:.2f} ms)"
                 + target_verdict(result, "batch32_over_matmuls", q["step_over_matmul"]))
     log(f"ridge point: {pk['ridge_intensity']:.1f} FLOPs/byte (peaks {pk['flops_per_s'] / 1e9:.1f} GFLOP/s, "

@@ -28,8 +28,9 @@ class SweepResult(ResultMixin):
         decode: one point per batch size: ``batch_size``, ``step_ms`` (median), ``flops``,
             ``bytes``, ``flops_per_s``, ``bytes_per_s``, ``intensity`` (FLOP/byte), ``mfu``,
             ``mbu``, ``model_ms``, ``num_steps``, ``matmul_ms`` (the step's linear layers, same
-            weights and rows, run alone: ``minivllm.bench.matmul_share``) and
-            ``step_over_matmul`` (``step_ms / matmul_ms``).
+            weights and rows, run alone: ``minivllm.bench.matmul_share``), ``matmul_from_c``
+            (those calls were timed as one C loop over their kernels, as a CPU graph makes them;
+            else from Python) and ``step_over_matmul`` (``step_ms / matmul_ms``).
         prefill: the same per prompt length (``prompt_len``).
         loadavg: 1/5/15-minute load averages at the end.
         html: where the roofline HTML was written, if anywhere.
@@ -176,6 +177,7 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             # the same linear layers on the same rows, alone: how far the step is from its matmuls
             p["matmul_ms"] = statistics.median(matmul_s) * 1e3 if matmul_s else None
             p["step_over_matmul"] = p["step_ms"] / p["matmul_ms"] if p["matmul_ms"] else None
+            p["matmul_from_c"] = bool(replay) and replay.from_c  # (else from Python, one call at a time)
             decode.append(p)
             share = f"{p['step_over_matmul']:9.2f}x" if p["step_over_matmul"] else f"{'-':>10}"
             log(f"  {b:5d} {p['step_ms']:9.2f} {p['step_ms'] / b:8.3f} {p['flops_per_s'] / 1e9:9.2f} "
