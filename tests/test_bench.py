@@ -729,8 +729,8 @@ def test_matmul_share_records_one_decode_steps_linear_layers(tiny_ckpt):
 
 def test_matmul_replay_times_panel_gemms_from_one_c_loop():
     """The sweep's "matmuls alone" are the GEMM kernels back to back, as a CPU graph calls them in a
-    step, not calls from Python (~10-30 us each more on the embedded model's batch-32 shapes, which
-    made the step's ratio to them ~10% lower); a call without a C twin (oneDNN) keeps the Python loop."""
+    step, not calls from Python (14-25 us each more on the embedded model's batch-32 shapes, which
+    read the step's ratio to them 11-18% low); a call without a C twin (oneDNN) keeps the Python loop."""
     import torch
 
     from minivllm.bench.matmul_share import LinearReplay

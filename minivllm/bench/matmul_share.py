@@ -10,8 +10,8 @@ Int8 layers do not go through it and are not counted.
 On a CPU the replay is itself recorded as a CPU graph (``minivllm/layers/cpu_graph.py``) and,
 where every call is a panel GEMM with a C twin, timed as one C loop over the kernels: the step's
 own graph calls its GEMMs that way, so the matmuls' time carries no Python. (Timed through
-``prepack.linear`` from Python instead, the embedded model's 17 batch-32 matmuls took 17-25 us a
-call more, 0.3-0.4 ms of a ~2.3 ms pass, and the step's ratio to them read 11-18% lower:
+``prepack.linear`` from Python instead, the embedded model's 17 batch-32 matmuls took 14-25 us a
+call more, 0.25-0.42 ms of a 2.2-2.8 ms pass, and the step's ratio to them read 11-18% lower:
 docs/benchmarks.md, 2026-12-06.) Elsewhere (oneDNN, ``F.linear``, a GPU) the calls are made from
 Python, as recorded.
 """
