@@ -699,7 +699,7 @@ def test_matmul_share_records_one_decode_steps_linear_layers(tiny_ckpt):
 
     from minivllm import LLM, SamplingParams
     from minivllm.bench.matmul_share import LinearReplay, eager_steps, record_linear_calls
-    from minivllm.layers import prepack
+    from minivllm.layers import cpu_gemm, prepack
 
     llm = LLM(str(tiny_ckpt), block_size=4, num_kvcache_blocks=64)
     engine = llm.llm_engine
@@ -720,7 +720,6 @@ def test_matmul_share_records_one_decode_steps_linear_layers(tiny_ckpt):
     replay = LinearReplay(calls)
     assert prepack.linear is not None and replay.seconds() > 0
     # panel GEMMs are timed as the step's CPU graph makes them (one C loop); oneDNN's from Python
-    from minivllm.layers import cpu_gemm
     assert replay.from_c == all(cpu_gemm.is_panels(w) for *_, w, _ in calls)
     with torch.inference_mode():  # recording is off again: nothing more is appended
         engine.step()
