@@ -2,7 +2,7 @@
 kernel takes for it: the ceiling under the embedded model's batch-32 target (design brief: a
 batch-32 decode step <= 1.4x its matmuls alone).
 
-    python scripts/probe_kv_read.py [--seqs 32] [--context 168] [--threads 1]
+    python scripts/probe_kv_read.py [--seqs 32] [--context 168] [--threads 1] [--kv-cache-dtype bfloat16]
 
 A decode step's KV, laid out as the engine lays it out (the embedded model's 4 layers, 2 KV heads
 of 64, 16-token blocks; each sequence's prompt blocks allocated together, the blocks it grows into
@@ -37,31 +37,32 @@ from minivllm.layers.native_build import build_and_load
 
 LAYERS, KV_HEADS, HEAD_DIM, HEADS, BLOCK = 4, 2, 64, 4, 16  # the embedded model's attention
 
-# A bare read through a block table: every float of every block of every row's K then V, summed,
-# optionally prefetching the next row's blocks the way the kernel's cursor does (a line a hint).
+# A bare read through a block table: every byte of every block of every row's K then V, summed as
+# 32-bit integers (whatever the cache's element type), optionally prefetching the next row's blocks the
+# way the kernel's cursor does (a line a hint).
 BARE_READ_C = r"""
 #include <stdint.h>
-typedef float vecf __attribute__((vector_size(64), aligned(4), may_alias));
-float paged_read_sum(const float *k_cache, const float *v_cache, const int32_t *table, int64_t stride,
-                     int64_t rows, int64_t blocks, int64_t block_floats, int prefetch) {
-    vecf a = {0}, b = {0};
+typedef int32_t veci __attribute__((vector_size(64), aligned(4), may_alias));
+int32_t paged_read_sum(const int32_t *k_cache, const int32_t *v_cache, const int32_t *table, int64_t stride,
+                       int64_t rows, int64_t blocks, int64_t block_words, int prefetch) {
+    veci a = {0}, b = {0};
     for (int64_t r = 0; r < rows; r++) {
         const int32_t *t = table + r * stride, *next = r + 1 < rows ? t + stride : 0;
         for (int pass = 0; pass < 2; pass++) {
-            const float *cache = pass ? v_cache : k_cache;
+            const int32_t *cache = pass ? v_cache : k_cache;
             for (int64_t i = 0; i < blocks; i++) {
-                const float *p = cache + (int64_t)t[i] * block_floats;
+                const int32_t *p = cache + (int64_t)t[i] * block_words;
                 if (prefetch && next)
-                    for (int64_t j = 0; j < block_floats; j += 16)
-                        __builtin_prefetch(cache + (int64_t)next[i] * block_floats + j, 0, 2);
-                for (int64_t j = 0; j < block_floats; j += 32) {
-                    a += *(const vecf *)(p + j);
-                    b += *(const vecf *)(p + j + 16);
+                    for (int64_t j = 0; j < block_words; j += 16)
+                        __builtin_prefetch(cache + (int64_t)next[i] * block_words + j, 0, 2);
+                for (int64_t j = 0; j < block_words; j += 32) {
+                    a += *(const veci *)(p + j);
+                    b += *(const veci *)(p + j + 16);
                 }
             }
         }
     }
-    float s = 0.f;
+    int32_t s = 0;
     for (int i = 0; i < 16; i++) s += a[i] + b[i];
     return s;
 }
@@ -90,7 +91,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=168, help="keys per sequence (default: 128-token prompts + 40)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=101)
+    ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the caches' element type (the engine's kv_cache_dtype)")
     args = ap.parse_args()
+    dtype = getattr(torch, args.kv_cache_dtype)
     torch.set_num_threads(args.threads)
     kernel = cpu_decode.load()
     if kernel is None:
@@ -100,23 +104,24 @@ def main() -> None:
     lib, _ = build_and_load(src)
     bare = lib.paged_read_sum
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    bare.argtypes, bare.restype = [p, p, p, i64, i64, i64, i64, ctypes.c_int], ctypes.c_float
+    bare.argtypes, bare.restype = [p, p, p, i64, i64, i64, i64, ctypes.c_int], ctypes.c_int32
 
     table = block_table(args.seqs, args.context, 128)
     blocks = table.shape[1]
     num_blocks = int(table.max()) + 1
     gen = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen),
-               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)) for _ in range(LAYERS)]
+    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
+               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)) for _ in range(LAYERS)]
     q = torch.randn(args.seqs, HEADS, HEAD_DIM, generator=gen)
     out = torch.empty_like(q)
     lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
     row_seq = torch.arange(args.seqs, dtype=torch.int32)
     scratch = torch.empty(HEADS * args.context + 64)
     other = torch.randn(4 << 20)  # 16 MiB read between steps
-    kv_bytes = LAYERS * 2 * args.seqs * args.context * KV_HEADS * HEAD_DIM * 4
+    kv_bytes = LAYERS * 2 * args.seqs * args.context * KV_HEADS * HEAD_DIM * dtype.itemsize
+    block_words = BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize // 4
     flat = torch.randn(kv_bytes // 4, generator=gen)
-    fn = kernel._fn
+    fn = kernel.c_function(dtype)
 
     def attention():
         for k, v in caches:
@@ -128,7 +133,7 @@ def main() -> None:
         def run():
             for k, v in caches:
                 bare(k.data_ptr(), v.data_ptr(), table.data_ptr(), table.stride(0), args.seqs, blocks,
-                     BLOCK * KV_HEADS * HEAD_DIM, prefetch)
+                     block_words, prefetch)
         return run
 
     layer_weights = torch.randn(512 << 10)  # 2 MiB: about a layer's weights
@@ -140,7 +145,7 @@ def main() -> None:
                 layer_weights.sum()
                 if warm:
                     bare(k.data_ptr(), v.data_ptr(), table.data_ptr(), table.stride(0), args.seqs, blocks,
-                         BLOCK * KV_HEADS * HEAD_DIM, 0)
+                         block_words, 0)
                 t0 = time.perf_counter()
                 fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), table.stride(0), row_seq.data_ptr(),
                    lens.data_ptr(), out.data_ptr(), args.seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK, HEAD_DIM ** -0.5,
@@ -161,7 +166,7 @@ def main() -> None:
             alone = way()  # the per-layer ways return their own sum of the kernel's calls
             times[name].append(alone if isinstance(alone, float) else time.perf_counter() - t0)
     print(f"{args.seqs} sequences x {args.context} keys, {LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}, "
-          f"{BLOCK}-token blocks: {kv_bytes / 1e6:.1f} MB of K and V a step; "
+          f"{BLOCK}-token blocks: {kv_bytes / 1e6:.1f} MB of {args.kv_cache_dtype} K and V a step; "
           f"{platform.processor() or platform.machine()}, {args.threads} thread(s), "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for name, ts in times.items():

@@ -119,7 +119,6 @@ class PagedDecodeKernel:
             store.argtypes, store.restype = [p, i64, p, i64, p, i64, i64, p, p, i64], i64
             self._by_dtype[dtype] = (fn, cpu_graph.packed_address(lib, f"paged_decode_attention_{suffix}"),
                                      store, cpu_graph.packed_address(lib, f"paged_store_kv_{suffix}"))
-        self._fn = self._by_dtype[torch.float32][0]  # float32 caches (scripts/probe_kv_read.py calls it)
         causal = lib.causal_self_attention_f32
         causal.argtypes = [p, i64, p, i64, p, i64, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p]
         causal.restype = None
@@ -134,6 +133,11 @@ class PagedDecodeKernel:
         # different Python threads at once (ctypes drops the GIL): each calling thread gets its
         # own score scratch.
         self._local = threading.local()
+
+    def c_function(self, kv_dtype: torch.dtype) -> ctypes._CFuncPtr:
+        """The bare C decode function for caches of ``kv_dtype`` (a key of ``KV_DTYPES``), its argument
+        types set: ``scripts/probe_kv_read.py`` times it without this class's checks and split."""
+        return self._by_dtype[kv_dtype][0]
 
     def tile_width(self, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
         """How many query-head x key dot products the kernel computes at once for these heads (its
