@@ -156,6 +156,36 @@ static inline vecf first_lanes(vecf v, int64_t n, float fill) {
     return (vecf)(((veci)v & keep) | ((veci)splatv(fill) & ~keep));
 }
 
+/* The 2 VW floats at src as two vectors: the even-numbered ones (*even) and the odd-numbered ones (*odd) */
+static inline void deinterleave(const float *src, vecf *even, vecf *odd) {
+#if defined(HAVE_SHUFFLEVECTOR) && VW == 16
+    const vecf a = LDV(src), b = LDV(src + VW);
+    *even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    *odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif defined(HAVE_SHUFFLEVECTOR) && VW == 8
+    const vecf a = LDV(src), b = LDV(src + VW);
+    *even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+    *odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+    vecf e, o;
+    for (int i = 0; i < VW; i++) { e[i] = src[2 * i]; o[i] = src[2 * i + 1]; }
+    *even = e; *odd = o;
+#endif
+}
+
+/* even and odd (as deinterleave gives them) back in order: the 2 VW floats at dst */
+static inline void interleave(vecf even, vecf odd, float *dst) {
+#if defined(HAVE_SHUFFLEVECTOR) && VW == 16
+    *(vecf *)dst = __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    *(vecf *)(dst + VW) = __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#elif defined(HAVE_SHUFFLEVECTOR) && VW == 8
+    *(vecf *)dst = __builtin_shufflevector(even, odd, 0, 8, 1, 9, 2, 10, 3, 11);
+    *(vecf *)(dst + VW) = __builtin_shufflevector(even, odd, 4, 12, 5, 13, 6, 14, 7, 15);
+#else
+    for (int i = 0; i < VW; i++) { dst[2 * i] = even[i]; dst[2 * i + 1] = odd[i]; }
+#endif
+}
+
 /* exp(x) for x <= 0, a vector at a time: exp_neg_f32's reduction and polynomial (vec_exp_f32.h) in
    registers, x clamped below at -87 (exp(-87) ~ 1.6e-38, where exp_neg_f32 clamps too), NaN kept */
 static inline vecf exp_nonpositive(vecf x) {
@@ -203,12 +233,16 @@ int64_t paged_decode_vector_width(void) { return VW; }
 #define KV_FLOAT(x) (x)
 #define KV_STORE_ROW(dst, src, n) memcpy(dst, src, (n) * sizeof(float))
 #define KV_NAME(f) f##_f32
+#define KV_PAIRED 0
+#define KV_LOAD_PAIRED(p, odd) KV_LOAD(p)  /* (never used: KV_PAIRED is 0) */
 #include "paged_decode_rows.h"
 #undef KV_T
 #undef KV_LOAD
 #undef KV_FLOAT
 #undef KV_STORE_ROW
 #undef KV_NAME
+#undef KV_PAIRED
+#undef KV_LOAD_PAIRED
 
 typedef uint16_t vec_bf16 __attribute__((vector_size(VW * 2), aligned(2), may_alias));
 typedef uint32_t vec_u32 __attribute__((vector_size(VW * 4)));
@@ -254,8 +288,24 @@ static inline void bf16_store_row(uint16_t *dst, const float *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_round(src[i]);
 }
 
+/* Of the 2 VW bfloat16 values at p, the even-numbered ones (odd == 0) or the odd-numbered ones as floats:
+   read as VW 32-bit words, element 2i is the low half of word i (little-endian) and 2i + 1 its high half,
+   so one shift or one mask each (decode_row_tiled's paired loads). */
+typedef uint32_t vec_w32 __attribute__((vector_size(VW * 4), aligned(2), may_alias));
+static inline vecf bf16_load_paired(const uint16_t *p, int odd) {
+    const vec_w32 w = *(const vec_w32 *)p;
+    return odd ? (vecf)(w & 0xffff0000u) : (vecf)(w << 16);
+}
+
 #define KV_T uint16_t
 #define KV_LOAD(p) bf16_load(p)
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define KV_PAIRED 1
+#define KV_LOAD_PAIRED(p, odd) bf16_load_paired(p, odd)
+#else
+#define KV_PAIRED 0
+#define KV_LOAD_PAIRED(p, odd) KV_LOAD(p)
+#endif
 #define KV_FLOAT(x) bf16_float(x)
 #define KV_STORE_ROW(dst, src, n) bf16_store_row(dst, src, n)
 #define KV_NAME(f) f##_bf16
@@ -265,6 +315,8 @@ static inline void bf16_store_row(uint16_t *dst, const float *src, int64_t n) {
 #undef KV_FLOAT
 #undef KV_STORE_ROW
 #undef KV_NAME
+#undef KV_PAIRED
+#undef KV_LOAD_PAIRED
 
 /* paged_decode_attention_f32's (or _bf16's) arguments, for a split over threads (native_parallel_run
    in the panel GEMM library calls paged_decode_part for each part). scratch holds parts x

@@ -2,6 +2,8 @@
    per type, with these defined:
      KV_T          the cache's element type (float, or uint16_t holding bfloat16 bits)
      KV_LOAD(p)    VW consecutive elements at p as a vecf of floats
+     KV_PAIRED     1 where KV_LOAD_PAIRED exists (see decode_row_tiled), else 0
+     KV_LOAD_PAIRED(p, odd)  of the 2 VW elements at p, the even-numbered (odd == 0) or odd-numbered ones
      KV_FLOAT(x)   one element as a float
      KV_STORE_ROW(dst, src, n)  n floats at src written as elements at dst
      KV_NAME(f)    f with the type's suffix (paged_decode_attention_f32, ..._bf16)
@@ -98,6 +100,20 @@ static inline __attribute__((always_inline)) void KV_NAME(decode_row_tiled)(
         float *og, float *s, int64_t Hk, const int64_t D, const int64_t qpk, int64_t block_size, float scale,
         prefetch_cursor *pf) {
     const int64_t row = Hk * D, nk = VW / qpk, DV = D / VW, CH = 4 * VW;
+    /* Paired loads (KV_PAIRED, D a multiple of 2 VW): each 2 VW elements of K and V widen as two vectors,
+       their even-numbered elements and their odd-numbered ones (for bfloat16: one load, a shift and a
+       mask, where a vector of its own in order took a zero-extending load each, the kernel's busiest
+       port; 2 VW x 16 bits are VW 32-bit words). Dot products and the weighted sum of V do not care in
+       which order the elements come, so the query is put in the same order once per row (qperm) and
+       the output back in order at the end. */
+    const int pairs = KV_PAIRED && D % (2 * VW) == 0;
+#define KV_VEC(p, c) (pairs ? KV_LOAD_PAIRED((p) + VW * ((c) & ~(int64_t)1), (c) & 1) : KV_LOAD((p) + VW * (c)))
+    float qperm[pairs ? Hk * qpk * D : 1];
+    if (pairs) {
+        for (int64_t i = 0; i < Hk * qpk * D; i += 2 * VW)
+            deinterleave(qg + i, (vecf *)(qperm + i), (vecf *)(qperm + i + VW));
+        qg = qperm;
+    }
     vecf most[Hk];  /* lane by lane, the largest score so far of KV head g's tiles (lane k * qpk + hh) */
     for (int64_t g = 0; g < Hk; g++) most[g] = splatv(-INFINITY);
     for (int64_t j0 = 0; j0 < len; j0 += block_size) {
@@ -113,8 +129,8 @@ static inline __attribute__((always_inline)) void KV_NAME(decode_row_tiled)(
                 for (int64_t k = 0; k < nk; k++) {
                     const KV_T *kr = kb + (t + k < n ? t + k : t) * row + g * D;  /* past the block: repeat a key */
                     for (int64_t hh = 0; hh < qpk; hh++) {
-                        vecf a = LDV(qh + hh * D) * KV_LOAD(kr);
-                        for (int64_t c = 1; c < DV; c++) a += LDV(qh + hh * D + VW * c) * KV_LOAD(kr + VW * c);
+                        vecf a = LDV(qh + hh * D) * KV_VEC(kr, 0);
+                        for (int64_t c = 1; c < DV; c++) a += LDV(qh + hh * D + VW * c) * KV_VEC(kr, c);
                         acc[k * qpk + hh] = a;
                     }
                 }
@@ -156,11 +172,11 @@ static inline __attribute__((always_inline)) void KV_NAME(decode_row_tiled)(
                         if (h0 == 0)  /* a key's lines at a time: the block's 64 at once stalled on the miss queue */
                             prefetch_advance(pf, cw * VW * (int64_t)sizeof(KV_T));
                         const KV_T *vr = vb + t * row + g * D + c0;
-                        const vecf w0 = splatv(p0[t]), w1 = splatv(p1[t]), e0 = KV_LOAD(vr);
+                        const vecf w0 = splatv(p0[t]), w1 = splatv(p1[t]), e0 = KV_VEC(vr, 0);
                         x0 += w0 * e0; y0 += w1 * e0;
-                        if (cw > 1) { const vecf e1 = KV_LOAD(vr + VW); x1 += w0 * e1; y1 += w1 * e1; }
-                        if (cw > 2) { const vecf e2 = KV_LOAD(vr + 2 * VW); x2 += w0 * e2; y2 += w1 * e2; }
-                        if (cw > 3) { const vecf e3 = KV_LOAD(vr + 3 * VW); x3 += w0 * e3; y3 += w1 * e3; }
+                        if (cw > 1) { const vecf e1 = KV_VEC(vr, 1); x1 += w0 * e1; y1 += w1 * e1; }
+                        if (cw > 2) { const vecf e2 = KV_VEC(vr, 2); x2 += w0 * e2; y2 += w1 * e2; }
+                        if (cw > 3) { const vecf e3 = KV_VEC(vr, 3); x3 += w0 * e3; y3 += w1 * e3; }
                     }
                     const vecf xs[4] = {x0, x1, x2, x3}, ys[4] = {y0, y1, y2, y3};
                     for (int64_t i = 0; i < cw; i++) {
@@ -171,8 +187,15 @@ static inline __attribute__((always_inline)) void KV_NAME(decode_row_tiled)(
             }
         }
     }
-    for (int64_t h = 0; h < Hk * qpk; h++)
-        for (int64_t c = 0; c < D; c += VW) *(vecf *)(og + h * D + c) = LDV(og + h * D + c) * splatv(inv[h]);
+    for (int64_t h = 0; h < Hk * qpk; h++) {
+        float *o = og + h * D;
+        if (pairs)
+            for (int64_t c = 0; c < D; c += 2 * VW)
+                interleave(LDV(o + c) * splatv(inv[h]), LDV(o + c + VW) * splatv(inv[h]), o + c);
+        else
+            for (int64_t c = 0; c < D; c += VW) *(vecf *)(o + c) = LDV(o + c) * splatv(inv[h]);
+    }
+#undef KV_VEC
 }
 
 #define ROW_TILED(DD, QQ)                                                                                     \
