@@ -384,9 +384,16 @@ PACKED(paged_store_kv_bf16) {
    vectors (each output still summed in the same order: the same bits as 8-float ones); on a 2-core Xeon (one
    thread, 2026-12-06, the two builds alternating) a 512-token prompt of Qwen3-0.6B's heads (16 query, 8 KV,
    head_dim 128) took 18.3-18.5 ms a layer against 27.4-28.6 with 8-float vectors, a 236-token prompt of the
-   embedded model's (4 query, 2 KV, 64) 0.39-0.49 against 0.61-0.85 ms (medians of 7 calls). */
+   embedded model's (4 query, 2 KV, 64) 0.39-0.49 against 0.61-0.85 ms (medians of 7 calls). Each score row
+   becomes exp(score - its maximum) in one pass that also sums them, and the weighted sums of V are divided by
+   that sum once, at the end (not a softmax pass of its own); V is summed for QV query vectors at a time (4
+   with AVX-512), so each vector of V loaded from the L2 feeds QV multiply-adds. Together, on the same Xeon
+   (2026-12-06, one thread, builds alternating, medians of 11-31 calls): the embedded model's 32 prompts of the cpu
+   workload (4004 tokens) 6.20 / 8.68 / 8.95 -> 5.21 / 6.83 / 6.51 ms a layer, Qwen3-0.6B's heads over a
+   512-token prompt 21.30 -> 17.56 ms, built for AVX2 (QV 2) 8.95 -> 8.13 ms. */
 typedef float v8f __attribute__((vector_size(32), aligned(4), may_alias));
 #define TILE 8
+#define QV (VW == 16 ? 4 : 2)  /* query vectors per pass over V (AVX2's 16 registers hold 2 x 4 accumulators) */
 
 static inline v8f splat8(float s) { v8f v = {s, s, s, s, s, s, s, s}; return v; }
 
@@ -437,46 +444,54 @@ void causal_self_attention_f32(const float *q, int64_t q_stride, const float *k,
                         }
                         for (int64_t a = 0; a < na; a++) *(vecf *)(sc + a * npad + j0) = acc[a] * splatv(scale);
                     }
-                    /* softmax of each vector's first len[a] scores (max subtracted), later keys 0 */
+                    /* each vector's first len[a] scores as exp(score - their maximum), later keys 0; the
+                       weighted sums of V below divide by the exps' sum once, at the end */
+                    float inv[TILE];
                     for (int64_t a = 0; a < na; a++) {
-                        float *sa = sc + a * npad;
-                        softmax_f32(sa, len[a]);
+                        float *sa = sc + a * npad, top = -INFINITY;
+                        #pragma omp simd reduction(max:top)
+                        for (int64_t j = 0; j < len[a]; j++) top = sa[j] > top ? sa[j] : top;
+                        inv[a] = 1.f / exp_sum_below(sa, len[a], top);
                         for (int64_t j = len[a]; j < kpad; j++) sa[j] = 0.f;
                     }
-                    /* weighted sums of V: two vectors at a time, 32 output floats per pass */
-                    for (int64_t a = 0; a < na; a += 2) {
-                        const int two = a + 1 < na;
-                        const float *p0 = sc + a * npad, *p1 = sc + (a + two) * npad;
-                        const int64_t jn = len[a] > len[a + two] ? len[a] : len[a + two];
-                        const int64_t h0 = g * qpk + (a0 + a) % qpk, h1 = g * qpk + (a0 + a + two) % qpk;
-                        float *o0 = out + (t0 + i0 + (a0 + a) / qpk) * out_stride + h0 * head_dim;
-                        float *o1 = out + (t0 + i0 + (a0 + a + two) / qpk) * out_stride + h1 * head_dim;
+                    /* weighted sums of V: QV query vectors at a time, 4 VW output floats per pass, so each
+                       vector of V loaded feeds QV multiply-adds (V is read from the L2 once per pass) */
+                    for (int64_t a = 0; a < na; a += QV) {
+                        const int64_t nq = na - a < QV ? na - a : QV;
+                        const float *pp[QV];
+                        float *oo[QV], iv[QV];
+                        int64_t jn = 0;
+                        for (int64_t b = 0; b < QV; b++) {  /* unused slots repeat the first (not stored) */
+                            const int64_t c = a + (b < nq ? b : 0), r = (a0 + c) / qpk, h = g * qpk + (a0 + c) % qpk;
+                            pp[b] = sc + c * npad;
+                            oo[b] = out + (t0 + i0 + r) * out_stride + h * head_dim;
+                            iv[b] = inv[c];
+                            jn = len[c] > jn ? len[c] : jn;  /* scores past a vector's own len are 0 */
+                        }
                         int64_t d0 = 0;
-                        for (; d0 + 4 * VW <= head_dim; d0 += 4 * VW) {  /* eight accumulators, in registers */
-                            vecf x0 = splatv(0.f), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
+                        for (; d0 + 4 * VW <= head_dim; d0 += 4 * VW) {  /* 4 QV accumulators, in registers */
+                            vecf x[QV][4];
+                            for (int64_t b = 0; b < QV; b++)
+                                for (int i = 0; i < 4; i++) x[b][i] = splatv(0.f);
                             for (int64_t j = 0; j < jn; j++) {
                                 const float *vj = v + (t0 + j) * v_stride + g * head_dim + d0;
-                                const vecf w0 = splatv(p0[j]), w1 = splatv(p1[j]);
                                 const vecf e0 = LDV(vj), e1 = LDV(vj + VW), e2 = LDV(vj + 2 * VW), e3 = LDV(vj + 3 * VW);
-                                x0 += w0 * e0; x1 += w0 * e1; x2 += w0 * e2; x3 += w0 * e3;
-                                y0 += w1 * e0; y1 += w1 * e1; y2 += w1 * e2; y3 += w1 * e3;
+                                for (int64_t b = 0; b < QV; b++) {
+                                    const vecf w = splatv(pp[b][j]);
+                                    x[b][0] += w * e0; x[b][1] += w * e1; x[b][2] += w * e2; x[b][3] += w * e3;
+                                }
                             }
-                            *(vecf *)(o0 + d0) = x0; *(vecf *)(o0 + d0 + VW) = x1;
-                            *(vecf *)(o0 + d0 + 2 * VW) = x2; *(vecf *)(o0 + d0 + 3 * VW) = x3;
-                            if (two) {
-                                *(vecf *)(o1 + d0) = y0; *(vecf *)(o1 + d0 + VW) = y1;
-                                *(vecf *)(o1 + d0 + 2 * VW) = y2; *(vecf *)(o1 + d0 + 3 * VW) = y3;
-                            }
+                            for (int64_t b = 0; b < nq; b++)
+                                for (int i = 0; i < 4; i++) *(vecf *)(oo[b] + d0 + i * VW) = x[b][i] * splatv(iv[b]);
                         }
                         for (; d0 < head_dim; d0 += 8) {  /* head_dim not a multiple of 4 VW: the rest, 8 floats a pass */
-                            v8f x0 = splat8(0.f), y0 = x0;
+                            v8f x[QV];
+                            for (int64_t b = 0; b < QV; b++) x[b] = splat8(0.f);
                             for (int64_t j = 0; j < jn; j++) {
                                 const v8f e0 = *(const v8f *)(v + (t0 + j) * v_stride + g * head_dim + d0);
-                                x0 += splat8(p0[j]) * e0;
-                                y0 += splat8(p1[j]) * e0;
+                                for (int64_t b = 0; b < QV; b++) x[b] += splat8(pp[b][j]) * e0;
                             }
-                            *(v8f *)(o0 + d0) = x0;
-                            if (two) *(v8f *)(o1 + d0) = y0;
+                            for (int64_t b = 0; b < nq; b++) *(v8f *)(oo[b] + d0) = x[b] * splat8(iv[b]);
                         }
                     }
                 }
