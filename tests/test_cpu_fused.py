@@ -139,6 +139,19 @@ def test_silu_and_mul_matches_float64_silu_over_the_whole_range(ops):
         torch.testing.assert_close(ops.silu_and_mul(t), F.silu(t[:, :300]) * t[:, 300:], atol=ATOL, rtol=1e-5)
 
 
+def test_silu_and_mul_vector_and_tail_paths_give_the_same_bits(ops):
+    """A row is computed a vector at a time and its tail by exp_neg_f32's loops: both give the same
+    bits for every value, the clamp's edges, infinities and NaN included."""
+    edges = [-88.5, -88.0, -87.5, -87.0, -86.9, -100.0, -1e30, float("-inf"), float("inf"), float("nan"),
+             87.9, 88.0, 88.5, 1e30, 0.0, -0.0, 1e-30, -1e-30, 1e-45, 1.0, -1.0, 3.5, -3.5, 20.0]
+    gate = torch.cat([torch.tensor(edges), torch.randn(64 - len(edges), generator=torch.Generator().manual_seed(0)) * 30])
+    up = torch.linspace(-2.0, 2.0, gate.numel())
+    whole = ops.silu_and_mul(torch.cat([gate, up]).view(1, -1))[0]  # 64 values: vectors only
+    tails = ops.silu_and_mul(torch.stack([gate, up], 1))[:, 0]       # one value a row: tails only
+    assert torch.equal(whole.view(torch.int32), tails.view(torch.int32))
+    torch.testing.assert_close(whole, F.silu(gate) * up, atol=1e-30, rtol=1e-6, equal_nan=True)
+
+
 @pytest.mark.parametrize("tokens", [0, 1, 32])
 def test_embedding_lookup_matches_f_embedding_and_names_an_id_outside_the_table(ops, tokens):
     g = torch.Generator().manual_seed(tokens)
