@@ -87,35 +87,19 @@ int64_t rope_f32(const float *x, int64_t tokens, int64_t heads, int64_t s_tok, i
      out = silu(gate) * up,  silu(g) = g / (1 + exp(-g))
    For g < -88, exp(-g) overflows float32 (the reference's sigmoid is then 0): g * 0, which is -0 for
    a finite g and NaN for -inf, as in torch. */
-#if defined(__AVX512F__)
-#define SW 16
-#else
-#define SW 8
-#endif
-typedef float svf __attribute__((vector_size(SW * 4), aligned(4), may_alias));
-typedef int32_t svi __attribute__((vector_size(SW * 4)));
-
-/* SW values at a time, in registers: the same steps as exp_neg_f32 and the line after it below (the
-   same bits), in one pass over the row instead of three loops through stack buffers (2-core Xeon, one
-   thread, 2026-12-06, two builds alternating: 32 rows of 768 18.3 -> 15.1 us, 4693 rows 3.01 -> 2.27 ms). */
-static inline svf ssplat(float v) {
-#if SW == 16
-    const svf r = {v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v};
-#else
-    const svf r = {v, v, v, v, v, v, v, v};
-#endif
-    return r;
-}
-
-static inline svf silu_mul_vec(svf g, svf u) {
-    const svf lo = ssplat(-87.f), hi = ssplat(88.f);
-    svf x = -g;
-    x = (svf)(((svi)x & ~(x < lo)) | ((svi)lo & (x < lo)));
-    x = (svf)(((svi)x & ~(x > hi)) | ((svi)hi & (x > hi)));
-    const svf k = EXP_ROUND_K(x), r = EXP_REDUCE(x, k);
-    const svf e = EXP_TAYLOR7(r) * (svf)((__builtin_convertvector(k, svi) + 127) << 23);
-    const svi under = g < -88.f;
-    const svf s = (svf)(((svi)(g * 0.f) & under) | ((svi)(g / (1.f + e)) & ~under));
+/* VEC_W values (vec_exp_f32.h) at a time, in registers: the same steps as exp_neg_f32 and the line
+   after it below (the same bits), in one pass over the row instead of three loops through stack
+   buffers (2-core Xeon, one thread, 2026-12-06, two builds alternating: 32 rows of 768 18.3 -> 15.1
+   us, 4693 rows 3.01 -> 2.27 ms). */
+static inline vec_f32 silu_mul_vec(vec_f32 g, vec_f32 u) {
+    const vec_f32 lo = vec_splat(-87.f), hi = vec_splat(88.f);
+    vec_f32 x = -g;
+    x = (vec_f32)(((vec_i32)x & ~(x < lo)) | ((vec_i32)lo & (x < lo)));
+    x = (vec_f32)(((vec_i32)x & ~(x > hi)) | ((vec_i32)hi & (x > hi)));
+    const vec_f32 k = EXP_ROUND_K(x), r = EXP_REDUCE(x, k);
+    const vec_f32 e = EXP_TAYLOR7(r) * (vec_f32)((__builtin_convertvector(k, vec_i32) + 127) << 23);
+    const vec_i32 under = g < -88.f;
+    const vec_f32 s = (vec_f32)(((vec_i32)(g * 0.f) & under) | ((vec_i32)(g / (1.f + e)) & ~under));
     return s * u;
 }
 
@@ -124,8 +108,8 @@ void silu_and_mul_f32(const float *x, int64_t rows, int64_t s_row, float *out, i
         const float *g = x + r * s_row, *u = g + inter;
         float *o = out + r * inter;
         int64_t d = 0;
-        for (; d + SW <= inter; d += SW)
-            *(svf *)(o + d) = silu_mul_vec(*(const svf *)(g + d), *(const svf *)(u + d));
+        for (; d + VEC_W <= inter; d += VEC_W)
+            *(vec_f32 *)(o + d) = silu_mul_vec(*(const vec_f32 *)(g + d), *(const vec_f32 *)(u + d));
         for (int64_t d0 = d; d0 < inter; d0 += EXP_CHUNK) {
             const int64_t n = inter - d0 < EXP_CHUNK ? inter - d0 : EXP_CHUNK;
             exp_neg_f32(g + d0, o + d0, n);  /* o holds exp(-g) until the next line */

@@ -1,4 +1,4 @@
-/* A vectorisable exp for our C sources (included by cpu_fused_f32.c and
+/* A vectorisable exp, and the register vector type, for our C sources (included by cpu_fused_f32.c and
    attention/csrc/paged_decode_f32.c). Part of minivllm; the build keys each source by the headers
    it includes too (minivllm/layers/native_build.py). */
 #ifndef MINIVLLM_VEC_EXP_F32_H
@@ -14,6 +14,27 @@
    bits go through memcpy between two loops because a type pun inside one loop stops GCC from
    vectorising it. Inputs are clamped to [-87, 88], where 2^n stays a normal float. */
 #define EXP_CHUNK 256
+
+/* The vector both C files compute in registers (GCC/clang vector extensions): VEC_W floats, 16 with
+   AVX-512, else 8; loads and stores through it may be unaligned and may alias float memory. */
+#if defined(__AVX512F__)
+#define VEC_W 16
+#else
+#define VEC_W 8
+#endif
+typedef float vec_f32 __attribute__((vector_size(VEC_W * 4), aligned(4), may_alias));
+typedef int32_t vec_i32 __attribute__((vector_size(VEC_W * 4)));
+
+/* s in every lane: one broadcast instruction (a lane-by-lane loop compiled to inserts and made the
+   decode kernel twice as slow) */
+static inline vec_f32 vec_splat(float s) {
+#if VEC_W == 16
+    const vec_f32 v = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#else
+    const vec_f32 v = {s, s, s, s, s, s, s, s};
+#endif
+    return v;
+}
 
 /* The steps, on a float or (GCC/clang vector extensions) a vector of floats: k = x / ln2 rounded to
    nearest, r = x - k ln2, exp(r) by the polynomial; 2^k goes into the exponent bits of the result. */

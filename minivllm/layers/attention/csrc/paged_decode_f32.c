@@ -86,23 +86,10 @@ static inline void prefetch_advance(prefetch_cursor *c, int64_t bytes) {
 #define HAVE_SHUFFLEVECTOR 1
 #endif
 #endif
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vecf __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+#define VW VEC_W      /* vec_exp_f32.h */
+typedef vec_f32 vecf;
 #define LDV(p) (*(const vecf *)(p))
-
-static inline vecf splatv(float s) {  /* s in every lane: one broadcast instruction (a lane-by-lane loop
-                                          compiled to inserts and made the kernel twice as slow) */
-#if VW == 16
-    const vecf v = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
-#else
-    const vecf v = {s, s, s, s, s, s, s, s};
-#endif
-    return v;
-}
+#define splatv vec_splat
 
 /* Lane i of the result: the sum of a[i]'s VW lanes (a transposing tree: VW - 1 adds). */
 static inline vecf sum_lanes(const vecf *a) {
@@ -140,7 +127,7 @@ static inline vecf sum_lanes(const vecf *a) {
 #endif
 }
 
-typedef int32_t veci __attribute__((vector_size(VW * 4)));
+typedef vec_i32 veci;
 
 /* Lane i of the result: a[i] or b[i], whichever is larger (a where b is NaN) */
 static inline vecf max_lanes(vecf a, vecf b) {
