@@ -38,20 +38,20 @@ from minivllm.layers.native_build import build_and_load
 LAYERS, KV_HEADS, HEAD_DIM, HEADS, BLOCK = 4, 2, 64, 4, 16  # the embedded model's attention
 
 # A bare read through a block table: every byte of every block of every row's K then V, summed as
-# 32-bit integers (whatever the cache's element type), optionally prefetching the next row's blocks the
+# unsigned 32-bit integers (whatever the cache's element type), optionally prefetching the next row's blocks the
 # way the kernel's cursor does (a line a hint).
 BARE_READ_C = r"""
 #include <stdint.h>
-typedef int32_t veci __attribute__((vector_size(64), aligned(4), may_alias));
-int32_t paged_read_sum(const int32_t *k_cache, const int32_t *v_cache, const int32_t *table, int64_t stride,
+typedef uint32_t veci __attribute__((vector_size(64), aligned(4), may_alias));
+uint32_t paged_read_sum(const uint32_t *k_cache, const uint32_t *v_cache, const int32_t *table, int64_t stride,
                        int64_t rows, int64_t blocks, int64_t block_words, int prefetch) {
     veci a = {0}, b = {0};
     for (int64_t r = 0; r < rows; r++) {
         const int32_t *t = table + r * stride, *next = r + 1 < rows ? t + stride : 0;
         for (int pass = 0; pass < 2; pass++) {
-            const int32_t *cache = pass ? v_cache : k_cache;
+            const uint32_t *cache = pass ? v_cache : k_cache;
             for (int64_t i = 0; i < blocks; i++) {
-                const int32_t *p = cache + (int64_t)t[i] * block_words;
+                const uint32_t *p = cache + (int64_t)t[i] * block_words;
                 if (prefetch && next)
                     for (int64_t j = 0; j < block_words; j += 16)
                         __builtin_prefetch(cache + (int64_t)next[i] * block_words + j, 0, 2);
@@ -62,7 +62,7 @@ int32_t paged_read_sum(const int32_t *k_cache, const int32_t *v_cache, const int
             }
         }
     }
-    int32_t s = 0;
+    uint32_t s = 0;
     for (int i = 0; i < 16; i++) s += a[i] + b[i];
     return s;
 }
@@ -104,7 +104,7 @@ def main() -> None:
     lib, _ = build_and_load(src)
     bare = lib.paged_read_sum
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    bare.argtypes, bare.restype = [p, p, p, i64, i64, i64, i64, ctypes.c_int], ctypes.c_int32
+    bare.argtypes, bare.restype = [p, p, p, i64, i64, i64, i64, ctypes.c_int], ctypes.c_uint32
 
     table = block_table(args.seqs, args.context, 128)
     blocks = table.shape[1]

@@ -41,7 +41,8 @@ def run_case(seqs, block_size, heads=4, kv_heads=2, head_dim=16, native=True, se
 @pytest.mark.parametrize("block_size", [1, 4, 16, 256])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [
     (8, 1, 64), (4, 4, 128), (16, 8, 64), (8, 2, 128),  # tiled, head_dim and GQA ratio as constants
-    (4, 2, 16), (16, 1, 64), (8, 2, 48),                # tiled at run time (AVX-512) or generic (AVX2)
+    (4, 2, 16), (16, 1, 64), (8, 2, 48), (8, 2, 96),    # tiled at run time (loads paired where head_dim is a
+                                                        # multiple of two vectors), or generic (AVX2: qpk 16, 96)
     (6, 3, 40), (12, 4, 32), (4, 2, 256)])              # the generic loops
 def test_native_decode_over_a_bf16_cache_matches_naive(block_size, heads, kv_heads, head_dim):
     """Every code path of the kernel reads bfloat16 blocks as the float32 values they hold: within
