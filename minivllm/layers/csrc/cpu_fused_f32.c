@@ -92,8 +92,7 @@ static inline vec_f32 silu_mul_vec(vec_f32 g, vec_f32 u) {
     vec_f32 x = -g;
     x = (vec_f32)(((vec_i32)x & ~(x < lo)) | ((vec_i32)lo & (x < lo)));
     x = (vec_f32)(((vec_i32)x & ~(x > hi)) | ((vec_i32)hi & (x > hi)));
-    const vec_f32 k = EXP_ROUND_K(x), r = EXP_REDUCE(x, k);
-    const vec_f32 e = EXP_TAYLOR7(r) * (vec_f32)((__builtin_convertvector(k, vec_i32) + 127) << 23);
+    const vec_f32 e = vec_exp_clamped(x);
     const vec_i32 under = g < -88.f;
     const vec_f32 s = (vec_f32)(((vec_i32)(g * 0.f) & under) | ((vec_i32)(g / (1.f + e)) & ~under));
     return s * u;

@@ -64,4 +64,10 @@ static inline void exp_neg_f32(const float *g, float *out, int64_t n) {
     for (int64_t d = 0; d < n; d++) out[d] = poly[d] * scale[d];
 }
 
+/* exp(x) for a vector already clamped to [-87, 88]: exp_neg_f32's steps (the same bits), in registers */
+static inline vec_f32 vec_exp_clamped(vec_f32 x) {
+    const vec_f32 k = EXP_ROUND_K(x), r = EXP_REDUCE(x, k);
+    return EXP_TAYLOR7(r) * (vec_f32)((__builtin_convertvector(k, vec_i32) + 127) << 23);
+}
+
 #endif

@@ -22,10 +22,17 @@
    with libm's expf, one value at a time, a layer of 32 sequences of 200-260 keys (the embedded
    model's shapes, caches hot) took 0.67-0.94 ms, with this 0.66-0.76 ms in the same runs (dev EPYC,
    one thread, 2026-12-01). */
-static inline void softmax_f32(float *s, int64_t len) {
-    float m = -INFINITY, sum = 0.f, gap[EXP_CHUNK];
-    #pragma omp simd reduction(max:m)  /* else a chain of scalar max, ~5% of the kernel (perf, 2026-12-05) */
+/* The largest of s[0 .. len), -inf for none (vectorised: a chain of scalar max was ~5% of the kernel,
+   perf, 2026-12-05) */
+static inline float max_f32(const float *s, int64_t len) {
+    float m = -INFINITY;
+    #pragma omp simd reduction(max:m)
     for (int64_t j = 0; j < len; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+static inline void softmax_f32(float *s, int64_t len) {
+    float m = max_f32(s, len), sum = 0.f, gap[EXP_CHUNK];
     for (int64_t j0 = 0; j0 < len; j0 += EXP_CHUNK) {
         const int64_t n = len - j0 < EXP_CHUNK ? len - j0 : EXP_CHUNK;
         #pragma omp simd
@@ -176,9 +183,7 @@ static inline void interleave(vecf even, vecf odd, float *dst) {
 /* exp(x) for x <= 0, a vector at a time: exp_neg_f32's reduction and polynomial (vec_exp_f32.h) in
    registers, x clamped below at -87 (exp(-87) ~ 1.6e-38, where exp_neg_f32 clamps too), NaN kept */
 static inline vecf exp_nonpositive(vecf x) {
-    x = max_lanes(x, splatv(-87.f));  /* (NaN kept: max_lanes takes x where the comparison fails) */
-    const vecf k = EXP_ROUND_K(x), r = EXP_REDUCE(x, k);
-    return EXP_TAYLOR7(r) * (vecf)((__builtin_convertvector(k, veci) + 127) << 23);
+    return vec_exp_clamped(max_lanes(x, splatv(-87.f)));  /* (NaN kept: max_lanes takes x where the comparison fails) */
 }
 
 /* s[0 .. n) := exp(s[j] - top) in place (top: their maximum); returns their sum */
@@ -435,10 +440,8 @@ void causal_self_attention_f32(const float *q, int64_t q_stride, const float *k,
                        weighted sums of V below divide by the exps' sum once, at the end */
                     float inv[TILE];
                     for (int64_t a = 0; a < na; a++) {
-                        float *sa = sc + a * npad, top = -INFINITY;
-                        #pragma omp simd reduction(max:top)
-                        for (int64_t j = 0; j < len[a]; j++) top = sa[j] > top ? sa[j] : top;
-                        inv[a] = 1.f / exp_sum_below(sa, len[a], top);
+                        float *sa = sc + a * npad;
+                        inv[a] = 1.f / exp_sum_below(sa, len[a], max_f32(sa, len[a]));
                         for (int64_t j = len[a]; j < kpad; j++) sa[j] = 0.f;
                     }
                     /* weighted sums of V: QV query vectors at a time, 4 VW output floats per pass, so each
