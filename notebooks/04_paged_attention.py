@@ -477,11 +477,12 @@ check_claim("a decode step of 8 sequences costs less than half of 8 steps of one
 #   the weights are being read anyway), attention over that sequence's own KV, sampling one token.
 #
 # So the ratio lands below 8: the once-per-step part does not grow with the batch. How far below
-# depends on the per-sequence part. On a CPU, the embedded tiny model (4.2 million parameters) has few
-# weight bytes to read per step next to the arithmetic each extra row adds, so the per-sequence work is
-# a large share of a step (the sentence under the measurement gives what each extra sequence added
-# here) and the ratio lands well above 1 (chapter 07 places such a step against this machine's ridge
-# point). On a GPU the same tiny model's step is mostly the fixed cost of launching its operations,
+# depends on the per-sequence part. On a CPU, the embedded tiny model (4.2 million parameters) has a
+# few MB of weights, which stay in the CPU's cache, so its once-per-step part is small, and what each
+# extra sequence adds (its rows in the matrix multiplies, its attention over its own KV, its sampling
+# and bookkeeping) is a visible share of a step (the sentence under the measurement gives it here):
+# the ratio lands well above 1. (Its matrix multiplies are still bound by the weight read at batch 8;
+# chapter 07 places such a step against this machine's ridge point.) On a GPU the same tiny model's step is mostly the fixed cost of launching its operations,
 # and its ratio lands near 1. A model whose weights come from memory at every step pays mostly the
 # once-per-step read, and its ratio lands much nearer 1 too (chapter 06 measures a batch of 4 against 1
 # at Qwen3-0.6B's shapes). The gain keeps growing with the batch only until the per-sequence work (the

@@ -661,7 +661,8 @@ Quiz([
 # * measure the throughput of both policies (and of padded `generate`) and say why the gain is smaller
 #   than the step ratio;
 # * measure what each request waits for (TTFT and end-to-end latency, from the moment the workload
-#   arrives) and explain why continuous batching shortens it even where its throughput gain is small;
+#   arrives) and explain why continuous batching shortens it in engine steps, and when those steps saved are
+#   also time saved;
 # * explain recompute preemption: why the scheduler can run out of KV blocks mid-decode, what a
 #   preempted request recomputes when it resumes (and what the prefix cache gives back), and why its
 #   greedy output is unchanged;

@@ -26,8 +26,8 @@
 # **Prerequisites:** chapter 01 (the generation loop), chapter 03 (the KV cache), chapter 05
 # (batching in the scheduler); a matrix multiply as rows times a weight matrix.
 #
-# **Time:** about 40 minutes (reading and running; the cells themselves take a few minutes on a
-# 2-core CPU).
+# **Time:** about 40 minutes (reading and running; with the embedded model the cells themselves
+# run in under a minute on a 2-core CPU).
 #
 # **Map of this chapter**
 #
@@ -144,7 +144,9 @@ WHERE = f"{DEVICE_NAME}, {DTYPE}, {torch.get_num_threads()} thread(s)"
 #   same bytes, so about **t/2 FLOP per byte**.
 #
 # FLOPs per byte moved is the **arithmetic intensity**. The cell counts both products for one
-# weight of 4096 × 4096 in fp32 (its size is in the printout: more than most CPU caches hold).
+# weight of 4096 × 4096 in fp32 (its size is in the printout: more than a laptop CPU's caches hold,
+# though a server CPU's last-level cache can keep it; the sentence under the measurement says which
+# happened here).
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -217,15 +219,22 @@ rows_df = pd.DataFrame(rows_table).set_index("rows")
 rows_df.round(2)
 
 # %%
+from minivllm.utils.env_report import last_level_cache_bytes
 from widgets import check_claim, check_prediction, idle_engine, render
 
+LLC = last_level_cache_bytes()  # bytes of the largest cache the OS reports (None where it does not say)
 t1, t128 = rows_df.loc[1, "ms (median of 5)"], rows_df.loc[128, "ms (median of 5)"]
 check_prediction(my_prediction_1, t128 / t1, rel_tol=0.5, unit="x", what="time(128 rows) / time(1 row)")
 render(f"Here 128 times the arithmetic took **{t128 / t1:.1f}x** the time: the one-row product ran at "
        f"{rows_df.loc[1, 'GFLOP/s']:.1f} GFLOP/s while streaming its weights at "
        f"{rows_df.loc[1, 'GB/s of weights']:.1f} GB/s (the CPU's measured read ceiling is {CPU_BW / 1e9:.1f} GB/s); "
        f"the 128-row product reached {rows_df.loc[128, 'GFLOP/s']:.1f} GFLOP/s "
-       f"({rows_df.loc[128, 'GFLOP/s'] * 1e9 / cpu_peaks.flops_per_s:.0%} of the CPU's measured fp32 matmul peak).");
+       f"({rows_df.loc[128, 'GFLOP/s'] * 1e9 / cpu_peaks.flops_per_s:.0%} of the CPU's measured fp32 matmul peak)."
+       + (f" The one-row product read faster than the ceiling: this CPU's caches (the largest "
+          f"{f'{LLC / 2**20:.0f} MiB' if LLC else 'of a size the OS does not report'}) kept part of the "
+          f"{N_OUT * K_IN * BYTES / 2**20:.0f} MiB weight between calls, so here it was not bound by main memory, "
+          "as it would be on a CPU with smaller caches (the worked solution below says what that does to the ratio)."
+          if rows_df.loc[1, "GB/s of weights"] * 1e9 > 1.1 * CPU_BW else ""));
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
@@ -674,7 +683,7 @@ show_figure(fig)
 # ### The two phases side by side
 #
 # The same model, the same memory, two steps from the sweep: the largest prefill step and the decode
-# steps at batch 1 (median of two). The steps' figures are this run's; the *floors* are the step's FLOPs
+# steps at batch 1 (their median; the table says of how many). The steps' figures are this run's; the *floors* are the step's FLOPs
 # over the matmul peak and its bytes over the read bandwidth, both the ceilings of the setup cell (the best
 # measured on this machine, this run's measurement included), and the larger floor names what bounds it.
 
@@ -692,7 +701,7 @@ def floors(row):
 pre_bound = "compute" if pre_c > pre_m else "memory"
 dec_bound = "compute" if dec_c > dec_m else "memory"
 render(f"""
-| measured on {big_engine.source.name}, {WHERE} | prefill ({int(pre.tokens)} prompt tokens, batch {int(pre.batch)}) | decode (batch 1) |
+| measured on {big_engine.source.name}, {WHERE} | prefill ({int(pre.tokens)} prompt tokens, batch {int(pre.batch)}) | decode (batch 1, median of {len(dec1)} steps) |
 |---|---|---|
 | rows through every weight per step | {int(pre.tokens)} | 1 |
 | FLOPs per step | {pre.flops / 1e9:.1f} GFLOP | {d1.flops / 1e9:.2f} GFLOP |
@@ -801,10 +810,10 @@ check_claim("the engine's fastest decode step at batch 4 took less than 1.5x its
 #
 # The measured gain differs from that ideal because each measured point sits under its bound by a
 # different margin (the `measured / bound` column). Below the ridge the engine's panel GEMM streams
-# a few rows about as fast as one (the check under the table), so those points keep close to the
-# same margin; past the ridge the step's matrix multiplies are compute-bound but small, and run well
-# below the peak that one large square matmul set; and the step's other costs grow with the batch
-# too (attention over each sequence's KV, sampling, bookkeeping). The rendered sentence and the table
+# a few rows about as fast as one (the check under the table), but the step's other costs grow with
+# the batch (attention over each sequence's KV, sampling, bookkeeping), so the margin narrows as the
+# batch grows even there; past the ridge the step's matrix multiplies are compute-bound but small, and
+# run well below the peak that one large square matmul set. The rendered sentence and the table
 # give this run's figures, and which points sit closest to their bound.
 # </details>
 
@@ -1052,8 +1061,9 @@ render(f"Those extra tokens per step turned into **{spec_ratio:.2f}x** the basel
           if spec_won else
           f"a loss: on {engine.source.name} run eagerly, verifying 5 tokens cost more than the accepted drafts saved."
           if spec_lost else
-          f"the two engines' rounds overlap, so this run measured no gain or loss beyond the machine's noise (on "
-          f"{engine.source.name} run eagerly a step is mostly fixed host cost, a step verifying 5 tokens costs more "
+          f"the two engines' rounds overlap, so this run measured no gain or loss beyond the machine's noise, "
+          f"whichever side of 1 the ratio of the medians fell (on {engine.source.name} run eagerly a step is mostly "
+          "fixed host cost: the steps the accepted drafts save are offset by each verification step costing more "
           "than a plain one, and the steps where no n-gram matched carried no drafts at all).")
        + " Chapter 11 measures speculation with the decode graphs on, step by step.")
 check_claim("int8 weights make a product that is one weight read faster", int8_ms < fp32_ms,

@@ -523,7 +523,8 @@ check_claim("the enforce_eager=False engine replayed recorded graphs for plain d
 #   prompt waits longer (sections 2 and 3 measured both costs). Serving targets are usually written as
 #   limits on both latencies.
 # * **Estimates come from step costs.** A few measured steps and the scheduler's policy predict a
-#   workload's latencies well enough to reason with; measure the point you care about to check.
+#   workload's latencies to within tens of percent (the calculator against the measurement above says by
+#   how much here): enough to compare settings, not to promise a figure; measure the point you care about.
 #
 # ## 6. Check yourself
 

@@ -416,9 +416,12 @@ render(f"Two read bandwidths appear in this notebook. Section 2's harness measur
        f"start, under whatever else was running then: **{harness_read / 1e9:.1f} GB/s** read, the ceiling of the "
        f"MBU in its report. The roofline and the MBU column in this section use the monitor's peaks "
        f"({peaks.provenance}): **{peaks.mbu_bytes_per_s / 1e9:.1f} GB/s**, the best figure this machine's cache "
-       "has kept, because a ceiling measured while other processes share the machine reads low. The two MBUs "
-       "are shares of different ceilings (and of different models' steps), so they are not comparable; "
-       "only MBUs measured against the same peak are.");
+       "has kept, because a ceiling measured while other processes share the machine reads low. "
+       + ("On this run the two ceilings agree, so the two MBUs differ only by their steps, which belong to "
+          "different models: compare each with its own roof, not the two with each other."
+          if abs(harness_read - peaks.mbu_bytes_per_s) <= 0.02 * peaks.mbu_bytes_per_s else
+          "The two MBUs are shares of different ceilings (and of different models' steps), so they are not "
+          "comparable; only MBUs measured against the same peak are."));
 
 # %% [markdown]
 # The prefill step sits to the right of the decode steps: it multiplies every weight by all the

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 
 def cpu_name() -> str:
@@ -16,6 +17,27 @@ def cpu_name() -> str:
     except OSError:
         pass
     return name
+
+
+_SIZE_SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The largest CPU cache Linux reports for CPU 0 (``index*/size`` under ``sysfs``, e.g. ``"260M"``
+    -> 272629760), in bytes: the size a working set must exceed for its reads to come from main
+    memory. None where there is no such directory (not Linux) or nothing readable in it. A virtual
+    machine reports what its hypervisor passes on, which may not be the host's whole cache."""
+    sizes = []
+    for index in Path(sysfs).glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if text[-1:].upper() in _SIZE_SUFFIX and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * _SIZE_SUFFIX[text[-1].upper()])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes) if sizes else None
 
 
 def device_name(device) -> str:
