@@ -368,9 +368,10 @@ show_figure(fig)
 # mixes in other differences: an engine step also schedules, samples and detokenises, and its decode
 # steps replay a recorded graph of the forward's operations without the Python around them (chapter
 # 11), while its prefill step runs them one by one, with the engine's own work around them (the table
-# shows how its prefill step compares with the hand-written pass over the same tokens on this run). The
-# bigger the model, the more the arithmetic dominates each pass and the more closely time follows work;
-# chapter 03 measures both at longer lengths, and chapter 11 takes the fixed costs apart.
+# shows how its prefill step compares with the hand-written pass over the same tokens on this run). A
+# bigger model shrinks the fixed part's share, but time still need not follow FLOPs: a short pass over
+# many weights is bound by reading them (chapter 03 measures both at longer lengths, chapter 06 draws
+# the roofline, and chapter 11 takes the fixed costs apart).
 # </details>
 
 # %% [markdown]

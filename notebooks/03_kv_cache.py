@@ -303,7 +303,8 @@ _ = check_prediction(my_prediction_1, df["time ratio"][longest], rel_tol=0.5, un
 # weights); a 512-token step reads the same weights once and does 512 times the arithmetic, so on
 # a large GPU it can be limited by arithmetic instead. The time ratio is then far below the FLOP
 # ratio; chapter 06 draws this as a roofline. A guess near the FLOP ratio fits only where both
-# steps are bound by arithmetic; for this small model, fixed costs and its weight reads decide first.
+# steps are bound by arithmetic; for this small model, whose few MB of weights a CPU's cache can keep,
+# fixed costs (Python, launching each small operation) decide first.
 # </details>
 
 # %% [markdown]
@@ -368,7 +369,8 @@ _ = check_claim("with a cache the time per token grows far less than without one
 # above say.
 # Where the time ratio falls short of the FLOP ratio, the reason is that a one-token step on a
 # small model is dominated by costs that barely grow with the context (Python, launching dozens of
-# small operations, reading its weights once), not by FLOPs; chapter 06 takes those costs apart.
+# small operations, and on a model too large for the CPU's caches reading its weights once), not by
+# FLOPs; chapter 06 takes those costs apart.
 #
 # Over a whole generation the difference compounds: producing token `L` costs about `a + b·L`
 # without a cache (plus a smaller `c·L²` from attention over the `L` tokens), so `n` tokens cost at

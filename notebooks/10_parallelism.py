@@ -52,7 +52,8 @@ import os
 
 # Threads that finish their share of an operation early spin, by default, waiting for the next
 # one. On a machine shared with other busy processes that spinning steals the cores the other
-# threads need, and small steps get many times slower. PASSIVE lets waiting threads sleep; it is
+# threads need, and small steps can get several times slower (the README's busy-machine row has
+# measured cases). PASSIVE lets waiting threads sleep; it is
 # read when torch loads its OpenMP runtime, so it must be set before `import torch`.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import time
@@ -302,8 +303,8 @@ _ = check_claim(f"{TP} processes give the same greedy tokens as one", same_token
 # The stepper drives the two-process engine one `step()` at a time. Nothing in it knows about the
 # second process: the engine loop, the scheduler and the KV block bookkeeping are rank 0's alone,
 # and each step's time includes the communication with rank 1. The two steps shown are single
-# steps, each timed once, and the first decode steps of a fresh engine tend to be the slowest: section
-# 5 times many steps and compares their medians and fastest ones.
+# steps, each timed once, so one slow moment (another process, or a first call that prepares what
+# later calls reuse) shows in full: section 5 times many steps and compares their medians and fastest ones.
 
 # %%
 from widgets import EngineStepper
@@ -636,8 +637,8 @@ _ = check_prediction(my_prediction_3, TP_RATIO["decode"], rel_tol=0.3, unit="x",
 # cost (the times printed above) depends little on how few bytes it carries, and a step makes
 # `2 x layers + 1` of them one after the other, each waiting for the slower rank. The work saved by
 # halving each matrix (half the weights to read, half the multiply-adds) is small for a model this
-# size, so communication and synchronisation weigh heavily. On a shared machine the two ranks also
-# compete with each other (and with anything else running) for the same cores, and a timed collective
+# size, so communication and synchronisation weigh heavily. On a machine with few cores the two ranks
+# (each with its communication threads) share them with each other and with anything else running, and a timed collective
 # includes the wait for the other rank to arrive, so these figures swing from run to run; the counts
 # above do not. That wait would also blur the check below of how an all-reduce's time grows with its
 # bytes: a median call includes it, and how long it is depends on how far apart the two ranks
@@ -664,11 +665,16 @@ _ = check_claim("an all-reduce's time grows much less than its bytes (fastest ca
                 why_it_may_not="A busy machine can delay even the fastest of a few calls by more than the "
                                "transfer itself.")
 wire_share = CALLS_PER_STEP * AR_US["decode"] / 1e3 / med.loc["decode", "model_ms"]
+wire_share_med = CALLS_PER_STEP * AR_MEDIAN_US["decode"] / 1e3 / med.loc["decode", "model_ms"]
 _ = render(f"Time inside collective calls (all-reduces, the all-gather and the broadcasts) was **{COMM_SHARE['decode']:.0%}** "
            f"of a decode step's forward and **{COMM_SHARE['prefill']:.0%}** of a prefill step's on this run. That time "
            f"includes each call's wait for the other rank to arrive: at the fastest all-reduce of section 4 "
-           f"({AR_US['decode']:.0f} µs), the step's {CALLS_PER_STEP} calls would take **{wire_share:.0%}** of its forward, "
-           + ("so most of the time in collectives was waiting. " if wire_share < COMM_SHARE["decode"] / 2 else
+           f"({AR_US['decode']:.0f} µs, the least delayed of {len(ar_decode)} calls) the step's {CALLS_PER_STEP} calls "
+           f"would take **{wire_share:.0%}** of its forward, at their median ({AR_MEDIAN_US['decode']:.0f} µs, a wait "
+           f"included) **{wire_share_med:.0%}**, "
+           + ("so most of the time in collectives was waiting. " if wire_share_med < COMM_SHARE["decode"] / 2 else
+              "so by the fastest call much of the time in collectives was waiting, by the median call less "
+              "clearly. " if wire_share < COMM_SHARE["decode"] / 2 else
               "about what they took here. ")
            + f"The {TP}-process decode forward took **{TP_RATIO['decode']:.2f}x** the single process's (fastest steps; "
            f"{MEDIAN_RATIO['decode']:.2f}x by the medians).")
