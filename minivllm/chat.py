@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-__all__ = ["text_messages"]
+__all__ = ["text_messages", "unused_template_variables"]
 
 
 def text_messages(conversation, index: int) -> list[dict]:
@@ -78,3 +78,20 @@ def _tool_calls(calls: list, where: str) -> list:
             raise ValueError(f"{where}, tool call {c}: arguments {arguments!r} is not JSON ({e})") from None
         out.append({**call, "function": {**function, "arguments": parsed}})
     return out
+
+
+def unused_template_variables(template: str, names) -> list[str]:
+    """Those of ``names`` (template variables a caller passed) that the Jinja ``template`` source
+    never reads, sorted: ``jinja2.meta.find_undeclared_variables``, the names the source uses
+    without setting them. A chat template without ``tools`` in it renders the same prompt with or
+    without them, silently (transformers and vLLM pass every variable on). [] where the source does
+    not parse with jinja2's loop controls (a template using transformers' own tags: not judged)."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        used = meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+                                              .parse(template))
+    except jinja2.TemplateSyntaxError:
+        return []
+    return sorted(name for name in names if name not in used)

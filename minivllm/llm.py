@@ -9,13 +9,16 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence as Seq
 
-from minivllm.chat import text_messages
+from minivllm.chat import text_messages, unused_template_variables
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, refuse_lora
 from minivllm.inputs import cache_salt_of, check_tokenization_kwargs, prompt_truncation
+from minivllm.logger import init_logger
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import NO_BEAM_SEARCH, SamplingParams
 from minivllm.utils.gc_heap import caller_froze_heap, heap_frozen
+
+logger = init_logger(__name__)
 
 
 def _as_prompt_list(prompts) -> list:
@@ -103,6 +106,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, engine_args))
         self._ids = itertools.count()
+        self._unused_template_variables_told: set[tuple] = set()  # LLM.chat warns once per template and names
 
     def __getattr__(self, name: str):
         # only for names the object lacks: nano-vllm's LLM is its engine, so its scripts call these here
@@ -428,6 +432,8 @@ class LLM:
             raise ValueError(f"messages={messages!r}: must be a list of messages (a conversation) or a list of "
                              "conversations")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        self._warn_unused_template_variables(chat_template if chat_template is not None else tok.chat_template,
+                                             variables)
         prompts = [tok.apply_chat_template(text_messages(conv, i), tokenize=False, chat_template=chat_template,
                                            **variables)
                    for i, conv in enumerate(conversations)]
@@ -435,6 +441,21 @@ class LLM:
         tokenization_kwargs = {"add_special_tokens": False, **check_tokenization_kwargs(tokenization_kwargs)}
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              tokenization_kwargs=tokenization_kwargs)
+
+    def _warn_unused_template_variables(self, template, variables: dict) -> None:
+        """A warning (once per template and names) for ``tools`` or a ``chat_template_kwargs`` variable
+        the chat template never reads: the prompt is the one it would be without them."""
+        if not isinstance(template, str):  # a dict of named templates: not judged
+            return
+        passed = [name for name, value in variables.items()
+                  if value is not None and name not in ("add_generation_prompt", "continue_final_message")]
+        unused = tuple(unused_template_variables(template, passed)) if passed else ()
+        if unused and (hash(template), unused) not in self._unused_template_variables_told:
+            self._unused_template_variables_told.add((hash(template), unused))
+            which = (f"{self.llm_engine.source.name}'s chat template" if template is self.get_tokenizer().chat_template
+                     else "the chat_template given")
+            logger.warning("LLM.chat: %s never reads %s: the prompt is what it would be without them", which,
+                           ", ".join(unused))
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's ``LLM.start_profile``: a ``torch.profiler`` trace of this process until

@@ -13,6 +13,7 @@ import torch
 
 from helpers_engine import greedy, make_llm, prompts_of
 from minivllm import LLM, EngineArgs, LLMEngine, SamplingParams
+from minivllm.chat import unused_template_variables
 
 
 @pytest.fixture(scope="module")
@@ -380,6 +381,35 @@ def test_chat_options_reach_the_template(text_llm):
     assert [_rendered(o, tok) for o in outs] == ["<user>Hi</user>", "<user>Hi</user><assistant>The list</assistant>"]
     with pytest.raises(ValueError, match="continue_final_message"):
         text_llm.chat(conv, greedy(1), continue_final_message=True, **kw)
+
+
+def test_unused_template_variables():
+    qwen3_like = ("{%- if tools %}{{ tools | tojson }}{%- endif %}{% for m in messages %}{% if loop.index > 9 %}"
+                  "{% break %}{% endif %}{{ m.content }}{% endfor %}{%- if enable_thinking is defined and "
+                  "enable_thinking is false %}<think></think>{%- endif %}")
+    assert unused_template_variables(qwen3_like, ["tools", "enable_thinking"]) == []
+    assert unused_template_variables(TEMPLATE, ["tools", "flag", "enable_thinking", "documents"]) == [
+        "documents", "enable_thinking"]
+    # a tag jinja2 alone does not know (transformers' {% generation %}): not judged
+    assert unused_template_variables("{% generation %}{{ x }}{% endgeneration %}", ["tools"]) == []
+
+
+def test_chat_warns_once_of_variables_its_template_never_reads(text_llm, caplog):
+    """The embedded model's plain ChatML template rendered the same prompt with tools=[...] or
+    chat_template_kwargs={"enable_thinking": False} as without them, and nothing said so."""
+    conv = [{"role": "user", "content": "Hi"}]
+    bare = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        for _ in range(2):
+            out = text_llm.chat(conv, greedy(1), chat_template=bare, tools=tools,
+                                chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)[0]
+        text_llm.chat(conv, greedy(1), chat_template=TEMPLATE, tools=tools, chat_template_kwargs={"flag": True},
+                      use_tqdm=False)
+    told = [r.getMessage() for r in caplog.records if "never reads" in r.getMessage()]
+    assert told == ["LLM.chat: the chat_template given never reads enable_thinking, tools: the prompt is what it "
+                    "would be without them"]
+    assert _rendered(out, text_llm.tokenizer) == "<user>Hi"
 
 
 def test_chat_refuses_unknown_keywords_and_takes_vllms_own(text_llm):
