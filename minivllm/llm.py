@@ -49,7 +49,9 @@ def _as_prompt_list(prompts) -> list:
                                      "not an int token id")
             return [[int(t) for t in prompts]]  # a single prompt of token ids (numpy ints as ints)
         return list(prompts)
-    raise ValueError(f"prompts {prompts!r}: expected a str, list[int], dict, or a list of them")
+    hint = (" (a generator or other iterable is not taken, as in vLLM: pass list(...) of it)"
+            if hasattr(prompts, "__iter__") else "")
+    raise ValueError(f"prompts {prompts!r}: expected a str, list[int], dict, or a list of them{hint}")
 
 
 #: nano-vllm's engine calls on its LLM -> what does it here

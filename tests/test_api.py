@@ -33,6 +33,18 @@ def test_prompt_forms_and_order(tiny_ckpt):
     assert [o.prompt_token_ids for o in outs] == ids
 
 
+def test_a_generator_of_prompts_is_refused_with_the_way_out():
+    """A generator of prompts was refused with 'expected a str, list[int], dict, or a list of them',
+    which does not say that the list is what is missing (a new user's report)."""
+    from minivllm.llm import _as_prompt_list
+
+    with pytest.raises(ValueError, match=r"generator or other iterable .* pass list\(\.\.\.\)"):
+        _as_prompt_list(p for p in ["a", "b"])
+    with pytest.raises(ValueError, match=r"a list of them$"):
+        _as_prompt_list(3.5)
+    assert _as_prompt_list(("a", "b")) == ["a", "b"]
+
+
 def test_text_prompt(text_ckpt, tiny_ckpt):
     llm = make_llm(text_ckpt)
     out = llm.generate("The list", greedy(3), use_tqdm=False)[0]
