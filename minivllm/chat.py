@@ -84,8 +84,8 @@ def unused_template_variables(template: str, names) -> list[str]:
     """Those of ``names`` (template variables a caller passed) that the Jinja ``template`` source
     never reads, sorted: ``jinja2.meta.find_undeclared_variables``, the names the source uses
     without setting them. A chat template without ``tools`` in it renders the same prompt with or
-    without them, silently (transformers and vLLM pass every variable on). [] where the source does
-    not parse with jinja2's loop controls (a template using transformers' own tags: not judged)."""
+    without them, and neither transformers nor vLLM says so. [] where the source does not parse
+    with jinja2's loop controls (a template using transformers' own tags: not judged)."""
     import jinja2
     from jinja2 import meta
 
