@@ -63,9 +63,12 @@ def test_nano_vllm_engine_construction_and_block_count(tiny_ckpt):
 
 def test_logprob_imports_from_vllms_module_path():
     from minivllm import Logprob
+    from minivllm import logprobs, sequence
     from minivllm.logprobs import Logprob as from_module  # was: from vllm.logprobs import Logprob
+    from minivllm.sequence import Logprob as from_older  # vLLM's path before vllm.logprobs
 
-    assert from_module is Logprob
+    assert from_module is Logprob and from_older is Logprob
+    assert (sequence.SampleLogprobs, sequence.PromptLogprobs) == (logprobs.SampleLogprobs, logprobs.PromptLogprobs)
 
 
 def test_model_config_and_pooling_calls_as_vllm_scripts_reach_them(llm):
