@@ -38,8 +38,14 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    # the lazy names too, so tab completion in Jupyter offers `minivllm.LLM` before its first use
-    return sorted(set(globals()) | set(_EXPORTS))
+    # the lazy names too, so tab completion in Jupyter offers `minivllm.LLM` before its first use; not this
+    # file's own imports (TYPE_CHECKING, annotations, importlib) nor its private names
+    own = {name for name in globals()
+           if (name.startswith("__") or not name.startswith("_")) and name not in _OWN_IMPORTS}
+    return sorted(own | set(_EXPORTS))
+
+
+_OWN_IMPORTS = {"TYPE_CHECKING", "annotations", "importlib"}
 
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -94,6 +94,8 @@ def test_dir_lists_the_lazy_exports():
     import minivllm
 
     assert {"LLM", "SamplingParams", "RequestOutput"} <= set(dir(minivllm))
+    # not the package's own imports (a new user's report: they cluttered tab completion)
+    assert not {"TYPE_CHECKING", "annotations", "importlib", "_EXPORTS"} & set(dir(minivllm))
 
 
 def test_console_script_is_named_as_started(monkeypatch):
