@@ -23,7 +23,7 @@ def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The arguments of ``minivllm generate``."""
     parser = argparse.ArgumentParser(prog=f"{prog or prog_name()} generate",
                                      description="Stream a completion and print measured TTFT, TPOT and tokens/s.")
-    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("prompt", help="prompt text, or - to read it from standard input (a pipe or a file)")
     parser.add_argument("--model", default=None,
                         help="checkpoint directory, 'minivllm-tiny' or 'random:<preset>' (random weights at a real "
                              "shape, e.g. random:qwen3-0.6b); default: $MINIVLLM_MODEL if set, else minivllm-tiny")
@@ -89,6 +89,8 @@ def _with_flag(message: str, parser: argparse.ArgumentParser) -> str:
 def _generate(argv: list[str]) -> int:
     parser = build_generate_parser()
     args = parser.parse_args(argv)
+    if args.prompt == "-":  # the shell's convention: `cat prompt.txt | minivllm generate -`
+        args.prompt = sys.stdin.read().removesuffix("\n")  # the newline that ends a file, not the text's own
     if not args.prompt:  # before the model loads (the engine would refuse it a second and a half later)
         print("error: the prompt is empty: give the text to continue, e.g. generate \"The list type\"",
               file=sys.stderr)

@@ -126,3 +126,16 @@ def test_generate_writes_the_prompt_after_a_warning_about_the_request(monkeypatc
     text = both.getvalue()
     assert "exceeds max_model_len" in text and "The list type" in text
     assert text.index("exceeds max_model_len") < text.index("The list type")
+
+
+def test_generate_reads_the_prompt_from_stdin_for_a_dash(monkeypatch, capsys):
+    """``echo text | minivllm generate -`` continued the literal text "-" (a new user's report)."""
+    import io
+
+    from minivllm.__main__ import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("The list type\n"))
+    assert main(["generate", "-", "--max-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("The list type")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["generate", "-"]) == 2 and "the prompt is empty" in capsys.readouterr().err
