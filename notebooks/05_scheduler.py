@@ -513,6 +513,24 @@ print("total steps:", len(pre_steps))
 timeline.display()
 
 # %% [markdown]
+# That timeline is the record of a whole run. To watch one unfold, step it yourself: the same four
+# requests on a pool of their own, again `POOL_BLOCKS` blocks. **Step** runs one engine step and the
+# timeline under the stepper redraws; **Run** goes on to the end. Watch the KV blocks in use climb
+# to the pool's size, then a request drop out and come back with its recompute. **Reset** empties the
+# pool; the stepper's text box adds a request of your own.
+
+# %% tags=["playground"]
+if "hand" in globals():  # run again: free the last run's engine first
+    hand.shutdown()
+hand = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=POOL_BLOCKS, max_num_seqs=SEATS)
+hand_stepper = EngineStepper(hand, show_chart=False)
+hand_timeline = SchedulerTimeline(stepper=hand_stepper)
+for prompt in PRE_PROMPTS:
+    hand_stepper.add_request(prompt, max_tokens=PRE_MAX_TOKENS, ignore_eos=True)
+hand_stepper.display()
+hand_timeline.display()
+
+# %% [markdown]
 # Read the timeline row by row: a preempted request drops out (its blocks go to the others), waits,
 # then comes back with one prefill step that rebuilds the KV of its prompt *and* of the tokens it had
 # generated: the printout above shows how much of that came back from the prefix cache, and the next

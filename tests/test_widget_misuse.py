@@ -220,7 +220,7 @@ def test_after_shutdown_the_other_widgets_buttons_and_sliders_say_so(model_path)
 
 
 def test_stepper_ids_limits_and_long_outputs(llm):
-    """A refused prompt used up a request id (the next was step-5 after four refusals); the max_tokens
+    """A refused prompt used up a request id (the next was req-5 after four refusals); the max_tokens
     box went to 4096 whatever max_model_len; a long run's outputs were all drawn (1021 spans)."""
     from widgets import EngineStepper
 
@@ -231,7 +231,7 @@ def test_stepper_ids_limits_and_long_outputs(llm):
         s.add_button.click()
         assert s.last_message.startswith("not added:"), bad
     rid = s.add_request(ids(4), max_tokens=600, ignore_eos=True)
-    assert rid == "step-0"  # the first id: the refusals took none
+    assert rid == "req-0"  # the first id: the refusals took none
     s.run_to_end()
     html = s._requests_html()
     assert html.count("output ") == 512 and "88 earlier outputs" in html

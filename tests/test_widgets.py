@@ -87,8 +87,8 @@ def test_stepper_step_button_runs_prefill_then_decodes(llm):
     s.prompt_box.value = "[" + ", ".join(map(str, ids(20))) + "]"
     s.max_tokens_box.value = 5
     s.add_button.click()
-    assert s.request_ids == ["step-0"], s.last_message
-    seq = s.sequence("step-0")
+    assert s.request_ids == ["req-0"], s.last_message
+    seq = s.sequence("req-0")
     assert seq.num_prompt_tokens == 20
     assert s.generated_token_count == 0 and s.kv_blocks_used == 0
 
@@ -141,7 +141,7 @@ def test_stepper_chunks_a_long_prompt_and_mixes_decodes(llm):
     r = s.step()
     assert r.phase == "mixed"
     assert r.num_decode_tokens == 1 and r.num_prefill_tokens == 63  # budget 64 = 1 decode + 63 chunk
-    assert s.sequence("step-1").num_computed_tokens == 63
+    assert s.sequence("req-1").num_computed_tokens == 63
     assert s.generated_token_count == 2  # the chunk samples nothing
     llm.llm_engine.check_invariants()
 
@@ -302,9 +302,9 @@ def test_kv_view_follows_the_stepper_and_shows_sharing(llm):
     s.add_request(prompt, max_tokens=6, ignore_eos=True)
     s.step()
     assert kv.num_used_blocks == 3 == _used_cells(kv)
-    assert set(kv.block_owners) == set(s.sequence("step-0").block_table)
+    assert set(kv.block_owners) == set(s.sequence("req-0").block_table)
     # hover text holds the block's tokens; the table shows block table and slot mapping
-    first = s.sequence("step-0").block_table[0]
+    first = s.sequence("req-0").block_table[0]
     assert f"tokens {prompt[:BLOCK]}" in kv.grid.value
     assert f"{first * BLOCK}–{first * BLOCK + BLOCK - 1}" in kv.tables.value
     # the same prompt again: its two full blocks are prefix-cache hits, shared by both
@@ -312,7 +312,7 @@ def test_kv_view_follows_the_stepper_and_shows_sharing(llm):
     s.step()
     assert kv.num_shared_blocks == 2
     assert kv.grid.value.count("mv-kv-shared") == 2 and "×2" in kv.grid.value
-    assert s.sequence("step-1").num_cached_tokens == 32
+    assert s.sequence("req-1").num_cached_tokens == 32
     assert "mv-tok-cached" in s.requests_pane.value
     llm.llm_engine.check_invariants()
     s.reset()
@@ -480,6 +480,19 @@ def test_quiz_explains_wrong_answers():
     assert q.check(1, 1) is False and "grass" in q.feedback[1].value and q.score == 1
     with pytest.raises(ValueError, match="correct=5"):
         Question("x", ["a", "b"], 5, ["", ""])
+
+
+def test_quiz_says_right_once():
+    """The feedback read "Right. Right: 20 // 16 = 1 ...": the chapters' explanations of a right answer
+    start with "Right:" and the widget put its own "Right." before them (a teacher's report)."""
+    from widgets import Question, Quiz
+
+    q = Quiz([Question("Blocks?", ["1", "2"], 0, ["Right: 20 // 16 = 1.", "Not quite: one block holds 16."]),
+              Question("Sky?", ["blue", "green"], 0, ["it scatters blue light", "no: grass"])])
+    for i, choice in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        q.check(i, choice)
+        text = q.feedback[i].value
+        assert text.count("Right") + text.count("Not quite") == 1, text
     with pytest.raises(ValueError, match="explanations"):
         Question("x", ["a", "b"], 0, [""])
     # a str index raised "'<=' not supported", a question index past the end a bare IndexError
@@ -589,6 +602,27 @@ def test_sampling_explorer_real_distribution_filters_and_draws(llm):
     assert ex.num_draws == 0 and len(ex.chart.data[2].y) == 0
     llm.llm_engine.check_invariants()
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_sampling_explorer_says_an_interrupted_draw_and_shortens_a_long_prompt(llm, monkeypatch):
+    """A kernel interrupt during "Draw samples" left the readout as before, saying nothing; a 1,100-word
+    prompt filled ~30 lines of the readout above the chart (a teacher's report)."""
+    import widgets.sampling_explorer as se
+    from widgets import SamplingExplorer
+
+    ex = SamplingExplorer(llm, prompt="word " * 300, top_n=5)
+    assert "characters)" in ex.readout.value and len(ex.readout.value) < 600
+    ex.n_draws.value = 50
+    ex.draw_button.click()
+    assert ex.num_draws == 50
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(se, "exponential_race", interrupted)
+    ex.draw_button.click()
+    assert ex.num_draws == 50 and sum(ex.counts.values()) == 50  # nothing of the interrupted draw counted
+    assert "was interrupted" in ex.readout.value and "50 draws" in ex.readout.value
 
 
 # -- prefix cache view ----------------------------------------------------------------------------

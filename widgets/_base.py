@@ -4,6 +4,7 @@ from __future__ import annotations
 import html
 
 import ipywidgets as W
+from plotly.colors import qualitative
 
 STYLE = """<style>
 .mv-box{font-family:var(--jp-content-font-family,system-ui,sans-serif);font-size:13px;line-height:1.5}
@@ -36,9 +37,10 @@ def error_box(message: str) -> str:
     return f"<div class='mv-box' style='color:#b00'>{html.escape(message)}</div>"
 
 
-#: One colour per request, in the order requests were added (cycled).
+#: One colour per request, in the order requests were added (cycled after 20): Tableau's ten, then ten
+#: darker ones of plotly's Dark24, so the KV grid tells an 11th request from the 1st
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#9d755d", "#eeca3b",
-           "#ff9da6", "#bab0ac"]
+           "#ff9da6", "#bab0ac"] + [qualitative.Dark24[i] for i in (5, 7, 10, 14, 16, 19, 11, 6, 18, 22)]
 
 
 class CourseWidget(W.VBox):

@@ -113,6 +113,11 @@ def tok_span(tokenizer, token_id: int, cls: str, extra_title: str = "") -> str:
     return f"<span class='mv-tok {cls}' title='{title}'>{piece}</span>"
 
 
+def plural(n: int, word: str) -> str:
+    """``"1 sequence"``, ``"2 sequences"``: ``n`` and ``word``, with an s unless ``n`` is 1."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def fmt_ms(ms: float | None) -> str:
     if ms is None:
         return "–"

@@ -19,7 +19,7 @@ from minivllm.utils import cdiv
 from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import PALETTE, STYLE, CourseWidget
-from ._engine import engine_of, fmt_ms, fmt_si, parse_prompt, titled, tok_span
+from ._engine import engine_of, fmt_ms, fmt_si, parse_prompt, plural, titled, tok_span
 
 PHASE_COLOURS = {"prefill": "#e4572e", "decode": "#f0a202", "mixed": "#8f5ea2", "idle": "#999999"}
 
@@ -202,9 +202,9 @@ class EngineStepper(CourseWidget):
         if params.n != 1:
             raise ValueError(f"n={params.n}: the stepper follows one sequence per request; use n=1 here "
                              "(LLM.generate runs parallel samples)")
-        while f"step-{self._next_id}" in self.engine.requests:
+        while f"req-{self._next_id}" in self.engine.requests:
             self._next_id += 1
-        rid = f"step-{self._next_id}"
+        rid = f"req-{self._next_id}"
         self.engine.add_request(rid, prompt, params)
         self._next_id += 1  # after the engine took it: a refused prompt uses up no id
         self._seqs[rid] = self.engine.requests[rid].seq
@@ -375,8 +375,8 @@ class EngineStepper(CourseWidget):
         self._fill_roofline(record)
         self.steps.append(record)
         self._step_threads[record.index] = torch.get_num_threads()  # the chart's title names what the steps ran with
-        self._message(f"step {record.index}: {record.phase}, {record.num_prefill_tokens} prefill + "
-                      f"{record.num_decode_tokens} decode tokens in {fmt_ms(record.wall_ms)}"
+        self._message(f"engine step {record.index}: {record.phase}, {record.num_prefill_tokens} prefill + "
+                      f"{plural(record.num_decode_tokens, 'decode token')} in {fmt_ms(record.wall_ms)}"
                       + self._outside_note(outside))
         self._notify(record)
         if render:
@@ -560,7 +560,7 @@ class EngineStepper(CourseWidget):
 
     def _step_html(self) -> str:
         bm = self.engine.block_manager
-        summary = (f"<div class='mv-box'><b>steps</b> <span class='mv-step-count'>{len(self.steps)}</span> · "
+        summary = (f"<div class='mv-box'><b>steps taken here</b> <span class='mv-step-count'>{len(self.steps)}</span> · "
                    f"<b>generated tokens</b> <span class='mv-generated-count'>{self.generated_token_count}</span> · "
                    f"<b>KV blocks used</b> <span class='mv-kv-used'>{bm.num_used_blocks}</span> / {bm.num_blocks} "
                    f"(block_size {bm.block_size})</div>")
@@ -573,9 +573,10 @@ class EngineStepper(CourseWidget):
                 f"{self._bar(r.num_decode_tokens / budget, PHASE_COLOURS['decode'])}</span>")
         lines = [
             summary,
-            f"<div class='mv-box'><b>step {r.index}</b> "
+            f"<div class='mv-box'><b>engine step {r.index}</b> "
             f"<span class='mv-badge' style='background:{PHASE_COLOURS[r.phase]}'>{r.phase}</span>"
-            f"{r.num_prefill_tokens} prefill + {r.num_decode_tokens} decode tokens, {r.num_seqs} sequences "
+            f"{r.num_prefill_tokens} prefill + {plural(r.num_decode_tokens, 'decode token')}, "
+            f"{plural(r.num_seqs, 'sequence')} "
             f"{comp} of the {budget}-token budget</div>",
             f"<div class='mv-box'><b>measured wall time</b> {fmt_ms(r.wall_ms)} "
             f"<span class='mv-small'>(schedule {r.schedule_ms:.2f}, prepare inputs {r.prepare_ms:.2f}, "

@@ -140,7 +140,7 @@ class KVCacheView(CourseWidget):
             n = seq.num_computed_tokens
             ranges = slot_ranges(seq.block_table, n, bs)
             slots = ", ".join(f"{a}–{b}" if b > a else f"{a}" for a, b in ranges)
-            rows.append(f"<tr><td><span style='color:{self._colour(seq.request_id)}'>■</span> "
+            rows.append(f"<tr><td style='white-space:nowrap'><span style='color:{self._colour(seq.request_id)}'>■</span> "
                         f"{html.escape(seq.request_id)}</td><td>{seq.status.value}</td>"
                         f"<td>{seq.block_table}</td><td>{n}</td><td>{slots or '–'}</td></tr>")
         self.tables.value = (

@@ -92,8 +92,9 @@ class Quiz(CourseWidget):
         self.answers[i] = chosen
         right = chosen == q.correct
         colour, word = ("#2a7a2a", "Right.") if right else ("#b00", "Not quite.")
-        self.feedback[i].value = (f"<div class='mv-box' style='color:{colour}'><b>{word}</b> "
-                                  f"{q.explanations[chosen]}</div>")
+        explanation = q.explanations[chosen]
+        lead = "" if explanation.lower().startswith(word[:-1].lower()) else f"<b>{word}</b> "  # not "Right. Right: ..."
+        self.feedback[i].value = f"<div class='mv-box' style='color:{colour}'>{lead}{explanation}</div>"
         return right
 
     @property

@@ -47,6 +47,14 @@ def next_token_logits(llm, prompt) -> torch.Tensor:
     return captured["logits"]
 
 
+def _shortened(prompt: str, keep: int = 60) -> str:
+    """``repr(prompt)``, its middle cut out past ``keep`` characters: a long prompt in the readout pushed
+    the chart below the screen."""
+    if len(prompt) <= keep:
+        return repr(prompt)
+    return f"{prompt[:keep // 2]!r} … {prompt[-keep // 2:]!r} ({len(prompt):,} characters)"
+
+
 def sampling_batch(temperature: float, top_k: int, top_p: float, min_p: float, rows: int = 1) -> SamplingBatch:
     """A ``SamplingBatch`` of ``rows`` identical rows (CPU tensors), as the runner builds it."""
     return SamplingBatch(
@@ -174,6 +182,10 @@ class SamplingExplorer(CourseWidget):
             self.draw()
         except ValueError as e:
             self.readout.value = error_box(str(e))
+        except KeyboardInterrupt:  # the kernel interrupted mid-draw: draw() counts nothing until it is done
+            self._redraw()
+            self.readout.value += error_box(f"the draw of {self.n_draws.value} was interrupted: none of it was "
+                                            "counted (the frequencies shown are the earlier draws')")
 
     def draw(self, n: int | None = None) -> dict[int, int]:
         """Draw ``n`` tokens (default: the "draws" box) from the filtered distribution.
@@ -216,7 +228,7 @@ class SamplingExplorer(CourseWidget):
         outside = sum(c for t, c in self.counts.items() if t not in shown_ids)
         self.readout.value = (
             (error_box(self._error) if self._error else "")
-            + f"<div class='mv-box'>next token after {html.escape(repr(self.loaded_prompt))}: {self.kept} of "
+            + f"<div class='mv-box'>next token after {html.escape(_shortened(self.loaded_prompt))}: {self.kept} of "
             f"{self.probs.numel()} tokens keep non-zero probability; the {len(ids)} shown hold {100 * shown:.1f} % of it. "
             + (f"{self.num_draws} draws, {outside} outside the shown tokens." if self.num_draws else "")
             + "</div>")
