@@ -797,8 +797,8 @@ check_claim("int8 speeds this model's decode step up by less than its weights sh
 # bandwidth), and a cached read gains little from fewer bytes. int8's own per-call costs can
 # also outweigh the bytes it saves on layers this small, so the step can even come out slower: the
 # ratio rendered above says which happened on your run. On a model large enough that
-# the weights dominate the step, the next cell's layer, one of Qwen3-0.6B's, shows int8 coming much
-# closer to its byte ratio.
+# the weights dominate the step, the next cell's layer, one of Qwen3-0.6B's, shows whether int8 comes
+# closer to its byte ratio there (its sentence gives both ratios).
 #
 # </details>
 
@@ -860,8 +860,9 @@ check_claim(f"int8 gains more on a large layer that reads its weight from memory
             why_it_may_not="Heavy load from other processes during one of the two measurements can swap them.");
 
 # %% [markdown]
-# What int8 costs is accuracy: every weight is rounded to one of 255 levels of its row's scale, and
-# on the CPU the activations are rounded too. Two measurements against the setup cell's engine: the greedy
+# What int8 costs is accuracy: every weight is rounded to one of 255 levels of its row's scale (and
+# where our panel GEMM does not build on a CPU, fbgemm's fallback rounds the activations too; the
+# "int8 matmul path" line above says which ran here). Two measurements against the setup cell's engine: the greedy
 # continuations of a fixed set of 16 prompts, 32 tokens each (how many tokens agree before the first
 # difference; greedy decoding amplifies any change, since one flipped token changes all that follows),
 # and, on one passage of text, the logits themselves and the loss of predicting each next token:
