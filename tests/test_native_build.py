@@ -3,6 +3,7 @@ editing the header rebuilds the library instead of loading a stale one from the 
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import pytest
 
@@ -28,6 +29,19 @@ def test_a_changed_header_gives_a_new_library(tmp_path):
     second = native_build._build(src, out, cc)
     assert second != first
     assert ctypes.CDLL(str(second)).get() == 42
+
+
+def test_a_build_says_so_before_the_wait_and_a_cached_one_says_nothing(tmp_path, caplog):
+    """A first run compiled for ~15 s with nothing said until the kernels were loaded (a new user's report)."""
+    cc = _compiler()
+    src = tmp_path / "lib.c"
+    src.write_text("int get(void) { return 7; }\n")
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        native_build._build(src, tmp_path / "build", cc)
+        told = [r.getMessage() for r in caplog.records if "compiling lib.c" in r.getMessage()]
+        native_build._build(src, tmp_path / "build", cc)  # cached: nothing to say
+    assert len(told) == 1 and "first use" in told[0]
+    assert [r.getMessage() for r in caplog.records if "compiling lib.c" in r.getMessage()] == told
 
 
 def test_the_shipped_sources_find_their_headers():

@@ -30,11 +30,13 @@ import threading
 from pathlib import Path
 from typing import Callable, Generic, TypeVar
 
+from minivllm.logger import init_logger
 from minivllm.utils.env_switch import switched_off
 
 __all__ = ["FLAGS", "NativeBuildError", "NativeLibrary", "build_and_load"]
 
 T = TypeVar("T")
+logger = init_logger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-pthread", "-shared", "-fPIC")
 MARCH_ENV = "MINIVLLM_CPU_MARCH"  # another -march than native: test a laptop's instruction set on this CPU
@@ -144,6 +146,9 @@ def _build(source: Path, out_dir: Path, cc: list[str], python_api: bool = False,
         return lib
     link_flags = [f for f in extra if f.startswith(("-l", "-L", "-Wl,"))]  # after the source: some linkers drop
     compile_flags = [f for f in extra if f not in link_flags]            # a library nothing before it needs
+    # a first run compiles several sources, seconds each: say so before the wait, not after it
+    logger.info("compiling %s with %s (first use on this machine; later runs load it from %s)", source.name,
+                " ".join(cc), out_dir)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
