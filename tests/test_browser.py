@@ -167,7 +167,10 @@ def test_notebooks_06_and_07_in_jupyterlab(jupyterlab):
             stepper.locator("button.mv-run-to-end").click()
             page.wait_for_function(f"() => document.querySelector('{STATUS}').textContent.includes('engine idle')",
                                    timeout=60_000)
-            assert int(_text(count)) > count1
+            # the status line and the step count are two widget updates: the count can arrive after the status
+            # (a CI run read 4 > 4 between them)
+            page.wait_for_function(f"n => parseInt(document.querySelector('{COUNT}').textContent) > n",
+                                   arg=count1, timeout=30_000)
             # A kernel interrupt halts "Run to end" between steps: a long request, run, interrupt.
             stepper.locator(".widget-text input[type='number']").first.fill("900")
             stepper.locator(".widget-checkbox input").first.check()
