@@ -13,6 +13,7 @@ it is parsed, and an empty ``tool_calls`` list is dropped.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 
@@ -86,12 +87,19 @@ def unused_template_variables(template: str, names) -> list[str]:
     without setting them. A chat template without ``tools`` in it renders the same prompt with or
     without them, and neither transformers nor vLLM says so. [] where the source does not parse
     with jinja2's loop controls (a template using transformers' own tags: not judged)."""
+    used = _template_variables(template)
+    return [] if used is None else sorted(name for name in names if name not in used)
+
+
+@functools.lru_cache(maxsize=16)
+def _template_variables(template: str) -> frozenset[str] | None:
+    """The names ``template`` reads without setting them, or None where it does not parse; cached, as
+    LLM.chat asks again on every call with tools and a template takes milliseconds to parse."""
     import jinja2
     from jinja2 import meta
 
     try:
-        used = meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-                                              .parse(template))
+        return frozenset(meta.find_undeclared_variables(
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)))
     except jinja2.TemplateSyntaxError:
-        return []
-    return sorted(name for name in names if name not in used)
+        return None
