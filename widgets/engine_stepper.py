@@ -338,7 +338,7 @@ class EngineStepper(CourseWidget):
     def _outside_note(self, n: int) -> str:
         if not n:
             return ""
-        return (f" · {n} engine step{'s' if n != 1 else ''} ran outside this widget (llm.generate, another "
+        return (f" · {plural(n, 'engine step')} ran outside this widget (llm.generate, another "
                 f"stepper or widget on this engine): its step history and chart lack them; the requests, KV "
                 f"blocks and attached views show the engine as it is now")
 

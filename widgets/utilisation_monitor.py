@@ -12,7 +12,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import STYLE, CourseWidget, error_box
-from ._engine import engine_of, fmt_si, titled
+from ._engine import engine_of, fmt_si, plural, titled
 from .engine_stepper import PHASE_COLOURS
 from .measure import random_prompt
 
@@ -203,11 +203,11 @@ class UtilisationMonitor(CourseWidget):
         warnings = []
         if self.interrupted:
             n = len(self.records)
-            warnings.append(f"interrupted (Kernel > Interrupt) after {n} step{'s' if n != 1 else ''}: the charts "
+            warnings.append(f"interrupted (Kernel > Interrupt) after {plural(n, 'step')}: the charts "
                             "show a partial workload; its requests were aborted")
         if len(s) < self.MIN_SAMPLES and not self._running_live:
             span = (s[-1].time - t0) if s else 0.0
-            warnings.append(f"only {len(s)} utilisation sample{'s' if len(s) != 1 else ''} over {span:.2f} s "
+            warnings.append(f"only {plural(len(s), 'utilisation sample')} over {span:.2f} s "
                             f"(period_s={self.period_s}): too few for the busy-% line to say much; give the "
                             "workload more requests or tokens, or a shorter period_s")
         note = "".join(f"<div class='mv-box mv-warning' style='color:#b00'>⚠ {escape(w)}</div>" for w in warnings)
