@@ -587,7 +587,8 @@ fig = go.Figure()
 for p in stages:
     fig.add_bar(y=labels, x=[getattr(res.record, p) for _, res in journey], name=p.replace("_ms", ""),
                 orientation="h")
-fig.update_layout(barmode="stack", title=f"Measured time per step of one request, by engine stage<br><sup>{RUN}</sup>",
+fig.update_layout(barmode="stack", title=f"Measured time per step of one request, by engine stage, tracer attached (its notes count in the "
+                  f"stages)<br><sup>{RUN}</sup>",
                   xaxis_title="time (ms)", yaxis_title="engine step", height=320, yaxis=dict(autorange="reversed"))
 show_figure(fig)
 for _, res in journey:

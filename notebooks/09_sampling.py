@@ -257,14 +257,17 @@ _ = check_prediction(my_prediction_1, KEPT[("confident", "top_p=0.9")], rel_tol=
 # </details>
 
 # %% [markdown]
-# What the table shows, in rules that hold on any model (the next cell checks each on this run):
+# What the table shows. Two rules hold on any model (the next cell checks them on this run):
 # temperature alone never removes a token, it only changes their sizes (in exact arithmetic: in fp32,
 # a token more than about 104 nats below the favourite after dividing by the temperature gets a
 # probability that rounds to exactly 0, so a very low temperature does empty the far tail); top-k keeps exactly `k`
 # tokens on both prompts, even where the confident prompt's tenth token is negligible or the
-# uncertain prompt has many more reasonable choices; top-p and min-p *adapt*, keeping fewer tokens
-# when the model is sure than when it is not, which is why they are the usual choice for open-ended
-# text. They adapt differently, too: min-p keeps only the tokens within a factor of `1 / min_p` of
+# uncertain prompt has many more reasonable choices. Top-p and min-p *adapt*: how many tokens they keep
+# depends on the distribution, which is why they are the usual choice for open-ended text. On these two
+# prompts each keeps fewer tokens when the model is sure than when it is not (the next cell checks it), the
+# usual case but not a rule: a prompt with a clear favourite and a thinly spread tail can keep *more* under
+# top-p than a flat one (exercise 1 showed why), and a 50/50 split keeps two tokens under min-p where a weak
+# favourite over a flat tail keeps one. They adapt differently, too: min-p keeps only the tokens within a factor of `1 / min_p` of
 # the favourite, however the tail is spread, while top-p must collect its 90% from wherever the mass
 # is.
 
@@ -279,7 +282,10 @@ _ = check_claim("top-k keeps exactly k tokens on both prompts",
 for s in ("top_p=0.9", "min_p=0.1"):
     _ = check_claim(f"{s} keeps fewer tokens on the confident prompt than on the uncertain one",
                 KEPT[("confident", s)] < KEPT[("uncertain", s)],
-                f"{KEPT[('confident', s)]} vs {KEPT[('uncertain', s)]}")
+                f"{KEPT[('confident', s)]} vs {KEPT[('uncertain', s)]}",
+                why_it_may_not="Not a rule: it depends on how each prompt's tail is spread (a clear favourite over "
+                               "a long thin tail can need more tokens to reach top_p than a flatter distribution; "
+                               "min-p keeps every token close to a weak favourite).")
 _ = check_claim("on the confident prompt min_p=0.1 keeps fewer tokens than top_p=0.9",
             KEPT[("confident", "min_p=0.1")] < KEPT[("confident", "top_p=0.9")],
             f"{KEPT[('confident', 'min_p=0.1')]} vs {KEPT[('confident', 'top_p=0.9')]}",
@@ -390,7 +396,7 @@ MINP_ALONE = {name: int((probs_under(LOGITS[name], SamplingParams(temperature=1.
 _ = render("On this run, with `top_p=0.9` and `min_p=0.05`: " + "; ".join(
     f"the {name} prompt's min-p alone keeps **{MINP_ALONE[name]}** token(s), minivllm's order "
     f"**{ORDER[name][0]}**, vLLM V1's **{ORDER[name][1]}** "
-    f"({'the orders agree' if ORDER[name][0] == ORDER[name][1] else 'V1 keeps fewer'})"
+    f"({'the orders agree' if ORDER[name][0] == ORDER[name][1] else 'V1 keeps fewer' if ORDER[name][1] < ORDER[name][0] else 'V1 keeps more, which the reasoning above rules out: a bug to report'})"
     for name in LOGITS) + ".")
 
 # %% [markdown]
@@ -609,8 +615,9 @@ _ = check_claim("without a seed, from the same stream state, the tokens alone an
 # **Gumbel-max trick**.
 #
 # Why the engine likes it: the draw needs no sort and no cumulative sum (one elementwise divide and an
-# argmax, which parallelise trivially on a GPU), and each row needs only its own noise, which is what
-# makes per-request seeds independent of the batch (section 5). The price is the noise itself: one
+# argmax, which parallelise trivially on a GPU). (What makes a seeded request's draws independent of
+# the batch, section 5, is not the race: it is that such a row takes its random numbers from its own
+# generator, which a cumulative-sum lookup could do as well.) The price is the noise itself: one
 # random number per token of the vocabulary, turned into an exponential, for every row at every step,
 # where a cumulative-sum lookup needs one random number per row. What that costs depends on the
 # machine; the docstring of `exponential_noise_` in `minivllm/layers/sampler.py` records what it cost
@@ -728,15 +735,15 @@ _ = check_claim("the chi-square test rejects the wrong trick", wrong_p < 1e-6, f
 #   value, so a row with a tie across the cut is seen and settled by id. When `k` is a quarter of
 #   the vocabulary or more, the selection would save little, and the whole row is sorted.
 # * **top-p** needs no softmax to rank the tokens: a token's log-probability minus the favourite's
-#   equals its logit minus the largest logit. The path splits the range below the favourite, up to
-#   32 nats (a probability ratio of about 1e-14; anything further down goes in the last bucket),
-#   into 1024 equal buckets. Placing every token in its bucket and adding up each bucket's
+#   equals its logit minus the largest logit. The path splits a range below the favourite (its width
+#   in nats, the number of buckets and the crowding limit are printed after this list, read from the
+#   module; anything further down goes in the last bucket) into equal buckets. Placing every token in its bucket and adding up each bucket's
 #   probability takes linear time too (a few passes over the row, no sort). Each bucket holds a
 #   *run of the sorted order*: every token in it ranks after every token of the bucket above and
 #   before every token of the bucket below. So adding up the buckets' mass from the top finds the
 #   bucket where the mass reaches `top_p`: the buckets above it are kept whole, the ones below it
-#   dropped, and only that one bucket's tokens are sorted to place the cut. A crowded bucket (more
-#   than 2,048 tokens) is first split into 1024 buckets again, the same way.
+#   dropped, and only that one bucket's tokens are sorted to place the cut. A crowded bucket is first
+#   split into buckets again, the same way.
 # * **both**: top-k runs first, and top-p then works over the `k` tokens it kept, sorted (a sort of
 #   only `k` values; no buckets).
 #
@@ -747,6 +754,16 @@ _ = check_claim("the chi-square test rejects the wrong trick", wrong_p < 1e-6, f
 # in float64 (numpy, sorting; not timed) and counts, for each path, the tokens it keeps or drops
 # against that exact answer: both paths add up fp32 probabilities, in a different order, so a token
 # whose mass sits on top-p's cut within rounding can land on either side.
+
+# %%
+import math
+
+from minivllm.layers import cpu_sampling
+
+_ = render(f"The CPU top-p path in this build (`minivllm/layers/cpu_sampling.py`): the range spans "
+           f"**{cpu_sampling._SPAN_NATS:g} nats** below the favourite (a probability ratio of "
+           f"{math.exp(-cpu_sampling._SPAN_NATS):.1e}), split into **{cpu_sampling._BUCKETS:,}** buckets; a bucket "
+           f"of more than **{cpu_sampling._SORT_AT_MOST:,}** tokens is split again.")
 
 # %%
 import time
@@ -912,14 +929,14 @@ Quiz([
     ),
     Question(
         "Why does the engine draw with argmax(p / E), E exponential, instead of a cumulative-sum lookup?",
-        ["It is an approximation that is faster", "It is exact, the draw needs no sort or cumulative sum, "
-         "and each row uses only its own noise", "It samples more diverse tokens than the softmax",
+        ["It is an approximation that is faster", "It is exact, and the draw needs no sort or cumulative sum: "
+         "an elementwise divide and an argmax", "It samples more diverse tokens than the softmax",
          "It is needed for top-p"],
         1,
         ["It is not an approximation: the first of independent exponential clocks with rates p_i is j with "
          f"probability p_j (and section 6's chi-square test gave p-value {race_p:.2g} on this run).",
-         "Right: an elementwise divide and an argmax, per row, which parallelises well and lets each request "
-         "bring its own generator. The price: one random number per vocabulary entry per row, where a "
+         "Right: an elementwise divide and an argmax, per row, which parallelises well (per-request seeds come "
+         "from each seeded request's own generator, which either method could use). The price: one random number per vocabulary entry per row, where a "
          "cumulative-sum lookup needs one per row.",
          f"It is the same distribution, not a flatter one: section 6 measured a total variation of {race_tv:.4f} "
          f"from the softmax, against {ref_tv:.4f} for torch.multinomial.",
