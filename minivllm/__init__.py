@@ -21,6 +21,7 @@ _EXPORTS = {
     "Logprob": "minivllm.outputs",
     "TextPrompt": "minivllm.inputs",
     "TokensPrompt": "minivllm.inputs",
+    "PromptType": "minivllm.inputs",
     "RequestMetrics": "minivllm.outputs",
     "EngineArgs": "minivllm.config",
     "LLMEngine": "minivllm.engine.llm_engine",
@@ -51,7 +52,7 @@ _OWN_IMPORTS = {"TYPE_CHECKING", "annotations", "importlib"}
 if TYPE_CHECKING:  # pragma: no cover
     from minivllm.config import EngineArgs
     from minivllm.engine.llm_engine import LLMEngine, StepResult
-    from minivllm.inputs import TextPrompt, TokensPrompt
+    from minivllm.inputs import PromptType, TextPrompt, TokensPrompt
     from minivllm.llm import LLM
     from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from minivllm.sampling_params import SamplingParams

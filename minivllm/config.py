@@ -30,7 +30,7 @@ IGNORED_VLLM_ARGS = frozenset({
     "disable_cascade_attn", "cuda_graph_sizes",  # graphs are recorded for the batch sizes that occur
     "max_seq_len_to_capture", "disable_async_output_proc", "use_v2_block_manager",
     "enable_prefix_caching_hash", "enable_sleep_mode", "compilation_config",
-    "hf_token", "worker_cls", "served_model_name",
+    "hf_token", "worker_cls", "served_model_name", "max_parallel_loading_workers",
     "max_loras", "max_lora_rank", "max_cpu_loras",  # LoRA's sizes; LoRA itself is refused (LACKING_VLLM_ARGS)
     "guided_decoding_backend", "structured_outputs_config",  # a request asking for them is refused
     "limit_mm_per_prompt", "mm_processor_kwargs",  # likewise multimodal inputs
@@ -50,11 +50,11 @@ LACKING_VLLM_ARGS = {
     "skip_tokenizer_init": ("running without a tokenizer", bool),
     "task": ("a task other than generation", lambda v: v not in (None, "auto", "generate")),
     "runner": ("a runner other than generation", lambda v: v not in (None, "auto", "generate")),
+    "convert": ("converting the model for pooling (embeddings, classification, rewards)",
+                lambda v: v not in (None, "auto", "none")),
+    "calculate_kv_scales": ("fp8 KV-cache scales", bool),
     "model_impl": ("another model implementation", lambda v: v not in (None, "auto")),
     "hf_overrides": ("overrides of the Hugging Face config", bool),
-    # "auto" is what minivllm does: a checkpoint's generation_config.json gives the defaults
-    "generation_config": ("generation defaults from elsewhere than the checkpoint",
-                          lambda v: v not in (None, "auto")),
     "override_generation_config": ("overrides of the generation config", bool),
     "load_format": ("weights from elsewhere than the checkpoint's safetensors files (random weights: "
                     "model='random:<preset>')",
@@ -139,6 +139,10 @@ class EngineArgs:
             K and V is rounded to bfloat16 once, when written, so the logits move away from an
             fp32 cache's by about bfloat16's precision). Another dtype than the model's needs the
             torch attention backend (``resolve_kv_cache_dtype``); vLLM's fp8 formats are refused.
+        generation_config: vLLM's: where ``generate()`` without ``sampling_params`` takes its defaults
+            from (``LLM.get_default_sampling_params()``): ``"auto"`` (default) the checkpoint's
+            ``generation_config.json``, ``"vllm"`` ``SamplingParams()``' own defaults (the file ignored),
+            or a directory holding a ``generation_config.json``.
         profiler_config: vLLM's: where ``LLM.start_profile()`` / ``stop_profile()`` write a
             ``torch.profiler`` trace, e.g. ``{"profiler": "torch", "torch_profiler_dir": "./trace"}``
             (``minivllm/telemetry/profiler.py``); None: ``$VLLM_TORCH_PROFILER_DIR``.
@@ -179,6 +183,7 @@ class EngineArgs:
     tokenizer: str | None = None
     kv_cache_dtype: str = "auto"
     profiler_config: dict | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_kvcache_blocks == -1 and not isinstance(self.num_kvcache_blocks, bool):
@@ -250,6 +255,14 @@ class EngineArgs:
         if self.init_method is not None and self.tensor_parallel_size == 1:
             raise ValueError(f"init_method={self.init_method!r}: only tensor parallelism (tensor_parallel_size > 1) "
                              "joins a process group; with one process it would be ignored")
+        gen = self.generation_config
+        if isinstance(gen, os.PathLike):
+            self.generation_config = gen = os.fspath(gen)
+        if gen is None:  # vLLM's spelling of the default
+            self.generation_config = gen = "auto"
+        if not isinstance(gen, str) or (gen not in ("auto", "vllm") and not os.path.isdir(gen)):
+            raise ValueError(f"generation_config={gen!r}: choose 'auto' (the checkpoint's generation_config.json), "
+                             "'vllm' (SamplingParams' defaults) or a directory holding a generation_config.json")
         if not isinstance(self.kv_cache_dtype, str):  # a list is unhashable; a torch.dtype is not vLLM's spelling
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {list(KV_CACHE_DTYPES)} "
                              "(vLLM's names, as strings)")

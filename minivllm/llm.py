@@ -34,7 +34,7 @@ def _as_prompt_list(prompts) -> list:
             list that starts with a prompt (str, dict, list) and holds a bare number (naming it), or
             ``prompts`` of another type.
     """
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, Mapping)):  # (a BatchEncoding too: encode_prompt says what to pass)
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         if any(isinstance(t, numbers.Number) for t in prompts):  # bool is a Number too
@@ -396,8 +396,15 @@ class LLM:
                 ``mm_processor_kwargs``, or a bad prompt.
         """
         if unknown:
-            raise TypeError(f"LLM.chat() got unexpected keyword argument(s) {sorted(unknown)}: template variables "
-                            "go in chat_template_kwargs={...}, as in vLLM")
+            import difflib
+            import inspect
+
+            taken = [n for n in inspect.signature(LLM.chat).parameters if n not in ("self", "unknown")]
+            near = {n: difflib.get_close_matches(n, taken, n=1) for n in sorted(unknown)}
+            hint = "; ".join(f"{n!r}: did you mean {m[0]!r}?" for n, m in near.items() if m)
+            raise TypeError(f"LLM.chat() got unexpected keyword argument(s) {sorted(unknown)}"
+                            + (f" ({hint})" if hint else "")
+                            + ": template variables go in chat_template_kwargs={...}, as in vLLM")
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: minivllm renders "
                              "text parts joined into one string: use 'auto' or 'string'")
@@ -456,8 +463,8 @@ class LLM:
             self._unused_template_variables_told.add((hash(template), unused))
             which = (f"{self.llm_engine.source.name}'s chat template" if template is self.get_tokenizer().chat_template
                      else "the chat_template given")
-            logger.warning("LLM.chat: %s never reads %s: the prompt is what it would be without them", which,
-                           ", ".join(unused))
+            logger.warning("LLM.chat: %s never reads %s: the prompt is what it would be without %s", which,
+                           ", ".join(unused), "it" if len(unused) == 1 else "them")
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's ``LLM.start_profile``: a ``torch.profiler`` trace of this process until

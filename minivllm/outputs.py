@@ -17,6 +17,10 @@ class RequestMetrics:
     A figure that is not defined yet (no first token, a single token) is ``None``, except ITL,
     a list, which is then empty. ``token_times``: each output token's time (the end of the step
     that produced it), seconds on the same clock.
+
+    vLLM's names for the same facts, for scripts that read them (seconds, ``None`` where not
+    defined yet): V0's ``last_token_time`` and ``time_in_queue``, V1's ``first_token_latency`` and
+    ``num_generation_tokens`` (an int).
     """
 
     arrival_time: float
@@ -68,6 +72,26 @@ class RequestMetrics:
         if self.first_scheduled_time is None:
             return None
         return (self.first_scheduled_time - self.arrival_time) * 1e3
+
+    @property
+    def last_token_time(self) -> float | None:
+        """vLLM V0's name: the last output token's time (seconds, ``perf_counter`` clock)."""
+        return self.token_times[-1] if self.token_times else None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """vLLM V0's name: seconds from arrival to first scheduled (``queue_ms / 1e3``)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def first_token_latency(self) -> float | None:
+        """vLLM V1's name: seconds from arrival to the first output token (``ttft_ms / 1e3``)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def num_generation_tokens(self) -> int:
+        """vLLM V1's name: output tokens so far."""
+        return len(self.token_times)
 
 
 @dataclass(slots=True)

@@ -115,7 +115,10 @@ def test_generate_truncates_a_long_prompt_and_takes_max_model_len(capsys):
     generate had no option for."""
     long_prompt = " ".join(["def"] * 2100)
     assert main(["generate", long_prompt, *QUIET]) == 2
-    assert "leaves no room to generate" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the fixes as this command's options, not as Python arguments; no "prompt 0" for its one prompt
+    assert "\nerror: prompt of " in err and "leaves no room to generate" in err
+    assert "--truncate-prompt-tokens N" in err and "a larger --max-model-len" in err and "SamplingParams(" not in err
     assert main(["generate", long_prompt, *QUIET, "--truncate-prompt-tokens", "100"]) == 0
     out, err = capsys.readouterr()
     assert "# 4 tokens (length)" in err and "the prompt was cut to its last 100 of " in err

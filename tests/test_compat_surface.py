@@ -412,6 +412,11 @@ def test_chat_warns_once_of_variables_its_template_never_reads(text_llm, caplog)
     told = [r.getMessage() for r in caplog.records if "never reads" in r.getMessage()]
     assert told == ["LLM.chat: the chat_template given never reads enable_thinking, tools: the prompt is what it "
                     "would be without them"]
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        text_llm.chat(conv, greedy(1), chat_template=bare + " ", chat_template_kwargs={"enable_thinking": False},
+                      use_tqdm=False)
+    assert caplog.records[-1].getMessage().endswith("never reads enable_thinking: the prompt is what it would be "
+                                                    "without it")
     assert _rendered(out, text_llm.tokenizer) == "<user>Hi"
 
 
@@ -422,9 +427,10 @@ def test_chat_refuses_unknown_keywords_and_takes_vllms_own(text_llm):
     taken."""
     conv = [{"role": "user", "content": "Hi"}]
     kw = dict(chat_template=TEMPLATE, use_tqdm=False)
-    with pytest.raises(TypeError, match=r"\['sampling_param'\].*chat_template_kwargs"):
+    with pytest.raises(TypeError, match=r"\['sampling_param'\] \('sampling_param': did you mean 'sampling_params'\?\)"
+                                        r".*chat_template_kwargs"):
         text_llm.chat(conv, sampling_param=greedy(1), **kw)
-    with pytest.raises(TypeError, match="flag"):
+    with pytest.raises(TypeError, match=r"\['flag'\]: template variables"):  # nothing close: no guess
         text_llm.chat(conv, greedy(1), flag=True, **kw)
     out = text_llm.chat(conv, greedy(1), chat_template_content_format="string", mm_processor_kwargs=None, **kw)[0]
     assert _rendered(out, text_llm.tokenizer) == "<user>Hi</user><assistant>"
@@ -663,17 +669,17 @@ def test_vllm_engine_arguments_for_lacking_features_are_named_when_turned_on(tin
 
 
 def test_vllm_engine_arguments_at_their_defaults_run_and_name_their_feature_otherwise(tiny_ckpt, caplog):
-    """vLLM's basic_with_model_default_sampling.py passes generation_config="auto" (what minivllm does),
-    and scripts pass task, runner, data_parallel_size, ... at values that ask for nothing minivllm lacks:
-    they were 'unknown engine argument(s)'."""
-    defaults = dict(generation_config="auto", task="generate", runner="auto", data_parallel_size=1,
+    """Scripts pass task, runner, data_parallel_size, ... at values that ask for nothing minivllm lacks:
+    they were 'unknown engine argument(s)'. (generation_config is an engine argument of its own now:
+    test_generation_config_auto_vllm_or_a_directory.)"""
+    defaults = dict(task="generate", runner="auto", data_parallel_size=1,
                     async_scheduling=False, skip_tokenizer_init=False, model_impl="auto",
                     enable_expert_parallel=False, hf_overrides={}, override_generation_config=None)
     with caplog.at_level(logging.WARNING, logger="minivllm"):
         make_llm(tiny_ckpt, **defaults).shutdown()
     warned = " ".join(r.getMessage() for r in caplog.records if "ignoring vLLM engine argument" in r.getMessage())
     assert all(f"{k}=" in warned for k in defaults)
-    for kwargs, feature in (({"generation_config": "vllm"}, "generation defaults"), ({"task": "embed"}, "task"),
+    for kwargs, feature in (({"task": "embed"}, "task"),
                             ({"data_parallel_size": 2}, "data parallelism"),
                             ({"async_scheduling": True}, "asynchronous scheduling"),
                             ({"hf_overrides": {"rope_theta": 1.0}}, "overrides of the Hugging Face config"),
@@ -797,3 +803,89 @@ def test_two_profiles_at_once_are_refused_not_a_crash(tiny_ckpt, tmp_path, monke
     b.stop_profile()
     a.shutdown()
     b.shutdown()
+
+
+def test_a_tokenizer_output_given_as_a_prompt_is_refused_with_the_fix(llm):
+    # transformers 5's apply_chat_template(tokenize=True) returns a BatchEncoding where 4.x returned the ids:
+    # the vLLM idiom TokensPrompt(prompt_token_ids=tok.apply_chat_template(...)) then passed its keys as ids
+    from transformers import BatchEncoding
+
+    from minivllm import TokensPrompt
+
+    encoding = BatchEncoding({"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1]})  # (a tokenizer call's type)
+    fix = r"BatchEncoding with keys \['input_ids', 'attention_mask'\].*pass its \['input_ids'\]"
+    for prompt in (TokensPrompt(prompt_token_ids=encoding), encoding, [encoding]):
+        with pytest.raises(ValueError, match=fix):
+            llm.generate(prompt, greedy(2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"dict with keys \['input_ids'\].*pass its \['input_ids'\]"):
+        llm.generate({"input_ids": [5, 6]}, greedy(2), use_tqdm=False)
+    out = llm.generate(TokensPrompt(prompt_token_ids=encoding["input_ids"]), greedy(2), use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(encoding["input_ids"]) and len(out.outputs[0].token_ids) == 2
+
+
+def test_truncate_prompt_tokens_above_the_room_names_itself(tiny_ckpt):
+    llm = make_llm(tiny_ckpt, max_model_len=16)
+    try:
+        with pytest.raises(ValueError, match=r"truncate_prompt_tokens=100 keeps 20 tokens.*max_model_len - 1 = 15"):
+            llm.generate(prompts_of([20])[0], greedy(2, truncate_prompt_tokens=100), use_tqdm=False)
+        out = llm.generate(prompts_of([20])[0], greedy(2, truncate_prompt_tokens=15), use_tqdm=False)[0]
+        assert len(out.prompt_token_ids) == 15
+    finally:
+        llm.shutdown()
+
+
+def test_request_metrics_answer_to_vllm_names(llm):
+    m = llm.generate(prompts_of([5])[0], greedy(3), use_tqdm=False)[0].metrics
+    assert m.last_token_time == m.token_times[-1] and m.num_generation_tokens == 3
+    assert m.time_in_queue == pytest.approx(m.queue_ms / 1e3) and m.time_in_queue >= 0
+    assert m.first_token_latency == pytest.approx(m.ttft_ms / 1e3) and m.first_token_latency > 0
+    from minivllm.outputs import RequestMetrics
+
+    fresh = RequestMetrics(arrival_time=1.0)
+    assert (fresh.last_token_time, fresh.time_in_queue, fresh.first_token_latency, fresh.num_generation_tokens) == (
+        None, None, None, 0)
+
+
+def test_vllm_engine_internals_say_where_they_are_here(llm):
+    for name, where in (("model_executor", "llm.llm_engine.runner.model"), ("vllm_config", "llm.llm_engine.config"),
+                        ("cache_config", "num_kv_blocks"), ("scheduler_config", "scheduler.config")):
+        with pytest.raises(AttributeError, match=re.escape(where)):
+            getattr(llm.llm_engine, name)
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        llm.llm_engine.nope
+    assert getattr(llm.llm_engine, "model_executor", None) is None  # hasattr-style probes still work
+    assert llm.llm_engine.scheduler.config.max_model_len == llm.llm_engine.config.max_model_len
+
+
+def test_generation_config_auto_vllm_or_a_directory(tiny_ckpt, tmp_path):
+    ckpt = _with_generation_config(tiny_ckpt, tmp_path / "gen", temperature=0.7, top_k=20)
+    auto = make_llm(ckpt)
+    assert (auto.get_default_sampling_params().temperature, auto.llm_engine.args.generation_config) == (0.7, "auto")
+    auto.shutdown()
+    own = make_llm(ckpt, generation_config="vllm")  # vLLM's: SamplingParams' defaults, the file ignored
+    assert own.get_default_sampling_params() == SamplingParams()
+    own.shutdown()
+    elsewhere = make_llm(tiny_ckpt, generation_config=ckpt)  # a directory (a Path too) holding the file
+    assert elsewhere.get_default_sampling_params().top_k == 20
+    elsewhere.shutdown()
+    with pytest.raises(ValueError, match=r"generation_config='nope'.*'auto'.*'vllm'"):
+        EngineArgs(model=str(tiny_ckpt), generation_config="nope")
+
+
+def test_vllm_import_lines_and_arguments_of_scripts(tiny_ckpt):
+    from minivllm import PromptType  # vLLM exports it at top level
+    from minivllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
+                                                     get_tp_size)
+    from minivllm.utils import random_uuid
+
+    assert PromptType is __import__("minivllm.inputs").inputs.PromptType
+    ids = {random_uuid() for _ in range(3)}
+    assert len(ids) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    assert get_tp_size() == 1
+    with pytest.raises(TypeError, match="convert='embed': converting the model for pooling"):
+        EngineArgs(model=str(tiny_ckpt), convert="embed")
+    with pytest.raises(TypeError, match="calculate_kv_scales=True: fp8 KV-cache scales"):
+        EngineArgs(model=str(tiny_ckpt), convert="auto", calculate_kv_scales=True)
+    EngineArgs(model=str(tiny_ckpt), convert="none", calculate_kv_scales=False, max_parallel_loading_workers=2)

@@ -147,3 +147,15 @@ def tensor_model_parallel_gather(t: torch.Tensor, dim: int = -1, dst: int = 0) -
         opts.rootRank = dst
         st.group.gather([parts] if parts is not None else [], [t], opts).wait()
     return torch.cat(parts, dim=dim) if parts is not None else None
+
+
+def destroy_model_parallel() -> None:
+    """vLLM's cleanup call (``del llm; destroy_model_parallel(); gc.collect()``, in scripts that build
+    several engines). Here an engine's worker processes, process group and KV cache are freed by
+    ``LLM.shutdown()`` (or when the ``LLM`` is collected); this only resets this process's
+    tensor-parallel state to rank 0 of 1, as :func:`set_tp` left it before any engine."""
+    global _GLOBAL
+    _GLOBAL = TPState(0, 1, None)
+
+
+destroy_distributed_environment = destroy_model_parallel  # vLLM's second cleanup call: the same here

@@ -16,6 +16,7 @@ import math
 import operator
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
@@ -80,6 +81,36 @@ class StepResult:
     record: StepRecord
 
 
+#: vLLM's engine internals that scripts reach for -> where the same thing is here
+_VLLM_ENGINE_ATTRIBUTES = {
+    "model_executor": "vLLM's executor of worker processes; here the model is in this process: "
+                      "llm.llm_engine.runner.model (with tensor parallelism, rank 0's shard)",
+    "vllm_config": "vLLM's bundle of configs; here llm.llm_engine.config (an EngineConfig: device, dtype, "
+                   "block_size, num_kv_blocks, max_model_len, max_num_batched_tokens, and the arguments as .args) "
+                   "and llm.llm_engine.model_config",
+    "cache_config": "vLLM's KV-cache config; here llm.llm_engine.config.num_kv_blocks blocks of "
+                    "llm.llm_engine.config.block_size tokens (llm.llm_engine.config.kv_cache_dtype: their dtype)",
+    "scheduler_config": "here llm.llm_engine.scheduler.config (max_num_seqs, max_num_batched_tokens, "
+                        "max_model_len, ...)",
+    "parallel_config": "here llm.llm_engine.config.args.tensor_parallel_size (no pipeline or data parallelism)",
+}
+
+
+def _refuse_encoding(value, name: str) -> None:
+    """A tokenizer's output (transformers' ``BatchEncoding``, or a dict with ``input_ids``) given as
+    a prompt: refused with the fix. transformers 5's ``apply_chat_template(..., tokenize=True)``
+    returns one where 4.x returned the ids, so the vLLM idiom ``TokensPrompt(prompt_token_ids=
+    tok.apply_chat_template(...))`` lands here.
+
+    Raises:
+        ValueError: naming the value's type and what to pass instead.
+    """
+    if isinstance(value, Mapping) and "input_ids" in value and "prompt_token_ids" not in value:
+        raise ValueError(f"{name}: got a {type(value).__name__} with keys {list(value.keys())} (what a tokenizer call "
+                         f"returns, and transformers 5's apply_chat_template with tokenize=True): pass its "
+                         f"['input_ids'], a list of token ids")
+
+
 class StepTimer:
     """Milliseconds spent in each phase of a step, from ``time.perf_counter`` marks."""
 
@@ -127,7 +158,9 @@ class LLMEngine:
         self.source = with_tokenizer(resolve_model(args.model), args.tokenizer)
         #: the checkpoint's recommended sampling settings (generation_config.json): a bad value is
         #: named now, before the weights load, not at the first generate() without sampling_params
-        self.default_sampling_params = default_sampling_params(self.source.checkpoint_dir)
+        gen_dir = {"auto": self.source.checkpoint_dir, "vllm": None}.get(args.generation_config,
+                                                                         args.generation_config)
+        self.default_sampling_params = default_sampling_params(gen_dir)
         hf = self.source.hf_config
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
@@ -209,11 +242,11 @@ class LLMEngine:
                     "kv_blocks=%d max_model_len=%d max_num_batched_tokens=%d", self.source.name, device,
                     dtype, self.config.attention_backend, block_size, self.runner.num_kv_blocks,
                     max_model_len, budget)
-        defaults = generation_defaults(self.source.checkpoint_dir)
+        defaults = generation_defaults(gen_dir)
         if defaults:  # as vLLM says: a generate() without sampling_params does not get SamplingParams()'s defaults
-            logger.info("default sampling parameters from the checkpoint's generation_config.json (used when "
-                        "generate() gets no sampling_params): %s",
-                        ", ".join(f"{k}={v!r}" for k, v in defaults.items()))
+            where = "the checkpoint's" if gen_dir == self.source.checkpoint_dir else f"{str(gen_dir)!r}:"
+            logger.info("default sampling parameters from %s generation_config.json (used when generate() gets no "
+                        "sampling_params): %s", where, ", ".join(f"{k}={v!r}" for k, v in defaults.items()))
 
     def _proposer(self, runner_config: RunnerConfig, kv_tokens: int):
         """The speculative proposer ``speculative_config`` asks for (None: no speculation)."""
@@ -312,11 +345,13 @@ class LLMEngine:
                 room to generate (``len >= max_model_len``); the message names the value.
         """
         given_text = None
+        _refuse_encoding(prompt, "prompt")
         if isinstance(prompt, dict):
             if prompt.get("multi_modal_data") is not None:
                 raise ValueError("multi_modal_data: minivllm serves text-only models (give None or leave it out)")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
+                _refuse_encoding(ids, "prompt_token_ids")
                 if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
                     raise ValueError(f"prompt_token_ids={ids!r}: must be a list of token ids")
                 given_text = prompt.get("prompt")
@@ -348,6 +383,10 @@ class LLMEngine:
         if truncate_prompt_tokens is not None:
             keep = self.config.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             ids = ids[-keep:]
+        if len(ids) >= self.config.max_model_len and truncate_prompt_tokens is not None:
+            raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} keeps {len(ids)} tokens of the prompt: "
+                             f"at most max_model_len - 1 = {self.config.max_model_len - 1} leave room to generate "
+                             f"(give at most that, or -1 for exactly that)")
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate: "
                              f"max_model_len={self.config.max_model_len} (keep its last tokens with "
@@ -612,6 +651,13 @@ class LLMEngine:
         return len(self.requests)
 
     # -- the step ----------------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        # only for names the engine lacks: vLLM's internals that scripts reach for say where they are here
+        hint = _VLLM_ENGINE_ATTRIBUTES.get(name)
+        if hint is not None:
+            raise AttributeError(f"LLMEngine.{name}: {hint} (README, 'Coming from vLLM or nano-vllm')")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, forward, sample, apply, outputs (vLLM's ``step``).
 
