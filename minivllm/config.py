@@ -309,6 +309,7 @@ class EngineArgs:
             TypeError: an argument that is neither ours nor a known vLLM one (naming it), a vLLM
                 argument for a feature minivllm lacks (naming the feature), or an argument given
                 under both its name and an alias.
+            ValueError: an argument's bad value (naming it; the class docstring's checks).
         """
         return cls(model=model, **kwargs)
 

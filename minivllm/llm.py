@@ -57,7 +57,9 @@ def _as_prompt_list(prompts) -> list:
 #: nano-vllm's engine calls on its LLM -> what does it here
 _NANO_ENGINE_CALLS = {
     "add_request": "llm.llm_engine.add_request(request_id, prompt, params)",
-    "step": "llm.llm_engine.step() (it returns RequestOutputs, not nano-vllm's (outputs, num_tokens))",
+    "step": "llm.llm_engine.step() (it returns a list of RequestOutputs, not nano-vllm's (outputs, num_tokens): the "
+            "step's token counts are llm.llm_engine.last_step_record.num_prefill_tokens / num_decode_tokens, or "
+            "step_with_record() returns both)",
     "is_finished": "not llm.llm_engine.has_unfinished_requests()",
     "exit": "llm.shutdown() (on the LLM) frees it",
 }
@@ -115,15 +117,19 @@ class LLM:
         hint = _NANO_ENGINE_CALLS.get(name)
         if hint is not None:
             raise AttributeError(f"LLM.{name}: nano-vllm's LLM is its engine; here, as in vLLM, the engine is "
-                                 f"llm.llm_engine: {hint}")
+                                 f"llm.llm_engine: {hint}", name="")  # (no "Did you mean" guess at a private name)
         hint = _VLLM_LACKING_CALLS.get(name)
         if hint is not None:
-            raise AttributeError(f"LLM.{name}: {hint} (README, 'Coming from vLLM or nano-vllm')")
+            raise AttributeError(f"LLM.{name}: {hint} (README, 'Coming from vLLM or nano-vllm')", name="")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- helpers --------------------------------------------------------------------------
     @property
     def engine(self) -> LLMEngine:
+        """The live engine (``llm_engine``), checked.
+
+        Raises:
+            RuntimeError: the LLM has been shut down (``shutdown()``)."""
         if self.llm_engine.is_shut_down:
             raise RuntimeError("this LLM has been shut down (LLM.shutdown()): make a new LLM")
         return self.llm_engine
@@ -296,7 +302,10 @@ class LLM:
                 ``lora_request``, a nonzero ``priority`` or bad ``tokenization_kwargs``, before
                 anything is scheduled.
             TypeError: a ``use_tqdm`` callable that does not take tqdm's arguments.
-            RuntimeError: the LLM has been shut down, or a tensor-parallel worker died.
+            RuntimeError: the LLM has been shut down, or a tensor-parallel worker died; or (both
+                naming the requests) a request's outputs were lost to an interrupt after its step
+                committed while another call stepped it to its end, or the scheduler made no
+                progress with requests waiting (a bug).
         """
         inbox: deque[RequestOutput] = deque()
         ids: list[str] = []
@@ -333,10 +342,13 @@ class LLM:
         tokens (vLLM's DELTA kind): one token, or several in a step of speculative decoding;
         ``outputs[0].text`` / ``.token_ids`` hold only what is new; ``finished`` is True on a
         request's last item. Closing the iterator early aborts the unfinished requests.
+        ``prompts``, ``sampling_params``, ``lora_request`` and ``tokenization_kwargs`` are
+        :meth:`generate`'s.
 
         Raises:
-            ValueError / TypeError: as :meth:`generate` for bad prompts or parameters; a generator
-                checks them when first advanced (``next``), not when called.
+            ValueError: as :meth:`generate` for bad prompts or parameters; a generator checks them
+                when first advanced (``next``), not when called.
+            RuntimeError: as :meth:`generate` (shut down, a worker died, lost outputs).
         """
         inbox: deque[RequestOutput] = deque()
         ids: list[str] = []
@@ -369,6 +381,9 @@ class LLM:
         string templates: :func:`minivllm.chat.text_messages`).
 
         Args:
+            messages: one conversation, or a list (or tuple) of them.
+            sampling_params / use_tqdm / lora_request: as :meth:`generate`'s (one ``SamplingParams``
+                per conversation, or one for all).
             chat_template: a Jinja template used instead of the tokenizer's.
             add_generation_prompt: end the prompt with the assistant turn's opening.
             continue_final_message: leave the last (assistant) message open so the model
@@ -394,6 +409,7 @@ class LLM:
                 a non-text content part (naming it), a content format other than "auto" or
                 "string", ``chat_template_kwargs`` naming ``chat_template`` or ``tokenize`` (as vLLM),
                 ``mm_processor_kwargs``, or a bad prompt.
+            RuntimeError: as :meth:`generate` (the LLM shut down, a worker died, lost outputs).
         """
         if unknown:
             import difflib

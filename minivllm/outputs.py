@@ -45,17 +45,20 @@ class RequestMetrics:
 
     @property
     def ttft_ms(self) -> float | None:
+        """Time to first token, ms (None before it)."""
         if self.first_token_time is None:
             return None
         return (self.first_token_time - self.arrival_time) * 1e3
 
     @property
     def itl_ms(self) -> list[float]:
+        """Inter-token latencies, ms: one per gap between consecutive output tokens."""
         t = self.token_times
         return [(b - a) * 1e3 for a, b in zip(t, t[1:])]
 
     @property
     def tpot_ms(self) -> float | None:
+        """Time per output token after the first, ms (None with fewer than two)."""
         t = self.token_times
         if len(t) < 2:
             return None
@@ -63,12 +66,14 @@ class RequestMetrics:
 
     @property
     def e2e_ms(self) -> float | None:
+        """Arrival to finish, ms (None while running)."""
         if self.finished_time is None:
             return None
         return (self.finished_time - self.arrival_time) * 1e3
 
     @property
     def queue_ms(self) -> float | None:
+        """Arrival to first scheduled, ms (None before it)."""
         if self.first_scheduled_time is None:
             return None
         return (self.first_scheduled_time - self.arrival_time) * 1e3
@@ -147,6 +152,7 @@ class CompletionOutput:
     lora_request = None  # a class attribute, not a field: vLLM's, never set here
 
     def finished(self) -> bool:
+        """vLLM's ``CompletionOutput.finished()``: whether this completion has ended (a finish reason)."""
         return self.finish_reason is not None
 
 
@@ -156,7 +162,8 @@ class RequestOutput:
     (vLLM's ``RequestOutput``; no slots, so ``vars(output)`` works and scripts may attach attributes).
 
     Attributes:
-        request_id: the id given at ``add_request`` (``LLM`` uses "0", "1", ... per call).
+        request_id: the id given at ``add_request`` (``LLM`` numbers its requests "0", "1", ...,
+            counting on across calls: unique within one ``LLM``).
         prompt: the prompt text, or None when the prompt was given as token ids (unless a
             ``{"prompt_token_ids": ..., "prompt": ...}`` prompt gave its text too).
         prompt_token_ids: the prompt's token ids.
@@ -245,9 +252,11 @@ class RequestOutput:
         return [(k, self[k]) for k in self._MAPPING_KEYS]
 
     def values(self) -> list:
+        """``[text, token_ids]`` of the first completion, as nano-vllm's dict gives them."""
         return [self[k] for k in self._MAPPING_KEYS]
 
     def get(self, key: str, default=None):
+        """``self[key]`` for "text" or "token_ids", else ``default`` (nano-vllm's dict's ``get``)."""
         return self[key] if key in self._MAPPING_KEYS else default
 
     # Not iterable, no len(): with them pandas and numpy took a list of outputs for a table of two

@@ -902,3 +902,8 @@ def test_sweep_summary_judges_the_targets_on_unrounded_figures(monkeypatch):
     report.print_sweep_summary(_summary_result("minivllm-tiny", 0.95, 0.62, 0.66, 2.79, 2.0, dtype="bfloat16"),
                                lines.append)
     assert "target" not in lines[2]  # the targets are for float32 runs
+
+
+def test_overhead_refuses_a_negative_warmup_before_building_anything():
+    with pytest.raises(ValueError, match="warmup_steps=-1: must be >= 0"):
+        run_overhead(warmup_steps=-1, nanovllm=False, log=lambda *a: None)

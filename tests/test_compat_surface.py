@@ -889,3 +889,27 @@ def test_vllm_import_lines_and_arguments_of_scripts(tiny_ckpt):
     with pytest.raises(TypeError, match="calculate_kv_scales=True: fp8 KV-cache scales"):
         EngineArgs(model=str(tiny_ckpt), convert="auto", calculate_kv_scales=True)
     EngineArgs(model=str(tiny_ckpt), convert="none", calculate_kv_scales=False, max_parallel_loading_workers=2)
+
+
+def test_nano_vllm_engine_calls_say_what_to_use(tiny_ckpt, llm):
+    """LLMEngine(path, enforce_eager=True) was a bare "unexpected keyword argument"; the engine's
+    is_finished / exit / model_runner plain AttributeErrors; LLM.step's hint did not say where the
+    step's token counts went, and Python appended "Did you mean: '_step'?" to it."""
+    for args, kwargs in (((str(tiny_ckpt),), {"enforce_eager": True}), ((), {"model": str(tiny_ckpt)})):
+        with pytest.raises(TypeError, match=r"nano-vllm's LLMEngine\(model, \*\*kwargs\) is LLM\(model, \*\*kwargs\)"):
+            LLMEngine(*args, **kwargs)
+    for name, where in (("is_finished", "has_unfinished_requests()"), ("exit", "llm.shutdown()"),
+                        ("model_runner", "llm.llm_engine.runner")):
+        with pytest.raises(AttributeError, match=re.escape(where)):
+            getattr(llm.llm_engine, name)
+    with pytest.raises(AttributeError, match="last_step_record.num_prefill_tokens") as caught:
+        llm.step()
+    import traceback
+
+    assert "Did you mean" not in "".join(traceback.format_exception(caught.value))
+
+
+def test_an_out_of_vocabulary_id_names_the_model_and_a_model_that_takes_it(llm):
+    with pytest.raises(ValueError, match=r"token id 6311 is outside the vocabulary \[0, \d+\) of .*"
+                                         r"model='random:qwen3-0.6b'"):
+        llm.generate([[5, 6311]], greedy(1), use_tqdm=False)

@@ -28,8 +28,9 @@ class UtilisationMonitor(CourseWidget):
       (``time.perf_counter``);
     * a roofline: one point per step at (arithmetic intensity, achieved FLOP/s), the
       step's FLOPs and bytes from ``minivllm.telemetry.roofline`` over its measured wall
-      time, under the ceilings ``min(peak FLOP/s, intensity x peak bytes/s)`` measured on
-      this machine by ``minivllm.telemetry.peaks``.
+      time, under the ceilings ``min(peak FLOP/s, intensity x read bandwidth)`` measured on
+      this machine by ``minivllm.telemetry.peaks`` (``Peaks.mbu_bytes_per_s``: the read
+      bandwidth where measured, else the copy's).
 
     Args:
         llm: a ``minivllm.LLM`` or ``LLMEngine`` (idle while the workload runs).

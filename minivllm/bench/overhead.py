@@ -109,7 +109,13 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
     figures of a ratio come from the same few hundred milliseconds (a shared machine's speed
     drifts over minutes: a round's batch-1 ratio ranged 0.47-0.99 in one run, docs/benchmarks.md run AN), and at the engine's block size (a block boundary costs each
     engine an allocation and a block hash). A missing or failing peer is reported in
-    ``OverheadResult.peer``, not raised.
+    ``OverheadResult.peer``, not raised. The first decode step carrying the whole batch is
+    always a warm-up step, so ``warmup_steps`` 0 and 1 run the same.
+
+    Raises:
+        ValueError: ``rounds`` or ``decode_steps`` below 1, ``warmup_steps`` below 0, or a batch size
+            below 1 or above a ``max_num_seqs`` / ``max_num_batched_tokens`` given (naming them).
+        RuntimeError: a round's steps did not take the shape the run needs (never expected).
     """
     import torch
 
@@ -117,6 +123,8 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
 
     if rounds < 1 or decode_steps < 1:
         raise ValueError(f"rounds and decode_steps must be >= 1, got rounds={rounds}, decode_steps={decode_steps}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps}: must be >= 0")
     check_batch_sizes(batch_sizes, engine_args)
     peer, peer_result = None, None
     if nanovllm:

@@ -30,7 +30,9 @@ class QuantizationResult(ResultMixin):
         prompt_len / decode_tokens / rounds: the timed workload (batch 1).
         loadavg_start / loadavg_end: 1/5/15-minute load averages around the timed runs.
         base / quant: per engine ``median_itl_ms``, ``best_tpot_ms``, ``tpot_ms`` (every round),
-            ``bytes_per_step``, ``achieved_bytes_per_s`` (bytes_per_step / median ITL), ``mbu``
+            ``bytes_per_step`` (the roofline model's bytes for one decode step at the run's middle
+            context, ``prompt_len + decode_tokens // 2``: ``minivllm.telemetry.roofline.step_cost``,
+            computed, not measured), ``achieved_bytes_per_s`` (bytes_per_step / median ITL), ``mbu``
             (None without peaks) and ``weight_bytes`` (ModelCost: layers + LM head).
         speedup: base median ITL / quant median ITL (> 1: int8 is faster).
         agreement: :func:`minivllm.quantization.accuracy.compare_greedy` (base as reference).

@@ -93,6 +93,10 @@ _VLLM_ENGINE_ATTRIBUTES = {
     "scheduler_config": "here llm.llm_engine.scheduler.config (max_num_seqs, max_num_batched_tokens, "
                         "max_model_len, ...)",
     "parallel_config": "here llm.llm_engine.config.args.tensor_parallel_size (no pipeline or data parallelism)",
+    # nano-vllm's engine
+    "is_finished": "nano-vllm's; here not llm.llm_engine.has_unfinished_requests()",
+    "exit": "nano-vllm's; here llm.shutdown() (on the LLM) frees the engine",
+    "model_runner": "nano-vllm's; here llm.llm_engine.runner (its model: .runner.model)",
 }
 
 
@@ -149,9 +153,10 @@ class LLMEngine:
         TypeError: ``args`` is not an ``EngineArgs`` (nano-vllm's ``LLMEngine(model, ...)``).
     """
 
-    def __init__(self, args: EngineArgs):
-        if not isinstance(args, EngineArgs):  # nano-vllm's LLMEngine(model, **kwargs) is its LLM
-            raise TypeError(f"LLMEngine({args!r}): takes EngineArgs(model=..., ...) (or use "
+    def __init__(self, args: EngineArgs = None, **kwargs):
+        if kwargs or not isinstance(args, EngineArgs):  # nano-vllm's LLMEngine(model, **kwargs) is its LLM
+            given = ", ".join([repr(args)] * (args is not None) + [f"{k}={v!r}" for k, v in kwargs.items()])
+            raise TypeError(f"LLMEngine({given}): takes EngineArgs(model=..., ...), one (or use "
                             "LLMEngine.from_engine_args); nano-vllm's LLMEngine(model, **kwargs) is LLM(model, **kwargs) "
                             "here, its engine llm.llm_engine")
         self.args = args
@@ -323,6 +328,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        """vLLM's constructor: ``LLMEngine(args)`` (raises as the class does)."""
         return cls(args)
 
     def get_model_config(self) -> ModelConfig:
@@ -375,7 +381,11 @@ class LLMEngine:
             text, ids = given_text, [_token_id(t) for t in prompt]
             for t in ids:
                 if not 0 <= t < self.vocab_size:
-                    raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+                    hint = ("; ids drawn for a real model (nano-vllm's bench.py draws them below 10,000) need one of "
+                            "its vocabulary, e.g. model='random:qwen3-0.6b'" if t >= 0 and self.vocab_size < 10_000
+                            else "")
+                    raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size}) of "
+                                     f"{self.source.name}{hint}")
         else:
             raise ValueError(f"prompt {prompt!r}: expected str, list[int] or {{'prompt_token_ids': [...]}}")
         if not ids:
@@ -469,8 +479,11 @@ class LLMEngine:
             TypeError: ``prompt`` is a ``SamplingParams`` (nano-vllm's argument order), both
                 ``params`` and ``sampling_params`` are given, or ``request_id`` is neither a str
                 nor an int.
-            ValueError: a bad prompt, request id already in use, or bad parameters (naming the
-                value; the parameters are checked as they are now, lists changed in place included).
+            ValueError: a bad prompt, request id already in use, bad parameters (naming the
+                value; the parameters are checked as they are now, lists changed in place included),
+                an ``output_kind`` not among the three, an ``arrival_time`` that is not a finite
+                number, a ``priority`` other than 0, a ``lora_request`` other than None, or bad
+                ``tokenization_kwargs``.
         """
         self._require_live()
         if isinstance(prompt, SamplingParams):  # nano-vllm's add_request(prompt, sampling_params)
@@ -645,17 +658,20 @@ class LLMEngine:
         return merged
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running (vLLM's; ``step()`` until it is False)."""
         return self.scheduler.has_unfinished()
 
     def get_num_unfinished_requests(self) -> int:
+        """Unfinished requests as the engine runs them: each completion of an ``n > 1`` request
+        counts as one (its samples are requests of their own, sharing the prompt's cache)."""
         return len(self.requests)
 
     # -- the step ----------------------------------------------------------------------------
     def __getattr__(self, name: str):
         # only for names the engine lacks: vLLM's internals that scripts reach for say where they are here
         hint = _VLLM_ENGINE_ATTRIBUTES.get(name)
-        if hint is not None:
-            raise AttributeError(f"LLMEngine.{name}: {hint} (README, 'Coming from vLLM or nano-vllm')")
+        if hint is not None:  # (name="": no "Did you mean" guess at a private name after the hint)
+            raise AttributeError(f"LLMEngine.{name}: {hint} (README, 'Coming from vLLM or nano-vllm')", name="")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def step(self) -> list[RequestOutput]:
@@ -783,7 +799,9 @@ class LLMEngine:
     def measure_peaks(self, refresh: bool = False) -> Peaks:
         """Measure (or read from the per-machine cache) this device's peak matmul FLOP/s and
         memory bandwidth (copy and read; MBU divides by the read figure), so later
-        ``StepRecord``s carry MFU and MBU (``minivllm.telemetry.peaks.get_peaks``)."""
+        ``StepRecord``s carry MFU and MBU (``minivllm.telemetry.peaks.get_peaks``). ``refresh``:
+        measure now even where a cached figure exists (this call then returns the new figures;
+        the cache keeps the larger of each)."""
         self.peaks = get_peaks(self.config.device, self.config.dtype, refresh=refresh)
         return self.peaks
 

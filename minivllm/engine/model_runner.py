@@ -825,6 +825,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def run(self, plan: SchedulerOutput) -> RunnerOutput:
+        """One step's forward and sampling: inputs from ``plan``, the model (a CPU or CUDA graph's
+        replay where one applies), the logits of the rows that sample, the sampler (with drafts:
+        their verification). Returns a ``RunnerOutput``: the sequences that got tokens and their
+        token ids (-1 for a row that could not sample, also listed in ``failed``), logprobs, and
+        the prepare / model / sample times in ms. Changes no request state (the scheduler
+        applies the output)."""
         t0 = time.perf_counter()
         inp = self.prepare_input(plan)
         t1 = time.perf_counter()
@@ -865,6 +871,8 @@ class ModelRunner:
                         logprobs = [logprobs[r] for r in first_rows]
             if -1 in tokens:
                 failed = {seq for seq, t in zip(seqs, tokens) if t == -1}
+        if not inp.sampling_seqs:  # nothing read back to wait on (a prompt chunk that samples nothing): on
+            self._sync()           # CUDA wait here, or its forward's time would land in the next step's
         if prompt_rows is not None:
             with torch.inference_mode():
                 prompt_logprobs = self._prompt_logprobs(prompt_logits, prompt_rows[1])
@@ -933,6 +941,7 @@ class ModelRunner:
         return out
 
     def shutdown(self) -> None:
+        """Free the KV cache, the graphs and the model (the engine's ``shutdown`` calls it)."""
         if getattr(self, "kv_prefaulter", None) is not None:
             self.kv_prefaulter.close()
             self.kv_prefaulter = None

@@ -186,6 +186,12 @@ class Scheduler:
 
     # -- the step plan -----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """This step's plan (the module docstring's rules): the running sequences' decodes first,
+        then their unfinished prefills, then admitted waiting requests, within the token budget,
+        ``max_num_seqs`` and the KV pool. Grows block tables (and may preempt the most recently
+        admitted running sequences, by recompute, to do so); the step's transaction undoes it all
+        if the step fails. Returns a ``SchedulerOutput`` (``scheduled``: decodes, then prefill
+        chunks; ``preempted``)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager

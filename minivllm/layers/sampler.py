@@ -286,7 +286,9 @@ class Sampler:
         return ids.tolist()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """``logits``: fp32 ``[N, V]`` (not modified). Returns int64 ``[N]`` token ids.
+        """``logits``: fp32 ``[N, V]`` (not modified). Returns int64 ``[N]`` token ids, -1 for a
+        row with nothing to draw (its own processors or penalties masked every token, or made a
+        logit non-finite); the runner also marks -1 a row whose logits were not finite.
 
         With ``batch.keep_processed``, ``self.processed_logits`` is then the fp32 ``[N, V]``
         logits the draw used: after the processors and penalties, divided by the temperature

@@ -98,8 +98,9 @@ class StepRecord:
 
     Times are ``time.perf_counter`` seconds (``start_time``, ``end_time``) and
     milliseconds (``*_ms``). On CPU the model time is taken around a synchronous
-    forward; on CUDA the step is synchronised before ``end_time`` is read, so
-    ``wall_ms`` is real device time plus host overhead.
+    forward; on CUDA the step is synchronised before ``end_time`` is read (reading the sampled
+    tokens back waits for the device; a step that samples nothing, a prompt chunk, synchronises
+    explicitly), so ``wall_ms`` is real device time plus host overhead.
 
     Attributes:
         index: 0-based step number since the engine started.
