@@ -43,8 +43,9 @@ def hash_block(parent_hash: int | None, token_ids) -> int:
     little-endian bytes.
 
     Fast, 64 bits, not collision resistant: a hit is always verified (``match_prefix``). The
-    bytes come from one ``struct`` pack (~0.3 us for a 16-token block; a numpy array and two
-    hasher updates took ~1 us, paid at every block a decode fills)."""
+    bytes come from one ``struct`` pack: 0.84 us for a 16-token block with its parent, against 2.63 us
+    for a numpy array and two hasher updates (best of 5 x 20,000, ``timeit``; 2-core Xeon dev VM, 2026-12-06), paid at every
+    block a decode fills."""
     n = len(token_ids)
     if parent_hash is None:
         return _xxh64(_packer(False, n).pack(*token_ids))

@@ -88,7 +88,8 @@ class StagedModelInput(ModelInput):
     """A ``ModelInput`` staged into the decode graphs' static buffers (``graph_rows`` rows).
     Its ``meta`` is built when first read (views of the buffers, valid until the next stage;
     ``CudaGraphDecodeRunner.staged_meta``): a replay reads the buffers, not metadata, so a
-    step nobody inspects does not build it (~2 us of a batch-1 step's overhead). Read after
+    step nobody inspects does not build it (``staged_meta(1)`` took 4.3 us, best of 5 x 5,000;
+    embedded model, CPU graphs, 2-core Xeon dev VM, 2026-12-06). Read after
     a later step was staged, it raises ``ValueError`` rather than describe that step.
     Compared by identity (the fields are views of buffers every step reuses)."""
 

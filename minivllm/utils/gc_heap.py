@@ -38,8 +38,9 @@ _holders: list[object] = []
 
 def caller_froze_heap() -> bool:
     """Someone other than :func:`heap_frozen` has frozen the heap (``gc.freeze``). Ask it once per
-    stepping loop, not per step: ``gc.get_freeze_count`` walks the frozen objects (~4-20 ms for the
-    ~200k of torch and transformers; nothing to walk when nothing is frozen)."""
+    stepping loop, not per step: ``gc.get_freeze_count`` walks the frozen objects (19.9 ms for the
+    219,198 of a process holding torch, transformers and an embedded-model ``LLM``, one call; 2-core Xeon dev VM, 2026-12-06;
+    nothing to walk when nothing is frozen)."""
     with _lock:
         return not _holders and gc.get_freeze_count() > 0
 
