@@ -113,6 +113,9 @@ class EngineStepper(CourseWidget):
     State for code and tests: ``steps`` (the ``StepRecord`` of every step taken through
     this widget), ``request_ids``, ``generated_token_count``, ``processed_prompt_tokens``,
     ``kv_blocks_used``, ``is_running``, ``last_message``, ``outside_steps``.
+
+    Raises:
+        ValueError: ``max_run_steps`` not an int of at least 1.
     """
 
     def __init__(self, llm, *, prompt: str = "The function returns", max_tokens: int = 16,

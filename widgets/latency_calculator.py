@@ -46,6 +46,11 @@ class LatencyCalculator(CourseWidget):
     State for code and tests: ``models`` (name -> fitted ``LatencyModel``), ``sweeps``,
     ``prediction`` (the current point's dict), ``measurements`` (list of dicts, one per
     press of "measure this point").
+
+    Raises:
+        ValueError: an empty dict of LLMs; what the sweep refuses (``widgets.measure``: an engine
+            with unfinished requests, a batch size above ``max_num_seqs``, a prompt that does not
+            fit ``max_model_len``).
     """
 
     #: below this R² the readout warns that the fitted model describes its own measurements poorly

@@ -159,7 +159,9 @@ def measure_decode_batch(llm, batch_sizes=(1, 2, 4, 8), prompt_len: int = 16, de
     model at batch 1, one thread, Zen 4, 2026-12-04: 0.85, 0.69, 0.50, 0.41 ms, then 0.33-0.38 ms).
 
     Raises:
-        ValueError: a batch size above the engine's ``max_num_seqs``, or ``warmup_steps`` below 0.
+        ValueError: a batch size above the engine's ``max_num_seqs``, ``warmup_steps`` below 0, a
+            ``prompt_len`` that is not a positive int, or an engine with unfinished requests
+            (measuring beside them would time their steps too).
     """
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps={warmup_steps}: must be >= 0")

@@ -70,7 +70,10 @@ class SamplingBatch:
         return self.all_greedy and not self.any_penalty and self.processing is None
 
     def rows(self, index: slice) -> "SamplingBatch":
-        """The settings of the rows in ``index`` (a slice) only."""
+        """The settings of the rows in ``index`` (a slice) only: temperatures, filters, repetition
+        penalties and generators. ``processing``, ``num_logprobs`` and ``keep_processed`` are not
+        carried: its caller (draft verification) serves only requests without logits processors,
+        penalties or logprobs (``minivllm.spec_decode.proposal.may_speculate``)."""
         if self.temperatures is None:
             return SamplingBatch.greedy(len(self.generators[index]))
         return SamplingBatch(self.temperatures[index], self.top_k[index], self.top_p[index], self.min_p[index],

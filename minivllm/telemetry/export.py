@@ -55,7 +55,9 @@ def step_to_dict(step: Any) -> dict:
 def request_to_dict(req: Any) -> dict:
     """A ``RequestOutput`` (or its dict) as plain data: ids, token counts, finish
     reason, cached tokens and every field of its ``metrics`` (times in
-    perf_counter seconds, derived figures in ms, ``itl_ms`` a list)."""
+    perf_counter seconds, derived figures in ms, ``itl_ms`` a list). The output token count
+    and finish reason are the first completion's (``outputs[0]``; with ``n > 1`` the others
+    are not counted)."""
     if isinstance(req, dict):
         return _plain(req)
     out0 = req.outputs[0] if getattr(req, "outputs", None) else None
@@ -108,7 +110,12 @@ def save_run_json(path: str | Path, steps: Iterable[Any] = (), requests: Iterabl
 
 
 def load_run_json(path: str | Path) -> dict:
-    """Read a file written by :func:`save_run_json`."""
+    """Read a file written by :func:`save_run_json`.
+
+    Raises:
+        ValueError: the file is JSON but not a run export (no ``steps``), or not JSON
+            (``json.JSONDecodeError``, a ValueError).
+        OSError: the file cannot be read."""
     with open(path) as f:
         data = json.load(f)
     if not isinstance(data, dict) or "steps" not in data:

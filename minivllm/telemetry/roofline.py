@@ -61,7 +61,10 @@ __all__ = [
 
 def dtype_nbytes(dtype: Any) -> int:
     """Bytes per element of ``dtype``: a ``torch.dtype``, a name ("bfloat16",
-    "fp32", "torch.float16", ...) or a positive int (taken as the byte count)."""
+    "fp32", "torch.float16", ...) or a positive int (taken as the byte count).
+
+    Raises:
+        ValueError: a bool, a non-positive count, or a name that is no dtype (naming it)."""
     if isinstance(dtype, bool):
         raise ValueError(f"dtype must be a torch dtype, a dtype name or a byte count, got {dtype!r}")
     if isinstance(dtype, int):
@@ -354,6 +357,10 @@ def step_cost(cost: ModelCost, entries: Iterable[Sequence[int]], num_sampled: in
               + T * kv_bytes_per_token                 # KV written for the new tokens
 
     Activations are ignored (see the module docstring).
+
+    Raises:
+        ValueError: ``num_sampled`` not a non-negative int or above the step's tokens, or a
+            malformed entry (naming it).
     """
     if not isinstance(num_sampled, int) or isinstance(num_sampled, bool) or num_sampled < 0:
         raise ValueError(f"num_sampled must be a non-negative int, got {num_sampled!r}")
@@ -386,7 +393,10 @@ def _cost_from_sums(cost: ModelCost, T: int, A: int, K: int, S: int) -> tuple[fl
 
 
 def arithmetic_intensity(flops: float, nbytes: float) -> float:
-    """FLOPs per byte moved (Williams et al. 2009). ``inf`` when nothing is moved."""
+    """FLOPs per byte moved (Williams et al. 2009). ``inf`` when nothing is moved.
+
+    Raises:
+        ValueError: a negative count."""
     if nbytes < 0 or flops < 0:
         raise ValueError(f"flops and bytes must be non-negative, got {flops!r}, {nbytes!r}")
     return float("inf") if nbytes == 0 else flops / nbytes
