@@ -746,3 +746,22 @@ def test_idle_engine_aborts_what_a_stepper_left_before_a_cells_own_steps(llm, ca
         engine.step()
     assert idle_engine(llm) == [] and capsys.readouterr().out == ""  # idle: says nothing
     engine.check_invariants()
+
+
+def test_bounded_number_boxes_say_their_range(model_path):
+    """A number typed past a box's bound was set to the bound with nothing saying why (ipywidgets'
+    bounded boxes clamp): each box's tooltip now gives its range."""
+    from widgets import EngineStepper, SamplingExplorer, UtilisationMonitor
+
+    llm = make(model_path)
+    try:
+        monitor = UtilisationMonitor(llm, num_requests=2, prompt_len=8, max_tokens=2)
+        for box in (monitor.num_requests, monitor.prompt_len, monitor.max_tokens):
+            assert f"to {box.max}" in box.tooltip
+        stepper = EngineStepper(llm, show_chart=False)
+        assert f"max_model_len = {stepper.max_tokens_box.max}" in stepper.max_tokens_box.tooltip
+        assert "to 5" in stepper.temperature_box.tooltip
+        explorer = SamplingExplorer(llm)
+        assert "100,000" in explorer.n_draws.tooltip and explorer.n_draws.max == 100_000
+    finally:
+        llm.shutdown()

@@ -158,10 +158,11 @@ class EngineStepper(CourseWidget):
         # up to max_model_len: a request ends there ("length") whatever its max_tokens
         self.max_tokens_box = W.BoundedIntText(value=max_tokens, min=1, max=self.engine.config.max_model_len,
                                                description="max_tokens",
+                                               tooltip=f"1 to max_model_len = {self.engine.config.max_model_len}",
                                                style=label, layout=W.Layout(width="170px"))
         self.temperature_box = W.BoundedFloatText(value=temperature, min=0.0, max=5.0, step=0.1,
                                                   description="temperature", style=label,
-                                                  layout=W.Layout(width="170px"))
+                                                  tooltip="0 (greedy) to 5", layout=W.Layout(width="170px"))
         self.ignore_eos_box = W.Checkbox(value=False, description="ignore_eos", indent=False,
                                          layout=W.Layout(width="100px"))
         self.add_button = W.Button(description="Add request", icon="plus")

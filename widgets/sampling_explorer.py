@@ -116,7 +116,7 @@ class SamplingExplorer(CourseWidget):
         self.min_p = W.FloatSlider(value=0.0, min=0.0, max=0.5, step=0.01, description="min_p", style=style,
                                    continuous_update=False)
         self.n_draws = W.BoundedIntText(value=500, min=1, max=100_000, description="draws",
-                                        layout=W.Layout(width="170px"))
+                                        tooltip="1 to 100,000 draws", layout=W.Layout(width="170px"))
         self.draw_button = W.Button(description="Draw samples", icon="random", button_style="info")
         self.readout = W.HTML()
         from ._static import LiveFigure

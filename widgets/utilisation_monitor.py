@@ -59,11 +59,12 @@ class UtilisationMonitor(CourseWidget):
         self.interrupted = False
         self._running_live = False  # a run in progress: its redraws are partial by design
         self.num_requests = W.BoundedIntText(value=num_requests, min=1, max=256, description="requests",
-                                             layout=W.Layout(width="170px"))
+                                             tooltip="1 to 256 (a larger entry is set to 256)", layout=W.Layout(width="170px"))
         self.prompt_len = W.BoundedIntText(value=prompt_len, min=1, max=8192, description="prompt len",
+                                           tooltip="1 to 8192 tokens; with max_tokens within the model's max_model_len",
                                            layout=W.Layout(width="170px"))
         self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=4096, description="max_tokens",
-                                           layout=W.Layout(width="170px"))
+                                           tooltip="1 to 4096 (a larger entry is set to 4096)", layout=W.Layout(width="170px"))
         self.run_button = W.Button(description="Run workload", icon="play", button_style="primary")
         self.run_button.add_class("mv-run")
         self.run_button.on_click(lambda _: self.run())
