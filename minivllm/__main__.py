@@ -175,7 +175,10 @@ class _GenerateRun:
             load_s = time.perf_counter() - t0
             engine = llm.llm_engine
             print(f"# model={engine.source.name} device={engine.config.device} dtype={engine.config.dtype} "
-                  f"attention={engine.config.attention_backend} (loaded in {load_s:.2f} s)", file=sys.stderr)
+                  f"attention={engine.config.attention_backend}"
+                  # the torch backend's CPU decode and prompt attention run in our C kernels where they built
+                  + ("+C" if getattr(getattr(engine.runner, "backend", None), "native_kernels", False) else "")
+                  + f" (loaded in {load_s:.2f} s)", file=sys.stderr)
             last = None
             for out in llm.stream(args.prompt, params):
                 if last is None:  # written once the request is in: a warning about it comes before, not mid-line

@@ -227,3 +227,12 @@ def test_workload_scale_must_be_finite():
         with pytest.raises(ValueError, match="scale=.*positive, finite"):
             make_workload(scale=bad)
     assert make_workload(scale=0.5).num_requests == 16
+
+
+def test_generate_banner_says_when_our_c_kernels_serve_the_torch_backend(capsys, monkeypatch):
+    """The banner said attention=torch while the start-up log said the CPU decode ran in our C kernel."""
+    assert main(["generate", "The list type", *QUIET]) == 0
+    assert " attention=torch+C (loaded in " in capsys.readouterr().err
+    monkeypatch.setenv("MINIVLLM_CPU_DECODE_KERNEL", "0")  # the kernels off: the torch backend's SDPA paths
+    assert main(["generate", "The list type", *QUIET]) == 0
+    assert " attention=torch (loaded in " in capsys.readouterr().err

@@ -240,6 +240,12 @@ class TorchAttentionBackend(AttentionBackend):
         # development machine, 2026-12-01; no script kept).
         self._gather_buf: torch.Tensor | None = None
 
+    @property
+    def native_kernels(self) -> bool:
+        """Whether our C kernels (``cpu_decode``) serve this backend's CPU decode groups and fresh
+        prompts' causal attention (else the SDPA reference paths do)."""
+        return self._kernel is not None
+
     def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, gp: _GroupPlan):
         """``K, V [G, max_k, kv_heads, d]`` (cache dtype): the group's blocks, in table order,
         as views of the reused buffer (valid until the next call)."""
