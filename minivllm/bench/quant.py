@@ -88,12 +88,17 @@ def run_quantization(model: str | None = None, *, quantization: str = "int8", qu
                      **engine_args) -> QuantizationResult:
     """Measure batch-1 decode with and without ``quantization`` (see the module docstring).
 
-    ``engine_args`` go to both ``LLM`` instances (on a GPU, with a 1 GiB KV pool each unless they
-    size one: :func:`two_engine_kv_args`). ``peaks=False`` skips the device peak measurement (then
-    MBU is None).
+    ``quantization``: the scheme of the quantised engine (``"int8"``), ``quantize_lm_head`` its LM
+    head too; ``prompt_len`` tokens of prompt, ``decode_tokens`` timed output tokens, ``rounds``
+    timed runs per engine (alternating), ``seed`` the prompt's random ids, ``agreement_tokens``
+    greedy tokens compared on the fixed agreement prompts. ``engine_args`` go to both ``LLM``
+    instances (on a GPU, with a 1 GiB KV pool each unless they size one: :func:`two_engine_kv_args`).
+    ``peaks=False`` skips the device peak measurement (then MBU is None).
 
     Raises:
-        ValueError: an unknown ``quantization`` or a non-positive count.
+        ValueError: an unknown ``quantization`` or None (nothing to compare against), or a count
+            that is not a positive int (naming it).
+        TypeError: an engine argument ``LLM`` does not know (naming it).
     """
     import torch
 

@@ -41,7 +41,11 @@ DEFAULT_DRAFT_MODEL = "minivllm-tiny-draft"
 
 
 def speculative_config(method: str, k: int, draft_model: str | None = None) -> dict:
-    """The ``speculative_config`` the bench uses for ``method`` ("ngram" or "draft")."""
+    """The ``speculative_config`` the bench uses for ``method`` ("ngram" or "draft"), with ``k``
+    drafts a step.
+
+    Raises:
+        ValueError: another ``method`` (naming it)."""
     if method not in METHODS:
         raise ValueError(f"speculative method {method!r}: choose from {sorted(METHODS)}")
     if method == "ngram":
@@ -104,11 +108,12 @@ def run_speculative(model: str | None = None, *, method="ngram", num_speculative
 
     ``method``: "ngram", "draft" (``draft_model``, default the embedded ``minivllm-tiny-draft``)
     or a list of them: every method is measured against the same unmodified engine, the
-    engines alternating within each round.
+    engines alternating within each round. ``num_speculative_tokens``: drafts proposed per step.
 
     Raises:
-        ValueError: a bad speculative method or engine argument (from ``LLM``), a batch size below 1
-            or above a given ``max_num_seqs``, ``decode_tokens`` or ``rounds`` below 1.
+        ValueError: a bad speculative method or engine argument's value (from ``LLM``), a batch size
+            below 1 or above a given ``max_num_seqs``, ``decode_tokens`` or ``rounds`` below 1.
+        TypeError: an engine argument ``LLM`` does not know (naming it).
     """
     from minivllm import SamplingParams
 

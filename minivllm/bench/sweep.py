@@ -75,7 +75,9 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         ValueError: ``context_len``, a batch size, a prompt length, ``decode_steps`` or ``repeats``
             below 1, ``warmup_steps`` below 0, a batch size above a given ``max_num_seqs``, or ``context_len`` with
             the steps not fitting the model's length; ``output_kind`` not one of "cumulative",
-            "delta", "final_only".
+            "delta", "final_only". Not raised but skipped, with a log line saying so: a prompt length
+            at or above ``max_model_len`` or the step budget (``max_num_batched_tokens``), and a
+            batch size whose full decode steps never formed.
     """
     from minivllm.sampling_params import OutputKind, SamplingParams
     from minivllm.telemetry.roofline import arithmetic_intensity, fill_step_record

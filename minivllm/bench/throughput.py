@@ -66,6 +66,12 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
     Each timed run is inside :func:`~minivllm.bench.common.frozen_heap` (garbage collected, the
     heap that exists before it left out of the collector's full passes).
 
+    ``workload``: the requests to run (:func:`~minivllm.bench.workload.make_workload`); else one is
+    made from ``workload_name`` (``WORKLOADS``: "cpu", the default on a CPU, or "nano", nano-vllm's
+    bench.py shape, the default on CUDA), ``scale`` (its number of requests times this),
+    ``num_requests``, ``input_len`` / ``output_len`` (``(min, max)`` token counts, inclusive) and
+    ``seed`` (the prompts' random ids and lengths). ``sample_period_s``: seconds between the
+    utilisation samples taken during minivllm's timed run.
     ``peers``: any of "hf_generate", "hf_generate_batch" (empty: minivllm only).
     ``peak_kwargs`` go to ``measure_peaks``; ``engine_args`` go to ``LLM`` (e.g. ``device``,
     ``attention_backend``, ``max_num_seqs``). Progress lines go to ``log``; the summary is
@@ -75,6 +81,7 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
         ValueError: an unknown peer name, ``hf_batch_size`` below 1, or a bad workload argument
             (the first two before anything runs).
         RuntimeError: minivllm produced a different number of tokens than asked for.
+        TypeError / ValueError: an engine argument ``LLM(**engine_args)`` refuses (naming it).
     """
     import torch
     import transformers

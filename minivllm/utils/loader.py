@@ -233,6 +233,9 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
     values are still N(0, 0.02^2) marginally, just not independent. Values are drawn at the FULL (unsharded) shape and
     passed through the parameter's ``weight_loader``, so every tensor-parallel size builds
     the same model.
+
+    Raises:
+        ValueError: a ``seed`` that is not an int, or a norm weight too large to fill (naming it).
     """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed!r}")

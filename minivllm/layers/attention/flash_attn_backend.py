@@ -108,6 +108,10 @@ class FlashAttnBackend(AttentionBackend):
         """See ``AttentionBackend.forward``: ``q [T, H, D]``, ``k/v [T, Hk, D]`` -> ``[T, H, D]``.
 
         Tensors must be fp16 or bf16 (flash-attn's kernels support no other dtype).
+
+        Raises:
+            ValueError: tensors neither fp16 nor bf16, or a step whose block size is no multiple of 256.
+            ImportError: the flash-attn package is not installed (at the first call).
         """
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the flash_attn backend needs fp16 or bf16 tensors, got {q.dtype}")

@@ -114,6 +114,11 @@ def store_kvcache(
         k, v: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype, last dim contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, same strides.
         slot_mapping: int ``[num_tokens]``, ``block_id * block_size + offset``; ``-1`` skips.
+
+    Raises:
+        RuntimeError: a tensor off the GPU without ``TRITON_INTERPRET=1`` (set before this module is imported).
+        ValueError: caches whose strides differ or whose last dim is not contiguous, or K/V
+            whose dtype is not the cache's.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -354,6 +359,11 @@ def paged_decode_attention(
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``.
+
+    Raises:
+        RuntimeError: a tensor off the GPU without ``TRITON_INTERPRET=1`` (set before this module is imported).
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, or ``num_splits`` outside
+            ``1..MAX_SPLITS``.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -570,6 +580,10 @@ def paged_prefill_attention(
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+
+    Raises:
+        RuntimeError: a tensor off the GPU without ``TRITON_INTERPRET=1`` (set before this module is imported).
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
