@@ -1,4 +1,5 @@
-"""Command line: ``minivllm generate "prompt"`` and ``minivllm bench`` (also ``python -m minivllm ...``)."""
+"""Command line: ``minivllm generate "prompt"``, ``minivllm chat`` and ``minivllm bench`` (also
+``python -m minivllm ...``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,10 +8,7 @@ import sys
 import time
 
 
-DEVICE_HELP = "'auto' (default: CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'"
-DTYPE_HELP = "'auto' (default: bfloat16 on CUDA, float32 on CPU), 'float32', 'bfloat16' or 'float16'"
-BACKEND_HELP = ("'auto' (default: flash_attn on CUDA where installed, else triton on CUDA, else torch), "
-                "'torch', 'triton' or 'flash_attn'")
+from minivllm.utils.cli_common import add_engine_options, apply_threads, banner, measured_line
 
 
 def prog_name() -> str:
@@ -52,14 +50,7 @@ def build_generate_parser(prog: str | None = None) -> argparse.ArgumentParser:
                         help="seed of this request's own generator at temperature > 0; without it the engine-wide "
                              "generator draws, seeded with 0 when the engine starts, so this "
                              "one-request command repeats its output either way")
-    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
-    parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    parser.add_argument("--attention-backend", default="auto", help=BACKEND_HELP)
-    parser.add_argument("--threads", default="auto",
-                        help="torch CPU threads. 'auto' (default): of the cores this process may run on, those "
-                             "the 1-minute load average leaves idle, at most $OMP_NUM_THREADS where set, at least 1 "
-                             "(OpenMP threads wait on each other, so a thread on a core another process holds slows "
-                             "every step down); an int N from 1 to 1024: exactly N")
+    add_engine_options(parser)
     return parser
 
 
@@ -153,17 +144,10 @@ class _GenerateRun:
 
     def go(self) -> int:
         args = self.args
-        import torch
-
         from minivllm import LLM, SamplingParams
-        from minivllm.utils.threads import choose_threads
 
         try:
-            choice = choose_threads(args.threads)
-            if choice.threads is not None and not (args.device.startswith("cuda")
-                                                   or (args.device == "auto" and torch.cuda.is_available())):
-                torch.set_num_threads(choice.threads)
-                print(f"# {choice.reason}", file=sys.stderr)
+            apply_threads(args)
             stop = [_unescape(text) for text in args.stop] if args.stop else None
             params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                     repetition_penalty=args.repetition_penalty, seed=args.seed,
@@ -174,11 +158,7 @@ class _GenerateRun:
                                  attention_backend=args.attention_backend, max_model_len=args.max_model_len)
             load_s = time.perf_counter() - t0
             engine = llm.llm_engine
-            print(f"# model={engine.source.name} device={engine.config.device} dtype={engine.config.dtype} "
-                  f"attention={engine.config.attention_backend}"
-                  # the torch backend's CPU decode and prompt attention run in our C kernels where they built
-                  + ("+C" if getattr(getattr(engine.runner, "backend", None), "native_kernels", False) else "")
-                  + f" (loaded in {load_s:.2f} s)", file=sys.stderr)
+            print(banner(engine, load_s), file=sys.stderr)
             last = None
             for out in llm.stream(args.prompt, params):
                 if last is None:  # written once the request is in: a warning about it comes before, not mid-line
@@ -195,23 +175,23 @@ class _GenerateRun:
         if last is None:
             print("error: the engine returned no output for the request", file=sys.stderr)
             return 1
-        m, out = last.metrics, last.outputs[0]
-        n = len(m.token_times)
-        tps = f"{n / (m.e2e_ms / 1e3):.1f} tokens/s" if m.e2e_ms else "n/a tokens/s"  # from arrival, as TTFT
-        ttft = f"{m.ttft_ms:.2f} ms" if m.ttft_ms is not None else "n/a (no token)"
-        tpot = f"{m.tpot_ms:.2f} ms" if m.tpot_ms is not None else f"n/a ({n} token{'' if n == 1 else 's'})"
-        why = out.finish_reason + (f" at {out.stop_reason!r}" if isinstance(out.stop_reason, str) else "")
-        print(f"# {n} token{'' if n == 1 else 's'} ({why}); TTFT {ttft}; TPOT {tpot}; {tps} "
-              f"(measured on {engine.config.device})", file=sys.stderr)
+        out = last.outputs[0]
+        print(measured_line(last.metrics, out, engine.config.device), file=sys.stderr)
         if out.finish_reason == "error":
             print(f"error: {last.error or 'the request ended in an error'}", file=sys.stderr)
             return 1
         return 0
 
 
+def _chat(argv: list[str]) -> int:
+    from minivllm.chat_command import run_chat
+
+    return run_chat(argv, prog_name())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"generate": _generate}
+    commands = {"generate": _generate, "chat": _chat}
     if argv and argv[0] == "bench":
         from minivllm.bench import main as bench_main
 
@@ -219,14 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in commands:
         prog = prog_name()
         asked = bool(argv) and argv[0] in ("-h", "--help")
-        print(f"usage: {prog} {{generate,bench}} ...\n"
+        print(f"usage: {prog} {{generate,chat,bench}} ...\n"
               "  generate PROMPT [--model PATH] [--max-tokens N] ...   stream a completion\n"
+              "  chat [--model PATH] [--system TEXT] ...               talk with the model, turn by turn\n"
               "  bench [--model M] [--sweep] [--overhead] ...          offline benchmark vs transformers\n"
               "  both take --threads {auto,N}: torch CPU threads (auto: the cores the load average leaves idle)\n"
-              f"  {prog} generate --help, {prog} bench --help: every option",
+              f"  {prog} generate --help, {prog} chat --help, {prog} bench --help: every option",
               file=sys.stdout if asked else sys.stderr)
         if argv and not asked:
-            print(f"error: unknown command {argv[0]!r} (choose generate or bench)", file=sys.stderr)
+            print(f"error: unknown command {argv[0]!r} (choose generate, chat or bench)", file=sys.stderr)
         return 0 if asked else 2
     return commands[argv[0]](argv[1:])
 

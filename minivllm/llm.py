@@ -421,6 +421,19 @@ class LLM:
             raise TypeError(f"LLM.chat() got unexpected keyword argument(s) {sorted(unknown)}"
                             + (f" ({hint})" if hint else "")
                             + ": template variables go in chat_template_kwargs={...}, as in vLLM")
+        prompts, tokenization_kwargs = self._chat_prompts(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, chat_template_kwargs=chat_template_kwargs,
+            chat_template_content_format=chat_template_content_format, mm_processor_kwargs=mm_processor_kwargs,
+            tokenization_kwargs=tokenization_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                             tokenization_kwargs=tokenization_kwargs)
+
+    def _chat_prompts(self, messages, *, chat_template=None, add_generation_prompt=True, continue_final_message=False,
+                      tools=None, chat_template_kwargs=None, chat_template_content_format="auto",
+                      mm_processor_kwargs=None, tokenization_kwargs=None) -> tuple[list[str], dict]:
+        """:meth:`chat`'s rendering: ``(prompt texts, tokenization_kwargs)`` for ``generate`` or
+        ``stream`` (the command line's ``chat`` streams them). Raises as :meth:`chat` (ValueError)."""
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: minivllm renders "
                              "text parts joined into one string: use 'auto' or 'string'")
@@ -464,8 +477,7 @@ class LLM:
                    for i, conv in enumerate(conversations)]
         # the template wrote the special tokens it wants; a tokenizer that adds a BOS would add a second
         tokenization_kwargs = {"add_special_tokens": False, **check_tokenization_kwargs(tokenization_kwargs)}
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                             tokenization_kwargs=tokenization_kwargs)
+        return prompts, tokenization_kwargs
 
     def _warn_unused_template_variables(self, template, variables: dict) -> None:
         """A warning (once per template and names) for ``tools`` or a ``chat_template_kwargs`` variable

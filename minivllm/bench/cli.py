@@ -22,7 +22,8 @@ __all__ = ["build_parser", "main", "run_cli"]
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     """The arguments of ``minivllm bench`` (``prog``: the command's name, default as it was started)."""
-    from minivllm.__main__ import BACKEND_HELP, DEVICE_HELP, DTYPE_HELP, prog_name
+    from minivllm.__main__ import prog_name
+    from minivllm.utils.cli_common import BACKEND_HELP, DEVICE_HELP, DTYPE_HELP
 
     p = argparse.ArgumentParser(prog=f"{prog or prog_name()} bench",
                                 description="Offline throughput against transformers (default), roofline sweeps "
