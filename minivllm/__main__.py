@@ -8,7 +8,7 @@ import sys
 import time
 
 
-from minivllm.utils.cli_common import add_engine_options, apply_threads, banner, measured_line
+from minivllm.utils.cli_common import CommandRun, add_engine_options, apply_threads, banner, measured_line
 
 
 def prog_name() -> str:
@@ -96,38 +96,15 @@ def _generate(argv: list[str]) -> int:
     except UnicodeEncodeError:
         print(f"error: the prompt {args.prompt!r} is not valid UTF-8 text", file=sys.stderr)
         return 2
-    run = _GenerateRun(args, parser)
-    try:
-        return run.go()
-    except KeyboardInterrupt:
-        run.end_line()
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (| head): stop quietly, as other commands do
-        from minivllm.utils.cli_exit import stdout_gone
-
-        return stdout_gone()
-    finally:
-        run.close()
+    return _GenerateRun(args, parser).main()
 
 
-class _GenerateRun:
-    """One ``generate`` command: its engine (shut down by :meth:`close` however the run ends) and
-    whether a line of the completion is open on stdout (:meth:`end_line` closes it)."""
+class _GenerateRun(CommandRun):
+    """One ``generate`` command (``CommandRun``: its engine and its open line)."""
 
     def __init__(self, args, parser):
-        self.args, self.parser, self.llm, self.open_line = args, parser, None, False
-
-    def end_line(self) -> None:
-        if self.open_line:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            self.open_line = False
-
-    def close(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
-            self.llm = None
+        super().__init__(args)
+        self.parser = parser
 
     def prompt_used(self, out) -> str:
         """The prompt as the model saw it: with --truncate-prompt-tokens, its last tokens (said on stderr)."""

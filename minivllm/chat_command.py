@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from minivllm.utils.cli_common import add_engine_options, apply_threads, banner, measured_line
+from minivllm.utils.cli_common import CommandRun, add_engine_options, apply_threads, banner, measured_line
 
 __all__ = ["build_chat_parser", "run_chat"]
 
@@ -47,40 +47,15 @@ def build_chat_parser(prog: str) -> argparse.ArgumentParser:
 
 def run_chat(argv: list[str], prog: str) -> int:
     """Run the command; returns its exit status (0, 2 for a refused argument, 130 for Ctrl-C at the prompt)."""
-    args = build_chat_parser(prog).parse_args(argv)
-    session = _ChatSession(args)
-    try:
-        return session.go()
-    except KeyboardInterrupt:
-        session.end_line()
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        from minivllm.utils.cli_exit import stdout_gone
-
-        return stdout_gone()
-    finally:
-        session.close()
+    return _ChatSession(build_chat_parser(prog).parse_args(argv)).main()
 
 
-class _ChatSession:
-    """One ``chat`` command: its engine (shut down by :meth:`close`), the conversation, and whether a
-    line of a reply is open on stdout."""
+class _ChatSession(CommandRun):
+    """One ``chat`` command (``CommandRun``: its engine and its open line) and its conversation."""
 
     def __init__(self, args):
-        self.args, self.llm, self.open_line = args, None, False
+        super().__init__(args)
         self.messages: list[dict] = []
-
-    def end_line(self) -> None:
-        if self.open_line:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            self.open_line = False
-
-    def close(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
-            self.llm = None
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []

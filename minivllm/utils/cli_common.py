@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["BACKEND_HELP", "DEVICE_HELP", "DTYPE_HELP", "THREADS_HELP", "add_engine_options", "apply_threads", "banner",
-           "measured_line"]
+__all__ = ["BACKEND_HELP", "DEVICE_HELP", "DTYPE_HELP", "THREADS_HELP", "CommandRun", "add_engine_options",
+           "apply_threads", "banner", "measured_line"]
 
 DEVICE_HELP = "'auto' (default: CUDA when available, else CPU), 'cpu', 'cuda' or 'cuda:N'"
 DTYPE_HELP = "'auto' (default: bfloat16 on CUDA, float32 on CPU), 'float32', 'bfloat16' or 'float16'"
@@ -62,3 +62,42 @@ def measured_line(metrics, completion, device) -> str:
     why = completion.finish_reason + (f" at {completion.stop_reason!r}"
                                       if isinstance(completion.stop_reason, str) else "")
     return f"# {tokens} ({why}); TTFT {ttft}; TPOT {tpot}; {tps} (measured on {device})"
+
+
+class CommandRun:
+    """One run of a command that streams text from an engine: the engine (``self.llm``, shut down
+    by :meth:`close` however the run ends) and whether a line is open on stdout (:meth:`end_line`
+    closes it). Subclasses define :meth:`go`, returning the exit status; :meth:`main` runs it."""
+
+    def __init__(self, args):
+        self.args, self.llm, self.open_line = args, None, False
+
+    def end_line(self) -> None:
+        if self.open_line:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.open_line = False
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    def go(self) -> int:
+        raise NotImplementedError
+
+    def main(self) -> int:
+        """:meth:`go`, with Ctrl-C (status 130, "interrupted" on stderr) and a reader that went away
+        (``| head``: quietly, status 141) handled as other commands do, and the engine shut down."""
+        try:
+            return self.go()
+        except KeyboardInterrupt:
+            self.end_line()
+            print("interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:
+            from minivllm.utils.cli_exit import stdout_gone
+
+            return stdout_gone()
+        finally:
+            self.close()
