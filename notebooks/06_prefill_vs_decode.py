@@ -993,13 +993,15 @@ for e_ in engines.values():  # their memory goes back before the next cell's wei
 engines.clear()  # nothing left to shut down if this cell runs again
 
 # %%
-# int8 where the weight read is the whole cost: one row times a 4096 x 4096 weight, fp32 vs int8. 32
-# weights taken in turn: 512 MiB in int8 (2 GiB in fp32), more than a CPU cache keeps between two uses
-# (a 2-core Xeon's last-level cache holds 260 MiB), so each product reads its weight from main memory
+# int8 where the weight read is the whole cost: one row times a 4096 x 4096 weight, fp32 vs int8. Weights
+# taken in turn, at least 32 (512 MiB in int8, 2 GiB in fp32) and at least twice the largest cache the OS
+# reports, more than a CPU cache keeps between two uses, so each product reads its weight from main memory
 from minivllm.layers.prepack import linear, pack_weight
 from minivllm.quantization.int8 import Int8Weight
+from minivllm.utils.env_report import last_level_cache_bytes
 
-W_TURN = 32
+LLC = last_level_cache_bytes()  # bytes, or None where the OS does not say
+W_TURN = max(32, -(-2 * (LLC or 0) // (N_OUT * K_IN)))
 w_fp32, w_int8 = [], []
 for _ in range(W_TURN):
     w = torch.randn(N_OUT, K_IN)
@@ -1042,7 +1044,7 @@ model whose linears hold {held:g} bytes a weight, no speculation, **{tps1:.0f} t
 
 Speculation accepted {spec_m.draft_acceptance_rate:.0%} of its draft tokens, {spec_m.mean_accepted_length:.2f} tokens
 per verification step. Where the weight read is the whole cost, one row times a {N_OUT} × {K_IN} weight
-({W_TURN} weights in turn): **{fp32_ms:.2f} ms** in fp32 ({N_OUT * K_IN * BYTES / 2**20:.0f} MiB at {fp32_gbps:.1f} GB/s),
+({W_TURN} weights in turn{f", twice this CPU's largest cache ({LLC / 2**20:.0f} MiB) or more in int8" if LLC else ""}): **{fp32_ms:.2f} ms** in fp32 ({N_OUT * K_IN * BYTES / 2**20:.0f} MiB at {fp32_gbps:.1f} GB/s),
 **{int8_ms:.2f} ms** in int8 ({N_OUT * K_IN / 2**20:.0f} MiB at {int8_gbps:.1f} GB/s): **{fp32_ms / int8_ms:.1f}x** faster
 for {BYTES}x fewer bytes (on the CPU; its read-bandwidth ceiling {CPU_BW / 1e9:.1f} GB/s).""")
 check_claim("batching raises decode tokens/s over one request", lever_rows[0][1] > tps1,
