@@ -8,7 +8,7 @@ import sys
 import time
 
 
-from minivllm.utils.cli_common import CommandRun, add_engine_options, apply_threads, banner, measured_line
+from minivllm.utils.cli_common import CommandRun, add_engine_options, apply_threads, banner, measured_line, with_flag
 
 
 def prog_name() -> str:
@@ -64,22 +64,6 @@ def _unescape(text: str) -> str:
         return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
     except UnicodeDecodeError as e:
         raise ValueError(f"--stop '{text}': not a valid backslash escape ({e.reason})") from None
-
-
-def _with_flag(message: str, parser: argparse.ArgumentParser) -> str:
-    """A ``SamplingParams.<field>=...`` or engine argument's ``<field>=...`` error with the option that
-    set the field in front of it (the options' names are the fields', as argparse derives them:
-    ``--top-p`` sets ``top_p``, ``--max-model-len`` ``max_model_len``)."""
-    message = message.removeprefix("prompt 0: ")  # the command's one prompt: "prompt 0" says nothing
-    for action in parser._actions:
-        if action.option_strings and (message.startswith(f"SamplingParams.{action.dest}=")
-                                      or message.startswith(f"{action.dest}=")):
-            return f"{action.option_strings[0]}: {message}"
-    # the fixes a message gives as Python arguments, as this command's options
-    for python, option in (("SamplingParams(truncate_prompt_tokens=N)", "--truncate-prompt-tokens N"),
-                           ("a larger max_model_len", "a larger --max-model-len")):
-        message = message.replace(python, option)
-    return message
 
 
 def _generate(argv: list[str]) -> int:
@@ -146,7 +130,7 @@ class _GenerateRun(CommandRun):
                 last = out
         except (ValueError, FileNotFoundError) as e:
             self.end_line()
-            print(f"error: {_with_flag(str(e), self.parser)}", file=sys.stderr)
+            print(f"error: {with_flag(str(e), self.parser)}", file=sys.stderr)
             return 2
         self.end_line()
         if last is None:
@@ -180,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
               "  generate PROMPT [--model PATH] [--max-tokens N] ...   stream a completion\n"
               "  chat [--model PATH] [--system TEXT] ...               talk with the model, turn by turn\n"
               "  bench [--model M] [--sweep] [--overhead] ...          offline benchmark vs transformers\n"
-              "  both take --threads {auto,N}: torch CPU threads (auto: the cores the load average leaves idle)\n"
+              "  each takes --threads {auto,N}: torch CPU threads (auto: the cores the load average leaves idle)\n"
               f"  {prog} generate --help, {prog} chat --help, {prog} bench --help: every option",
               file=sys.stdout if asked else sys.stderr)
         if argv and not asked:

@@ -6,20 +6,34 @@ template (``LLM.chat``'s rendering) and the reply streams to stdout as it is gen
 on stderr by its measured figures (as ``generate`` prints them). ``/reset`` forgets the
 conversation, ``/exit`` (or end of input, Ctrl-D) ends it. Ctrl-C during a reply stops it and drops
 that turn (the request is aborted; the engine keeps serving); Ctrl-C at the prompt ends the command.
-Standard input may be a pipe: then no prompt is shown.
+Standard input may be a pipe: then no prompt is shown, and the command exits 1 if a turn was refused.
+``--quick MESSAGE`` (vLLM's ``-q``) sends one message, prints the reply and exits.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 
-from minivllm.utils.cli_common import CommandRun, add_engine_options, apply_threads, banner, measured_line
+from minivllm.utils.cli_common import CommandRun, add_engine_options, apply_threads, banner, measured_line, with_flag
 
 __all__ = ["build_chat_parser", "run_chat"]
 
 HELP = "commands: /reset forgets the conversation, /exit ends it (or Ctrl-D); Ctrl-C stops a reply"
+
+
+def _json_object(text: str) -> dict:
+    """``--chat-template-kwargs``' value: a JSON object (argparse reports the error as the option's)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text}: must be a JSON object of template variables, e.g. "
+                                         '\'{"enable_thinking": false}\'')
+    return value
 
 
 def build_chat_parser(prog: str) -> argparse.ArgumentParser:
@@ -30,14 +44,20 @@ def build_chat_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None,
                         help="checkpoint directory (its tokenizer must have a chat template), 'minivllm-tiny' or "
                              "'random:<preset>'; default: $MINIVLLM_MODEL if set, else minivllm-tiny")
-    parser.add_argument("--system", default=None, metavar="TEXT", help="a system message to start the conversation")
+    parser.add_argument("--system", "--system-prompt", dest="system", default=None, metavar="TEXT",
+                        help="a system message to start the conversation (--system-prompt: vLLM's name)")
+    parser.add_argument("-q", "--quick", default=None, metavar="MESSAGE",
+                        help="send this one message, print the reply and exit (as vLLM's chat -q)")
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens of each reply (default 256)")
     parser.add_argument("--temperature", type=float, default=None,
                         help="default: the model's generation_config.json, else 1.0; 0 = greedy")
     parser.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config.json, else 1.0")
     parser.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config.json, else 0 (all)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of each reply's own generator (repeatable replies)")
-    parser.add_argument("--chat-template-kwargs", type=json.loads, default=None, metavar="JSON",
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of each reply's own generator at temperature > 0; without it the engine-wide "
+                             "generator draws, seeded with 0 when the engine starts, so a run's replies repeat "
+                             "either way")
+    parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                         help='extra chat-template variables, e.g. \'{"enable_thinking": false}\' for Qwen3')
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most tokens of the whole conversation (default: the model's length)")
@@ -47,15 +67,18 @@ def build_chat_parser(prog: str) -> argparse.ArgumentParser:
 
 def run_chat(argv: list[str], prog: str) -> int:
     """Run the command; returns its exit status (0, 2 for a refused argument, 130 for Ctrl-C at the prompt)."""
-    return _ChatSession(build_chat_parser(prog).parse_args(argv)).main()
+    parser = build_chat_parser(prog)
+    return _ChatSession(parser.parse_args(argv), parser).main()
 
 
 class _ChatSession(CommandRun):
     """One ``chat`` command (``CommandRun``: its engine and its open line) and its conversation."""
 
-    def __init__(self, args):
+    def __init__(self, args, parser):
         super().__init__(args)
+        self.parser = parser
         self.messages: list[dict] = []
+        self.refused = 0  # turns refused (the status of a piped run)
 
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.args.system}] if self.args.system else []
@@ -75,20 +98,27 @@ class _ChatSession(CommandRun):
                 if getattr(args, name) is not None:
                     setattr(params, name, getattr(args, name))
             self.llm.llm_engine.check_sampling_params(params)
-            self.llm._chat_prompts([{"role": "user", "content": "?"}],  # a template now, not at the first turn
-                                   chat_template_kwargs=args.chat_template_kwargs)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            self.render([{"role": "user", "content": "?"}])  # the template and its variables now, not at a turn
+        except (ValueError, TypeError, FileNotFoundError) as e:
+            print(f"error: {with_flag(str(e), self.parser)}", file=sys.stderr)
             return 2
         print(banner(self.llm.llm_engine, load_s), file=sys.stderr)
+        self.reset()
+        if args.quick is not None:
+            self.turn(args.quick, params)
+            return 1 if self.refused else 0
         interactive = sys.stdin.isatty()
         if interactive:
+            try:  # input() then edits the line (arrows, history); not on every platform
+                importlib.import_module("readline")
+            except ImportError:
+                pass
+
             print(f"# {HELP}", file=sys.stderr)
-        self.reset()
         while True:
             line = self.read_line(interactive)
             if line is None or line.strip() in ("/exit", "/quit"):
-                return 0
+                return 1 if self.refused and not interactive else 0
             if not line.strip():
                 continue
             if line.strip() == "/reset":
@@ -103,20 +133,37 @@ class _ChatSession(CommandRun):
         if interactive:
             try:
                 return input("> ")
-            except EOFError:
+            except EOFError:  # Ctrl-D: end the prompt's line before the shell's
+                print(file=sys.stderr)
                 return None
+            except KeyboardInterrupt:
+                print(file=sys.stderr)
+                raise
         line = sys.stdin.readline()
-        return line.rstrip("\n") if line else None
+        return line.rstrip("\r\n") if line else None  # (a file written on Windows ends its lines with \r\n)
+
+    def render(self, messages: list[dict]) -> tuple[list[str], dict]:
+        """``LLM.chat``'s rendering of ``messages`` with ``--chat-template-kwargs``.
+
+        Raises:
+            ValueError: what ``LLM.chat`` refuses, and a variable of the wrong type for the template
+                (jinja's TypeError or TemplateError, given as a ValueError naming the variables)."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.llm._chat_prompts(messages, chat_template_kwargs=self.args.chat_template_kwargs)
+        except (TypeError, TemplateError) as e:
+            raise ValueError(f"--chat-template-kwargs {json.dumps(self.args.chat_template_kwargs)}: the chat "
+                             f"template failed with them ({type(e).__name__}: {e})") from None
 
     def turn(self, text: str, params) -> None:
         """One user turn: render, stream the reply, keep it in the conversation (or drop the turn
         when it fails or is interrupted)."""
         llm = self.llm
         self.messages.append({"role": "user", "content": text})
-        reply, last = [], None
+        reply, last, prompts = [], None, None
         try:
-            prompts, tokenization = llm._chat_prompts(self.messages,
-                                                      chat_template_kwargs=self.args.chat_template_kwargs)
+            prompts, tokenization = self.render(self.messages)
             stream = llm.stream(prompts[0], params, tokenization_kwargs=tokenization)
             try:
                 for out in stream:
@@ -136,7 +183,13 @@ class _ChatSession(CommandRun):
         except ValueError as e:  # a conversation grown past max_model_len, a bad template variable
             self.end_line()
             self.messages.pop()
-            print(f"error: {e} (this turn is dropped; /reset starts the conversation again)", file=sys.stderr)
+            self.refused += 1
+            message = str(e).removeprefix("prompt 0: ")
+            if "leaves no room to generate" in message and prompts:
+                n = len(llm.get_tokenizer().encode(prompts[0], add_special_tokens=False))
+                message = (f"the conversation with this turn is {n} tokens, which leaves no room for a reply within "
+                           f"max_model_len={llm.llm_engine.config.max_model_len} (--max-model-len)")
+            print(f"error: {message} (this turn is dropped; /reset starts the conversation again)", file=sys.stderr)
             return
         self.end_line()
         self.messages.append({"role": "assistant", "content": "".join(reply)})

@@ -450,10 +450,13 @@ class LLM:
         for flag in ("add_generation_prompt", "continue_final_message"):  # "no" would open the assistant turn
             if not isinstance(variables[flag], bool):
                 raise ValueError(f"{flag}={variables[flag]!r}: must be True or False")
-        misplaced = sorted({"chat_template", "tokenize"} & variables.keys())
+        why = {"chat_template": "give it as LLM.chat's own argument",
+               "tokenize": "the text is always rendered, then tokenized by generate: leave it out",
+               "messages": "the conversation is LLM.chat's first argument"}
+        misplaced = sorted(why.keys() & variables.keys())
         if misplaced:
-            raise ValueError(f"chat_template_kwargs names {misplaced}: give chat_template as LLM.chat's own argument "
-                             "(the text is always rendered, then tokenized by generate)")
+            raise ValueError(f"chat_template_kwargs names {misplaced}: "
+                             + "; ".join(f"{name}: {why[name]}" for name in misplaced))
         add_generation_prompt = variables["add_generation_prompt"]
         continue_final_message = variables["continue_final_message"]
         tok = self.get_tokenizer()

@@ -95,8 +95,8 @@ def test_an_interrupted_reply_drops_its_turn_and_the_engine_serves_the_next(monk
 
 def test_a_conversation_past_max_model_len_is_refused_and_the_chat_goes_on(monkeypatch, capsys, rendered):
     status, out, err = run(monkeypatch, capsys, "word " * 60 + "\nhi\n", "--max-model-len", "48")
-    assert status == 0
-    assert "error: " in err and "leaves no room to generate" in err and "/reset starts the conversation again" in err
+    assert status == 1  # piped: a turn was refused
+    assert "error: " in err and "leaves no room for a reply" in err and "/reset starts the conversation again" in err
     assert err.count("# 6 tokens (length)") == 1  # the short turn after it was answered
 
 
@@ -119,3 +119,35 @@ def test_usage_names_the_chat_command(capsys):
     assert "chat [--model PATH]" in capsys.readouterr().out
     assert main(["chta"]) == 2
     assert "choose generate, chat or bench" in capsys.readouterr().err
+
+
+def test_quick_mode_and_vllm_option_names(monkeypatch, capsys, rendered):
+    """vLLM's chat has -q MESSAGE (one message, then exit) and --system-prompt: both were unrecognised."""
+    seen, _ = rendered
+    status, out, err = run(monkeypatch, capsys, "", "-q", "hello", "--system-prompt", "Be brief.")
+    assert status == 0 and out.strip() and err.count("# 6 tokens (length)") == 1
+    assert [m["role"] for m in seen[-1]] == ["system", "user"] and seen[-1][1]["content"] == "hello"
+
+
+def test_piped_input_keeps_no_carriage_return_and_a_refused_turn_sets_the_status(monkeypatch, capsys, rendered):
+    seen, _ = rendered
+    status, _, err = run(monkeypatch, capsys, "hi\r\n" + "word " * 60 + "\r\n", "--max-model-len", "48")
+    assert seen[1][-1]["content"] == "hi"  # a Windows line ending is not part of the turn
+    # the refusal speaks of the conversation and the option, not of SamplingParams or "prompt 0"
+    assert "error: the conversation with this turn is " in err and "(--max-model-len)" in err
+    assert "SamplingParams" not in err and "prompt 0" not in err
+    assert status == 1  # a piped run says a turn was refused
+
+
+def test_template_variables_the_template_chokes_on_are_named_before_the_first_turn(monkeypatch, capsys):
+    for kwargs, words in (('{"tools": 5}', "the chat template failed with them (TypeError"),
+                          ('{"messages": 3}', "messages: the conversation is LLM.chat's first argument"),
+                          ('{"tokenize": true}', "tokenize: the text is always rendered")):
+        status, _, err = run(monkeypatch, capsys, "hi\n", "--chat-template-kwargs", kwargs)
+        assert status == 2 and words in err, (kwargs, err)
+    for bad, words in (("{bad", "not valid JSON (Expecting property name"), ("[1]", "must be a JSON object")):
+        with pytest.raises(SystemExit) as caught:
+            main(["chat", "--chat-template-kwargs", bad])
+        assert caught.value.code == 2 and words in capsys.readouterr().err
+    status, _, err = run(monkeypatch, capsys, "hi\n", "--max-tokens", "0")
+    assert status == 2 and "--max-tokens: SamplingParams.max_tokens=0" in err  # the option, not just the field

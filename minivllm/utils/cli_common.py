@@ -18,6 +18,22 @@ THREADS_HELP = ("torch CPU threads. 'auto' (default): of the cores this process 
                 "every step down); an int N from 1 to 1024: exactly N")
 
 
+def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """A ``SamplingParams.<field>=...`` or engine argument's ``<field>=...`` error with the option that
+    set the field in front of it (the options' names are the fields', as argparse derives them:
+    ``--top-p`` sets ``top_p``, ``--max-model-len`` ``max_model_len``)."""
+    message = message.removeprefix("prompt 0: ")  # the command's one prompt: "prompt 0" says nothing
+    for action in parser._actions:
+        if action.option_strings and (message.startswith(f"SamplingParams.{action.dest}=")
+                                      or message.startswith(f"{action.dest}=")):
+            return f"{action.option_strings[0]}: {message}"
+    # the fixes a message gives as Python arguments, as this command's options
+    for python, option in (("SamplingParams(truncate_prompt_tokens=N)", "--truncate-prompt-tokens N"),
+                           ("a larger max_model_len", "a larger --max-model-len")):
+        message = message.replace(python, option)
+    return message
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     """``--device``, ``--dtype``, ``--attention-backend`` and ``--threads``."""
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
