@@ -99,6 +99,10 @@ class ChunkedPrefillDemo(CourseWidget):
     State for code and tests: ``results`` (``{"chunked": dict, "whole": dict}`` as returned by
     :func:`itl_around_long_prompt`, plus ``"runs"``: the measured runs' ``max_itl_ms`` and
     ``long_ttft_ms``, one pair per run).
+
+    Raises:
+        ValueError: ``chunked_llm`` without chunked prefill, ``whole_llm`` with it, or ``repeats``
+            not an int of at least 1.
     """
 
     def __init__(self, chunked_llm, whole_llm, long_prompt_len: int = 256, num_decoders: int = 3,
@@ -139,7 +143,9 @@ class ChunkedPrefillDemo(CourseWidget):
     def from_model(cls, model=None, budget: int = 64, max_model_len: int = 512, block_size: int = 16,
                    device: str = "auto", **kwargs):
         """Build the two engines for ``model`` (chunked with a ``budget``-token step budget;
-        unchunked with ``max_model_len`` tokens per step, as scheduling whole prompts needs)."""
+        unchunked with ``max_model_len`` tokens per step, as scheduling whole prompts needs), each
+        with ``block_size``-token blocks, a KV pool of ``4 * max_model_len`` tokens, on ``device``;
+        ``kwargs`` go to the widget (``repeats``, ...). Raises what ``LLM`` and the widget raise."""
         from minivllm import LLM
 
         common = dict(block_size=block_size, max_model_len=max_model_len, device=device,

@@ -34,6 +34,10 @@ class PrefixCacheView(CourseWidget):
     ``saved_ms``. Request 0 is the one that fills the cache: nothing is cached before it, so it
     has no warm run and its ``ttft_warm_ms`` and ``saved_ms`` are None (its "warm" run was a
     second cold run, and the difference of two cold runs read as a saving, or a negative one).
+
+    Raises:
+        ValueError: an LLM with prefix caching off, fewer than 2 ``user_prompts``, or ``repeats``
+            below 1.
     """
 
     def __init__(self, llm, system_prompt, user_prompts, repeats: int = 3, run: bool = True):

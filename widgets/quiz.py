@@ -47,6 +47,10 @@ class Quiz(CourseWidget):
 
     Args:
         questions: ``Question`` objects, or dicts with the same fields.
+
+    Raises:
+        ValueError: no questions, or a malformed one (fewer than 2 choices, explanations not one per
+            choice, ``correct`` not a choice index), naming it.
     """
 
     def __init__(self, questions):
