@@ -930,8 +930,9 @@ print("identical:", decoded == replayed)
 #   with reading its weights from main memory (weights small enough to stay in a CPU cache gain little
 #   from fewer bytes), so int8 has less to gain there than on a large model; a second cell
 #   times one-row products with section 1's 4096 × 4096 weight shape, in fp32 and through the engine's
-#   int8 matmul (`minivllm.quantization.int8.Int8Weight`), taking 32 such weights in turn so that each
-#   product reads its weight from main memory, not from a cache that still holds it;
+#   int8 matmul (`minivllm.quantization.int8.Int8Weight`), taking at least 32 such weights in turn (and in
+#   int8 at least twice the largest CPU cache the OS reports) so that each product reads its weight from
+#   main memory, not from a cache that still holds it;
 # * **speculative decoding**: `speculative_config={"method": "ngram", ...}` proposes up to 4 tokens by
 #   looking up the latest earlier occurrence of the context's last 2 to 4 tokens, and the model checks
 #   all proposals in one step (several tokens per weight read when they are accepted; greedy output
