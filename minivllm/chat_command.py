@@ -3,7 +3,8 @@ server; this one runs the engine in its own process).
 
 Each line read is a user turn: the whole conversation so far is rendered with the model's chat
 template (``LLM.chat``'s rendering) and the reply streams to stdout as it is generated, followed
-on stderr by its measured figures (as ``generate`` prints them). ``/reset`` forgets the
+on stderr by its measured figures (as ``generate`` prints them) and how many of the prompt's tokens
+came from the prefix cache (the conversation so far, whole blocks of it). ``/reset`` forgets the
 conversation, ``/exit`` (or end of input, Ctrl-D) ends it. Ctrl-C during a reply stops it and drops
 that turn (the request is aborted; the engine keeps serving); Ctrl-C at the prompt ends the command.
 Standard input may be a pipe: then no prompt is shown, and the command exits 1 if a turn was refused.
@@ -194,6 +195,9 @@ class _ChatSession(CommandRun):
         self.end_line()
         self.messages.append({"role": "assistant", "content": "".join(reply)})
         if last is not None:
-            print(measured_line(last.metrics, last.outputs[0], llm.llm_engine.config.device), file=sys.stderr)
+            # the conversation so far is the next turn's prompt prefix: the prefix cache holds its KV blocks
+            cached = (f"; prompt {len(last.prompt_token_ids)} tokens, {last.num_cached_tokens or 0} of them from the "
+                      "prefix cache" if last.prompt_token_ids else "")
+            print(measured_line(last.metrics, last.outputs[0], llm.llm_engine.config.device) + cached, file=sys.stderr)
             if last.outputs[0].finish_reason == "error":
                 print(f"error: {last.error or 'the request ended in an error'}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import sys
 
@@ -61,6 +62,8 @@ def test_turns_keep_the_conversation_and_reset_forgets_it(monkeypatch, capsys, r
         ["system", "user"], ["system", "user", "assistant", "user"], ["system", "user"]]
     assert turns[1][2]["content"] and turns[1][2]["content"] in out  # the first reply, streamed, then remembered
     assert err.count("# 6 tokens (length); TTFT ") == 3 and "# the conversation is forgotten" in err
+    cached = [int(m) for m in re.findall(r"tokens, (\d+) of them from the prefix cache", err)]
+    assert len(cached) == 3 and cached[1] > 0  # the second turn's prompt starts with the first turn's blocks
     assert llms and llms[0].llm_engine.is_shut_down  # the engine is shut down when the command ends
 
 
