@@ -1,7 +1,8 @@
 """What the engine returns per request: vLLM's ``RequestOutput`` shape, plus measured timings."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -246,6 +247,15 @@ class RequestOutput:
 
     def __contains__(self, key: object) -> bool:
         return key in self._MAPPING_KEYS
+
+    def __eq__(self, other):
+        # nano-vllm's outputs were dicts: a script comparing one with {"text": ..., "token_ids": ...}
+        # compares the mapping view (dataclass equality with a dict was silently False)
+        if isinstance(other, Mapping):
+            return dict(self) == dict(other)
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(self))
 
     def items(self) -> list[tuple[str, object]]:
         """``[("text", ...), ("token_ids", ...)]``, as nano-vllm's dict gives them."""

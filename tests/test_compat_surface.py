@@ -913,3 +913,17 @@ def test_an_out_of_vocabulary_id_names_the_model_and_a_model_that_takes_it(llm):
     with pytest.raises(ValueError, match=r"token id 6311 is outside the vocabulary \[0, \d+\) of .*"
                                          r"model='random:qwen3-0.6b'"):
         llm.generate([[5, 6311]], greedy(1), use_tqdm=False)
+
+
+def test_an_output_equals_the_dict_nano_vllm_returned(llm):
+    """nano-vllm's generate returned dicts; ``outputs[0] == {"text": ..., "token_ids": ...}`` was silently False."""
+    import copy
+
+    out = llm.generate(prompts_of([5])[0], greedy(3), use_tqdm=False)[0]
+    as_dict = {"text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids)}
+    assert out == as_dict and as_dict == out and [out] == [as_dict]
+    assert out != {"text": out.outputs[0].text, "token_ids": []} and out != {"text": out.outputs[0].text}
+    twin = copy.deepcopy(out)
+    assert twin == out and twin is not out  # two outputs still compare field by field
+    twin.num_cached_tokens = (out.num_cached_tokens or 0) + 1
+    assert twin != out and out != 5
