@@ -99,12 +99,15 @@ class _ChatSession(CommandRun):
                 if getattr(args, name) is not None:
                     setattr(params, name, getattr(args, name))
             self.llm.llm_engine.check_sampling_params(params)
-            self.render([{"role": "user", "content": "?"}])  # the template and its variables now, not at a turn
+            self.reset()
+            # the template with the system message and the variables now, not at every turn
+            self.render(self.messages + [{"role": "user", "content": "?"}])
         except (ValueError, TypeError, FileNotFoundError) as e:
-            print(f"error: {with_flag(str(e), self.parser)}", file=sys.stderr)
+            message = with_flag(str(e), self.parser).replace(
+                "(pass chat_template=...)", "(this command needs a model whose tokenizer has one; generate does not)")
+            print(f"error: {message}", file=sys.stderr)
             return 2
         print(banner(self.llm.llm_engine, load_s), file=sys.stderr)
-        self.reset()
         if args.quick is not None:
             self.turn(args.quick, params)
             return 1 if self.refused else 0
@@ -151,11 +154,13 @@ class _ChatSession(CommandRun):
                 (jinja's TypeError or TemplateError, given as a ValueError naming the variables)."""
         from jinja2 import TemplateError
 
+        kwargs = self.args.chat_template_kwargs
         try:
-            return self.llm._chat_prompts(messages, chat_template_kwargs=self.args.chat_template_kwargs)
+            return self.llm._chat_prompts(messages, chat_template_kwargs=kwargs)
         except (TypeError, TemplateError) as e:
-            raise ValueError(f"--chat-template-kwargs {json.dumps(self.args.chat_template_kwargs)}: the chat "
-                             f"template failed with them ({type(e).__name__}: {e})") from None
+            whose = (f"--chat-template-kwargs {json.dumps(kwargs)}: the chat template failed with them" if kwargs
+                     else "the model's chat template refused the conversation")
+            raise ValueError(f"{whose} ({type(e).__name__}: {e})") from None
 
     def turn(self, text: str, params) -> None:
         """One user turn: render, stream the reply, keep it in the conversation (or drop the turn
@@ -193,11 +198,16 @@ class _ChatSession(CommandRun):
             print(f"error: {message} (this turn is dropped; /reset starts the conversation again)", file=sys.stderr)
             return
         self.end_line()
-        self.messages.append({"role": "assistant", "content": "".join(reply)})
+        failed = last is not None and last.outputs[0].finish_reason == "error"
+        if failed:  # no reply to keep: the turn is dropped, as a refused one
+            self.messages.pop()
+            self.refused += 1
+        else:
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
         if last is not None:
             # the conversation so far is the next turn's prompt prefix: the prefix cache holds its KV blocks
             cached = (f"; prompt {len(last.prompt_token_ids)} tokens, {last.num_cached_tokens or 0} of them from the "
                       "prefix cache" if last.prompt_token_ids else "")
             print(measured_line(last.metrics, last.outputs[0], llm.llm_engine.config.device) + cached, file=sys.stderr)
-            if last.outputs[0].finish_reason == "error":
-                print(f"error: {last.error or 'the request ended in an error'}", file=sys.stderr)
+            if failed:
+                print(f"error: {last.error or 'the request ended in an error'} (this turn is dropped)", file=sys.stderr)

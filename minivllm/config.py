@@ -260,7 +260,8 @@ class EngineArgs:
             self.generation_config = gen = os.fspath(gen)
         if gen is None:  # vLLM's spelling of the default
             self.generation_config = gen = "auto"
-        if not isinstance(gen, str) or (gen not in ("auto", "vllm") and not os.path.isdir(gen)):
+        if not isinstance(gen, str) or (gen not in ("auto", "vllm")
+                                        and not os.path.isfile(os.path.join(gen, "generation_config.json"))):
             raise ValueError(f"generation_config={gen!r}: choose 'auto' (the checkpoint's generation_config.json), "
                              "'vllm' (SamplingParams' defaults) or a directory holding a generation_config.json")
         if not isinstance(self.kv_cache_dtype, str):  # a list is unhashable; a torch.dtype is not vLLM's spelling

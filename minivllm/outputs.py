@@ -96,7 +96,8 @@ class RequestMetrics:
 
     @property
     def num_generation_tokens(self) -> int:
-        """vLLM V1's name: output tokens so far."""
+        """vLLM V1's name: output tokens so far (of one completion: with ``n > 1``, the metrics an
+        output carries are those of the completion it reports)."""
         return len(self.token_times)
 
 
@@ -252,6 +253,8 @@ class RequestOutput:
         # nano-vllm's outputs were dicts: a script comparing one with {"text": ..., "token_ids": ...}
         # compares the mapping view (dataclass equality with a dict was silently False)
         if isinstance(other, Mapping):
+            if not self.outputs:  # no completion: no mapping view to compare
+                return False
             return dict(self) == dict(other)
         if other.__class__ is not self.__class__:
             return NotImplemented

@@ -109,7 +109,7 @@ def test_refusals_before_the_first_turn(monkeypatch, capsys, tmp_path):
     config.pop("chat_template")
     (no_template / "tokenizer_config.json").write_text(json.dumps(config))
     status, _, err = run(monkeypatch, capsys, "hi\n", "--model", str(no_template))
-    assert status == 2 and "has no chat template" in err
+    assert status == 2 and "has no chat template" in err and "chat_template=" not in err  # no Python-only fix
     status, _, err = run(monkeypatch, capsys, "hi\n", "--top-p", "0")
     assert status == 2 and "top_p" in err
     with pytest.raises(SystemExit) as caught:  # argparse: not JSON
@@ -154,3 +154,30 @@ def test_template_variables_the_template_chokes_on_are_named_before_the_first_tu
         assert caught.value.code == 2 and words in capsys.readouterr().err
     status, _, err = run(monkeypatch, capsys, "hi\n", "--max-tokens", "0")
     assert status == 2 and "--max-tokens: SamplingParams.max_tokens=0" in err  # the option, not just the field
+
+
+def test_a_template_that_refuses_the_system_message_is_named_at_start(monkeypatch, capsys, tmp_path):
+    """The start-up check rendered a user message alone, so a template refusing system messages failed at
+    every turn, blamed on --chat-template-kwargs that were never given."""
+    model = shutil.copytree(EMBEDDED_MODEL_DIR, tmp_path / "no-system")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}" + config["chat_template"])
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    status, _, err = run(monkeypatch, capsys, "", "--model", str(model), "-q", "hi", "--system", "x")
+    assert status == 2
+    assert "the model's chat template refused the conversation (TemplateError: System role not supported)" in err
+    assert "--chat-template-kwargs" not in err
+    status, out, _ = run(monkeypatch, capsys, "", "--model", str(model), "-q", "hi")  # without one it answers
+    assert status == 0 and out.strip()
+
+
+def test_a_reply_that_ends_in_an_error_drops_its_turn_and_sets_the_status(monkeypatch, capsys, rendered):
+    from minivllm import SamplingParams
+
+    seen, _ = rendered
+    # no token can be drawn: a repetition penalty that overflows every logit (as generate's test does)
+    monkeypatch.setattr(LLM, "get_default_sampling_params", lambda self: SamplingParams(repetition_penalty=1e-45))
+    status, _, err = run(monkeypatch, capsys, "first\nsecond\n")
+    assert status == 1 and err.count("no token could be sampled") == 2 and "(this turn is dropped)" in err
+    assert [m["role"] for m in seen[-1]] == ["user"]  # the failed first turn left nothing in the conversation

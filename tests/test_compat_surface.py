@@ -870,12 +870,17 @@ def test_generation_config_auto_vllm_or_a_directory(tiny_ckpt, tmp_path):
     elsewhere.shutdown()
     with pytest.raises(ValueError, match=r"generation_config='nope'.*'auto'.*'vllm'"):
         EngineArgs(model=str(tiny_ckpt), generation_config="nope")
+    with pytest.raises(ValueError, match="a directory holding a generation_config.json"):
+        EngineArgs(model=str(tiny_ckpt), generation_config=str(tiny_ckpt))  # a directory without the file
 
 
 def test_vllm_import_lines_and_arguments_of_scripts(tiny_ckpt):
     from minivllm import PromptType  # vLLM exports it at top level
+    from minivllm.distributed import destroy_model_parallel as from_package  # vLLM scripts import it from both
     from minivllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
                                                      get_tp_size)
+
+    assert from_package is destroy_model_parallel
     from minivllm.utils import random_uuid
 
     assert PromptType is __import__("minivllm.inputs").inputs.PromptType
@@ -927,3 +932,5 @@ def test_an_output_equals_the_dict_nano_vllm_returned(llm):
     assert twin == out and twin is not out  # two outputs still compare field by field
     twin.num_cached_tokens = (out.num_cached_tokens or 0) + 1
     assert twin != out and out != 5
+    twin.outputs = []  # no completion (a script's own object): unequal to any dict, not an IndexError
+    assert twin != {} and twin != as_dict

@@ -152,24 +152,3 @@ def test_step_tensors_start_on_16_byte_boundaries(tiny_ckpt):
                     ("cu_seqlens_k", m.cu_seqlens_k), ("context_lens", m.context_lens)):
         assert (t.storage_offset() * t.element_size()) % 16 == 0, name
     assert m.cu_seqlens_k.tolist() == [0, 5, 9] and m.context_lens.tolist() == [5, 4]
-
-
-def test_a_step_that_samples_nothing_waits_for_its_forward(tiny_ckpt, monkeypatch):
-    """On CUDA a step is timed up to reading its sampled tokens back, which waits for the device;
-    a prompt chunk that samples nothing read nothing back, so its forward's time landed in the
-    next step's record. Such a step now synchronises itself (``ModelRunner._sync``)."""
-    from helpers_engine import greedy, make_llm, prompts_of
-
-    llm = make_llm(tiny_ckpt, max_num_batched_tokens=8)  # a 20-token prompt: chunks of 8, 8, 4
-    try:
-        runner, synced = llm.llm_engine.runner, []
-        monkeypatch.setattr(runner, "_sync", lambda: synced.append(True))
-        llm.llm_engine.add_request("r", prompts_of([20])[0], greedy(1))
-        samples = []
-        while llm.llm_engine.has_unfinished_requests():
-            before = len(synced)
-            rec = llm.llm_engine.step_with_record().record
-            samples.append((rec.num_prefill_tokens, len(synced) - before))
-        assert samples == [(8, 1), (8, 1), (4, 0)]  # the last chunk samples: its tokens' read-back waits
-    finally:
-        llm.shutdown()

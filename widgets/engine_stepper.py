@@ -81,7 +81,8 @@ class EngineStepper(CourseWidget):
     * The step's composition (prefill vs decode tokens against the token budget
       ``max_num_batched_tokens``) and measured wall time with its breakdown
       (``StepRecord.wall_ms``, ``schedule_ms`` ... ``postprocess_ms``: ``perf_counter``
-      around the step; on CUDA the step is synchronised first).
+      around the step; on CUDA a step that samples waits for the device first: see
+      ``StepRecord`` for the prompt chunks that do not).
     * MFU and MBU bars: the step's FLOPs and bytes from the roofline model
       (``minivllm.telemetry.roofline``: 2 FLOPs per weight per token plus attention;
       every weight read once) divided by the measured wall time and by this machine's

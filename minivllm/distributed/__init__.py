@@ -2,6 +2,8 @@
 (no-ops on one rank). Starting and driving the ranks is ``minivllm.executor``'s job; nothing
 here imports the engine."""
 from minivllm.distributed.parallel_state import (
+    destroy_distributed_environment,
+    destroy_model_parallel,
     get_tp_group,
     get_tp_rank,
     get_tp_size,
@@ -13,6 +15,8 @@ from minivllm.distributed.parallel_state import (
 )
 
 __all__ = [
+    "destroy_distributed_environment",
+    "destroy_model_parallel",
     "get_tp_group",
     "get_tp_rank",
     "get_tp_size",

@@ -872,8 +872,6 @@ class ModelRunner:
                         logprobs = [logprobs[r] for r in first_rows]
             if -1 in tokens:
                 failed = {seq for seq, t in zip(seqs, tokens) if t == -1}
-        if not inp.sampling_seqs:  # nothing read back to wait on (a prompt chunk that samples nothing): on
-            self._sync()           # CUDA wait here, or its forward's time would land in the next step's
         if prompt_rows is not None:
             with torch.inference_mode():
                 prompt_logprobs = self._prompt_logprobs(prompt_logits, prompt_rows[1])

@@ -98,9 +98,11 @@ class StepRecord:
 
     Times are ``time.perf_counter`` seconds (``start_time``, ``end_time``) and
     milliseconds (``*_ms``). On CPU the model time is taken around a synchronous
-    forward; on CUDA the step is synchronised before ``end_time`` is read (reading the sampled
-    tokens back waits for the device; a step that samples nothing, a prompt chunk, synchronises
-    explicitly), so ``wall_ms`` is real device time plus host overhead.
+    forward; on CUDA a step that samples waits for the device when it reads its tokens back, before
+    ``end_time`` is read, so its ``wall_ms`` is real device time plus host overhead. A step that
+    samples nothing (a prompt chunk before the prompt's last) is not synchronised, so that the host
+    prepares the next step while its forward runs: part of its device time can land in the next
+    step's record.
 
     Attributes:
         index: 0-based step number since the engine started.
