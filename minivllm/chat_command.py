@@ -190,7 +190,7 @@ class _ChatSession(CommandRun):
             self.end_line()
             self.messages.pop()
             self.refused += 1
-            message = str(e).removeprefix("prompt 0: ")
+            message = with_flag(str(e), self.parser)  # "prompt 0: " dropped, a field named by its option
             if "leaves no room to generate" in message and prompts:
                 n = len(llm.get_tokenizer().encode(prompts[0], add_special_tokens=False))
                 message = (f"the conversation with this turn is {n} tokens, which leaves no room for a reply within "
