@@ -89,8 +89,9 @@ class SamplingParams:
         min_tokens: >= 0; eos (with ``ignore_eos`` too, as in vLLM) and ``stop_token_ids`` are
             masked for the first ``min_tokens`` tokens, and no stop string ends in their text (one
             may start in it and end after it, as in vLLM).
-        logit_bias: ``{token_id: bias}`` added to those logits before sampling (values are
-            clamped to [-100, 100], as OpenAI's API does).
+        logit_bias: ``{token_id: bias}`` added to those logits before sampling, as given (as in
+            vLLM's ``LLM``; OpenAI's API and vLLM's server clamp to [-100, 100]); ``-inf`` bans a
+            token. Raises ValueError for NaN or ``+inf``.
         allowed_token_ids: only these token ids can be generated (non-empty list).
         bad_words: words that must not be generated: a word's last token is masked whenever
             the output ends with the word's other tokens (the word is tokenized alone, and after
@@ -276,9 +277,12 @@ class SamplingParams:
                 key = _token_id(k)
                 if not is_int(key) or key < 0:
                     raise bad("logit_bias", self.logit_bias, f"key {k!r} is not a token id (int >= 0)")
-                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                    raise bad("logit_bias", self.logit_bias, f"bias {v!r} of token {k!r} is not a finite number")
-                bias[key] = min(100.0, max(-100.0, float(v)))
+                # as given, as vLLM's LLM does (only its OpenAI server clamps to [-100, 100]); -inf bans
+                # the token, +inf or NaN would make every probability NaN
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v) or v == math.inf:
+                    raise bad("logit_bias", self.logit_bias, f"bias {v!r} of token {k!r} is not a number below "
+                                                             "+inf (-inf bans the token)")
+                bias[key] = float(v)
             self.logit_bias = bias or None
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
@@ -449,7 +453,8 @@ _VLLM_ONLY = {
     "structured_outputs": ("structured outputs (decoding constrained to a JSON schema, regex, grammar or choice)",
                            lambda v, kw: v is not None),
     "guided_decoding": ("guided decoding (structured outputs)", lambda v, kw: v is not None),
-    "best_of": ("best_of (sampling more candidates than returned)",
+    "best_of": ("best_of (sampling more candidates than returned: vLLM's V0 engine had it, its V1 engine dropped it; "
+                "sample n=k and rank by cumulative_logprob instead)",
                 lambda v, kw: v is not None and v != kw.get("n", 1)),
     "use_beam_search": ("beam search", lambda v, kw: bool(v)),
     "length_penalty": ("beam search's length penalty", lambda v, kw: v != 1.0),

@@ -71,6 +71,19 @@ def test_logit_bias_and_allowed_token_ids(llm):
     assert set(out.token_ids) <= set(allowed) and len(set(out.token_ids)) > 1
 
 
+def test_logit_bias_is_added_as_given_and_minus_inf_bans(tiny_ckpt, llm):
+    # it was clamped to [-100, 100] (OpenAI's server rule, not vLLM's LLM) and -inf was refused
+    plain = run(llm, G(1)).token_ids[0]
+    assert run(llm, G(1, logit_bias={plain: float("-inf")})).token_ids[0] != plain
+    seen = make_llm(tiny_ckpt, logprobs_mode="processed_logits")
+    c, rows = generate_spying_logits(seen, PROMPT, G(1, logprobs=0, logit_bias={7: 500.0}))
+    assert c.token_ids == [7] and c.logprobs[0][7].logprob == pytest.approx(float(rows[0][7]) + 500.0, abs=1e-3)
+    seen.shutdown()
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"logit_bias=.*not a number below \+inf"):
+            SamplingParams(logit_bias={7: bad})
+
+
 def test_min_tokens_masks_stop_tokens_until_reached(llm):
     plain = run(llm, G(10)).token_ids
     stop_id = plain[1]
