@@ -303,3 +303,41 @@ def test_from_optional_and_vllms_integer_output_kinds():
     for bad in (3, True):
         with pytest.raises(ValueError):
             RequestOutputKind(bad)
+
+
+TEXT = "价格是 €5，中文 😀"  # characters of 2-4 UTF-8 bytes, split across the byte-level tokens
+
+
+def test_logprobs_of_a_character_split_across_tokens_read_as_the_character(llm):
+    """Every token holding part of a multi-byte character read U+FFFD in Logprob.decoded_token; vLLM's
+    logprobs processor reads such a token as the character it completes with the tokens before it,
+    or '' while the character is unfinished. (vLLM's prompt-logprobs context starts after the first
+    prompt token; here it is the whole sequence, so a character begun by the first token is whole too.)"""
+    tok = llm.get_tokenizer()
+    ids = tok.encode(TEXT)
+    assert any(tok.decode([t]).endswith("\ufffd") for t in ids)  # the case under test occurs
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    read = [out.prompt_logprobs[i][t].decoded_token for i, t in enumerate(ids) if i > 0]
+    assert tok.decode(ids[:1]) == "\ufffd" and "".join(read) == TEXT  # (the first token: part of 价)
+    # a generated token that completes a character the prompt began (the sampled logprobs' context)
+    euro = tok.encode("€")
+    assert len(euro) > 1
+    c = llm.generate([[5] + euro[:-1]], SamplingParams(temperature=0, max_tokens=1, logprobs=0,
+                                                       allowed_token_ids=[euro[-1]]), use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == [euro[-1]] and c.logprobs[0][euro[-1]].decoded_token == "€"
+
+
+@pytest.mark.parametrize("byte_level_table", [True, False])
+def test_split_character_reads_the_same_on_both_detokenizer_paths(llm, byte_level_table):
+    from minivllm.engine.detokenizer import IncrementalDetokenizer
+    from minivllm.engine.output_processor import logprob_dicts
+
+    tok = llm.get_tokenizer()
+    ids = tok.encode(TEXT)
+    det = IncrementalDetokenizer(tok, [])
+    if not byte_level_table:  # the general path: windows of tokenizer.decode
+        det.table, det.num_known_ids = None, len(tok)
+    entries = [None] + [([t], [0.0], [1]) for t in ids[1:]]
+    read = [d[t].decoded_token for d, t in zip(logprob_dicts(entries, det, ids)[1:], ids[1:])]
+    assert tok.decode(ids[:1]) == "\ufffd" and "".join(read) == TEXT  # (the first token: part of 价)
+    assert read[-1] == "😀" and "" in read

@@ -121,40 +121,74 @@ def update_text(state: RequestState) -> str | None:
     return None
 
 
-def _token_texts(detokenizer: IncrementalDetokenizer | None) -> Callable[[int], str | None]:
-    """Token id -> its text for ``Logprob.decoded_token`` (None without detokenisation). A special
-    token reads as itself (``<|im_end|>``) whatever the request's ``skip_special_tokens``, as in vLLM
-    (``convert_ids_list_to_tokens`` decodes each id alone with the tokenizer's defaults)."""
-    if detokenizer is None:
-        return lambda token_id: None
-    table = byte_table(detokenizer.tokenizer, skip_special_tokens=False) if detokenizer.table is not None else None
-    if table is not None:
-        def from_table(token_id: int) -> str:
-            piece = table[token_id] if token_id < len(table) else None
-            return piece.decode("utf-8", "replace") if piece is not None else unknown_id_text(token_id)
-        return from_table
-    limit = getattr(detokenizer, "num_known_ids", None)  # (set on the general path)
-
-    def decoded(token_id: int) -> str:
-        if limit is not None and token_id >= limit:
-            return unknown_id_text(token_id)
-        return detokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
-    return decoded
+#: preceding tokens tried, one more at a time, to complete a character a token's bytes end inside
+#: (4: the most bytes a UTF-8 character has; vLLM's logprobs processor tries as many)
+_COMPLETING_TOKENS = 4
 
 
-def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None) -> list:
+class _TokenTexts:
+    """Token id -> its text for ``Logprob.decoded_token`` (None without detokenisation).
+
+    A special token reads as itself (``<|im_end|>``) whatever the request's ``skip_special_tokens``,
+    as in vLLM (``convert_ids_list_to_tokens`` decodes each id alone with the tokenizer's defaults).
+    A token whose bytes end inside a multi-byte UTF-8 character (Chinese, emoji, "€" are split
+    across byte-level tokens) does not read as U+FFFD: as vLLM's logprobs processor does, it reads
+    as the text it completes with up to 4 preceding tokens (the whole character), or ``""`` when
+    that still leaves the character unfinished."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer | None):
+        self.detokenizer = detokenizer
+        self.table = None
+        if detokenizer is not None and detokenizer.table is not None:  # (looked up once, not per token)
+            self.table = byte_table(detokenizer.tokenizer, skip_special_tokens=False)
+        self.limit = getattr(detokenizer, "num_known_ids", None)  # (set on the general path)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.table is not None:
+            pieces = [self.table[t] if t < len(self.table) else None for t in ids]
+            if all(p is not None for p in pieces):
+                return b"".join(pieces).decode("utf-8", "replace")
+            if len(ids) == 1:
+                return unknown_id_text(ids[0])
+            return "\ufffd"  # an unknown id in the context completes nothing
+        if self.limit is not None and any(t >= self.limit for t in ids):
+            return unknown_id_text(ids[0]) if len(ids) == 1 else "\ufffd"
+        return self.detokenizer.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def __call__(self, token_id: int, preceding: list[int] = ()) -> str | None:
+        """The text of ``token_id`` after the tokens ``preceding`` it in the sequence."""
+        if self.detokenizer is None:
+            return None
+        text = self.decode([token_id])
+        if not text.endswith("\ufffd"):
+            return text
+        for n in range(1, min(_COMPLETING_TOKENS, len(preceding)) + 1):
+            context = list(preceding[-n:])
+            whole = self.decode(context + [token_id])
+            if whole.endswith("\ufffd"):
+                continue
+            before = self.decode(context).rstrip("\ufffd")  # the context's finished characters
+            return whole[len(before):] if whole.startswith(before) else whole
+        return ""
+
+
+def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None, token_ids: list[int] = (),
+                  start: int = 0) -> list:
     """Logprob entries ``(ids, logprobs, ranks)`` -> vLLM's ``{token_id: Logprob}`` per position
-    (None entries, the first prompt token's, stay None)."""
+    (None entries, the first prompt token's, stay None). Entry ``k`` scores the token that follows
+    ``token_ids[:start + k]`` (what completes a character split across tokens: :class:`_TokenTexts`)."""
     out = []
-    text_of = _token_texts(detokenizer)  # (the byte table looked up once, not per token)
-    for entry in entries:
+    text_of = _TokenTexts(detokenizer)
+    for k, entry in enumerate(entries):
         if entry is None:
             out.append(None)
             continue
         ids, vals, ranks = entry
+        end = start + k
+        preceding = token_ids[max(0, end - _COMPLETING_TOKENS):end]
         d = {}
         for t, v, r in zip(ids, vals, ranks):  # the chosen token first: its top-k entry, if any, replaces it
-            d[t] = Logprob(v, r, text_of(t))
+            d[t] = Logprob(v, r, text_of(t, preceding))
         out.append(d)
     return out
 
@@ -182,9 +216,10 @@ def make_output(state: RequestState) -> RequestOutput:
             text = text[:len(text) - _held_back(text, stops)]
     logprobs = prompt_logprobs = None
     if seq.logprobs is not None:
-        logprobs = logprob_dicts(seq.logprobs[first_token:first_token + len(token_ids)], state.detokenizer)
+        logprobs = logprob_dicts(seq.logprobs[first_token:first_token + len(token_ids)], state.detokenizer,
+                                 seq.token_ids, seq.num_prompt_tokens + first_token)
     if seq.prompt_logprobs is not None and not state.sent_prompt_logprobs:
-        prompt_logprobs = logprob_dicts(seq.prompt_logprobs, state.detokenizer)
+        prompt_logprobs = logprob_dicts(seq.prompt_logprobs, state.detokenizer, seq.prompt_token_ids)
         state.sent_prompt_logprobs = state.kind is OutputKind.DELTA  # deltas carry them once
     completion = CompletionOutput(index=0, text=text, token_ids=token_ids, finish_reason=seq.finish_reason,
                                   stop_reason=seq.stop_reason, logprobs=logprobs,
