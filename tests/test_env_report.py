@@ -1,4 +1,4 @@
-"""minivllm.utils.env_report.last_level_cache_bytes: the largest cache size Linux reports."""
+"""minivllm.utils.env_report: the largest cache size Linux reports, and what a chart says it measured."""
 from minivllm.utils.env_report import last_level_cache_bytes
 
 
@@ -27,3 +27,20 @@ def test_suffixes_and_plain_bytes(tmp_path):
 def test_none_without_sysfs(tmp_path):
     assert last_level_cache_bytes(str(tmp_path / "absent")) is None
     assert last_level_cache_bytes(str(tmp_path)) is None  # a directory with no index*/size in it
+
+
+def test_chart_provenance_names_tensor_parallelism():
+    # a chart of the two-process engine read like the single process's (a reader's review of chapter 10)
+    from types import SimpleNamespace
+
+    import torch
+
+    from minivllm.utils.env_report import chart_provenance
+
+    def engine(tp):
+        cfg = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32,
+                              args=SimpleNamespace(tensor_parallel_size=tp))
+        return SimpleNamespace(config=cfg, source=SimpleNamespace(name="minivllm-tiny"))
+
+    assert "tensor_parallel_size=2 (2 processes)" in chart_provenance(engine(2), threads=1)
+    assert "tensor_parallel" not in chart_provenance(engine(1), threads=1)

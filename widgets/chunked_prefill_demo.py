@@ -126,10 +126,10 @@ class ChunkedPrefillDemo(CourseWidget):
         from ._static import LiveFigure
 
         self.chart = LiveFigure()
-        self.chart.add_scatter(name="chunked prefill", x=[], y=[], mode="markers+lines",
-                               marker=dict(color="#4c78a8"), line=dict(width=1))
-        self.chart.add_scatter(name="whole prompt in one step", x=[], y=[], mode="markers+lines",
-                               marker=dict(color="#e4572e"), line=dict(width=1))
+        self.chart.add_scatter(name="chunked prefill", x=[], y=[], mode="markers",
+                               marker=dict(color="#4c78a8", size=7))
+        self.chart.add_scatter(name="whole prompt in one step", x=[], y=[], mode="markers",
+                               marker=dict(color="#e4572e", size=7))
         self.chart.update_layout(title=titled("Decoding requests' inter-token latency around a long prompt", chunked_llm),
                                  xaxis_title="token time relative to the long prompt's arrival (ms)",
                                  yaxis_title="gap to previous token (ms)", height=340, width=760,

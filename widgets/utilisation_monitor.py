@@ -1,6 +1,7 @@
 """``UtilisationMonitor``: utilisation over time during a workload, and a per-step roofline."""
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -200,8 +201,14 @@ class UtilisationMonitor(CourseWidget):
                 hi = max(arithmetic_intensity(r.flops, r.bytes_moved) for r in pts) * 2
                 hi = max(hi, peaks.ridge_intensity * 2)
                 xs = [lo, peaks.ridge_intensity, hi]
-                self.roofline.data[0].x = xs
-                self.roofline.data[0].y = [min(peaks.flops_per_s, x * peaks.mbu_bytes_per_s) for x in xs]
+                roof = self.roofline.data[0]
+                roof_y = [min(peaks.flops_per_s, x * peaks.mbu_bytes_per_s) for x in xs]
+                roof.x, roof.y = xs, roof_y  # (read back only when the batch update ends)
+                # the ceilings' values in the legend, and room above the flat one (log axis: exponents)
+                roof.name = (f"roof: {peaks.mbu_bytes_per_s / 1e9:.1f} GB/s read, "
+                             f"{peaks.flops_per_s / 1e9:.0f} GFLOP/s matmul")
+                ys = [r.flops / (r.wall_ms / 1e3) for r in pts] + [roof_y[0]]
+                self.roofline.layout.yaxis.range = [math.log10(min(ys) / 2), math.log10(peaks.flops_per_s * 3)]
         warnings = []
         if self.interrupted:
             n = len(self.records)

@@ -74,7 +74,8 @@ def describe(llm) -> str:
 def chart_provenance(llm, threads=None) -> str:
     """Where a chart's measurements come from, for its subtitle:
     ``"measured on cpu (AMD EPYC 9R14) · minivllm-tiny · float32 · 1 CPU thread"`` (device with the
-    processor's or GPU's name, model and dtype of the live engine, and torch's CPU thread count).
+    processor's or GPU's name, model and dtype of the live engine, its ``tensor_parallel_size``
+    where above 1, and torch's CPU thread count: this process's, rank 0's).
     ``llm``: an ``LLM`` or its ``LLMEngine``. ``threads``: the thread count(s) the chart's data were
     measured with (an int, or a collection of them: "1-2 CPU threads"), default torch's count now."""
     import torch
@@ -84,8 +85,10 @@ def chart_provenance(llm, threads=None) -> str:
     counts = sorted({torch.get_num_threads()} if threads is None else
                     {threads} if isinstance(threads, int) else set(threads)) or [torch.get_num_threads()]
     n = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    tp = getattr(cfg.args, "tensor_parallel_size", 1)
     return (f"measured on {cfg.device} ({device_name(cfg.device)}) · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')} · "
-            f"{n} CPU thread{'s' if n != '1' else ''}")
+            + (f"tensor_parallel_size={tp} ({tp} processes) · " if tp > 1 else "")
+            + f"{n} CPU thread{'s' if n != '1' else ''}")
 
 
 def chart_title(title: str, llm, threads=None) -> str:
