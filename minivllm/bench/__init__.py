@@ -5,7 +5,9 @@ plain function that returns a result dataclass (``to_dict()`` for
 JSON; the notebooks call them directly), and ``main(argv)`` (``cli``) that runs and prints
 them. Modules: ``workload`` (prompts and lengths), ``peers`` (transformers, nano-vllm),
 ``throughput``, ``sweep``, ``overhead`` (the modes), ``report`` (printing and plots),
-``cli`` (arguments, threads), ``common`` (engine set-up and summaries shared by the modes).
+``cli`` (arguments, threads), ``common`` (engine set-up and summaries shared by the modes), and
+``collectives`` (an all-reduce's time against its bytes over local processes; chapter 10 calls it,
+not the CLI).
 
 * throughput (default): an offline workload of random-token prompts, greedy,
   ``ignore_eos``, each request with its own output length. minivllm runs it,

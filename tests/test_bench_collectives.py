@@ -1,0 +1,34 @@
+"""minivllm.bench.collectives: all-reduce time against bytes over local processes (chapter 10)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minivllm.bench.collectives import AllReduceTimes, all_reduce_times
+
+
+def test_two_processes_time_each_size():
+    r = all_reduce_times([16, 4096], world_size=2, calls=3, rounds=2, timeout_s=60)
+    assert r.sizes_bytes == [16, 4096] and (r.world_size, r.backend, r.calls, r.rounds) == (2, "gloo", 3, 2)
+    for lo, med, hi in zip(r.us_min, r.us_per_call, r.us_max):
+        assert 0 < lo <= med <= hi
+    alpha, beta = r.alpha_beta()
+    assert alpha == r.us_per_call[0] and beta > 0
+    assert r.to_dict()["sizes_bytes"] == [16, 4096]
+
+
+def test_alpha_beta_from_the_ends_of_the_sweep():
+    r = AllReduceTimes(2, "gloo", [1000, 11000, 1001000], [100.0, 95.0, 1100.0], [0] * 3, [0] * 3, 1, 1)
+    assert r.alpha_beta() == (100.0, 1000.0)  # 1e6 more bytes in 1000 more µs
+    flat = AllReduceTimes(2, "gloo", [4, 8], [50.0, 40.0], [0] * 2, [0] * 2, 1, 1)
+    assert flat.alpha_beta()[1] == math.inf
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sizes_bytes=[6]), r"sizes_bytes=\[6\]"), (dict(sizes_bytes=[]), "sizes_bytes=\\[\\]"),
+    (dict(world_size=1), "world_size=1"), (dict(calls=0), "calls=0"), (dict(rounds=0), "rounds=0"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        all_reduce_times(**kwargs)
