@@ -260,12 +260,31 @@ render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".
 # than the 2.5 steps that (1 + 2 + 3 + 4) / 4 suggests: each step serves the running requests' decodes
 # first, so every later prompt gives up a token of its step to each request already decoding and
 # spills into one step more. Counted by that rule, the first tokens come at the ends of steps 1, 3, 4
-# and 5, 3.25 steps on average; `LatencyModel.predict` with a budget of 128 counts the same steps, in
-# milliseconds.)
+# and 5, 3.25 steps on average (the cell below counts them with the engine); `LatencyModel.predict`
+# with a budget of 128 counts the same steps, in milliseconds.)
 #
 # The fitted model makes the same reasoning with its per-step and per-token costs; the table above
 # shows how close it and you came to the measurement.
 # </details>
+
+# %%
+# The solution's count with a 128-token budget, by the engine itself: the step at which each
+# request's first token came (four different 128-token prompts, so no prefix is shared)
+budget_llm = LLM(MODEL, device=DEVICE, max_num_batched_tokens=128, max_model_len=256)
+be = budget_llm.llm_engine
+for i in range(4):
+    be.add_request(f"r{i}", {"prompt_token_ids": [1 + (7 * i + j) % 97 for j in range(128)]},
+                   SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+first_token_step, step_no = {}, 0
+while be.has_unfinished_requests():
+    step_no += 1
+    for out in be.step():
+        first_token_step.setdefault(out.request_id, step_no)
+budget_llm.shutdown()
+steps_seen = sorted(first_token_step.values())
+render(f"With a 128-token budget the four first tokens came at the ends of steps **{steps_seen}**: "
+       f"{sum(steps_seen) / len(steps_seen):.2f} steps on average.")
+check_claim("the worked solution's count (steps 1, 3, 4 and 5)", steps_seen == [1, 3, 4, 5], str(steps_seen))
 
 # %% [markdown]
 # ### What batching does to TPOT
@@ -297,20 +316,37 @@ weight_bytes7 = cost7.body_weight_bytes + cost7.lm_head_bytes
 intensity_b = flops_b / weight_bytes7
 achieved_b = flops_b / (dec.iloc[-1] * 1e-3)
 past_ridge = intensity_b >= peaks7.ridge_intensity
+weights7 = cost7.matmul_params + cost7.lm_head_params
+# the memory ceiling was measured over a buffer larger than the caches: weights that fit the CPU's
+# last-level cache are not read from main memory at all, and that ceiling does not bound them
+from minivllm.utils.env_report import last_level_cache_bytes
+
+llc7 = last_level_cache_bytes() if bench.llm_engine.config.device.type == "cpu" else None
+cache_resident = llc7 is not None and weight_bytes7 < llc7
 render(f"Here throughput grew **{'more' if b_last / tpot_ratio > tpot_ratio else 'less'}** than TPOT did. At batch "
-       f"{b_last} the step's matrix multiplies do {flops_b / 1e6:.0f} MFLOP over {weight_bytes7 / 1e6:.1f} MB of weights: "
+       f"{b_last} the step's matrix multiplies do {flops_b / 1e6:.0f} MFLOP over {weight_bytes7 / 1e6:.1f} MB of weights "
+       f"({weights7 / 1e6:.2f} M weights at {weight_bytes7 / weights7:.1f} bytes each, as the engine holds them: "
+       f"chapter 11 says why a 16-bit checkpoint stays in 16 bits): "
        f"intensity **{intensity_b:.1f} FLOP/byte** against this machine's ridge point of {peaks7.ridge_intensity:.1f} "
        f"({peaks7.provenance}), and the whole step ran at {achieved_b / 1e9:.0f} GFLOP/s of them, "
        f"{achieved_b / peaks7.flops_per_s:.0%} of the measured matmul peak. "
-       + ("So the step is past the ridge: by the roofline, arithmetic, not the weight read, bounds its matrix "
+       + (f"But these {weight_bytes7 / 1e6:.1f} MB fit this CPU's {llc7 / 2**20:.0f} MiB last-level cache, so after "
+          "the first step they are not read from main memory at all, and the roofline's memory ceiling (measured "
+          "over a buffer larger than the cache) does not bound this model: what a step costs here is its "
+          "arithmetic, run below the peak by small matrix multiplies, and what every row brings (attention over "
+          "its own KV, its norms and sampling, its bookkeeping). Chapter 06 shows a memory-bound decode step on a "
+          "model too large for the cache. "
+          if cache_resident else
+          "So the step is past the ridge: by the roofline, arithmetic, not the weight read, bounds its matrix "
           "multiplies, and every added row costs its own arithmetic. "
           if past_ridge else
           "So the step is still below the ridge: by the roofline the weight read, not the arithmetic, bounds its "
           "matrix multiplies, and what grew with the batch is what every row brings (attention over its own KV, "
           "its norms and sampling, its bookkeeping) and small matrix multiplies running below the peak. ")
-       + "On a GPU, whose ridge point is typically in the hundreds, a decode step stays memory-bound to far larger "
-         "batches, and there, at short contexts, TPOT barely moves while throughput grows almost with the batch "
-         "(at long contexts each sequence's KV read grows the step too: chapter 06 counts those bytes).");
+       + "On a GPU, whose ridge point is typically in the hundreds, a decode step of a model too large for its "
+         "caches stays memory-bound to far larger batches, and there, at short contexts, TPOT barely moves while "
+         "throughput grows almost with the batch (at long contexts each sequence's KV read grows the step too: "
+         "chapter 06 counts those bytes).");
 
 # %% [markdown]
 # So batching is a **throughput** lever, not a TPOT lever: it serves more users per second at the

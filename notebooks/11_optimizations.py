@@ -129,18 +129,35 @@ NO_KERNEL = {"aten::view", "aten::as_strided", "aten::reshape", "aten::_reshape_
              "aten::chunk", "aten::expand", "aten::expand_as", "aten::view_as", "aten::permute", "aten::select",
              "aten::alias", "aten::detach", "aten::_unsafe_view", "aten::resolve_conj", "aten::resolve_neg",
              "aten::result_type", "aten::lift_fresh", "aten::empty", "aten::empty_strided", "aten::to",
-             "aten::_to_copy", "aten::contiguous"}
+             "aten::_to_copy", "aten::contiguous", "aten::type_as", "aten::empty_like", "aten::new_empty",
+             "aten::new_empty_strided", "aten::split_with_sizes", "aten::unbind", "aten::flatten",
+             "aten::unflatten"}
+
+
+def does_work(e) -> bool:
+    """An ATen operation that does work of its own: not in NO_KERNEL, not a reduction's zeroing of
+    its output (a fill_ inside sum is part of the sum), not a Python scalar turned into a tensor
+    (every input 0-dimensional: `x / 1024` converts the 1024)."""
+    if not e.name.startswith("aten::") or e.name in NO_KERNEL:
+        return False
+    if e.name in ("aten::fill_", "aten::zero_") and e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"):
+        return False
+    return not (e.input_shapes and all(s == [] for s in e.input_shapes if isinstance(s, list)))
+
+
+def works_below(e) -> bool:
+    return any(does_work(c) or works_below(c) for c in e.cpu_children)
 
 
 def profile_call(fn):
-    """Run fn() under the profiler; returns (its result, Counter of leaf ATen ops that do work,
-    Counter of calls into minivllm's C code, kernels on GPU)."""
+    """Run fn() under the profiler; returns (its result, Counter of the innermost ATen operations
+    that do work, Counter of calls into minivllm's C code, kernels on GPU)."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_CUDA else [])
-    with profile(activities=acts) as prof, count_calls() as c_calls:
+    with profile(activities=acts, record_shapes=True) as prof, count_calls() as c_calls:
         out = fn()
     events = prof.events()
-    ops = Counter(e.name for e in events if e.name.startswith("aten::") and e.name not in NO_KERNEL
-                  and not any(c.name.startswith("aten::") for c in e.cpu_children))
+    # innermost: an operation built from others (rms_norm, mean) counts as those
+    ops = Counter(e.name for e in events if does_work(e) and not works_below(e))
     kernels = sum(1 for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
     return out, ops, c_calls, kernels
 
@@ -225,7 +242,9 @@ print(f"measured decode step at batch 1: median {step_ms:.2f} ms, of which the m
 # %%
 floor_share = floor_ms / step_ms
 render(f"On this run the dispatch floor ({floor_terms} = {floor_ms:.2f} ms) is "
-       f"**{floor_share:.0%}** of a batch-1 decode step of {step_ms:.2f} ms. The other {1 - floor_share:.0%} "
+       f"**{floor_share:.0%}** of a batch-1 decode step of {step_ms:.2f} ms (one timing of {len(decode)} steps: "
+       "section 2 times the same engine again, alternating with others, and gives the share against that). "
+       f"The other {1 - floor_share:.0%} "
        "is the model's Python code, the engine's own work (scheduling, building inputs, sampling) and the "
        "arithmetic itself, including reading every weight once.");
 
@@ -352,7 +371,9 @@ if len(eager_b1) and len(graph_b1) and replays:
                f"{s1_range} ms), the fresh eager engine {float(eager_b1.iloc[0]):.2f} ms, and section 1 timed it at "
                f"{step_ms:.2f} ms alone. Figures taken at different moments of one run move by this much (other "
                "processes, what the caches hold), which is why this comparison alternates the engines and gives each "
-               "one's range over the rounds.")
+               f"one's range over the rounds. Against this round's median, section 1's dispatch floor "
+               f"({floor_ms:.2f} ms) is **{floor_ms / s1_b1:.0%}** of a batch-1 decode step, where section 1's single "
+               f"timing made it {floor_ms / step_ms:.0%}.")
 else:
     print("The engine recorded no graphs here (enforce_eager=False still ran eagerly: the attention "
           "backend or the dtype cannot be recorded), so there is no graph to compare with.")
@@ -366,8 +387,10 @@ else:
 # residual, cast to fp32, `torch.nn.functional.rms_norm` (the mean of squares, eps and the reciprocal
 # square root), cast back, multiply by the weight. Not every line becomes an operation that does
 # work (in fp32 the two casts do nothing), and one line can run as more than one ATen operation. The
-# profiler below counts *leaf* operations, the innermost ATen calls, so an operation that calls
-# others internally shows up as those (`rms_norm` as the kernels it is built from). So the names in the
+# profiler below counts the *innermost* ATen operations that do work, so an operation that calls
+# others internally shows up as those (`rms_norm` as the kernels it is built from: the mean of
+# squares as `pow`, `sum` and `div_`), and the bookkeeping around them (a Python scalar such as
+# eps turned into a tensor) is left out. So the names in the
 # list below do not match the formula's steps one for one (and vary between PyTorch versions). Run eagerly, each of those operations is one kernel and one
 # trip through memory. `torch.compile` traces the function and its backend (Inductor) generates one
 # fused kernel: C++ with OpenMP on a CPU, Triton on a GPU.
@@ -678,7 +701,8 @@ for row in interp.itertuples():
 #
 # A batch-1 decode step reads every weight once and does two FLOPs with it (chapter 06). Stored in one
 # byte instead of four (fp32) or two (bf16), the weights cost a quarter (or half) of the memory
-# traffic, and a step that is bound by reading them gets faster by as much. minivllm quantises at
+# traffic, and a step that is bound by reading them gets faster by up to as much (less the time it
+# spends on anything else, such as widening each int8 value back to float). minivllm quantises at
 # load time: `LLM(..., quantization="int8")` turns every linear layer (and, by default, the LM head)
 # into per-output-channel symmetric int8, `scale[n] = max |W[n, :]| / 127`, `Q = round(W / scale)`;
 # embeddings and norms stay float (`docs/quantization.md`). On a CPU the matmul goes through our panel
@@ -932,11 +956,12 @@ check_claim("int8 changes some greedy tokens of this model", agree["position_agr
 # precision and a greedy token can flip where the top two candidates were close, as with int8 weights
 # above. (On a GPU the model runs in bfloat16 by default, so there the two settings are the same.)
 #
-# Two engines take the same 32 requests (128-token prompts, 24 new tokens each); their steps are
-# interleaved one by one, so that a slow moment of the machine hits both.
+# Two engines take the same 32 requests (128-token prompts, 40 new tokens each); their steps are
+# interleaved one by one, so that a slow moment of the machine hits both, and each pair of
+# neighbouring steps gives one ratio: their spread says how much of a difference is noise.
 
 # %%
-KV_BATCH, KV_PROMPT, KV_NEW = 32, 128, 24
+KV_BATCH, KV_PROMPT, KV_NEW = 32, 128, 40
 kv_llms = {kv: LLM(MODEL, device=DEVICE, kv_cache_dtype=kv, max_num_seqs=KV_BATCH) for kv in ("auto", "bfloat16")}
 for kv, kv_llm in kv_llms.items():
     e = kv_llm.llm_engine
@@ -963,6 +988,9 @@ while any(kv_llm.llm_engine.has_unfinished_requests() for kv_llm in kv_llms.valu
                 kv_tokens[kv][out.request_id] = out.outputs[0].token_ids
 # the first decode step of a batch size records its CPU graph: leave the first two out
 kv_ms = {kv: statistics.median(ms[2:]) for kv, ms in kv_step_ms.items()}
+# float32 step / bfloat16 step, pair by pair (steps taken one after the other): quartiles of the ratios
+kv_pairs = [a / b for a, b in zip(kv_step_ms["auto"][2:], kv_step_ms["bfloat16"][2:])]
+kv_q1, kv_q2, kv_q3 = statistics.quantiles(kv_pairs, n=4)
 kv_same = sum(kv_tokens["auto"][r] == kv_tokens["bfloat16"][r] for r in kv_tokens["auto"])
 kv_bytes = {kv: kv_llm.llm_engine.model_cost.kv_bytes_per_token for kv, kv_llm in kv_llms.items()}
 kv_auto_dtype = str(kv_llms["auto"].llm_engine.runner.kv_cache.dtype).removeprefix("torch.")
@@ -973,17 +1001,26 @@ print({kv: f"{len(ms) - 2} decode steps, median {kv_ms[kv]:.2f} ms" for kv, ms i
 
 # %%
 kv_read_mb = {kv: KV_BATCH * (KV_PROMPT + KV_NEW / 2) * b / 1e6 for kv, b in kv_bytes.items()}
+kv_verdict = ("faster with the bfloat16 cache in at least three of four pairs" if kv_q1 > 1 else
+              "slower with the bfloat16 cache in at least three of four pairs" if kv_q3 < 1 else
+              "no difference beyond this machine's step-to-step spread")
 render(f"Decode steps of {KV_BATCH} sequences: **{kv_ms['auto']:.2f} ms** with the KV cache in "
-       f"{kv_auto_dtype}, "
-       f"**{kv_ms['bfloat16']:.2f} ms** in bfloat16 ({kv_ms['auto'] / kv_ms['bfloat16']:.2f}x), while a step's "
-       f"keys and values went from about {kv_read_mb['auto']:.1f} to {kv_read_mb['bfloat16']:.1f} MB (at the "
-       f"average context of the run). **{kv_same} of {KV_BATCH}** greedy continuations came out identical. "
-       f"({kv_provenance}.)")
-if kv_bytes["auto"] > kv_bytes["bfloat16"]:
-    check_claim("the bfloat16 KV cache made the batch-32 decode step faster", kv_ms["bfloat16"] < kv_ms["auto"],
-                f"{kv_ms['auto']:.2f} -> {kv_ms['bfloat16']:.2f} ms",
-                why_it_may_not="Where the KV cache fits the CPU's caches, or the machine was busy in the other "
-                               "engine's steps, the saving can vanish; run the cell above again, then this one.")
+       f"{kv_auto_dtype}, **{kv_ms['bfloat16']:.2f} ms** in bfloat16 (medians); step by step the ratio was "
+       f"**{kv_q2:.2f}x** (the middle half of the {len(kv_pairs)} pairs between {kv_q1:.2f}x and {kv_q3:.2f}x): "
+       f"**{kv_verdict}**, while a step's keys and values went from about {kv_read_mb['auto']:.1f} to "
+       f"{kv_read_mb['bfloat16']:.1f} MB (at the average context of the run). **{kv_same} of {KV_BATCH}** greedy "
+       f"continuations came out identical. ({kv_provenance}.)")
+check_claim("the bfloat16 cache holds twice the tokens in the same memory",
+            kv_bytes["auto"] == 2 * kv_bytes["bfloat16"],
+            f"{kv_bytes['auto']} -> {kv_bytes['bfloat16']} bytes per token")
+
+# %% [markdown]
+# Halving the bytes shortens a step only by the time the step spends reading them. That share is
+# largest where the keys and values come from main memory and the rest of the step is small: long
+# contexts, many sequences, a model whose weights are a small part of what a step reads. Where the
+# whole cache fits the CPU's last-level cache, as a small model's can, the reads are fast already and
+# the saving can vanish into the step-to-step spread, as the ratio's middle half shows when it
+# straddles 1.
 
 # %% [markdown]
 # ## 6. Speculative decoding: several tokens per step
@@ -1275,9 +1312,8 @@ Quiz([
          "The tests use it the same way, but it is an environment variable read by triton, wherever it runs."],
     ),
     Question(
-        f"A bfloat16 KV cache halves the bytes of every key and value (the batch-32 decode step above: "
-        f"{kv_ms['auto']:.2f} ms against {kv_ms['bfloat16']:.2f} ms with it), yet the engine's default keeps the "
-        f"model's dtype. Why?",
+        "A bfloat16 KV cache halves the bytes of every key and value, and so doubles the tokens the same memory "
+        "holds, yet the engine's default keeps the model's dtype. Why?",
         ["The bfloat16 cache makes the attention's arithmetic bfloat16, which this CPU computes slowly",
          "Each key and value is rounded once when written, so the logits move and a greedy token can flip; float32 "
          "keeps them equal to the reference implementation's",

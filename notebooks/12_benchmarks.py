@@ -139,9 +139,9 @@ CHART_CONTEXT = f"{result['device']}, model {engine.source.name}, {str(engine.co
 WORKLOAD_NOTE = f"{wl.num_requests} requests, {wl.num_output_tokens} output tokens"
 fig = go.Figure(go.Bar(x=table.index, y=table["output tok/s"], marker_color=["#4c78a8", "#9c755f"][:len(table)],
                        text=[f"{v:.0f}" for v in table["output tok/s"]], textposition="outside"))
-fig.update_layout(title=f"Output tokens per second, same workload and weights<br><sup>{CHART_CONTEXT}; "
-                        f"{WORKLOAD_NOTE}, one timed run each</sup>",
-                  xaxis_title="engine", yaxis_title="output tokens / s", height=360)
+fig.update_layout(title=f"Output tokens per second, same workload and weights<br><sup>{CHART_CONTEXT}</sup>"
+                        f"<br><sup>{WORKLOAD_NOTE}, one timed run each</sup>",
+                  xaxis_title="engine", yaxis_title="output tokens / s", height=380, margin=dict(t=100))
 show_figure(fig)
 if peer.get("available"):
     print(f"minivllm / transformers generate: {peer['speedup']:.2f}x; greedy outputs identical in "
@@ -411,12 +411,20 @@ check_claim("the prefill step, with more FLOPs per byte, achieves more FLOP/s th
 check_claim("the decode steps sit below the ridge point (memory-bound side of the roof)",
             decode_intensity < peaks.ridge_intensity,
             f"decode {decode_intensity:.2f} vs ridge {peaks.ridge_intensity:.1f} FLOP/byte");
+# the roof at the prefill step's intensity: the lower of the compute ceiling and intensity x read bandwidth
+prefill_roof = min(peaks.flops_per_s, prefill_i * peaks.mbu_bytes_per_s) / 1e9
+render(f"The prefill step did {prefill_i:.1f} FLOP per byte against a ridge at {peaks.ridge_intensity:.1f}: "
+       + ("past the ridge, where the roof is the compute ceiling, " if prefill_i >= peaks.ridge_intensity else
+          "still below the ridge, where the roof is the read bandwidth's slope, ")
+       + f"**{prefill_roof:.0f} GFLOP/s** at its intensity; it reached {prefill_f:.1f} GFLOP/s, **{prefill_f / prefill_roof:.0%}** "
+       "of that roof (`bench --sweep` places prefills of up to 512 tokens on the same roof).");
 harness_read = result["peaks"]["mbu_bytes_per_s"]
 render(f"Two read bandwidths appear in this notebook. Section 2's harness measured its peaks once, at its "
        f"start, under whatever else was running then: **{harness_read / 1e9:.1f} GB/s** read, the ceiling of the "
        f"MBU in its report. The roofline and the MBU column in this section use the monitor's peaks "
-       f"({peaks.provenance}): **{peaks.mbu_bytes_per_s / 1e9:.1f} GB/s**, the best figure this machine's cache "
-       "has kept, because a ceiling measured while other processes share the machine reads low. "
+       f"({peaks.provenance}): **{peaks.mbu_bytes_per_s / 1e9:.1f} GB/s**, the best figure minivllm's stored peaks "
+       "(`minivllm.telemetry.peaks`, a file on disk) have kept, because a ceiling measured while other processes "
+       "share the machine reads low. "
        + ("On this run the two ceilings agree, so the two MBUs differ only by their steps, which belong to "
           "different models: compare each with its own roof, not the two with each other."
           if abs(harness_read - peaks.mbu_bytes_per_s) <= 0.02 * peaks.mbu_bytes_per_s else
@@ -425,9 +433,8 @@ render(f"Two read bandwidths appear in this notebook. Section 2's harness measur
 
 # %% [markdown]
 # The prefill step sits to the right of the decode steps: it multiplies every weight by all the
-# prompt's tokens, so it does many more FLOPs per byte, and past the ridge point it reaches towards
-# the compute ceiling (MFU; whether this prompt is long enough to pass the ridge on this machine, the
-# intensities above say). The
+# prompt's tokens, so it does many more FLOPs per byte, and past the ridge point its roof is the
+# compute ceiling, its figure of merit MFU (how close this one came, the sentence above says). The
 # decode steps do a few FLOPs per byte at most (the figure measured in exercise 2) and sit under the
 # sloped, memory-bound part of the roof, as the checks above test;
 # their figure of merit is MBU, the share of the measured read bandwidth they use. `python -m minivllm
@@ -436,7 +443,7 @@ render(f"Two read bandwidths appear in this notebook. Section 2's harness measur
 #
 # ## 5. Reproducing nano-vllm's benchmark on a GPU
 #
-# nano-vllm's `bench.py` (read at commit bb823b3, the head of its main branch) draws 256 requests with prompt and
+# nano-vllm's `bench.py` (read at commit bb823b3) draws 256 requests with prompt and
 # output lengths from `random.randint(100, 1024)` and prompt token ids from `random.randint(0, 10000)`.
 # Python's `randint` includes both ends, so its ids run from 0 to 10,000 inclusive. It seeds Python's
 # generator with 0 and draws each prompt's length and then its ids, prompt after prompt, and then the
