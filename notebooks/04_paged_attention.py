@@ -72,6 +72,7 @@ tok = llm.get_tokenizer()
 print(describe(llm))
 print("torch threads:", torch.get_num_threads())
 backend_name = engine.config.attention_backend
+# ("attention: torch" above names the backend; on a CPU in fp32 its decode path is a small C kernel: section 3)
 print("decode attention:", "our C kernel, reading K and V in place through the block table"
       if getattr(runner.backend, "native_kernel", False) else
       "gather into a contiguous copy, then SDPA" if backend_name == "torch" else f"the {backend_name} kernels")
@@ -400,7 +401,9 @@ check_claim("paged wastes less than either contiguous policy, and max_model_len 
 #   batches mean more throughput).
 # * The contiguous peaks are lower bounds: they add up the strips as if they packed without gaps. In a
 #   real pool, strips of different lengths leave holes between them as requests finish (*external*
-#   fragmentation, the paper's second kind of waste: Kwon et al. 2023, section 3), so a contiguous
+#   fragmentation, the third kind of waste the PagedAttention paper names, after slots reserved for
+#   tokens not yet generated and internal fragmentation, slots never used: Kwon et al. 2023, section 3),
+#   so a contiguous
 #   policy can fail to place a request even where the sum says it fits. Paging has no such holes: any
 #   free block will do.
 #
@@ -459,7 +462,8 @@ check_prediction(my_prediction_2, ratio, rel_tol=0.3, unit="x", what="the batch-
 render(f"A decode step of 8 sequences took **{ratio:.2f}x** a step of 1 here, so 8 sequences in memory "
        f"produce **{8 / ratio:.1f}x** the tokens per second of one ({setting(work)}). Each sequence beyond the "
        f"first added {(t8 - t1) / 7:.2f} ms, {(t8 - t1) / 7 / t1:.0%} of a batch-1 step: that is the per-sequence "
-       "part of the solution below.")
+       f"part of the solution below, and the rest of a batch-1 step, about {t1 - (t8 - t1) / 7:.2f} ms "
+       f"({1 - (t8 - t1) / 7 / t1:.0%}), its once-per-step part.")
 check_claim("a decode step of 8 sequences costs less than half of 8 steps of one sequence", t8 < 4 * t1,
             f"{t8:.3f} ms vs half of 8 x {t1:.3f} ms, {4 * t1:.3f} ms",
             why_it_may_not="A heavily loaded CPU, or a model big enough to be compute-bound at batch 8, "
@@ -477,16 +481,20 @@ check_claim("a decode step of 8 sequences costs less than half of 8 steps of one
 #   the weights are being read anyway), attention over that sequence's own KV, sampling one token.
 #
 # So the ratio lands below 8: the once-per-step part does not grow with the batch. How far below
-# depends on the per-sequence part. On a CPU, the embedded tiny model (4.2 million parameters) has a
-# few MB of weights, which stay in the CPU's cache, so its once-per-step part is small, and what each
-# extra sequence adds (its rows in the matrix multiplies, its attention over its own KV, its sampling
-# and bookkeeping) is a visible share of a step (the sentence under the measurement gives it here):
-# the ratio lands well above 1. (Its matrix multiplies are still bound by the weight read at batch 8;
-# chapter 07 places such a step against this machine's ridge point.) On a GPU the same tiny model's step is mostly the fixed cost of launching its operations,
-# and its ratio lands near 1. A model whose weights come from memory at every step pays mostly the
-# once-per-step read, and its ratio lands much nearer 1 too (chapter 06 measures a batch of 4 against 1
-# at Qwen3-0.6B's shapes). The gain keeps growing with the batch only until the per-sequence work (the
-# arithmetic) catches up with the weight read; where that happens is chapter 06's roofline.
+# depends on how the two parts compare, and the measurement splits them: if each extra sequence adds
+# `d` ms (the sentence under the measurement gives it), the once-per-step part of a batch-1 step is
+# about `t1 - d` (the sentence gives that too). With the embedded model on a CPU the fixed part is
+# mostly running the layers' operations and the engine's bookkeeping, not reading memory (its few MB
+# of weights stay in the CPU's cache); each extra sequence adds its rows in the matrix multiplies,
+# its attention over its own KV, its sampling. The larger the fixed share, the more tokens per
+# second eight sequences get over one, since they pay it once. On a
+# GPU the same tiny model's step would be even more a fixed cost (launching its operations), so
+# expect its ratio nearer 1; a model whose weights come from memory at every step pays mostly the
+# once-per-step read, and its ratio lands near 1 too (chapter 06 measures a batch of 4 against 1 at
+# Qwen3-0.6B's shapes). The gain keeps growing with the batch only until the per-sequence work (the
+# arithmetic) catches up with the weight read; where that happens is the ridge point of chapter 06's
+# roofline (the arithmetic per byte read at which a step stops waiting for memory and starts
+# waiting for arithmetic).
 # </details>
 
 # %% [markdown]
