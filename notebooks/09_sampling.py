@@ -266,8 +266,9 @@ _ = check_prediction(my_prediction_1, KEPT[("confident", "top_p=0.9")], rel_tol=
 # depends on the distribution, which is why they are the usual choice for open-ended text. On these two
 # prompts each keeps fewer tokens when the model is sure than when it is not (the next cell checks it), the
 # usual case but not a rule: a prompt with a clear favourite and a thinly spread tail can keep *more* under
-# top-p than a flat one (exercise 1 showed why), and a 50/50 split keeps two tokens under min-p where a weak
-# favourite over a flat tail keeps one. They adapt differently, too: min-p keeps only the tokens within a factor of `1 / min_p` of
+# top-p than a flat one (exercise 1 showed why), and a 50/50 split keeps two tokens under min-p where a
+# favourite holding little of the mass but far above each of many tail tokens (say 3% against 0.02%
+# each) keeps one. They adapt differently, too: min-p keeps only the tokens within a factor of `1 / min_p` of
 # the favourite, however the tail is spread, while top-p must collect its 90% from wherever the mass
 # is.
 
@@ -285,7 +286,7 @@ for s in ("top_p=0.9", "min_p=0.1"):
                 f"{KEPT[('confident', s)]} vs {KEPT[('uncertain', s)]}",
                 why_it_may_not="Not a rule: it depends on how each prompt's tail is spread (a clear favourite over "
                                "a long thin tail can need more tokens to reach top_p than a flatter distribution; "
-                               "min-p keeps every token close to a weak favourite).")
+                               "min-p keeps every token within a factor of 1 / min_p of the favourite, however little mass it holds).")
 _ = check_claim("on the confident prompt min_p=0.1 keeps fewer tokens than top_p=0.9",
             KEPT[("confident", "min_p=0.1")] < KEPT[("confident", "top_p=0.9")],
             f"{KEPT[('confident', 'min_p=0.1')]} vs {KEPT[('confident', 'top_p=0.9')]}",
