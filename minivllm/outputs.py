@@ -109,9 +109,9 @@ class Logprob:
         logprob: natural-log probability, fp32 value as a Python float (with the engine argument
             ``logprobs_mode`` "raw_logits" or "processed_logits": the logit itself).
         rank: 1-based rank of the token in its distribution (1 = most likely), or None.
-        decoded_token: the token's text (None when ``detokenize=False``); a token holding part of a
-            multi-byte character reads as the character it completes, or ``""`` before that (vLLM's
-            rule), never U+FFFD.
+        decoded_token: the token's text (None when ``detokenize=False``); a token whose text alone
+            would end in U+FFFD (it holds part of a multi-byte character) reads as the character it
+            completes with up to 4 tokens before it, or ``""`` (vLLM's rule).
     """
 
     logprob: float

@@ -341,3 +341,32 @@ def test_split_character_reads_the_same_on_both_detokenizer_paths(llm, byte_leve
     read = [d[t].decoded_token for d, t in zip(logprob_dicts(entries, det, ids)[1:], ids[1:])]
     assert tok.decode(ids[:1]) == "\ufffd" and "".join(read) == TEXT  # (the first token: part of 价)
     assert read[-1] == "😀" and "" in read
+
+
+def test_split_characters_read_the_same_in_delta_and_cumulative_outputs(llm):
+    """A delta output's logprobs start at its first new token: their context must still be the whole
+    sequence before each token, not the tokens from the prompt's end (n=2 children, a prompt that ends
+    inside a character, tokens drawn from byte tokens only)."""
+    from minivllm.sampling_params import RequestOutputKind
+
+    tok = llm.get_tokenizer()
+    ids = tok.encode(TEXT)
+    byte_tokens = sorted({t for t in ids if tok.decode([t]).endswith("\ufffd")})
+    engine = llm.llm_engine
+    seen = {}
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=2, n=2,
+                                allowed_token_ids=byte_tokens, output_kind=kind)
+        engine.add_request(kind.name, {"prompt_token_ids": ids[:-2]}, params)
+        got = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    if kind is RequestOutputKind.DELTA:
+                        got.setdefault(c.index, []).extend(c.logprobs or [])
+                    else:
+                        got[c.index] = list(c.logprobs)
+        seen[kind] = {i: [[(t, p.decoded_token) for t, p in d.items()] for d in v] for i, v in got.items()}
+    assert seen[RequestOutputKind.DELTA] == seen[RequestOutputKind.CUMULATIVE]
+    assert any(text not in ("", "\ufffd") and len(text) == 1 and ord(text) > 127
+               for v in seen[RequestOutputKind.CUMULATIVE].values() for d in v for _, text in d)

@@ -95,6 +95,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.logprob_texts = None  # the output processor's texts for Logprob.decoded_token, built at first use
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.table = byte_table(tokenizer, skip_special_tokens)

@@ -8,6 +8,7 @@ request's output kind.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -124,6 +125,8 @@ def update_text(state: RequestState) -> str | None:
 #: preceding tokens tried, one more at a time, to complete a character a token's bytes end inside
 #: (4: the most bytes a UTF-8 character has; vLLM's logprobs processor tries as many)
 _COMPLETING_TOKENS = 4
+#: tokenizer -> {path: {token id: its text alone}}: logprobs name the same few thousand ids step after step
+_SINGLE_TEXTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _TokenTexts:
@@ -131,17 +134,21 @@ class _TokenTexts:
 
     A special token reads as itself (``<|im_end|>``) whatever the request's ``skip_special_tokens``,
     as in vLLM (``convert_ids_list_to_tokens`` decodes each id alone with the tokenizer's defaults).
-    A token whose bytes end inside a multi-byte UTF-8 character (Chinese, emoji, "€" are split
-    across byte-level tokens) does not read as U+FFFD: as vLLM's logprobs processor does, it reads
-    as the text it completes with up to 4 preceding tokens (the whole character), or ``""`` when
-    that still leaves the character unfinished."""
+    A token whose text alone ends in U+FFFD (its bytes end inside a multi-byte UTF-8 character:
+    Chinese, emoji, "€" are split across byte-level tokens) reads, as in vLLM's logprobs processor,
+    as the text it adds to up to 4 preceding tokens once that ends on a whole character (the token
+    that completes a character reads as the character), or ``""`` when no such context does. A
+    token that both ends one character and begins another reads ``""`` too, as in vLLM."""
 
     def __init__(self, detokenizer: IncrementalDetokenizer | None):
         self.detokenizer = detokenizer
         self.table = None
-        if detokenizer is not None and detokenizer.table is not None:  # (looked up once, not per token)
+        if detokenizer is not None and detokenizer.table is not None:
             self.table = byte_table(detokenizer.tokenizer, skip_special_tokens=False)
         self.limit = getattr(detokenizer, "num_known_ids", None)  # (set on the general path)
+        path = "table" if self.table is not None else "decode"
+        self.cache = (_SINGLE_TEXTS.setdefault(detokenizer.tokenizer, {}).setdefault(path, {})
+                      if detokenizer is not None else {})
 
     def decode(self, ids: list[int]) -> str:
         if self.table is not None:
@@ -155,14 +162,17 @@ class _TokenTexts:
             return unknown_id_text(ids[0]) if len(ids) == 1 else "\ufffd"
         return self.detokenizer.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def __call__(self, token_id: int, preceding: list[int] = ()) -> str | None:
-        """The text of ``token_id`` after the tokens ``preceding`` it in the sequence."""
+    def __call__(self, token_id: int, token_ids: list[int] = (), end: int = 0) -> str | None:
+        """The text of ``token_id`` where it follows ``token_ids[:end]``."""
         if self.detokenizer is None:
             return None
-        text = self.decode([token_id])
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.decode([token_id])
         if not text.endswith("\ufffd"):
             return text
-        for n in range(1, min(_COMPLETING_TOKENS, len(preceding)) + 1):
+        preceding = token_ids[max(0, end - _COMPLETING_TOKENS):end]
+        for n in range(1, len(preceding) + 1):
             context = list(preceding[-n:])
             whole = self.decode(context + [token_id])
             if whole.endswith("\ufffd"):
@@ -176,19 +186,20 @@ def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None, token_ids
                   start: int = 0) -> list:
     """Logprob entries ``(ids, logprobs, ranks)`` -> vLLM's ``{token_id: Logprob}`` per position
     (None entries, the first prompt token's, stay None). Entry ``k`` scores the token that follows
-    ``token_ids[:start + k]`` (what completes a character split across tokens: :class:`_TokenTexts`)."""
+    ``token_ids[:start + k]`` (what that changes for a character split across tokens: :class:`_TokenTexts`)."""
     out = []
-    text_of = _TokenTexts(detokenizer)
+    if detokenizer is None:
+        text_of = _TokenTexts(None)
+    else:  # one per request: built at its first logprobs
+        text_of = detokenizer.logprob_texts = detokenizer.logprob_texts or _TokenTexts(detokenizer)
     for k, entry in enumerate(entries):
         if entry is None:
             out.append(None)
             continue
         ids, vals, ranks = entry
-        end = start + k
-        preceding = token_ids[max(0, end - _COMPLETING_TOKENS):end]
         d = {}
         for t, v, r in zip(ids, vals, ranks):  # the chosen token first: its top-k entry, if any, replaces it
-            d[t] = Logprob(v, r, text_of(t, preceding))
+            d[t] = Logprob(v, r, text_of(t, token_ids, start + k))
         out.append(d)
     return out
 
