@@ -91,7 +91,7 @@ class SamplingParams:
             may start in it and end after it, as in vLLM).
         logit_bias: ``{token_id: bias}`` added to those logits before sampling, as given (as in
             vLLM's ``LLM``; OpenAI's API and vLLM's server clamp to [-100, 100]); ``-inf`` bans a
-            token. Raises ValueError for NaN or ``+inf``.
+            token. Raises ValueError for NaN or a bias above float32's largest value (``+inf``).
         allowed_token_ids: only these token ids can be generated (non-empty list).
         bad_words: words that must not be generated: a word's last token is masked whenever
             the output ends with the word's other tokens (the word is tokenized alone, and after
@@ -278,11 +278,16 @@ class SamplingParams:
                 if not is_int(key) or key < 0:
                     raise bad("logit_bias", self.logit_bias, f"key {k!r} is not a token id (int >= 0)")
                 # as given, as vLLM's LLM does (only its OpenAI server clamps to [-100, 100]); -inf bans
-                # the token, +inf or NaN would make every probability NaN
-                if isinstance(v, bool) or not isinstance(v, numbers.Real) or math.isnan(v) or v == math.inf:
-                    raise bad("logit_bias", self.logit_bias, f"bias {v!r} of token {k!r} is not a number below "
-                                                             "+inf (-inf bans the token)")
-                bias[key] = float(v)
+                # the token; +inf, NaN or a bias past float32's largest (+inf in the logits) would make
+                # every probability NaN
+                try:
+                    value = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
+                except OverflowError:  # an int beyond any float
+                    value = math.inf if v > 0 else -math.inf
+                if math.isnan(value) or value > _FLOAT32_MAX:
+                    raise bad("logit_bias", self.logit_bias, f"bias {v!r} of token {k!r} is not a number up to "
+                                                             f"float32's largest, {_FLOAT32_MAX:.4g} (-inf bans the token)")
+                bias[key] = value
             self.logit_bias = bias or None
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
@@ -476,6 +481,8 @@ _VLLM_ONLY = {
                                     lambda v, kw: bool(v)),
     "skip_clone": ("skip_clone", lambda v, kw: False),  # vLLM's internal copy flag: nothing to turn on here
 }
+#: the largest finite float32: a logit bias beyond it is +inf in the engine's float32 logits
+_FLOAT32_MAX = 3.4028234663852886e38
 #: numeric fields a numpy scalar may be given for (converted to int / float before validation)
 _INT_FIELDS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "truncate_prompt_tokens", "logprobs",
                "prompt_logprobs")

@@ -79,9 +79,10 @@ def test_logit_bias_is_added_as_given_and_minus_inf_bans(tiny_ckpt, llm):
     c, rows = generate_spying_logits(seen, PROMPT, G(1, logprobs=0, logit_bias={7: 500.0}))
     assert c.token_ids == [7] and c.logprobs[0][7].logprob == pytest.approx(float(rows[0][7]) + 500.0, abs=1e-3)
     seen.shutdown()
-    for bad in (float("inf"), float("nan")):
-        with pytest.raises(ValueError, match=r"logit_bias=.*not a number below \+inf"):
+    for bad in (float("inf"), float("nan"), 1e39, 10**400):  # 1e39 is +inf in float32 logits
+        with pytest.raises(ValueError, match=r"logit_bias=.*not a number up to float32's largest"):
             SamplingParams(logit_bias={7: bad})
+    assert SamplingParams(logit_bias={7: -10**400}).logit_bias == {7: float("-inf")}
 
 
 def test_min_tokens_masks_stop_tokens_until_reached(llm):
