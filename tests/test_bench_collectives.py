@@ -14,7 +14,7 @@ def test_two_processes_time_each_size():
     for lo, med, hi in zip(r.us_min, r.us_per_call, r.us_max):
         assert 0 < lo <= med <= hi
     alpha, beta = r.alpha_beta()
-    assert alpha == r.us_per_call[0] and beta > 0
+    assert alpha == r.us_per_call[0] and beta > 0  # (inf where 4 KiB took no longer than 16 B)
     assert r.to_dict()["sizes_bytes"] == [16, 4096]
 
 
@@ -32,3 +32,15 @@ def test_alpha_beta_from_the_ends_of_the_sweep():
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         all_reduce_times(**kwargs)
+
+
+def test_a_helper_that_exits_at_start_is_reported_at_once(monkeypatch):
+    # building the gloo group waited out the whole timeout (120 s by default) for a helper that had died
+    import sys
+    import time
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the helper's interpreter: exits with status 1
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited before connecting: rank 1 with status 1"):
+        all_reduce_times([16], world_size=2, calls=1, rounds=1, timeout_s=60)
+    assert time.monotonic() - t0 < 30

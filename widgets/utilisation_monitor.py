@@ -208,7 +208,8 @@ class UtilisationMonitor(CourseWidget):
                 roof.name = (f"roof: {peaks.mbu_bytes_per_s / 1e9:.1f} GB/s read, "
                              f"{peaks.flops_per_s / 1e9:.0f} GFLOP/s matmul")
                 ys = [r.flops / (r.wall_ms / 1e3) for r in pts] + [roof_y[0]]
-                self.roofline.layout.yaxis.range = [math.log10(min(ys) / 2), math.log10(peaks.flops_per_s * 3)]
+                self.roofline.layout.yaxis.range = [math.log10(min(ys) / 2),
+                                                    math.log10(max(max(ys), peaks.flops_per_s) * 3)]
         warnings = []
         if self.interrupted:
             n = len(self.records)

@@ -28,6 +28,7 @@ from minivllm.executor.launch import _worker_env, kill_workers
 #: default message sizes: 1 KiB to 4 MiB, 4x apart (a decode step's all-reduce of one token's
 #: hidden state is 4 KiB in fp32 for a 1024-wide model; a 512-token prefill's is 2 MiB)
 DEFAULT_SIZES = tuple(1024 * 4 ** i for i in range(7))
+_READY = "allreduce-ready/{rank}"
 
 
 @dataclass
@@ -99,7 +100,8 @@ def all_reduce_times(sizes_bytes=DEFAULT_SIZES, world_size: int = 2, calls: int 
 
     Raises:
         ValueError: a size not a positive multiple of 4, world_size < 2, calls or rounds < 1.
-        RuntimeError: a helper process failed (its exit status is given).
+        RuntimeError: a helper process exited before connecting or during the run (its exit status
+            is given), or did not connect within ``timeout_s``.
     """
     sizes = [int(s) for s in sizes_bytes]
     bad = [s for s in sizes if s < 4 or s % 4]
@@ -113,20 +115,48 @@ def all_reduce_times(sizes_bytes=DEFAULT_SIZES, world_size: int = 2, calls: int 
     store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False)
     args = ["--sizes", *map(str, sizes), "--calls", str(calls), "--rounds", str(rounds),
             "--world-size", str(world_size), "--store", f"127.0.0.1:{store.port}", "--timeout", str(timeout_s)]
-    procs = [subprocess.Popen([sys.executable, "-m", "minivllm.bench.collectives", "--rank", str(r), *args],
-                              env=_worker_env(), stdin=subprocess.DEVNULL) for r in range(1, world_size)]
+    procs = []
     try:
+        for r in range(1, world_size):
+            procs.append(subprocess.Popen([sys.executable, "-m", "minivllm.bench.collectives", "--rank", str(r), *args],
+                                          env=_worker_env(), stdin=subprocess.DEVNULL))
+        _wait_ready(store, procs, timeout_s)
         group = dist.ProcessGroupGloo(dist.PrefixStore("allreduce", store), 0, world_size, timeout)
-        per_size = _time_sizes(group, sizes, calls, rounds)
+        try:
+            per_size = _time_sizes(group, sizes, calls, rounds)
+        except RuntimeError as e:  # gloo's "connection closed": say which helper ended and how
+            raise RuntimeError(f"all-reduce helper failed during the run ({_statuses(procs)}): {e}") from None
         for p in procs:
             code = p.wait(timeout=timeout_s)
             if code:
                 raise RuntimeError(f"all-reduce helper process exited with status {code}")
     except BaseException:
-        kill_workers(procs)
+        kill_workers(procs, grace_s=0.5)  # a helper blocked in an all-reduce would wait out a longer grace
         raise
     return AllReduceTimes(world_size, "gloo", sizes, [statistics.median(t) for t in per_size],
                           [min(t) for t in per_size], [max(t) for t in per_size], calls, rounds)
+
+
+def _statuses(procs) -> str:
+    return ", ".join(f"rank {r}: " + ("running" if p.poll() is None else f"exit status {p.returncode}")
+                     for r, p in enumerate(procs, start=1))
+
+
+def _wait_ready(store, procs, timeout_s: float) -> None:
+    """Wait until every helper has connected to the store; a helper that exits first is reported at once
+    (building the gloo group would wait out the whole timeout for it)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = set(range(1, len(procs) + 1))
+    while waiting:
+        waiting = {r for r in waiting if not store.check([_READY.format(rank=r)])}
+        ended = [(r, p.returncode) for r, p in enumerate(procs, start=1) if r in waiting and p.poll() is not None]
+        if ended:
+            raise RuntimeError("all-reduce helper process exited before connecting: "
+                               + ", ".join(f"rank {r} with status {code}" for r, code in ended))
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"all-reduce helper processes {sorted(waiting)} did not connect within {timeout_s:.0f} s")
+        if waiting:
+            time.sleep(0.02)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -143,6 +173,7 @@ def _main(argv: list[str] | None = None) -> int:
     host, _, port = a.store.rpartition(":")
     timeout = datetime.timedelta(seconds=a.timeout)
     store = dist.TCPStore(host, int(port), a.world_size, False, timeout=timeout)
+    store.set(_READY.format(rank=a.rank), b"1")
     group = dist.ProcessGroupGloo(dist.PrefixStore("allreduce", store), a.rank, a.world_size, timeout)
     _time_sizes(group, a.sizes, a.calls, a.rounds)
     return 0
