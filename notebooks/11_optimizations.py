@@ -137,12 +137,13 @@ NO_KERNEL = {"aten::view", "aten::as_strided", "aten::reshape", "aten::_reshape_
 def does_work(e) -> bool:
     """An ATen operation that does work of its own: not in NO_KERNEL, not a reduction's zeroing of
     its output (a fill_ inside sum is part of the sum), not a Python scalar turned into a tensor
-    (every input 0-dimensional: `x / 1024` converts the 1024)."""
+    (a copy_ between 0-dimensional tensors: `x / 1024` converts the 1024)."""
     if not e.name.startswith("aten::") or e.name in NO_KERNEL:
         return False
     if e.name in ("aten::fill_", "aten::zero_") and e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"):
         return False
-    return not (e.input_shapes and all(s == [] for s in e.input_shapes if isinstance(s, list)))
+    return not (e.name == "aten::copy_" and e.input_shapes
+                and all(s == [] for s in e.input_shapes if isinstance(s, list)))
 
 
 def works_below(e) -> bool:
@@ -1010,9 +1011,13 @@ render(f"Decode steps of {KV_BATCH} sequences: **{kv_ms['auto']:.2f} ms** with t
        f"**{kv_verdict}**, while a step's keys and values went from about {kv_read_mb['auto']:.1f} to "
        f"{kv_read_mb['bfloat16']:.1f} MB (at the average context of the run). **{kv_same} of {KV_BATCH}** greedy "
        f"continuations came out identical. ({kv_provenance}.)")
-check_claim("the bfloat16 cache holds twice the tokens in the same memory",
-            kv_bytes["auto"] == 2 * kv_bytes["bfloat16"],
-            f"{kv_bytes['auto']} -> {kv_bytes['bfloat16']} bytes per token")
+if kv_bytes["auto"] > kv_bytes["bfloat16"]:  # (a bfloat16 model, as on a GPU: the two caches are the same)
+    check_claim("the bfloat16 cache holds twice the tokens in the same memory",
+                kv_bytes["auto"] == 2 * kv_bytes["bfloat16"],
+                f"{kv_bytes['auto']} -> {kv_bytes['bfloat16']} bytes per token")
+else:
+    print(f"The model runs in {kv_auto_dtype} here, so kv_cache_dtype='auto' already stores bfloat16: the two "
+          "engines are the same, and their steps differ only by noise.")
 
 # %% [markdown]
 # Halving the bytes shortens a step only by the time the step spends reading them. That share is
