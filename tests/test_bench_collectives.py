@@ -41,6 +41,6 @@ def test_a_helper_that_exits_at_start_is_reported_at_once(monkeypatch):
 
     monkeypatch.setattr(sys, "executable", "/bin/false")  # the helper's interpreter: exits with status 1
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="exited before connecting: rank 1 with status 1"):
+    with pytest.raises(RuntimeError, match=r"all-reduce helper failed to start: rank 1 \(pid \d+\) exited with status 1"):
         all_reduce_times([16], world_size=2, calls=1, rounds=1, timeout_s=60)
     assert time.monotonic() - t0 < 30

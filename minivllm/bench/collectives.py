@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from minivllm.executor.launch import _worker_env, kill_workers
+from minivllm.executor.launch import _worker_env, kill_workers, wait_ready, worker_failure
 
 #: default message sizes: 1 KiB to 4 MiB, 4x apart (a decode step's all-reduce of one token's
 #: hidden state is 4 KiB in fp32 for a 1024-wide model; a 512-token prefill's is 2 MiB)
@@ -100,7 +100,7 @@ def all_reduce_times(sizes_bytes=DEFAULT_SIZES, world_size: int = 2, calls: int 
 
     Raises:
         ValueError: a size not a positive multiple of 4, world_size < 2, calls or rounds < 1.
-        RuntimeError: a helper process exited before connecting or during the run (its exit status
+        RuntimeError: a helper process failed to start or failed during the run (its exit status
             is given), or did not connect within ``timeout_s``.
     """
     sizes = [int(s) for s in sizes_bytes]
@@ -120,12 +120,13 @@ def all_reduce_times(sizes_bytes=DEFAULT_SIZES, world_size: int = 2, calls: int 
         for r in range(1, world_size):
             procs.append(subprocess.Popen([sys.executable, "-m", "minivllm.bench.collectives", "--rank", str(r), *args],
                                           env=_worker_env(), stdin=subprocess.DEVNULL))
-        _wait_ready(store, procs, timeout_s)
+        wait_ready(store, procs, _READY, timeout_s, "all-reduce helper")
         group = dist.ProcessGroupGloo(dist.PrefixStore("allreduce", store), 0, world_size, timeout)
         try:
             per_size = _time_sizes(group, sizes, calls, rounds)
         except RuntimeError as e:  # gloo's "connection closed": say which helper ended and how
-            raise RuntimeError(f"all-reduce helper failed during the run ({_statuses(procs)}): {e}") from None
+            failure = worker_failure(store, procs) or "the helpers still run"
+            raise RuntimeError(f"all-reduce helper failed during the run ({failure}): {e}") from None
         for p in procs:
             code = p.wait(timeout=timeout_s)
             if code:
@@ -135,28 +136,6 @@ def all_reduce_times(sizes_bytes=DEFAULT_SIZES, world_size: int = 2, calls: int 
         raise
     return AllReduceTimes(world_size, "gloo", sizes, [statistics.median(t) for t in per_size],
                           [min(t) for t in per_size], [max(t) for t in per_size], calls, rounds)
-
-
-def _statuses(procs) -> str:
-    return ", ".join(f"rank {r}: " + ("running" if p.poll() is None else f"exit status {p.returncode}")
-                     for r, p in enumerate(procs, start=1))
-
-
-def _wait_ready(store, procs, timeout_s: float) -> None:
-    """Wait until every helper has connected to the store; a helper that exits first is reported at once
-    (building the gloo group would wait out the whole timeout for it)."""
-    deadline = time.monotonic() + timeout_s
-    waiting = set(range(1, len(procs) + 1))
-    while waiting:
-        waiting = {r for r in waiting if not store.check([_READY.format(rank=r)])}
-        ended = [(r, p.returncode) for r, p in enumerate(procs, start=1) if r in waiting and p.poll() is not None]
-        if ended:
-            raise RuntimeError("all-reduce helper process exited before connecting: "
-                               + ", ".join(f"rank {r} with status {code}" for r, code in ended))
-        if waiting and time.monotonic() > deadline:
-            raise RuntimeError(f"all-reduce helper processes {sorted(waiting)} did not connect within {timeout_s:.0f} s")
-        if waiting:
-            time.sleep(0.02)
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -192,25 +192,34 @@ def start_local(tp_size: int) -> Connection:
             cmd = [sys.executable, "-m", "minivllm.executor.worker", "--store", f"127.0.0.1:{port}",
                    "--rank", str(r), "--world-size", str(tp_size), "--parent-pid", str(os.getpid())]
             procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        waiting = set(range(1, tp_size))
-        while waiting:
-            for r in sorted(waiting):
-                if store.check([READY_KEY.format(rank=r)]):
-                    waiting.discard(r)
-            failure = worker_failure(store, procs)
-            if failure:
-                raise RuntimeError(f"tensor-parallel worker failed to start: {failure}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel workers {sorted(waiting)} did not connect within "
-                                   f"{STARTUP_TIMEOUT_S:.0f} s")
-            if waiting:
-                time.sleep(0.02)
+        wait_ready(store, procs, READY_KEY, STARTUP_TIMEOUT_S, "tensor-parallel worker")
         ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), 0, tp_size, CTRL_TIMEOUT)
     except BaseException:
         kill_workers(procs)
         raise
     return Connection(0, tp_size, 0, ctrl, store, False, tag=f"minivllm-{os.getpid()}-{port}", procs=procs)
+
+
+def wait_ready(store, procs, ready_key: str, timeout_s: float, what: str) -> None:
+    """Wait until every local process ``procs[r - 1]`` has set ``ready_key.format(rank=r)`` in
+    ``store`` (``r`` from 1), watching them meanwhile: a process that exits or reports an error
+    first is raised at once, not after the timeout.
+
+    Raises:
+        RuntimeError: ``"<what> failed to start: <worker_failure's description>"``, or
+            ``"<what>s [ranks] did not connect within <timeout_s> s"``.
+    """
+    deadline = time.monotonic() + timeout_s
+    waiting = set(range(1, len(procs) + 1))
+    while waiting:
+        waiting = {r for r in waiting if not store.check([ready_key.format(rank=r)])}
+        failure = worker_failure(store, procs)
+        if failure:
+            raise RuntimeError(f"{what} failed to start: {failure}")
+        if waiting and time.monotonic() > deadline:
+            raise RuntimeError(f"{what}s {sorted(waiting)} did not connect within {timeout_s:.0f} s")
+        if waiting:
+            time.sleep(0.02)
 
 
 def worker_failure(store, procs) -> str | None:
