@@ -206,3 +206,23 @@ def test_tied_tokens_share_the_lower_rank_as_in_vllm():
     d = logprob_dicts(entries, None)
     assert {t: v.rank for t, v in d[0].items()} == {1: 2, 0: 1} and list(d[0]) == [1, 0]
     assert {t: v.rank for t, v in d[1].items()} == {2: 2, 0: 1}
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+def test_processed_logprobs_are_minus_inf_only_where_a_filter_removed_the_token(tiny_ckpt, mode):
+    # the mask was `probs == 0`: a token whose fp32 probability only underflowed (a large logit_bias, a low
+    # temperature) read -inf, and a greedy request's alternatives changed when a sampled request joined its batch
+    llm = make_llm(tiny_ckpt, logprobs_mode=mode, max_logprobs=-1)
+    prompt = prompts_of([6], seed=12)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=1, logprobs=3, logit_bias={7: 150.0})
+    alone = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].logprobs[0]
+    beside = llm.generate([prompt, prompt[:3]], [greedy, SamplingParams(temperature=1.0, seed=1, max_tokens=1)],
+                          use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert {t: v.logprob for t, v in alone.items()} == pytest.approx({t: v.logprob for t, v in beside.items()})
+    assert all(math.isfinite(v.logprob) for v in alone.values())
+    cold = SamplingParams(temperature=0.01, seed=1, max_tokens=1, logprobs=12)  # no top-k, top-p or min-p
+    assert all(math.isfinite(v.logprob) for v in llm.generate([prompt], cold, use_tqdm=False)[0].outputs[0].logprobs[0].values())
+    kept = SamplingParams(temperature=1.0, seed=1, max_tokens=1, logprobs=20, top_k=5, min_p=0.01)
+    got = llm.generate([prompt], kept, use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert sum(math.isfinite(v.logprob) for v in got.values()) <= 5  # what the filters removed is still -inf
+    llm.shutdown()

@@ -171,16 +171,27 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch, drop=drop_mask) -
     Greedy rows are given temperature 1 here; their result is not used. ``drop``: how the
     tokens top-k and top-p drop are found (:func:`drop_mask`; tests pass :func:`sorted_drop_mask`).
     """
+    return filtered_logits_and_probs(logits, batch, drop, keep_logits=False)[1]
+
+
+def filtered_logits_and_probs(logits: torch.Tensor, batch: SamplingBatch, drop=drop_mask,
+                              keep_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`filtered_probs`, and with ``keep_logits`` the processed logits beside them (fp32
+    ``[N, V]``: after temperature, ``-inf`` exactly where top-k, top-p or min-p removed a token;
+    else None). A token whose probability only underflowed to 0 keeps its finite logit: the
+    processed logprobs must not depend on whether a neighbour in the batch samples."""
     temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
     logits = logits / temps.unsqueeze(1)
     if batch.any_top_k or batch.any_top_p:
         logits = logits.masked_fill(drop(logits, batch), float("-inf"))
     probs = logits.softmax(dim=-1)
     if batch.any_min_p:
-        threshold = batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
+        removed = probs < batch.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(removed, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        if keep_logits:
+            logits = logits.masked_fill(removed, float("-inf"))
+    return (logits if keep_logits else None), probs
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -333,9 +344,8 @@ class Sampler:
             from minivllm.layers.cpu_sampling import sample_rows
 
             return torch.where(batch.temperatures > 0, sample_rows(logits, batch, self.generator), greedy)
-        probs = filtered_probs(logits, batch)
+        processed, probs = filtered_logits_and_probs(logits, batch, keep_logits=batch.keep_processed)
         if batch.keep_processed:
-            temps = torch.where(batch.temperatures > 0, batch.temperatures, torch.ones_like(batch.temperatures))
-            self.processed_logits = (logits / temps.unsqueeze(1)).masked_fill(probs == 0, float("-inf"))
+            self.processed_logits = processed
         sampled = exponential_race(probs, batch.generators, self.generator)
         return torch.where(batch.temperatures > 0, sampled, greedy)
