@@ -172,7 +172,8 @@ print(repr(PROMPT + tok.decode(with_cache)))
 #   of C calls instead of run operation by operation from Python: chapter 11; so it can come out
 #   faster than the by-hand step).
 #
-# Each by-hand route is timed five times at every length. We keep the **fastest** of the five:
+# Each by-hand route is timed five times at every length, the lengths taking turns. We keep the
+# **fastest** of the five:
 # other processes on a shared machine can only add time to a run, never remove it, so the fastest
 # run is the closest to the step's own cost (the chart's bars reach up to the slowest run). Beside
 # the times, the FLOPs each route must do, counted from the model's shape by the engine's roofline
@@ -216,29 +217,39 @@ greedy6 = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # 5 deco
 idle_engine(engine)  # a request an interrupted run of this cell left would join its steps
 warm = new_cache(LENGTHS[0])
 forward(text_ids[:LENGTHS[0]], 0, warm)  # untimed: the first pass pays one-off costs, which the shortest L would carry
+# Made, and written once, outside the clock: every timed pass without a cache rewrites all L slots of
+# its scratch cache; the cached step's cache holds the first L-1 tokens' K/V.
+scratch = {L: new_cache(L) for L in LENGTHS}
+cache = {L: new_cache(L) for L in LENGTHS}
 for L in LENGTHS:
-    ids = text_ids[:L]
-    scratch = new_cache(L)  # made, and written once, outside the clock: every timed pass rewrites all L slots
-    forward(ids, 0, scratch)
-    full = timed_ms(lambda: forward(ids, 0, scratch))
-    cache = new_cache(L)
-    forward(ids[:-1], 0, cache)                             # the first L-1 tokens' K/V are cached
-    step = timed_ms(lambda: forward(ids[-1:], L - 1, cache))  # the token at position L-1 alone
-    engine.add_request(f"len{L}", ids[:-1], greedy6)        # prompt of L-1: its first decode step has context L
+    forward(text_ids[:L], 0, scratch[L])
+    forward(text_ids[:L - 1], 0, cache[L])
+# The lengths take turns, round after round, so that a slow moment of the machine (or one that
+# speeds up as the run goes on) falls on every length alike instead of looking like a trend in L.
+full = {L: [] for L in LENGTHS}
+step = {L: [] for L in LENGTHS}
+for _ in range(REPEATS):
+    for L in LENGTHS:
+        ids = text_ids[:L]
+        full[L] += timed_ms(lambda: forward(ids, 0, scratch[L]), repeats=1)
+        step[L] += timed_ms(lambda: forward(ids[-1:], L - 1, cache[L]), repeats=1)  # the token at position L-1
+for L in LENGTHS:
+    engine.add_request(f"len{L}", text_ids[:L - 1], greedy6)  # prompt of L-1: its first decode step has context L
     recs = []
     while engine.has_unfinished_requests():
         recs.append(engine.step_with_record().record)
     decode_ms = [r.wall_ms for r in recs if r.phase == "decode"]
     flops_full, _ = step_cost(engine.model_cost, [(L, L)], 1)
     flops_step, _ = step_cost(engine.model_cost, [(1, L)], 1)
-    rows.append(dict(L=L, no_cache_ms=min(full), no_cache_max=max(full), cache_ms=min(step), cache_max=max(step),
-                     engine_decode_ms=statistics.median(decode_ms),
+    rows.append(dict(L=L, no_cache_ms=min(full[L]), no_cache_max=max(full[L]), cache_ms=min(step[L]),
+                     cache_max=max(step[L]), engine_decode_ms=statistics.median(decode_ms),
                      # for comparing the two one-token steps like with like: the median of each one's five times,
                      # and its noise, the range of the middle three of the five (one outlying time, such as a
                      # request's first decode step, does not widen it)
-                     cache_median=statistics.median(step), cache_spread=sorted(step)[3] - sorted(step)[1],
+                     cache_median=statistics.median(step[L]), cache_spread=sorted(step[L])[3] - sorted(step[L])[1],
                      engine_spread=sorted(decode_ms)[3] - sorted(decode_ms)[1],
                      no_cache_mflop=flops_full / 1e6, cache_mflop=flops_step / 1e6))
+del scratch, cache
 
 df = pd.DataFrame(rows).set_index("L")
 df["time ratio"] = df.no_cache_ms / df.cache_ms

@@ -178,7 +178,7 @@ rec4, ops4, c_calls4, kernels4 = profile_call(lambda: engine.step_with_record().
 while engine.has_unfinished_requests():
     engine.step()
 for r, o, c in ((rec, ops, c_calls), (rec4, ops4, c_calls4)):
-    print(f"{r.phase} step of {r.num_seqs} sequence{'s' if r.num_seqs > 1 else ''}: {sum(o.values())} ATen operations that do work, "
+    print(f"{r.phase} step of {r.num_seqs} sequence{'s' if r.num_seqs > 1 else ''}: {sum(o.values())} ATen operation{'s' if sum(o.values()) != 1 else ''} that do{'' if sum(o.values()) != 1 else 'es'} work, "
           f"{sum(c.values())} calls into minivllm's C code")
 print("   most frequent at batch 1:", ", ".join(f"{n.removeprefix('aten::')} x{k}"
                                              for n, k in (ops + c_calls).most_common(8)))
@@ -234,7 +234,7 @@ print(f"one tiny ATen operation: {per_op_us:.1f} µs of host time"
       + (f"; one tiny C call through its wrapper: {per_c_us:.1f} µs" if n_c else ""))
 step_ms = statistics.median(r.wall_ms for r in decode)
 floor_ms = (n_ops * per_op_us + n_c * per_c_us) / 1e3
-floor_terms = f"{n_ops} ATen operations x {per_op_us:.1f} µs" + (f" + {n_c} C calls x {per_c_us:.1f} µs" if n_c else "")
+floor_terms = f"{n_ops} ATen operation{'s' if n_ops != 1 else ''} x {per_op_us:.1f} µs" + (f" + {n_c} C calls x {per_c_us:.1f} µs" if n_c else "")
 print(f"{floor_terms} = {floor_ms:.2f} ms of pure dispatch per step")
 print(f"measured decode step at batch 1: median {step_ms:.2f} ms, of which the model's forward pass "
       f"{statistics.median(r.model_ms for r in decode):.2f} ms; the dispatch floor is "
