@@ -44,3 +44,20 @@ def test_a_helper_that_exits_at_start_is_reported_at_once(monkeypatch):
     with pytest.raises(RuntimeError, match=r"all-reduce helper failed to start: rank 1 \(pid \d+\) exited with status 1"):
         all_reduce_times([16], world_size=2, calls=1, rounds=1, timeout_s=60)
     assert time.monotonic() - t0 < 30
+
+
+def test_ctrl_c_for_the_process_group_reaches_only_the_caller(tmp_path):
+    # Jupyter's Interrupt reached the helper too, which printed its own traceback above the cell's
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("from minivllm.bench.collectives import all_reduce_times\n"
+              "all_reduce_times([4096, 1 << 20], calls=20, rounds=200, timeout_s=60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(4.0)  # the helper started and connected (its import of torch included)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err and err.count("Traceback (most recent call last)") == 1, err

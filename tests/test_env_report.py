@@ -42,5 +42,5 @@ def test_chart_provenance_names_tensor_parallelism():
                               args=SimpleNamespace(tensor_parallel_size=tp))
         return SimpleNamespace(config=cfg, source=SimpleNamespace(name="minivllm-tiny"))
 
-    assert "tensor_parallel_size=2 (2 processes)" in chart_provenance(engine(2), threads=1)
+    assert "· tensor_parallel_size=2 ·" in chart_provenance(engine(2), threads=1)
     assert "tensor_parallel" not in chart_provenance(engine(1), threads=1)

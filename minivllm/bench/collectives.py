@@ -118,8 +118,10 @@ def all_reduce_times(sizes_bytes=DEFAULT_SIZES, world_size: int = 2, calls: int 
     procs = []
     try:
         for r in range(1, world_size):
+            # a session of its own: a Ctrl-C (Jupyter's Interrupt) for the caller's process group reaches only
+            # the caller, which then stops the helpers, instead of printing their tracebacks too
             procs.append(subprocess.Popen([sys.executable, "-m", "minivllm.bench.collectives", "--rank", str(r), *args],
-                                          env=_worker_env(), stdin=subprocess.DEVNULL))
+                                          env=_worker_env(), stdin=subprocess.DEVNULL, start_new_session=True))
         wait_ready(store, procs, _READY, timeout_s, "all-reduce helper")
         group = dist.ProcessGroupGloo(dist.PrefixStore("allreduce", store), 0, world_size, timeout)
         try:

@@ -87,7 +87,7 @@ def chart_provenance(llm, threads=None) -> str:
     n = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     tp = getattr(cfg.args, "tensor_parallel_size", 1)
     return (f"measured on {cfg.device} ({device_name(cfg.device)}) · {engine.source.name} · {str(cfg.dtype).replace('torch.', '')} · "
-            + (f"tensor_parallel_size={tp} ({tp} processes) · " if tp > 1 else "")
+            + (f"tensor_parallel_size={tp} · " if tp > 1 else "")
             + f"{n} CPU thread{'s' if n != '1' else ''}")
 
 
