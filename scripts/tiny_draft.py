@@ -124,8 +124,8 @@ script on the same corpus and held-out split, on the next-token distributions of
 - Versions: Python {r['versions']['python']}, torch {r['versions']['torch']}, transformers {r['versions']['transformers']}.
 - **Held-out loss: {r['heldout_loss']:.3f} nats/token** on the stored weights (the teacher's: {d['teacher_heldout_loss']:.3f}).
   **Top-1 agreement with the teacher on the held-out stream: {d['heldout_teacher_top1_agreement']:.1%}** of positions
-  (what bounds greedy acceptance of a one-token draft; the engine's measured acceptance rate is in the README's
-  benchmark section).
+  (what bounds greedy acceptance of a one-token draft; the engine's measured acceptance rate, from
+  `bench --speculative ngram draft`, is in [benchmarks.md](benchmarks.md)).
 
 | step | train time (s) | lr | train loss on the data (EMA) | held-out loss | held-out top-1 agreement |
 |---:|---:|---:|---:|---:|---:|
