@@ -261,9 +261,16 @@ _ = check_claim("the embedding (all-reduce) and LM head (all-gather) shards rebu
 # `minivllm/executor/worker.py`; a worker needs the header's sizes to allocate the payload before it
 # can receive it). Then every rank runs its shard of the model, and only rank 0 samples. Starting a
 # fresh Python process that imports torch and builds its shard takes a while (the cell prints how
-# long):
+# long).
+#
+# One difference from a single process: interrupting a cell (Kernel > Interrupt) while this engine
+# runs a step ends the engine, since its ranks may be stopped at different points of the step; the
+# next use says so. Run this cell again to start a new one (it shuts the old one down first), then
+# the cell you interrupted.
 
 # %%
+if "tp_llm" in globals():  # run again: the previous engine's worker goes first (a widget may still hold it)
+    tp_llm.shutdown()
 t0 = time.perf_counter()
 tp_llm = LLM(MODEL, device=DEVICE, num_kvcache_blocks=64, max_num_seqs=8, tensor_parallel_size=TP)
 start_s = time.perf_counter() - t0
