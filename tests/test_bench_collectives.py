@@ -54,8 +54,11 @@ def test_ctrl_c_for_the_process_group_reaches_only_the_caller(tmp_path):
     import sys
     import time
 
-    script = ("from minivllm.bench.collectives import all_reduce_times\n"
-              "all_reduce_times([4096, 1 << 20], calls=20, rounds=200, timeout_s=60)\n")
+    # (Ctrl-C's handler set explicitly: a process started in the background inherits SIGINT ignored, and so
+    # would its helpers, hiding what this checks)
+    script = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from minivllm.bench.collectives import all_reduce_times\n"
+              "all_reduce_times([4096, 1 << 20], calls=20, rounds=2000, timeout_s=60)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, start_new_session=True)
     time.sleep(4.0)  # the helper started and connected (its import of torch included)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
