@@ -359,7 +359,7 @@ def test_steps_run_eagerly_while_a_module_has_a_forward_hook(check):
     finally:
         handle.remove()
     assert _run(llm, prompt, params) == first and g.num_replays >= replays + 3
-    assert (g._c_unchanged is not None, g._c_args is not None) == ((check != "python",) * 2)
+    assert (g._watch._c_unchanged is not None, g._watch._c_args is not None) == ((check != "python",) * 2)
 
 
 def test_graphs_are_recorded_again_after_a_parameter_is_replaced(check):
@@ -386,7 +386,7 @@ def test_graphs_are_recorded_again_after_a_parameter_is_replaced(check):
     assert _run(llm, prompt, params) == _run(eager, prompt, params)
     assert g.num_recordings > recorded
     if check != "python":  # the C pass answered the steps without a change (9 items: with the hold)
-        assert g._c_args is not None and len(g._c_args) == (9 if check == "c" else 8)
+        assert g._watch._c_args is not None and len(g._watch._c_args) == (9 if check == "c" else 8)
 
 
 def test_reset_drops_the_graphs_and_the_next_steps_record_them_again():
@@ -406,7 +406,7 @@ def _assert_weights_not_held(llm: LLM) -> None:
     """The model check's hold on the weights (model_check.TensorHold) is given back: torch's
     swap_tensors, which refuses a held tensor, goes through (and is undone)."""
     g = llm.llm_engine.runner.graph_runner
-    assert g._tensor_hold is None and g._c_args is None
+    assert g._watch._tensor_hold is None and g._watch._c_args is None
     norm = llm.llm_engine.runner.model.model.norm.weight
     other = torch.nn.Parameter(norm.detach().clone(), requires_grad=False)
     torch.utils.swap_tensors(norm, other)
@@ -550,7 +550,7 @@ def test_a_removed_layer_and_a_parameter_set_straight_into_its_dict_are_recorded
     recorded = g.num_recordings
     layers = llm.llm_engine.runner.model.model.layers
     layer = layers._modules.pop("3")
-    assert g._model_changed() is False and g.graph_keys == []
+    assert g._watch.hooked(g.model) is False and g.graph_keys == []
     layers._modules["3"] = layer
     assert _run(llm, prompt, params) == first and g.num_recordings > recorded
     recorded = g.num_recordings

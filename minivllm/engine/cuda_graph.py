@@ -46,13 +46,11 @@ import bisect
 import ctypes
 import itertools
 from dataclasses import dataclass
-from itertools import chain
-from operator import getitem, is_, lt
-from typing import Callable, NamedTuple
+from operator import lt
+from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.modules.module as _module_mod
 
 from minivllm.engine import model_check
 from minivllm.layers.attention.backend import AttentionBackend
@@ -374,14 +372,8 @@ class CudaGraphDecodeRunner:
             bounds = sorted(set(plan(bs, self.max_seqlen_k, kv_caches[0][0]))) if plan else []
             self.context_buckets[bs] = [b for b in bounds if b < self.max_seqlen_k] + [self.max_seqlen_k]
         self._graphs: dict[tuple, object] = {}
-        self._modules: list | None = None  # the model's modules (_model_changed), listed at first use
-        self._weights: _Weights | None = None  # the parameters the CPU graphs were recorded with
-        self._slot_dicts: list = []  # where those parameters are: module._parameters dicts and keys
-        self._slot_keys: list = []
-        #: the C check's "nothing changed" (minivllm/engine/model_check.py), None: Python only
-        self._c_unchanged = model_check.load() if self.kind == "cpu" else None
-        self._c_args: tuple | None = None  # its eight lists, set once the modules and weights are listed
-        self._tensor_hold: model_check.TensorHold | None = None  # the tensors' ninth item, while it is armed
+        #: is the model still the one the CPU graphs were recorded from (asked before every replay)
+        self._watch = model_check.ModelWatch(self._graphs.clear) if self.kind == "cpu" else None
         self._pool = GraphPool() if self.kind == "cpu" else None
         self._ready = False  # capture() called (CPU graphs are then recorded at each key's first step)
         #: why CPU graphs were switched off (an operation a graph cannot replay), else None
@@ -438,8 +430,8 @@ class CudaGraphDecodeRunner:
         self._ready = False
         self.model = None
         self.kv_caches = []
-        self._disarm_c_check()  # the model check's lists and its hold on the weights go with the model
-        self._modules, self._weights = None, None
+        if self._watch is not None:
+            self._watch.forget()  # the model check's lists and its hold on the weights go with the model
 
     @property
     def graph_keys(self) -> list[tuple]:
@@ -722,79 +714,7 @@ class CudaGraphDecodeRunner:
         if self.kind != "cpu":
             raise ValueError("reset() drops CPU graphs; CUDA graphs are captured once, at start-up")
         self._graphs.clear()
-        self._disarm_c_check()
-        self._modules, self._weights = None, None  # listed again at the next step
-
-    def _model_changed(self) -> bool:
-        """A CPU graph would not replay the model as it now is: some module has a forward hook or
-        pre-hook (or one is registered for all modules: a replay calls no module, so such steps
-        run eagerly), or since the graphs were recorded a submodule was swapped, added or removed,
-        or a parameter or buffer slot (empty ones included) was given another tensor, emptied or removed,
-        or such a tensor new storage (the graphs are then dropped and recorded again).
-
-        Runs before every replay, so it reads little, in C-level ``map``s over lists made once:
-        whether any hook dict is non-empty, the submodules (compared as a list: by identity, as
-        ``nn.Module`` defines no ``__eq__``), whether the parameter slots hold the tensors (or
-        None) they held, and those tensors' data pointers. All four in one C pass when it is
-        built (``model_check.py``), which answers only "unchanged": otherwise the Python check
-        below runs and decides."""
-        args = self._c_args
-        if args is not None and self._c_unchanged(args):
-            return False
-        self._c_args = None  # listed again below if anything changed
-        if self._modules is not None and list(chain.from_iterable(map(dict.values, self._child_dicts))) != self._children:
-            logger.info("CPU graphs: the model's modules changed; recording the graphs again")
-            self._modules, self._weights = None, None
-            self._graphs.clear()
-        if self._modules is None:
-            modules = list(self.model.modules()) if isinstance(self.model, torch.nn.Module) else []
-            # registering a hook adds to these dicts in place; an empty dict is falsy
-            self._hook_dicts = ([m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
-                                + [_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks])
-            self._child_dicts = [m._modules for m in modules]
-            self._children = list(chain.from_iterable(map(dict.values, self._child_dicts)))
-            self._modules = modules  # last: an interrupt above leaves the listing to the next call
-        if any(self._hook_dicts):
-            return True
-        w = self._weights
-        if w is not None:
-            try:
-                same = all(map(is_, map(getitem, self._slot_dicts, self._slot_keys), w.params))
-            except KeyError:  # a parameter removed
-                same = False
-            if same and _addresses(w.tensors) == w.addresses:
-                self._arm_c_check()
-                return False  # the same tensors (held, so no other can take their ids) on the same storage
-            logger.info("CPU graphs: the model's parameters changed; recording the graphs again")
-        self._graphs.clear()
-        # buffers too: an int8 layer's scale (a buffer) is replaced with its int8 panels when it is quantised again
-        slots = [(d, k) for m in self._modules for d in (m._parameters, m._buffers) for k in d]
-        self._slot_dicts, self._slot_keys = [d for d, _ in slots], [k for _, k in slots]
-        params = [d[k] for d, k in slots]
-        tensors = [p for p in params if p is not None]
-        self._weights = _Weights(params, tensors, _addresses(tensors))
-        self._arm_c_check()
-        return False
-
-    def _arm_c_check(self) -> None:
-        """After the Python check found the model as recorded: hand the C check its lists (set
-        last, so an interrupt while listing leaves the next step to the Python check)."""
-        if self._c_unchanged is not None:
-            self._disarm_c_check()  # first: the lines below replace (and so free) the hold
-            w = self._weights
-            addresses = [None if t.is_mkldnn else a for t, a in zip(w.tensors, w.addresses)]  # opaque: no data_ptr
-            args = (self._hook_dicts, self._child_dicts, self._children, self._slot_dicts, self._slot_keys,
-                    w.params, w.tensors, addresses)
-            # the addresses read from the TensorImpls where tensor_data.cpp is built (~3.6 us less a step)
-            held = [(t, a) for t, a in zip(w.tensors, addresses) if a is not None]
-            self._tensor_hold = model_check.hold([t for t, _ in held], [a for _, a in held])
-            self._c_args = args if self._tensor_hold is None else args + (self._tensor_hold.check,)
-
-    def _disarm_c_check(self) -> None:
-        """Drop the C check's lists, then its hold (a weak reference to each weight's TensorImpl,
-        ``model_check.TensorHold``): in this order no list ever names a freed hold."""
-        self._c_args = None
-        self._tensor_hold = None
+        self._watch.forget()  # listed again at the next step
 
     def can_run_step(self, num_seqs: int, num_tokens: int, decode_only: bool, block_size: int,
                      table_width: int) -> bool:
@@ -807,7 +727,7 @@ class CudaGraphDecodeRunner:
             and num_seqs < len(self._bucket_of)
             and block_size == self.block_size
             and table_width <= self.max_blocks_per_seq
-            and (self.kind != "cpu" or not self._model_changed())
+            and (self.kind != "cpu" or not self._watch.hooked(self.model))
         )
 
     def replay(self, n: int) -> torch.Tensor:
@@ -851,7 +771,7 @@ class CudaGraphDecodeRunner:
                 graph.check_nothing_outlives()
             except NotCapturable as e:
                 self.not_capturable = str(e)
-                self._disarm_c_check()  # no replay to check for any more
+                self._watch.disarm()  # no replay to check for any more
                 logger.warning("CPU graphs off for this engine: %s", e)
                 if not graph.complete:
                     fn()  # the recording stopped part-way: this step's forward again, eagerly
@@ -884,23 +804,6 @@ class CudaGraphDecodeRunner:
         self.stage(input_ids.cpu().numpy(), positions.cpu().numpy(), meta.slot_mapping.cpu().numpy(),
                    meta.context_lens.cpu().numpy(), meta.block_tables.cpu().numpy())
         return self.replay(n)
-
-
-def _addresses(params) -> tuple:
-    """Each tensor's storage address; an opaque (oneDNN-packed) tensor has none: its id stands in."""
-    try:
-        return tuple(map(torch.Tensor.data_ptr, params))
-    except RuntimeError:
-        return tuple(id(p) if p.is_mkldnn else p.data_ptr() for p in params)
-
-
-class _Weights(NamedTuple):
-    """What the parameter slots held when the CPU graphs were (re)recorded: every slot's value
-    (None for an empty one; held, so the memory stays valid), the tensors among them and those
-    tensors' addresses (``_addresses``)."""
-    params: list
-    tensors: list
-    addresses: tuple
 
 
 def fill_block_tables(out: np.ndarray, tables) -> np.ndarray | None:
