@@ -252,3 +252,49 @@ def test_engine_cost_is_the_whole_model_for_a_tensor_parallel_engine():
                              args=SimpleNamespace(quantization=None, quantize_lm_head=True), weight_storage=None,
                              model_cost=ModelCost.from_config(SMALL, dtype="float32", tp_size=2))
     assert engine_cost(engine) == whole and engine.model_cost.num_heads == whole.num_heads // 2
+
+
+def test_a_numpy_integer_is_a_byte_count_not_its_own_itemsize():
+    """``np.int64(2)`` has an ``itemsize`` of 8: read through it, a 2-byte model's weight bytes (and
+    so its MBU) came out 4x off."""
+    import numpy as np
+
+    assert dtype_nbytes(np.int64(2)) == 2 and dtype_nbytes(np.int32(4)) == 4
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=1000)
+    assert ModelCost.from_config(cfg, dtype=np.int64(2)) == ModelCost.from_config(cfg, dtype=2)
+    # numpy integers in a dict config are counts too
+    assert ModelCost.from_config({k: np.int64(v) for k, v in cfg.items()}) == ModelCost.from_config(cfg)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"head_dim": -1}, "head_dim must be a positive int, got -1"),
+    ({"hidden_size": 66}, "hidden_size=66 is not divisible by num_attention_heads=4"),
+    ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be a bool, got 'no'"),
+])
+def test_a_bad_config_value_is_refused_by_name(change, message):
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=1000)
+    with pytest.raises(ValueError, match=message):
+        ModelCost.from_config({**cfg, **change})
+
+
+@pytest.mark.parametrize("flops, nbytes", [(float("nan"), 1.0), (1.0, float("nan")), ("1", 1.0), (1.0, -1.0)])
+def test_arithmetic_intensity_refuses_what_is_no_count(flops, nbytes):
+    with pytest.raises(ValueError, match="flops and bytes must be"):
+        arithmetic_intensity(flops, nbytes)
+
+
+def test_fill_step_record_with_peaks_clears_a_figure_the_step_does_not_have():
+    """A record refilled for no time (or no work) had kept its earlier call's MFU and MBU."""
+    rec = StepRecord(
+        index=0, start_time=1.0, end_time=1.5, num_prefill_tokens=0, num_decode_tokens=1, num_seqs=1,
+        num_prefill_chunks=0, scheduled=[ScheduledEntry("b", 1, False, 6, True)], preempted=[], finished=[],
+        kv_blocks_used=2, kv_blocks_free=6, kv_blocks_cached=1, prefix_cache_hit_tokens=0, attention_backend="torch")
+    peaks = Peaks(flops_per_s=1e5, bytes_per_s=1e4)
+    fill_step_record(rec, small_cost(), peaks)
+    assert rec.mfu > 0 and rec.mbu > 0
+    fill_step_record(rec, small_cost())  # without peaks: left as they are
+    assert rec.mfu > 0
+    fill_step_record(rec, small_cost(), peaks, seconds=0.0)
+    assert rec.mfu is None and rec.mbu is None

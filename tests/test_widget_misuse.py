@@ -765,3 +765,19 @@ def test_bounded_number_boxes_say_their_range(model_path):
         assert "100,000" in explorer.n_draws.tooltip and explorer.n_draws.max == 100_000
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("period_s", [-1, 0, float("inf"), float("nan"), "0.1"])
+def test_a_bad_sampling_period_is_refused_before_any_request_is_queued(llm, period_s):
+    """``period_s`` was read first by the sampler, built after the workload was queued: its
+    ValueError left the requests on the engine, and every later measurement refused "the engine is
+    busy". Now refused when the monitor is built, and (set afterwards) before a request is queued."""
+    from widgets import UtilisationMonitor
+
+    with pytest.raises(ValueError, match="period_s must be a positive, finite number of seconds"):
+        UtilisationMonitor(llm, num_requests=2, prompt_len=8, max_tokens=2, period_s=period_s)
+    mon = UtilisationMonitor(llm, num_requests=2, prompt_len=8, max_tokens=2)
+    mon.period_s = period_s
+    with pytest.raises(ValueError, match="period_s"):
+        mon.run()
+    assert llm.llm_engine.get_num_unfinished_requests() == 0

@@ -10,6 +10,7 @@ from html import escape
 import ipywidgets as W
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.telemetry.utilisation import check_period
 from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import STYLE, CourseWidget, error_box
@@ -37,8 +38,12 @@ class UtilisationMonitor(CourseWidget):
         llm: a ``minivllm.LLM`` or ``LLMEngine`` (idle while the workload runs).
         num_requests / prompt_len / max_tokens: the workload (random prompts, greedy,
             ``ignore_eos``), all submitted at once.
-        period_s: sampling period, seconds.
+        period_s: sampling period, seconds (positive, finite).
         peaks: measured ``Peaks`` (default ``get_peaks()`` for the engine's device/dtype).
+
+    Raises:
+        ValueError: ``llm`` is not an engine or is shut down (``engine_of``), or ``period_s`` is
+            not a positive, finite number of seconds.
 
     State for code and tests: ``records`` (the workload's step records, roofline filled),
     ``samples`` (the sampler's samples), ``interrupted`` (the last run was cut short by a kernel
@@ -53,7 +58,7 @@ class UtilisationMonitor(CourseWidget):
         super().__init__()
         self.llm = llm
         self.engine = engine_of(llm)
-        self.period_s = period_s
+        self.period_s = check_period(period_s)  # refused here, not after a run has queued its requests
         self._peaks = peaks
         self.records: list = []
         self.samples: list = []
@@ -130,6 +135,7 @@ class UtilisationMonitor(CourseWidget):
         engine.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=int(self.max_tokens.value), ignore_eos=True)
         ids = [f"util-{i}" for i in range(int(self.num_requests.value))]
+        sampler = UtilisationSampler(period_s=self.period_s, device=str(engine.config.device))  # may refuse: first
         try:
             for rid in ids:
                 engine.add_request(rid, random_prompt(engine, int(self.prompt_len.value), rng), params,
@@ -139,7 +145,6 @@ class UtilisationMonitor(CourseWidget):
                 engine.abort_request(rid)
             self.readout.value = error_box(str(e))
             return []
-        sampler = UtilisationSampler(period_s=self.period_s, device=str(engine.config.device))
         self.records = []
         self.interrupted = False
         t0 = time.perf_counter()

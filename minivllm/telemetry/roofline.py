@@ -26,7 +26,8 @@ minimum), which is what utilisation figures are defined against:
   ``peak_flops / peak_bandwidth`` a step is memory-bound, above it compute-bound.
 * MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM", sec. 4.1 and
   appendix B) = model FLOPs per second achieved / peak FLOP/s. MBU (model
-  bandwidth utilisation) is the same ratio for bytes: bytes / s / peak bytes/s.
+  bandwidth utilisation; Databricks' "LLM Inference Performance Engineering: Best
+  Practices", Oct. 2023) is the same ratio for bytes: bytes / s / peak bytes/s.
   Both use the step's wall time, so host overhead lowers them, as it should.
 
 What is ignored (documented so nobody reads more into the numbers):
@@ -39,9 +40,13 @@ attention is not modelled (Qwen3 dense checkpoints ship
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass
 from operator import attrgetter
 from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from minivllm.telemetry.peaks import Peaks
 from minivllm.utils import cdiv
@@ -67,10 +72,10 @@ def dtype_nbytes(dtype: Any) -> int:
         ValueError: a bool, a non-positive count, or a name that is no dtype (naming it)."""
     if isinstance(dtype, bool):
         raise ValueError(f"dtype must be a torch dtype, a dtype name or a byte count, got {dtype!r}")
-    if isinstance(dtype, int):
+    if isinstance(dtype, numbers.Integral):  # numpy integers too (they have an itemsize of their own)
         if dtype <= 0:
             raise ValueError(f"dtype byte count must be positive, got {dtype!r}")
-        return dtype
+        return int(dtype)
     itemsize = getattr(dtype, "itemsize", None)  # torch.dtype has .itemsize (torch >= 2.1)
     if isinstance(itemsize, int) and not isinstance(dtype, str):
         return itemsize
@@ -170,11 +175,24 @@ class ModelCost:
         H = _get(config, "num_attention_heads")
         Hkv = _get(config, "num_key_value_heads") or H
         V = _get(config, "vocab_size")
+        d = _get(config, "head_dim")
+        if d is None:
+            if isinstance(D, numbers.Integral) and isinstance(H, numbers.Integral) and H > 0 and D % H:
+                raise ValueError(f"config.hidden_size={D} is not divisible by num_attention_heads={H} "
+                                 "and the config gives no head_dim")
+            d = D // H if isinstance(D, numbers.Integral) and isinstance(H, numbers.Integral) and H > 0 else None
         for name, val in (("hidden_size", D), ("intermediate_size", F), ("num_hidden_layers", L),
-                          ("num_attention_heads", H), ("num_key_value_heads", Hkv), ("vocab_size", V)):
-            if not isinstance(val, int) or val <= 0:
+                          ("num_attention_heads", H), ("num_key_value_heads", Hkv), ("vocab_size", V),
+                          ("head_dim", d)):
+            if not isinstance(val, numbers.Integral) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"config.{name} must be a positive int, got {val!r}")
-        d = _get(config, "head_dim") or D // H
+        D, F, L, H, Hkv, V, d = map(int, (D, F, L, H, Hkv, V, d))  # numpy integers from a dict config
+        flags = {}
+        for name in ("tie_word_embeddings", "attention_bias"):
+            val = _get(config, name, False)
+            if not isinstance(val, (bool, np.bool_)) and val not in (0, 1, None):
+                raise ValueError(f"config.{name} must be a bool, got {val!r}")
+            flags[name] = bool(val)
         if H % tp_size:
             raise ValueError(f"num_attention_heads={H} is not divisible by tp_size={tp_size}")
         wb = dtype_nbytes(dtype)
@@ -187,8 +205,8 @@ class ModelCost:
             num_kv_heads=max(1, Hkv // tp_size),
             head_dim=d,
             vocab_size=cdiv(V, tp_size),
-            tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)),
-            attention_bias=bool(_get(config, "attention_bias", False)),
+            tie_word_embeddings=flags["tie_word_embeddings"],
+            attention_bias=flags["attention_bias"],
             weight_bytes=wb,
             kv_dtype_bytes=kvb,
             tp_size=tp_size,
@@ -345,7 +363,8 @@ def step_cost(cost: ModelCost, entries: Iterable[Sequence[int]], num_sampled: in
             tokens.
 
     Returns ``(flops, bytes)``, with (T = total new tokens, A = sum of
-    :func:`attended_keys`, K = sum of context_len_after, S = num_sampled)::
+    :func:`attended_keys`, K = sum of context_len_after over the entries with new tokens
+    (an entry with none runs nothing), S = num_sampled)::
 
         flops = 2 * matmul_params * T                  # Kaplan et al. 2020: 2N per token
               + 4 * d * H * L * A                      # QK^T and PV, causal
@@ -356,6 +375,7 @@ def step_cost(cost: ModelCost, entries: Iterable[Sequence[int]], num_sampled: in
               + K * kv_bytes_per_token                 # KV read: every cached position once per sequence
               + T * kv_bytes_per_token                 # KV written for the new tokens
 
+    A step with no new tokens (T = 0) runs no forward: ``(0.0, 0.0)``, weights included.
     Activations are ignored (see the module docstring).
 
     Raises:
@@ -396,8 +416,9 @@ def arithmetic_intensity(flops: float, nbytes: float) -> float:
     """FLOPs per byte moved (Williams et al. 2009). ``inf`` when nothing is moved.
 
     Raises:
-        ValueError: a negative count."""
-    if nbytes < 0 or flops < 0:
+        ValueError: a count that is not a real number, NaN, or negative (naming both)."""
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (flops, nbytes)) \
+            or math.isnan(flops) or math.isnan(nbytes) or nbytes < 0 or flops < 0:
         raise ValueError(f"flops and bytes must be non-negative, got {flops!r}, {nbytes!r}")
     return float("inf") if nbytes == 0 else flops / nbytes
 
@@ -442,7 +463,8 @@ def _entry_sums(entries) -> tuple[int, int, int, int]:
 def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
                      seconds: float | None = None, sums: tuple[int, int, int, int] | None = None) -> Any:
     """Set ``record.flops`` and ``record.bytes_moved`` from its scheduled entries,
-    and ``record.mfu`` / ``record.mbu`` when ``peaks`` is given::
+    and with ``peaks`` ``record.mfu`` / ``record.mbu`` (``None`` for a step that took no time or did
+    no work; without ``peaks`` they are left as they are)::
 
         mfu = flops / seconds / peaks.flops_per_s     # PaLM's MFU (Chowdhery et al. 2022)
         mbu = bytes / seconds / peaks.mbu_bytes_per_s  # the measured read bandwidth (a step's
@@ -460,7 +482,8 @@ def fill_step_record(record: Any, cost: ModelCost, peaks: Peaks | None = None,
     record.bytes_moved = nbytes
     if seconds is None:
         seconds = record.wall_ms / 1e3
-    if peaks is not None and seconds > 0 and flops > 0:
-        record.mfu = flops / seconds / peaks.flops_per_s
-        record.mbu = nbytes / seconds / peaks.mbu_bytes_per_s
+    if peaks is not None:
+        work = seconds > 0 and flops > 0  # else None, not a figure left from an earlier call
+        record.mfu = flops / seconds / peaks.flops_per_s if work else None
+        record.mbu = nbytes / seconds / peaks.mbu_bytes_per_s if work else None
     return record

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import os
 import re
+import numbers
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["UtilisationSample", "UtilisationSampler"]
+__all__ = ["UtilisationSample", "UtilisationSampler", "check_period"]
 
 
 @dataclass
@@ -82,6 +83,18 @@ def _busy(prev, cur) -> float | None:
     return max(0.0, min(100.0, 100.0 * (total - idle) / total))
 
 
+def check_period(period_s: Any) -> float:
+    """``period_s`` as a float of seconds between samples.
+
+    Raises:
+        ValueError: not a real number (bools are not), or not in ``(0, threading.TIMEOUT_MAX]``
+            (a sampler thread waits that long between samples: inf overflows its clock)."""
+    if not isinstance(period_s, numbers.Real) or isinstance(period_s, bool) \
+            or not 0 < period_s <= threading.TIMEOUT_MAX:
+        raise ValueError(f"period_s must be a positive, finite number of seconds, got {period_s!r}")
+    return float(period_s)
+
+
 class UtilisationSampler:
     """Sample utilisation in a background thread while a workload runs.
 
@@ -100,13 +113,12 @@ class UtilisationSampler:
     except a run's only sample, kept with ``cpu_percent`` None.
 
     Raises:
-        ValueError: ``period_s`` is not a positive number, or ``device`` is not one of the above.
+        ValueError: ``period_s`` is not a positive, finite number (:func:`check_period`), or
+            ``device`` is not one of the above.
     """
 
     def __init__(self, period_s: float = 0.1, device: Any = None):
-        if not isinstance(period_s, (int, float)) or isinstance(period_s, bool) or not period_s > 0:
-            raise ValueError(f"period_s must be a positive number of seconds, got {period_s!r}")
-        self.period_s = float(period_s)
+        self.period_s = check_period(period_s)
         self.device = self._resolve_device(device)
         self.nvml_error: str | None = None
         self._samples: list[UtilisationSample] = []
