@@ -65,6 +65,13 @@ def test_bad_input_names_the_value():
             check_prediction(1.0, 1.0, rel_tol=bad)
 
 
+@pytest.mark.parametrize("measured", [float("inf"), float("-inf"), float("nan")])
+def test_a_measurement_that_is_no_number_is_refused_by_name(measured):
+    """An infinite measurement printed "nan% off" and then raised ZeroDivisionError."""
+    with pytest.raises(ValueError, match=f"measured is {measured}: not a measurement"):
+        check_prediction(2.0, measured)
+
+
 def test_claim_that_fails_does_not_raise(capsys):
     res = check_claim("batch 4 costs about batch 1", 2.7 <= 1.3, "batch 4: 2.70x batch 1",
                       why_it_may_not="Other processes were competing for the cores.")

@@ -2,6 +2,7 @@
 direct implementations, stop semantics, streaming, and the untouched greedy fast path."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -448,3 +449,13 @@ def test_a_stop_string_may_start_in_the_min_tokens_text(embedded):
     assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, first[:-2])
     inside = SamplingParams(temperature=0, max_tokens=4, min_tokens=1, stop=[first[-2:]])  # ends in it: ignored
     assert embedded.generate("The list type", inside, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("k", [0, -3, 2.5, True])
+def test_encode_prompt_refuses_a_truncation_generate_would_refuse(llm, k):
+    """``LLMEngine.encode_prompt`` is public: called directly, k=0 kept the whole prompt, k=-3
+    returned an empty prompt (the empty check ran before the truncation), 2.5 failed in slicing."""
+    with pytest.raises(ValueError, match=f"truncate_prompt_tokens={k!r}: must be an int >= 1, -1"):
+        llm.llm_engine.encode_prompt(prompts_of([30])[0], truncate_prompt_tokens=k)
+    assert llm.llm_engine.encode_prompt(prompts_of([30])[0], truncate_prompt_tokens=np.int64(4))[1] == \
+        prompts_of([30])[0][-4:]

@@ -480,6 +480,15 @@ def test_quiz_explains_wrong_answers():
     assert q.check(1, 1) is False and "grass" in q.feedback[1].value and q.score == 1
     with pytest.raises(ValueError, match="correct=5"):
         Question("x", ["a", "b"], 5, ["", ""])
+    # a str choice raised "'<=' not supported", 1.5 a traitlets TraitError nine frames deep
+    for bad in ("a", 1.5, True, 2):
+        with pytest.raises(ValueError, match=f"choice={bad!r} is not an answer index of question 0"):
+            q.check(0, bad)
+    # a string of choices was taken letter by letter; no list of questions failed inside iteration
+    with pytest.raises(ValueError, match="choices must be a list of strings, got 'ab'"):
+        Question("x", "ab", 0, ["", ""])
+    with pytest.raises(ValueError, match="Quiz takes a list of questions"):
+        Quiz(None)
 
 
 def test_quiz_says_right_once():

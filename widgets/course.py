@@ -46,8 +46,8 @@ def _number(name: str, value) -> float:
         out = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a number, got {value!r}") from None
-    if math.isnan(out):
-        raise ValueError(f"{name} is NaN")
+    if not math.isfinite(out):  # a measurement that failed (a timer that read 0 divides into inf)
+        raise ValueError(f"{name} is {out}: not a measurement")
     return out
 
 
@@ -74,7 +74,8 @@ def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str =
 
     Raises:
         TypeError: ``measured`` is not a number.
-        ValueError: ``rel_tol`` is not a number >= 0 (NaN included), or ``measured`` is NaN.
+        ValueError: ``rel_tol`` is not a number >= 0 (NaN included), or ``measured`` is NaN or
+            infinite.
     """
     if isinstance(rel_tol, bool) or not isinstance(rel_tol, numbers.Real) or not rel_tol >= 0:  # NaN fails >= too
         raise ValueError(f"rel_tol must be a number >= 0, got {rel_tol!r}")

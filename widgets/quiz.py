@@ -28,6 +28,10 @@ class Question:
     explanations: list[str]
 
     def __post_init__(self) -> None:
+        for name in ("choices", "explanations"):  # a string would be taken letter by letter
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise ValueError(f"question {str(self.prompt)[:40]!r}: {name} must be a list of strings, got {value!r}")
         if len(self.choices) < 2:
             raise ValueError(f"question {self.prompt[:40]!r}: needs at least 2 choices, got {len(self.choices)}")
         if len(self.explanations) != len(self.choices):
@@ -49,12 +53,14 @@ class Quiz(CourseWidget):
         questions: ``Question`` objects, or dicts with the same fields.
 
     Raises:
-        ValueError: no questions, or a malformed one (fewer than 2 choices, explanations not one per
+        ValueError: no list of questions, no questions, or a malformed one (fewer than 2 choices, explanations not one per
             choice, ``correct`` not a choice index), naming it.
     """
 
     def __init__(self, questions):
         super().__init__()
+        if isinstance(questions, (str, bytes, dict, Question)) or not hasattr(questions, "__iter__"):
+            raise ValueError(f"Quiz takes a list of questions (Question objects or dicts), got {questions!r}")
         self.questions = [q if isinstance(q, Question) else Question(**q) for q in questions]
         if not self.questions:
             raise ValueError("Quiz needs at least one question")
@@ -86,9 +92,9 @@ class Quiz(CourseWidget):
             raise ValueError(f"i={i!r} is not a question index (this quiz has {len(self.questions)})")
         q = self.questions[i]
         if choice is not None:
-            if not 0 <= choice < len(q.choices):
+            if isinstance(choice, bool) or not isinstance(choice, numbers.Integral) or not 0 <= choice < len(q.choices):
                 raise ValueError(f"choice={choice!r} is not an answer index of question {i}")
-            self.radios[i].value = choice
+            self.radios[i].value = int(choice)
         chosen = self.radios[i].value
         if chosen is None:
             self.feedback[i].value = "<div class='mv-box mv-small'>Pick an answer first.</div>"

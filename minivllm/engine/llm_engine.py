@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import operator
 import threading
 import time
@@ -347,9 +348,14 @@ class LLMEngine:
         tokenizer's, for a text prompt.
 
         Raises:
-            ValueError: empty prompt, ids outside ``[0, vocab_size)``, or a prompt with no
-                room to generate (``len >= max_model_len``); the message names the value.
+            ValueError: empty prompt, ids outside ``[0, vocab_size)``, a prompt with no room to
+                generate (``len >= max_model_len``), or ``truncate_prompt_tokens`` not an int
+                >= 1, -1 or None; the message names the value.
         """
+        t = truncate_prompt_tokens
+        if t is not None and (not isinstance(t, numbers.Integral) or isinstance(t, bool) or not (t >= 1 or t == -1)):
+            raise ValueError(f"truncate_prompt_tokens={t!r}: must be an int >= 1, -1 (up to max_model_len - 1), "
+                             "or None")
         given_text = None
         _refuse_encoding(prompt, "prompt")
         if isinstance(prompt, dict):
@@ -391,7 +397,7 @@ class LLMEngine:
         if not ids:
             raise ValueError(f"empty prompt {prompt!r}: nothing to condition on")
         if truncate_prompt_tokens is not None:
-            keep = self.config.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            keep = self.config.max_model_len - 1 if truncate_prompt_tokens == -1 else int(truncate_prompt_tokens)
             ids = ids[-keep:]
         if len(ids) >= self.config.max_model_len and truncate_prompt_tokens is not None:
             raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} keeps {len(ids)} tokens of the prompt: "
