@@ -1,10 +1,12 @@
 """Utilisation sampler, peaks microbenchmark cache, and run export."""
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from minivllm.telemetry import peaks as peaks_mod
 from minivllm.telemetry.export import load_run_json, run_to_dataframes, run_to_json, save_run_json
@@ -72,6 +74,25 @@ def test_measure_peaks_tiny():
     assert p.ridge_intensity == pytest.approx(p.flops_per_s / p.mbu_bytes_per_s)  # the MBU ceiling
     with pytest.raises(ValueError, match="dtype"):
         measure_peaks("cpu", "float13", **TINY)
+
+
+@pytest.mark.parametrize("device, dtype, message", [
+    ("gpu", "float32", "device='gpu': give 'cpu', 'cuda'"),  # was torch's "Expected one of cpu, cuda, ..."
+    ("meta", "float32", "device='meta': peaks are measured on 'cpu' or 'cuda'"),
+    (5, "float32", "device=5: give 'cpu'"),  # peaks_cache_key(5): "Cannot access accelerator device"
+    ("cpu", "bool", "dtype=torch.bool: peaks are measured for a floating-point dtype"),  # addmm's NotImplementedError
+    ("cpu", "int8", "dtype=torch.int8: peaks are measured for a floating-point dtype"),  # was measured as a float peak
+])
+def test_a_device_or_dtype_peaks_cannot_measure_is_refused_by_name(device, dtype, message):
+    from minivllm.telemetry.peaks import peaks_cache_key
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        measure_peaks(device, dtype, **TINY)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        peaks_cache_key(device, dtype)
+    if not torch.cuda.is_available():  # an AssertionError "Torch not compiled with CUDA enabled"
+        with pytest.raises(ValueError, match="device='cuda': no CUDA device here"):
+            measure_peaks("cuda", "float32", **TINY)
 
 
 def test_read_ceiling_is_the_faster_of_a_sum_and_a_two_stream_dot(monkeypatch):

@@ -781,3 +781,16 @@ def test_a_bad_sampling_period_is_refused_before_any_request_is_queued(llm, peri
     with pytest.raises(ValueError, match="period_s"):
         mon.run()
     assert llm.llm_engine.get_num_unfinished_requests() == 0
+
+
+def test_the_png_and_the_svg_fallback_take_the_same_size():
+    """The PNG let the figure's own width win over the ``width`` argument and the SVG the argument,
+    so ``figure_html(fig, width=W)`` differed with and without Chrome."""
+    import plotly.graph_objects as go
+
+    from widgets._static import figure_svg, image_size
+
+    fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]), layout=dict(width=500, height=300))
+    assert image_size(fig) == (500, 300) and image_size(fig, 900) == (900, 300)
+    assert image_size(go.Figure()) == (760, 360)
+    assert "width='900' height='300'" in figure_svg(fig, 900) and "width='500' height='300'" in figure_svg(fig)

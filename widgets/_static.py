@@ -76,13 +76,19 @@ def _ensure_server() -> bool:
         return True
 
 
-def figure_png(fig, width: int = 760, height: int | None = None) -> bytes | None:
+def image_size(fig, width: int | None = None, height: int | None = None) -> tuple[int, int]:
+    """``(width, height)`` in pixels of a figure's static image: each argument given, else the
+    figure's layout's, else 760 x 360 (the same for the PNG and the SVG fallback)."""
+    return int(width or fig.layout.width or 760), int(height or fig.layout.height or 360)
+
+
+def figure_png(fig, width: int | None = None, height: int | None = None) -> bytes | None:
     """PNG bytes of a plotly figure (``Figure`` or ``FigureWidget``), or None when no
-    Chrome/kaleido is available or export fails."""
+    Chrome/kaleido is available or export fails. ``width`` / ``height``: pixels (default: the
+    figure's layout's, else 760 x 360; :func:`image_size`)."""
     if not _ensure_server():
         return None
-    h = height or (fig.layout.height or 360)
-    w = fig.layout.width or width
+    w, h = image_size(fig, width, height)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -91,9 +97,10 @@ def figure_png(fig, width: int = 760, height: int | None = None) -> bytes | None
         return None
 
 
-def figure_html(fig, width: int = 760, height: int | None = None) -> str:
+def figure_html(fig, width: int | None = None, height: int | None = None) -> str:
     """An ``<img>`` of the figure (base64 PNG); without Chrome, an SVG drawn by
-    :func:`figure_svg` (bar and scatter charts), else a short text note."""
+    :func:`figure_svg` (bar and scatter charts), else a short text note. Both images take the
+    size :func:`image_size` gives (pixels)."""
     png = figure_png(fig, width, height)
     title = ""
     if fig.layout.title is not None and fig.layout.title.text:
@@ -218,7 +225,7 @@ class StaticFigure:
     ``application/vnd.plotly.v1+json``) plus a PNG for viewers without JavaScript. Overlaying axes
     get round ticks (:func:`round_overlay_ticks`)."""
 
-    def __init__(self, fig, width: int = 760, height: int | None = None):
+    def __init__(self, fig, width: int | None = None, height: int | None = None):
         self.fig = round_overlay_ticks(fig)
         self.width = width
         self.height = height
@@ -231,9 +238,9 @@ class StaticFigure:
         return data
 
 
-def show_figure(fig, width: int = 760, height: int | None = None) -> None:
-    """Display a plotly figure live and as a static PNG (see :class:`StaticFigure`; a second y axis
-    gets round ticks)."""
+def show_figure(fig, width: int | None = None, height: int | None = None) -> None:
+    """Display a plotly figure live and as a static PNG of ``width`` x ``height`` pixels (see
+    :class:`StaticFigure` and :func:`image_size`; a second y axis gets round ticks)."""
     from IPython.display import display
 
     display(StaticFigure(fig, width, height))
@@ -284,10 +291,10 @@ def _log_tick_label(v: float) -> str:
     return f"{v:g}"
 
 
-def figure_svg(fig, width: int = 760, height: int | None = None) -> str | None:
+def figure_svg(fig, width: int | None = None, height: int | None = None) -> str | None:
     """A plain SVG of a single-panel figure made of bar and scatter traces (the fallback
     when no Chrome is available for kaleido). Returns None for anything else (heatmaps,
-    subplots), so the caller can fall back further."""
+    subplots), so the caller can fall back further. Its size: :func:`image_size` (pixels)."""
     import math
 
     traces = [t for t in fig.data if t.x is not None and t.y is not None and len(t.x)]
@@ -295,8 +302,7 @@ def figure_svg(fig, width: int = 760, height: int | None = None) -> str | None:
         return None
     if any(getattr(t, "xaxis", "x") not in (None, "x") for t in fig.data):
         return None
-    h = height or fig.layout.height or 360
-    w = width
+    w, h = image_size(fig, width, height)
     left, right, top, bottom = 60, 170, 40, 45
     pw, ph = w - left - right, h - top - bottom
     logy = fig.layout.yaxis.type == "log"

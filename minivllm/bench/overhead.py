@@ -104,7 +104,8 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
 
     With ``nanovllm`` (default), nano-vllm's overhead script
     (:class:`minivllm.bench.peers.NanoVllmOverhead`, ``nanovllm_script`` or the shared default
-    path) runs a round of its own after each of minivllm's rounds, at the same batch size, in
+    path) runs a round of its own after each of minivllm's rounds, at the same batch size (its
+    own warm-up, and ``max(decode_steps, 50)`` timed steps: :meth:`NanoVllmOverhead.measure`), in
     this process: the ratio is the median over the rounds of the two rounds' medians, so both
     figures of a ratio come from the same few hundred milliseconds (a shared machine's speed
     drifts over minutes: a round's batch-1 ratio ranged 0.47-0.99 in one run, docs/benchmarks.md run AN), and at the engine's block size (a block boundary costs each

@@ -239,8 +239,8 @@ class NanoVllmOverhead:
             raise PeerUnavailable(f"{self.path.name} has no main(argv)")
 
     def measure(self, batch_size: int, steps: int, threads: int, block_size: int | None = None) -> tuple[float, float]:
-        """One round at ``batch_size``: ``steps`` timed decode steps of one fresh scheduler
-        (the script's ``--reps 1``) on ``threads`` torch threads, with KV blocks of
+        """One round at ``batch_size``: ``max(steps, 50)`` timed decode steps of one fresh scheduler
+        (the script's ``--reps 1``; at least 50 so that its median is not a handful of steps) on ``threads`` torch threads, with KV blocks of
         ``block_size`` tokens (the script's own default, nano-vllm's 256, when None: a block
         boundary costs an allocation and a block hash, so the two engines are compared at
         the same block size). Returns (median us per

@@ -102,11 +102,25 @@ def cache_dir() -> Path:
 
 
 def _resolve(device: Any, dtype: Any):
+    """``(torch.device, torch.dtype)`` to measure on.
+
+    Raises:
+        ValueError: a device that is neither a CPU nor an available CUDA device, or a dtype that is
+            no floating-point torch dtype (naming it)."""
     import torch
 
     if device is None or str(device) == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    if not isinstance(device, (str, torch.device)):  # an int is a device index to torch: CUDA on some machines
+        raise ValueError(f"device={device!r}: give 'cpu', 'cuda', 'cuda:N', a torch.device or None")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r}: give 'cpu', 'cuda', 'cuda:N', a torch.device or None") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: peaks are measured on 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: no CUDA device here (torch {torch.__version__})")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dtype is None or str(dtype) == "auto":
@@ -119,11 +133,16 @@ def _resolve(device: Any, dtype: Any):
         dtype = dt
     if not isinstance(dtype, torch.dtype):  # an int would reach .to() as a device index
         raise ValueError(f"unknown dtype {dtype!r}: give a torch.dtype or its name")
+    if not dtype.is_floating_point:  # bool has no addmm; int8's would be no float peak
+        raise ValueError(f"dtype={dtype!r}: peaks are measured for a floating-point dtype")
     return dev, dtype
 
 
 def peaks_cache_key(device: Any = None, dtype: Any = None) -> str:
-    """The cache key: host, device name, dtype, CPU threads (on CPU), torch version."""
+    """The cache key: host, device name, dtype, CPU threads (on CPU), torch version.
+
+    Raises:
+        ValueError: as :func:`measure_peaks`, for ``device`` and ``dtype``."""
     import torch
 
     dev, dt = _resolve(device, dtype)
@@ -174,8 +193,9 @@ def measure_peaks(
         repeats: timed runs per measurement; the best one counts.
 
     Raises:
-        ValueError: unknown dtype, ``repeats`` or a size not an int, ``repeats < 1`` or a
-            non-positive size.
+        ValueError: a device neither "cpu" nor an available CUDA device, a dtype that is not a
+            floating-point torch dtype (or its name), ``repeats`` or a size not an int,
+            ``repeats < 1`` or a non-positive size.
     """
     import torch
 
