@@ -27,6 +27,10 @@ _EXPORTS = {
     "LLMEngine": "minivllm.engine.llm_engine",
     "StepResult": "minivllm.engine.llm_engine",
     "StepRecord": "minivllm.telemetry.step_record",
+    # vLLM's names for features minivllm lacks: their import lines work, building one says so
+    "PoolingParams": "minivllm.pooling_params",
+    "AsyncEngineArgs": "minivllm.engine.async_llm_engine",
+    "AsyncLLMEngine": "minivllm.engine.async_llm_engine",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -51,9 +55,11 @@ _OWN_IMPORTS = {"TYPE_CHECKING", "annotations", "importlib"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from minivllm.config import EngineArgs
+    from minivllm.engine.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
     from minivllm.engine.llm_engine import LLMEngine, StepResult
     from minivllm.inputs import PromptType, TextPrompt, TokensPrompt
     from minivllm.llm import LLM
     from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from minivllm.pooling_params import PoolingParams
     from minivllm.sampling_params import SamplingParams
     from minivllm.telemetry.step_record import StepRecord

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 
-__all__ = ["text_messages", "unused_template_variables"]
+__all__ = ["load_chat_template", "text_messages", "unused_template_variables"]
 
 
 def text_messages(conversation, index: int) -> list[dict]:
@@ -103,3 +105,25 @@ def _template_variables(template: str) -> frozenset[str] | None:
             jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)))
     except jinja2.TemplateSyntaxError:
         return None
+
+
+def load_chat_template(template) -> str | None:
+    """``LLM(chat_template=...)`` as a template string, the way vLLM reads it: None stays None; a
+    ``str`` or ``os.PathLike`` naming a readable file is that file's text; any other ``str`` with
+    Jinja's ``{``, ``}`` or a newline in it is the template itself.
+
+    Raises:
+        ValueError: a path that cannot be read (a ``Path``, or a ``str`` with none of those
+            characters: it looks like a file name), or a value that is neither (naming it).
+    """
+    if template is None:
+        return None
+    if not isinstance(template, (str, os.PathLike)):
+        raise ValueError(f"chat_template={template!r}: give a Jinja template string or a template file's path")
+    try:
+        return Path(template).read_text()
+    except (OSError, ValueError) as e:  # ValueError: a NUL in a template string
+        if isinstance(template, str) and any(c in template for c in "{}\n"):
+            return template
+        raise ValueError(f"chat_template={str(template)!r} looks like a file path, but it could not be read "
+                         f"({type(e).__name__}: {e})") from None

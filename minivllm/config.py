@@ -35,6 +35,11 @@ IGNORED_VLLM_ARGS = frozenset({
     "guided_decoding_backend", "structured_outputs_config",  # a request asking for them is refused
     "limit_mm_per_prompt", "mm_processor_kwargs",  # likewise multimodal inputs
     "allowed_local_media_path", "allowed_media_domains",
+    "disable_chunked_mm_input",   # no multimodal inputs to chunk
+    "cudagraph_capture_sizes", "max_cudagraph_capture_size",  # see cuda_graph_sizes
+    "distributed_timeout_seconds",  # tensor parallelism's start-up has its own (README, "Tensor parallelism")
+    "ignore_patterns",            # the loader reads the checkpoint's safetensors files only
+    "enable_log_requests",
 })
 
 #: vLLM engine arguments that turn on a feature minivllm does not have: ``LLM(...)`` refuses them,
@@ -69,6 +74,13 @@ LACKING_VLLM_ARGS = {
     "long_prefill_token_threshold": ("a long-prefill threshold", bool),
     "stream_interval": ("streaming several tokens per output", lambda v: v not in (None, 1)),
     "reasoning_parser": ("reasoning parsers", bool),
+    "kv_transfer_config": ("KV-cache transfer between engines (disaggregated prefill)", lambda v: v is not None),
+    "enable_trace_replay": ("trace replay", bool),
+    "worker_extension_cls": ("worker extensions", bool),
+    "attention_config": ("an attention config (the backend is attention_backend=...)", bool),
+    "config_format": ("a model config format other than Hugging Face's", lambda v: v not in (None, "auto", "hf")),
+    "quantization_config": ("a quantization config (weight-only int8 is quantization='int8')", lambda v: v is not None),
+    "enable_return_routed_experts": ("mixture-of-experts routing outputs", bool),
 }
 
 #: Other engines' spellings of our arguments (nano-vllm's ``kvcache_block_size``, vLLM's
@@ -83,17 +95,18 @@ class EngineArgs:
     Args:
         model: None (embedded model or ``$MINIVLLM_MODEL``), ``"minivllm-tiny"``, a local
             checkpoint directory, or ``"random:<preset>"``.
-        max_num_seqs: most sequences in one step.
+        max_num_seqs: most sequences in one step (None, as vLLM's argparse default: 256).
         max_num_batched_tokens: token budget per step (prefill + decode tokens). Default
             8192 with chunked prefill, else max(8192, max_model_len).
         max_model_len: longest sequence (prompt + output), tokens. Default: the model's
-            ``max_position_embeddings`` capped at what the KV pool holds.
+            ``max_position_embeddings`` capped at what the KV pool holds (also for -1, vLLM's
+            "fit it to memory").
         block_size: tokens per KV block (16 for torch/triton, 256 for flash_attn).
         num_kvcache_blocks: KV pool size in blocks of ``block_size`` tokens (overrides the byte
             budgets); None or -1 (nano-vllm's default): sized from the budgets.
         kv_cache_memory_bytes: KV pool size in bytes (CPU default 512 MiB).
         gpu_memory_utilization: on CUDA, fraction of device memory the engine may use
-            (weights + activations + KV), measured after a warm-up pass.
+            (weights + activations + KV), measured after a warm-up pass (None: 0.9).
         enable_prefix_caching: reuse the KV of prompt prefixes already computed
             (``minivllm/engine/block_manager.py``).
         enable_chunked_prefill: split a prompt that does not fit a step's remaining token budget
@@ -188,9 +201,11 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.num_kvcache_blocks == -1 and not isinstance(self.num_kvcache_blocks, bool):
             self.num_kvcache_blocks = None  # nano-vllm's "not given"
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
-            if getattr(self, name) is None:  # vLLM's spelling of "the engine's default"
-                setattr(self, name, True)
+        if self.max_model_len == -1 and not isinstance(self.max_model_len, bool):
+            self.max_model_len = None  # vLLM's "the longest that fits in memory": the default's capping
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "max_num_seqs", "gpu_memory_utilization"):
+            if getattr(self, name) is None:  # vLLM's spelling of "the engine's default" (argparse defaults pass it)
+                setattr(self, name, _FIELD_DEFAULTS[name])
         if isinstance(self.device, torch.device):
             self.device = str(self.device)
         for f in dataclasses.fields(self):  # numpy integers, as a sweep gives them: Python ints
@@ -341,6 +356,7 @@ def _vllm_args_taken(kwargs: dict) -> dict:
 
 
 _dataclass_init = EngineArgs.__init__
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 
 
 def _init_taking_vllm_args(self, *args, **kwargs):
@@ -513,3 +529,21 @@ def _pool_too_small(args: EngineArgs, max_model_len: int, num_kv_blocks: int, bl
         if args.kv_cache_memory_bytes is None and args.device != "cpu" and torch.cuda.is_available():
             fix += ", or raise gpu_memory_utilization"
     return f"{msg}: {fix}, or lower max_model_len"
+
+
+class ProfilerConfig(dict):
+    """vLLM's ``ProfilerConfig`` (``from vllm.config import ProfilerConfig``): the
+    ``profiler_config`` engine argument, a dict here, built with keyword arguments and checked at
+    once: ``ProfilerConfig(profiler="torch", torch_profiler_dir="./trace")``.
+
+    Raises:
+        ValueError: what ``LLM(profiler_config=...)`` refuses
+            (:func:`minivllm.telemetry.profiler.check_profiler_config`: an unknown key, a profiler
+            other than ``"torch"``, ...), naming it.
+    """
+
+    def __init__(self, **kwargs):
+        from minivllm.telemetry.profiler import check_profiler_config
+
+        super().__init__(kwargs)
+        check_profiler_config(dict(self))

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence as Seq
 
-from minivllm.chat import text_messages, unused_template_variables
+from minivllm.chat import load_chat_template, text_messages, unused_template_variables
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, refuse_lora
 from minivllm.inputs import cache_salt_of, check_tokenization_kwargs, prompt_truncation
@@ -74,6 +74,12 @@ _VLLM_LACKING_CALLS = {
     **{name: "vLLM's calls into its worker processes; here the model is in this process: "
              "llm.llm_engine.runner.model (with tensor parallelism, rank 0's shard)"
        for name in ("collective_rpc", "apply_model")},
+    "release_kv_cache_memory": "part of vLLM's sleep mode; here llm.shutdown() frees the KV cache with the engine",
+    "reset_mm_cache": "vLLM's multimodal input cache; minivllm takes text only (llm.reset_prefix_cache() empties "
+                      "the prefix cache)",
+    **{name: "vLLM's queue-then-wait calls; here llm.generate(...) / llm.chat(...) run a batch to completion, and "
+             "llm.llm_engine.add_request(...) with llm.llm_engine.step() queue and run requests step by step"
+       for name in ("enqueue", "enqueue_chat", "wait_for_completion")},
 }
 
 
@@ -88,13 +94,16 @@ class LLM:
         **engine_args: any ``EngineArgs`` field (``max_num_seqs``, ``block_size``,
             ``enable_prefix_caching``, ``device``, ...). vLLM arguments that mean nothing
             here (``trust_remote_code``, ``swap_space``, ...: ``config.IGNORED_VLLM_ARGS``)
-            are accepted with one logged warning listing them.
+            are accepted with one logged warning listing them. ``chat_template``: as in vLLM, the
+            template :meth:`chat` uses when its call gives none (a Jinja string or a file's path;
+            :func:`minivllm.chat.load_chat_template`).
 
     Raises:
         TypeError: an engine argument that is neither ours nor a known vLLM one, or a vLLM one
             asking for a feature minivllm lacks (naming it).
         ValueError: an engine argument's bad value (naming it: a dtype, a block size, a
-            max_model_len above what the KV pool holds, ...).
+            max_model_len above what the KV pool holds, ...), or a ``chat_template`` path that
+            cannot be read.
         FileNotFoundError: a model path that does not exist or holds no checkpoint.
 
     Use as a context manager, or call ``shutdown()``, to free the KV cache at once.
@@ -108,6 +117,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args):
+        #: the template :meth:`chat` renders with when given none (vLLM's ``LLM(chat_template=...)``)
+        self.chat_template = load_chat_template(engine_args.pop("chat_template", None))
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, engine_args))
         self._ids = itertools.count()
         self._unused_template_variables_told: set[tuple] = set()  # LLM.chat warns once per template and names
@@ -122,6 +133,26 @@ class LLM:
         if hint is not None:
             raise AttributeError(f"LLM.{name}: {hint} (README, 'Coming from vLLM or nano-vllm')", name="")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """vLLM's ``LLM.from_engine_args``: an LLM with every field of ``engine_args``.
+
+        Raises:
+            TypeError: ``engine_args`` is not an :class:`EngineArgs`; else as ``LLM(...)``."""
+        if not isinstance(engine_args, EngineArgs):
+            raise TypeError(f"engine_args must be an EngineArgs, got {type(engine_args).__name__}")
+        return cls(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)})
+
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's ``LLM.get_world_size``: processes the model runs on, ``tensor_parallel_size``
+        (there is no pipeline or data parallelism here, so ``include_dp`` changes nothing)."""
+        return self.engine.config.args.tensor_parallel_size
+
+    def get_model_inspection(self) -> str:
+        """vLLM's ``LLM.get_model_inspection``: the model's module tree as ``torch.nn.Module``
+        prints it (rank 0's shard under tensor parallelism)."""
+        return str(self.engine.runner.model)
 
     # -- helpers --------------------------------------------------------------------------
     @property
@@ -444,6 +475,8 @@ class LLM:
             raise ValueError(f"chat_template_kwargs={chat_template_kwargs!r}: must be a dict of template variables")
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template={chat_template!r}: must be a Jinja template string")
+        if chat_template is None:
+            chat_template = self.chat_template  # LLM(chat_template=...), else the tokenizer's (None)
         variables = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                      "tools": tools}
         variables.update(chat_template_kwargs or {})  # vLLM's order: the dict's values win

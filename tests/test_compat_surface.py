@@ -934,3 +934,74 @@ def test_an_output_equals_the_dict_nano_vllm_returned(llm):
     assert twin != out and out != 5
     twin.outputs = []  # no completion (a script's own object): unequal to any dict, not an IndexError
     assert twin != {} and twin != as_dict
+
+
+def test_vllm_example_scripts_import_lines_and_default_nones(tiny_ckpt):
+    """Found running vLLM's own offline examples: their import lines for cleanup, pooling, the async
+    engine and ProfilerConfig failed before any refusal; argparse defaults of None for max_num_seqs
+    and gpu_memory_utilization (vLLM's own defaults) were refused; max_model_len=-1 (vLLM's "fit to
+    memory") was refused; vLLM arguments such as disable_chunked_mm_input were "unknown"."""
+    from minivllm import AsyncEngineArgs, AsyncLLMEngine, PoolingParams
+    from minivllm.config import ProfilerConfig
+    from minivllm.distributed import cleanup_dist_env_and_memory
+    from minivllm.engine.arg_utils import AsyncEngineArgs as FromArgUtils
+
+    assert FromArgUtils is AsyncEngineArgs
+    cleanup_dist_env_and_memory()
+    for cls, feature in ((PoolingParams, "pooling"), (AsyncEngineArgs, "no asynchronous engine"),
+                         (AsyncLLMEngine, "no asynchronous engine")):
+        with pytest.raises(NotImplementedError, match=f"{cls.__name__}: .*{feature}"):
+            cls()
+    with pytest.raises(NotImplementedError, match="AsyncLLMEngine.from_engine_args: minivllm has no asynchronous"):
+        AsyncLLMEngine.from_engine_args(EngineArgs())
+    assert ProfilerConfig(profiler="torch", torch_profiler_dir="t") == {"profiler": "torch", "torch_profiler_dir": "t"}
+    with pytest.raises(ValueError, match="only 'torch'"):
+        ProfilerConfig(profiler="cuda")
+    args = EngineArgs(max_num_seqs=None, gpu_memory_utilization=None, max_model_len=-1)
+    assert (args.max_num_seqs, args.gpu_memory_utilization, args.max_model_len) == (256, 0.9, None)
+    with pytest.raises(ValueError, match="max_model_len=-2: must be a positive int"):
+        EngineArgs(max_model_len=-2)
+    EngineArgs.from_kwargs(None, dict(disable_chunked_mm_input=True, cudagraph_capture_sizes=[1, 2],
+                                      distributed_timeout_seconds=60, attention_config=None, config_format="auto",
+                                      kv_transfer_config=None, quantization_config=None))
+    for name, value, feature in (("kv_transfer_config", {"kv_connector": "x"}, "KV-cache transfer"),
+                                 ("enable_trace_replay", True, "trace replay"),
+                                 ("attention_config", {"backend": "FLASH_ATTN"}, "attention_backend="),
+                                 ("worker_extension_cls", "m.C", "worker extensions")):
+        with pytest.raises(TypeError, match=f"{name}=.*{re.escape(feature)}.*is a vLLM feature minivllm does not have"):
+            EngineArgs.from_kwargs(None, {name: value})
+
+
+def test_llm_from_engine_args_chat_template_and_vllm_calls(tiny_ckpt, text_ckpt, tmp_path):
+    """vLLM's LLM.from_engine_args, get_world_size, get_model_inspection and LLM(chat_template=...)
+    were an AttributeError or an "unknown engine argument"; its queue-then-wait and cache calls a bare
+    AttributeError; a prompt_embeds prompt was refused with the tensor printed and no feature named."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    with pytest.raises(ValueError, match="chat_template='no_such_template.jinja' looks like a file path"):
+        LLM(str(tiny_ckpt), chat_template="no_such_template.jinja")
+    for given in (template, path, str(path)):
+        llm = LLM.from_engine_args(EngineArgs(model=str(tiny_ckpt), num_kvcache_blocks=64)) if given is template \
+            else None
+        if llm is not None:
+            assert llm.get_world_size() == 1 and "Qwen3" in llm.get_model_inspection()
+            llm.shutdown()
+        llm = make_llm(text_ckpt, chat_template=given)
+        out = llm.chat([{"role": "user", "content": "hi"}], greedy(1), use_tqdm=False)[0]
+        assert out.prompt == "<user>hi<assistant>"
+        # the call's own template still wins
+        out = llm.chat([{"role": "user", "content": "hi"}], greedy(1), use_tqdm=False,
+                       chat_template="[{{ messages[0]['content'] }}]")[0]
+        assert out.prompt == "[hi]"
+        llm.shutdown()
+    with pytest.raises(TypeError, match="engine_args must be an EngineArgs, got dict"):
+        LLM.from_engine_args({"model": str(tiny_ckpt)})
+    llm = make_llm(tiny_ckpt)
+    for name, hint in (("enqueue", "llm.llm_engine.add_request"), ("wait_for_completion", "llm.generate"),
+                       ("release_kv_cache_memory", "sleep mode"), ("reset_mm_cache", "text only")):
+        with pytest.raises(AttributeError, match=re.escape(hint)):
+            getattr(llm, name)
+    with pytest.raises(ValueError, match="prompt_embeds: prompt embeddings as inputs are a vLLM feature"):
+        llm.generate({"prompt_embeds": torch.zeros(3, 8)}, greedy(1), use_tqdm=False)
+    llm.shutdown()

@@ -2,6 +2,7 @@
 (no-ops on one rank). Starting and driving the ranks is ``minivllm.executor``'s job; nothing
 here imports the engine."""
 from minivllm.distributed.parallel_state import (
+    cleanup_dist_env_and_memory,
     destroy_distributed_environment,
     destroy_model_parallel,
     get_tp_group,
@@ -15,6 +16,7 @@ from minivllm.distributed.parallel_state import (
 )
 
 __all__ = [
+    "cleanup_dist_env_and_memory",
     "destroy_distributed_environment",
     "destroy_model_parallel",
     "get_tp_group",

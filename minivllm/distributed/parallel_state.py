@@ -159,3 +159,15 @@ def destroy_model_parallel() -> None:
 
 
 destroy_distributed_environment = destroy_model_parallel  # vLLM's second cleanup call: the same here
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's one-call cleanup between engines in a script: :func:`destroy_model_parallel`, a
+    garbage collection (an ``LLM`` deleted in the script is freed with its KV cache), and on CUDA
+    the allocator's cached blocks handed back. ``shutdown_ray``: vLLM's; there is no Ray here."""
+    import gc
+
+    destroy_model_parallel()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

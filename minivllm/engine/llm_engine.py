@@ -361,6 +361,9 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if prompt.get("multi_modal_data") is not None:
                 raise ValueError("multi_modal_data: minivllm serves text-only models (give None or leave it out)")
+            if prompt.get("prompt_embeds") is not None:  # not the tensor in the message: it can be megabytes
+                raise ValueError("prompt_embeds: prompt embeddings as inputs are a vLLM feature minivllm does not "
+                                 "have (README, 'Coming from vLLM or nano-vllm'): give token ids or text")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 _refuse_encoding(ids, "prompt_token_ids")
