@@ -726,6 +726,17 @@ def test_engine_args_on_a_command_line_as_vllm_scripts_build_them():
     EngineArgs.add_cli_args(script)
     args = script.parse_args(["--trust-remote-code", "hello", "--no-enable-lora", "--swap-space", "2"])
     assert (args.prompt, args.trust_remote_code, args.enable_lora, args.swap_space) == ("hello", True, False, 2.0)
+    # vLLM's parser reads sizes with suffixes and --max-model-len auto (exit 2 here before)
+    args = parser.parse_args(["--max-model-len", "1k", "--kv-cache-memory-bytes", "64M", "--max-num-batched-tokens",
+                              "8.5k", "--enable-trace-replay"])
+    assert (args.max_model_len, args.kv_cache_memory_bytes, args.max_num_batched_tokens) == (1000, 64 << 20, 8500)
+    with pytest.raises(TypeError, match="trace replay"):
+        EngineArgs.from_cli_args(args)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", "auto"])).max_model_len is None
+    assert parser.parse_args(["--max-num-batched-tokens", "2K"]).max_num_batched_tokens == 2048
+    for bad in ("1.5K", "lots", "auto"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--kv-cache-memory-bytes", bad])
 
 
 def _trace_events(path):

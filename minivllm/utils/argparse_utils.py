@@ -67,6 +67,45 @@ def json_object(text: str) -> dict:
     return value
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """An option's count or size as vLLM's parser reads it: an int, or a number with a suffix,
+    lower case decimal (``1k`` = 1,000, ``25.6k`` = 25,600), upper case binary (``1K`` = 1,024,
+    ``64M`` = 64 MiB; whole numbers only).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the option)."""
+    text = text.strip()
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give an int, or one with a suffix (1k = 1000, 1K = 1024, "
+                                             "64M = 64 MiB)") from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; "
+                                         f"{number}{suffix.lower()} is decimal")
+    return int(number) * _BINARY[suffix]
+
+
+def human_readable_int_or_auto(text: str) -> int:
+    """:func:`human_readable_int`, or ``auto`` for -1 (``--max-model-len auto``: the longest that fits)."""
+    return -1 if text.strip().lower() == "auto" else human_readable_int(text)
+
+
+#: our options that take :func:`human_readable_int` (as vLLM's parser does for them)
+HUMAN_READABLE = {"max_num_batched_tokens": human_readable_int, "kv_cache_memory_bytes": human_readable_int,
+                  "max_model_len": human_readable_int_or_auto}
+
+
 def loose_value(text: str):
     """A vLLM-only option's value as Python: true/false, an int, a float, JSON, else the text."""
     if text.lower() in ("true", "false"):
@@ -99,9 +138,10 @@ VLLM_FLAGS = frozenset({
     "disable_async_output_proc", "use_v2_block_manager", "enable_sleep_mode", "enable_lora",
     "enable_expert_parallel", "async_scheduling", "skip_tokenizer_init", "enable_prefix_caching_hash",
     "disable_sliding_window", "disable_cascade_attn", "enable_prompt_embeds",
+    "enable_trace_replay", "enable_return_routed_experts", "disable_chunked_mm_input", "enable_log_requests",
 })
 #: the vLLM-only arguments that take a list of ints there (``--cuda-graph-sizes 1 2 4``)
-VLLM_INT_LISTS = frozenset({"cuda_graph_sizes"})
+VLLM_INT_LISTS = frozenset({"cuda_graph_sizes", "cudagraph_capture_sizes"})
 
 
 def add_cli_args(cls, parser):
@@ -128,6 +168,9 @@ def add_cli_args(cls, parser):
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             suffix = "" if f.default is None else " (default: %(default)s)"  # None: the text says what applies
+            if f.name in HUMAN_READABLE:
+                convert = HUMAN_READABLE[f.name]
+                suffix += (" (1k = 1000, 1K = 1024" + (", auto = -1" if f.name == "max_model_len" else "") + ")")
             parser.add_argument(*flags, type=convert, default=f.default, help=text + suffix)
     ours = {f.name for f in fields}
     taken = parser._option_string_actions  # (a group shares its parser's): a script's own option stays its own
