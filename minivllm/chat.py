@@ -27,7 +27,7 @@ def text_messages(conversation, index: int) -> list[dict]:
     other keys (``role``, ``tool_calls``, ``name``, ...) are kept as they are.
 
     Raises:
-        ValueError: a message that is not a mapping with a string ``role``, or content that is
+        ValueError: an empty conversation, a message that is not a mapping with a string ``role``, or content that is
             neither a string, None, nor a list of text parts (naming conversation ``index``,
             the message and the part).
     """
@@ -35,6 +35,8 @@ def text_messages(conversation, index: int) -> list[dict]:
         raise ValueError(f"conversation {index}: must be a list of messages ({{'role': ..., 'content': ...}}), "
                          f"got {type(conversation).__name__}")
     out = []
+    if not conversation:  # the template would fail with its own words, naming no conversation
+        raise ValueError(f"conversation {index}: empty (a conversation needs at least one message)")
     for m, message in enumerate(conversation):
         where = f"conversation {index}, message {m}"
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):

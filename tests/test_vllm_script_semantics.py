@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -188,9 +189,10 @@ def test_engine_arguments_are_checked_when_given():
 
 
 def test_abort_request_names_a_bad_id(llm):
-    """abort_request(None) and abort_request(1.5) raised 'object is not iterable'."""
+    """abort_request(None) and abort_request(1.5) raised 'object is not iterable'; abort_request(True) was
+    taken as the id "True" (add_request refuses a bool id)."""
     engine = llm.llm_engine
-    for bad in (None, 1.5):
+    for bad in (None, 1.5, True):
         with pytest.raises(TypeError, match=rf"abort_request\({bad!r}\): give a request id"):
             engine.abort_request(bad)
     assert engine.abort_request(["nope", "none"]) is None
@@ -370,3 +372,15 @@ def test_split_characters_read_the_same_in_delta_and_cumulative_outputs(llm):
     assert seen[RequestOutputKind.DELTA] == seen[RequestOutputKind.CUMULATIVE]
     assert any(text not in ("", "\ufffd") and len(text) == 1 and ord(text) > 127
                for v in seen[RequestOutputKind.CUMULATIVE].values() for d in v for _, text in d)
+
+
+def test_chat_names_bad_tools_and_an_empty_conversation(llm):
+    """tools="x" and an empty conversation failed inside transformers' template code, naming neither the
+    argument nor the conversation."""
+    conv = [{"role": "user", "content": "hi"}]
+    for bad in ("x", {"type": "function"}, [5]):
+        with pytest.raises(ValueError, match=re.escape(f"tools={bad!r}: must be a list of tool")):
+            llm.chat(conv, SamplingParams(max_tokens=1), tools=bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="conversation 1: empty"):
+        llm.chat([conv, []], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

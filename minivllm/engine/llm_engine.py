@@ -621,8 +621,11 @@ class LLMEngine:
         None if no such unfinished request exists.
 
         Raises:
-            TypeError: ``request_id`` is neither a str, an int nor an iterable of them (naming it).
+            TypeError: ``request_id`` is neither a str, an int nor an iterable of them, or is a bool
+                (which ``add_request`` refuses: ``True`` would abort a request named "True"), naming it.
         """
+        if isinstance(request_id, bool):
+            raise TypeError(f"abort_request({request_id!r}): give a request id (str) or an iterable of them")
         if not isinstance(request_id, (str, int)):
             try:
                 ids = list(request_id)
