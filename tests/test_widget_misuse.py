@@ -794,3 +794,45 @@ def test_the_png_and_the_svg_fallback_take_the_same_size():
     assert image_size(fig) == (500, 300) and image_size(fig, 900) == (900, 300)
     assert image_size(go.Figure()) == (760, 360)
     assert "width='900' height='300'" in figure_svg(fig, 900) and "width='500' height='300'" in figure_svg(fig)
+
+
+def test_widget_arguments_that_gave_no_rows_or_a_deep_error_are_refused_by_name(llm):
+    """From a docstring review: repeats=0 and batch size 0 returned no rows without a word; a string of
+    prompts became one prompt per letter; top_n=-1 showed 4095 tokens; max_blocks=-1 hid the last block;
+    num_decoders=0 blamed decode_tokens; an unknown request id was a bare KeyError."""
+    from widgets import EngineStepper, KVCacheView, PrefixCacheView, SamplingExplorer
+    from widgets.chunked_prefill_demo import itl_around_long_prompt
+    from widgets.measure import measure_decode_batch, measure_step_latency
+
+    cases = [
+        (lambda: measure_step_latency(llm, (8,), repeats=0), "repeats=0 must be a positive int"),
+        (lambda: measure_decode_batch(llm, (0,)), "batch size 0 must be a positive int"),
+        (lambda: measure_decode_batch(llm, ("2",)), "batch size '2' must be a positive int"),
+        (lambda: measure_decode_batch(llm, (1,), decode_steps=-3), "decode_steps=-3: must be an int >= 0"),
+        (lambda: PrefixCacheView(llm, "system", "ab", run=False), "user_prompts='ab': give a list"),
+        (lambda: PrefixCacheView(llm, "system", ["a", "b"], repeats=1.5, run=False), "repeats=1.5 must be an int"),
+        (lambda: SamplingExplorer(llm, top_n=-1), "top_n=-1: show at least one token"),
+        (lambda: KVCacheView(llm, max_blocks=-1), "max_blocks=-1: draw at least one block"),
+        (lambda: itl_around_long_prompt(llm, num_decoders=0), "num_decoders=0: must be an int >= 1"),
+        (lambda: itl_around_long_prompt(llm, decode_tokens=1), "decode_tokens=1: must be an int >= 2"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
+    assert not llm.llm_engine.has_unfinished_requests()
+    explorer = SamplingExplorer(llm, top_n=5)
+    for bad in ("a", 2.7, 0):
+        with pytest.raises(ValueError, match=re.escape(f"n={bad!r}: draw a whole number")):
+            explorer.draw(bad)
+    stepper = EngineStepper(llm)
+    with pytest.raises(KeyError, match="request 'nope' was not added through this widget"):
+        stepper.sequence("nope")
+
+
+def test_latency_model_refuses_a_bool_count():
+    from widgets.latency_model import LatencyModel
+
+    model = LatencyModel(prefill_base_ms=1.0, ms_per_prefill_token=0.01, decode_base_ms=1.0, ms_per_decode_seq=0.1,
+                         r2=1.0, n_points=4)
+    with pytest.raises(ValueError, match="batch=True: must be a positive int"):
+        model.predict(4, 8, batch=True)

@@ -28,10 +28,17 @@ def itl_around_long_prompt(llm, num_decoders: int = 3, decoder_prompt_len: int =
     "max_itl_ms"}``.
 
     Raises:
-        ValueError: the engine is busy, or a length does not fit the engine.
+        ValueError: a count that is not a positive int (``decode_tokens`` below 2: one token has no
+            gap to a previous one; ``arrive_after`` an int >= 0), the engine is busy, or a length does
+            not fit the engine (naming it).
     """
     import time
 
+    for name, value, least in (("num_decoders", num_decoders, 1), ("decoder_prompt_len", decoder_prompt_len, 1),
+                               ("decode_tokens", decode_tokens, 2), ("long_prompt_len", long_prompt_len, 1),
+                               ("arrive_after", arrive_after, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r}: must be an int >= {least}")
     engine = engine_of(llm)
     if engine.has_unfinished_requests():
         raise ValueError("the engine is busy with other requests; finish or reset them first")

@@ -317,15 +317,28 @@ class EngineStepper(CourseWidget):
         return self.engine.block_manager.num_used_blocks
 
     def sequence(self, request_id: str):
-        """The engine's ``Sequence`` of one of this widget's requests."""
-        return self._seqs[request_id]
+        """The engine's ``Sequence`` of one of this widget's requests.
+
+        Raises:
+            KeyError: no request of this widget has that id (naming it and the widget's ids)."""
+        return self._seqs[self._known(request_id)]
 
     def arrival_step(self, request_id: str) -> int:
-        """Number of steps taken (through this widget) before the request was added."""
-        return self._arrival_step[request_id]
+        """Number of steps taken (through this widget) before the request was added.
+
+        Raises:
+            KeyError: as :meth:`sequence`."""
+        return self._arrival_step[self._known(request_id)]
 
     def colour(self, request_id: str) -> str:
+        """The request's colour in the charts (CSS hex; grey for an id the widget did not add)."""
         return self._colour.get(request_id, "#888888")
+
+    def _known(self, request_id: str) -> str:
+        if request_id not in self._seqs:
+            raise KeyError(f"request {request_id!r} was not added through this widget; its requests: "
+                           f"{list(self._seqs)}")
+        return request_id
 
     # -- stepping ---------------------------------------------------------------------------
     def _engine_gone(self) -> bool:

@@ -42,6 +42,8 @@ class KVCacheView(CourseWidget):
         self.engine = engine_of(llm)
         self.llm = llm  # held: an LLM shuts its engine down when collected
         self.tokenizer = self.engine.tokenizer
+        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
+            raise ValueError(f"max_blocks={max_blocks!r}: draw at least one block (an int >= 1)")  # -1 dropped the last
         self.max_blocks = max_blocks
         self.stepper = None
         self.block_owners: dict[int, list[str]] = {}

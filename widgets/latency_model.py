@@ -115,11 +115,11 @@ class LatencyModel:
         """Mean TTFT, TPOT and total (ms) for ``batch`` requests submitted together.
 
         Raises:
-            ValueError: a non-positive length, count or budget.
+            ValueError: a length, count or budget that is not a positive int (a bool is not).
         """
         for name, v in (("prompt_len", prompt_len), ("max_tokens", max_tokens), ("batch", batch),
                         ("budget", budget)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"{name}={v!r}: must be a positive int")
         remaining = [prompt_len] * batch          # prompt tokens left per request
         generated = [0] * batch
@@ -127,6 +127,7 @@ class LatencyModel:
         done_at = [None] * batch
         t = 0.0
         while any(d is None for d in done_at):
+            # never more than the budget: a request starts decoding only after a prefill chunk took budget
             decoding = [i for i in range(batch) if first_token[i] is not None and done_at[i] is None]
             left = budget - len(decoding)
             chunks = {}
@@ -153,6 +154,7 @@ class LatencyModel:
         return dict(ttft_ms=ttft, tpot_ms=tpot, e2e_ms=total)
 
     def describe(self) -> str:
+        """The fitted step-time model in one line (ms and µs per token)."""
         return (f"prefill step = {self.prefill_base_ms:.2f} ms + {self.ms_per_prefill_token * 1e3:.1f} µs/token; "
                 f"decode step = {self.decode_base_ms:.2f} ms + {self.ms_per_decode_seq * 1e3:.1f} µs/sequence "
                 f"(R² = {self.r2:.3f} over the medians of {self.n_points} measured step shapes)"

@@ -116,13 +116,14 @@ def measure_step_latency(llm, prompt_lens=(16, 32, 64, 128), decode_steps: int =
 
     Raises:
         ValueError: the engine has unfinished requests (it must be idle), ``decode_steps`` below 0,
-            or a prompt length below 1 or leaving no room for ``decode_steps + 1`` tokens within
+            ``repeats`` not a positive int, or a prompt length below 1 or leaving no room for ``decode_steps + 1`` tokens within
             ``max_model_len`` (naming it), before anything runs.
     """
     engine = engine_of(llm)
     _require_idle(engine)
     if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
         raise ValueError(f"decode_steps={decode_steps!r}: must be an int >= 0")
+    _require_positive_int(f"repeats={repeats!r}", repeats)  # 0 returned no rows, without a word
     max_len = engine.config.max_model_len
     for n in prompt_lens:  # all before the first measurement: a refused call changes nothing
         _require_positive_int(f"prompt length {n!r}", n)
@@ -159,19 +160,24 @@ def measure_decode_batch(llm, batch_sizes=(1, 2, 4, 8), prompt_len: int = 16, de
     model at batch 1, one thread, Zen 4, 2026-12-04: 0.85, 0.69, 0.50, 0.41 ms, then 0.33-0.38 ms).
 
     Raises:
-        ValueError: a batch size above the engine's ``max_num_seqs``, ``warmup_steps`` below 0, a
-            ``prompt_len`` that is not a positive int, or an engine with unfinished requests
+        ValueError: a batch size that is not a positive int or is above the engine's ``max_num_seqs``,
+            ``warmup_steps`` or ``decode_steps`` not an int >= 0, a ``prompt_len`` that is not a positive int, or an engine with unfinished requests
             (measuring beside them would time their steps too).
     """
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps}: must be >= 0")
+    for name, value in (("warmup_steps", warmup_steps), ("decode_steps", decode_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be an int >= 0")
+    _require_positive_int(f"prompt_len={prompt_len!r}", prompt_len)
     engine = engine_of(llm)
     _require_idle(engine)
+    batch_sizes = list(batch_sizes)
+    for b in batch_sizes:  # all before the first measurement (a batch of 0 gave no rows, without a word)
+        _require_positive_int(f"batch size {b!r}", b)
+        if b > engine.config.args.max_num_seqs:
+            raise ValueError(f"batch size {b} exceeds max_num_seqs={engine.config.args.max_num_seqs}")
     rng = random.Random(seed)
     rows = []
     for b in batch_sizes:
-        if b > engine.config.args.max_num_seqs:
-            raise ValueError(f"batch size {b} exceeds max_num_seqs={engine.config.args.max_num_seqs}")
         engine.reset_prefix_cache()
         _, records = run_requests(llm, [random_prompt(engine, prompt_len, rng) for _ in range(b)],
                                   warmup_steps + decode_steps + 1)

@@ -36,8 +36,8 @@ class PrefixCacheView(CourseWidget):
     second cold run, and the difference of two cold runs read as a saving, or a negative one).
 
     Raises:
-        ValueError: an LLM with prefix caching off, fewer than 2 ``user_prompts``, or ``repeats``
-            below 1.
+        ValueError: an LLM with prefix caching off (or not an engine, or shut down: ``engine_of``),
+            ``user_prompts`` not a list of at least 2, or ``repeats`` not an int >= 1.
     """
 
     def __init__(self, llm, system_prompt, user_prompts, repeats: int = 3, run: bool = True):
@@ -46,10 +46,13 @@ class PrefixCacheView(CourseWidget):
         self.engine = engine_of(llm)
         if not self.engine.block_manager.enable_prefix_caching:
             raise ValueError("enable_prefix_caching=False: this LLM never reuses blocks")
+        if isinstance(user_prompts, (str, bytes)) or not isinstance(user_prompts, (list, tuple)):
+            # a string would be taken letter by letter, one prompt per character
+            raise ValueError(f"user_prompts={user_prompts!r}: give a list of at least 2 prompts")
         if len(user_prompts) < 2:
             raise ValueError(f"user_prompts: give at least 2, got {len(user_prompts)}")
-        if repeats < 1:
-            raise ValueError(f"repeats={repeats!r} must be >= 1")
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats={repeats!r} must be an int >= 1")
         self.system_prompt, self.user_prompts, self.repeats = system_prompt, list(user_prompts), repeats
         self.results: list[dict] = []
         self.run_button = W.Button(description="Run", icon="play", button_style="primary")

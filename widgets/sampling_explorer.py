@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+import numbers
 
 import ipywidgets as W
 import torch
@@ -86,6 +87,10 @@ class SamplingExplorer(CourseWidget):
         top_n: tokens shown (the most likely under the model).
         seed: seeds the generator the draws come from (the same seed, the same histogram).
 
+    Raises:
+        ValueError: ``llm`` is not an engine or is shut down (``engine_of``), or ``top_n`` is not
+            an int >= 1.
+
     State for code and tests: ``logits``, ``model_probs``, ``probs`` (after filters),
     ``counts`` (token id -> draws), ``num_draws``, ``kept`` (tokens with non-zero probability).
     """
@@ -95,7 +100,9 @@ class SamplingExplorer(CourseWidget):
         self.llm = llm
         self.engine = engine_of(llm)
         self.tokenizer = self.engine.tokenizer
-        self.top_n = top_n
+        if isinstance(top_n, bool) or not isinstance(top_n, numbers.Integral) or top_n < 1:  # -1 showed 4095 tokens
+            raise ValueError(f"top_n={top_n!r}: show at least one token (an int >= 1)")
+        self.top_n = int(top_n)
         self.generator = torch.Generator().manual_seed(seed)
         self.counts: dict[int, int] = {}
         self.num_draws = 0
@@ -191,11 +198,13 @@ class SamplingExplorer(CourseWidget):
         """Draw ``n`` tokens (default: the "draws" box) from the filtered distribution.
 
         Raises:
-            ValueError: ``n`` below 1, or no prompt has loaded yet.
+            ValueError: ``n`` not an int >= 1, or no prompt has loaded yet.
         """
-        n = int(n if n is not None else self.n_draws.value)
-        if n < 1:
-            raise ValueError(f"n={n!r}: draw at least one sample")
+        if n is None:
+            n = int(self.n_draws.value)
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:  # 2.7 drew 2; "a" failed in int()
+            raise ValueError(f"n={n!r}: draw a whole number of samples, at least one")
+        n = int(n)
         if self.logits is None:
             raise ValueError(f"no distribution to draw from: the prompt did not load ({self._error})")
         # in chunks of rows: the race holds a row of noise per draw (n x vocab floats); in one piece,
