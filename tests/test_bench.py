@@ -1,5 +1,6 @@
 """Smoke runs of every benchmark mode at toy sizes, plus the workload and weight-copy helpers."""
 import json
+import re
 import statistics
 
 import pytest
@@ -907,3 +908,31 @@ def test_sweep_summary_judges_the_targets_on_unrounded_figures(monkeypatch):
 def test_overhead_refuses_a_negative_warmup_before_building_anything():
     with pytest.raises(ValueError, match="warmup_steps=-1: must be >= 0"):
         run_overhead(warmup_steps=-1, nanovllm=False, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(peers="hf_generate"), "peers='hf_generate': give a list of peer names"),  # was read letter by letter
+    (dict(input_len=5), "input_len=5: expected (min, max)"),  # a TypeError from subscripting
+    (dict(workload_name="nope"), "workload 'nope': choose one of"),  # refused only after the model loaded
+    (dict(num_requests=-1), "num_requests=-1: must be a positive int"),
+])
+def test_run_throughput_refuses_a_bad_workload_argument_before_the_model_loads(kwargs, message, monkeypatch):
+    import minivllm.bench.throughput as throughput
+
+    monkeypatch.setattr(throughput, "build_llm", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        throughput.run_throughput(**kwargs)
+
+
+def test_bench_entry_points_name_values_they_cannot_use(monkeypatch):
+    from minivllm.bench.overhead import run_overhead
+    from minivllm.bench.speculative import run_speculative
+    from minivllm.bench.sweep import run_sweep
+    from minivllm.bench.workload import make_workload
+
+    for call, message in ((lambda: make_workload(vocab_size=0), "vocab_size=0: must be a positive int"),
+                          (lambda: run_sweep(context_len=1.5), "context_len=1.5: a decode row needs"),
+                          (lambda: run_overhead(prompt_len=0, nanovllm=False), "prompt_len=0: must be a positive int"),
+                          (lambda: run_speculative(method=[]), "method=[]: give a method")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()

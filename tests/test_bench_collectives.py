@@ -28,6 +28,9 @@ def test_alpha_beta_from_the_ends_of_the_sweep():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(sizes_bytes=[6]), r"sizes_bytes=\[6\]"), (dict(sizes_bytes=[]), "sizes_bytes=\\[\\]"),
     (dict(world_size=1), "world_size=1"), (dict(calls=0), "calls=0"), (dict(rounds=0), "rounds=0"),
+    # 1024.5 ran as 1024; "abc" failed in int(); NaN and -1 timeouts failed in torch (a C++ stack dump)
+    (dict(sizes_bytes=[1024.5]), r"sizes_bytes=\[1024.5\]"), (dict(sizes_bytes="abc"), "sizes_bytes='abc'"),
+    (dict(timeout_s=float("nan")), "timeout_s=nan"), (dict(timeout_s=-1), "timeout_s=-1"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

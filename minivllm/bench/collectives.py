@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
+import numbers
 import statistics
 import subprocess
 import sys
@@ -99,14 +101,18 @@ def all_reduce_times(sizes_bytes=DEFAULT_SIZES, world_size: int = 2, calls: int 
         timeout_s: how long the other processes may take to start and to finish.
 
     Raises:
-        ValueError: a size not a positive multiple of 4, world_size < 2, calls or rounds < 1.
+        ValueError: a size not an int that is a positive multiple of 4, world_size < 2, calls or
+            rounds < 1, or ``timeout_s`` not a positive, finite number.
         RuntimeError: a helper process failed to start or failed during the run (its exit status
             is given), or did not connect within ``timeout_s``.
     """
-    sizes = [int(s) for s in sizes_bytes]
-    bad = [s for s in sizes if s < 4 or s % 4]
-    if bad or not sizes:
-        raise ValueError(f"sizes_bytes={list(sizes_bytes)!r}: each must be a positive multiple of 4 (fp32 values)")
+    sizes = list(sizes_bytes) if not isinstance(sizes_bytes, (str, bytes)) else [sizes_bytes]
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 4 or s % 4]
+    if bad or not sizes:  # 1024.5 ran as 1024 through int()
+        raise ValueError(f"sizes_bytes={sizes_bytes!r}: each must be a positive multiple of 4 (fp32 values), an int")
+    sizes = [int(s) for s in sizes]
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s={timeout_s!r}: must be a positive, finite number of seconds")
     if world_size < 2:
         raise ValueError(f"world_size={world_size!r}: an all-reduce needs at least 2 processes")
     if calls < 1 or rounds < 1:

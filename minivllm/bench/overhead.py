@@ -114,8 +114,8 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
     always a warm-up step, so ``warmup_steps`` 0 and 1 run the same.
 
     Raises:
-        ValueError: ``rounds`` or ``decode_steps`` below 1, ``warmup_steps`` below 0, or a batch size
-            below 1 or above a ``max_num_seqs`` / ``max_num_batched_tokens`` given (naming them).
+        ValueError: ``rounds`` or ``decode_steps`` below 1, ``warmup_steps`` below 0, ``prompt_len`` not a
+            positive int, or a batch size below 1 or above a ``max_num_seqs`` / ``max_num_batched_tokens`` given (naming them).
         RuntimeError: a round's steps did not take the shape the run needs (never expected).
     """
     import torch
@@ -126,6 +126,8 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
         raise ValueError(f"rounds and decode_steps must be >= 1, got rounds={rounds}, decode_steps={decode_steps}")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps={warmup_steps}: must be >= 0")
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt_len={prompt_len!r}: must be a positive int (each request's prompt, tokens)")
     check_batch_sizes(batch_sizes, engine_args)
     peer, peer_result = None, None
     if nanovllm:

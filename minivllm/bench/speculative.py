@@ -111,7 +111,8 @@ def run_speculative(model: str | None = None, *, method="ngram", num_speculative
     engines alternating within each round. ``num_speculative_tokens``: drafts proposed per step.
 
     Raises:
-        ValueError: a bad speculative method or engine argument's value (from ``LLM``), a batch size
+        ValueError: a bad speculative method (or an empty list of them) or engine argument's value
+            (from ``LLM``), a batch size
             below 1 or above a given ``max_num_seqs``, ``decode_tokens`` or ``rounds`` below 1.
         TypeError: an engine argument ``LLM`` does not know (naming it).
     """
@@ -121,6 +122,8 @@ def run_speculative(model: str | None = None, *, method="ngram", num_speculative
     if decode_tokens < 1 or rounds < 1:
         raise ValueError(f"decode_tokens={decode_tokens}, rounds={rounds}: each must be at least 1")
     methods = [method] if isinstance(method, str) else list(method)
+    if not methods:  # [] failed at methods[0] after the base engine had loaded
+        raise ValueError(f"method={method!r}: give a method, or a list of at least one, from {sorted(METHODS)}")
     configs = [speculative_config(m, num_speculative_tokens, draft_model) for m in methods]
     before = loadavg()
     base = build_llm(model, **engine_args)

@@ -86,8 +86,9 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         output_kind = OutputKind(output_kind).value
     except ValueError:
         raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
-    if context_len < 1:
-        raise ValueError(f"context_len={context_len}: a decode row needs a prompt of at least one token")
+    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1:
+        raise ValueError(f"context_len={context_len!r}: a decode row needs a prompt of a whole number of tokens, "
+                         "at least one")
     if batch_sizes is not None:
         check_batch_sizes(batch_sizes, engine_args)
     if decode_steps < 1 or warmup_steps < 0 or repeats < 1:

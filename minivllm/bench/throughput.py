@@ -10,7 +10,7 @@ from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, devic
                                    wants_cuda)
 from minivllm.bench.peers import agreement, load_hf_model, run_hf_continuous_batching, run_hf_generate
 from minivllm.bench.report import describe_peaks, peaks_summary, throughput_header, throughput_row
-from minivllm.bench.workload import WORKLOADS, Workload, check_scale, make_workload
+from minivllm.bench.workload import WORKLOADS, Workload, check_range, check_scale, make_workload
 from minivllm.config import EngineArgs
 
 __all__ = ["ThroughputResult", "run_throughput"]
@@ -78,14 +78,17 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
     printed by :func:`minivllm.bench.report.print_throughput`.
 
     Raises:
-        ValueError: an unknown peer name, ``hf_batch_size`` below 1, or a bad workload argument
-            (the first two before anything runs).
+        ValueError: ``peers`` not a list of known peer names, ``hf_batch_size`` below 1, or a bad
+            workload argument (all before the model loads, but lengths that ``max_model_len``
+            cannot fit).
         RuntimeError: minivllm produced a different number of tokens than asked for.
         TypeError / ValueError: an engine argument ``LLM(**engine_args)`` refuses (naming it).
     """
     import torch
     import transformers
 
+    if isinstance(peers, str) or not isinstance(peers, (list, tuple)):  # a str was read letter by letter
+        raise ValueError(f"peers={peers!r}: give a list of peer names, from {list(HF_PEERS)}")
     unknown = [p for p in peers if p not in HF_PEERS]
     if unknown:
         raise ValueError(f"peers={list(peers)}: unknown {unknown}; choose from {list(HF_PEERS)}")
@@ -96,12 +99,19 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
 
     transformers.logging.set_verbosity_error()
     name = workload_name or ("nano" if wants_cuda(engine_args) else "cpu")
+    if workload is None:  # the workload's arguments, before the model loads (make_workload checks them again)
+        if name not in WORKLOADS:
+            raise ValueError(f"workload {name!r}: choose one of {sorted(WORKLOADS)}")
+        preset = WORKLOADS[name]
+        check_scale(scale)
+        if num_requests is not None and (isinstance(num_requests, bool) or not isinstance(num_requests, int)
+                                         or num_requests < 1):
+            raise ValueError(f"num_requests={num_requests!r}: must be a positive int")
+        lens = (check_range("input_len", input_len or preset["input_len"])[1]
+                + check_range("output_len", output_len or preset["output_len"])[1])
     if workload is None and engine_args.get("kv_cache_memory_bytes") is None and engine_args.get(
             "num_kvcache_blocks") is None:
-        preset = WORKLOADS.get(name, WORKLOADS["cpu"])
-        check_scale(scale)
         n = num_requests or max(1, round(preset["num_requests"] * scale))
-        lens = (input_len or preset["input_len"])[1] + (output_len or preset["output_len"])[1]
         # room for the requests that can run at once, not for all of them (20,000 asked for 30 GB)
         running = min(n, engine_args.get("max_num_seqs") or EngineArgs.max_num_seqs)
         engine_args["kv_cache_memory_bytes"] = kv_bytes_for(model, running * lens, engine_args.get("dtype"),

@@ -55,7 +55,8 @@ class Workload:
                 "num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens}
 
 
-def _check_range(name, r):
+def check_range(name, r):
+    """``r`` as a ``(min, max)`` tuple of ints, ``1 <= min <= max``; else a ValueError naming ``name``."""
     if (not isinstance(r, (tuple, list)) or len(r) != 2 or not all(isinstance(x, int) for x in r)
             or not 1 <= r[0] <= r[1]):
         raise ValueError(f"{name}={r!r}: expected (min, max) with 1 <= min <= max")
@@ -88,19 +89,21 @@ def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 
     given). With ``max_model_len``, a prompt is shortened so prompt + output fits.
 
     Raises:
-        ValueError: an unknown ``name``, a bad ``scale``, ``num_requests`` or range, or (with
+        ValueError: an unknown ``name``, a bad ``scale``, ``vocab_size``, ``num_requests`` or range, or (with
             ``max_model_len``) lengths that cannot fit it: the two minimums together, or an output drawn
             that leaves no room for a 1-token prompt.
     """
     if name not in WORKLOADS:
         raise ValueError(f"workload {name!r}: choose one of {sorted(WORKLOADS)}")
     check_scale(scale)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size!r}: must be a positive int (the ids are drawn below it)")
     preset = WORKLOADS[name]
     n = num_requests if num_requests is not None else max(1, round(preset["num_requests"] * scale))
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"num_requests={n!r}: must be a positive int")
-    lo_in, hi_in = _check_range("input_len", input_len or preset["input_len"])
-    lo_out, hi_out = _check_range("output_len", output_len or preset["output_len"])
+    lo_in, hi_in = check_range("input_len", input_len or preset["input_len"])
+    lo_out, hi_out = check_range("output_len", output_len or preset["output_len"])
     if max_model_len is not None and lo_in + lo_out > max_model_len:
         raise ValueError(f"input_len min {lo_in} + output_len min {lo_out} exceed max_model_len={max_model_len}")
     rng = random.Random(seed)
