@@ -18,6 +18,15 @@ _ids = itertools.count()  # request-id prefixes unique within the process
 
 
 def percentiles(values, ps=(50, 90, 99)) -> dict:
+    """``{"p50": ..., "p90": ..., "p99": ..., "mean": ...}`` of ``values`` (None entries skipped; all
+    None where none is left), in their unit. Each percentile interpolates linearly between the two
+    closest ranks (numpy's default "linear" method, Hyndman and Fan's definition 7).
+
+    Raises:
+        ValueError: a percentile outside [0, 100] (naming it)."""
+    bad = [p for p in ps if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p <= 100]
+    if bad:
+        raise ValueError(f"percentiles {bad}: each must be a number in [0, 100]")
     vals = sorted(v for v in values if v is not None)
     if not vals:
         return {f"p{p}": None for p in ps} | {"mean": None}
@@ -31,6 +40,7 @@ def percentiles(values, ps=(50, 90, 99)) -> dict:
 
 
 def sync(device) -> None:
+    """Wait for ``device``'s queued work (CUDA); nothing to wait for on a CPU."""
     import torch
 
     if getattr(device, "type", str(device)).startswith("cuda"):
@@ -38,6 +48,7 @@ def sync(device) -> None:
 
 
 def device_label(device) -> str:
+    """What a benchmark ran on, for its header: ``"cuda (<GPU name>)"`` or ``"cpu (<CPU name>, N threads)"``."""
     import torch
 
     if device.type == "cuda":
@@ -59,6 +70,7 @@ def format_load(load: list[float] | None) -> str:
 
 
 def wants_cuda(engine_args: dict) -> bool:
+    """Whether an engine built from ``engine_args`` runs on CUDA (``device`` "cuda...", or "auto" with a GPU)."""
     import torch
 
     dev = str(engine_args.get("device") or "auto")
@@ -84,6 +96,7 @@ def check_batch_sizes(batch_sizes, engine_args: dict) -> None:
 
 
 def build_llm(model, **engine_args):
+    """``LLM(model, **engine_args)`` without the arguments left at None (the command line's "not given")."""
     from minivllm import LLM
 
     return LLM(model, **{k: v for k, v in engine_args.items() if v is not None})
@@ -108,8 +121,11 @@ def cost_and_peaks(engine, log=None, peak_kwargs: dict | None = None):
 
 
 def kv_bytes_for(model, tokens: int, dtype: str | None = None, kv_cache_dtype: str | None = None) -> int | None:
-    """CPU KV pool size holding ``tokens`` tokens (None: keep the engine default); ``kv_cache_dtype``
-    as ``EngineArgs`` takes it ("bfloat16": 2 bytes an element)."""
+    """CPU KV pool size in bytes holding at least ``tokens`` tokens (None on CUDA: keep the engine's
+    default). ``dtype`` None or "auto" is float32 (4 bytes, the CPU's default); ``kv_cache_dtype`` as
+    ``EngineArgs`` takes it ("bfloat16": 2 bytes an element). 10% and 1 MiB above the need (the
+    pool is whole blocks, so a last partial block is covered), and never below the engine's own
+    512 MiB CPU default: a small run is not given a smaller pool than it would have by default."""
     from minivllm.config import KV_CACHE_DTYPES
     from minivllm.telemetry.roofline import ModelCost
     from minivllm.utils.model_source import resolve_model
@@ -167,6 +183,9 @@ def drive(engine, workload: Workload, temperature: float = 0.0):
 
 
 def summarise_roofline(records, cost, peaks) -> dict:
+    """Totals over a run's step records (each filled by ``fill_step_record``): ``flops``, ``bytes``,
+    ``step_seconds`` (the steps that ran tokens), achieved FLOP/s and bytes/s over those seconds, and
+    with ``peaks`` ``mfu`` / ``mbu`` (fractions, not percent)."""
     from minivllm.telemetry.roofline import fill_step_record
 
     for r in records:
@@ -184,6 +203,8 @@ def summarise_roofline(records, cost, peaks) -> dict:
 
 
 def summarise_samples(samples) -> dict:
+    """Means (CPU and GPU busy %, power W, SM clock MHz) and peaks (bytes) of a run's
+    ``UtilisationSample`` list; ``{}`` without samples."""
     if not samples:
         return {}
 
@@ -212,6 +233,7 @@ class ResultMixin:
     ``result["field"]`` access, the form the notebooks were written against."""
 
     def to_dict(self) -> dict:
+        """Every field, recursively (``dataclasses.asdict``): JSON-ready."""
         import dataclasses
 
         return dataclasses.asdict(self)
