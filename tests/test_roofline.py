@@ -298,3 +298,19 @@ def test_fill_step_record_with_peaks_clears_a_figure_the_step_does_not_have():
     assert rec.mfu > 0
     fill_step_record(rec, small_cost(), peaks, seconds=0.0)
     assert rec.mfu is None and rec.mbu is None
+
+
+def test_counts_that_are_no_whole_numbers_are_refused():
+    """step_cost took an entry of 1.5 tokens as 1, attended_keys(-1, 5) returned -6, and a Peaks of zero
+    bandwidth divided by zero at its ridge point."""
+    with pytest.raises(ValueError, match=r"entry 0 must be \(num_new_tokens, context_len_after\), two ints"):
+        step_cost(small_cost(), [(1.5, 10)], 1)
+    with pytest.raises(ValueError, match=r"attended_keys\(-1, 5\)"):
+        attended_keys(-1, 5)
+    with pytest.raises(ValueError, match="Peaks bytes_per_s=0.0: must be a positive number"):
+        Peaks(1.0, 0.0)
+    with pytest.raises(ValueError, match="no flops_per_s"):
+        Peaks.from_dict({})
+    import numpy as np
+
+    assert step_cost(small_cost(), [(np.int64(2), 10)], 1) == step_cost(small_cost(), [(2, 10)], 1)

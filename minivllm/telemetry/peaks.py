@@ -55,6 +55,10 @@ class Peaks:
         info: how (sizes, best times in seconds, device name, when, ``source``).
         read_bytes_per_s: bytes read per second by a reduction over >= 1 GiB (``None``
             when not measured, e.g. a ``Peaks`` built by hand).
+
+    Raises:
+        ValueError: a rate that is not a positive number (0 would divide every MFU and the ridge
+            point by zero), naming it.
     """
 
     flops_per_s: float
@@ -63,6 +67,14 @@ class Peaks:
     dtype: str = ""
     info: dict = field(default_factory=dict, compare=False)
     read_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("flops_per_s", "bytes_per_s", "read_bytes_per_s"):
+            value = getattr(self, name)
+            if value is None and name == "read_bytes_per_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:  # NaN fails > 0
+                raise ValueError(f"Peaks {name}={value!r}: must be a positive number (per second)")
 
     @property
     def mbu_bytes_per_s(self) -> float:
@@ -86,10 +98,18 @@ class Peaks:
         return self.flops_per_s / self.mbu_bytes_per_s
 
     def to_dict(self) -> dict:
+        """Every field (``dataclasses.asdict``): JSON-ready, read back by :meth:`from_dict`."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Peaks":
+        """The ``Peaks`` of a :meth:`to_dict` (a cache entry).
+
+        Raises:
+            ValueError: a missing or bad rate (naming it)."""
+        missing = [k for k in ("flops_per_s", "bytes_per_s") if k not in d]
+        if missing:
+            raise ValueError(f"peaks {d!r}: no {' or '.join(missing)}")
         read = d.get("read_bytes_per_s")
         return cls(float(d["flops_per_s"]), float(d["bytes_per_s"]), d.get("device", ""),
                    d.get("dtype", ""), dict(d.get("info", {})), None if read is None else float(read))

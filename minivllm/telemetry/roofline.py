@@ -331,8 +331,13 @@ def attended_keys(num_new_tokens: int, context_len_after: int) -> int:
     The new tokens sit at positions ``c - n .. c - 1`` (``c`` = context length
     after the step, ``n`` = new tokens), and the token at position ``p`` attends
     to ``p + 1`` keys, so the sum is ``sum_{p=c-n}^{c-1} (p + 1) = n*c - n*(n-1)/2``.
+
+    Raises:
+        ValueError: not ``0 <= num_new_tokens <= context_len_after`` (naming both).
     """
     n, c = num_new_tokens, context_len_after
+    if not 0 <= n <= c:
+        raise ValueError(f"attended_keys({n!r}, {c!r}): need 0 <= num_new_tokens <= context_len_after")
     return n * c - n * (n - 1) // 2
 
 
@@ -340,9 +345,12 @@ def _check_entries(entries: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
     out = []
     for i, e in enumerate(entries):
         try:
-            n, c = int(e[0]), int(e[1])
-        except (TypeError, IndexError, ValueError):
-            raise ValueError(f"entry {i} must be (num_new_tokens, context_len_after), got {e!r}") from None
+            n, c = e[0], e[1]
+        except (TypeError, IndexError, KeyError):
+            n = c = None
+        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (n, c)):  # 1.5 was taken as 1
+            raise ValueError(f"entry {i} must be (num_new_tokens, context_len_after), two ints, got {e!r}")
+        n, c = int(n), int(c)
         if n < 0 or c < n:
             raise ValueError(
                 f"entry {i}: need 0 <= num_new_tokens <= context_len_after, got {e!r}")
