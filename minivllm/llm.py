@@ -495,7 +495,8 @@ class LLM:
         tools = variables["tools"]
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, (list, tuple))
                                   or not all(isinstance(t, Mapping) for t in tools)):
-            raise ValueError(f"tools={tools!r}: must be a list of tool (function) schemas, dicts such as "
+            where = "chat_template_kwargs['tools']" if "tools" in (chat_template_kwargs or {}) else "tools"
+            raise ValueError(f"{where}={tools!r}: must be a list of tool (function) schemas, dicts such as "
                              "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):

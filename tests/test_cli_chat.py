@@ -143,7 +143,7 @@ def test_piped_input_keeps_no_carriage_return_and_a_refused_turn_sets_the_status
 
 
 def test_template_variables_the_template_chokes_on_are_named_before_the_first_turn(monkeypatch, capsys):
-    for kwargs, words in (('{"tools": 5}', "the chat template failed with them (TypeError"),
+    for kwargs, words in (('{"tools": 5}', "chat_template_kwargs['tools']=5: must be a list of tool"),
                           ('{"messages": 3}', "messages: the conversation is LLM.chat's first argument"),
                           ('{"tokenize": true}', "tokenize: the text is always rendered")):
         status, _, err = run(monkeypatch, capsys, "hi\n", "--chat-template-kwargs", kwargs)

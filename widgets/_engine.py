@@ -108,6 +108,7 @@ def token_piece(tokenizer, token_id: int) -> str:
 
 
 def tok_span(tokenizer, token_id: int, cls: str, extra_title: str = "") -> str:
+    """A token as an HTML ``<span>`` of CSS class ``cls``, its text escaped, its id (and ``extra_title``) on hover."""
     piece = html.escape(token_piece(tokenizer, token_id))
     title = html.escape(f"id {token_id}{extra_title}")
     return f"<span class='mv-tok {cls}' title='{title}'>{piece}</span>"
@@ -119,12 +120,14 @@ def plural(n: int, word: str) -> str:
 
 
 def fmt_ms(ms: float | None) -> str:
+    """Milliseconds for a readout (two decimals below 100 ms); "–" for None."""
     if ms is None:
         return "–"
     return f"{ms:.2f} ms" if ms < 100 else f"{ms:.0f} ms"
 
 
 def fmt_si(x: float | None, unit: str = "") -> str:
+    """``x`` with an SI prefix (k, M, G, T) before ``unit``, two decimals; "–" for None."""
     if x is None:
         return "–"
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):

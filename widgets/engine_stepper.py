@@ -300,6 +300,7 @@ class EngineStepper(CourseWidget):
     # -- state ------------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
+        """Whether a "Run to end" is stepping the engine now."""
         return self._running
 
     @property
@@ -314,6 +315,7 @@ class EngineStepper(CourseWidget):
 
     @property
     def kv_blocks_used(self) -> int:
+        """KV blocks held by running sequences now (the engine's, whoever added the requests)."""
         return self.engine.block_manager.num_used_blocks
 
     def sequence(self, request_id: str):

@@ -66,14 +66,17 @@ class KVCacheView(CourseWidget):
     # -- state --------------------------------------------------------------------------
     @property
     def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence now."""
         return self.engine.block_manager.num_used_blocks
 
     @property
     def num_shared_blocks(self) -> int:
+        """Blocks held by more than one sequence (a shared prompt prefix)."""
         return sum(1 for b in self.engine.block_manager.blocks if b.ref_count > 1)
 
     @property
     def num_cached_blocks(self) -> int:
+        """Blocks holding a registered prefix hash, referenced or free (reusable by a later prompt)."""
         return self.engine.block_manager.num_cached_blocks
 
     def _colour(self, rid: str) -> str:

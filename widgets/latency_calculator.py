@@ -141,6 +141,7 @@ class LatencyCalculator(CourseWidget):
 
     @property
     def point(self) -> tuple[str, int, int, int]:
+        """The sliders' point: (model, prompt tokens, response tokens, batch)."""
         return (self.model_menu.value, self.prompt_slider.value, self.response_slider.value, self.batch_slider.value)
 
     def update(self) -> None:

@@ -109,6 +109,7 @@ class Quiz(CourseWidget):
 
     @property
     def score(self) -> int:
+        """Right answers among the questions checked so far."""
         return sum(1 for i, c in self.answers.items() if c == self.questions[i].correct)
 
     def static_html(self) -> str:

@@ -49,6 +49,13 @@ class SchedulerTimeline(CourseWidget):
     finished run with :meth:`show_run` (give ``llm=`` the engine that ran it, so the title names
     the device, model, dtype and threads; a stepper's engine is named by itself).
 
+    Args:
+        stepper: an ``EngineStepper`` to follow (redrawn after each of its steps), or None.
+        records / arrivals: without a stepper, a finished run to draw now: its ``StepRecord`` list
+            (step order) and each request's arrival step (request id -> steps taken before it was
+            added); both may be left out for an empty chart that :meth:`show_run` fills later.
+        llm: the engine that ran ``records``, named in the title (device, model, dtype, threads).
+
     State for code and tests: ``states`` (request id -> state per step, see
     :func:`request_states`), ``num_steps``.
     """

@@ -109,6 +109,7 @@ class UtilisationMonitor(CourseWidget):
 
     @property
     def peaks(self):
+        """The ``Peaks`` the roofline is drawn under: given, else ``get_peaks()`` for the engine (cached)."""
         if self._peaks is None:
             from minivllm.telemetry.peaks import get_peaks
 

@@ -46,7 +46,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--peers", default="hf_generate,hf_generate_batch",
                    help="comma-separated: hf_generate, hf_generate_batch")
     p.add_argument("--hf-batch-size", type=int, default=None,
-                   help="batch size of transformers generate (default: 32 on CPU, 64 on GPU)")
+                   help="batch size of transformers generate (default: 64 on GPU; on CPU 32, or the number of requests if fewer)")
     p.add_argument("--sweep", action="store_true",
                    help="decode vs batch and prefill vs length, with a roofline; decode steps over their matmuls alone")
     p.add_argument("--html", default=None, metavar="PATH",

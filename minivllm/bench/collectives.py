@@ -64,6 +64,7 @@ class AllReduceTimes:
         return self.us_per_call[i], ((self.sizes_bytes[j] - self.sizes_bytes[i]) / dt if dt > 0 else float("inf"))
 
     def to_dict(self) -> dict:
+        """Every field (``dataclasses.asdict``): JSON-ready."""
         return asdict(self)
 
 

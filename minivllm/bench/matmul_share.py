@@ -94,6 +94,7 @@ class LinearReplay:
 
     @property
     def from_c(self) -> bool:
+        """Whether the calls replay as a CPU graph from C (else one by one from Python)."""
         return self._graph is not None
 
     @torch.inference_mode()

@@ -27,11 +27,13 @@ def describe_peaks(peaks) -> str:
 
 
 def throughput_header() -> str:
+    """The header of :func:`throughput_row`'s table (seconds, requests/s, tokens/s, ratio to minivllm)."""
     return f"{'engine':<28}{'seconds':>9}{'req/s':>9}{'out tok/s':>12}{'total tok/s':>13}{'minivllm x':>12}"
 
 
 def throughput_row(label, seconds, workload, speedup=None) -> str:
-    """One table row; ``speedup`` = peer seconds / minivllm seconds (minivllm's own row: 1)."""
+    """One table row; ``seconds``: the run's wall time (s); ``speedup`` = peer seconds / minivllm seconds
+    (minivllm's own row: 1)."""
     ratio = "1.00" if speedup is None else f"{speedup:.2f}"
     return (f"{label:<28}{seconds:>9.2f}{workload.num_requests / seconds:>9.2f}"
             f"{workload.num_output_tokens / seconds:>12.1f}"
@@ -149,6 +151,8 @@ def weights_summary(cost: dict, dtype: str) -> str:
 
 
 def overhead_row(row: dict) -> str:
+    """One batch size's row of the overhead table: µs per sequence per step (mean, median), then the step's
+    mean ms and its schedule / prepare / postprocess / other parts (ms)."""
     return (f"{row['batch_size']:>6}{row['us_per_seq_step']:>13.2f}{row['us_per_seq_step_median']:>10.2f}"
             f"{row['step_ms_mean']:>9.3f}{row['schedule_ms']:>8.3f}{row['prepare_ms']:>8.3f}"
             f"{row['postprocess_ms']:>8.3f}{row['other_ms']:>8.3f}")

@@ -178,6 +178,7 @@ def _describe(config: dict) -> str:
 
 
 def print_speculative(result: SpeculativeResult, log=print) -> None:
+    """Print ``result`` (TPOT with and without speculation, acceptance, mean accepted length) through ``log``."""
     configs = result.speculative_configs or [result.speculative_config]
     log(f"\nspeculative decoding ({', '.join(_describe(c) for c in configs)}; k="
         f"{configs[0]['num_speculative_tokens']}) on {result.model}, {result.device}, greedy, "

@@ -29,14 +29,17 @@ class Workload:
 
     @property
     def num_requests(self) -> int:
+        """Requests in the workload."""
         return len(self.prompts)
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Prompt tokens over all requests."""
         return sum(len(p) for p in self.prompts)
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens asked for over all requests (the sum of their ``max_tokens``)."""
         return sum(self.output_lens)
 
     def warm_up(self, vocab_size: int, output_len: int = 2) -> "Workload":
@@ -47,6 +50,7 @@ class Workload:
         return Workload(f"{self.name}-warm-up", prompts, [output_len] * len(prompts), self.seed)
 
     def describe(self) -> dict:
+        """The workload's name, size and length statistics (min, max, mean tokens), JSON-ready."""
         pl = [len(p) for p in self.prompts]
         return {"name": self.name, "num_requests": self.num_requests, "seed": self.seed,
                 "prompt_len_min": min(pl), "prompt_len_max": max(pl), "prompt_len_mean": statistics.fmean(pl),

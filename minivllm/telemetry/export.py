@@ -82,6 +82,7 @@ def request_to_dict(req: Any) -> dict:
 
 
 def sample_to_dict(sample: Any) -> dict:
+    """A ``UtilisationSample`` (or a dict of one) as plain JSON values."""
     return _plain(sample if isinstance(sample, dict) else dataclasses.asdict(sample))
 
 

@@ -43,7 +43,9 @@ _STEP_WINDOW = {"delay_iterations": 0, "max_iterations": 0, "warmup_iterations":
 
 
 def check_profiler_config(config: dict | None) -> None:
-    """Raises:
+    """Check ``profiler_config`` (vLLM's ``ProfilerConfig`` keys, as a dict; None: no profiler).
+
+    Raises:
         ValueError: ``config`` not a dict; a key vLLM's ``ProfilerConfig`` lacks (named); a
             ``profiler`` other than ``"torch"`` (vLLM's ``"cuda"``, for Nsight, is not here); a
             directory without ``profiler="torch"`` or the reverse (as vLLM refuses them); a
@@ -87,6 +89,7 @@ class TorchProfile:
         self._prefix = "minivllm"
 
     def option(self, key: str) -> bool:
+        """The profiler option ``key`` (one of ``PROFILER_OPTIONS``) as configured, else its default."""
         return self.config.get(key, PROFILER_OPTIONS[key][0])
 
     def _trace_dir(self) -> Path:

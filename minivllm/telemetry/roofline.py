@@ -221,6 +221,7 @@ class ModelCost:
     # --- parameter counts (elements, per rank) ---
     @property
     def layer_matmul_params(self) -> int:
+        """One layer's matmul weights (q, k, v, o projections, gate / up / down; biases if any)."""
         D, F, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         n = D * q + 2 * D * kv + q * D + 3 * D * F
@@ -230,18 +231,22 @@ class ModelCost:
 
     @property
     def matmul_params(self) -> int:
+        """``N`` of Kaplan's 2N FLOPs per token: every layer's matmul weights (not the LM head)."""
         return self.num_layers * self.layer_matmul_params
 
     @property
     def norm_params(self) -> int:
+        """RMSNorm weights: two per layer, Qwen3's q / k norms (``head_dim`` each), and the final norm."""
         return self.num_layers * (2 * self.hidden_size + 2 * self.head_dim) + self.hidden_size
 
     @property
     def lm_head_params(self) -> int:
+        """The LM head's ``D x V`` weights (this rank's share of the vocabulary)."""
         return self.hidden_size * self.vocab_size
 
     @property
     def embedding_params(self) -> int:
+        """The embedding table's ``V x D`` weights."""
         return self.vocab_size * self.hidden_size
 
     @property
@@ -299,9 +304,11 @@ class ModelCost:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token adds to the cache: ``2 x layers x KV heads x head_dim x KV dtype bytes``."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
 
     def to_dict(self) -> dict:
+        """Every field and the derived counts: JSON-ready."""
         d = asdict(self)
         for k in ("layer_matmul_params", "matmul_params", "norm_params", "lm_head_params",
                   "embedding_params", "num_params", "body_weight_bytes", "lm_head_bytes",

@@ -167,6 +167,7 @@ class StepRecord:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the step ran: prefill plus decode."""
         return self.num_prefill_tokens + self.num_decode_tokens
 
     @property
@@ -181,6 +182,7 @@ class StepRecord:
         return "idle"
 
     def to_dict(self) -> dict:
+        """Every field, the scheduled entries as dicts, and ``wall_ms`` and ``phase``: JSON-ready."""
         d = asdict(self)
         d["scheduled"] = [e._asdict() for e in self.scheduled]
         d["wall_ms"] = self.wall_ms

@@ -68,6 +68,7 @@ class UtilisationSample:
     sm_clock_mhz: float | None = None
 
     def to_dict(self) -> dict:
+        """Every field (``dataclasses.asdict``): JSON-ready."""
         return asdict(self)
 
 
@@ -148,9 +149,11 @@ class UtilisationSampler:
     # --- lifecycle ---
     @property
     def running(self) -> bool:
+        """Whether the sampling thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> "UtilisationSampler":
+        """Start sampling every ``period_s`` in a daemon thread (no-op if running); returns self."""
         if self.running:
             return self
         import psutil
@@ -167,6 +170,7 @@ class UtilisationSampler:
         return self
 
     def stop(self) -> None:
+        """Stop the thread and take a final sample (covering the run's tail); no-op when not started."""
         if self._thread is None:
             return
         self._stop.set()
@@ -201,6 +205,7 @@ class UtilisationSampler:
             return list(self._samples)
 
     def clear(self) -> None:
+        """Forget the samples taken so far."""
         with self._lock:
             self._samples.clear()
 
