@@ -58,6 +58,9 @@ def build_chat_parser(prog: str) -> argparse.ArgumentParser:
                         help="seed of each reply's own generator at temperature > 0; without it the engine-wide "
                              "generator draws, seeded with 0 when the engine starts, so a run's replies repeat "
                              "either way")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template, or a file holding one, used instead of the tokenizer's "
+                             "(as vLLM's --chat-template)")
     parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                         help='extra chat-template variables, e.g. \'{"enable_thinking": false}\' for Qwen3')
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -92,7 +95,7 @@ class _ChatSession(CommandRun):
             apply_threads(args)
             t0 = time.perf_counter()
             self.llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                           max_model_len=args.max_model_len)
+                           max_model_len=args.max_model_len, chat_template=args.chat_template)
             load_s = time.perf_counter() - t0
             params = self.llm.get_default_sampling_params()  # the model's recommended settings, then the options
             for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
@@ -104,7 +107,8 @@ class _ChatSession(CommandRun):
             self.render(self.messages + [{"role": "user", "content": "?"}])
         except (ValueError, TypeError, FileNotFoundError) as e:
             message = with_flag(str(e), self.parser).replace(
-                "(pass chat_template=...)", "(this command needs a model whose tokenizer has one; generate does not)")
+                "(pass chat_template=...)", "(give one with --chat-template, or use a model whose tokenizer has one; "
+                "generate needs none)")
             print(f"error: {message}", file=sys.stderr)
             return 2
         print(banner(self.llm.llm_engine, load_s), file=sys.stderr)

@@ -542,8 +542,8 @@ class ProfilerConfig(dict):
             other than ``"torch"``, ...), naming it.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, *args, **kwargs):  # as dict's: dataclasses.asdict rebuilds it from (key, value) pairs
         from minivllm.telemetry.profiler import check_profiler_config
 
-        super().__init__(kwargs)
+        super().__init__(*args, **kwargs)
         check_profiler_config(dict(self))

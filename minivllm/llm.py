@@ -436,7 +436,7 @@ class LLM:
             ValueError: no chat template (neither given nor the tokenizer's), both
                 ``add_generation_prompt`` and ``continue_final_message``, either of them not a bool,
                 ``messages`` not a list or tuple (a lone message dict included), ``chat_template`` not a
-                string, ``chat_template_kwargs`` not a dict, ``tools`` not a list of dicts, an empty
+                string, ``chat_template_kwargs`` not a dict, ``tools`` not a list of dicts or functions, an empty
                 conversation, a malformed message or a non-text content part (naming it), a content format other than "auto" or
                 "string", ``chat_template_kwargs`` naming ``chat_template`` or ``tokenize`` (as vLLM),
                 ``mm_processor_kwargs``, or a bad prompt.
@@ -494,10 +494,11 @@ class LLM:
         continue_final_message = variables["continue_final_message"]
         tools = variables["tools"]
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, (list, tuple))
-                                  or not all(isinstance(t, Mapping) for t in tools)):
+                                  or not all(isinstance(t, Mapping) or callable(t) for t in tools)):
             where = "chat_template_kwargs['tools']" if "tools" in (chat_template_kwargs or {}) else "tools"
-            raise ValueError(f"{where}={tools!r}: must be a list of tool (function) schemas, dicts such as "
-                             "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
+            raise ValueError(f"{where}={tools!r}: must be a list of tools: (function) schemas, dicts such as "
+                             "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, or Python "
+                             "functions (transformers builds their schemas from signature and docstring)")
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError(f"model {self.engine.source.name!r}: its tokenizer has no chat template "

@@ -181,3 +181,20 @@ def test_a_reply_that_ends_in_an_error_drops_its_turn_and_sets_the_status(monkey
     status, _, err = run(monkeypatch, capsys, "first\nsecond\n")
     assert status == 1 and err.count("no token could be sampled") == 2 and "(this turn is dropped)" in err
     assert [m["role"] for m in seen[-1]] == ["user"]  # the failed first turn left nothing in the conversation
+
+
+def test_chat_template_option_serves_a_model_without_one(monkeypatch, capsys, tmp_path):
+    """LLM(chat_template=...) could not be reached from the command: a model whose tokenizer has no template
+    could not chat at all. --chat-template takes the template or its file (vLLM's option)."""
+    model = shutil.copytree(EMBEDDED_MODEL_DIR, tmp_path / "no-template")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    status, _, err = run(monkeypatch, capsys, "", "--model", str(model), "-q", "hi")
+    assert status == 2 and "give one with --chat-template" in err
+    (tmp_path / "t.jinja").write_text(template)
+    for given in (template, str(tmp_path / "t.jinja")):
+        status, out, _ = run(monkeypatch, capsys, "", "--model", str(model), "-q", "hi", "--chat-template", given)
+        assert status == 0 and out.strip()
+    status, _, err = run(monkeypatch, capsys, "", "--model", str(model), "-q", "hi", "--chat-template", "nope.jinja")
+    assert status == 2 and "looks like a file path" in err

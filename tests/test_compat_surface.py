@@ -965,7 +965,20 @@ def test_vllm_example_scripts_import_lines_and_default_nones(tiny_ckpt):
             cls()
     with pytest.raises(NotImplementedError, match="AsyncLLMEngine.from_engine_args: minivllm has no asynchronous"):
         AsyncLLMEngine.from_engine_args(EngineArgs())
+    # vLLM's async scripts build their options first: the class methods say it, not a bare AttributeError
+    from minivllm.engine.async_llm_engine import AsyncLLM
+
+    for call, name in ((lambda: AsyncEngineArgs.add_cli_args(None), "AsyncEngineArgs.add_cli_args"),
+                       (lambda: AsyncEngineArgs.from_cli_args(None), "AsyncEngineArgs.from_cli_args"),
+                       (AsyncLLM, "AsyncLLM:")):
+        with pytest.raises(NotImplementedError, match=f"{name}.*no asynchronous engine"):
+            call()
     assert ProfilerConfig(profiler="torch", torch_profiler_dir="t") == {"profiler": "torch", "torch_profiler_dir": "t"}
+    # a dict subclass that dataclasses.asdict can rebuild: vLLM scripts call LLM(**asdict(engine_args))
+    import dataclasses
+
+    args = EngineArgs(profiler_config=ProfilerConfig(profiler="torch", torch_profiler_dir="t"))
+    assert dataclasses.asdict(args)["profiler_config"] == {"profiler": "torch", "torch_profiler_dir": "t"}
     with pytest.raises(ValueError, match="only 'torch'"):
         ProfilerConfig(profiler="cuda")
     args = EngineArgs(max_num_seqs=None, gpu_memory_utilization=None, max_model_len=-1)

@@ -383,4 +383,14 @@ def test_chat_names_bad_tools_and_an_empty_conversation(llm):
             llm.chat(conv, SamplingParams(max_tokens=1), tools=bad, use_tqdm=False)
     with pytest.raises(ValueError, match="conversation 1: empty"):
         llm.chat([conv, []], SamplingParams(max_tokens=1), use_tqdm=False)
+
+    def get_weather(city: str) -> str:
+        """The weather in a city.
+
+        Args:
+            city: its name.
+        """
+
+    # transformers builds a function's schema: a Python function is a tool too
+    assert llm.chat(conv, SamplingParams(max_tokens=1), tools=[get_weather], use_tqdm=False)[0].outputs
     assert not llm.llm_engine.has_unfinished_requests()

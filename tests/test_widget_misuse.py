@@ -783,12 +783,20 @@ def test_a_bad_sampling_period_is_refused_before_any_request_is_queued(llm, peri
     assert llm.llm_engine.get_num_unfinished_requests() == 0
 
 
-def test_the_png_and_the_svg_fallback_take_the_same_size():
+def test_the_png_and_the_svg_fallback_take_the_same_size(monkeypatch):
     """The PNG let the figure's own width win over the ``width`` argument and the SVG the argument,
     so ``figure_html(fig, width=W)`` differed with and without Chrome."""
     import plotly.graph_objects as go
 
-    from widgets._static import figure_svg, image_size
+    import widgets._static as static
+    from widgets._static import figure_png, figure_svg, image_size
+
+    asked = []
+    monkeypatch.setattr(static, "_ensure_server", lambda: True)  # no Chrome needed: the export call is recorded
+    monkeypatch.setattr(go.Figure, "to_image", lambda self, **kw: asked.append((kw["width"], kw["height"])) or b"")
+    figure_png(go.Figure(layout=dict(width=500, height=300)), 900)
+    figure_png(go.Figure(layout=dict(width=500, height=300)))
+    assert asked == [(900, 300), (500, 300)]
 
     fig = go.Figure(go.Bar(x=[1, 2], y=[3, 4]), layout=dict(width=500, height=300))
     assert image_size(fig) == (500, 300) and image_size(fig, 900) == (900, 300)
@@ -827,6 +835,14 @@ def test_widget_arguments_that_gave_no_rows_or_a_deep_error_are_refused_by_name(
     stepper = EngineStepper(llm)
     with pytest.raises(KeyError, match="request 'nope' was not added through this widget"):
         stepper.sequence("nope")
+    # numpy integers (a sweep's np.arange) and a whole float draw count are counts as before
+    import numpy as np
+
+    assert [r["batch"] for r in measure_decode_batch(llm, 2 ** np.arange(2), prompt_len=np.int64(4),
+                                                     decode_steps=np.int64(1), warmup_steps=0)] == [1, 2]
+    assert measure_step_latency(llm, (np.int64(4),), decode_steps=1, repeats=np.int64(1), roofline=False)
+    assert KVCacheView(llm, max_blocks=np.int64(8)).max_blocks == 8
+    assert sum(explorer.draw(3.0).values()) == 3
 
 
 def test_latency_model_refuses_a_bool_count():

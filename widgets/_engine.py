@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import html
+import numbers
 import re
+
+import numpy as np
 
 _IDS_RE = re.compile(r"^\s*\[\s*(\d+\s*(,\s*\d+\s*)*)?,?\s*\]\s*$")
 
@@ -147,3 +150,8 @@ def slot_ranges(block_table: list[int], num_tokens: int, block_size: int) -> lis
         last_pos = min(num_tokens, first_pos + block_size) - 1
         out.append((b * block_size, b * block_size + (last_pos - first_pos)))
     return out
+
+
+def is_count(value, least: int = 0) -> bool:
+    """``value`` is an integer (Python's or numpy's; not a bool) of at least ``least``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)) and value >= least

@@ -11,7 +11,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import STYLE, CourseWidget, error_box
-from ._engine import engine_of, fmt_ms, titled
+from ._engine import engine_of, fmt_ms, is_count, titled
 from .measure import random_prompt
 
 
@@ -37,7 +37,7 @@ def itl_around_long_prompt(llm, num_decoders: int = 3, decoder_prompt_len: int =
     for name, value, least in (("num_decoders", num_decoders, 1), ("decoder_prompt_len", decoder_prompt_len, 1),
                                ("decode_tokens", decode_tokens, 2), ("long_prompt_len", long_prompt_len, 1),
                                ("arrive_after", arrive_after, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if not is_count(value, least):
             raise ValueError(f"{name}={value!r}: must be an int >= {least}")
     engine = engine_of(llm)
     if engine.has_unfinished_requests():

@@ -6,7 +6,7 @@ import html
 import ipywidgets as W
 
 from ._base import PALETTE, STYLE, CourseWidget
-from ._engine import engine_of, slot_ranges, token_piece
+from ._engine import engine_of, is_count, slot_ranges, token_piece
 
 
 class KVCacheView(CourseWidget):
@@ -42,9 +42,9 @@ class KVCacheView(CourseWidget):
         self.engine = engine_of(llm)
         self.llm = llm  # held: an LLM shuts its engine down when collected
         self.tokenizer = self.engine.tokenizer
-        if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
-            raise ValueError(f"max_blocks={max_blocks!r}: draw at least one block (an int >= 1)")  # -1 dropped the last
-        self.max_blocks = max_blocks
+        if not is_count(max_blocks, 1):  # -1 dropped the last block
+            raise ValueError(f"max_blocks={max_blocks!r}: draw at least one block (an int >= 1)")
+        self.max_blocks = int(max_blocks)
         self.stepper = None
         self.block_owners: dict[int, list[str]] = {}
         self.refresh_count = 0

@@ -14,7 +14,7 @@ import weakref
 from minivllm.sampling_params import SamplingParams
 from minivllm.utils.gc_heap import heap_frozen
 
-from ._engine import engine_of
+from ._engine import engine_of, is_count
 
 _counter = [0]
 
@@ -31,9 +31,11 @@ def _require_idle(engine) -> None:
 
 
 def _require_positive_int(label: str, value) -> None:
-    """Raise ``ValueError("{label} must be a positive int")`` unless ``value`` is an int >= 1 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """Raise ``ValueError("{label} must be a positive int")`` unless ``value`` is an int >= 1 (numpy's
+    integers too; not a bool)."""
+    if not is_count(value, 1):
         raise ValueError(f"{label} must be a positive int")
+
 
 
 def random_prompt(engine, length: int, rng: random.Random) -> list[int]:
@@ -121,7 +123,7 @@ def measure_step_latency(llm, prompt_lens=(16, 32, 64, 128), decode_steps: int =
     """
     engine = engine_of(llm)
     _require_idle(engine)
-    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
+    if not is_count(decode_steps, 0):
         raise ValueError(f"decode_steps={decode_steps!r}: must be an int >= 0")
     _require_positive_int(f"repeats={repeats!r}", repeats)  # 0 returned no rows, without a word
     max_len = engine.config.max_model_len
@@ -165,7 +167,7 @@ def measure_decode_batch(llm, batch_sizes=(1, 2, 4, 8), prompt_len: int = 16, de
             (measuring beside them would time their steps too).
     """
     for name, value in (("warmup_steps", warmup_steps), ("decode_steps", decode_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_count(value, 0):
             raise ValueError(f"{name}={value!r}: must be an int >= 0")
     _require_positive_int(f"prompt_len={prompt_len!r}", prompt_len)
     engine = engine_of(llm)

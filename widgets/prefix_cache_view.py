@@ -8,7 +8,7 @@ import ipywidgets as W
 from minivllm.utils import cdiv
 
 from ._base import STYLE, CourseWidget, error_box
-from ._engine import engine_of, fmt_ms, titled
+from ._engine import engine_of, fmt_ms, is_count, titled
 from .measure import _require_idle, run_requests
 
 
@@ -46,13 +46,14 @@ class PrefixCacheView(CourseWidget):
         self.engine = engine_of(llm)
         if not self.engine.block_manager.enable_prefix_caching:
             raise ValueError("enable_prefix_caching=False: this LLM never reuses blocks")
-        if isinstance(user_prompts, (str, bytes)) or not isinstance(user_prompts, (list, tuple)):
+        if isinstance(user_prompts, (str, bytes)) or not hasattr(user_prompts, "__len__"):
             # a string would be taken letter by letter, one prompt per character
             raise ValueError(f"user_prompts={user_prompts!r}: give a list of at least 2 prompts")
         if len(user_prompts) < 2:
             raise ValueError(f"user_prompts: give at least 2, got {len(user_prompts)}")
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        if not is_count(repeats, 1):
             raise ValueError(f"repeats={repeats!r} must be an int >= 1")
+        repeats = int(repeats)
         self.system_prompt, self.user_prompts, self.repeats = system_prompt, list(user_prompts), repeats
         self.results: list[dict] = []
         self.run_button = W.Button(description="Run", icon="play", button_style="primary")

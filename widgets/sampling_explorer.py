@@ -5,6 +5,7 @@ import html
 import numbers
 
 import ipywidgets as W
+import numpy as np
 import torch
 
 from minivllm.layers.sampler import SamplingBatch, exponential_race, filtered_probs
@@ -202,7 +203,8 @@ class SamplingExplorer(CourseWidget):
         """
         if n is None:
             n = int(self.n_draws.value)
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:  # 2.7 drew 2; "a" failed in int()
+        whole = isinstance(n, numbers.Real) and not isinstance(n, (bool, np.bool_)) and float(n).is_integer()
+        if not whole or n < 1:  # 2.7 drew 2; "a" failed in int()
             raise ValueError(f"n={n!r}: draw a whole number of samples, at least one")
         n = int(n)
         if self.logits is None:

@@ -121,8 +121,8 @@ def cost_and_peaks(engine, log=None, peak_kwargs: dict | None = None):
 
 
 def kv_bytes_for(model, tokens: int, dtype: str | None = None, kv_cache_dtype: str | None = None) -> int | None:
-    """CPU KV pool size in bytes holding at least ``tokens`` tokens (None on CUDA: keep the engine's
-    default). ``dtype`` None or "auto" is float32 (4 bytes, the CPU's default); ``kv_cache_dtype`` as
+    """CPU KV pool size in bytes holding at least ``tokens`` tokens (None on a machine with CUDA, even
+    for a CPU run: keep the engine's default). ``dtype`` None or "auto" is float32 (4 bytes, the CPU's default); ``kv_cache_dtype`` as
     ``EngineArgs`` takes it ("bfloat16": 2 bytes an element). 10% and 1 MiB above the need (the
     pool is whole blocks, so a last partial block is covered), and never below the engine's own
     512 MiB CPU default: a small run is not given a smaller pool than it would have by default."""

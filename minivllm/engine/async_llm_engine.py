@@ -17,6 +17,16 @@ class AsyncEngineArgs:
     def __init__(self, *args, **kwargs):
         raise NotImplementedError(f"AsyncEngineArgs: {NO_ASYNC_ENGINE}")
 
+    @classmethod
+    def add_cli_args(cls, *args, **kwargs):
+        """vLLM's: raises, as building one does (``EngineArgs.add_cli_args`` is here)."""
+        raise NotImplementedError(f"AsyncEngineArgs.add_cli_args: {NO_ASYNC_ENGINE}")
+
+    @classmethod
+    def from_cli_args(cls, *args, **kwargs):
+        """vLLM's: raises, as building one does (``EngineArgs.from_cli_args`` is here)."""
+        raise NotImplementedError(f"AsyncEngineArgs.from_cli_args: {NO_ASYNC_ENGINE}")
+
 
 class AsyncLLMEngine:
     """vLLM's ``AsyncLLMEngine`` (``AsyncLLM`` in its V1 engine): building one raises.
@@ -33,5 +43,11 @@ class AsyncLLMEngine:
         """vLLM's constructor of the same name: raises as building one does."""
         raise NotImplementedError(f"{cls.__name__}.from_engine_args: {NO_ASYNC_ENGINE}")
 
+    @classmethod
+    def from_vllm_config(cls, *args, **kwargs):
+        """vLLM's constructor of the same name: raises as building one does."""
+        raise NotImplementedError(f"{cls.__name__}.from_vllm_config: {NO_ASYNC_ENGINE}")
 
-AsyncLLM = AsyncLLMEngine
+
+class AsyncLLM(AsyncLLMEngine):
+    """vLLM's V1 name for :class:`AsyncLLMEngine`: building one raises the same way."""

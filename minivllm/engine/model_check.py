@@ -183,10 +183,11 @@ class ModelWatch:
 
     def hooked(self, model) -> bool:
         """True when a module of ``model`` has a forward hook or pre-hook (or one is registered for
-        all modules): a replay calls no module, so such a step runs eagerly. Before answering False,
-        ``on_change`` is called if, since the last call, a submodule was swapped, added or removed,
-        or a parameter or buffer slot (empty ones included) was given another tensor, emptied or
-        removed, or such a tensor new storage.
+        all modules): a replay calls no module, so such a step runs eagerly. ``on_change`` is called
+        when the graphs may no longer match: since the last call a submodule was swapped, added or
+        removed (whatever the answer), or (answering False) a parameter or buffer slot, empty ones
+        included, was given another tensor, emptied or removed, or such a tensor new storage, or the
+        model is listed for the first time (the first call, or the first after :meth:`forget`).
 
         Runs before every replay, so it reads little, in C-level ``map``s over lists made once:
         whether any hook dict is non-empty, the submodules (compared as a list: by identity, as
