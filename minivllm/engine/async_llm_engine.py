@@ -7,46 +7,43 @@ NO_ASYNC_ENGINE = ("minivllm has no asynchronous engine (asyncio; a vLLM feature
                    "LLMEngine.add_request(...) with LLMEngine.step() drives requests step by step")
 
 
-class AsyncEngineArgs:
-    """vLLM's ``AsyncEngineArgs``: building one raises (the synchronous ``EngineArgs`` is here).
-
-    Raises:
-        NotImplementedError: always.
-    """
-
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(f"AsyncEngineArgs: {NO_ASYNC_ENGINE}")
-
-    @classmethod
-    def add_cli_args(cls, *args, **kwargs):
-        """vLLM's: raises, as building one does (``EngineArgs.add_cli_args`` is here)."""
-        raise NotImplementedError(f"AsyncEngineArgs.add_cli_args: {NO_ASYNC_ENGINE}")
-
-    @classmethod
-    def from_cli_args(cls, *args, **kwargs):
-        """vLLM's: raises, as building one does (``EngineArgs.from_cli_args`` is here)."""
-        raise NotImplementedError(f"AsyncEngineArgs.from_cli_args: {NO_ASYNC_ENGINE}")
-
-
-class AsyncLLMEngine:
-    """vLLM's ``AsyncLLMEngine`` (``AsyncLLM`` in its V1 engine): building one raises.
-
-    Raises:
-        NotImplementedError: always.
-    """
+class _Refused:
+    """A vLLM class kept importable: building one raises ``NotImplementedError`` naming it."""
 
     def __init__(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__}: {NO_ASYNC_ENGINE}")
 
-    @classmethod
-    def from_engine_args(cls, *args, **kwargs):
-        """vLLM's constructor of the same name: raises as building one does."""
-        raise NotImplementedError(f"{cls.__name__}.from_engine_args: {NO_ASYNC_ENGINE}")
 
-    @classmethod
-    def from_vllm_config(cls, *args, **kwargs):
-        """vLLM's constructor of the same name: raises as building one does."""
-        raise NotImplementedError(f"{cls.__name__}.from_vllm_config: {NO_ASYNC_ENGINE}")
+def _refusing(name: str) -> classmethod:
+    """vLLM's class method ``name``, which a script calls before building anything: it raises as building does."""
+    def method(cls, *args, **kwargs):
+        raise NotImplementedError(f"{cls.__name__}.{name}: {NO_ASYNC_ENGINE}")
+
+    method.__name__, method.__doc__ = name, f"vLLM's ``{name}``: raises as building one does."
+    return classmethod(method)
+
+
+class AsyncEngineArgs(_Refused):
+    """vLLM's ``AsyncEngineArgs``: building one, or its ``add_cli_args`` / ``from_cli_args``, raises
+    (the synchronous ``EngineArgs`` is here).
+
+    Raises:
+        NotImplementedError: always.
+    """
+
+    add_cli_args = _refusing("add_cli_args")
+    from_cli_args = _refusing("from_cli_args")
+
+
+class AsyncLLMEngine(_Refused):
+    """vLLM's ``AsyncLLMEngine``: building one, or its ``from_engine_args`` / ``from_vllm_config``, raises.
+
+    Raises:
+        NotImplementedError: always.
+    """
+
+    from_engine_args = _refusing("from_engine_args")
+    from_vllm_config = _refusing("from_vllm_config")
 
 
 class AsyncLLM(AsyncLLMEngine):
