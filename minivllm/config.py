@@ -95,7 +95,7 @@ class EngineArgs:
     Args:
         model: None (embedded model or ``$MINIVLLM_MODEL``), ``"minivllm-tiny"``, a local
             checkpoint directory, or ``"random:<preset>"``.
-        max_num_seqs: most sequences in one step (None, as vLLM's argparse default: 256).
+        max_num_seqs: most sequences in one step (None: 256, as vLLM's scripts pass its default).
         max_num_batched_tokens: token budget per step (prefill + decode tokens). Default
             8192 with chunked prefill, else max(8192, max_model_len).
         max_model_len: longest sequence (prompt + output), tokens. Default: the model's
