@@ -490,14 +490,18 @@ POOL_BLOCKS = 10
 PRE_MAX_TOKENS = 40  # each request's output length
 PRE_PROMPTS = make_workload("cpu", vocab_size=engine.vocab_size, num_requests=4, input_len=(24, 24),
                             output_len=(PRE_MAX_TOKENS, PRE_MAX_TOKENS), seed=11).prompts
-tiny = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=POOL_BLOCKS, max_num_seqs=SEATS)
+if "big" in globals():  # run again: free the last run's engine first
+    big.shutdown()
 big = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64, max_num_seqs=SEATS)
-stepper = EngineStepper(tiny, show_chart=False)
-timeline = SchedulerTimeline(stepper=stepper)  # redraws after every step of the stepper
 
 # %%
 # NBVAL_CHECK_OUTPUT
-stepper.reset()  # an idle pool, an empty prefix cache and a fresh history, also when this cell runs again
+# A new engine each time this cell runs (the last one shut down first), so a rerun prints the same steps.
+if "tiny" in globals():
+    tiny.shutdown()
+tiny = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=POOL_BLOCKS, max_num_seqs=SEATS)
+stepper = EngineStepper(tiny, show_chart=False)
+timeline = SchedulerTimeline(stepper=stepper)  # redraws after every step of the stepper
 rids = [stepper.add_request(p, max_tokens=PRE_MAX_TOKENS, ignore_eos=True) for p in PRE_PROMPTS]
 need = [-(-(len(p) + PRE_MAX_TOKENS - 1) // 16) for p in PRE_PROMPTS]  # KV slots over 16-token blocks, rounded up
 print(f"{len(PRE_PROMPTS)} requests of {sorted({len(p) for p in PRE_PROMPTS})} prompt tokens and {PRE_MAX_TOKENS} "

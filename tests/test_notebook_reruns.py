@@ -53,3 +53,39 @@ def test_chapter_09_playground_at_temperature_0_says_greedy():
     assert "T=0 is greedy" in out and "keeps 4096" not in out
     assert "top_p=0.9 keeps" in _run("TEMPERATURE = 1.5\n" + rest, ns)
     ns["llm"].shutdown()
+
+
+def test_chapter_05_preemption_cell_run_again_prints_the_same_run_on_a_fresh_engine():
+    # run again, it kept the first run's engine (step numbers and request ids counting on: "step 151 ...
+    # req-11" where the text said "step 9 ... req-3") and the cell building the engines leaked the last pair
+    cells = _cells("05_scheduler")
+    run = next(i for i, c in enumerate(cells) if "stepper.run_to_end()" in c and "POOL_BLOCKS" in c)
+    build = next(i for i, c in enumerate(cells) if "big = LLM(" in c)
+    ns: dict = {}
+    for source in cells[:run]:
+        _run(source, ns)
+    first_big = ns["big"]
+    first = _run(cells[run], ns)
+    first_tiny = ns["tiny"]
+    again = _run(cells[run], ns)
+    assert again == first and "step   9: preempted ['req-3']" in first
+    assert first_tiny.llm_engine.is_shut_down and not ns["tiny"].llm_engine.is_shut_down
+    _run(cells[build], ns)
+    assert first_big.llm_engine.is_shut_down and not ns["big"].llm_engine.is_shut_down
+    for name in ("tiny", "big", "llm"):
+        if name in ns:
+            ns[name].shutdown()
+
+
+def test_engine_stepper_reset_numbers_requests_from_req_0_again():
+    from minivllm import LLM
+    from widgets import EngineStepper
+
+    with LLM("minivllm-tiny", num_kvcache_blocks=16) as llm:
+        stepper = EngineStepper(llm, show_chart=False)
+        assert [stepper.add_request([1, 2, 3], max_tokens=2) for _ in range(2)] == ["req-0", "req-1"]
+        stepper.step()
+        stepper.reset()
+        assert stepper.add_request([4, 5], max_tokens=2) == "req-0"
+        stepper.run_to_end()
+        assert stepper.request_ids == ["req-0"]

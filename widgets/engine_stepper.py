@@ -287,6 +287,7 @@ class EngineStepper(CourseWidget):
         self._arrival_step.clear()
         self._colour.clear()
         self._engine_steps_seen = self._engine_step_count()  # a new history: earlier steps are not missing from it
+        self._next_id = 0  # ids count from req-0 again (every request was aborted, and add_request skips live ids)
         self._message(f"reset: all requests aborted, prefix cache cleared; "
                       f"{self.engine.block_manager.num_free_blocks} of {self.engine.block_manager.num_blocks} "
                       "KV blocks free")
