@@ -936,3 +936,16 @@ def test_bench_entry_points_name_values_they_cannot_use(monkeypatch):
                           (lambda: run_speculative(method=[]), "method=[]: give a method")):
         with pytest.raises(ValueError, match=re.escape(message)):
             call()
+
+
+def test_bench_counts_take_numpy_integers_as_ints_and_refuse_bools():
+    # the bench's own checks took True as one request, and refused np.int64 counts the widgets accept
+    import numpy as np
+
+    from minivllm.bench.workload import make_workload
+
+    w = make_workload("cpu", vocab_size=np.int64(97), num_requests=np.int64(3), seed=1)
+    assert w.num_requests == 3 and type(w.num_requests) is int
+    assert w.prompts == make_workload("cpu", vocab_size=97, num_requests=3, seed=1).prompts
+    with pytest.raises(ValueError, match="num_requests=True: must be a positive int"):
+        make_workload("cpu", vocab_size=97, num_requests=True)

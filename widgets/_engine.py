@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import html
-import numbers
 import re
-
-import numpy as np
 
 _IDS_RE = re.compile(r"^\s*\[\s*(\d+\s*(,\s*\d+\s*)*)?,?\s*\]\s*$")
 
@@ -152,6 +149,3 @@ def slot_ranges(block_table: list[int], num_tokens: int, block_size: int) -> lis
     return out
 
 
-def is_count(value, least: int = 0) -> bool:
-    """``value`` is an integer (Python's or numpy's; not a bool) of at least ``least``."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)) and value >= least

@@ -8,10 +8,11 @@ import statistics
 import ipywidgets as W
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils.checks import is_count
 from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import STYLE, CourseWidget, error_box
-from ._engine import engine_of, fmt_ms, is_count, titled
+from ._engine import engine_of, fmt_ms, titled
 from .measure import random_prompt
 
 

@@ -5,8 +5,10 @@ import html
 
 import ipywidgets as W
 
+from minivllm.utils.checks import is_count
+
 from ._base import PALETTE, STYLE, CourseWidget
-from ._engine import engine_of, is_count, slot_ranges, token_piece
+from ._engine import engine_of, slot_ranges, token_piece
 
 
 class KVCacheView(CourseWidget):

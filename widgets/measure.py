@@ -12,9 +12,10 @@ import statistics
 import weakref
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils.checks import is_count
 from minivllm.utils.gc_heap import heap_frozen
 
-from ._engine import engine_of, is_count
+from ._engine import engine_of
 
 _counter = [0]
 

@@ -6,9 +6,10 @@ import statistics
 import ipywidgets as W
 
 from minivllm.utils import cdiv
+from minivllm.utils.checks import is_count
 
 from ._base import STYLE, CourseWidget, error_box
-from ._engine import engine_of, fmt_ms, is_count, titled
+from ._engine import engine_of, fmt_ms, titled
 from .measure import _require_idle, run_requests
 
 

@@ -15,6 +15,7 @@ from minivllm.bench.common import ResultMixin, build_llm, check_batch_sizes, dev
 from minivllm.bench.peers import NanoVllmOverhead, PeerOverhead, PeerUnavailable
 from minivllm.bench.report import overhead_row, print_overhead_comparison
 from minivllm.utils import cdiv
+from minivllm.utils.checks import is_count
 
 __all__ = ["OverheadResult", "run_overhead", "stub_run"]
 
@@ -126,8 +127,9 @@ def run_overhead(model: str | None = None, *, batch_sizes=(1, 16, 64, 256), prom
         raise ValueError(f"rounds and decode_steps must be >= 1, got rounds={rounds}, decode_steps={decode_steps}")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps={warmup_steps}: must be >= 0")
-    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+    if not is_count(prompt_len, 1):
         raise ValueError(f"prompt_len={prompt_len!r}: must be a positive int (each request's prompt, tokens)")
+    prompt_len = int(prompt_len)  # a numpy integer too, as a plain int in the result
     check_batch_sizes(batch_sizes, engine_args)
     peer, peer_result = None, None
     if nanovllm:

@@ -16,6 +16,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from minivllm.bench.common import ResultMixin, build_llm, device_label, format_load, loadavg
+from minivllm.utils.checks import is_count
 
 __all__ = ["QuantizationResult", "run_quantization", "print_quantization"]
 
@@ -111,8 +112,9 @@ def run_quantization(model: str | None = None, *, quantization: str = "int8", qu
         raise ValueError("quantization=None: nothing to compare against")
     for name, v in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("rounds", rounds),
                     ("agreement_tokens", agreement_tokens)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_count(v, 1):
             raise ValueError(f"{name}={v!r}: must be a positive int")
+    prompt_len, decode_tokens, rounds, agreement_tokens = map(int, (prompt_len, decode_tokens, rounds, agreement_tokens))
     engine_args = two_engine_kv_args(engine_args)
     base = build_llm(model, **engine_args)
     try:

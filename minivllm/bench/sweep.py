@@ -12,6 +12,7 @@ from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, devic
                                    check_batch_sizes, next_tag, wants_cuda)
 from minivllm.bench.matmul_share import LinearReplay, eager_steps, record_linear_calls
 from minivllm.bench.report import describe_peaks, peaks_summary, print_sweep_summary, write_roofline_html
+from minivllm.utils.checks import is_count
 from minivllm.utils.gc_heap import heap_frozen
 
 __all__ = ["SweepResult", "run_sweep"]
@@ -86,9 +87,10 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         output_kind = OutputKind(output_kind).value
     except ValueError:
         raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
-    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1:
+    if not is_count(context_len, 1):
         raise ValueError(f"context_len={context_len!r}: a decode row needs a prompt of a whole number of tokens, "
                          "at least one")
+    context_len = int(context_len)  # a numpy integer too, as a plain int in the result
     if batch_sizes is not None:
         check_batch_sizes(batch_sizes, engine_args)
     if decode_steps < 1 or warmup_steps < 0 or repeats < 1:

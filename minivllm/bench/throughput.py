@@ -12,6 +12,7 @@ from minivllm.bench.peers import agreement, load_hf_model, run_hf_continuous_bat
 from minivllm.bench.report import describe_peaks, peaks_summary, throughput_header, throughput_row
 from minivllm.bench.workload import WORKLOADS, Workload, check_range, check_scale, make_workload
 from minivllm.config import EngineArgs
+from minivllm.utils.checks import is_count
 
 __all__ = ["ThroughputResult", "run_throughput"]
 
@@ -104,8 +105,7 @@ def run_throughput(model: str | None = None, *, workload: Workload | None = None
             raise ValueError(f"workload {name!r}: choose one of {sorted(WORKLOADS)}")
         preset = WORKLOADS[name]
         check_scale(scale)
-        if num_requests is not None and (isinstance(num_requests, bool) or not isinstance(num_requests, int)
-                                         or num_requests < 1):
+        if num_requests is not None and not is_count(num_requests, 1):
             raise ValueError(f"num_requests={num_requests!r}: must be a positive int")
         lens = (check_range("input_len", input_len or preset["input_len"])[1]
                 + check_range("output_len", output_len or preset["output_len"])[1])

@@ -10,6 +10,8 @@ import random
 import statistics
 from dataclasses import dataclass
 
+from minivllm.utils.checks import is_count
+
 __all__ = ["WORKLOADS", "Workload", "make_workload"]
 
 WORKLOADS = {
@@ -100,12 +102,13 @@ def make_workload(name: str = "cpu", vocab_size: int = 10000, *, scale: float = 
     if name not in WORKLOADS:
         raise ValueError(f"workload {name!r}: choose one of {sorted(WORKLOADS)}")
     check_scale(scale)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+    if not is_count(vocab_size, 1):
         raise ValueError(f"vocab_size={vocab_size!r}: must be a positive int (the ids are drawn below it)")
     preset = WORKLOADS[name]
     n = num_requests if num_requests is not None else max(1, round(preset["num_requests"] * scale))
-    if not isinstance(n, int) or n < 1:
+    if not is_count(n, 1):  # True was taken as one request
         raise ValueError(f"num_requests={n!r}: must be a positive int")
+    n, vocab_size = int(n), int(vocab_size)  # numpy integers too, as plain ints in the workload
     lo_in, hi_in = check_range("input_len", input_len or preset["input_len"])
     lo_out, hi_out = check_range("output_len", output_len or preset["output_len"])
     if max_model_len is not None and lo_in + lo_out > max_model_len:
