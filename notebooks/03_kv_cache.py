@@ -384,7 +384,7 @@ _ = check_claim("with a cache the time per token grows far less than without one
 # Where the time ratio falls short of the FLOP ratio, the reason is that a one-token step on a
 # small model is dominated by costs that barely grow with the context (Python, launching dozens of
 # small operations, and on a model too large for the CPU's caches reading its weights once), not by
-# FLOPs; chapter 06 takes those costs apart.
+# FLOPs; chapter 06 weighs the weight reads, chapter 11 takes the rest apart.
 #
 # Over a whole generation the difference compounds: producing token `L` costs about `a + b·L`
 # without a cache (plus a smaller `c·L²` from attention over the `L` tokens), so `n` tokens cost at

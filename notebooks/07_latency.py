@@ -35,7 +35,9 @@
 # 2. *A latency calculator fitted to this machine*: predict a workload's latencies, then measure it;
 #    what batching does to TPOT.
 # 3. *Chunked prefill*: a long prompt arrives while others decode, with and without chunking.
-# 4. *Myths* about latency and chunking, checked; *why it matters*; a quiz and a recap.
+# 4. *Myths* about latency and chunking, checked.
+# 5. *Why it matters*.
+# 6. *Check yourself*: a quiz; then a recap.
 #
 # **You will:** read per-request timings from `RequestOutput.metrics` · predict the time to first
 # token of four prompts that arrive together, then measure it · watch a prompt split into chunks that
@@ -196,9 +198,11 @@ render(f"The last first token{plural} came at step {max(first_step.values())}, t
 # tokens. The latency calculator fits a cost model to these steps: a fixed cost per step plus a cost
 # per prefill token, and a fixed cost per decode step plus a cost per sequence in the batch. It then
 # replays the scheduler's policy (decodes first, then prompt chunks up to the token budget) for any
-# workload. (The fitted prefill "fixed cost" can come out near zero or even negative: a prefill step's
-# time grows a little faster than its token count, because each token's attention reads all the
-# tokens before it, and a straight line through such points meets zero tokens below zero.)
+# workload. (The fitted prefill "fixed cost" can come out near zero: a prefill step's time grows a
+# little faster than its token count, because each token's attention reads all the tokens before it,
+# so a straight line through such points can meet zero tokens below zero. A negative cost per step
+# would be no cost at all, so the fit fixes such a coefficient at 0 and fits the others again: the
+# calculator then shows 0.00 ms.)
 
 # %%
 from widgets import measure_decode_batch, measure_step_latency
@@ -252,9 +256,11 @@ render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".
 # scheduler prefills all four in the same step and samples all four first tokens at its end. Each
 # request's TTFT is therefore about the time of one 512-token prefill step, not the time of a
 # 128-token prefill: the sweep printed a 512-token prefill step, and that is the estimate. Expect the
-# measured mean to come out near it, often somewhat below (the sentence under the table gives the ratio
-# on this run): four prompts of 128 tokens do less attention work than one of 512 (each token attends
-# only over its own prompt), and single steps on a CPU also vary from run to run. A common slip is to
+# measured mean to come out near it (the sentence under the table gives the ratio on this run), on
+# either side: four prompts of 128 tokens do less attention work than one of 512 (each token attends
+# only over its own prompt), which pulls it below; each TTFT also counts the engine's work around the
+# step (queueing the requests, sampling four first tokens), which pulls it above; and the two were
+# timed in different runs, and single steps on a CPU vary from run to run. A common slip is to
 # take the 128-token figure: it ignores that the other three prompts ride in the same step. (With a
 # budget of 128 tokens the four would be served one after another, and the mean TTFT would be more
 # than the 2.5 steps that (1 + 2 + 3 + 4) / 4 suggests: each step serves the running requests' decodes

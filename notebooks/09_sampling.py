@@ -259,8 +259,9 @@ _ = check_prediction(my_prediction_1, KEPT[("confident", "top_p=0.9")], rel_tol=
 # %% [markdown]
 # What the table shows. Two rules hold on any model (the next cell checks them on this run):
 # temperature alone never removes a token, it only changes their sizes (in exact arithmetic: in fp32,
-# a token more than about 104 nats below the favourite after dividing by the temperature gets a
-# probability that rounds to exactly 0, so a very low temperature does empty the far tail); top-k keeps exactly `k`
+# a token whose logit, divided by the temperature, lies more than about 104 below the favourite's gets
+# a probability under e^-104 of the favourite's, and float32 rounds that to exactly 0, so a very low
+# temperature does empty the far tail); top-k keeps exactly `k`
 # tokens on both prompts, even where the confident prompt's tenth token is negligible or the
 # uncertain prompt has many more reasonable choices. Top-p and min-p *adapt*: how many tokens they keep
 # depends on the distribution, which is why they are the usual choice for open-ended text. On these two
