@@ -295,12 +295,16 @@ class LLM:
         """One engine step; returns whether it scheduled anything. A step that schedules nothing
         while requests wait would repeat forever, so it is an error (the engine's sizing checks
         should make it impossible)."""
-        result = self.engine.step_with_record()
-        if result.record.num_seqs == 0:
-            if self.engine.has_unfinished_requests():
-                raise RuntimeError("the scheduler made no progress with requests waiting "
-                                   f"({self.engine.get_num_unfinished_requests()} unfinished); this is a bug")
-            return False
+        engine = self.engine
+        # the step and the check under one hold of the lock: a request another thread queued after an idle
+        # step is no missed progress (it was read as one between the two)
+        with engine._lock:
+            result = engine.step_with_record()
+            if result.record.num_seqs == 0:
+                if engine.has_unfinished_requests():
+                    raise RuntimeError("the scheduler made no progress with requests waiting "
+                                       f"({engine.get_num_unfinished_requests()} unfinished); this is a bug")
+                return False
         return True
 
     def _samples(self, request_ids) -> int:

@@ -195,3 +195,31 @@ def test_fp16_overflow_is_reported_not_sampled_as_token_zero(tiny_ckpt, monkeypa
     out = make_llm(tiny_ckpt).generate([[1, 2, 3]], greedy(4), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
     assert "dtype=" in out.error
+
+
+def test_an_idle_step_while_another_thread_queues_a_request_is_no_lost_progress(tiny_ckpt):
+    # LLM._step read has_unfinished_requests() after the step had let go of the engine's lock: a request another
+    # thread queued in between made a caller whose output a third thread's step had already delivered fail with
+    # "the scheduler made no progress ... this is a bug" (three threads sharing one LLM hit it within seconds)
+    llm = make_llm(tiny_ckpt)
+    engine, step = llm.llm_engine, llm.llm_engine.step_with_record
+    other = {}
+
+    def step_with_record():
+        if other:
+            return step()
+        while engine.has_unfinished_requests():  # another thread's steps finish this caller's request
+            step()
+        record = step()  # this caller's own step then finds nothing to schedule
+        other["thread"] = threading.Thread(target=engine.add_request, args=("other", [5, 6, 7], greedy(2)))
+        other["thread"].start()
+        other["thread"].join(0.5)  # the third thread queues its request now, unless the caller holds the lock
+        return record
+
+    engine.step_with_record = step_with_record
+    out = llm.generate([[1, 2, 3]], greedy(3), use_tqdm=False)
+    other["thread"].join()
+    assert len(out[0].outputs[0].token_ids) == 3 and "other" in engine.requests
+    del engine.step_with_record
+    assert llm.generate([[4, 5]], greedy(2), use_tqdm=False)[0].outputs[0].token_ids  # "other" is served too
+    assert not engine.has_unfinished_requests()
