@@ -922,3 +922,47 @@ def test_token_piece_names_ids_beyond_the_tokenizer_as_the_engine_does():
     assert token_piece(tok, 150989) == "<id:150989>" and token_piece(tok, len(tok)) == f"<id:{len(tok)}>"
     assert token_piece(tok, tok.encode("The")[0]) == "The"
     assert token_piece(tok, tok.encode(" list")[0]) == "·list"
+
+
+def test_latency_calculator_says_an_interrupted_measurement(llm, monkeypatch):
+    # Kernel > Interrupt during "measure this point" put the measured column back to "-" and said nothing
+    import widgets.latency_calculator as lc
+    from widgets import LatencyCalculator
+
+    calc = LatencyCalculator(llm, prompt_lens=(8, 16), batch_sizes=(1, 2))
+
+    def interrupted(*args, **kwargs):
+        assert calc.measure_button.disabled
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lc, "measure_request_latency", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        calc.measure_button.click()
+    assert "interrupted (Kernel &gt; Interrupt): nothing was measured" in calc.readout.value
+    assert not calc.measure_button.disabled and calc.measurements == []
+
+
+def test_chunked_prefill_demo_disables_run_both_while_it_runs_and_says_an_interrupt(model_path, monkeypatch):
+    # the button stayed clickable during a run (a second click queued a second run behind it), and an
+    # interrupted run said nothing
+    from widgets import ChunkedPrefillDemo
+
+    common = dict(block_size=BLOCK, num_kvcache_blocks=32, max_num_seqs=4)
+    chunked = LLM(model_path, enable_chunked_prefill=True, max_num_batched_tokens=32, **common)
+    whole = LLM(model_path, enable_chunked_prefill=False, max_num_batched_tokens=512, **common)
+    try:
+        demo = ChunkedPrefillDemo(chunked, whole, run=False)
+        seen = []
+
+        def interrupted():
+            seen.append(demo.run_button.disabled)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(demo, "run", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            demo.run_button.click()
+        assert seen == [True] and not demo.run_button.disabled
+        assert "interrupted (Kernel &gt; Interrupt)" in demo.readout.value
+    finally:
+        chunked.shutdown()
+        whole.shutdown()

@@ -165,10 +165,17 @@ class ChunkedPrefillDemo(CourseWidget):
     def _on_run(self, _button) -> None:
         """The button: a refused run (a busy engine, a scenario that does not fit) is said in the
         readout; a click handler's exception would only reach the kernel's log."""
+        self.run_button.disabled = True  # a second click while it runs would queue a second run behind it
         try:
             self.run()
         except ValueError as e:
             self.readout.value = error_box(str(e))
+        except KeyboardInterrupt:  # Kernel > Interrupt: the chart and readout still show the last complete run
+            self.readout.value += error_box("interrupted (Kernel > Interrupt): the figures above are the last "
+                                            "complete run's; press Run both again")
+            raise
+        finally:
+            self.run_button.disabled = False
 
     def run(self) -> dict:
         """Measure both engines on the same scenario (same seed, same prompts).

@@ -196,6 +196,11 @@ class LatencyCalculator(CourseWidget):
             self._error = error_box(str(e))
             self.update()
             return {}
+        except KeyboardInterrupt:  # Kernel > Interrupt: say so (the measured column alone went back to "-")
+            self._error = error_box("interrupted (Kernel > Interrupt): nothing was measured at "
+                                    "this point; press measure this point again")
+            self.update()
+            raise
         finally:
             self.measure_button.disabled = False
         self._error = ""
