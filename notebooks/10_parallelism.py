@@ -328,7 +328,6 @@ stepper.display()
 # NBVAL_CHECK_OUTPUT
 for i, r in enumerate(stepper.steps[:2]):  # (the chart's x axis counts the engine's steps since it started)
     print(f"the stepper's step {i + 1} of 2: {r.phase}, {r.num_tokens} tokens, KV blocks in use {r.kv_blocks_used}")
-stepper.reset()
 
 # %% [markdown]
 # ## 4. How many collectives per step?
@@ -833,10 +832,17 @@ for phase, recorded in per_phase.items():
     print(f"{phase:8s}: {recorded[0][1]:>9,} B per all-reduce, fastest {times.min():6.0f} µs, "
           f"median {times.median():6.0f} µs over {len(recorded)} calls")
 
+# %% [markdown]
+# `LLM.shutdown()` ends the worker processes too. Seen on an engine of its own, so that `tp_llm` stays up
+# for the stepper and the playground above after Run All (`tp_llm.shutdown()`, or restarting the kernel,
+# frees it when you are done):
+
 # %%
-tp_llm.shutdown()
-print("worker processes still alive after shutdown:",
-      [pid for pid in runner.worker_pids if os.path.exists(f"/proc/{pid}")])
+spare = LLM(MODEL, device=DEVICE, num_kvcache_blocks=16, max_num_seqs=1, tensor_parallel_size=TP)
+spare_pids = spare.llm_engine.runner.worker_pids
+spare.shutdown()
+print(f"worker processes {spare_pids}; still alive after shutdown:",
+      [pid for pid in spare_pids if os.path.exists(f"/proc/{pid}")])
 
 # %% [markdown]
 # ## 6. Check yourself

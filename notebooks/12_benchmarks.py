@@ -418,18 +418,29 @@ render(f"The prefill step did {prefill_i:.1f} FLOP per byte against a ridge at {
           "still below the ridge, where the roof is the read bandwidth's slope, ")
        + f"**{prefill_roof:.0f} GFLOP/s** at its intensity; it reached {prefill_f:.1f} GFLOP/s, **{prefill_f / prefill_roof:.0%}** "
        "of that roof (`bench --sweep` places prefills of up to 512 tokens on the same roof).");
-harness_read = result["peaks"]["mbu_bytes_per_s"]
-render(f"Two read bandwidths appear in this notebook. Section 2's harness measured its peaks once, at its "
-       f"start, under whatever else was running then: **{harness_read / 1e9:.1f} GB/s** read, the ceiling of the "
-       f"MBU in its report. The roofline and the MBU column in this section use the monitor's peaks "
-       f"({peaks.provenance}): **{peaks.mbu_bytes_per_s / 1e9:.1f} GB/s**, the best figure minivllm's stored peaks "
-       "(`minivllm.telemetry.peaks`, a file on disk) have kept, because a ceiling measured while other processes "
-       "share the machine reads low. "
-       + ("On this run the two ceilings agree, so the two MBUs differ only by their steps, which belong to "
-          "different models: compare each with its own roof, not the two with each other."
-          if abs(harness_read - peaks.mbu_bytes_per_s) <= 0.02 * peaks.mbu_bytes_per_s else
-          "The two MBUs are shares of different ceilings (and of different models' steps), so they are not "
-          "comparable; only MBUs measured against the same peak are."));
+harness_read, harness_flops = result["peaks"]["mbu_bytes_per_s"], result["peaks"]["flops_per_s"]
+harness_rf = result["minivllm"]["roofline"]
+same_read = abs(harness_read - peaks.mbu_bytes_per_s) <= 0.02 * peaks.mbu_bytes_per_s
+same_flops = abs(harness_flops - peaks.flops_per_s) <= 0.02 * peaks.flops_per_s
+agree = same_read and same_flops
+rescaled = ([f"MFU of {harness_rf['mfu']:.1%} would be "
+             f"{harness_rf['mfu'] * harness_flops / peaks.flops_per_s:.1%} against the monitor's matmul peak"]
+            if harness_rf.get("mfu") is not None and not same_flops else []) + \
+           ([f"MBU of {harness_rf['mbu']:.1%} would be {harness_rf['mbu'] * harness_read / peaks.mbu_bytes_per_s:.1%} "
+             "against the monitor's read bandwidth"] if harness_rf.get("mbu") is not None and not same_read else [])
+render(f"Two sets of ceilings appear in this notebook. Section 2's harness measured its peaks once, at its "
+       f"start, under whatever else was running then: **{harness_flops / 1e9:.1f} GFLOP/s** matmul and "
+       f"**{harness_read / 1e9:.1f} GB/s** read, the ceilings of the MFU and MBU in its report. The roofline and "
+       f"the MFU and MBU columns in this section use the monitor's peaks ({peaks.provenance}): "
+       f"**{peaks.flops_per_s / 1e9:.1f} GFLOP/s** and **{peaks.mbu_bytes_per_s / 1e9:.1f} GB/s**, the best figures "
+       "minivllm's stored peaks (`minivllm.telemetry.peaks`, a file on disk) have kept, because a ceiling measured "
+       "while other processes share the machine reads low, and a utilisation measured against it reads high"
+       + (f" (the harness's {' and its '.join(rescaled)})" if rescaled else "") + ". "
+       + ("On this run the two sets of ceilings agree, so the utilisations differ only by their steps, which belong "
+          "to different models: compare each with its own roof, not the two with each other."
+          if agree else
+          "Utilisations measured against different ceilings (and of different models' steps) are not comparable; "
+          "only those measured against the same peaks are."));
 
 # %% [markdown]
 # The prefill step sits to the right of the decode steps: it multiplies every weight by all the
@@ -504,7 +515,6 @@ from minivllm.bench import build_parser
 
 os.environ["COLUMNS"] = "110"  # argparse wraps the usage to the terminal width
 print(build_parser().format_usage())
-big.shutdown()
 
 # %% [markdown]
 # ## 6. Check yourself
@@ -569,3 +579,6 @@ Quiz([
 #   bandwidth that MBU also uses, and predict a decode step's intensity from the weights' dtype;
 # * set up the comparison with nano-vllm's benchmark: the same requests, and its throughput
 #   (output tokens per second) against the `out tok/s` column.
+#
+# The utilisation monitor's engine (`big`, Qwen3-0.6B's shapes) stays loaded, so that its widget still
+# runs after Run All; `big.shutdown()`, or restarting the kernel, frees its memory.

@@ -60,12 +60,59 @@ def structure_problems(nb) -> list[str]:
     return problems
 
 
+#: the widgets with buttons: one on an engine that a later cell shuts down is dead after Run All
+INTERACTIVE = {"EngineStepper", "UtilisationMonitor", "LatencyCalculator", "SamplingExplorer", "PrefixCacheView",
+               "ChunkedPrefillDemo"}
+
+
+def run_all_problems(nb) -> list[str]:
+    """A displayed widget with buttons on an engine that a later cell shuts down at its top level (a
+    rerun guard, ``if "x" in globals(): x.shutdown()``, is nested): after Run All its every button said
+    the engine had been shut down (chapters 10 and 12, found by a teacher's browser pass, 2026-12-07)."""
+    import ast
+
+    trees = []
+    for cell in nb.cells:
+        try:
+            trees.append(ast.parse(cell.source) if cell.cell_type == "code" else None)
+        except SyntaxError:  # IPython magics: not this check's concern
+            trees.append(None)
+    shown = {n.func.value.id for t in trees if t for n in ast.walk(t) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and n.func.attr == "display" and isinstance(n.func.value, ast.Name)}
+    problems, held = [], {}  # engine name -> (cell, widget class)
+    for i, tree in enumerate(trees):
+        if tree is None:
+            continue
+        for stmt in tree.body:
+            call = stmt.value if isinstance(stmt, ast.Expr) else None
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "shutdown"
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id in held):
+                cell, kind = held[call.func.value.id]
+                problems.append(f"cell {i}: {call.func.value.id}.shutdown() ends the engine of the {kind} shown in "
+                                f"cell {cell} (dead after Run All)")
+        for stmt in ast.walk(tree):
+            if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                    and stmt.targets[0].id in shown and isinstance(stmt.value, ast.Call)
+                    and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id in INTERACTIVE
+                    and stmt.value.args and isinstance(stmt.value.args[0], ast.Name)):
+                held[stmt.value.args[0].id] = (i, stmt.value.func.id)
+    return problems
+
+
+def test_the_run_all_check_sees_a_widget_whose_engine_a_later_cell_shuts_down():
+    nb = jupytext.reads("# %%\nm = UtilisationMonitor(big)\nm.display()\n\n# %%\nbig.shutdown()\n"
+                        "\n# %%\nif 'big' in globals():\n    big.shutdown()\n"
+                        "\n# %%\ns = EngineStepper(tiny)\n\n# %%\ntiny.shutdown()\n", fmt="py:percent")
+    assert run_all_problems(nb) == ["cell 1: big.shutdown() ends the engine of the UtilisationMonitor shown in cell 0 "
+                                    "(dead after Run All)"]
+
+
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
 def test_chapter_teaches_by_doing_and_runs_again(src):
-    """The conventions above, and every cell runnable twice (``rerun_problems``: found by driving every
-    chapter's cells twice and out of order, 2026-12-05)."""
+    """The conventions above, every cell runnable twice (``rerun_problems``: found by driving every
+    chapter's cells twice and out of order, 2026-12-05), and every widget usable after Run All."""
     nb = jupytext.read(src)
-    problems = structure_problems(nb) + rerun_problems(nb)
+    problems = structure_problems(nb) + rerun_problems(nb) + run_all_problems(nb)
     assert not problems, f"{src.name}: " + "; ".join(problems)
 
 
