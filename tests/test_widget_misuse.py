@@ -335,9 +335,13 @@ def test_reset_gives_new_lists_and_max_run_steps_is_said(llm):
     max_run_steps read "done"."""
     from widgets import EngineStepper
 
+    import numpy as np
+
     with pytest.raises(ValueError, match="max_run_steps=0"):
         EngineStepper(llm, max_run_steps=0)
-    s = EngineStepper(llm, show_chart=False, max_run_steps=3)
+    with pytest.raises(ValueError, match="max_run_steps=True"):
+        EngineStepper(llm, max_run_steps=True)
+    s = EngineStepper(llm, show_chart=False, max_run_steps=np.int64(3))  # a numpy count, as the other widgets take
     s.add_request(ids(10), max_tokens=8, ignore_eos=True)
     s.run_to_end()
     assert "max_run_steps=3" in s.last_message and "1 request(s) unfinished" in s.last_message

@@ -120,7 +120,7 @@ class ChunkedPrefillDemo(CourseWidget):
             raise ValueError("chunked_llm has enable_chunked_prefill=False")
         if engine_of(whole_llm).config.args.enable_chunked_prefill:
             raise ValueError("whole_llm has enable_chunked_prefill=True")
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        if not is_count(repeats, 1):
             raise ValueError(f"repeats={repeats!r}: must be an int >= 1")
         self.llms = {"chunked": chunked_llm, "whole": whole_llm}
         self.scenario = dict(long_prompt_len=long_prompt_len, num_decoders=num_decoders,

@@ -16,6 +16,7 @@ import torch
 from minivllm.sampling_params import SamplingParams
 from minivllm.telemetry.step_record import StepRecord
 from minivllm.utils import cdiv
+from minivllm.utils.checks import is_count
 from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import PALETTE, STYLE, CourseWidget
@@ -122,7 +123,7 @@ class EngineStepper(CourseWidget):
     def __init__(self, llm, *, prompt: str = "The function returns", max_tokens: int = 16,
                  temperature: float = 0.0, peaks=None, show_chart: bool = True, max_run_steps: int = 10_000):
         super().__init__()
-        if isinstance(max_run_steps, bool) or not isinstance(max_run_steps, int) or max_run_steps < 1:
+        if not is_count(max_run_steps, 1):
             raise ValueError(f"max_run_steps={max_run_steps!r}: must be an int >= 1")
         self.engine = engine_of(llm)
         self.llm = llm  # held: an LLM shuts its engine down when collected (EngineStepper(LLM(...)) must work)
