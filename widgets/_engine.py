@@ -147,5 +147,3 @@ def slot_ranges(block_table: list[int], num_tokens: int, block_size: int) -> lis
         last_pos = min(num_tokens, first_pos + block_size) - 1
         out.append((b * block_size, b * block_size + (last_pos - first_pos)))
     return out
-
-
