@@ -425,8 +425,9 @@ class LLM:
                 continues it; exclusive with ``add_generation_prompt``.
             tools: tool (function) schemas, passed to the template as ``tools``.
             chat_template_kwargs: extra template variables (e.g. Qwen3's
-                ``{"enable_thinking": False}``); as in vLLM, ``add_generation_prompt``,
-                ``continue_final_message`` and ``tools`` given here win over the arguments.
+                ``{"enable_thinking": False}``); as in vLLM 0.34, the arguments
+                ``add_generation_prompt``, ``continue_final_message`` and ``tools`` win over the same
+                names given here (``tools`` only when not None; a value overridden is warned of).
             chat_template_content_format: vLLM's; "auto" or "string" (text parts are joined into
                 one string, the format this renders; "openai" is refused).
             mm_processor_kwargs: vLLM's; None only (no multimodal inputs here).
@@ -481,9 +482,22 @@ class LLM:
             raise ValueError(f"chat_template={chat_template!r}: must be a Jinja template string")
         if chat_template is None:
             chat_template = self.chat_template  # LLM(chat_template=...), else the tokenizer's (None)
-        variables = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+        # vLLM 0.34's order (renderers/params.py merge_kwargs): the arguments win over the dict, unless None
+        # (or "auto"); add_generation_prompt and continue_final_message are never None, so theirs always do
+        variables = dict(chat_template_kwargs or {})
+        for flag in ("add_generation_prompt", "continue_final_message"):  # "no" would open the assistant turn
+            if flag in variables and not isinstance(variables[flag], bool):
+                raise ValueError(f"chat_template_kwargs['{flag}']={variables[flag]!r}: must be True or False")
+        arguments = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                      "tools": tools}
-        variables.update(chat_template_kwargs or {})  # vLLM's order: the dict's values win
+        overridden = sorted(k for k, v in arguments.items()
+                            if v is not None and k in variables and variables[k] is not v and variables[k] != v)
+        if overridden:
+            logger.warning("LLM.chat: chat_template_kwargs' %s overridden by the argument(s) of the same name, as "
+                           "vLLM does (give them as LLM.chat's own arguments)",
+                           ", ".join(f"{k}={variables[k]!r}" for k in overridden))
+        variables.update({k: v for k, v in arguments.items() if v is not None and not (isinstance(v, str) and v == "auto")})
+        variables.setdefault("tools", None)
         for flag in ("add_generation_prompt", "continue_final_message"):  # "no" would open the assistant turn
             if not isinstance(variables[flag], bool):
                 raise ValueError(f"{flag}={variables[flag]!r}: must be True or False")
@@ -499,7 +513,8 @@ class LLM:
         tools = variables["tools"]
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, (list, tuple))
                                   or not all(isinstance(t, Mapping) or callable(t) for t in tools)):
-            where = "chat_template_kwargs['tools']" if "tools" in (chat_template_kwargs or {}) else "tools"
+            where = ("chat_template_kwargs['tools']" if arguments["tools"] is None and "tools" in (chat_template_kwargs or {})
+                     else "tools")
             raise ValueError(f"{where}={tools!r}: must be a list of tools: (function) schemas, dicts such as "
                              "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, or Python "
                              "functions (transformers builds their schemas from signature and docstring)")

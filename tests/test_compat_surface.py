@@ -493,7 +493,7 @@ def test_chat_names_a_malformed_argument(text_llm):
                       (dict(messages=conv, chat_template=5), "chat_template=5: must be a Jinja template string"),
                       (dict(messages=conv, add_generation_prompt="no"), "add_generation_prompt='no': must be True or False"),
                       (dict(messages=conv, chat_template_kwargs={"continue_final_message": "yes"}),
-                       "continue_final_message='yes'")):
+                       r"chat_template_kwargs\['continue_final_message'\]='yes'")):
         with pytest.raises(ValueError, match=match):
             text_llm.chat(sampling_params=greedy(1), use_tqdm=False, **kw)
     assert not text_llm.llm_engine.has_unfinished_requests()

@@ -57,14 +57,22 @@ def test_special_tokens_in_logprobs_read_as_themselves(llm):
     assert prompt.prompt_logprobs[1][5].decoded_token == tok.decode([5])
 
 
-def test_chat_template_kwargs_win_and_template_keys_are_refused(llm):
+def test_chat_arguments_win_over_chat_template_kwargs_as_in_vllm_0_34_and_template_keys_are_refused(llm, caplog):
     """chat_template_kwargs={"add_generation_prompt": False} raised 'got multiple values for keyword
-    argument' (vLLM lets the dict's values win); chat_template / tokenize in it are refused, as vLLM does."""
+    argument'; then the dict's values won, as in older vLLM. vLLM 0.34 merges the arguments over the dict
+    (renderers/params.py merge_kwargs; entrypoints/common/offline.py), and add_generation_prompt's default
+    True is no unset value, so the dict's False changes nothing there: the same here, with a warning.
+    chat_template / tokenize in the dict are refused."""
     params = SamplingParams(temperature=0, max_tokens=1)
     plain = llm.chat(USER, params, use_tqdm=False, add_generation_prompt=False)[0].prompt
-    via_dict = llm.chat(USER, params, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0].prompt
     opened = llm.chat(USER, params, use_tqdm=False)[0].prompt
-    assert via_dict == plain != opened
+    with caplog.at_level("WARNING", logger="minivllm"):
+        via_dict = llm.chat(USER, params, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})[0].prompt
+    assert via_dict == opened != plain
+    assert "chat_template_kwargs' add_generation_prompt=False overridden by the argument" in caplog.text
+    both = llm.chat(USER, params, use_tqdm=False, add_generation_prompt=False,
+                    chat_template_kwargs={"add_generation_prompt": False})[0].prompt
+    assert both == plain
     for key in ("tokenize", "chat_template"):
         with pytest.raises(ValueError, match=f"chat_template_kwargs names \\['{key}'\\]"):
             llm.chat(USER, params, use_tqdm=False, chat_template_kwargs={key: True})
