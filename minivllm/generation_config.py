@@ -1,8 +1,10 @@
 """A checkpoint's recommended sampling settings (``generation_config.json``) as ``SamplingParams``.
 
-vLLM's ``LLM.get_default_sampling_params()`` reads the same keys: ``temperature``, ``top_p``,
-``top_k``, ``min_p``, ``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``); a key
-the file lacks keeps ``SamplingParams``' default. ``do_sample`` is not read (nor is it by vLLM).
+vLLM's ``LLM.get_default_sampling_params()`` reads the same keys (vLLM 0.34,
+``ModelConfig.get_diff_sampling_param``): ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``skip_special_tokens`` and
+``max_new_tokens`` (as ``max_tokens``); a key the file lacks keeps ``SamplingParams``' default.
+``do_sample`` is not read (nor is it by vLLM).
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from minivllm.utils.model_source import read_json_file
 #: generation_config.json key -> SamplingParams field.
 GENERATION_CONFIG_KEYS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "skip_special_tokens": "skip_special_tokens",
+    "max_new_tokens": "max_tokens",
 }
 
 

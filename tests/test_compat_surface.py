@@ -175,9 +175,13 @@ def test_default_sampling_params_come_from_generation_config(tiny_ckpt, tmp_path
     params = other.get_default_sampling_params()
     # temperature 0: greedy, whose filters are reset (vLLM's SamplingParams does the same)
     assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.0, 0, 1.0, 5)
-    sampled = make_llm(_with_generation_config(tiny_ckpt, tmp_path / "gen2", temperature=0.7, top_k=20, top_p=0.95))
+    # presence / frequency penalties and skip_special_tokens were not read (vLLM 0.34 reads them:
+    # ModelConfig.get_diff_sampling_param)
+    sampled = make_llm(_with_generation_config(tiny_ckpt, tmp_path / "gen2", temperature=0.7, top_k=20, top_p=0.95,
+                                               presence_penalty=1.5, frequency_penalty=0.5, skip_special_tokens=False))
     p = sampled.get_default_sampling_params()
     assert (p.temperature, p.top_k, p.top_p) == (0.7, 20, 0.95)
+    assert (p.presence_penalty, p.frequency_penalty, p.skip_special_tokens) == (1.5, 0.5, False)
     sampled.shutdown()
     params.max_tokens = 1  # a copy: the engine's defaults are not changed through it
     assert other.get_default_sampling_params().max_tokens == 5
