@@ -931,8 +931,10 @@ class ModelRunner:
         for seq, first, count in spans:
             targets.extend(seq.prompt_token_ids[first:first + count])
             ks.extend([seq.params.prompt_logprobs] * count)
-        # log-probabilities of the raw logits whatever logprobs_mode says (vLLM's runner: compute_logprobs)
-        entries = logprob_entries(prompt_logits, torch.tensor(targets, device=prompt_logits.device), ks)
+        # from the raw logits (no processing applies to prompt positions): their log-probabilities, or in the
+        # "*_logits" modes the logits themselves (vLLM 0.34's v1/worker/gpu/sample/prompt_logprob.py, logits_mode)
+        entries = logprob_entries(prompt_logits, torch.tensor(targets, device=prompt_logits.device), ks,
+                                  normalize=self.logprobs_mode.endswith("logprobs"))
         out, at = {}, 0
         for seq, first, count in spans:
             out[seq] = (first, entries[at:at + count])

@@ -5,8 +5,9 @@ the natural-log softmax over the whole vocabulary, before penalties, temperature
 filters. The engine argument ``logprobs_mode`` selects, as in vLLM, "raw_logits" (the raw
 logits themselves), "processed_logprobs" (log-probabilities of the distribution the token
 was drawn from: after processors, penalties, temperature, top-k/top-p/min-p) or
-"processed_logits" (those logits, -inf where filtered). Prompt logprobs are the raw
-log-probabilities in every mode, as vLLM's runner computes them.
+"processed_logits" (those logits, -inf where filtered). Prompt logprobs come from the raw logits in
+every mode (nothing processes a prompt position): their log-probabilities, or in the two "*_logits"
+modes the logits themselves, as vLLM 0.34's runner reports them.
 Each position yields one entry ``(token_ids, logprobs, ranks)``: first the chosen token
 (sampled, or the actual next prompt token) with its rank (vLLM's: the number of tokens whose
 logprob is at least its own, so tied tokens share the lower rank), then the k most likely tokens,
