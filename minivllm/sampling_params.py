@@ -8,6 +8,7 @@ import functools
 import logging
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -105,8 +106,8 @@ class SamplingParams:
         detokenize: False: no ``text`` (empty strings) and no detokenisation cost; stop strings
             then cannot be used.
         truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1), or -1: the last
-            ``max_model_len - 1`` (vLLM's -1 keeps ``max_model_len``, which leaves no room to
-            generate).
+            ``max_model_len - 1`` (vLLM 0.34's -1, which leaves room for one generated token; vLLM
+            0.34 takes it in ``tokenization_kwargs`` rather than here).
         logprobs: return the log-probabilities of the k most likely tokens at every generated
             position, plus the sampled token's own (k >= 0), by default from the raw model
             logits, before any penalty or temperature (vLLM v1's default; the engine argument
@@ -359,7 +360,9 @@ class SamplingParams:
         """vLLM's ``SamplingParams.from_optional``: as the constructor, but None for ``n``,
         ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``temperature`` or
         ``top_p`` means that argument's default (what an OpenAI-style request leaves unset);
-        None elsewhere keeps its meaning (``max_tokens=None``: up to ``max_model_len``).
+        None elsewhere keeps its meaning (``max_tokens=None``: up to ``max_model_len``). Each
+        ``logit_bias`` value is clamped to [-100, 100], as vLLM 0.34's ``from_optional`` does (an
+        OpenAI request's range); the constructor itself takes any finite bias.
 
         Raises:
             ValueError / TypeError: as the constructor.
@@ -367,6 +370,10 @@ class SamplingParams:
         for name in _NONE_MEANS_DEFAULT:
             if name in kwargs and kwargs[name] is None:
                 del kwargs[name]
+        bias = kwargs.get("logit_bias")
+        if isinstance(bias, Mapping):  # a NaN or a non-number is left for the constructor to name
+            kwargs["logit_bias"] = {t: min(100.0, max(-100.0, float(b))) if isinstance(b, numbers.Real)
+                                    and not isinstance(b, bool) and not math.isnan(b) else b for t, b in bias.items()}
         return SamplingParams(**kwargs)
 
     def clone(self) -> "SamplingParams":
@@ -479,7 +486,8 @@ _VLLM_ONLY = {
     "trace_decode_token_ids": ("trace_decode_token_ids (forced decode tokens)", lambda v, kw: v is not None),
     "routed_experts_prompt_start": ("routed_experts_prompt_start (mixture-of-experts routing data)",
                                     lambda v, kw: bool(v)),
-    "skip_clone": ("skip_clone", lambda v, kw: False),  # vLLM's internal copy flag: nothing to turn on here
+    "skip_clone": ("skip_clone", lambda v, kw: False),
+    "watermarking": ("watermarking (marking generated text)", lambda v, kw: v is not None),  # vLLM's internal copy flag: nothing to turn on here
 }
 #: the largest finite float32: a logit bias beyond it is +inf in the engine's float32 logits
 _FLOAT32_MAX = 3.4028234663852886e38

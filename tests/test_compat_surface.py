@@ -300,8 +300,10 @@ def test_vllm_only_sampling_arguments_at_values_that_ask_for_nothing_are_accepte
     import inspect
 
     off = dict(structured_outputs=None, guided_decoding=None, extra_args=None, logits_processors=None,
-               best_of=None, use_beam_search=False, length_penalty=1.0, early_stopping=False)
+               best_of=None, use_beam_search=False, length_penalty=1.0, early_stopping=False, watermarking=None)
     assert SamplingParams(temperature=0.5, **off) == SamplingParams(temperature=0.5)
+    with pytest.raises(TypeError, match="watermarking"):  # vLLM 0.34's field: was a bare 'unexpected keyword'
+        SamplingParams(watermarking=True)
     assert SamplingParams(n=2, best_of=2, logits_processors=[], extra_args={}).n == 2
     with pytest.raises(TypeError, match=r"SamplingParams\(best_of=\.\.\.\)"):
         SamplingParams(n=2, best_of=3)

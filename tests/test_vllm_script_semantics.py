@@ -306,6 +306,11 @@ def test_from_optional_and_vllms_integer_output_kinds():
                                      frequency_penalty=None, repetition_penalty=None, max_tokens=8, seed=3)
     assert p == SamplingParams(max_tokens=8, seed=3)
     assert SamplingParams.from_optional(max_tokens=None).max_tokens is None  # None keeps its meaning here
+    # logit_bias clamped to [-100, 100] as vLLM 0.34's from_optional does (it was passed through: +1000 forced
+    # the token); the constructor keeps any finite bias
+    assert SamplingParams.from_optional(logit_bias={"5": 1000, 6: -500, 7: 2.5}).logit_bias == {5: 100.0, 6: -100.0,
+                                                                                                 7: 2.5}
+    assert SamplingParams(logit_bias={5: 1000}).logit_bias == {5: 1000.0}
     with pytest.raises(ValueError, match="top_k=None"):
         SamplingParams.from_optional(top_k=None)
     assert [RequestOutputKind(i) for i in (0, 1, 2)] == list(RequestOutputKind)
