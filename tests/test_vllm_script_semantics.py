@@ -407,3 +407,26 @@ def test_chat_names_bad_tools_and_an_empty_conversation(llm):
     # transformers builds a function's schema: a Python function is a tool too
     assert llm.chat(conv, SamplingParams(max_tokens=1), tools=[get_weather], use_tqdm=False)[0].outputs
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_delta_outputs_after_the_first_carry_an_empty_prompt_logprobs_list(llm):
+    # they carried None, as if the request had asked for no prompt logprobs; vLLM 0.34's later deltas carry []
+    from minivllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    for n in (1, 2):
+        params = SamplingParams(temperature=0.8, seed=1, max_tokens=3, ignore_eos=True, prompt_logprobs=1, n=n,
+                                output_kind=RequestOutputKind.DELTA)
+        engine.add_request(f"delta-{n}", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+        seen = {}  # sample index -> its outputs' prompt_logprobs (each sample's first delta carries them, as in vLLM)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen.setdefault(out.outputs[0].index, []).append(out.prompt_logprobs)
+        assert sorted(seen) == list(range(n))
+        for first, *later in seen.values():
+            assert len(first) == 4 and first[0] is None and later and all(p == [] for p in later), (n, seen)
+        # without prompt logprobs: None throughout
+        engine.add_request(f"plain-{n}", [5, 6, 7, 8], SamplingParams(max_tokens=2, n=n, seed=1, temperature=0.8,
+                                                                       output_kind=RequestOutputKind.DELTA))
+        while engine.has_unfinished_requests():
+            assert all(out.prompt_logprobs is None for out in engine.step())

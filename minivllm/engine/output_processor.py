@@ -232,6 +232,8 @@ def make_output(state: RequestState) -> RequestOutput:
     if seq.prompt_logprobs is not None and not state.sent_prompt_logprobs:
         prompt_logprobs = logprob_dicts(seq.prompt_logprobs, state.detokenizer, seq.prompt_token_ids)
         state.sent_prompt_logprobs = state.kind is OutputKind.DELTA  # deltas carry them once
+    elif seq.prompt_logprobs is not None:
+        prompt_logprobs = []  # the later deltas: an empty list, as vLLM 0.34's (v1/engine/logprobs.py pop_prompt_logprobs)
     completion = CompletionOutput(index=0, text=text, token_ids=token_ids, finish_reason=seq.finish_reason,
                                   stop_reason=seq.stop_reason, logprobs=logprobs,
                                   cumulative_logprob=seq.cumulative_logprob)
