@@ -430,3 +430,14 @@ def test_delta_outputs_after_the_first_carry_an_empty_prompt_logprobs_list(llm):
                                                                        output_kind=RequestOutputKind.DELTA))
         while engine.has_unfinished_requests():
             assert all(out.prompt_logprobs is None for out in engine.step())
+
+
+def test_engine_add_request_returns_the_id_to_abort_by(llm):
+    # it returned None; vLLM 0.34's returns the request's id (with a random suffix there), for abort_request
+    engine = llm.llm_engine
+    rid = engine.add_request(7, [5, 6, 7], SamplingParams(max_tokens=4))
+    assert rid == "7" and rid in engine.requests
+    engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    assert engine.add_request("two", [5, 6], SamplingParams(max_tokens=2, n=2, temperature=1.0, seed=0)) == "two"
+    engine.abort_request("two")

@@ -464,8 +464,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
                     *, priority: int = 0, output_kind: OutputKind | str | None = None, sink=None,
-                    sampling_params: SamplingParams | None = None) -> None:
-        """Validate and queue a request (raises ``ValueError`` at once on bad input).
+                    sampling_params: SamplingParams | None = None) -> str:
+        """Validate and queue a request (raises ``ValueError`` at once on bad input); returns its id
+        as a str (vLLM 0.34's ``add_request`` returns the id to abort it by; there it carries a
+        random suffix, here it is the id given: outputs and ``abort_request`` use the same).
 
         ``params``: its ``SamplingParams`` (vLLM's name; ``sampling_params=`` is accepted too),
         None for ``SamplingParams()``. ``tokenization_kwargs``: vLLM's, see
@@ -557,6 +559,7 @@ class LLMEngine:
             except BaseException:  # an interrupt part-way (a learner's "interrupt kernel"): queue nothing
                 self._unqueue(request_id, [request_id] if parent is None else parent.child_ids)
                 raise
+        return request_id
 
     def _unqueue(self, request_id: str, ids: list[str]) -> None:
         """Take back whatever an interrupted ``add_request`` recorded of ``request_id`` (its
