@@ -6,7 +6,8 @@ runs all cells, then clicks "Add request" and "Step" in the rendered page and ch
 displayed generated-token count and the KV cache view change; "Run to end" and "Reset" follow.
 Then chapter 07 (split from 06: the latency calculator and the chunked-prefill demo) runs in a
 workspace of its own, and "measure this point" on the latency calculator measures again.
-Screenshots go to docs/screenshots/.
+Screenshots go to the test's temporary directory; with ``MINIVLLM_UPDATE_SCREENSHOTS=1`` they replace
+the committed ones in docs/screenshots/ (a plain test run changed tracked files).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "06_prefill_vs_decode.ipynb"
 NOTEBOOK_07 = ROOT / "notebooks" / "07_latency.ipynb"
-SHOTS = ROOT / "docs" / "screenshots"
+DOC_SHOTS = ROOT / "docs" / "screenshots"
 COUNT = ".mv-engine-stepper .mv-generated-count"
 KV = ".mv-kv-cache-view .mv-kv-summary"
 STATUS = ".mv-engine-stepper .mv-status"
@@ -132,7 +133,8 @@ def _open_and_run_all(sync_api, page, url: str, token: str, path: str) -> None:
 def test_notebooks_06_and_07_in_jupyterlab(jupyterlab):
     sync_api = pytest.importorskip("playwright.sync_api")
     url, token, work = jupyterlab
-    SHOTS.mkdir(parents=True, exist_ok=True)
+    shots = DOC_SHOTS if os.environ.get("MINIVLLM_UPDATE_SCREENSHOTS") == "1" else work / "screenshots"
+    shots.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM, headless=True,
@@ -161,8 +163,8 @@ def test_notebooks_06_and_07_in_jupyterlab(jupyterlab):
                                    timeout=30_000)
             assert _text(kv_summary) != kv0
             assert stepper.locator(".js-plotly-plot").count() >= 1  # the live chart (plotly JSON in an Output widget) rendered
-            stepper.screenshot(path=str(SHOTS / "engine_stepper.png"))
-            page.locator(".mv-kv-cache-view").first.screenshot(path=str(SHOTS / "kv_cache_view.png"))
+            stepper.screenshot(path=str(shots / "engine_stepper.png"))
+            page.locator(".mv-kv-cache-view").first.screenshot(path=str(shots / "kv_cache_view.png"))
 
             stepper.locator("button.mv-run-to-end").click()
             page.wait_for_function(f"() => document.querySelector('{STATUS}').textContent.includes('engine idle')",
@@ -207,7 +209,7 @@ def test_notebooks_06_and_07_in_jupyterlab(jupyterlab):
             calc.locator("button.mv-measure").click()  # measure it again: new measured figures
             page.wait_for_function(f"t => document.querySelector('{table}').textContent.trim() !== t",
                                    arg=before, timeout=60_000)
-            calc.screenshot(path=str(SHOTS / "latency_calculator.png"))
+            calc.screenshot(path=str(shots / "latency_calculator.png"))
             demo = page.locator(".mv-chunked-prefill-demo").first
             demo.scroll_into_view_if_needed()
             assert demo.locator(".js-plotly-plot").count() >= 1

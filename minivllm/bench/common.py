@@ -116,7 +116,8 @@ def cost_and_peaks(engine, log=None, peak_kwargs: dict | None = None):
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
         if load > 0.75 * cores:
             log(f"note: load average {load:.1f} on {cores} cores: other processes compete for the CPU, "
-                f"so every figure below reads low (--threads 1 suffers least)")
+                f"so times below read long and throughputs low, and a peak measured now can read low, which makes "
+                f"MFU and MBU read high, above 100% at times (--threads 1 suffers least)")
     return cost, peaks
 
 
