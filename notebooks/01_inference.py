@@ -397,15 +397,18 @@ _ = check_claim("the hand-written loop's time per token rises with the sequence 
 # %% [markdown]
 # ## 6. Watch the engine loop
 #
-# The stepper below drives the same engine one `step()` at a time. It has queued the prompt and run
-# the prefill plus two decode steps. Press **Step** to run one more step, **Run to end** to finish.
+# The stepper below drives an engine one `step()` at a time: one of its own, built as `llm` was, so that the
+# playground below (which generates on `llm`) leaves its request where it is. It has queued the prompt and
+# run the prefill plus two decode steps. Press **Step** to run one more step, **Run to end** to finish.
 # Each step shows which tokens went through the model and the token it sampled.
 
 # %%
 from widgets import EngineStepper
 
-stepper = EngineStepper(llm, prompt=PROMPT, max_tokens=8, show_chart=False)  # step times: the chart above
-stepper.reset()  # an idle engine, also when this cell runs again (Reset aborts whatever is left)
+if "step_llm" in globals():  # run again: the last run's engine goes first
+    step_llm.shutdown()
+step_llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64)
+stepper = EngineStepper(step_llm, prompt=PROMPT, max_tokens=8, show_chart=False)  # step times: the chart above
 stepper.add_request(PROMPT, max_tokens=8)
 for _ in range(3):
     stepper.step()
@@ -413,7 +416,7 @@ stepper.display()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for i, r in enumerate(stepper.steps):  # (r.index counts every step this engine ran, the cells above included)
+for i, r in enumerate(stepper.steps):
     print(f"stepper step {i}: {r.phase:7s} {r.num_tokens} token(s) through the model")
 so_far = stepper.sequence(stepper.request_ids[0]).output_token_ids
 print("tokens so far:", so_far, "| the same as the first ones by hand:", so_far == by_hand[:len(so_far)])

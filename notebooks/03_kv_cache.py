@@ -525,7 +525,7 @@ _ = render(f"About **{kv06[torch.bfloat16] / 1024:.0f} KiB per token** in bf16: 
 # ## 5. Watch the engine's cache fill
 #
 # The engine does not reserve a strip per sequence. It hands out blocks of 16 token slots, one at
-# a time, as a sequence grows. Below, a request with a 30-token prompt asks for 20 tokens; the
+# a time, as a sequence grows. Below, a request with a 30-token prompt asks for 40 tokens; the
 # view shows the engine's KV pool (each cell a block, coloured by owner; hover for the tokens it
 # holds). The cell takes the first 12 steps (the prefill and 11 decode steps, listed in the printout
 # after it); press the stepper's **Step** for the rest and watch a new block appear each time the
@@ -534,13 +534,13 @@ _ = render(f"About **{kv06[torch.bfloat16] / 1024:.0f} KiB per token** in bf16: 
 # %%
 from widgets import EngineStepper, KVCacheView
 
-stepper = EngineStepper(llm, max_tokens=20, show_chart=False)
+stepper = EngineStepper(llm, max_tokens=40, show_chart=False)
 view = KVCacheView(llm, stepper=stepper)
 # section 3's requests began with the same text, and the engine kept their full blocks for reuse (prefix
 # caching, chapter 08); Reset forgets them (and aborts whatever an earlier run of this cell left), so this
 # request computes and stores every one of its tokens itself
 stepper.reset()
-rid = stepper.add_request(text_ids[:30], max_tokens=20, ignore_eos=True)
+rid = stepper.add_request(text_ids[:30], max_tokens=40, ignore_eos=True)
 history = []
 for _ in range(12):  # the prefill, then 11 decode steps
     r = stepper.step()

@@ -546,7 +546,6 @@ check_claim("the contiguous policies do not depend on the block size",
 # %%
 from widgets import Quiz, Question
 
-work.shutdown()
 Quiz([
     Question(
         "Block size 16; a request's block table is [7, 2, 9]. In which slot is the key of its token at position 20?",

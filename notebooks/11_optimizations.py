@@ -95,7 +95,9 @@ print(f"{hf.num_hidden_layers} layers, hidden {hf.hidden_size}; "
 # The stepper below holds a request; we let it prefill and decode once, then record its next decode
 # step with `torch.profiler` and count the ATen operations that do work (views and reshapes, which
 # only relabel memory, are left out), and with `minivllm.layers.cpu_graph.count_calls` the calls into
-# minivllm's C code. On a GPU each ATen operation is at least one kernel launch.
+# minivllm's C code. On a GPU each ATen operation is at least one kernel launch. (The stepper's card
+# numbers a step as the engine counts them, every step this engine has run in the cells above included;
+# "steps taken here" counts the widget's own.)
 
 # %%
 from widgets import EngineStepper
@@ -118,9 +120,10 @@ stepper.display()
 # %%
 from collections import Counter
 
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity
 
 from minivllm.layers.cpu_graph import count_calls
+from widgets import quiet_profile
 
 # Operations that only relabel or allocate memory, or convert a tensor that already has the
 # right dtype/device: no kernel of their own on a GPU.
@@ -154,7 +157,8 @@ def profile_call(fn):
     """Run fn() under the profiler; returns (its result, Counter of the innermost ATen operations
     that do work, Counter of calls into minivllm's C code, kernels on GPU)."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ON_CUDA else [])
-    with profile(activities=acts, record_shapes=True) as prof, count_calls() as c_calls:
+    # quiet_profile: torch.profiler.profile without its start/stop trace lines on stderr
+    with quiet_profile(activities=acts, record_shapes=True) as prof, count_calls() as c_calls:
         out = fn()
     events = prof.events()
     # innermost: an operation built from others (rms_norm, mean) counts as those
@@ -324,6 +328,7 @@ ENGINES = {"eager": g_eager.llm_engine, "graphs": g_graph.llm_engine, "eager (se
 
 def decode_step_ms(e, b, tag):
     """Median wall time of the steady decode steps of b requests decoding together."""
+    idle_engine(e)  # a request the stepper above (or an interrupted run of this cell) left would join the steps
     for i in range(b):
         e.add_request(f"{tag}-{i}", "The module provides", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     steps = []

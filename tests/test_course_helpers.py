@@ -79,3 +79,21 @@ def test_claim_that_fails_does_not_raise(capsys):
     out = capsys.readouterr().out
     assert "Does NOT hold" in out and "2.70x" in out and "competing" in out
     assert check_claim("x", True, "y").holds
+
+
+def test_quiet_profile_drops_the_profilers_start_and_stop_lines_and_keeps_the_blocks_stderr():
+    # torch 2.13's profiler wrote "USDT: ... profiler_start" / "profiler_stop" to stderr under every profiled
+    # cell of chapter 11 (a red box in JupyterLab, read as an error)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, torch\nfrom torch.profiler import ProfilerActivity\nfrom widgets import quiet_profile\n"
+            "with quiet_profile(activities=[ProfilerActivity.CPU]) as p:\n    torch.ones(3) + 1\n"
+            "    print('said in the block', file=sys.stderr)\nprint(any(e.name.startswith('aten::') for e in p.events()))\n")
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "True"
+    assert "said in the block" in run.stderr and "profiler_start" not in run.stderr and "profiler_stop" not in run.stderr

@@ -66,9 +66,11 @@ INTERACTIVE = {"EngineStepper", "UtilisationMonitor", "LatencyCalculator", "Samp
 
 
 def run_all_problems(nb) -> list[str]:
-    """A displayed widget with buttons on an engine that a later cell shuts down at its top level (a
-    rerun guard, ``if "x" in globals(): x.shutdown()``, is nested): after Run All its every button said
-    the engine had been shut down (chapters 10 and 12, found by a teacher's browser pass, 2026-12-07)."""
+    """A displayed widget with buttons, or an exercise's check cell (run again once the prediction is
+    written, as it says), on an engine that a later cell shuts down at its top level (a rerun guard,
+    ``if "x" in globals(): x.shutdown()``, is nested): after Run All the widget's every button, or the
+    check, said the engine had been shut down (chapters 10 and 12, and chapter 04's exercise 2, found by
+    teachers' browser passes, 2026-12-07)."""
     import ast
 
     trees = []
@@ -88,14 +90,19 @@ def run_all_problems(nb) -> list[str]:
             if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "shutdown"
                     and isinstance(call.func.value, ast.Name) and call.func.value.id in held):
                 cell, kind = held[call.func.value.id]
-                problems.append(f"cell {i}: {call.func.value.id}.shutdown() ends the engine of the {kind} shown in "
+                problems.append(f"cell {i}: {call.func.value.id}.shutdown() ends the engine of the {kind} in "
                                 f"cell {cell} (dead after Run All)")
         for stmt in ast.walk(tree):
             if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
                     and stmt.targets[0].id in shown and isinstance(stmt.value, ast.Call)
                     and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id in INTERACTIVE
                     and stmt.value.args and isinstance(stmt.value.args[0], ast.Name)):
-                held[stmt.value.args[0].id] = (i, stmt.value.func.id)
+                held[stmt.value.args[0].id] = (i, stmt.value.func.id + " shown")
+        if re.search(r"check_prediction\(my_prediction", nb.cells[i].source):  # names it reads, not binds
+            bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound:
+                    held.setdefault(n.id, (i, "exercise check"))
     return problems
 
 
@@ -105,6 +112,11 @@ def test_the_run_all_check_sees_a_widget_whose_engine_a_later_cell_shuts_down():
                         "\n# %%\ns = EngineStepper(tiny)\n\n# %%\ntiny.shutdown()\n", fmt="py:percent")
     assert run_all_problems(nb) == ["cell 1: big.shutdown() ends the engine of the UtilisationMonitor shown in cell 0 "
                                     "(dead after Run All)"]
+    exercise = jupytext.reads("# %%\nr = measure(work)\ncheck_prediction(my_prediction_2, r)\n\n# %%\nwork.shutdown()\n"
+                              "\n# %%\nx = LLM()\ncheck_prediction(my_prediction_3, x.f())\n\n# %%\nx.shutdown()\n",
+                              fmt="py:percent")
+    assert run_all_problems(exercise) == ["cell 1: work.shutdown() ends the engine of the exercise check in cell 0 "
+                                          "(dead after Run All)"]
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)

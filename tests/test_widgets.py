@@ -966,3 +966,40 @@ def test_chunked_prefill_demo_disables_run_both_while_it_runs_and_says_an_interr
     finally:
         chunked.shutdown()
         whole.shutdown()
+
+
+def test_prefix_cache_view_keeps_its_last_complete_run_and_says_an_interrupt(llm, monkeypatch):
+    # an interrupted Run left the old table on show with no word of it, while `results` held the interrupted
+    # run's first rows only (a teacher's browser pass)
+    from widgets import PrefixCacheView
+
+    view = PrefixCacheView(llm, ids(32, start=3), [ids(4, start=81), ids(4, start=91)], repeats=1)
+    before = [dict(r) for r in view.results]
+    calls = []
+    ttft = view._ttft
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return ttft(*args, **kwargs)
+
+    monkeypatch.setattr(view, "_ttft", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        view.run_button.click()
+    assert len(view.results) == len(before) == 2
+    assert [r["hit_blocks"] for r in view.results] == [r["hit_blocks"] for r in before]
+    assert "interrupted (Kernel &gt; Interrupt): the table is the last complete run" in view.grid.value
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_sampling_explorer_box_shows_the_draws_a_cell_asked_for(llm):
+    # draw(2000) from a cell left the "draws" box at 500 while the readout said 2000 draws; the next click then
+    # reported 2500 (a teacher's browser pass)
+    from widgets import SamplingExplorer
+
+    ex = SamplingExplorer(llm, prompt="The list type", top_n=5)
+    ex.draw(300)
+    assert ex.n_draws.value == 300 and ex.num_draws == 300
+    ex.draw_button.click()
+    assert ex.num_draws == 600  # the same amount again: the draws still add up under the same settings

@@ -16,6 +16,7 @@ or as an ipywidgets container (they are ``VBox`` subclasses):
 * :func:`check_prediction`, :func:`check_claim`, :func:`render` - exercises and claims checked
   against this run's measurements (``widgets/course.py``).
 * :func:`idle_engine` - abort what a widget or an earlier cell left running, before a cell's own steps.
+* :func:`quiet_profile` - ``torch.profiler.profile`` without its start/stop lines on stderr.
 
 Names are imported lazily so ``import widgets`` stays cheap.
 """
@@ -37,6 +38,7 @@ _EXPORTS = {
     "check_prediction": "widgets.course",
     "check_claim": "widgets.course",
     "render": "widgets.course",
+    "quiet_profile": "widgets.profiling",
     "Question": "widgets.quiz",
     "measure_step_latency": "widgets.measure",
     "figure_html": "widgets._static",

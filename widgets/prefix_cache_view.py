@@ -98,6 +98,10 @@ class PrefixCacheView(CourseWidget):
             self.run()
         except ValueError as e:  # above the last table, replacing an earlier refusal
             self.grid.value = error_box(str(e)) + self._table
+        except KeyboardInterrupt:  # Kernel > Interrupt: the table (and results) stay the last complete run's
+            self.grid.value = error_box("interrupted (Kernel > Interrupt): the table is the last complete run's; "
+                                        "press Run again") + self._table
+            raise
 
     def run(self) -> list[dict]:
         """Measure every request (see the class docstring); returns ``results``.
@@ -110,7 +114,7 @@ class PrefixCacheView(CourseWidget):
         sys_ids = self._ids(self.system_prompt)
         prompts = [sys_ids + self._ids(u) for u in self.user_prompts]
         bs = self.engine.block_manager.block_size
-        self.results = []
+        results = []  # kept only once whole: an interrupted run leaves the last complete one in place
         # one unrecorded run first: request 0's cold run is no longer preceded by its (dropped) warm one,
         # and a first run's one-off costs must not land in it
         self.engine.reset_prefix_cache()
@@ -124,9 +128,10 @@ class PrefixCacheView(CourseWidget):
                 cached = cold_cached
             n_blocks = cdiv(len(ids), bs)
             hits = cached // bs
-            self.results.append(dict(prompt_tokens=len(ids), hit_blocks=hits, miss_blocks=n_blocks - hits,
-                                     cached_tokens=cached, ttft_warm_ms=warm, ttft_cold_ms=cold,
-                                     saved_ms=None if warm is None else cold - warm))
+            results.append(dict(prompt_tokens=len(ids), hit_blocks=hits, miss_blocks=n_blocks - hits,
+                                cached_tokens=cached, ttft_warm_ms=warm, ttft_cold_ms=cold,
+                                saved_ms=None if warm is None else cold - warm))
+        self.results = results
         self.engine.reset_prefix_cache()
         self._redraw(len(sys_ids))
         return self.results

@@ -196,7 +196,7 @@ class SamplingExplorer(CourseWidget):
                                             "counted (the frequencies shown are the earlier draws')")
 
     def draw(self, n: int | None = None) -> dict[int, int]:
-        """Draw ``n`` tokens (default: the "draws" box) from the filtered distribution.
+        """Draw ``n`` tokens (default: the "draws" box, which then shows ``n``) from the filtered distribution.
 
         Raises:
             ValueError: ``n`` not an int >= 1, or no prompt has loaded yet.
@@ -220,6 +220,8 @@ class SamplingExplorer(CourseWidget):
         for t in tokens:
             self.counts[t] = self.counts.get(t, 0) + 1
         self.num_draws += n
+        if n <= self.n_draws.max:  # a cell's draw(2000) left the box at 500: the next click drew another amount
+            self.n_draws.value = n
         self._redraw()
         return self.counts
 
