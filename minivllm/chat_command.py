@@ -34,6 +34,10 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{text}: must be a JSON object of template variables, e.g. "
                                          '\'{"enable_thinking": false}\'')
+    fixed = sorted(value.keys() & {"add_generation_prompt", "continue_final_message"})
+    if fixed:  # LLM.chat's own arguments win over these (vLLM 0.34's order): here they would change nothing
+        raise argparse.ArgumentTypeError(f"{fixed}: the chat loop sets these itself (each turn opens the "
+                                         "assistant's reply); leave them out")
     return value
 
 

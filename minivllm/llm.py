@@ -122,6 +122,7 @@ class LLM:
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, engine_args))
         self._ids = itertools.count()
         self._unused_template_variables_told: set[tuple] = set()  # LLM.chat warns once per template and names
+        self._overridden_template_variables_told: set[str] = set()  # ... and once per overridden names and values
 
     def __getattr__(self, name: str):
         # only for names the object lacks: nano-vllm's LLM is its engine, so its scripts call these here
@@ -482,25 +483,26 @@ class LLM:
             raise ValueError(f"chat_template={chat_template!r}: must be a Jinja template string")
         if chat_template is None:
             chat_template = self.chat_template  # LLM(chat_template=...), else the tokenizer's (None)
-        # vLLM 0.34's order (renderers/params.py merge_kwargs): the arguments win over the dict, unless None
-        # (or "auto"); add_generation_prompt and continue_final_message are never None, so theirs always do
+        # vLLM 0.34's order (renderers/params.py merge_kwargs): the arguments win over the dict; tools only when
+        # not None. The two flags must be bools ("no" would open the assistant turn), so theirs always win.
         variables = dict(chat_template_kwargs or {})
-        for flag in ("add_generation_prompt", "continue_final_message"):  # "no" would open the assistant turn
-            if flag in variables and not isinstance(variables[flag], bool):
-                raise ValueError(f"chat_template_kwargs['{flag}']={variables[flag]!r}: must be True or False")
-        arguments = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                     "tools": tools}
-        overridden = sorted(k for k, v in arguments.items()
-                            if v is not None and k in variables and variables[k] is not v and variables[k] != v)
-        if overridden:
+        for where, value in (("add_generation_prompt", add_generation_prompt),
+                             ("continue_final_message", continue_final_message),
+                             ("chat_template_kwargs['add_generation_prompt']", variables.get("add_generation_prompt", True)),
+                             ("chat_template_kwargs['continue_final_message']", variables.get("continue_final_message", False))):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}={value!r}: must be True or False")
+        arguments = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        if tools is not None:
+            arguments["tools"] = tools
+        overridden = sorted((k, variables[k]) for k, v in arguments.items() if k in variables and variables[k] != v)
+        if overridden and repr(overridden) not in self._overridden_template_variables_told:  # once per names, values
+            self._overridden_template_variables_told.add(repr(overridden))
             logger.warning("LLM.chat: chat_template_kwargs' %s overridden by the argument(s) of the same name, as "
                            "vLLM does (give them as LLM.chat's own arguments)",
-                           ", ".join(f"{k}={variables[k]!r}" for k in overridden))
-        variables.update({k: v for k, v in arguments.items() if v is not None and not (isinstance(v, str) and v == "auto")})
+                           ", ".join(f"{k}={v!r}" for k, v in overridden))
+        variables.update(arguments)
         variables.setdefault("tools", None)
-        for flag in ("add_generation_prompt", "continue_final_message"):  # "no" would open the assistant turn
-            if not isinstance(variables[flag], bool):
-                raise ValueError(f"{flag}={variables[flag]!r}: must be True or False")
         why = {"chat_template": "give it as LLM.chat's own argument",
                "tokenize": "the text is always rendered, then tokenized by generate: leave it out",
                "messages": "the conversation is LLM.chat's first argument"}
@@ -513,8 +515,7 @@ class LLM:
         tools = variables["tools"]
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, (list, tuple))
                                   or not all(isinstance(t, Mapping) or callable(t) for t in tools)):
-            where = ("chat_template_kwargs['tools']" if arguments["tools"] is None and "tools" in (chat_template_kwargs or {})
-                     else "tools")
+            where = "tools" if "tools" in arguments else "chat_template_kwargs['tools']"
             raise ValueError(f"{where}={tools!r}: must be a list of tools: (function) schemas, dicts such as "
                              "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, or Python "
                              "functions (transformers builds their schemas from signature and docstring)")

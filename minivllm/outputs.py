@@ -173,7 +173,10 @@ class RequestOutput:
         prompt_token_ids: the prompt's token ids.
         prompt_logprobs: with ``SamplingParams.prompt_logprobs=k``: per prompt token, None for
             the first and ``{token_id: Logprob}`` (the prompt token plus the k most likely)
-            for the others, as in vLLM; else None.
+            for the others, as in vLLM (from the raw logits: their log-probabilities, or with the
+            engine argument ``logprobs_mode`` "raw_logits" / "processed_logits" the logits
+            themselves); a delta output after the request's first carries ``[]`` (vLLM 0.34's);
+            else None.
         outputs: the ``CompletionOutput``s: one, or ``n`` with ``SamplingParams.n`` (for a delta or
             cumulative output of such a request, as vLLM streams them, the one completion that
             advanced, with its ``index``).

@@ -113,8 +113,10 @@ class SamplingParams:
             logits, before any penalty or temperature (vLLM v1's default; the engine argument
             ``logprobs_mode`` selects the processed distribution or the logits instead).
             ``-1``: the whole vocabulary, ``True``: 1 (both as vLLM).
-        prompt_logprobs: the same for every prompt token (k >= 0, -1, or True: 1). Prompt positions are
-            computed, not read from the prefix cache, for such requests.
+        prompt_logprobs: the same for every prompt token (k >= 0, -1, or True: 1), from the raw
+            logits whatever ``logprobs_mode`` says of processing (their log-probabilities, or in the
+            "*_logits" modes the logits). Prompt positions are computed, not read from the prefix
+            cache, for such requests.
         output_kind: what ``LLMEngine.step()`` returns for the request (vLLM's
             ``RequestOutputKind``): ``CUMULATIVE`` (all so far, every step), ``DELTA`` (only what
             is new) or ``FINAL_ONLY`` (once, finished); ``LLM.generate`` always gives final
@@ -362,7 +364,8 @@ class SamplingParams:
         ``top_p`` means that argument's default (what an OpenAI-style request leaves unset);
         None elsewhere keeps its meaning (``max_tokens=None``: up to ``max_model_len``). Each
         ``logit_bias`` value is clamped to [-100, 100], as vLLM 0.34's ``from_optional`` does (an
-        OpenAI request's range); the constructor itself takes any finite bias.
+        OpenAI request's range; a ``-inf`` ban becomes -100 there too); the constructor itself
+        keeps any bias it accepts.
 
         Raises:
             ValueError / TypeError: as the constructor.
@@ -486,8 +489,8 @@ _VLLM_ONLY = {
     "trace_decode_token_ids": ("trace_decode_token_ids (forced decode tokens)", lambda v, kw: v is not None),
     "routed_experts_prompt_start": ("routed_experts_prompt_start (mixture-of-experts routing data)",
                                     lambda v, kw: bool(v)),
-    "skip_clone": ("skip_clone", lambda v, kw: False),
-    "watermarking": ("watermarking (marking generated text)", lambda v, kw: v is not None),  # vLLM's internal copy flag: nothing to turn on here
+    "skip_clone": ("skip_clone", lambda v, kw: False),  # vLLM's internal copy flag: nothing to turn on here
+    "watermarking": ("watermarking (marking generated text)", lambda v, kw: bool(v)),  # vLLM 0.34: bool | None
 }
 #: the largest finite float32: a logit bias beyond it is +inf in the engine's float32 logits
 _FLOAT32_MAX = 3.4028234663852886e38

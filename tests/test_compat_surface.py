@@ -304,6 +304,7 @@ def test_vllm_only_sampling_arguments_at_values_that_ask_for_nothing_are_accepte
     assert SamplingParams(temperature=0.5, **off) == SamplingParams(temperature=0.5)
     with pytest.raises(TypeError, match="watermarking"):  # vLLM 0.34's field: was a bare 'unexpected keyword'
         SamplingParams(watermarking=True)
+    assert SamplingParams(watermarking=False) == SamplingParams()  # off, as None (vLLM's field is bool | None)
     assert SamplingParams(n=2, best_of=2, logits_processors=[], extra_args={}).n == 2
     with pytest.raises(TypeError, match=r"SamplingParams\(best_of=\.\.\.\)"):
         SamplingParams(n=2, best_of=3)

@@ -67,10 +67,12 @@ INTERACTIVE = {"EngineStepper", "UtilisationMonitor", "LatencyCalculator", "Samp
 
 def run_all_problems(nb) -> list[str]:
     """A displayed widget with buttons, or an exercise's check cell (run again once the prediction is
-    written, as it says), on an engine that a later cell shuts down at its top level (a rerun guard,
-    ``if "x" in globals(): x.shutdown()``, is nested): after Run All the widget's every button, or the
-    check, said the engine had been shut down (chapters 10 and 12, and chapter 04's exercise 2, found by
-    teachers' browser passes, 2026-12-07)."""
+    written, as it says), on an engine that a later cell shuts down (at its top level, or in a top-level
+    ``for`` / ``while`` / ``with`` / ``try``; a rerun guard, ``if "x" in globals(): x.shutdown()``, is an
+    ``if``): after Run All the widget's every button, or the check, said the engine had been shut down
+    (chapters 10 and 12, and chapter 04's exercise 2, found by teachers' browser passes, 2026-12-07). An
+    engine is any name among the widget call's arguments (keyword ones and those inside a dict or list
+    included); a name bound again at a cell's top level is a new object, no longer held."""
     import ast
 
     trees = []
@@ -81,23 +83,46 @@ def run_all_problems(nb) -> list[str]:
             trees.append(None)
     shown = {n.func.value.id for t in trees if t for n in ast.walk(t) if isinstance(n, ast.Call)
              and isinstance(n.func, ast.Attribute) and n.func.attr == "display" and isinstance(n.func.value, ast.Name)}
-    problems, held = [], {}  # engine name -> (cell, widget class)
+
+    def widget_class(call) -> str | None:  # Widget(...) or Widget.from_model(...)
+        f = call.func
+        name = f.id if isinstance(f, ast.Name) else f.value.id if (
+            isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)) else None
+        return name if name in INTERACTIVE else None
+
+    def top_level(body):  # the statements a cell runs whatever it finds (an if's body excluded)
+        for stmt in body:
+            yield stmt
+            if isinstance(stmt, (ast.For, ast.While, ast.With, ast.Try)):
+                for part in ("body", "orelse", "finalbody"):
+                    yield from top_level(getattr(stmt, part, []))
+                for handler in getattr(stmt, "handlers", []):
+                    yield from top_level(handler.body)
+
+    problems, held = [], {}  # engine name -> (cell, what uses it)
     for i, tree in enumerate(trees):
         if tree is None:
             continue
-        for stmt in tree.body:
+        for stmt in top_level(tree.body):
             call = stmt.value if isinstance(stmt, ast.Expr) else None
             if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "shutdown"
                     and isinstance(call.func.value, ast.Name) and call.func.value.id in held):
                 cell, kind = held[call.func.value.id]
                 problems.append(f"cell {i}: {call.func.value.id}.shutdown() ends the engine of the {kind} in "
                                 f"cell {cell} (dead after Run All)")
+            if isinstance(stmt, ast.Assign):  # bound again: a new object from here on
+                for target in stmt.targets:
+                    for n in ast.walk(target):
+                        if isinstance(n, ast.Name):
+                            held.pop(n.id, None)
         for stmt in ast.walk(tree):
             if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
-                    and stmt.targets[0].id in shown and isinstance(stmt.value, ast.Call)
-                    and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id in INTERACTIVE
-                    and stmt.value.args and isinstance(stmt.value.args[0], ast.Name)):
-                held[stmt.value.args[0].id] = (i, stmt.value.func.id + " shown")
+                    and stmt.targets[0].id in shown and isinstance(stmt.value, ast.Call) and widget_class(stmt.value)):
+                call = stmt.value
+                for arg in call.args + [k.value for k in call.keywords]:
+                    for n in ast.walk(arg):
+                        if isinstance(n, ast.Name):
+                            held[n.id] = (i, widget_class(call) + " shown")
         if re.search(r"check_prediction\(my_prediction", nb.cells[i].source):  # names it reads, not binds
             bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
             for n in ast.walk(tree):
@@ -117,6 +142,14 @@ def test_the_run_all_check_sees_a_widget_whose_engine_a_later_cell_shuts_down():
                               fmt="py:percent")
     assert run_all_problems(exercise) == ["cell 1: work.shutdown() ends the engine of the exercise check in cell 0 "
                                           "(dead after Run All)"]
+    forms = jupytext.reads("# %%\nc = LatencyCalculator({'e': bench})\nc.display()\n"
+                           "\n# %%\nd = ChunkedPrefillDemo.from_model(m, whole=w2)\nd.display()\n"
+                           "\n# %%\ntry:\n    pass\nfinally:\n    bench.shutdown()\n"
+                           "\n# %%\nfor e in (w2,):\n    w2.shutdown()\n"
+                           "\n# %%\ns = EngineStepper(big)\ns.display()\n\n# %%\nbig = LLM()\n\n# %%\nbig.shutdown()\n",
+                           fmt="py:percent")
+    assert [p.split(":")[0] + ":" + p.split(":")[1].split(".")[0] for p in run_all_problems(forms)] == [
+        "cell 2: bench", "cell 3: w2"], run_all_problems(forms)
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)

@@ -73,6 +73,17 @@ def test_chat_arguments_win_over_chat_template_kwargs_as_in_vllm_0_34_and_templa
     both = llm.chat(USER, params, use_tqdm=False, add_generation_prompt=False,
                     chat_template_kwargs={"add_generation_prompt": False})[0].prompt
     assert both == plain
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="minivllm"):  # said once per names and values
+        llm.chat(USER, params, use_tqdm=False, chat_template_kwargs={"add_generation_prompt": False})
+    assert "overridden" not in caplog.text
+    # None / "auto" for a flag stayed a ValueError (a KeyError after the merge changed), "auto" tools refused
+    for kw, match in ((dict(add_generation_prompt=None), "add_generation_prompt=None: must be True or False"),
+                      (dict(add_generation_prompt="auto"), "add_generation_prompt='auto': must be True or False"),
+                      (dict(continue_final_message=None), "continue_final_message=None: must be True or False"),
+                      (dict(tools="auto"), "tools='auto': must be a list of tools")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat(USER, params, use_tqdm=False, **kw)
     for key in ("tokenize", "chat_template"):
         with pytest.raises(ValueError, match=f"chat_template_kwargs names \\['{key}'\\]"):
             llm.chat(USER, params, use_tqdm=False, chat_template_kwargs={key: True})

@@ -938,7 +938,7 @@ def test_latency_calculator_says_an_interrupted_measurement(llm, monkeypatch):
     monkeypatch.setattr(lc, "measure_request_latency", interrupted)
     with pytest.raises(KeyboardInterrupt):
         calc.measure_button.click()
-    assert "interrupted (Kernel &gt; Interrupt): nothing was measured" in calc.readout.value
+    assert "interrupted (Kernel &gt; Interrupt): this measurement was not recorded" in calc.readout.value
     assert not calc.measure_button.disabled and calc.measurements == []
 
 
@@ -962,7 +962,10 @@ def test_chunked_prefill_demo_disables_run_both_while_it_runs_and_says_an_interr
         with pytest.raises(KeyboardInterrupt):
             demo.run_button.click()
         assert seen == [True] and not demo.run_button.disabled
-        assert "interrupted (Kernel &gt; Interrupt)" in demo.readout.value
+        assert "interrupted (Kernel &gt; Interrupt): no run has completed yet" in demo.readout.value
+        with pytest.raises(KeyboardInterrupt):  # a second interrupt replaces the note (they piled up)
+            demo.run_button.click()
+        assert demo.readout.value.count("interrupted") == 1
     finally:
         chunked.shutdown()
         whole.shutdown()

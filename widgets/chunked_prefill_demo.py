@@ -131,6 +131,7 @@ class ChunkedPrefillDemo(CourseWidget):
         self.run_button.add_class("mv-run")
         self.run_button.on_click(self._on_run)
         self.readout = W.HTML()
+        self._last_readout = ""  # the last complete run's readout, under which an interrupt is said
         from ._static import LiveFigure
 
         self.chart = LiveFigure()
@@ -171,8 +172,10 @@ class ChunkedPrefillDemo(CourseWidget):
         except ValueError as e:
             self.readout.value = error_box(str(e))
         except KeyboardInterrupt:  # Kernel > Interrupt: the chart and readout still show the last complete run
-            self.readout.value += error_box("interrupted (Kernel > Interrupt): the figures above are the last "
-                                            "complete run's; press Run both again")
+            self.readout.value = self._last_readout + error_box(
+                "interrupted (Kernel > Interrupt): " + ("the figures above are the last complete run's"
+                                                        if self.results else "no run has completed yet")
+                + "; press Run both again")
             raise
         finally:
             self.run_button.disabled = False
@@ -199,7 +202,7 @@ class ChunkedPrefillDemo(CourseWidget):
                if self.warm_up else "no warm-up run (a new engine's first run includes one-off costs); ")
         how += ("one measured run each" if self.repeats == 1 else
                 f"worst gap and TTFT: medians of {self.repeats} measured runs each (the chart: the median run)")
-        self.readout.value = (
+        self.readout.value = self._last_readout = (
             f"<div class='mv-box'>long prompt {self.scenario['long_prompt_len']} tokens · "
             f"<b>chunked</b>: {c['prefill_steps']} prefill steps, worst gap {fmt_ms(c['max_itl_ms'])}, long "
             f"prompt's TTFT {fmt_ms(c['long_ttft_ms'])} · <b>whole</b>: {w['prefill_steps']} prefill step, worst "

@@ -196,9 +196,10 @@ class LatencyCalculator(CourseWidget):
             self._error = error_box(str(e))
             self.update()
             return {}
-        except KeyboardInterrupt:  # Kernel > Interrupt: say so (the measured column alone went back to "-")
-            self._error = error_box("interrupted (Kernel > Interrupt): nothing was measured at "
-                                    "this point; press measure this point again")
+        except KeyboardInterrupt:  # Kernel > Interrupt: say so (the table alone would show the last measurement)
+            self._error = error_box("interrupted (Kernel > Interrupt): this measurement was not recorded (the "
+                                    "measured column shows the point's previous one, if any); press measure "
+                                    "this point again")
             self.update()
             raise
         finally:
