@@ -556,10 +556,10 @@ class LLMEngine:
                     self.parents.add(parent)
                 if sink is not None:
                     self._sinks[request_id] = sink
+                return request_id  # inside the try: an interrupt on this line still queues nothing
             except BaseException:  # an interrupt part-way (a learner's "interrupt kernel"): queue nothing
                 self._unqueue(request_id, [request_id] if parent is None else parent.child_ids)
                 raise
-        return request_id
 
     def _unqueue(self, request_id: str, ids: list[str]) -> None:
         """Take back whatever an interrupted ``add_request`` recorded of ``request_id`` (its
