@@ -323,6 +323,7 @@ def shape_of(x):
     return None
 
 
+layer = model.model.layers[0]  # again here: the engine's cell may have run again since section 1 (a new model)
 watched = {"model.embed_tokens": model.model.embed_tokens, "model.norm": model.model.norm}
 watched.update({f"layers.0.{n}": m for n, m in layer.named_modules() if n and n != "self_attn.rotary"})
 watched["layers.0"] = layer
@@ -417,6 +418,7 @@ def note(key):
     return hook
 
 
+layer = model.model.layers[0]  # this engine's (see section 2's tracing cell)
 hooks = [layer.self_attn.qkv_proj.register_forward_hook(note("qkv_proj out")),
          layer.mlp.register_forward_hook(note("mlp out"))]
 real_logits = model.compute_logits
@@ -645,9 +647,12 @@ stepper.display()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-r = stepper.steps[0]
-print(f"the stepper's first step: {r.phase}, {r.num_tokens} tokens, {r.num_seqs} sequence(s), "
-      f"KV blocks in use {r.kv_blocks_used}")
+if stepper.steps:
+    r = stepper.steps[0]
+    print(f"the stepper's first step: {r.phase}, {r.num_tokens} tokens, {r.num_seqs} sequence(s), "
+          f"KV blocks in use {r.kv_blocks_used}")
+else:  # Reset empties the widget's history
+    print("the stepper has no steps since its Reset: run the cell above again")
 
 # %% [markdown]
 # ## 6. Check yourself

@@ -275,7 +275,8 @@ render(f"Both runs computed the same tokens (checked above). Continuous batching
           "slow single steps; run the cell again)."))
 check_claim(f"a decode step with {SEATS} sequences costs less than {SEATS} steps with 1 (its seats' worth)",
             d4 < SEATS * d1,
-            f"median {d4:.2f} ms vs {d1:.2f} ms over {len(decode_ms[SEATS])} and {len(decode_ms[1])} steps",
+            f"median {d4:.2f} ms vs {SEATS} x {d1:.2f} = {SEATS * d1:.2f} ms, over {len(decode_ms[SEATS])} and "
+            f"{len(decode_ms[1])} steps",
             why_it_may_not="On a busy machine single steps can be slowed by neighbours; a model large enough "
                            "to be compute-bound also breaks it.");
 check_prediction(my_prediction_2, static_s / cont_s, rel_tol=0.2, unit="x",
@@ -577,7 +578,6 @@ check_claim("preemption changed no greedy token", small_tokens == big_tokens,
             f"{sum(len(r.preempted) for r in pre_steps)} preemptions");
 check_claim("no prefill was split into chunks in this run either (resumes included)", not chunks(pre_steps),
             f"{len(prefills(pre_steps))} prefills, {len(chunks(pre_steps))} of them chunks");
-tiny.shutdown(); big.shutdown()
 
 # %% [markdown]
 # The check above compares the greedy tokens of the two runs. Recomputing the KV is the same

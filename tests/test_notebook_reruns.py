@@ -89,3 +89,38 @@ def test_engine_stepper_reset_numbers_requests_from_req_0_again():
         assert stepper.add_request([4, 5], max_tokens=2) == "req-0"
         stepper.run_to_end()
         assert stepper.request_ids == ["req-0"]
+
+
+def test_chapter_02_tracing_cells_follow_the_engine_cell_when_it_runs_again():
+    # `layer` was bound once, in section 1: after the engine's cell ran again, the shape tracer hooked the old
+    # model's layer (IndexError: list index out of range) and the playground silently lost its qkv/mlp lines
+    cells = _cells("02_architecture")
+    engine_cell = next(i for i, c in enumerate(cells) if "llm = LLM(MODEL" in c)
+    play = next(i for i, c in enumerate(cells) if "hooks = [layer" in c)
+    ns: dict = {}
+    for source in cells[:play + 1]:
+        _run(source, ns)
+    old = ns["llm"]
+    _run(cells[engine_cell], ns)
+    assert ns["llm"] is not old
+    trace = next(i for i, c in enumerate(cells) if 'watched = {"model.embed_tokens"' in c)
+    outs = [_run(source, ns) for source in cells[trace:play + 1]]  # the tracer, its table, the playground
+    assert "mlp out" in outs[-1] and "qkv_proj out" in outs[-1], outs[-1]
+    assert "model.layers.0" in "".join(outs) or "layers.0" in "".join(outs)
+    for llm in (old, ns["llm"]):
+        llm.shutdown()
+
+
+def test_chapter_05_preemption_comparison_runs_again_after_the_whole_chapter():
+    # the section's last check cell shut `tiny` and `big` down: after Run All, running the comparison again
+    # (big.generate) raised "this LLM has been shut down" (a teacher's browser pass)
+    cells = _cells("05_scheduler")
+    compare = next(i for i, c in enumerate(cells) if "big_outs = big.generate(" in c)
+    ns: dict = {}
+    for source in cells:
+        _run(source, ns)
+    again = _run(cells[compare], ns)
+    assert "identical with 10 and with 64 KV blocks: True" in again
+    for name in ("tiny", "big", "hand", "llm"):
+        if name in ns:
+            ns[name].shutdown()

@@ -15,7 +15,8 @@ def engine_of(llm):
     """
     engine = getattr(llm, "llm_engine", llm)
     gone = (f"this {type(llm).__name__} has been shut down (LLM.shutdown() frees its engine; a later cell may "
-            f"have called it): make a new LLM, and a new widget on it")
+            f"have called it): make a new LLM, and a new widget on it (in a notebook: run the cell that built the "
+            f"LLM again, then this one)")
     if engine is None or not hasattr(engine, "step") or not hasattr(engine, "block_manager"):
         raise ValueError(f"expected a minivllm LLM or LLMEngine, got {llm!r}")
     if engine.is_shut_down:
