@@ -398,7 +398,7 @@ _ = check_claim("the hand-written loop's time per token rises with the sequence 
 # ## 6. Watch the engine loop
 #
 # The stepper below drives an engine one `step()` at a time: one of its own, built as `llm` was, so that the
-# playground below (which generates on `llm`) leaves its request where it is. It has queued the prompt and
+# playground below (which generates on `llm`) leaves the stepper's request where it is. It has queued the prompt and
 # run the prefill plus two decode steps. Press **Step** to run one more step, **Run to end** to finish.
 # Each step shows which tokens went through the model and the token it sampled.
 

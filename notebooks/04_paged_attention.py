@@ -497,10 +497,11 @@ check_claim("a decode step of 8 sequences costs less than 8 steps of one sequenc
 # GPU the same tiny model's step would be even more a fixed cost (launching its operations), so
 # expect its ratio nearer 1; a model whose weights come from memory at every step pays mostly the
 # once-per-step read, and its ratio lands near 1 too (chapter 06 measures a batch of 4 against 1 at
-# Qwen3-0.6B's shapes). The gain keeps growing with the batch only until the per-sequence work (the
-# arithmetic) catches up with the weight read; where that happens is the ridge point of chapter 06's
-# roofline (the arithmetic per byte read at which a step stops waiting for memory and starts
-# waiting for arithmetic).
+# Qwen3-0.6B's shapes). For such a model the gain keeps growing with the batch only until the
+# per-sequence work (the arithmetic) catches up with the weight read; where that happens is the ridge
+# point of chapter 06's roofline (the arithmetic per byte read at which a step stops waiting for memory
+# and starts waiting for arithmetic). Where the per-sequence part is already large, as the sentence
+# under the measurement finds for this tiny model when it gives a bound, the gain levels off sooner.
 # </details>
 
 # %% [markdown]

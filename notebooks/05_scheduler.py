@@ -275,7 +275,7 @@ render(f"Both runs computed the same tokens (checked above). Continuous batching
           "slow single steps; run the cell again)."))
 check_claim(f"a decode step with {SEATS} sequences costs less than {SEATS} steps with 1 (its seats' worth)",
             d4 < SEATS * d1,
-            f"median {d4:.2f} ms vs {SEATS} x {d1:.2f} = {SEATS * d1:.2f} ms, over {len(decode_ms[SEATS])} and "
+            f"median {d4:.3f} ms vs {SEATS} x {d1:.3f} = {SEATS * d1:.3f} ms, over {len(decode_ms[SEATS])} and "
             f"{len(decode_ms[1])} steps",
             why_it_may_not="On a busy machine single steps can be slowed by neighbours; a model large enough "
                            "to be compute-bound also breaks it.");
@@ -480,7 +480,7 @@ render(f"transformers ran **{hf_row['steps']:.0f}** forward passes per run (coun
 # victim's last blocks are the first to be handed to the others, and what comes back, if anything, is
 # the start of its sequence. (Chapter 08 is about the prefix cache itself.)
 #
-# Here four requests of 24 prompt tokens each ask for 40 tokens (the cell below prints the counts):
+# Here four requests of 24 prompt tokens each ask for 40 tokens (the run's cell below prints the counts):
 # each will need `ceil((24 + 40 - 1) / 16) = 4` blocks (the last token's KV is never stored, so 63
 # slots), 16 in all, but the pool has only `POOL_BLOCKS = 10` blocks.
 

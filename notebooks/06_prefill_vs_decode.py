@@ -1114,7 +1114,7 @@ render(f"Those extra tokens per step turned into **{spec_ratio:.2f}x** the basel
           + (f" (a small difference is what to expect on {engine.source.name} run eagerly, where a step is mostly "
              "fixed host cost: a verification step costs more than a plain one, and the steps where no n-gram "
              "matched carried no drafts at all)." if abs(spec_ratio - 1) < 0.1 else
-             ": the spread of the rounds is wider than the gap between them, and one slow round moves a median."))
+             ": the spread of the rounds is wider than the gap between the two medians."))
        + " Chapter 11 measures speculation with the decode graphs on, step by step.")
 int8_won, int8_lost = max(tpots["int8"]) < min(tpots["batch 1"]), min(tpots["int8"]) > max(tpots["batch 1"])
 render(f"int8's whole-step figure on {engine.source.name}: rounds {min(tpots['int8']):.2f}-{max(tpots['int8']):.2f} ms "

@@ -1221,9 +1221,10 @@ render(f"On this run, plain TPOT over speculative TPOT (above 1: speculation was
 # is what a verification step costs against a plain step, at each batch size.
 step_cost = {k: (1 / (1 - r["steps saved"])) / ratios[k] for k, r in (("greedy, batch 1", b1), ("greedy, batch 8", b8))}
 render(f"The batch-8 prompts also saved fewer steps ({b8['steps saved']:.0%} against {b1['steps saved']:.0%}). With the steps "
-       f"saved taken out (the TPOT ratio against the ratio of decode steps), a speculative step cost **{step_cost['greedy, batch 1']:.2f}x** "
+       f"saved taken out (the TPOT ratio against the ratio of decode steps), the speculative engine's average decode step "
+       f"(those that verified drafts and those that had none, together) cost **{step_cost['greedy, batch 1']:.2f}x** "
        f"a plain step at batch 1 and **{step_cost['greedy, batch 8']:.2f}x** at batch 8"
-       + (": below 1x, which no step that carries drafts can cost against one that does not (the step table above "
+       + (": below 1x, which the same steps with drafts added to some of them cannot cost (the step table above "
           "times them one by one): on this run the TPOTs' noise is larger than the difference, so these figures say "
           "nothing about the batch." if min(step_cost.values()) < 1 else
           ": verifying drafts costs relatively more in a batch of 8, apart from the lower acceptance."
@@ -1252,7 +1253,7 @@ check_claim("sampling at T = 0.6 leaves speculation fewer accepted drafts than t
 # %% [markdown]
 # Why the gain should shrink with the batch (the check above says whether it did here, and the sentence
 # before the checks whether the batch itself, with the batch-8 prompts' lower acceptance taken out, made
-# a verification step costlier against a plain one): a verification step of 8 sequences carries up to 40 tokens instead of 8, and the larger the step, the
+# the speculative engine's steps costlier against plain ones): a verification step of 8 sequences carries up to 40 tokens instead of 8, and the larger the step, the
 # less of its cost is fixed and the more grows with every token it carries. On a GPU with a real model
 # the same happens once the batch is large enough for the step to become compute-bound, which is why
 # vLLM V0 offered to switch speculation off above a batch size (`speculative_disable_by_batch_size`). Why sampled text gives speculation little to
