@@ -84,6 +84,7 @@ def test_claim_that_fails_does_not_raise(capsys):
 def test_quiet_profile_drops_the_profilers_start_and_stop_lines_and_keeps_the_blocks_stderr():
     # torch 2.13's profiler wrote "USDT: ... profiler_start" / "profiler_stop" to stderr under every profiled
     # cell of chapter 11 (a red box in JupyterLab, read as an error)
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -93,7 +94,7 @@ def test_quiet_profile_drops_the_profilers_start_and_stop_lines_and_keeps_the_bl
             "    print('said in the block', file=sys.stderr)\nprint(any(e.name.startswith('aten::') for e in p.events()))\n")
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
-                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+                         env={**os.environ, "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "True"
     assert "said in the block" in run.stderr and "profiler_start" not in run.stderr and "profiler_stop" not in run.stderr
