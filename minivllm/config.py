@@ -40,6 +40,8 @@ IGNORED_VLLM_ARGS = frozenset({
     "distributed_timeout_seconds",  # tensor parallelism's start-up has its own (README, "Tensor parallelism")
     "ignore_patterns",            # the loader reads the checkpoint's safetensors files only
     "enable_log_requests",
+    "optimization_level",         # vLLM's compilation level (-O): graphs here follow enforce_eager
+    "offload_group_size", "enable_extensible_kv_cache",  # weight offloading, KV-cache growth: not here
 })
 
 #: vLLM engine arguments that turn on a feature minivllm does not have: ``LLM(...)`` refuses them,
@@ -81,7 +83,12 @@ LACKING_VLLM_ARGS = {
     "config_format": ("a model config format other than Hugging Face's", lambda v: v not in (None, "auto", "hf")),
     "quantization_config": ("a quantization config (weight-only int8 is quantization='int8')", lambda v: v is not None),
     "enable_return_routed_experts": ("mixture-of-experts routing outputs", bool),
+    "return_sampling_mask": ("returning each step's sampling mask", bool),
 }
+
+#: vLLM 0.34's top-level shortcuts for ``speculative_config``'s keys (``LLM(spec_method="ngram",
+#: spec_tokens=4)``), merged into it as vLLM does (the same key given both ways is refused).
+SPEC_SHORTCUTS = {"spec_method": "method", "spec_model": "model", "spec_tokens": "num_speculative_tokens"}
 
 #: Other engines' spellings of our arguments (nano-vllm's ``kvcache_block_size``, vLLM's
 #: ``num_gpu_blocks_override``).
@@ -340,6 +347,18 @@ def _vllm_args_taken(kwargs: dict) -> dict:
             if name in kwargs:
                 raise TypeError(f"engine argument {name!r} given twice (also as {alias!r})")
             kwargs[name] = kwargs.pop(alias)
+    shortcuts = {k: v for k in SPEC_SHORTCUTS if k in kwargs and (v := kwargs.pop(k)) is not None}
+    if shortcuts:
+        spec = kwargs.get("speculative_config")
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError(f"speculative_config={spec!r}: expected a dict such as {{'method': 'ngram'}}")
+        spec = dict(spec or {})  # a copy: the caller's dict stays as it was
+        for name, value in shortcuts.items():
+            if SPEC_SHORTCUTS[name] in spec:
+                raise ValueError(f"{name}={value!r} and speculative_config[{SPEC_SHORTCUTS[name]!r}] are mutually "
+                                 "exclusive (as in vLLM): give one")
+            spec[SPEC_SHORTCUTS[name]] = value
+        kwargs["speculative_config"] = spec
     lacking = sorted(k for k in kwargs if k in LACKING_VLLM_ARGS and k not in known)
     turned_on = [k for k in lacking if LACKING_VLLM_ARGS[k][1](kwargs[k])]
     if turned_on:

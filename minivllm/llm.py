@@ -27,7 +27,8 @@ def _as_prompt_list(prompts) -> list:
     A flat list that starts with a number is one prompt of token ids, so every element must
     then be an integer (``int`` or a numpy integer): ``[5, 2.0, 7]`` is a malformed prompt, not
     three prompts; one that starts with a prompt and holds a number is a list of prompts with a
-    stray number.
+    stray number. Another sized sequence (a numpy array, a pandas Series of prompts) is taken
+    as the list of its elements, as vLLM iterates it.
 
     Raises:
         ValueError: a non-int in a token-id prompt (naming the element and its index), a
@@ -49,6 +50,9 @@ def _as_prompt_list(prompts) -> list:
                                      "not an int token id")
             return [[int(t) for t in prompts]]  # a single prompt of token ids (numpy ints as ints)
         return list(prompts)
+    if type(prompts).__module__.split(".")[0] in ("numpy", "pandas") and getattr(prompts, "ndim", None) == 1:
+        # a 1-D array or Series; np.str_ as a plain str, numpy integers stay (the list rule takes them)
+        return _as_prompt_list([str(p) if isinstance(p, str) else p for p in prompts])
     hint = (" (a generator or other iterable is not taken, as in vLLM: pass list(...) of it)"
             if hasattr(prompts, "__iter__") else "")
     raise ValueError(f"prompts {prompts!r}: expected a str, list[int], dict, or a list of them{hint}")
@@ -81,6 +85,16 @@ _VLLM_LACKING_CALLS = {
              "llm.llm_engine.add_request(...) with llm.llm_engine.step() queue and run requests step by step"
        for name in ("enqueue", "enqueue_chat", "wait_for_completion")},
 }
+
+
+def refuse_mm_processor_kwargs(mm_processor_kwargs) -> None:
+    """vLLM's ``mm_processor_kwargs`` argument: None passes (a vLLM script's default).
+
+    Raises:
+        ValueError: anything else, naming it (minivllm takes no multimodal inputs)."""
+    if mm_processor_kwargs is not None:
+        raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: minivllm takes no multimodal inputs "
+                         "(README, 'Coming from vLLM or nano-vllm')")
 
 
 class LLM:
@@ -199,9 +213,12 @@ class LLM:
         refuse_lora(lora_request)
         tokenization = check_tokenization_kwargs(tokenization_kwargs)
         plist = _as_prompt_list(prompts)
+        given = priority
+        if isinstance(priority, numbers.Integral) and not isinstance(priority, bool):
+            priority = [priority] * len(plist)  # vLLM's: one number for every prompt
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(plist)
                                      or any(p != 0 for p in priority)):
-            raise ValueError(f"priority={priority!r}: minivllm schedules first come, first served (only None or "
+            raise ValueError(f"priority={given!r}: minivllm schedules first come, first served (only None, 0 or "
                              f"a list of {len(plist)} zeros, one per prompt, is accepted)")
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(plist):
@@ -322,21 +339,23 @@ class LLM:
     # -- public API ------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
-                 priority: list[int] | None = None, tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
+                 priority: int | list[int] | None = None, tokenization_kwargs: dict | None = None,
+                 mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Run prompts to completion; returns one ``RequestOutput`` per prompt, in prompt order.
 
         ``prompts``: one prompt or a list (a ``str``, a ``list[int]``, a ``TextPrompt`` or a
         ``TokensPrompt``). ``sampling_params``: one for all, one per prompt, or None for
         ``get_default_sampling_params()``. ``use_tqdm``: a progress bar (``tqdm.auto``), or a
         callable that makes one, called as ``tqdm`` is (vLLM's). ``lora_request`` and
-        ``priority``: vLLM's; only None (or, for ``priority``, zeros: first come, first served) is
-        accepted. ``tokenization_kwargs``: vLLM's ``truncate_prompt_tokens`` and
+        ``priority``: vLLM's; only None (or, for ``priority``, 0 or a list of zeros: first come, first
+        served) is accepted. ``tokenization_kwargs``: vLLM's ``truncate_prompt_tokens`` and
         ``add_special_tokens`` (:func:`minivllm.inputs.check_tokenization_kwargs`).
+        ``mm_processor_kwargs``: vLLM's; None only (no multimodal inputs here).
 
         Raises:
             ValueError: a bad prompt or parameter (naming its index and value), a
-                ``lora_request``, a nonzero ``priority`` or bad ``tokenization_kwargs``, before
-                anything is scheduled.
+                ``lora_request``, a nonzero ``priority``, bad ``tokenization_kwargs`` or
+                ``mm_processor_kwargs``, before anything is scheduled.
             TypeError: a ``use_tqdm`` callable that does not take tqdm's arguments.
             RuntimeError: the LLM has been shut down, or a tensor-parallel worker died; or (both
                 naming the requests) a request's outputs were lost to an interrupt after its step
@@ -351,6 +370,7 @@ class LLM:
         # use_tqdm callable, a KeyboardInterrupt between any two lines) aborts this call's requests,
         # and only them; those already finished are not aborted again (abort_request ignores them).
         try:
+            refuse_mm_processor_kwargs(mm_processor_kwargs)
             self._submit(ids, prompts, sampling_params, "final_only", inbox, lora_request, priority,
                          tokenization_kwargs)
             if use_tqdm:
@@ -406,7 +426,8 @@ class LLM:
         raise NotImplementedError(f"LLM.beam_search: {NO_BEAM_SEARCH}")
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             use_tqdm: bool = True, lora_request=None, priority: int | list[int] | None = None,
+             chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              chat_template_content_format: str = "auto", mm_processor_kwargs: dict | None = None,
@@ -418,8 +439,8 @@ class LLM:
 
         Args:
             messages: one conversation, or a list (or tuple) of them.
-            sampling_params / use_tqdm / lora_request: as :meth:`generate`'s (one ``SamplingParams``
-                per conversation, or one for all).
+            sampling_params / use_tqdm / lora_request / priority: as :meth:`generate`'s (one
+                ``SamplingParams`` per conversation, or one for all; the arguments in vLLM's order).
             chat_template: a Jinja template used instead of the tokenizer's.
             add_generation_prompt: end the prompt with the assistant turn's opening.
             continue_final_message: leave the last (assistant) message open so the model
@@ -464,7 +485,7 @@ class LLM:
             chat_template_content_format=chat_template_content_format, mm_processor_kwargs=mm_processor_kwargs,
             tokenization_kwargs=tokenization_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                             tokenization_kwargs=tokenization_kwargs)
+                             priority=priority, tokenization_kwargs=tokenization_kwargs)
 
     def _chat_prompts(self, messages, *, chat_template=None, add_generation_prompt=True, continue_final_message=False,
                       tools=None, chat_template_kwargs=None, chat_template_content_format="auto",
@@ -474,9 +495,7 @@ class LLM:
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: minivllm renders "
                              "text parts joined into one string: use 'auto' or 'string'")
-        if mm_processor_kwargs is not None:
-            raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: minivllm takes no multimodal inputs "
-                             "(README, 'Coming from vLLM or nano-vllm')")
+        refuse_mm_processor_kwargs(mm_processor_kwargs)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs={chat_template_kwargs!r}: must be a dict of template variables")
         if chat_template is not None and not isinstance(chat_template, str):

@@ -20,8 +20,11 @@ class RequestMetrics:
     that produced it), seconds on the same clock.
 
     vLLM's names for the same facts, for scripts that read them (seconds, ``None`` where not
-    defined yet): V0's ``last_token_time`` and ``time_in_queue``, V1's ``first_token_latency`` and
-    ``num_generation_tokens`` (an int).
+    defined yet): V0's ``last_token_time`` and ``time_in_queue``; V1's ``first_token_latency``,
+    ``num_generation_tokens`` (an int), ``queued_ts``, ``scheduled_ts``, ``first_token_ts`` and
+    ``last_token_ts`` (timestamps on this ``perf_counter`` clock, where vLLM's are
+    ``time.monotonic``'s) and ``num_preemptions`` (times the request was preempted and
+    recomputed, a field).
     """
 
     arrival_time: float
@@ -33,6 +36,8 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_spec_steps: int = 0
+    #: Times the scheduler preempted the request (its KV dropped, to be recomputed): vLLM V1's name.
+    num_preemptions: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -93,6 +98,26 @@ class RequestMetrics:
     def first_token_latency(self) -> float | None:
         """vLLM V1's name: seconds from arrival to the first output token (``ttft_ms / 1e3``)."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queued_ts(self) -> float:
+        """vLLM V1's name: when the engine queued the request (here its ``arrival_time``)."""
+        return self.arrival_time
+
+    @property
+    def scheduled_ts(self) -> float | None:
+        """vLLM V1's name: when the request was first scheduled (``first_scheduled_time``)."""
+        return self.first_scheduled_time
+
+    @property
+    def first_token_ts(self) -> float | None:
+        """vLLM V1's name: the first output token's time (``first_token_time``)."""
+        return self.first_token_time
+
+    @property
+    def last_token_ts(self) -> float | None:
+        """vLLM V1's name: the latest output token's time (``last_token_time``)."""
+        return self.last_token_time
 
     @property
     def num_generation_tokens(self) -> int:

@@ -269,9 +269,13 @@ class LLMEngine:
 
         proposer = DraftModelProposer(config, self.source.hf_config.vocab_size, runner_config, kv_tokens)
         g = self.runner.graph_runner
-        if g is not None and g.kind == "cpu" and proposer.enable_cpu_graphs(self.config.args.max_num_seqs,
-                                                                          self.config.max_model_len):
+        # the draft follows the target's graphs unless speculative_config's enforce_eager says otherwise
+        wants_graphs = (g is not None and g.kind == "cpu") if config.enforce_eager is None else not config.enforce_eager
+        if wants_graphs and proposer.enable_cpu_graphs(self.config.args.max_num_seqs, self.config.max_model_len):
             logger.info("draft model: its forwards replay CPU graphs too")
+        elif config.enforce_eager is False:
+            logger.info("draft model: speculative_config enforce_eager=False, but its forwards run eagerly (CPU "
+                        "graphs need a float32 draft on a CPU with the C ops; a draft on CUDA runs eagerly)")
         return proposer
 
     def _optimise(self, args: EngineArgs, device: torch.device) -> None:
@@ -463,8 +467,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, lora_request=None, tokenization_kwargs: dict | None = None,
-                    *, priority: int = 0, output_kind: OutputKind | str | None = None, sink=None,
-                    sampling_params: SamplingParams | None = None) -> str:
+                    trace_headers=None, priority: int = 0, *, output_kind: OutputKind | str | None = None,
+                    sink=None, sampling_params: SamplingParams | None = None) -> str:
         """Validate and queue a request (raises ``ValueError`` at once on bad input); returns its id
         as a str (vLLM 0.34's ``add_request`` returns the id to abort it by; there it carries a
         random suffix, here it is the id given: outputs and ``abort_request`` use the same).
@@ -472,10 +476,11 @@ class LLMEngine:
         ``params``: its ``SamplingParams`` (vLLM's name; ``sampling_params=`` is accepted too),
         None for ``SamplingParams()``. ``tokenization_kwargs``: vLLM's, see
         :func:`minivllm.inputs.check_tokenization_kwargs`.
-        ``arrival_time``, ``lora_request`` and ``priority`` are vLLM's: ``arrival_time`` is a
-        ``time.time()`` timestamp (default: now), moved onto the metrics' ``time.perf_counter``
-        clock; only ``lora_request=None`` and ``priority=0`` (first come, first served) are
-        accepted.
+        ``arrival_time``, ``lora_request``, ``trace_headers`` and ``priority`` are vLLM's (in
+        vLLM's order): ``arrival_time`` is a ``time.time()`` timestamp (default: now), moved onto
+        the metrics' ``time.perf_counter`` clock; only ``lora_request=None``,
+        ``trace_headers=None`` (no request tracing here) and ``priority=0`` (first come, first
+        served) are accepted.
 
         ``output_kind``: "cumulative" (every step returns all text so far), "delta" (only what
         is new, as ``LLM.stream`` uses) or "final_only" (one output when finished, as
@@ -493,8 +498,8 @@ class LLMEngine:
             ValueError: a bad prompt, request id already in use, bad parameters (naming the
                 value; the parameters are checked as they are now, lists changed in place included),
                 an ``output_kind`` not among the three, an ``arrival_time`` that is not a finite
-                number, a ``priority`` other than 0, a ``lora_request`` other than None, or bad
-                ``tokenization_kwargs``.
+                number, a ``priority`` other than 0, a ``lora_request`` or ``trace_headers`` other
+                than None, or bad ``tokenization_kwargs``.
         """
         self._require_live()
         if isinstance(prompt, SamplingParams):  # nano-vllm's add_request(prompt, sampling_params)
@@ -509,6 +514,9 @@ class LLMEngine:
             raise TypeError(f"request_id={request_id!r}: must be a str (or an int), as abort_request takes it")
         request_id = str(request_id)
         refuse_lora(lora_request)
+        if trace_headers is not None:
+            raise ValueError(f"trace_headers={trace_headers!r}: minivllm has no request tracing (vLLM's "
+                             "OpenTelemetry spans); leave it None")
         if priority != 0:
             raise ValueError(f"priority={priority!r}: minivllm schedules first come, first served "
                              "(only priority=0 is accepted)")
@@ -671,6 +679,10 @@ class LLMEngine:
             merged = self.parents.merge([make_output(state)], txn.undo)
         self.output_processor.drop(state.seq.request_id)
         return merged
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: the tasks this engine serves, ``("generate",)`` (no pooling models here)."""
+        return ("generate",)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running (vLLM's; ``step()`` until it is False)."""

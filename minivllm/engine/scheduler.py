@@ -356,6 +356,7 @@ class Scheduler:
             self.undo.touch(victim)
         self.running.remove(victim)
         self.block_manager.release(victim)
+        victim.metrics.num_preemptions += 1  # (a step's rollback restores the metrics with the rest)
         victim.num_computed_tokens = 0
         victim.prefill_target = 0
         victim.status = SequenceStatus.WAITING

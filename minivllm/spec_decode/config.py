@@ -4,7 +4,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
+         "enforce_eager", "max_model_len", "draft_tensor_parallel_size"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,13 @@ class SpeculativeConfig:
             vLLM's defaults: 5 and 5 when neither is given, else the one given for both.
         model: "draft_model": the draft checkpoint, as ``LLM(model=...)`` takes it (a local
             Hugging Face directory, or the embedded ``"minivllm-tiny-draft"``).
+        enforce_eager: "draft_model": True runs every draft forward eagerly; None (default)
+            follows the target's ``enforce_eager``; False replays the draft's forwards from CPU
+            graphs where the draft can (a float32 draft on a CPU; on CUDA a draft runs eagerly).
+        max_model_len: "draft_model": the longest sequence the draft proposes for (default: its
+            ``max_position_embeddings``); longer sequences decode without drafts, as in vLLM.
+        draft_tensor_parallel_size: vLLM's; minivllm runs the draft unsharded in the target's
+            rank-0 process, so only None or 1 is accepted.
     """
 
     method: str
@@ -31,6 +39,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     model: str | None = None
+    enforce_eager: bool | None = None
+    max_model_len: int | None = None
 
     @classmethod
     def from_dict(cls, config: dict) -> "SpeculativeConfig":
@@ -76,7 +86,21 @@ class SpeculativeConfig:
         if values["prompt_lookup_min"] > values["prompt_lookup_max"]:
             raise ValueError(f"speculative_config prompt_lookup_min={values['prompt_lookup_min']} > "
                              f"prompt_lookup_max={values['prompt_lookup_max']}")
-        return cls(method=method, model=model, **values)
+        eager, max_len, draft_tp = (config.get(k) for k in ("enforce_eager", "max_model_len",
+                                                            "draft_tensor_parallel_size"))
+        if eager is not None and not isinstance(eager, bool):
+            raise ValueError(f"speculative_config enforce_eager={eager!r}: must be True, False or None")
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral)
+                                    or max_len < 1):
+            raise ValueError(f"speculative_config max_model_len={max_len!r}: must be an int >= 1 or None")
+        if draft_tp is not None and (isinstance(draft_tp, bool) or draft_tp != 1):
+            raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp!r}: minivllm runs the draft "
+                             "unsharded in the target's rank-0 process; give 1 or leave it out")
+        if method == "ngram" and (eager is not None or max_len is not None):
+            given = [k for k in ("enforce_eager", "max_model_len") if config.get(k) is not None]
+            raise ValueError(f"speculative_config {given}: settings of a draft model; method 'ngram' has none")
+        return cls(method=method, model=model, enforce_eager=eager,
+                   max_model_len=None if max_len is None else int(max_len), **values)
 
 
 def draft_config_k(model: str):

@@ -84,6 +84,8 @@ class DraftModelProposer:
         # a draft trained on a shorter context has no rotary angles past it: sequences beyond decode
         # without drafts (vLLM, too, caps the draft's length at its own max_position_embeddings)
         self.max_positions = source.hf_config.max_position_embeddings
+        if config.max_model_len is not None:  # speculative_config's own cap on the draft (vLLM's key)
+            self.max_positions = min(self.max_positions, config.max_model_len)
         bs = target_config.block_size
         blocks = cdiv(num_tokens, bs) + target_config.max_num_seqs * cdiv(self.k + 1, bs)
         blocks = self._fit_device_memory(blocks, source.hf_config, target_config)

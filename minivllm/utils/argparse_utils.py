@@ -17,12 +17,19 @@ __all__ = ["FlexibleArgumentParser", "add_cli_args", "from_cli_args"]
 
 class FlexibleArgumentParser(argparse.ArgumentParser):
     """An ``argparse.ArgumentParser`` that also takes option names written with underscores
-    (``--max_model_len 512`` as ``--max-model-len 512``), as vLLM's parser of that name does."""
+    (``--max_model_len 512`` as ``--max-model-len 512``) and ``--config FILE.yaml`` (the file's
+    keys as options, before the command line's, which win), as vLLM's parser of that name does.
+
+    Raises (from parsing): ValueError for a ``--config`` without a file, given twice, or naming a
+    file that is not ``.yaml``/``.yml`` or does not hold a mapping; OSError for a file that
+    cannot be read."""
 
     def parse_known_args(self, args=None, namespace=None):
         import sys
 
         args = list(sys.argv[1:] if args is None else args)
+        if "--config" not in self._option_string_actions:  # a script's own --config stays its own
+            args = _pull_config_file(self, args)
         fixed = []
         for a in args:
             if a == "--":  # what follows is positional, left as written
@@ -33,6 +40,53 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
                 a = name.replace("_", "-") + eq + value
             fixed.append(a)
         return super().parse_known_args(fixed, namespace)
+
+
+def _pull_config_file(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """``args`` with ``--config FILE`` (or ``--config=FILE``) replaced by the options the YAML file
+    holds, put first so that the command line's own options win (vLLM's precedence: command
+    line, then file, then defaults; after a leading subcommand). A true boolean becomes ``--key``, a false one ``--no-key``
+    where the parser has it, a list ``--key item ...``, a mapping ``--key '<JSON>'``."""
+    at = [i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")]
+    if not at:
+        return args
+    if len(at) > 1:
+        raise ValueError(f"--config given {len(at)} times: give one YAML file")
+    i = at[0]
+    if args[i] == "--config":
+        if i + 1 >= len(args):
+            raise ValueError("--config: no file given (a YAML file of engine arguments)")
+        path, rest = args[i + 1], args[:i] + args[i + 2:]
+    else:
+        path, rest = args[i].partition("=")[2], args[:i] + args[i + 1:]
+    if not path.endswith((".yaml", ".yml")):
+        raise ValueError(f"--config {path!r}: expected a .yaml or .yml file, as vLLM reads it")
+    import yaml  # PyYAML, a dependency of transformers
+
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path!r}: the file must hold a mapping of option names to values, "
+                         f"not {type(config).__name__}")
+    pulled = []
+    for key, value in config.items():
+        flag = "--" + str(key)
+        if isinstance(value, bool):
+            negated = "--no-" + str(key).replace("_", "-")
+            if value:
+                pulled.append(flag)
+            elif negated in parser._option_string_actions:
+                pulled.append(negated)
+        elif isinstance(value, list):
+            if value:
+                pulled += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            pulled += [flag, json.dumps(value)]
+        else:
+            pulled += [flag, str(value)]
+    if rest and not rest[0].startswith("-"):  # a subcommand first (vLLM's rule): the file's options after it
+        return rest[:1] + pulled + rest[1:]
+    return pulled + rest
 
 
 def _help_by_name(cls) -> dict[str, str]:
@@ -130,7 +184,8 @@ def _option_kind(hint) -> tuple[str, typing.Callable | None]:
 
 
 #: vLLM's short spellings of some options
-SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
+               "optimization_level": "-O"}
 #: the vLLM-only arguments that are yes/no flags there (``--trust-remote-code``, no value); the
 #: others take one value
 VLLM_FLAGS = frozenset({
@@ -153,7 +208,7 @@ def add_cli_args(cls, parser):
     ``IGNORED_VLLM_ARGS`` and ``LACKING_VLLM_ARGS``) are options too, hidden from ``--help`` and
     present in the namespace only when given (``--trust-remote-code``, ``--swap-space 4``), so
     ``LLM`` warns about or refuses them as it does in Python."""
-    from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS
+    from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS, SPEC_SHORTCUTS
 
     hints = typing.get_type_hints(cls)
     # the whole docstring entry (its defaults are often in its second sentence), without reST's ``quotes``
@@ -174,7 +229,7 @@ def add_cli_args(cls, parser):
             parser.add_argument(*flags, type=convert, default=f.default, help=text + suffix)
     ours = {f.name for f in fields}
     taken = parser._option_string_actions  # (a group shares its parser's): a script's own option stays its own
-    for name in sorted((set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)) - ours):
+    for name in sorted((set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS) | set(SPEC_SHORTCUTS)) - ours):
         flags = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
         if any(flag in taken for flag in flags):
             continue
@@ -198,8 +253,9 @@ def from_cli_args(cls, args: argparse.Namespace):
     Raises:
         ValueError: a bad value, as ``cls`` raises it.
         TypeError: a vLLM argument for a feature minivllm lacks (``EngineArgs.from_kwargs``)."""
-    from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS
+    from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS, SPEC_SHORTCUTS
 
-    names = {f.name for f in dataclasses.fields(cls)} | set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)
+    names = ({f.name for f in dataclasses.fields(cls)} | set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)
+             | set(SPEC_SHORTCUTS))
     given = {k: v for k, v in vars(args).items() if k in names}
     return cls.from_kwargs(given.pop("model", None), given)
