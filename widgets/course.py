@@ -55,8 +55,9 @@ def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str =
                      what: str = "the measured value", hint: str = "") -> PredictionCheck:
     """Compare a learner's numeric prediction with a measurement from this run and print the result.
 
-    The measurement is printed only beside a prediction, so that a notebook stored with its outputs
-    (the exercise cell left empty) does not give the answer away before the learner has tried.
+    The comparison is printed only beside a prediction: with the exercise cell left empty it prints
+    what to write, not the measured value. (The cells that measure print their figures as they run, so
+    a notebook stored with its outputs shows them anyway: the course says to clear the outputs first.)
     What the learner wrote is never an error: an empty cell, a string, a list or True gets a
     sentence saying what to write, not a traceback (a check cell may hold two exercises' checks).
 
@@ -84,7 +85,7 @@ def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str =
     in_unit = f" (in {unit})" if unit else ""
     if prediction is None:
         print(f"No prediction yet: write your guess{in_unit} in the exercise cell above, run it, then run this "
-              f"cell again. {what[:1].upper() + what[1:]} is shown once you have predicted.")
+              f"cell again to compare it with {what} on this run.")
         return PredictionCheck(None, m, None, False)
     p = _learner_number(prediction)
     if p is None:
