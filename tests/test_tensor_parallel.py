@@ -438,6 +438,36 @@ def test_an_interrupt_while_waiting_for_a_workers_report_still_stops_the_workers
     llm.shutdown()
 
 
+def test_an_interrupt_during_a_step_waits_for_the_collectives_and_the_engine_goes_on(tiny_ckpt, monkeypatch):
+    """A kernel interrupt (SIGINT) that came while rank 0 was inside a step's forward raised there, in the
+    middle of the collectives: the ranks were out of step and the engine refused every later step ("create
+    a new LLM"), which chapter 10's learners met on Kernel > Interrupt. Now it is held until rank 0's part of
+    the step is done: the step rolls back, nothing is lost, and the engine serves the next call."""
+    llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+    prompts = prompts_of([6, 9], seed=8)
+    expected = token_lists(llm.generate(prompts, greedy(6), use_tqdm=False))
+    runner = llm.llm_engine.runner
+    layer = runner.model.model.layers[1]
+    forward, sent = layer.forward, []
+
+    def interrupted(*args, **kwargs):
+        if not sent:  # once, in the middle of rank 0's forward, before this layer's all-reduces
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here: before the fix, the KeyboardInterrupt was raised here
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy(6), use_tqdm=False)
+    monkeypatch.undo()
+    assert sent and runner._failure is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert token_lists(llm.generate(prompts, greedy(6), use_tqdm=False)) == expected
+    llm.shutdown()
+
+
 @linux_only
 def test_no_orphan_after_garbage_collection(tiny_ckpt):
     llm = make_llm(tiny_ckpt, tensor_parallel_size=2)

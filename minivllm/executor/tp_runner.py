@@ -19,11 +19,16 @@ fresh ``python -m minivllm.executor.worker`` processes; across machines (or unde
 Failure handling: a worker that dies closes its sockets and the next collective raises at
 once (gloo); rank 0 then reports which worker failed and how (its traceback when it
 raised), stops the others and refuses further steps. Workers exit by themselves when rank
-0 goes away, however it goes (see ``worker._watch_parent``).
+0 goes away, however it goes (see ``worker._watch_parent``). An interrupt (Ctrl-C, a Jupyter
+kernel interrupt) is different: it is held while rank 0 takes part in the step's collectives
+and raised as soon as they are done, so the ranks stay in step and the engine rolls the step
+back as it does any interrupted step (``interrupts_held``).
 """
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 import weakref
 from contextlib import contextmanager
@@ -182,10 +187,15 @@ class TPModelRunner(ShardRunner):
 
     # -- one step ----------------------------------------------------------------------------------
     def forward_logits(self, inp: ModelInput) -> torch.Tensor:
-        """Send the step to the workers, then run rank 0's shard; fp32 logits ``[num_sampling, vocab_size]``."""
+        """Send the step to the workers, then run rank 0's shard; fp32 logits ``[num_sampling, vocab_size]``.
+
+        Raises:
+            KeyboardInterrupt: an interrupt that came during the collectives, once they are done
+                (the ranks in step: the engine rolls the step back and can go on).
+            RuntimeError: a worker failed, or this engine did before (it then refuses every step)."""
         self._check_usable()
         header, payload = pack_step(inp)
-        with self._guard("during a step"):
+        with interrupts_held(), self._guard("during a step"):
             launch.broadcast(self.conn.ctrl, header, timeout=self._send_timeout)
             launch.broadcast(self.conn.ctrl, payload, timeout=self._send_timeout)
             with tp_scope(0, self.conn.world_size, self.conn.model):
@@ -196,7 +206,7 @@ class TPModelRunner(ShardRunner):
         otherwise block the stream until the collective times out) is noticed."""
         if self.device.type != "cuda":
             return
-        with self._guard("during a step"):
+        with interrupts_held(), self._guard("during a step"):
             done = torch.cuda.Event()
             done.record()
             last_check = time.monotonic()
@@ -258,3 +268,31 @@ class TPModelRunner(ShardRunner):
         """Stop the workers (SHUTDOWN message, then wait, then terminate) and free this shard."""
         self._finalizer()
         super().shutdown()
+
+
+@contextmanager
+def interrupts_held():
+    """Hold SIGINT (Ctrl-C, a Jupyter kernel interrupt) for the duration, then deliver it as the
+    handler that was in place would have: a ``KeyboardInterrupt`` raised when the block ends.
+
+    A ``KeyboardInterrupt`` inside a collective would leave rank 0 out of step with the workers
+    (they finish the collective, rank 0 does not), and the engine could run no further step; held
+    until rank 0's part of the step is done, it lands where the engine rolls the step back. Only
+    the main thread receives signals, so elsewhere (an engine stepped from another thread) this
+    changes nothing. A second interrupt while one is held changes nothing either: the first is
+    raised when the block ends; an exception the block itself raises goes on instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # here only when the block ended normally: an exception already on its way stops the caller anyway
+    if held and previous not in (signal.SIG_IGN, None):
+        if callable(previous):
+            previous(signal.SIGINT, held[0])  # Python's default handler raises KeyboardInterrupt
+        else:  # SIG_DFL: what the default action would have done to this process
+            signal.raise_signal(signal.SIGINT)
