@@ -46,7 +46,9 @@
 # is one, otherwise the CPU in fp32.
 # The stored outputs were produced by `scripts/execute_notebook.py` with one CPU thread
 # (`OMP_NUM_THREADS=1`): on a CPU shared with other work one thread gives the steadiest timings. The
-# setup cell prints how many threads this run uses.
+# setup cell prints how many threads this run uses. Those stored outputs include the figures the
+# exercises ask you to predict: to predict before you see them, clear the outputs first (Edit > Clear
+# Outputs of All Cells) and run the cells in order, in this chapter and every later one.
 
 # %% tags=["parameters"]
 import os
@@ -109,7 +111,11 @@ for word in (" argument", " arguemnt"):  # a common word of code's prose, and a 
 # values in a KV cache as it goes, at slots the caller chooses (chapters 03 and 04 are about exactly
 # that). The function below gives it a small private cache that it throws away afterwards, so each
 # call is a complete, independent forward pass over the whole sequence: the textbook definition of
-# running a language model.
+# running a language model. The `AttentionMetadata` it builds tells the attention layers where things
+# are: `cu_seqlens_q` / `cu_seqlens_k` where each sequence's tokens start in the batch (one sequence here),
+# `slot_mapping` the cache slot each new token's keys and values go to, and `block_tables` which cache
+# blocks hold each sequence (chapter 04 explains slots and blocks); you can read the cell for its result
+# alone.
 
 # %%
 from minivllm.engine.kv_cache import allocate_kv_cache
@@ -382,11 +388,15 @@ show_figure(fig)
 
 # %%
 fit = statistics.linear_regression(lengths, by_hand_ms)
-fit_engine = statistics.linear_regression(lengths[1:], engine_ms[1:])  # decode steps only
+# the engine's decode steps after its first: the first decode step of a request costs more (it stages the
+# batch the later steps reuse, just after a prefill step has run through other code and data), not its length
+fit_engine = statistics.linear_regression(lengths[2:], engine_ms[2:])
 _ = render(f"On this run the hand-written loop's median time per token went from {by_hand_ms[0]:.2f} ms (sequence of "
            f"{lengths[0]}) to {by_hand_ms[-1]:.2f} ms (sequence of {lengths[-1]}); a straight line through all "
            f"{NEW_TOKENS} medians changes by **{fit.slope * 1e3:+.1f} µs per extra token** of sequence. The engine's "
-           f"decode steps: {fit_engine.slope * 1e3:+.1f} µs per extra token.")
+           f"decode steps after its first ({engine_ms[1]:.2f} ms: the first one of a request also stages the batch "
+           f"the later ones reuse): {fit_engine.slope * 1e3:+.1f} µs per extra token, "
+           f"{fit_engine.slope * (lengths[-1] - lengths[2]) * 1e3:+.0f} µs from the second decode step to the last.")
 _ = check_claim("the hand-written loop's time per token rises with the sequence length", fit.slope > 0,
                 f"fitted slope {fit.slope * 1e3:+.1f} µs per token, first {by_hand_ms[0]:.2f} ms, "
                 f"last {by_hand_ms[-1]:.2f} ms",
@@ -400,7 +410,10 @@ _ = check_claim("the hand-written loop's time per token rises with the sequence 
 # The stepper below drives an engine one `step()` at a time: one of its own, built as `llm` was, so that the
 # playground below (which generates on `llm`) leaves the stepper's request where it is. It has queued the prompt and
 # run the prefill plus two decode steps. Press **Step** to run one more step, **Run to end** to finish.
-# Each step shows which tokens went through the model and the token it sampled.
+# Each step shows which tokens went through the model and the token it sampled. Its summary also
+# carries figures later chapters explain: the step's tokens against the **token budget** (the most
+# tokens one step may carry, chapter 05) and **MFU / MBU** bars (the share of this machine's measured
+# arithmetic rate and memory bandwidth the step used, chapter 06).
 
 # %%
 from widgets import EngineStepper

@@ -192,8 +192,8 @@ for c in copies:
     held[c.dtype] += c.numel() * c.element_size()
 print(f"weights in memory: {sum(held.values()) / 2**20:.1f} MiB as held ("
       + ", ".join(f"{b / 2**20:.1f} MiB in {dt}" for dt, b in held.items()) + f"; engine dtype {engine.config.dtype}"
-      + (f"; {len(copies)} of them a tied weight's second copy, {sum(c.numel() * c.element_size() for c in copies) / 2**20:.1f} MiB"
-         if copies else "") + ")")
+      + (f"; of which {sum(c.numel() * c.element_size() for c in copies) / 2**20:.1f} MiB is the output layer's "
+         f"packed copy of the tied embedding table" if copies else "") + ")")
 
 # %% [markdown]
 # The last line counts the weights as the engine holds them, with the engine's dtype. The embedded
@@ -598,20 +598,24 @@ for _, res in journey:
     print(f"step {r.index} ({r.phase}): {r.wall_ms:.2f} ms, of which forward {r.model_ms:.2f} ms "
           f"({r.model_ms / r.wall_ms:.0%}); everything else {r.wall_ms - r.model_ms:.2f} ms")
 shares = [res.record.model_ms / res.record.wall_ms for _, res in journey]
-# the same request once more, without the tracer: what is left outside the forward pass then
+# the same request three more times, without the tracer: what is left outside the forward pass then (per step,
+# the run that left the least: a single run can land on a moment another process took)
 idle_engine(llm)
-engine.add_request("untraced", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-untraced = []
-while engine.has_unfinished_requests():
-    untraced.append(engine.step_with_record().record)
+untraced_runs = []
+for k in range(3):
+    engine.add_request(f"untraced{k}", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    untraced_runs.append([])
+    while engine.has_unfinished_requests():
+        untraced_runs[-1].append(engine.step_with_record().record)
+untraced = [min(steps, key=lambda r: r.wall_ms - r.model_ms) for steps in zip(*untraced_runs)]
 rest_traced = [res.record.wall_ms - res.record.model_ms for _, res in journey]
 rest_untraced = [r.wall_ms - r.model_ms for r in untraced]
 ms_list = lambda xs: ", ".join(f"{x:.2f}" for x in xs) + " ms"
 _ = render(f"On this run the forward pass took between **{min(shares):.0%} and {max(shares):.0%}** of each traced "
-           f"step's wall time; the rest went to the engine's own bookkeeping and to the tracer's notes. Run again "
-           f"without the tracer, the same request's steps spent **{ms_list(rest_untraced)}** outside the forward "
-           f"pass, against **{ms_list(rest_traced)}** traced. Each figure is one measurement, so a step that another "
-           f"process on the machine slowed down stands out.")
+           f"step's wall time; the rest went to the engine's own bookkeeping and to the tracer's notes. Run three "
+           f"more times without the tracer, the same request's steps spent at least **{ms_list(rest_untraced)}** "
+           f"outside the forward pass, against **{ms_list(rest_traced)}** in the one traced run. Each traced figure is "
+           f"one measurement, so a step that another process on the machine slowed down stands out.")
 # the traced steps' largest stage against the same stage of the same step untraced: a one-off shows as a ratio
 # far above the tracer's own cost (a note per call: microseconds to a millisecond)
 worst = max(((getattr(res.record, p) - getattr(u, p), p, res.record, u) for (_, res), u in zip(journey, untraced)

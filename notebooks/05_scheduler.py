@@ -38,7 +38,8 @@
 #
 # **You will:** predict how many engine steps static batching needs, then run the same workload with
 # static and continuous batching and measure the throughput of each (and of Hugging Face `generate` on
-# padded batches, same weights) and how long each request waits for its first and last token · see seat
+# padded batches, same weights) and how long each request waits for its first and last token, then again on
+# a memory-bound model · see seat
 # occupancy step by step · squeeze the KV pool until the
 # scheduler must preempt, watch it on the scheduler timeline, and check that the greedy output is unchanged ·
 # change the number of seats and watch the two policies converge.
@@ -149,8 +150,11 @@ class Run:
     e2e_steps: list     # per request: engine steps until its last token
 
 
-def run(batches):
-    """Add each group of request indices, step until the engine is idle, then add the next group."""
+def run(batches, engine=None, work=None):
+    """Add each group of request indices, step until the engine is idle, then add the next group
+    (on this chapter's `engine` and `work` unless others are given)."""
+    engine = globals()["engine"] if engine is None else engine
+    work = globals()["work"] if work is None else work
     finished, first_step, last_step, records, added = {}, {}, {}, [], []
     t0 = time.perf_counter()
     try:
@@ -310,8 +314,9 @@ render(f"Throughput: continuous batching **{gain:.2f}x** static batching's (fast
           if separated else
           "The two policies' runs overlap, so on this run the gain is not larger than the noise. ")
        + split_text
-       + "How much continuous batching pays depends on how little an extra sequence adds to a step; "
-         "chapter 07 measures that against the batch size.");
+       + "How much continuous batching pays depends on how little an extra sequence adds to a step: the end "
+         "of this section runs both policies on a model where it adds little, and chapter 07 measures it "
+         "against the batch size.");
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
@@ -374,7 +379,10 @@ def side(metric, what):
 over_runs = (f"Over all {REPEATS} runs of each policy (mean over the requests, run by run), continuous batching "
              f"{side('ttft_ms', 'the first token')} and {side('e2e_ms', 'the whole answer')}. ")
 render(f"In milliseconds the mean latency was **{lat.loc['continuous', 'mean latency ms']:.1f} ms** with continuous batching "
-       f"against **{lat.loc['static', 'mean latency ms']:.1f} ms** with static batching (**{x['mean latency ms']:.2f}x**; mean "
+       f"against **{lat.loc['static', 'mean latency ms']:.1f} ms** with static batching ("
+       + (f"**{x['mean latency ms']:.2f}x shorter**" if x["mean latency ms"] >= 1 else
+          f"**{1 / x['mean latency ms']:.2f}x longer**")
+       + f" with continuous batching; mean "
        f"TTFT {lat.loc['continuous', 'mean TTFT ms']:.1f} against {lat.loc['static', 'mean TTFT ms']:.1f} ms). "
        + over_runs
        + f"Steps are not equally expensive: continuous batching's steps are fuller, and a decode step with {SEATS} sequences "
@@ -463,6 +471,75 @@ render(f"transformers ran **{hf_row['steps']:.0f}** forward passes per run (coun
 # different implementations at a near-tie of the top two logits, not a different model; the
 # engine's test suite, `tests/test_engine_vs_hf.py`, compares the two implementations directly.)
 #
+# ### Where continuous batching pays in milliseconds
+#
+# On the tiny model an extra sequence adds much of a step's cost (the decode step with 4 sequences
+# against 1, measured above): its few MB of weights stay in the CPU's caches, so a step's time is
+# mostly arithmetic done for each sequence, and saving steps by filling seats saves little time. A
+# decode step that is mostly one read of the weights from memory (chapter 06 measures that) costs
+# about the same with 4 sequences as with 1, and there every step saved is time saved. The next cell
+# runs both policies again on `random:qwen3-0.6b` (random weights at Qwen3-0.6B's shapes, the course's
+# memory-bound model) with a shorter workload of the same kind: twelve requests, prompts of 4 to 8
+# tokens, answers of 2 to 6 tokens and a quarter of them 16 to 20. Each policy runs twice, the faster
+# run counting; on a CPU this is the chapter's slowest cell.
+
+# %%
+t_mem = time.perf_counter()
+mem_llm = LLM("random:qwen3-0.6b", device=DEVICE, block_size=16, num_kvcache_blocks=64, max_num_seqs=SEATS,
+              max_num_batched_tokens=512)
+try:
+    mem_engine = mem_llm.llm_engine
+    mem_work = make_workload("cpu", vocab_size=mem_engine.vocab_size, num_requests=len(ids), input_len=(4, 8),
+                             output_len=(2, 6), seed=5)
+    rng = random.Random(5)
+    for i in rng.sample(range(mem_work.num_requests), 3):  # a quarter of the answers are long, as before
+        mem_work.output_lens[i] = rng.randint(16, 20)
+    run([ids[:1]], mem_engine, mem_work)  # warm-up
+    mem_timed = {"static": [], "continuous": []}
+    for _ in range(2):
+        mem_timed["static"].append(run(static_batches, mem_engine, mem_work))
+        mem_timed["continuous"].append(run([ids], mem_engine, mem_work))
+    mem_setting = setting(mem_llm)
+    mem_weight_gb = (mem_engine.model_cost.body_weight_bytes + mem_engine.model_cost.lm_head_bytes) / 1e9
+finally:
+    mem_llm.shutdown()  # its weights and KV cache go back now: nothing below uses this engine
+mem_static = min(mem_timed["static"], key=lambda r: r.seconds)
+mem_cont = min(mem_timed["continuous"], key=lambda r: r.seconds)
+mem_decode = {}
+for r in mem_static.records + mem_cont.records:  # decode-only steps, by number of sequences
+    if r.num_prefill_tokens == 0:
+        mem_decode.setdefault(r.num_seqs, []).append(r.wall_ms)
+m1, m4 = statistics.median(mem_decode[1]), statistics.median(mem_decode[SEATS])
+mem_gain = mem_static.seconds / mem_cont.seconds
+mem_steps = len(mem_static.records) / len(mem_cont.records)
+mem_lat = statistics.mean(mem_static.e2e_ms) / statistics.mean(mem_cont.e2e_ms)
+print(f"{mem_setting}: {mem_weight_gb:.2f} GB of weights read by every step; "
+      f"{mem_work.num_prompt_tokens} prompt and {mem_work.num_output_tokens} output tokens; "
+      f"cell took {time.perf_counter() - t_mem:.0f} s")
+print(f"static    : {len(mem_static.records):3d} steps, {mem_static.seconds * 1e3:7.0f} ms "
+      f"(runs: {', '.join(f'{r.seconds * 1e3:.0f}' for r in mem_timed['static'])})")
+print(f"continuous: {len(mem_cont.records):3d} steps, {mem_cont.seconds * 1e3:7.0f} ms "
+      f"(runs: {', '.join(f'{r.seconds * 1e3:.0f}' for r in mem_timed['continuous'])})")
+render(f"Here a decode step with {SEATS} sequences took **{m4:.1f} ms** against **{m1:.1f} ms** with 1 "
+       f"(**{m4 / m1:.2f}x**, where the tiny model's was **{d4 / d1:.2f}x**). Continuous batching needed "
+       f"**{mem_steps:.2f}x** fewer steps and its throughput was **{mem_gain:.2f}x** static batching's (on the tiny "
+       f"model: {len(static_steps) / len(cont_steps):.2f}x fewer steps, {gain:.2f}x the throughput); the mean "
+       f"request's end-to-end latency was "
+       + (f"**{mem_lat:.2f}x shorter**" if mem_lat >= 1 else f"**{1 / mem_lat:.2f}x longer**")
+       + " with continuous batching. "
+       + ("The less an extra sequence adds to a step, the more of the steps saved is time saved."
+          if m4 / m1 < d4 / d1 and mem_gain / mem_steps > gain * len(cont_steps) / len(static_steps) else
+          "On this run that ordering did not show (an extra sequence was not the cheaper here, or the time did not "
+          "follow the steps more closely); other processes on the machine can slow single steps: run the cell "
+          "again."))
+check_claim("on the memory-bound model continuous batching gave the same greedy tokens and a higher throughput",
+            mem_static.tokens == mem_cont.tokens and mem_gain > 1,
+            f"tokens identical: {mem_static.tokens == mem_cont.tokens}; throughput {mem_gain:.2f}x, steps "
+            f"{mem_steps:.2f}x fewer",
+            why_it_may_not="Each policy's faster of two runs is compared; other processes on the machine can slow "
+                           "one run by more than the difference.");
+
+# %% [markdown]
 # ## 2. Preemption: when the KV cache runs out
 #
 # A decoding sequence needs a new KV block every `block_size` tokens. The scheduler admits requests
@@ -689,8 +766,8 @@ Quiz([
 #   contributes, within three limits (`max_num_seqs`, `max_num_batched_tokens`, the KV pool);
 # * count the steps a static batch needs from its longest output, and explain why continuous batching,
 #   which refills a freed seat at the next step, needs fewer;
-# * measure the throughput of both policies (and of padded `generate`) and say why the gain is smaller
-#   than the step ratio;
+# * measure the throughput of both policies (and of padded `generate`), say why the gain is smaller
+#   than the step ratio, and why it is larger on a model whose decode step is mostly a weight read;
 # * measure what each request waits for (TTFT and end-to-end latency, from the moment the workload
 #   arrives) and explain why continuous batching shortens it in engine steps, and when those steps saved are
 #   also time saved;

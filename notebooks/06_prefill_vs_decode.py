@@ -471,8 +471,9 @@ render(f"The prefill of {longest} tokens took **{pre_ms:.1f} ms**, {1e3 * pre_ms
           f"no cheaper (**{(pre_ms / longest) / dec_ms:.1f}x** a decode step's time)")
        + f". Intensity: prefill of {longest} tokens "
        f"{ai['prefill'][longest]:.1f} FLOP/byte, decode {ai['decode'][longest]:.2f} FLOP/byte, against a "
-       f"ridge point of {peaks.ridge_intensity:.1f} FLOP/byte here. (The first decode step after each prefill, "
-       f"left out of the table, took a median {first_dec:.2f} ms over all lengths; the kept ones "
+       f"ridge point of {peaks.ridge_intensity:.1f} FLOP/byte here. (The table keeps the last three of each "
+       f"request's eight decode steps; the first decode step after each prefill took a median {first_dec:.2f} ms "
+       f"over all lengths, the kept ones "
        f"{steps[steps.phase == 'decode'].wall_ms.median():.2f} ms.)")
 pre_growth = med["prefill"][longest] / med["prefill"][PROMPT_LENS[0]]
 dec_growth = med["decode"][longest] / med["decode"][PROMPT_LENS[0]]
@@ -644,7 +645,10 @@ big_df = pd.DataFrame(big_rows)
 big_df["intensity"] = big_df.flops / big_df.bytes
 big_df["GFLOP/s"] = big_df.flops / big_df.wall_ms / 1e6
 big_df["GB/s"] = big_df.bytes / big_df.wall_ms / 1e6
-big_df.round(3)
+# one line per batch size and phase (medians over its kept steps); big_df keeps every step for the cells below
+big_df.groupby(["phase", "batch"]).agg(steps=("wall_ms", "size"), tokens=("tokens", "first"),
+                                       wall_ms=("wall_ms", "median"), mfu=("mfu", "median"),
+                                       mbu=("mbu", "median")).round(3)
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -671,8 +675,9 @@ for phase, colour in (("prefill", "#e4572e"), ("decode", "#f0a202")):
     labels = [("" if dup else (f"{b}×{t // b} tok" if phase == "prefill" else f"B={b}"))
               for b, t, dup in zip(pts.batch, pts.tokens, pts.batch.duplicated())]
     fig.add_scatter(x=pts.intensity, y=pts["GFLOP/s"], mode="markers+text", text=labels,
-                    # a prefill of b x 4 tokens (intensity ~2b) sits near the decode step of batch 4b: labels on opposite sides
-                    textposition="middle left" if phase == "prefill" else "middle right",
+                    # a prefill of b x 4 tokens (intensity ~2b) sits beside the decode steps of batch 2b-4b: prefill
+                    # labels above their points, decode labels below and to the right
+                    textposition="top center" if phase == "prefill" else "bottom right",
                     marker=dict(color=colour, size=10), name=f"{phase} steps")
 fig.update_layout(title=f"Roofline: every step of the batch sweep<br><sup>measured: {big_engine.source.name} "
                         f"({cost.num_params / 1e6:.0f} M parameters), {DEVICE_NAME}, {BIG_DTYPE}, "
@@ -1135,7 +1140,10 @@ check_claim("the int8 products read their weights at no more than the read-bandw
 # The three can work for the same reason: where a decode step's time is the weight read, any way of
 # getting more tokens out of one read (batching, speculation) or of reading fewer bytes (int8) can help;
 # the table says how much each bought here.
-# Faster memory and smaller models are two more ways, not the only ones. int8 shows the condition
+# Faster memory and smaller models are two more ways, not the only ones. How much batching buys depends
+# on how much of a step is a fixed cost it shares: these engines run eagerly, with the Python of every
+# operation in each step, where chapter 04's engine replayed its decode steps from recorded graphs, so
+# the two chapters' batching figures differ for that reason as well. int8 shows the condition
 # plainly: it speeds up only the matrix multiplies, so what it gains on a whole step depends on their
 # share of the step and on how slowly they read their weights: large for a real model, smaller on the
 # embedded one, whose few MB of weights can stay in a CPU cache and whose step has fixed costs
@@ -1221,8 +1229,8 @@ Quiz([
          f"The measured throughput at batch {b_max} was {speedup:.1f}x that of batch 1."],
     ),
     Question(
-        "Starting from batch-1 decode (memory-bound), which of these cannot raise decode tokens per second on "
-        "the same model, whatever the machine?",
+        "Starting from batch-1 decode (memory-bound), which of these does the least for decode tokens per second "
+        "on the same model?",
         ["Batching more requests into each decode step", "Storing the weights in int8",
          "Speculative decoding on text that repeats its context", "A GPU with more FLOP/s and the same bandwidth"],
         3,
@@ -1236,7 +1244,7 @@ Quiz([
          f"memory-bound step: several tokens come out of one weight read (on {engine.source.name} run eagerly, "
          f"section 5 measured {spec_ratio:.2f}x).",
          "Right, at small batches: a memory-bound decode step waits on bandwidth, and more arithmetic units "
-         "would sit idle. Past the ridge point (decode intensity B x 2 / bytes per weight reaches it near batch "
+         "would mostly sit idle (they could shave only the step's small compute floor). Past the ridge point (decode intensity B x 2 / bytes per weight reaches it near batch "
          f"{ridge_batch:.0f} in {BIG_DTYPE} on this machine, at short contexts) the step is compute-bound and "
          "FLOP/s matters too; long contexts add KV reads that keep it memory-bound (section 4's GPU cell)."],
     ),

@@ -399,9 +399,10 @@ check_claim("each returning prefix (A, B, C) hits 3 of its 4 blocks and evicts o
 #
 # ### Exercise 2 · Where does the hit rate start to fall?
 #
-# While prefix X runs in rounds two and three, the pool must hold the cached blocks of every prefix
-# (4 each) and one block for X's 8-token tail. What is the largest K for which rounds two and three
-# still hit every cached block?
+# Each request is one of the K prefixes (4 blocks) followed by an 8-token tail of its own. While the
+# request for prefix X runs in rounds two and three, which blocks must the 16-block pool hold at that
+# moment for every later request to find its prefix still cached? From that, what is the largest K
+# for which rounds two and three still hit every cached block?
 
 # %% tags=["exercise"]
 my_prediction_2 = None  # your guess: the largest number of prefixes K that still all hit (a whole number)

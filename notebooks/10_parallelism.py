@@ -263,10 +263,11 @@ _ = check_claim("the embedding (all-reduce) and LM head (all-gather) shards rebu
 # fresh Python process that imports torch and builds its shard takes a while (the cell prints how
 # long).
 #
-# One difference from a single process: interrupting a cell (Kernel > Interrupt) while this engine
-# runs a step ends the engine, since its ranks may be stopped at different points of the step; the
-# next use says so. Run this cell again to start a new one (it shuts the old one down first), then
-# the cell you interrupted.
+# Interrupting a cell (Kernel > Interrupt) while this engine runs a step waits until rank 0 has done
+# its part of the step's collectives (stopped in the middle of one, the ranks would no longer be in
+# step), then rolls the step back as on one process: the engine goes on serving. If a worker fails,
+# the engine's next use says so: run this cell again to start a new one (it shuts the old one down
+# first), then the cell you were running.
 
 # %%
 if "tp_llm" in globals():  # run again: the previous engine's worker goes first (a widget may still hold it)
@@ -381,7 +382,9 @@ print(f"all-gathers per sampling step: {n_head} (LM head)")
 # `tensor_model_parallel_all_gather` through their module's global names, and rank 0 sends each
 # step's inputs with `minivllm.executor.launch.broadcast`. Wrapping those three names in this
 # process counts every call on rank 0 and times it (every rank makes the same calls; a collective
-# only completes when all ranks join it). The wrappers are removed afterwards.
+# only completes when all ranks join it). The wrappers are removed afterwards. The cell first aborts
+# whatever the stepper above still has running (its request, unless you ran it to the end), so that
+# the counted steps hold only the cell's own request; it prints the ids it aborted.
 
 # %%
 import contextlib
@@ -505,10 +508,10 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 # multiply-adds, and a decode step makes the collective calls you just counted. On this machine, how
 # long does a decode step's forward pass take with two processes, as a multiple of the single
 # process's (1.0 = as fast, 0.5 = twice as fast, 2 = twice as slow)? The check compares your figure
-# with the ratio of the two engines' *fastest* decode steps, the ones least disturbed by other
-# processes (the cell prints the medians' ratio beside it). The exercise cell prints what section 4's
-# run measured of the collective calls, and the single process's decode forward on this batch:
-# weigh the time saved against the time added.
+# with the ratio of the two engines' *median* decode forwards (the cell prints the fastest steps' ratio
+# beside it), with a wide tolerance: how long the ranks wait for each other moves from run to run. The
+# exercise cell prints what section 4's run measured of the collective calls, and the single process's
+# decode forward on this batch (medians, as the check): weigh the time saved against the time added.
 
 # %% tags=["exercise"]
 import statistics
@@ -524,8 +527,9 @@ for i, p in enumerate(BATCH):
 probe = []
 while single.llm_engine.has_unfinished_requests():
     probe.append(single.llm_engine.step_with_record().record)
-print(f"1 process, a decode step of {probe[-1].num_tokens} sequences: forward {min(r.model_ms for r in probe if r.phase == 'decode'):.2f} ms "
-      "at the fastest")
+print(f"1 process, a decode step of {probe[-1].num_tokens} sequences: forward "
+      f"{statistics.median(r.model_ms for r in probe if r.phase == 'decode'):.2f} ms at the median "
+      f"({min(r.model_ms for r in probe if r.phase == 'decode'):.2f} ms at the fastest)")
 my_prediction_3 = None  # your guess: 2-process decode forward time / 1-process decode forward time (x)
 
 # %%
@@ -631,8 +635,8 @@ print(f"one all-reduce on this machine (section 4's run), fastest / median of th
 for phase in med.index:
     print(f"{phase:8s}: {TP}-process forward / 1-process forward = {TP_RATIO[phase]:.2f} (fastest steps), "
           f"{MEDIAN_RATIO[phase]:.2f} (medians)")
-_ = check_prediction(my_prediction_3, TP_RATIO["decode"], rel_tol=0.3, unit="x",
-                     what=f"the {TP}-process decode forward as a multiple of the 1-process one (fastest steps)")
+_ = check_prediction(my_prediction_3, MEDIAN_RATIO["decode"], rel_tol=0.5, unit="x",
+                     what=f"the {TP}-process decode forward as a multiple of the 1-process one (medians)")
 
 # %% [markdown]
 # Read the ratios printed above (the fastest steps' ratio is the one least disturbed by other
@@ -797,7 +801,15 @@ _ = render(f"From {small:,} to {mid:,} B ({mid // small}x the bytes) an all-redu
            f"({ar.us_per_call[0]:.0f} to {ar.us_per_call[3]:.0f} µs, medians); at {ar.sizes_bytes[-1] / 2**20:.0f} MiB "
            f"it took {ar.us_per_call[-1] / 1e3:.1f} ms. From the ends of the sweep: **α ≈ {alpha_us:.0f} µs** a call "
            f"and **β ≈ {beta_bytes_per_us:.0f} MB/s**, so a decode step's all-reduce ({decode_ar_bytes:,} B) is "
-           f"**{decode_alpha_share:.0%}** fixed cost by this model.")
+           f"**{decode_alpha_share:.0%}** fixed cost by this model. Section 4's decode all-reduces, timed inside engine "
+           f"steps, took {AR_US['decode']:.0f} µs at the fastest and {AR_MEDIAN_US['decode']:.0f} µs at the median: "
+           + ("the fixed cost fitted here lies between the two" if AR_US["decode"] <= alpha_us <= AR_MEDIAN_US["decode"]
+              else f"the fixed cost fitted here is **{alpha_us / AR_MEDIAN_US['decode']:.1f}x** their median"
+              if alpha_us > AR_MEDIAN_US["decode"] else
+              "the fixed cost fitted here is below even their fastest")
+           + ". The same call was timed in two settings, back to back in two fresh processes here and between a "
+             "step's layers there; on a machine with few cores each figure also holds the time a process waited "
+             "for a core, which moves with whatever else runs.")
 _ = check_claim(f"an all-reduce's time grows much less than its bytes while they are few ({small:,} -> {mid:,} B)",
                 growth < (mid / small) / 4, f"{mid // small}x the bytes, {growth:.2f}x the time",
                 why_it_may_not="A busy machine can slow one size's rounds more than another's; run the cell again.")

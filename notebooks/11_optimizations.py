@@ -722,8 +722,9 @@ for row in interp.itertuples():
 # Two engines of the same model, side by side: the one from the setup cell (fp32 on a CPU, bf16 on CUDA;
 # the cells name it by its dtype) and an int8 one, both eager, so that decode graphs (section 2) do not
 # enter the comparison. (On a CPU the fp32 engine holds a 16-bit checkpoint's values, such as the
-# embedded model's float16 ones, in 16-bit panels: there int8 halves the bytes read rather than
-# quartering them. The cell prints both engines' bytes.)
+# embedded model's float16 ones, in 16-bit panels: a float16 or bfloat16 value widens to float32
+# exactly, so keeping it in 16 bits halves the bytes every step reads and changes no result. There
+# int8 halves the bytes read rather than quartering them. The cell prints both engines' bytes.)
 # First what int8 should save, from each engine's cost model and this machine's measured read
 # bandwidth (the time to read the weights once is a floor under every decode step):
 
