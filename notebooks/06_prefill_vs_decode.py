@@ -675,9 +675,9 @@ for phase, colour in (("prefill", "#e4572e"), ("decode", "#f0a202")):
     labels = [("" if dup else (f"{b}×{t // b} tok" if phase == "prefill" else f"B={b}"))
               for b, t, dup in zip(pts.batch, pts.tokens, pts.batch.duplicated())]
     fig.add_scatter(x=pts.intensity, y=pts["GFLOP/s"], mode="markers+text", text=labels,
-                    # a prefill of b x 4 tokens (intensity ~2b) sits beside the decode steps of batch 2b-4b: prefill
-                    # labels above their points, decode labels below and to the right
-                    textposition="top center" if phase == "prefill" else "bottom right",
+                    # a prefill of b x 4 tokens (intensity ~2b) sits below and right of the decode steps of batch
+                    # 2b-4b: prefill labels go further down and right, decode labels up and left
+                    textposition="bottom right" if phase == "prefill" else "top left",
                     marker=dict(color=colour, size=10), name=f"{phase} steps")
 fig.update_layout(title=f"Roofline: every step of the batch sweep<br><sup>measured: {big_engine.source.name} "
                         f"({cost.num_params / 1e6:.0f} M parameters), {DEVICE_NAME}, {BIG_DTYPE}, "
