@@ -459,18 +459,26 @@ def test_roofline_bytes_match_the_quantised_model(fp32_and_int8):
 
 
 # ---------------------------------------------------------------------------- tensor parallel
-def test_tp2_int8_agrees_with_tp1_int8(fp32_and_int8):
+def test_tp2_int8_is_the_tp1_int8_model(fp32_and_int8):
+    """Each rank quantised its own shard: a row-parallel layer (o_proj, down_proj) holds part of every row,
+    so its per-row scales came from that part only, and tp=2 ran another int8 model than tp=1 (scales up to
+    ~45% apart; greedy tokens diverged on 1 of 30 prompts). The scales now come from the whole row."""
     _, quant = fp32_and_int8
     prompts = list(AGREEMENT_PROMPTS[:4])
     want = _tokens(quant, prompts, 8)
     llm = LLM(None, quantization="int8", tensor_parallel_size=2, num_kvcache_blocks=64)
     try:
         got = _tokens(llm, prompts, 8)
+        one, two = (dict(x.llm_engine.runner.model.named_modules()) for x in (quant, llm))
+        rows = [n for n, m in two.items() if getattr(m, "input_is_sharded", False) and m.int8 is not None]
+        assert rows, "no row-parallel int8 layer on rank 0"
+        for name in rows:  # rank 0's shard: the first half of every row, with the whole row's scale
+            a, b = one[name].int8, two[name].int8
+            assert torch.equal(a.scale, b.scale), name
+            assert torch.equal(a.dequantized()[:, :b.in_features], b.dequantized()), name
     finally:
         llm.shutdown()
-    # row-parallel shards get per-shard scales, so tp=2 is a slightly different int8 model
-    prefix = sum(_prefix(a, b) for a, b in zip(want, got)) / (8 * len(prompts))
-    assert prefix >= 0.6, (want, got)
+    assert got == want
 
 
 # ---------------------------------------------------------------------------- bench

@@ -112,6 +112,21 @@ def tensor_model_parallel_all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def tensor_model_parallel_all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of ``t`` over all tensor-parallel ranks, in place; returns ``t``
+    (identity at tp=1). Used once per layer at load time (int8 scales of row-parallel layers)."""
+    st = _state()
+    if st.size == 1:
+        return t
+    if st.group is None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    else:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        st.group.allreduce([t], opts).wait()
+    return t
+
+
 def tensor_model_parallel_all_gather(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` (rank order); every rank gets the result.
 

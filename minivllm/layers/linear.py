@@ -234,6 +234,9 @@ class RowParallelLinear(LinearBase):
         ValueError: ``input_size`` not divisible by the tp size.
     """
 
+    #: each rank holds part of every row: int8 scales are taken over the whole row (all ranks)
+    input_is_sharded = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         tp = get_tp_size()
         super().__init__(_divide(input_size, tp, "input_size"), output_size, bias, input_size, output_size)

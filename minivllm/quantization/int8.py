@@ -77,12 +77,15 @@ def describe_kernel(kernel: str) -> str:
     return _KERNEL_DESCRIPTIONS[kernel]
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 quantisation (formula in the module docstring).
 
     Args:
         weight: ``[out_features, in_features]``, any float dtype, any device (a oneDNN-packed
             CPU tensor is read dense).
+        amax: fp32 ``[out_features]``, each row's largest magnitude when ``weight`` holds only
+            part of each row (a row-parallel shard: the maximum over every rank's part, so that
+            every rank quantises with the scales of the whole row); None: ``weight``'s own.
 
     Returns:
         ``(q, scale)``: ``q`` int8 ``[out, in]`` with values in ``[-127, 127]``, ``scale`` fp32
@@ -98,7 +101,10 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if not weight.is_floating_point():
         raise ValueError(f"weight must be a float tensor to quantise, got dtype {weight.dtype}")
     w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
+    if amax is None:
+        amax = w.abs().amax(dim=1)
+    elif tuple(amax.shape) != (w.shape[0],):
+        raise ValueError(f"amax: expected [{w.shape[0]}] (one per output row), got shape {tuple(amax.shape)}")
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale

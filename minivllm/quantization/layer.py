@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minivllm.distributed.parallel_state import tensor_model_parallel_all_reduce_max
 from minivllm.layers.prepack import dense, shared_parameter_ids
-from minivllm.quantization.int8 import Int8Weight, describe_kernel
+from minivllm.quantization.int8 import Int8Weight, describe_kernel, quantize_per_channel
 
 logger = logging.getLogger("minivllm")
 
@@ -85,7 +86,13 @@ class Int8LinearMixin:
         attrs = {a: getattr(w, a) for a in ("weight_loader", "full_shape") if hasattr(w, a)}
         with torch.no_grad():
             plain = dense(w)  # a packed weight (panels or oneDNN) read back plain
-            self.int8 = Int8Weight(plain, kernel)
+            quantized = None
+            if getattr(self, "input_is_sharded", False) and getattr(self, "tp_size", 1) > 1:
+                # a row-parallel shard holds part of each row: the scales come from the whole row, so the
+                # ranks quantise the model tensor_parallel_size=1 would (each rank's own maximum would not)
+                amax = tensor_model_parallel_all_reduce_max(plain.detach().float().abs().amax(dim=1).contiguous())
+                quantized = quantize_per_channel(plain, amax)
+            self.int8 = Int8Weight(plain, kernel, quantized=quantized)
         # the layer's dtype: a packed weight's own may differ (16-bit panels of a float32 model)
         self._float_spec = (plain.dtype, w.device, shared, attrs)
         self.register_buffer("weight_scale", self.int8.scale)
