@@ -50,6 +50,27 @@ def test_siblings_reuse_the_leaders_prompt_blocks(llm):
     assert sum(hits) == 2 * 16
 
 
+def test_siblings_waiting_for_their_leader_do_not_hold_back_the_prompts_behind_them(llm):
+    """A sibling sample waits for its leader's prompt blocks; the admission loop stopped at it, so with n > 1
+    every step admitted one prompt's leader: 8 prompts at n=4 took 8 steps of prefill (32 prompts: 33 of
+    40 steps), where n=1 takes one. Now the held siblings are passed over: the leaders go in one step, their
+    siblings in the next, and every sample is the one its seed gives alone."""
+    llm.llm_engine.reset_prefix_cache()
+    prompts = prompts_of([9, 13, 6, 17, 11, 8, 14, 10], seed=33)
+    params = S(n=4, seed=7, max_tokens=5)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", p, params, output_kind="final_only")
+    prefill_steps, final = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final[out.request_id] = completions(out)
+        prefill_steps += engine.last_step_record.num_prefill_tokens > 0
+    assert prefill_steps == 2
+    alone = [completions(llm.generate(p, params, use_tqdm=False)[0]) for p in prompts]
+    assert [final[f"q{i}"] for i in range(len(prompts))] == alone
+
+
 def test_step_returns_the_parent(llm):
     """Cumulative outputs (SamplingParams' default), as vLLM streams them: under the parent's id, one
     output per sample that advanced, holding that sample's whole completion so far (it merged every

@@ -251,3 +251,33 @@ def test_a_draft_with_fewer_positions_than_the_target_stops_drafting_past_them(t
     outs = spec.generate(prompts, greedy(40), use_tqdm=False)
     assert _tokens(outs) == want
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0  # drafts while the sequences were short
+
+
+def test_drafts_never_take_the_block_another_request_needs_for_its_next_token():
+    """The draft check compared the drafts' blocks with the free blocks as they stood, before the requests
+    planned later in the step had their own next token's block: A's three drafts took the pool's last free
+    block and B, which fits without speculation, was preempted and recomputed (README: a request never
+    preempts another for room to speculate)."""
+    from minivllm import LLM
+
+    runs = {}
+    for name, spec in (("plain", None), ("draft", {"method": "draft_model", "model": "minivllm-tiny-draft",
+                                                   "num_speculative_tokens": 3})):
+        llm = LLM(num_kvcache_blocks=5, block_size=4, max_model_len=16, speculative_config=spec)
+        try:
+            engine = llm.llm_engine
+            engine.add_request("A", [5, 6, 5, 6, 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            engine.add_request("B", [9, 10, 11, 12] * 2, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+            preempted, drafts, final = [], 0, {}
+            while engine.has_unfinished_requests():
+                outs = engine.step()
+                record = engine.last_step_record
+                preempted += record.preempted
+                drafts += record.num_draft_tokens
+                final.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+            runs[name] = (preempted, drafts, final)
+        finally:
+            llm.shutdown()
+    assert runs["plain"][0] == [] and runs["draft"][0] == []
+    assert runs["draft"][1] > 0  # it still speculated where the pool had room
+    assert runs["draft"][2] == runs["plain"][2]

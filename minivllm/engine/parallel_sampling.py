@@ -6,7 +6,8 @@ replays exactly, and its samples differ from each other). The children share the
 prompt's KV blocks through the prefix cache: child 0 leads, and the others are admitted
 once it has sampled (``Sequence.prefix_leader``), so they hit every full prompt block it
 computed instead of computing their own (so samples 1..n-1 produce their first token a step
-after sample 0). ``ParentRequests.merge`` turns the children's outputs back into the parent's
+after sample 0); the scheduler passes over them until then, so the requests queued behind
+them are admitted as usual. ``ParentRequests.merge`` turns the children's outputs back into the parent's
 ``RequestOutput``s, ``outputs[i].index == i``, as vLLM's output processor does:
 
 * final-only: one output when every child has finished, all n completions in index order, its

@@ -207,6 +207,9 @@ class Scheduler:
         deferred: list[Sequence] = []
         # One proposer call for all decoding sequences (a draft model runs them as one batch).
         proposals = self._propose([s for s in self.running if not s.is_prefilling], budget) if propose else {}
+        # Drafts never take blocks that a running sequence planned later in this loop needs for its own
+        # next token (or the rest of its prompt): a request never preempts another for room to speculate.
+        reserve, reserved = self._blocks_reserved() if proposals else ({}, 0)
         for seqs in (list(self.running), deferred):
             first_pass = seqs is not deferred
             for seq in seqs:
@@ -228,6 +231,7 @@ class Scheduler:
                 if prefilling and first_pass:
                     deferred.append(seq)
                     continue
+                reserved -= reserve.pop(seq, 0)  # its own blocks are planned now
                 if budget == 0:
                     break
                 n = min(seq.prefill_target - computed, budget) if prefilling else 1
@@ -239,14 +243,17 @@ class Scheduler:
                     if not drafts:  # cut to none: keep no view of the proposal's probabilities
                         drafts, draft_probs = (), None
                 if drafts:
-                    if bm.can_grow(seq, computed + 1 + len(drafts)):
+                    if bm.num_blocks_needed(seq, computed + 1 + len(drafts)) + reserved <= bm.num_free_blocks:
                         n += len(drafts)
                         num_drafts += len(drafts)
                     else:  # no room to speculate: a plain decode, never a preemption for drafts
                         drafts, draft_probs = (), None
                 total = computed + n
                 if total > len(seq.block_table) * block_size:  # needs a new block
+                    victims = len(out.preempted)
                     budget += self._grow_or_preempt(seq, total, decodes, prefills, out)
+                    for victim in out.preempted[victims:]:  # a victim needs no blocks this step
+                        reserved -= reserve.pop(victim, 0)
                     if seq.status is not running_status:
                         continue
                 entry = ScheduledSequence(seq, n, computed, prefilling, total == len(seq.token_ids) + len(drafts),
@@ -265,6 +272,18 @@ class Scheduler:
         out.num_decodes, out.num_draft_tokens = len(decodes), num_drafts
         out.all_plain_greedy = not self.non_greedy_seqs
         return out
+
+    def _blocks_reserved(self) -> tuple[dict, int]:
+        """For a step with drafts: each running sequence's new blocks for its plain next token (a
+        decode) or the rest of its prompt (a prefill, the most its chunk can take), and their sum."""
+        bm = self.block_manager
+        reserve = {}
+        for seq in self.running:
+            target = seq.prefill_target if seq.num_computed_tokens < seq.prefill_target else seq.num_computed_tokens + 1
+            need = bm.num_blocks_needed(seq, target)
+            if need:
+                reserve[seq] = need
+        return reserve, sum(reserve.values())
 
     def _grow_or_preempt(self, seq: Sequence, total: int, decodes: list[ScheduledSequence],
                          prefills: list[ScheduledSequence], out: SchedulerOutput) -> int:
@@ -296,15 +315,22 @@ class Scheduler:
         return {seq: p for (seq, _), p in zip(requests, self.config.propose(requests))}
 
     def _admit(self, budget: int, prefills: list[ScheduledSequence], out: SchedulerOutput) -> int:
+        """Admit waiting sequences in arrival order while the budget, the seats and the free KV
+        blocks allow (the first that does not fit stops admission: first come, first served). A
+        sibling sample (``n > 1``) whose leader has not finished its prompt is passed over, not
+        waited for: it joins once the leader's blocks can be hit, and the requests behind it need
+        not wait for that (waiting for it held every later prompt to one admission per step)."""
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # position in the waiting queue: the held siblings before it stay where they are
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
             # A request wanting prompt logprobs computes every prompt position (as in vLLM v1).
             wants_prompt = seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
             leader = seq.prefix_leader
             if (leader is not None and bm.enable_prefix_caching and not wants_prompt and not leader.is_finished
                     and leader.num_output_tokens == 0):
-                break  # a sibling sample waits for its leader's prompt blocks (one prefill, shared)
+                i += 1  # a sibling sample waits for its leader's prompt blocks (one prefill, shared)
+                continue
             hit_ids, hit_hashes = ([], []) if wants_prompt else bm.match_prefix(seq)
             cached = len(hit_ids) * bm.block_size
             remaining = len(seq) - cached
@@ -319,7 +345,7 @@ class Scheduler:
             if self.undo is not None:
                 self.undo.save_contents(self.waiting)
                 self.undo.touch(seq)
-            self.waiting.popleft()
+            del self.waiting[i]
             bm.admit(seq, hit_ids, hit_hashes)
             bm.grow(seq, cached + n)
             first_time = seq.metrics.first_scheduled_time is None
