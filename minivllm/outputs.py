@@ -19,6 +19,11 @@ class RequestMetrics:
     a list, which is then empty. ``token_times``: each output token's time (the end of the step
     that produced it), seconds on the same clock.
 
+    Every output of a request carries the request's own metrics object, which keeps changing
+    while the request runs (vLLM's ``RequestOutput.metrics`` is its live request state too): an
+    output kept from an earlier step (``LLM.stream``, ``LLMEngine.step``) reads the latest
+    figures, so ``copy.deepcopy(output.metrics)`` is the way to keep the figures of that moment.
+
     vLLM's names for the same facts, for scripts that read them (seconds, ``None`` where not
     defined yet): V0's ``last_token_time`` and ``time_in_queue``; V1's ``first_token_latency``,
     ``num_generation_tokens`` (an int), ``queued_ts``, ``scheduled_ts``, ``first_token_ts`` and
