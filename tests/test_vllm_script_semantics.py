@@ -353,6 +353,25 @@ def test_logprobs_of_a_character_split_across_tokens_read_as_the_character(llm):
     assert c.token_ids == [euro[-1]] and c.logprobs[0][euro[-1]].decoded_token == "€"
 
 
+def test_a_space_before_a_split_character_stays_in_the_decoded_tokens(llm):
+    """Token b' \xe2\x80' (a space, then the start of a curly quote) reads '' and b'\x9c' completes the
+    quote: the completing token read only '“' (the context's space was taken as the context's own text),
+    so the decoded tokens no longer joined to the text ' “'. vLLM gives the completing token the text of
+    the tokens before it that read '' themselves (v1/engine/logprobs.py, _correct_decoded_token)."""
+    tok = llm.get_tokenizer()
+    lead, tail = next((a, b) for a in range(len(tok)) if tok.decode([a]) == " \ufffd"
+                      for b in range(len(tok)) if tok.decode([a, b]) == " \u201c")
+    assert tok.decode([tail]).endswith("\ufffd")
+    c = llm.generate("He said", SamplingParams(max_tokens=2, temperature=0, logprobs=0, allowed_token_ids=[lead, tail]),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == [lead, tail], c.token_ids  # the embedded model's greedy choice between the two
+    read = [d[t].decoded_token for d, t in zip(c.logprobs, c.token_ids)]
+    assert read == ["", " \u201c"] and "".join(read) == c.text
+    prompt = llm.generate({"prompt_token_ids": [5, lead, tail]}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False)[0].prompt_logprobs
+    assert [prompt[i][t].decoded_token for i, t in ((1, lead), (2, tail))] == ["", " \u201c"]
+
+
 @pytest.mark.parametrize("byte_level_table", [True, False])
 def test_split_character_reads_the_same_on_both_detokenizer_paths(llm, byte_level_table):
     from minivllm.engine.detokenizer import IncrementalDetokenizer

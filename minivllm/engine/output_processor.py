@@ -8,6 +8,7 @@ request's output kind.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -136,9 +137,12 @@ class _TokenTexts:
     as in vLLM (``convert_ids_list_to_tokens`` decodes each id alone with the tokenizer's defaults).
     A token whose text alone ends in U+FFFD (its bytes end inside a multi-byte UTF-8 character:
     Chinese, emoji, "€" are split across byte-level tokens) reads, as in vLLM's logprobs processor,
-    as the text it adds to up to 4 preceding tokens once that ends on a whole character (the token
-    that completes a character reads as the character), or ``""`` when no such context does. A
-    token that both ends one character and begins another reads ``""`` too, as in vLLM."""
+    ``""`` unless up to 4 preceding tokens complete it: then it reads as the character, with the text
+    of the preceding tokens that read ``""`` themselves (a space before a curly quote included), so
+    that the decoded tokens still join to the text. The preceding tokens are the whole sequence's,
+    prompt included (vLLM's look back over the sampled tokens only, and over the prompt's after the
+    first: a character the prompt begins and the output ends reads ``""`` there). A token that both
+    ends one character and begins another reads ``""`` too, as in vLLM."""
 
     def __init__(self, detokenizer: IncrementalDetokenizer | None):
         self.detokenizer = detokenizer
@@ -162,13 +166,18 @@ class _TokenTexts:
             return unknown_id_text(ids[0]) if len(ids) == 1 else "\ufffd"
         return self.detokenizer.tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def single(self, token_id: int) -> str:
+        """The text of ``token_id`` alone (cached per tokenizer)."""
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.decode([token_id])
+        return text
+
     def __call__(self, token_id: int, token_ids: list[int] = (), end: int = 0) -> str | None:
         """The text of ``token_id`` where it follows ``token_ids[:end]``."""
         if self.detokenizer is None:
             return None
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.cache[token_id] = self.decode([token_id])
+        text = self.single(token_id)
         if not text.endswith("\ufffd"):
             return text
         preceding = token_ids[max(0, end - _COMPLETING_TOKENS):end]
@@ -177,8 +186,15 @@ class _TokenTexts:
             whole = self.decode(context + [token_id])
             if whole.endswith("\ufffd"):
                 continue
-            before = self.decode(context).rstrip("\ufffd")  # the context's finished characters
-            return whole[len(before):] if whole.startswith(before) else whole
+            # the context tokens that read "" themselves (their text ends inside a character) hand their text,
+            # a space before it included, to the token that completes it; what precedes them stays theirs
+            clean = len(context)
+            while clean and self.single(context[clean - 1]).endswith("\ufffd"):
+                clean -= 1
+            before = self.decode(context[:clean]) if clean else ""
+            if whole.startswith(before):
+                return whole[len(before):]
+            return whole[len(os.path.commonprefix([before, whole])):]  # (a tokenizer that normalises its text)
         return ""
 
 
