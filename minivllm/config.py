@@ -129,7 +129,8 @@ class EngineArgs:
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1".
         dtype: "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16".
         attention_backend: "auto", "torch", "triton", "flash_attn".
-        seed: seed of the engine-wide sampling generator (and of random weights).
+        seed: seed of the engine-wide sampling generator (and of random weights): an int in
+            [0, 2**32 - 1], as vLLM takes it, or None.
         compile: torch.compile the small fused ops; None = on for CUDA, off on CPU.
         speculative_config: vLLM v1's speculative decoding settings, e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -237,8 +238,10 @@ class EngineArgs:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
         if self.compile is not None and not isinstance(self.compile, bool):
             raise ValueError(f"compile={self.compile!r}: must be True, False or None (on for CUDA only)")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed={self.seed!r}: must be an int or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= 2**32 - 1):
+            raise ValueError(f"seed={self.seed!r}: must be an int in [0, 2**32 - 1] (vLLM's range, numpy's "
+                             "seeds) or None")
         if not isinstance(self.dtype, (str, torch.dtype)):
             raise ValueError(f"dtype={self.dtype!r}: choose 'auto' or one of {dtype_spellings(MODEL_DTYPES)}")
         resolve_dtype(self.dtype, torch.device("cpu"))  # the name's check (the device only decides what "auto" is)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence as Seq
 from minivllm.chat import load_chat_template, text_messages, unused_template_variables
 from minivllm.config import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, refuse_lora
+from minivllm.exceptions import VLLMValidationError
 from minivllm.inputs import cache_salt_of, check_tokenization_kwargs, prompt_truncation
 from minivllm.logger import init_logger
 from minivllm.outputs import RequestOutput
@@ -41,12 +42,12 @@ def _as_prompt_list(prompts) -> list:
         if any(isinstance(t, numbers.Number) for t in prompts):  # bool is a Number too
             if isinstance(prompts[0], (str, dict, list, tuple)):  # ["hello", 5]: the number is the odd one out
                 i = next(i for i, t in enumerate(prompts) if isinstance(t, numbers.Number))
-                raise ValueError(f"prompts mix prompts (element 0: {type(prompts[0]).__name__}) with a bare "
+                raise VLLMValidationError(f"prompts mix prompts (element 0: {type(prompts[0]).__name__}) with a bare "
                                  f"number (element {i}: {prompts[i]!r}); a token-id prompt is one list of ints, "
                                  "e.g. [[5, 7]] or {'prompt_token_ids': [5, 7]}")
             for i, t in enumerate(prompts):
                 if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                    raise ValueError(f"prompt token ids: element {i} is {t!r} ({type(t).__name__}), "
+                    raise VLLMValidationError(f"prompt token ids: element {i} is {t!r} ({type(t).__name__}), "
                                      "not an int token id")
             return [[int(t) for t in prompts]]  # a single prompt of token ids (numpy ints as ints)
         return list(prompts)
@@ -55,7 +56,7 @@ def _as_prompt_list(prompts) -> list:
         return _as_prompt_list([str(p) if isinstance(p, str) else p for p in prompts])
     hint = (" (a generator or other iterable is not taken, as in vLLM: pass list(...) of it)"
             if hasattr(prompts, "__iter__") else "")
-    raise ValueError(f"prompts {prompts!r}: expected a str, list[int], dict, or a list of them{hint}")
+    raise VLLMValidationError(f"prompts {prompts!r}: expected a str, list[int], dict, or a list of them{hint}")
 
 
 #: nano-vllm's engine calls on its LLM -> what does it here
@@ -93,7 +94,7 @@ def refuse_mm_processor_kwargs(mm_processor_kwargs) -> None:
     Raises:
         ValueError: anything else, naming it (minivllm takes no multimodal inputs)."""
     if mm_processor_kwargs is not None:
-        raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r}: minivllm takes no multimodal inputs "
+        raise VLLMValidationError(f"mm_processor_kwargs={mm_processor_kwargs!r}: minivllm takes no multimodal inputs "
                          "(README, 'Coming from vLLM or nano-vllm')")
 
 
@@ -218,18 +219,18 @@ class LLM:
             priority = [priority] * len(plist)  # vLLM's: one number for every prompt
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(plist)
                                      or any(p != 0 for p in priority)):
-            raise ValueError(f"priority={given!r}: minivllm schedules first come, first served (only None, 0 or "
+            raise VLLMValidationError(f"priority={given!r}: minivllm schedules first come, first served (only None, 0 or "
                              f"a list of {len(plist)} zeros, one per prompt, is accepted)")
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(plist):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(plist)} prompts")
+                raise VLLMValidationError(f"got {len(sampling_params)} sampling_params for {len(plist)} prompts")
             params = list(sampling_params)
         else:
             params = [sampling_params if sampling_params is not None else self.get_default_sampling_params()
                       ] * len(plist)
         for i, (prompt, p) in enumerate(zip(plist, params)):
             if not isinstance(p, SamplingParams):
-                raise ValueError(f"sampling_params[{i}]={p!r} is not a SamplingParams")
+                raise VLLMValidationError(f"sampling_params[{i}]={p!r} is not a SamplingParams")
             try:
                 self.engine.check_sampling_params(p)  # all checked before any is queued
                 p.clone()._validate_again()  # as add_request will: a list changed in place since the constructor
@@ -237,7 +238,7 @@ class LLM:
                                           tokenization.get("add_special_tokens", True))
                 cache_salt_of(prompt)
             except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+                raise VLLMValidationError(f"prompt {i}: {e}") from None
         engine = self.engine
         for prompt, p in zip(plist, params):
             rid = str(next(self._ids))

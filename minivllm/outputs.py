@@ -1,6 +1,8 @@
 """What the engine returns per request: vLLM's ``RequestOutput`` shape, plus measured timings."""
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -311,3 +313,28 @@ class RequestOutput:
     # keys (pd.DataFrame(outputs) gave 'text' / 'token_ids' strings, not the outputs' fields);
     # dict(output) works through keys(). (None: Python would otherwise try output[0].)
     __iter__ = None
+
+
+#: RequestOutput arguments of vLLM 0.34 that minivllm never fills: kept as attributes when given
+_VLLM_OUTPUT_EXTRAS = ("kv_transfer_params", "ec_transfer_params", "prompt_token_id_logprobs",
+                       "num_cache_creation_tokens")
+_output_init = RequestOutput.__init__
+_warned_newer_args: list[bool] = []
+
+
+def _init_ignoring_newer_args(self, *args, **kwargs):
+    """The dataclass ``__init__``, also taking the arguments of vLLM's ``RequestOutput`` that minivllm
+    never fills (kept as attributes) and, as vLLM does for forward compatibility, ignoring any
+    other keyword argument with one warning (code written for a newer vLLM still builds one)."""
+    known = RequestOutput.__dataclass_fields__
+    extras = {k: kwargs.pop(k) for k in _VLLM_OUTPUT_EXTRAS if k in kwargs and k not in known}
+    unknown = {k: kwargs.pop(k) for k in list(kwargs) if k not in known}
+    if unknown and not _warned_newer_args:
+        _warned_newer_args.append(True)
+        logging.getLogger("minivllm").warning("RequestOutput: ignoring extra arguments: %s", unknown)
+    _output_init(self, *args, **kwargs)
+    for k, v in extras.items():
+        setattr(self, k, v)
+
+
+RequestOutput.__init__ = functools.wraps(_output_init)(_init_ignoring_newer_args)

@@ -11,6 +11,8 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from minivllm.exceptions import VLLMValidationError
+
 
 class OutputKind(enum.Enum):
     """What ``LLMEngine.step()`` returns for a request (vLLM's ``RequestOutputKind``, also importable
@@ -185,8 +187,8 @@ class SamplingParams:
             raise
 
     def __post_init__(self) -> None:
-        def bad(name: str, value, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={value!r}: {why}")
+        def bad(name: str, value, why: str) -> VLLMValidationError:  # a ValueError too
+            return VLLMValidationError(f"SamplingParams.{name}={value!r}: {why}", parameter=name, value=value)
 
         # numpy (or other) scalars, as a sweep over np.linspace gives them: Python numbers from here on
         for name in _INT_FIELDS + _REAL_FIELDS:
@@ -475,14 +477,17 @@ _VLLM_ONLY = {
     "length_penalty": ("beam search's length penalty", lambda v, kw: v != 1.0),
     "early_stopping": ("beam search's early stopping", lambda v, kw: bool(v)),
     "logits_processors": ("logits_processors (per-request callables applied to the logits)", lambda v, kw: bool(v)),
-    "extra_args": ("extra_args (arguments for a custom sampler)", lambda v, kw: bool(v)),
+    # arguments for a custom sampler: vLLM's own sampler reads none, nor does minivllm's (accepted, dropped)
+    "extra_args": ("extra_args (arguments for a custom sampler)", lambda v, kw: not isinstance(v, (dict, type(None)))),
     "flat_logprobs": ("flat_logprobs (logprobs as FlatLogprobs)", lambda v, kw: bool(v)),
     "logprob_token_ids": ("logprob_token_ids (logprobs of chosen tokens)", lambda v, kw: v is not None),
     "prompt_logprob_token_ids": ("prompt_logprob_token_ids (prompt logprobs of chosen tokens)",
                                  lambda v, kw: v is not None),
-    "prompt_logprob_start": ("prompt_logprob_start (prompt logprobs from a chosen row)", lambda v, kw: v is not None),
+    "prompt_logprob_start": ("prompt_logprob_start (prompt logprobs from a chosen row)",
+                             lambda v, kw: v not in (None, 0)),  # 0: from the first row, what minivllm gives
     "stream_interval": ("stream_interval (streaming several tokens per output)", lambda v, kw: v not in (None, 1)),
-    "thinking_token_budget": ("thinking_token_budget (a cap on reasoning tokens)", lambda v, kw: v is not None),
+    "thinking_token_budget": ("thinking_token_budget (a cap on reasoning tokens)",
+                              lambda v, kw: v is not None and (isinstance(v, bool) or v != -1)),  # -1: unlimited
     "repetition_detection": ("repetition_detection (ending on repeated n-grams)", lambda v, kw: v is not None),
     "skip_reading_prefix_cache": ("skip_reading_prefix_cache (a request that bypasses the prefix cache)",
                                   lambda v, kw: bool(v)),

@@ -173,3 +173,48 @@ def test_config_file_options_follow_a_subcommand(tmp_path):
 def test_short_optimization_level_flag_is_vllms():
     args = _parser().parse_args(["-O3"])
     assert args.optimization_level == 3
+
+
+def test_request_validation_raises_vllms_validation_error_which_is_a_value_error(llm):
+    """vLLM's tests and scripts catch vllm.exceptions.VLLMValidationError; there was no minivllm.exceptions."""
+    import math
+
+    from minivllm.exceptions import VLLMClientError, VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="temperature") as e:
+        SamplingParams(temperature=math.nan)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, VLLMClientError)
+    assert (e.value.parameter, str(e.value).startswith("SamplingParams.temperature=nan")) == ("temperature", True)
+    with pytest.raises(VLLMValidationError):  # one SamplingParams per prompt, or one for all
+        llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+    with pytest.raises(VLLMValidationError, match="prompt 1"):
+        llm.generate(["a", [llm.llm_engine.vocab_size]], GREEDY, use_tqdm=False)
+    with pytest.raises(VLLMValidationError):
+        llm.llm_engine.add_request("bad", [], GREEDY)
+    with pytest.raises(ValueError):  # as before: a ValueError too
+        llm.generate(["a", "b"], GREEDY, priority=[0], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_sampling_params_values_that_ask_for_nothing_are_accepted():
+    assert SamplingParams(thinking_token_budget=-1, prompt_logprob_start=0, extra_args={"k": 1}).max_tokens == 16
+    with pytest.raises(TypeError, match="thinking_token_budget"):
+        SamplingParams(thinking_token_budget=100)
+    with pytest.raises(TypeError, match="prompt_logprob_start"):
+        SamplingParams(prompt_logprob_start=3)
+
+
+def test_request_output_ignores_arguments_of_a_newer_vllm(caplog):
+    from minivllm.outputs import RequestOutput
+
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        out = RequestOutput(request_id="x", prompt="p", prompt_token_ids=[1], prompt_logprobs=None, outputs=[],
+                            finished=False, example_arg_added_in_new_version=1, kv_transfer_params={"k": 1})
+    assert out.request_id == "x" and out.kv_transfer_params == {"k": 1}
+    assert out == RequestOutput("x", "p", [1], None, [], False)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 1.5])
+def test_engine_seed_outside_vllms_range_is_refused(seed):
+    with pytest.raises(ValueError, match=f"seed={seed!r}"):
+        EngineArgs(seed=seed)

@@ -185,7 +185,7 @@ def test_engine_arguments_are_checked_when_given():
     for kw, match in (({"enable_prefix_caching": "no"}, "enable_prefix_caching='no': must be True or False"),
                       ({"enforce_eager": "false"}, "enforce_eager='false'"),
                       ({"enable_chunked_prefill": 1}, "enable_chunked_prefill=1"),
-                      ({"compile": "no"}, "compile='no'"), ({"seed": "x"}, "seed='x': must be an int or None"),
+                      ({"compile": "no"}, "compile='no'"), ({"seed": "x"}, r"seed='x': must be an int in \[0, 2\*\*32 - 1\]"),
                       ({"seed": True}, "seed=True"), ({"dtype": "bogus"}, "dtype='bogus': choose 'auto'"),
                       ({"device": "tpu"}, "device='tpu'"), ({"attention_backend": "nope"}, "attention_backend='nope'"),
                       # these three raised TypeErrors naming no argument (a comparison with a str, an unhashable

@@ -35,6 +35,7 @@ from minivllm.engine.output_processor import OutputKind, OutputProcessor, Reques
 from minivllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.transaction import StepTransaction
+from minivllm.exceptions import VLLMValidationError
 from minivllm.generation_config import default_sampling_params, generation_defaults
 from minivllm.inputs import cache_salt_of, check_tokenization_kwargs, prompt_truncation
 from minivllm.layers.attention import default_block_size, resolve_backend_name
@@ -66,7 +67,7 @@ def _token_id(t) -> int:
             return operator.index(t)
         except TypeError:
             pass
-    raise ValueError(f"token id {t!r} ({type(t).__name__}) is not an integer")
+    raise VLLMValidationError(f"token id {t!r} ({type(t).__name__}) is not an integer")
 
 
 @dataclass
@@ -111,7 +112,7 @@ def _refuse_encoding(value, name: str) -> None:
         ValueError: naming the value's type and what to pass instead.
     """
     if isinstance(value, Mapping) and "input_ids" in value and "prompt_token_ids" not in value:
-        raise ValueError(f"{name}: got a {type(value).__name__} with keys {list(value.keys())} (what a tokenizer call "
+        raise VLLMValidationError(f"{name}: got a {type(value).__name__} with keys {list(value.keys())} (what a tokenizer call "
                          f"returns, and transformers 5's apply_chat_template with tokenize=True): pass its "
                          f"['input_ids'], a list of token ids")
 
@@ -135,7 +136,7 @@ class StepTimer:
 def refuse_lora(lora_request) -> None:
     """vLLM's ``lora_request`` argument: only None is accepted (ValueError naming anything else)."""
     if lora_request is not None:
-        raise ValueError(f"lora_request={lora_request!r}: minivllm does not support LoRA adapters "
+        raise VLLMValidationError(f"lora_request={lora_request!r}: minivllm does not support LoRA adapters "
                          "(only lora_request=None is accepted)")
 
 
@@ -358,29 +359,29 @@ class LLMEngine:
         """
         t = truncate_prompt_tokens
         if t is not None and (not isinstance(t, numbers.Integral) or isinstance(t, bool) or not (t >= 1 or t == -1)):
-            raise ValueError(f"truncate_prompt_tokens={t!r}: must be an int >= 1, -1 (up to max_model_len - 1), "
+            raise VLLMValidationError(f"truncate_prompt_tokens={t!r}: must be an int >= 1, -1 (up to max_model_len - 1), "
                              "or None")
         given_text = None
         _refuse_encoding(prompt, "prompt")
         if isinstance(prompt, dict):
             if prompt.get("multi_modal_data") is not None:
-                raise ValueError("multi_modal_data: minivllm serves text-only models (give None or leave it out)")
+                raise VLLMValidationError("multi_modal_data: minivllm serves text-only models (give None or leave it out)")
             if prompt.get("prompt_embeds") is not None:  # not the tensor in the message: it can be megabytes
-                raise ValueError("prompt_embeds: prompt embeddings as inputs are a vLLM feature minivllm does not "
+                raise VLLMValidationError("prompt_embeds: prompt embeddings as inputs are a vLLM feature minivllm does not "
                                  "have (README, 'Coming from vLLM or nano-vllm'): give token ids or text")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 _refuse_encoding(ids, "prompt_token_ids")
                 if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-                    raise ValueError(f"prompt_token_ids={ids!r}: must be a list of token ids")
+                    raise VLLMValidationError(f"prompt_token_ids={ids!r}: must be a list of token ids")
                 given_text = prompt.get("prompt")
                 if given_text is not None and not isinstance(given_text, str):
-                    raise ValueError(f"prompt={given_text!r} beside prompt_token_ids: must be the prompt's text (a str)")
+                    raise VLLMValidationError(f"prompt={given_text!r} beside prompt_token_ids: must be the prompt's text (a str)")
                 prompt = list(ids)
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError(f"prompt dict {prompt!r} needs 'prompt_token_ids' or 'prompt'")
+                raise VLLMValidationError(f"prompt dict {prompt!r} needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, str):
             # verbose=False: the tokenizer would otherwise log its own "longer than the
             # maximum sequence length" warning before our length check below says it clearly
@@ -388,7 +389,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens, verbose=False)
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:  # a tokenizer larger than the model (e.g. a random model with a small vocab)
-                raise ValueError(f"prompt text {prompt[:40]!r} encodes to token id {bad[0]}, outside the "
+                raise VLLMValidationError(f"prompt text {prompt[:40]!r} encodes to token id {bad[0]}, outside the "
                                  f"model's vocabulary [0, {self.vocab_size})")
         elif isinstance(prompt, (list, tuple)):
             text, ids = given_text, [_token_id(t) for t in prompt]
@@ -397,21 +398,21 @@ class LLMEngine:
                     hint = ("; ids drawn for a real model (nano-vllm's bench.py draws them below 10,000) need one of "
                             "its vocabulary, e.g. model='random:qwen3-0.6b'" if t >= 0 and self.vocab_size < 10_000
                             else "")
-                    raise ValueError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size}) of "
+                    raise VLLMValidationError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size}) of "
                                      f"{self.source.name}{hint}")
         else:
-            raise ValueError(f"prompt {prompt!r}: expected str, list[int] or {{'prompt_token_ids': [...]}}")
+            raise VLLMValidationError(f"prompt {prompt!r}: expected str, list[int] or {{'prompt_token_ids': [...]}}")
         if not ids:
-            raise ValueError(f"empty prompt {prompt!r}: nothing to condition on")
+            raise VLLMValidationError(f"empty prompt {prompt!r}: nothing to condition on")
         if truncate_prompt_tokens is not None:
             keep = self.config.max_model_len - 1 if truncate_prompt_tokens == -1 else int(truncate_prompt_tokens)
             ids = ids[-keep:]
         if len(ids) >= self.config.max_model_len and truncate_prompt_tokens is not None:
-            raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} keeps {len(ids)} tokens of the prompt: "
+            raise VLLMValidationError(f"truncate_prompt_tokens={truncate_prompt_tokens} keeps {len(ids)} tokens of the prompt: "
                              f"at most max_model_len - 1 = {self.config.max_model_len - 1} leave room to generate "
                              f"(give at most that, or -1 for exactly that)")
         if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate: "
+            raise VLLMValidationError(f"prompt of {len(ids)} tokens leaves no room to generate: "
                              f"max_model_len={self.config.max_model_len} (keep its last tokens with "
                              f"SamplingParams(truncate_prompt_tokens=N), or give a larger max_model_len)")
         return text, ids
@@ -428,9 +429,9 @@ class LLMEngine:
                 ``prompt_logprobs`` with ``tensor_parallel_size > 1``.
         """
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params {params!r} is not a SamplingParams")
+            raise VLLMValidationError(f"sampling_params {params!r} is not a SamplingParams")
         if params.prompt_logprobs is not None and self.args.tensor_parallel_size > 1:
-            raise ValueError(f"prompt_logprobs={params.prompt_logprobs}: not supported with "
+            raise VLLMValidationError(f"prompt_logprobs={params.prompt_logprobs}: not supported with "
                              f"tensor_parallel_size={self.args.tensor_parallel_size} (use 1)")
         cap = self.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
         for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
@@ -438,16 +439,16 @@ class LLMEngine:
             wanted = self.vocab_size if asked == -1 else asked
             if asked and wanted > cap:  # (None and 0 are within any cap)
                 if self.args.max_logprobs == -1:
-                    raise ValueError(f"{name}={asked}: requested {kind} logprobs of {wanted}, more than the "
+                    raise VLLMValidationError(f"{name}={asked}: requested {kind} logprobs of {wanted}, more than the "
                                      f"vocabulary's {self.vocab_size} tokens (-1 asks for all of them)")
-                raise ValueError(f"{name}={asked}: requested {kind} logprobs of {wanted}, more than the engine's "
+                raise VLLMValidationError(f"{name}={asked}: requested {kind} logprobs of {wanted}, more than the engine's "
                                  f"max_logprobs={self.args.max_logprobs} allows (give LLM(max_logprobs=...) a "
                                  f"larger value, or -1 for no cap)")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             for t in ids:
                 if t >= self.vocab_size:
-                    raise ValueError(f"{name}={getattr(params, name)!r}: token id {t} is outside the "
+                    raise VLLMValidationError(f"{name}={getattr(params, name)!r}: token id {t} is outside the "
                                      f"model's vocabulary [0, {self.vocab_size})")
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
@@ -509,21 +510,21 @@ class LLMEngine:
         try:
             kind = None if output_kind is None else OutputKind(output_kind)
         except ValueError:
-            raise ValueError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
+            raise VLLMValidationError(f"output_kind={output_kind!r}: choose from {[k.value for k in OutputKind]}") from None
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
             raise TypeError(f"request_id={request_id!r}: must be a str (or an int), as abort_request takes it")
         request_id = str(request_id)
         refuse_lora(lora_request)
         if trace_headers is not None:
-            raise ValueError(f"trace_headers={trace_headers!r}: minivllm has no request tracing (vLLM's "
+            raise VLLMValidationError(f"trace_headers={trace_headers!r}: minivllm has no request tracing (vLLM's "
                              "OpenTelemetry spans); leave it None")
         if priority != 0:
-            raise ValueError(f"priority={priority!r}: minivllm schedules first come, first served "
+            raise VLLMValidationError(f"priority={priority!r}: minivllm schedules first come, first served "
                              "(only priority=0 is accepted)")
         if arrival_time is not None:
             if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) \
                     or not math.isfinite(arrival_time):
-                raise ValueError(f"arrival_time={arrival_time!r}: must be a time.time() timestamp (seconds)")
+                raise VLLMValidationError(f"arrival_time={arrival_time!r}: must be a time.time() timestamp (seconds)")
             arrival_time = time.perf_counter() - (time.time() - arrival_time)
         if sampling_params is not None:
             if params is not None:
@@ -547,12 +548,12 @@ class LLMEngine:
         with self._lock:
             self._require_live()  # again: a shutdown in another thread may have come since the check above
             if request_id in self.requests or request_id in self.parents:
-                raise ValueError(f"request_id {request_id!r} is already in use")
+                raise VLLMValidationError(f"request_id {request_id!r} is already in use")
             parent = ParentRequest(request_id, params.n, kind) if params.n > 1 else None
             if parent is not None:
                 clash = [c for c in parent.child_ids if c in self.requests or c in self.parents]
                 if clash:
-                    raise ValueError(f"request_id {request_id!r}: child id {clash[0]!r} is already in use")
+                    raise VLLMValidationError(f"request_id {request_id!r}: child id {clash[0]!r} is already in use")
             try:
                 if parent is None:
                     self._queue(request_id, text, ids, params, kind, arrival_time, salt)
