@@ -19,6 +19,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from minivllm.exceptions import VLLMValidationError
+
 __all__ = ["load_chat_template", "text_messages", "unused_template_variables"]
 
 
@@ -32,15 +34,15 @@ def text_messages(conversation, index: int) -> list[dict]:
             the message and the part).
     """
     if isinstance(conversation, (str, bytes, Mapping)) or not hasattr(conversation, "__iter__"):
-        raise ValueError(f"conversation {index}: must be a list of messages ({{'role': ..., 'content': ...}}), "
+        raise VLLMValidationError(f"conversation {index}: must be a list of messages ({{'role': ..., 'content': ...}}), "
                          f"got {type(conversation).__name__}")
     out = []
     if not conversation:  # the template would fail with its own words, naming no conversation
-        raise ValueError(f"conversation {index}: empty (a conversation needs at least one message)")
+        raise VLLMValidationError(f"conversation {index}: empty (a conversation needs at least one message)")
     for m, message in enumerate(conversation):
         where = f"conversation {index}, message {m}"
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise ValueError(f"{where}: must be a dict with a 'role' string, got {message!r}")
+            raise VLLMValidationError(f"{where}: must be a dict with a 'role' string, got {message!r}")
         content = message.get("content")
         if content is None:
             text = ""
@@ -51,12 +53,12 @@ def text_messages(conversation, index: int) -> list[dict]:
             for p, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, Mapping) else None
                 if kind != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"{where}, content part {p}: {part!r} is not a text part "
+                    raise VLLMValidationError(f"{where}, content part {p}: {part!r} is not a text part "
                                      "({'type': 'text', 'text': ...}); this engine's models take text only")
                 pieces.append(part["text"])
             text = "\n".join(pieces)
         else:
-            raise ValueError(f"{where}: content must be a str, a list of text parts, or None, "
+            raise VLLMValidationError(f"{where}: content must be a str, a list of text parts, or None, "
                              f"got {type(content).__name__}")
         out.append({**message, "content": text})
         if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
@@ -80,7 +82,7 @@ def _tool_calls(calls: list, where: str) -> list:
         try:
             parsed = json.loads(arguments) if arguments else {}
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}, tool call {c}: arguments {arguments!r} is not JSON ({e})") from None
+            raise VLLMValidationError(f"{where}, tool call {c}: arguments {arguments!r} is not JSON ({e})") from None
         out.append({**call, "function": {**function, "arguments": parsed}})
     return out
 

@@ -8,6 +8,7 @@ configuration errors (``LLM(...)`` arguments) stay plain ``ValueError``, as in v
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 __all__ = ["VLLMError", "VLLMClientError", "VLLMServerError", "VLLMValidationError"]
@@ -38,3 +39,18 @@ class VLLMValidationError(VLLMClientError, ValueError):
         super().__init__(message)
         self.parameter = parameter
         self.value = value
+
+    def __reduce__(self):
+        # pickled with the value's repr where the value itself does not pickle (a lock given as a seed): an
+        # error sent between processes must not fail to pickle
+        try:
+            pickle.dumps(self.value)
+            value = self.value
+        except Exception:
+            value = repr(self.value)
+        return _rebuild, (type(self), self.args, self.parameter, value)
+
+
+def _rebuild(cls, args, parameter, value):
+    error = cls(*args, parameter=parameter, value=value)
+    return error

@@ -10,6 +10,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10: typing's TypedDict ignores typing_extensions' NotRequired
     from typing_extensions import NotRequired, TypedDict  # (the keys would all be required)
 
+from minivllm.exceptions import VLLMValidationError  # (a ValueError too)
+
 
 class TextPrompt(TypedDict):
     """A text prompt: ``{"prompt": "..."}`` (tokenized by the model's tokenizer)."""
@@ -44,7 +46,7 @@ def cache_salt_of(prompt) -> str | None:
     """
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt={salt!r}: must be a non-empty str (or left out)")
+        raise VLLMValidationError(f"cache_salt={salt!r}: must be a non-empty str (or left out)")
     return salt
 
 
@@ -64,17 +66,17 @@ def check_tokenization_kwargs(kwargs: dict | None) -> dict:
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):
-        raise ValueError(f"tokenization_kwargs={kwargs!r}: must be a dict (or None)")
+        raise VLLMValidationError(f"tokenization_kwargs={kwargs!r}: must be a dict (or None)")
     other = sorted(set(kwargs) - set(TOKENIZATION_KEYS), key=str)
     if other:
-        raise ValueError(f"tokenization_kwargs key(s) {other}: minivllm applies only {list(TOKENIZATION_KEYS)}")
+        raise VLLMValidationError(f"tokenization_kwargs key(s) {other}: minivllm applies only {list(TOKENIZATION_KEYS)}")
     t = kwargs.get("truncate_prompt_tokens")
     if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
-        raise ValueError(f"tokenization_kwargs['truncate_prompt_tokens']={t!r}: must be an int >= 1, -1 "
+        raise VLLMValidationError(f"tokenization_kwargs['truncate_prompt_tokens']={t!r}: must be an int >= 1, -1 "
                          "(up to max_model_len - 1), or None")
     special = kwargs.get("add_special_tokens", True)
     if not isinstance(special, bool):
-        raise ValueError(f"tokenization_kwargs['add_special_tokens']={special!r}: must be True or False")
+        raise VLLMValidationError(f"tokenization_kwargs['add_special_tokens']={special!r}: must be True or False")
     return dict(kwargs)
 
 

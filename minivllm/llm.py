@@ -238,7 +238,8 @@ class LLM:
                                           tokenization.get("add_special_tokens", True))
                 cache_salt_of(prompt)
             except ValueError as e:
-                raise VLLMValidationError(f"prompt {i}: {e}") from None
+                raise VLLMValidationError(f"prompt {i}: {e}", parameter=getattr(e, "parameter", None),
+                                          value=getattr(e, "value", None)) from None
         engine = self.engine
         for prompt, p in zip(plist, params):
             rid = str(next(self._ids))
@@ -494,13 +495,13 @@ class LLM:
         """:meth:`chat`'s rendering: ``(prompt texts, tokenization_kwargs)`` for ``generate`` or
         ``stream`` (the command line's ``chat`` streams them). Raises as :meth:`chat` (ValueError)."""
         if chat_template_content_format not in ("auto", "string"):
-            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: minivllm renders "
+            raise VLLMValidationError(f"chat_template_content_format={chat_template_content_format!r}: minivllm renders "
                              "text parts joined into one string: use 'auto' or 'string'")
         refuse_mm_processor_kwargs(mm_processor_kwargs)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
-            raise ValueError(f"chat_template_kwargs={chat_template_kwargs!r}: must be a dict of template variables")
+            raise VLLMValidationError(f"chat_template_kwargs={chat_template_kwargs!r}: must be a dict of template variables")
         if chat_template is not None and not isinstance(chat_template, str):
-            raise ValueError(f"chat_template={chat_template!r}: must be a Jinja template string")
+            raise VLLMValidationError(f"chat_template={chat_template!r}: must be a Jinja template string")
         if chat_template is None:
             chat_template = self.chat_template  # LLM(chat_template=...), else the tokenizer's (None)
         # vLLM 0.34's order (renderers/params.py merge_kwargs): the arguments win over the dict; tools only when
@@ -511,7 +512,7 @@ class LLM:
                              ("chat_template_kwargs['add_generation_prompt']", variables.get("add_generation_prompt", True)),
                              ("chat_template_kwargs['continue_final_message']", variables.get("continue_final_message", False))):
             if not isinstance(value, bool):
-                raise ValueError(f"{where}={value!r}: must be True or False")
+                raise VLLMValidationError(f"{where}={value!r}: must be True or False")
         arguments = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
         if tools is not None:
             arguments["tools"] = tools
@@ -528,7 +529,7 @@ class LLM:
                "messages": "the conversation is LLM.chat's first argument"}
         misplaced = sorted(why.keys() & variables.keys())
         if misplaced:
-            raise ValueError(f"chat_template_kwargs names {misplaced}: "
+            raise VLLMValidationError(f"chat_template_kwargs names {misplaced}: "
                              + "; ".join(f"{name}: {why[name]}" for name in misplaced))
         add_generation_prompt = variables["add_generation_prompt"]
         continue_final_message = variables["continue_final_message"]
@@ -536,21 +537,21 @@ class LLM:
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, (list, tuple))
                                   or not all(isinstance(t, Mapping) or callable(t) for t in tools)):
             where = "tools" if "tools" in arguments else "chat_template_kwargs['tools']"
-            raise ValueError(f"{where}={tools!r}: must be a list of tools: (function) schemas, dicts such as "
+            raise VLLMValidationError(f"{where}={tools!r}: must be a list of tools: (function) schemas, dicts such as "
                              "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, or Python "
                              "functions (transformers builds their schemas from signature and docstring)")
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
-            raise ValueError(f"model {self.engine.source.name!r}: its tokenizer has no chat template "
+            raise VLLMValidationError(f"model {self.engine.source.name!r}: its tokenizer has no chat template "
                              "(pass chat_template=...)")
         if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt=True and continue_final_message=True: choose one "
+            raise VLLMValidationError("add_generation_prompt=True and continue_final_message=True: choose one "
                              "(set add_generation_prompt=False to continue the final message)")
         if isinstance(messages, Mapping):  # iterated, a lone message would give its keys as conversations
-            raise ValueError(f"messages={messages!r}: one message on its own; pass a list of messages (a "
+            raise VLLMValidationError(f"messages={messages!r}: one message on its own; pass a list of messages (a "
                              "conversation) or a list of conversations")
         if not isinstance(messages, (list, tuple)):
-            raise ValueError(f"messages={messages!r}: must be a list of messages (a conversation) or a list of "
+            raise VLLMValidationError(f"messages={messages!r}: must be a list of messages (a conversation) or a list of "
                              "conversations")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         self._warn_unused_template_variables(chat_template if chat_template is not None else tok.chat_template,

@@ -338,3 +338,11 @@ def _init_ignoring_newer_args(self, *args, **kwargs):
 
 
 RequestOutput.__init__ = functools.wraps(_output_init)(_init_ignoring_newer_args)
+
+
+def new_request_output(**fields) -> RequestOutput:
+    """A ``RequestOutput`` from its fields by the dataclass ``__init__`` itself: the engine builds one per
+    request per step (cumulative and delta outputs), where the wrapper's argument check cost ~1.5 us each."""
+    out = RequestOutput.__new__(RequestOutput)
+    _output_init(out, **fields)
+    return out

@@ -370,6 +370,12 @@ def test_a_space_before_a_split_character_stays_in_the_decoded_tokens(llm):
     prompt = llm.generate({"prompt_token_ids": [5, lead, tail]}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                           use_tqdm=False)[0].prompt_logprobs
     assert [prompt[i][t].decoded_token for i, t in ((1, lead), (2, tail))] == ["", " \u201c"]
+    # the prompt ends with the space and the quote's first bytes: the completion's text is the quote alone,
+    # and so is the token that completes it (the prompt's space is the prompt's)
+    c = llm.generate({"prompt_token_ids": [5, lead]}, SamplingParams(max_tokens=1, temperature=0, logprobs=0,
+                                                                        allowed_token_ids=[tail]),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.text == "\u201c" and c.logprobs[0][tail].decoded_token == "\u201c"
 
 
 @pytest.mark.parametrize("byte_level_table", [True, False])

@@ -16,7 +16,7 @@ from typing import Callable
 from minivllm.engine.detokenizer import IncrementalDetokenizer, byte_table, unknown_id_text
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.engine.undo import UndoLog
-from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput, new_request_output
 from minivllm.sampling_params import OutputKind
 
 
@@ -139,7 +139,8 @@ class _TokenTexts:
     Chinese, emoji, "€" are split across byte-level tokens) reads, as in vLLM's logprobs processor,
     ``""`` unless up to 4 preceding tokens complete it: then it reads as the character, with the text
     of the preceding tokens that read ``""`` themselves (a space before a curly quote included), so
-    that the decoded tokens still join to the text. The preceding tokens are the whole sequence's,
+    that the decoded tokens still join to the text (for an output token, only the output's own:
+    the prompt's text is not the completion's). The preceding tokens are the whole sequence's,
     prompt included (vLLM's look back over the sampled tokens only, and over the prompt's after the
     first: a character the prompt begins and the output ends reads ``""`` there). A token that both
     ends one character and begins another reads ``""`` too, as in vLLM."""
@@ -173,8 +174,9 @@ class _TokenTexts:
             text = self.cache[token_id] = self.decode([token_id])
         return text
 
-    def __call__(self, token_id: int, token_ids: list[int] = (), end: int = 0) -> str | None:
-        """The text of ``token_id`` where it follows ``token_ids[:end]``."""
+    def __call__(self, token_id: int, token_ids: list[int] = (), end: int = 0, read: int = 0) -> str | None:
+        """The text of ``token_id`` where it follows ``token_ids[:end]``; ``token_ids[:read]`` are
+        text already read elsewhere (the prompt, for an output position): never handed on."""
         if self.detokenizer is None:
             return None
         text = self.single(token_id)
@@ -189,7 +191,7 @@ class _TokenTexts:
             # the context tokens that read "" themselves (their text ends inside a character) hand their text,
             # a space before it included, to the token that completes it; what precedes them stays theirs
             clean = len(context)
-            while clean and self.single(context[clean - 1]).endswith("\ufffd"):
+            while clean and end - n + clean - 1 >= read and self.single(context[clean - 1]).endswith("\ufffd"):
                 clean -= 1
             before = self.decode(context[:clean]) if clean else ""
             if whole.startswith(before):
@@ -199,10 +201,11 @@ class _TokenTexts:
 
 
 def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None, token_ids: list[int] = (),
-                  start: int = 0) -> list:
+                  start: int = 0, read: int = 0) -> list:
     """Logprob entries ``(ids, logprobs, ranks)`` -> vLLM's ``{token_id: Logprob}`` per position
     (None entries, the first prompt token's, stay None). Entry ``k`` scores the token that follows
-    ``token_ids[:start + k]`` (what that changes for a character split across tokens: :class:`_TokenTexts`)."""
+    ``token_ids[:start + k]`` (what that changes for a character split across tokens: :class:`_TokenTexts`;
+    ``token_ids[:read]``: text already read, the prompt's for output positions)."""
     out = []
     if detokenizer is None:
         text_of = _TokenTexts(None)
@@ -215,7 +218,7 @@ def logprob_dicts(entries, detokenizer: IncrementalDetokenizer | None, token_ids
         ids, vals, ranks = entry
         d = {}
         for t, v, r in zip(ids, vals, ranks):  # the chosen token first: its top-k entry, if any, replaces it
-            d[t] = Logprob(v, r, text_of(t, token_ids, start + k))
+            d[t] = Logprob(v, r, text_of(t, token_ids, start + k, read))
         out.append(d)
     return out
 
@@ -244,7 +247,7 @@ def make_output(state: RequestState) -> RequestOutput:
     logprobs = prompt_logprobs = None
     if seq.logprobs is not None:
         logprobs = logprob_dicts(seq.logprobs[first_token:first_token + len(token_ids)], state.detokenizer,
-                                 seq.token_ids, seq.num_prompt_tokens + first_token)
+                                 seq.token_ids, seq.num_prompt_tokens + first_token, seq.num_prompt_tokens)
     if seq.prompt_logprobs is not None and not state.sent_prompt_logprobs:
         prompt_logprobs = logprob_dicts(seq.prompt_logprobs, state.detokenizer, seq.prompt_token_ids)
         state.sent_prompt_logprobs = state.kind is OutputKind.DELTA  # deltas carry them once
@@ -253,9 +256,9 @@ def make_output(state: RequestState) -> RequestOutput:
     completion = CompletionOutput(index=0, text=text, token_ids=token_ids, finish_reason=seq.finish_reason,
                                   stop_reason=seq.stop_reason, logprobs=logprobs,
                                   cumulative_logprob=seq.cumulative_logprob)
-    return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-                         outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
-                         metrics=seq.metrics, error=state.error, prompt_logprobs=prompt_logprobs)
+    return new_request_output(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+                              outputs=[completion], finished=finished, num_cached_tokens=seq.num_cached_tokens,
+                              metrics=seq.metrics, error=state.error, prompt_logprobs=prompt_logprobs)
 
 
 class OutputProcessor:

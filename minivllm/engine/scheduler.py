@@ -275,11 +275,14 @@ class Scheduler:
 
     def _blocks_reserved(self) -> tuple[dict, int]:
         """For a step with drafts: each running sequence's new blocks for its plain next token (a
-        decode) or the rest of its prompt (a prefill, the most its chunk can take), and their sum."""
+        decode) or its next chunk (a prefill: the rest of its prompt, at most a step's token budget,
+        the most its chunk can take), and their sum."""
         bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
         reserve = {}
         for seq in self.running:
-            target = seq.prefill_target if seq.num_computed_tokens < seq.prefill_target else seq.num_computed_tokens + 1
+            computed = seq.num_computed_tokens
+            target = min(seq.prefill_target, computed + budget) if computed < seq.prefill_target else computed + 1
             need = bm.num_blocks_needed(seq, target)
             if need:
                 reserve[seq] = need
