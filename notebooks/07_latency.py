@@ -306,7 +306,7 @@ budget_llm.shutdown()
 steps_seen = sorted(first_token_step.values())
 render(f"With a 128-token budget the four first tokens came at the ends of steps **{steps_seen}**: "
        f"{sum(steps_seen) / len(steps_seen):.2f} steps on average.")
-check_claim("the worked solution's count (steps 1, 3, 4 and 5)", steps_seen == [1, 3, 4, 5], str(steps_seen))
+check_claim("the worked solution's count (steps 1, 3, 4 and 5)", steps_seen == [1, 3, 4, 5], str(steps_seen));
 
 # %% [markdown]
 # ### What batching does to TPOT
@@ -326,8 +326,8 @@ render(f"From batch 1 to batch {b_last}, the decode step went from {dec.iloc[0]:
        f"{1e3 / dec.iloc[0]:.0f} to {b_last * 1e3 / dec.iloc[-1]:.0f} tokens/s (**{b_last / tpot_ratio:.1f}x**).")
 check_claim(f"a decode step of {b_last} sequences takes at least as long as a step of one", tpot_ratio >= 1,
             f"{dec.iloc[0]:.2f} -> {dec.iloc[-1]:.2f} ms",
-            why_it_may_not="On a busy machine one size's steps can be slowed by other processes; run the cell "
-                           "again to see whether it repeats.")
+            why_it_may_not="On a busy machine one size's steps can be slowed by other processes; run the sweep "
+                           "(section 2's first cell) and this cell again to see whether it repeats.")
 check_claim(f"batching to {b_last} raised the decode throughput", b_last / tpot_ratio > 1,
             f"TPOT {tpot_ratio:.2f}x, throughput {b_last / tpot_ratio:.1f}x");
 # Which grew more depends on where the step sits on the roofline (chapter 06): the batch-b step's
@@ -547,7 +547,7 @@ SAME = dict(max_num_batched_tokens=96, max_model_len=96)  # without chunking a p
 for args in (dict(enforce_eager=True), dict(enforce_eager=False), dict(enable_chunked_prefill=False)):
     name = ", ".join(f"{k}={v}" for k, v in args.items())
     recs, graph_state[name] = chunk_run(**args, **SAME)
-    chunks_by[name] = {rid: [(i, x.num_tokens) for i, r in enumerate(recs) for x in r.scheduled
+    chunks_by[name] = {rid: [(i, x.num_tokens) for i, r in enumerate(recs, 1) for x in r.scheduled
                              if x.request_id == rid and x.is_prefill] for rid in ("mid", "long")}
     print(f"{name:28s}: chunks (step, tokens) of the 60-token prompt {chunks_by[name]['mid']}, "
           f"of the 80-token prompt {chunks_by[name]['long']}; mixed steps {sum(r.phase == 'mixed' for r in recs)}")
@@ -650,11 +650,12 @@ Quiz([
          "It rose in proportion to the batch"],
         1,
         ["Batching does not make any one request's steps faster: each step carries more rows.",
-         ("Right: one weight read and the step's fixed costs serve every sequence in it, so the step grows less "
-          "than the batch; batching is a throughput lever that costs each request some TPOT.")
+         ("Right: a step's fixed costs (launching its operations; on a model too large for the CPU's caches, its "
+          "weight read) serve every sequence in it, so the step grows less than the batch; batching is a "
+          "throughput lever that costs each request some TPOT.")
          if tpot_ratio < b_last else
-         ("Right for this run's numbers, though not the usual outcome: one weight read and the step's fixed "
-          "costs serve every sequence, so the step normally grows less than the batch. A slow step in this short "
+         ("Right for this run's numbers, though not the usual outcome: a step's fixed costs serve every "
+          "sequence, so the step normally grows less than the batch. A slow step in this short "
           "sweep (other processes on the machine) can hide that: run the sweep cell again."),
          "The step does a little more arithmetic and reads a little more KV cache for each extra sequence.",
          "That would mean no gain from batching; the weight read is shared, so the step grows less."

@@ -776,6 +776,8 @@ _ = render(f"Rank 0's own work in a decode step (its forward minus its time insi
 # decode-step and prefill all-reduces.
 
 # %%
+import math
+
 from minivllm.bench.collectives import all_reduce_times
 from minivllm.utils.env_report import cpu_name
 
@@ -787,7 +789,8 @@ fig = go.Figure(go.Scatter(
     error_y=dict(type="data", symmetric=False, array=[hi - m for hi, m in zip(ar.us_max, ar.us_per_call)],
                  arrayminus=[m - lo for lo, m in zip(ar.us_min, ar.us_per_call)])))
 for x, label in ((decode_ar_bytes, "decode step"), (prefill_ar_bytes, "prefill")):
-    fig.add_vline(x=x, line_dash="dot", annotation_text=label)
+    fig.add_vline(x=x, line_dash="dot")  # (its annotation_text would sit at x on a log axis: off the chart)
+    fig.add_annotation(x=math.log10(x), y=1, yref="paper", text=label, showarrow=False, yanchor="bottom")
 fig.update_layout(height=380, xaxis_type="log", yaxis_type="log", xaxis_title="bytes all-reduced (float32)",
                   yaxis_title="µs per call (bars: fastest and slowest round)",
                   title=f"One all-reduce's time against its bytes: gloo, {ar.world_size} local processes<br>"

@@ -25,6 +25,16 @@ def test_no_prediction_keeps_the_measurement_back(capsys):
     assert "compare it with the decode step on this run" in out and "shown once" not in out
 
 
+def test_a_near_miss_of_an_exact_count_does_not_read_zero_percent_off(capsys):
+    """Predicting 103.5 steps for 104 with rel_tol=0 printed "(0% off: not close, tolerance 0%)"."""
+    res = check_prediction(103.5, 104, rel_tol=0, unit="steps")
+    assert not res.close
+    out = capsys.readouterr().out
+    assert "0.48% off: not close" in out and "(0% off" not in out
+    check_prediction(104, 104, rel_tol=0)
+    assert "0% off: close" in capsys.readouterr().out
+
+
 def test_the_quantity_keeps_its_capitals(capsys):
     check_prediction(1, 114688, what="Qwen3-0.6B's KV bytes per token")
     assert "Qwen3-0.6B's KV bytes per token on this run" in capsys.readouterr().out

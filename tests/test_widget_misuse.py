@@ -522,6 +522,21 @@ def test_stepper_says_when_steps_ran_outside_it_and_its_views_catch_up(llm):
     assert "mv-tok-chunk" not in s.requests_pane.value.split("</div>", 1)[1]  # no stale chunk from an old step
 
 
+def test_stepper_says_its_request_was_aborted_elsewhere_not_finished(llm):
+    """Chapter 10's timing cell aborted the stepper's half-done request (idle_engine); the stepper's next
+    Step then said "all requests finished", which the request had not."""
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    s.reset()
+    rid = s.add_request(ids(8), max_tokens=6, ignore_eos=True)
+    s.step()
+    llm.llm_engine.abort_request(rid)  # another cell
+    s.step()
+    assert f"{rid} aborted outside this widget" in s.last_message and "finished" not in s.last_message
+    s.reset()
+
+
 def test_stepper_names_a_recompute_after_preemption_and_marks_the_recomputed_outputs(model_path):
     """A request recomputed after a preemption was labelled "prefilled: first token", and only its
     prompt positions were coloured as this step's chunk."""

@@ -96,7 +96,9 @@ def check_prediction(prediction, measured, *, rel_tol: float = 0.25, unit: str =
     rel = abs(p - m) / abs(m) if m != 0 else None
     close = (rel is not None and rel <= rel_tol) or (m == 0 and p == 0)
     verdict = "close" if close else "not close"
-    detail = f"{rel:.0%} off" if rel is not None else "measured 0"
+    # under 1%: one more digit, so that a near miss of an exact count never reads "0% off: not close"
+    detail = ((f"{rel:.0%} off" if rel == 0 or rel >= 0.01 else f"{rel * 100:.2g}% off")
+              if rel is not None else "measured 0")
     print(f"You predicted {p:.4g}{u}; {what} on this run is {m:.4g}{u} ({detail}: {verdict}, "
           f"tolerance {rel_tol:.0%}).")
     if not close:

@@ -381,7 +381,11 @@ class EngineStepper(CourseWidget):
             return None
         if not self.engine.has_unfinished_requests():
             outside = self._count_outside(None)
-            self._message(("nothing to run: add a request first" if not self.steps else
+            # a request a cell or another widget aborted did not finish: say so, not "finished"
+            aborted = [rid for rid, seq in self._seqs.items() if seq.finish_reason == "abort"]
+            self._message(("nothing to run: add a request first" if not self.steps and not aborted else
+                           f"nothing left to run: {', '.join(aborted)} aborted outside this widget (a cell or "
+                           "another widget on this engine); add a request or press Reset" if aborted else
                            "all requests finished: add another or press Reset") + self._outside_note(outside))
             # attached views redraw too: steps run elsewhere may have changed the engine since they last drew
             self._notify(None)
