@@ -28,8 +28,8 @@ def _as_prompt_list(prompts) -> list:
     A flat list that starts with a number is one prompt of token ids, so every element must
     then be an integer (``int`` or a numpy integer): ``[5, 2.0, 7]`` is a malformed prompt, not
     three prompts; one that starts with a prompt and holds a number is a list of prompts with a
-    stray number. Another sized sequence (a numpy array, a pandas Series of prompts) is taken
-    as the list of its elements, as vLLM iterates it.
+    stray number. A 1-D numpy array or pandas Series is taken as the list of its elements, as
+    vLLM iterates it.
 
     Raises:
         ValueError: a non-int in a token-id prompt (naming the element and its index), a

@@ -547,7 +547,8 @@ SAME = dict(max_num_batched_tokens=96, max_model_len=96)  # without chunking a p
 for args in (dict(enforce_eager=True), dict(enforce_eager=False), dict(enable_chunked_prefill=False)):
     name = ", ".join(f"{k}={v}" for k, v in args.items())
     recs, graph_state[name] = chunk_run(**args, **SAME)
-    chunks_by[name] = {rid: [(i, x.num_tokens) for i, r in enumerate(recs, 1) for x in r.scheduled
+    # r.index: the engine's step count from 0 (a fresh engine each run): step r.index + 1 as the other cells count
+    chunks_by[name] = {rid: [(r.index + 1, x.num_tokens) for r in recs for x in r.scheduled
                              if x.request_id == rid and x.is_prefill] for rid in ("mid", "long")}
     print(f"{name:28s}: chunks (step, tokens) of the 60-token prompt {chunks_by[name]['mid']}, "
           f"of the 80-token prompt {chunks_by[name]['long']}; mixed steps {sum(r.phase == 'mixed' for r in recs)}")

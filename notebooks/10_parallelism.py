@@ -807,7 +807,7 @@ _ = render(f"From {small:,} to {mid:,} B ({mid // small}x the bytes) an all-redu
            f"**{decode_alpha_share:.0%}** fixed cost by this model. Section 4's decode all-reduces, timed inside engine "
            f"steps, took {AR_US['decode']:.0f} µs at the fastest and {AR_MEDIAN_US['decode']:.0f} µs at the median: "
            + ("the fixed cost fitted here lies between the two" if AR_US["decode"] <= alpha_us <= AR_MEDIAN_US["decode"]
-              else f"the fixed cost fitted here is **{alpha_us / AR_MEDIAN_US['decode']:.1f}x** their median"
+              else f"the fixed cost fitted here ({alpha_us:.0f} µs) is **{alpha_us / AR_MEDIAN_US['decode']:.2f}x** their median"
               if alpha_us > AR_MEDIAN_US["decode"] else
               "the fixed cost fitted here is below even their fastest")
            + ". The same call was timed in two settings, back to back in two fresh processes here and between a "

@@ -962,11 +962,14 @@ def release_weights(model: torch.nn.Module) -> int:
     """Give back the memory of ``model``'s weights now (parameters, buffers, packed copies, int8
     weights), also where something else still holds the module: a Jupyter cell interrupted in
     the middle of a step keeps its traceback, whose frames hold the model, so a shut-down engine's
-    weights (gigabytes for a 0.6B model) stayed in memory until the next error replaced it. The
-    module is unusable afterwards (its tensors hold no elements). Returns the bytes released.
+    weights (gigabytes for a 0.6B model) stayed in memory until the next error replaced it.
 
-    A tensor whose storage cannot shrink (oneDNN's packed ``mkldnn`` layout, memory torch does
-    not own) is left to be freed with its last reference, as before."""
+    Each tensor the module holds is pointed at an empty one (``tensor.data = ...``), so the module
+    is unusable afterwards (its weights hold no elements) and its old storage goes as soon as no
+    other tensor shares it; one that does (a ``state_dict()`` taken before, a view a frame kept)
+    stays valid and keeps that storage alive. (Shrinking the storage itself would free it in every
+    case, and crash a process that then read such a tensor.) oneDNN's packed ``mkldnn`` weights are
+    left to be freed with their last reference. Returns the bytes of the tensors emptied."""
     released, seen = 0, set()
     for module in model.modules():
         tensors = [*module._parameters.values(), *module._buffers.values(),
@@ -975,16 +978,10 @@ def release_weights(model: torch.nn.Module) -> int:
         if int8 is not None:
             tensors += [v for v in vars(int8).values() if isinstance(v, torch.Tensor)]
         for t in tensors:
-            if t is None or t.is_mkldnn:
+            if t is None or t.is_mkldnn or id(t) in seen or not t.numel():
                 continue
-            try:
-                storage = t.untyped_storage()
-                if storage.data_ptr() in seen or not storage.nbytes():
-                    continue
-                seen.add(storage.data_ptr())
-                size = storage.nbytes()
-                storage.resize_(0)
-            except (RuntimeError, NotImplementedError):  # not resizable: freed with its last reference
-                continue
-            released += size
+            seen.add(id(t))
+            released += t.numel() * t.element_size()
+            with torch.no_grad():
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return released

@@ -92,7 +92,8 @@ def quantize_per_channel(weight: torch.Tensor, amax: torch.Tensor | None = None)
         ``[out]``, both on ``weight``'s device.
 
     Raises:
-        ValueError: ``weight`` is not 2-D or not a float tensor.
+        ValueError: ``weight`` is not 2-D or not a float tensor, or ``amax`` is not of shape
+            ``[out_features]``.
     """
     if weight.is_mkldnn:
         weight = weight.to_dense()
