@@ -35,7 +35,7 @@ def text_messages(conversation, index: int) -> list[dict]:
     """
     if isinstance(conversation, (str, bytes, Mapping)) or not hasattr(conversation, "__iter__"):
         raise VLLMValidationError(f"conversation {index}: must be a list of messages ({{'role': ..., 'content': ...}}), "
-                         f"got {type(conversation).__name__}")
+                                  f"got {type(conversation).__name__}")
     out = []
     if not conversation:  # the template would fail with its own words, naming no conversation
         raise VLLMValidationError(f"conversation {index}: empty (a conversation needs at least one message)")
@@ -54,12 +54,12 @@ def text_messages(conversation, index: int) -> list[dict]:
                 kind = part.get("type") if isinstance(part, Mapping) else None
                 if kind != "text" or not isinstance(part.get("text"), str):
                     raise VLLMValidationError(f"{where}, content part {p}: {part!r} is not a text part "
-                                     "({'type': 'text', 'text': ...}); this engine's models take text only")
+                                              "({'type': 'text', 'text': ...}); this engine's models take text only")
                 pieces.append(part["text"])
             text = "\n".join(pieces)
         else:
             raise VLLMValidationError(f"{where}: content must be a str, a list of text parts, or None, "
-                             f"got {type(content).__name__}")
+                                      f"got {type(content).__name__}")
         out.append({**message, "content": text})
         if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
             calls = _tool_calls(message["tool_calls"], where)

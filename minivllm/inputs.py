@@ -73,7 +73,7 @@ def check_tokenization_kwargs(kwargs: dict | None) -> dict:
     t = kwargs.get("truncate_prompt_tokens")
     if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
         raise VLLMValidationError(f"tokenization_kwargs['truncate_prompt_tokens']={t!r}: must be an int >= 1, -1 "
-                         "(up to max_model_len - 1), or None")
+                                  "(up to max_model_len - 1), or None")
     special = kwargs.get("add_special_tokens", True)
     if not isinstance(special, bool):
         raise VLLMValidationError(f"tokenization_kwargs['add_special_tokens']={special!r}: must be True or False")

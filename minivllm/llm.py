@@ -43,12 +43,12 @@ def _as_prompt_list(prompts) -> list:
             if isinstance(prompts[0], (str, dict, list, tuple)):  # ["hello", 5]: the number is the odd one out
                 i = next(i for i, t in enumerate(prompts) if isinstance(t, numbers.Number))
                 raise VLLMValidationError(f"prompts mix prompts (element 0: {type(prompts[0]).__name__}) with a bare "
-                                 f"number (element {i}: {prompts[i]!r}); a token-id prompt is one list of ints, "
-                                 "e.g. [[5, 7]] or {'prompt_token_ids': [5, 7]}")
+                                          f"number (element {i}: {prompts[i]!r}); a token-id prompt is one list of ints, "
+                                          "e.g. [[5, 7]] or {'prompt_token_ids': [5, 7]}")
             for i, t in enumerate(prompts):
                 if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                     raise VLLMValidationError(f"prompt token ids: element {i} is {t!r} ({type(t).__name__}), "
-                                     "not an int token id")
+                                              "not an int token id")
             return [[int(t) for t in prompts]]  # a single prompt of token ids (numpy ints as ints)
         return list(prompts)
     if type(prompts).__module__.split(".")[0] in ("numpy", "pandas") and getattr(prompts, "ndim", None) == 1:
@@ -95,7 +95,7 @@ def refuse_mm_processor_kwargs(mm_processor_kwargs) -> None:
         ValueError: anything else, naming it (minivllm takes no multimodal inputs)."""
     if mm_processor_kwargs is not None:
         raise VLLMValidationError(f"mm_processor_kwargs={mm_processor_kwargs!r}: minivllm takes no multimodal inputs "
-                         "(README, 'Coming from vLLM or nano-vllm')")
+                                  "(README, 'Coming from vLLM or nano-vllm')")
 
 
 class LLM:
@@ -220,7 +220,7 @@ class LLM:
         if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(plist)
                                      or any(p != 0 for p in priority)):
             raise VLLMValidationError(f"priority={given!r}: minivllm schedules first come, first served (only None, 0 or "
-                             f"a list of {len(plist)} zeros, one per prompt, is accepted)")
+                                      f"a list of {len(plist)} zeros, one per prompt, is accepted)")
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(plist):
                 raise VLLMValidationError(f"got {len(sampling_params)} sampling_params for {len(plist)} prompts")
@@ -496,7 +496,7 @@ class LLM:
         ``stream`` (the command line's ``chat`` streams them). Raises as :meth:`chat` (ValueError)."""
         if chat_template_content_format not in ("auto", "string"):
             raise VLLMValidationError(f"chat_template_content_format={chat_template_content_format!r}: minivllm renders "
-                             "text parts joined into one string: use 'auto' or 'string'")
+                                      "text parts joined into one string: use 'auto' or 'string'")
         refuse_mm_processor_kwargs(mm_processor_kwargs)
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise VLLMValidationError(f"chat_template_kwargs={chat_template_kwargs!r}: must be a dict of template variables")
@@ -530,7 +530,7 @@ class LLM:
         misplaced = sorted(why.keys() & variables.keys())
         if misplaced:
             raise VLLMValidationError(f"chat_template_kwargs names {misplaced}: "
-                             + "; ".join(f"{name}: {why[name]}" for name in misplaced))
+                                      + "; ".join(f"{name}: {why[name]}" for name in misplaced))
         add_generation_prompt = variables["add_generation_prompt"]
         continue_final_message = variables["continue_final_message"]
         tools = variables["tools"]
@@ -538,21 +538,21 @@ class LLM:
                                   or not all(isinstance(t, Mapping) or callable(t) for t in tools)):
             where = "tools" if "tools" in arguments else "chat_template_kwargs['tools']"
             raise VLLMValidationError(f"{where}={tools!r}: must be a list of tools: (function) schemas, dicts such as "
-                             "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, or Python "
-                             "functions (transformers builds their schemas from signature and docstring)")
+                                      "{'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, or Python "
+                                      "functions (transformers builds their schemas from signature and docstring)")
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise VLLMValidationError(f"model {self.engine.source.name!r}: its tokenizer has no chat template "
-                             "(pass chat_template=...)")
+                                      "(pass chat_template=...)")
         if add_generation_prompt and continue_final_message:
             raise VLLMValidationError("add_generation_prompt=True and continue_final_message=True: choose one "
-                             "(set add_generation_prompt=False to continue the final message)")
+                                      "(set add_generation_prompt=False to continue the final message)")
         if isinstance(messages, Mapping):  # iterated, a lone message would give its keys as conversations
             raise VLLMValidationError(f"messages={messages!r}: one message on its own; pass a list of messages (a "
-                             "conversation) or a list of conversations")
+                                      "conversation) or a list of conversations")
         if not isinstance(messages, (list, tuple)):
             raise VLLMValidationError(f"messages={messages!r}: must be a list of messages (a conversation) or a list of "
-                             "conversations")
+                                      "conversations")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         self._warn_unused_template_variables(chat_template if chat_template is not None else tok.chat_template,
                                              variables)

@@ -113,8 +113,8 @@ def _refuse_encoding(value, name: str) -> None:
     """
     if isinstance(value, Mapping) and "input_ids" in value and "prompt_token_ids" not in value:
         raise VLLMValidationError(f"{name}: got a {type(value).__name__} with keys {list(value.keys())} (what a tokenizer call "
-                         f"returns, and transformers 5's apply_chat_template with tokenize=True): pass its "
-                         f"['input_ids'], a list of token ids")
+                                  f"returns, and transformers 5's apply_chat_template with tokenize=True): pass its "
+                                  f"['input_ids'], a list of token ids")
 
 
 class StepTimer:
@@ -137,7 +137,7 @@ def refuse_lora(lora_request) -> None:
     """vLLM's ``lora_request`` argument: only None is accepted (ValueError naming anything else)."""
     if lora_request is not None:
         raise VLLMValidationError(f"lora_request={lora_request!r}: minivllm does not support LoRA adapters "
-                         "(only lora_request=None is accepted)")
+                                  "(only lora_request=None is accepted)")
 
 
 class LLMEngine:
@@ -360,7 +360,7 @@ class LLMEngine:
         t = truncate_prompt_tokens
         if t is not None and (not isinstance(t, numbers.Integral) or isinstance(t, bool) or not (t >= 1 or t == -1)):
             raise VLLMValidationError(f"truncate_prompt_tokens={t!r}: must be an int >= 1, -1 (up to max_model_len - 1), "
-                             "or None")
+                                      "or None")
         given_text = None
         _refuse_encoding(prompt, "prompt")
         if isinstance(prompt, dict):
@@ -368,7 +368,7 @@ class LLMEngine:
                 raise VLLMValidationError("multi_modal_data: minivllm serves text-only models (give None or leave it out)")
             if prompt.get("prompt_embeds") is not None:  # not the tensor in the message: it can be megabytes
                 raise VLLMValidationError("prompt_embeds: prompt embeddings as inputs are a vLLM feature minivllm does not "
-                                 "have (README, 'Coming from vLLM or nano-vllm'): give token ids or text")
+                                          "have (README, 'Coming from vLLM or nano-vllm'): give token ids or text")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 _refuse_encoding(ids, "prompt_token_ids")
@@ -390,7 +390,7 @@ class LLMEngine:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:  # a tokenizer larger than the model (e.g. a random model with a small vocab)
                 raise VLLMValidationError(f"prompt text {prompt[:40]!r} encodes to token id {bad[0]}, outside the "
-                                 f"model's vocabulary [0, {self.vocab_size})")
+                                          f"model's vocabulary [0, {self.vocab_size})")
         elif isinstance(prompt, (list, tuple)):
             text, ids = given_text, [_token_id(t) for t in prompt]
             for t in ids:
@@ -399,7 +399,7 @@ class LLMEngine:
                             "its vocabulary, e.g. model='random:qwen3-0.6b'" if t >= 0 and self.vocab_size < 10_000
                             else "")
                     raise VLLMValidationError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size}) of "
-                                     f"{self.source.name}{hint}")
+                                              f"{self.source.name}{hint}")
         else:
             raise VLLMValidationError(f"prompt {prompt!r}: expected str, list[int] or {{'prompt_token_ids': [...]}}")
         if not ids:
@@ -409,12 +409,12 @@ class LLMEngine:
             ids = ids[-keep:]
         if len(ids) >= self.config.max_model_len and truncate_prompt_tokens is not None:
             raise VLLMValidationError(f"truncate_prompt_tokens={truncate_prompt_tokens} keeps {len(ids)} tokens of the prompt: "
-                             f"at most max_model_len - 1 = {self.config.max_model_len - 1} leave room to generate "
-                             f"(give at most that, or -1 for exactly that)")
+                                      f"at most max_model_len - 1 = {self.config.max_model_len - 1} leave room to generate "
+                                      f"(give at most that, or -1 for exactly that)")
         if len(ids) >= self.config.max_model_len:
             raise VLLMValidationError(f"prompt of {len(ids)} tokens leaves no room to generate: "
-                             f"max_model_len={self.config.max_model_len} (keep its last tokens with "
-                             f"SamplingParams(truncate_prompt_tokens=N), or give a larger max_model_len)")
+                                      f"max_model_len={self.config.max_model_len} (keep its last tokens with "
+                                      f"SamplingParams(truncate_prompt_tokens=N), or give a larger max_model_len)")
         return text, ids
 
     def check_sampling_params(self, params: SamplingParams) -> None:
@@ -432,7 +432,7 @@ class LLMEngine:
             raise VLLMValidationError(f"sampling_params {params!r} is not a SamplingParams")
         if params.prompt_logprobs is not None and self.args.tensor_parallel_size > 1:
             raise VLLMValidationError(f"prompt_logprobs={params.prompt_logprobs}: not supported with "
-                             f"tensor_parallel_size={self.args.tensor_parallel_size} (use 1)")
+                                      f"tensor_parallel_size={self.args.tensor_parallel_size} (use 1)")
         cap = self.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
         for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             asked = getattr(params, name)
@@ -440,16 +440,16 @@ class LLMEngine:
             if asked and wanted > cap:  # (None and 0 are within any cap)
                 if self.args.max_logprobs == -1:
                     raise VLLMValidationError(f"{name}={asked}: requested {kind} logprobs of {wanted}, more than the "
-                                     f"vocabulary's {self.vocab_size} tokens (-1 asks for all of them)")
+                                              f"vocabulary's {self.vocab_size} tokens (-1 asks for all of them)")
                 raise VLLMValidationError(f"{name}={asked}: requested {kind} logprobs of {wanted}, more than the engine's "
-                                 f"max_logprobs={self.args.max_logprobs} allows (give LLM(max_logprobs=...) a "
-                                 f"larger value, or -1 for no cap)")
+                                          f"max_logprobs={self.args.max_logprobs} allows (give LLM(max_logprobs=...) a "
+                                          f"larger value, or -1 for no cap)")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             for t in ids:
                 if t >= self.vocab_size:
                     raise VLLMValidationError(f"{name}={getattr(params, name)!r}: token id {t} is outside the "
-                                     f"model's vocabulary [0, {self.vocab_size})")
+                                              f"model's vocabulary [0, {self.vocab_size})")
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word tokenized alone, and after a space where that makes another word of as many
@@ -517,10 +517,10 @@ class LLMEngine:
         refuse_lora(lora_request)
         if trace_headers is not None:
             raise VLLMValidationError(f"trace_headers={trace_headers!r}: minivllm has no request tracing (vLLM's "
-                             "OpenTelemetry spans); leave it None")
+                                      "OpenTelemetry spans); leave it None")
         if priority != 0:
             raise VLLMValidationError(f"priority={priority!r}: minivllm schedules first come, first served "
-                             "(only priority=0 is accepted)")
+                                      "(only priority=0 is accepted)")
         if arrival_time is not None:
             if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) \
                     or not math.isfinite(arrival_time):

@@ -44,9 +44,10 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
 
 def _pull_config_file(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
     """``args`` with ``--config FILE`` (or ``--config=FILE``) replaced by the options the YAML file
-    holds, put first so that the command line's own options win (vLLM's precedence: command
-    line, then file, then defaults; after a leading subcommand). A true boolean becomes ``--key``, a false one ``--no-key``
-    where the parser has it, a list ``--key item ...``, a mapping ``--key '<JSON>'``."""
+    holds, put first (after a leading subcommand) so that the command line's own options win
+    (vLLM's precedence: command line, then file, then defaults). A true boolean becomes ``--key``,
+    a false one ``--no-key`` where the parser has it, a list ``--key item ...``, a mapping
+    ``--key '<JSON>'``."""
     at = [i for i, a in enumerate(args) if a == "--config" or a.startswith("--config=")]
     if not at:
         return args
