@@ -358,9 +358,9 @@ lat.index.name = "policy (fastest run)"
 display(lat.round(1))
 x = {col: lat.loc["static", col] / lat.loc["continuous", col] for col in lat.columns}  # static / continuous
 render(f"Counted in steps, continuous batching gave a request its first token after **{lat.loc['continuous', 'mean TTFT steps']:.1f}** "
-       f"steps on average against **{lat.loc['static', 'mean TTFT steps']:.1f}** (**{x['mean TTFT steps']:.2f}x** fewer), and its "
-       f"last after **{lat.loc['continuous', 'mean latency steps']:.1f}** against **{lat.loc['static', 'mean latency steps']:.1f}** "
-       f"(**{x['mean latency steps']:.2f}x**): static batching makes a waiting request sit out every earlier batch to its "
+       f"steps on average against **{lat.loc['static', 'mean TTFT steps']:.1f}** (static batching: **{x['mean TTFT steps']:.2f}x** "
+       f"as many), and its last after **{lat.loc['continuous', 'mean latency steps']:.1f}** against "
+       f"**{lat.loc['static', 'mean latency steps']:.1f}** (**{x['mean latency steps']:.2f}x** as many): static batching makes a waiting request sit out every earlier batch to its "
        f"longest answer (requests {static_batches[-1][0]}-{static_batches[-1][-1]} start only after {len(static_batches) - 1} of them), however "
        f"short its own answer, where continuous batching gives it the next free seat.")
 check_claim("continuous batching's mean end-to-end latency in engine steps is lower than static batching's",
