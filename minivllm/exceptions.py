@@ -52,5 +52,4 @@ class VLLMValidationError(VLLMClientError, ValueError):
 
 
 def _rebuild(cls, args, parameter, value):
-    error = cls(*args, parameter=parameter, value=value)
-    return error
+    return cls(*args, parameter=parameter, value=value)

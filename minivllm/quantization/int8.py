@@ -103,12 +103,17 @@ def quantize_per_channel(weight: torch.Tensor, amax: torch.Tensor | None = None)
         raise ValueError(f"weight must be a float tensor to quantise, got dtype {weight.dtype}")
     w = weight.detach().float()
     if amax is None:
-        amax = w.abs().amax(dim=1)
+        amax = row_amax(w)
     elif tuple(amax.shape) != (w.shape[0],):
         raise ValueError(f"amax: expected [{w.shape[0]}] (one per output row), got shape {tuple(amax.shape)}")
     scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
+
+
+def row_amax(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[out_features]``: each row's largest magnitude, what its int8 scale is made from."""
+    return weight.detach().float().abs().amax(dim=1)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 
 from minivllm.distributed.parallel_state import tensor_model_parallel_all_reduce_max
 from minivllm.layers.prepack import dense, shared_parameter_ids
-from minivllm.quantization.int8 import Int8Weight, describe_kernel, quantize_per_channel
+from minivllm.quantization.int8 import Int8Weight, describe_kernel, quantize_per_channel, row_amax
 
 logger = logging.getLogger("minivllm")
 
@@ -90,7 +90,7 @@ class Int8LinearMixin:
             if getattr(self, "input_is_sharded", False) and getattr(self, "tp_size", 1) > 1:
                 # a row-parallel shard holds part of each row: the scales come from the whole row, so the
                 # ranks quantise the model tensor_parallel_size=1 would (each rank's own maximum would not)
-                amax = tensor_model_parallel_all_reduce_max(plain.detach().float().abs().amax(dim=1).contiguous())
+                amax = tensor_model_parallel_all_reduce_max(row_amax(plain).contiguous())
                 quantized = quantize_per_channel(plain, amax)
             self.int8 = Int8Weight(plain, kernel, quantized=quantized)
         # the layer's dtype: a packed weight's own may differ (16-bit panels of a float32 model)
