@@ -13,6 +13,7 @@ from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, fmt_ms, titled
+from ._main_thread import on_main_thread
 from .measure import random_prompt
 
 
@@ -129,7 +130,7 @@ class ChunkedPrefillDemo(CourseWidget):
         self.results: dict[str, dict] = {}
         self.run_button = W.Button(description="Run both", icon="play", button_style="primary")
         self.run_button.add_class("mv-run")
-        self.run_button.on_click(self._on_run)
+        self.run_button.on_click(on_main_thread(self._on_run))
         self.readout = W.HTML()
         self._last_readout = ""  # the last complete run's readout, under which an interrupt is said
         from ._static import LiveFigure

@@ -21,6 +21,7 @@ from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import PALETTE, STYLE, CourseWidget
 from ._engine import engine_of, fmt_ms, fmt_si, parse_prompt, plural, titled, tok_span
+from ._main_thread import on_main_thread
 
 PHASE_COLOURS = {"prefill": "#e4572e", "decode": "#f0a202", "mixed": "#8f5ea2", "idle": "#999999"}
 
@@ -176,7 +177,7 @@ class EngineStepper(CourseWidget):
                       (self.run_button, self._on_run), (self.stop_button, self._on_stop),
                       (self.reset_button, self._on_reset)):
             b.add_class("mv-" + b.description.lower().replace(" ", "-"))
-            b.on_click(fn)
+            b.on_click(on_main_thread(fn))
         self.status = W.HTML()
         self.status.add_class("mv-status")
         self.step_pane = W.HTML()

@@ -11,6 +11,7 @@ from minivllm.utils import cdiv
 
 from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, fmt_ms, titled
+from ._main_thread import on_main_thread
 from .latency_model import LatencyModel
 from .measure import measure_decode_batch, measure_request_latency, measure_step_latency
 
@@ -112,7 +113,7 @@ class LatencyCalculator(CourseWidget):
         self.measure_button = W.Button(description="measure this point", icon="stopwatch", button_style="info",
                                         layout=W.Layout(width="200px"))
         self.measure_button.add_class("mv-measure")
-        self.measure_button.on_click(lambda _: self.measure())
+        self.measure_button.on_click(on_main_thread(lambda _: self.measure()))
         self.readout = W.HTML()
         from ._static import LiveFigure
 
@@ -130,7 +131,7 @@ class LatencyCalculator(CourseWidget):
                                  barmode="group", height=320, width=760, margin=dict(l=60, r=10, t=60, b=45),
                                  yaxis_rangemode="nonnegative")
         for w in (self.model_menu, self.prompt_slider, self.response_slider, self.batch_slider):
-            w.observe(lambda _c: self.update(), names="value")
+            w.observe(on_main_thread(lambda _c: self.update()), names="value")
         self.add_class("mv-latency-calculator")
         controls = [self.prompt_slider, self.response_slider, self.limit_note, self.batch_slider,
                     self.measure_button]

@@ -10,6 +10,7 @@ from minivllm.utils.checks import is_count
 
 from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, fmt_ms, titled
+from ._main_thread import on_main_thread
 from .measure import _require_idle, run_requests
 
 
@@ -59,7 +60,7 @@ class PrefixCacheView(CourseWidget):
         self.results: list[dict] = []
         self.run_button = W.Button(description="Run", icon="play", button_style="primary")
         self.run_button.add_class("mv-run")
-        self.run_button.on_click(self._on_run)
+        self.run_button.on_click(on_main_thread(self._on_run))
         self.grid = W.HTML()
         self._table = ""  # the last run's table, under a refusal's message
         from ._static import LiveFigure

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import ipywidgets as W
 
 from ._base import STYLE, CourseWidget
+from ._main_thread import on_main_thread
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Quiz(CourseWidget):
             button = W.Button(description="Check", icon="check")
             button.add_class("mv-quiz-check")
             fb = W.HTML()
-            button.on_click(lambda _b, i=i: self.check(i))
+            button.on_click(on_main_thread(lambda _b, i=i: self.check(i)))
             self.radios.append(radio)
             self.buttons.append(button)
             self.feedback.append(fb)

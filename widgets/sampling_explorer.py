@@ -13,6 +13,7 @@ from minivllm.sampling_params import SamplingParams
 
 from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, parse_prompt, titled, token_piece
+from ._main_thread import on_main_thread
 
 
 def next_token_logits(llm, prompt) -> torch.Tensor:
@@ -139,10 +140,10 @@ class SamplingExplorer(CourseWidget):
                                  height=340, width=760, margin=dict(l=50, r=10, t=60, b=80),
                                  yaxis_rangemode="nonnegative")  # legend at plotly's default place, right of
         # the plot: above it, it covered the provenance line under the title
-        self.load_button.on_click(lambda _: self.load())
-        self.draw_button.on_click(self._on_draw)
+        self.load_button.on_click(on_main_thread(lambda _: self.load()))
+        self.draw_button.on_click(on_main_thread(self._on_draw))
         for w in (self.temperature, self.top_k, self.top_p, self.min_p):
-            w.observe(lambda _c: self.update(), names="value")
+            w.observe(on_main_thread(lambda _c: self.update()), names="value")
         self.add_class("mv-sampling-explorer")
         self.children = [W.HTML(STYLE), W.HBox([self.prompt_box, self.load_button]),
                          W.HBox([W.VBox([self.temperature, self.top_k]), W.VBox([self.top_p, self.min_p])]),

@@ -15,6 +15,7 @@ from minivllm.utils.gc_heap import heap_frozen
 
 from ._base import STYLE, CourseWidget, error_box
 from ._engine import engine_of, fmt_si, plural, titled
+from ._main_thread import on_main_thread
 from .engine_stepper import PHASE_COLOURS
 from .measure import random_prompt
 
@@ -73,7 +74,7 @@ class UtilisationMonitor(CourseWidget):
                                            tooltip="1 to 4096 (a larger entry is set to 4096)", layout=W.Layout(width="170px"))
         self.run_button = W.Button(description="Run workload", icon="play", button_style="primary")
         self.run_button.add_class("mv-run")
-        self.run_button.on_click(lambda _: self.run())
+        self.run_button.on_click(on_main_thread(lambda _: self.run()))
         self.readout = W.HTML()
         from ._static import LiveFigure
 

@@ -1,0 +1,148 @@
+"""Widget callbacks arriving on a kernel subshell's thread run on the main thread.
+
+JupyterLab 4.6 with ipykernel 7 delivers a widget's clicks on a subshell thread once a callback
+has updated its own widget; there Kernel > Interrupt (SIGINT, main thread only) could not stop
+"measure this point" or "Run both", and the engine ran beside the cell on the main thread. Here a
+worker thread stands in for the subshell while the main thread runs an event loop, as a kernel's
+does between cells."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+
+from widgets._main_thread import on_main_thread  # noqa: E402
+
+
+@pytest.fixture
+def idle_kernel_sigint():
+    """SIGINT ignored, as an idle ipykernel leaves it; the test's handler put back after."""
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield
+    signal.signal(signal.SIGINT, saved)
+
+
+def _from_other_thread(build, *args):
+    """Build a wrapper on the main thread's running loop, call it from a worker thread."""
+    async def main():
+        wrapped = build()
+        return await asyncio.get_running_loop().run_in_executor(None, wrapped, *args)
+
+    return asyncio.run(main())
+
+
+def test_a_call_from_another_thread_runs_on_the_main_thread_and_returns_its_result():
+    threads = []
+
+    def fn(x):
+        threads.append(threading.current_thread())
+        return 2 * x
+
+    assert _from_other_thread(lambda: on_main_thread(fn), 21) == 42
+    assert threads == [threading.main_thread()]
+
+
+def test_an_exception_is_raised_on_the_calling_thread():
+    def fn():
+        raise ValueError("prompt_len=0: refused")
+
+    with pytest.raises(ValueError, match="prompt_len=0"):
+        _from_other_thread(lambda: on_main_thread(fn))
+
+
+def test_without_a_running_loop_the_callback_is_returned_as_is():
+    def fn():
+        return 1
+
+    assert on_main_thread(fn) is fn
+
+
+def test_a_kernel_interrupt_during_the_call_raises_in_it_and_nowhere_else(idle_kernel_sigint):
+    seen = []
+
+    def fn():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs on the next bytecode: inside the try
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.001)
+        except KeyboardInterrupt:
+            seen.append("interrupted")
+            raise  # as the widgets do, after saying so
+        return "ran to the end"
+
+    assert _from_other_thread(lambda: on_main_thread(fn)) is None
+    assert seen == ["interrupted"]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # the idle kernel's handler is back
+
+    async def after():  # an interrupt between callbacks stays ignored, as in an idle kernel
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(0.01)
+        return "loop alive"
+
+    assert asyncio.run(after()) == "loop alive"
+
+
+def test_a_stepper_step_clicked_from_a_subshell_thread_steps_on_the_main_thread(model_path):
+    from minivllm import LLM
+    from widgets import EngineStepper
+
+    llm = LLM(model_path, block_size=16, num_kvcache_blocks=32, max_num_batched_tokens=64)
+    try:
+        engine = llm.llm_engine
+        real_step, stepped_on = engine.step, []
+
+        def step():
+            stepped_on.append(threading.current_thread())
+            return real_step()
+
+        engine.step = step
+
+        def build():
+            s = EngineStepper(llm, show_chart=False)
+            s.add_request([1, 2, 3, 4, 5], max_tokens=3)
+            return s.step_button.click
+
+        _from_other_thread(build)
+        assert stepped_on == [threading.main_thread()]
+    finally:
+        llm.shutdown()
+
+
+def test_a_latency_measurement_from_a_subshell_thread_is_interruptible(model_path, idle_kernel_sigint, monkeypatch):
+    from minivllm import LLM
+    from widgets import LatencyCalculator
+    import widgets.latency_calculator as lc
+
+    llm = LLM(model_path, block_size=16, num_kvcache_blocks=32, max_num_batched_tokens=64)
+    try:
+        def slow_measurement(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)  # Kernel > Interrupt, a moment into the measurement
+            time.sleep(5)
+            raise AssertionError("the interrupt did not reach the measurement")
+
+        monkeypatch.setattr(lc, "measure_request_latency", slow_measurement)
+        calc = []
+
+        def build():
+            calc.append(LatencyCalculator(llm, prompt_lens=(8, 16), batch_sizes=(1, 2)))
+            return calc[0].measure_button.click
+
+        _from_other_thread(build)
+        assert "interrupted (Kernel &gt; Interrupt)" in calc[0].readout.value
+        assert not calc[0].measure_button.disabled
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from test_widgets import _model_path
+
+    return _model_path(tmp_path_factory)

@@ -1,0 +1,97 @@
+"""Widget callbacks run on the kernel's main thread, where Kernel > Interrupt reaches them.
+
+JupyterLab 4.6 with ipykernel 7 sends widget messages to a kernel subshell (Settings >
+Kernel > "Kernel Comms over subshells", default one subshell per comm target), and ipykernel
+routes a comm's messages to the thread that last published on it. A callback that updates its
+own widget (a button disabled while it works) therefore runs every later click on the
+subshell's thread. There, Kernel > Interrupt cannot stop it (Python runs signal handlers on the
+main thread only), and it runs beside the cell the main thread is executing.
+
+:func:`on_main_thread` hands such a call to the main thread's event loop and waits for it, the
+way ipykernel 6 ran every callback: one at a time, after the cell in progress, with SIGINT
+raising ``KeyboardInterrupt`` inside it.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import signal
+import threading
+from typing import Callable
+
+
+def _main_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on the main thread now (a notebook cell's), else None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # a script or a test: no kernel loop
+        return None
+
+
+def _call_interruptibly(fn: Callable, args, kwargs, done: concurrent.futures.Future) -> None:
+    """Run ``fn`` on the main thread with SIGINT raising ``KeyboardInterrupt`` in it only.
+
+    An idle ipykernel ignores SIGINT; ``default_int_handler`` would raise it anywhere in the loop
+    (a ``KeyboardInterrupt`` escaping an asyncio callback stops the kernel's loop), so the
+    handler raises only while ``fn`` runs. A ``KeyboardInterrupt`` ends the call quietly: the
+    widgets catch it to say what was interrupted, then re-raise it as a cell would."""
+    if not done.set_running_or_notify_cancel():
+        return
+    inside = False
+
+    def on_sigint(signum, frame):
+        if inside:
+            raise KeyboardInterrupt
+
+    saved = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        try:
+            inside = True
+            result = fn(*args, **kwargs)
+        finally:
+            inside = False
+        done.set_result(result)
+    except KeyboardInterrupt:
+        done.set_result(None)
+    except BaseException as e:  # raised on the calling thread, where the kernel logs it
+        done.set_exception(e)
+    finally:
+        if signal.getsignal(signal.SIGINT) is on_sigint:  # unless fn installed its own and kept it
+            signal.signal(signal.SIGINT, saved)
+
+
+def on_main_thread(fn: Callable) -> Callable:
+    """Wrap a widget callback so that it runs on the main thread's event loop.
+
+    Call it where the widget is built (a notebook cell, on the main thread): that cell's event
+    loop is the one calls are handed to. A call arriving on another thread (a kernel subshell)
+    is scheduled there and waited for; its result is returned and its exception raised on the
+    calling thread, except ``KeyboardInterrupt``, which ends the call (the callback has said
+    so). A call on the main thread, or a wrapper built where no event loop runs (a script, a
+    test), calls ``fn`` directly.
+
+    Args:
+        fn: the callback (a button's ``on_click`` handler, a trait observer).
+
+    Returns:
+        the wrapped callable, or ``fn`` itself where no main-thread loop runs.
+    """
+    loop = _main_loop()
+    if loop is None:
+        return fn
+
+    @functools.wraps(fn)
+    def callback(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread() or loop.is_closed():
+            return fn(*args, **kwargs)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            loop.call_soon_threadsafe(_call_interruptibly, fn, args, kwargs, done)
+        except RuntimeError:  # the loop closed in between (the kernel is shutting down)
+            return fn(*args, **kwargs)
+        return done.result()
+
+    return callback
