@@ -8,6 +8,7 @@ does between cells."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import threading
@@ -28,11 +29,34 @@ def idle_kernel_sigint():
     signal.signal(signal.SIGINT, saved)
 
 
+async def _on_subshell(fn, *args):
+    """``fn(*args)`` on a real ipykernel subshell thread (its own tornado loop), awaited here."""
+    zmq = pytest.importorskip("zmq")
+    subshell = pytest.importorskip("ipykernel.subshell")
+    context = zmq.Context()
+    thread = subshell.SubshellThread("test-subshell", context)
+    thread.start()
+    done = concurrent.futures.Future()
+
+    def call():
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:
+            done.set_exception(e)
+
+    thread.io_loop.add_callback(call)
+    try:
+        return await asyncio.wrap_future(done)
+    finally:
+        thread.stop()
+        thread.join()
+        context.destroy(linger=0)
+
+
 def _from_other_thread(build, *args):
-    """Build a wrapper on the main thread's running loop, call it from a worker thread."""
+    """Build a wrapper on the main thread's running loop, call it from a kernel subshell."""
     async def main():
-        wrapped = build()
-        return await asyncio.get_running_loop().run_in_executor(None, wrapped, *args)
+        return await _on_subshell(build(), *args)
 
     return asyncio.run(main())
 
@@ -54,6 +78,24 @@ def test_an_exception_is_raised_on_the_calling_thread():
 
     with pytest.raises(ValueError, match="prompt_len=0"):
         _from_other_thread(lambda: on_main_thread(fn))
+
+
+def test_a_call_from_a_thread_of_the_users_runs_there():
+    # handing it to the main loop would deadlock a cell that clicks from a worker and joins it
+    threads = []
+
+    def fn():
+        threads.append(threading.current_thread())
+
+    async def main():
+        wrapped = on_main_thread(fn)
+        worker = threading.Thread(target=wrapped)
+        worker.start()
+        worker.join(5)  # the main loop is blocked here, as in a cell
+        return worker
+
+    worker = asyncio.run(main())
+    assert not worker.is_alive() and threads == [worker]
 
 
 def test_without_a_running_loop_the_callback_is_returned_as_is():

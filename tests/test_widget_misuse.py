@@ -83,6 +83,40 @@ def test_an_interrupt_between_a_background_runs_steps_stops_every_run(llm):
     llm.llm_engine.check_invariants()
 
 
+def test_a_run_clicked_while_an_async_cell_awaited_stops_on_an_interrupt_after_the_cell(llm):
+    """The run's handler went in over the async cell's; when the cell ended ipykernel put its idle
+    'ignore' back, and Kernel > Interrupt no longer reached the run (it ran to its end)."""
+    import os
+
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    s.add_request(ids(10), max_tokens=200, ignore_eos=True)
+
+    async def scenario():
+        idle = signal.signal(signal.SIGINT, signal.SIG_IGN)  # an idle kernel ignores SIGINT
+        try:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # an async cell starts (pre_handler_hook)
+            s.run_button.click()  # during its await
+            while len(s.steps) < 2:
+                await asyncio.sleep(0.001)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cell ends (post_handler_hook)
+            while len(s.steps) < 4:
+                await asyncio.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGINT)  # Kernel > Interrupt
+            while s.is_running:
+                await asyncio.sleep(0.002)
+            return signal.getsignal(signal.SIGINT)
+        finally:
+            signal.signal(signal.SIGINT, idle)
+
+    after = asyncio.run(scenario())
+    assert "interrupted" in s.last_message and len(s.steps) < 200, s.last_message
+    assert after == signal.SIG_IGN  # the idle kernel's handler is back
+    llm.llm_engine.check_invariants()
+    s.reset()
+
+
 def test_a_step_that_raises_ends_the_run_with_the_error_in_the_status_line(llm):
     from widgets import EngineStepper
 

@@ -50,6 +50,14 @@ class _InterruptStopsRuns:
             run.interrupted = True
             stepper._stop_requested = True
 
+    def reclaim(self) -> None:
+        """Between a background run's steps: take SIGINT back where an idle kernel's "ignore"
+        replaced this handler. A run clicked while an async cell awaited installed it over the
+        cell's handler, and ipykernel put its idle handler back when the cell ended."""
+        if (self.runs and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) == signal.SIG_IGN):
+            self.saved = signal.signal(signal.SIGINT, self._handle)
+
     @contextlib.contextmanager
     def during(self, stepper, run):
         if threading.current_thread() is not threading.main_thread():
@@ -423,6 +431,7 @@ class EngineStepper(CourseWidget):
             with self._run_session() as run:
                 for run.taken in self._steps(render_every=0.1):
                     await asyncio.sleep(0.001)  # let Stop / Reset clicks in between steps
+                    _INTERRUPTS.reclaim()
         except (asyncio.CancelledError, KeyboardInterrupt, Exception):
             pass  # the widget's status line says how the run ended (_finish_run); the task ends quietly
         finally:
