@@ -757,7 +757,14 @@ def test_utilisation_monitor_warns_of_few_samples_and_says_it_was_interrupted(ll
     mon = UtilisationMonitor(llm, num_requests=1, prompt_len=8, max_tokens=4, period_s=0.02)
     with pytest.raises(KeyboardInterrupt):
         mon.run()
-    assert mon.interrupted and "interrupted (Kernel &gt; Interrupt) after 1 step:" in mon.readout.value
+    assert mon.interrupted and "interrupted (Kernel &gt; Interrupt) after 1 step: the charts show a partial" \
+        in mon.readout.value
+    assert not engine.requests
+    calls[:] = [1]  # interrupted in its first step: "the charts show a partial workload" of nothing read oddly
+    mon = UtilisationMonitor(llm, num_requests=1, prompt_len=8, max_tokens=4, period_s=0.02)
+    with pytest.raises(KeyboardInterrupt):
+        mon.run()
+    assert "after 0 steps: no step had finished, so the charts show no step" in mon.readout.value
     assert not engine.requests
 
 

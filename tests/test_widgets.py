@@ -631,7 +631,7 @@ def test_sampling_explorer_says_an_interrupted_draw_and_shortens_a_long_prompt(l
     monkeypatch.setattr(se, "exponential_race", interrupted)
     ex.draw_button.click()
     assert ex.num_draws == 50 and sum(ex.counts.values()) == 50  # nothing of the interrupted draw counted
-    assert "was interrupted" in ex.readout.value and "50 draws" in ex.readout.value
+    assert "interrupted (Kernel &gt; Interrupt): none of the draw of" in ex.readout.value and "50 draws" in ex.readout.value
 
 
 # -- prefix cache view ----------------------------------------------------------------------------
@@ -1006,3 +1006,27 @@ def test_sampling_explorer_box_shows_the_draws_a_cell_asked_for(llm):
     assert ex.n_draws.value == 300 and ex.num_draws == 300
     ex.draw_button.click()
     assert ex.num_draws == 600  # the same amount again: the draws still add up under the same settings
+
+
+def test_a_live_chart_of_many_points_is_redrawn_less_often():
+    # a stepper's chart of 1,800 steps redrawn twice a second kept the browser busy enough to hold a
+    # "Stop" click back 1-2 s; the interval between redraws now grows with the points drawn
+    import time
+
+    from widgets._static import LiveFigure
+
+    async def scheduled_wait(points: int) -> float:
+        fig = LiveFigure()
+        fig.add_bar(x=list(range(points)), y=[1.0] * points)
+        loop, waits = asyncio.get_running_loop(), []
+        real = loop.call_later
+        loop.call_later = lambda delay, cb, *a: waits.append(delay) or real(delay, cb, *a)
+        try:
+            fig._last_draw, fig._pending = time.monotonic(), False  # just drawn
+            fig.data[0].y = [2.0] * points  # a change right after: drawn by a trailing redraw
+        finally:
+            del loop.call_later
+        return waits[-1]
+
+    assert asyncio.run(scheduled_wait(10)) <= LiveFigure.min_redraw_s
+    assert asyncio.run(scheduled_wait(2000)) > 0.9 * 2000 * LiveFigure.redraw_s_per_point > LiveFigure.min_redraw_s

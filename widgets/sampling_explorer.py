@@ -193,8 +193,9 @@ class SamplingExplorer(CourseWidget):
             self.readout.value = error_box(str(e))
         except KeyboardInterrupt:  # the kernel interrupted mid-draw: draw() counts nothing until it is done
             self._redraw()
-            self.readout.value += error_box(f"the draw of {self.n_draws.value} was interrupted: none of it was "
-                                            "counted (the frequencies shown are the earlier draws')")
+            self.readout.value += error_box(f"interrupted (Kernel > Interrupt): none of the draw of "
+                                            f"{self.n_draws.value} was counted (the frequencies shown are "
+                                            "the earlier draws')")
 
     def draw(self, n: int | None = None) -> dict[int, int]:
         """Draw ``n`` tokens (default: the "draws" box, which then shows ``n``) from the filtered distribution.

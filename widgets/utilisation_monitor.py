@@ -220,8 +220,10 @@ class UtilisationMonitor(CourseWidget):
         warnings = []
         if self.interrupted:
             n = len(self.records)
-            warnings.append(f"interrupted (Kernel > Interrupt) after {plural(n, 'step')}: the charts "
-                            "show a partial workload; its requests were aborted")
+            shown = ("the charts show a partial workload" if n else
+                     "no step had finished, so the charts show no step")
+            warnings.append(f"interrupted (Kernel > Interrupt) after {plural(n, 'step')}: {shown}; "
+                            "its requests were aborted")
         if len(s) < self.MIN_SAMPLES and not self._running_live:
             span = (s[-1].time - t0) if s else 0.0
             warnings.append(f"only {plural(len(s), 'utilisation sample')} over {span:.2f} s "
