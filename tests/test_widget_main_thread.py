@@ -188,3 +188,26 @@ def model_path(tmp_path_factory):
     from test_widgets import _model_path
 
     return _model_path(tmp_path_factory)
+
+
+def test_an_interrupt_just_after_the_call_reaches_the_handler_from_before():
+    # a SIGINT between the callback's return and the handler's restore was dropped: a background
+    # "Run to end" (whose handler was the one before) never heard of it
+    from widgets._main_thread import _call_interruptibly
+
+    heard = []
+
+    async def main():
+        done = concurrent.futures.Future()
+        done.add_done_callback(lambda _f: os.kill(os.getpid(), signal.SIGINT))  # lands after fn returned
+        _call_interruptibly(lambda: "result", (), {}, done)
+        for _ in range(10):
+            await asyncio.sleep(0.001)
+        return done.result()
+
+    saved = signal.signal(signal.SIGINT, lambda signum, frame: heard.append(signum))
+    try:
+        assert asyncio.run(main()) == "result"
+    finally:
+        signal.signal(signal.SIGINT, saved)
+    assert heard == [signal.SIGINT]
