@@ -145,10 +145,13 @@ def _live_figure_class():
         #: redraw on the kernel's event loop.
         min_redraw_s = 0.5
         #: ... and at least this long per point drawn: a redraw costs the browser time in proportion to
-        #: the points (every bar is drawn anew). A stepper's chart of 1,200-1,800 steps redrawn twice a
-        #: second held a "Stop" click back 1.1-2.0 s in Chromium on the 2-core dev machine (0.1 s with
-        #: no chart); at 2 ms a point, 0.1-0.6 s (2026-12-07)
-        redraw_s_per_point = 2e-3
+        #: the points (every bar is drawn anew), and clicks wait while it draws. Chapter 06's stepper
+        #: after 400-1,200 steps of a long run, a "Stop" click to the kernel's stop() (JupyterLab 4.6.6,
+        #: headless Chromium, the 2-core dev machine, 2026-12-07): median 0.97 s over 6 runs redrawing
+        #: at 2 ms a point, 0.60 s over 9 at 5 ms, 0.38 s over 6 with the chart not redrawn during the
+        #: run (redrawn twice a second whatever its size, a one-cell notebook's stepper after 1,200-1,800
+        #: steps: 1.1-2.0 s)
+        redraw_s_per_point = 5e-3
 
         def __init__(self, data=None, layout=None, **kwargs):
             self._live, self._last_draw, self._dirty, self._pending = False, 0.0, False, False
