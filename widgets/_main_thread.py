@@ -56,8 +56,6 @@ def _call_interruptibly(fn: Callable, args, kwargs, done: concurrent.futures.Fut
     a SIGINT landing just before or after it is raised again once the previous handler is back
     (an idle kernel's ignores it). A ``KeyboardInterrupt`` ends the call quietly: the widgets
     catch it to say what was interrupted, then re-raise it as a cell would."""
-    if not done.set_running_or_notify_cancel():
-        return
     inside, missed = False, False
 
     def on_sigint(signum, frame):
