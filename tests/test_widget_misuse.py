@@ -571,6 +571,30 @@ def test_stepper_says_its_request_was_aborted_elsewhere_not_finished(llm):
     s.reset()
 
 
+def test_stepper_idle_message_names_what_finished_beside_what_was_aborted_or_failed(llm):
+    """After a request aborted elsewhere, a later request run to its end through the stepper was left
+    out: every idle Step still said only "req-0 aborted outside this widget", as if nothing had
+    finished since (chapter 10: its timing cell aborts the stepper's request, the learner goes on)."""
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm, show_chart=False)
+    s.reset()
+    first = s.add_request(ids(8), max_tokens=6, ignore_eos=True)
+    s.step()
+    llm.llm_engine.abort_request(first)  # another cell
+    second = s.add_request(ids(6, start=40), max_tokens=2, ignore_eos=True)
+    failed = s.add_request(ids(5, start=60), max_tokens=3, ignore_eos=True, temperature=0.01, seed=3,
+                           repetition_penalty=1e-37)  # every logit overflows: no token can be sampled
+    while llm.llm_engine.has_unfinished_requests():
+        s.step()
+    s.step()
+    msg = s.last_message
+    assert msg.startswith("nothing left to run: ")
+    assert f"{second} finished" in msg and f"{first} aborted outside this widget" in msg
+    assert f"{failed} ended with an error" in msg and f"{failed} finished" not in msg
+    s.reset()
+
+
 def test_stepper_names_a_recompute_after_preemption_and_marks_the_recomputed_outputs(model_path):
     """A request recomputed after a preemption was labelled "prefilled: first token", and only its
     prompt positions were coloured as this step's chunk."""

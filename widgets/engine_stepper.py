@@ -385,17 +385,29 @@ class EngineStepper(CourseWidget):
         self.outside_steps += n
         return n
 
+    def _idle_message(self) -> str:
+        """What an idle engine means for this widget's requests: one a cell or another widget aborted,
+        or one that ended with an error, did not finish, so it is named apart from those that did."""
+        ended: dict[str, list[str]] = {}
+        for rid, seq in self._seqs.items():
+            ended.setdefault(seq.finish_reason, []).append(rid)
+        aborted, failed = ended.pop("abort", []), ended.pop("error", [])
+        if not aborted and not failed:
+            return ("nothing to run: add a request first" if not self.steps else
+                    "all requests finished: add another or press Reset")
+        finished = [rid for reason, rids in ended.items() if reason is not None for rid in rids]
+        parts = ([f"{', '.join(finished)} finished"] if finished else []) + (
+            [f"{', '.join(failed)} ended with an error (its RequestOutput's error says why)"] if failed else []) + (
+            [f"{', '.join(aborted)} aborted outside this widget (a cell or another widget on this engine)"]
+            if aborted else [])
+        return f"nothing left to run: {'; '.join(parts)}; add a request or press Reset"
+
     def _step_once(self, render: bool) -> StepRecord | None:
         if self._engine_gone():
             return None
         if not self.engine.has_unfinished_requests():
             outside = self._count_outside(None)
-            # a request a cell or another widget aborted did not finish: say so, not "finished"
-            aborted = [rid for rid, seq in self._seqs.items() if seq.finish_reason == "abort"]
-            self._message(("nothing to run: add a request first" if not self.steps and not aborted else
-                           f"nothing left to run: {', '.join(aborted)} aborted outside this widget (a cell or "
-                           "another widget on this engine); add a request or press Reset" if aborted else
-                           "all requests finished: add another or press Reset") + self._outside_note(outside))
+            self._message(self._idle_message() + self._outside_note(outside))
             # attached views redraw too: steps run elsewhere may have changed the engine since they last drew
             self._notify(None)
             if render:
