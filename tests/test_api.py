@@ -153,6 +153,18 @@ def test_abort_of_a_final_only_request_returns_its_text(tiny_ckpt):
     assert out.outputs[0].text == full.text
 
 
+def test_a_request_id_in_use_says_how_to_free_it_and_is_free_once_its_request_ends(tiny_ckpt):
+    """A notebook cell re-run after an interrupt adds its ids again while the first run's requests
+    are unfinished: the refusal names the way out, and the id is free after the request ends."""
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    engine.add_request("0", [1, 2, 3], greedy(3))
+    with pytest.raises(ValueError, match=r"'0' is already in use by an unfinished request \(abort_request\('0'\)"):
+        engine.add_request("0", [4, 5], greedy(2))
+    engine.abort_request("0")
+    assert engine.add_request("0", [4, 5], greedy(2)) == "0"
+
+
 def test_a_progress_bar_that_fails_to_start_leaves_nothing_queued(tiny_ckpt):
     """generate's bar was made after the requests were queued and outside the clean-up:
     a ``use_tqdm`` callable of another signature left them queued for good."""

@@ -548,7 +548,9 @@ class LLMEngine:
         with self._lock:
             self._require_live()  # again: a shutdown in another thread may have come since the check above
             if request_id in self.requests or request_id in self.parents:
-                raise VLLMValidationError(f"request_id {request_id!r} is already in use")
+                raise VLLMValidationError(f"request_id {request_id!r} is already in use by an unfinished request "
+                                          f"(abort_request({request_id!r}) ends it, or step the engine until it "
+                                          "finishes; an id is free again once its request has ended)")
             parent = ParentRequest(request_id, params.n, kind) if params.n > 1 else None
             if parent is not None:
                 clash = [c for c in parent.child_ids if c in self.requests or c in self.parents]
