@@ -258,7 +258,7 @@ point = calc.measure()
 calc.display()
 
 # %%
-check_prediction(my_prediction_1, point["ttft_ms"], rel_tol=0.35, unit="ms", what="the mean TTFT of the four requests")
+check_prediction(my_prediction_1, point["ttft_ms"], rel_tol=0.25, unit="ms", what="the mean TTFT of the four requests")
 render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".join(
     f"| {name} | {point['predicted'][key]:.2f} ms | {point[key]:.2f} ms |"
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "total")))
