@@ -36,8 +36,9 @@
 # how many blocks are in use after a few steps · work out a token's physical slot from the block table and
 # check it against the slot mapping the engine built · prove, by reading the engine's KV tensor, that a
 # token's key sits exactly where the block table says · measure on a mixed workload how many slots a
-# contiguous allocation would reserve against what the paged pool allocates and uses · time a decode step
-# at batch 1 and batch 8 to see why the memory saved turns into throughput.
+# contiguous allocation would reserve against what the paged pool allocates and uses · predict from
+# decode steps at batch 1 and 4, then time, a step at batch 8 against batch 1, to see why the memory
+# saved turns into throughput.
 
 # %% [markdown]
 # ## Setup
@@ -112,22 +113,24 @@ for name, start, prompt_len, max_tokens in (("A", 0, 20, 14), ("B", 100, 7, 30),
     requests[name] = stepper.add_request(text_ids[start:start + prompt_len], max_tokens=max_tokens,
                                          ignore_eos=True)  # exact lengths, whatever the model writes
 stepper.step()  # one step: all three prompts are prefilled together
-decode_steps = 0  # the exercise below counts the decode steps from here
+after_12 = {}  # the exercise below keeps the state after its 12th decode step here
 stepper.display()
 view.display()
 
 
 # %%
 # NBVAL_CHECK_OUTPUT
-def show_tables():
+def tables_now():
+    lines = []
     for name, rid in requests.items():
         seq = stepper.sequence(rid)
-        print(f"{name} ({rid}): {seq.num_computed_tokens:3d} tokens with KV, status {seq.status.value:8s} "
-              f"block table {seq.block_table}")
-    print(f"pool: {bm.num_used_blocks} blocks used, {bm.num_free_blocks} free")
+        lines.append(f"{name} ({rid}): {seq.num_computed_tokens:3d} tokens with KV, status {seq.status.value:8s} "
+                     f"block table {seq.block_table}")
+    lines.append(f"pool: {bm.num_used_blocks} blocks used, {bm.num_free_blocks} free")
+    return "\n".join(lines)
 
 
-show_tables()
+print(tables_now())
 
 # %% [markdown]
 # After the prefill, A holds 2 blocks (20 tokens: one full block of 16 and 4 slots of the next), B one
@@ -139,18 +142,30 @@ show_tables()
 #
 # The three requests now decode for 12 steps (remember their budgets: A asked for 14 new tokens, B for
 # 30, C for 6; the prefill step already produced each request's first new token). How many blocks of
-# the pool will be in use after those 12 steps? Write your answer, then run the next cells.
+# the pool will be in use after those 12 steps? Write your answer, then run the next cells. (The next
+# cell counts the stepper's own steps, so presses of its Step button count toward the 12.)
 
 # %% tags=["exercise"]
 my_prediction_1 = None  # your guess: blocks in use after 12 decode steps (a whole number)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-while decode_steps < 12:  # run again, this cell steps no further: the check compares the state after 12
-    stepper.step()
-    decode_steps += 1
-blocks_after_12 = bm.num_used_blocks
-show_tables()
+# The stepper's history holds the prefill step and then the decode steps. The state after the 12th is
+# kept, so running this cell again (after section 2 has stepped on) shows that state, not today's.
+if not after_12:
+    if any(rid not in stepper.request_ids for rid in requests.values()):
+        raise RuntimeError("the stepper was reset after section 1's first code cell: run that cell again, "
+                           "then this one")
+    if len(stepper.steps) > 1 + 12:
+        raise RuntimeError(f"the stepper has already run {len(stepper.steps) - 1} decode steps, more than the "
+                           "exercise's 12: run section 1's first code cell again, then this one")
+    while len(stepper.steps) < 1 + 12 and stepper.step() is not None:
+        pass
+    if len(stepper.steps) != 1 + 12:  # a step refused: the stepper's status line says why
+        raise RuntimeError(f"stopped after {len(stepper.steps) - 1} decode steps: {stepper.last_message}")
+    after_12.update(blocks=bm.num_used_blocks, tables=tables_now())
+blocks_after_12 = after_12["blocks"]
+print(after_12["tables"])
 
 # %%
 from widgets import check_prediction
@@ -211,6 +226,9 @@ try:
     stepper.step()
 finally:
     del runner.prepare_input  # back to the class method
+if not captured:
+    raise RuntimeError("the stepper had nothing left to run (its Run to end or Reset was pressed): run section "
+                       "1's first code cell and the cells after it again, then this one")
 plan, tables, inp = captured[0]
 slots = inp.meta.slot_mapping.tolist()
 row = 0
@@ -359,7 +377,7 @@ for key, name, dash in (("contiguous_max_len", f"contiguous, max_model_len ({MAX
     fig.add_scatter(x=steps, y=[s[key] for s in samples], mode="lines", name=name, line=dict(dash=dash))
 fig.add_hline(y=POOL_SLOTS, line=dict(color="#c03", dash="dashdot"), annotation_text=f"the pool: {POOL_SLOTS:,} slots",
               annotation_position="top left")
-fig.update_layout(title=f"KV slots held per step, 24 mixed requests (live block manager)<br><sub>{setting(llm)}</sub>",
+fig.update_layout(title=f"KV slots held per step, {CENSUS_REQUESTS} mixed requests (live block manager)<br><sub>{setting(work)}</sub>",
                   xaxis_title="engine step", yaxis_title="token slots held", height=440,
                   yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.25))
 show_figure(fig)
@@ -370,14 +388,17 @@ from widgets import check_claim, render
 render(f"Summed over the run, the share of held slots that sat empty was **{waste['paged']:.1%}** for the paged "
        f"pool, **{waste['contiguous_max_tokens']:.1%}** for a contiguous `prompt + max_tokens` reservation and "
        f"**{waste['contiguous_max_len']:.1%}** for a contiguous `max_model_len` reservation.")
-over = [(k, name) for k, name in (("contiguous_max_tokens", "`prompt + max_tokens`"),
-                                  ("contiguous_max_len", "`max_model_len`")) if peak[k] > POOL_SLOTS]
+policies = (("contiguous_max_tokens", "`prompt + max_tokens`"), ("contiguous_max_len", "`max_model_len`"))
+over = [(k, name) for k, name in policies if peak[k] > POOL_SLOTS]
+fits = [(k, name) for k, name in policies if peak[k] <= POOL_SLOTS]
 render(f"The pool has **{POOL_SLOTS:,}** slots, and the paged engine held at most **{peak['paged']:,}** of them in one "
-       "step. " + (" ".join(f"The contiguous {name} policy would have needed **{peak[k]:,}** slots at its peak: it "
-                            "could not have run this schedule in this pool at all, and would have had to admit "
-                            "fewer requests at once." for k, name in over)
-                   if over else "Both contiguous policies' peaks fit in the pool on this schedule, if their strips "
-                   "could be packed without gaps (the lessons below say why they cannot always be)."))
+       "step. " + " ".join(f"The contiguous {name} policy would have needed **{peak[k]:,}** slots at its peak: it "
+                           "could not have run this schedule in this pool at all, and would have had to admit "
+                           "fewer requests at once." for k, name in over)
+       + (" " if over and fits else "")
+       + " ".join(f"The contiguous {name} policy's peak, **{peak[k]:,}** slots, fits in the pool on this schedule, "
+                  "if its strips could be packed without gaps (the lessons below say why they cannot always be)."
+                  for k, name in fits))
 worst = max(s["slack"] for s in samples if s["live"])
 check_claim("no live request ever holds more than block_size - 1 empty slots", worst <= BLOCK_SIZE - 1,
             f"the most any one request held in any step: {worst} (block_size {BLOCK_SIZE})");
@@ -437,11 +458,11 @@ check_claim("paging ran more requests at once than a max_model_len reservation f
 #
 # ### Exercise 2 · A decode step of 8 against a step of 1
 #
-# On this engine and machine, how many times longer will a decode step with 8 sequences take than a
-# decode step with 1? (1.0 would mean "the same"; 8.0 would mean "no gain from batching".)
-
-# %% tags=["exercise"]
-my_prediction_2 = None  # your guess: decode step time at batch 8 / at batch 1 (a ratio, x)
+# The cell below times this engine's decode step with 1 and with 4 sequences (each sequence 32 prompt
+# tokens, on the engine of section 3). Suppose every sequence adds the same time to a step, and the
+# rest of a step is paid once, whatever the batch. From the two times it prints, how many times longer
+# will a decode step with 8 sequences take than a decode step with 1? (1.0 would mean "the same"; 8.0
+# would mean "no gain from batching".)
 
 # %%
 import statistics
@@ -449,16 +470,37 @@ import statistics
 from widgets import measure_decode_batch
 
 REPEATS = 3  # interleaved runs; each gives a median per batch size
-step_ms = {1: [], 8: []}
-for _ in range(REPEATS):
-    rows = measure_decode_batch(work, batch_sizes=(1, 8), prompt_len=32, decode_steps=16)
-    for b in step_ms:
-        step_ms[b].append(statistics.median(r["wall_ms"] for r in rows if r["batch"] == b))
-t1, t8 = min(step_ms[1]), min(step_ms[8])  # the fastest repeat: the slower ones measure the neighbours
+
+
+def decode_step_ms(batch_sizes):
+    """Per batch size, the median decode step (ms) of each of REPEATS interleaved runs on ``work``."""
+    runs = {b: [] for b in batch_sizes}
+    for _ in range(REPEATS):
+        rows = measure_decode_batch(work, batch_sizes=batch_sizes, prompt_len=32, decode_steps=16)
+        for b in runs:
+            runs[b].append(statistics.median(r["wall_ms"] for r in rows if r["batch"] == b))
+    return runs
+
+
+given = decode_step_ms((1, 4))
+g1, g4 = min(given[1]), min(given[4])  # the fastest repeat: the slower ones measure the neighbours
+print(f"decode step, batch 1: {g1:.2f} ms; batch 4: {g4:.2f} ms (the fastest of {REPEATS} runs' medians)")
+
+# %% tags=["exercise"]
+my_prediction_2 = None  # your guess: decode step time at batch 8 / at batch 1 (a ratio, x)
+
+# %%
+step_ms = decode_step_ms((1, 8))
+t1, t8 = min(step_ms[1]), min(step_ms[8])
 ratio = t8 / t1
 print(f"decode step, batch 1: {t1:.2f} ms (repeats {min(step_ms[1]):.2f}-{max(step_ms[1]):.2f}); "
       f"batch 8: {t8:.2f} ms (repeats {min(step_ms[8]):.2f}-{max(step_ms[8]):.2f})")
 check_prediction(my_prediction_2, ratio, rel_tol=0.3, unit="x", what="the batch-8 / batch-1 step time ratio");
+d = (g4 - g1) / 3  # what each sequence beyond the first added, from the exercise's two times
+line = (g1 + 7 * d) / g1
+render(f"The straight line through the exercise's batch 1 and 4 (each sequence adding {d:.3f} ms) gives a batch-8 "
+       f"step of {g1 + 7 * d:.2f} ms: **{line:.2f}x** the batch-1 step, "
+       f"{abs(line / ratio - 1):.0%} {'below' if line < ratio else 'above'} the ratio measured now.")
 render(f"A decode step of 8 sequences took **{ratio:.2f}x** a step of 1 here, so 8 sequences in memory "
        f"produce **{8 / ratio:.1f}x** the tokens per second of one ({setting(work)}). Each sequence beyond the "
        f"first added {(t8 - t1) / 7:.2f} ms, {(t8 - t1) / 7 / t1:.0%} of a batch-1 step: that is the per-sequence "
@@ -475,28 +517,32 @@ check_claim("a decode step of 8 sequences costs less than 8 steps of one sequenc
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
 #
+# If each sequence adds `d` ms to a step, batch 4 minus batch 1 is three sequences' worth:
+# `d = (t4 - t1) / 3`. A step of eight then takes about `t1 + 7 d`, and the ratio is `1 + 7 d / t1`
+# (the sentence under the measurement works it out for this run and says how far the measured ratio
+# landed from it). Why does that model fit at all?
 # Split a decode step into what is paid once per step and what is paid per sequence.
 #
 # * Once per step: reading every weight matrix (the model's parameters), launching the layers'
-#   operations, Python bookkeeping in the scheduler and runner. On this tiny model that fixed part is
-#   a large share of a batch-1 step (the sentence under the measurement gives it); on a real model on
-#   a GPU the weight read dominates it.
+#   operations, Python bookkeeping in the scheduler and runner. The sentence under the measurement
+#   gives its share of a batch-1 step on this run; on a real model on a GPU the weight read dominates it.
 # * Per sequence: one row in each matrix multiplication (8 rows cost less than 8 single rows while
 #   the weights are being read anyway, until the arithmetic itself is what the step waits for),
 #   attention over that sequence's own KV, sampling one token.
 #
 # So the ratio lands below 8: the once-per-step part does not grow with the batch. How far below
-# depends on how the two parts compare, and the measurement splits them: if each extra sequence adds
-# `d` ms (the sentence under the measurement gives it), the once-per-step part of a batch-1 step is
-# about `t1 - d` (the sentence gives that too). With the embedded model on a CPU the fixed part is
+# depends on how the two parts compare, and the measurement splits them: the sentence under it gives
+# what each sequence beyond the first added between batch 1 and 8, and what that leaves of a batch-1
+# step as its once-per-step part. With the embedded model on a CPU the fixed part is
 # running the layers' operations, the engine's bookkeeping and reading the weights once (its few MB of
 # weights may come from the CPU's cache or from memory: chapter 06, section 3, weighs the two); each
 # extra sequence adds its rows in the matrix multiplies,
 # its attention over its own KV, its sampling. The larger the fixed share, the more tokens per
-# second eight sequences get over one, since they pay it once. On a
-# GPU the same tiny model's step would be even more a fixed cost (launching its operations), so
-# expect its ratio nearer 1; a model whose weights come from memory at every step pays mostly the
-# once-per-step read, and its ratio lands near 1 too (chapter 06 measures a batch of 4 against 1 at
+# second eight sequences get over one, since they pay it once. On a GPU, launching each of the
+# layers' operations takes about as long for one row as for eight, so a model this small pays mostly
+# that fixed cost there (run this notebook on a GPU to see the ratio it gives); a model whose weights
+# come from memory at every step pays mostly the
+# once-per-step read, and its ratio lands near 1 (chapter 06 measures a batch of 4 against 1 at
 # Qwen3-0.6B's shapes). For such a model the gain keeps growing with the batch only until the
 # per-sequence work (the arithmetic) catches up with the weight read; where that happens is the ridge
 # point of chapter 06's roofline (the arithmetic per byte read at which a step stops waiting for memory

@@ -8,6 +8,7 @@ import io
 from pathlib import Path
 
 import jupytext
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,10 +27,12 @@ def _run(source: str, namespace: dict) -> str:
 
 def test_chapter_04_exercise_1_judges_the_state_after_12_steps_when_its_cells_run_again():
     # its step cell stepped 12 more times when run again (as its hint said to), and the check read the live
-    # block count: the right answer, 4 blocks, was judged "2 blocks (100% off: not close)"
+    # block count: the right answer, 4 blocks, was judged "2 blocks (100% off: not close)"; later, run again
+    # after section 2 had stepped on, it read the pool after 13 decode steps (again "2 blocks")
     cells = _cells("04_paged_attention")
-    step = next(i for i, c in enumerate(cells) if "stepper.step()" in c and "show_tables()" in c and i > 2)
+    step = next(i for i, c in enumerate(cells) if c.startswith("my_prediction_1 = None")) + 1
     check = next(i for i, c in enumerate(cells) if "check_prediction(my_prediction_1" in c)
+    section_2 = next(i for i, c in enumerate(cells) if "captured = []" in c)
     ns: dict = {}
     for source in cells[:step + 1]:
         _run(source, ns)
@@ -38,6 +41,37 @@ def test_chapter_04_exercise_1_judges_the_state_after_12_steps_when_its_cells_ru
     _run(cells[step], ns)  # run again
     again = _run(cells[check], ns)
     assert "is 4 blocks (0% off: close" in first and again == first
+    for source in cells[check + 1:section_2 + 1]:
+        _run(source, ns)  # section 2 steps the engine once more
+    _run(cells[step], ns)  # the learner goes back to the exercise
+    assert _run(cells[check], ns) == first
+    ns["llm"].shutdown()
+
+
+def test_chapter_04_exercise_1_counts_the_stepper_button_presses_toward_its_12_steps():
+    # two presses of the stepper's Step button before the exercise's cells made the 12 steps 14: "2 blocks";
+    # a Run to end pressed before them left section 2 failing with IndexError on captured[0]
+    cells = _cells("04_paged_attention")
+    build = next(i for i, c in enumerate(cells) if "all three prompts are prefilled together" in c)
+    step = next(i for i, c in enumerate(cells) if c.startswith("my_prediction_1 = None")) + 1
+    check = next(i for i, c in enumerate(cells) if "check_prediction(my_prediction_1" in c)
+    section_2 = next(i for i, c in enumerate(cells) if "captured = []" in c)
+    ns: dict = {}
+    for source in cells[:build + 1]:
+        _run(source, ns)
+    ns["stepper"].step()
+    ns["stepper"].step()  # two presses of Step
+    for source in cells[build + 1:step + 1]:
+        _run(source, ns)
+    ns["my_prediction_1"] = 4
+    assert "is 4 blocks (0% off: close" in _run(cells[check], ns)
+
+    _run(cells[build], ns)  # section 1 again, then Run to end
+    ns["stepper"].run_to_end()
+    with pytest.raises(RuntimeError, match="already run 29 decode steps, more than the exercise's 12"):
+        _run(cells[step], ns)
+    with pytest.raises(RuntimeError, match="nothing left to run .*run section 1's first code cell"):
+        _run(cells[section_2], ns)
     ns["llm"].shutdown()
 
 
