@@ -32,12 +32,11 @@
 # prefill only computes what is new.
 #
 # **You will:** send requests that share a system prompt and watch them reuse the same physical KV
-# blocks · predict, then measure, the hit rate and the time to first token with and without caching ·
-# check that the greedy output does not change (the reused KV is mathematically the same as the KV a
-# fresh prefill computes, up to floating-point rounding; section 1 compares the greedy tokens on this
-# run) · shrink the KV pool until
-# cached blocks are evicted, least recently used first, predict where the hit rate starts to fall and
-# measure it · explore it live in the prefix cache view.
+# blocks · predict, then measure, the hit rate, and measure the time to first token with and without
+# caching · check that the greedy output does not change (the reused KV is mathematically the same as
+# the KV a fresh prefill computes, up to floating-point rounding; section 1 compares the greedy tokens
+# on this run) · shrink the KV pool until cached blocks are evicted, least recently used first, predict
+# where the hit rate starts to fall and measure it · explore it live in the prefix cache view.
 
 # %% [markdown]
 # ## Setup
@@ -89,9 +88,14 @@ def setting(llm):
 # link to the block before it, and
 # `prefix_caching_hash_algo="sha256"` makes such a collision practically impossible.) A new request walks its
 # prompt block by block, looks each hash up, and stops at the first miss. Matching blocks are added to
-# its block table (their reference count goes up); prefill starts after them. A block only becomes
+# its block table; prefill starts after them. Each block keeps a **reference count**: how many live
+# requests' block tables hold it. A hit adds one, a finished request's release takes one away, and a
+# block is back on the free list only at zero. A block only becomes
 # hittable once the step that wrote its KV has finished, and the last prompt token is always computed
 # (its logits are needed to sample), so at most `(prompt_len - 1) // 16` blocks can hit.
+#
+# Below, the first request is prefilled, then the second arrives while the first is still running, so
+# for a while both block tables hold the system prompt's blocks.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -104,22 +108,39 @@ eng.reset_prefix_cache()  # the first request computes the system prompt, also w
 sys_len = len(tok.encode(SYSTEM))
 print(f"system prompt: {sys_len} tokens = {sys_len // BLOCK_SIZE} full blocks + {sys_len % BLOCK_SIZE} tokens")
 
+bm = eng.block_manager
 tables = {}
 for rid, q in (("first", QUESTIONS[0]), ("second", QUESTIONS[1])):
     eng.add_request(rid, SYSTEM + q, greedy(4))
-    eng.step()                                    # its prefill
+    eng.step()  # its prefill (the second's step also decodes the first, which is still running)
     seq = eng.requests[rid].seq
     tables[rid] = list(seq.block_table)
     print(f"{rid:6s}: prompt {len(seq.prompt_token_ids)} tokens, served from the cache {seq.num_cached_tokens}, "
           f"block table {tables[rid]}")
-    while eng.has_unfinished_requests():
-        eng.step()
 shared = [a for a, b in zip(tables["first"], tables["second"]) if a == b]
 print(f"physical blocks in both block tables: {shared} ({len(shared) * BLOCK_SIZE} tokens of KV computed once)")
+
+
+def counts(blocks):
+    return [bm.blocks[b].ref_count for b in blocks]
+
+
+print(f"while both run:  reference counts {counts(shared)}; on the free list: "
+      f"{[b for b in shared if b in bm.free]}")
+assert shared and counts(shared) == [2] * len(shared) and not set(shared) & set(bm.free)
+while eng.has_unfinished_requests():
+    eng.step()
+print(f"after both ended: reference counts {counts(shared)}; on the free list: {[b for b in shared if b in bm.free]}, "
+      f"still cached (hash kept): {[b for b in shared if bm.blocks[b].hash is not None]}")
+assert counts(shared) == [0] * len(shared) and set(shared) <= set(bm.free)
+assert all(bm.blocks[b].hash is not None for b in shared)
 
 # %% [markdown]
 # The second request's block table *starts with the same physical block ids* as the first's: those
 # blocks hold the system prompt's KV, computed once. Its prefill computed only the tokens after them.
+# While both ran, each shared block had a reference count of 2 and was off the free list, so nothing
+# could evict it. When both had finished, the counts fell to 0 and the blocks went back on the free
+# list *with their hashes*: still cached, until the pool needs the block for something else (section 3).
 # Only full blocks are shared, and only when all 16 of their tokens match: if the system prompt does
 # not end exactly on a block boundary, the block holding its last tokens also holds the question's
 # first tokens, so that block is computed again for every request.
@@ -127,7 +148,7 @@ print(f"physical blocks in both block tables: {shared} ({len(shared) * BLOCK_SIZ
 # Reuse must not change the answer, beyond floating-point rounding: a prefill that reads cached KV adds
 # up its attention in another order than one that computes it, so the logits can differ in their last
 # bits, and only a near-tie between the two most likely tokens could flip a greedy token (in
-# bf16 on a GPU such ties are commoner). Greedy tokens of every question, with and without caching:
+# bf16, whose rounding is coarser, a flip is likelier). Greedy tokens of every question, with and without caching:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -232,7 +253,9 @@ render(f"Requests 1-9: median TTFT **{med_on:.2f} ms** with caching, **{med_off:
        f"tokens for them.")
 check_claim("from request 1 on, prefix caching lowers the median TTFT", med_on < med_off,
             f"{med_on:.2f} ms vs {med_off:.2f} ms",
-            why_it_may_not="On a heavily loaded machine the noise of single prefills can swamp the saving.")
+            why_it_may_not="On a heavily loaded machine the noise of single prefills can swamp the saving; on a "
+                           "GPU a tiny model's prefill can take about the same time whatever its length (launching "
+                           "the operations, not the arithmetic).")
 check_claim("the TTFT ratio is smaller than the ratio of computed prompt tokens", med_off / med_on < token_ratio,
             f"TTFT {med_off / med_on:.1f}x vs tokens {token_ratio:.1f}x",
             why_it_may_not="It needs the short prefill that caching leaves to cost more per token than the full one "
@@ -320,11 +343,11 @@ render(f"The cached engine computed the same **{n_new}** tokens for request 1 (c
 # to share.) Taking plain blocks first is this engine's policy. vLLM's V1 allocator keeps a single
 # queue of every unreferenced block, a finished request's blocks appended tail first whether they are
 # cached or not, and takes from its front, evicting a cached block it finds there even while plain ones
-# wait behind it; the pool below would then lose more of the cached prefixes.
+# wait behind it.
 #
-# A small pool of 16 blocks makes it visible. Four different "system prompts" (random token ids),
-# each 4 full blocks plus 8 tokens, so a request uses 5 blocks while it runs and leaves 4 cached
-# blocks behind. The engine runs one request at a time (`max_num_seqs=1`), so the pool holds only the
+# A small pool of 16 blocks makes it visible. Four different "system prompts" (random token ids) of
+# 4 full blocks each, followed in each request by 8 random tokens of its own, so a request uses 5
+# blocks while it runs and leaves 4 cached blocks behind. The engine runs one request at a time (`max_num_seqs=1`), so the pool holds only the
 # running request's blocks and what earlier ones left. After each request the cell prints how many
 # blocks of each prefix are still cached.
 
@@ -497,7 +520,7 @@ render(text)
 check_claim("once the prefixes outgrow the pool, the TTFT of rounds 2-3 rises", t_cold > t_hit,
             f"median {t_hit:.2f} ms at K <= {k_full} vs {t_cold:.2f} ms at K = {', '.join(map(str, cold_ks))}",
             why_it_may_not=f"The embedded model's prefill of {4 * BLOCK_SIZE + 8} tokens is short; load on the "
-                           "machine can hide it.");
+                           "machine can hide it, and on a GPU its time can hardly depend on its length.");
 
 # %% [markdown]
 # In a server, the remedy is more KV memory for the cache (a bigger pool, or a smaller KV footprint), or
