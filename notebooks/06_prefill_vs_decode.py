@@ -582,6 +582,7 @@ print(f"{BIG_MODEL}: {big_hf.num_hidden_layers} layers, hidden size {big_hf.hidd
 big_engine.peaks = big_peaks = peaks   # the ceilings measured in the setup cell (same device, dtype, threads)
 cost = big_engine.model_cost            # the model's shape, as minivllm.telemetry.roofline sees it
 BIG_DTYPE = str(big_engine.config.dtype).removeprefix("torch.")
+BIG_NAME, BIG_ON_CUDA = big_engine.source.name, big_engine.config.device.type == "cuda"  # for after its shutdown
 
 # %% [markdown]
 # ### Arithmetic intensity, from the model's shape
@@ -627,6 +628,9 @@ import random
 
 from widgets.measure import random_prompt, run_requests, warm_up
 
+if big_engine.is_shut_down:  # the end of section 4 frees it: a learner back here after running the whole notebook
+    raise RuntimeError("the big model was shut down at the end of section 4: run the cell that builds it "
+                       "(big = LLM(BIG_MODEL, ...), at the start of section 4) again, then this one")
 warm_up(big)  # first-call costs (memory allocation) are not what we want to measure
 rng = random.Random(0)
 BATCHES = [1, 2, 4, 8, 16]
@@ -679,7 +683,7 @@ for phase, colour in (("prefill", "#e4572e"), ("decode", "#f0a202")):
                     # 2b-4b: prefill labels go further down and right, decode labels up and left
                     textposition="bottom right" if phase == "prefill" else "top left",
                     marker=dict(color=colour, size=10), name=f"{phase} steps")
-fig.update_layout(title=f"Roofline: every step of the batch sweep<br><sup>measured: {big_engine.source.name} "
+fig.update_layout(title=f"Roofline: every step of the batch sweep<br><sup>measured: {BIG_NAME} "
                         f"({cost.num_params / 1e6:.0f} M parameters), {DEVICE_NAME}, {BIG_DTYPE}, "
                         f"{torch.get_num_threads()} thread(s)</sup>",
                   xaxis=dict(type="log", title="arithmetic intensity (FLOP per byte moved, log scale)",
@@ -718,7 +722,7 @@ def floors(row):
 pre_bound = "compute" if pre_c > pre_m else "memory"
 dec_bound = "compute" if dec_c > dec_m else "memory"
 render(f"""
-| measured on {big_engine.source.name}, {WHERE} | prefill ({int(pre.tokens)} prompt tokens, batch {int(pre.batch)}) | decode (batch 1, median of {len(dec1)} steps) |
+| measured on {BIG_NAME}, {WHERE} | prefill ({int(pre.tokens)} prompt tokens, batch {int(pre.batch)}) | decode (batch 1, median of {len(dec1)} steps) |
 |---|---|---|
 | rows through every weight per step | {int(pre.tokens)} | 1 |
 | FLOPs per step | {pre.flops / 1e9:.1f} GFLOP | {d1.flops / 1e9:.2f} GFLOP |
@@ -775,7 +779,7 @@ fig.add_scatter(x=big_dec.index, y=big_dec["roofline tokens/s"], mode="lines", n
                 line=dict(color="#333", dash="dash"))
 fig.add_scatter(x=big_dec.index, y=big_dec["tokens/s"].iloc[0] * big_dec.index, mode="lines",
                 name="batch 1 x B (perfect scaling)", line=dict(color="#aaa", dash="dot"))
-fig.update_layout(title=f"Decode throughput against batch size<br><sup>measured: {big_engine.source.name}, "
+fig.update_layout(title=f"Decode throughput against batch size<br><sup>measured: {BIG_NAME}, "
                         f"{DEVICE_NAME}, {BIG_DTYPE}, {torch.get_num_threads()} thread(s); bars: "
                         f"fastest and slowest step</sup>",
                   xaxis_title="sequences in the decode step (batch)", yaxis_title="output tokens per second",
@@ -816,7 +820,7 @@ check_claim("the engine's fastest decode step at batch 4 took less than 1.5x its
                            "oneDNN or torch's own matmul; a busy machine can also slow every step of one size.");
 # the forward's share of a step; on CUDA model_ms is the launches only and the wait for the GPU lands in
 # sample_ms (StepRecord), so there the two count together
-big_df["forward_ms"] = big_df.model_ms + (big_df.sample_ms if big_engine.config.device.type == "cuda" else 0)
+big_df["forward_ms"] = big_df.model_ms + (big_df.sample_ms if BIG_ON_CUDA else 0)
 model_share = big_df[big_df.phase == "decode"].groupby("batch").apply(lambda g: (g.forward_ms / g.wall_ms).median())
 share_text = (f"{model_share.min():.1%}" if f"{model_share.min():.1%}" == f"{model_share.max():.1%}" else
               f"{model_share.min():.1%}-{model_share.max():.1%}")
@@ -874,7 +878,7 @@ B_GPU = 256
 w_params = cost.matmul_params + cost.lm_head_params
 kv_flops_tok = 4 * cost.head_dim * cost.num_heads * cost.num_layers     # QK^T and PV, per cached token
 kv_bytes_tok = cost.kv_bytes_per_token // cost.kv_dtype_bytes * 2       # its keys and values in bf16
-print(f"{big_engine.source.name} shape in bf16, batch {B_GPU}: KV cache alone {kv_flops_tok / kv_bytes_tok:.1f} FLOP/byte")
+print(f"{BIG_NAME} shape in bf16, batch {B_GPU}: KV cache alone {kv_flops_tok / kv_bytes_tok:.1f} FLOP/byte")
 for C in (0, 1024, 8192):
     f_step = 2 * w_params * B_GPU + B_GPU * C * kv_flops_tok
     b_step = 2 * w_params + B_GPU * C * kv_bytes_tok
@@ -911,7 +915,6 @@ check_claim("no decode step beat its weight-read floor", big_df[big_df.phase == 
 
 # %%
 big.shutdown()  # its weights and KV cache go back now (shutting down twice is harmless)
-big_engine = None
 
 # %% [markdown]
 # ## 5. Myths, checked against measurements
