@@ -168,7 +168,9 @@ def profile_call(fn):
 
 
 engine.abort_request([f"extra-{i}" for i in range(3)])  # left by an interrupted run of this cell, if any
-if not engine.has_unfinished_requests():  # this cell ran before and finished the request: start it again
+# the profiled step must be the stepper's one request in decode: start it again unless the engine holds
+# exactly that (this cell ran before and finished it, or the stepper's buttons added or reset requests)
+if list(engine.requests) != stepper.request_ids[:1] or len(stepper.request_ids) != 1:
     start_stepper()
 rec, ops, c_calls, kernels = profile_call(stepper.step)
 # The same at batch 4: three more requests join the stepper's, then one 4-sequence decode step is profiled.
@@ -1094,6 +1096,7 @@ def spec_compare(prompts, params, rounds=5):
     `rounds` alternating rounds: load from other processes only ever slows a round), and the speculative
     run's drafts, accepted drafts, verification steps and whether every output is identical."""
     for e in (llm, s_llm):  # warm-up
+        idle_engine(e)  # batch 1: nothing a click in the stepper added may join the timed runs
         e.generate(prompts[:1], params, use_tqdm=False)
     tp = {"plain": [], "spec": []}
     for _ in range(rounds):
