@@ -431,8 +431,11 @@ stepper.display()
 # NBVAL_CHECK_OUTPUT
 for i, r in enumerate(stepper.steps):
     print(f"stepper step {i}: {r.phase:7s} {r.num_tokens} token(s) through the model")
-so_far = stepper.sequence(stepper.request_ids[0]).output_token_ids
-print("tokens so far:", so_far, "| the same as the first ones by hand:", so_far == by_hand[:len(so_far)])
+if stepper.request_ids:
+    so_far = stepper.sequence(stepper.request_ids[0]).output_token_ids
+    print("tokens so far:", so_far, "| the same as the first ones by hand:", so_far == by_hand[:len(so_far)])
+else:  # Reset empties the widget's requests and history
+    print("the stepper has no request since its Reset: run the cell above again")
 
 # %% [markdown]
 # ## 7. Playground
