@@ -158,3 +158,53 @@ def test_chapter_05_preemption_comparison_runs_again_after_the_whole_chapter():
     for name in ("tiny", "big", "hand", "llm"):
         if name in ns:
             ns[name].shutdown()
+
+
+@pytest.mark.slow
+def test_chapter_06_exercise_2_cells_run_again_after_the_big_model_is_shut_down():
+    # after Run All, a learner back at exercise 2 re-ran its check cell: AttributeError on big_engine (set to None
+    # where section 4 shuts the model down); the sweep cell said only "run the cell that built the LLM again"
+    cells = _cells("06_prefill_vs_decode")
+    sweep = next(i for i, c in enumerate(cells) if "warm_up(big)" in c)
+    shutdown = next(i for i, c in enumerate(cells) if c.startswith("big.shutdown()"))
+    ns: dict = {}
+    for source in cells[:shutdown + 1]:
+        _run(source, ns)
+    ns["my_prediction_2"] = 3
+    for source in cells[sweep + 1:shutdown]:  # the table, the charts and the check read what the sweep kept
+        _run(source, ns)
+    assert "my_prediction_2" in ns and "You predicted 3" in _run(
+        next(c for c in cells if "check_prediction(my_prediction_2" in c), ns)
+    with pytest.raises(RuntimeError, match="shut down at the end of section 4: run the cell that builds it"):
+        _run(cells[sweep], ns)
+    for name in ("llm", "bench"):
+        if name in ns:
+            ns[name].shutdown()
+
+
+def test_chapter_11_profiles_the_steppers_one_request_after_a_click_added_another():
+    # one press of the stepper's "Add request" before the profiling cell: it profiled "a mixed step of 2
+    # sequences and a decode step of 5" and printed the batch-1 and batch-4 operations as different
+    cells = _cells("11_optimizations")
+    profile = next(i for i, c in enumerate(cells) if "rec, ops, c_calls, kernels = profile_call" in c)
+    ns: dict = {}
+    for source in cells[:profile]:
+        _run(source, ns)
+    ns["stepper"].add_request("The module provides", max_tokens=12)  # the form's defaults, as the button sends
+    _run(cells[profile], ns)
+    out = _run(cells[profile + 1], ns)
+    assert "a decode step of 1 sequence and a decode step of 4" in out and "the same" in out
+    ns["llm"].shutdown()
+
+
+def test_chapter_01_stepper_cell_after_a_reset_says_so():
+    # Reset pressed on the stepper before the cell that reads it: IndexError on stepper.request_ids[0]
+    cells = _cells("01_inference")
+    build = next(i for i, c in enumerate(cells) if "stepper = EngineStepper(step_llm" in c)
+    ns: dict = {}
+    for source in cells[:build + 1]:
+        _run(source, ns)
+    ns["stepper"].reset()
+    assert "no request since its Reset: run the cell above again" in _run(cells[build + 1], ns)
+    for name in ("llm", "step_llm"):
+        ns[name].shutdown()
