@@ -183,11 +183,11 @@ print(repr(PROMPT + tok.decode(with_cache)))
 # ### Exercise 1 · How much does the cache save at L = 512?
 #
 # The longest length measured below is `L = 512`. Without a cache, the step runs 512 tokens through
-# the model; with one, it runs one token that reads 511 cached keys and values. Predict how many
-# times longer the step **without** a cache takes than the step **with** one, on this machine.
-
-# %% tags=["exercise"]
-my_prediction_1 = None  # your guess: time without cache / time with cache at L = 512 (a ratio, x)
+# the model; with one, it runs one token that reads 511 cached keys and values. The next cell times
+# the two routes at short lengths first: passes over 16 and over 64 tokens without a cache, and a
+# one-token step with 15 cached tokens. Draw a straight line through the two passes to reach 512
+# tokens, suppose the one-token step costs about the same at any length, and predict how many times
+# longer the step **without** a cache takes than the step **with** one at `L = 512`, on this machine.
 
 # %%
 from pydoc_data.topics import topics  # a long English text that ships with Python
@@ -212,6 +212,20 @@ def timed_ms(fn, repeats=REPEATS):
     return times
 
 
+short_scratch = {L: new_cache(L) for L in (16, 64)}  # made outside the clock, as below
+forward(text_ids[:16], 0, short_scratch[16])  # untimed: the first pass pays one-off costs
+short_cache = new_cache(16)
+forward(text_ids[:15], 0, short_cache)  # the first 15 tokens' K/V, for the one-token step
+short = {L: min(timed_ms(lambda: forward(text_ids[:L], 0, short_scratch[L]))) for L in (16, 64)}
+short_step = min(timed_ms(lambda: forward(text_ids[15:16], 15, short_cache)))
+del short_scratch, short_cache
+print(f"without a cache: a pass over 16 tokens {short[16]:.2f} ms, over 64 tokens {short[64]:.2f} ms; with a cache: "
+      f"one token after 15 cached {short_step:.2f} ms (each the fastest of {REPEATS})")
+
+# %% tags=["exercise"]
+my_prediction_1 = None  # your guess: time without cache / time with cache at L = 512 (a ratio, x)
+
+# %%
 rows = []
 greedy6 = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # 5 decode steps: a median of 5
 idle_engine(engine)  # a request an interrupted run of this cell left would join its steps
@@ -291,11 +305,19 @@ _ = check_prediction(my_prediction_1, df["time ratio"][longest], rel_tol=0.5, un
                      what="the time ratio (without cache / with cache) at the longest length",
                      hint="Compare the FLOP ratio printed above with the time ratio: what does a one-token step "
                           "cost that does not shrink with its tokens? (Chapter 01 timed a one-token pass too.)")
+line_full = short[16] + (short[64] - short[16]) / (64 - 16) * (longest - 16)  # the exercise's straight line
+print(f"the exercise's route: the line through the 16- and 64-token passes reaches {line_full:.1f} ms at L={longest} "
+      f"(measured {df.no_cache_ms[longest]:.1f} ms); over the one-token step timed first, {short_step:.2f} ms "
+      f"(at L={longest}: {df.cache_ms[longest]:.2f} ms), that gives {line_full / short_step:.1f}x")
 
 # %% [markdown] tags=["solution"]
 # <details><summary>Worked solution</summary>
 #
-# Start from the work. Both routes run every weight once per token they push through the model, so
+# The timed passes give the estimate: each extra token a pass without a cache carries adds
+# `(t64 - t16) / 48` ms, so a 512-token pass takes about `t16 + 496 × (t64 - t16) / 48`, and the ratio is
+# that over the one-token step's time. The last line under the check works it out for this run, beside
+# what was measured at 512. Why is it nowhere near 512x, or even the FLOP ratio? Start from the work.
+# Both routes run every weight once per token they push through the model, so
 # the matmul FLOPs differ by the number of tokens: 512 against 1. Two things pull the FLOP ratio
 # printed above below 512: both routes pay the LM head once (logits for the last position only), and
 # the cached step still does attention over all 511 earlier keys and values. (Without a cache the
@@ -382,7 +404,7 @@ _ = check_claim("with a cache the time per token grows far less than without one
 # whether it grew on this run, and whether the engine's leaner step showed more of it, the sentences
 # above say.
 # Where the time ratio falls short of the FLOP ratio, the reason is that a one-token step on a
-# small model is dominated by costs that barely grow with the context (Python, launching dozens of
+# small model is dominated by costs that do not depend on the context (Python, launching dozens of
 # small operations, and on a model too large for the CPU's caches reading its weights once), not by
 # FLOPs; chapter 06 weighs the weight reads, chapter 11 takes the rest apart.
 #
@@ -390,8 +412,8 @@ _ = check_claim("with a cache the time per token grows far less than without one
 # without a cache (plus a smaller `c·L²` from attention over the `L` tokens), so `n` tokens cost at
 # least `n·a + b·n²/2`, quadratic in the length. We have not timed a 512-token generation without a
 # cache (this chapter keeps its cells short), but a curve through the five measured lengths, summed
-# over every length from 1 to 512, gives an **estimate**. The cached route's times barely change with `L`, so noise can tilt its line
-# downward; a negative slope would predict times falling towards zero, so where the fit comes out
+# over every length from 1 to 512, gives an **estimate**. The cached route's times grow far less with `L` (by how much on
+# this run, the sentences above say), so noise can tilt its line downward; a negative slope would predict times falling towards zero, so where the fit comes out
 # negative the cell uses the median of the measured times as a constant instead:
 
 # %%
