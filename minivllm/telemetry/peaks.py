@@ -83,12 +83,18 @@ class Peaks:
 
     @property
     def provenance(self) -> str:
-        """``"measured now"`` or ``"cached, measured <UTC time>"`` (``"unknown"`` without info)."""
+        """``"measured now"``, ``"cached, measured <UTC time>"``, or, where the cache kept the best
+        figures of several runs, ``"cached, best of several runs: matmul measured <time>, copy <time>,
+        read <time>"`` (each figure's own run); ``"unknown"`` without info."""
         when = self.info.get("measured_at")
         if self.info.get("source") == "measured":
             return "measured now"
         if self.info.get("source") == "cached":
-            return f"cached, measured {when}" + (" (best of several runs)" if "previous" in self.info else "")
+            times = self.info.get("figures_measured_at") or {}
+            if len(set(times.values())) > 1:
+                return ("cached, best of several runs: " + ", ".join(
+                    f"{name} measured {times.get(name)}" for name in _FIGURES))
+            return f"cached, measured {when}"
         return "unknown"
 
     @property
@@ -113,6 +119,16 @@ class Peaks:
         read = d.get("read_bytes_per_s")
         return cls(float(d["flops_per_s"]), float(d["bytes_per_s"]), d.get("device", ""),
                    d.get("dtype", ""), dict(d.get("info", {})), None if read is None else float(read))
+
+
+#: The three figures a cache entry keeps the best of: name -> ``Peaks`` attribute.
+_FIGURES = {"matmul": "flops_per_s", "copy": "bytes_per_s", "read": "read_bytes_per_s"}
+
+
+def _figure_times(p: Peaks) -> dict:
+    """When each figure of ``p`` was measured (UTC): its own run's for a merged cache entry, else the
+    one ``measured_at`` of the run that measured all three."""
+    return dict(p.info.get("figures_measured_at") or {name: p.info.get("measured_at") for name in _FIGURES})
 
 
 def cache_dir() -> Path:
@@ -339,7 +355,8 @@ def get_peaks(device: Any = None, dtype: Any = None, refresh: bool = False, keep
     threads / torch version, then read from ``cache_dir() / "peaks.json"``.
 
     Returns the cached figures (``info["source"] == "cached"``, with the ``measured_at``
-    of the run they come from), or, when nothing usable is cached or ``refresh=True``, the
+    of the run they come from: ``info["figures_measured_at"]`` per figure where they come from
+    several, and ``measured_at`` is then the newest of those), or, when nothing usable is cached or ``refresh=True``, the
     figures measured by this call (``info["source"] == "measured"``): a figure reported as
     measured now is always this call's. A peak is a ceiling and a measurement taken while
     other processes share the machine reads low, so with ``keep_best`` (default) the cache
@@ -360,11 +377,16 @@ def get_peaks(device: Any = None, dtype: Any = None, refresh: bool = False, keep
     stored = peaks
     old = _cached(cache.get(key, {})) if keep_best else None
     if old is not None:
-        best = [max(a, b) for a, b in zip((old.flops_per_s, old.bytes_per_s, old.read_bytes_per_s),
-                                           (peaks.flops_per_s, peaks.bytes_per_s, peaks.read_bytes_per_s))]
-        if best != [peaks.flops_per_s, peaks.bytes_per_s, peaks.read_bytes_per_s]:
-            old_info = {k: v for k, v in old.info.items() if k != "source"}
-            stored = Peaks(best[0], best[1], peaks.device, peaks.dtype, dict(peaks.info, previous=old_info), best[2])
+        # per figure, the larger value and the time of the run that measured it
+        old_t, new_t = _figure_times(old), _figure_times(peaks)
+        best = {name: (getattr(old, attr), old_t[name]) if getattr(old, attr) > getattr(peaks, attr)
+                else (getattr(peaks, attr), new_t[name]) for name, attr in _FIGURES.items()}
+        if any(best[name][0] != getattr(peaks, attr) for name, attr in _FIGURES.items()):
+            when = {name: t for name, (_, t) in best.items()}
+            old_info = {k: v for k, v in old.info.items() if k not in ("source", "previous")}  # one level, not a chain
+            info = dict(peaks.info, previous=old_info, figures_measured_at=when,
+                        measured_at=max((t for t in when.values() if t is not None), default=None))
+            stored = Peaks(best["matmul"][0], best["copy"][0], peaks.device, peaks.dtype, info, best["read"][0])
     cache[key] = stored.to_dict()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
