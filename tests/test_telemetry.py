@@ -193,6 +193,23 @@ def test_cached_best_figures_say_when_each_was_measured(tmp_path, monkeypatch):
     assert cached.info["measured_at"] == "t2" and "previous" not in cached.info["previous"]
 
 
+def test_an_entry_merged_before_figures_kept_their_times_says_by_when(tmp_path, monkeypatch):
+    """A cache entry written by the earlier merge (best figures, the newest run's measured_at, no per-figure
+    times) was read as all three figures measured at that time; its figures are from then or earlier."""
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    key = peaks_mod.peaks_cache_key("cpu", "float32")
+    legacy = Peaks(9e9, 9e9, "cpu", "float32", {"measured_at": "t5", "read_method": "sum", "previous": {}}, 9e9)
+    (tmp_path / "peaks.json").write_text(json.dumps({key: legacy.to_dict()}))
+    assert get_peaks("cpu", "float32").provenance == (
+        "cached, best of several runs: matmul measured by t5, copy measured by t5, read measured by t5")
+    new = Peaks(1e9, 1e9, "cpu", "float32", {"source": "measured", "measured_at": "t6", "read_method": "sum"}, 10e9)
+    monkeypatch.setattr(peaks_mod, "measure_peaks", lambda *a, **k: new)
+    get_peaks("cpu", "float32", refresh=True)
+    cached = get_peaks("cpu", "float32")
+    assert cached.provenance == "cached, best of several runs: matmul measured by t5, copy measured by t5, read measured t6"
+    assert cached.info["measured_at"] == "t6"
+
+
 def test_a_cached_sum_only_read_ceiling_is_measured_again(tmp_path, monkeypatch):
     """Figures cached before the read ceiling became the faster of two reductions (no read_method) kept
     the sum's lower figure, and with it MBU above 100%, on every machine that had run a notebook before."""

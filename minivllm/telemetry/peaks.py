@@ -90,8 +90,8 @@ class Peaks:
         if self.info.get("source") == "measured":
             return "measured now"
         if self.info.get("source") == "cached":
-            times = self.info.get("figures_measured_at") or {}
-            if len(set(times.values())) > 1:
+            times = _figure_times(self)
+            if len(set(times.values())) > 1 or "previous" in self.info:
                 return ("cached, best of several runs: " + ", ".join(
                     f"{name} measured {times.get(name)}" for name in _FIGURES))
             return f"cached, measured {when}"
@@ -127,8 +127,13 @@ _FIGURES = {"matmul": "flops_per_s", "copy": "bytes_per_s", "read": "read_bytes_
 
 def _figure_times(p: Peaks) -> dict:
     """When each figure of ``p`` was measured (UTC): its own run's for a merged cache entry, else the
-    one ``measured_at`` of the run that measured all three."""
-    return dict(p.info.get("figures_measured_at") or {name: p.info.get("measured_at") for name in _FIGURES})
+    one ``measured_at`` of the run that measured all three. An entry merged before the figures kept
+    their own times (``previous`` but no ``figures_measured_at``) holds figures from that time or
+    earlier: ``"by <time>"``."""
+    if p.info.get("figures_measured_at"):
+        return dict(p.info["figures_measured_at"])
+    when = p.info.get("measured_at")
+    return {name: f"by {when}" if "previous" in p.info else when for name in _FIGURES}
 
 
 def cache_dir() -> Path:
@@ -385,7 +390,7 @@ def get_peaks(device: Any = None, dtype: Any = None, refresh: bool = False, keep
             when = {name: t for name, (_, t) in best.items()}
             old_info = {k: v for k, v in old.info.items() if k not in ("source", "previous")}  # one level, not a chain
             info = dict(peaks.info, previous=old_info, figures_measured_at=when,
-                        measured_at=max((t for t in when.values() if t is not None), default=None))
+                        measured_at=max((t.removeprefix("by ") for t in when.values() if t is not None), default=None))
             stored = Peaks(best["matmul"][0], best["copy"][0], peaks.device, peaks.dtype, info, best["read"][0])
     cache[key] = stored.to_dict()
     try:
