@@ -83,18 +83,20 @@ class Peaks:
 
     @property
     def provenance(self) -> str:
-        """``"measured now"``, ``"cached, measured <UTC time>"``, or, where the cache kept the best
-        figures of several runs, ``"cached, best of several runs: matmul measured <time>, copy <time>,
-        read <time>"`` (each figure's own run); ``"unknown"`` without info."""
-        when = self.info.get("measured_at")
+        """``"measured now"``, ``"cached, measured <UTC time>"`` (the run all three figures come from),
+        or, where the cache kept figures of several runs, ``"cached, best of several runs: matmul
+        measured <time>, copy measured <time>, read measured <time>"`` (each figure's own run);
+        ``"unknown"`` without info."""
         if self.info.get("source") == "measured":
             return "measured now"
         if self.info.get("source") == "cached":
             times = _figure_times(self)
-            if len(set(times.values())) > 1 or "previous" in self.info:
+            if len(set(times.values())) > 1:
                 return ("cached, best of several runs: " + ", ".join(
                     f"{name} measured {times.get(name)}" for name in _FIGURES))
-            return f"cached, measured {when}"
+            if str(times["matmul"]).startswith("by "):  # merged before the figures kept their own times
+                return f"cached, best of several runs, measured {times['matmul']}"
+            return f"cached, measured {times['matmul']}"
         return "unknown"
 
     @property
