@@ -131,6 +131,26 @@ def test_stepper_names_the_engines_own_peaks_when_they_filled_the_record(llm):
         engine.peaks = saved
 
 
+def test_stepper_says_whose_work_its_mfu_counts_on_a_tensor_parallel_engine(llm, monkeypatch):
+    """On chapter 10's two-rank engine the stepper's MFU and MBU counted the whole model's work (engine_cost)
+    against one device's peaks without saying so; where the engine fills them, they are rank 0's share."""
+    from minivllm.telemetry.peaks import Peaks
+    from widgets import EngineStepper
+
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine.config.args, "tensor_parallel_size", 2)  # only the label reads it here
+    s = EngineStepper(llm, show_chart=False)
+    s.reset()
+    s.add_request(ids(8), max_tokens=2, ignore_eos=True)
+    s.step()
+    assert "the whole model's FLOPs and bytes, which its 2 ranks share, against one device's peaks" in s.step_pane.value
+    monkeypatch.setattr(engine, "peaks", Peaks(1e11, 2e10, "cpu", "float32", {"source": "measured"}, 2.5e10))
+    s2 = EngineStepper(llm, show_chart=False)
+    s2.step()
+    assert "rank 0's share of the FLOPs and bytes, against one device's peaks" in s2.step_pane.value
+    s.reset()
+
+
 def test_stepper_chunks_a_long_prompt_and_mixes_decodes(llm):
     from widgets import EngineStepper
 

@@ -643,6 +643,10 @@ class EngineStepper(CourseWidget):
             p = self._peaks if self._peaks is not None else getattr(self.engine, "peaks", None)
             peak_note = (f"; peaks on this device ({p.provenance}): {fmt_si(p.flops_per_s, 'FLOP/s')} matmul, "
                          f"{fmt_si(p.mbu_bytes_per_s, 'B/s')} read" if p is not None else "")
+            tp = getattr(getattr(self.engine.config, "args", None), "tensor_parallel_size", 1)
+            if tp > 1:  # the stepper counts the whole model's work (engine_cost); the engine, one rank's share
+                peak_note += (f"; the whole model's FLOPs and bytes, which its {tp} ranks share," if self._peaks is not None
+                              else "; rank 0's share of the FLOPs and bytes,") + " against one device's peaks"
             lines.append(
                 f"<div class='mv-box'><b>MFU</b><span class='mv-bartrack'>{self._bar(r.mfu, '#4c78a8')}</span>"
                 f"{100 * r.mfu:.2f} % <span class='mv-small'>({fmt_si(r.flops, 'FLOP')} in the step)</span><br>"
