@@ -508,8 +508,9 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 # multiply-adds, and a decode step makes the collective calls you just counted. On this machine, how
 # long does a decode step's forward pass take with two processes, as a multiple of the single
 # process's (1.0 = as fast, 0.5 = twice as fast, 2 = twice as slow)? The check compares your figure
-# with the ratio of the two engines' *median* decode forwards (the cell prints the fastest steps' ratio
-# beside it), with a wide tolerance: how long the ranks wait for each other moves from run to run. The
+# with the ratio of the two engines' *median* decode forwards and with the ratio of their *fastest*
+# steps, whichever it is nearer, with a wide tolerance: how long the ranks wait for each other moves
+# from run to run, and a busy machine can pull the two ratios far apart. The
 # exercise cell prints what section 4's run measured of the collective calls, and the single process's
 # decode forward on this batch (medians, as the check): weigh the time saved against the time added.
 
@@ -635,8 +636,15 @@ print(f"one all-reduce on this machine (section 4's run), fastest / median of th
 for phase in med.index:
     print(f"{phase:8s}: {TP}-process forward / 1-process forward = {TP_RATIO[phase]:.2f} (fastest steps), "
           f"{MEDIAN_RATIO[phase]:.2f} (medians)")
-_ = check_prediction(my_prediction_3, MEDIAN_RATIO["decode"], rel_tol=0.5, unit="x",
-                     what=f"the {TP}-process decode forward as a multiple of the 1-process one (medians)")
+# both ratios measure the same thing under different noise: the prediction is set against the nearer one
+import math
+
+by_fastest = (isinstance(my_prediction_3, (int, float)) and not isinstance(my_prediction_3, bool)
+              and my_prediction_3 > 0 and abs(math.log(my_prediction_3 / TP_RATIO["decode"]))
+              < abs(math.log(my_prediction_3 / MEDIAN_RATIO["decode"])))
+_ = check_prediction(my_prediction_3, TP_RATIO["decode"] if by_fastest else MEDIAN_RATIO["decode"], rel_tol=0.5,
+                     unit="x", what=f"the {TP}-process decode forward as a multiple of the 1-process one "
+                                    f"({'fastest steps' if by_fastest else 'medians'}, the nearer of the two)")
 
 # %% [markdown]
 # Read the ratios printed above (the fastest steps' ratio is the one least disturbed by other
@@ -662,14 +670,14 @@ _ = check_claim(f"with {single.llm_engine.source.name} on {single.llm_engine.con
                                "process's forward with a quiet run); with a larger model (MINIVLLM_MODEL) or on "
                                "GPUs the halved work per rank (weights to read, multiply-adds) can genuinely win.")
 AR_MEDIAN_US = {"decode": 1e6 * pd.Series(ar_decode).median(), "prefill": 1e6 * pd.Series(ar_prefill).median()}
-wire_share = CALLS_PER_STEP * AR_US["decode"] / 1e3 / med.loc["decode", "model_ms"]
+wire_share = CALLS_PER_STEP * AR_US["decode"] / 1e3 / fastest[(f"{TP} processes", "decode")]  # fastest with fastest
 wire_share_med = CALLS_PER_STEP * AR_MEDIAN_US["decode"] / 1e3 / med.loc["decode", "model_ms"]
 _ = render(f"Time inside collective calls (all-reduces, the all-gather and the broadcasts) was **{COMM_SHARE['decode']:.0%}** "
            f"of a decode step's forward and **{COMM_SHARE['prefill']:.0%}** of a prefill step's on this run. That time "
            f"includes each call's wait for the other rank to arrive: at the fastest all-reduce of section 4 "
            f"({AR_US['decode']:.0f} µs, the least delayed of {len(ar_decode)} calls) the step's {CALLS_PER_STEP} calls "
-           f"would take **{wire_share:.0%}** of its forward, at their median ({AR_MEDIAN_US['decode']:.0f} µs, a wait "
-           f"included) **{wire_share_med:.0%}**, "
+           f"would take **{wire_share:.0%}** of the fastest decode forward, at their median "
+           f"({AR_MEDIAN_US['decode']:.0f} µs, a wait included) **{wire_share_med:.0%}** of the median one, "
            + ("so most of the time in collectives was waiting. " if wire_share_med < COMM_SHARE["decode"] / 2 else
               "so by the fastest call much of the time in collectives was waiting, by the median call less "
               "clearly. " if wire_share < COMM_SHARE["decode"] / 2 else
@@ -718,11 +726,12 @@ rest_ratio = med.loc["decode", "rest_ms"] / one_med["decode"]
 _ = render(f"Rank 0's own work in a decode step (its forward minus its time inside collectives, median over steps: "
            f"the chart's blue bar) took **{med.loc['decode', 'rest_ms']:.2f} ms**, **{rest_ratio:.2f}x** the single "
            f"process's whole forward ({one_med['decode']:.2f} ms, the diamond)"
-           + (", not the half that splitting the matrices would suggest: on a model this small the forward is "
-              "mostly the host's fixed cost per operation, which the split does not halve (each rank makes "
-              "every call on its half), and rank 0 also packs the step's inputs for the broadcast (the broadcast "
-              "itself is the brown bar, not in this one); on a machine with "
-              "few cores the two ranks also share them with each other and with anything else running."
+           + (", not the half that splitting the matrices would suggest. This chapter does not time its parts "
+              "apart; what it holds besides the halved work: the host's fixed cost per operation, which the split "
+              "does not halve (each rank makes every call on its half; chapter 11 measures that cost), rank 0's "
+              "packing of the step's inputs for the broadcast (the broadcast itself is the brown bar, not in this "
+              "one), and, on a machine with few cores, the time a rank waits for a core the other rank or anything "
+              "else running holds."
               if rest_ratio > 0.75 else "."))
 
 # %% [markdown] tags=["solution"]
@@ -807,7 +816,9 @@ _ = render(f"From {small:,} to {mid:,} B ({mid // small}x the bytes) an all-redu
            f"**{decode_alpha_share:.0%}** fixed cost by this model. Section 4's decode all-reduces, timed inside engine "
            f"steps, took {AR_US['decode']:.0f} µs at the fastest and {AR_MEDIAN_US['decode']:.0f} µs at the median: "
            + ("the fixed cost fitted here lies between the two" if AR_US["decode"] <= alpha_us <= AR_MEDIAN_US["decode"]
-              else f"the fixed cost fitted here ({alpha_us:.0f} µs) is **{alpha_us / AR_MEDIAN_US['decode']:.2f}x** their median"
+              else f"the fixed cost fitted here ({alpha_us:.0f} µs) is **{alpha_us / AR_MEDIAN_US['decode']:.2f}x** their "
+                   "median, above even the calls that waited for the other rank: on this run the machine's load, not "
+                   "the round trip, set both figures, and neither is a clean round trip"
               if alpha_us > AR_MEDIAN_US["decode"] else
               "the fixed cost fitted here is below even their fastest")
            + ". The same call was timed in two settings, back to back in two fresh processes here and between a "
