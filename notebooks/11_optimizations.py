@@ -638,7 +638,8 @@ if not ON_CUDA:
                 t_native < t_plain, f"{t_native:.2f} vs {t_plain:.2f} ms");
 
 # %% [markdown]
-# The two do not do the same work, which is why either can win. `naive` is handed every sequence's keys
+# `naive` and `torch (gather + SDPA)` do not do the same work, which is why either can win. `naive` is
+# handed every sequence's keys
 # and values already laid out contiguously (the test case keeps a dense copy, `full_k` and `full_v`)
 # and never touches the paged cache; it pays a Python loop iteration and a few small operations per
 # sequence. The `torch (gather + SDPA)` path does what a real step must: it writes the step's new keys
@@ -650,7 +651,8 @@ if not ON_CUDA:
 # the blocks in place, block by block. That is what Triton and flash-attn do on a GPU, and what the
 # `torch` backend's C decode kernel does on a CPU for one-token queries. The prefill case's two prompts
 # have no cached prefix, so neither `torch` row gathers there: each attends over its own new keys and
-# values, through the C causal kernel (several query rows against eight keys at a time) or through one
+# values, through the C causal kernel (up to eight query vectors against a vector's width of keys at a
+# time: 16 keys with AVX-512, else 8) or through one
 # causal SDPA call per prompt.
 #
 # ### Our Triton kernels on a CPU: correct, not fast
@@ -761,8 +763,10 @@ print(f"bytes ratio {BASE} / int8: {wbytes[BASE] / wbytes['int8']:.2f}x")
 # CPU the fp32 engine keeps a 16-bit checkpoint's values, such as the embedded model's, in 16 bits:
 # `minivllm/layers/cpu_gemm.py`). Predict
 # the speed-up of a **batch-1 decode step of this notebook's model** with int8 weights: the setup
-# engine's step time (fp32 on a CPU) divided by the int8 step time (1.0 = no change). Think about
-# what else a step spends its time on (section 1) before you write a number.
+# engine's step time (fp32 on a CPU) divided by the int8 step time (1.0 = no change). A way to a
+# number: take section 1's measured batch-1 decode step, suppose int8 saves exactly the difference
+# between the two engines' weight-read times printed above and changes nothing else (the dispatch,
+# the Python, attention, norms and sampling of section 1 stay), and divide the old step by the new.
 
 # %% tags=["exercise"]
 my_prediction_1 = None  # your guess: fp32 (bf16 on CUDA) decode step time / int8 decode step time, in x (e.g. 2.5)
@@ -803,6 +807,11 @@ render(f"On this run int8 changed the batch-1 decode step from {step[BASE]:.2f} 
        f"**{read_ms[BASE] / step[BASE]:.0%}** of the {BASE} step. (These steps are timed from the outside, as the gaps "
        "between one request's tokens through `generate`, so everything between two tokens counts; section 1's figure "
        "is the same engine's own record of its steps, the wall time of `step()`, taken earlier in the run.)")
+read_saved = read_ms[BASE] - read_ms["int8"]  # the exercise's way to a number, from section 1's step
+render(f"The exercise's estimate: section 1's step of {step_ms:.2f} ms less the {read_saved:.2f} ms of weight reading "
+       f"int8 saves gives **{step_ms / (step_ms - read_saved):.2f}x**, against **{int8_speedup:.2f}x** measured"
+       + (" (int8's own work per call, its widening and scaling, is what the estimate leaves out)."
+          if int8_speedup < step_ms / (step_ms - read_saved) / 1.1 else "."))
 check_claim("int8 speeds this model's decode step up by less than its weights shrank",
             int8_speedup < wbytes[BASE] / wbytes["int8"],
             f"{int8_speedup:.2f}x ({'slower' if int8_speedup < 1 else 'faster'}) against "
@@ -817,8 +826,9 @@ check_claim("int8 speeds this model's decode step up by less than its weights sh
 # A step's time is a sum of parts, and int8 changes only one of them: the matrix multiplies of the
 # linear layers and the LM head. The rest, the dispatch of the step's operations (section 1), the
 # engine's Python work, attention, norms and sampling, does not depend on the weights' dtype, and the
-# int8 path adds work of its own (widening every int8 weight to float32 as it is read, which a weight
-# that comes from a cache rather than main memory does not pay back). Amdahl's
+# int8 path's widening costs what it costs: every int8 weight is widened to float32 as it is read (so is
+# every 16-bit weight of the fp32 engine's panels on a CPU, as above), and a weight that comes from a
+# cache rather than main memory gains little from being smaller. Amdahl's
 # law then bounds the gain: if the matmuls are a share `f` of the step and get `s` times faster, the
 # step gets `1 / ((1 - f) + f / s)` times faster, which stays far below `s` unless `f` is close to 1.
 #
@@ -1082,9 +1092,13 @@ print(llm.generate([repeating_prompt(0)], GREEDY, use_tqdm=False)[0].outputs[0].
 # ### Exercise 2 · What does speculation buy at batch 1?
 #
 # With k = 4 drafts per step, a step emits between 1 and 5 tokens. Predict the **TPOT speed-up** of
-# this request at batch 1: TPOT without speculation divided by TPOT with it. You will need a guess of
-# how many drafts the model accepts per step, and of what a step that checks 5 tokens costs compared
-# with a step that decodes 1.
+# this request at batch 1: TPOT without speculation divided by TPOT with it. A way to a number: the 48
+# tokens take 47 plain decode steps without speculation, each costing section 2's eager batch-1 decode
+# step `t_plain` (this engine is eager too). With it, the steps before the continuation starts
+# repeating itself (see above) find no useful drafts and stay plain; after that, each step checks 5
+# tokens and, if the drafts keep matching, emits 5. A step that checks 5 tokens costs about an eager
+# step of 5 rows, `t_verify ≈ t_plain + 4 × (t8 - t_plain) / 7` from section 2's eager batch-1 and
+# batch-8 rows. Then speed-up ≈ 47 · t_plain / (verifying steps · t_verify + plain steps · t_plain).
 
 # %% tags=["exercise"]
 my_prediction_2 = None  # your guess: TPOT without / TPOT with speculation at batch 1, in x (e.g. 1.8)
@@ -1149,7 +1163,8 @@ with pd.option_context("display.max_columns", 60, "display.width", 250):
 render(f"{len(recs)} steps for {GREEDY.max_tokens} new tokens (without speculation: 1 prefill + "
        f"{GREEDY.max_tokens - 1} decode steps). Decode steps that verified drafts took a median "
        f"**{with_drafts['wall ms'].median():.2f} ms** ({len(with_drafts)} steps), plain decode steps "
-       f"**{plain['wall ms'].median():.2f} ms** ({len(plain)} steps).")
+       f"**{plain['wall ms'].median():.2f} ms** ({len(plain)} steps). (The prefill's tokens in step are only "
+       f"those not already in the prefix cache: the runs above left this prompt's full blocks there, chapter 08.)")
 check_claim("a decode step that verifies 4 drafts costs less than two plain decode steps",
             with_drafts["wall ms"].median() < 2 * plain["wall ms"].median(),
             f"median {with_drafts['wall ms'].median():.2f} ms verifying, against 2 x {plain['wall ms'].median():.2f} ms "
@@ -1268,8 +1283,11 @@ check_claim("sampling at T = 0.6 leaves speculation fewer accepted drafts than t
 # %% tags=["playground"]
 # Playground. Knob: K, the number of draft tokens proposed per step (vLLM's num_speculative_tokens).
 # Try 1, 2, 8, 16. Look at the acceptance rate (it tends to fall as K grows: the further ahead a guess,
-# the likelier it is wrong), the tokens emitted per verification step (it grows, then flattens) and the
-# TPOT (it stops improving once the rejected drafts cost more than the accepted ones save).
+# the likelier it is wrong), the tokens emitted per verification step and the TPOT. On text that repeats
+# long stretches, as this prompt's continuation does, long drafts keep landing and both can keep improving
+# up to K = 16; on text that repeats less (try the sampled request of the cell above) the tokens per
+# verification flatten and the TPOT stops improving once the rejected drafts cost more than the accepted
+# ones save.
 K = 4
 pg = LLM(MODEL, device=DEVICE, speculative_config={**SPEC, "num_speculative_tokens": K},
          num_kvcache_blocks=128, max_num_seqs=8, enforce_eager=True)
