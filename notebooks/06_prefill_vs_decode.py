@@ -826,7 +826,9 @@ share_text = (f"{model_share.min():.1%}" if f"{model_share.min():.1%}" == f"{mod
               f"{model_share.min():.1%}-{model_share.max():.1%}")
 render(f"The forward pass took **{share_text}** of a decode step's wall time "
        f"across these batch sizes (medians): the rest of the engine (scheduling, input building, sampling, "
-       + ("outputs) is a small share here, so the shortfall below the bound is the matrix multiplies' own."
+       + ("outputs) is a small share here, so the shortfall below the bound lies in the forward pass: its matrix "
+          "multiplies, and the weight read itself where the machine delivered less bandwidth during these steps than "
+          "the ceiling the bound uses (the floor cell at the end of this section sets the two figures side by side)."
           if model_share.min() > 0.8 else "outputs) takes the rest, part of the shortfall below the bound."));
 
 # %% [markdown] tags=["solution"]
@@ -903,8 +905,9 @@ render(f"Weights **{weight_bytes / 1e9:.2f} GB**; read-bandwidth ceiling {big_pe
        f"({big_peaks.provenance}; this run measured {now.mbu_bytes_per_s / 1e9:.1f}); "
        f"weight-read floor of a decode step **{floor_ms:.0f} ms**; compute floor at batch 1 "
        f"{dec1.flops.iloc[0] / big_peaks.flops_per_s * 1e3:.1f} ms; measured decode step at batch 1 **{step_ms:.0f} ms** "
-       f"(the floor is {floor_ms / step_ms:.0%} of it); at batch {b_max}, {big_dec.wall_ms.iloc[-1]:.0f} ms for "
-       f"{b_max} tokens.")
+       f"(the floor is {floor_ms / step_ms:.0%} of it; at the bandwidth this run measured, "
+       f"{weight_bytes / now.mbu_bytes_per_s * 1e3:.0f} ms, {weight_bytes / now.mbu_bytes_per_s * 1e3 / step_ms:.0%}); "
+       f"at batch {b_max}, {big_dec.wall_ms.iloc[-1]:.0f} ms for {b_max} tokens.")
 check_claim("no decode step beat its weight-read floor", big_df[big_df.phase == "decode"].wall_ms.min() >= floor_ms,
             f"fastest decode step {big_df[big_df.phase == 'decode'].wall_ms.min():.0f} ms, floor {floor_ms:.0f} ms",
             why_it_may_not="A step faster than the floor would mean the bandwidth measurement read low (a busy "
@@ -1232,8 +1235,8 @@ Quiz([
          f"The measured throughput at batch {b_max} was {speedup:.1f}x that of batch 1."],
     ),
     Question(
-        "Starting from batch-1 decode (memory-bound), which of these does the least for decode tokens per second "
-        "on the same model?",
+        "By the roofline: starting from batch-1 decode of a model whose weights come from memory (memory-bound, as "
+        "section 4's), which of these does the least for decode tokens per second on the same model?",
         ["Batching more requests into each decode step", "Storing the weights in int8",
          "Speculative decoding on text that repeats its context", "A GPU with more FLOP/s and the same bandwidth"],
         3,

@@ -148,10 +148,10 @@ for name, logits in LOGITS.items():
     p = torch.softmax(logits, -1)
     vals, idx = p.topk(100)
     rows.append({"prompt": name, "p(top 1)": float(vals[0]), "p(top 10) summed": float(vals[:10].sum()),
-                 "p(top 100) summed": float(vals.sum()),
+                 "p(top 100) summed": float(vals.sum()), "p(100th)": float(vals[99]),
                  "entropy (bits)": entropy_bits(logits)})
 TOP = pd.DataFrame(rows).set_index("prompt")
-TOP.round(3)
+TOP.round({"p(top 1)": 3, "p(top 10) summed": 3, "p(top 100) summed": 3, "p(100th)": 6, "entropy (bits)": 3})
 
 # %%
 _ = render(f"The confident prompt gives its favourite token **{TOP.loc['confident', 'p(top 1)']:.0%}** of the "
@@ -196,7 +196,9 @@ _ = render(f"The confident prompt gives its favourite token **{TOP.loc['confiden
 # The table above gives the confident prompt's favourite token, its ten best and its hundred best
 # tokens their share of the probability. With `top_p=0.9` the sampler keeps the smallest set of most
 # likely tokens whose probability reaches 90%. How many tokens is that, for the confident prompt?
-# (Within 50% counts as close: the table bounds the answer, and the tail's shape decides the rest.)
+# (Within 50% counts as close. The table bounds the answer from below: if the hundred best hold less than
+# 90%, each token after the hundredth holds at most `p(100th)`, the hundredth's probability, so at least
+# `(0.9 - p(top 100) summed) / p(100th)` more are needed; the tail's shape decides the rest.)
 
 # %% tags=["exercise"]
 my_prediction_1 = None  # your guess: number of tokens top_p=0.9 keeps on the confident prompt (tokens)
@@ -249,8 +251,10 @@ _ = check_prediction(my_prediction_1, KEPT[("confident", "top_p=0.9")], rel_tol=
 # (`p(top 10) summed`), top-p must go past the tenth token, and the missing mass has to come from
 # tokens ranked 11th and lower; `p(top 100) summed` says whether the hundredth is reached. A prompt that is confident about *one* token spreads what it does
 # not give that token thinly over a long tail, each token holding a small fraction of a percent, so
-# collecting even a few percent takes many of them: expect tens or hundreds, not two or three. The
-# count table (row `top_p=0.9`, confident column) has the exact figure. The lesson: "confident" (a
+# collecting even a few percent takes many of them: expect tens or hundreds, not two or three. With
+# the table's figures: where the hundred best hold less than 90%, top-p keeps at least
+# `100 + (0.9 - p(top 100) summed) / p(100th)` tokens, and about that many while the tail just past the
+# hundredth token falls slowly. The count table (row `top_p=0.9`, confident column) has the exact figure. The lesson: "confident" (a
 # large top-1 probability) does not mean "a short nucleus"; top-p's count
 # depends on how the *last* few percent are spread.
 #
@@ -627,7 +631,12 @@ _ = check_claim("without a seed, from the same stream state, the tokens alone an
 #
 # A proof is one thing; a measurement is another. Below, the engine's own `exponential_race` draws
 # 100,000 tokens from the real distribution of the uncertain prompt under top-k 24, and a chi-square
-# goodness-of-fit test compares the counts with the softmax probabilities. Tokens outside the top 24
+# goodness-of-fit test compares the counts with the softmax probabilities. (The test sums, over the
+# tokens, (count - expected count)² / expected count; its p-value is the chance that draws from the
+# softmax itself would give a sum at least this large, so a p-value below 0.01 rejects the sampler "at
+# the 1% level", and one above it says the counts fit. The total variation distance is half the summed
+# absolute differences between the drawn frequencies and the probabilities: the largest difference
+# between the two in the probability of any set of tokens.) Tokens outside the top 24
 # have probability exactly 0 and can never win the race (`0 / E = 0`), so the draws use the 24
 # surviving tokens only. As a control that the test can fail, a plausible-looking wrong trick,
 # `argmax_i p_i * U_i` with `U_i` uniform, goes through the same test.

@@ -42,8 +42,9 @@
 #
 # `BIG` is the random-weight model at Qwen3-0.6B's shapes (section 4 prints what its weights weigh
 # in the dtype they are held in), used for the roofline section: the embedded model is small (chapter 02
-# counts its layers and parameters): its steps carry fixed costs a real model amortises, and its weights are few enough
-# for a CPU's caches to hold much of them, so it cannot show where a real model's steps sit.
+# counts its layers and parameters): its steps carry fixed costs a real model amortises, and its few MB of weights
+# can sit in a CPU's last-level cache (chapter 07 measures that on its run), so it cannot show where a real model's
+# steps sit.
 
 # %% tags=["parameters"]
 import os
@@ -353,7 +354,8 @@ pg.shutdown()
 # ### Exercise 2 · Where does a decode step sit?
 #
 # `BIG` has Qwen3-0.6B's shapes, held in the engine's dtype for this device (fp32 on a CPU, bf16 on a
-# GPU; the cell below prints it). Predict the
+# GPU; the cell below prints it). Its random fp32 values need all 32 bits; the released bf16 checkpoint
+# would be held in 2 bytes a weight on a CPU too (chapter 11), but this is `BIG`. Predict the
 # **arithmetic intensity** (FLOPs per byte moved) of one of its decode steps with 2 sequences, counting
 # the weights as the bytes that matter.
 
@@ -431,8 +433,9 @@ rescaled = ([f"MFU of {harness_rf['mfu']:.1%} would be "
             if harness_rf.get("mfu") is not None and not same_flops else []) + \
            ([f"MBU of {harness_rf['mbu']:.1%} would be {harness_rf['mbu'] * harness_read / peaks.mbu_bytes_per_s:.1%} "
              "against the monitor's read bandwidth"] if harness_rf.get("mbu") is not None and not same_read else [])
-render(f"Two sets of ceilings appear in this notebook. Section 2's harness measured its peaks once, at its "
-       f"start, under whatever else was running then: **{harness_flops / 1e9:.1f} GFLOP/s** matmul and "
+render(f"Two sets of ceilings appear in this notebook. Section 2's harness measures its peaks at the start of each "
+       f"of its runs, under whatever else is running then; the run whose report this section reads measured "
+       f"**{harness_flops / 1e9:.1f} GFLOP/s** matmul and "
        f"**{harness_read / 1e9:.1f} GB/s** read, the ceilings of the MFU and MBU in its report. The roofline and "
        f"the MFU and MBU columns in this section use the monitor's peaks ({peaks.provenance}): "
        f"**{peaks.flops_per_s / 1e9:.1f} GFLOP/s** and **{peaks.mbu_bytes_per_s / 1e9:.1f} GB/s**, the best figures "
@@ -447,8 +450,9 @@ render(f"Two sets of ceilings appear in this notebook. Section 2's harness measu
 
 # %% [markdown]
 # The prefill step sits to the right of the decode steps: it multiplies every weight by all the
-# prompt's tokens, so it does many more FLOPs per byte, and past the ridge point its roof is the
-# compute ceiling, its figure of merit MFU (how close this one came, the sentence above says). The
+# prompt's tokens, so it does many more FLOPs per byte. Where that puts it past the ridge point (the
+# sentence above says whether it did here), its roof is the compute ceiling and its figure of merit MFU;
+# below the ridge, it is still under the memory slope. The
 # decode steps do a few FLOPs per byte at most (the figure measured in exercise 2) and sit under the
 # sloped, memory-bound part of the roof, as the checks above test;
 # their figure of merit is MBU, the share of the measured read bandwidth they use. `python -m minivllm
