@@ -590,7 +590,8 @@ for p in stages:
     fig.add_bar(y=labels, x=[getattr(res.record, p) for _, res in journey], name=p.replace("_ms", ""),
                 orientation="h")
 fig.update_layout(barmode="stack", title=f"Measured time per step of one request, by engine stage<br><sup>tracer "
-                  f"attached: its notes count in the stages</sup><br><sup>{RUN}</sup>", margin=dict(t=90),
+                  f"attached: its notes count in the stages; enforce_eager: no recorded decode graph</sup>"
+                  f"<br><sup>{RUN}</sup>", margin=dict(t=90),
                   xaxis_title="time (ms)", yaxis_title="engine step", height=320, yaxis=dict(autorange="reversed"))
 show_figure(fig)
 for _, res in journey:
@@ -611,7 +612,9 @@ untraced = [min(steps, key=lambda r: r.wall_ms - r.model_ms) for steps in zip(*u
 rest_traced = [res.record.wall_ms - res.record.model_ms for _, res in journey]
 rest_untraced = [r.wall_ms - r.model_ms for r in untraced]
 ms_list = lambda xs: ", ".join(f"{x:.2f}" for x in xs) + " ms"
-_ = render(f"On this run the forward pass took between **{min(shares):.0%} and {max(shares):.0%}** of each traced "
+_ = render(f"On this run the forward pass, run eagerly (operation by operation, from Python: this chapter's engine "
+           f"records no decode graph, so the tracer sees every call; chapter 01's engine replays its decode steps, "
+           f"so its decode step times are not comparable with these), took between **{min(shares):.0%} and {max(shares):.0%}** of each traced "
            f"step's wall time; the rest went to the engine's own bookkeeping and to the tracer's notes. Run three "
            f"more times without the tracer, the same request's steps spent at least **{ms_list(rest_untraced)}** "
            f"outside the forward pass, against **{ms_list(rest_traced)}** in the one traced run. Each traced figure is "
