@@ -66,6 +66,11 @@ def test_chapter_04_exercise_1_counts_the_stepper_button_presses_toward_its_12_s
     ns["my_prediction_1"] = 4
     assert "is 4 blocks (0% off: close" in _run(cells[check], ns)
 
+    _run(cells[build], ns)  # section 1 again, then Add request: its blocks would count in the pool
+    ns["stepper"].add_request("The module provides", max_tokens=12)
+    with pytest.raises(RuntimeError, match="holds a request besides A, B and C"):
+        _run(cells[step], ns)
+
     _run(cells[build], ns)  # section 1 again, then Run to end
     ns["stepper"].run_to_end()
     with pytest.raises(RuntimeError, match="already run 29 decode steps, more than the exercise's 12"):
@@ -191,6 +196,11 @@ def test_chapter_11_profiles_the_steppers_one_request_after_a_click_added_anothe
     for source in cells[:profile]:
         _run(source, ns)
     ns["stepper"].add_request("The module provides", max_tokens=12)  # the form's defaults, as the button sends
+    _run(cells[profile], ns)
+    out = _run(cells[profile + 1], ns)
+    assert "a decode step of 1 sequence and a decode step of 4" in out and "the same" in out
+    ns["stepper"].reset()  # Reset, then Add request: one request, not yet prefilled (it profiled a prefill step)
+    ns["stepper"].add_request("The module provides", max_tokens=12)
     _run(cells[profile], ns)
     out = _run(cells[profile + 1], ns)
     assert "a decode step of 1 sequence and a decode step of 4" in out and "the same" in out

@@ -454,3 +454,15 @@ def test_a_merge_that_keeps_one_runs_figures_says_that_runs_time(tmp_path, monke
     get_peaks("cpu", "float32", refresh=True)
     assert get_peaks("cpu", "float32", refresh=True).provenance == "measured now"  # this call's own, lower figures
     assert get_peaks("cpu", "float32").provenance == "cached, measured t0"
+
+
+def test_a_damaged_figure_times_entry_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))
+    key = peaks_mod.peaks_cache_key("cpu", "float32")
+    bad = Peaks(9e9, 9e9, "cpu", "float32", {"measured_at": "t0", "read_method": "sum",
+                                              "figures_measured_at": {"matmul": "t0"}}, 9e9)
+    (tmp_path / "peaks.json").write_text(json.dumps({key: bad.to_dict()}))
+    new = Peaks(1e9, 1e9, "cpu", "float32", {"source": "measured", "measured_at": "t1", "read_method": "sum"}, 1e9)
+    monkeypatch.setattr(peaks_mod, "measure_peaks", lambda *a, **k: new)
+    assert get_peaks("cpu", "float32").provenance == "measured now"  # a KeyError in the merge before
+    assert get_peaks("cpu", "float32").provenance == "cached, measured t1"

@@ -135,7 +135,7 @@ def _figure_times(p: Peaks) -> dict:
     if p.info.get("figures_measured_at"):
         return dict(p.info["figures_measured_at"])
     when = p.info.get("measured_at")
-    return {name: f"by {when}" if "previous" in p.info else when for name in _FIGURES}
+    return {name: f"by {when}" if "previous" in p.info and when is not None else when for name in _FIGURES}
 
 
 def cache_dir() -> Path:
@@ -353,6 +353,9 @@ def _cached(entry: dict) -> Peaks | None:
         return None
     if p.read_bytes_per_s is None or "read_method" not in p.info:
         return None
+    times = p.info.get("figures_measured_at")
+    if times is not None and not (isinstance(times, dict) and set(times) == set(_FIGURES)):
+        return None  # a damaged entry: measure again
     return replace(p, info=dict(p.info, source="cached"))
 
 
