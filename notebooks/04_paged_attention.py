@@ -156,6 +156,9 @@ if not after_12:
     if any(rid not in stepper.request_ids for rid in requests.values()):
         raise RuntimeError("the stepper was reset after section 1's first code cell: run that cell again, "
                            "then this one")
+    if set(stepper.request_ids) != set(requests.values()) or set(engine.requests) - set(requests.values()):
+        raise RuntimeError("the engine holds a request besides A, B and C (the stepper's Add request?): its blocks "
+                           "would count too; run section 1's first code cell again, then this one")
     if len(stepper.steps) > 1 + 12:
         raise RuntimeError(f"the stepper has already run {len(stepper.steps) - 1} decode steps, more than the "
                            "exercise's 12: run section 1's first code cell again, then this one")
@@ -495,8 +498,8 @@ t1, t8 = min(step_ms[1]), min(step_ms[8])
 ratio = t8 / t1
 print(f"decode step, batch 1: {t1:.2f} ms (repeats {min(step_ms[1]):.2f}-{max(step_ms[1]):.2f}); "
       f"batch 8: {t8:.2f} ms (repeats {min(step_ms[8]):.2f}-{max(step_ms[8]):.2f})")
-check_prediction(my_prediction_2, ratio, rel_tol=0.3, unit="x", what="the batch-8 / batch-1 step time ratio");
-d = (g4 - g1) / 3  # what each sequence beyond the first added, from the exercise's two times
+check_prediction(my_prediction_2, ratio, rel_tol=0.35, unit="x", what="the batch-8 / batch-1 step time ratio");
+d = max(0.0, (g4 - g1) / 3)  # what each sequence beyond the first added (none, where noise made batch 4 faster)
 line = (g1 + 7 * d) / g1
 render(f"The straight line through the exercise's batch 1 and 4 (each sequence adding {d:.3f} ms) gives a batch-8 "
        f"step of {g1 + 7 * d:.2f} ms: **{line:.2f}x** the batch-1 step, "

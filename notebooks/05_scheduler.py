@@ -296,9 +296,10 @@ check_claim(f"a decode step with {SEATS} sequences costs less than {SEATS} steps
             f"{len(decode_ms[1])} steps",
             why_it_may_not="On a busy machine single steps can be slowed by neighbours; a model large enough "
                            "to be compute-bound also breaks it.");
-check_prediction(my_prediction_2, static_s / cont_s, rel_tol=0.25, unit="x",
+check_prediction(my_prediction_2, static_s / cont_s, rel_tol=0.35, unit="x",
                  what="continuous / static throughput");
-per_seq = (d4 - d1) / (SEATS - 1)  # the line through the two decode costs: b a sequence, a a step
+# the line through the two decode costs: b a sequence, a a step (each at least 0: noise can tilt the line)
+per_seq = min(max(0.0, (d4 - d1) / (SEATS - 1)), d1)
 per_step = d1 - per_seq
 line = ((len(static_steps) * per_step + served["static"] * per_seq)
         / (len(cont_steps) * per_step + served["continuous"] * per_seq))

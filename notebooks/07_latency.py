@@ -266,7 +266,7 @@ render("| | predicted by the fitted model | measured |\n|---|---|---|\n" + "\n".
          f"the four requests' mean TTFT was **{point['ttft_ms'] / pre.loc[512]:.2f}x** the 512-token step."
        + (f" The measured TPOT is **{point['tpot_ms'] / point['predicted']['tpot_ms']:.2f}x** the fitted one: the fit's "
           "decode steps are steady-state ones (the sweep sets aside the first five after each prefill, which run "
-          "slower: the first at a batch size records its CPU graph, the next run with caches the prefill left cold) "
+          "slower: the first at a batch size records its graph, the next run with caches the prefill left cold) "
           "at 32-token contexts, while this workload's TPOT averages all of its decode gaps, the first ones "
           "included, at 128-token contexts."
           if point["tpot_ms"] > 1.2 * point["predicted"]["tpot_ms"] else ""));
@@ -477,7 +477,8 @@ render(f"From the sweep alone: {c['prefill_steps']} chunk steps of about {chunk_
        + ("The measurement is higher. What the estimate leaves out: the sweep's one-prompt steps were fresh prompts, "
           "whose attention over their own tokens runs in one call (on a CPU in fp32, the C causal kernel), while a "
           "chunk after the first has a prefix in the KV cache, so its attention gathers the prefix's keys and values "
-          "through the block table into a copy and runs the masked reference attention (chapter 04), another path "
+          "through the block table into a copy and runs the masked reference attention (the torch backend's "
+          "paths, chapter 04), another path "
           "for the same query-key pairs with a copy of its own; and each chunk shares its step with the decoding "
           "requests, which the sweep's steps did not."
           if ttft_ratio > 1.15 * est_ratio else
