@@ -25,14 +25,22 @@ def _run(source: str, namespace: dict) -> str:
     return out.getvalue()
 
 
+def _chapter_04_exercise_1():
+    """Chapter 04's code cells and the indices of section 1's build cell, exercise 1's step and check
+    cells and section 2's first cell."""
+    cells = _cells("04_paged_attention")
+    build = next(i for i, c in enumerate(cells) if "all three prompts are prefilled together" in c)
+    step = next(i for i, c in enumerate(cells) if c.startswith("my_prediction_1 = None")) + 1
+    check = next(i for i, c in enumerate(cells) if "check_prediction(my_prediction_1" in c)
+    section_2 = next(i for i, c in enumerate(cells) if "captured = []" in c)
+    return cells, build, step, check, section_2
+
+
 def test_chapter_04_exercise_1_judges_the_state_after_12_steps_when_its_cells_run_again():
     # its step cell stepped 12 more times when run again (as its hint said to), and the check read the live
     # block count: the right answer, 4 blocks, was judged "2 blocks (100% off: not close)"; later, run again
     # after section 2 had stepped on, it read the pool after 13 decode steps (again "2 blocks")
-    cells = _cells("04_paged_attention")
-    step = next(i for i, c in enumerate(cells) if c.startswith("my_prediction_1 = None")) + 1
-    check = next(i for i, c in enumerate(cells) if "check_prediction(my_prediction_1" in c)
-    section_2 = next(i for i, c in enumerate(cells) if "captured = []" in c)
+    cells, build, step, check, section_2 = _chapter_04_exercise_1()
     ns: dict = {}
     for source in cells[:step + 1]:
         _run(source, ns)
@@ -51,11 +59,7 @@ def test_chapter_04_exercise_1_judges_the_state_after_12_steps_when_its_cells_ru
 def test_chapter_04_exercise_1_counts_the_stepper_button_presses_toward_its_12_steps():
     # two presses of the stepper's Step button before the exercise's cells made the 12 steps 14: "2 blocks";
     # a Run to end pressed before them left section 2 failing with IndexError on captured[0]
-    cells = _cells("04_paged_attention")
-    build = next(i for i, c in enumerate(cells) if "all three prompts are prefilled together" in c)
-    step = next(i for i, c in enumerate(cells) if c.startswith("my_prediction_1 = None")) + 1
-    check = next(i for i, c in enumerate(cells) if "check_prediction(my_prediction_1" in c)
-    section_2 = next(i for i, c in enumerate(cells) if "captured = []" in c)
+    cells, build, step, check, section_2 = _chapter_04_exercise_1()
     ns: dict = {}
     for source in cells[:build + 1]:
         _run(source, ns)

@@ -366,8 +366,8 @@ def get_peaks(device: Any = None, dtype: Any = None, refresh: bool = False, keep
 
     Returns the cached figures (``info["source"] == "cached"``, with the ``measured_at``
     of the run they come from: ``info["figures_measured_at"]`` per figure where they come from
-    several, and ``measured_at`` is then the newest of those), or, when nothing usable is cached or ``refresh=True``, the
-    figures measured by this call (``info["source"] == "measured"``): a figure reported as
+    several, and ``measured_at`` is then the newest of those), or, when nothing usable is cached
+    or ``refresh=True``, the figures measured by this call (``info["source"] == "measured"``): a figure reported as
     measured now is always this call's. A peak is a ceiling and a measurement taken while
     other processes share the machine reads low, so with ``keep_best`` (default) the cache
     keeps, per figure, the larger of the cached and the new one for later cached reads;
