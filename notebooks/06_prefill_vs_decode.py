@@ -175,7 +175,20 @@ for t in (1, 128):
 # their ratio, the **ridge point**, the intensity at which a product's compute time and its memory
 # time are equal. Real products sit some way off such an estimate (the worked solution says why), so
 # expect the check to show how far, not to confirm the estimate. (They are this CPU's when the engine runs on the CPU; with a GPU engine,
-# these products still run on the CPU, and the cell below measures the CPU's own.)
+# these products still run on the CPU, and the next cell prints the CPU's own.)
+
+# %%
+# These products (and section 5's int8 one) run on the CPU in fp32 whatever the engine's device, so
+# their ceilings are the CPU's fp32 ones: the setup cell's when the engine is an fp32 CPU engine.
+if (cfg.device.type, cfg.dtype) == ("cpu", torch.float32):
+    cpu_peaks = peaks
+else:
+    from minivllm.telemetry.peaks import get_peaks
+
+    cpu_peaks = get_peaks(torch.device("cpu"), torch.float32)
+    print(f"the CPU's fp32 peaks ({cpu_peaks.provenance}): matmul {cpu_peaks.flops_per_s / 1e9:.1f} GFLOP/s, read "
+          f"{cpu_peaks.mbu_bytes_per_s / 1e9:.1f} GB/s, ridge point {cpu_peaks.ridge_intensity:.1f} FLOP/byte")
+CPU_BW = cpu_peaks.mbu_bytes_per_s
 
 # %% tags=["exercise"]
 my_prediction_1 = None  # your guess: time(128 rows) / time(1 row), a ratio (x)
@@ -185,15 +198,6 @@ import statistics
 import time
 
 W_DEMO = torch.randn(N_OUT, K_IN)
-# These products (and section 5's int8 one) run on the CPU in fp32 whatever the engine's device, so
-# their ceilings are the CPU's fp32 ones: the setup cell's when the engine is an fp32 CPU engine.
-if (cfg.device.type, cfg.dtype) == ("cpu", torch.float32):
-    cpu_peaks = peaks
-else:
-    from minivllm.telemetry.peaks import get_peaks
-
-    cpu_peaks = get_peaks(torch.device("cpu"), torch.float32)
-CPU_BW = cpu_peaks.mbu_bytes_per_s
 
 
 def time_rows(t, repeats=11):
