@@ -268,14 +268,21 @@ print("engine text:", repr(out.outputs[0].text), "| finish_reason:", out.outputs
 # %%
 from minivllm.telemetry.roofline import step_cost
 
+
+
+def stepped_runs(eng, name):
+    """REPEATS runs of the prompt through ``eng``, one step() at a time: per run, every step's StepRecord."""
+    runs = []
+    for r in range(REPEATS):
+        eng.add_request(f"{name}{r}", PROMPT, greedy)
+        runs.append([])
+        while eng.has_unfinished_requests():
+            runs[-1].append(eng.step_with_record().record)
+    return runs
+
+
 idle_engine(engine)  # what an interrupted run of this cell left queued would join its steps
-engine_runs = []  # per run: the StepRecord of every step
-for r in range(REPEATS):
-    engine.add_request(f"timed{r}", PROMPT, greedy)
-    records = []
-    while engine.has_unfinished_requests():
-        records.append(engine.step_with_record().record)
-    engine_runs.append(records)
+engine_runs = stepped_runs(engine, "timed")  # per run: the StepRecord of every step
 records = engine_runs[-1]
 engine_ms = [statistics.median(rs[i].wall_ms for rs in engine_runs) for i in range(NEW_TOKENS)]
 engine_fed = [rec.num_tokens for rec in records]  # step 0 is the prefill; each step samples one token
@@ -346,18 +353,12 @@ _ = check_claim("from the hand-written loop's first pass to its last, the time g
 eager_llm = LLM(MODEL, device=DEVICE, block_size=16, num_kvcache_blocks=64, enforce_eager=True)
 try:
     eager_llm.generate([PROMPT], greedy, use_tqdm=False)  # warm-up
-    eager_totals = []
-    for r in range(REPEATS):
-        eager_llm.llm_engine.add_request(f"eager{r}", PROMPT, greedy)
-        steps_ms = []
-        while eager_llm.llm_engine.has_unfinished_requests():
-            steps_ms.append(eager_llm.llm_engine.step_with_record().record.wall_ms)
-        eager_totals.append(sum(steps_ms))
+    eager_runs = stepped_runs(eager_llm.llm_engine, "eager")
 finally:
     eager_llm.shutdown()
-eager_total = statistics.median(eager_totals)
+eager_total = statistics.median(sum(rec.wall_ms for rec in run) for run in eager_runs)
 _ = render(f"How much of that is the KV cache, and how much the engine's recorded graph? The same engine run eagerly "
-       f"(`enforce_eager=True`: every operation dispatched one by one, as in the loop's passes) took "
+           f"(`enforce_eager=True`: every operation dispatched one by one, as in the loop's passes) took "
            f"**{eager_total:.1f} ms** for the {NEW_TOKENS} tokens (median of {REPEATS} runs): by hand / eager "
            f"**{sum(by_hand_ms) / eager_total:.1f}x**, what the cache's fewer tokens save when both dispatch every "
            f"operation; eager / with the graph **{eager_total / sum(engine_ms):.1f}x**, what replaying the decode "

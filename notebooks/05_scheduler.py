@@ -315,8 +315,17 @@ check_claim("continuous batching's throughput gain is smaller than its step rati
             f"throughput {gain:.2f}x (fastest runs), steps {len(static_steps) / len(cont_steps):.2f}x",
             why_it_may_not="Each policy's fastest of a few short runs is compared; on a loaded machine noise can "
                            "exceed the difference.");
-separated = ("continuous" if spread["continuous"][1] < spread["static"][0] else
-             "static" if spread["static"][1] < spread["continuous"][0] else None)  # the policy whose runs all won
+
+
+def all_runs_won(runs_by_policy):
+    """The policy each of whose runs was faster than every run of the other, or None where they overlap."""
+    fastest = {k: min(r.seconds for r in v) for k, v in runs_by_policy.items()}
+    slowest = {k: max(r.seconds for r in v) for k, v in runs_by_policy.items()}
+    return ("continuous" if slowest["continuous"] < fastest["static"] else
+            "static" if slowest["static"] < fastest["continuous"] else None)
+
+
+separated = all_runs_won(timed)
 (ps_n, ps_ms, ds_n, ds_ms), (pc_n, pc_ms, dc_n, dc_ms) = split["static"], split["continuous"]
 split_text = (f"Split by kind of step (printed above): continuous batching's {dc_n} decode-only steps took "
               f"**{abs(ds_ms - dc_ms):.1f} ms {'less' if dc_ms < ds_ms else 'more'}** than static batching's {ds_n}, "
@@ -548,9 +557,7 @@ m1, m4 = statistics.median(mem_decode[1]), statistics.median(mem_decode[SEATS])
 mem_gain = mem_static.seconds / mem_cont.seconds
 mem_steps = len(mem_static.records) / len(mem_cont.records)
 mem_lat = statistics.mean(mem_static.e2e_ms) / statistics.mean(mem_cont.e2e_ms)
-mem_runs = {k: [r.seconds for r in v] for k, v in mem_timed.items()}
-mem_separated = max(mem_runs["continuous"]) < min(mem_runs["static"])  # every continuous run won
-mem_lost = max(mem_runs["static"]) < min(mem_runs["continuous"])  # every static run won
+mem_won = all_runs_won(mem_timed)
 print(f"{mem_setting}: {mem_weight_gb:.2f} GB of weights read by every step; "
       f"{mem_work.num_prompt_tokens} prompt and {mem_work.num_output_tokens} output tokens; "
       f"cell took {time.perf_counter() - t_mem:.0f} s")
@@ -568,12 +575,13 @@ render(f"Here a decode step with {SEATS} sequences took **{m4:.1f} ms** against 
        + (f"**{mem_lat:.2f}x shorter**" if mem_lat >= 1 else f"**{1 / mem_lat:.2f}x longer**")
        + " with continuous batching. "
        + ("Every continuous run beat every static run, so the gain is larger than this machine's run-to-run noise; "
-          if mem_separated else
-          "Every static run beat every continuous run, by more than this machine's run-to-run noise; " if mem_lost else
+          if mem_won == "continuous" else
+          "Every static run beat every continuous run, by more than this machine's run-to-run noise; "
+          if mem_won == "static" else
           "The two policies' runs overlap, so on this run the difference is within the noise (other processes on "
           "the machine slow single runs: run the cell again when it is quieter); ")
        + ("the less an extra sequence adds to a step, the more of the steps saved is time saved."
-          if mem_separated and m4 / m1 < d4 / d1 and mem_gain / mem_steps > gain * len(cont_steps) / len(static_steps)
+          if mem_won == "continuous" and m4 / m1 < d4 / d1 and mem_gain / mem_steps > gain * len(cont_steps) / len(static_steps)
           else "this run does not show how the time saved follows the steps saved."))
 check_claim("on the memory-bound model continuous batching gave the same greedy tokens and a higher throughput",
             mem_static.tokens == mem_cont.tokens and mem_gain > 1,
