@@ -43,10 +43,12 @@ def compile_one(fn, types, consts, num_warps=4):
         path = os.path.join(bindir, exe)
         if not os.path.exists(path):
             continue
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(k.asm["ptx"])
-        r = subprocess.run([path, "--gpu-name", "sm_90a", "-v", f.name, "-o", os.devnull],
-                           capture_output=True, text=True)
+        with tempfile.TemporaryDirectory() as tmp:  # a file left behind per kernel per run filled /tmp
+            ptx = os.path.join(tmp, "kernel.ptx")
+            with open(ptx, "w") as f:
+                f.write(k.asm["ptx"])
+            r = subprocess.run([path, "--gpu-name", "sm_90a", "-v", ptx, "-o", os.devnull],
+                               capture_output=True, text=True)
         if r.returncode == 0:
             for line in r.stderr.splitlines():
                 if "spill stores" in line:
@@ -93,9 +95,10 @@ print("RESULTS" + json.dumps(results))
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_sm90_without_spills():
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["TMPDIR"] = str(tmp_path)  # to see what the run leaves behind in the temporary directory
     res = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=600)
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr.lower():
@@ -107,3 +110,4 @@ def test_kernels_compile_for_sm90_without_spills():
     for name, r in results.items():
         assert r["shared"] <= 227 * 1024, (name, r)
         assert r["spills"] in (0, None), (name, r)  # None: no ptxas -v available to ask
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # every temporary file removed
