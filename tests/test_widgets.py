@@ -9,6 +9,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from minivllm.utils import cdiv  # noqa: E402
 from minivllm.utils.model_source import EMBEDDED_MODEL_DIR  # noqa: E402
 
 BLOCK = 16
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model_path(tmp_path_factory) -> str:
@@ -561,6 +564,36 @@ def test_static_chart_is_a_png_when_chromium_exists(llm):
     s.add_request(ids(8), max_tokens=2, ignore_eos=True)
     s.run_to_end()
     assert "data:image/png;base64," in s.static_html()
+
+
+HUNG_EXPORT = """\
+import time
+import plotly.graph_objects as go
+from widgets import _static
+t0 = time.monotonic()
+first = _static.figure_png(go.Figure(go.Bar(x=[1, 2], y=[3, 4])))
+second = _static.figure_png(go.Figure(go.Bar(x=[1, 2], y=[3, 4])))
+print("RESULT", first is None, second is None, time.monotonic() - t0)
+"""
+
+
+@pytest.mark.slow
+def test_a_browser_that_cannot_start_costs_a_text_snapshot_not_a_hung_kernel(tmp_path):
+    """kaleido's server thread dies when its browser fails to start, and its export then waits
+    forever: a chart's snapshot hung the kernel (found with a temporary directory whose path was
+    too long for Chromium). figure_png falls back within seconds and says why in one line."""
+    pytest.importorskip("kaleido")
+    fails = tmp_path / "chromium"
+    fails.write_text("#!/bin/sh\nexit 1\n")
+    fails.chmod(0o755)
+    env = dict(os.environ, BROWSER_PATH=str(fails), PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-c", HUNG_EXPORT], env=env, capture_output=True, text=True,
+                         timeout=100)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT"))
+    assert line.split()[1:3] == ["True", "True"]
+    assert "kaleido could not export a chart" in res.stderr
+    assert "Traceback" not in res.stderr  # the server thread's failure is the warning's one line
 
 
 # -- scheduler timeline ---------------------------------------------------------------------------

@@ -72,8 +72,29 @@ def _ensure_server() -> bool:
         except Exception:  # no kaleido, or it cannot start the browser: text fallback
             _disabled = True
             return False
+        _keep_server_failure(getattr(kaleido._global_server, "_thread", None))
         _server_started = True
         return True
+
+
+_server_failure: BaseException | None = None
+
+
+def _keep_server_failure(thread) -> None:
+    """Keep the exception that ends kaleido's server thread (a browser that cannot start) for
+    :func:`figure_png` to report in one line, instead of a traceback in whichever cell runs."""
+    if thread is None:
+        return
+    previous = threading.excepthook
+
+    def hook(args):
+        global _server_failure
+        if args.thread is thread:
+            _server_failure = args.exc_value
+        else:
+            previous(args)
+
+    threading.excepthook = hook
 
 
 def image_size(fig, width: int | None = None, height: int | None = None) -> tuple[int, int]:
@@ -82,19 +103,61 @@ def image_size(fig, width: int | None = None, height: int | None = None) -> tupl
     return int(width or fig.layout.width or 760), int(height or fig.layout.height or 360)
 
 
+# The longest a snapshot may wait for kaleido before the text fallback, seconds: a first image
+# takes ~5 s (the browser starts), a loaded 2-core machine several times that.
+EXPORT_TIMEOUT_S = 120.0
+
+
+def _server_thread_dead() -> bool:
+    """Whether kaleido's server thread has exited (its browser failed to start, or it crashed).
+    kaleido then queues an export that nothing will take and waits for it forever."""
+    try:
+        import kaleido
+
+        thread = getattr(kaleido._global_server, "_thread", None)
+    except Exception:  # another kaleido layout: only the timeout guards the wait
+        return False
+    return thread is not None and not thread.is_alive()
+
+
 def figure_png(fig, width: int | None = None, height: int | None = None) -> bytes | None:
     """PNG bytes of a plotly figure (``Figure`` or ``FigureWidget``), or None when no
     Chrome/kaleido is available or export fails. ``width`` / ``height``: pixels (default: the
-    figure's layout's, else 760 x 360; :func:`image_size`)."""
+    figure's layout's, else 760 x 360; :func:`image_size`).
+
+    The export runs in a thread so that a browser that cannot start (kaleido's server thread
+    then dies and its export waits forever) costs the caller a fallback, not a hung kernel:
+    once the server thread has died, or an export has taken :data:`EXPORT_TIMEOUT_S` seconds,
+    this and every later call return None at once."""
+    global _disabled
     if not _ensure_server():
         return None
     w, h = image_size(fig, width, height)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fig.to_image(format="png", width=w, height=h, scale=1)
-    except Exception:
-        return None
+    result: list = []
+
+    def export():
+        try:
+            result.append(fig.to_image(format="png", width=w, height=h, scale=1))
+        except Exception:
+            result.append(None)
+
+    worker = threading.Thread(target=export, name="minivllm-png-export", daemon=True)
+    deadline = time.monotonic() + EXPORT_TIMEOUT_S
+    # The filters are process-wide: set and restored here, never in the worker, which may not return.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # plotly's notes on kaleido options a server ignores
+        worker.start()
+        while worker.is_alive() and not (_server_thread_dead() or time.monotonic() > deadline):
+            worker.join(0.05)
+    if not worker.is_alive():
+        return result[0] if result else None
+    _disabled = True  # the abandoned export stays blocked in its daemon thread
+    failure = _server_failure
+    why = (f"{type(failure).__name__}: {(failure.args[0] if failure.args else failure)}" if failure
+           else f"no image after {EXPORT_TIMEOUT_S:.0f} s")
+    warnings.warn(f"kaleido could not export a chart ({why}); the widgets' saved snapshots draw "
+                  "charts as SVG or text instead", RuntimeWarning, stacklevel=2)
+    return None
 
 
 def figure_html(fig, width: int | None = None, height: int | None = None) -> str:
