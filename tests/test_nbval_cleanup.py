@@ -1,0 +1,56 @@
+"""A notebook run under nbval leaves nothing in the temporary directory (helpers_nbval)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+CELL = """\
+import plotly.graph_objects as go
+from widgets._static import figure_png
+png = figure_png(go.Figure(go.Bar(x=[1, 2], y=[3, 4])))
+assert png, "no PNG: kaleido did not start"
+"""
+
+CONFTEST = f"""\
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from helpers_nbval import shut_kernels_down_gracefully
+assert shut_kernels_down_gracefully()
+"""
+
+
+@pytest.mark.slow
+def test_a_notebook_kernel_stopped_by_nbval_leaves_no_temporary_files(tmp_path):
+    pytest.importorskip("nbval")
+    pytest.importorskip("kaleido")
+    from widgets._static import find_chrome
+
+    if find_chrome() is None:
+        pytest.skip("no Chrome/Chromium for kaleido")
+    work = tmp_path / "work"
+    work.mkdir()
+    # a short path: Chromium cannot start under a long one (its sockets' paths have a length limit)
+    tmp = Path(tempfile.mkdtemp(prefix="mv-"))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(CELL)]
+    nbformat.write(nb, work / "chart.ipynb")
+    (work / "conftest.py").write_text(CONFTEST)
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+                              "chart.ipynb"], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+        # kaleido's Chromium profile and page directories: left behind when nbval killed the kernel
+        assert sorted(p.name for p in tmp.iterdir()) == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
