@@ -151,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model = SMOKE_MODEL if args.smoke else "random:qwen3-0.6b"
     if args.out is None:
         args.out = default_out()
+    # absolute: the sections run with the repository as their directory and write beside it
+    args.out = Path(args.out).expanduser().resolve()
     if not 0 < args.scale <= 4:
         p.error(f"--scale must be in (0, 4], got {args.scale}")
     unknown = [s for s in args.sections.split(",") if s and s not in SECTIONS]
@@ -1071,7 +1073,8 @@ def run_sections(args) -> int:
                 proc.wait()
                 rc = None
                 cut_by_budget = left < args.section_timeout_s  # the run's end, not its own limit, stopped it
-        got = json.loads(rows_path.read_text()) if rows_path.exists() else {"rows": [], "environment": {}}
+        wrote_rows = rows_path.exists()
+        got = json.loads(rows_path.read_text()) if wrote_rows else {"rows": [], "environment": {}}
         rows_path.unlink(missing_ok=True)
         if got.get("environment") and not payload["environment"]:
             payload["environment"] = got["environment"]
@@ -1089,6 +1092,10 @@ def run_sections(args) -> int:
             if not any(r["status"] == "error" for r in got["rows"]):
                 payload["rows"].append(asdict(Row(name, "section", _describe_exit(rc), "", "error",
                                                   {"log": log_path.name})))
+        elif not wrote_rows:  # a section that checked nothing has not passed
+            why = f"exit status 0 but no rows at {rows_path}"
+            sec.update(status="error", error=why)
+            payload["rows"].append(asdict(Row(name, "section", why, "", "error", {"log": log_path.name})))
         else:
             sec["status"] = "ok"
         payload["total_seconds"] = time.perf_counter() - start

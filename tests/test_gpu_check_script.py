@@ -80,12 +80,32 @@ def test_parse_args_out_defaults_to_dollar_out_and_faults(script, tmp_path, monk
     monkeypatch.setenv("OUT", str(tmp_path))
     assert script.parse_args([]).out == tmp_path / "gpu_check.json"
     monkeypatch.delenv("OUT")
-    assert script.parse_args([]).out == Path("gpu_check.json")
+    assert script.parse_args([]).out == Path.cwd() / "gpu_check.json"
     a = script.parse_args(["--smoke", "--inject-fault", "tpot=abort"])
     assert a.faults == {"tpot": "abort"} and a.model == script.SMOKE_MODEL
     for bad in (["--inject-fault", "tpot"], ["--inject-fault", "nope=abort"], ["--budget-s", "0"]):
         with pytest.raises(SystemExit):
             script.parse_args(bad)
+
+
+def test_a_relative_out_is_where_the_sections_write_it(script, tmp_path, monkeypatch):
+    """The sections run in the repository's directory: a relative --out (or $OUT) had them write
+    their rows under the repository while the run read them from its own directory, found none,
+    and passed with an empty table."""
+    monkeypatch.chdir(tmp_path)
+    assert script.parse_args(["--out", "sub/gc.json"]).out == tmp_path / "sub" / "gc.json"
+    monkeypatch.setenv("OUT", "results")
+    assert script.parse_args([]).out == tmp_path / "results" / "gpu_check.json"
+
+
+def test_a_section_that_writes_no_rows_is_an_error(script, tmp_path, monkeypatch):
+    monkeypatch.setattr(script, "_worker_argv", lambda args, name, rows_path: [sys.executable, "-c", "pass"])
+    args = script.parse_args(["--smoke", "--sections", "kernels", "--out", str(tmp_path / "gc.json")])
+    assert script.run_sections(args) == 1
+    payload = json.loads((tmp_path / "gc.json").read_text())
+    sec = payload["sections"]["kernels"]
+    assert sec["status"] == "error" and "no rows" in sec["error"], sec
+    assert payload["rows"][-1]["status"] == "error"
 
 
 def test_near_tie_agreement(script):
