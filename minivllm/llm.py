@@ -234,8 +234,9 @@ class LLM:
             try:
                 self.engine.check_sampling_params(p)  # all checked before any is queued
                 p.clone()._validate_again()  # as add_request will: a list changed in place since the constructor
-                self.engine.encode_prompt(prompt, prompt_truncation(tokenization, p),
-                                          tokenization.get("add_special_tokens", True))
+                _, prompt_ids = self.engine.encode_prompt(prompt, prompt_truncation(tokenization, p),
+                                                          tokenization.get("add_special_tokens", True))
+                self.engine.check_min_tokens_room(p, len(prompt_ids))
                 cache_salt_of(prompt)
             except ValueError as e:
                 raise VLLMValidationError(f"prompt {i}: {e}", parameter=getattr(e, "parameter", None),

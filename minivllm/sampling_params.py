@@ -77,7 +77,9 @@ class SamplingParams:
             in vLLM since its PR 49391 (2026-07).
         stop_token_ids: a list of token ids that end generation (always apply, even with
             ``ignore_eos``); the engine checks them against the model's vocabulary. The
-            stop token is in ``token_ids`` but its text is not in ``text`` (as for eos).
+            stop token is in ``token_ids``; its text is in ``text`` only with
+            ``include_stop_str_in_output`` (as for eos, whose text also needs
+            ``skip_special_tokens=False``; as vLLM).
         n: independent completions of the prompt (``RequestOutput.outputs[i]``, index i);
             must be 1 when ``temperature`` is 0 (a ValueError otherwise: greedy completions would all be
             the same; vLLM refuses it too);
@@ -114,8 +116,8 @@ class SamplingParams:
             position, plus the sampled token's own (k >= 0), by default from the raw model
             logits, before any penalty or temperature (vLLM v1's default; the engine argument
             ``logprobs_mode`` selects the processed distribution or the logits instead).
-            ``-1``: the whole vocabulary, ``True``: 1 (both as vLLM).
-        prompt_logprobs: the same for every prompt token (k >= 0, -1, or True: 1), from the raw
+            ``-1``: the whole vocabulary, ``True``: 1, ``False``: 0 (all as vLLM).
+        prompt_logprobs: the same for every prompt token (k >= 0, -1, True: 1 or False: 0), from the raw
             logits whatever ``logprobs_mode`` says of processing (their log-probabilities, or in the
             "*_logits" modes the logits). Prompt positions are computed, not read from the prefix
             cache, for such requests.
@@ -123,6 +125,8 @@ class SamplingParams:
             ``RequestOutputKind``): ``CUMULATIVE`` (all so far, every step), ``DELTA`` (only what
             is new) or ``FINAL_ONLY`` (once, finished); ``LLM.generate`` always gives final
             outputs and ``LLM.stream`` deltas, as in vLLM. An ``OutputKind`` or its value.
+        extra_args: a dict kept with the parameters for code of your own that reads it back
+            (vLLM's field for custom samplers and plugins); the engine reads none of it.
 
     Fields may be changed after construction (vLLM's scripts do ``params.max_tokens = 64``):
     each assignment is validated like the constructor's arguments, and an invalid value is
@@ -162,6 +166,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    extra_args: dict | None = None
     #: Filled by __post_init__: True when a logits processor beyond the classic five applies
     #: (allowed_token_ids, bad_words, min_tokens, logit_bias, presence/frequency penalties).
     has_logits_processors: bool = field(init=False, repr=False, compare=False)
@@ -200,12 +205,13 @@ class SamplingParams:
             elif isinstance(value, numbers.Real) and name in _REAL_FIELDS:
                 object.__setattr__(self, name, float(value))
 
-        # vLLM's spellings: seed=-1 is no seed, logprobs=True is one top token
+        # vLLM's spellings: seed=-1 is no seed, logprobs=True is one top token, False none (vLLM's
+        # check lets False through as 0: the sampled token's logprob alone)
         if type(self.seed) is int and self.seed == -1:
             self.seed = None
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is True:
-                object.__setattr__(self, name, 1)
+            if isinstance(getattr(self, name), bool):
+                object.__setattr__(self, name, int(getattr(self, name)))
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -318,6 +324,8 @@ class SamplingParams:
                 raise bad(name, getattr(self, name), "must be True or False")
         if not self.detokenize and self.stop_strings:
             raise bad("detokenize", self.detokenize, f"stop strings {self.stop_strings!r} need detokenize=True")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", self.extra_args, "must be a dict or None")
         t = self.truncate_prompt_tokens
         if t is not None and (not is_int(t) or (t < 1 and t != -1)):
             raise bad("truncate_prompt_tokens", t, "must be an int >= 1, -1 (up to max_model_len - 1), or None")
@@ -477,8 +485,6 @@ _VLLM_ONLY = {
     "length_penalty": ("beam search's length penalty", lambda v, kw: v != 1.0),
     "early_stopping": ("beam search's early stopping", lambda v, kw: bool(v)),
     "logits_processors": ("logits_processors (per-request callables applied to the logits)", lambda v, kw: bool(v)),
-    # arguments for a custom sampler: vLLM's own sampler reads none, nor does minivllm's (accepted, dropped)
-    "extra_args": ("extra_args (arguments for a custom sampler)", lambda v, kw: not isinstance(v, (dict, type(None)))),
     "flat_logprobs": ("flat_logprobs (logprobs as FlatLogprobs)", lambda v, kw: bool(v)),
     "logprob_token_ids": ("logprob_token_ids (logprobs of chosen tokens)", lambda v, kw: v is not None),
     "prompt_logprob_token_ids": ("prompt_logprob_token_ids (prompt logprobs of chosen tokens)",

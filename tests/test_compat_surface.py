@@ -844,7 +844,9 @@ def test_a_tokenizer_output_given_as_a_prompt_is_refused_with_the_fix(llm):
 def test_truncate_prompt_tokens_above_the_room_names_itself(tiny_ckpt):
     llm = make_llm(tiny_ckpt, max_model_len=16)
     try:
-        with pytest.raises(ValueError, match=r"truncate_prompt_tokens=100 keeps 20 tokens.*max_model_len - 1 = 15"):
+        with pytest.raises(ValueError, match=r"truncate_prompt_tokens=16 keeps 16 tokens.*max_model_len - 1 = 15"):
+            llm.generate(prompts_of([20])[0], greedy(2, truncate_prompt_tokens=16), use_tqdm=False)
+        with pytest.raises(ValueError, match=r"truncate_prompt_tokens=100 is more than max_model_len=16"):
             llm.generate(prompts_of([20])[0], greedy(2, truncate_prompt_tokens=100), use_tqdm=False)
         out = llm.generate(prompts_of([20])[0], greedy(2, truncate_prompt_tokens=15), use_tqdm=False)[0]
         assert len(out.prompt_token_ids) == 15

@@ -131,6 +131,9 @@ def test_vllm_spellings_normalised_as_vllm_does():
     appending to params.stop). Before: seed -1 was a fixed seed, True refused, stop kept as given."""
     params = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True, stop="\n")
     assert params.seed is None and params.logprobs == 1 and params.prompt_logprobs == 1
+    # False passes vLLM's check (>= 0) and counts as 0: the sampled token's logprob alone; it was refused here
+    off = SamplingParams(logprobs=False, prompt_logprobs=False)
+    assert type(off.logprobs) is int and (off.logprobs, off.prompt_logprobs) == (0, 0)
     assert params.stop == ["\n"] and params.stop_strings == ["\n"]
     bare = SamplingParams()
     assert bare.stop == [] and bare.bad_words == [] and bare.stop_token_ids == []
@@ -221,6 +224,38 @@ def test_special_tokens_detokenize_and_max_tokens_none(tiny_ckpt, llm):
     out = small.generate(prompts_of([10])[0], G(None), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
     small.shutdown()
+
+
+def test_min_tokens_beyond_the_room_max_tokens_none_leaves_is_refused(tiny_ckpt):
+    """max_tokens=None generates up to max_model_len: a min_tokens above that room was accepted and
+    silently not met (finish_reason "length"); vLLM's input processor refuses it."""
+    small = make_llm(tiny_ckpt, max_model_len=16)
+    try:
+        prompt = prompts_of([10])[0]
+        with pytest.raises(ValueError, match=r"min_tokens=7 with max_tokens=None: a 10-token prompt leaves room for 6"):
+            small.generate([prompts_of([3])[0], prompt], G(None, min_tokens=7), use_tqdm=False)
+        assert not small.llm_engine.has_unfinished_requests()  # the batch was refused before any was queued
+        with pytest.raises(ValueError, match="min_tokens=7"):
+            small.llm_engine.add_request("r", prompt, G(None, min_tokens=7))
+        out = small.generate(prompt, G(None, min_tokens=6), use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 6
+    finally:
+        small.shutdown()
+
+
+def test_truncate_prompt_tokens_above_max_model_len_is_refused_for_any_prompt(tiny_ckpt):
+    """vLLM refuses truncate_prompt_tokens > max_model_len whatever the prompt's length; a short
+    prompt let it through here."""
+    small = make_llm(tiny_ckpt, max_model_len=16)
+    try:
+        for how in (dict(sampling=G(2, truncate_prompt_tokens=5000)),
+                    dict(sampling=G(2), tokenization_kwargs={"truncate_prompt_tokens": 5000})):
+            with pytest.raises(ValueError, match=r"truncate_prompt_tokens=5000 is more than max_model_len=16"):
+                small.generate(prompts_of([3])[0], how["sampling"], use_tqdm=False,
+                               **({"tokenization_kwargs": how["tokenization_kwargs"]}
+                                  if "tokenization_kwargs" in how else {}))
+    finally:
+        small.shutdown()
 
 
 def test_truncate_prompt_tokens(tiny_ckpt, llm):

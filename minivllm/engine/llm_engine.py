@@ -355,12 +355,16 @@ class LLMEngine:
         Raises:
             ValueError: empty prompt, ids outside ``[0, vocab_size)``, a prompt with no room to
                 generate (``len >= max_model_len``), or ``truncate_prompt_tokens`` not an int
-                >= 1, -1 or None; the message names the value.
+                >= 1, -1 or None, or above ``max_model_len``; the message names the value.
         """
         t = truncate_prompt_tokens
         if t is not None and (not isinstance(t, numbers.Integral) or isinstance(t, bool) or not (t >= 1 or t == -1)):
             raise VLLMValidationError(f"truncate_prompt_tokens={t!r}: must be an int >= 1, -1 (up to max_model_len - 1), "
                                       "or None")
+        if t is not None and t > self.config.max_model_len:  # vLLM refuses it whatever the prompt's length
+            raise VLLMValidationError(f"truncate_prompt_tokens={t} is more than max_model_len={self.config.max_model_len}: "
+                                      f"give at most max_model_len - 1 = {self.config.max_model_len - 1} (room to "
+                                      "generate), or -1 for exactly that", parameter="truncate_prompt_tokens", value=t)
         given_text = None
         _refuse_encoding(prompt, "prompt")
         if isinstance(prompt, dict):
@@ -543,6 +547,7 @@ class LLMEngine:
         kind = params.output_kind if kind is None else kind
         text, ids = self.encode_prompt(prompt, prompt_truncation(tokenization, params),
                                        tokenization.get("add_special_tokens", True))
+        self.check_min_tokens_room(params, len(ids))
         salt = cache_salt_of(prompt)
         self._warn_if_max_tokens_capped(params, len(ids))
         with self._lock:
@@ -608,6 +613,22 @@ class LLMEngine:
         self.output_processor.add_request(RequestState(seq, detok, kind))
         self.scheduler.add(seq)
         return seq
+
+    def check_min_tokens_room(self, params: SamplingParams, prompt_len: int) -> None:
+        """Refuse a request whose ``min_tokens`` cannot be met: with ``max_tokens=None`` it may
+        generate ``max_model_len - prompt_len`` tokens (as vLLM's input processor resolves it,
+        and refuses a larger ``min_tokens`` the same way).
+
+        Raises:
+            VLLMValidationError: naming ``min_tokens``, the prompt's length and the room left.
+        """
+        room = self.config.max_model_len - prompt_len
+        if params.max_tokens is None and params.min_tokens > room:
+            raise VLLMValidationError(
+                f"min_tokens={params.min_tokens} with max_tokens=None: a {prompt_len}-token prompt leaves room for "
+                f"{room} tokens under max_model_len={self.config.max_model_len}, so it could never be met "
+                f"(give min_tokens <= {room}, a shorter prompt, or a larger max_model_len)",
+                parameter="min_tokens", value=params.min_tokens)
 
     def _warn_if_max_tokens_capped(self, params: SamplingParams, prompt_len: int) -> None:
         """Once per engine: a request's ``max_tokens`` will be cut short by ``max_model_len``

@@ -97,7 +97,8 @@ def find_stop(text: str, stops: list[str], after: int) -> tuple[int, str] | None
 def update_text(state: RequestState) -> str | None:
     """Detokenise new tokens; returns the stop string found, if any (text is cut before it,
     or after it with ``include_stop_str_in_output``). A stop token's (eos or a
-    ``stop_token_ids`` entry) own text is left out of the text, as in vLLM."""
+    ``stop_token_ids`` entry) own text is left out of the text unless
+    ``include_stop_str_in_output``, as in vLLM."""
     seq = state.seq
     if state.detokenizer is None:
         return None
