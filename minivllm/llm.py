@@ -65,7 +65,7 @@ _NANO_ENGINE_CALLS = {
     "step": "llm.llm_engine.step() (it returns a list of RequestOutputs, not nano-vllm's (outputs, num_tokens): the "
             "step's token counts are llm.llm_engine.last_step_record.num_prefill_tokens / num_decode_tokens, or "
             "step_with_record() returns both)",
-    "is_finished": "not llm.llm_engine.has_unfinished_requests()",
+    "is_finished": "use `not llm.llm_engine.has_unfinished_requests()`",
     "exit": "llm.shutdown() (on the LLM) frees it",
 }
 #: vLLM's calls for pooling (embedding, classification, scoring) models and its metrics API

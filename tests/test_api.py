@@ -64,6 +64,39 @@ def test_unknown_engine_argument_and_bad_model_path(tmp_path):
         LLM(str(tmp_path / "nowhere"))
 
 
+def test_a_hub_id_loads_from_the_hugging_face_cache_and_otherwise_says_how_to_get_it(tmp_path, monkeypatch):
+    """A vLLM script names its model by Hub id; vLLM finds a cached snapshot offline, minivllm said
+    "no such directory". Now the id resolves to the cache's snapshot, and a missing one is named with
+    the download command."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from minivllm.utils.model_source import EMBEDDED_MODEL_DIR, resolve_model
+
+    monkeypatch.chdir(tmp_path)  # "acme/tiny-qwen3" is no path here
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError, match=r"'acme/tiny-qwen3' is not in the Hugging Face Hub cache.*"
+                                                r"hf download acme/tiny-qwen3 --local-dir DIR"):
+        resolve_model("acme/tiny-qwen3")
+    repo = tmp_path / "hub" / "models--acme--tiny-qwen3"
+    shutil.copytree(EMBEDDED_MODEL_DIR, repo / "snapshots" / "0123abcd")  # the cache's layout
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    source = resolve_model("acme/tiny-qwen3")
+    assert source.checkpoint_dir == repo / "snapshots" / "0123abcd" and source.tokenizer_dir == source.checkpoint_dir
+    llm = LLM("acme/tiny-qwen3", enforce_eager=True)
+    try:
+        ref = LLM("minivllm-tiny", enforce_eager=True)
+        try:
+            assert (llm.generate("The list type", greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+                    == ref.generate("The list type", greedy(4), use_tqdm=False)[0].outputs[0].token_ids)
+        finally:
+            ref.shutdown()
+    finally:
+        llm.shutdown()
+
+
 def test_stream_deltas_join_to_final_text(tiny_ckpt):
     llm = make_llm(tiny_ckpt)
     prompts = prompts_of([4, 7], seed=12)

@@ -780,7 +780,7 @@ def test_the_quantization_summary_says_slower_for_a_ratio_below_one_and_formats_
     lines = []
     print_quantization(r, log=lines.append)
     text = "\n".join(lines)
-    assert "int8 vs float32: 4.17x slower per decode token (median ITL ratio 0.24x)" in text
+    assert "int8 vs float32: 4.17x slower per decode token (median ITL float32 / int8: 0.24x)" in text
     assert "load 1.82 / 1.30 / 1.00 -> 1.00 / 1.00 / 1.00" in text
     r.speedup = 2.5
     lines.clear()

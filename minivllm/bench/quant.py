@@ -185,7 +185,8 @@ def print_quantization(r: QuantizationResult, log=print) -> None:
             f"weights {f['weight_bytes'] / 2**20:.0f} MiB, {f['bytes_per_step'] / 2**20:.0f} MiB/step -> "
             f"{f['achieved_bytes_per_s'] / 1e9:.2f} GB/s{mbu}")
     way = f"{r.speedup:.2f}x faster" if r.speedup >= 1 else f"{1 / r.speedup:.2f}x slower"
-    log(f"  {r.quantization} vs {r.dtype}: {way} per decode token (median ITL ratio {r.speedup:.2f}x)")
+    log(f"  {r.quantization} vs {r.dtype}: {way} per decode token (median ITL {r.dtype} / {r.quantization}: "
+        f"{r.speedup:.2f}x)")
     a = r.agreement
     log(f"  greedy agreement ({a['num_prompts']} prompts x {a['max_tokens']} tokens): {a['prefix_agreement']:.1%} "
         f"of tokens before the first difference, {a['position_agreement']:.1%} position-wise, "

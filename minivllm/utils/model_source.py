@@ -1,9 +1,11 @@
-"""Where a model comes from: the embedded checkpoint, a local directory, or a random preset."""
+"""Where a model comes from: the embedded checkpoint, a local directory (or a Hub id's snapshot in the
+Hugging Face cache), or a random preset."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +95,8 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     ``None`` -> ``$MINIVLLM_MODEL`` if set, else the embedded model; ``"minivllm-tiny"``
     -> the embedded model (``"minivllm-tiny-draft"``: its embedded draft model); ``"random:<preset>"`` -> a packaged config with random weights
     and the embedded tokenizer; anything else must be a local Hugging Face checkpoint
-    directory (nothing is downloaded at run time).
+    directory, or a Hub id (``org/name``, not an existing path) whose snapshot is in the Hugging
+    Face Hub cache, as vLLM finds it there offline (nothing is downloaded at run time).
 
     Raises:
         FileNotFoundError: the path does not exist or has no config.json.
@@ -123,13 +126,19 @@ def _resolve_named(name: str) -> ModelSource:
         cfg = load_preset_config(name[len(RANDOM_PREFIX):])
         return ModelSource(name, cfg, None, EMBEDDED_MODEL_DIR, _eos_ids(EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_DIR))
     directory = EMBEDDED_CHECKPOINTS.get(name) or Path(name).expanduser()
+    if not directory.exists() and _HUB_ID.fullmatch(name):
+        directory = _hub_cache_snapshot(name) or directory
     if not (directory / "config.json").is_file():
         # a missing directory is named as such: "no config.json in it" sent people looking inside it
         what = ("no config.json in" if directory.is_dir() else "a file, not a checkpoint directory:"
                 if directory.exists() else "no such directory:")
+        hub = (f" {name!r} is not in the Hugging Face Hub cache either: download it where there is internet "
+               f"(`hf download {name} --local-dir DIR`, or into the cache without --local-dir) and give DIR."
+               if not directory.exists() and _HUB_ID.fullmatch(name) else "")
         raise FileNotFoundError(
-            f"model {name!r}: {what} {str(directory)!r}. Give a local Hugging Face checkpoint "
-            f"directory, {EMBEDDED_MODEL_NAME!r}, or 'random:<preset>' (nothing is downloaded at run time).")
+            f"model {name!r}: {what} {str(directory)!r}.{hub} Give a local Hugging Face checkpoint "
+            f"directory, a Hub id already in the Hub cache, {EMBEDDED_MODEL_NAME!r}, or 'random:<preset>' "
+            "(nothing is downloaded at run time).")
     try:
         cfg = AutoConfig.from_pretrained(directory)
     except (OSError, ValueError) as e:  # transformers' "not a valid JSON file" is an OSError
@@ -144,6 +153,22 @@ def _resolve_named(name: str) -> ModelSource:
             "quantizes them itself with quantization='int8'")
     tokenizer_dir = directory if _has_tokenizer(directory) else None
     return ModelSource(name, cfg, directory, tokenizer_dir, _eos_ids(directory, tokenizer_dir))
+
+
+#: a Hugging Face Hub model id, ``org/name`` (a path that does not exist is tried as one)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _hub_cache_snapshot(repo_id: str) -> Path | None:
+    """The Hugging Face Hub cache's snapshot of ``repo_id`` at its ``main`` revision (where
+    ``hf download``, transformers or vLLM left it: ``$HF_HUB_CACHE``, by default
+    ``~/.cache/huggingface/hub``), or None. ``local_files_only``: nothing is downloaded."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached, an id the Hub would refuse, or no huggingface_hub
+        return None
 
 
 def _has_tokenizer(directory: Path) -> bool:
