@@ -24,11 +24,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers_*.py
 
-from helpers_nbval import shut_kernels_down_gracefully  # noqa: E402
 from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.utils.model_source import EMBEDDED_MODEL_DIR  # noqa: E402
-
-shut_kernels_down_gracefully()  # the notebooks' kernels clean up after themselves (helpers_nbval)
 
 
 @pytest.fixture(autouse=True)

@@ -54,3 +54,13 @@ def test_a_notebook_kernel_stopped_by_nbval_leaves_no_temporary_files(tmp_path):
         assert sorted(p.name for p in tmp.iterdir()) == []
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_course_notebooks_conftest_installs_it():
+    """``pytest --nbval-lax notebooks/`` loads notebooks/conftest.py alone (not tests/conftest.py):
+    the graceful stop must come from there."""
+    pytest.importorskip("nbval")
+    code = ("import runpy; runpy.run_path('notebooks/conftest.py'); "
+            "from nbval.kernel import RunningKernel; print('GRACEFUL', getattr(RunningKernel.stop, '_graceful', False))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "GRACEFUL True" in res.stdout, res.stderr[-2000:]
