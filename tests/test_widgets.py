@@ -596,6 +596,49 @@ def test_a_browser_that_cannot_start_costs_a_text_snapshot_not_a_hung_kernel(tmp
     assert "Traceback" not in res.stderr  # the server thread's failure is the warning's one line
 
 
+def test_an_export_left_running_by_an_interrupt_is_waited_for_before_the_next(monkeypatch):
+    """kaleido hands results back in order (a task queue, then the next result): an export an
+    interrupt left running, then another, gave the second call the first figure's image."""
+    import queue
+    import threading
+    import time
+
+    import plotly.graph_objects as go
+
+    from widgets import _static
+
+    tasks, results, release = queue.Queue(), queue.Queue(), threading.Event()
+
+    def server():  # kaleido's server thread, one export at a time
+        while True:
+            name = tasks.get()
+            if name == "A":
+                release.wait(30)
+            results.put(name.encode())
+            tasks.task_done()
+
+    threading.Thread(target=server, daemon=True).start()
+
+    def to_image(self, **kw):  # kaleido's call_function: queue the task, wait for every task, take the next result
+        name = self.layout.title.text
+        tasks.put(name)
+        tasks.join()
+        if name == "A":
+            time.sleep(0.5)  # which waiting export takes the next result is up to the scheduler: A comes late
+        return results.get()
+
+    monkeypatch.setattr(go.Figure, "to_image", to_image)
+    monkeypatch.setattr(_static, "_ensure_server", lambda: True)
+    monkeypatch.setattr(_static, "_server_thread_dead", lambda: False)
+    monkeypatch.setattr(_static, "_last_export", None, raising=False)
+    monkeypatch.setattr(_static, "_disabled", False)
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()  # a learner's Interrupt
+    with pytest.raises(KeyboardInterrupt):
+        _static.figure_png(go.Figure(layout_title_text="A"))
+    threading.Timer(0.3, release.set).start()
+    assert _static.figure_png(go.Figure(layout_title_text="B")) == b"B"
+
+
 # -- scheduler timeline ---------------------------------------------------------------------------
 
 

@@ -68,33 +68,39 @@ def _ensure_server() -> bool:
         try:
             import kaleido
 
+            _keep_server_failure(kaleido)  # before the start: the browser may fail at once
+            # plotly passes kaleido options a persistent server cannot take, and says so at every export
+            warnings.filterwarnings("ignore", message="The kopts argument is ignored", category=UserWarning)
             kaleido.start_sync_server(silence_warnings=True)
         except Exception:  # no kaleido, or it cannot start the browser: text fallback
             _disabled = True
             return False
-        _keep_server_failure(getattr(kaleido._global_server, "_thread", None))
         _server_started = True
         return True
 
 
 _server_failure: BaseException | None = None
+_hook_installed = False
 
 
-def _keep_server_failure(thread) -> None:
+def _keep_server_failure(kaleido) -> None:
     """Keep the exception that ends kaleido's server thread (a browser that cannot start) for
     :func:`figure_png` to report in one line, instead of a traceback in whichever cell runs."""
-    if thread is None:
+    global _hook_installed
+    if _hook_installed:
         return
     previous = threading.excepthook
 
     def hook(args):
         global _server_failure
-        if args.thread is thread:
+        if args.thread is not None and args.thread is getattr(getattr(kaleido, "_global_server", None), "_thread",
+                                                              None):
             _server_failure = args.exc_value
         else:
             previous(args)
 
     threading.excepthook = hook
+    _hook_installed = True
 
 
 def image_size(fig, width: int | None = None, height: int | None = None) -> tuple[int, int]:
@@ -120,6 +126,21 @@ def _server_thread_dead() -> bool:
     return thread is not None and not thread.is_alive()
 
 
+_export_lock = threading.Lock()
+# Set when the latest export's thread has finished; unset while one an interrupt left behind runs.
+# (An Event, not Thread.is_alive: Python 3.11's Thread.join, interrupted, marks a running thread stopped.)
+_last_export: threading.Event | None = None
+
+
+def _wait_for(done: threading.Event, deadline: float) -> bool:
+    """Wait for an export's ``done`` while kaleido's server thread lives, until ``deadline``
+    (``time.monotonic()``); True if it finished."""
+    while not done.wait(0.05):
+        if _server_thread_dead() or time.monotonic() > deadline:
+            return False
+    return True
+
+
 def figure_png(fig, width: int | None = None, height: int | None = None) -> bytes | None:
     """PNG bytes of a plotly figure (``Figure`` or ``FigureWidget``), or None when no
     Chrome/kaleido is available or export fails. ``width`` / ``height``: pixels (default: the
@@ -128,33 +149,35 @@ def figure_png(fig, width: int | None = None, height: int | None = None) -> byte
     The export runs in a thread so that a browser that cannot start (kaleido's server thread
     then dies and its export waits forever) costs the caller a fallback, not a hung kernel:
     once the server thread has died, or an export has taken :data:`EXPORT_TIMEOUT_S` seconds,
-    this and every later call return None at once."""
-    global _disabled
+    this and every later call return None at once. One export at a time: kaleido hands its
+    results back in order, so an export left running by an interrupt is waited for before the
+    next starts (else each would take the other's image)."""
+    global _disabled, _last_export
     if not _ensure_server():
         return None
     w, h = image_size(fig, width, height)
     result: list = []
+    done = threading.Event()
 
     def export():
         try:
             result.append(fig.to_image(format="png", width=w, height=h, scale=1))
         except Exception:
             result.append(None)
+        finally:
+            done.set()
 
-    worker = threading.Thread(target=export, name="minivllm-png-export", daemon=True)
-    deadline = time.monotonic() + EXPORT_TIMEOUT_S
-    # The filters are process-wide: set and restored here, never in the worker, which may not return.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # plotly's notes on kaleido options a server ignores
-        worker.start()
-        while worker.is_alive() and not (_server_thread_dead() or time.monotonic() > deadline):
-            worker.join(0.05)
-    if not worker.is_alive():
-        return result[0] if result else None
-    _disabled = True  # the abandoned export stays blocked in its daemon thread
+    with _export_lock:
+        deadline = time.monotonic() + EXPORT_TIMEOUT_S
+        if _last_export is None or _wait_for(_last_export, deadline):
+            _last_export = done
+            threading.Thread(target=export, name="minivllm-png-export", daemon=True).start()
+            if _wait_for(done, deadline):
+                return result[0] if result else None
+        _disabled = True  # the abandoned export stays blocked in its daemon thread
     failure = _server_failure
     why = (f"{type(failure).__name__}: {(failure.args[0] if failure.args else failure)}" if failure
-           else f"no image after {EXPORT_TIMEOUT_S:.0f} s")
+           else "its server thread exited" if _server_thread_dead() else f"no image after {EXPORT_TIMEOUT_S:.0f} s")
     warnings.warn(f"kaleido could not export a chart ({why}); the widgets' saved snapshots draw "
                   "charts as SVG or text instead", RuntimeWarning, stacklevel=2)
     return None
