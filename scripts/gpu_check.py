@@ -1073,8 +1073,7 @@ def run_sections(args) -> int:
                 proc.wait()
                 rc = None
                 cut_by_budget = left < args.section_timeout_s  # the run's end, not its own limit, stopped it
-        wrote_rows = rows_path.exists()
-        got = json.loads(rows_path.read_text()) if wrote_rows else {"rows": [], "environment": {}}
+        got = json.loads(rows_path.read_text()) if rows_path.exists() else {"rows": [], "environment": {}}
         rows_path.unlink(missing_ok=True)
         if got.get("environment") and not payload["environment"]:
             payload["environment"] = got["environment"]
@@ -1092,8 +1091,8 @@ def run_sections(args) -> int:
             if not any(r["status"] == "error" for r in got["rows"]):
                 payload["rows"].append(asdict(Row(name, "section", _describe_exit(rc), "", "error",
                                                   {"log": log_path.name})))
-        elif not wrote_rows:  # a section that checked nothing has not passed
-            why = f"exit status 0 but no rows at {rows_path}"
+        elif not got["rows"]:  # a section that checked nothing has not passed
+            why = f"exit status 0 but no rows in {rows_path}"
             sec.update(status="error", error=why)
             payload["rows"].append(asdict(Row(name, "section", why, "", "error", {"log": log_path.name})))
         else:

@@ -98,8 +98,12 @@ def test_a_relative_out_is_where_the_sections_write_it(script, tmp_path, monkeyp
     assert script.parse_args([]).out == tmp_path / "results" / "gpu_check.json"
 
 
-def test_a_section_that_writes_no_rows_is_an_error(script, tmp_path, monkeypatch):
-    monkeypatch.setattr(script, "_worker_argv", lambda args, name, rows_path: [sys.executable, "-c", "pass"])
+@pytest.mark.parametrize("worker", ["pass", "import json, sys; open(sys.argv[1], 'w').write(json.dumps("
+                                              "{'rows': [], 'environment': {}}))"])
+def test_a_section_that_writes_no_rows_is_an_error(script, tmp_path, monkeypatch, worker):
+    """No rows file, or (as a worker writes one when it starts) an empty one: nothing was checked."""
+    monkeypatch.setattr(script, "_worker_argv", lambda args, name, rows_path: [sys.executable, "-c", worker,
+                                                                                str(rows_path)])
     args = script.parse_args(["--smoke", "--sections", "kernels", "--out", str(tmp_path / "gc.json")])
     assert script.run_sections(args) == 1
     payload = json.loads((tmp_path / "gc.json").read_text())
