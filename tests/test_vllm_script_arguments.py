@@ -199,8 +199,9 @@ def test_request_validation_raises_vllms_validation_error_which_is_a_value_error
 def test_sampling_params_values_that_ask_for_nothing_are_accepted():
     assert SamplingParams(thinking_token_budget=-1, prompt_logprob_start=0, extra_args={"k": 1}).max_tokens == 16
     # extra_args is kept for code that reads it back, as vLLM's field is (it was accepted and dropped)
-    tagged = SamplingParams(extra_args={"tag": "exp-1"})
-    assert tagged.extra_args == {"tag": "exp-1"} and tagged.clone().extra_args == {"tag": "exp-1"}
+    tagged = SamplingParams(extra_args={"tag": "exp-1", "nested": {"k": [1]}})
+    copied = tagged.clone()
+    assert copied.extra_args == tagged.extra_args and copied.extra_args["nested"] is not tagged.extra_args["nested"]
     assert SamplingParams().extra_args is None
     with pytest.raises(ValueError, match=r"extra_args=\['x'\]: must be a dict or None"):
         SamplingParams(extra_args=["x"])
