@@ -72,19 +72,29 @@ def test_a_hub_id_loads_from_the_hugging_face_cache_and_otherwise_says_how_to_ge
 
     from huggingface_hub import constants
 
-    from minivllm.utils.model_source import EMBEDDED_MODEL_DIR, resolve_model
+    from minivllm.utils.model_source import EMBEDDED_MODEL_DIR, resolve_model, with_tokenizer
 
     monkeypatch.chdir(tmp_path)  # "acme/tiny-qwen3" is no path here
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(FileNotFoundError, match=r"'acme/tiny-qwen3' is not in the Hugging Face Hub cache.*"
-                                                r"hf download acme/tiny-qwen3 --local-dir DIR"):
+    with pytest.raises(FileNotFoundError, match=r"If 'acme/tiny-qwen3' is a Hub id, it is not in the Hugging Face "
+                                                r"Hub cache.*hf download acme/tiny-qwen3"):
         resolve_model("acme/tiny-qwen3")
     repo = tmp_path / "hub" / "models--acme--tiny-qwen3"
-    shutil.copytree(EMBEDDED_MODEL_DIR, repo / "snapshots" / "0123abcd")  # the cache's layout
+    snapshot = repo / "snapshots" / "0123abcd"  # the cache's layout
+    snapshot.mkdir(parents=True)
+    for f in EMBEDDED_MODEL_DIR.iterdir():  # first only what a tokenizer or config fetch leaves
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, snapshot / f.name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abcd")
+    with pytest.raises(FileNotFoundError, match=r"snapshot .* has no \*\.safetensors weights.*`hf download acme/"):
+        resolve_model("acme/tiny-qwen3")
+    # tokenizer= takes a cached Hub id too
+    assert with_tokenizer(resolve_model("minivllm-tiny"), "acme/tiny-qwen3").tokenizer_dir == snapshot
+    for f in EMBEDDED_MODEL_DIR.glob("*.safetensors"):
+        shutil.copy(f, snapshot / f.name)
     source = resolve_model("acme/tiny-qwen3")
-    assert source.checkpoint_dir == repo / "snapshots" / "0123abcd" and source.tokenizer_dir == source.checkpoint_dir
+    assert source.checkpoint_dir == snapshot and source.tokenizer_dir == source.checkpoint_dir
     llm = LLM("acme/tiny-qwen3", enforce_eager=True)
     try:
         ref = LLM("minivllm-tiny", enforce_eager=True)

@@ -99,7 +99,8 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     Face Hub cache, as vLLM finds it there offline (nothing is downloaded at run time).
 
     Raises:
-        FileNotFoundError: the path does not exist or has no config.json.
+        FileNotFoundError: the path does not exist or has no config.json (naming the Hub download
+            command where the name is a Hub id), or a Hub id's cached snapshot has no weights.
         ValueError: an unknown random preset, or a config, generation config or tokenizer file that
             does not parse (naming the file); a pre-quantized checkpoint (its config has a
             ``quantization_config``: its weights are not floats; naming the method).
@@ -126,14 +127,20 @@ def _resolve_named(name: str) -> ModelSource:
         cfg = load_preset_config(name[len(RANDOM_PREFIX):])
         return ModelSource(name, cfg, None, EMBEDDED_MODEL_DIR, _eos_ids(EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_DIR))
     directory = EMBEDDED_CHECKPOINTS.get(name) or Path(name).expanduser()
-    if not directory.exists() and _HUB_ID.fullmatch(name):
-        directory = _hub_cache_snapshot(name) or directory
+    cached = _hub_cache_snapshot(name) if not directory.exists() and _HUB_ID.fullmatch(name) else None
+    if cached is not None:
+        if not any(cached.glob("*.safetensors")):  # a snapshot with the config and tokenizer only
+            raise FileNotFoundError(
+                f"model {name!r}: the Hugging Face Hub cache's snapshot {str(cached)!r} has no *.safetensors "
+                f"weights (an earlier run fetched only its config or tokenizer): `hf download {name}`, where there "
+                "is internet, completes it (nothing is downloaded at run time)")
+        directory = cached
     if not (directory / "config.json").is_file():
         # a missing directory is named as such: "no config.json in it" sent people looking inside it
         what = ("no config.json in" if directory.is_dir() else "a file, not a checkpoint directory:"
                 if directory.exists() else "no such directory:")
-        hub = (f" {name!r} is not in the Hugging Face Hub cache either: download it where there is internet "
-               f"(`hf download {name} --local-dir DIR`, or into the cache without --local-dir) and give DIR."
+        hub = (f" If {name!r} is a Hub id, it is not in the Hugging Face Hub cache either: download it where there "
+               f"is internet (`hf download {name}` into the cache, or with `--local-dir DIR` and give DIR)."
                if not directory.exists() and _HUB_ID.fullmatch(name) else "")
         raise FileNotFoundError(
             f"model {name!r}: {what} {str(directory)!r}.{hub} Give a local Hugging Face checkpoint "
@@ -178,7 +185,8 @@ def _has_tokenizer(directory: Path) -> bool:
 def with_tokenizer(source: ModelSource, tokenizer: str | os.PathLike | None) -> ModelSource:
     """``source`` with ``LLM(tokenizer=...)`` applied: ``None`` or the model's own name -> ``source``
     itself; an embedded model's name -> its directory; else a local directory holding Hugging Face
-    tokenizer files (``tokenizer.json`` or ``tokenizer_config.json``; nothing is downloaded). The
+    tokenizer files (``tokenizer.json`` or ``tokenizer_config.json``), or a Hub id whose snapshot in
+    the Hugging Face Hub cache holds them (nothing is downloaded). The
     end-of-sequence ids follow the same rule as the model's own: its generation_config.json if it
     has one, else the given tokenizer's.
 
@@ -194,6 +202,8 @@ def with_tokenizer(source: ModelSource, tokenizer: str | os.PathLike | None) -> 
                 f"({EMBEDDED_MODEL_NAME!r} for the embedded model's).")
         return source
     directory = EMBEDDED_CHECKPOINTS.get(str(tokenizer)) or Path(tokenizer).expanduser()
+    if not directory.exists() and _HUB_ID.fullmatch(str(tokenizer)):  # a Hub id: its cached snapshot, if any
+        directory = _hub_cache_snapshot(str(tokenizer)) or directory
     if not _has_tokenizer(directory):
         raise FileNotFoundError(
             f"tokenizer {str(tokenizer)!r}: no tokenizer.json or tokenizer_config.json in {str(directory)!r}. Give a "
