@@ -96,12 +96,52 @@ print(model.model.layers[0])
 # * a residual add, `post_attention_layernorm`, then the `mlp`: SwiGLU,
 #   `down_proj(silu(gate) * up)` where `gate_up_proj` computes gate and up in one matmul.
 #
-# minivllm packs q/k/v into one matrix and gate/up into another (one big matmul usually runs
-# faster than three small ones: fewer launches, better use of the hardware; this chapter does not
-# measure it); the loader copies Hugging Face checkpoints' separate `q_proj`, `k_proj`, ...
-# into slices of them. Grouped-query attention (GQA): there are fewer key/value heads than query heads, and
-# each key/value head serves a group of query heads, which shrinks the KV cache (chapter 03).
+# minivllm packs q/k/v into one matrix and gate/up into another; the loader copies Hugging Face
+# checkpoints' separate `q_proj`, `k_proj`, ... into slices of them. Grouped-query attention (GQA):
+# there are fewer key/value heads than query heads, and each key/value head serves a group of query
+# heads, which shrinks the KV cache (chapter 03).
 #
+# Why pack? One matmul over the packed matrix does the same arithmetic as three over its slices, but
+# it is one call instead of three (each call has a fixed cost: dispatch, and on a GPU a kernel launch)
+# and one wider output the hardware can fill better. The cell below times both on this device, with
+# `torch.nn.functional.linear` on random weights of `qkv_proj`'s shape, for one token's row (a decode
+# step) and for 64 rows (a prefill chunk). Timings are medians of `torch.utils.benchmark`'s repeated runs.
+
+# %%
+from torch.utils import benchmark
+
+F = torch.nn.functional
+nq_, nkv_, hd_ = hf.num_attention_heads, hf.num_key_value_heads, model.head_dim
+gen = torch.Generator(device=engine.config.device).manual_seed(0)
+make = dict(device=engine.config.device, dtype=engine.config.dtype, generator=gen)
+W_qkv = torch.randn((nq_ + 2 * nkv_) * hd_, hf.hidden_size, **make)  # qkv_proj's weight: (out, in)
+W_q, W_k, W_v = (w.contiguous() for w in W_qkv.split([nq_ * hd_, nkv_ * hd_, nkv_ * hd_]))
+
+
+def median_us(fn) -> float:
+    """Median time of one call of ``fn``, microseconds (benchmark.Timer syncs a GPU)."""
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.3).median * 1e6
+
+
+packing = {}
+for rows in (1, 64):
+    x = torch.randn(rows, hf.hidden_size, **make)
+    packed = median_us(lambda: F.linear(x, W_qkv))
+    apart = median_us(lambda: (F.linear(x, W_q), F.linear(x, W_k), F.linear(x, W_v)))
+    packing[rows] = (packed, apart)
+    print(f"{rows:>2} row(s) x {hf.hidden_size}: one packed {tuple(W_qkv.shape)} matmul {packed:7.1f} us, "
+          f"three (q, k, v) {apart:7.1f} us  -> three take {apart / packed:.2f}x")
+
+# %%
+ratio = {r: a_ / p_ for r, (p_, a_) in packing.items()}  # > 1: the packed matmul was faster
+verdicts = [f"**{x:.2f}x** faster than the three at {r} row(s)" if x > 1.05 else
+            f"**{1 / x:.2f}x** slower than the three at {r} row(s)" if x < 1 / 1.05 else
+            f"as fast as the three within 5% at {r} row(s) ({x:.2f}x)" for r, x in ratio.items()]
+_ = render(f"Here ({RUN}), the packed matmul was {' and '.join(verdicts)}. "
+           + ("Packing paid off more at one row than at 64: there each call has little work, so its fixed cost "
+              "weighs most." if ratio[1] > ratio[64] else "Packing did not pay off more at one row than at 64 here."))
+
+# %% [markdown]
 # ### Exercise 1 · One decoder layer's parameters
 #
 # The printout above gives everything you need: the hidden size, the head counts and head
