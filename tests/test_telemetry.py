@@ -54,6 +54,35 @@ def test_sampler_samples_on_perf_counter_clock_and_stops():
     assert s.samples == []
 
 
+def test_an_interrupt_while_the_sampler_stops_leaves_one_sampling_thread(monkeypatch):
+    """Python 3.11's Thread.join, interrupted, marks the thread stopped though it runs: the sampler
+    then read as not running, start() cleared the stop event the old thread was about to see and
+    started a second thread, and the first sampled on forever."""
+    import os
+    import signal
+
+    s = UtilisationSampler(period_s=0.01, device="cpu")
+    in_sample, take = threading.Event(), s._take
+
+    def slow_take(*args, **kwargs):
+        if not kwargs.get("final"):
+            in_sample.set()
+            time.sleep(1.0)
+        return take(*args, **kwargs)
+
+    monkeypatch.setattr(s, "_take", slow_take)
+    s.start()
+    assert in_sample.wait(5)
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()  # a learner's Interrupt
+    with pytest.raises(KeyboardInterrupt):
+        s.stop()
+    assert s.running  # still inside its sample
+    s.start()  # a no-op while it runs
+    s.stop()
+    assert not s.running
+    assert [t for t in threading.enumerate() if t.name == "minivllm-utilisation"] == []
+
+
 def test_sampler_rejects_bad_args():
     with pytest.raises(ValueError, match="period_s"):
         UtilisationSampler(period_s=0)

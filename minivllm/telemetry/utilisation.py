@@ -125,6 +125,9 @@ class UtilisationSampler:
         self._samples: list[UtilisationSample] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # Set by the sampling thread as it ends. Not Thread.is_alive: Python 3.11's Thread.join,
+        # interrupted (a learner's Interrupt during stop()), marks a thread that still runs stopped.
+        self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml = None
         self._nvml_handle = None
@@ -150,7 +153,7 @@ class UtilisationSampler:
     @property
     def running(self) -> bool:
         """Whether the sampling thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._done.is_set()
 
     def start(self) -> "UtilisationSampler":
         """Start sampling every ``period_s`` in a daemon thread (no-op if running); returns self."""
@@ -164,8 +167,10 @@ class UtilisationSampler:
         self._taken_this_run = False  # stop() keeps a final sample only when the run has none
         if self.device.startswith("cuda"):
             self._init_nvml()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="minivllm-utilisation", daemon=True)
+        # each thread its own events: clearing a shared one would revive a thread still ending
+        self._stop, self._done = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._stop, self._done), name="minivllm-utilisation",
+                                        daemon=True)
         self._thread.start()
         return self
 
@@ -174,7 +179,8 @@ class UtilisationSampler:
         if self._thread is None:
             return
         self._stop.set()
-        self._thread.join()
+        self._done.wait()  # an interrupt here leaves the sampler as it was: stop() again finishes it
+        self._thread.join()  # only its exit is left
         self._thread = None
         self._take(final=True)  # final sample covers the tail of the workload
         if self._nvml is not None:
@@ -210,9 +216,12 @@ class UtilisationSampler:
             self._samples.clear()
 
     # --- internals ---
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self._take()
+    def _run(self, stop: threading.Event, done: threading.Event) -> None:
+        try:
+            while not stop.wait(self.period_s):
+                self._take()
+        finally:
+            done.set()
 
     def _init_nvml(self) -> None:
         try:
