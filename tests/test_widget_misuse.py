@@ -936,3 +936,130 @@ def test_latency_model_refuses_a_bool_count():
                          r2=1.0, n_points=4)
     with pytest.raises(ValueError, match="batch=True: must be a positive int"):
         model.predict(4, 8, batch=True)
+
+
+# -- interrupts at the widgets' slow or unguarded points (an interrupt audit, 2026-12-07) --------------
+
+
+def test_an_interrupt_in_a_first_steps_peaks_measurement_runs_no_step(llm, monkeypatch):
+    """The stepper measured the machine's peaks (seconds, the first time) after the step: an interrupt
+    there said "rolled back" while the step had run, and it was missing from the widget's history."""
+    import minivllm.telemetry.peaks as peaks_mod
+    from widgets import EngineStepper
+
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine, "peaks", None)
+    real, calls = peaks_mod.get_peaks, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Kernel > Interrupt while the peaks are measured
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(peaks_mod, "get_peaks", interrupted)
+    s = EngineStepper(llm)
+    s.add_request(ids(8), max_tokens=3, ignore_eos=True)
+    before = engine.step_index
+    s.step_button.click()
+    assert "rolled back" in s.last_message and engine.step_index == before and s.steps == []
+    s.step_button.click()
+    assert [r.index for r in s.steps] == [before] and s.steps[0].mfu is not None
+    s.reset()
+
+
+def test_an_interrupt_after_the_step_ran_keeps_it_and_says_so(llm, monkeypatch):
+    from widgets import EngineStepper
+
+    s = EngineStepper(llm)
+    s.add_request(ids(8), max_tokens=3, ignore_eos=True)
+    s.step()  # the peaks are resolved: what is slow now is redrawing the views
+    engine = llm.llm_engine
+
+    def interrupted(record):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(s, "_notify", interrupted)
+    s.step_button.click()
+    assert s.steps[-1].index == engine.step_index - 1
+    assert f"interrupted after engine step {engine.step_index - 1} ran (it is recorded" in s.last_message
+    monkeypatch.undo()
+    s.reset()
+
+
+def _interrupt_on_call(monkeypatch, owner, name: str, n: int) -> None:
+    """Make ``owner.name`` raise KeyboardInterrupt on its ``n``-th call (a learner's Interrupt there)."""
+    real, calls = getattr(owner, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+def test_an_interrupt_between_a_measurements_adds_leaves_nothing_queued(llm, monkeypatch):
+    """run_requests and the chunked-prefill demo added their requests before their cleanup's try:
+    an interrupt between two adds left the first queued, and every later measurement refused."""
+    from widgets.chunked_prefill_demo import itl_around_long_prompt
+    from widgets.measure import run_requests
+
+    engine = llm.llm_engine
+    _interrupt_on_call(monkeypatch, engine, "add_request", 2)
+    with pytest.raises(KeyboardInterrupt):
+        run_requests(llm, [ids(8), ids(8, start=3)], max_tokens=2)
+    assert not engine.has_unfinished_requests()
+    monkeypatch.undo()
+    _interrupt_on_call(monkeypatch, engine, "add_request", 2)
+    with pytest.raises(KeyboardInterrupt):
+        itl_around_long_prompt(llm, num_decoders=2, decoder_prompt_len=8, decode_tokens=4, long_prompt_len=16,
+                               arrive_after=1)
+    assert not engine.has_unfinished_requests()
+
+
+def test_an_interrupt_while_the_utilisation_monitor_starts_leaves_no_request_or_sampler(llm, monkeypatch):
+    import threading
+
+    from minivllm.telemetry.utilisation import UtilisationSampler
+    from widgets import UtilisationMonitor
+
+    engine = llm.llm_engine
+    mon = UtilisationMonitor(llm, num_requests=3, prompt_len=8, max_tokens=2, period_s=0.02)
+    _interrupt_on_call(monkeypatch, engine, "add_request", 2)
+    with pytest.raises(KeyboardInterrupt):
+        mon.run()
+    assert not engine.has_unfinished_requests()
+    monkeypatch.undo()
+    real_start = UtilisationSampler.start
+
+    def start_then_interrupt(self):
+        real_start(self)
+        raise KeyboardInterrupt  # at the end of start(): the thread runs
+
+    monkeypatch.setattr(UtilisationSampler, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        mon.run()
+    assert not engine.has_unfinished_requests()
+    time.sleep(0.1)
+    assert not [t for t in threading.enumerate() if t.name == "minivllm-utilisation"]
+    monkeypatch.undo()
+    assert mon.run()  # and the next run works
+
+
+def test_an_interrupt_while_a_button_disables_itself_does_not_leave_it_disabled(llm, monkeypatch):
+    """The latency calculator and the chunked-prefill demo disabled their button before their try:
+    an interrupt while the change reached the browser left it disabled for good."""
+    from widgets import LatencyCalculator
+
+    calc = LatencyCalculator(llm, sweeps={llm.llm_engine.source.name: _rows_with_r2(True)})
+
+    def interrupt_on_disable(change):
+        if change["new"]:
+            raise KeyboardInterrupt
+
+    calc.measure_button.observe(interrupt_on_disable, "disabled")
+    with pytest.raises(KeyboardInterrupt):
+        calc.measure()
+    assert calc.measure_button.disabled is False

@@ -170,8 +170,8 @@ def figure_png(fig, width: int | None = None, height: int | None = None) -> byte
     with _export_lock:
         deadline = time.monotonic() + EXPORT_TIMEOUT_S
         if _last_export is None or _wait_for(_last_export, deadline):
-            _last_export = done
             threading.Thread(target=export, name="minivllm-png-export", daemon=True).start()
+            _last_export = done  # once it runs: an event no thread will set would stall the next export
             if _wait_for(done, deadline):
                 return result[0] if result else None
         _disabled = True  # the abandoned export stays blocked in its daemon thread

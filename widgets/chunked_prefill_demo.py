@@ -48,13 +48,13 @@ def itl_around_long_prompt(llm, num_decoders: int = 3, decoder_prompt_len: int =
     engine.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
     ids = [f"chunk-demo-dec-{i}" for i in range(num_decoders)]
-    for rid in ids:
-        engine.add_request(rid, random_prompt(engine, decoder_prompt_len, rng), params)
-    seqs = {rid: engine.requests[rid].seq for rid in ids}
     long_id = "chunk-demo-long"
     arrival = None
     prefill_steps = 0
-    try:
+    try:  # the adds too: an interrupt between two leaves none queued (aborting one never added is a no-op)
+        for rid in ids:
+            engine.add_request(rid, random_prompt(engine, decoder_prompt_len, rng), params)
+        seqs = {rid: engine.requests[rid].seq for rid in ids}
         with heap_frozen():  # the steps' times are the engine's, not a full collection's (minivllm.utils.gc_heap)
             step = 0
             while engine.has_unfinished_requests():
@@ -167,8 +167,10 @@ class ChunkedPrefillDemo(CourseWidget):
     def _on_run(self, _button) -> None:
         """The button: a refused run (a busy engine, a scenario that does not fit) is said in the
         readout; a click handler's exception would only reach the kernel's log."""
-        self.run_button.disabled = True  # a second click while it runs would queue a second run behind it
         try:
+            # a second click while it runs would queue a second run behind it; set inside the try: an
+            # interrupt while the change is sent must not leave the button disabled
+            self.run_button.disabled = True
             self.run()
         except ValueError as e:
             self.readout.value = error_box(str(e))

@@ -414,14 +414,18 @@ class EngineStepper(CourseWidget):
                 self.render()
             return None
         self._ensure_sampler()
+        # Before the step: a first measurement of the peaks takes seconds, and an interrupt there must
+        # find no step run (after it, the step would be lost from this widget's history).
+        if getattr(self.engine, "peaks", None) is None:  # else the engine fills the record's MFU itself
+            self._roofline_inputs()
         with heap_frozen():  # the step's time is the engine's, not a full collection's (minivllm.utils.gc_heap)
             record = self.engine.step_with_record().record
         # the record's index follows the last step this widget saw unless others ran in between
         outside = self._count_outside(record.index)
         self._engine_steps_seen = record.index + 1
-        self._fill_roofline(record)
-        self.steps.append(record)
+        self.steps.append(record)  # before anything slow: whatever an interrupt cuts short below, the step is kept
         self._step_threads[record.index] = torch.get_num_threads()  # the chart's title names what the steps ran with
+        self._fill_roofline(record)
         self._message(f"engine step {record.index}: {record.phase}, {record.num_prefill_tokens} prefill + "
                       f"{plural(record.num_decode_tokens, 'decode token')} in {fmt_ms(record.wall_ms)}"
                       + self._outside_note(outside))
@@ -516,14 +520,21 @@ class EngineStepper(CourseWidget):
         this machine's measured peaks)."""
         if record.mfu is not None or record.num_tokens == 0:
             return
+        from minivllm.telemetry.roofline import fill_step_record
+
+        self._roofline_inputs()
+        fill_step_record(record, self._cost, self._peaks)
+
+    def _roofline_inputs(self) -> None:
+        """The model's cost and this machine's peaks for :meth:`_fill_roofline` (a first
+        ``get_peaks`` measures them: seconds)."""
         from minivllm.telemetry.peaks import get_peaks
-        from minivllm.telemetry.roofline import engine_cost, fill_step_record
+        from minivllm.telemetry.roofline import engine_cost
 
         if self._cost is None:
             self._cost = engine_cost(self.engine)
         if self._peaks is None:
             self._peaks = get_peaks(self.engine.config.device, self.engine.config.dtype)
-        fill_step_record(record, self._cost, self._peaks)
 
     # -- events -------------------------------------------------------------------------------
     def _message(self, text: str, error: bool = False) -> None:
@@ -544,11 +555,14 @@ class EngineStepper(CourseWidget):
 
     def _on_step(self, _):
         # a click's exception would only reach the kernel's log: say it here (the engine rolled the step back)
+        before = getattr(self.engine, "step_index", None)
         try:
             self.step()
         except KeyboardInterrupt:
-            self._message("step interrupted (a step cut short is rolled back: the engine stays consistent)",
-                          error=True)
+            after = getattr(self.engine, "step_index", None)
+            self._message(f"interrupted after engine step {after - 1} ran (it is recorded; the engine is consistent)"
+                          if before is not None and after is not None and after > before else
+                          "step interrupted (a step cut short is rolled back: the engine stays consistent)", error=True)
         except Exception as e:
             self._message(f"the step raised {type(e).__name__}: {e} (rolled back)", error=True)
 

@@ -190,8 +190,8 @@ class LatencyCalculator(CourseWidget):
     def measure(self) -> dict:
         """Run the current point on the engine and record the measured means."""
         name, p, r, b = self.point
-        self.measure_button.disabled = True
         try:
+            self.measure_button.disabled = True  # inside: an interrupt while it is sent must not leave it disabled
             m = measure_request_latency(self.llms[name], p, r, b)
         except ValueError as e:  # replaces an earlier refusal: a second click stacked a second copy
             self._error = error_box(str(e))

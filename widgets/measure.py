@@ -59,13 +59,11 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, 
     engine = engine_of(llm)
     _require_idle(engine)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = []
-    for p in prompts:
-        rid = _new_id("measure")
-        engine.add_request(rid, p, params, output_kind="final_only")  # as LLM.generate does
-        ids.append(rid)
+    ids = [_new_id("measure") for _ in prompts]
     final, records = {}, []
-    try:
+    try:  # the adds too: an interrupt between two leaves none queued (aborting one never added is a no-op)
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, params, output_kind="final_only")  # as LLM.generate does
         with heap_frozen():  # a full collection of the process's heap is not the step (minivllm.utils.gc_heap)
             while engine.has_unfinished_requests():
                 res = engine.step_with_record()

@@ -142,18 +142,20 @@ class UtilisationMonitor(CourseWidget):
             for rid in ids:
                 engine.add_request(rid, random_prompt(engine, int(self.prompt_len.value), rng), params,
                                    output_kind="final_only")
-        except ValueError as e:  # a prompt length the engine cannot take: said here, nothing left queued
+        except BaseException as e:  # a prompt length the engine cannot take, or an interrupt: nothing left queued
             for rid in ids:
                 engine.abort_request(rid)
+            if not isinstance(e, ValueError):
+                raise
             self.readout.value = error_box(str(e))
             return []
         self.records = []
         self.interrupted = False
         t0 = time.perf_counter()
         last = t0
-        sampler.start()
-        self._running_live = True
-        try:
+        try:  # from the sampler's start: an interrupt inside it must still stop it and free the requests
+            sampler.start()
+            self._running_live = True
             with heap_frozen():  # a full collection of the process's heap is not a step (minivllm.utils.gc_heap)
                 while engine.has_unfinished_requests():
                     rec = engine.step_with_record().record

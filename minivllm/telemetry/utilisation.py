@@ -169,16 +169,17 @@ class UtilisationSampler:
             self._init_nvml()
         # each thread its own events: clearing a shared one would revive a thread still ending
         self._stop, self._done = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(self._stop, self._done), name="minivllm-utilisation",
-                                        daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, args=(self._stop, self._done), name="minivllm-utilisation",
+                                  daemon=True)
+        thread.start()
+        self._thread = thread  # only once it runs: stop() waits for what _thread names to end
         return self
 
     def stop(self) -> None:
         """Stop the thread and take a final sample (covering the run's tail); no-op when not started."""
+        self._stop.set()  # first: also ends a thread an interrupted start() left unrecorded
         if self._thread is None:
             return
-        self._stop.set()
         self._done.wait()  # an interrupt here leaves the sampler as it was: stop() again finishes it
         self._thread.join()  # only its exit is left
         self._thread = None
