@@ -30,6 +30,7 @@ Timing: ``time.perf_counter`` on CPU; CUDA events around the work, after a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import numbers
 import os
@@ -258,62 +259,67 @@ def measure_peaks(
         raise ValueError(f"matmul_size, copy_bytes and read_bytes must be positive, got {n!r}, {nbytes!r}, {rbytes!r}")
     time_it = _timer(dev)
 
-    # Matmul: 2 n^3 FLOPs (n^2 outputs, n multiply-adds each). Several matmuls per
-    # timed run on CUDA so launch latency does not count.
-    a = torch.randn(n, n, device=dev, dtype=torch.float32).to(dt)
-    b = torch.randn(n, n, device=dev, dtype=torch.float32).to(dt)
-    out = torch.empty(n, n, device=dev, dtype=dt)
-    inner = 10 if cuda else 1
+    # The buffers (up to 1 GiB each) are freed in `finally`: an interrupt's traceback, which IPython keeps,
+    # holds this frame, and with it whatever its names still point to.
+    a = b = out = src = dst = big = total = first = second = None
+    try:
+        # Matmul: 2 n^3 FLOPs (n^2 outputs, n multiply-adds each). Several matmuls per
+        # timed run on CUDA so launch latency does not count.
+        a = torch.randn(n, n, device=dev, dtype=torch.float32).to(dt)
+        b = torch.randn(n, n, device=dev, dtype=torch.float32).to(dt)
+        out = torch.empty(n, n, device=dev, dtype=dt)
+        inner = 10 if cuda else 1
 
-    def mm():
-        for _ in range(inner):
-            torch.matmul(a, b, out=out)
+        def mm():
+            for _ in range(inner):
+                torch.matmul(a, b, out=out)
 
-    mm()  # warm-up (kernel selection, page faults)
-    t_mm = min(time_it(mm) for _ in range(repeats))
-    flops = 2.0 * n ** 3 * inner / t_mm
-    del a, b, out
+        mm()  # warm-up (kernel selection, page faults)
+        t_mm = min(time_it(mm) for _ in range(repeats))
+        flops = 2.0 * n ** 3 * inner / t_mm
+        a = b = out = None  # freed before the next phase's buffers
 
-    # Copy: reads and writes nbytes each.
-    numel = max(1, nbytes // 4)
-    src = torch.ones(numel, device=dev, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    copy_inner = 5 if cuda else 1
+        # Copy: reads and writes nbytes each.
+        numel = max(1, nbytes // 4)
+        src = torch.ones(numel, device=dev, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        copy_inner = 5 if cuda else 1
 
-    def cp():
-        for _ in range(copy_inner):
-            dst.copy_(src)
+        def cp():
+            for _ in range(copy_inner):
+                dst.copy_(src)
 
-    cp()  # warm-up touches dst's pages
-    t_cp = min(time_it(cp) for _ in range(repeats))
-    bw = 2.0 * src.numel() * src.element_size() * copy_inner / t_cp
-    del src, dst
+        cp()  # warm-up touches dst's pages
+        t_cp = min(time_it(cp) for _ in range(repeats))
+        bw = 2.0 * src.numel() * src.element_size() * copy_inner / t_cp
+        src = dst = None
 
-    # Read: a reduction reads every byte once and writes one scalar. Two of them, the faster counts: a sum
-    # (one stream) and the dot product of the tensor's two halves (two streams). On the 2-core Xeon
-    # (2026-12-06, one thread, 1 GiB) the sum read 12.2-13.4 GB/s, the dot 16.1-16.9, and the engine's
-    # float32 decode of random:qwen3-0.6b streamed its weights at 15.8-16.1: against the sum alone, its MBU
-    # came out above 100%.
-    big = torch.ones(max(1, rbytes // 4), device=dev, dtype=torch.float32)
-    total = torch.empty((), device=dev, dtype=torch.float32)
-    half = big.numel() // 2
-    first, second = big[:half], big[half:2 * half]
+        # Read: a reduction reads every byte once and writes one scalar. Two of them, the faster counts: a sum
+        # (one stream) and the dot product of the tensor's two halves (two streams). On the 2-core Xeon
+        # (2026-12-06, one thread, 1 GiB) the sum read 12.2-13.4 GB/s, the dot 16.1-16.9, and the engine's
+        # float32 decode of random:qwen3-0.6b streamed its weights at 15.8-16.1: against the sum alone, its MBU
+        # came out above 100%.
+        big = torch.ones(max(1, rbytes // 4), device=dev, dtype=torch.float32)
+        total = torch.empty((), device=dev, dtype=torch.float32)
+        half = big.numel() // 2
+        first, second = big[:half], big[half:2 * half]
 
-    def rd_sum():
-        torch.sum(big, 0, out=total)
+        def rd_sum():
+            torch.sum(big, 0, out=total)
 
-    def rd_dot():
-        torch.dot(first, second, out=total)
+        def rd_dot():
+            torch.dot(first, second, out=total)
 
-    reads = {"sum": (rd_sum, big.numel()), **({"dot": (rd_dot, 2 * half)} if half else {})}  # name: (fn, elements)
-    read_times = {}
-    for name, (fn, _) in reads.items():
-        fn()  # warm-up
-        read_times[name] = min(time_it(fn) for _ in range(repeats))
-    read_method = max(reads, key=lambda name: reads[name][1] / read_times[name])
-    read_numel, t_rd = reads[read_method][1], read_times[read_method]
-    read_bw = read_numel * big.element_size() / t_rd
-    del big, first, second
+        reads = {"sum": (rd_sum, big.numel()), **({"dot": (rd_dot, 2 * half)} if half else {})}  # name: (fn, elements)
+        read_times = {}
+        for name, (fn, _) in reads.items():
+            fn()  # warm-up
+            read_times[name] = min(time_it(fn) for _ in range(repeats))
+        read_method = max(reads, key=lambda name: reads[name][1] / read_times[name])
+        read_numel, t_rd = reads[read_method][1], read_times[read_method]
+        read_bw = read_numel * big.element_size() / t_rd
+    finally:
+        a = b = out = src = dst = big = total = first = second = None
 
     info = {
         "device_name": device_name(dev),
@@ -398,12 +404,15 @@ def get_peaks(device: Any = None, dtype: Any = None, refresh: bool = False, keep
                         measured_at=max((t.removeprefix("by ") for t in when.values() if t is not None), default=None))
             stored = Peaks(best["matmul"][0], best["copy"][0], peaks.device, peaks.dtype, info, best["read"][0])
     cache[key] = stored.to_dict()
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
         with open(tmp, "w") as f:
             json.dump(cache, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home must not break measurement
+    finally:  # written and renamed, or not written: no half-written copy is left (an interrupt mid-dump)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return peaks

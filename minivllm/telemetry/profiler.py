@@ -10,6 +10,8 @@ profiler is process-wide).
 """
 from __future__ import annotations
 
+import contextlib
+
 import gzip
 import itertools
 import logging
@@ -122,7 +124,13 @@ class TorchProfile:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         options = {kw: self.option(key) for key, (_, kw) in PROFILER_OPTIONS.items() if kw is not None}
         profile = torch.profiler.profile(activities=activities, **options)
-        profile.start()
+        try:
+            profile.start()
+        except BaseException:  # an interrupt after torch enabled it: no profiler left on without a handle
+            with contextlib.suppress(Exception):
+                if torch.autograd._profiler_enabled():
+                    profile.stop()
+            raise
         self._profile, self._where, self._prefix = profile, where, profile_prefix or "minivllm"
 
     def stop(self) -> Path:
