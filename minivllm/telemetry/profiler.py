@@ -11,7 +11,6 @@ profiler is process-wide).
 from __future__ import annotations
 
 import contextlib
-
 import gzip
 import itertools
 import logging
