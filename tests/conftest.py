@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 
 # Idle OpenMP threads spin by default; on a 2-core CI machine they steal the cores that the
@@ -85,6 +84,3 @@ def text_ckpt(tmp_path_factory) -> Path:
     return make_hf_checkpoint(tmp_path_factory.mktemp("text"), vocab_size=vocab)
 
 
-def set_generation_eos(checkpoint: Path, eos_id: int) -> Path:
-    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
-    return checkpoint

@@ -174,3 +174,9 @@ class PagedRunner:
         logits = self.model.compute_logits(self.model(ids, pos, ctx))
         assert logits.dtype == torch.float32
         return list(logits.split([len(t) for t in tokens_per_seq]))
+
+
+def set_generation_eos(checkpoint: Path, eos_id: int) -> Path:
+    """Write ``checkpoint``'s generation_config.json with ``eos_id`` as its end-of-sequence id."""
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+    return checkpoint

@@ -121,7 +121,7 @@ def test_max_tokens_one(tiny_ckpt):
 def test_eos_from_generation_config_and_stop_token_ids(tiny_ckpt, tmp_path):
     import shutil
 
-    from conftest import set_generation_eos
+    from helpers_models import set_generation_eos
 
     prompt = [7, 8, 9, 10]
     first = make_llm(tiny_ckpt).generate(prompt, greedy(1), use_tqdm=False)[0].outputs[0].token_ids[0]

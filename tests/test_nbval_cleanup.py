@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,3 +65,11 @@ def test_the_course_notebooks_conftest_installs_it():
             "from nbval.kernel import RunningKernel; print('GRACEFUL', getattr(RunningKernel.stop, '_graceful', False))")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "GRACEFUL True" in res.stdout, res.stderr[-2000:]
+
+
+def test_no_test_imports_from_conftest_by_name():
+    """notebooks/conftest.py and tests/conftest.py are both the module ``conftest``: in a run that
+    loads both, the name means whichever loaded last, and a test's ``from conftest import ...`` read
+    the notebooks' (an ImportError in CI). Shared helpers live in tests/helpers_*.py."""
+    pattern = re.compile(r"^\s*(from conftest import|import conftest\b)", re.M)
+    assert [p.name for p in sorted(TESTS.glob("*.py")) if pattern.search(p.read_text())] == []
