@@ -16,10 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 CELL = """\
+import atexit
+import time
 import plotly.graph_objects as go
 from widgets._static import figure_png
 png = figure_png(go.Figure(go.Bar(x=[1, 2], y=[3, 4])))
 assert png, "no PNG: kaleido did not start"
+# a kernel slow to exit (more than jupyter_client's default 2.5 s before SIGTERM): this handler runs
+# before kaleido's (last registered, first run)
+atexit.register(time.sleep, 4)
 """
 
 CONFTEST = f"""\
