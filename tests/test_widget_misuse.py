@@ -941,6 +941,19 @@ def test_latency_model_refuses_a_bool_count():
 # -- interrupts at the widgets' slow or unguarded points (an interrupt audit, 2026-12-07) --------------
 
 
+def _interrupt_on_call(monkeypatch, owner, name: str, n: int) -> None:
+    """Make ``owner.name`` raise KeyboardInterrupt on its ``n``-th call (a learner's Interrupt there)."""
+    real, calls = getattr(owner, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
 def test_an_interrupt_in_a_first_steps_peaks_measurement_runs_no_step(llm, monkeypatch):
     """The stepper measured the machine's peaks (seconds, the first time) after the step: an interrupt
     there said "rolled back" while the step had run, and it was missing from the widget's history."""
@@ -949,15 +962,7 @@ def test_an_interrupt_in_a_first_steps_peaks_measurement_runs_no_step(llm, monke
 
     engine = llm.llm_engine
     monkeypatch.setattr(engine, "peaks", None)
-    real, calls = peaks_mod.get_peaks, []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise KeyboardInterrupt  # Kernel > Interrupt while the peaks are measured
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(peaks_mod, "get_peaks", interrupted)
+    _interrupt_on_call(monkeypatch, peaks_mod, "get_peaks", 1)  # Kernel > Interrupt while the peaks are measured
     s = EngineStepper(llm)
     s.add_request(ids(8), max_tokens=3, ignore_eos=True)
     before = engine.step_index
@@ -985,19 +990,6 @@ def test_an_interrupt_after_the_step_ran_keeps_it_and_says_so(llm, monkeypatch):
     assert f"interrupted after engine step {engine.step_index - 1} ran (it is recorded" in s.last_message
     monkeypatch.undo()
     s.reset()
-
-
-def _interrupt_on_call(monkeypatch, owner, name: str, n: int) -> None:
-    """Make ``owner.name`` raise KeyboardInterrupt on its ``n``-th call (a learner's Interrupt there)."""
-    real, calls = getattr(owner, name), []
-
-    def wrapped(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == n:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, wrapped)
 
 
 def test_an_interrupt_between_a_measurements_adds_leaves_nothing_queued(llm, monkeypatch):

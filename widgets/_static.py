@@ -68,7 +68,7 @@ def _ensure_server() -> bool:
         try:
             import kaleido
 
-            _keep_server_failure(kaleido)  # before the start: the browser may fail at once
+            _keep_server_failure()  # before the start: the browser may fail at once
             # plotly passes kaleido options a persistent server cannot take, and says so at every export
             warnings.filterwarnings("ignore", message="The kopts argument is ignored", category=UserWarning)
             kaleido.start_sync_server(silence_warnings=True)
@@ -83,7 +83,7 @@ _server_failure: BaseException | None = None
 _hook_installed = False
 
 
-def _keep_server_failure(kaleido) -> None:
+def _keep_server_failure() -> None:
     """Keep the exception that ends kaleido's server thread (a browser that cannot start) for
     :func:`figure_png` to report in one line, instead of a traceback in whichever cell runs."""
     global _hook_installed
@@ -93,8 +93,7 @@ def _keep_server_failure(kaleido) -> None:
 
     def hook(args):
         global _server_failure
-        if args.thread is not None and args.thread is getattr(getattr(kaleido, "_global_server", None), "_thread",
-                                                              None):
+        if args.thread is not None and args.thread is _server_thread():
             _server_failure = args.exc_value
         else:
             previous(args)
@@ -114,15 +113,21 @@ def image_size(fig, width: int | None = None, height: int | None = None) -> tupl
 EXPORT_TIMEOUT_S = 120.0
 
 
-def _server_thread_dead() -> bool:
-    """Whether kaleido's server thread has exited (its browser failed to start, or it crashed).
-    kaleido then queues an export that nothing will take and waits for it forever."""
+def _server_thread() -> threading.Thread | None:
+    """kaleido's server thread, or None (not started, or another kaleido layout: then only the
+    timeout guards an export's wait)."""
     try:
         import kaleido
 
-        thread = getattr(kaleido._global_server, "_thread", None)
-    except Exception:  # another kaleido layout: only the timeout guards the wait
-        return False
+        return getattr(kaleido._global_server, "_thread", None)
+    except Exception:
+        return None
+
+
+def _server_thread_dead() -> bool:
+    """Whether kaleido's server thread has exited (its browser failed to start, or it crashed).
+    kaleido then queues an export that nothing will take and waits for it forever."""
+    thread = _server_thread()
     return thread is not None and not thread.is_alive()
 
 
