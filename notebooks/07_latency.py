@@ -214,11 +214,11 @@ render(f"The last first token{plural} came at step {max(first_step.values())}, t
 # tokens. The latency calculator fits a cost model to these steps: a fixed cost per step plus a cost
 # per prefill token, and a fixed cost per decode step plus a cost per sequence in the batch. It then
 # replays the scheduler's policy (decodes first, then prompt chunks up to the token budget) for any
-# workload. (The fitted prefill "fixed cost" can come out near zero: a prefill step's time grows a
-# little faster than its token count, because each token's attention reads all the tokens before it,
-# so a straight line through such points can meet zero tokens below zero. A negative cost per step
-# would be no cost at all, so the fit fixes such a coefficient at 0 and fits the others again: the
-# calculator then shows 0.00 ms.)
+# workload. (A straight line through the prefill steps can meet zero tokens below zero: where the
+# longest prompts' steps grow faster than their token count, because each token's attention reads
+# all the tokens before it, the line tilts up. A negative cost per step would be no cost at all, so
+# the fit then fixes that coefficient at 0 and fits the others again, and the calculator shows
+# 0.00 ms.)
 
 # %%
 from widgets import measure_decode_batch, measure_step_latency
@@ -500,9 +500,11 @@ check_claim("chunking did not make the long prompt's own first token come sooner
 # reads all the weights again. So chunking does not bring the long prompt's first token sooner, and
 # usually delays it: expect a ratio of 1 or more. How much it adds depends on what each extra step
 # costs beyond its share of the prompt: the other requests' decodes it carries, reading the weights
-# again, and the engine's own work per step. On a large model on a GPU, where a chunk of a few hundred
-# tokens is compute-bound, we expect the ratio to be closer to 1; that is not measured here: run this
-# notebook with `MINIVLLM_MODEL` naming a real checkpoint on a GPU to measure it. The table above gives
+# again, and the engine's own work per step. With a budget of a few hundred tokens or more on a large
+# model on a GPU, where each chunk is compute-bound and costs about its share of the prompt, we expect
+# the ratio to come closer to 1; with this exercise's 64-token budget each chunk sits far below a GPU's
+# ridge point and costs about a whole read of the weights, so there the ratio stays well above 1.
+# Neither is measured here: run this notebook with `MINIVLLM_MODEL` naming a real checkpoint on a GPU. The table above gives
 # this run's figure. For a number before you measure: count the chunk steps (the budget less the
 # decodes each step carries, into 384 tokens) and price each at the sweep's prefill step of a chunk's
 # size, against one 384-token step read between the sweep's 256- and 512-token steps (while the three
