@@ -77,7 +77,8 @@ LACKING_VLLM_ARGS = {
     "stream_interval": ("streaming several tokens per output", lambda v: v not in (None, 1)),
     "reasoning_parser": ("reasoning parsers", bool),
     "kv_transfer_config": ("KV-cache transfer between engines (disaggregated prefill)", lambda v: v is not None),
-    "enable_trace_replay": ("trace replay", bool),
+    "enable_trace_replay": ("trace replay (to score a known continuation: append it to the prompt and ask for "
+                            "SamplingParams(prompt_logprobs=...))", bool),
     "worker_extension_cls": ("worker extensions", bool),
     "attention_config": ("an attention config (the backend is attention_backend=...)", bool),
     "config_format": ("a model config format other than Hugging Face's", lambda v: v not in (None, "auto", "hf")),
@@ -374,6 +375,10 @@ def _vllm_args_taken(kwargs: dict) -> dict:
     if ignored:
         logger.warning("ignoring vLLM engine argument(s) that change nothing in minivllm: %s",
                        ", ".join(f"{k}={kwargs[k]!r}" for k in ignored))
+        if kwargs.get("distributed_executor_backend") == "external_launcher":
+            logger.warning("distributed_executor_backend='external_launcher': under torchrun minivllm joins the "
+                           "job without it, but unlike vLLM only rank 0's LLM(...) returns (with the outputs); "
+                           "on the other ranks it serves as the worker and then exits (README, 'Launching')")
     return {k: v for k, v in kwargs.items() if k not in ignored}
 
 

@@ -591,7 +591,8 @@ class LLM:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every prefix-cache entry (vLLM's ``LLM.reset_prefix_cache``); returns True. The
-        flags are vLLM's; see ``LLMEngine.reset_prefix_cache`` for why neither changes anything here."""
+        flags are vLLM's: ``reset_running_requests=True`` first preempts the running requests (they
+        recompute); see ``LLMEngine.reset_prefix_cache``."""
         return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def shutdown(self) -> None:

@@ -500,7 +500,8 @@ _VLLM_ONLY = {
     "repetition_detection": ("repetition_detection (ending on repeated n-grams)", lambda v, kw: v is not None),
     "skip_reading_prefix_cache": ("skip_reading_prefix_cache (a request that bypasses the prefix cache)",
                                   lambda v, kw: bool(v)),
-    "trace_decode_token_ids": ("trace_decode_token_ids (forced decode tokens)", lambda v, kw: v is not None),
+    "trace_decode_token_ids": ("trace_decode_token_ids (forced decode tokens; to score a known continuation, "
+                               "append it to the prompt and ask for prompt_logprobs)", lambda v, kw: v is not None),
     "routed_experts_prompt_start": ("routed_experts_prompt_start (mixture-of-experts routing data)",
                                     lambda v, kw: bool(v)),
     "skip_clone": ("skip_clone", lambda v, kw: False),  # vLLM's internal copy flag: nothing to turn on here

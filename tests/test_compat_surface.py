@@ -648,6 +648,68 @@ def test_reset_prefix_cache_takes_vllms_flags_mid_run(llm):
     engine.check_invariants()
 
 
+def test_reset_running_requests_preempts_them_to_recompute(llm):
+    """vLLM's reset_kv example resets with reset_running_requests=True mid-run to show preemption: the flag
+    changed nothing here (no request was preempted). Now every running request is preempted (its blocks
+    freed, back to the front of the waiting queue in its order) and finishes with the same greedy tokens."""
+    engine = llm.llm_engine
+    prompts = prompts_of([37, 21, 9], seed=4)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(12))
+    for _ in range(3):
+        engine.step()
+    running = [s.request_id for s in engine.scheduler.running]
+    assert len(running) == 3
+    assert engine.reset_prefix_cache(reset_running_requests=True) is True
+    assert not engine.scheduler.running and [s.request_id for s in engine.scheduler.waiting] == running
+    assert engine.block_manager.num_used_blocks == 0
+    engine.check_invariants()
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [final[f"r{i}"].outputs[0].token_ids for i in range(3)] == want
+    assert [final[f"r{i}"].metrics.num_preemptions for i in range(3)] == [1, 1, 1]
+
+
+def test_an_interrupt_while_reset_preempts_leaves_every_request_running(llm, monkeypatch):
+    engine = llm.llm_engine
+    prompts = prompts_of([17, 25], seed=5)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(10), use_tqdm=False)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", p, greedy(10))
+    engine.step()
+    before = [(s.request_id, list(s.block_table), s.num_computed_tokens) for s in engine.scheduler.running]
+    requeue, calls = engine.scheduler.requeue, []
+
+    def interrupted_second(seq):
+        calls.append(seq.request_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        requeue(seq)
+
+    monkeypatch.setattr(engine.scheduler, "requeue", interrupted_second)
+    with pytest.raises(KeyboardInterrupt):
+        engine.reset_prefix_cache(reset_running_requests=True)
+    monkeypatch.undo()
+    assert [(s.request_id, list(s.block_table), s.num_computed_tokens) for s in engine.scheduler.running] == before
+    engine.check_invariants()
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [final[f"q{i}"].outputs[0].token_ids for i in range(2)] == want
+    assert [final[f"q{i}"].metrics.num_preemptions for i in range(2)] == [0, 0]
+
+
+def test_external_launcher_says_only_rank_0_returns(caplog):
+    """vLLM's torchrun example passes distributed_executor_backend='external_launcher', where every rank gets the
+    outputs; the warning said it "changes nothing", and a script's dist.barrier() after generate hung rank 0."""
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        EngineArgs(distributed_executor_backend="external_launcher")
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "only rank 0's LLM(...) returns" in text and "README, 'Launching'" in text
+
+
 def test_small_vllm_conveniences(llm):
     engine = llm.llm_engine
     assert engine.get_tokenizer() is llm.tokenizer
@@ -744,6 +806,20 @@ def test_engine_args_on_a_command_line_as_vllm_scripts_build_them():
     for bad in ("1.5K", "lots", "auto"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--kv-cache-memory-bytes", bad])
+
+
+def test_other_engines_spellings_of_our_arguments_are_command_line_options_too():
+    """LLM(num_gpu_blocks_override=64) worked, but --num-gpu-blocks-override 64 (vLLM's flag) was an
+    "unrecognized argument"; nano-vllm's --kvcache-block-size likewise."""
+    from minivllm import EngineArgs
+    from minivllm.utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    got = EngineArgs.from_cli_args(parser.parse_args(["--num-gpu-blocks-override", "64", "--kvcache-block-size", "32"]))
+    assert (got.num_kvcache_blocks, got.block_size) == (64, 32)
+    assert "num-gpu-blocks-override" not in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--num-gpu-blocks-override", "many"])
 
 
 def _trace_events(path):

@@ -154,6 +154,19 @@ def test_long_text_prompt_gets_our_error_without_the_tokenizer_warning(text_ckpt
     assert_still_serving(llm)
 
 
+@pytest.mark.parametrize("engine_args,hint", [
+    # the KV pool capped max_model_len: a larger max_model_len alone would be refused at start-up
+    (dict(num_kvcache_blocks=4, block_size=16), r"or a larger KV pool, which capped max_model_len \(4 blocks x 16 "
+                                                r"tokens\): num_kvcache_blocks="),
+    (dict(max_model_len=32, num_kvcache_blocks=8, block_size=16), r"or a larger max_model_len \(up to 128 here\)"),
+])
+def test_a_prompt_too_long_names_what_lengthens_max_model_len(tiny_ckpt, engine_args, hint):
+    llm = make_llm(tiny_ckpt, **engine_args)
+    with pytest.raises(ValueError, match=r"prompt of 70 tokens leaves no room to generate: .*" + hint):
+        llm.generate(prompts_of([70], seed=0)[0], greedy(3), use_tqdm=False)
+    assert_still_serving(llm)
+
+
 # -- corrupt or truncated checkpoints ---------------------------------------------------------
 def _corrupt(path, how: str) -> None:
     file = path / "model.safetensors"

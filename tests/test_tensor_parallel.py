@@ -542,6 +542,8 @@ def test_torchrun_two_processes_match_tp1(tiny_ckpt, tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(out.read_text()) == want
+    # a vLLM script expects every rank to return from LLM(...) (external_launcher): rank 1 says it will not
+    assert "rank 1 of 2: this LLM(...) call serves as the rank's worker and does not return" in done.stderr
 
 
 def test_init_method_with_the_worker_entry_point(tiny_ckpt):

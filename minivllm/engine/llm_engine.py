@@ -418,8 +418,21 @@ class LLMEngine:
         if len(ids) >= self.config.max_model_len:
             raise VLLMValidationError(f"prompt of {len(ids)} tokens leaves no room to generate: "
                                       f"max_model_len={self.config.max_model_len} (keep its last tokens with "
-                                      f"SamplingParams(truncate_prompt_tokens=N), or give a larger max_model_len)")
+                                      f"SamplingParams(truncate_prompt_tokens=N), or {self._longer_hint()})")
         return text, ids
+
+    def _longer_hint(self) -> str:
+        """What lengthens ``max_model_len``: where the KV pool capped it, a larger pool (a larger
+        ``max_model_len`` alone is refused then); where the model's positions did, nothing."""
+        cfg, positions = self.config, self.source.hf_config.max_position_embeddings
+        pool = self.block_manager.num_blocks * self.block_manager.block_size
+        if cfg.max_model_len >= positions:
+            return f"a model with more positions: {self.source.name} has {positions}"
+        if cfg.max_model_len >= pool:
+            return (f"a larger KV pool, which capped max_model_len ({self.block_manager.num_blocks} blocks x "
+                    f"{self.block_manager.block_size} tokens): num_kvcache_blocks=, kv_cache_memory_bytes= or "
+                    f"gpu_memory_utilization=")
+        return f"a larger max_model_len (up to {min(positions, pool)} here)"
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Checks of ``params`` that need the model (``SamplingParams`` checks the rest).
@@ -881,10 +894,12 @@ class LLMEngine:
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget all prefix-cache hashes. Returns True.
 
-        vLLM's signature. Here the reset never waits for running requests: their blocks keep
-        their KV (and stay theirs) and only lose their hashes, so ``reset_running_requests``
-        changes nothing (vLLM without it returns False while requests hold KV; with it, it
-        preempts them to recompute). ``reset_connector``: minivllm has no KV connector.
+        vLLM's signature. ``reset_running_requests=True``, as in vLLM: first preempt every running
+        request (recompute preemption: its blocks are freed, it goes back to the front of the
+        waiting queue in its running order, and its ``metrics.num_preemptions`` counts it), so no
+        block keeps KV from before the reset. Without it, running requests keep their blocks and
+        KV, which only lose their hashes (vLLM instead returns False and resets nothing while
+        requests hold KV). ``reset_connector``: minivllm has no KV connector.
 
         Raises:
             ValueError: either flag not a bool.
@@ -893,6 +908,11 @@ class LLMEngine:
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r}: must be True or False")
         with self._lock:  # not in the middle of another thread's step
+            if reset_running_requests and self.scheduler.running:
+                # all or none (an interrupt rolls the preemptions back), as a step's preemptions
+                with StepTransaction(self.scheduler, self.output_processor):
+                    for seq in reversed(list(self.scheduler.running)):  # each goes first: the order is kept
+                        self.scheduler.requeue(seq)
             self.block_manager.reset_prefix_cache()
         return True
 

@@ -125,6 +125,10 @@ class TPModelRunner(ShardRunner):
                                  f"{available} GPU(s)")
         conn = launch.connect_external(init_method, tp_size) if external else launch.start_local(tp_size)
         if conn.rank != 0:
+            # a script written for vLLM's external launcher expects every rank to get the outputs
+            logger.warning("rank %d of %d: this LLM(...) call serves as the rank's worker and does not return "
+                           "(only rank 0 runs the script on; a collective of the script's own after it, such "
+                           "as dist.barrier(), would leave rank 0 waiting)", conn.rank, tp_size)
             serve(conn)
             if conn.owns_default_group:
                 dist.destroy_process_group()

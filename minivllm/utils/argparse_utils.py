@@ -208,8 +208,9 @@ def add_cli_args(cls, parser):
     vLLM's own arguments that ``LLM`` accepts for compatibility (``minivllm.config``'s
     ``IGNORED_VLLM_ARGS`` and ``LACKING_VLLM_ARGS``) are options too, hidden from ``--help`` and
     present in the namespace only when given (``--trust-remote-code``, ``--swap-space 4``), so
-    ``LLM`` warns about or refuses them as it does in Python."""
-    from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS, SPEC_SHORTCUTS
+    ``LLM`` warns about or refuses them as it does in Python; ``ARG_ALIASES``' spellings
+    (``--num-gpu-blocks-override 64``, ``--kvcache-block-size 16``) set the field they name."""
+    from minivllm.config import ARG_ALIASES, IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS, SPEC_SHORTCUTS
 
     hints = typing.get_type_hints(cls)
     # the whole docstring entry (its defaults are often in its second sentence), without reST's ``quotes``
@@ -230,6 +231,10 @@ def add_cli_args(cls, parser):
             parser.add_argument(*flags, type=convert, default=f.default, help=text + suffix)
     ours = {f.name for f in fields}
     taken = parser._option_string_actions  # (a group shares its parser's): a script's own option stays its own
+    for alias, name in ARG_ALIASES.items():  # other engines' spellings (--num-gpu-blocks-override) set ours
+        flag, target = "--" + alias.replace("_", "-"), taken.get("--" + name.replace("_", "-"))
+        if name in ours and flag not in taken and target is not None:
+            parser.add_argument(flag, dest=name, type=target.type, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for name in sorted((set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS) | set(SPEC_SHORTCUTS)) - ours):
         flags = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
         if any(flag in taken for flag in flags):
