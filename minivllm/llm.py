@@ -72,7 +72,9 @@ _NANO_ENGINE_CALLS = {
 _VLLM_LACKING_CALLS = {
     **{name: "a pooling model's call (embeddings, classification, scores): minivllm serves generative models"
        for name in ("embed", "encode", "classify", "score", "reward")},
-    "get_metrics": "vLLM's Prometheus metrics; minivllm measures each request (RequestOutput.metrics) and each step "
+    "get_metrics": "vLLM's Prometheus metrics; minivllm measures each request (RequestOutput.metrics: ttft_ms, "
+                   "tpot_ms, num_preemptions, and speculative decoding's num_draft_tokens, num_accepted_draft_tokens "
+                   "and num_spec_steps, which vLLM's vllm:spec_decode_* counters sum over requests) and each step "
                    "(llm.llm_engine.last_step_record)",
     **{name: "vLLM's sleep mode (offloading weights and freeing the KV cache between uses); here llm.shutdown() "
              "frees the engine, and a new LLM(...) loads it again" for name in ("sleep", "wake_up", "is_sleeping")},
@@ -82,9 +84,6 @@ _VLLM_LACKING_CALLS = {
     "release_kv_cache_memory": "part of vLLM's sleep mode; here llm.shutdown() frees the KV cache with the engine",
     "reset_mm_cache": "vLLM's multimodal input cache; minivllm takes text only (llm.reset_prefix_cache() empties "
                       "the prefix cache)",
-    **{name: "vLLM's queue-then-wait calls; here llm.generate(...) / llm.chat(...) run a batch to completion, and "
-             "llm.llm_engine.add_request(...) with llm.llm_engine.step() queue and run requests step by step"
-       for name in ("enqueue", "enqueue_chat", "wait_for_completion")},
 }
 
 
@@ -136,6 +135,8 @@ class LLM:
         self.chat_template = load_chat_template(engine_args.pop("chat_template", None))
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, engine_args))
         self._ids = itertools.count()
+        self._enqueued: list[str] = []  # enqueue's request ids, in order, until wait_for_completion returns them
+        self._enqueued_inbox: deque[RequestOutput] = deque()
         self._unused_template_variables_told: set[tuple] = set()  # LLM.chat warns once per template and names
         self._overridden_template_variables_told: set[str] = set()  # ... and once per overridden names and values
 
@@ -418,6 +419,93 @@ class LLM:
         except BaseException:  # GeneratorExit (close, or the stream dropped) included
             self._abort(ids)
             raise
+
+    def enqueue(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                lora_request=None, priority: int | list[int] | None = None,
+                use_tqdm: bool | Callable[..., Any] = True, tokenization_kwargs: dict | None = None,
+                mm_processor_kwargs: dict | None = None) -> list[str]:
+        """Queue prompts without running them (vLLM's ``LLM.enqueue``); returns their request ids.
+        :meth:`wait_for_completion` then runs the engine until they are finished. Arguments as
+        :meth:`generate`'s (``use_tqdm`` is accepted; nothing here takes long enough to show one).
+
+        Raises:
+            ValueError: as :meth:`generate`, before any of this call's prompts is queued.
+            RuntimeError: the LLM has been shut down.
+        """
+        start = len(self._enqueued)
+        try:  # an interrupt anywhere aborts this call's requests (and only them): none stays queued unlisted
+            refuse_mm_processor_kwargs(mm_processor_kwargs)
+            self._submit(self._enqueued, prompts, sampling_params, "final_only", self._enqueued_inbox, lora_request,
+                         priority, tokenization_kwargs)
+        except BaseException:
+            self._abort(self._enqueued[start:])
+            del self._enqueued[start:]
+            raise
+        return self._enqueued[start:]
+
+    def enqueue_chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                     use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
+                     priority: int | list[int] | None = None, chat_template: str | None = None,
+                     chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, tools: list[dict] | None = None,
+                     chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+                     mm_processor_kwargs: dict | None = None) -> list[str]:
+        """:meth:`chat`'s conversations, rendered the same way, queued as :meth:`enqueue` queues
+        prompts (vLLM's ``LLM.enqueue_chat``); returns their request ids.
+
+        Raises:
+            ValueError: as :meth:`chat`, before anything is queued.
+            RuntimeError: the LLM has been shut down.
+        """
+        prompts, tokenization_kwargs = self._chat_prompts(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, chat_template_kwargs=chat_template_kwargs,
+            chat_template_content_format=chat_template_content_format, mm_processor_kwargs=mm_processor_kwargs,
+            tokenization_kwargs=tokenization_kwargs)
+        return self.enqueue(prompts, sampling_params, lora_request=lora_request, priority=priority,
+                            tokenization_kwargs=tokenization_kwargs)
+
+    def wait_for_completion(self, output_type=None, *, use_tqdm: bool | Callable[..., Any] = True
+                            ) -> list[RequestOutput]:
+        """Run the engine until every request :meth:`enqueue` / :meth:`enqueue_chat` queued is
+        finished; returns their final ``RequestOutput``s in the order they were queued, and forgets
+        them (vLLM's ``LLM.wait_for_completion``; vLLM returns every unfinished request of the
+        engine, here requests queued by other means, such as ``llm.llm_engine.add_request``, are
+        left to their caller). ``output_type``: vLLM's; ``RequestOutput`` (or None), the only
+        kind of output here. ``use_tqdm``: as :meth:`generate`'s. Interrupted (KeyboardInterrupt),
+        it aborts every enqueued request that has not finished, as ``generate`` aborts its own.
+
+        Raises:
+            TypeError: an ``output_type`` other than ``RequestOutput`` (a pooling output).
+            RuntimeError: as :meth:`generate`.
+        """
+        kinds = output_type if isinstance(output_type, tuple) else (output_type,)
+        if output_type is not None and RequestOutput not in kinds:
+            raise TypeError(f"output_type={output_type!r}: minivllm gives RequestOutput only (no pooling models)")
+        ids, inbox = self._enqueued, self._enqueued_inbox
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        try:
+            if use_tqdm and ids:
+                make_bar = use_tqdm if callable(use_tqdm) else None
+                if make_bar is None:
+                    from tqdm.auto import tqdm as make_bar
+                bar = make_bar(total=self._samples(ids), desc="Processed prompts", dynamic_ncols=True)
+            for out in self._outputs(list(ids), inbox):  # (aborts what is pending if interrupted)
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(len(out.outputs))
+        except BaseException:
+            self._abort(ids)
+            ids.clear()
+            inbox.clear()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        done = [results[i] for i in ids]
+        ids.clear()
+        return done
 
     def beam_search(self, prompts, params=None, *args, **kwargs):
         """vLLM's ``LLM.beam_search``: not implemented here.

@@ -710,6 +710,57 @@ def test_external_launcher_says_only_rank_0_returns(caplog):
     assert "only rank 0's LLM(...) returns" in text and "README, 'Launching'" in text
 
 
+def test_enqueue_then_wait_for_completion_as_vllm_034(text_llm):
+    """vLLM 0.34's LLM.enqueue / enqueue_chat queue requests without running them and wait_for_completion runs
+    them to the end (an AttributeError here before): the same outputs as generate / chat, in queued order."""
+    prompts = prompts_of([9, 4, 13], seed=6)
+    want = [o.outputs[0].token_ids for o in text_llm.generate(prompts, greedy(6), use_tqdm=False)]
+    conv = [{"role": "user", "content": "hello"}]
+    chat_want = text_llm.chat(conv, greedy(5), use_tqdm=False)[0].outputs[0].token_ids
+    from minivllm import RequestOutput
+
+    engine = text_llm.llm_engine
+    steps_before = engine.step_index
+    ids = text_llm.enqueue(prompts[:2], greedy(6))
+    ids += text_llm.enqueue_chat(conv, greedy(5), use_tqdm=False)
+    ids += text_llm.enqueue(prompts[2], greedy(6))
+    assert engine.get_num_unfinished_requests() == 4 and engine.step_index == steps_before  # queued, not run
+    outs = text_llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == ids and all(o.finished for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == [want[0], want[1], chat_want, want[2]]
+    assert text_llm.wait_for_completion(RequestOutput, use_tqdm=False) == [] and not engine.has_unfinished_requests()
+    class PoolingRequestOutput:  # (vLLM's; a script passing it wants embeddings)
+        pass
+
+    with pytest.raises(TypeError, match="RequestOutput only"):
+        text_llm.wait_for_completion(PoolingRequestOutput)
+    # a bad prompt queues nothing of its call; what was queued before stays
+    ids = text_llm.enqueue(prompts[0], greedy(3))
+    with pytest.raises(ValueError):
+        text_llm.enqueue([prompts[1], []], greedy(3))
+    assert engine.get_num_unfinished_requests() == 1
+    assert [o.request_id for o in text_llm.wait_for_completion(use_tqdm=False)] == ids
+
+
+def test_an_interrupted_wait_for_completion_aborts_what_was_enqueued(llm, monkeypatch):
+    engine = llm.llm_engine
+    llm.enqueue(prompts_of([7, 11], seed=7), greedy(8))
+    step, calls = engine.step, []
+
+    def interrupted_third():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted_third)
+    with pytest.raises(KeyboardInterrupt):
+        llm.wait_for_completion(use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests() and llm.wait_for_completion(use_tqdm=False) == []
+    engine.check_invariants()
+
+
 def test_small_vllm_conveniences(llm):
     engine = llm.llm_engine
     assert engine.get_tokenizer() is llm.tokenizer
@@ -1107,8 +1158,7 @@ def test_llm_from_engine_args_chat_template_and_vllm_calls(tiny_ckpt, text_ckpt,
     with pytest.raises(TypeError, match="engine_args must be an EngineArgs, got dict"):
         LLM.from_engine_args({"model": str(tiny_ckpt)})
     llm = make_llm(tiny_ckpt)
-    for name, hint in (("enqueue", "llm.llm_engine.add_request"), ("wait_for_completion", "llm.generate"),
-                       ("release_kv_cache_memory", "sleep mode"), ("reset_mm_cache", "text only")):
+    for name, hint in (("release_kv_cache_memory", "sleep mode"), ("reset_mm_cache", "text only")):
         with pytest.raises(AttributeError, match=re.escape(hint)):
             getattr(llm, name)
     with pytest.raises(ValueError, match="prompt_embeds: prompt embeddings as inputs are a vLLM feature"):
