@@ -368,8 +368,6 @@ class LLM:
         """
         inbox: deque[RequestOutput] = deque()
         ids: list[str] = []
-        results: dict[str, RequestOutput] = {}
-        bar = None
         # One try from the first request queued to the last output: an exception anywhere (a bad
         # use_tqdm callable, a KeyboardInterrupt between any two lines) aborts this call's requests,
         # and only them; those already finished are not aborted again (abort_request ignores them).
@@ -377,24 +375,33 @@ class LLM:
             refuse_mm_processor_kwargs(mm_processor_kwargs)
             self._submit(ids, prompts, sampling_params, "final_only", inbox, lora_request, priority,
                          tokenization_kwargs)
+            results = self._run_to_end(ids, inbox, use_tqdm)
+        except BaseException:
+            self._abort(ids)
+            raise
+        return [results[i] for i in ids]
+
+    def _run_to_end(self, ids: list[str], inbox: deque, use_tqdm) -> dict[str, RequestOutput]:
+        """Step until every request of ``ids`` has its final output (from ``inbox``); returns them
+        by request id. ``use_tqdm``: a progress bar (``tqdm.auto``) or a callable that makes one,
+        ticking once per sample, as vLLM's (n of them for a prompt with ``SamplingParams.n = n``)."""
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        try:
             if use_tqdm:
                 if callable(use_tqdm):
                     make_bar = use_tqdm
                 else:
                     from tqdm.auto import tqdm as make_bar
-                # as vLLM's: one tick per sample (n of them for a prompt with SamplingParams.n = n)
                 bar = make_bar(total=self._samples(ids), desc="Processed prompts", dynamic_ncols=True)
-            for out in self._outputs(ids, inbox):
+            for out in self._outputs(list(ids), inbox):
                 results[out.request_id] = out
                 if bar is not None:
                     bar.update(len(out.outputs))
-        except BaseException:
-            self._abort(ids)
-            raise
         finally:
             if bar is not None:
                 bar.close()
-        return [results[i] for i in ids]
+        return results
 
     def stream(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                lora_request=None, tokenization_kwargs: dict | None = None) -> Iterator[RequestOutput]:
@@ -483,26 +490,13 @@ class LLM:
         if output_type is not None and RequestOutput not in kinds:
             raise TypeError(f"output_type={output_type!r}: minivllm gives RequestOutput only (no pooling models)")
         ids, inbox = self._enqueued, self._enqueued_inbox
-        results: dict[str, RequestOutput] = {}
-        bar = None
         try:
-            if use_tqdm and ids:
-                make_bar = use_tqdm if callable(use_tqdm) else None
-                if make_bar is None:
-                    from tqdm.auto import tqdm as make_bar
-                bar = make_bar(total=self._samples(ids), desc="Processed prompts", dynamic_ncols=True)
-            for out in self._outputs(list(ids), inbox):  # (aborts what is pending if interrupted)
-                results[out.request_id] = out
-                if bar is not None:
-                    bar.update(len(out.outputs))
+            results = self._run_to_end(ids, inbox, use_tqdm and bool(ids))
         except BaseException:
             self._abort(ids)
             ids.clear()
             inbox.clear()
             raise
-        finally:
-            if bar is not None:
-                bar.close()
         done = [results[i] for i in ids]
         ids.clear()
         return done
