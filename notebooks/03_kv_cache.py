@@ -217,17 +217,21 @@ forward(text_ids[:16], 0, short_scratch[16])  # untimed: the first pass pays one
 short_cache = new_cache(16)
 forward(text_ids[:15], 0, short_cache)  # the first 15 tokens' K/V, for the one-token step
 short = {L: min(timed_ms(lambda: forward(text_ids[:L], 0, short_scratch[L]))) for L in (16, 64)}
-short_step = min(timed_ms(lambda: forward(text_ids[15:16], 15, short_cache)))
+forward(text_ids[15:16], 15, short_cache)  # untimed: the passes above left the CPU's caches cold for it
+short_step = min(timed_ms(lambda: forward(text_ids[15:16], 15, short_cache), repeats=3 * REPEATS))
 del short_scratch, short_cache
-print(f"without a cache: a pass over 16 tokens {short[16]:.2f} ms, over 64 tokens {short[64]:.2f} ms; with a cache: "
-      f"one token after 15 cached {short_step:.2f} ms (each the fastest of {REPEATS})")
+print(f"without a cache: a pass over 16 tokens {short[16]:.2f} ms, over 64 tokens {short[64]:.2f} ms (each the "
+      f"fastest of {REPEATS}); with a cache: one token after 15 cached {short_step:.2f} ms (the fastest of "
+      f"{3 * REPEATS}, a short call that load moves more)")
 
 # %% tags=["exercise"]
 my_prediction_1 = None  # your guess: time without cache / time with cache at L = 512 (a ratio, x)
 
 # %%
 rows = []
-greedy6 = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # 5 decode steps: a median of 5
+# 10 decode steps: the first 5 after the prefill run slower (they warm up: the prefill left the CPU's caches
+# cold for them), so the median is over the last 5
+greedy11 = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
 idle_engine(engine)  # a request an interrupted run of this cell left would join its steps
 warm = new_cache(LENGTHS[0])
 forward(text_ids[:LENGTHS[0]], 0, warm)  # untimed: the first pass pays one-off costs, which the shortest L would carry
@@ -240,19 +244,25 @@ for L in LENGTHS:
     forward(text_ids[:L - 1], 0, cache[L])
 # The lengths take turns, round after round, so that a slow moment of the machine (or one that
 # speeds up as the run goes on) falls on every length alike instead of looking like a trend in L.
+# The one-token steps run in rounds of their own, as the short step above was timed: right after an
+# L-token pass a step runs with the CPU caches that pass left cold, slower by more the longer the pass,
+# which would look like a step that grows with L.
 full = {L: [] for L in LENGTHS}
 step = {L: [] for L in LENGTHS}
 for _ in range(REPEATS):
     for L in LENGTHS:
-        ids = text_ids[:L]
-        full[L] += timed_ms(lambda: forward(ids, 0, scratch[L]), repeats=1)
-        step[L] += timed_ms(lambda: forward(ids[-1:], L - 1, cache[L]), repeats=1)  # the token at position L-1
+        full[L] += timed_ms(lambda: forward(text_ids[:L], 0, scratch[L]), repeats=1)
+for L in LENGTHS:  # untimed: one step each, so the first timed round does not pay for the last pass
+    forward(text_ids[L - 1:L], L - 1, cache[L])
+for _ in range(REPEATS):
+    for L in LENGTHS:
+        step[L] += timed_ms(lambda: forward(text_ids[L - 1:L], L - 1, cache[L]), repeats=1)  # the token at L-1
 for L in LENGTHS:
-    engine.add_request(f"len{L}", text_ids[:L - 1], greedy6)  # prompt of L-1: its first decode step has context L
+    engine.add_request(f"len{L}", text_ids[:L - 1], greedy11)  # prompt of L-1: its first decode step has context L
     recs = []
     while engine.has_unfinished_requests():
         recs.append(engine.step_with_record().record)
-    decode_ms = [r.wall_ms for r in recs if r.phase == "decode"]
+    decode_ms = [r.wall_ms for r in recs if r.phase == "decode"][5:]  # past the warm-up (contexts L+5 to L+9)
     flops_full, _ = step_cost(engine.model_cost, [(L, L)], 1)
     flops_step, _ = step_cost(engine.model_cost, [(1, L)], 1)
     rows.append(dict(L=L, no_cache_ms=min(full[L]), no_cache_max=max(full[L]), cache_ms=min(step[L]),

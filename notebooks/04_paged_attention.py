@@ -259,8 +259,9 @@ print(f"each row has {len(table_row)} entries; this step "
 # `0 .. context_len - 1` of each sequence through its row. In a step run eagerly the rows are as wide
 # as the step's longest table. A decode step replayed from a recorded graph (chapter 11) keeps one
 # input shape from step to step, so its rows have room for the longest table `max_model_len` allows
-# (`max_model_len / block_size` entries, rounded up; this engine's `max_model_len` is no more than its
-# 64-block pool can hold). The last line above says which kind of step this was.
+# (`max_model_len`: the most tokens, prompt and output together, one sequence may hold, an engine
+# argument as in vLLM; so `max_model_len / block_size` entries, rounded up; this engine's
+# `max_model_len` is no more than its 64-block pool can hold). The last line above says which kind of step this was.
 #
 # ### Proof by reading the cache
 #
@@ -511,7 +512,12 @@ render(f"A decode step of 8 sequences took **{ratio:.2f}x** a step of 1 here, so
        f"({1 - (t8 - t1) / 7 / t1:.0%}), its once-per-step part."
        + (f" If each further sequence kept adding the same, a step of b sequences would take once-per-step + "
           f"b x per-sequence, and its tokens per second would approach, but not pass, **{t1 / ((t8 - t1) / 7):.1f}x** "
-          "the batch-1 rate (the batch-1 step over the per-sequence part), however large the batch."
+          "the batch-1 rate (the batch-1 step over the per-sequence part), however large the batch. "
+          + (f"It need not keep the same: the exercise's batches 1 and 4 gave {d:.3f} ms a sequence, these steps "
+             f"{(t8 - t1) / 7:.3f} ms from 1 to 8, so an extra sequence cost "
+             f"{'more' if (t8 - t1) / 7 > d else 'less'} in the larger batch here, and the bound is a rough one."
+             if abs((t8 - t1) / 7 - d) > 0.2 * d else
+             f"The exercise's batches 1 and 4 gave about the same per sequence ({d:.3f} ms).")
           if t1 < t8 < 8 * t1 else ""))  # a once-per-step part above zero
 check_claim("a decode step of 8 sequences costs less than 8 steps of one sequence (batching raises tokens per second)",
             t8 < 8 * t1, f"{t8:.3f} ms vs 8 x {t1:.3f} ms = {8 * t1:.3f} ms",

@@ -55,8 +55,9 @@
 # already part-way through its prefill), then admits waiting prompts into the same step while the
 # budget, the seats and the free KV blocks allow (a step that had to preempt admits none); a prompt longer than
 # what is left of the budget is split into chunks over several steps (**chunked prefill**, on by
-# default, as in vLLM's V1 engine). So a step can mix decodes with a prompt's prefill. nano-vllm's
-# scheduler does not mix: its steps are prefill-only or decode-only. With this chapter's short prompts
+# default, as in vLLM's V1 engine). So a step can mix decodes with a prompt's prefill. The scheduler
+# of nano-vllm (a minimal engine after vLLM's design, which minivllm is measured against) does not
+# mix: its steps are prefill-only or decode-only. With this chapter's short prompts
 # nothing is chunked (checked after each section's runs); chapter 07 measures what chunking does to
 # latency.
 
@@ -492,7 +493,7 @@ table.round(2)
 # %%
 same = sum(a == b for a, b in zip(hf_run["outputs"], cont_tokens))
 print(f"transformers generate computed {computed} output tokens to deliver the {work.num_output_tokens} requested: "
-      f"{1 - work.num_output_tokens / computed:.0%} of its decode work was thrown away")
+      f"{1 - work.num_output_tokens / computed:.0%} of the output tokens it computed were thrown away")
 print(f"greedy outputs identical to the engine's for {same} of {work.num_requests} requests")
 static_row, hf_row = table.loc["static (engine, batches of 4)"], table.loc["static (transformers generate, padded)"]
 per_step = hf_row["mean step ms"] / static_row["mean step ms"]
@@ -517,9 +518,9 @@ render(f"transformers ran **{hf_row['steps']:.0f}** forward passes per run (coun
 #
 # A saved step saves only the part of a step that is paid once: the part paid for each sequence is
 # paid anyway, by whichever step serves it. On the tiny model the decode step with 4 sequences cost
-# the ratio printed above against one with 1, so a good share of its step is per-sequence work, and
-# saving steps by filling seats saves that much less time. A decode step that is mostly one read of
-# the weights from memory (chapter 06 measures that) should cost nearly the same with 4 sequences as
+# the ratio printed above against one with 1 (the comparison of the two policies turned it into the
+# step's fixed share): the larger the per-sequence share of a step, the less time saving steps by
+# filling seats saves. A decode step that is mostly one read of the weights from memory (chapter 06 measures that) should cost nearly the same with 4 sequences as
 # with 1, so there nearly every step saved should be time saved; the next cell's last sentence says
 # whether this run bears that out. The next cell
 # runs both policies again on `random:qwen3-0.6b` (random weights at Qwen3-0.6B's shapes, the course's

@@ -55,7 +55,7 @@ import torch
 # out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
 os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
-from minivllm.utils.env_report import describe
+from minivllm.utils.env_report import cpu_name, describe
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available, else CPU (fp32)
@@ -68,8 +68,11 @@ tok = llm.get_tokenizer()
 print(describe(llm))
 print(f"torch threads: {torch.get_num_threads()}")
 # Names the run in every chart title: model, dtype, device and threads.
+_dev = engine.config.device
 RUN = (f"{engine.source.name}, {str(engine.config.dtype).replace('torch.', '')}, "
-       f"{engine.config.device}, {torch.get_num_threads()} thread(s)")
+       + (f"{_dev} ({cpu_name()}, {os.cpu_count()} cores), " if _dev.type == "cpu" else
+          f"{_dev} ({torch.cuda.get_device_name(_dev)}), ")
+       + f"{torch.get_num_threads()} thread(s)")
 
 
 # %% [markdown]
@@ -182,9 +185,9 @@ _ = render(f"The confident prompt gives its favourite token **{TOP.loc['confiden
 # * **min-p** keeps tokens whose probability is at least `min_p` times the most likely token's.
 #
 # That filter order (top-k, top-p, then min-p) is the one of vLLM's original sampler (the V0
-# engine, `vllm/model_executor/layers/sampler.py`). vLLM's V1 engine (`vllm/v1/sample/sampler.py`
-# in the vLLM repository) runs min-p as a logits processor right after temperature, *before*
-# top-k and top-p. Section 2b measures whether that difference changes anything.
+# engine, `vllm/model_executor/layers/sampler.py`). vLLM's V1 engine (in vLLM 0.34,
+# `vllm/v1/worker/gpu/sample/sampler.py`, `apply_sampling_params`) applies min-p in place right
+# after temperature, *before* top-k and top-p. Section 2b measures whether that difference changes anything.
 #
 # The cell below runs the engine's own filter code (`filtered_probs`) on the real logits from above,
 # one `SamplingParams` at a time, and counts the tokens that keep a non-zero probability. Before you
@@ -321,8 +324,8 @@ _ = check_prediction(my_prediction_2, p_top_cold, rel_tol=0.05,
 # stays large, while every other token, already small, becomes much smaller (a token at 1% goes to
 # 0.01% before renormalising). The denominator is therefore `p_1^2` plus a little, and the favourite
 # ends close to 1: neglecting the other tokens' squares gives exactly 1, and the exact value,
-# `p_1^2 / Σ_j p_j^2`, is a little below it. The measured value printed above is that ratio on the
-# real logits. Temperature below 1 makes a
+# `p_1^2 / Σ_j p_j^2`, is a little below it. The measured value the check cell above compares your
+# answer with (it prints it once the exercise cell holds a number) is that ratio on the real logits. Temperature below 1 makes a
 # confident model almost greedy, without ever making another token impossible.
 #
 # </details>

@@ -64,7 +64,7 @@ import torch
 # out of the cells' outputs unless MINIVLLM_LOGGING_LEVEL says otherwise (set before the import).
 os.environ.setdefault("MINIVLLM_LOGGING_LEVEL", "WARNING")
 from minivllm import LLM, SamplingParams
-from minivllm.utils.env_report import describe
+from minivllm.utils.env_report import cpu_name, describe
 
 MODEL = os.environ.get("MINIVLLM_MODEL")  # None -> the embedded minivllm-tiny
 DEVICE = "auto"                            # CUDA when available (then one GPU per rank), else CPU (gloo)
@@ -85,8 +85,10 @@ print(describe(single))
 # process) run torch's thread count; each other rank gets that count divided by the ranks
 # (minivllm/executor/tp_runner.py), at least one.
 THREADS = torch.get_num_threads()
+_dev = single.llm_engine.config.device
 RUN = (f"{single.llm_engine.source.name}, {str(single.llm_engine.config.dtype).replace('torch.', '')}, "
-       f"{single.llm_engine.config.device}, "
+       + (f"{_dev} ({cpu_name()}, {os.cpu_count()} cores), " if _dev.type == "cpu" else
+          f"{_dev} ({torch.cuda.get_device_name(_dev)}), ")
        + (f"{THREADS} thread(s) per process and rank" if max(1, THREADS // TP) == THREADS else
           f"{THREADS} threads for the single process and rank 0, {max(1, THREADS // TP)} for the other rank(s)"))
 print(f"layers {hf.num_hidden_layers}, hidden {hf.hidden_size}, query heads {hf.num_attention_heads}, "
@@ -505,14 +507,17 @@ _ = render(f"So one step of this {L}-layer model costs rank 0 **{CALLS_PER_STEP}
 # ### Exercise 3 · Two processes against one
 #
 # Each rank holds half of every weight matrix, so it reads half the weights and does half the
-# multiply-adds, and a decode step makes the collective calls you just counted. On this machine, how
+# multiply-adds; but it still issues every operation of the forward, each with the host's fixed cost
+# (chapter 11), which the split does not halve. And a decode step makes the collective calls you just
+# counted. On this machine, how
 # long does a decode step's forward pass take with two processes, as a multiple of the single
 # process's (1.0 = as fast, 0.5 = twice as fast, 2 = twice as slow)? The check compares your figure
 # with the ratio of the two engines' *median* decode forwards and with the ratio of their *fastest*
 # steps, whichever it is nearer, with a wide tolerance: how long the ranks wait for each other moves
 # from run to run, and a busy machine can pull the two ratios far apart. The
 # exercise cell prints what section 4's run measured of the collective calls, and the single process's
-# decode forward on this batch (medians, as the check): weigh the time saved against the time added.
+# decode forward on this batch and at batch 1 (medians, as the check; what does not grow with the
+# batch is mostly that fixed cost): weigh the time saved against the time added.
 
 # %% tags=["exercise"]
 import statistics
@@ -531,6 +536,12 @@ while single.llm_engine.has_unfinished_requests():
 print(f"1 process, a decode step of {probe[-1].num_tokens} sequences: forward "
       f"{statistics.median(r.model_ms for r in probe if r.phase == 'decode'):.2f} ms at the median "
       f"({min(r.model_ms for r in probe if r.phase == 'decode'):.2f} ms at the fastest)")
+single.llm_engine.add_request("probe-b1", BATCH[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+probe_b1 = []
+while single.llm_engine.has_unfinished_requests():
+    probe_b1.append(single.llm_engine.step_with_record().record)
+one_b1_ms = statistics.median(r.model_ms for r in probe_b1[4:] if r.phase == "decode")  # past the first steps
+print(f"1 process, a decode step of 1 sequence: forward {one_b1_ms:.2f} ms at the median")
 my_prediction_3 = None  # your guess: 2-process decode forward time / 1-process decode forward time (x)
 
 # %%
@@ -709,11 +720,14 @@ _ = render(f"Inside the timed decode steps an all-reduce took **{ar_in_steps_us:
            f"steps (section 4's at batch 1, these at batch {len(BATCH)}), so both include the wait for the other "
            f"rank to reach the same call; that wait moves with the work between the calls and with the load on "
            f"the machine, and the counts do not.")
-estimate = (0.5 * one_med["decode"] + CALLS_PER_STEP * ar_alone_us / 1e3) / one_med["decode"]
+fixed_ms = min(one_b1_ms, one_med["decode"])  # the part of the forward that does not grow with the batch
+halved_ms = fixed_ms + 0.5 * (one_med["decode"] - fixed_ms)
+estimate = (halved_ms + CALLS_PER_STEP * ar_alone_us / 1e3) / one_med["decode"]
 miss = MEDIAN_RATIO["decode"] / estimate
-estimate_in_steps = (0.5 * one_med["decode"] + CALLS_PER_STEP * ar_in_steps_us / 1e3) / one_med["decode"]
-_ = render(f"The worked solution's rough model below, (0.5 x {one_med['decode']:.2f} ms + {CALLS_PER_STEP} calls "
-           f"x {ar_alone_us:.0f} µs) / {one_med['decode']:.2f} ms, estimates **{estimate:.2f}x** for the decode "
+estimate_in_steps = (halved_ms + CALLS_PER_STEP * ar_in_steps_us / 1e3) / one_med["decode"]
+_ = render(f"The worked solution's rough model below, ({fixed_ms:.2f} ms + 0.5 x ({one_med['decode']:.2f} - "
+           f"{fixed_ms:.2f}) ms + {CALLS_PER_STEP} calls x {ar_alone_us:.0f} µs) / {one_med['decode']:.2f} ms, "
+           f"estimates **{estimate:.2f}x** for the decode "
            f"forward. It is built from medians, so the measured figure to set it against is the medians' ratio, "
            f"**{MEDIAN_RATIO['decode']:.2f}x** (fastest steps: {TP_RATIO['decode']:.2f}x): the estimate is "
            + (f"**{miss:.1f}x too low**. With the all-reduce's time inside the timed steps as the round trip "
@@ -743,24 +757,24 @@ _ = render(f"Rank 0's own work in a decode step (its forward minus its time insi
 # <details><summary>Worked solution</summary>
 #
 # Split the two-process step into what it still computes and what it adds. Each rank reads half of
-# the weights and does half of the multiply-adds, so if the single process's decode forward were all
-# such work, that part would take about half of the diamond in the chart. On top of it come the
-# collective calls you counted in section 4 (all-reduces, the all-gather and the broadcasts),
+# the weights and does half of the multiply-adds, but it issues every operation, so the part of the
+# single process's forward that does not grow with the batch (its batch-1 forward, printed above:
+# mostly the host's fixed cost per operation) stays whole, and only the rest halves. On top of it come
+# the collective calls you counted in section 4 (all-reduces, the all-gather and the broadcasts),
 # one after the other, each costing about one all-reduce's round trip (the times printed above)
 # whatever the bytes, plus the wait for the slower rank. A rough model:
 #
-#     ratio ≈ (0.5 x one-process forward + calls per step x round trip) / one-process forward
+#     ratio ≈ (batch-1 forward + 0.5 x (forward - batch-1 forward) + calls x round trip) / forward
 #
 # The ratio is above 1 whenever the calls cost more than the half of the work they save; a
 # small model on a CPU, whose whole forward takes milliseconds, is that case, and the check
 # cell above says whether it held here. The cell above plugged section 4's median all-reduce (as the
-# round trip of every call) and the single process's median decode forward into the formula. It is
+# round trip of every call) and the single process's median decode forwards into the formula. It is
 # rough: that round trip was measured in another run, under whatever load the machine had then, and
 # the formula leaves out the time a rank waits for the other (on a shared machine the two ranks also
-# take turns on the cores); and it treats the single process's forward as all reading weights and
-# multiplying, while on a model this small much of it is the host's fixed cost per call (chapter 11,
-# section 1), which the split does not halve, since each rank makes every call on its half. Compare
-# the chart's "forward minus collectives" bar with the diamond to see how much of the forward that is.
+# take turns on the cores); and it takes the batch-1 forward for the fixed part, which also holds some
+# work that does halve (reading the weights). Compare the chart's "forward minus collectives" bar with
+# the diamond to see what rank 0's own work came to.
 # For the ratio to fall below 1 the halved work must outweigh the calls: bigger matrices, or a
 # faster link.
 #
@@ -793,44 +807,56 @@ _ = render(f"Rank 0's own work in a decode step (its forward minus its time insi
 import math
 
 from minivllm.bench.collectives import all_reduce_times
-from minivllm.utils.env_report import cpu_name
 
-ar = all_reduce_times(world_size=TP, rounds=7)
+ar = all_reduce_times(world_size=TP, rounds=9, calls=30)
+# fitted to every size's fastest round (load from other processes only ever slows a round), least squares
 alpha_us, beta_bytes_per_us = ar.alpha_beta()
 decode_ar_bytes = steps[-1][1]["all-reduce"][0][1]
-fig = go.Figure(go.Scatter(
-    x=ar.sizes_bytes, y=ar.us_per_call, mode="lines+markers", name="median of the rounds",
-    error_y=dict(type="data", symmetric=False, array=[hi - m for hi, m in zip(ar.us_max, ar.us_per_call)],
-                 arrayminus=[m - lo for lo, m in zip(ar.us_min, ar.us_per_call)])))
+fig = go.Figure([
+    go.Scatter(x=ar.sizes_bytes, y=ar.us_per_call, mode="lines+markers", name="median of the rounds",
+               error_y=dict(type="data", symmetric=False, array=[hi - m for hi, m in zip(ar.us_max, ar.us_per_call)],
+                            arrayminus=[m - lo for lo, m in zip(ar.us_min, ar.us_per_call)])),
+    go.Scatter(x=ar.sizes_bytes, y=ar.us_min, mode="markers", name="fastest round", marker_symbol="diamond"),
+    go.Scatter(x=ar.sizes_bytes, y=[alpha_us + b / beta_bytes_per_us for b in ar.sizes_bytes], mode="lines",
+               line_dash="dash", name="α + bytes / β fitted to the fastest rounds")])
 for x, label in ((decode_ar_bytes, "decode step"), (prefill_ar_bytes, "prefill")):
     fig.add_vline(x=x, line_dash="dot")  # (its annotation_text would sit at x on a log axis: off the chart)
     fig.add_annotation(x=math.log10(x), y=1, yref="paper", text=label, showarrow=False, yanchor="bottom")
-fig.update_layout(height=380, xaxis_type="log", yaxis_type="log", xaxis_title="bytes all-reduced (float32)",
+fig.update_layout(height=400, xaxis_type="log", yaxis_type="log", xaxis_title="bytes all-reduced (float32)",
                   yaxis_title="µs per call (bars: fastest and slowest round)",
                   title=f"One all-reduce's time against its bytes: gloo, {ar.world_size} local processes<br>"
                         f"<sup>measured: {ar.rounds} rounds of {ar.calls} calls per size, "
-                        f"{cpu_name()}, {os.cpu_count()} cores, float32 tensors</sup>")
+                        f"{cpu_name()}, {os.cpu_count()} cores, float32 tensors, "
+                        f"{torch.get_num_threads()} torch thread(s) in this process</sup>")
 show_figure(fig)
 small, mid = ar.sizes_bytes[0], ar.sizes_bytes[3]
-growth = ar.us_per_call[3] / ar.us_per_call[0]
+growth = ar.us_min[3] / ar.us_min[0]
+shaped = ar.grows_with_bytes()
 decode_alpha_share = alpha_us / (alpha_us + decode_ar_bytes / beta_bytes_per_us)
-_ = render(f"From {small:,} to {mid:,} B ({mid // small}x the bytes) an all-reduce took **{growth:.2f}x** the time "
-           f"({ar.us_per_call[0]:.0f} to {ar.us_per_call[3]:.0f} µs, medians); at {ar.sizes_bytes[-1] / 2**20:.0f} MiB "
-           f"it took {ar.us_per_call[-1] / 1e3:.1f} ms. From the ends of the sweep: **α ≈ {alpha_us:.0f} µs** a call "
-           f"and **β ≈ {beta_bytes_per_us:.0f} MB/s**, so a decode step's all-reduce ({decode_ar_bytes:,} B) is "
-           f"**{decode_alpha_share:.0%}** fixed cost by this model. Section 4's decode all-reduces, timed inside engine "
-           f"steps, took {AR_US['decode']:.0f} µs at the fastest and {AR_MEDIAN_US['decode']:.0f} µs at the median: "
-           + ("the fixed cost fitted here lies between the two" if AR_US["decode"] <= alpha_us <= AR_MEDIAN_US["decode"]
-              else f"the fixed cost fitted here ({alpha_us:.0f} µs) is **{alpha_us / AR_MEDIAN_US['decode']:.2f}x** their "
-                   "median, above even the calls that waited for the other rank: on this run something besides the "
-                   "round trip (the machine's load, most likely) set both figures, and neither is a clean round trip"
-              if alpha_us > AR_MEDIAN_US["decode"] else
-              "the fixed cost fitted here is below even their fastest")
-           + ". The same call was timed in two settings, back to back in two fresh processes here and between a "
-             "step's layers there; on a machine with few cores each figure also holds the time a process waited "
-             "for a core, which moves with whatever else runs.")
+_ = render(f"From {small:,} to {mid:,} B ({mid // small}x the bytes) the fastest round of an all-reduce took "
+           f"**{growth:.2f}x** the time ({ar.us_min[0]:.0f} to {ar.us_min[3]:.0f} µs; medians {ar.us_per_call[0]:.0f} to "
+           f"{ar.us_per_call[3]:.0f} µs); at {ar.sizes_bytes[-1] / 2**20:.0f} MiB it took {ar.us_min[-1] / 1e3:.1f} ms. "
+           + (f"A least-squares line through the fastest rounds gives **α ≈ {alpha_us:.0f} µs** a call and "
+              f"**β ≈ {beta_bytes_per_us:.0f} MB/s**, so a decode step's all-reduce ({decode_ar_bytes:,} B) is "
+              f"**{decode_alpha_share:.0%}** fixed cost by this model. Section 4's decode all-reduces, timed inside "
+              f"engine steps, took {AR_US['decode']:.0f} µs at the fastest and {AR_MEDIAN_US['decode']:.0f} µs at the "
+              "median, each with its wait for the other rank: "
+              + ("the fixed cost fitted here lies between the two."
+                 if AR_US["decode"] <= alpha_us <= AR_MEDIAN_US["decode"] else
+                 "the fixed cost fitted here is below even their fastest: the calls inside steps also waited."
+                 if alpha_us < AR_US["decode"] else
+                 "the fixed cost fitted here is above even their median, so on this run the machine's load set "
+                 "these figures more than the round trip did.")
+              if shaped else
+              "**Inconclusive on this run**: the fastest rounds' time fell from one size to a larger one, which no "
+              "fixed cost plus bytes over a bandwidth can fit, so the load on the machine moved during the sweep more "
+              "than the bytes did. Run the cell again on a quieter machine before reading α and β from it.")
+           + " On a machine with few cores each figure also holds the time a process waited for a core.")
+_ = check_claim("the fastest round's time never falls by more than 25% from one size to a larger one",
+                shaped, ", ".join(f"{b:,} B {t:.0f} µs" for b, t in zip(ar.sizes_bytes, ar.us_min)),
+                why_it_may_not="A busy machine can slow one size's rounds more than another's; run the cell again.")
 _ = check_claim(f"an all-reduce's time grows much less than its bytes while they are few ({small:,} -> {mid:,} B)",
-                growth < (mid / small) / 4, f"{mid // small}x the bytes, {growth:.2f}x the time",
+                growth < (mid / small) / 4, f"{mid // small}x the bytes, {growth:.2f}x the fastest round's time",
                 why_it_may_not="A busy machine can slow one size's rounds more than another's; run the cell again.")
 
 # %% [markdown]
