@@ -548,14 +548,19 @@ def _pool_too_small(args: EngineArgs, max_model_len: int, num_kv_blocks: int, bl
     need = cdiv(max_model_len, block_size)
     msg = (f"max_model_len={max_model_len} exceeds what the KV pool holds ({num_kv_blocks} blocks x "
            f"{block_size} tokens = {pool_tokens} tokens); one sequence of that length needs {need} blocks")
+    return f"{msg}: set {pool_fix(args, need, block_bytes)}, or lower max_model_len"
+
+
+def pool_fix(args: EngineArgs, need: int, block_bytes: int | None) -> str:
+    """What makes the KV pool ``need`` blocks (of ``block_bytes`` each, None if unknown): the engine
+    argument that sizes it (``num_kvcache_blocks`` wins where given), and its value."""
     if args.num_kvcache_blocks is not None or block_bytes is None:
-        fix = f"set num_kvcache_blocks>={need}"
-    else:
-        need_bytes = need * block_bytes
-        fix = f"set kv_cache_memory_bytes>={need_bytes} ({need_bytes / 2**20:.1f} MiB) or num_kvcache_blocks>={need}"
-        if args.kv_cache_memory_bytes is None and args.device != "cpu" and torch.cuda.is_available():
-            fix += ", or raise gpu_memory_utilization"
-    return f"{msg}: {fix}, or lower max_model_len"
+        return f"num_kvcache_blocks>={need}"
+    need_bytes = need * block_bytes
+    fix = f"kv_cache_memory_bytes>={need_bytes} ({need_bytes / 2**20:.1f} MiB) or num_kvcache_blocks>={need}"
+    if args.kv_cache_memory_bytes is None and args.device != "cpu" and torch.cuda.is_available():
+        fix += ", or raise gpu_memory_utilization"
+    return fix
 
 
 class ProfilerConfig(dict):

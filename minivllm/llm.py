@@ -5,6 +5,7 @@ import dataclasses
 import gc
 import itertools
 import numbers
+import threading
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence as Seq
@@ -135,8 +136,15 @@ class LLM:
         self.chat_template = load_chat_template(engine_args.pop("chat_template", None))
         self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, engine_args))
         self._ids = itertools.count()
-        self._enqueued: list[str] = []  # enqueue's request ids, in order, until wait_for_completion returns them
+        # enqueue's requests until wait_for_completion returns them: their ids in order, their samples (n), the
+        # inbox their final outputs are delivered to, and the outputs a wait took from it for requests enqueued
+        # after it began (kept for the next wait); the lists and dicts under _enqueued_lock, one wait at a time
+        self._enqueued: list[str] = []
+        self._enqueued_samples: dict[str, int] = {}
         self._enqueued_inbox: deque[RequestOutput] = deque()
+        self._enqueued_done: dict[str, RequestOutput] = {}
+        self._enqueued_lock = threading.Lock()
+        self._wait_lock = threading.Lock()
         self._unused_template_variables_told: set[tuple] = set()  # LLM.chat warns once per template and names
         self._overridden_template_variables_told: set[str] = set()  # ... and once per overridden names and values
 
@@ -375,17 +383,19 @@ class LLM:
             refuse_mm_processor_kwargs(mm_processor_kwargs)
             self._submit(ids, prompts, sampling_params, "final_only", inbox, lora_request, priority,
                          tokenization_kwargs)
-            results = self._run_to_end(ids, inbox, use_tqdm)
+            results = self._run_to_end(ids, inbox, use_tqdm, self._samples(ids))
         except BaseException:
             self._abort(ids)
             raise
         return [results[i] for i in ids]
 
-    def _run_to_end(self, ids: list[str], inbox: deque, use_tqdm) -> dict[str, RequestOutput]:
-        """Step until every request of ``ids`` has its final output (from ``inbox``); returns them
-        by request id. ``use_tqdm``: a progress bar (``tqdm.auto``) or a callable that makes one,
-        ticking once per sample, as vLLM's (n of them for a prompt with ``SamplingParams.n = n``)."""
+    def _run_to_end(self, ids: list[str], inbox: deque, use_tqdm, samples: int) -> dict[str, RequestOutput]:
+        """Step until every request of ``ids`` has its final output (from ``inbox``); returns those
+        and any other output taken from ``inbox``, by request id. ``use_tqdm``: a progress bar
+        (``tqdm.auto``) or a callable that makes one, of ``samples`` ticks, one per sample of ``ids``
+        as vLLM's (n of them for a prompt with ``SamplingParams.n = n``)."""
         results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         bar = None
         try:
             if use_tqdm:
@@ -393,10 +403,10 @@ class LLM:
                     make_bar = use_tqdm
                 else:
                     from tqdm.auto import tqdm as make_bar
-                bar = make_bar(total=self._samples(ids), desc="Processed prompts", dynamic_ncols=True)
+                bar = make_bar(total=samples, desc="Processed prompts", dynamic_ncols=True)
             for out in self._outputs(list(ids), inbox):
                 results[out.request_id] = out
-                if bar is not None:
+                if bar is not None and out.request_id in wanted:
                     bar.update(len(out.outputs))
         finally:
             if bar is not None:
@@ -439,16 +449,29 @@ class LLM:
             ValueError: as :meth:`generate`, before any of this call's prompts is queued.
             RuntimeError: the LLM has been shut down.
         """
-        start = len(self._enqueued)
+        mine: list[str] = []
         try:  # an interrupt anywhere aborts this call's requests (and only them): none stays queued unlisted
             refuse_mm_processor_kwargs(mm_processor_kwargs)
-            self._submit(self._enqueued, prompts, sampling_params, "final_only", self._enqueued_inbox, lora_request,
-                         priority, tokenization_kwargs)
+            self._submit(mine, prompts, sampling_params, "final_only", self._enqueued_inbox, lora_request, priority,
+                         tokenization_kwargs)
+            samples = {rid: self._samples([rid]) for rid in mine}
+            with self._enqueued_lock:
+                self._enqueued_samples.update(samples)
+                self._enqueued.extend(mine)
         except BaseException:
-            self._abort(self._enqueued[start:])
-            del self._enqueued[start:]
+            self._abort(mine)
+            self._forget_enqueued(mine)
             raise
-        return self._enqueued[start:]
+        return list(mine)
+
+    def _forget_enqueued(self, ids) -> None:
+        """Take ``ids`` off the enqueued requests (with any output kept for them)."""
+        drop = set(ids)
+        with self._enqueued_lock:
+            self._enqueued[:] = [rid for rid in self._enqueued if rid not in drop]
+            for rid in drop:
+                self._enqueued_samples.pop(rid, None)
+                self._enqueued_done.pop(rid, None)
 
     def enqueue_chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                      use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
@@ -480,7 +503,11 @@ class LLM:
         engine, here requests queued by other means, such as ``llm.llm_engine.add_request``, are
         left to their caller). ``output_type``: vLLM's; ``RequestOutput`` (or None), the only
         kind of output here. ``use_tqdm``: as :meth:`generate`'s. Interrupted (KeyboardInterrupt),
-        it aborts every enqueued request that has not finished, as ``generate`` aborts its own.
+        it aborts the requests it waits for that have not finished, as ``generate`` aborts its own.
+
+        Threads: several may enqueue at once; waits run one at a time, each for the requests
+        enqueued when it began (an output it receives for one enqueued later is kept for the next
+        wait).
 
         Raises:
             TypeError: an ``output_type`` other than ``RequestOutput`` (a pooling output).
@@ -489,17 +516,26 @@ class LLM:
         kinds = output_type if isinstance(output_type, tuple) else (output_type,)
         if output_type is not None and RequestOutput not in kinds:
             raise TypeError(f"output_type={output_type!r}: minivllm gives RequestOutput only (no pooling models)")
-        ids, inbox = self._enqueued, self._enqueued_inbox
-        try:
-            results = self._run_to_end(ids, inbox, use_tqdm and bool(ids))
-        except BaseException:
-            self._abort(ids)
-            ids.clear()
-            inbox.clear()
-            raise
-        done = [results[i] for i in ids]
-        ids.clear()
-        return done
+        with self._wait_lock:  # one wait at a time: each runs what was enqueued when it began
+            with self._enqueued_lock:
+                ids = list(self._enqueued)
+                done = self._enqueued_done
+                pending = [rid for rid in ids if rid not in done]  # (outputs an earlier wait took for them)
+                samples = sum(self._enqueued_samples.get(rid, 1) for rid in pending)
+            try:
+                results = self._run_to_end(pending, self._enqueued_inbox, use_tqdm if pending else False, samples)
+                with self._enqueued_lock:
+                    # outputs of requests enqueued after this wait began are kept for the next one; an aborted
+                    # request's (no longer enqueued) are dropped
+                    live = set(self._enqueued)
+                    done.update({rid: out for rid, out in results.items() if rid in live})
+                    outs = [done[rid] for rid in ids]
+                self._forget_enqueued(ids)
+            except BaseException:
+                self._abort(ids)
+                self._forget_enqueued(ids)
+                raise
+        return outs
 
     def beam_search(self, prompts, params=None, *args, **kwargs):
         """vLLM's ``LLM.beam_search``: not implemented here.

@@ -120,8 +120,8 @@ def test_generate_truncates_a_long_prompt_and_takes_max_model_len(capsys):
     assert "\nerror: prompt of " in err and "leaves no room to generate" in err
     # max_model_len is already the model's 2048 positions: a larger one is no fix (it was suggested)
     assert "--truncate-prompt-tokens N" in err and "or a model with more positions" in err and "SamplingParams(" not in err
-    assert main(["generate", long_prompt, *QUIET, "--max-model-len", "512"]) == 2
-    assert "a larger --max-model-len (up to 2048 here)" in capsys.readouterr().err
+    assert main(["generate", " ".join(["def"] * 600), *QUIET, "--max-model-len", "512"]) == 2
+    assert "or a --max-model-len of at least 601)" in capsys.readouterr().err
     assert main(["generate", long_prompt, *QUIET, "--truncate-prompt-tokens", "100"]) == 0
     out, err = capsys.readouterr()
     assert "# 4 tokens (length)" in err and "the prompt was cut to its last 100 of " in err

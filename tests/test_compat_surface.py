@@ -761,6 +761,86 @@ def test_an_interrupted_wait_for_completion_aborts_what_was_enqueued(llm, monkey
     engine.check_invariants()
 
 
+def test_enqueue_while_a_wait_runs_is_kept_for_the_next_wait(llm, monkeypatch):
+    """A request enqueued (by another thread) while a wait ran broke it: the wait's outputs were lost to a
+    KeyError and the next wait raised "outputs never arrived". Each wait runs what was enqueued when it began."""
+    engine = llm.llm_engine
+    first, later = prompts_of([5, 8], seed=8), prompts_of([6], seed=9)
+    want = [o.outputs[0].token_ids for o in llm.generate(first + later, greedy(6), use_tqdm=False)]
+    ids = llm.enqueue(first, greedy(6))
+    step, added = engine.step, []
+
+    def step_then_enqueue():  # as a second thread would, between two steps of the wait
+        out = step()
+        if not added:
+            added.extend(llm.enqueue(later, greedy(6)))
+        return out
+
+    monkeypatch.setattr(engine, "step", step_then_enqueue)
+    outs = llm.wait_for_completion(use_tqdm=False)
+    monkeypatch.undo()
+    assert [o.request_id for o in outs] == ids and [o.outputs[0].token_ids for o in outs] == want[:2]
+    outs = llm.wait_for_completion(use_tqdm=False)  # the later request: run (or kept) for this wait
+    assert [o.request_id for o in outs] == added and outs[0].outputs[0].token_ids == want[2]
+    assert not engine.has_unfinished_requests() and llm.wait_for_completion(use_tqdm=False) == []
+
+
+def test_threads_enqueue_at_once_and_each_gets_its_own_ids(llm):
+    import threading
+
+    prompts = prompts_of([4, 5, 6], seed=10)
+    got, barrier = {}, threading.Barrier(2)
+
+    def enqueue(name):
+        barrier.wait()
+        got[name] = [rid for _ in range(4) for rid in llm.enqueue(prompts, greedy(3))]
+
+    threads = [threading.Thread(target=enqueue, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got["a"]) == len(got["b"]) == 12 and not set(got["a"]) & set(got["b"])
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert sorted(o.request_id for o in outs) == sorted(got["a"] + got["b"]) and all(o.finished for o in outs)
+
+
+def test_wait_for_completion_uses_a_callable_use_tqdm_and_survives_an_interrupt_after_its_run(llm, monkeypatch):
+    """A callable use_tqdm was replaced by a plain bar; an interrupt after the outputs were collected left the
+    requests listed as enqueued, and the next wait raised "outputs never arrived"."""
+    made = []
+
+    def bar(**kwargs):
+        made.append(kwargs["total"])
+        return tqdm_stub()
+
+    class tqdm_stub:
+        def update(self, n):
+            made.append(n)
+
+        def close(self):
+            made.append("closed")
+
+    llm.enqueue(prompts_of([4, 7], seed=11), [greedy(3), SamplingParams(n=2, temperature=0.8, max_tokens=3)])
+    assert [len(o.outputs) for o in llm.wait_for_completion(use_tqdm=bar)] == [1, 2]
+    assert made[0] == 3 and sorted(made[1:3]) == [1, 2] and made[-1] == "closed"
+    llm.enqueue(prompts_of([4], seed=12), greedy(3))
+    forget, calls = llm._forget_enqueued, []
+
+    def interrupted_first(ids):
+        calls.append(list(ids))
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        forget(ids)
+
+    monkeypatch.setattr(llm, "_forget_enqueued", interrupted_first)
+    with pytest.raises(KeyboardInterrupt):
+        llm.wait_for_completion(use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.wait_for_completion(use_tqdm=False) == [] and not llm.llm_engine.has_unfinished_requests()
+    llm.llm_engine.check_invariants()
+
+
 def test_small_vllm_conveniences(llm):
     engine = llm.llm_engine
     assert engine.get_tokenizer() is llm.tokenizer
@@ -869,6 +949,8 @@ def test_other_engines_spellings_of_our_arguments_are_command_line_options_too()
     got = EngineArgs.from_cli_args(parser.parse_args(["--num-gpu-blocks-override", "64", "--kvcache-block-size", "32"]))
     assert (got.num_kvcache_blocks, got.block_size) == (64, 32)
     assert "num-gpu-blocks-override" not in parser.format_help()
+    with pytest.raises(TypeError, match="'num_kvcache_blocks' given twice"):  # as LLM(...) refuses both: not last-wins
+        EngineArgs.from_cli_args(parser.parse_args(["--num-kvcache-blocks", "32", "--num-gpu-blocks-override", "64"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--num-gpu-blocks-override", "many"])
 

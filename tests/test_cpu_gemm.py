@@ -165,7 +165,7 @@ def test_every_row_count_gets_a_rows_bits_alone(gemm, n):
     """Whatever pass a row lands in (one row, groups of up to 6 or 12 rows, one to four panels
     at once: the AVX2 and AVX-512 builds group them differently), it gets the bits it gets alone,
     so a sequence's tokens do not depend on the batch around it."""
-    x, w, b = _case(27, 300, n)  # 300: two chunks of k; 112: seven panels (a group of 4, then 2 + 1)
+    x, w, b = _case(27, 300, n)  # 300: two chunks of k; 112: seven panels (a group of 4, then the rest)
     p = cpu_gemm.pack_panels(w)
     alone = torch.cat([gemm(x[r:r + 1], p, b) for r in range(27)])
     torch.testing.assert_close(alone, F.linear(x, w, b), atol=1e-5, rtol=1e-5)

@@ -156,9 +156,12 @@ def test_long_text_prompt_gets_our_error_without_the_tokenizer_warning(text_ckpt
 
 @pytest.mark.parametrize("engine_args,hint", [
     # the KV pool capped max_model_len: a larger max_model_len alone would be refused at start-up
-    (dict(num_kvcache_blocks=4, block_size=16), r"or a larger KV pool, which capped max_model_len \(4 blocks x 16 "
-                                                r"tokens\): num_kvcache_blocks="),
-    (dict(max_model_len=32, num_kvcache_blocks=8, block_size=16), r"or a larger max_model_len \(up to 128 here\)"),
+    (dict(num_kvcache_blocks=4, block_size=16), r"or a larger KV pool \(num_kvcache_blocks>=5\)\)$"),
+    (dict(max_model_len=32, num_kvcache_blocks=8, block_size=16), r"or a max_model_len of at least 71\)$"),
+    (dict(max_model_len=64, num_kvcache_blocks=4, block_size=16),
+     r"or a max_model_len of at least 71 and a larger KV pool \(num_kvcache_blocks>=5\)\)$"),
+    (dict(kv_cache_memory_bytes=4 * 16 * 512, num_kvcache_blocks=None, block_size=16),  # 4 blocks of 16 x 512 B
+     r"or a larger KV pool \(kv_cache_memory_bytes>=\d+ \([\d.]+ MiB\) or num_kvcache_blocks>=5\)\)$"),
 ])
 def test_a_prompt_too_long_names_what_lengthens_max_model_len(tiny_ckpt, engine_args, hint):
     llm = make_llm(tiny_ckpt, **engine_args)

@@ -193,6 +193,7 @@ class LLMEngine:
             self.runner = ModelRunner(runner_config)
         try:
             block_bytes = kv_bytes_per_token(hf, kv_dtype, args.tensor_parallel_size) * block_size
+            self._kv_block_bytes = block_bytes  # (what a larger pool takes: _longer_hint)
             max_model_len, budget = resolve_lengths(args, hf.max_position_embeddings, self.runner.num_kv_blocks,
                                                     block_size, block_bytes)
             self.config = EngineConfig(args, device, dtype, self.runner.backend.name, block_size,
@@ -418,21 +419,26 @@ class LLMEngine:
         if len(ids) >= self.config.max_model_len:
             raise VLLMValidationError(f"prompt of {len(ids)} tokens leaves no room to generate: "
                                       f"max_model_len={self.config.max_model_len} (keep its last tokens with "
-                                      f"SamplingParams(truncate_prompt_tokens=N), or {self._longer_hint()})")
+                                      f"SamplingParams(truncate_prompt_tokens=N), or {self._longer_hint(len(ids) + 1)})")
         return text, ids
 
-    def _longer_hint(self) -> str:
-        """What lengthens ``max_model_len``: where the KV pool capped it, a larger pool (a larger
-        ``max_model_len`` alone is refused then); where the model's positions did, nothing."""
-        cfg, positions = self.config, self.source.hf_config.max_position_embeddings
-        pool = self.block_manager.num_blocks * self.block_manager.block_size
-        if cfg.max_model_len >= positions:
-            return f"a model with more positions: {self.source.name} has {positions}"
-        if cfg.max_model_len >= pool:
-            return (f"a larger KV pool, which capped max_model_len ({self.block_manager.num_blocks} blocks x "
-                    f"{self.block_manager.block_size} tokens): num_kvcache_blocks=, kv_cache_memory_bytes= or "
-                    f"gpu_memory_utilization=")
-        return f"a larger max_model_len (up to {min(positions, pool)} here)"
+    def _longer_hint(self, need: int) -> str:
+        """What lets a sequence of ``need`` tokens fit: a model with more positions, where the
+        model's are too few; else a ``max_model_len`` of at least ``need`` where one was given
+        smaller, and a larger KV pool (the argument and size, :func:`~minivllm.config.pool_fix`)
+        where the pool holds fewer tokens (without a given ``max_model_len`` it follows the pool)."""
+        from minivllm.config import pool_fix
+        from minivllm.utils import cdiv
+
+        positions, bm = self.source.hf_config.max_position_embeddings, self.block_manager
+        if need > positions:
+            return f"a model with more positions ({self.source.name} has {positions})"
+        fixes = []
+        if self.args.max_model_len is not None and need > self.config.max_model_len:
+            fixes.append(f"a max_model_len of at least {need}")
+        if need > bm.num_blocks * bm.block_size:
+            fixes.append(f"a larger KV pool ({pool_fix(self.args, cdiv(need, bm.block_size), self._kv_block_bytes)})")
+        return " and ".join(fixes) or f"a max_model_len of at least {need}"
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Checks of ``params`` that need the model (``SamplingParams`` checks the rest).
@@ -640,7 +646,7 @@ class LLMEngine:
             raise VLLMValidationError(
                 f"min_tokens={params.min_tokens} with max_tokens=None: a {prompt_len}-token prompt leaves room for "
                 f"{room} tokens under max_model_len={self.config.max_model_len}, so it could never be met "
-                f"(give min_tokens <= {room}, a shorter prompt, or a larger max_model_len)",
+                f"(give min_tokens <= {room}, a shorter prompt, or {self._longer_hint(prompt_len + params.min_tokens)})",
                 parameter="min_tokens", value=params.min_tokens)
 
     def _warn_if_max_tokens_capped(self, params: SamplingParams, prompt_len: int) -> None:
@@ -896,10 +902,13 @@ class LLMEngine:
 
         vLLM's signature. ``reset_running_requests=True``, as in vLLM: first preempt every running
         request (recompute preemption: its blocks are freed, it goes back to the front of the
-        waiting queue in its running order, and its ``metrics.num_preemptions`` counts it), so no
-        block keeps KV from before the reset. Without it, running requests keep their blocks and
-        KV, which only lose their hashes (vLLM instead returns False and resets nothing while
-        requests hold KV). ``reset_connector``: minivllm has no KV connector.
+        waiting queue in its running order, and its ``metrics.num_preemptions`` counts it; no
+        ``StepRecord`` does, as no step made them), so no block of the KV cache keeps KV from
+        before the reset (a draft model's own pool is checked against its tokens before use). The
+        preemptions are all or none under an interrupt; the hashes are forgotten after them.
+        Without it, running requests keep their blocks and KV, which only lose their hashes (vLLM
+        instead returns False and resets nothing while requests hold KV). ``reset_connector``:
+        minivllm has no KV connector.
 
         Raises:
             ValueError: either flag not a bool.

@@ -231,10 +231,10 @@ def add_cli_args(cls, parser):
             parser.add_argument(*flags, type=convert, default=f.default, help=text + suffix)
     ours = {f.name for f in fields}
     taken = parser._option_string_actions  # (a group shares its parser's): a script's own option stays its own
-    for alias, name in ARG_ALIASES.items():  # other engines' spellings (--num-gpu-blocks-override) set ours
-        flag, target = "--" + alias.replace("_", "-"), taken.get("--" + name.replace("_", "-"))
+    for alias, name in ARG_ALIASES.items():  # other engines' spellings (--num-gpu-blocks-override); from_cli_args
+        flag, target = "--" + alias.replace("_", "-"), taken.get("--" + name.replace("_", "-"))  # renames them
         if name in ours and flag not in taken and target is not None:
-            parser.add_argument(flag, dest=name, type=target.type, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            parser.add_argument(flag, dest=alias, type=target.type, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     for name in sorted((set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS) | set(SPEC_SHORTCUTS)) - ours):
         flags = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
         if any(flag in taken for flag in flags):
@@ -258,10 +258,14 @@ def from_cli_args(cls, args: argparse.Namespace):
 
     Raises:
         ValueError: a bad value, as ``cls`` raises it.
-        TypeError: a vLLM argument for a feature minivllm lacks (``EngineArgs.from_kwargs``)."""
-    from minivllm.config import IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS, SPEC_SHORTCUTS
+        TypeError: a vLLM argument for a feature minivllm lacks (``EngineArgs.from_kwargs``), or an
+            argument given both under its name (not at its default) and an alias."""
+    from minivllm.config import ARG_ALIASES, IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS, SPEC_SHORTCUTS
 
-    names = ({f.name for f in dataclasses.fields(cls)} | set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)
-             | set(SPEC_SHORTCUTS))
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    names = set(fields) | set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS) | set(SPEC_SHORTCUTS) | set(ARG_ALIASES)
     given = {k: v for k, v in vars(args).items() if k in names}
+    for alias, name in ARG_ALIASES.items():  # the field's own option at its default is not given: the alias renames
+        if alias in given and given.get(name, fields.get(name)) == fields.get(name):
+            given.pop(name, None)
     return cls.from_kwargs(given.pop("model", None), given)

@@ -29,7 +29,7 @@ def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
             return f"{action.option_strings[0]}: {message}"
     # the fixes a message gives as Python arguments, as this command's options
     for python, option in (("SamplingParams(truncate_prompt_tokens=N)", "--truncate-prompt-tokens N"),
-                           ("a larger max_model_len", "a larger --max-model-len")):
+                           ("a max_model_len of", "a --max-model-len of")):
         message = message.replace(python, option)
     return message
 

@@ -62,7 +62,8 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
    panel's stream. On a 2-core Xeon (AVX-512, one thread, 2026-12-06, 440 MiB of Qwen3-0.6B-shaped int8
    panels at one row) the hardware prefetcher alone read 11.5-11.8 GB/s; hints 0.5 / 1 / 2 / 4 / 8 KiB
    ahead 12.7-13.3 / 12.6-13.7 / 11.6-13.3 / 10.9-12.4 / 11.2-11.4 GB/s; at 4 rows 11.3 -> 12.3 GB/s.
-   From 7 rows (compute-bound) the float hint below, which ran 4% faster there. */
+   From 7 rows (compute-bound) the float hint below, which ran 4% faster there, in passes of 7 or more rows:
+   with AVX-512, 13 rows on (7-12 rows go in two passes of up to 6: panel_chunk). */
 #define PF_I8 1024
 #define PF_I8_MAX_ROWS 6
 #ifdef __AVX512F__
@@ -296,7 +297,8 @@ static inline __attribute__((always_inline)) void panel_rows16(const int wt, con
    2026-12-07, best of 5 passes, three alternating builds): 7 rows 0.72-0.82 against 0.85-1.07 ms, 8 rows
    0.81-0.95 against 0.91-1.07, 12 rows 0.99-1.13 against 1.10-1.17; random:qwen3-0.6b's batch-8 decode
    step 143-150 against 164-165 ms; the embedded model's cache-resident shapes within 5% either way. A
-   software prefetch in the first group (as 7+ row passes have) made those 7-12 row figures 5-15% slower. */
+   software prefetch in the first group (as 7+ row passes have) made those 7-12 row figures 5-15% slower.
+   Not timed on the Intel Xeon (where passes of up to 6 rows prefetch: pf_few) nor with int8 panels. */
 static inline __attribute__((always_inline)) void panel_chunk(const int wt, int g, const float *x, int64_t ldx,
         const void *pc, int64_t pstride, int64_t m,
                         int64_t kc, const float *init, int64_t ld_init, float *y, int64_t ldy) {
