@@ -831,7 +831,8 @@ fig.update_layout(height=400, xaxis_type="log", yaxis_type="log", xaxis_title="b
 show_figure(fig)
 small, mid = ar.sizes_bytes[0], ar.sizes_bytes[3]
 growth = ar.us_min[3] / ar.us_min[0]
-shaped = ar.grows_with_bytes()
+# the model's shape: no fall between sizes beyond the noise, and a fixed cost and a bandwidth both found
+shaped = ar.grows_with_bytes() and alpha_us > 0 and math.isfinite(beta_bytes_per_us)
 decode_alpha_share = alpha_us / (alpha_us + decode_ar_bytes / beta_bytes_per_us)
 _ = render(f"From {small:,} to {mid:,} B ({mid // small}x the bytes) the fastest round of an all-reduce took "
            f"**{growth:.2f}x** the time ({ar.us_min[0]:.0f} to {ar.us_min[3]:.0f} µs; medians {ar.us_per_call[0]:.0f} to "
@@ -848,12 +849,15 @@ _ = render(f"From {small:,} to {mid:,} B ({mid // small}x the bytes) the fastest
                  "the fixed cost fitted here is above even their median, so on this run the machine's load set "
                  "these figures more than the round trip did.")
               if shaped else
-              "**Inconclusive on this run**: the fastest rounds' time fell from one size to a larger one, which no "
-              "fixed cost plus bytes over a bandwidth can fit, so the load on the machine moved during the sweep more "
-              "than the bytes did. Run the cell again on a quieter machine before reading α and β from it.")
+              "**Inconclusive on this run**: the fastest rounds' times "
+              + ("fell from one size to a larger one" if not ar.grows_with_bytes() else
+                 "give no fixed cost and bandwidth both above zero")
+              + ", which no fixed cost plus bytes over a bandwidth can fit, so the load on the machine moved during "
+              "the sweep more than the bytes did. Run the cell again on a quieter machine before reading α and β "
+              "from it.")
            + " On a machine with few cores each figure also holds the time a process waited for a core.")
 _ = check_claim("the fastest round's time never falls by more than 25% from one size to a larger one",
-                shaped, ", ".join(f"{b:,} B {t:.0f} µs" for b, t in zip(ar.sizes_bytes, ar.us_min)),
+                ar.grows_with_bytes(), ", ".join(f"{b:,} B {t:.0f} µs" for b, t in zip(ar.sizes_bytes, ar.us_min)),
                 why_it_may_not="A busy machine can slow one size's rounds more than another's; run the cell again.")
 _ = check_claim(f"an all-reduce's time grows much less than its bytes while they are few ({small:,} -> {mid:,} B)",
                 growth < (mid / small) / 4, f"{mid // small}x the bytes, {growth:.2f}x the fastest round's time",
