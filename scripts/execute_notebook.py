@@ -24,6 +24,12 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Seconds the kernel has to exit when asked, before SIGTERM (at half of it) and SIGKILL: with jupyter_client's
+#: 5 s default (SIGTERM after 2.5 s) a kernel slower to exit than that (chapter 10's, before its tensor-parallel
+#: workers left the kernel's process group: minivllm/executor/launch.py) skips its exit handlers, leaving
+#: kaleido's Chromium profile and page in /tmp (tests/helpers_nbval.py does the same for nbval's kernels)
+KERNEL_EXIT_WAIT_S = 60.0
+
 #: The kernel's environment unless already set: one thread, no INFO lines from minivllm's logger.
 KERNEL_ENV = {"OMP_NUM_THREADS": "1", "MINIVLLM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
               "MINIVLLM_LOGGING_LEVEL": "WARNING"}
@@ -61,6 +67,7 @@ def execute(path: Path, timeout: int = 600, store_widget_state: bool = False) ->
     import jupytext
     from jupytext.cli import jupytext as jupytext_cli
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
     py, ipynb = pair_of(path)
     if py.exists() or ipynb.exists():
@@ -70,8 +77,10 @@ def execute(path: Path, timeout: int = 600, store_widget_state: bool = False) ->
         os.environ.setdefault(key, value)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     # Widget state is not stored by default: every widget output carries its own static snapshot.
+    config = Config()
+    config.KernelManager.shutdown_wait_time = KERNEL_EXIT_WAIT_S  # (its async subclass, which nbclient makes, reads it)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=store_widget_state,
-                            resources={"metadata": {"path": str(ipynb.parent)}})
+                            resources={"metadata": {"path": str(ipynb.parent)}}, config=config)
     client.execute()
     drop_noise(nb)
     nbformat.write(nb, ipynb)

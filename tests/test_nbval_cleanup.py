@@ -1,4 +1,5 @@
-"""A notebook run under nbval leaves nothing in the temporary directory (helpers_nbval)."""
+"""A notebook run under nbval (helpers_nbval) or by scripts/execute_notebook.py leaves nothing in the
+temporary directory."""
 from __future__ import annotations
 
 import os
@@ -58,6 +59,31 @@ def test_a_notebook_kernel_stopped_by_nbval_leaves_no_temporary_files(tmp_path):
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
         # kaleido's Chromium profile and page directories: left behind when nbval killed the kernel
         assert sorted(p.name for p in tmp.iterdir()) == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_notebook_run_by_execute_notebook_leaves_no_temporary_files(tmp_path):
+    """scripts/execute_notebook.py's kernel had jupyter_client's 5 s to exit (SIGTERM after 2.5 s): chapter
+    10's left kaleido's two directories in /tmp at every run. (Chromium's own ``.org.chromium.Chromium.*``
+    scratch directory is left now and then when kaleido's exit handler has to kill the browser: not these.)"""
+    pytest.importorskip("kaleido")
+    from widgets._static import find_chrome
+
+    if find_chrome() is None:
+        pytest.skip("no Chrome/Chromium for kaleido")
+    tmp = Path(tempfile.mkdtemp(prefix="mv-"))  # short: Chromium's socket paths have a length limit
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(CELL)]
+    nbformat.write(nb, tmp_path / "chart.ipynb")
+    env = dict(os.environ, TMPDIR=str(tmp))
+    try:
+        res = subprocess.run([sys.executable, "scripts/execute_notebook.py", str(tmp_path / "chart.ipynb")],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+        # kaleido's Chromium profile (a directory with Default/) and its page (a directory with index.html)
+        assert [p.name for p in tmp.iterdir() if (p / "Default").exists() or (p / "index.html").exists()] == []
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

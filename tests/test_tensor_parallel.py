@@ -478,6 +478,21 @@ def test_no_orphan_after_garbage_collection(tiny_ckpt):
     _wait_gone(pids, timeout=10.0)
 
 
+@linux_only
+def test_workers_are_outside_the_engines_process_group(tiny_ckpt):
+    """A Jupyter kernel asked to shut down signals the children in its process group and waits until none is
+    left; the workers it killed stayed zombies until the engine could reap them, after that wait, so a kernel
+    holding a tensor-parallel engine took ~30 s to shut down and was then SIGTERMed (its exit handlers skipped).
+    Outside the group, the engine's own shutdown at exit stops them (and they exit when it dies: below)."""
+    llm = make_llm(tiny_ckpt, tensor_parallel_size=2)
+    try:
+        pids = llm.llm_engine.runner.worker_pids
+        assert pids and all(os.getpgid(p) != os.getpgrp() for p in pids)
+    finally:
+        llm.shutdown()
+    _wait_gone(pids, timeout=10.0)
+
+
 _PARENT = """
 import json, sys, time
 sys.path.insert(0, {tests!r})

@@ -191,7 +191,11 @@ def start_local(tp_size: int) -> Connection:
         for r in range(1, tp_size):
             cmd = [sys.executable, "-m", "minivllm.executor.worker", "--store", f"127.0.0.1:{port}",
                    "--rank", str(r), "--world-size", str(tp_size), "--parent-pid", str(os.getpid())]
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+            # A session of its own: a Jupyter kernel asked to shut down signals the children in its process group
+            # and waits until none is left, but the workers it kills stay zombies until this process reaps them
+            # after that wait (~29 s: ipykernel's SIGTERM, then SIGKILL, rounds). Outside the group they are
+            # stopped by this engine's shutdown at exit, and exit by themselves when this process dies (--parent-pid).
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         wait_ready(store, procs, READY_KEY, STARTUP_TIMEOUT_S, "tensor-parallel worker")
         ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), 0, tp_size, CTRL_TIMEOUT)
     except BaseException:
