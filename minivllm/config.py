@@ -344,11 +344,13 @@ class EngineArgs:
 def _vllm_args_taken(kwargs: dict) -> dict:
     """``kwargs`` with ``ARG_ALIASES`` renamed and the vLLM arguments that change nothing here
     dropped (one warning lists them); raises TypeError as :meth:`EngineArgs.from_kwargs` says."""
-    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    known = set(defaults)
     kwargs = dict(kwargs)
     for alias, name in ARG_ALIASES.items():
         if alias in kwargs:
-            if name in kwargs:
+            # at its default the field was not given: LLM(**vars(args)) of a parser with both options
+            if name in kwargs and kwargs[name] != defaults[name]:
                 raise TypeError(f"engine argument {name!r} given twice (also as {alias!r})")
             kwargs[name] = kwargs.pop(alias)
     shortcuts = {k: v for k in SPEC_SHORTCUTS if k in kwargs and (v := kwargs.pop(k)) is not None}

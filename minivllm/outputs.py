@@ -46,6 +46,12 @@ class RequestMetrics:
     #: Times the scheduler preempted the request (its KV dropped, to be recomputed): vLLM V1's name.
     num_preemptions: int = 0
 
+    def __repr__(self) -> str:
+        # token_times holds a time per output token: its count, so a printed RequestOutput stays short
+        shown = (f"token_times=<{len(self.token_times)} times>" if f.name == "token_times" else
+                 f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"{type(self).__name__}({', '.join(shown)})"
+
     @property
     def draft_acceptance_rate(self) -> float | None:
         """Accepted / proposed draft tokens (None before any draft)."""

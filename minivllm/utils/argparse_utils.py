@@ -258,14 +258,11 @@ def from_cli_args(cls, args: argparse.Namespace):
 
     Raises:
         ValueError: a bad value, as ``cls`` raises it.
-        TypeError: a vLLM argument for a feature minivllm lacks (``EngineArgs.from_kwargs``), or an
-            argument given both under its name (not at its default) and an alias."""
+        TypeError: a vLLM argument for a feature minivllm lacks, or an argument given both under
+            its name (not at its default) and an alias (``EngineArgs.from_kwargs``)."""
     from minivllm.config import ARG_ALIASES, IGNORED_VLLM_ARGS, LACKING_VLLM_ARGS, SPEC_SHORTCUTS
 
-    fields = {f.name: f.default for f in dataclasses.fields(cls)}
-    names = set(fields) | set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS) | set(SPEC_SHORTCUTS) | set(ARG_ALIASES)
+    names = ({f.name for f in dataclasses.fields(cls)} | set(IGNORED_VLLM_ARGS) | set(LACKING_VLLM_ARGS)
+             | set(SPEC_SHORTCUTS) | set(ARG_ALIASES))
     given = {k: v for k, v in vars(args).items() if k in names}
-    for alias, name in ARG_ALIASES.items():  # the field's own option at its default is not given: the alias renames
-        if alias in given and given.get(name, fields.get(name)) == fields.get(name):
-            given.pop(name, None)
     return cls.from_kwargs(given.pop("model", None), given)
