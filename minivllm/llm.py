@@ -383,17 +383,19 @@ class LLM:
             refuse_mm_processor_kwargs(mm_processor_kwargs)
             self._submit(ids, prompts, sampling_params, "final_only", inbox, lora_request, priority,
                          tokenization_kwargs)
-            results = self._run_to_end(ids, inbox, use_tqdm, self._samples(ids))
+            results = self._run_to_end(ids, inbox, use_tqdm)
         except BaseException:
             self._abort(ids)
             raise
         return [results[i] for i in ids]
 
-    def _run_to_end(self, ids: list[str], inbox: deque, use_tqdm, samples: int) -> dict[str, RequestOutput]:
+    def _run_to_end(self, ids: list[str], inbox: deque, use_tqdm,
+                    samples: int | None = None) -> dict[str, RequestOutput]:
         """Step until every request of ``ids`` has its final output (from ``inbox``); returns those
         and any other output taken from ``inbox``, by request id. ``use_tqdm``: a progress bar
-        (``tqdm.auto``) or a callable that makes one, of ``samples`` ticks, one per sample of ``ids``
-        as vLLM's (n of them for a prompt with ``SamplingParams.n = n``)."""
+        (``tqdm.auto``) or a callable that makes one, of ``samples`` ticks (default: counted from
+        the engine's requests when the bar is made), one per sample of ``ids`` as vLLM's (n of them
+        for a prompt with ``SamplingParams.n = n``)."""
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = None
@@ -403,7 +405,8 @@ class LLM:
                     make_bar = use_tqdm
                 else:
                     from tqdm.auto import tqdm as make_bar
-                bar = make_bar(total=samples, desc="Processed prompts", dynamic_ncols=True)
+                total = self._samples(ids) if samples is None else samples
+                bar = make_bar(total=total, desc="Processed prompts", dynamic_ncols=True)
             for out in self._outputs(list(ids), inbox):
                 results[out.request_id] = out
                 if bar is not None and out.request_id in wanted:
