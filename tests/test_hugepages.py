@@ -98,3 +98,23 @@ def test_the_kv_pool_is_eligible_for_huge_pages_where_the_kernel_has_them():
         pytest.skip("this kernel's /proc/self/smaps has no THPeligible field")
     assert eligible
     del cache
+
+
+@pytest.mark.skipif(hugepages.transparent_hugepage_mode() not in ("madvise", "always") or _huge_kb() is None,
+                    reason="transparent huge pages off (or /proc unreadable) here")
+def test_weight_panels_of_2mib_or_more_are_eligible_for_huge_pages():
+    """A decode step streams every weight: the panel GEMM's panels of 2 MiB or more start on a 2 MiB
+    boundary in a mapping eligible for 2 MiB pages (same values); smaller ones stay ordinary tensors."""
+    from minivllm.layers import cpu_gemm
+
+    g = torch.Generator().manual_seed(0)
+    for src, dtype in ((torch.randn(1024, 640, generator=g), torch.float32),  # 2.5 MiB each
+                       (torch.randint(-127, 128, (4096, 640), generator=g, dtype=torch.int8), torch.int8)):
+        panels = cpu_gemm.pack_panels(src, dtype)
+        assert panels.data_ptr() % hugepages.HUGE_PAGE == 0 and torch.equal(cpu_gemm.unpack_panels(panels), src.float())
+        eligible = _thp_eligible(panels.data_ptr())
+        if eligible is None:
+            pytest.skip("this kernel's /proc/self/smaps has no THPeligible field")
+        assert eligible
+    small = cpu_gemm.pack_panels(torch.randn(64, 8))
+    assert small.untyped_storage().nbytes() == 64 * 8 * 4

@@ -88,12 +88,13 @@ def test_panel_int8_path_is_the_weight_only_linear(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n, k in ((16, 1), (48, 40), (96, 300), (160, 520), (1024, 512)):
+        for n, k in ((16, 1), (48, 40), (64, 3), (96, 300), (160, 520), (192, 300), (1024, 512)):
             w = torch.randn(n, k, generator=g) * 0.05
             b = torch.randn(n, generator=g)
             iw = Int8Weight(w, kernel="panel-int8")
             assert iw.qweight is None and iw.packed is None and iw.panels.dtype == torch.int8
-            assert iw.panels.shape == (n // 16, k, 16)
+            width = 64 if n % 64 == 0 else 16  # int8 panels in groups of four where N allows
+            assert iw.panels.shape == (n // width, k, width)
             assert torch.equal(iw.int8_tensor(), quantize_per_channel(w)[0])
             dq = iw.dequantized()
             for m in (1, 2, 5, 7, 12, 13, 31, 300):
@@ -123,6 +124,33 @@ def test_panel_int8_path_is_the_weight_only_linear(threads):
         iw.matmul(torch.randn(2, 40), torch.zeros(3))
     with pytest.raises(ValueError, match=r"with unit stride along it"):
         gemm.run_int8(torch.randn(2, 80)[:, ::2], iw.panels, iw.scale)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_int8_panels_give_the_bits_of_panel_by_panel_ones(threads):
+    """Int8 panels in groups of four ([N / 64, K, 64], one stream per pass) hold the values of [N / 16, K, 16]
+    panels in another order, and each output sums over k in the same order: the same bits, at every row count
+    a pass handles differently, k across chunks, a bias, and thread splits that fall inside a group (3 and 5
+    groups over 2 threads)."""
+    from minivllm.layers import cpu_gemm
+
+    gemm = _panel_gemm()
+    g = torch.Generator().manual_seed(11)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((64, 7), (192, 300), (320, 520)):
+            q, scale = quantize_per_channel(torch.randn(n, k, generator=g))
+            grouped = cpu_gemm.pack_panels(q, torch.int8)
+            by_panel = q.reshape(n // 16, 16, k).transpose(1, 2).contiguous()
+            assert grouped.shape == (n // 64, k, 64) and torch.equal(cpu_gemm.unpack_panels(grouped), q.float())
+            b = torch.randn(n, generator=g)
+            for m in (1, 2, 6, 7, 12, 13, 40):
+                x = torch.randn(m, k, generator=g)
+                for bias in (None, b):
+                    assert torch.equal(gemm.run_int8(x, grouped, scale, bias), gemm.run_int8(x, by_panel, scale, bias))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_panel_int8_is_the_cpu_default_and_other_heights_take_the_next_path():

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 
 import torch
 
 from minivllm.models.hf_config import get_head_dim
-from minivllm.utils.hugepages import HUGE_PAGE, advise_huge, transparent_hugepage_mode
+from minivllm.utils.hugepages import transparent_hugepage_mode, zeroed_cpu_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -51,23 +49,3 @@ def allocate_kv_cache(hf_config, num_blocks: int, block_size: int, dtype: torch.
                     "2 MiB pages requested (madvise)" if huge else
                     f"4 KiB pages (transparent huge pages: {transparent_hugepage_mode() or 'not on this system'})")
     return cache, [(cache[0, i], cache[1, i]) for i in range(hf_config.num_hidden_layers)]
-
-
-def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """A zero-filled CPU tensor of ``shape`` backed by an anonymous memory mapping (``mmap``), its
-    start on a 2 MiB boundary, 2 MiB pages asked for before any is made; returns it and whether
-    the request for 2 MiB pages was accepted. An anonymous mapping reads as zeros by the operating
-    system's contract (Linux, macOS, Windows), page by page as it is first touched: nothing is
-    written here. The tensor keeps the mapping alive (``torch.frombuffer``); it is unmapped when
-    the last view of it goes."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()  # + HUGE_PAGE below: room to align
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype), False
-    if hasattr(mmap, "MAP_PRIVATE"):  # POSIX: private (a shared one is shmem: no 2 MiB pages, shared by a fork)
-        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    else:  # Windows: an anonymous mapping is the process's own
-        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    skip = -raw.data_ptr() % HUGE_PAGE
-    tensor = raw[skip:skip + nbytes].view(dtype).view(shape)
-    return tensor, advise_huge(tensor)

@@ -1,7 +1,7 @@
 """Fault in the CPU KV pool's pages a little ahead of the blocks the block manager hands out.
 
 The CPU pool is an anonymous mapping whose pages the operating system makes when they are first
-written (:func:`minivllm.engine.kv_cache.zeroed_cpu_tensor`), 2 MiB at a time where huge pages
+written (:func:`minivllm.utils.hugepages.zeroed_cpu_tensor`), 2 MiB at a time where huge pages
 were granted. A step that writes a block past the pages made so far waits for them, once per
 2 MiB of each layer's K and V: on the dev EPYC (a virtual machine whose host backs guest memory
 lazily; 2026-12-04, embedded model, one thread) 3 of 745 decode steps of a mixed batch took 40-41 ms

@@ -1,9 +1,10 @@
 """Ask Linux to back a large CPU tensor with 2 MiB pages (transparent huge pages).
 
-A decode step reads memory the caches no longer hold at scattered places: each sequence's KV
-blocks, the embedding rows of its token. With 4 KiB pages nearly every such read starts with a TLB
-miss, and in a virtual machine each miss walks two page tables; with 2 MiB pages the KV pool of a
-step fits in a few dozen TLB entries. torch backs large allocations with huge pages only when
+A decode step reads memory the caches no longer hold: every weight, streamed (the panel GEMM's
+panels, :func:`minivllm.layers.cpu_gemm.pack_panels`: the hardware prefetcher stops at each
+page's end), and at scattered places each sequence's KV blocks, the embedding rows of its token.
+With 4 KiB pages nearly every scattered read starts with a TLB miss, and in a virtual machine each
+miss walks two page tables; with 2 MiB pages the KV pool of a step fits in a few dozen TLB entries. torch backs large allocations with huge pages only when
 ``THP_MEM_ALLOC_ENABLE=1`` is set before it starts; :func:`advise_huge` asks for the one tensor it
 is given, before its pages are first written (``madvise(MADV_HUGEPAGE)``: Linux then fills each
 aligned 2 MiB range with one page when it is first touched).
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import mmap
 import sys
 
 import torch
 
 from minivllm.utils.libc import libc
 
-__all__ = ["HUGE_PAGE", "advise_huge", "transparent_hugepage_mode"]
+__all__ = ["HUGE_PAGE", "advise_huge", "transparent_hugepage_mode", "zeroed_cpu_tensor"]
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <linux/mman.h>
@@ -67,3 +70,23 @@ def advise_huge(t: torch.Tensor) -> bool:
         return _madvise()(lo, hi - lo, _MADV_HUGEPAGE) == 0
     except (OSError, AttributeError):
         return False
+
+
+def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """A zero-filled CPU tensor of ``shape`` backed by an anonymous memory mapping (``mmap``), its
+    start on a 2 MiB boundary, 2 MiB pages asked for before any is made; returns it and whether
+    the request for 2 MiB pages was accepted. An anonymous mapping reads as zeros by the operating
+    system's contract (Linux, macOS, Windows), page by page as it is first touched: nothing is
+    written here. The tensor keeps the mapping alive (``torch.frombuffer``); it is unmapped when
+    the last view of it goes."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()  # + HUGE_PAGE below: room to align
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype), False
+    if hasattr(mmap, "MAP_PRIVATE"):  # POSIX: private (a shared one is shmem: no 2 MiB pages, shared by a fork)
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:  # Windows: an anonymous mapping is the process's own
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    skip = -raw.data_ptr() % HUGE_PAGE
+    tensor = raw[skip:skip + nbytes].view(dtype).view(shape)
+    return tensor, advise_huge(tensor)
