@@ -221,6 +221,30 @@ def test_greedy_head_gives_the_gemm_and_each_rows_first_maximum_or_minus_one(gem
     assert ids.tolist() == want.tolist() and ids[0] == -1 and ids[m - 1] == -1
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_panels_give_the_bits_of_panel_by_panel_ones(gemm, monkeypatch, threads):
+    """Panels in groups of four (``[N / 64, K, 64]``: one stream of whole lines for a pass over four panels)
+    hold the same values in another order, and each output sums over k in the same order: the same bits as
+    panels one by one, for every panel type, at every row count a pass handles differently, k across
+    chunks, with a bias, a greedy head, and thread splits that fall inside a group (3 and 5 groups)."""
+    monkeypatch.setattr(cpu_gemm, "MIN_MACS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    for dtype in sorted(gemm.panel_dtypes, key=str):
+        for n, k in ((64, 7), (192, 300), (320, 40)):
+            x_all, w, b = _case(300, k, n, seed=5)
+            w = w.to(dtype).float()
+            grouped, by_panel = (cpu_gemm.pack_panels(w, dtype, grouped=flag) for flag in (True, False))
+            assert grouped.shape == (n // 64, k, 64) and by_panel.shape == (n // 16, k, 16)
+            assert cpu_gemm.is_panels(grouped) and torch.equal(cpu_gemm.unpack_panels(grouped), w)
+            for m in (1, 2, 6, 7, 12, 13, 40, 300):
+                x = x_all[:m]
+                for bias in (None, b):
+                    assert torch.equal(gemm(x, grouped, bias), gemm(x, by_panel, bias)), (dtype, n, k, m)
+                if threads == 1 and m <= 8:
+                    (yg, ig), (yp, ip) = gemm.run_greedy(x, grouped, n - 2), gemm.run_greedy(x, by_panel, n - 2)
+                    assert torch.equal(yg, yp) and ig.tolist() == ip.tolist()
+
+
 def test_greedy_head_refuses_what_it_does_not_take(gemm, monkeypatch):
     x, w, _ = _case(4, 40, 96)
     panels = cpu_gemm.pack_panels(w)

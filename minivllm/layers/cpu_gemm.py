@@ -36,7 +36,8 @@ reads a quarter of the float32 bytes).
 checkpoint stored in that type is loaded into a float32 model, is held in that type
 (:func:`compact_dtype`): the kernel widens each value back to the same float32 as it loads it
 (exact), multiplies in float32 as before, and reads half the bytes. Same results bit for bit;
-half the memory. Measured on the dev EPYC (Zen 4, AVX-512, one thread, 2026-12-03, medians of
+half the memory. Where ``N`` is a multiple of 64, int8 and 16-bit panels go in groups of four
+(:func:`pack_panels`). Measured on the dev EPYC (Zen 4, AVX-512, one thread, 2026-12-03, medians of
 interleaved passes): the embedded model's linears (float16 checkpoint) at 1 / 4 / 32 rows took
 0.69 / 0.66 / 0.94x the float32 panels' time; Qwen3-0.6B layer shapes streamed from memory at
 1 / 4 / 8 rows 0.61 / 0.62 / 0.60x (float16) and 0.65 / 0.64 / 0.58x (bfloat16), level at 32 rows
@@ -67,7 +68,7 @@ F32 = torch.float32
 #: panel dtype -> the kernel's weight-type code (WT_* in the C source)
 _WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _INT8 = 3  # WT_I8: int8 panels, always with a scale per output (run_int8)
-_INT8_GROUPED = 4  # WT_I8G: the same in groups of GROUP_PANELS panels ([N / 64, K, 64])
+_GROUPED = 8  # WT_GROUPED: a flag on any weight type, panels in groups of GROUP_PANELS ([N / 64, K, 64])
 GROUP_PANELS = 4
 #: below this many multiply-adds per extra thread, waking another thread (a few microseconds) costs
 #: more than it saves
@@ -143,19 +144,26 @@ def _exact_in(w: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def is_panels(t: torch.Tensor) -> bool:
-    """``t`` has the panel layout's shape ``[N / 16, K, 16]`` (a linear layer's weight is 2-D
-    otherwise, so in a weight this shape means panels)."""
-    return not t.is_mkldnn and t.dim() == 3 and t.shape[2] == PANEL
+    """``t`` has the panel layout's shape ``[N / 16, K, 16]`` or the grouped one's ``[N / 64, K, 64]``
+    (a linear layer's weight is 2-D otherwise, so in a weight this shape means panels)."""
+    return not t.is_mkldnn and t.dim() == 3 and t.shape[2] in (PANEL, PANEL * GROUP_PANELS)
 
 
-def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:
+def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32, grouped: bool | None = None) -> torch.Tensor:
     """``weight [N, K]`` (float32, CPU, ``N % 16 == 0``) -> panels ``[N / 16, K, 16]`` in ``dtype``,
     contiguous: ``panels[b, k, j] == weight[16 * b + j, k]`` (a new allocation). A 16-bit ``dtype``
     should come from :func:`compact_dtype` (else values are rounded: the results change). ``torch.int8``:
-    ``weight`` is an int8 quantised weight, for :meth:`PanelGemm.run_int8`; where ``N % 64 == 0`` its
-    panels go in groups of four, ``[N / 64, K, 64]`` with ``panels[c, k, j] == weight[64 * c + j, k]``,
-    so that a pass over four panels reads one stream of whole cache lines (``GROUP_PANELS`` in the C
-    source, with the measurement). 2 MiB pages are asked for where the panels fill one or more
+    ``weight`` is an int8 quantised weight, for :meth:`PanelGemm.run_int8`.
+
+    ``grouped`` (default: for int8 and 16-bit panels, not float32) and ``N % 64 == 0``: the panels go in
+    groups of four, ``[N / 64, K, 64]`` with ``panels[c, k, j] == weight[64 * c + j, k]``, so that a pass
+    over four panels reads one stream of whole cache lines; the same bits either way (``WT_GROUPED`` in
+    the C source, with the measurements: at one row int8 panels stream ~40% faster grouped, 16-bit ones
+    ~10-18%; float32 ones gain at 1-8 rows and lose 8-15% at 16-64). The embedded model's float16 panels
+    (cache-resident) at batch 1: median ITL 0.21 ms grouped against 0.24 panel by panel, batch 4 and 32
+    level (two engines in one process taking turns, dev EPYC Zen 4, one thread, 2026-12-07).
+
+    2 MiB pages are asked for where the panels fill one or more
     (:func:`minivllm.utils.hugepages.zeroed_cpu_tensor`): a decode step streams every weight from
     memory, and the hardware prefetcher stops at each page's end. ``random:qwen3-0.6b``'s batch-1
     decode, two engines in one process taking turns (dev EPYC Zen 4, one thread, 2026-12-07, median
@@ -167,7 +175,9 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:
     if dtype not in _WEIGHT_TYPES and dtype != torch.int8:
         raise ValueError(f"panels hold float32, float16, bfloat16 or int8 values, not {dtype}")
     n, k = weight.shape
-    width = PANEL * GROUP_PANELS if dtype == torch.int8 and n % (PANEL * GROUP_PANELS) == 0 else PANEL
+    if grouped is None:
+        grouped = dtype != F32
+    width = PANEL * GROUP_PANELS if grouped and n % (PANEL * GROUP_PANELS) == 0 else PANEL
     shape = (n // width, k, width)
     if weight.device.type == "cpu" and n * k * dtype.itemsize >= HUGE_PAGE:
         panels, _ = zeroed_cpu_tensor(shape, dtype)  # 2 MiB pages: a decode step streams every panel (above)
@@ -177,8 +187,8 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:
 
 
 def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
-    """Panels ``[N / 16, K, 16]`` (or grouped int8 panels ``[N / 64, K, 64]``) -> the plain float32
-    weight ``[N, K]`` (a new allocation; 16-bit and int8 panels widened, exactly)."""
+    """Panels ``[N / 16, K, 16]`` (or grouped panels ``[N / 64, K, 64]``) -> the plain float32 weight
+    ``[N, K]`` (a new allocation; 16-bit and int8 panels widened, exactly)."""
     nb, k, nr = panels.shape
     return panels.transpose(1, 2).reshape(nb * nr, k).to(F32)
 
@@ -225,7 +235,7 @@ class PanelGemm:
                 or x.shape[-1] != panels.shape[1] or x.shape[-1] == 0 or not panels.is_contiguous()):
             return False
         return bias is None or (bias.dtype is F32 and bias.is_cpu and bias.is_contiguous()
-                                and not bias.requires_grad and bias.shape == (panels.shape[0] * PANEL,))
+                                and not bias.requires_grad and bias.shape == (panels.shape[0] * panels.shape[2],))
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., K] @ W.T (+ bias)`` -> float32 ``[..., N]`` for ``W`` held as ``panels``
@@ -259,7 +269,7 @@ class PanelGemm:
         """
         if x.dim() != 2 or not 1 <= x.shape[0] <= ROWS_PER_CALL or not self.takes(x, panels, None):
             return None
-        (m, k), nb = x.shape, panels.shape[0]
+        (m, k), nb = x.shape, panels.shape[0] * panels.shape[2] // PANEL
         n = nb * PANEL
         if not 1 <= cols <= n or _parts(m, n, k, nb) > 1 or capturing() is not None:
             return None  # (a head's ids are read on the host: not a graph's call)
@@ -267,7 +277,8 @@ class PanelGemm:
         ids = np.empty(m, dtype=np.int64)
         stride = x.stride(0) if m > 1 else k
         status = []  # through launch, so count_calls sees it (a head runs outside CPU graphs: never recorded)
-        launch(lambda: status.append(self._greedy(_WEIGHT_TYPES[panels.dtype], x.data_ptr(), stride, panels.data_ptr(),
+        wt = _WEIGHT_TYPES[panels.dtype] | (_GROUPED if panels.shape[2] != PANEL else 0)
+        launch(lambda: status.append(self._greedy(wt, x.data_ptr(), stride, panels.data_ptr(),
                                                   None, m, k, y.data_ptr(), n, nb, cols, ids.ctypes.data)),
                name="panel_gemm_greedy_w")
         return (y, ids) if status == [0] else None
@@ -279,7 +290,7 @@ class PanelGemm:
         flat = x.dim() == 2  # the layers' case: no reshapes (each costs microseconds per call)
         x2 = x if flat else x.reshape(-1, x.shape[-1])  # unit stride along k either way
         m, k = x2.shape
-        nb = panels.shape[0] * panels.shape[2] // PANEL  # (grouped int8 panels: four per group)
+        nb = panels.shape[0] * panels.shape[2] // PANEL  # (grouped panels: four per group)
         n = nb * PANEL
         y = torch.empty(m, n, dtype=F32, device="cpu")
         if m:
@@ -287,8 +298,7 @@ class PanelGemm:
             # returns when all are written, so an interrupt can only arrive after the call
             rows = min(m, ROWS_PER_CALL)
             parts = _parts(rows, n, k, nb)
-            wt = (_WEIGHT_TYPES[panels.dtype] if scale is None else _INT8 if panels.shape[2] == PANEL
-                  else _INT8_GROUPED)
+            wt = (_WEIGHT_TYPES[panels.dtype] if scale is None else _INT8) | (_GROUPED if panels.shape[2] != PANEL else 0)
             xp, stride, pp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr()
             sp, bp = scale.data_ptr() if scale is not None else None, bias.data_ptr() if bias is not None else None
             yp = y.data_ptr()

@@ -9,7 +9,8 @@ chosen once per weight at load:
 * float32 weights with a multiple of 16 output features: panels ``[N / 16, K, 16]`` for our C
   kernel (:mod:`minivllm.layers.cpu_gemm`), which keeps a decode step of a few rows at about the
   cost of one (figures there); held in float16 or bfloat16 when every value of the weight is one
-  (a checkpoint stored in 16 bits), which halves the bytes a step reads and changes no result;
+  (a checkpoint stored in 16 bits), which halves the bytes a step reads and changes no result
+  (16-bit panels in groups of four, ``[N / 64, K, 64]``, where ``N`` allows);
 * otherwise (bf16, no C compiler, ``MINIVLLM_CPU_GEMM=0``): oneDNN, the weight reordered once with
   ``torch.ops.mkldnn._reorder_linear_weight`` into its blocked layout (an ``mkldnn`` tensor of
   logical shape ``[out, in]``) and multiplied with ``torch.ops.mkldnn._linear_pointwise``, the pair
@@ -95,7 +96,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def is_packed(t: torch.Tensor) -> bool:
-    """``t`` is a packed weight: oneDNN's (``is_mkldnn``) or panels (``[N / 16, K, 16]``)."""
+    """``t`` is a packed weight: oneDNN's (``is_mkldnn``) or panels (``[N / 16, K, 16]``, or grouped
+    ``[N / 64, K, 64]``: :func:`minivllm.layers.cpu_gemm.pack_panels`)."""
     return t.is_mkldnn or cpu_gemm.is_panels(t)
 
 

@@ -44,7 +44,7 @@ typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
    engine switching it on and off prefill by prefill (six 512-token prefills each) 4984 -> 4723 and 4094 ->
    3948 ms (medians); the embedded model's 2000-token prefill 368 -> 362 ms. 64-512 KiB: within 5% of this. */
 #define X_BLOCK_BYTES (128 * 1024)
-#define WSIZE(wt) ((wt) == WT_F32 ? 4 : IS_I8(wt) ? 1 : 2)
+#define WSIZE(wt) (TYPE(wt) == WT_F32 ? 4 : TYPE(wt) == WT_I8 ? 1 : 2)
 #define PF 128    /* prefetch distance: PF lines of float32 panel, 8 KiB ahead in the stream whatever the panel type (4 KiB read 11-12 GB/s at one row, 8 KiB 13-15) */
 /* Software prefetch only in passes of at least PF_MIN_ROWS rows. On the AVX-512 Zen 4 dev EPYC
    (2026-12-03, one thread, 180 MiB of Qwen3-0.6B layer weights) the hardware prefetcher alone
@@ -92,21 +92,29 @@ static inline v8 splat(float s) { v8 v = {s, s, s, s, s, s, s, s}; return v; }
 #define WT_F16 1
 #define WT_BF16 2
 #define WT_I8 3
-/* WT_I8G: int8 panels in groups of GROUP_PANELS (N a multiple of 64): group c holds the k lines of
-   panels 4c .. 4c + 3 one after another, [K][4][16], so a pass over four panels reads one stream
-   of whole 64-byte lines. Panel by panel (WT_I8), a pass over four panels reads four streams of 16
-   bytes per k. Qwen3-0.6B-shaped int8 weights streamed at one row (1024 -> 151936, dev EPYC Zen 4,
-   one thread, 2026-12-07, best of 7 passes over three copies, 2 MiB pages): 28.0 GB/s grouped against
-   20.0 panel by panel (4 KiB pages: 21.3 against 16.5); with a software hint 1 KiB ahead 24.5 grouped,
-   so a grouped pass of one row gives none. Cache-resident, both ran at ~30 GB/s: there the widening's
-   arithmetic, not the memory, is the ceiling, and from two rows on the FMAs are. Passes of 2-6 rows
-   hint one line per k 1 KiB ahead: Qwen3-0.6B's five linear shapes, ~600 MiB of each cycled, 2 MiB
-   pages, same run, best of 5 (GB/s of int8, panel by panel -> grouped): 1 row 17.5 -> 25.2, 2 rows
-   16.1 -> 18.8, 4 rows 11.7 -> 12.6, 6 rows 8.6 -> 9.0, 8 rows 6.1 -> 6.3; without the hint 2-8 rows
-   ran 3-5% slower than panel by panel. Not timed on the Intel Xeon. */
-#define WT_I8G 4
+/* Grouped panels (WT_GROUPED, a flag on a weight type; N a multiple of 64): group c holds the k lines of
+   panels 4c .. 4c + 3 one after another, [K][4][16], so a pass over four panels (a decode step's few
+   rows) reads one stream of whole cache lines; panel by panel, it reads four streams of 16 values per k
+   (int8: 16 bytes per k each). Qwen3-0.6B-shaped int8 weights streamed at one row (1024 -> 151936, dev
+   EPYC Zen 4, one thread, 2026-12-07, best of 7 passes over three copies, 2 MiB pages): 28.0 GB/s
+   grouped against 20.0 panel by panel (4 KiB pages: 21.3 against 16.5); with a software hint 1 KiB
+   ahead 24.5 grouped, so a grouped int8 pass of one row gives none. Cache-resident, both ran at ~30
+   GB/s: there the widening's arithmetic, not the memory, is the ceiling, and from two rows on the FMAs
+   are. Grouped int8 passes of 2-6 rows hint one line per k 1 KiB ahead. Qwen3-0.6B's five linear shapes,
+   ~600 MiB of each cycled, 2 MiB pages, same run, best of 5, GB/s panel by panel -> grouped:
+       rows       1            2            4            6          8          16
+       int8   17.5 -> 25.2  16.1 -> 18.8  11.7 -> 12.6  8.6 -> 9.0  6.1 -> 6.3
+       bf16   26.8 -> 31.5  26.9 -> 31.4  20.1 -> 21.6              10.9 -> 11.1  5.5 -> 5.6 (64, 256 rows level)
+       f16    27.4 -> 30.1                19.8 -> 21.2                            5.4 -> 5.6 (256 rows level)
+       f32    28.4 -> 28.9  27.5 -> 30.7  26.6 -> 29.5              17.3 -> 18.9  10.4 -> 8.8, 64 rows 2.6 -> 2.4
+   (int8 without the hint: 2-8 rows 3-5% slower than panel by panel). From 13 rows a pass covers two
+   panels of a group: for float32 that is half of each 256-byte k line, and 16 / 64 rows ran 15 / 8%
+   slower, so float32 panels stay one by one (cpu_gemm.pack_panels); int8 and 16-bit panels are grouped.
+   Not timed on the Intel Xeon. */
+#define WT_GROUPED 8  /* a flag on any of the above: panels in groups (above) */
+#define WT_I8G (WT_I8 | WT_GROUPED)
 #define GROUP_PANELS 4
-#define IS_I8(wt) ((wt) == WT_I8 || (wt) == WT_I8G)
+#define TYPE(wt) ((wt) & (WT_GROUPED - 1))
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1), may_alias));
@@ -126,7 +134,7 @@ typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1), may_alias));
    rows are constants after inlining; see PF, PF_MIN_ROWS and PF_I8 above) */
 static inline __attribute__((always_inline)) void prefetch_panel(const int wt, const int rows, int64_t k,
                                                                  const void *pc, int64_t q) {
-    if (wt == WT_I8G && rows <= PF_I8_MAX_ROWS) {  /* one line of four panels per k (WT_I8G above) */
+    if (wt == WT_I8G && rows <= PF_I8_MAX_ROWS) {  /* one line of four panels per k (WT_GROUPED above) */
         if (rows > 1 && (q & 63) == 0)
             __builtin_prefetch((const char *)pc + q + PF_I8);
         return;
@@ -144,17 +152,17 @@ static inline __attribute__((always_inline)) void prefetch_panel(const int wt, c
 
 static inline __attribute__((always_inline)) v8 load_w8(const int wt, const void *base, int64_t i) {
 #if HAVE_F16
-    if (wt == WT_F16)
+    if (TYPE(wt) == WT_F16)
         return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
 #endif
-    if (wt == WT_BF16) {  /* the bits of a float32 whose low half is zero */
+    if (TYPE(wt) == WT_BF16) {  /* the bits of a float32 whose low half is zero */
 #if defined(__AVX2__)  /* (GCC 12 split the generic form into halves and an insert: 1.4x slower) */
         return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))), 16);
 #else
         return (v8)(__builtin_convertvector(*(const u16x8 *)((const uint16_t *)base + i), u32x8) << 16);
 #endif
     }
-    if (IS_I8(wt)) {  /* int8 weights (weight-only quantisation): widened to float32 exactly */
+    if (TYPE(wt) == WT_I8) {  /* int8 weights (weight-only quantisation): widened to float32 exactly */
 #if defined(__AVX2__)
         return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + i))));
 #else
@@ -191,7 +199,7 @@ static inline __attribute__((always_inline)) void panel_rows(const int wt, const
     for (int64_t k = 0; k < kc; k++) {
         v8 w0[4], w1[4];
         for (int j = 0; j < g; j++) {
-            const int64_t q = wt == WT_I8G ? j * NR + k * (GROUP_PANELS * NR) : j * pstride + k * NR;
+            const int64_t q = wt & WT_GROUPED ? j * NR + k * (GROUP_PANELS * NR) : j * pstride + k * NR;
             prefetch_panel(wt, rows, k, pc, q);
             w0[j] = load_w8(wt, pc, q);
             w1[j] = load_w8(wt, pc, q + 8);
@@ -265,12 +273,12 @@ static inline v16 splat16(float s) { v16 v = {s, s, s, s, s, s, s, s, s, s, s, s
 
 static inline __attribute__((always_inline)) v16 load_w16(const int wt, const void *base, int64_t i) {
 #if HAVE_F16
-    if (wt == WT_F16)
+    if (TYPE(wt) == WT_F16)
         return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
 #endif
-    if (wt == WT_BF16)
+    if (TYPE(wt) == WT_BF16)
         return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))), 16);
-    if (IS_I8(wt))
+    if (TYPE(wt) == WT_I8)
         return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + i))));
     return *(const v16 *)((const float *)base + i);
 }
@@ -285,7 +293,7 @@ static inline __attribute__((always_inline)) void panel_rows16(const int wt, con
     for (int64_t k = 0; k < kc; k++) {
         v16 w[4];
         for (int j = 0; j < g; j++) {
-            const int64_t q = wt == WT_I8G ? j * NR + k * (GROUP_PANELS * NR) : j * pstride + k * NR;
+            const int64_t q = wt & WT_GROUPED ? j * NR + k * (GROUP_PANELS * NR) : j * pstride + k * NR;
             prefetch_panel(wt, rows, k, pc, q);
             w[j] = load_w16(wt, pc, q);
         }
@@ -366,8 +374,11 @@ CHUNK_OF(WT_F32, chunk_f32)
 CHUNK_OF(WT_BF16, chunk_bf16)
 CHUNK_OF(WT_I8, chunk_i8)
 CHUNK_OF(WT_I8G, chunk_i8g)
+CHUNK_OF(WT_F32 | WT_GROUPED, chunk_f32g)
+CHUNK_OF(WT_BF16 | WT_GROUPED, chunk_bf16g)
 #if HAVE_F16
 CHUNK_OF(WT_F16, chunk_f16)
+CHUNK_OF(WT_F16 | WT_GROUPED, chunk_f16g)
 #endif
 
 /* ---- Greedy sampling inside the LM head -----------------------------------------------------
@@ -440,22 +451,22 @@ static void panel_gemm_range(int wt, const float *x, int64_t ldx, const void *p,
             return;
         }
     }
-    if (wt == WT_F16 && !HAVE_F16)
+    if (TYPE(wt) == WT_F16 && !HAVE_F16)
         __builtin_trap();  /* the Python side never sends it (PanelGemm.panel_dtypes): a bug, not data */
-    chunk_fn *chunk = wt == WT_BF16 ? chunk_bf16 :
+    const int grouped = (wt & WT_GROUPED) != 0;
+    chunk_fn *chunk = TYPE(wt) == WT_BF16 ? (grouped ? chunk_bf16g : chunk_bf16) :
 #if HAVE_F16
-                      wt == WT_F16 ? chunk_f16 :
+                      TYPE(wt) == WT_F16 ? (grouped ? chunk_f16g : chunk_f16) :
 #endif
-                      wt == WT_I8 ? chunk_i8 : wt == WT_I8G ? chunk_i8g : chunk_f32;
+                      TYPE(wt) == WT_I8 ? (grouped ? chunk_i8g : chunk_i8) : grouped ? chunk_f32g : chunk_f32;
     const int64_t size = WSIZE(wt);
     const int group = PANEL_GROUP(m);  /* panels read at once: more streams for fewer rows */
-    const int grouped = wt == WT_I8G;
     const int64_t line = grouped ? GROUP_PANELS * NR : NR;  /* values from one k to the next in a panel */
     for (int64_t b = b0; b < b1;) {
         /* the last few panels one at a time; grouped panels in aligned groups only (b0 may split a group) */
         int g = b + group <= b1 && (!grouped || b % group == 0) ? group : 1;
         const char *pb = (const char *)p + (grouped ? (b - b % GROUP_PANELS) * k * NR + b % GROUP_PANELS * NR
-                                                    : b * k * NR * size);
+                                                    : b * k * NR) * size;
         float *yb = y + b * NR;
         for (int64_t k0 = 0; k0 < k; k0 += KC) {
             int64_t kc = k - k0 < KC ? k - k0 : KC;
@@ -482,8 +493,8 @@ static void panel_gemm_range(int wt, const float *x, int64_t ldx, const void *p,
    read before. bias: NULL or [N] fp32. scale: NULL, or for int8 panels (WT_I8, WT_I8G) of a weight
    W = Q * scale[:, None] (per-output-channel symmetric quantisation) the [N] fp32 scales: then
    y = scale * (x @ Q^T) + bias, each int8 value widened to float32 as it is read (weight-only: x
-   stays float32); WT_I8G the same for grouped int8 panels (nb a multiple of GROUP_PANELS; b0 and b1
-   need not be). Separate panel ranges may run on separate threads at once. */
+   stays float32). With WT_GROUPED the panels are grouped (above; nb a multiple of GROUP_PANELS, b0 and
+   b1 need not be). Separate panel ranges may run on separate threads at once. */
 void panel_gemm_w(int wt, const float *x, int64_t ldx, const void *p, const float *scale, const float *bias,
                   int64_t m, int64_t k, float *y, int64_t ldy, int64_t b0, int64_t b1) {
     panel_gemm_range(wt, x, ldx, p, scale, bias, m, k, y, ldy, b0, b1, NULL);
@@ -609,7 +620,7 @@ static void run_part(const task_t *t, int part) {
         return;
     }
     /* grouped int8 panels split at whole groups (nb is a multiple of GROUP_PANELS for them) */
-    const int64_t unit = t->wt == WT_I8G ? GROUP_PANELS : 1, units = t->nb / unit;
+    const int64_t unit = t->wt & WT_GROUPED ? GROUP_PANELS : 1, units = t->nb / unit;
     panel_gemm_w(t->wt, t->x, t->ldx, t->p, t->scale, t->bias, t->m, t->k, t->y, t->ldy,
                  units * part / t->parts * unit, units * (part + 1) / t->parts * unit);
 }
