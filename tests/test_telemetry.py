@@ -105,6 +105,27 @@ def test_measure_peaks_tiny():
         measure_peaks("cpu", "float13", **TINY)
 
 
+def test_the_bandwidth_ceilings_are_measured_on_the_pages_the_engine_streams_from(monkeypatch):
+    """The engine's weight panels and KV pool ask for 2 MiB pages, which the hardware prefetcher streams
+    through without stopping at each 4 KiB page's end; a ceiling read over 4 KiB pages came out below the
+    decode step it bounds. The copied and read tensors are made the same way (and the info says whether
+    Linux granted the pages)."""
+    from minivllm.telemetry import peaks as peaks_mod
+    from minivllm.utils import hugepages
+
+    made = []
+    real = hugepages.zeroed_cpu_tensor
+
+    def spy(shape, dtype):
+        made.append(shape)
+        return real(shape, dtype)
+
+    monkeypatch.setattr(hugepages, "zeroed_cpu_tensor", spy)
+    p = peaks_mod.measure_peaks("cpu", "float32", **{**TINY, "copy_bytes": 4 << 20, "read_bytes": 4 << 20})
+    assert made == [((4 << 20) // 4,)] * 3  # the copy's source and destination, the read
+    assert p.info["huge_pages"] == (hugepages.transparent_hugepage_mode() in ("madvise", "always"))
+
+
 @pytest.mark.parametrize("device, dtype, message", [
     ("gpu", "float32", "device='gpu': give 'cpu', 'cuda'"),  # was torch's "Expected one of cpu, cuda, ..."
     ("meta", "float32", "device='meta': peaks are measured on 'cpu' or 'cuda'"),

@@ -19,7 +19,8 @@ device, dtype, thread count and torch version in
   engine's kernels, reading several streams, do use). A decode step mostly
   reads (weights, KV cache), so this is the ceiling its MBU is measured against
   (:attr:`Peaks.mbu_bytes_per_s`); a copy's write stream makes the copy figure lower
-  on many CPUs.
+  on many CPUs. On a CPU the copied and read tensors sit on 2 MiB pages where Linux grants
+  them (``info["huge_pages"]``), as the engine's weight panels and KV pool do.
 
 Provenance: ``info["source"]`` is ``"measured"`` for a figure measured by this call
 and ``"cached"`` for one read from the cache; ``info["measured_at"]`` says when (UTC).
@@ -216,6 +217,24 @@ def _timer(dev):
     return time_it
 
 
+def _stream_buffer(numel: int, dev: Any, fill: float | None) -> tuple[Any, bool]:
+    """A float32 ``[numel]`` tensor for the bandwidth phases (filled with ``fill``, or left as it is) and
+    whether it sits on 2 MiB pages. On a CPU it does, where Linux grants them
+    (:func:`minivllm.utils.hugepages.zeroed_cpu_tensor`), as the engine's weight panels and KV pool do:
+    the hardware prefetcher stops at each page's end, so a ceiling read over 4 KiB pages came out below
+    what the engine's decode step streams (one thread of ``torch.sum`` over 1 GiB on the dev EPYC Zen 4,
+    2026-12-07: 30.3-31.0 GB/s on 4 KiB pages, 32.2-32.9 on 2 MiB ones)."""
+    import torch
+
+    from minivllm.utils.hugepages import zeroed_cpu_tensor
+
+    if dev.type != "cpu":
+        t = torch.empty(numel, device=dev, dtype=torch.float32)
+        return (t if fill is None else t.fill_(fill)), False
+    t, huge = zeroed_cpu_tensor((numel,), torch.float32)
+    return (t if fill is None else t.fill_(fill)), huge
+
+
 def measure_peaks(
     device: Any = None,
     dtype: Any = None,
@@ -281,8 +300,8 @@ def measure_peaks(
 
         # Copy: reads and writes nbytes each.
         numel = max(1, nbytes // 4)
-        src = torch.ones(numel, device=dev, dtype=torch.float32)
-        dst = torch.empty_like(src)
+        src, huge = _stream_buffer(numel, dev, 1.0)
+        dst, _ = _stream_buffer(numel, dev, None)
         copy_inner = 5 if cuda else 1
 
         def cp():
@@ -299,7 +318,7 @@ def measure_peaks(
         # (2026-12-06, one thread, 1 GiB) the sum read 12.2-13.4 GB/s, the dot 16.1-16.9, and the engine's
         # float32 decode of random:qwen3-0.6b streamed its weights at 15.8-16.1: against the sum alone, its MBU
         # came out above 100%.
-        big = torch.ones(max(1, rbytes // 4), device=dev, dtype=torch.float32)
+        big, huge_read = _stream_buffer(max(1, rbytes // 4), dev, 1.0)
         total = torch.empty((), device=dev, dtype=torch.float32)
         half = big.numel() // 2
         first, second = big[:half], big[half:2 * half]
@@ -330,6 +349,7 @@ def measure_peaks(
         "read_bytes": read_numel * 4,
         "read_best_s": t_rd,
         "read_method": read_method,  # "sum" or "dot": the faster reduction (read_sum_s, read_dot_s)
+        "huge_pages": huge and huge_read,  # the copied and read tensors on 2 MiB pages (CPU, where Linux grants them)
         **{f"read_{k}_s": v for k, v in read_times.items()},
         "repeats": repeats,
         "torch_version": torch.__version__,
