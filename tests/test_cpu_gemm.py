@@ -245,6 +245,48 @@ def test_grouped_panels_give_the_bits_of_panel_by_panel_ones(gemm, monkeypatch, 
                     assert torch.equal(yg, yp) and ig.tolist() == ip.tolist()
 
 
+def test_grouped_panels_from_any_range_of_panels(gemm):
+    """``panel_gemm_w`` over a range of grouped panels that starts or ends inside a group (its contract; the
+    Python side splits at whole groups) writes those panels' outputs, bit for bit the full call's: on an
+    AVX-512 build every pass otherwise starts at an even panel of a group, so an odd offset is only reached
+    here (and in an AVX2 build's one-panel passes)."""
+    import ctypes
+
+    from minivllm.layers.native_build import build_and_load
+
+    lib = build_and_load(cpu_gemm.SOURCE)[0]
+    fn = lib.panel_gemm_w
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ctypes.c_int, p, i64, p, p, p, i64, i64, p, i64, i64, i64]
+    fn.restype = None
+    for dtype in sorted(gemm.panel_dtypes, key=str):
+        for m in (1, 3, 8, 13):
+            x, w, _ = _case(m, 40, 320, seed=9)
+            w = w.to(dtype).float()
+            panels = cpu_gemm.pack_panels(w, dtype, grouped=True)  # 20 panels in 5 groups
+            full = gemm(x, panels)
+            wt = cpu_gemm._WEIGHT_TYPES[dtype] | cpu_gemm._GROUPED
+            for b0, b1 in ((1, 7), (2, 3), (3, 4), (5, 14), (0, 20), (3, 19), (19, 20)):
+                y = torch.full((m, 320), float("nan"))
+                fn(wt, x.data_ptr(), 40, panels.data_ptr(), None, None, m, 40, y.data_ptr(), 320, b0, b1)
+                assert torch.equal(y[:, 16 * b0:16 * b1], full[:, 16 * b0:16 * b1]), (dtype, m, b0, b1)
+                assert y[:, :16 * b0].isnan().all() and y[:, 16 * b1:].isnan().all()  # nothing else written
+
+
+def test_grouped_panels_are_split_over_threads_by_whole_groups(gemm, monkeypatch):
+    """The C code splits grouped panels at whole groups, so a call is split over at most one thread a
+    group (more would wake threads for empty ranges)."""
+    calls = []
+    real = cpu_gemm.launch
+    monkeypatch.setattr(cpu_gemm, "launch", lambda fn, *args, **kw: calls.append(args[-1]) or real(fn, *args, **kw))
+    monkeypatch.setattr(cpu_gemm, "MIN_MACS_PER_THREAD", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    x, w, _ = _case(2, 40, 128)
+    gemm(x, cpu_gemm.pack_panels(w.bfloat16().float(), torch.bfloat16, grouped=True))  # 2 groups of 4 panels
+    gemm(x, cpu_gemm.pack_panels(w))  # 8 panels one by one
+    assert calls == [2, 8]
+
+
 def test_greedy_head_refuses_what_it_does_not_take(gemm, monkeypatch):
     x, w, _ = _case(4, 40, 96)
     panels = cpu_gemm.pack_panels(w)

@@ -34,6 +34,23 @@ def test_advise_huge_asks_only_for_whole_2mib_ranges_of_cpu_tensors():
     assert not hugepages.advise_huge(torch.empty(3 * hugepages.HUGE_PAGE // 4, device="meta"))
 
 
+def test_advise_huge_asks_for_the_tensors_own_bytes_not_its_whole_storage(monkeypatch):
+    """A tensor from zeroed_cpu_tensor sits in a mapping with up to 2 MiB to spare, and a view in a larger
+    storage: 2 MiB pages are asked for under the tensor's own elements only (asking for the storage's gave a
+    3 MiB weight 4 MiB of pages)."""
+    asked = []
+    monkeypatch.setattr(hugepages, "transparent_hugepage_mode", lambda: "madvise")
+    monkeypatch.setattr(hugepages, "_madvise", lambda: lambda start, length, advice: asked.append((start, length)) or 0)
+    big = torch.empty(5 * hugepages.HUGE_PAGE // 4)  # 5 MiB of float32
+    start = -(-big.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE  # the first 2 MiB boundary inside it
+    view = big[(start - big.data_ptr()) // 4:][:3 * hugepages.HUGE_PAGE // 2 // 4]  # 3 MiB from that boundary
+    assert hugepages.advise_huge(view) and asked == [(start, hugepages.HUGE_PAGE)]
+    asked.clear()
+    assert not hugepages.advise_huge(big[:1000]) and asked == []  # a small view of a large storage: nothing asked
+    strided = big[(start - big.data_ptr()) // 4:].view(-1, 2)[: hugepages.HUGE_PAGE // 8, 0]  # every other float
+    assert hugepages.advise_huge(strided) is False and asked == []  # spans 2 MiB less one float: no whole page
+
+
 def test_cpu_kv_pool_is_zeroed_and_says_which_pages_it_asked_for(caplog):
     with caplog.at_level(logging.INFO, logger="minivllm.engine.kv_cache"):
         cache, layers = allocate_kv_cache(_Cfg, 512, 16, torch.float32, torch.device("cpu"))  # 16 MiB

@@ -22,8 +22,8 @@ the kernel's passes of two or more rows use 512-bit vectors (same bits); on a 2-
 The C code splits the panels over ``torch.get_num_threads()`` threads of its own (a persistent
 pool that polls briefly between calls, then sleeps; see the source for why).
 
-A weight ``[N, K]`` (``N`` a multiple of 16) is stored as panels ``[N / 16, K, 16]``
-(:func:`pack_panels`): a 3-D tensor in a linear layer's ``weight`` means this layout, and
+A weight ``[N, K]`` (``N`` a multiple of 16) is stored as panels ``[N / 16, K, 16]``, or in groups of
+four panels ``[N / 64, K, 64]`` (:func:`pack_panels`): a 3-D tensor in a linear layer's ``weight`` means this layout, and
 :func:`unpack_panels` gives back the plain float32 weight. Packing replaces the weight (no second copy).
 ``MINIVLLM_CPU_GEMM=0`` (read when an engine packs its weights) leaves the layers to oneDNN.
 
@@ -194,8 +194,9 @@ def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
 
 
 def _parts(rows: int, n: int, k: int, nb: int) -> int:
-    """Threads a call of ``rows`` rows over ``nb`` panels (``n`` outputs, ``k`` inputs) is split over:
-    torch's thread count, at most one per panel, each with ``MIN_MACS_PER_THREAD`` or more."""
+    """Threads a call of ``rows`` rows over ``nb`` units (panels, or groups of grouped panels: the C code
+    splits at whole groups; ``n`` outputs, ``k`` inputs) is split over: torch's thread count, at most one
+    per unit, each with ``MIN_MACS_PER_THREAD`` or more."""
     return max(1, min(torch.get_num_threads(), nb, rows * n * k // MIN_MACS_PER_THREAD))
 
 
@@ -239,8 +240,9 @@ class PanelGemm:
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., K] @ W.T (+ bias)`` -> float32 ``[..., N]`` for ``W`` held as ``panels``
-        ``[N / 16, K, 16]`` (float32, or 16-bit values widened to float32 as they are read), split
-        over ``torch.get_num_threads()`` threads by panels when the work is large enough.
+        ``[N / 16, K, 16]`` or grouped ``[N / 64, K, 64]`` (float32, or 16-bit values widened to float32
+        as they are read), split over ``torch.get_num_threads()`` threads by panels (groups) when the
+        work is large enough.
 
         Raises:
             ValueError: inputs :meth:`takes` refuses (the caller checks first).
@@ -249,7 +251,7 @@ class PanelGemm:
             raise ValueError(f"panel GEMM: x {x.dtype} {tuple(x.shape)} on {x.device}, panels {panels.dtype} "
                              f"{tuple(panels.shape)}: needs float32 CPU tensors (panels: one of "
                              f"{sorted(str(d) for d in self.panel_dtypes)}), x [..., K] with unit stride "
-                             f"along K, contiguous panels [N/16, K, 16], no gradients")
+                             f"along K, contiguous panels [N/16, K, 16] or [N/64, K, 64], no gradients")
         return self.run(x, panels, bias)
 
     def run_greedy(self, x: torch.Tensor, panels: torch.Tensor, cols: int) -> tuple[torch.Tensor, np.ndarray] | None:
@@ -259,7 +261,7 @@ class PanelGemm:
         source). For a plain greedy step's LM head.
 
         Args:
-            x: float32 ``[m, K]`` taken by :meth:`takes`; panels: ``[N / 16, K, 16]``.
+            x: float32 ``[m, K]`` taken by :meth:`takes`; panels: ``[N / 16, K, 16]`` or ``[N / 64, K, 64]``.
             cols: the logits' columns (``N`` less the head's padding), ``1 <= cols <= N``.
 
         Returns:
@@ -271,7 +273,7 @@ class PanelGemm:
             return None
         (m, k), nb = x.shape, panels.shape[0] * panels.shape[2] // PANEL
         n = nb * PANEL
-        if not 1 <= cols <= n or _parts(m, n, k, nb) > 1 or capturing() is not None:
+        if not 1 <= cols <= n or _parts(m, n, k, panels.shape[0]) > 1 or capturing() is not None:
             return None  # (a head's ids are read on the host: not a graph's call)
         y = torch.empty(m, n, dtype=F32, device="cpu")
         ids = np.empty(m, dtype=np.int64)
@@ -297,7 +299,7 @@ class PanelGemm:
             # the C code splits the panels over its own threads (torch's thread count of them); it
             # returns when all are written, so an interrupt can only arrive after the call
             rows = min(m, ROWS_PER_CALL)
-            parts = _parts(rows, n, k, nb)
+            parts = _parts(rows, n, k, panels.shape[0])  # (grouped panels: one group a unit)
             wt = (_WEIGHT_TYPES[panels.dtype] if scale is None else _INT8) | (_GROUPED if panels.shape[2] != PANEL else 0)
             xp, stride, pp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr()
             sp, bp = scale.data_ptr() if scale is not None else None, bias.data_ptr() if bias is not None else None

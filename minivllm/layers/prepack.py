@@ -85,8 +85,8 @@ def _to_panels(weight: torch.Tensor) -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` (dense, CPU) -> a packed copy (a new allocation): panels
     ``[out / 16, in, 16]`` for the panel GEMM when :func:`panels_available` and ``out % 16 == 0``
-    (in float16 / bfloat16 when that holds every value exactly: :func:`cpu_gemm.compact_dtype`);
-    else oneDNN's blocked layout (an ``mkldnn`` tensor of logical shape ``[out, in]``), laid out
+    (in float16 / bfloat16 when that holds every value exactly: :func:`cpu_gemm.compact_dtype`;
+    16-bit panels in groups of four, ``[out / 64, in, 64]``, where ``out % 64 == 0``); else oneDNN's blocked layout (an ``mkldnn`` tensor of logical shape ``[out, in]``), laid out
     for one row when the weight is larger than ``_STREAMED_BYTES`` (read from memory every step),
     else for 8 rows (see the measurements above)."""
     if _to_panels(weight):
@@ -103,7 +103,7 @@ def is_packed(t: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x @ weight.T + bias`` for ``x [..., in]``: through the panel GEMM when ``weight``
-    is panels (``[out / 16, in, 16]``), oneDNN when it is an ``mkldnn`` tensor, else
+    is panels (``[out / 16, in, 16]`` or ``[out / 64, in, 64]``), oneDNN when it is an ``mkldnn`` tensor, else
     ``F.linear``. Output ``[..., out]`` in ``x``'s dtype. An input the panel GEMM does not take
     (another dtype, one that needs gradients) gets ``F.linear`` on the unpacked weight."""
     if cpu_gemm.is_panels(weight):

@@ -59,9 +59,12 @@ def advise_huge(t: torch.Tensor) -> bool:
     background thread merges them). Returns whether the request was made and accepted."""
     if t.device.type != "cpu" or t.is_mkldnn or transparent_hugepage_mode() not in ("madvise", "always"):
         return False
-    storage = t.untyped_storage()
-    start = storage.data_ptr()
-    end = start + storage.nbytes()
+    if not t.numel():
+        return False
+    # the bytes t's elements span, not its whole storage: a tensor from zeroed_cpu_tensor sits inside a
+    # mapping with up to 2 MiB to spare, which a 2 MiB page over its end would fill for nothing
+    start = t.data_ptr()
+    end = start + (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))) * t.element_size()
     lo = -(-start // HUGE_PAGE) * HUGE_PAGE
     hi = end // HUGE_PAGE * HUGE_PAGE
     if hi <= lo:

@@ -107,10 +107,10 @@ static inline v8 splat(float s) { v8 v = {s, s, s, s, s, s, s, s}; return v; }
        bf16   26.8 -> 31.5  26.9 -> 31.4  20.1 -> 21.6              10.9 -> 11.1  5.5 -> 5.6 (64, 256 rows level)
        f16    27.4 -> 30.1                19.8 -> 21.2                            5.4 -> 5.6 (256 rows level)
        f32    28.4 -> 28.9  27.5 -> 30.7  26.6 -> 29.5              17.3 -> 18.9  10.4 -> 8.8, 64 rows 2.6 -> 2.4
-   (int8 without the hint: 2-8 rows 3-5% slower than panel by panel). From 13 rows a pass covers two
-   panels of a group: for float32 that is half of each 256-byte k line, and 16 / 64 rows ran 15 / 8%
-   slower, so float32 panels stay one by one (cpu_gemm.pack_panels); int8 and 16-bit panels are grouped.
-   Not timed on the Intel Xeon. */
+   (int8 without the hint: 2-8 rows 3-5% slower than panel by panel). In an AVX-512 build a pass covers
+   two panels of a group from 13 rows (an AVX2 build: from 2 rows, and one panel from 7): for float32 that
+   is half of each 256-byte k line, and 16 / 64 rows ran 15 / 8% slower, so float32 panels stay one by
+   one (cpu_gemm.pack_panels); int8 and 16-bit panels are grouped. Not timed on the Intel Xeon. */
 #define WT_GROUPED 8  /* a flag on any of the above: panels in groups (above) */
 #define WT_I8G (WT_I8 | WT_GROUPED)
 #define GROUP_PANELS 4
@@ -176,7 +176,8 @@ static inline __attribute__((always_inline)) v8 load_w8(const int wt, const void
 int panel_gemm_has_f16(void) { return HAVE_F16; }
 
 /* `rows` rows (1..MR) of x times a chunk of kc values of k of `g` adjacent panels (pc: the first
-   panel's chunk; the next panel's is pstride elements on). rows and g are constants after inlining,
+   panel's chunk; the next panel's is pstride elements on, or NR for grouped panels, whose k lines are
+   GROUP_PANELS * NR elements apart). rows and g are constants after inlining,
    and rows * g <= 6 keeps the 2 * rows * g accumulators within AVX2's 16 vector registers (with
    the panel vectors, 1 x 4 and 3 x 2 need one more, which the compiler folds into the FMAs'
    memory operands or spills). The accumulators start from
@@ -619,7 +620,7 @@ static void run_part(const task_t *t, int part) {
         t->fn(t->ctx, part, t->parts);
         return;
     }
-    /* grouped int8 panels split at whole groups (nb is a multiple of GROUP_PANELS for them) */
+    /* grouped panels split at whole groups (nb is a multiple of GROUP_PANELS for them) */
     const int64_t unit = t->wt & WT_GROUPED ? GROUP_PANELS : 1, units = t->nb / unit;
     panel_gemm_w(t->wt, t->x, t->ldx, t->p, t->scale, t->bias, t->m, t->k, t->y, t->ldy,
                  units * part / t->parts * unit, units * (part + 1) / t->parts * unit);
