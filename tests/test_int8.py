@@ -93,7 +93,7 @@ def test_panel_int8_path_is_the_weight_only_linear(threads):
             b = torch.randn(n, generator=g)
             iw = Int8Weight(w, kernel="panel-int8")
             assert iw.qweight is None and iw.packed is None and iw.panels.dtype == torch.int8
-            width = 64 if n % 64 == 0 else 16  # int8 panels in groups of four where N allows
+            width = 64 if n % 64 == 0 and _panel_gemm().prefers_groups else 16  # in groups of four where that pays
             assert iw.panels.shape == (n // width, k, width)
             assert torch.equal(iw.int8_tensor(), quantize_per_channel(w)[0])
             dq = iw.dequantized()
@@ -141,7 +141,7 @@ def test_grouped_int8_panels_give_the_bits_of_panel_by_panel_ones(threads):
     try:
         for n, k in ((64, 7), (192, 300), (320, 520)):
             q, scale = quantize_per_channel(torch.randn(n, k, generator=g))
-            grouped = cpu_gemm.pack_panels(q, torch.int8)
+            grouped = cpu_gemm.pack_panels(q, torch.int8, grouped=True)
             by_panel = q.reshape(n // 16, 16, k).transpose(1, 2).contiguous()
             assert grouped.shape == (n // 64, k, 64) and torch.equal(cpu_gemm.unpack_panels(grouped), q.float())
             b = torch.randn(n, generator=g)

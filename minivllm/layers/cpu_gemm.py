@@ -36,8 +36,8 @@ reads a quarter of the float32 bytes).
 checkpoint stored in that type is loaded into a float32 model, is held in that type
 (:func:`compact_dtype`): the kernel widens each value back to the same float32 as it loads it
 (exact), multiplies in float32 as before, and reads half the bytes. Same results bit for bit;
-half the memory. Where ``N`` is a multiple of 64, int8 and 16-bit panels go in groups of four
-(:func:`pack_panels`). Measured on the dev EPYC (Zen 4, AVX-512, one thread, 2026-12-03, medians of
+half the memory. Where ``N`` is a multiple of 64, int8 and 16-bit panels go in groups of four in an
+AVX-512 build (:func:`pack_panels`). Measured on the dev EPYC (Zen 4, AVX-512, one thread, 2026-12-03, medians of
 interleaved passes): the embedded model's linears (float16 checkpoint) at 1 / 4 / 32 rows took
 0.69 / 0.66 / 0.94x the float32 panels' time; Qwen3-0.6B layer shapes streamed from memory at
 1 / 4 / 8 rows 0.61 / 0.62 / 0.60x (float16) and 0.65 / 0.64 / 0.58x (bfloat16), level at 32 rows
@@ -155,7 +155,8 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32, grouped: bool | 
     should come from :func:`compact_dtype` (else values are rounded: the results change). ``torch.int8``:
     ``weight`` is an int8 quantised weight, for :meth:`PanelGemm.run_int8`.
 
-    ``grouped`` (default: for int8 and 16-bit panels, not float32) and ``N % 64 == 0``: the panels go in
+    ``grouped`` (default: for int8 and 16-bit panels, not float32, where the loaded GEMM's build prefers
+    them: :attr:`PanelGemm.prefers_groups`, AVX-512) and ``N % 64 == 0``: the panels go in
     groups of four, ``[N / 64, K, 64]`` with ``panels[c, k, j] == weight[64 * c + j, k]``, so that a pass
     over four panels reads one stream of whole cache lines; the same bits either way (``WT_GROUPED`` in
     the C source, with the measurements: at one row int8 panels stream ~40% faster grouped, 16-bit ones
@@ -176,7 +177,8 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32, grouped: bool | 
         raise ValueError(f"panels hold float32, float16, bfloat16 or int8 values, not {dtype}")
     n, k = weight.shape
     if grouped is None:
-        grouped = dtype != F32
+        lib = loaded()
+        grouped = dtype != F32 and lib is not None and lib.prefers_groups
     width = PANEL * GROUP_PANELS if grouped and n % (PANEL * GROUP_PANELS) == 0 else PANEL
     shape = (n // width, k, width)
     if weight.device.type == "cpu" and n * k * dtype.itemsize >= HUGE_PAGE:
@@ -209,6 +211,10 @@ class PanelGemm:
         self._fn.argtypes = [ctypes.c_int, p, i64, p, p, p, i64, i64, p, i64, i64, ctypes.c_int]
         self._fn.restype = None
         lib.panel_gemm_has_f16.restype = ctypes.c_int
+        lib.panel_gemm_prefers_groups.restype = ctypes.c_int
+        #: whether :func:`pack_panels` groups int8 and 16-bit panels by default: where this build's passes of
+        #: a few rows read four panels at once (AVX-512; see the C source's panel_gemm_prefers_groups)
+        self.prefers_groups = bool(lib.panel_gemm_prefers_groups())
         #: ``parallel_run(fn, ctx, parts)``: the C function at address ``fn`` called as
         #: ``fn(ctx, part, n)`` for each part on this library's threads (see ``native_parallel_run``
         #: in the C source); the CPU decode attention splits its rows through it

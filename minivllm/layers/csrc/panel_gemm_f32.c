@@ -110,7 +110,8 @@ static inline v8 splat(float s) { v8 v = {s, s, s, s, s, s, s, s}; return v; }
    (int8 without the hint: 2-8 rows 3-5% slower than panel by panel). In an AVX-512 build a pass covers
    two panels of a group from 13 rows (an AVX2 build: from 2 rows, and one panel from 7): for float32 that
    is half of each 256-byte k line, and 16 / 64 rows ran 15 / 8% slower, so float32 panels stay one by
-   one (cpu_gemm.pack_panels); int8 and 16-bit panels are grouped. Not timed on the Intel Xeon. */
+   one (cpu_gemm.pack_panels); int8 and 16-bit panels are grouped where the build has AVX-512
+   (panel_gemm_prefers_groups, with the AVX2 build's figures). Not timed on the Intel Xeon. */
 #define WT_GROUPED 8  /* a flag on any of the above: panels in groups (above) */
 #define WT_I8G (WT_I8 | WT_GROUPED)
 #define GROUP_PANELS 4
@@ -174,6 +175,19 @@ static inline __attribute__((always_inline)) v8 load_w8(const int wt, const void
 
 /* 1 when this build widens half-precision panels in hardware (else they are not made) */
 int panel_gemm_has_f16(void) { return HAVE_F16; }
+
+/* Whether grouped panels (WT_GROUPED) pay in this build: with AVX-512 a pass of up to 12 rows reads all
+   four panels of a group. An AVX2 build's passes of 2 or more rows read two panels or one, so each pass
+   streams every line of the group again: Qwen3-0.6B's shapes built for x86-64-v3 (same Zen 4, one
+   thread, 2026-12-07, GB/s panel by panel -> grouped) bf16 1 row 20.7 -> 29.0 but 2 rows 22.2 -> 17.8,
+   8 rows 9.6 -> 6.4, 64 rows 1.5 -> 1.2; int8 1 row 14.2 -> 15.6, 2-16 rows 3-11% slower. */
+int panel_gemm_prefers_groups(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* `rows` rows (1..MR) of x times a chunk of kc values of k of `g` adjacent panels (pc: the first
    panel's chunk; the next panel's is pstride elements on, or NR for grouped panels, whose k lines are
