@@ -245,13 +245,13 @@ def test_grouped_panels_give_the_bits_of_panel_by_panel_ones(gemm, monkeypatch, 
                     assert torch.equal(yg, yp) and ig.tolist() == ip.tolist()
 
 
-def test_int8_and_16_bit_panels_are_grouped_by_default_where_the_build_prefers_it(gemm):
-    """Grouping pays where a pass of a few rows reads four panels (AVX-512 builds), not in an AVX2 build's
-    passes of two panels or one (measurements in the C source); float32 panels stay one by one."""
+def test_panels_are_grouped_by_default_where_the_build_prefers_it(gemm):
+    """Grouping pays where every pass reads four panels (AVX-512 builds), not in an AVX2 build's passes of
+    two panels or one (measurements in the C source)."""
     w = torch.randn(128, 8)
     for dtype, src in ((torch.int8, w.clamp(-1, 1).mul(100).to(torch.int8)), (torch.bfloat16, w),
                        (torch.float32, w)):
-        width = 64 if gemm.prefers_groups and dtype != torch.float32 else 16
+        width = 64 if gemm.prefers_groups else 16
         assert cpu_gemm.pack_panels(src, dtype).shape == (128 // width, 8, width), dtype
     assert cpu_gemm.pack_panels(torch.randn(96, 8), torch.bfloat16).shape == (6, 8, 16)  # N not a multiple of 64
 
@@ -294,7 +294,7 @@ def test_grouped_panels_are_split_over_threads_by_whole_groups(gemm, monkeypatch
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     x, w, _ = _case(2, 40, 128)
     gemm(x, cpu_gemm.pack_panels(w.bfloat16().float(), torch.bfloat16, grouped=True))  # 2 groups of 4 panels
-    gemm(x, cpu_gemm.pack_panels(w))  # 8 panels one by one
+    gemm(x, cpu_gemm.pack_panels(w, grouped=False))  # 8 panels one by one
     assert calls == [2, 8]
 
 

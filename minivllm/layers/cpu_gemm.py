@@ -36,8 +36,8 @@ reads a quarter of the float32 bytes).
 checkpoint stored in that type is loaded into a float32 model, is held in that type
 (:func:`compact_dtype`): the kernel widens each value back to the same float32 as it loads it
 (exact), multiplies in float32 as before, and reads half the bytes. Same results bit for bit;
-half the memory. Where ``N`` is a multiple of 64, int8 and 16-bit panels go in groups of four in an
-AVX-512 build (:func:`pack_panels`). Measured on the dev EPYC (Zen 4, AVX-512, one thread, 2026-12-03, medians of
+half the memory. Where ``N`` is a multiple of 64, panels go in groups of four in an AVX-512 build
+(:func:`pack_panels`). Measured on the dev EPYC (Zen 4, AVX-512, one thread, 2026-12-03, medians of
 interleaved passes): the embedded model's linears (float16 checkpoint) at 1 / 4 / 32 rows took
 0.69 / 0.66 / 0.94x the float32 panels' time; Qwen3-0.6B layer shapes streamed from memory at
 1 / 4 / 8 rows 0.61 / 0.62 / 0.60x (float16) and 0.65 / 0.64 / 0.58x (bfloat16), level at 32 rows
@@ -155,14 +155,15 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32, grouped: bool | 
     should come from :func:`compact_dtype` (else values are rounded: the results change). ``torch.int8``:
     ``weight`` is an int8 quantised weight, for :meth:`PanelGemm.run_int8`.
 
-    ``grouped`` (default: for int8 and 16-bit panels, not float32, where the loaded GEMM's build prefers
-    them: :attr:`PanelGemm.prefers_groups`, AVX-512) and ``N % 64 == 0``: the panels go in
+    ``grouped`` (default: where the loaded GEMM's build prefers them, :attr:`PanelGemm.prefers_groups`:
+    AVX-512) and ``N % 64 == 0``: the panels go in
     groups of four, ``[N / 64, K, 64]`` with ``panels[c, k, j] == weight[64 * c + j, k]``, so that a pass
     over four panels reads one stream of whole cache lines; the same bits either way (``WT_GROUPED`` in
     the C source, with the measurements: at one row int8 panels stream ~40% faster grouped, 16-bit ones
-    ~10-18%; float32 ones gain at 1-8 rows and lose 8-15% at 16-64). The embedded model's float16 panels
-    (cache-resident) at batch 1: median ITL 0.21 ms grouped against 0.24 panel by panel, batch 4 and 32
-    level (two engines in one process taking turns, dev EPYC Zen 4, one thread, 2026-12-07).
+    ~10-18%, float32 ones ~5%, and from 4 rows on every type 5-30%). ``random:qwen3-0.6b`` (float32
+    panels) in two engines in one process taking turns (dev EPYC Zen 4, one thread, 2026-12-07): a
+    512-token prefill 4.85-4.94 s grouped against 5.59-5.67 s, batch-16 decode steps 200-207 against
+    232-233 ms; the embedded model (float16 panels) batch-1 decode 0.21 against 0.25-0.27 ms.
 
     2 MiB pages are asked for where the panels fill one or more
     (:func:`minivllm.utils.hugepages.zeroed_cpu_tensor`): a decode step streams every weight from
@@ -178,7 +179,7 @@ def pack_panels(weight: torch.Tensor, dtype: torch.dtype = F32, grouped: bool | 
     n, k = weight.shape
     if grouped is None:
         lib = loaded()
-        grouped = dtype != F32 and lib is not None and lib.prefers_groups
+        grouped = lib is not None and lib.prefers_groups
     width = PANEL * GROUP_PANELS if grouped and n % (PANEL * GROUP_PANELS) == 0 else PANEL
     shape = (n // width, k, width)
     if weight.device.type == "cpu" and n * k * dtype.itemsize >= HUGE_PAGE:

@@ -10,7 +10,7 @@ chosen once per weight at load:
   kernel (:mod:`minivllm.layers.cpu_gemm`), which keeps a decode step of a few rows at about the
   cost of one (figures there); held in float16 or bfloat16 when every value of the weight is one
   (a checkpoint stored in 16 bits), which halves the bytes a step reads and changes no result
-  (16-bit panels in groups of four, ``[N / 64, K, 64]``, where ``N`` and the build allow);
+  (panels in groups of four, ``[N / 64, K, 64]``, where ``N`` and the build allow);
 * otherwise (bf16, no C compiler, ``MINIVLLM_CPU_GEMM=0``): oneDNN, the weight reordered once with
   ``torch.ops.mkldnn._reorder_linear_weight`` into its blocked layout (an ``mkldnn`` tensor of
   logical shape ``[out, in]``) and multiplied with ``torch.ops.mkldnn._linear_pointwise``, the pair
@@ -86,8 +86,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` (dense, CPU) -> a packed copy (a new allocation): panels
     ``[out / 16, in, 16]`` for the panel GEMM when :func:`panels_available` and ``out % 16 == 0``
     (in float16 / bfloat16 when that holds every value exactly: :func:`cpu_gemm.compact_dtype`;
-    16-bit panels in groups of four, ``[out / 64, in, 64]``, where ``out % 64 == 0`` in an AVX-512
-    build); else oneDNN's blocked layout (an ``mkldnn`` tensor of logical shape ``[out, in]``), laid out
+    panels in groups of four, ``[out / 64, in, 64]``, where ``out % 64 == 0`` in an AVX-512 build);
+    else oneDNN's blocked layout (an ``mkldnn`` tensor of logical shape ``[out, in]``), laid out
     for one row when the weight is larger than ``_STREAMED_BYTES`` (read from memory every step),
     else for 8 rows (see the measurements above)."""
     if _to_panels(weight):

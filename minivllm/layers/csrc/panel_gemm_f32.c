@@ -107,11 +107,19 @@ static inline v8 splat(float s) { v8 v = {s, s, s, s, s, s, s, s}; return v; }
        bf16   26.8 -> 31.5  26.9 -> 31.4  20.1 -> 21.6              10.9 -> 11.1  5.5 -> 5.6 (64, 256 rows level)
        f16    27.4 -> 30.1                19.8 -> 21.2                            5.4 -> 5.6 (256 rows level)
        f32    28.4 -> 28.9  27.5 -> 30.7  26.6 -> 29.5              17.3 -> 18.9  10.4 -> 8.8, 64 rows 2.6 -> 2.4
-   (int8 without the hint: 2-8 rows 3-5% slower than panel by panel). In an AVX-512 build a pass covers
-   two panels of a group from 13 rows (an AVX2 build: from 2 rows, and one panel from 7): for float32 that
-   is half of each 256-byte k line, and 16 / 64 rows ran 15 / 8% slower, so float32 panels stay one by
-   one (cpu_gemm.pack_panels); int8 and 16-bit panels are grouped where the build has AVX-512
-   (panel_gemm_prefers_groups, with the AVX2 build's figures). Not timed on the Intel Xeon. */
+   (int8 without the hint: 2-8 rows 3-5% slower than panel by panel). Those grouped passes of 13 rows or
+   more went over two panels of a group, in groups of 12 rows, as passes panel by panel do: for float32
+   half of each 256-byte k line. Over all four panels in groups of 6 rows instead (panel_chunk; same bits),
+   the float32 figures from 13 rows became (a later run, GB/s panel by panel -> grouped) 13 rows 11.6 ->
+   13.4, 16 rows 10.4 -> 12.1, 32 rows 5.2 -> 5.9, 64 rows 2.6 -> 2.9, 256 rows 0.6 -> 0.8 (1 / 4 / 8 rows
+   29.7 -> 31.2 / 28.3 -> 30.6 / 17.8 -> 19.0); bf16 at 13 / 16 / 64 / 256 rows 6.1 -> 6.8, 5.2 -> 5.9, 1.3
+   -> 1.5, 0.3 -> 0.4; int8 3.3 -> 4.0, 2.8 -> 3.4, 0.7 -> 0.9, 0.2 -> 0.2. In the engine, two engines of
+   random:qwen3-0.6b (float32 panels) in one process taking turns: a 512-token prefill 4.85-4.94 s grouped
+   against 5.59-5.67 s, batch-4 / 16 decode steps 83-85 / 200-207 ms against 87-91 / 232-233 ms, batch 1
+   level; the embedded model (float16 panels, cache-resident): a 1500-token prefill 0.155-0.159 s against
+   0.166-0.173 s, batch-32 decode 2.97-3.18 ms against 3.32-3.56 ms. So every panel type is grouped where
+   the build has AVX-512 (panel_gemm_prefers_groups, with an AVX2 build's figures). Not timed on the
+   Intel Xeon. */
 #define WT_GROUPED 8  /* a flag on any of the above: panels in groups (above) */
 #define WT_I8G (WT_I8 | WT_GROUPED)
 #define GROUP_PANELS 4
@@ -341,7 +349,8 @@ static inline __attribute__((always_inline)) void panel_rows16(const int wt, con
    0.81-0.95 against 0.91-1.07, 12 rows 0.99-1.13 against 1.10-1.17; random:qwen3-0.6b's batch-8 decode
    step 143-150 against 164-165 ms; the embedded model's cache-resident shapes within 5% either way. A
    software prefetch in the first group (as 7+ row passes have) made those 7-12 row figures 5-15% slower.
-   Not timed on the Intel Xeon (where passes of up to 6 rows prefetch: pf_few) nor with int8 panels. */
+   Not timed on the Intel Xeon (where passes of up to 6 rows prefetch: pf_few) nor with int8 panels.
+   Grouped panels (WT_GROUPED) go four at a time whatever m: more than 12 rows in groups of 6 (above). */
 static inline __attribute__((always_inline)) void panel_chunk(const int wt, int g, const float *x, int64_t ldx,
         const void *pc, int64_t pstride, int64_t m,
                         int64_t kc, const float *init, int64_t ld_init, float *y, int64_t ldy) {
@@ -350,10 +359,11 @@ static inline __attribute__((always_inline)) void panel_chunk(const int wt, int 
         else panel_rows(wt, 1, 1, x, ldx, pc, pstride, kc, init, ld_init, y, ldy);
         return;
     }
-    if (g == 4) {  /* m <= 12: one group of rows, or two of m / 2 (rounded up, then down) over the same panels */
-        const int64_t first = m <= 6 ? m : (m + 1) / 2;
+    if (g == 4) {  /* m <= 12: one group of rows, or two of m / 2 (rounded up, then down) over the same panels;
+                      more rows (grouped panels only): groups of 6 */
+        const int64_t first = m <= 6 ? m : m <= 12 ? (m + 1) / 2 : 6;
         for (int64_t r = 0; r < m;) {
-            const int64_t n = r ? m - r : first;
+            const int64_t n = !r ? first : m <= 12 ? m - r : m - r < 6 ? m - r : 6;
             const float *xr = x + r * ldx, *ir = init ? init + r * ld_init : NULL;
             float *yr = y + r * ldy;
             switch (n) { ROWS_1_6(4, xr, ldx, pc, pstride, kc, ir, ld_init, yr, ldy) default: break; }
@@ -475,7 +485,11 @@ static void panel_gemm_range(int wt, const float *x, int64_t ldx, const void *p,
 #endif
                       TYPE(wt) == WT_I8 ? (grouped ? chunk_i8g : chunk_i8) : grouped ? chunk_f32g : chunk_f32;
     const int64_t size = WSIZE(wt);
+#if defined(__AVX512F__)
+    const int group = wt & WT_GROUPED ? GROUP_PANELS : PANEL_GROUP(m);  /* panels read at once */
+#else
     const int group = PANEL_GROUP(m);  /* panels read at once: more streams for fewer rows */
+#endif
     const int64_t line = grouped ? GROUP_PANELS * NR : NR;  /* values from one k to the next in a panel */
     for (int64_t b = b0; b < b1;) {
         /* the last few panels one at a time; grouped panels in aligned groups only (b0 may split a group) */
