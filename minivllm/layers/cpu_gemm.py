@@ -23,7 +23,8 @@ The C code splits the panels over ``torch.get_num_threads()`` threads of its own
 pool that polls briefly between calls, then sleeps; see the source for why).
 
 A weight ``[N, K]`` (``N`` a multiple of 16) is stored as panels ``[N / 16, K, 16]``, or in groups of
-four panels ``[N / 64, K, 64]`` (:func:`pack_panels`): a 3-D tensor in a linear layer's ``weight`` means this layout, and
+four panels ``[N / 64, K, 64]`` (:func:`pack_panels`): a 3-D tensor in a linear layer's ``weight`` means
+this layout, and
 :func:`unpack_panels` gives back the plain float32 weight. Packing replaces the weight (no second copy).
 ``MINIVLLM_CPU_GEMM=0`` (read when an engine packs its weights) leaves the layers to oneDNN.
 
@@ -196,6 +197,12 @@ def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(nb * nr, k).to(F32)
 
 
+def _weight_type(panels: torch.Tensor, int8: bool = False) -> int:
+    """The C code's weight-type code (``WT_*``) for ``panels``: int8 (with scales) or the panels' dtype, with
+    the grouped flag for ``[N / 64, K, 64]`` panels."""
+    return (_INT8 if int8 else _WEIGHT_TYPES[panels.dtype]) | (_GROUPED if panels.shape[2] != PANEL else 0)
+
+
 def _parts(rows: int, n: int, k: int, nb: int) -> int:
     """Threads a call of ``rows`` rows over ``nb`` units (panels, or groups of grouped panels: the C code
     splits at whole groups; ``n`` outputs, ``k`` inputs) is split over: torch's thread count, at most one
@@ -213,8 +220,8 @@ class PanelGemm:
         self._fn.restype = None
         lib.panel_gemm_has_f16.restype = ctypes.c_int
         lib.panel_gemm_prefers_groups.restype = ctypes.c_int
-        #: whether :func:`pack_panels` groups int8 and 16-bit panels by default: where this build's passes of
-        #: a few rows read four panels at once (AVX-512; see the C source's panel_gemm_prefers_groups)
+        #: whether :func:`pack_panels` groups panels by default: where this build's passes read four panels
+        #: at once (AVX-512; see the C source's panel_gemm_prefers_groups)
         self.prefers_groups = bool(lib.panel_gemm_prefers_groups())
         #: ``parallel_run(fn, ctx, parts)``: the C function at address ``fn`` called as
         #: ``fn(ctx, part, n)`` for each part on this library's threads (see ``native_parallel_run``
@@ -286,7 +293,7 @@ class PanelGemm:
         ids = np.empty(m, dtype=np.int64)
         stride = x.stride(0) if m > 1 else k
         status = []  # through launch, so count_calls sees it (a head runs outside CPU graphs: never recorded)
-        wt = _WEIGHT_TYPES[panels.dtype] | (_GROUPED if panels.shape[2] != PANEL else 0)
+        wt = _weight_type(panels)
         launch(lambda: status.append(self._greedy(wt, x.data_ptr(), stride, panels.data_ptr(),
                                                   None, m, k, y.data_ptr(), n, nb, cols, ids.ctypes.data)),
                name="panel_gemm_greedy_w")
@@ -307,7 +314,7 @@ class PanelGemm:
             # returns when all are written, so an interrupt can only arrive after the call
             rows = min(m, ROWS_PER_CALL)
             parts = _parts(rows, n, k, panels.shape[0])  # (grouped panels: one group a unit)
-            wt = (_WEIGHT_TYPES[panels.dtype] if scale is None else _INT8) | (_GROUPED if panels.shape[2] != PANEL else 0)
+            wt = _weight_type(panels, int8=scale is not None)
             xp, stride, pp = x2.data_ptr(), x2.stride(0) if m > 1 else k, panels.data_ptr()
             sp, bp = scale.data_ptr() if scale is not None else None, bias.data_ptr() if bias is not None else None
             yp = y.data_ptr()
@@ -322,7 +329,8 @@ class PanelGemm:
         """``x [..., K] @ (Q * scale[:, None]).T (+ bias)`` -> float32 ``[..., N]`` for an int8 weight ``Q``
         held as int8 panels ``[N / 16, K, 16]`` or ``[N / 64, K, 64]`` (:func:`pack_panels` with
         ``torch.int8``) and its fp32 per-output-channel ``scale [N]``: weight-only, each int8 value
-        widened to float32 as it is read, ``x`` untouched; the scale applied once per output after the sum over ``K``. Split over threads
+        widened to float32 as it is read, ``x`` untouched; the scale applied once per output after the sum
+        over ``K``. Split over threads
         as :meth:`run`. The caller passes float32 CPU ``x`` with unit stride along ``K``, contiguous int8
         panels of that ``K``, a contiguous float32 ``scale`` and ``bias`` (or none) of ``N``.
 

@@ -22,10 +22,10 @@ Matmul paths (:class:`Int8Weight.kernel` names the one a weight uses):
   by measurement over fbgemm (below) on a 2-core Xeon (2026-12-06, one thread,
   ``random:qwen3-0.6b`` batch-1 decode, ``bench --quantization int8`` runs minutes apart: median
   ITL 54.3 ms against fbgemm's 68.8, the float32 step 164.9 and 148.2 ms in those runs;
-  ``docs/quantization.md``). Where the output count is a multiple of 64 the panels go in groups of four
-  in an AVX-512 build (one stream of whole cache lines for a decode step), and panels of 2 MiB or more on 2 MiB pages: on
-  the dev EPYC Zen 4 (2026-12-07) the two took the batch-1 int8 step of ``random:qwen3-0.6b`` from 33.5
-  to 23.6 ms (float32 ~81-85 ms).
+  ``docs/quantization.md``). Where the output count is a multiple of 64 the panels go in groups of
+  four in an AVX-512 build (one stream of whole cache lines for a decode step), and panels of 2 MiB
+  or more on 2 MiB pages: on the dev EPYC Zen 4 (2026-12-07) the two took the batch-1 int8 step of
+  ``random:qwen3-0.6b`` from 33.5 to 23.6 ms (float32 ~81-85 ms).
 * ``"fbgemm-dynamic"`` (CPU, where the panel GEMM does not build, and for a weight whose output
   count is not a multiple of 16): torch's own quantized dynamic linear,
   ``torch.ops.quantized.linear_dynamic`` with weights prepacked by
@@ -241,7 +241,8 @@ class Int8Weight:
         qweight: int8 ``[out, in]``, or ``None`` on the ``"panel-int8"`` and ``"fbgemm-dynamic"``
             paths, where the packed copy is the only one (so int8 memory is not held twice).
         panels: int8 panels ``[out / 16, in, 16]``, or in groups of four ``[out / 64, in, 64]`` where
-            ``out`` is a multiple of 64 and the build prefers them (:func:`minivllm.layers.cpu_gemm.pack_panels`; ``"panel-int8"`` only).
+            ``out`` is a multiple of 64 and the build prefers them
+            (:func:`minivllm.layers.cpu_gemm.pack_panels`; ``"panel-int8"`` only).
         packed: fbgemm packed params (``"fbgemm-dynamic"`` only).
         kernel: one of :data:`KERNELS`.
 
