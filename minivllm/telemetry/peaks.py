@@ -228,10 +228,10 @@ def _stream_buffer(numel: int, dev: Any, fill: float | None) -> tuple[Any, bool]
 
     from minivllm.utils.hugepages import zeroed_cpu_tensor
 
-    if dev.type != "cpu":
-        t = torch.empty(numel, device=dev, dtype=torch.float32)
-        return (t if fill is None else t.fill_(fill)), False
-    t, huge = zeroed_cpu_tensor((numel,), torch.float32)
+    if dev.type == "cpu":
+        t, huge = zeroed_cpu_tensor((numel,), torch.float32)
+    else:
+        t, huge = torch.empty(numel, device=dev, dtype=torch.float32), False
     return (t if fill is None else t.fill_(fill)), huge
 
 

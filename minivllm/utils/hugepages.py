@@ -5,9 +5,10 @@ panels, :func:`minivllm.layers.cpu_gemm.pack_panels`: the hardware prefetcher st
 page's end), and at scattered places each sequence's KV blocks, the embedding rows of its token.
 With 4 KiB pages nearly every scattered read starts with a TLB miss, and in a virtual machine each
 miss walks two page tables; with 2 MiB pages the KV pool of a step fits in a few dozen TLB entries.
-torch backs large allocations with huge pages only when ``THP_MEM_ALLOC_ENABLE=1`` is set before it starts; :func:`advise_huge` asks for the one tensor it
-is given, before its pages are first written (``madvise(MADV_HUGEPAGE)``: Linux then fills each
-aligned 2 MiB range with one page when it is first touched).
+torch backs large allocations with huge pages only when ``THP_MEM_ALLOC_ENABLE=1`` is set before it
+starts; :func:`advise_huge` asks for the one tensor it is given, before its pages are first written
+(``madvise(MADV_HUGEPAGE)``: Linux then fills each aligned 2 MiB range with one page when it is
+first touched).
 
 A hint, not a guarantee: where the kernel's setting is ``never``, on other systems, or for a tensor
 smaller than 2 MiB, nothing changes. Results never depend on it.
