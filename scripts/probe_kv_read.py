@@ -71,9 +71,12 @@ uint32_t paged_read_sum(const uint32_t *k_cache, const uint32_t *v_cache, const 
 
 def block_table(seqs: int, context: int, prompt: int) -> torch.Tensor:
     """Block ids as the engine hands them out: each prompt's blocks together, then one block per
-    sequence in turn as the sequences grow past each block boundary."""
+    sequence in turn as the sequences grow past each block boundary. A context shorter than the
+    prompt is all prompt (its blocks together)."""
+    if seqs < 1 or context < 1:
+        raise ValueError(f"block_table: seqs and context must be >= 1, got seqs={seqs}, context={context}")
     per_seq = -(-context // BLOCK)
-    first = -(-prompt // BLOCK)
+    first = -(-min(prompt, context) // BLOCK)
     table = torch.empty(seqs, per_seq, dtype=torch.int32)
     nxt = 0
     for s in range(seqs):
@@ -85,7 +88,7 @@ def block_table(seqs: int, context: int, prompt: int) -> torch.Tensor:
     return table
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--context", type=int, default=168, help="keys per sequence (default: 128-token prompts + 40)")
@@ -93,7 +96,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=101)
     ap.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the caches' element type (the engine's kv_cache_dtype)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for name in ("seqs", "context", "threads", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     dtype = getattr(torch, args.kv_cache_dtype)
     torch.set_num_threads(args.threads)
     kernel = cpu_decode.load()
