@@ -242,6 +242,10 @@ def test_sweep_smoke(tiny_ckpt, tmp_path, monkeypatch):
         assert p["step_ms"] > 0 and p["flops"] > 0 and p["bytes"] > 0
     for p in r["decode"]:  # each decode point carries its matmuls-alone time
         assert p["matmul_ms"] > 0 and p["step_over_matmul"] == p["step_ms"] / p["matmul_ms"]
+        # and where the time of its CPU graph's steps went, call by call
+        b = p["breakdown"]
+        assert b["num_steps"] == 3 and b["linears"] > 0 and b["attention"] > 0 and b["other"] > 0
+        assert b["engine"] > 0 and b["graph"] < b["step"]
     # batching decode reuses every weight read: intensity grows with the batch
     assert r["decode"][1]["intensity"] > 2 * r["decode"][0]["intensity"]
     assert r["prefill"][1]["intensity"] > r["prefill"][0]["intensity"]

@@ -296,6 +296,53 @@ def test_count_calls_counts_launches_by_name_in_its_block_only_and_not_replays()
     assert seen == [0, 1, 2, 3, 4, 4, 5]
 
 
+def test_time_replays_times_each_call_by_name_in_c_and_in_the_python_loop():
+    """Within time_replays a replay times each of its calls (from C where it replays in C) and
+    does the same work; outside the block nothing is timed."""
+    _c_replay_or_skip()
+    from minivllm.layers import cpu_fused
+
+    ops = native_or_skip(cpu_fused, "the fused CPU ops")
+    table, ids, weight = torch.randn(50, 8), torch.tensor([3, 7]), torch.rand(8) + 0.5
+    in_c = CpuGraph()
+    with in_c.capture():
+        normed = ops.rms_norm(ops.embedding(ids, table), weight, 1e-6)
+    a, b, c, seen = torch.ones(4), torch.full((4,), 2.0), torch.empty(4), []
+    in_python = CpuGraph()  # an ATen operation recorded: the Python loop
+    with in_python.capture():
+        torch.add(a, b, out=c)
+        cpu_graph.launch(seen.append, 1, name="note")
+    assert in_c.replays_in_c and not in_python.replays_in_c
+    ids.copy_(torch.tensor([9, 4]))
+    a.fill_(5)
+    with cpu_graph.time_replays() as timings:
+        in_c.replay()
+        in_python.replay()
+    in_c.replay()  # outside the block: not timed
+    assert [t.from_c for t in timings] == [True, False]
+    assert timings[0].names == ("embedding_f32", "rms_norm_f32")
+    assert timings[1].names == ("aten.add.out", "note")
+    assert all(len(t.seconds) == len(t.names) and all(x >= 0 for x in t.seconds) for t in timings)
+    assert timings[0].total_s == sum(timings[0].seconds) and list(timings[1].by_name()) == ["aten.add.out", "note"]
+    torch.testing.assert_close(normed, torch.nn.functional.rms_norm(table[ids], (8,), weight, 1e-6))
+    assert torch.equal(c, torch.full((4,), 7.0)) and seen == [1, 1]
+
+
+def test_a_timed_replay_raises_for_bad_input_as_a_plain_one_and_records_no_timing():
+    _c_replay_or_skip()
+    from minivllm.layers import cpu_fused
+
+    ops = native_or_skip(cpu_fused, "the fused CPU ops")
+    table, ids = torch.randn(50, 8), torch.tensor([3, 7])
+    graph = CpuGraph()
+    with graph.capture():
+        ops.embedding(ids, table)
+    ids.copy_(torch.tensor([9, 50]))
+    with cpu_graph.time_replays() as timings, pytest.raises(IndexError, match="id 50"):
+        graph.replay()
+    assert timings == []
+
+
 def test_count_calls_sees_every_c_call_of_an_eager_decode_step():
     llm = _llm(enforce_eager=True, num_kvcache_blocks=64)
     try:

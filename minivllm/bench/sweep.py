@@ -12,6 +12,8 @@ from minivllm.bench.common import (ResultMixin, build_llm, cost_and_peaks, devic
                                    check_batch_sizes, next_tag, wants_cuda)
 from minivllm.bench.matmul_share import LinearReplay, eager_steps, record_linear_calls
 from minivllm.bench.report import describe_peaks, peaks_summary, print_sweep_summary, write_roofline_html
+from minivllm.bench.step_breakdown import BREAKDOWN_STEPS, breakdown, print_breakdown
+from minivllm.layers.cpu_graph import time_replays
 from minivllm.utils.checks import is_count
 from minivllm.utils.gc_heap import heap_frozen
 
@@ -31,7 +33,9 @@ class SweepResult(ResultMixin):
             ``mbu``, ``model_ms``, ``num_steps``, ``matmul_ms`` (the step's linear layers, same
             weights and rows, run alone: ``minivllm.bench.matmul_share``), ``matmul_from_c``
             (those calls were timed as one C loop over their kernels, as a CPU graph makes them;
-            else from Python) and ``step_over_matmul`` (``step_ms / matmul_ms``).
+            else from Python), ``step_over_matmul`` (``step_ms / matmul_ms``) and, where the steps
+            replay a CPU graph, ``breakdown``: where the time of :data:`BREAKDOWN_STEPS` more steps
+            went (``minivllm.bench.step_breakdown``), else None.
         prefill: the same per prompt length (``prompt_len``).
         loadavg: 1/5/15-minute load averages at the end.
         html: where the roofline HTML was written, if anywhere.
@@ -152,11 +156,12 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             tag = next_tag()
             for i in range(b):
                 engine.add_request(f"sweep{tag}-{i}", prompt(context_len),
-                                   SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 3,
-                                                  ignore_eos=True), output_kind=output_kind)
+                                   SamplingParams(temperature=0, max_tokens=warmup_steps + decode_steps + 3
+                                                  + BREAKDOWN_STEPS, ignore_eos=True), output_kind=output_kind)
             # Two set-up steps come before the warm-up and timed ones: the first full decode step (on
             # a CPU it records this batch size's graph) and an eager one that records its matmuls.
             recs, replay, matmul_s, graph_step_done = [], None, [], False
+            timed_recs, timings = [], []  # steps with each C call of the graph timed
             with heap_frozen():  # a full collection of the whole process is not the engine's step
                 while engine.has_unfinished_requests():
                     if replay is None and graph_step_done:  # which matmuls such a step does
@@ -164,6 +169,14 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                             rec = engine.step_with_record().record
                         if rec.phase == "decode" and rec.num_seqs == b:
                             replay = LinearReplay(calls) if calls else False  # int8 layers: not recorded
+                        continue
+                    if replay is not None and len(recs) == warmup_steps and len(timed_recs) < BREAKDOWN_STEPS:
+                        # between the warm-up and the timed steps (the set-up steps done)
+                        with time_replays() as replays:
+                            rec = engine.step_with_record().record
+                        if rec.phase == "decode" and rec.num_seqs == b:
+                            timed_recs.append(rec)
+                            timings.extend(replays[:1])
                         continue
                     rec = engine.step_with_record().record
                     if rec.phase == "decode" and rec.num_seqs == b:
@@ -183,12 +196,14 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
             p["matmul_ms"] = statistics.median(matmul_s) * 1e3 if matmul_s else None
             p["step_over_matmul"] = p["step_ms"] / p["matmul_ms"] if p["matmul_ms"] else None
             p["matmul_from_c"] = bool(replay) and replay.from_c  # (else from Python, one call at a time)
+            p["breakdown"] = breakdown(timed_recs, timings)
             decode.append(p)
             share = f"{p['step_over_matmul']:9.2f}x" if p["step_over_matmul"] else f"{'-':>10}"
             log(f"  {b:5d} {p['step_ms']:9.2f} {p['step_ms'] / b:8.3f} {p['flops_per_s'] / 1e9:9.2f} "
                 f"{p['bytes_per_s'] / 1e9:8.2f} {p['mfu']:6.1%} {p['mbu']:6.1%} {share}")
             engine.reset_prefix_cache()
 
+        print_breakdown(decode, log)
         prefill = []
         log(f"prefill sweep (one prompt per step, median of {repeats})")
         log(f"  {'length':>6} {'step ms':>9} {'tok/s':>9} {'GFLOP/s':>9} {'GB/s':>8} {'MFU':>6} {'MBU':>6}")

@@ -31,14 +31,19 @@ A graph whose every call came with its C function's packed twin (``launch(..., n
 call paid ctypes' conversion of its arguments, about a microsecond for ten of them. Otherwise (an
 ATen operation recorded, a call without a twin, the library unbuilt, or
 ``MINIVLLM_CPU_GRAPH_C_REPLAY=0``) the Python loop makes the calls.
+
+Within :func:`time_replays` every replay also times each of its calls (``bench --sweep`` reports
+where a decode step's time goes from it).
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import time
 import weakref
 from collections import Counter
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -48,13 +53,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minivllm.layers.native_build import NativeLibrary
 
-__all__ = ["CpuGraph", "GraphPool", "NotCapturable", "capturing", "count_calls", "describe_replay", "launch",
-           "packed_address", "packed_memmove", "persistent"]
+__all__ = ["CpuGraph", "GraphPool", "NotCapturable", "ReplayTiming", "capturing", "count_calls", "describe_replay",
+           "launch", "packed_address", "packed_memmove", "persistent", "time_replays"]
 
 aten = torch.ops.aten
 
 _current: ContextVar["CpuGraph | None"] = ContextVar("minivllm_cpu_graph", default=None)
 _tally: ContextVar["Counter[str] | None"] = ContextVar("minivllm_c_call_tally", default=None)
+_timings: ContextVar["list[ReplayTiming] | None"] = ContextVar("minivllm_replay_timings", default=None)
 
 #: allocations served from the pool (their result is fresh memory, no values read)
 _FACTORIES = {aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
@@ -76,6 +82,9 @@ class _CReplay:
         self.run = lib.cpu_graph_replay
         self.run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         self.run.restype = ctypes.c_int64
+        self.run_timed = lib.cpu_graph_replay_timed  # (the same, and each call's ns)
+        self.run_timed.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
+        self.run_timed.restype = ctypes.c_int64
         #: ``copy_bytes_packed``: ``memmove(dst, src, nbytes)`` as a packed call
         self.copy_address = packed_address(lib, "copy_bytes")
 
@@ -141,10 +150,47 @@ def launch(fn: Callable[..., object], *args, name: str | None = None,
     fn(*args)
     graph = _current.get()
     if graph is not None:
-        graph._record(fn, args, native)
+        graph._record(fn, args, native, name)
     tally = _tally.get()
     if tally is not None:
         tally[name or getattr(fn, "__name__", repr(fn))] += 1
+
+
+@dataclass(frozen=True)
+class ReplayTiming:
+    """One timed :meth:`CpuGraph.replay`: each call's name (as :func:`count_calls` names it; a recorded
+    ATen operation by its overload, ``aten.embedding.out``) and wall time in seconds, in order. Timed
+    between the calls from C (``clock_gettime``) where the replay runs in C, else with
+    ``time.perf_counter_ns`` around each call in the Python loop (then with that loop's cost, ~1 us a
+    call)."""
+
+    names: tuple[str, ...]
+    seconds: tuple[float, ...]
+    from_c: bool
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds)
+
+    def by_name(self) -> dict[str, float]:
+        """Seconds summed per call name, in order of first appearance."""
+        out: dict[str, float] = {}
+        for n, t in zip(self.names, self.seconds):
+            out[n] = out.get(n, 0.0) + t
+        return out
+
+
+@contextlib.contextmanager
+def time_replays():
+    """Within the block, every :meth:`CpuGraph.replay` (in this thread and context) times each of its
+    calls and appends a :class:`ReplayTiming` to the yielded list. The calls and their results are
+    the same; only the clock reads between them are added."""
+    timings: list[ReplayTiming] = []
+    token = _timings.set(timings)
+    try:
+        yield timings
+    finally:
+        _timings.reset(token)
 
 
 @contextlib.contextmanager
@@ -281,6 +327,7 @@ class CpuGraph:
         self.pool = pool if pool is not None else GraphPool()
         self._calls: list[tuple[Callable[..., object], tuple]] = []
         self._native: list[tuple[int, tuple] | None] = []  # each call's packed twin, if it has one
+        self._names: list[str] = []  # each call's name (time_replays)
         self._packed: _PackedCalls | None = None  # all of them, when every call has one
         self._keep: list[object] = []
         self._outside_pool = 0  # > 0 inside persistent()
@@ -296,9 +343,11 @@ class CpuGraph:
         """Whether :meth:`replay` makes the calls from one C loop (see the module docstring)."""
         return self._packed is not None
 
-    def _record(self, fn: Callable[..., object], args: tuple, native: tuple[int, tuple] | None = None) -> None:
+    def _record(self, fn: Callable[..., object], args: tuple, native: tuple[int, tuple] | None = None,
+                name: str | None = None) -> None:
         self._calls.append((fn, args))
         self._native.append(native)
+        self._names.append(name or (str(args[0]) if fn is _call_op else getattr(fn, "__name__", repr(fn))))
 
     def _made_in_pool(self, t: torch.Tensor) -> torch.Tensor:
         self._pool_tensors.append(weakref.ref(t))
@@ -334,6 +383,7 @@ class CpuGraph:
         if _current.get() is not None:
             raise RuntimeError("CPU graph: a capture is already in progress")
         self._calls, self._native, self._keep, self._pool_tensors, self.complete = [], [], [], [], False
+        self._names = []
         self._packed = None
         self.pool.rewind()
         token = _current.set(self)
@@ -343,7 +393,7 @@ class CpuGraph:
             self._packed = _PackedCalls.build(self._native)  # (may build the C loop's library)
             self.complete = True
         except BaseException:
-            self._calls, self._native, self._keep, self._packed = [], [], [], None
+            self._calls, self._native, self._keep, self._packed, self._names = [], [], [], None, []
             raise
         finally:
             _current.reset(token)
@@ -359,17 +409,39 @@ class CpuGraph:
         """
         if not self.complete:
             raise RuntimeError("CPU graph: replay of a graph that was not captured")
+        timings = _timings.get()
         packed = self._packed
-        if packed is None:
+        if timings is not None:
+            bad = self._replay_timed(timings)
+        elif packed is None:
             for fn, args in self._calls:
                 fn(*args)
             return
-        bad = packed.replay()
+        else:
+            bad = packed.replay()
         if bad >= 0:  # a twin found bad input: the call again through ctypes raises the error naming it
             fn, args = self._calls[bad]
             fn(*args)
             raise RuntimeError(f"CPU graph: recorded call {bad} ({getattr(fn, '__name__', fn)}) reported bad "
                                "input in C but not when made again")
+
+    def _replay_timed(self, timings: list[ReplayTiming]) -> int:
+        """The replay, each call timed (:func:`time_replays`); returns what the C loop returns (-1, or
+        the call that reported bad input). The timing is appended when every call was made."""
+        packed = self._packed
+        if packed is not None:
+            ns = np.zeros(len(self._calls), dtype=np.int64)
+            bad = packed.replay_timed(ns)
+        else:
+            ns = []
+            for fn, args in self._calls:
+                t0 = time.perf_counter_ns()
+                fn(*args)  # (an exception propagates: no timing)
+                ns.append(time.perf_counter_ns() - t0)
+            bad = -1
+        if bad < 0:
+            timings.append(ReplayTiming(tuple(self._names), tuple(int(t) / 1e9 for t in ns), packed is not None))
+        return bad
 
 
 class _PackedCalls:
@@ -392,6 +464,7 @@ class _PackedCalls:
             else:
                 self.args[i] = 0 if value is None else value
         self._call = (self.fns.ctypes.data, self.starts.ctypes.data, self.args.ctypes.data, len(natives))
+        self._run_timed = replay.run_timed
 
     @classmethod
     def build(cls, natives: list[tuple[int, tuple] | None]) -> "_PackedCalls | None":
@@ -403,3 +476,7 @@ class _PackedCalls:
     def replay(self) -> int:
         """-1, or the index of the first call that reported bad input (the later ones not made)."""
         return self._run(*self._call)
+
+    def replay_timed(self, ns: np.ndarray) -> int:
+        """:meth:`replay`, each call's wall time written to ``ns`` (int64 ``[num_calls]``, nanoseconds)."""
+        return self._run_timed(*self._call, ns.ctypes.data)

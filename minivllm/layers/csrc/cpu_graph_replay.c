@@ -6,6 +6,7 @@
    records 43 calls. */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "packed_call.h"
 
@@ -15,6 +16,25 @@ int64_t cpu_graph_replay(const int64_t *fns, const int64_t *starts, const packed
     for (int64_t i = 0; i < n; i++) {
         packed_fn *fn = (packed_fn *)(intptr_t)fns[i];
         if (fn(args + starts[i]))
+            return i;
+    }
+    return -1;
+}
+
+/* cpu_graph_replay, with each call's wall time in ns[i] (CLOCK_MONOTONIC, read between the calls: what
+   `bench --sweep` reports of where a step's time goes); ns[i] of a call not made (after a bad one) is
+   left as it was. */
+int64_t cpu_graph_replay_timed(const int64_t *fns, const int64_t *starts, const packed_arg *args, int64_t n,
+                               int64_t *ns) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int64_t i = 0; i < n; i++) {
+        packed_fn *fn = (packed_fn *)(intptr_t)fns[i];
+        const int64_t bad = fn(args + starts[i]);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        ns[i] = (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+        t0 = t1;
+        if (bad)
             return i;
     }
     return -1;
