@@ -116,7 +116,8 @@ class _GenerateRun(CommandRun):
                                     truncate_prompt_tokens=args.truncate_prompt_tokens)
             t0 = time.perf_counter()
             self.llm = llm = LLM(args.model, device=args.device, dtype=args.dtype,
-                                 attention_backend=args.attention_backend, max_model_len=args.max_model_len)
+                                 attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+                                 tokenizer=args.tokenizer)
             load_s = time.perf_counter() - t0
             engine = llm.llm_engine
             print(banner(engine, load_s), file=sys.stderr)
@@ -153,6 +154,11 @@ def _chat(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"generate": _generate, "chat": _chat}
+    if argv and argv[0] in ("--version", "-V"):  # as vLLM's `vllm --version`
+        from minivllm import __version__
+
+        print(__version__)
+        return 0
     if argv and argv[0] == "bench":
         from minivllm.bench import main as bench_main
 
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
               "  chat [--model PATH] [--system TEXT] ...               talk with the model, turn by turn\n"
               "  bench [--model M] [--sweep] [--overhead] ...          offline benchmark vs transformers\n"
               "  each takes --threads {auto,N}: torch CPU threads (auto: the cores the load average leaves idle)\n"
-              f"  {prog} generate --help, {prog} chat --help, {prog} bench --help: every option",
+              f"  {prog} generate --help, {prog} chat --help, {prog} bench --help: every option; {prog} --version",
               file=sys.stdout if asked else sys.stderr)
         if argv and not asked:
             print(f"error: unknown command {argv[0]!r} (choose generate, chat or bench)", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import sys
 import time
 
@@ -99,7 +100,8 @@ class _ChatSession(CommandRun):
             apply_threads(args)
             t0 = time.perf_counter()
             self.llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                           max_model_len=args.max_model_len, chat_template=args.chat_template)
+                           max_model_len=args.max_model_len, chat_template=args.chat_template,
+                           tokenizer=args.tokenizer)
             load_s = time.perf_counter() - t0
             params = self.llm.get_default_sampling_params()  # the model's recommended settings, then the options
             for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
@@ -117,6 +119,9 @@ class _ChatSession(CommandRun):
             return 2
         print(banner(self.llm.llm_engine, load_s), file=sys.stderr)
         if args.quick is not None:
+            if not args.quick.strip():
+                print("error: -q/--quick: the message is empty", file=sys.stderr)
+                return 2
             self.turn(args.quick, params)
             return 1 if self.refused else 0
         interactive = sys.stdin.isatty()
@@ -136,6 +141,9 @@ class _ChatSession(CommandRun):
             if line.strip() == "/reset":
                 self.reset()
                 print("# the conversation is forgotten", file=sys.stderr)
+                continue
+            if re.fullmatch(r"/[A-Za-z]\w*", line.strip()):  # a mistyped command is not a turn for the model
+                print(f"# unknown command {line.strip()}: {HELP}", file=sys.stderr)
                 continue
             self.turn(line, params)
 
@@ -166,8 +174,9 @@ class _ChatSession(CommandRun):
         try:
             return self.llm._chat_prompts(messages, chat_template_kwargs=kwargs)
         except (TypeError, TemplateError) as e:
-            whose = (f"--chat-template-kwargs {json.dumps(kwargs)}: the chat template failed with them" if kwargs
-                     else "the model's chat template refused the conversation")
+            template = "the --chat-template" if self.args.chat_template else "the model's chat template"
+            whose = (f"--chat-template-kwargs {json.dumps(kwargs)}: {template} failed with them" if kwargs
+                     else f"{template} refused the conversation")
             raise ValueError(f"{whose} ({type(e).__name__}: {e})") from None
 
     def turn(self, text: str, params) -> None:

@@ -200,3 +200,43 @@ def test_chat_template_option_serves_a_model_without_one(monkeypatch, capsys, tm
         assert status == 0 and out.strip()
     status, _, err = run(monkeypatch, capsys, "", "--model", str(model), "-q", "hi", "--chat-template", "nope.jinja")
     assert status == 2 and "looks like a file path" in err
+
+
+def test_an_empty_quick_message_is_refused_and_a_mistyped_command_is_not_sent(monkeypatch, capsys, rendered):
+    """`chat -q ""` sent an empty user turn to the model (generate refuses an empty prompt), and a line
+    such as /help went to the model as a message."""
+    seen, _ = rendered
+    status, out, err = run(monkeypatch, capsys, "", "-q", "  ")
+    assert status == 2 and "-q/--quick: the message is empty" in err and not out
+    assert len(seen) == 1  # the template checked at start, no turn
+    status, out, err = run(monkeypatch, capsys, "/help\nhello\n")
+    assert status == 0 and "# unknown command /help: commands: /reset" in err
+    assert [[m["content"] for m in t] for t in seen[2:]] == [["hello"]]  # /help was no turn
+
+
+def test_a_broken_chat_template_option_is_named_as_the_options(monkeypatch, capsys):
+    """The error blamed "the model's chat template" for the one given with --chat-template."""
+    status, _, err = run(monkeypatch, capsys, "", "-q", "hi", "--chat-template", "{{ bogus")
+    assert status == 2 and "the --chat-template refused the conversation" in err
+    assert "the model's chat template" not in err
+
+
+def test_tokenizer_option_serves_a_checkpoint_without_one(monkeypatch, capsys, tmp_path):
+    """The advice for a checkpoint without a tokenizer was LLM(tokenizer=...), with no option to follow it
+    from the command line; --tokenizer (vLLM's option) now gives it, in chat and generate."""
+    model = tmp_path / "weights-only"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(EMBEDDED_MODEL_DIR / name, model / name)
+    status, _, err = run(monkeypatch, capsys, "", "--model", str(model), "-q", "hi")
+    assert status == 2 and "give --tokenizer <its directory>" in err and "LLM(tokenizer=" not in err
+    status, out, _ = run(monkeypatch, capsys, "", "--model", str(model), "--tokenizer", "minivllm-tiny", "-q", "hi")
+    assert status == 0 and out.strip()
+    assert main(["generate", "def", *QUIET, "--model", str(model), "--tokenizer", str(EMBEDDED_MODEL_DIR)]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_version(capsys):
+    from minivllm import __version__
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == __version__

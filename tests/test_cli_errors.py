@@ -239,3 +239,14 @@ def test_generate_banner_says_when_our_c_kernels_serve_the_torch_backend(capsys,
     monkeypatch.setenv("MINIVLLM_CPU_DECODE_KERNEL", "0")  # the kernels off: the torch backend's SDPA paths
     assert main(["generate", "The list type", *QUIET]) == 0
     assert " attention=torch (loaded in " in capsys.readouterr().err
+
+
+def test_an_empty_model_name_and_a_kv_budget_below_one_block_are_named():
+    """LLM("") reported "no config.json in '.'" (the working directory), and a KV budget below one block
+    did not name kv_cache_memory_bytes."""
+    from minivllm import LLM
+
+    with pytest.raises(ValueError, match="model='': empty"):
+        LLM("")
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1000: too small for one block of 16 tokens \(\d+ "):
+        LLM("minivllm-tiny", kv_cache_memory_bytes=1000)

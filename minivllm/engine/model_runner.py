@@ -363,8 +363,10 @@ class ModelRunner:
         else:
             blocks = num_blocks_for_bytes(DEFAULT_CPU_KV_CACHE_BYTES, cfg, dtype, bs, self.tp_size)
         if blocks < 1:
-            raise ValueError(f"KV cache budget too small for one block of {bs} tokens "
-                             f"({kv_bytes_per_token(cfg, dtype, self.tp_size) * bs} bytes)")
+            need = kv_bytes_per_token(cfg, dtype, self.tp_size) * bs
+            which = (f"kv_cache_memory_bytes={c.kv_cache_memory_bytes}" if c.kv_cache_memory_bytes is not None
+                     else "the KV cache budget")
+            raise ValueError(f"{which}: too small for one block of {bs} tokens ({need} bytes; give at least that)")
         return blocks
 
     def _profile_pass(self, q_lens: list[int], sample: bool) -> None:

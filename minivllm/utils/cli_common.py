@@ -29,13 +29,17 @@ def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
             return f"{action.option_strings[0]}: {message}"
     # the fixes a message gives as Python arguments, as this command's options
     for python, option in (("SamplingParams(truncate_prompt_tokens=N)", "--truncate-prompt-tokens N"),
-                           ("a max_model_len of", "a --max-model-len of")):
+                           ("a max_model_len of", "a --max-model-len of"),
+                           ("LLM(tokenizer=<its directory>)", "--tokenizer <its directory>")):
         message = message.replace(python, option)
     return message
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """``--device``, ``--dtype``, ``--attention-backend`` and ``--threads``."""
+    """``--tokenizer``, ``--device``, ``--dtype``, ``--attention-backend`` and ``--threads``."""
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="the tokenizer's directory, where the model's has none (as vLLM's --tokenizer; "
+                             "default: the model's own)")
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--attention-backend", default="auto", help=BACKEND_HELP)

@@ -101,7 +101,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     Raises:
         FileNotFoundError: the path does not exist or has no config.json (naming the Hub download
             command where the name is a Hub id), or a Hub id's cached snapshot has no weights.
-        ValueError: an unknown random preset, or a config, generation config or tokenizer file that
+        ValueError: an empty name, an unknown random preset, or a config, generation config or tokenizer file that
             does not parse (naming the file); a pre-quantized checkpoint (its config has a
             ``quantization_config``: its weights are not floats; naming the method).
         Either error names ``$MINIVLLM_MODEL`` when the model came from it.
@@ -115,6 +115,9 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         except (FileNotFoundError, ValueError) as e:  # a script that names no model would not say where it came from
             kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
             raise kind(f"$MINIVLLM_MODEL (no model was given, so the environment's was used): {e}") from None
+    if not str(model).strip():  # Path("") is the working directory: "no config.json in '.'" named no mistake
+        raise ValueError(f"model={model!r}: empty; give a checkpoint directory, {EMBEDDED_MODEL_NAME!r}, "
+                         "'random:<preset>', or None for the default")
     return _resolve_named(str(model))
 
 
