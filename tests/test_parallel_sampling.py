@@ -168,6 +168,18 @@ def test_n_is_validated():
         SamplingParams(n=0)
 
 
+def test_an_unbounded_n_is_refused_not_made(llm):
+    """n=2**63 was accepted, and add_request made child requests until memory ran out (an API fuzz)."""
+    from minivllm.sampling_params import MAX_N
+
+    with pytest.raises(ValueError, match=r"SamplingParams\.n=9223372036854775808: must be an int from 1 to 65,536"):
+        SamplingParams(n=2**63, temperature=1.0)
+    params = S(n=2)
+    with pytest.raises(ValueError, match=r"SamplingParams\.n=65537"):
+        params.n = MAX_N + 1  # re-checked on assignment, as every field
+    assert S(n=MAX_N).n == MAX_N
+
+
 def test_an_abort_interrupted_in_the_merge_still_forgets_the_parent(llm, monkeypatch):
     """An abort of an n > 1 request interrupted while merging its second sample's output: before
     the fix the first sample was already gone, the retry never merged it, and the parent stayed
@@ -188,6 +200,52 @@ def test_an_abort_interrupted_in_the_merge_still_forgets_the_parent(llm, monkeyp
     engine.add_request("p", PROMPT, S(n=2, max_tokens=2))  # the id is free again
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_an_abort_of_the_samples_interrupted_between_them_aborts_none(llm, monkeypatch):
+    """Each sample of an n > 1 request was aborted in a transaction of its own: an interrupt between
+    them left the first aborted and the second running while abort_request raised (found by an API
+    fuzz). Now all go together or none: the request runs on and ends as an uninterrupted one."""
+    from helpers_faults import Fault
+
+    engine, params = llm.llm_engine, S(n=2, seed=7, temperature=0.8, max_tokens=6)
+    want = completions(llm.generate(PROMPT, params, use_tqdm=False)[0])
+    engine.add_request("p", PROMPT, params)
+    engine.step()
+    with monkeypatch.context() as m:
+        Fault(m, "stop checks", at=1, exc=KeyboardInterrupt)  # Scheduler.finish of the second sample
+        with pytest.raises(KeyboardInterrupt):
+            engine.abort_request("p")
+    engine.check_invariants()
+    assert sorted(engine.requests) == ["0_p", "1_p"] and "p" in engine.parents
+    got = {}
+    while engine.has_unfinished_requests():  # (a step's output holds the samples that changed)
+        got.update((c.index, c.token_ids) for o in engine.step() for c in o.outputs if c.finish_reason)
+    assert [got[i] for i in sorted(got)] == want and not engine.parents.parents
+
+
+def test_an_abort_interrupted_while_forgetting_the_request_leaves_it_unfinished(llm, monkeypatch):
+    """The request table's entry was dropped after the abort's transaction committed: an interrupt
+    there left a finished request in the table (invariants broken, its id refused as in use)."""
+    from minivllm.engine.output_processor import OutputProcessor
+
+    engine = llm.llm_engine
+    engine.add_request("a", PROMPT, S(max_tokens=8))
+    engine.step()
+    real = OutputProcessor.drop
+
+    def interrupted(self, request_id):
+        monkeypatch.setattr(OutputProcessor, "drop", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(OutputProcessor, "drop", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.abort_request("a")
+    engine.check_invariants()  # the abort undone whole: still running
+    assert list(engine.requests) == ["a"] and engine.has_unfinished_requests()
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort" and not engine.requests
+    engine.check_invariants()
 
 
 def test_a_child_seed_of_minus_one_stays_a_seed(llm):

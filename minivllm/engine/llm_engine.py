@@ -697,30 +697,29 @@ class LLMEngine:
                 self._sinks.pop(request_id, None)
                 return None
             ids = [c for c in parent.child_ids if c in self.requests] if parent is not None else [request_id]
-            result = None
-            for rid in ids:
-                merged = self._abort_one(rid)
-                if merged is None:
-                    continue
-                self._deliver(merged)  # a request aborted by someone else still reaches its caller
-                result = merged[-1] if merged else result
+            merged = self._abort(ids)
+            self._deliver(merged)  # a request aborted by someone else still reaches its caller
+            result = merged[-1] if merged else None
             if parent is not None and result is not None:
                 result = parent.every_sample(result)
             return result
 
-    def _abort_one(self, request_id: str) -> list[RequestOutput] | None:
-        """Abort one (child) request; returns its outputs after the n > 1 merge, or None if
-        it is not unfinished. The merge is inside the transaction: were it interrupted after
-        the child finished, the parent would never learn of it and never be forgotten."""
-        state = self.requests.get(request_id)
-        if state is None:
-            return None
-        with StepTransaction(self.scheduler, self.output_processor, only=state.seq) as txn:
-            txn.protect_state(state)
-            self.scheduler.finish(state.seq, "abort")
-            update_text(state)  # final flush (a final-only request has not been decoded yet)
-            merged = self.parents.merge([make_output(state)], txn.undo)
-        self.output_processor.drop(state.seq.request_id)
+    def _abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort unfinished (child) requests, all or none (an ``n > 1`` request's samples together);
+        returns their outputs after the n > 1 merge. The merge and the request table's entries are
+        inside the transaction: were it interrupted after a child finished, the parent would never
+        learn of it and never be forgotten, or a finished request would stay in the table."""
+        states = [self.requests[rid] for rid in request_ids]
+        with StepTransaction(self.scheduler, self.output_processor, only=[st.seq for st in states]) as txn:
+            outputs = []
+            for state in states:
+                txn.protect_state(state)
+                self.scheduler.finish(state.seq, "abort")
+                update_text(state)  # final flush (a final-only request has not been decoded yet)
+                outputs.append(make_output(state))
+            merged = self.parents.merge(outputs, txn.undo)
+            for state in states:
+                self.output_processor.drop(state.seq.request_id)
         return merged
 
     def get_supported_tasks(self) -> tuple[str, ...]:

@@ -312,8 +312,14 @@ class OutputProcessor:
             detok.set_state(saved)
 
     def drop(self, request_id: str) -> None:
-        """Forget a request's state (an aborted request, outside a step)."""
-        del self.states[request_id]
+        """Forget a request's state (an aborted request, outside a step); inside a transaction
+        (``undo`` attached), undone with it."""
+        states, undo = self.states, self.undo
+        if undo is not None:  # the inverses first: an interrupt between them and the changes undoes nothing wrong
+            undo.add(states.__setitem__, request_id, states[request_id])
+            if request_id in self.every_step:
+                undo.add(self.every_step.add, request_id)
+        del states[request_id]
         self.every_step.discard(request_id)
 
     def process(self, seqs: list[Sequence], errors: dict[Sequence, str],

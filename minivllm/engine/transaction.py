@@ -48,9 +48,10 @@ class StepTransaction:
     """
 
     def __init__(self, scheduler: Scheduler, output_processor: OutputProcessor,
-                 engine_generator: torch.Generator | None = None, only: Sequence | None = None):
-        """``only``: an operation on one request outside a step (an abort): snapshot just it
-        (the waiting queue, from which it may be removed, is saved by ``Scheduler.finish``)."""
+                 engine_generator: torch.Generator | None = None, only: Sequence | list[Sequence] | None = None):
+        """``only``: an operation on some requests outside a step (an abort: one request, or the
+        samples of an ``n > 1`` one together): snapshot just them (the waiting queue, from which they
+        may be removed, is saved by ``Scheduler.finish``)."""
         self.scheduler, self.output_processor = scheduler, output_processor
         self.engine_generator = engine_generator
         self.undo = UndoLog()
@@ -58,8 +59,8 @@ class StepTransaction:
         bm.undo = scheduler.undo = output_processor.undo = self.undo
         bm.evicted, bm.taken = [], []
         self.running = list(scheduler.running)
-        if only is not None:
-            self.undo.touch(only)
+        for seq in [only] if isinstance(only, Sequence) else only or ():
+            self.undo.touch(seq)
         self.states: list[tuple] = []
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
         self.kv_written = False
