@@ -6,7 +6,9 @@ batch-32 decode step <= 1.4x its matmuls alone).
 
 A decode step's KV, laid out as the engine lays it out (the embedded model's 4 layers, 2 KV heads
 of 64, 16-token blocks; each sequence's prompt blocks allocated together, the blocks it grows into
-while decoding interleaved with the other sequences'), timed four ways per step, with 16 MiB of
+while decoding interleaved with the other sequences'; on 2 MiB pages where the system grants them, as the
+engine's pool: before 2026-12-07 23:35 UTC on 4 KiB pages, where this probe read the same KV slower than the
+engine does), timed four ways per step, with 16 MiB of
 other data read between steps (an engine step streams its weights between the layers' attention):
 
 - the decode attention kernel (``minivllm/layers/attention/csrc/paged_decode_f32.c``) on every layer;
@@ -34,6 +36,7 @@ import torch
 
 from minivllm.layers.attention import cpu_decode
 from minivllm.layers.native_build import build_and_load
+from minivllm.utils.hugepages import zeroed_cpu_tensor
 
 LAYERS, KV_HEADS, HEAD_DIM, HEADS, BLOCK = 4, 2, 64, 4, 16  # the embedded model's attention
 
@@ -116,8 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     blocks = table.shape[1]
     num_blocks = int(table.max()) + 1
     gen = torch.Generator().manual_seed(0)
-    caches = [(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype),
-               torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)) for _ in range(LAYERS)]
+    def on_huge_pages(values: torch.Tensor) -> torch.Tensor:
+        """``values`` in memory laid out as the engine's (its KV pool and weights sit on 2 MiB pages where
+        the system grants them: the hardware prefetcher then runs on past 4 KiB boundaries)."""
+        out, _ = zeroed_cpu_tensor(tuple(values.shape), values.dtype)
+        return out.copy_(values)
+
+    caches = [tuple(on_huge_pages(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
+                    for _ in range(2)) for _ in range(LAYERS)]
     q = torch.randn(args.seqs, HEADS, HEAD_DIM, generator=gen)
     out = torch.empty_like(q)
     lens = torch.full((args.seqs,), args.context, dtype=torch.int32)
@@ -126,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     other = torch.randn(4 << 20)  # 16 MiB read between steps
     kv_bytes = LAYERS * 2 * args.seqs * args.context * KV_HEADS * HEAD_DIM * dtype.itemsize
     block_words = BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize // 4
-    flat = torch.randn(kv_bytes // 4, generator=gen)
+    flat = on_huge_pages(torch.randn(kv_bytes // 4, generator=gen))
     fn = kernel.c_function(dtype)
 
     def attention():
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                      block_words, prefetch)
         return run
 
-    layer_weights = torch.randn(512 << 10)  # 2 MiB: about a layer's weights
+    layer_weights = on_huge_pages(torch.randn(512 << 10))  # 2 MiB: about a layer's weights
 
     def per_layer(warm: bool):
         def run() -> float:
