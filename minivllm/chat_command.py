@@ -94,6 +94,9 @@ class _ChatSession(CommandRun):
 
     def go(self) -> int:
         args = self.args
+        if args.quick is not None and not args.quick.strip():  # (before loading the model)
+            print("error: -q/--quick: the message is empty", file=sys.stderr)
+            return 2
         from minivllm import LLM
 
         try:
@@ -119,9 +122,6 @@ class _ChatSession(CommandRun):
             return 2
         print(banner(self.llm.llm_engine, load_s), file=sys.stderr)
         if args.quick is not None:
-            if not args.quick.strip():
-                print("error: -q/--quick: the message is empty", file=sys.stderr)
-                return 2
             self.turn(args.quick, params)
             return 1 if self.refused else 0
         interactive = sys.stdin.isatty()

@@ -302,10 +302,21 @@ def test_sweep_refuses_steps_past_max_model_len_before_measuring_peaks(tiny_ckpt
     import minivllm.bench.sweep as sweep
 
     monkeypatch.setattr(sweep, "cost_and_peaks", lambda *a, **k: pytest.fail("measured the peaks"))
-    with pytest.raises(ValueError, match=r"context_len=8 \+ warmup_steps=1 \+ decode_steps=3000 \+ 3 = 3012 tokens: "
-                                         r"more than max_model_len="):
+    with pytest.raises(ValueError, match=r"context_len=8 \+ warmup_steps=1 \+ decode_steps=3000 \+ 6 \(set-up and "
+                                         r"breakdown steps\) = 3015 tokens: more than max_model_len="):
         run_sweep(str(tiny_ckpt), batch_sizes=[1], prompt_lens=[8], context_len=8, decode_steps=3000,
                   warmup_steps=1, repeats=1, log=_quiet, peak_kwargs=PEAKS)
+
+
+def test_sweep_at_the_length_limit_times_every_step_it_was_asked_for(tiny_ckpt):
+    """The breakdown's three steps were asked of every request but not counted in the length check: at
+    the limit a batch got fewer timed steps than asked, or none, and the sweep said nothing (a review)."""
+    r = run_sweep(str(tiny_ckpt), batch_sizes=[2], prompt_lens=[8], context_len=49, decode_steps=6,
+                  warmup_steps=3, repeats=1, max_model_len=64, log=_quiet, peak_kwargs=PEAKS)  # 49+3+6+6 = 64
+    assert [(p["batch_size"], p["num_steps"]) for p in r["decode"]] == [(2, 6)]
+    with pytest.raises(ValueError, match="= 65 tokens: more than max_model_len=64"):
+        run_sweep(str(tiny_ckpt), batch_sizes=[2], prompt_lens=[8], context_len=50, decode_steps=6,
+                  warmup_steps=3, repeats=1, max_model_len=64, log=_quiet, peak_kwargs=PEAKS)
 
 
 def test_sweep_with_cumulative_outputs_returns_them_every_step(tiny_ckpt, monkeypatch):

@@ -208,10 +208,10 @@ def test_an_empty_quick_message_is_refused_and_a_mistyped_command_is_not_sent(mo
     seen, _ = rendered
     status, out, err = run(monkeypatch, capsys, "", "-q", "  ")
     assert status == 2 and "-q/--quick: the message is empty" in err and not out
-    assert len(seen) == 1  # the template checked at start, no turn
+    assert not seen and not rendered[1]  # refused before a model was loaded
     status, out, err = run(monkeypatch, capsys, "/help\nhello\n")
     assert status == 0 and "# unknown command /help: commands: /reset" in err
-    assert [[m["content"] for m in t] for t in seen[2:]] == [["hello"]]  # /help was no turn
+    assert [[m["content"] for m in t] for t in seen[1:]] == [["hello"]]  # /help was no turn
 
 
 def test_a_broken_chat_template_option_is_named_as_the_options(monkeypatch, capsys):
@@ -230,6 +230,8 @@ def test_tokenizer_option_serves_a_checkpoint_without_one(monkeypatch, capsys, t
         shutil.copy(EMBEDDED_MODEL_DIR / name, model / name)
     status, _, err = run(monkeypatch, capsys, "", "--model", str(model), "-q", "hi")
     assert status == 2 and "give --tokenizer <its directory>" in err and "LLM(tokenizer=" not in err
+    status, _, err = run(monkeypatch, capsys, "", "--model", str(model), "--tokenizer", "", "-q", "hi")
+    assert status == 2 and "--tokenizer: tokenizer='': empty" in err  # not "no tokenizer.json in '.'"
     status, out, _ = run(monkeypatch, capsys, "", "--model", str(model), "--tokenizer", "minivllm-tiny", "-q", "hi")
     assert status == 0 and out.strip()
     assert main(["generate", "def", *QUIET, "--model", str(model), "--tokenizer", str(EMBEDDED_MODEL_DIR)]) == 0

@@ -107,7 +107,8 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
     batch_sizes = list(batch_sizes or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 2, 4, 8, 16, 32]))
     prompt_lens = list(prompt_lens or ([64, 128, 256, 512, 1024, 2048, 4096] if cuda else [16, 32, 64, 128, 256, 512]))
     if engine_args.get("kv_cache_memory_bytes") is None and engine_args.get("num_kvcache_blocks") is None:
-        need = max(max(batch_sizes) * (context_len + warmup_steps + decode_steps + 3), max(prompt_lens) + 2)
+        need = max(max(batch_sizes) * (context_len + warmup_steps + decode_steps + 3 + BREAKDOWN_STEPS),
+                   max(prompt_lens) + 2)
         engine_args["kv_cache_memory_bytes"] = kv_bytes_for(model, need, engine_args.get("dtype"))
     engine_args.setdefault("max_num_seqs", max(256, max(batch_sizes)))
     engine_args.setdefault("max_num_batched_tokens", max(8192, max(prompt_lens)))
@@ -117,10 +118,12 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
         engine = llm.llm_engine
         cfg = engine.source.hf_config
         max_len = engine.config.max_model_len
-        need_len = context_len + warmup_steps + decode_steps + 3  # before the peaks: a refused sweep measures nothing
+        # before the peaks: a refused sweep measures nothing
+        need_len = context_len + warmup_steps + decode_steps + 3 + BREAKDOWN_STEPS
         if need_len > max_len:
             raise ValueError(f"context_len={context_len} + warmup_steps={warmup_steps} + decode_steps={decode_steps} "
-                             f"+ 3 = {need_len} tokens: more than max_model_len={max_len}")
+                             f"+ {3 + BREAKDOWN_STEPS} (set-up and breakdown steps) = {need_len} tokens: more than "
+                             f"max_model_len={max_len}")
         cost, peaks = cost_and_peaks(engine, log, peak_kwargs)
         high = min(cfg.vocab_size, 10000) - 1
 
@@ -176,7 +179,9 @@ def run_sweep(model: str | None = None, *, batch_sizes=None, prompt_lens=None, c
                             rec = engine.step_with_record().record
                         if rec.phase == "decode" and rec.num_seqs == b:
                             timed_recs.append(rec)
-                            timings.extend(replays[:1])
+                            timings.append(replays)  # every graph the step replayed (a draft model's too)
+                            if replay:  # as between the timed steps, so these steps find the caches as those do
+                                replay.seconds()
                         continue
                     rec = engine.step_with_record().record
                     if rec.phase == "decode" and rec.num_seqs == b:

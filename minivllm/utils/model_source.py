@@ -197,6 +197,9 @@ def with_tokenizer(source: ModelSource, tokenizer: str | os.PathLike | None) -> 
         FileNotFoundError: neither, naming the value; ``None`` for a checkpoint directory without
             tokenizer files (as vLLM, which would fail to load one there; naming the directory).
     """
+    if tokenizer is not None and not str(tokenizer).strip():  # Path("") is the working directory
+        raise ValueError(f"tokenizer={tokenizer!r}: empty; give a directory with the tokenizer's files, "
+                         f"{EMBEDDED_MODEL_NAME!r}, or None for the model's own")
     if tokenizer is None or str(tokenizer) == source.name:
         if source.tokenizer_dir is None:
             raise FileNotFoundError(
