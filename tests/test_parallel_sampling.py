@@ -333,3 +333,30 @@ def test_final_output_keeps_a_samples_error():
     merged = parent.absorb(1, child(1, "length", None), None)
     assert [c.finish_reason for c in merged.outputs] == ["error", "length"]
     assert merged.error == "no token could be sampled"
+
+
+def test_an_abort_interrupted_while_snapshotting_its_samples_leaves_no_undo_log_attached(llm, monkeypatch):
+    """The transaction attached its undo log before snapshotting the samples: an interrupt there (a long
+    loop for a large n) left the log attached to the scheduler, recording every later change (a review)."""
+    import minivllm.engine.undo as undo_mod
+
+    engine = llm.llm_engine
+    engine.add_request("p", PROMPT, S(n=3, max_tokens=6))
+    engine.step()
+    real, calls = undo_mod.UndoLog.touch, []
+
+    def touch(self, seq):
+        calls.append(seq)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, seq)
+
+    monkeypatch.setattr(undo_mod.UndoLog, "touch", touch)
+    with pytest.raises(KeyboardInterrupt):
+        engine.abort_request("p")
+    monkeypatch.setattr(undo_mod.UndoLog, "touch", real)
+    bm = engine.scheduler.block_manager
+    assert bm.undo is None and engine.scheduler.undo is None and engine.output_processor.undo is None
+    engine.check_invariants()
+    assert sorted(engine.requests) == ["0_p", "1_p", "2_p"]
+    assert engine.abort_request("p").finished and not engine.requests

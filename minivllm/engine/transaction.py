@@ -55,9 +55,6 @@ class StepTransaction:
         self.scheduler, self.output_processor = scheduler, output_processor
         self.engine_generator = engine_generator
         self.undo = UndoLog()
-        bm = scheduler.block_manager
-        bm.undo = scheduler.undo = output_processor.undo = self.undo
-        bm.evicted, bm.taken = [], []
         self.running = list(scheduler.running)
         for seq in [only] if isinstance(only, Sequence) else only or ():
             self.undo.touch(seq)
@@ -65,6 +62,11 @@ class StepTransaction:
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
         self.kv_written = False
         self.preempted: list[Sequence] = []
+        # Attached last: an interrupt in the snapshots above (an abort of many samples) leaves no log
+        # attached that no transaction will detach.
+        bm = scheduler.block_manager
+        bm.evicted, bm.taken = [], []
+        bm.undo = scheduler.undo = output_processor.undo = self.undo
 
     def protect_state(self, state: RequestState) -> None:
         """Snapshot one request state (an abort changes it outside ``OutputProcessor.process``,
