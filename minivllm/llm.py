@@ -312,6 +312,7 @@ class LLM:
             RuntimeError: naming the requests whose outputs were lost."""
         engine = self.engine
         with engine._lock:  # a step in another thread delivers before it lets go of the lock
+            engine._delivery.deliver_pending()  # what an interrupt after a commit left (engine/delivery.py)
             if inbox:
                 return
             requests, parents = engine.requests, engine.parents.parents

@@ -2,6 +2,8 @@
 every request as it was, and stepping on gives the tokens of an uninterrupted run."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from helpers_engine import greedy, make_llm, prompts_of
@@ -165,48 +167,112 @@ def test_generate_leaves_a_request_queued_by_hand_alone(tiny_ckpt):
     engine.abort_request("0")
 
 
-def test_a_stream_whose_output_was_lost_raises_instead_of_stepping_forever(tiny_ckpt, monkeypatch):
-    """A step interrupted after its commit, before it handed its outputs over (LLMEngine.step's
-    documented window), ended a request another caller was streaming: that stream then ran empty
-    steps forever (1.4 million in 10 s) instead of saying so."""
-    import threading
-
-    import minivllm.engine.llm_engine as le
+def test_outputs_an_interrupt_held_back_after_the_commit_reach_their_streams_once(tiny_ckpt, monkeypatch):
+    """A step interrupted after its commit, before it handed its outputs over, lost them: a delta stream
+    another caller was reading silently missed a token, and one whose request had finished stepped (or,
+    since, raised "never arrived"). The outputs are now queued inside the transaction and handed over
+    at the next step or wait (an LLM-level fuzz)."""
+    from minivllm.engine.delivery import OutputDelivery
 
     llm = make_llm(tiny_ckpt)
     engine = llm.llm_engine
-    stream = llm.stream(prompts_of([6], seed=5)[0], greedy(3))
-    next(stream)
-    real_deliver = le.LLMEngine._deliver
+    prompts = prompts_of([6, 9], seed=5)
+    want = [o.outputs[0] for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
+    a, b = llm.stream(prompts[0], greedy(8)), llm.stream(prompts[1], greedy(8))
+    got = {0: [next(a)], 1: [next(b)]}
+    real, fired = OutputDelivery.deliver_pending, []
 
-    def lost(self, outputs):  # the interrupt lands as the finishing step starts handing over
-        if any(o.finished for o in outputs):
+    def held_back(self):  # the interrupt lands as each committed step starts handing over
+        if self.pending and engine.step_index not in fired:
+            fired.append(engine.step_index)
             raise KeyboardInterrupt("after the commit")
-        real_deliver(self, outputs)
+        real(self)  # (the next step's start hands them over)
 
-    monkeypatch.setattr(le.LLMEngine, "_deliver", lost)
-    while engine.has_unfinished_requests():  # someone else steps the engine by hand
-        try:
+    monkeypatch.setattr(OutputDelivery, "deliver_pending", held_back)
+    for _ in range(3):  # someone steps the engine by hand and is interrupted each time, after the commit
+        with pytest.raises(KeyboardInterrupt):
             engine.step()
+    monkeypatch.setattr(OutputDelivery, "deliver_pending", real)
+    got[0] += list(a)
+    got[1] += list(b)
+    assert len(fired) == 3 and fired == sorted(set(fired))  # three steps ran, each interrupted after its commit
+    for i in (0, 1):
+        assert [t for o in got[i] for t in o.outputs[0].token_ids] == list(want[i].token_ids)
+        assert "".join(o.outputs[0].text for o in got[i]) == want[i].text
+    assert not engine._sinks and not engine._delivery.pending
+    engine.check_invariants()
+
+
+def test_the_hand_over_gives_each_output_once_whatever_line_an_interrupt_lands_on():
+    """OutputDelivery.deliver_pending interrupted at each of its lines, then run again: every output
+    reaches its sink once, in order (its changes are one chain of C calls)."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from minivllm.engine.delivery import OutputDelivery
+    from minivllm.engine.undo import UndoLog
+
+    code = OutputDelivery.deliver_pending.__code__
+    outs = [SimpleNamespace(request_id=r, finished=f) for r, f in
+            (("a", False), ("b", False), ("a", False), ("c", False), ("b", True), ("a", True))]
+    k = 0
+    while True:
+        d, seen = OutputDelivery(), [0]
+        inboxes = {r: deque() for r in "ab"}  # "c" has no sink
+        d.sinks.update((r, q.append) for r, q in inboxes.items())
+        d.stage(outs, UndoLog())
+
+        def local(frame, event, arg):
+            if event == "line":
+                seen[0] += 1
+                if seen[0] == k + 1:
+                    raise KeyboardInterrupt
+            return local
+
+        sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+        try:
+            d.deliver_pending()
         except KeyboardInterrupt:
             pass
-    monkeypatch.setattr(le.LLMEngine, "_deliver", real_deliver)
-    steps, raised = engine.step_index, []
+        finally:
+            sys.settrace(None)
+        d.deliver_pending()
+        assert list(inboxes["a"]) == [outs[0], outs[2], outs[5]] and list(inboxes["b"]) == [outs[1], outs[4]], k
+        assert not d.pending and not d.sinks, k
+        if seen[0] <= k:  # no line event left to interrupt
+            break
+        k += 1
+    assert k >= 6
 
-    def consume():
-        try:
-            list(stream)
-        except RuntimeError as e:
-            raised.append(str(e))
 
-    consumer = threading.Thread(target=consume, daemon=True)  # a daemon: without the fix it never ends
-    consumer.start()
-    consumer.join(30)
-    assert not consumer.is_alive(), f"the stream kept stepping: {engine.step_index - steps} empty steps"
-    assert raised and "never arrived" in raised[0]
-    assert engine.step_index - steps <= 2
-    assert not engine._sinks  # the lost request's sink went with the stream's clean-up
+def test_an_abort_from_inside_a_step_waits_for_its_end(tiny_ckpt, monkeypatch):
+    """A stream dropped in a reference cycle is closed by the collector wherever it runs, inside another
+    caller's step too: its abort re-entered the engine (its lock is re-entrant) while the scheduler was
+    planning the same request, and a KV block leaked (an LLM-level fuzz). It now runs when the step is over."""
+    from minivllm.engine.scheduler import Scheduler
+
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    prompts = prompts_of([6, 9], seed=5)
+    engine.add_request("keep", prompts[0], greedy(6))
+    engine.add_request("drop", prompts[1], greedy(6))
+    engine.step()
+    real, aborted = Scheduler.schedule, []
+
+    def schedule(self):
+        if not aborted:
+            aborted.append(engine.abort_request("drop"))  # as a finalizer run mid-step would
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    engine.step()
+    monkeypatch.setattr(Scheduler, "schedule", real)
+    assert aborted == [None] and "drop" not in engine.requests and "keep" in engine.requests
     engine.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_interrupted_stream_delivers_every_delta_once(tiny_ckpt, monkeypatch):

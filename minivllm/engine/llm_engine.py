@@ -17,6 +17,7 @@ import numbers
 import operator
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
@@ -27,6 +28,7 @@ import torch
 from minivllm.config import (EngineArgs, EngineConfig, ModelConfig, resolve_device, resolve_dtype,
                              resolve_kv_cache_dtype, resolve_lengths)
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.delivery import OutputDelivery
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.kv_cache import kv_bytes_per_token
 from minivllm.engine.model_runner import ModelRunner, RunnerConfig, RunnerOutput
@@ -237,7 +239,10 @@ class LLMEngine:
         self.step_index = 0
         self.last_step_record: StepRecord | None = None
         self._lock = threading.RLock()
-        self._sinks: dict[str, object] = {}  # request id -> callable receiving its outputs
+        self._delivery = OutputDelivery()  # outputs to the callers waiting for them (delivery.py)
+        self._sinks = self._delivery.sinks  # request id -> callable receiving its outputs
+        self._stepping = False  # a step in flight: an abort re-entering from inside it waits for its end
+        self._deferred_aborts: deque[str] = deque()
         self._warned_max_tokens = False
         self.parents = ParentRequests()  # requests with n > 1
         # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
@@ -691,6 +696,10 @@ class LLMEngine:
             return result
         with self._lock:
             request_id = str(request_id)
+            if self._stepping:  # re-entered from inside a step (a stream's finalizer run by a collection):
+                self._deferred_aborts.append(request_id)  # done when the step is over, not under its feet
+                return None
+            self._delivery.deliver_pending()  # (what an interrupt left) before this request's last output
             parent = self.parents.parents.get(request_id)
             if parent is None and request_id not in self.requests:
                 # finished (or never queued): a sink left behind by a delivery an interrupt cut short goes too
@@ -698,7 +707,7 @@ class LLMEngine:
                 return None
             ids = [c for c in parent.child_ids if c in self.requests] if parent is not None else [request_id]
             merged = self._abort(ids)
-            self._deliver(merged)  # a request aborted by someone else still reaches its caller
+            self._delivery.deliver_pending()  # a request aborted by someone else still reaches its caller
             result = merged[-1] if merged else None
             if parent is not None and result is not None:
                 result = parent.every_sample(result)
@@ -720,6 +729,7 @@ class LLMEngine:
             merged = self.parents.merge(outputs, txn.undo)
             for state in states:
                 self.output_processor.drop(state.seq.request_id)
+            self._delivery.stage(merged, txn.undo)
         return merged
 
     def get_supported_tasks(self) -> tuple[str, ...]:
@@ -755,23 +765,38 @@ class LLMEngine:
         """
         with self._lock:  # checked inside: a shutdown in another thread waits for a step in flight, and after it
             self._require_live()
+            self._catch_up()
             timer = StepTimer()  # the transaction's snapshots count as scheduling time
-            with StepTransaction(self.scheduler, self.output_processor, self._engine_generator()) as txn:
-                plan = self.scheduler.schedule()
-                txn.protect(plan)
-                timer.schedule_ms = timer.lap()
-                result = self.runner.run(plan) if plan.scheduled else RunnerOutput.empty()
-                timer.lap()
-                finished = self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed,
-                                                             result.logprobs, result.prompt_logprobs,
-                                                             more_token_ids=result.more_token_ids)
-                outputs = self.output_processor.process(result.seqs, self._errors(result.failed), finished)
-                outputs = self.parents.merge(outputs, txn.undo)
-                timer.postprocess_ms = timer.lap()
-                record = self._record(plan, result, timer, outputs)
+            try:
+                self._stepping = True
+                with StepTransaction(self.scheduler, self.output_processor, self._engine_generator()) as txn:
+                    plan = self.scheduler.schedule()
+                    txn.protect(plan)
+                    timer.schedule_ms = timer.lap()
+                    result = self.runner.run(plan) if plan.scheduled else RunnerOutput.empty()
+                    timer.lap()
+                    finished = self.scheduler.update_from_output(plan, result.seqs, result.token_ids, result.failed,
+                                                                 result.logprobs, result.prompt_logprobs,
+                                                                 more_token_ids=result.more_token_ids)
+                    outputs = self.output_processor.process(result.seqs, self._errors(result.failed), finished)
+                    outputs = self.parents.merge(outputs, txn.undo)
+                    timer.postprocess_ms = timer.lap()
+                    record = self._record(plan, result, timer, outputs)
+                    self._delivery.stage(outputs, txn.undo)
+            finally:
+                self._stepping = False
             self.last_step_record, self.step_index = record, self.step_index + 1
-            self._deliver(outputs)
+            self._catch_up()
             return outputs
+
+    def _catch_up(self) -> None:
+        """Hand over the outputs an interrupt left pending, and make the aborts asked for while a step
+        was in flight (each taken off its queue only once done: an interrupt leaves it queued)."""
+        self._delivery.deliver_pending()
+        aborts = self._deferred_aborts
+        while aborts:
+            self.abort_request(aborts[0])
+            aborts.popleft()
 
     def step_with_record(self) -> StepResult:
         """``step()``, returning its outputs together with its ``StepRecord`` (what widgets use)."""
@@ -815,18 +840,6 @@ class LLMEngine:
                               f"dtype='float32' (or 'bfloat16' instead of 'float16')."))
             logger.warning(errors[seq])
         return errors
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their requests' sinks (after the step is committed)."""
-        sinks = self._sinks
-        if not sinks:
-            return
-        for out in outputs:
-            sink = sinks.get(out.request_id)
-            if sink is not None:
-                if out.finished:
-                    del sinks[out.request_id]
-                sink(out)
 
     def _record(self, plan: SchedulerOutput, result: RunnerOutput, timer: StepTimer,
                 outputs: list[RequestOutput]) -> StepRecord:

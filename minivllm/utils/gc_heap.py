@@ -22,18 +22,33 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import threading
+import operator
+from collections import deque
+from itertools import chain
 
 __all__ = ["caller_froze_heap", "heap_frozen"]
 
-_lock = threading.Lock()
-#: one token per ``heap_frozen`` block inside (gc.freeze is process-wide: the last one out undoes it).
-#: A block adds its token (one C call) before it freezes and, on the way out, unfreezes before it
-#: removes its token, so an interrupt (a learner's KeyboardInterrupt lands between any two
-#: bytecodes) anywhere in this bookkeeping never leaves the heap frozen with no block inside, which
-#: would keep that moment's objects out of every collection for good (a counter incremented after
-#: ``gc.freeze()`` could). The worst it leaves is a stale token: later blocks then run unfrozen.
-_holders: list[object] = []
+#: one token per ``heap_frozen`` block inside (gc.freeze is process-wide: the first one in freezes,
+#: the last one out undoes it)
+_holders: dict[object, None] = {}
+_FREEZE_IF_FIRST = {1: gc.freeze}  # by the number of holders once a block's token is in
+_UNFREEZE_IF_LAST = {0: gc.unfreeze}  # ... once it is out
+_call = getattr(operator, "call", None) or (lambda fn: fn())  # C from Python 3.11
+_consume = deque(maxlen=0).extend  # runs an iterator to its end in C
+
+
+def _in_one_call(token: object, add: bool) -> chain:
+    """A block's entry (``add``: its token in, then ``gc.freeze()`` if it is the only one) or exit (its
+    token out, then ``gc.unfreeze()`` if none is left), as one lazy chain of C calls: made before it is
+    needed, run by one ``_consume`` call. CPython raises a learner's KeyboardInterrupt only between
+    bytecodes (where it checks for signals: a function's start, a loop's back edge, the end of a call),
+    and none runs inside that call, nor can another thread (it holds the GIL throughout): the count and
+    the freeze it decides change together. Done in Python, an interrupt after the count and before the
+    freeze or the unfreeze left the heap frozen, with a token no block would remove, for good (an
+    LLM-level fuzz). On Python 3.10 (no ``operator.call``) the last step is a Python call."""
+    change = map(_holders.__setitem__, (token,), (None,)) if add else map(_holders.pop, (token,), (None,))
+    then = _FREEZE_IF_FIRST if add else _UNFREEZE_IF_LAST
+    return chain(change, map(_call, map(then.get, map(len, (_holders,)), (tuple,))))
 
 
 def caller_froze_heap() -> bool:
@@ -41,15 +56,14 @@ def caller_froze_heap() -> bool:
     stepping loop, not per step: ``gc.get_freeze_count`` walks the frozen objects (19.9 ms for the
     219,198 of a process holding torch, transformers and an embedded-model ``LLM``, one call; 2-core Xeon dev VM, 2026-12-06;
     nothing to walk when nothing is frozen)."""
-    with _lock:
-        return not _holders and gc.get_freeze_count() > 0
+    return not _holders and gc.get_freeze_count() > 0
 
 
 @contextlib.contextmanager
 def heap_frozen(enabled: bool | None = None):
     """Run the block with the objects that exist when it starts frozen (``gc.freeze``), undone
-    when it ends, also by an exception. Threads inside at once share one freeze, undone when the
-    last of them is out. ``enabled``: ``None`` asks :func:`caller_froze_heap` (a freeze the caller
+    when it ends, also by an exception. Threads inside at once share one freeze, made by the first of
+    them in and undone when the last is out. ``enabled``: ``None`` asks :func:`caller_froze_heap` (a freeze the caller
     made is then left as it is: neither extended nor undone); ``False`` does nothing; ``True``
     freezes without asking (a loop that asked once already)."""
     if enabled is None:
@@ -58,15 +72,9 @@ def heap_frozen(enabled: bool | None = None):
         yield
         return
     token = object()
+    enter, leave = _in_one_call(token, True), _in_one_call(token, False)  # nothing changed yet
     try:
-        with _lock:
-            _holders.append(token)  # first: an interrupt after it is undone below
-            if len(_holders) == 1:
-                gc.freeze()  # O(1) in CPython's default build: the generations' lists are moved, not walked
+        _consume(enter)  # gc.freeze is O(1) in CPython's default build: the generations' lists are moved
         yield
     finally:
-        with _lock:
-            if token in _holders:  # absent only if an interrupt came before the append
-                if len(_holders) == 1:
-                    gc.unfreeze()  # before the token goes: an interrupt in between leaves a token, not a freeze
-                _holders.remove(token)
+        _consume(leave)  # (its token may not be in: an interrupt came before the entry)
