@@ -212,8 +212,14 @@ def test_the_hand_over_gives_each_output_once_whatever_line_an_interrupt_lands_o
     from minivllm.engine.delivery import OutputDelivery
     from minivllm.engine.undo import UndoLog
 
+    class Output(SimpleNamespace):  # a RequestOutput's comparison is Python code, which an interrupt can split
+        def __eq__(self, other):
+            raise AssertionError("an output compared during the hand-over")
+
+        __hash__ = None
+
     code = OutputDelivery.deliver_pending.__code__
-    outs = [SimpleNamespace(request_id=r, finished=f) for r, f in
+    outs = [Output(request_id=r, finished=f) for r, f in
             (("a", False), ("b", False), ("a", False), ("c", False), ("b", True), ("a", True))]
     k = 0
     while True:
@@ -245,6 +251,60 @@ def test_the_hand_over_gives_each_output_once_whatever_line_an_interrupt_lands_o
     assert k >= 6
 
 
+def test_a_sink_that_aborts_another_request_mid_hand_over(tiny_ckpt):
+    """A sink (add_request takes any callable) aborting another request while outputs were handed over
+    re-entered the hand-over, which emptied the queue under the outer one: step() raised IndexError after
+    its commit (a review)."""
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    got = {r: [] for r in "abc"}
+
+    def sink_a(out):
+        got["a"].append(out)
+        if len(got["a"]) == 2:
+            assert engine.abort_request("c").outputs[0].finish_reason == "abort"
+
+    for r, p in zip("abc", prompts_of([5, 6, 7], seed=3)):
+        engine.add_request(r, p, greedy(6), output_kind="delta", sink=sink_a if r == "a" else got[r].append)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [len(got[r]) for r in "abc"] == [6, 6, 3] and all(got[r][-1].finished for r in "abc")
+    assert not engine._sinks and not engine._delivery.pending
+    engine.check_invariants()
+
+
+def test_an_abort_deferred_past_a_rolled_back_step_spares_a_new_request_with_its_id(tiny_ckpt, monkeypatch):
+    """An abort asked for from inside a step that then rolled back stayed queued; after the request was
+    aborted by hand and its id given to a new request, the next step aborted the new one (a review)."""
+    from minivllm.engine.scheduler import Scheduler
+
+    llm = make_llm(tiny_ckpt)
+    engine = llm.llm_engine
+    prompts = prompts_of([6, 9, 5], seed=5)
+    engine.add_request("keep", prompts[0], greedy(6))
+    engine.add_request("drop", prompts[1], greedy(6))
+    engine.step()
+    real = Scheduler.schedule
+
+    def schedule(self):
+        monkeypatch.setattr(Scheduler, "schedule", real)
+        assert engine.abort_request("drop") is None  # deferred
+        real(self)
+        raise KeyboardInterrupt("mid-step")
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert "drop" in engine.requests  # rolled back with the step; the abort waits for the next one
+    assert engine.abort_request("drop").outputs[0].finish_reason == "abort"
+    engine.add_request("drop", prompts[2], greedy(4))
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o.outputs[0].finish_reason) for o in engine.step() if o.finished)
+    assert finals == {"keep": "length", "drop": "length"} and not engine._deferred_aborts
+    engine.check_invariants()
+
+
 def test_an_abort_from_inside_a_step_waits_for_its_end(tiny_ckpt, monkeypatch):
     """A stream dropped in a reference cycle is closed by the collector wherever it runs, inside another
     caller's step too: its abort re-entered the engine (its lock is re-entrant) while the scheduler was
@@ -265,9 +325,11 @@ def test_an_abort_from_inside_a_step_waits_for_its_end(tiny_ckpt, monkeypatch):
         return real(self)
 
     monkeypatch.setattr(Scheduler, "schedule", schedule)
-    engine.step()
+    outs = engine.step()
     monkeypatch.setattr(Scheduler, "schedule", real)
     assert aborted == [None] and "drop" not in engine.requests and "keep" in engine.requests
+    # the step that made the abort returns its output (abort_request itself could not)
+    assert [o.outputs[0].finish_reason for o in outs if o.request_id == "drop"][-1] == "abort"
     engine.check_invariants()
     while engine.has_unfinished_requests():
         engine.step()

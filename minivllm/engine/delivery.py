@@ -17,7 +17,8 @@ a final output that never came. So:
   (and by a waiting ``LLM`` call before it concludes that its outputs are lost).
 
 A sink that is a Python function (``add_request``'s ``sink`` may be any callable) runs bytecode, so an
-interrupt inside it loses that output for that sink.
+interrupt inside it loses that output for that sink; a hand-over such a sink (or a finalizer a garbage
+collection runs) starts from inside another waits for the next one.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class OutputDelivery:
     def __init__(self) -> None:
         self.sinks: dict[str, object] = {}  # request id -> callable receiving its outputs
         self.pending: deque = deque()
+        self._busy = False  # a hand-over in progress (one made from inside it, by a sink or a finalizer, waits)
 
     def stage(self, outputs: list, undo) -> None:
         """Inside a transaction: queue ``outputs`` for :meth:`deliver_pending`, undone with the step."""
@@ -55,12 +57,17 @@ class OutputDelivery:
         """Hand every pending output to its request's sink, in order, and forget the sinks of the
         requests that finished (call with the engine's lock held)."""
         pending = self.pending
-        if not pending:
+        if not pending or self._busy:
             return
-        sinks = self.sinks
-        batch = list(pending)  # what goes where, worked out first (no change made)
-        targets = [sinks.get(out.request_id, _drop) for out in batch]
-        done = [out.request_id for out in batch if out.finished]
-        # one C call: each output taken from the queue and handed to its sink, then the finished requests'
-        # sinks dropped, with no bytecode in between
-        _consume(chain(map(_call, targets, iter(pending.popleft, None)), map(sinks.pop, done, repeat(None))))
+        try:
+            self._busy = True  # (no signal check between the test above and here, nor in the finally below)
+            sinks = self.sinks
+            batch = list(pending)  # what goes where, worked out first (no change made); a sink or a finalizer
+            targets = [sinks.get(out.request_id, _drop) for out in batch]  # can only add to the queue meanwhile
+            done = [out.request_id for out in batch if out.finished]
+            # one C call: these outputs taken from the queue and handed to their sinks, then the finished
+            # requests' sinks dropped, nothing in between (no comparison either: an output's __eq__ is Python)
+            _consume(chain(map(_call, targets, map(_call, repeat(pending.popleft, len(batch)))),
+                           map(sinks.pop, done, repeat(None))))
+        finally:
+            self._busy = False

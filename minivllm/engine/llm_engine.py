@@ -242,7 +242,8 @@ class LLMEngine:
         self._delivery = OutputDelivery()  # outputs to the callers waiting for them (delivery.py)
         self._sinks = self._delivery.sinks  # request id -> callable receiving its outputs
         self._stepping = False  # a step in flight: an abort re-entering from inside it waits for its end
-        self._deferred_aborts: deque[str] = deque()
+        #: (request id, its parent or state then) of the aborts asked for from inside a step
+        self._deferred_aborts: deque[tuple[str, object]] = deque()
         self._warned_max_tokens = False
         self.parents = ParentRequests()  # requests with n > 1
         # Roofline accounting: FLOPs and bytes of every step from the config; MFU/MBU
@@ -677,7 +678,9 @@ class LLMEngine:
 
         Returns its final output (the last one's for several ids; for ``n > 1``, every sample's
         latest completion in index order, though its outputs stream one sample at a time), or
-        None if no such unfinished request exists.
+        None if no such unfinished request exists, or if called from inside a step (a finalizer
+        a garbage collection runs, a sink): the abort is then made when the step is over, and
+        that step returns its output.
 
         Raises:
             TypeError: ``request_id`` is neither a str, an int nor an iterable of them, or is a bool
@@ -697,7 +700,9 @@ class LLMEngine:
         with self._lock:
             request_id = str(request_id)
             if self._stepping:  # re-entered from inside a step (a stream's finalizer run by a collection):
-                self._deferred_aborts.append(request_id)  # done when the step is over, not under its feet
+                which = self.parents.parents.get(request_id) or self.requests.get(request_id)
+                if which is not None:  # done when the step is over, not under its feet; that step returns its output
+                    self._deferred_aborts.append((request_id, which))
                 return None
             self._delivery.deliver_pending()  # (what an interrupt left) before this request's last output
             parent = self.parents.parents.get(request_id)
@@ -765,7 +770,7 @@ class LLMEngine:
         """
         with self._lock:  # checked inside: a shutdown in another thread waits for a step in flight, and after it
             self._require_live()
-            self._catch_up()
+            early = self._catch_up()
             timer = StepTimer()  # the transaction's snapshots count as scheduling time
             try:
                 self._stepping = True
@@ -786,17 +791,24 @@ class LLMEngine:
             finally:
                 self._stepping = False
             self.last_step_record, self.step_index = record, self.step_index + 1
-            self._catch_up()
-            return outputs
+            late = self._catch_up()
+            return early + outputs + late if early or late else outputs
 
-    def _catch_up(self) -> None:
+    def _catch_up(self) -> list[RequestOutput]:
         """Hand over the outputs an interrupt left pending, and make the aborts asked for while a step
-        was in flight (each taken off its queue only once done: an interrupt leaves it queued)."""
+        was in flight (each taken off its queue only once done: an interrupt leaves it queued, for the
+        next step); returns the aborted requests' final outputs. An abort is made only if its request
+        is still the one it was asked for (its id may have finished, and been given to another, since)."""
         self._delivery.deliver_pending()
-        aborts = self._deferred_aborts
+        aborts, outputs = self._deferred_aborts, []
         while aborts:
-            self.abort_request(aborts[0])
+            request_id, which = aborts[0]
+            if (self.parents.parents.get(request_id) or self.requests.get(request_id)) is which:
+                out = self.abort_request(request_id)
+                if out is not None:
+                    outputs.append(out)
             aborts.popleft()
+        return outputs
 
     def step_with_record(self) -> StepResult:
         """``step()``, returning its outputs together with its ``StepRecord`` (what widgets use)."""
