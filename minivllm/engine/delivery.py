@@ -28,7 +28,12 @@ from itertools import chain, repeat
 
 __all__ = ["OutputDelivery"]
 
-_call = getattr(operator, "call", None) or (lambda fn, arg: fn(arg))
+
+def _python_call(fn, *args):  # Python 3.10's stand-in for operator.call: the chain then runs Python here
+    return fn(*args)
+
+
+_call = getattr(operator, "call", _python_call)  # C from Python 3.11
 _consume = deque(maxlen=0).extend  # runs an iterator to its end in C
 _drop = deque(maxlen=0).append  # the sink of an output whose request has none
 

@@ -33,7 +33,13 @@ __all__ = ["caller_froze_heap", "heap_frozen"]
 _holders: dict[object, None] = {}
 _FREEZE_IF_FIRST = {1: gc.freeze}  # by the number of holders once a block's token is in
 _UNFREEZE_IF_LAST = {0: gc.unfreeze}  # ... once it is out
-_call = getattr(operator, "call", None) or (lambda fn: fn())  # C from Python 3.11
+
+
+def _python_call(fn, *args):  # Python 3.10's stand-in for operator.call: the chain then runs Python here
+    return fn(*args)
+
+
+_call = getattr(operator, "call", _python_call)  # C from Python 3.11
 _consume = deque(maxlen=0).extend  # runs an iterator to its end in C
 
 
@@ -63,9 +69,9 @@ def caller_froze_heap() -> bool:
 def heap_frozen(enabled: bool | None = None):
     """Run the block with the objects that exist when it starts frozen (``gc.freeze``), undone
     when it ends, also by an exception. Threads inside at once share one freeze, made by the first of
-    them in and undone when the last is out. ``enabled``: ``None`` asks :func:`caller_froze_heap` (a freeze the caller
-    made is then left as it is: neither extended nor undone); ``False`` does nothing; ``True``
-    freezes without asking (a loop that asked once already)."""
+    them in and undone when the last is out. ``enabled``: ``None`` asks :func:`caller_froze_heap` (a
+    freeze the caller made is then left as it is: neither extended nor undone); ``False`` does nothing;
+    ``True`` freezes without asking (a loop that asked once already)."""
     if enabled is None:
         enabled = not caller_froze_heap()
     if not enabled:
