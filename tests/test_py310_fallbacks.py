@@ -10,13 +10,14 @@ import pytest
 
 import minivllm.engine.delivery as delivery
 import minivllm.utils.gc_heap as gc_heap
+from minivllm.utils.c_chain import python_call
 
 
 def test_the_stand_ins_hand_over_and_freeze(monkeypatch):
     """The hand-over's stand-in took one argument where the chain also calls deque.popleft with none: every
     stream on Python 3.10 would have raised TypeError (found re-reading the change)."""
-    monkeypatch.setattr(delivery, "_call", delivery._python_call)
-    monkeypatch.setattr(gc_heap, "_call", gc_heap._python_call)
+    monkeypatch.setattr(delivery, "_call", python_call)
+    monkeypatch.setattr(gc_heap, "_call", python_call)
     d = delivery.OutputDelivery()
     inbox = deque()
     d.sinks["a"] = inbox.append

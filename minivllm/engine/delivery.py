@@ -9,10 +9,10 @@ a final output that never came. So:
 * inside the step's transaction the outputs are appended to ``pending`` (one C call), with an undo
   entry that takes them back if the step rolls back;
 * after the commit, :meth:`OutputDelivery.deliver_pending` hands them over in one chain of C calls
-  (``deque.popleft`` feeding ``operator.call`` feeding each sink, a ``deque.append``): no bytecode runs
-  inside it, and Python raises a KeyboardInterrupt only between bytecodes, so an interrupt lands before
-  the whole hand-over or after it (Python 3.11+; on 3.10, without ``operator.call``, a Python call per
-  output makes the hand-over interruptible between outputs);
+  (``deque.popleft`` feeding ``operator.call`` feeding each sink, a ``deque.append``;
+  ``minivllm/utils/c_chain.py``), so an interrupt lands before the whole hand-over or after it (Python
+  3.11+; on 3.10, without ``operator.call``, a Python call per output makes the hand-over
+  interruptible between outputs);
 * outputs an interrupt left pending are handed over at the start of the engine's next step or abort
   (and by a waiting ``LLM`` call before it concludes that its outputs are lost).
 
@@ -22,19 +22,14 @@ collection runs) starts from inside another waits for the next one.
 """
 from __future__ import annotations
 
-import operator
 from collections import deque
 from itertools import chain, repeat
 
+from minivllm.utils.c_chain import call, consume
+
 __all__ = ["OutputDelivery"]
 
-
-def _python_call(fn, *args):  # Python 3.10's stand-in for operator.call: the chain then runs Python here
-    return fn(*args)
-
-
-_call = getattr(operator, "call", _python_call)  # C from Python 3.11
-_consume = deque(maxlen=0).extend  # runs an iterator to its end in C
+_call, _consume = call, consume  # (module names: a test swaps in Python 3.10's stand-in)
 _drop = deque(maxlen=0).append  # the sink of an output whose request has none
 
 

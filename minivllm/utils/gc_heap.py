@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import operator
-from collections import deque
 from itertools import chain
+
+from minivllm.utils.c_chain import call, consume
 
 __all__ = ["caller_froze_heap", "heap_frozen"]
 
@@ -35,22 +35,15 @@ _FREEZE_IF_FIRST = {1: gc.freeze}  # by the number of holders once a block's tok
 _UNFREEZE_IF_LAST = {0: gc.unfreeze}  # ... once it is out
 
 
-def _python_call(fn, *args):  # Python 3.10's stand-in for operator.call: the chain then runs Python here
-    return fn(*args)
-
-
-_call = getattr(operator, "call", _python_call)  # C from Python 3.11
-_consume = deque(maxlen=0).extend  # runs an iterator to its end in C
+_call, _consume = call, consume  # (module names: a test swaps in Python 3.10's stand-in)
 
 
 def _in_one_call(token: object, add: bool) -> chain:
     """A block's entry (``add``: its token in, then ``gc.freeze()`` if it is the only one) or exit (its
-    token out, then ``gc.unfreeze()`` if none is left), as one lazy chain of C calls: made before it is
-    needed, run by one ``_consume`` call. CPython raises a learner's KeyboardInterrupt only between
-    bytecodes (where it checks for signals: a function's start, a loop's back edge, the end of a call),
-    and none runs inside that call, nor can another thread (it holds the GIL throughout): the count and
-    the freeze it decides change together. Done in Python, an interrupt after the count and before the
-    freeze or the unfreeze left the heap frozen, with a token no block would remove, for good (an
+    token out, then ``gc.unfreeze()`` if none is left), as one lazy chain of C calls
+    (``minivllm/utils/c_chain.py``): made before it is needed, run by one ``_consume`` call, so the count
+    and the freeze it decides change together. Done in Python, an interrupt after the count and before
+    the freeze or the unfreeze left the heap frozen, with a token no block would remove, for good (an
     LLM-level fuzz). On Python 3.10 (no ``operator.call``) the last step is a Python call."""
     change = map(_holders.__setitem__, (token,), (None,)) if add else map(_holders.pop, (token,), (None,))
     then = _FREEZE_IF_FIRST if add else _UNFREEZE_IF_LAST
