@@ -332,8 +332,7 @@ class CpuGraph:
         self.pool = pool if pool is not None else GraphPool()
         self._calls: list[tuple[Callable[..., object], tuple]] = []
         self._native: list[tuple[int, tuple] | None] = []  # each call's packed twin, if it has one
-        self._names: list[str] = []  # each call's name (time_replays)
-        self._names_t: tuple[str, ...] = ()  # the same, once captured
+        self._names: list[str] | tuple[str, ...] = []  # each call's name (time_replays); a tuple once captured
         self._packed: _PackedCalls | None = None  # all of them, when every call has one
         self._keep: list[object] = []
         self._outside_pool = 0  # > 0 inside persistent()
@@ -397,7 +396,7 @@ class CpuGraph:
             with _Recorder(self):
                 yield self
             self._packed = _PackedCalls.build(self._native)  # (may build the C loop's library)
-            self._names_t = tuple(self._names)
+            self._names = tuple(self._names)
             self.complete = True
         except BaseException:
             self._calls, self._native, self._keep, self._packed, self._names = [], [], [], None, []
@@ -446,7 +445,7 @@ class CpuGraph:
                 ns.append(time.perf_counter_ns() - t0)
             bad = -1
         if bad < 0:
-            timings.append(ReplayTiming(self._names_t, np.array(ns, dtype=np.int64), packed is not None))
+            timings.append(ReplayTiming(self._names, np.array(ns, dtype=np.int64), packed is not None))
         return bad
 
 
